@@ -1,0 +1,112 @@
+"""Paged KV block allocation with prefix caching by content hash.
+
+A block holds `block_size` consecutive tokens' K/V for every layer of both causal LMs (the base and
+residual LM caches are indexed by the same block ids). A full block's hash covers the token ids and
+audio features of it and everything before it, so two requests that start with the same reference
+voice share those blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None
+
+
+def block_hashes(token_ids: list[int], feats: torch.Tensor, audio_mask: torch.Tensor, block_size: int) -> list[bytes]:
+    """Chained hashes of each full block of a prefill input."""
+    hashes, prev = [], b""
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        h = hashlib.blake2b(prev, digest_size=16)
+        h.update(torch.tensor(token_ids[start:start + block_size], dtype=torch.int64).numpy().tobytes())
+        rows = audio_mask[start:start + block_size]
+        if bool(rows.any()):
+            h.update(rows.numpy().tobytes())
+            h.update(feats[start:start + block_size][rows].float().contiguous().numpy().tobytes())
+        prev = h.digest()
+        hashes.append(prev)
+    return hashes
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.cached: dict[bytes, int] = {}  # hash -> block id (block may be free but still holds the data)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def _take(self, block_id: int | None = None) -> Block:
+        if block_id is None:
+            block_id = self.free_ids.popleft()
+        else:
+            self.free_ids.remove(block_id)
+        block = self.blocks[block_id]
+        if block.hash is not None and self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]
+        block.hash, block.ref_count = None, 1
+        return block
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.num_free >= self.blocks_needed(seq.num_tokens)
+
+    def allocate(self, seq: Sequence) -> None:
+        """Blocks for the whole prefill input, reusing cached full blocks of an identical prefix."""
+        assert not seq.block_table
+        ids, feats, mask = seq.prefill_inputs()
+        hashes = block_hashes(ids, feats, mask, self.block_size)
+        cached_tokens = 0
+        for i in range(self.blocks_needed(len(ids))):
+            h = hashes[i] if i < len(hashes) else None
+            hit = self.cached.get(h) if h is not None else None
+            # Never serve the last token from cache: its hidden state must be computed.
+            if hit is not None and (i + 1) * self.block_size < len(ids) and cached_tokens == i * self.block_size:
+                block = self.blocks[hit]
+                if block.ref_count == 0:
+                    self.free_ids.remove(hit)
+                block.ref_count += 1
+                cached_tokens += self.block_size
+            else:
+                block = self._take()
+                if h is not None:
+                    block.hash = h
+                    self.cached[h] = block.block_id
+            seq.block_table.append(block.block_id)
+        seq.num_cached_tokens = cached_tokens
+
+    def free(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_ids.append(block_id)  # its hash stays valid until the block is reused
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Room for one more token (the patch fed back this step)."""
+        return seq.num_tokens % self.block_size != 0 or self.num_free > 0
+
+    def append_slot(self, seq: Sequence) -> int:
+        """The cache slot of the next token, allocating a block when the last one is full."""
+        pos = seq.num_tokens
+        if pos // self.block_size >= len(seq.block_table):
+            seq.block_table.append(self._take().block_id)
+        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size

@@ -1,0 +1,151 @@
+"""Loading a checkpoint directory in the official layout.
+
+Layout: config.json; main weights in model.safetensors, sharded *.safetensors (with or without an
+index) or pytorch_model.bin; VAE weights in audiovae.safetensors or audiovae.pth (optionally wrapped
+in {"state_dict": ...}, weight-norm stored as weight_g/weight_v); tokenizer files. Unlike the
+official loader (strict=False), every missing, unexpected or mis-shaped weight is an error that
+lists them: a model silently running on random weights is the worst failure a TTS service can have.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from engine.config import ConfigError, VoxCPMConfig
+from engine.models import build_backbone
+from engine.models.audio_vae import AudioVAE, AudioVAEConfig, fuse_weight_norm
+from engine.models.voxcpm import VoxCPMBackbone
+from engine.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
+
+VAE_PREFIX = "audio_vae."
+
+
+class CheckpointError(ValueError):
+    """The directory is not a loadable VoxCPM checkpoint; the message says what is wrong."""
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    config: VoxCPMConfig
+    backbone: VoxCPMBackbone
+    vae: AudioVAE
+    tokenizer: TextTokenizer
+
+
+def resolve_model_path(model: str | os.PathLike) -> Path:
+    """A local directory as is; otherwise a hub repo id, downloaded with huggingface_hub."""
+    p = Path(model).expanduser()
+    if p.is_dir():
+        return p
+    text = str(model)
+    if p.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise CheckpointError(f"model {text!r} is neither a checkpoint directory nor a hub repo id (org/name)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=text))
+    except Exception as e:  # network, auth, missing repo: all mean the same to the caller
+        raise CheckpointError(f"could not download {text!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
+                              "pass a local checkpoint directory instead") from e
+
+
+def _torch_load(path: Path) -> dict[str, torch.Tensor]:
+    obj = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path} does not hold a state dict")
+    return obj
+
+
+def read_main_weights(path: Path) -> dict[str, torch.Tensor]:
+    single = path / "model.safetensors"
+    if single.is_file():
+        return load_file(single)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        shards = sorted(p.name for p in path.glob("*.safetensors") if not p.name.startswith("audiovae"))
+    if shards:
+        state: dict[str, torch.Tensor] = {}
+        for name in shards:
+            state.update(load_file(path / name))
+        return state
+    if (path / "pytorch_model.bin").is_file():
+        return _torch_load(path / "pytorch_model.bin")
+    raise CheckpointError(f"{path} has no model weights (model.safetensors, *.safetensors or pytorch_model.bin)")
+
+
+def read_vae_weights(path: Path, main: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if (path / "audiovae.safetensors").is_file():
+        state = load_file(path / "audiovae.safetensors")
+    elif (path / "audiovae.pth").is_file():
+        state = _torch_load(path / "audiovae.pth")
+    else:
+        # A checkpoint saved as one state dict keeps the VAE under the audio_vae. prefix.
+        state = {k[len(VAE_PREFIX):]: v for k, v in main.items() if k.startswith(VAE_PREFIX)}
+        if not state:
+            raise CheckpointError(f"{path} has no VAE weights (audiovae.safetensors or audiovae.pth)")
+    return fuse_weight_norm(state)
+
+
+def assign_weights(module: nn.Module, state: dict[str, torch.Tensor], what: str, dtype: torch.dtype) -> None:
+    """Strictly load `state` into `module` (built on the meta device), converting to `dtype`."""
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    mis_shaped = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
+                        for k in set(expected) & set(state) if state[k].shape != expected[k].shape)
+    if missing or unexpected or mis_shaped:
+        parts = [f"{len(missing)} missing: {_short(missing)}" if missing else "",
+                 f"{len(unexpected)} unexpected: {_short(unexpected)}" if unexpected else "",
+                 f"{len(mis_shaped)} with wrong shape: {_short(mis_shaped)}" if mis_shaped else ""]
+        raise CheckpointError(f"{what} weights do not match the model config: " + "; ".join(p for p in parts if p))
+    converted = {k: v.to(dtype) if v.is_floating_point() and expected[k].is_floating_point() else v
+                 for k, v in state.items()}
+    module.load_state_dict(converted, strict=True, assign=True)
+
+
+def _short(items: list[str], n: int = 12) -> str:
+    return ", ".join(items[:n]) + (f", ... ({len(items) - n} more)" if len(items) > n else "")
+
+
+def build_vae(cfg: VoxCPMConfig) -> AudioVAE:
+    return AudioVAE(AudioVAEConfig.from_dict(cfg.audio_vae, version=cfg.version), version=cfg.version)
+
+
+def load_model(model: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+               max_positions: int | None = None) -> LoadedModel:
+    """Load config, tokenizer, backbone (runtime dtype: config's unless `dtype`) and VAE (always fp32)."""
+    path = resolve_model_path(model)
+    try:
+        cfg = VoxCPMConfig.from_dir(path)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from e
+    tokenizer = TextTokenizer.from_dir(path)
+    dtype = dtype or cfg.dtype
+    main = read_main_weights(path)
+    vae_state = read_vae_weights(path, main)
+    main = {k: v for k, v in main.items() if not k.startswith(VAE_PREFIX)}
+    with torch.device("meta"):
+        backbone = build_backbone(cfg)
+        vae = build_vae(cfg)
+    assign_weights(backbone, main, "model", dtype)
+    assign_weights(vae, vae_state, "audio VAE", torch.float32)
+    backbone.to(device).eval()
+    vae.to(device).eval()
+    backbone.setup_rope(max_positions or cfg.max_length, device)
+    log.info("loaded %s (%s, %s) on %s", path, cfg.architecture, dtype, device)
+    return LoadedModel(path=path, config=cfg, backbone=backbone, vae=vae, tokenizer=tokenizer)

@@ -1,0 +1,167 @@
+"""Checkpoint configuration: `config.json` of an official VoxCPM checkpoint, parsed into dataclasses.
+
+Field names and defaults follow the released configs of each family. Unknown keys are ignored (real
+checkpoints carry extras such as `device`), missing required ones raise a `ConfigError` naming them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class ConfigError(ValueError):
+    """config.json is missing, unreadable or lacks a required field."""
+
+
+# Family defaults where config.json may omit a field (values of the official package).
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "voxcpm": {"patch_size": 2, "residual_lm_num_layers": 6, "scalar_quantization_latent_dim": 256,
+               "max_length": 4096, "decode_context_patches": 2},
+    "voxcpm2": {"patch_size": 4, "residual_lm_num_layers": 8, "scalar_quantization_latent_dim": 512,
+                "max_length": 8192, "decode_context_patches": 3},
+}
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ConfigError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass
+class TransformerConfig:
+    """One MiniCPM4 stack (base LM, residual LM, local encoder or local DiT)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    num_hidden_layers: int
+    rms_norm_eps: float
+    vocab_size: int = 0
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
+    rope_scaling: dict[str, Any] | None = None
+    kv_channels: int | None = None
+    use_mup: bool = True
+    scale_emb: float = 1.0
+    scale_depth: float = 1.0
+    no_rope: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def residual_scale(self) -> float:
+        """muP scales each residual branch by scale_depth / sqrt(layers)."""
+        return self.scale_depth / math.sqrt(self.num_hidden_layers) if self.use_mup else 1.0
+
+
+@dataclass
+class VoxCPMConfig:
+    architecture: str  # "voxcpm" (0.5B, 1.5) or "voxcpm2"
+    lm: TransformerConfig
+    residual_lm: TransformerConfig
+    encoder: TransformerConfig
+    dit: TransformerConfig
+    patch_size: int
+    feat_dim: int
+    fsq_latent_dim: int
+    fsq_scale: int
+    dit_mean_mode: bool
+    max_length: int
+    dtype: torch.dtype
+    decode_context_patches: int  # prompt patches decoded as VAE left context in continuation mode
+    audio_vae: dict[str, Any] | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def version(self) -> int:
+        return 2 if self.architecture == "voxcpm2" else 1
+
+    @property
+    def scale_emb(self) -> float:
+        return self.lm.scale_emb if self.lm.use_mup else 1.0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> VoxCPMConfig:
+        arch = str(d.get("architecture", "voxcpm")).lower()
+        if arch not in FAMILY_DEFAULTS:
+            raise ConfigError(f"config.json architecture {arch!r} is not one of {sorted(FAMILY_DEFAULTS)}")
+        defaults = FAMILY_DEFAULTS[arch]
+        get = lambda k: d.get(k, defaults.get(k))  # noqa: E731
+        if "lm_config" not in d:
+            raise ConfigError("config.json has no 'lm_config'")
+        lm = _transformer(d["lm_config"], "lm_config")
+        residual = replace(lm, num_hidden_layers=int(get("residual_lm_num_layers")), vocab_size=0,
+                           no_rope=bool(d.get("residual_lm_no_rope", False)))
+        enc_d, dit_d = d.get("encoder_config", {}), d.get("dit_config", {})
+        if arch == "voxcpm2":
+            mean_mode = bool(dit_d.get("dit_mean_mode", False))
+        else:
+            mean_mode = bool(d.get("dit_mean_mode", False))
+        return cls(
+            architecture=arch,
+            lm=lm,
+            residual_lm=residual,
+            encoder=_local(lm, enc_d),
+            dit=_local(lm, dit_d),
+            patch_size=int(get("patch_size")),
+            feat_dim=int(d.get("feat_dim", 64)),
+            fsq_latent_dim=int(get("scalar_quantization_latent_dim")),
+            fsq_scale=int(d.get("scalar_quantization_scale", 9)),
+            dit_mean_mode=mean_mode,
+            max_length=int(get("max_length")),
+            dtype=parse_dtype(d.get("dtype", "bfloat16")),
+            decode_context_patches=int(defaults["decode_context_patches"]),
+            audio_vae=d.get("audio_vae_config"),
+            raw=d,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> VoxCPMConfig:
+        p = Path(path) / "config.json"
+        if not p.is_file():
+            raise ConfigError(f"{path} is not a VoxCPM checkpoint directory: no config.json")
+        try:
+            d = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{p} is not valid JSON: {e}") from e
+        return cls.from_dict(d)
+
+
+_REQUIRED_LM = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "num_hidden_layers", "rms_norm_eps", "vocab_size")
+
+
+def _transformer(d: dict[str, Any], where: str) -> TransformerConfig:
+    missing = [k for k in _REQUIRED_LM if k not in d]
+    if missing:
+        raise ConfigError(f"config.json {where} lacks {missing}")
+    names = TransformerConfig.__dataclass_fields__
+    return TransformerConfig(**{k: v for k, v in d.items() if k in names})
+
+
+def _local(lm: TransformerConfig, d: dict[str, Any]) -> TransformerConfig:
+    """LocEnc / LocDiT: the LM config with the sizes of the local module (official defaults 1024/4096/16/4)."""
+    return replace(
+        lm,
+        hidden_size=int(d.get("hidden_dim", 1024)),
+        intermediate_size=int(d.get("ffn_dim", 4096)),
+        num_attention_heads=int(d.get("num_heads", 16)),
+        num_hidden_layers=int(d.get("num_layers", 4)),
+        kv_channels=d.get("kv_channels"),
+        vocab_size=0,
+    )

@@ -1,0 +1,118 @@
+"""The engine loop of one device: requests in, one patch per running sequence per step out.
+
+Single-threaded and synchronous; the server pool runs one of these per worker process.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.block_manager import BlockManager
+from engine.checkpoint import LoadedModel, load_model
+from engine.model_runner import ModelRunner, PatchResult
+from engine.prompt import build_prompt, max_patches
+from engine.scheduler import Scheduler
+from engine.sequence import SamplingParams, Sequence, Status
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 16
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # default: enough for max_num_seqs full-length sequences
+    inference_timesteps: int = 10
+    dtype: torch.dtype | None = None  # default: the checkpoint's
+
+
+@dataclass
+class StepEvent:
+    seq_id: int
+    audio: np.ndarray | None  # float32 chunk, None for an error
+    patch: torch.Tensor | None
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class LLMEngine:
+    def __init__(self, model: LoadedModel | str, config: EngineConfig | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        self.config = cfg = config or EngineConfig()
+        self.device = torch.device(device)
+        self.model = model if isinstance(model, LoadedModel) else load_model(
+            model, self.device, cfg.dtype, max_positions=cfg.max_model_len)
+        blocks_per_seq = (cfg.max_model_len + cfg.block_size - 1) // cfg.block_size
+        num_blocks = cfg.num_kv_blocks or blocks_per_seq * cfg.max_num_seqs
+        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, cfg.inference_timesteps, self.device)
+        self.sequences: dict[int, Sequence] = {}
+
+    @property
+    def sample_rate(self) -> int:
+        return self.model.vae.out_sample_rate
+
+    def add_request(self, target_text: str, params: SamplingParams | None = None, prompt_text: str = "",
+                    prompt_latents: torch.Tensor | None = None, ref_latents: torch.Tensor | None = None,
+                    injected_noise: list[torch.Tensor] | None = None) -> int:
+        params = params or SamplingParams()
+        params.validate()
+        prompt = build_prompt(self.model.tokenizer, self.model.config, target_text, prompt_text,
+                              prompt_latents, ref_latents)
+        seq = Sequence(prompt=prompt, params=params, max_patches=max_patches(prompt, params.max_generate_length))
+        seq.injected_noise = injected_noise
+        self.sequences[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def abort(self, seq_id: int) -> None:
+        """Cancel a request: its KV blocks and slot are freed at once."""
+        seq = self.sequences.pop(seq_id, None)
+        if seq is not None and seq.status != Status.FINISHED:
+            self.scheduler.finish(seq, "aborted")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[StepEvent]:
+        sched = self.scheduler.schedule()
+        events = [self._fail(seq, reason) for seq, reason in sched.rejected]
+        if sched.prefill:
+            self.runner.prefill(sched.prefill)
+        if sched.decode:
+            for r in self.runner.decode(sched.decode, self.blocks):
+                events.append(self._emit(r))
+        return events
+
+    def _emit(self, r: PatchResult) -> StepEvent:
+        if r.finished:
+            self.scheduler.finish(r.seq, r.finish_reason or "stop")
+            self.sequences.pop(r.seq.seq_id, None)
+        return StepEvent(r.seq.seq_id, r.audio, r.patch, r.finished, r.finish_reason)
+
+    def _fail(self, seq: Sequence, reason: str) -> StepEvent:
+        self.scheduler.finish(seq, "error")
+        self.sequences.pop(seq.seq_id, None)
+        return StepEvent(seq.seq_id, None, None, True, "error", reason)
+
+    def generate(self, target_text: str, params: SamplingParams | None = None, **kwargs: object) -> np.ndarray:
+        """Convenience for scripts and tests: run one request to completion, return its waveform."""
+        seq_id = self.add_request(target_text, params, **kwargs)  # type: ignore[arg-type]
+        chunks = []
+        while True:
+            for ev in self.step():
+                if ev.seq_id != seq_id:
+                    continue
+                if ev.error:
+                    raise RuntimeError(ev.error)
+                chunks.append(ev.audio)
+                if ev.finished:
+                    return np.concatenate(chunks)

@@ -1,0 +1,140 @@
+"""MiniCPM4 transformer blocks shared by every VoxCPM family and every stack in it.
+
+The same stack serves four roles: the causal base LM and residual LM (paged KV cache, attention
+through `engine.attention`), and the non-causal local encoder and local DiT (short dense sequences).
+Numerics follow the official package: RMSNorm variance in fp32, rotary embedding applied in fp32,
+LongRoPE factors, optional muP residual scaling.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import TransformerConfig
+
+# attend(layer_index, q, k, v) -> output with q's leading shape and heads*head_dim last.
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return (x * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
+
+
+def rotary_table(cfg: TransformerConfig, rows: int, device: torch.device | None = None) -> torch.Tensor:
+    """(rows, 2, head_dim) fp32 cos/sin of MiniCPM's LongRoPE.
+
+    Computed over all `max_position_embeddings` positions and then cut, exactly as the official
+    cache is built, so that every row is bit-identical to it.
+    """
+    dim, base = cfg.head_dim, cfg.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=device).float() / dim))
+    n = cfg.max_position_embeddings
+    scaling = cfg.rope_scaling or {}
+    original = int(scaling.get("original_max_position_embeddings", n))
+    factors = scaling.get("long_factor") if n > original else scaling.get("short_factor")
+    ext = torch.tensor(factors if factors else [1.0] * (dim // 2), dtype=torch.float32, device=device)
+    if ext.numel() != dim // 2:
+        raise ValueError(f"rope_scaling factors have {ext.numel()} entries, head_dim {dim} needs {dim // 2}")
+    attention_factor = math.sqrt(1 + math.log(n / original) / math.log(original)) if original > 1 else 1.0
+    t = torch.arange(n, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, 1.0 / ext) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    table = torch.stack((emb.cos() * attention_factor, emb.sin() * attention_factor), dim=1)
+    return table[:rows].contiguous()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (..., L, heads, head_dim); cos/sin: (L, head_dim) fp32, broadcast over heads."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (xf * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                            cfg.head_dim)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, attend: AttendFn, layer: int) -> torch.Tensor:
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        if rope is not None:
+            cos, sin = rope[..., 0, :], rope[..., 1, :]
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(attend(layer, q, k, v))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.residual_scale = cfg.residual_scale
+        self.use_mup = cfg.use_mup
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, attend: AttendFn, layer: int) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), rope, attend, layer)
+        x = x + h * self.residual_scale if self.use_mup else x + h
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + h * self.residual_scale if self.use_mup else x + h
+
+
+class MiniCPM(nn.Module):
+    """A stack of decoder layers plus final norm (and token embedding for the base LM)."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        if cfg.vocab_size > 0:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.uses_rope = not cfg.no_rope
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, attend: AttendFn) -> torch.Tensor:
+        """x: (..., L, hidden); rope: (L, 2, head_dim) rows for the positions of x, or None."""
+        rope = rope if self.uses_rope else None
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, attend, i)
+        return self.norm(x)
+
+
+def dense_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Bidirectional attention within each short sequence: q (N, L, Hq, D), k/v (N, L, Hkv, D)."""
+    del layer
+    q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    o = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    return o.transpose(1, 2).flatten(-2)

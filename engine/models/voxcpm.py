@@ -1,0 +1,248 @@
+"""The VoxCPM backbone shared by every family: text-semantic LM, FSQ, residual acoustic LM, local
+encoder (LocEnc), local DiT with a CFM Euler sampler, and the stop head.
+
+A family subclass (voxcpm1.py, voxcpm2.py) only says how the residual LM input and the DiT condition
+are formed. Everything here works on batches: `prefill` takes the flattened tokens of several
+sequences, `decode_step` advances B sequences by one patch; attention goes through the `attend`
+functions of the paged KV cache, so the module holds no per-request state.
+Module and parameter names equal the official checkpoint's keys.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import TransformerConfig, VoxCPMConfig
+from engine.models.minicpm import AttendFn, MiniCPM, dense_attention, rotary_table
+
+AUDIO_START_TOKEN = 101
+REF_AUDIO_START_TOKEN = 103
+REF_AUDIO_END_TOKEN = 104
+
+
+class ScalarQuantization(nn.Module):
+    """FSQ bottleneck on the base LM's audio positions: round(tanh(W h) * scale) / scale, projected back."""
+
+    def __init__(self, hidden: int, latent: int, scale: int) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(hidden, latent)
+        self.out_proj = nn.Linear(latent, hidden)
+        self.scale = scale
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.round(torch.tanh(self.in_proj(h)) * self.scale) / self.scale)
+
+
+class LocEnc(nn.Module):
+    """Encodes one patch (P latent frames) into one LM embedding: a learned token is prepended and its
+    output (index 0) of a small bidirectional transformer is the embedding."""
+
+    def __init__(self, cfg: TransformerConfig, feat_dim: int) -> None:
+        super().__init__()
+        self.special_token = nn.Parameter(torch.zeros(1, 1, 1, cfg.hidden_size))
+        self.in_proj = nn.Linear(feat_dim, cfg.hidden_size)
+        self.encoder = MiniCPM(cfg)
+
+    def forward(self, patches: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """patches: (N, P, D) -> (N, hidden)."""
+        x = self.in_proj(patches)
+        x = torch.cat((self.special_token[0, 0].expand(x.shape[0], 1, -1), x), dim=1)
+        return self.encoder(x, rope, dense_attention)[:, 0]
+
+
+def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal embedding of diffusion time (scale 1000), computed in t's dtype like the official."""
+    half = dim // 2
+    freqs = torch.exp(torch.arange(half, dtype=t.dtype, device=t.device) * -(math.log(10000) / (half - 1)))
+    arg = 1000 * t.unsqueeze(1) * freqs.unsqueeze(0)
+    return torch.cat((arg.sin(), arg.cos()), dim=-1)
+
+
+class TimestepMLP(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(hidden, hidden)
+        self.linear_2 = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class LocDiT(nn.Module):
+    """Velocity estimator over [condition tokens, time token, previous patch, noisy patch].
+
+    VoxCPM1 adds the time embedding to its single condition token; VoxCPM2 feeds two condition
+    tokens (LM and residual LM) followed by a separate time token.
+    """
+
+    def __init__(self, cfg: TransformerConfig, feat_dim: int, condition_tokens: int) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.in_proj = nn.Linear(feat_dim, h)
+        self.cond_proj = nn.Linear(feat_dim, h)
+        self.out_proj = nn.Linear(h, feat_dim)
+        self.time_mlp = TimestepMLP(h)
+        self.delta_time_mlp = TimestepMLP(h)
+        self.decoder = MiniCPM(cfg)
+        self.hidden = h
+        self.condition_tokens = condition_tokens
+
+    def forward(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, cond: torch.Tensor, dt: torch.Tensor,
+                rope: torch.Tensor) -> torch.Tensor:
+        """x, cond: (N, D, P); mu: (N, tokens * hidden); t, dt: (N,) -> velocity (N, D, P)."""
+        x = self.in_proj(x.transpose(1, 2))
+        cond = self.cond_proj(cond.transpose(1, 2))
+        temb = self.time_mlp(timestep_embedding(t, self.hidden).to(x.dtype))
+        temb = temb + self.delta_time_mlp(timestep_embedding(dt, self.hidden).to(x.dtype))
+        if self.condition_tokens == 1:
+            prefix = (mu + temb).unsqueeze(1)
+        else:
+            prefix = torch.cat((mu.view(x.shape[0], self.condition_tokens, self.hidden), temb.unsqueeze(1)), dim=1)
+        h = self.decoder(torch.cat((prefix, cond, x), dim=1), rope, dense_attention)
+        return self.out_proj(h[:, prefix.shape[1] + cond.shape[1]:]).transpose(1, 2)
+
+
+@lru_cache(maxsize=16)
+def euler_schedule(n_timesteps: int, dtype: torch.dtype) -> tuple[list[tuple[float, float]], int]:
+    """(t, dt) of each Euler step with the official sway schedule, rounded in `dtype` exactly as the
+    official sampler's scalar tensor arithmetic rounds them; and how many first steps use zero velocity."""
+    span = torch.linspace(1, 0, n_timesteps + 1, dtype=dtype)
+    span = span + (torch.cos(torch.pi / 2 * span) - 1 + span)
+    t, dt = span[0], span[0] - span[1]
+    steps = []
+    for step in range(1, n_timesteps + 1):
+        steps.append((t.item(), dt.item()))
+        t = t - dt
+        if step < n_timesteps:
+            dt = t - span[step + 1]
+    return steps, max(1, int((n_timesteps + 1) * 0.04))
+
+
+class FlowSampler(nn.Module):
+    """CFM Euler solver with classifier-free guidance (CFG-zero* scale), batched with per-row cfg."""
+
+    def __init__(self, estimator: LocDiT, mean_mode: bool) -> None:
+        super().__init__()
+        self.estimator = estimator
+        self.mean_mode = mean_mode
+
+    def forward(self, mu: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor, cfg_value: torch.Tensor,
+                n_timesteps: int, rope: torch.Tensor) -> torch.Tensor:
+        """mu (B, C); cond, noise (B, D, P) (noise already scaled by temperature); cfg_value (B,)."""
+        b = mu.shape[0]
+        x = noise
+        steps, zero_steps = euler_schedule(n_timesteps, mu.dtype)
+        mu_in = torch.cat((mu, torch.zeros_like(mu)))  # second half: unconditional
+        cond_in = torch.cat((cond, cond))
+        cfg = cfg_value.to(mu.dtype).view(b, 1, 1)
+        for step, (t, dt) in enumerate(steps, start=1):
+            if step > zero_steps:
+                t_in = torch.full((2 * b,), t, dtype=x.dtype, device=x.device)
+                dt_in = torch.full((2 * b,), dt if self.mean_mode else 0.0, dtype=x.dtype, device=x.device)
+                v = self.estimator(torch.cat((x, x)), mu_in, t_in, cond_in, dt_in, rope)
+                v_cond, v_uncond = v[:b], v[b:]
+                dot = (v_cond.reshape(b, -1) * v_uncond.reshape(b, -1)).sum(1, keepdim=True)
+                norm = v_uncond.reshape(b, -1).pow(2).sum(1, keepdim=True) + 1e-8
+                scale = (dot / norm).view(b, 1, 1)
+                x = x - dt * (v_uncond * scale + cfg * (v_cond - v_uncond * scale))
+        return x
+
+
+@dataclass
+class StepOutput:
+    patch: torch.Tensor  # (B, P, D) the new latent patch
+    stop: torch.Tensor  # (B,) bool, from the hidden state before this step's update
+    lm_hidden: torch.Tensor  # (B, H) for the next step
+    residual_hidden: torch.Tensor  # (B, H)
+
+
+class VoxCPMBackbone(nn.Module):
+    condition_tokens = 1  # DiT condition tokens; VoxCPM2 uses 2
+
+    def __init__(self, cfg: VoxCPMConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.lm.hidden_size
+        self.base_lm = MiniCPM(cfg.lm)
+        self.residual_lm = MiniCPM(cfg.residual_lm)
+        self.feat_encoder = LocEnc(cfg.encoder, cfg.feat_dim)
+        self.feat_decoder = FlowSampler(LocDiT(cfg.dit, cfg.feat_dim, self.condition_tokens), cfg.dit_mean_mode)
+        self.fsq_layer = ScalarQuantization(h, cfg.fsq_latent_dim, cfg.fsq_scale)
+        self.enc_to_lm_proj = nn.Linear(cfg.encoder.hidden_size, h)
+        self.lm_to_dit_proj = nn.Linear(h, cfg.dit.hidden_size)
+        self.res_to_dit_proj = nn.Linear(h, cfg.dit.hidden_size)
+        self.stop_proj = nn.Linear(h, h)
+        self.stop_head = nn.Linear(h, 2, bias=False)
+        self.rope_tables: dict[str, torch.Tensor] = {}
+
+    # --- family hooks -------------------------------------------------------------------------
+    def residual_input(self, lm_out: torch.Tensor, audio_embed: torch.Tensor) -> torch.Tensor:
+        """Residual LM input from the (FSQ'd) base LM output and the masked audio embedding."""
+        raise NotImplementedError
+
+    def dit_condition(self, lm_hidden: torch.Tensor, residual_hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    # --- set-up -------------------------------------------------------------------------------
+    def setup_rope(self, max_positions: int, device: torch.device | str) -> None:
+        """Precompute rotary rows: LM positions up to max_positions, local modules' short spans."""
+        p = self.cfg.patch_size
+        self.rope_tables = {
+            "lm": rotary_table(self.cfg.lm, max_positions).to(device),
+            "enc": rotary_table(self.cfg.encoder, p + 1).to(device),
+            "dit": rotary_table(self.cfg.dit, p * 2 + self.condition_tokens + 1).to(device),
+        }
+
+    # --- pieces -------------------------------------------------------------------------------
+    def encode_patches(self, patches: torch.Tensor) -> torch.Tensor:
+        """(N, P, D) latent patches -> (N, H) LM input embeddings."""
+        return self.enc_to_lm_proj(self.feat_encoder(patches.to(self.stop_head.weight.dtype), self.rope_tables["enc"]))
+
+    def stop_logits(self, lm_hidden: torch.Tensor) -> torch.Tensor:
+        return self.stop_head(F.silu(self.stop_proj(lm_hidden)))
+
+    def sample_patch(self, lm_hidden: torch.Tensor, residual_hidden: torch.Tensor, prev_patch: torch.Tensor,
+                     noise: torch.Tensor, cfg_value: torch.Tensor, n_timesteps: int) -> torch.Tensor:
+        """One CFM solve: (B, P, D) patch conditioned on both LMs and the previous patch."""
+        mu = self.dit_condition(lm_hidden, residual_hidden)
+        cond = prev_patch.to(mu.dtype).transpose(1, 2)
+        x = self.feat_decoder(mu, cond, noise.to(mu.dtype), cfg_value, n_timesteps, self.rope_tables["dit"])
+        return x.transpose(1, 2)
+
+    # --- runtime entry points -----------------------------------------------------------------
+    def prefill(self, token_ids: torch.Tensor, feats: torch.Tensor, audio_mask: torch.Tensor,
+                positions: torch.Tensor, last_rows: torch.Tensor, base_attend: AttendFn,
+                residual_attend: AttendFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the prompt tokens of several sequences (flattened, T rows) through both LMs, filling
+        their KV caches. token_ids (T,), feats (T, P, D), audio_mask (T,) bool, positions (T,),
+        last_rows (B,) index of each sequence's last token. Returns lm and residual hidden (B, H)."""
+        dtype = self.stop_head.weight.dtype
+        embeds = self.base_lm.embed_tokens(token_ids) * self.cfg.scale_emb
+        audio_embed = torch.zeros_like(embeds)
+        audio_rows = audio_mask.nonzero().squeeze(1)
+        if audio_rows.numel():
+            audio_embed[audio_rows] = self.encode_patches(feats[audio_rows]).to(dtype)
+        embeds = torch.where(audio_mask[:, None], audio_embed, embeds)
+        rope = self.rope_tables["lm"][positions]
+        lm_out = self.base_lm(embeds, rope, base_attend)
+        lm_out = torch.where(audio_mask[:, None], self.fsq_layer(lm_out), lm_out)
+        residual_out = self.residual_lm(self.residual_input(lm_out, audio_embed), rope, residual_attend)
+        return lm_out[last_rows], residual_out[last_rows]
+
+    def decode_step(self, lm_hidden: torch.Tensor, residual_hidden: torch.Tensor, prev_patch: torch.Tensor,
+                    noise: torch.Tensor, cfg_value: torch.Tensor, positions: torch.Tensor, n_timesteps: int,
+                    base_attend: AttendFn, residual_attend: AttendFn) -> StepOutput:
+        """Advance B sequences by one patch: sample it, decide stop, feed it back through both LMs."""
+        patch = self.sample_patch(lm_hidden, residual_hidden, prev_patch, noise, cfg_value, n_timesteps)
+        stop = self.stop_logits(lm_hidden).argmax(-1) == 1
+        embed = self.encode_patches(patch)
+        rope = self.rope_tables["lm"][positions]
+        lm_next = self.fsq_layer(self.base_lm(embed, rope, base_attend))
+        residual_next = self.residual_lm(self.residual_input(lm_next, embed), rope, residual_attend)
+        return StepOutput(patch=patch, stop=stop, lm_hidden=lm_next, residual_hidden=residual_next)

@@ -1,0 +1,97 @@
+"""The model's input sequence for each conditioning mode, laid out as the official package lays it out.
+
+zero-shot / voice design:  text(target) 101
+continuation:              text(prompt_text + target) 101 [prompt patches]
+reference (VoxCPM2):       103 [reference patches] 104 text(target) 101
+reference + continuation:  103 [reference patches] 104 text(prompt_text + target) 101 [prompt patches]
+Audio positions carry token id 0 and a latent patch; the others carry text ids and zero features.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import VoxCPMConfig
+from engine.models.voxcpm import AUDIO_START_TOKEN, REF_AUDIO_END_TOKEN, REF_AUDIO_START_TOKEN
+from engine.tokenizer import TextTokenizer
+
+
+class PromptError(ValueError):
+    """A request's conditioning cannot be turned into a model input; the message names the field."""
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]  # (T,)
+    feats: torch.Tensor  # (T, P, D) float32; zeros at text positions
+    audio_mask: torch.Tensor  # (T,) bool
+    target_tokens: int  # number of text tokens of the target text alone (caps generation length)
+    context: torch.Tensor  # (C, P, D) last prompt patches, decoded as VAE left context then cut
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+def normalize_text(text: str) -> str:
+    """Line breaks and runs of white space become one space, as the official front end does."""
+    return re.sub(r"\s+", " ", text.replace("\n", " "))
+
+
+def latents_to_patches(latents: torch.Tensor, cfg: VoxCPMConfig, field: str) -> torch.Tensor:
+    """(frames, feat_dim) latents -> (frames / P, P, feat_dim) patches."""
+    if latents.dim() != 2 or latents.shape[1] != cfg.feat_dim:
+        raise PromptError(f"{field} must have shape (frames, {cfg.feat_dim}), got {tuple(latents.shape)}")
+    if latents.shape[0] == 0 or latents.shape[0] % cfg.patch_size:
+        raise PromptError(f"{field} must hold a positive multiple of patch_size={cfg.patch_size} frames, "
+                          f"got {latents.shape[0]}")
+    if not torch.isfinite(latents).all():
+        raise PromptError(f"{field} contains NaN or infinite values")
+    return latents.float().reshape(-1, cfg.patch_size, cfg.feat_dim)
+
+
+def build_prompt(tokenizer: TextTokenizer, cfg: VoxCPMConfig, target_text: str, prompt_text: str = "",
+                 prompt_latents: torch.Tensor | None = None,
+                 ref_latents: torch.Tensor | None = None) -> Prompt:
+    target_text = normalize_text(target_text)
+    if not target_text.strip():
+        raise PromptError("target_text must contain non-space characters")
+    if (prompt_latents is None) != (not prompt_text):
+        raise PromptError("prompt_text and prompt audio/latents must be given together")
+    if ref_latents is not None and cfg.version < 2:
+        raise PromptError("reference audio is only supported by VoxCPM2 models")
+    p, d = cfg.patch_size, cfg.feat_dim
+    ids: list[int] = []
+    feats: list[torch.Tensor] = []
+    audio: list[bool] = []
+
+    def add_text(tokens: list[int]) -> None:
+        ids.extend(tokens)
+        feats.append(torch.zeros(len(tokens), p, d))
+        audio.extend([False] * len(tokens))
+
+    def add_audio(patches: torch.Tensor) -> None:
+        ids.extend([0] * len(patches))
+        feats.append(patches)
+        audio.extend([True] * len(patches))
+
+    if ref_latents is not None:
+        add_text([REF_AUDIO_START_TOKEN])
+        add_audio(latents_to_patches(ref_latents, cfg, "ref_audio_latents"))
+        add_text([REF_AUDIO_END_TOKEN])
+    text = prompt_text + target_text if prompt_latents is not None else target_text
+    add_text(tokenizer.encode(text) + [AUDIO_START_TOKEN])
+    context = torch.zeros(0, p, d)
+    if prompt_latents is not None:
+        patches = latents_to_patches(prompt_latents, cfg, "prompt_latents")
+        add_audio(patches)
+        context = patches[-cfg.decode_context_patches:]
+    return Prompt(token_ids=ids, feats=torch.cat(feats), audio_mask=torch.tensor(audio, dtype=torch.bool),
+                  target_tokens=len(tokenizer.encode(target_text)), context=context)
+
+
+def max_patches(prompt: Prompt, max_generate_length: int) -> int:
+    """The official cap: at most 6 patches per target text token plus 10."""
+    return min(int(prompt.target_tokens * 6.0 + 10), max_generate_length)

@@ -1,0 +1,100 @@
+"""Continuous batching: which sequences to prefill and which to advance in the next engine step.
+
+Every step advances all running sequences by one patch (so running streams keep their pace) and,
+before that, prefills as many waiting sequences as the token budget and free KV blocks allow. When
+blocks run out mid-stream the most recently started sequence is preempted (its KV is dropped and
+recomputed later). A request that can never fit fails instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, Status
+
+
+@dataclass
+class Schedule:
+    prefill: list[Sequence] = field(default_factory=list)
+    decode: list[Sequence] = field(default_factory=list)
+    rejected: list[tuple[Sequence, str]] = field(default_factory=list)  # can never run: (seq, reason)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.prefill or self.decode or self.rejected)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int) -> None:
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def never_fits(self, seq: Sequence) -> str | None:
+        longest = seq.num_prompt_tokens + seq.max_patches
+        if longest > self.max_model_len:
+            return (f"prompt of {seq.num_prompt_tokens} tokens plus up to {seq.max_patches} patches exceeds "
+                    f"max_model_len={self.max_model_len}")
+        if self.blocks.blocks_needed(longest) > len(self.blocks.blocks):
+            return f"needs {self.blocks.blocks_needed(longest)} KV blocks, the cache has {len(self.blocks.blocks)}"
+        if seq.num_tokens > self.max_num_batched_tokens:
+            return (f"prompt of {seq.num_tokens} tokens exceeds max_num_batched_tokens="
+                    f"{self.max_num_batched_tokens}")
+        return None
+
+    def schedule(self) -> Schedule:
+        out = Schedule()
+        # Make room for every running sequence's next token first: running streams have priority.
+        for seq in list(self.running):
+            while seq in self.running and not self.blocks.can_append(seq):
+                self._preempt(self.running[-1])
+        budget = self.max_num_batched_tokens
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            reason = self.never_fits(seq)
+            if reason is not None:
+                self.waiting.popleft()
+                out.rejected.append((seq, reason))
+                continue
+            # Keep one free block per running sequence for its next patch.
+            reserve = len(self.running) + 1
+            if seq.num_tokens > budget or self.blocks.num_free < self.blocks.blocks_needed(seq.num_tokens) + reserve:
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq)
+            budget -= seq.num_tokens - seq.num_cached_tokens
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.prefill.append(seq)
+        out.decode = list(self.running)
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove a sequence wherever it is and free its blocks (done, cancelled or failed)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.block_table:
+            self.blocks.free(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason

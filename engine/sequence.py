@@ -1,0 +1,95 @@
+"""One generation request as the runtime tracks it: its prompt, sampling parameters, KV blocks and the
+per-step state (last hidden states of both LMs, the previous patch, its noise source)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.prompt import Prompt
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation parameters (names as in nano-vllm-voxcpm)."""
+
+    max_generate_length: int = 2000
+    temperature: float = 1.0  # multiplies the CFM start noise; 0 = deterministic
+    cfg_value: float = 2.0
+    min_len: int = 2  # the stop head is honoured only after this many patches
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if self.max_generate_length < 1:
+            raise ValueError("max_generate_length must be >= 1")
+        if not 0.0 <= self.temperature <= 10.0:
+            raise ValueError("temperature must be in [0, 10]")
+        if not 0.0 <= self.cfg_value <= 20.0:
+            raise ValueError("cfg_value must be in [0, 20]")
+        if self.min_len < 0:
+            raise ValueError("min_len must be >= 0")
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt: Prompt
+    params: SamplingParams
+    max_patches: int
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_generated: int = 0
+    finish_reason: str | None = None
+    # Per-step state, set by the model runner after prefill.
+    lm_hidden: torch.Tensor | None = None
+    residual_hidden: torch.Tensor | None = None
+    prev_patch: torch.Tensor | None = None
+    noise: torch.Generator | None = None
+    injected_noise: list[torch.Tensor] | None = None  # tests: exact noise per step (parity with the official)
+    decoder: object | None = None  # streaming VAE decoder state
+    generated: list[torch.Tensor] = field(default_factory=list)  # (P, D) patches, kept for recompute
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose KV is in the cache once prefilled: prompt + fed-back patches."""
+        return len(self.prompt) + self.num_generated
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def prefill_inputs(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """Token ids, features and audio mask of everything to prefill: the prompt and, after a
+        preemption, the patches generated so far (a fed-back patch is exactly an audio position)."""
+        p = self.prompt
+        if not self.generated:
+            return p.token_ids, p.feats, p.audio_mask
+        gen = torch.stack([g.float().cpu() for g in self.generated])
+        ids = p.token_ids + [0] * len(gen)
+        mask = torch.cat((p.audio_mask, torch.ones(len(gen), dtype=torch.bool)))
+        return ids, torch.cat((p.feats, gen)), mask
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: its KV blocks are gone. It waits to be prefilled again over prompt + generated
+        patches, which rebuilds the same state; the streamed audio and its VAE state are kept."""
+        self.block_table = []
+        self.num_cached_tokens = 0
+        self.lm_hidden = self.residual_hidden = None
+        self.status = Status.WAITING
