@@ -171,6 +171,12 @@ def test_decode_sr_condition_matters() -> None:
         a, b = ours.decode(z), ours.decode(z, out_sample_rate=16000)
         want_b = ref.decode(z, torch.tensor([16000], dtype=torch.int32))
     assert _max_err(a, b) > 1e-3
+    # Bucketing follows a loaded boundaries buffer (the official bucketizes on the buffer).
+    sd = ours.state_dict()
+    sd["decoder.sr_bin_boundaries"] = torch.tensor([10000, 20000, 30000], dtype=torch.int32)
+    ours.load_state_dict(sd)
+    assert ours.decoder.sr_boundaries == [10000, 20000, 30000]
+    assert ours.decoder.sr_index(16000) == 1 and ours.decoder.sr_index(48000) == 3
     err = _rel_err(b, want_b)
     assert err <= TOL, f"decode @16k rel err {err:.3e}"
 

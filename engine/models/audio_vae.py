@@ -361,16 +361,17 @@ class Decoder(nn.Module):
                                        cfg.use_noise_block))
         layers += [Snake1d(out_dim), CausalConv1d(out_dim, 1, 7, left_pad=6), _Tanh()]
 
+        self.model = _Chain(layers)
         self.sr_boundaries: list[int] | None = cfg.sr_bin_boundaries
         if cfg.sr_bin_boundaries is None:
             self.sr_bin_boundaries = None
-            self.model = _Chain(layers)
             self.sr_cond_model = None
         else:
-            self.model = _Chain(layers)
             # Persistent like the official buffer (it is in the official state_dict). Bucketing itself
-            # uses the Python copy: no host/device traffic per decode call.
+            # uses the Python copy `sr_boundaries` (no host/device traffic per decode call); it is
+            # refreshed from the buffer after a checkpoint load, as the official bucketizes on the buffer.
             self.register_buffer("sr_bin_boundaries", torch.tensor(cfg.sr_bin_boundaries, dtype=torch.int32))
+            self.register_load_state_dict_post_hook(Decoder._sync_sr_boundaries)
             buckets = len(cfg.sr_bin_boundaries) + 1
             self.sr_cond_model = nn.ModuleList([
                 SampleRateConditionLayer(layer.input_channels, buckets, cfg.cond_type, cfg.cond_dim,
@@ -385,6 +386,10 @@ class Decoder(nn.Module):
             if isinstance(m, (CausalConv1d, CausalConvTranspose1d)) and m.state_shape() is not None:
                 m.state_slot = len(self.state_shapes)
                 self.state_shapes.append(m.state_shape())
+
+    @staticmethod
+    def _sync_sr_boundaries(module: nn.Module, incompatible_keys: Any) -> None:
+        module.sr_boundaries = [int(b) for b in module.sr_bin_boundaries.tolist()]
 
     def sr_index(self, sample_rate: int) -> int:
         """Bucket of `sample_rate`; equals torch.bucketize(sr, boundaries) (right=False)."""

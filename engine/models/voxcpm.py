@@ -104,7 +104,8 @@ class LocDiT(nn.Module):
             prefix = (mu + temb).unsqueeze(1)
         else:
             prefix = torch.cat((mu.view(x.shape[0], self.condition_tokens, self.hidden), temb.unsqueeze(1)), dim=1)
-        h = self.decoder(torch.cat((prefix, cond, x), dim=1), rope, dense_attention)
+        seq = torch.cat((prefix, cond, x), dim=1)
+        h = self.decoder(seq, rope[: seq.shape[1]], dense_attention)
         return self.out_proj(h[:, prefix.shape[1] + cond.shape[1]:]).transpose(1, 2)
 
 
@@ -196,7 +197,7 @@ class VoxCPMBackbone(nn.Module):
         self.rope_tables = {
             "lm": rotary_table(self.cfg.lm, max_positions).to(device),
             "enc": rotary_table(self.cfg.encoder, p + 1).to(device),
-            "dit": rotary_table(self.cfg.dit, p * 2 + self.condition_tokens + 1).to(device),
+            "dit": rotary_table(self.cfg.dit, p * 2 + 3).to(device),  # sliced to the family's length
         }
 
     # --- pieces -------------------------------------------------------------------------------

@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny random checkpoints made at test time (never committed), the official
+package as the parity oracle, and a report of measured parity errors printed after the run."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.random_checkpoint import make_random_checkpoint
+
+TINY_PRESETS = ("tiny-voxcpm2", "tiny-voxcpm1.5", "tiny-voxcpm0.5b")
+PARITY_FIGURES: list[tuple[str, float, float]] = []  # (what, measured max relative error, bound)
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |ours - ref| / max |ref| (a scale-aware max error; robust to near-zero entries)."""
+    ours, ref = ours.detach().double().cpu(), ref.detach().double().cpu()
+    assert ours.shape == ref.shape, f"shape {tuple(ours.shape)} != reference {tuple(ref.shape)}"
+    return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+
+
+def check_parity(what: str, ours: torch.Tensor, ref: torch.Tensor, bound: float) -> float:
+    err = relative_error(ours, ref)
+    PARITY_FIGURES.append((what, err, bound))
+    assert err <= bound, f"{what}: max relative error {err:.3e} > {bound:.0e}"
+    return err
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not PARITY_FIGURES:
+        return
+    terminalreporter.section("parity with voxcpm==2.0.3 (max relative error, measured / bound)")
+    for what, err, bound in PARITY_FIGURES:
+        terminalreporter.write_line(f"{what:<60} {err:.2e} / {bound:.0e}")
+
+
+_made: dict[tuple, Path] = {}
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory):
+    """make(preset, dtype="float32", stop="random", vae_format="pth", seed=0) -> checkpoint dir (cached)."""
+
+    def make(preset: str, dtype: str = "float32", stop: str = "random", vae_format: str = "pth",
+             seed: int = 0) -> Path:
+        key = (preset, dtype, stop, vae_format, seed)
+        if key not in _made:
+            out = tmp_path_factory.mktemp(f"{preset}-{dtype}-{stop}-{vae_format}-{seed}")
+            _made[key] = make_random_checkpoint(out, preset, seed=seed, stop=stop, vae_format=vae_format,
+                                                config_overrides={"dtype": dtype})
+        return _made[key]
+
+    return make
