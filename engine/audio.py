@@ -1,0 +1,58 @@
+"""Audio in: decode uploaded audio, resample to the VAE's rate and turn a clip into latents.
+
+Resampling uses soxr at "HQ" quality, which is what librosa.load (the official VoxCPM2 loader)
+uses by default, so a clip at any rate encodes to the same latents as in the official package.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import soundfile as sf
+import soxr
+import torch
+
+from engine.models.audio_vae import AudioVAE
+
+
+class AudioError(ValueError):
+    """Audio that cannot be decoded or used; the message says why."""
+
+
+def decode_audio(data: bytes, fmt: str | None = None) -> tuple[np.ndarray, int]:
+    """Any container libsndfile reads (wav, flac, ogg, mp3, ...) -> mono float32 samples, sample rate.
+    The container is detected from the bytes; `fmt` (the client's claim) only labels errors."""
+    try:
+        samples, sr = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except Exception as e:  # libsndfile raises several types for corrupt input
+        raise AudioError(f"could not decode audio ({fmt or 'unknown format'}): {e}") from e
+    if samples.size == 0:
+        raise AudioError("audio is empty")
+    return samples.mean(axis=1).astype(np.float32), int(sr)
+
+
+def resample(samples: np.ndarray, sr: int, target_sr: int) -> np.ndarray:
+    if sr == target_sr:
+        return samples.astype(np.float32)
+    return soxr.resample(samples, sr, target_sr, quality="HQ").astype(np.float32)
+
+
+@torch.inference_mode()
+def encode_latents(vae: AudioVAE, samples: np.ndarray, sr: int, patch_size: int,
+                   padding: str = "left") -> torch.Tensor:
+    """A clip -> (frames, latent_dim) float32 latents, frames a multiple of patch_size.
+
+    The clip is zero-padded to whole patches before encoding: on the left for a continuation prompt
+    (so no silence sits between the prompt and the generated speech), on the right for a reference.
+    """
+    if padding not in ("left", "right"):
+        raise ValueError("padding must be left or right")
+    audio = torch.from_numpy(resample(samples, sr, vae.sample_rate)).unsqueeze(0)
+    if audio.shape[1] < vae.chunk_size:
+        raise AudioError(f"audio is shorter than one latent frame ({vae.chunk_size / vae.sample_rate * 1000:.0f} ms)")
+    patch_len = patch_size * vae.chunk_size
+    pad = -audio.shape[1] % patch_len
+    audio = torch.nn.functional.pad(audio, (pad, 0) if padding == "left" else (0, pad))
+    device = next(vae.parameters()).device
+    return vae.encode(audio.to(device), vae.sample_rate)[0].T.float().cpu().contiguous()
