@@ -46,40 +46,29 @@ def _cfm() -> dict[str, Any]:
     return {"sigma_min": 1e-6, "solver": "euler", "t_scheduler": "log-norm", "inference_cfg_rate": 2.0}
 
 
-def tiny_config(name: str) -> dict[str, Any]:
-    if name == "tiny-voxcpm2":
-        return {
-            "architecture": "voxcpm2", "lm_config": _tiny_lm(2048, 2, use_mup=False), "patch_size": 4,
-            "feat_dim": 64, "scalar_quantization_latent_dim": 16, "scalar_quantization_scale": 9,
-            "residual_lm_num_layers": 2, "residual_lm_no_rope": True, "encoder_config": _tiny_local(1),
-            "dit_config": {**_tiny_local(2), "mean_mode": False, "cfm_config": _cfm()},
-            "audio_vae_config": {"encoder_dim": 8, "encoder_rates": [2, 5, 8, 8], "latent_dim": 64,
-                                 "decoder_dim": 128, "decoder_rates": [8, 6, 5, 2, 2, 2],
-                                 "sr_bin_boundaries": [20000, 30000, 40000], "sample_rate": 16000,
-                                 "out_sample_rate": 48000},
-            "max_length": 2048, "device": "cuda", "dtype": "bfloat16",
-        }
-    if name == "tiny-voxcpm1.5":
-        return {
-            "architecture": "voxcpm", "lm_config": _tiny_lm(2048, 2, use_mup=True), "patch_size": 4,
-            "feat_dim": 64, "scalar_quantization_latent_dim": 16, "scalar_quantization_scale": 9,
-            "residual_lm_num_layers": 2, "encoder_config": _tiny_local(1),
-            "dit_config": {**_tiny_local(2), "cfm_config": _cfm()},
-            "audio_vae_config": {"encoder_dim": 8, "encoder_rates": [2, 3, 6, 7, 7], "latent_dim": 64,
-                                 "decoder_dim": 64, "decoder_rates": [7, 7, 6, 3, 2], "sample_rate": 44100},
-            "max_length": 2048, "device": "cuda", "dtype": "bfloat16",
-        }
-    if name == "tiny-voxcpm0.5b":
-        return {
-            "architecture": "voxcpm", "lm_config": _tiny_lm(2048, 2, use_mup=True), "patch_size": 2,
-            "feat_dim": 64, "scalar_quantization_latent_dim": 16, "scalar_quantization_scale": 9,
-            "residual_lm_num_layers": 2, "encoder_config": _tiny_local(1),
-            "dit_config": {**_tiny_local(2), "cfm_config": _cfm()},
-            "audio_vae_config": {"encoder_dim": 8, "encoder_rates": [2, 5, 8, 8], "latent_dim": 64,
-                                 "decoder_dim": 64, "decoder_rates": [8, 8, 5, 2], "sample_rate": 16000},
-            "max_length": 2048, "device": "cuda", "dtype": "bfloat16",
-        }
-    raise ValueError(name)
+def _tiny(arch: str, patch: int, vae: dict[str, Any]) -> dict[str, Any]:
+    v2 = arch == "voxcpm2"
+    dit = {**_tiny_local(2), "cfm_config": _cfm(), **({"mean_mode": False} if v2 else {})}
+    return {
+        "architecture": arch, "lm_config": _tiny_lm(2048, 2, use_mup=not v2), "patch_size": patch,
+        "feat_dim": 64, "scalar_quantization_latent_dim": 16, "scalar_quantization_scale": 9,
+        "residual_lm_num_layers": 2, **({"residual_lm_no_rope": True} if v2 else {}),
+        "encoder_config": _tiny_local(1), "dit_config": dit,
+        "audio_vae_config": {"encoder_dim": 8, "latent_dim": 64, **vae},
+        "max_length": 2048, "device": "cuda", "dtype": "bfloat16",
+    }
+
+
+# Tiny presets keep each family's real sample rates, patch sizes and VAE strides; only widths shrink.
+TINY = {
+    "tiny-voxcpm2": lambda: _tiny("voxcpm2", 4, {
+        "encoder_rates": [2, 5, 8, 8], "decoder_dim": 128, "decoder_rates": [8, 6, 5, 2, 2, 2],
+        "sr_bin_boundaries": [20000, 30000, 40000], "sample_rate": 16000, "out_sample_rate": 48000}),
+    "tiny-voxcpm1.5": lambda: _tiny("voxcpm", 4, {
+        "encoder_rates": [2, 3, 6, 7, 7], "decoder_dim": 64, "decoder_rates": [7, 7, 6, 3, 2], "sample_rate": 44100}),
+    "tiny-voxcpm0.5b": lambda: _tiny("voxcpm", 2, {
+        "encoder_rates": [2, 5, 8, 8], "decoder_dim": 64, "decoder_rates": [8, 8, 5, 2], "sample_rate": 16000}),
+}
 
 
 PRESETS = ("tiny-voxcpm2", "tiny-voxcpm1.5", "tiny-voxcpm0.5b", "full-voxcpm2")
@@ -88,8 +77,8 @@ PRESETS = ("tiny-voxcpm2", "tiny-voxcpm1.5", "tiny-voxcpm0.5b", "full-voxcpm2")
 def preset_config(name: str) -> dict[str, Any]:
     if name == "full-voxcpm2":
         return json.loads((PRESET_DIR / "voxcpm2.json").read_text())
-    if name in PRESETS:
-        return tiny_config(name)
+    if name in TINY:
+        return TINY[name]()
     raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
 
 
