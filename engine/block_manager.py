@@ -100,9 +100,9 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_tokens = 0
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Room for one more token (the patch fed back this step)."""
-        return seq.num_tokens % self.block_size != 0 or self.num_free > 0
+    def needs_new_block(self, seq: Sequence) -> bool:
+        """Whether the next token (the patch fed back this step) starts a new block."""
+        return seq.num_tokens // self.block_size >= len(seq.block_table)
 
     def append_slot(self, seq: Sequence) -> int:
         """The cache slot of the next token, allocating a block when the last one is full."""

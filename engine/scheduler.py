@@ -35,6 +35,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -58,9 +59,8 @@ class Scheduler:
     def schedule(self) -> Schedule:
         out = Schedule()
         # Make room for every running sequence's next token first: running streams have priority.
-        for seq in list(self.running):
-            while seq in self.running and not self.blocks.can_append(seq):
-                self._preempt(self.running[-1])
+        while self.running and sum(map(self.blocks.needs_new_block, self.running)) > self.blocks.num_free:
+            self._preempt(self.running[-1])
         budget = self.max_num_batched_tokens
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -83,6 +83,7 @@ class Scheduler:
         return out
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.reset_for_recompute()
