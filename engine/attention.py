@@ -1,10 +1,9 @@
 """Causal attention over the paged KV cache, behind one interface.
 
 A step (prefill or decode) is described by `AttentionMetadata`; `PagedKVCache.attend_fn(meta)` returns
-the per-layer function the transformer calls. The backend is chosen once at start-up
-(`select_backend`): flash-attn when importable on CUDA, otherwise Triton kernels on CUDA, otherwise
-the torch SDPA implementation here, which is the reference the others are checked against and the
-one CPU runs use.
+the per-layer function the transformer calls. Today the only backend is the torch SDPA implementation
+here (CPU and GPU); Triton / flash-attn backends for CUDA come with the runtime issue and will be
+checked against it.
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
-        self.backend = "torch"
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

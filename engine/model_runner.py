@@ -60,8 +60,10 @@ class ModelRunner:
         """Fill both LMs' caches with each sequence's prompt (minus its prefix-cached blocks) and
         leave each sequence ready for its first decode step."""
         ids, feats, mask, positions, slots, last_rows, qlens, klens = [], [], [], [], [], [], [], []
+        last_feats = []
         for seq in seqs:
             seq_ids, seq_feats, seq_mask = seq.prefill_inputs()
+            last_feats.append(seq_feats[-1])
             start, n = seq.num_cached_tokens, len(seq_ids)
             ids += seq_ids[start:]
             feats.append(seq_feats[start:])
@@ -87,8 +89,7 @@ class ModelRunner:
             self.base_cache.attend_fn(meta), self.residual_cache.attend_fn(meta))
         for i, seq in enumerate(seqs):
             seq.lm_hidden, seq.residual_hidden = lm_h[i], res_h[i]
-            _, seq_feats, _ = seq.prefill_inputs()
-            seq.prev_patch = seq_feats[-1].to(dev)
+            seq.prev_patch = last_feats[i].to(dev)
             if seq.noise is None:
                 seq.noise = torch.Generator().manual_seed(
                     seq.params.seed if seq.params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
