@@ -1,13 +1,22 @@
 """Causal attention over the paged KV cache, behind one interface.
 
 A step (prefill or decode) is described by `AttentionMetadata`; `PagedKVCache.attend_fn(meta)` returns
-the per-layer function the transformer calls. Today the only backend is the torch SDPA implementation
-here (CPU and GPU); Triton / flash-attn backends for CUDA come with the runtime issue and will be
-checked against it.
+the per-layer function the transformer calls. Three backends, chosen once at start-up
+(`select_backend`):
+
+- "flash": flash-attn's varlen kernel for prefills without a cached prefix (its paged kernels need
+  256-token pages, too coarse for reusing voice prompts), the Triton kernel for everything else;
+- "triton": `engine.triton_attention.paged_attention` for prefill and decode (CUDA);
+- "torch": SDPA over gathered blocks, any device (the CPU path, and the reference the others are
+  checked against).
+
+The cache has one extra block at the end (`scratch_slot`) that absorbs the K/V writes of padding
+rows, so a CUDA-graph batch bucket can be padded without branching on the host.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -15,33 +24,56 @@ import torch.nn.functional as F
 
 from engine.models.minicpm import AttendFn
 
+BACKENDS = ("flash", "triton", "torch")
+
 
 @dataclass
 class AttentionMetadata:
-    """Where the step's new tokens go and what each sequence attends to.
+    """Where the step's new tokens go and what each of them attends to.
 
-    Tokens of all sequences are flattened: sequence i owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1].
-    slot_mapping gives each new token's flat cache slot (block * block_size + offset).
+    Tokens of all sequences are flattened, T rows. Row t belongs to block-table row `row_index[t]`
+    and sees the cached tokens 0..token_context_lens[t]-1 (itself included: K/V are stored first).
     """
 
     is_prefill: bool
-    slot_mapping: torch.Tensor  # (T,) int64
-    block_tables: torch.Tensor  # (B, max_blocks) int32, -1 padded
-    context_lens: torch.Tensor  # (B,) int32: tokens in cache after this step, per sequence
-    cu_seqlens_q: torch.Tensor | None = None  # (B+1,) int32, prefill only
-    query_lens: list[int] | None = None  # host copies for the torch path (prefill only)
+    slot_mapping: torch.Tensor  # (T,) int64 flat cache slot of each new token
+    block_tables: torch.Tensor  # (B, max_blocks) int32
+    row_index: torch.Tensor  # (T,) int32
+    token_context_lens: torch.Tensor  # (T,) int32
+    # Host copies for the torch/flash prefill paths (per sequence): new tokens and tokens after the step.
+    query_lens: list[int] | None = None
     key_lens: list[int] | None = None
 
 
+def select_backend(device: torch.device, dtype: torch.dtype, requested: str | None = None) -> str:
+    """The best backend this process can run, or the requested one if it can run it."""
+    from engine.triton_attention import HAVE_TRITON
+
+    usable = ["torch"]
+    if device.type == "cuda" and HAVE_TRITON:
+        usable.insert(0, "triton")
+        if dtype in (torch.float16, torch.bfloat16) and importlib.util.find_spec("flash_attn") is not None:
+            usable.insert(0, "flash")
+    if requested is None:
+        return usable[0]
+    if requested not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {requested!r}")
+    if requested not in usable:
+        raise ValueError(f"attention backend {requested!r} is not usable here (usable: {usable})")
+    return requested
+
+
 class PagedKVCache:
-    """K and V for every layer of one causal stack: (layers, blocks, block_size, kv_heads, head_dim)."""
+    """K and V for every layer of one causal stack: (layers, blocks + 1, block_size, kv_heads, head_dim)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+                 dtype: torch.dtype, device: torch.device | str, backend: str = "torch") -> None:
+        shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
+        self.scratch_slot = num_blocks * block_size
+        self.backend = backend
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -49,9 +81,20 @@ class PagedKVCache:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def attend_fn(self, meta: AttentionMetadata) -> AttendFn:
+        backend = self.backend
+        if backend == "flash" and not (meta.is_prefill and meta.query_lens == meta.key_lens):
+            backend = "triton"
+
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_cache, v_cache = self.k[layer], self.v[layer]
             store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            if backend == "triton":
+                from engine.triton_attention import paged_attention
+
+                return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.row_index,
+                                       meta.token_context_lens).flatten(-2)
+            if backend == "flash":
+                return flash_prefill_attention(q, k, v, meta)
             if meta.is_prefill:
                 return torch_prefill_attention(q, k, v, k_cache, v_cache, meta)
             return torch_decode_attention(q, k_cache, v_cache, meta)
@@ -61,16 +104,9 @@ class PagedKVCache:
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter the new tokens' K/V into their slots (slot -1 = padding token, not stored)."""
-    flat_k = k_cache.view(-1, *k_cache.shape[-2:])
-    flat_v = v_cache.view(-1, *v_cache.shape[-2:])
-    valid = slot_mapping >= 0
-    if bool(valid.all()):
-        flat_k[slot_mapping] = k
-        flat_v[slot_mapping] = v
-    else:
-        flat_k[slot_mapping[valid]] = k[valid]
-        flat_v[slot_mapping[valid]] = v[valid]
+    """Scatter the new tokens' K/V into their slots (padding rows point at the scratch block)."""
+    k_cache.view(-1, *k_cache.shape[-2:])[slot_mapping] = k
+    v_cache.view(-1, *v_cache.shape[-2:])[slot_mapping] = v
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
@@ -106,6 +142,18 @@ def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     keys = k_cache[table].view(b, -1, *k_cache.shape[-2:]).transpose(1, 2)
     values = v_cache[table].view(b, -1, *v_cache.shape[-2:]).transpose(1, 2)
     positions = torch.arange(table.shape[1] * bs, device=q.device)
-    mask = (positions[None, :] < meta.context_lens[:, None]).view(b, 1, 1, -1)
+    mask = (positions[None, :] < meta.token_context_lens[:, None]).view(b, 1, 1, -1)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True)
     return o.squeeze(2).flatten(-2)
+
+
+def flash_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            meta: AttentionMetadata) -> torch.Tensor:
+    """flash-attn varlen causal attention over the new tokens (no cached prefix)."""
+    from flash_attn import flash_attn_varlen_func
+
+    assert meta.query_lens is not None
+    lens = torch.tensor([0, *meta.query_lens], dtype=torch.int32, device=q.device)
+    cu = lens.cumsum(0, dtype=torch.int32)
+    longest = max(meta.query_lens)
+    return flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True).flatten(-2)

@@ -6,6 +6,7 @@ Single-threaded and synchronous; the server pool runs one of these per worker pr
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,9 +28,23 @@ class EngineConfig:
     max_model_len: int = 4096
     max_num_batched_tokens: int = 8192
     block_size: int = 16
-    num_kv_blocks: int | None = None  # default: enough for max_num_seqs full-length sequences
+    num_kv_blocks: int | None = None  # default: CUDA measures free memory, CPU fits max_num_seqs full sequences
+    gpu_memory_utilization: float = 0.9  # share of the device's memory this engine may end up using
+    enforce_eager: bool = False  # no CUDA graphs
+    attention_backend: str | None = None  # "flash" | "triton" | "torch"; default: the best available
     inference_timesteps: int = 10
     dtype: torch.dtype | None = None  # default: the checkpoint's
+
+    def validate(self) -> None:
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "inference_timesteps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if not 0.05 <= self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in [0.05, 1]")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
 
 
 @dataclass
@@ -46,15 +61,28 @@ class LLMEngine:
     def __init__(self, model: LoadedModel | str, config: EngineConfig | None = None,
                  device: torch.device | str = "cpu") -> None:
         self.config = cfg = config or EngineConfig()
+        cfg.validate()
         self.device = torch.device(device)
+        t0 = time.perf_counter()
         self.model = model if isinstance(model, LoadedModel) else load_model(
             model, self.device, cfg.dtype, max_positions=cfg.max_model_len)
-        blocks_per_seq = (cfg.max_model_len + cfg.block_size - 1) // cfg.block_size
-        num_blocks = cfg.num_kv_blocks or blocks_per_seq * cfg.max_num_seqs
+        self.runner = ModelRunner(self.model, cfg.block_size, cfg.max_num_seqs, cfg.max_model_len,
+                                  cfg.inference_timesteps, self.device, cfg.enforce_eager, cfg.attention_backend)
+        num_blocks = cfg.num_kv_blocks
+        if num_blocks is None and self.device.type == "cuda":
+            num_blocks = self.runner.profile_num_blocks(cfg.gpu_memory_utilization, cfg.max_num_batched_tokens,
+                                                        cfg.max_model_len)
+        elif num_blocks is None:
+            num_blocks = self.runner.table_width * cfg.max_num_seqs
+        self.runner.allocate_kv_cache(num_blocks)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, cfg.inference_timesteps, self.device)
+        graph_s = self.runner.capture_graphs()
         self.sequences: dict[int, Sequence] = {}
+        self.startup_s = time.perf_counter() - t0
+        log.info("engine ready on %s in %.1f s: %d KV blocks of %d tokens, attention %s, %s",
+                 self.device, self.startup_s, num_blocks, cfg.block_size, self.runner.backend,
+                 f"{len(self.runner.graphs)} CUDA graphs in {graph_s:.1f} s" if self.runner.graphs else "eager")
 
     @property
     def sample_rate(self) -> int:
@@ -77,13 +105,15 @@ class LLMEngine:
         """Cancel a request: its KV blocks and slot are freed at once."""
         seq = self.sequences.pop(seq_id, None)
         if seq is not None and seq.status != Status.FINISHED:
-            self.scheduler.finish(seq, "aborted")
+            self._finish(seq, "aborted")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[StepEvent]:
         sched = self.scheduler.schedule()
+        for seq in sched.preempted:
+            self.runner.release_slot(seq, keep_state=True)
         events = [self._fail(seq, reason) for seq, reason in sched.rejected]
         if sched.prefill:
             self.runner.prefill(sched.prefill)
@@ -94,13 +124,16 @@ class LLMEngine:
 
     def _emit(self, r: PatchResult) -> StepEvent:
         if r.finished:
-            self.scheduler.finish(r.seq, r.finish_reason or "stop")
-            self.sequences.pop(r.seq.seq_id, None)
+            self._finish(r.seq, r.finish_reason or "stop")
         return StepEvent(r.seq.seq_id, r.audio, r.patch, r.finished, r.finish_reason)
 
-    def _fail(self, seq: Sequence, reason: str) -> StepEvent:
-        self.scheduler.finish(seq, "error")
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.runner.release_slot(seq)
         self.sequences.pop(seq.seq_id, None)
+
+    def _fail(self, seq: Sequence, reason: str) -> StepEvent:
+        self._finish(seq, "error")
         return StepEvent(seq.seq_id, None, None, True, "error", reason)
 
     def generate(self, target_text: str, params: SamplingParams | None = None, **kwargs: object) -> np.ndarray:

@@ -1,16 +1,24 @@
-"""Runs scheduled batches through the model: builds the attention metadata, owns the KV caches,
-draws each sequence's noise, applies the stop rule and decodes each new patch to audio.
+"""Runs scheduled batches through the model on one device.
+
+Per-sequence step state (both LMs' last hidden states, the previous patch, the streaming VAE's
+conv context) lives in device buffers indexed by a *slot*, one per running sequence, so a decode step
+is a pure function of a few small index tensors: gather the batch's states, sample the patch (all
+Euler steps with CFG), decide stop, feed the patch back through both LMs, decode it to audio, scatter
+the states back. On CUDA that whole step is captured once per batch bucket as a CUDA graph and
+replayed with no host synchronisation inside it; on CPU (or with `enforce_eager`) the same function
+runs eagerly. Prefill is eager.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, PagedKVCache
+from engine.attention import AttentionMetadata, PagedKVCache, select_backend
 from engine.block_manager import BlockManager
 from engine.checkpoint import LoadedModel
 from engine.sequence import Sequence
@@ -27,41 +35,174 @@ class PatchResult:
     finish_reason: str | None = None
 
 
+def graph_buckets(max_batch: int) -> list[int]:
+    """Batch sizes with a captured graph; a batch runs in the smallest bucket that holds it."""
+    small = [b for b in (1, 2, 4, 8) if b < max_batch]
+    return small + list(range(16, max_batch, 16)) + [max_batch]
+
+
+class DecodeBuffers:
+    """Static inputs and outputs of one decode step, sized for the largest batch (graph-addressable)."""
+
+    def __init__(self, rows: int, table_width: int, feat_dim: int, patch: int, samples: int, scratch_seq_slot: int,
+                 scratch_kv_slot: int, dtype: torch.dtype, device: torch.device) -> None:
+        def z(*shape: int, dt: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dt, device=device)
+
+        self.slot_index = torch.full((rows,), scratch_seq_slot, dtype=torch.long, device=device)
+        self.positions = z(rows, dt=torch.long)
+        self.slot_mapping = torch.full((rows,), scratch_kv_slot, dtype=torch.long, device=device)
+        self.block_tables = z(rows, table_width, dt=torch.int32)
+        self.context_lens = torch.ones(rows, dtype=torch.int32, device=device)
+        self.row_index = torch.arange(rows, dtype=torch.int32, device=device)
+        self.noise = z(rows, feat_dim, patch, dt=torch.float32)
+        self.cfg = z(rows, dt=torch.float32)
+        self.patch = z(rows, patch, feat_dim, dt=dtype)
+        self.stop = z(rows, dt=torch.bool)
+        self.audio = z(rows, samples, dt=torch.float32)
+
+
 class ModelRunner:
-    def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, inference_timesteps: int,
-                 device: torch.device) -> None:
+    def __init__(self, model: LoadedModel, block_size: int, max_num_seqs: int, max_model_len: int,
+                 inference_timesteps: int, device: torch.device, enforce_eager: bool = False,
+                 attention_backend: str | None = None) -> None:
         self.model = model
         self.cfg = model.config
         self.device = device
         self.dtype = next(model.backbone.parameters()).dtype
         self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
         self.inference_timesteps = inference_timesteps
-        lm, res = self.cfg.lm, self.cfg.residual_lm
-        self.base_cache = PagedKVCache(lm.num_hidden_layers, num_blocks, block_size, lm.num_key_value_heads,
-                                       lm.head_dim, self.dtype, device)
-        self.residual_cache = PagedKVCache(res.num_hidden_layers, num_blocks, block_size,
-                                           res.num_key_value_heads, res.head_dim, self.dtype, device)
-        p = self.cfg.patch_size
+        self.backend = select_backend(device, self.dtype, attention_backend)
+        self.use_graphs = device.type == "cuda" and not enforce_eager
+        p, d = self.cfg.patch_size, self.cfg.feat_dim
         self.samples_per_patch = p * model.vae.decode_chunk_size
+        self.table_width = (max_model_len + block_size - 1) // block_size
+        # Slot state: one row per running sequence plus a scratch row that padding rows read and write.
+        rows, h = max_num_seqs + 1, self.cfg.lm.hidden_size
+        self.scratch_slot = max_num_seqs
+        self.free_slots = list(range(max_num_seqs))
+        self.lm_hidden = torch.zeros(rows, h, dtype=self.dtype, device=device)
+        self.residual_hidden = torch.zeros(rows, h, dtype=self.dtype, device=device)
+        self.prev_patch = torch.zeros(rows, p, d, dtype=self.dtype, device=device)
+        vae_param = next(model.vae.decoder.parameters())
+        self.vae_states = [torch.zeros(rows, c, n, dtype=vae_param.dtype, device=device)
+                           for c, n in model.vae.decoder.state_shapes]
+        self.vae_sr_idx = model.vae._sr_idx(None)
+        self.base_cache: PagedKVCache | None = None
+        self.residual_cache: PagedKVCache | None = None
+        self.buffers: DecodeBuffers | None = None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
+    # --- KV cache -----------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        return sum(PagedKVCache.bytes_per_block(c.num_hidden_layers, self.block_size, c.num_key_value_heads,
+                                                c.head_dim, self.dtype) for c in (self.cfg.lm, self.cfg.residual_lm))
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        lm, res = self.cfg.lm, self.cfg.residual_lm
+        self.base_cache = PagedKVCache(lm.num_hidden_layers, num_blocks, self.block_size, lm.num_key_value_heads,
+                                       lm.head_dim, self.dtype, self.device, self.backend)
+        self.residual_cache = PagedKVCache(res.num_hidden_layers, num_blocks, self.block_size,
+                                           res.num_key_value_heads, res.head_dim, self.dtype, self.device,
+                                           self.backend)
+        p, d = self.cfg.patch_size, self.cfg.feat_dim
+        self.buffers = DecodeBuffers(self.max_num_seqs, self.table_width, d, p, self.samples_per_patch,
+                                     self.scratch_slot, self.base_cache.scratch_slot, self.dtype, self.device)
+        self.graphs.clear()
+
+    @torch.inference_mode()
+    def profile_num_blocks(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
+                           max_model_len: int) -> int:
+        """KV blocks that fit in `gpu_memory_utilization` of the device after the weights and the peak
+        working memory of the largest prefill and the largest decode step (measured, not estimated)."""
+        assert self.device.type == "cuda"
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.allocate_kv_cache(self.table_width)  # room for one full-length sequence, for the dry run
+        tokens = min(max_num_batched_tokens, max_model_len * self.max_num_seqs)
+        full, rest = divmod(tokens, max_model_len)
+        lens = [max_model_len] * full + ([rest] if rest else [])
+        self._dry_prefill(lens)
+        self._decode_forward(self.max_num_seqs, self.table_width)
+        torch.cuda.synchronize(self.device)
+        stats = torch.cuda.memory_stats(self.device)
+        peak_extra = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+        self.base_cache = self.residual_cache = self.buffers = None
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_now = total - free  # weights, this process's other buffers, other processes
+        budget = total * gpu_memory_utilization - used_now - peak_extra
+        num_blocks = int(budget // self.kv_bytes_per_block())
+        log.info("KV sizing: total %.1f GiB, in use %.1f GiB, step peak %.2f GiB -> %d blocks (%.1f GiB)",
+                 total / 2**30, used_now / 2**30, peak_extra / 2**30, num_blocks,
+                 num_blocks * self.kv_bytes_per_block() / 2**30)
+        if num_blocks < self.table_width:
+            raise RuntimeError(f"gpu_memory_utilization={gpu_memory_utilization} leaves room for {num_blocks} KV "
+                               f"blocks; one max_model_len sequence needs {self.table_width}")
+        return num_blocks
+
+    def _dry_prefill(self, lens: list[int]) -> None:
+        """A prefill of sequences of these lengths on dummy inputs (all pointing at the same blocks)."""
+        n, p, d = sum(lens), self.cfg.patch_size, self.cfg.feat_dim
+        dev = self.device
+        positions = torch.cat([torch.arange(k, device=dev) for k in lens])
+        mask = torch.zeros(n, dtype=torch.bool, device=dev)
+        mask[: n // 2] = True  # half audio positions: LocEnc runs too
+        slots = positions % (self.table_width * self.block_size)
+        table = torch.arange(self.table_width, dtype=torch.int32, device=dev).expand(len(lens), -1)
+        row_index = torch.cat([torch.full((k,), i, dtype=torch.int32, device=dev) for i, k in enumerate(lens)])
+        meta = AttentionMetadata(True, slots, table, row_index, (positions + 1).to(torch.int32), lens, lens)
+        assert self.base_cache is not None and self.residual_cache is not None
+        self.model.backbone.prefill(torch.zeros(n, dtype=torch.long, device=dev),
+                                    torch.zeros(n, p, d, dtype=self.dtype, device=dev), mask, positions,
+                                    torch.tensor([n - 1], device=dev), self.base_cache.attend_fn(meta),
+                                    self.residual_cache.attend_fn(meta))
+
+    # --- slots --------------------------------------------------------------------------------
+    def assign_slot(self, seq: Sequence) -> None:
+        """Give a sequence a state row; a new one gets a fresh VAE stream, a resumed one its saved state."""
+        seq.slot = self.free_slots.pop()
+        states = seq.saved_vae_state
+        for i, buf in enumerate(self.vae_states):
+            if states is None:
+                buf[seq.slot].zero_()
+            else:
+                buf[seq.slot].copy_(states[i])
+        if states is None and len(seq.prompt.context):
+            # Continuation: the VAE stream starts after the prompt's last patches (audio dropped).
+            self._decode_audio(torch.tensor([seq.slot], device=self.device),
+                               self._latents(seq.prompt.context.to(self.device)[None]))
+        seq.saved_vae_state = None
+
+    def release_slot(self, seq: Sequence, keep_state: bool = False) -> None:
+        """Free a sequence's row (finished, aborted) or park its VAE stream state (preempted)."""
+        if seq.slot is None:
+            return
+        if keep_state:
+            seq.saved_vae_state = [buf[seq.slot].clone() for buf in self.vae_states]
+        self.free_slots.append(seq.slot)
+        seq.slot = None
+
+    # --- prefill ------------------------------------------------------------------------------
     @staticmethod
-    def kv_bytes_per_block(model: LoadedModel, block_size: int, dtype: torch.dtype) -> int:
-        cfg = model.config
-        return sum(PagedKVCache.bytes_per_block(c.num_hidden_layers, block_size, c.num_key_value_heads,
-                                                c.head_dim, dtype) for c in (cfg.lm, cfg.residual_lm))
-
-    def _tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(s.block_table) for s in seqs)
-        rows = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
-        return torch.tensor(rows, dtype=torch.int32, device=self.device)
+    def _tables(seqs: list[Sequence], width: int, pad_rows: int = 0) -> torch.Tensor:
+        """Block tables padded with block 0 (never read past a sequence's length), on the host."""
+        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs] + [[0] * width] * pad_rows
+        return torch.tensor(rows, dtype=torch.int32)
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> None:
         """Fill both LMs' caches with each sequence's prompt (minus its prefix-cached blocks) and
-        leave each sequence ready for its first decode step."""
-        ids, feats, mask, positions, slots, last_rows, qlens, klens = [], [], [], [], [], [], [], []
+        leave its slot ready for its first decode step."""
+        ids, feats, mask, positions, slots, last_rows, qlens, klens, rows = [], [], [], [], [], [], [], [], []
         last_feats = []
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
+            if seq.slot is None:
+                self.assign_slot(seq)
+            if seq.noise is None:
+                seed = seq.params.seed if seq.params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+                seq.noise = torch.Generator().manual_seed(seed)
             seq_ids, seq_feats, seq_mask = seq.prefill_inputs()
             last_feats.append(seq_feats[-1])
             start, n = seq.num_cached_tokens, len(seq_ids)
@@ -69,79 +210,131 @@ class ModelRunner:
             feats.append(seq_feats[start:])
             mask.append(seq_mask[start:])
             positions += range(start, n)
-            slots += [seq.block_table[i // self.block_size] * self.block_size + i % self.block_size
-                      for i in range(start, n)]
+            slots += [seq.block_table[j // self.block_size] * self.block_size + j % self.block_size
+                      for j in range(start, n)]
+            rows += [i] * (n - start)
             qlens.append(n - start)
             klens.append(n)
             last_rows.append(sum(qlens) - 1)
         dev = self.device
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
         meta = AttentionMetadata(
             is_prefill=True,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=self._tables(seqs),
-            context_lens=torch.tensor(klens, dtype=torch.int32, device=dev),
+            block_tables=self._tables(seqs, max(len(s.block_table) for s in seqs)).to(dev),
+            row_index=torch.tensor(rows, dtype=torch.int32, device=dev),
+            token_context_lens=(pos + 1).to(torch.int32),
             query_lens=qlens,
             key_lens=klens,
         )
+        assert self.base_cache is not None and self.residual_cache is not None
         lm_h, res_h = self.model.backbone.prefill(
             torch.tensor(ids, dtype=torch.long, device=dev), torch.cat(feats).to(dev), torch.cat(mask).to(dev),
-            torch.tensor(positions, dtype=torch.long, device=dev), torch.tensor(last_rows, device=dev),
-            self.base_cache.attend_fn(meta), self.residual_cache.attend_fn(meta))
-        for i, seq in enumerate(seqs):
-            seq.lm_hidden, seq.residual_hidden = lm_h[i], res_h[i]
-            seq.prev_patch = last_feats[i].to(dev)
-            if seq.noise is None:
-                seq.noise = torch.Generator().manual_seed(
-                    seq.params.seed if seq.params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-            if seq.decoder is None:
-                seq.decoder = self.model.vae.streaming_decoder()
-                if len(seq.prompt.context):
-                    seq.decoder.prime(self._patches_to_latents(seq.prompt.context.to(dev)))
+            pos, torch.tensor(last_rows, device=dev), self.base_cache.attend_fn(meta),
+            self.residual_cache.attend_fn(meta))
+        index = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
+        self.lm_hidden[index] = lm_h
+        self.residual_hidden[index] = res_h
+        self.prev_patch[index] = torch.stack(last_feats).to(dev, self.dtype)
 
-    def _patches_to_latents(self, patches: torch.Tensor) -> torch.Tensor:
-        """(N, P, D) -> (1, D, N * P) float32 VAE input."""
-        return patches.float().reshape(-1, patches.shape[-1]).T.unsqueeze(0)
+    # --- decode -------------------------------------------------------------------------------
+    def _latents(self, patches: torch.Tensor) -> torch.Tensor:
+        """(B, N, P, D) patches -> (B, D, N * P) VAE input."""
+        vae_dtype = self.vae_states[0].dtype if self.vae_states else torch.float32
+        return patches.to(vae_dtype).flatten(1, 2).transpose(1, 2)
+
+    def _decode_audio(self, index: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """Streaming VAE decode of new latents for the streams in `index`; their states move on."""
+        states = [buf[index] for buf in self.vae_states]
+        audio = self.model.vae.decoder(latents, self.vae_sr_idx, states)
+        for buf, state in zip(self.vae_states, states, strict=True):
+            buf[index] = state
+        return audio.flatten(1)
+
+    def _decode_forward(self, batch: int, width: int) -> None:
+        """One decode step over the first `batch` rows of the static buffers (graph body)."""
+        buf = self.buffers
+        assert buf is not None and self.base_cache is not None and self.residual_cache is not None
+        index = buf.slot_index[:batch]
+        meta = AttentionMetadata(False, buf.slot_mapping[:batch], buf.block_tables[:batch, :width],
+                                 buf.row_index[:batch], buf.context_lens[:batch])
+        out = self.model.backbone.decode_step(
+            self.lm_hidden[index], self.residual_hidden[index], self.prev_patch[index], buf.noise[:batch],
+            buf.cfg[:batch], buf.positions[:batch], self.inference_timesteps, self.base_cache.attend_fn(meta),
+            self.residual_cache.attend_fn(meta))
+        self.lm_hidden[index] = out.lm_hidden
+        self.residual_hidden[index] = out.residual_hidden
+        self.prev_patch[index] = out.patch
+        buf.patch[:batch] = out.patch
+        buf.stop[:batch] = out.stop
+        buf.audio[:batch] = self._decode_audio(index, self._latents(out.patch[:, None]))
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> float:
+        """Capture the decode step for every bucket (largest first, sharing one memory pool)."""
+        if not self.use_graphs:
+            return 0.0
+        t0 = time.perf_counter()
+        pool = None
+        for batch in reversed(graph_buckets(self.max_num_seqs)):
+            self._decode_forward(batch, self.table_width)  # warm-up: kernels compiled, allocator primed
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._decode_forward(batch, self.table_width)
+            pool = graph.pool()
+            self.graphs[batch] = graph
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
 
     def _noise(self, seq: Sequence) -> torch.Tensor:
         d, p = self.cfg.feat_dim, self.cfg.patch_size
         if seq.injected_noise is not None:
             z = seq.injected_noise[seq.num_generated].reshape(d, p).float()
         else:
+            assert seq.noise is not None
             z = torch.randn((d, p), generator=seq.noise)
         return z * seq.params.temperature
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence], blocks: BlockManager) -> list[PatchResult]:
         """One patch for each sequence; the patch is fed back into both LMs in the same step."""
-        dev = self.device
+        buf = self.buffers
+        assert buf is not None
+        b = len(seqs)
         slots = [blocks.append_slot(s) for s in seqs]
-        positions = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long, device=dev)
-        meta = AttentionMetadata(
-            is_prefill=False,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=self._tables(seqs),
-            context_lens=(positions + 1).to(torch.int32),
-        )
-        out = self.model.backbone.decode_step(
-            torch.stack([s.lm_hidden for s in seqs]), torch.stack([s.residual_hidden for s in seqs]),
-            torch.stack([s.prev_patch for s in seqs]), torch.stack([self._noise(s) for s in seqs]).to(dev),
-            torch.tensor([s.params.cfg_value for s in seqs], dtype=torch.float32, device=dev), positions,
-            self.inference_timesteps, self.base_cache.attend_fn(meta), self.residual_cache.attend_fn(meta))
-        stops = out.stop.tolist()
+        graph_batch = next((g for g in sorted(self.graphs) if g >= b), None)
+        rows = graph_batch or b
+        width = self.table_width if graph_batch else max(len(s.block_table) for s in seqs)
+        pad = rows - b
+        scratch_kv = self.base_cache.scratch_slot if self.base_cache else 0
+        host = {
+            "slot_index": torch.tensor([s.slot for s in seqs] + [self.scratch_slot] * pad),
+            "positions": torch.tensor([s.num_tokens for s in seqs] + [0] * pad),
+            "slot_mapping": torch.tensor(slots + [scratch_kv] * pad),
+            "context_lens": torch.tensor([s.num_tokens + 1 for s in seqs] + [1] * pad, dtype=torch.int32),
+            "cfg": torch.tensor([s.params.cfg_value for s in seqs] + [0.0] * pad),
+        }
+        for name, value in host.items():
+            getattr(buf, name)[:rows].copy_(value, non_blocking=True)
+        buf.block_tables[:rows, :width].copy_(self._tables(seqs, width, pad), non_blocking=True)
+        buf.noise[:b].copy_(torch.stack([self._noise(s) for s in seqs]), non_blocking=True)
+        if graph_batch:
+            self.graphs[graph_batch].replay()
+        else:
+            self._decode_forward(b, width)
+        # The one host sync of the step; copies, because on CPU .cpu() would alias the static buffers.
+        patches = buf.patch[:b].to("cpu", torch.float32, copy=True)
+        stops = buf.stop[:b].tolist()
+        audio = buf.audio[:b].to("cpu", copy=True).numpy()
         results = []
         for i, seq in enumerate(seqs):
-            patch = out.patch[i]
             step = seq.num_generated  # index of this patch
-            seq.generated.append(patch.float().cpu())
+            seq.generated.append(patches[i])
             seq.num_generated += 1
-            seq.prev_patch = patch
-            seq.lm_hidden, seq.residual_hidden = out.lm_hidden[i], out.residual_hidden[i]
             reason = None
             if stops[i] and step > seq.params.min_len:
                 reason = "stop"
             elif seq.num_generated >= seq.max_patches:
                 reason = "length"
-            audio = seq.decoder.decode_chunk(self._patches_to_latents(patch.unsqueeze(0)))
-            results.append(PatchResult(seq, seq.generated[-1], audio.reshape(-1).float().cpu().numpy(),
-                                       reason is not None, reason))
+            results.append(PatchResult(seq, patches[i], audio[i], reason is not None, reason))
         return results

@@ -20,6 +20,7 @@ class Schedule:
     prefill: list[Sequence] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
     rejected: list[tuple[Sequence, str]] = field(default_factory=list)  # can never run: (seq, reason)
+    preempted: list[Sequence] = field(default_factory=list)  # lost their KV this round, back to waiting
 
     @property
     def empty(self) -> bool:
@@ -60,6 +61,7 @@ class Scheduler:
         out = Schedule()
         # Make room for every running sequence's next token first: running streams have priority.
         while self.running and sum(map(self.blocks.needs_new_block, self.running)) > self.blocks.num_free:
+            out.preempted.append(self.running[-1])
             self._preempt(self.running[-1])
         budget = self.max_num_batched_tokens
         while self.waiting and len(self.running) < self.max_num_seqs:

@@ -59,7 +59,8 @@ class Sequence:
     prev_patch: torch.Tensor | None = None
     noise: torch.Generator | None = None
     injected_noise: list[torch.Tensor] | None = None  # tests: exact noise per step (parity with the official)
-    decoder: object | None = None  # streaming VAE decoder state
+    slot: int | None = None  # row of the model runner's per-sequence state buffers while it holds one
+    saved_vae_state: list[torch.Tensor] | None = None  # streaming VAE context parked during a preemption
     generated: list[torch.Tensor] = field(default_factory=list)  # (P, D) patches, kept for recompute
 
     @property

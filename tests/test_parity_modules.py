@@ -41,12 +41,12 @@ def test_causal_lm_prefill_and_decode(models, stack):
     cache, table = _paged(cfg), [4, 1, 5, 0]
     rope = ours.backbone.rope_tables["lm"]
     slots = torch.tensor([table[i // 4] * 4 + i % 4 for i in range(t)])
-    meta = AttentionMetadata(True, slots, torch.tensor([table], dtype=torch.int32), torch.tensor([t]),
-                             query_lens=[t], key_lens=[t])
+    meta = AttentionMetadata(True, slots, torch.tensor([table], dtype=torch.int32), torch.zeros(t, dtype=torch.int32),
+                             torch.arange(1, t + 1, dtype=torch.int32), query_lens=[t], key_lens=[t])
     h = ours_lm(x[0], rope[torch.arange(t)], cache.attend_fn(meta))
     check_parity(f"{name} {stack} prefill", h, ref_h[0], BOUND)
     meta = AttentionMetadata(False, torch.tensor([table[t // 4] * 4 + t % 4]), torch.tensor([table], dtype=torch.int32),
-                             torch.tensor([t + 1], dtype=torch.int32))
+                             torch.zeros(1, dtype=torch.int32), torch.tensor([t + 1], dtype=torch.int32))
     step = ours_lm(y, rope[torch.tensor([t])], cache.attend_fn(meta))
     check_parity(f"{name} {stack} decode step", step, ref_step, BOUND)
 
