@@ -1,0 +1,423 @@
+"""The server pool: one worker process per device, requests routed to the least-loaded one.
+
+`VoxCPM.from_pretrained(...)` returns an `AsyncVoxCPMServerPool` when called inside a running event
+loop and a `SyncVoxCPMServerPool` (the same pool driven from a private loop thread) otherwise.
+
+Each worker has a reader thread that hands its messages to the event loop and a sender thread, so
+the loop never blocks on a pipe. When a worker dies its pipe closes: every request waiting on it is
+woken with `WorkerDiedError` at once, the pool reports itself unhealthy, and `restart()` brings it
+back (registered prompts are replayed to the new worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import logging
+import multiprocessing as mp
+import queue
+import threading
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from engine.checkpoint import CheckpointError, resolve_model_path
+from engine.errors import PoolError, PoolStoppedError, PromptNotFoundError, RequestError, WorkerDiedError, error_from
+from engine.llm_engine import EngineConfig
+from engine.worker import worker_main
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_END = object()
+
+
+class _WorkerHandle:
+    """The parent's side of one worker process."""
+
+    def __init__(self, index: int, device: str, model_path: str, config: dict[str, Any],
+                 loop: asyncio.AbstractEventLoop, on_message: Any, on_exit: Any) -> None:
+        self.index, self.device = index, device
+        ctx = mp.get_context("spawn")  # CUDA cannot be forked
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=worker_main, name=f"voxcpm-worker-{index}",
+                                   args=(child, model_path, device, config, logging.getLogger().level), daemon=True)
+        self.process.start()
+        child.close()  # our copy: the pipe must close when the child exits
+        self.ready: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self.alive = True
+        self.load = 0  # in-flight generations
+        self.pending: dict[str, asyncio.Queue[Any] | asyncio.Future[Any]] = {}
+        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._loop = loop
+        self._on_message, self._on_exit = on_message, on_exit
+        threading.Thread(target=self._read, name=f"voxcpm-reader-{index}", daemon=True).start()
+        threading.Thread(target=self._write, name=f"voxcpm-sender-{index}", daemon=True).start()
+
+    def send(self, msg: tuple) -> None:
+        if not self.alive:
+            raise WorkerDiedError(f"worker {self.index} ({self.device}) is not running")
+        self._outbox.put(msg)
+
+    def _write(self) -> None:
+        while (msg := self._outbox.get()) is not _END:
+            try:
+                self.conn.send(msg)
+            except (OSError, ValueError):
+                return  # the reader sees the death
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            try:
+                self._loop.call_soon_threadsafe(self._on_message, self, msg)
+            except RuntimeError:  # loop closed
+                return
+        self._outbox.put(_END)
+        self.process.join(timeout=5)
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._on_exit, self)
+
+
+class AsyncVoxCPMServerPool:
+    def __init__(self, model: str, devices: list[str], config: EngineConfig) -> None:
+        self.model_path = str(resolve_model_path(model))
+        self.devices = devices
+        self.config = config
+        self._loop = asyncio.get_running_loop()
+        self._prompts: dict[str, tuple[bytes, str]] = {}
+        self._ids = itertools.count()
+        self._stopped = False
+        self._workers = [self._spawn(i, d) for i, d in enumerate(devices)]
+
+    def _spawn(self, index: int, device: str) -> _WorkerHandle:
+        return _WorkerHandle(index, device, self.model_path, asdict(self.config), self._loop, self._on_message,
+                             self._on_exit)
+
+    # --- messages from workers (event loop thread) --------------------------------------------
+    def _on_message(self, w: _WorkerHandle, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "ready":
+            if not w.ready.done():
+                w.ready.set_result(msg[1])
+        elif kind == "fatal":
+            if not w.ready.done():
+                w.ready.set_exception(PoolError(f"worker {w.index} ({w.device}) failed to start: {msg[1]}"))
+        elif kind == "events":
+            for rid, audio, finished, err_kind, err_msg in msg[1]:
+                target = w.pending.get(rid)
+                if isinstance(target, asyncio.Queue):
+                    target.put_nowait(error_from(err_kind, err_msg) if err_kind else (audio, finished))
+        elif kind == "reply":
+            _, rid, value, err_kind, err_msg = msg
+            target = w.pending.pop(rid, None)
+            if isinstance(target, asyncio.Future) and not target.done():
+                if err_kind:
+                    target.set_exception(error_from(err_kind, err_msg))
+                else:
+                    target.set_result(value)
+
+    def _on_exit(self, w: _WorkerHandle) -> None:
+        w.alive = False
+        code = w.process.exitcode
+        if not self._stopped:
+            log.error("worker %d (%s) exited with code %s", w.index, w.device, code)
+        err_cls = PoolStoppedError if self._stopped else WorkerDiedError
+        err = err_cls(f"worker {w.index} ({w.device}) exited (code {code})")
+        if not w.ready.done():
+            w.ready.set_exception(err)
+            w.ready.exception()  # mark retrieved: nobody may be waiting
+        for target in w.pending.values():
+            if isinstance(target, asyncio.Queue):
+                target.put_nowait(err)
+            elif not target.done():
+                target.set_exception(err)
+        w.pending.clear()
+
+    # --- state --------------------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        """Every worker is running (ready or still loading) and the pool is not stopped."""
+        return not self._stopped and all(w.alive for w in self._workers)
+
+    @property
+    def ready(self) -> bool:
+        return self.healthy and all(w.ready.done() and not w.ready.exception() for w in self._workers)
+
+    def load(self) -> list[int]:
+        """In-flight generations per worker."""
+        return [w.load for w in self._workers]
+
+    async def wait_for_ready(self, timeout: float | None = None) -> None:
+        """Until every worker has loaded the model (raises the first start-up failure)."""
+        await asyncio.wait_for(asyncio.gather(*(asyncio.shield(w.ready) for w in self._workers)), timeout)
+
+    async def _pick(self) -> _WorkerHandle:
+        if self._stopped:
+            raise PoolStoppedError("the pool is stopped")
+        live = [w for w in self._workers if w.alive]
+        if not live:
+            raise WorkerDiedError("no worker is running; restart the pool")
+        ready = [w for w in live if w.ready.done() and not w.ready.exception()]
+        if ready:
+            return min(ready, key=lambda w: w.load)
+        loading = [w for w in live if not w.ready.done()]
+        if not loading:  # every live worker failed to start
+            raise live[0].ready.exception()  # type: ignore[misc]
+        await asyncio.wait([asyncio.shield(w.ready) for w in loading], return_when=asyncio.FIRST_COMPLETED)
+        return await self._pick()
+
+    async def _call(self, w: _WorkerHandle, op: str, *args: Any) -> Any:
+        rid = f"r{next(self._ids)}"
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        w.pending[rid] = fut
+        try:
+            w.send((op, rid, *args))
+            return await fut
+        finally:
+            w.pending.pop(rid, None)
+
+    # --- API ----------------------------------------------------------------------------------
+    async def get_model_info(self) -> dict[str, Any]:
+        w = await self._pick()
+        info = dict(w.ready.result())
+        info["devices"] = list(self.devices)
+        return info
+
+    async def stats(self) -> list[dict[str, Any] | None]:
+        """Per worker: running/waiting sequences, free KV blocks, preemptions... (None for a dead one)."""
+        out: list[dict[str, Any] | None] = []
+        for w in self._workers:
+            ok = w.alive and w.ready.done() and not w.ready.exception()
+            out.append(await self._call(w, "stats") if ok else None)
+        return out
+
+    async def encode_latents(self, wav: bytes, wav_format: str = "wav", padding: str = "left") -> bytes:
+        """An audio file's bytes -> float32 latents bytes shaped (frames, feat_dim), frames a multiple of the
+        patch size. padding="left" suits a continuation prompt, "right" a reference clip."""
+        if padding not in ("left", "right"):
+            raise RequestError("padding must be 'left' or 'right'")
+        if not isinstance(wav, bytes | bytearray) or not wav:
+            raise RequestError("wav must be non-empty bytes")
+        return await self._call(await self._pick(), "encode_latents", bytes(wav), wav_format, padding)
+
+    async def add_prompt(self, wav: bytes | None = None, wav_format: str = "wav", prompt_text: str = "", *,
+                         latents: bytes | np.ndarray | None = None) -> str:
+        """Register a voice prompt (audio or latents + its transcript) on every worker; returns its id,
+        derived from the content, so the same prompt registered twice has one id."""
+        if not prompt_text.strip():
+            raise RequestError("prompt_text must not be empty")
+        if (wav is None) == (latents is None):
+            raise RequestError("give exactly one of wav or latents")
+        if wav is not None:
+            raw = await self.encode_latents(wav, wav_format)
+        else:
+            raw = latents.astype(np.float32).tobytes() if isinstance(latents, np.ndarray) else bytes(latents)
+        prompt_id = hashlib.blake2b(raw + prompt_text.encode(), digest_size=12).hexdigest()
+        self._prompts[prompt_id] = (raw, prompt_text)
+        for w in self._workers:
+            if w.alive:
+                w.send(("add_prompt", prompt_id, raw, prompt_text))
+        return prompt_id
+
+    async def remove_prompt(self, prompt_id: str) -> None:
+        if self._prompts.pop(prompt_id, None) is None:
+            raise PromptNotFoundError(f"prompt_id {prompt_id!r} is not registered")
+        for w in self._workers:
+            if w.alive:
+                w.send(("remove_prompt", prompt_id))
+
+    def list_prompts(self) -> list[str]:
+        return list(self._prompts)
+
+    async def generate(self, target_text: str, prompt_latents: bytes | np.ndarray | torch.Tensor | None = None,
+                       prompt_text: str = "", prompt_id: str | None = None,
+                       ref_audio_latents: bytes | np.ndarray | torch.Tensor | None = None,
+                       max_generate_length: int = 2000, temperature: float = 1.0, cfg_value: float = 2.0,
+                       min_len: int = 2, seed: int | None = None) -> AsyncIterator[np.ndarray]:
+        """Stream float32 audio chunks (one per patch) at `get_model_info()["sample_rate"]`.
+        Leaving the loop early (break, cancellation) aborts the request and frees its KV blocks."""
+        if prompt_id is not None and prompt_id not in self._prompts:
+            raise PromptNotFoundError(f"prompt_id {prompt_id!r} is not registered")
+        w = await self._pick()
+        rid = f"g{next(self._ids)}"
+        events: asyncio.Queue[Any] = asyncio.Queue()
+        request = dict(target_text=target_text, prompt_latents=_plain(prompt_latents), prompt_text=prompt_text,
+                       prompt_id=prompt_id, ref_audio_latents=_plain(ref_audio_latents),
+                       max_generate_length=max_generate_length, temperature=temperature, cfg_value=cfg_value,
+                       min_len=min_len, seed=seed)
+        w.pending[rid] = events
+        w.load += 1
+        finished = False
+        try:
+            w.send(("generate", rid, request))
+            while not finished:
+                item = await events.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                audio, finished = item
+                yield audio
+        finally:
+            w.load -= 1
+            w.pending.pop(rid, None)
+            if not finished and w.alive:
+                w.send(("abort", rid))
+
+    async def restart(self, timeout: float | None = None) -> None:
+        """Replace dead workers, replay registered prompts to them and wait until they are ready."""
+        if self._stopped:
+            raise PoolStoppedError("the pool is stopped")
+        for i, w in enumerate(self._workers):
+            if not w.alive:
+                new = self._spawn(i, w.device)
+                for prompt_id, (raw, text) in self._prompts.items():
+                    new.send(("add_prompt", prompt_id, raw, text))
+                self._workers[i] = new
+        await self.wait_for_ready(timeout)
+
+    def kill_worker(self, index: int) -> None:
+        """Terminate one worker process abruptly (tests and chaos drills)."""
+        self._workers[index].process.kill()
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Stop every worker (gracefully, then by force); in-flight requests get PoolStoppedError."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for w in self._workers:
+            if w.alive:
+                w.send(("stop",))
+        for w in self._workers:
+            await asyncio.to_thread(w.process.join, timeout)
+            if w.process.is_alive():
+                w.process.kill()
+                await asyncio.to_thread(w.process.join, 5)
+
+
+def _plain(value: Any) -> Any:
+    """Latents travel to the worker as numpy (tensors may live on a device)."""
+    return value.detach().float().cpu().numpy() if isinstance(value, torch.Tensor) else value
+
+
+class SyncVoxCPMServerPool:
+    """The async pool behind blocking calls, driven from a private event loop thread."""
+
+    def __init__(self, model: str, devices: list[str], config: EngineConfig) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="voxcpm-pool-loop", daemon=True)
+        self._thread.start()
+
+        async def make() -> AsyncVoxCPMServerPool:
+            return AsyncVoxCPMServerPool(model, devices, config)
+
+        self.pool = self._run(make())
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return self.pool.healthy
+
+    @property
+    def ready(self) -> bool:
+        return self.pool.ready
+
+    def wait_for_ready(self, timeout: float | None = None) -> None:
+        self._run(self.pool.wait_for_ready(timeout))
+
+    def get_model_info(self) -> dict[str, Any]:
+        return self._run(self.pool.get_model_info())
+
+    def stats(self) -> list[dict[str, Any] | None]:
+        return self._run(self.pool.stats())
+
+    def encode_latents(self, wav: bytes, wav_format: str = "wav", padding: str = "left") -> bytes:
+        return self._run(self.pool.encode_latents(wav, wav_format, padding))
+
+    def add_prompt(self, wav: bytes | None = None, wav_format: str = "wav", prompt_text: str = "", *,
+                   latents: bytes | np.ndarray | None = None) -> str:
+        return self._run(self.pool.add_prompt(wav, wav_format, prompt_text, latents=latents))
+
+    def remove_prompt(self, prompt_id: str) -> None:
+        self._run(self.pool.remove_prompt(prompt_id))
+
+    def generate(self, target_text: str, **kwargs: Any) -> Iterator[np.ndarray]:
+        """Blocking iterator of float32 chunks; closing it (break) aborts the request."""
+        agen = self.pool.generate(target_text, **kwargs)
+        try:
+            while True:
+                try:
+                    yield self._run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(agen.aclose())
+
+    def kill_worker(self, index: int) -> None:
+        self.pool.kill_worker(index)
+
+    def restart(self, timeout: float | None = None) -> None:
+        self._run(self.pool.restart(timeout))
+
+    def stop(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._run(self.pool.stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+
+def _device_names(devices: list[int | str] | None) -> list[str]:
+    if devices is None:
+        n = torch.cuda.device_count()
+        return [f"cuda:{i}" for i in range(n)] if n else ["cpu"]
+    if not devices:
+        raise ValueError("devices must not be empty")
+    names = []
+    for d in devices:
+        name = f"cuda:{d}" if isinstance(d, int) else str(d)
+        if name.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {d!r} requested but CUDA is not available")
+        names.append(name)
+    return names
+
+
+class VoxCPM:
+    @staticmethod
+    def from_pretrained(model: str, devices: list[int | str] | None = None, max_num_seqs: int = 16,
+                        max_model_len: int = 4096, max_num_batched_tokens: int = 8192,
+                        gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
+                        inference_timesteps: int = 10, block_size: int = 16,
+                        attention_backend: str | None = None, num_kv_blocks: int | None = None,
+                        dtype: str | torch.dtype | None = None) -> AsyncVoxCPMServerPool | SyncVoxCPMServerPool:
+        """Start one worker per device (default: every visible GPU, else the CPU). `model` is a checkpoint
+        directory or a hub repo id. Returns at once; `wait_for_ready()` waits for the model to load."""
+        from engine.config import parse_dtype
+
+        config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                              max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                              gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                              attention_backend=attention_backend, inference_timesteps=inference_timesteps,
+                              num_kv_blocks=num_kv_blocks,
+                              dtype=parse_dtype(dtype) if isinstance(dtype, str) else dtype)
+        config.validate()
+        names = _device_names(devices)
+        model = str(resolve_model_path(model))  # download once here, not in every worker
+        if not (Path(model) / "config.json").is_file():
+            raise CheckpointError(f"{model} has no config.json: not a VoxCPM checkpoint directory")
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return SyncVoxCPMServerPool(model, names, config)
+        return AsyncVoxCPMServerPool(model, names, config)

@@ -1,0 +1,224 @@
+"""The worker process: one LLMEngine on one device, driven over a pipe by the server pool.
+
+Messages in (tuples): ("generate", rid, request dict), ("abort", rid), ("encode_latents", rid, bytes,
+format, padding), ("add_prompt", prompt_id, latents float32 bytes, text), ("remove_prompt", prompt_id),
+("stats", rid), ("stop",).
+Messages out: ("ready", info) or ("fatal", message) once; then ("events", [(rid, audio | None,
+finished, error kind | None, error message | None), ...]) once per engine step, and ("reply", rid,
+value | None, error kind | None, message | None) for the other requests.
+The loop never blocks while sequences run; with nothing to do it sleeps in `poll`. Parent gone = exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.audio import AudioError, decode_audio, encode_latents
+from engine.errors import PromptNotFoundError, RequestError
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.prompt import PromptError
+from engine.sequence import SamplingParams
+
+log = logging.getLogger(__name__)
+
+SAMPLING_FIELDS = ("max_generate_length", "temperature", "cfg_value", "min_len", "seed")
+
+
+def latents_from(value: Any, feat_dim: int, field: str) -> torch.Tensor:
+    """Latents given as float32 bytes, a numpy array or a tensor -> (frames, feat_dim) float32 tensor."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        raw = bytes(value)
+        if not raw or len(raw) % (4 * feat_dim):
+            raise RequestError(f"{field}: float32 bytes must be a positive multiple of 4 * feat_dim = "
+                               f"{4 * feat_dim} bytes, got {len(raw)}")
+        return torch.from_numpy(np.frombuffer(raw, dtype=np.float32).copy()).reshape(-1, feat_dim)
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32))
+    if isinstance(value, torch.Tensor):
+        return value.detach().float().cpu()
+    raise RequestError(f"{field} must be float32 bytes, a numpy array or a tensor, got {type(value).__name__}")
+
+
+class Worker:
+    def __init__(self, engine: LLMEngine, conn: Connection) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.prompts: dict[str, tuple[torch.Tensor, str]] = {}
+        self.rid_of: dict[int, str] = {}  # engine seq id -> request id
+        self.seq_of: dict[str, int] = {}
+        self.steps = 0
+        self.step_seconds = 0.0
+
+    def info(self) -> dict[str, Any]:
+        m, cfg = self.engine.model, self.engine.config
+        return {
+            "architecture": m.config.architecture,
+            "version": m.config.version,
+            "sample_rate": m.vae.out_sample_rate,
+            "encoder_sample_rate": m.vae.sample_rate,
+            "channels": 1,
+            "feat_dim": m.config.feat_dim,
+            "patch_size": m.config.patch_size,
+            "samples_per_patch": self.engine.runner.samples_per_patch,
+            "dtype": str(self.engine.runner.dtype).removeprefix("torch."),
+            "device": str(self.engine.device),
+            "max_num_seqs": cfg.max_num_seqs,
+            "max_model_len": cfg.max_model_len,
+            "inference_timesteps": cfg.inference_timesteps,
+            "attention_backend": self.engine.runner.backend,
+            "cuda_graphs": len(self.engine.runner.graphs),
+            "kv_blocks": len(self.engine.blocks.blocks),
+            "block_size": cfg.block_size,
+            "startup_s": self.engine.startup_s,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        sched = self.engine.scheduler
+        return {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "free_blocks": self.engine.blocks.num_free,
+            "total_blocks": len(self.engine.blocks.blocks),
+            "free_slots": len(self.engine.runner.free_slots),
+            "preemptions": sched.num_preemptions,
+            "prompts": len(self.prompts),
+            "steps": self.steps,
+            "step_seconds": self.step_seconds,
+        }
+
+    # --- requests -----------------------------------------------------------------------------
+    def _add(self, rid: str, req: dict[str, Any]) -> None:
+        feat_dim = self.engine.model.config.feat_dim
+        prompt_text = req.get("prompt_text") or ""
+        prompt_latents = None
+        if req.get("prompt_id") is not None:
+            if req.get("prompt_latents") is not None:
+                raise RequestError("give prompt_id or prompt_latents, not both")
+            if req["prompt_id"] not in self.prompts:
+                raise PromptNotFoundError(f"prompt_id {req['prompt_id']!r} is not registered")
+            prompt_latents, prompt_text = self.prompts[req["prompt_id"]]
+        elif req.get("prompt_latents") is not None:
+            prompt_latents = latents_from(req["prompt_latents"], feat_dim, "prompt_latents")
+        ref = req.get("ref_audio_latents")
+        ref_latents = latents_from(ref, feat_dim, "ref_audio_latents") if ref is not None else None
+        try:
+            params = SamplingParams(**{k: req[k] for k in SAMPLING_FIELDS if req.get(k) is not None})
+            params.validate()
+            seq_id = self.engine.add_request(str(req.get("target_text", "")), params, prompt_text, prompt_latents,
+                                             ref_latents)
+        except (ValueError, TypeError, PromptError) as e:
+            raise RequestError(str(e)) from e
+        self.rid_of[seq_id] = rid
+        self.seq_of[rid] = seq_id
+
+    def _encode(self, data: bytes, fmt: str | None, padding: str) -> bytes:
+        m = self.engine.model
+        try:
+            samples, sr = decode_audio(data, fmt)
+            lat = encode_latents(m.vae, samples, sr, m.config.patch_size, padding)
+        except (AudioError, ValueError) as e:
+            raise RequestError(str(e)) from e
+        return lat.numpy().astype(np.float32).tobytes()
+
+    def handle(self, msg: tuple) -> bool:
+        """Act on one message; False means stop."""
+        op = msg[0]
+        if op == "stop":
+            return False
+        if op == "generate":
+            rid = msg[1]
+            try:
+                self._add(rid, msg[2])
+            except RequestError as e:
+                self.conn.send(("events", [(rid, None, True, e.kind, str(e))]))
+            except Exception as e:  # a bug must fail this request, not the worker
+                log.error("adding request failed:\n%s", traceback.format_exc())
+                self.conn.send(("events", [(rid, None, True, "engine", f"{type(e).__name__}: {e}")]))
+        elif op == "abort":
+            seq_id = self.seq_of.pop(msg[1], None)
+            if seq_id is not None:
+                self.rid_of.pop(seq_id, None)
+                self.engine.abort(seq_id)
+        elif op == "add_prompt":
+            _, prompt_id, raw, text = msg
+            self.prompts[prompt_id] = (latents_from(raw, self.engine.model.config.feat_dim, "latents"), text)
+        elif op == "remove_prompt":
+            self.prompts.pop(msg[1], None)
+        elif op in ("encode_latents", "stats"):
+            rid = msg[1]
+            try:
+                value = self._encode(*msg[2:]) if op == "encode_latents" else self.stats()
+                self.conn.send(("reply", rid, value, None, None))
+            except RequestError as e:
+                self.conn.send(("reply", rid, None, e.kind, str(e)))
+        else:
+            log.error("unknown message %r", op)
+        return True
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            events = self.engine.step()
+        except Exception:  # a bug or OOM: fail what is running, keep serving
+            message = traceback.format_exc()
+            log.error("engine step failed:\n%s", message)
+            out = []
+            for seq_id, rid in list(self.rid_of.items()):
+                self.engine.abort(seq_id)
+                out.append((rid, None, True, "engine", f"engine step failed: {message.strip().splitlines()[-1]}"))
+            self.rid_of.clear()
+            self.seq_of.clear()
+            self.conn.send(("events", out))
+            return
+        self.steps += 1
+        self.step_seconds += time.perf_counter() - t0
+        out = []
+        for ev in events:
+            rid = self.rid_of.get(ev.seq_id)
+            if rid is None:
+                continue
+            if ev.finished:
+                self.rid_of.pop(ev.seq_id, None)
+                self.seq_of.pop(rid, None)
+            if ev.error is not None:
+                out.append((rid, None, True, "request", ev.error))
+            else:
+                out.append((rid, ev.audio, ev.finished, None, None))
+        if out:
+            self.conn.send(("events", out))
+
+    def run(self) -> None:
+        while True:
+            timeout = 0 if self.engine.has_unfinished() else None
+            while self.conn.poll(timeout):
+                if not self.handle(self.conn.recv()):
+                    return
+                timeout = 0
+            if self.engine.has_unfinished():
+                self.step()
+
+
+def worker_main(conn: Connection, model_path: str, device: str, config: dict[str, Any], log_level: int) -> None:
+    """Process entry point (spawned)."""
+    logging.basicConfig(level=log_level, format=f"%(asctime)s worker[{device}] %(levelname)s %(name)s: %(message)s")
+    try:
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        engine = LLMEngine(model_path, EngineConfig(**config), device)
+        worker = Worker(engine, conn)
+        conn.send(("ready", worker.info()))
+    except BaseException as e:  # report why instead of dying silently
+        log.error("worker failed to start:\n%s", traceback.format_exc())
+        conn.send(("fatal", f"{type(e).__name__}: {e}"))
+        return
+    with contextlib.suppress(EOFError, OSError, KeyboardInterrupt):  # parent gone or interrupted: exit quietly
+        worker.run()
+

@@ -1,0 +1,216 @@
+"""The real server pool (worker processes, pipes, routing) on tiny checkpoints, on the CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+import wave
+
+import numpy as np
+import pytest
+import torch
+
+from engine import (
+    AsyncVoxCPMServerPool,
+    CheckpointError,
+    EngineConfig,
+    LLMEngine,
+    PromptNotFoundError,
+    RequestError,
+    SamplingParams,
+    SyncVoxCPMServerPool,
+    VoxCPM,
+    WorkerDiedError,
+    load_model,
+)
+
+
+def _wav_bytes(seconds: float, sr: int = 16000, seed: int = 0) -> bytes:
+    t = np.arange(int(seconds * sr)) / sr
+    x = 0.3 * np.sin(2 * np.pi * 170 * t) + 0.02 * np.random.default_rng(seed).standard_normal(t.size)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sr)
+        w.writeframes((x * 32767).astype(np.int16).tobytes())
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoint_factory):
+    return checkpoint_factory("tiny-voxcpm2", stop="never")
+
+
+@pytest.fixture(scope="module")
+def pool(checkpoint):
+    p = VoxCPM.from_pretrained(str(checkpoint), max_num_seqs=4, max_model_len=256, block_size=4)
+    assert isinstance(p, SyncVoxCPMServerPool)
+    p.wait_for_ready(timeout=120)
+    yield p
+    p.stop()
+
+
+def _free_blocks_restored(pool) -> None:
+    deadline = time.monotonic() + 5
+    while True:
+        s = pool.stats()[0]
+        if s["free_blocks"] == s["total_blocks"] and s["running"] == s["waiting"] == 0:
+            assert s["free_slots"] == 4
+            return
+        assert time.monotonic() < deadline, f"blocks not freed: {s}"
+        time.sleep(0.05)
+
+
+def test_model_info(pool):
+    info = pool.get_model_info()
+    assert info["sample_rate"] == 48000 and info["channels"] == 1
+    assert info["feat_dim"] == 64 and info["patch_size"] == 4
+    assert info["attention_backend"] == "torch" and info["cuda_graphs"] == 0 and info["devices"] == ["cpu"]
+
+
+def test_concurrent_mixed_modes_equal_alone(pool, checkpoint):
+    """Requests of every mode at once through the pool give exactly the audio each gives alone."""
+    lat = pool.encode_latents(_wav_bytes(1.0), "wav")
+    ref = pool.encode_latents(_wav_bytes(1.2, seed=1), "wav", padding="right")
+    prompt_id = pool.add_prompt(_wav_bytes(1.0), "wav", "A stored prompt.")
+    reqs = [
+        dict(target_text="Zero shot through the pool.", seed=1, max_generate_length=6),
+        dict(target_text="(calm voice) Designed.", seed=2, max_generate_length=5, cfg_value=1.5),
+        dict(target_text="Continue.", prompt_latents=lat, prompt_text="A stored prompt.", seed=3,
+             max_generate_length=4),
+        dict(target_text="With a reference.", ref_audio_latents=ref, seed=4, max_generate_length=5, temperature=0.5),
+        dict(target_text="Continue.", prompt_id=prompt_id, seed=3, max_generate_length=4),
+    ]
+
+    async def run_all() -> list[np.ndarray]:
+        inner: AsyncVoxCPMServerPool = pool.pool
+
+        async def one(r: dict) -> np.ndarray:
+            return np.concatenate([c async for c in inner.generate(**r)])
+
+        return await asyncio.gather(*(one(r) for r in reqs))
+
+    together = asyncio.run_coroutine_threadsafe(run_all(), pool._loop).result(120)
+    # The stored prompt is the same clip and text as the inline latents: same audio (up to summation
+    # order: the second one reuses the first one's prompt blocks from the prefix cache).
+    np.testing.assert_allclose(together[2], together[4], rtol=0, atol=1e-5 * np.abs(together[2]).max())
+    model = load_model(checkpoint)
+    feat_dim = model.config.feat_dim
+    for r, got in zip(reqs, together, strict=True):
+        engine = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=256, block_size=4))
+        kw = {}
+        if "prompt_latents" in r or "prompt_id" in r:
+            kw = dict(prompt_text="A stored prompt.",
+                      prompt_latents=torch.from_numpy(np.frombuffer(lat, np.float32).reshape(-1, feat_dim).copy()))
+        if "ref_audio_latents" in r:
+            kw["ref_latents"] = torch.from_numpy(np.frombuffer(ref, np.float32).reshape(-1, feat_dim).copy())
+        params = SamplingParams(**{k: r[k] for k in ("seed", "max_generate_length", "cfg_value", "temperature")
+                                   if k in r})
+        alone = engine.generate(r["target_text"], params, **kw)
+        assert got.shape == alone.shape
+        np.testing.assert_allclose(got, alone, rtol=0, atol=1e-5 * np.abs(alone).max())
+    pool.remove_prompt(prompt_id)
+    _free_blocks_restored(pool)
+
+
+def test_breaking_out_cancels_and_frees_blocks(pool):
+    it = pool.generate("A long request that the caller abandons.", max_generate_length=200, seed=5)
+    for i, chunk in enumerate(it):
+        assert chunk.dtype == np.float32 and chunk.ndim == 1
+        if i == 2:
+            break
+    it.close()
+    _free_blocks_restored(pool)
+
+
+def test_bad_requests_fail_alone_and_the_worker_keeps_serving(pool):
+    async def scenario() -> tuple[list[BaseException | None], int]:
+        inner: AsyncVoxCPMServerPool = pool.pool
+
+        async def good() -> int:
+            return len([c async for c in inner.generate("A healthy request.", max_generate_length=6, seed=1)])
+
+        async def bad(**kw: object) -> BaseException | None:
+            try:
+                async for _ in inner.generate(**kw):  # type: ignore[arg-type]
+                    pass
+            except Exception as e:
+                return e
+            return None
+
+        task = asyncio.create_task(good())
+        errors = await asyncio.gather(
+            bad(target_text="x", prompt_id="missing"),
+            bad(target_text="word " * 400),  # longer than max_model_len
+            bad(target_text="x", prompt_latents=np.zeros((3, 64), np.float32), prompt_text="p"),  # not whole patches
+            bad(target_text="x", prompt_latents=np.zeros((4, 7), np.float32), prompt_text="p"),  # wrong feat_dim
+            bad(target_text="x", prompt_latents=b"\x00" * 10, prompt_text="p"),
+            bad(target_text="   "),
+            bad(target_text="x", temperature=-1.0),
+            bad(target_text="x", cfg_value="high"),
+        )
+        return errors, await task
+
+    errors, good_chunks = asyncio.run_coroutine_threadsafe(scenario(), pool._loop).result(120)
+    assert good_chunks == 6
+    assert isinstance(errors[0], PromptNotFoundError)
+    assert all(isinstance(e, RequestError) for e in errors), errors
+    messages = [str(e) for e in errors]
+    assert "max_model_len=256" in messages[1]
+    assert "patch_size=4" in messages[2] and "(frames, 64)" in messages[3]
+    assert "4 * feat_dim" in messages[4] and "target_text" in messages[5]
+    assert "temperature" in messages[6]
+    with pytest.raises(RequestError, match="could not decode audio"):
+        pool.encode_latents(b"not audio at all", "wav")
+    with pytest.raises(PromptNotFoundError):
+        pool.remove_prompt("never-added")
+    _free_blocks_restored(pool)
+
+
+def test_same_prompt_twice_is_one_id(pool):
+    a = pool.add_prompt(_wav_bytes(0.8, seed=3), "wav", "Same clip.")
+    b = pool.add_prompt(_wav_bytes(0.8, seed=3), "wav", "Same clip.")
+    c = pool.add_prompt(_wav_bytes(0.8, seed=3), "wav", "Other text.")
+    assert a == b != c
+    pool.remove_prompt(a)
+    pool.remove_prompt(c)
+    assert pool.pool.list_prompts() == []
+
+
+def test_killed_worker_fails_callers_fast_and_restarts(checkpoint):
+    async def scenario() -> None:
+        pool = VoxCPM.from_pretrained(str(checkpoint), max_num_seqs=2, max_model_len=256)
+        assert isinstance(pool, AsyncVoxCPMServerPool)
+        await pool.wait_for_ready(timeout=120)
+        gen = pool.generate("This stream is cut off by a crash.", max_generate_length=500, seed=1)
+        await gen.__anext__()
+        t0 = time.monotonic()
+        pool.kill_worker(0)
+        with pytest.raises(WorkerDiedError):
+            async for _ in gen:
+                pass
+        assert time.monotonic() - t0 < 1.0
+        assert not pool.healthy and not pool.ready
+        with pytest.raises(WorkerDiedError):
+            async for _ in pool.generate("No worker left."):
+                pass
+        await pool.restart(timeout=120)
+        assert pool.healthy and pool.ready
+        chunks = [c async for c in pool.generate("Back again.", max_generate_length=3, seed=2)]
+        assert len(chunks) == 3
+        await pool.stop()
+        assert not pool.healthy
+
+    asyncio.run(scenario())
+
+
+def test_bad_configuration_is_refused_before_starting(tmp_path):
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        VoxCPM.from_pretrained("unused", gpu_memory_utilization=1.5)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            VoxCPM.from_pretrained("unused", devices=[0])
+    with pytest.raises(CheckpointError, match="config.json"):
+        VoxCPM.from_pretrained(str(tmp_path))
