@@ -1,14 +1,17 @@
-"""GPU check: the engine on CUDA vs the CPU/torch path on a tiny checkpoint, and eager step timings on a
-full-size random VoxCPM2. Prints a table and writes JSON (--out).
+"""GPU check: the CUDA-graph and Triton paths against the eager torch path (and the CPU), on a tiny fp32
+and a full-size bf16 random VoxCPM2 checkpoint; then decode-step timings, graphs vs eager.
+Prints a table and writes JSON.
 
-    python tools/gpu_check.py --out gpu_check.json
+    python tools/gpu_check.py --out gpu_check.json [--full /tmp/full] [--conc 1,8,32,64] [--patches 30]
 
-First version (eager torch path only); CUDA graphs and Triton kernels will be compared here too.
+Compared runs use the same seeded requests (three at once, different modes), so any difference comes
+from the kernels: rel err = max |a - b| / max |b| over the whole waveforms.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -20,62 +23,146 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from engine import EngineConfig, LLMEngine, SamplingParams, load_model  # noqa: E402
+from engine import EngineConfig, LLMEngine, LoadedModel, SamplingParams, load_model  # noqa: E402
 from engine.random_checkpoint import make_random_checkpoint  # noqa: E402
 
+TEXT = "Streaming speech synthesis has to start talking almost at once and keep ahead of the listener."
 
-def tiny_cpu_vs_cuda(tmp: Path) -> dict:
-    path = make_random_checkpoint(tmp / "tiny", "tiny-voxcpm2", stop="never", config_overrides={"dtype": "float32"})
+
+def requests(model: LoadedModel, patches: int) -> list[dict]:
+    cfg = model.config
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randn(cfg.patch_size * 3, cfg.feat_dim, generator=g)
+    return [
+        dict(target_text=TEXT, params=SamplingParams(seed=1, max_generate_length=patches)),
+        dict(target_text="Continue this voice.", prompt_text="A prompt.", prompt_latents=prompt,
+             params=SamplingParams(seed=2, max_generate_length=patches, cfg_value=1.5)),
+        dict(target_text="A referenced voice.", ref_latents=prompt,
+             params=SamplingParams(seed=3, max_generate_length=patches, temperature=0.7)),
+    ]
+
+
+def run(engine: LLMEngine, reqs: list[dict]) -> list[np.ndarray]:
+    ids = [engine.add_request(r["target_text"], r["params"], **{k: v for k, v in r.items()
+                                                               if k not in ("target_text", "params")}) for r in reqs]
+    chunks: dict[int, list[np.ndarray]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for ev in engine.step():
+            assert ev.error is None, ev.error
+            chunks[ev.seq_id].append(ev.audio)
+    assert engine.blocks.num_free == len(engine.blocks.blocks), "KV blocks leaked"
+    return [np.concatenate(chunks[i]) for i in ids]
+
+
+def rel_err(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    return max(float(np.abs(x - y).max() / np.abs(y).max()) for x, y in zip(a, b, strict=True))
+
+
+def variants(model: LoadedModel, device: str, reqs: list[dict], max_model_len: int) -> dict[str, list[np.ndarray]]:
     out = {}
-    for dev in ("cpu", "cuda"):
-        eng = LLMEngine(load_model(path, dev), EngineConfig(max_num_seqs=2, max_model_len=256), device=dev)
-        out[dev] = eng.generate("GPU check sentence.", SamplingParams(seed=3, max_generate_length=8))
-    err = float(np.abs(out["cpu"] - out["cuda"]).max() / np.abs(out["cpu"]).max())
-    return {"tiny_fp32_cuda_vs_cpu_max_rel_err": err}
+    for name, backend, eager in (("eager torch", "torch", True), ("eager triton", "triton", True),
+                                 ("graph triton", "triton", False), ("graph torch", "torch", False)):
+        eng = LLMEngine(model, EngineConfig(max_num_seqs=8, max_model_len=max_model_len, num_kv_blocks=512,
+                                            enforce_eager=eager, attention_backend=backend), device=device)
+        out[name] = run(eng, reqs)
+        if name == "graph triton":  # each request alone in the same graph engine: batching must not matter
+            out["graph triton, alone"] = [run(eng, [r])[0] for r in reqs]
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
 
 
-def full_timing(tmp: Path, concs: list[int], patches: int) -> dict:
-    t = time.perf_counter()
-    path = make_random_checkpoint(tmp / "full", "full-voxcpm2", stop="never")
-    made = time.perf_counter() - t
-    t = time.perf_counter()
+def check_tiny(tmp: Path, table: list[tuple[str, float, float]]) -> None:
+    path = make_random_checkpoint(tmp / "tiny", "tiny-voxcpm2", stop="never", config_overrides={"dtype": "float32"})
+    # Exact fp32 on the GPU: no TF32 in matmuls or convolutions.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    cpu_model = load_model(path, "cpu")
+    reqs = requests(cpu_model, 12)
+    cpu = run(LLMEngine(cpu_model, EngineConfig(max_num_seqs=8, max_model_len=512)), reqs)
+    gpu = variants(load_model(path, "cuda"), "cuda", reqs, 512)
+    for name, wav in gpu.items():
+        table.append((f"tiny fp32: {name} vs CPU eager", rel_err(wav, cpu), 1e-4))
+    table.append(("tiny fp32: graph triton vs eager torch (GPU)", rel_err(gpu["graph triton"], gpu["eager torch"]),
+                  1e-4))
+    table.append(("tiny fp32: graph triton batched vs alone", rel_err(gpu["graph triton"], gpu["graph triton, alone"]),
+                  1e-4))
+
+
+def check_full(path: Path, table: list[tuple[str, float, float]]) -> LoadedModel:
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
     model = load_model(path, "cuda", max_positions=1024)
-    loaded = time.perf_counter() - t
-    res = {"make_s": made, "load_s": loaded, "runs": []}
-    for c in concs:
-        eng = LLMEngine(model, EngineConfig(max_num_seqs=c, max_model_len=1024), device="cuda")
-        for _warmup_then_measured in range(2):
-            for i in range(c):
-                eng.add_request("Streaming speech synthesis has to start talking almost at once.",
-                                SamplingParams(seed=i, max_generate_length=patches))
-            torch.cuda.synchronize()
-            t0, steps, first = time.perf_counter(), 0, None
-            while eng.has_unfinished():
-                eng.step()
-                steps += 1
-                first = first or time.perf_counter() - t0
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
-        audio_s = c * patches * 0.16
-        row = {"c": c, "steps": steps, "wall_s": wall, "ms_per_step": 1000 * wall / steps,
-               "first_step_s": first, "rtf": wall / (patches * 0.16), "audio_s_per_s": audio_s / wall}
-        print(json.dumps(row), flush=True)
-        res["runs"].append(row)
-    return res
+    # One patch: kernels differ, the autoregressive loop has not amplified anything yet.
+    first = variants(model, "cuda", requests(model, 1), 1024)
+    table.append(("full bf16, 1 patch: eager triton vs eager torch",
+                  rel_err(first["eager triton"], first["eager torch"]), 2e-2))
+    table.append(("full bf16, 1 patch: graph triton vs eager torch",
+                  rel_err(first["graph triton"], first["eager torch"]), 2e-2))
+    table.append(("full bf16, 1 patch: graph triton batched vs alone",
+                  rel_err(first["graph triton"], first["graph triton, alone"]), 2e-2))
+    return model
+
+
+def timings(model: LoadedModel, concs: list[int], patches: int) -> list[dict]:
+    rows = []
+    for eager in (True, False):
+        eng = LLMEngine(model, EngineConfig(max_num_seqs=max(concs), max_model_len=1024, enforce_eager=eager,
+                                            gpu_memory_utilization=0.8), device="cuda")
+        patch_s = eng.runner.samples_per_patch / eng.sample_rate
+        for c in concs:
+            for _measured in (False, True):  # warm-up round first
+                for i in range(c):
+                    eng.add_request(TEXT, SamplingParams(seed=i, max_generate_length=patches))
+                eng.step()  # prefill + first patch
+                torch.cuda.synchronize()
+                t0, steps = time.perf_counter(), 0
+                while eng.has_unfinished():
+                    eng.step()
+                    steps += 1
+                wall = time.perf_counter() - t0
+            ms = 1000 * wall / steps
+            row = {"mode": "eager" if eager else "graphs", "c": c, "ms_per_step": ms,
+                   "rtf": ms / 1000 / patch_s, "audio_s_per_s": c * patch_s / (ms / 1000),
+                   "startup_s": eng.startup_s, "kv_blocks": len(eng.blocks.blocks), "backend": eng.runner.backend}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
-    ap.add_argument("--conc", default="1,8")
+    ap.add_argument("--full", help="full-size checkpoint dir (made there if missing)")
+    ap.add_argument("--conc", default="1,8,32,64")
     ap.add_argument("--patches", type=int, default=30)
+    ap.add_argument("--skip-timing", action="store_true")
     a = ap.parse_args()
-    info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    info: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv)}
     print(json.dumps(info), flush=True)
+    table: list[tuple[str, float, float]] = []
     with tempfile.TemporaryDirectory() as d:
-        info.update(tiny_cpu_vs_cuda(Path(d)))
-        print(json.dumps(info), flush=True)
-        info.update(full_timing(Path(d), [int(x) for x in a.conc.split(",")], a.patches))
+        check_tiny(Path(d), table)
+        full = Path(a.full) if a.full else Path(d) / "full"
+        if not (full / "config.json").exists():
+            t = time.perf_counter()
+            make_random_checkpoint(full, "full-voxcpm2", stop="never")
+            info["make_full_s"] = time.perf_counter() - t
+        model = check_full(full, table)
+        if not a.skip_timing:
+            info["timings"] = timings(model, [int(x) for x in a.conc.split(",")], a.patches)
+    info["checks"] = [{"check": n, "rel_err": e, "bound": b, "ok": e <= b} for n, e, b in table]
+    print(f"\n{'check':58s} {'rel err':>9s} {'bound':>7s}")
+    for n, e, b in table:
+        print(f"{n:58s} {e:9.2e} {b:7.0e} {'ok' if e <= b else 'FAIL'}")
+    for r in info.get("timings", []):
+        print(f"{r['mode']:7s} c={r['c']:<3d} {r['ms_per_step']:7.2f} ms/step  RTF {r['rtf']:.3f}  "
+              f"{r['audio_s_per_s']:7.1f} audio-s/s")
     if a.out:
         Path(a.out).write_text(json.dumps(info, indent=1))
 

@@ -1,0 +1,331 @@
+"""The Triton paged-attention kernel against a plain torch reference.
+
+On CPU the kernel runs through Triton's interpreter. TRITON_INTERPRET=1 must be set before `triton.jit` wraps the
+kernel, so those checks run in a fresh subprocess (`_interpreter_main`), which prints one JSON line per case; the
+pytest side only reads them. On CUDA the kernel is compiled and checked directly, including CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.triton_attention import HAVE_TRITON
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # max relative error
+DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |ours - ref| / max |ref|; NaN anywhere counts as a failure."""
+    ours, ref = ours.detach().double().cpu(), ref.detach().double().cpu()
+    assert ours.shape == ref.shape, f"shape {tuple(ours.shape)} != reference {tuple(ref.shape)}"
+    if not torch.isfinite(ours).all():
+        return float("inf")
+    return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+
+
+def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        row_index: torch.Tensor, context_lens: torch.Tensor, scale: float | None = None
+                        ) -> torch.Tensor:
+    """fp32 attention of every query token over cached positions 0..ctx-1 of its row; 0 where ctx == 0."""
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    scale = head_dim ** -0.5 if scale is None else scale
+    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    rows, ctx = row_index.long(), context_lens.long()
+    for row in rows.unique().tolist():  # all queries of one sequence at once
+        idx = (rows == row).nonzero().squeeze(1)
+        n = int(ctx[idx].max())
+        if n == 0:
+            continue
+        blocks = block_tables[row, : (n + block_size - 1) // block_size].long()
+        keys = k_cache[blocks].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)  # (n, H, D)
+        values = v_cache[blocks].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("thd,nhd->thn", q[idx].float(), keys) * scale
+        visible = torch.arange(n, device=q.device)[None, :] < ctx[idx][:, None]  # (tq, n)
+        probs = scores.masked_fill(~visible[:, None, :], float("-inf")).softmax(-1).nan_to_num(0.0)
+        out[idx] = torch.einsum("thn,nhd->thd", probs, values)
+    return out
+
+
+@dataclass
+class Case:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    row_index: torch.Tensor
+    context_lens: torch.Tensor
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return self.q, self.k_cache, self.v_cache, self.block_tables, self.row_index, self.context_lens
+
+
+def make_case(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, lens: list[int], mode: str,
+              dtype: torch.dtype, device: str = "cpu", seed: int = 0, num_padding_rows: int = 0) -> Case:
+    """Random cache with shuffled physical blocks; queries per `mode`.
+
+    decode: one query per sequence (context = length), rows in reverse order to exercise row_index.
+    prefill: every position p of every sequence (context = p + 1).
+    prefix: only the last 3 positions of each sequence are queries; the rest is a cached prefix.
+    num_padding_rows: extra query rows with context 0 (as in a padded captured batch); their output must be 0.
+    Cache slots no query may read (sequence tails, spare blocks) hold NaN, and unused table entries are -1.
+    """
+    g = torch.Generator().manual_seed(seed)
+    needed = [(n + block_size - 1) // block_size for n in lens]
+    num_blocks = sum(needed) + 3
+    physical = torch.randperm(num_blocks, generator=g)
+    block_tables = torch.full((len(lens), max(needed) + 2), -1, dtype=torch.int32)
+    written = torch.zeros(num_blocks, block_size, dtype=torch.bool)  # slots holding a sequence's token
+    used = 0
+    for i, n in enumerate(lens):
+        blocks = physical[used:used + needed[i]]
+        used += needed[i]
+        block_tables[i, : needed[i]] = blocks.int()
+        written[blocks] = (torch.arange(needed[i] * block_size) < n).view(needed[i], block_size)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).masked_fill(~written[:, :, None, None], float("nan"))
+    v_cache = torch.randn(shape, generator=g).masked_fill(~written[:, :, None, None], float("nan"))
+
+    if mode == "decode":
+        rows = list(range(len(lens)))[::-1]
+        ctx = [lens[r] for r in rows]
+    elif mode == "prefill":
+        rows = [i for i, n in enumerate(lens) for _ in range(n)]
+        ctx = [p + 1 for n in lens for p in range(n)]
+    elif mode == "prefix":
+        rows = [i for i, n in enumerate(lens) for _ in range(max(0, n - 3), n)]
+        ctx = [p + 1 for n in lens for p in range(max(0, n - 3), n)]
+    else:
+        raise ValueError(mode)
+    rows += [0] * num_padding_rows
+    ctx += [0] * num_padding_rows
+
+    # q as a view of a wider fused projection: the token stride is not num_heads * head_dim
+    q = torch.randn(len(rows), num_heads + 2 * num_kv_heads, head_dim, generator=g)[:, :num_heads]
+    return Case(q=q.to(device=device, dtype=dtype), k_cache=k_cache.to(device=device, dtype=dtype),
+                v_cache=v_cache.to(device=device, dtype=dtype), block_tables=block_tables.to(device),
+                row_index=torch.tensor(rows, dtype=torch.int32, device=device),
+                context_lens=torch.tensor(ctx, dtype=torch.int32, device=device))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Interpreter checks (CPU), run in a subprocess
+
+INTERPRETER_CONFIGS = [(4, 4, 32, 16), (8, 2, 64, 16), (16, 2, 128, 32)]  # (heads, kv_heads, head_dim, block_size)
+# 150 > the default tiles (64 keys fp32, 128 keys 16-bit), so decode and prefix queries cross tiles; prefill (every
+# position a query, the costly mode in the interpreter) stays within one default tile and crosses tiles in the
+# "tile16" cases (16-key tiles: whole 16-slot blocks, or half of a 32-slot block).
+INTERPRETER_LENS = {"decode": [1, 17, 40, 150], "prefix": [1, 17, 40, 150], "prefill": [1, 17, 40]}
+INTERPRETER_CASES = [
+    f"{dtype}-h{h}-kv{kv}-d{d}-bs{bs}-{mode}"
+    for h, kv, d, bs in INTERPRETER_CONFIGS
+    for dtype in ("fp32", "bf16")
+    for mode in ("decode", "prefill", "prefix")
+] + ["fp16-h8-kv2-d64-bs16-decode", "fp32-h8-kv2-d64-bs16-decode-tile16", "bf16-h8-kv2-d64-bs16-prefill-tile16",
+      "fp32-h16-kv2-d128-bs32-prefill-tile16"]
+
+
+def _parse_case(name: str) -> tuple[torch.dtype, tuple[int, int, int, int], str]:
+    dtype, h, kv, d, bs, mode = name.split("-")[:6]
+    return DTYPE_NAMES[dtype], (int(h[1:]), int(kv[2:]), int(d[1:]), int(bs[2:])), mode
+
+
+def _patch_interpreter() -> None:
+    """Work around two bugs of the triton 3.6 interpreter (not of compiled kernels); no-ops where absent.
+
+    1. With numpy >= 2.4, `range(..., tensor, ...)` fails: it calls int() on a 1-element array
+       (triton-lang/triton#9171, fixed upstream after 3.6).
+    2. `tl.dot` on bf16 multiplies the raw uint16 storage of bf16 values; upcast them to fp32 first.
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if hasattr(interpreter, "_patch_lang_tensor"):
+        patch_lang_tensor = interpreter._patch_lang_tensor
+
+        def patched_lang_tensor(tensor: type, scope: object) -> None:
+            patch_lang_tensor(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+        interpreter._patch_lang_tensor = patched_lang_tensor
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if builder is not None and hasattr(builder, "create_dot"):
+        create_dot = builder.create_dot
+
+        def upcast(h: object) -> object:
+            if h.dtype != tl.bfloat16:
+                return h
+            return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+        def patched_dot(self: object, a: object, b: object, *args: object) -> object:
+            return create_dot(self, upcast(a), upcast(b), *args)
+
+        builder.create_dot = patched_dot
+
+
+def _interpreter_main() -> None:
+    """Entry point of the subprocess (TRITON_INTERPRET=1): one JSON line per case."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    torch.set_num_threads(1)
+    _patch_interpreter()
+    import engine.triton_attention as ta
+
+    assert ta._is_interpreted(), "the kernel was compiled, not interpreted"
+    default_block_n = dict(ta._BLOCK_N)
+    for name in INTERPRETER_CASES:
+        dtype, (h, kv, d, bs), mode = _parse_case(name)
+        ta._BLOCK_N = dict.fromkeys(default_block_n, 16) if name.endswith("tile16") else default_block_n
+        case = make_case(h, kv, d, bs, INTERPRETER_LENS[mode], mode, dtype, seed=zlib.crc32(name.encode()),
+                         num_padding_rows=2 if mode == "decode" else 0)
+        try:
+            out = ta.paged_attention(*case.args())
+            ref = reference_attention(*case.args())
+            err = relative_error(out, ref)
+            pad_ok = bool((out[case.context_lens == 0] == 0).all())
+            result = {"case": name, "err": err, "padding_zero": pad_ok, "dtype_ok": out.dtype == dtype}
+        except Exception as e:  # report, and keep checking the other cases
+            result = {"case": name, "error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(result), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, dict]:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    code = "from tests.test_triton_attention import _interpreter_main; _interpreter_main()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, f"interpreter subprocess failed:\n{proc.stdout}\n{proc.stderr}"
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {r["case"]: r for r in results}
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not importable")
+@pytest.mark.parametrize("name", INTERPRETER_CASES)
+def test_interpreter_matches_reference(interpreter_results: dict[str, dict], name: str) -> None:
+    result = interpreter_results.get(name)
+    assert result is not None, f"{name}: no result from the interpreter subprocess"
+    assert "error" not in result, f"{name}: {result['error']}"
+    dtype = _parse_case(name)[0]
+    assert result["err"] <= BOUNDS[dtype], f"{name}: max relative error {result['err']:.3e} > {BOUNDS[dtype]:.0e}"
+    assert result["padding_zero"], f"{name}: rows with context 0 are not 0"
+    assert result["dtype_ok"], f"{name}: output dtype differs from q's"
+
+
+def test_reference_matches_sdpa() -> None:
+    """The reference itself against SDPA with a causal mask on one contiguous sequence (GQA)."""
+    case = make_case(8, 2, 32, 16, [37], "prefill", torch.float32)
+    ref = reference_attention(*case.args())
+    keys = case.k_cache[case.block_tables[0, :3].long()].flatten(0, 1)[:37]
+    values = case.v_cache[case.block_tables[0, :3].long()].flatten(0, 1)[:37]
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (case.q, keys, values))
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert relative_error(ref, sdpa[0].transpose(0, 1)) < 1e-5
+
+
+def test_cpu_without_interpreter_raises() -> None:
+    if not HAVE_TRITON:
+        pytest.skip("triton not importable")
+    from engine.triton_attention import _is_interpreted, paged_attention
+
+    if _is_interpreted():
+        pytest.skip("interpreter mode: CPU tensors are allowed")
+    case = make_case(4, 4, 32, 16, [5], "decode", torch.float32)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        paged_attention(*case.args())
+
+
+def test_imports_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh copy of the module with triton unimportable (as on macOS): imports, and the wrapper says why not."""
+    import importlib.util
+
+    for name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
+    spec = importlib.util.spec_from_file_location("_triton_attention_no_triton",
+                                                  REPO_ROOT / "engine" / "triton_attention.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.HAVE_TRITON is False
+    case = make_case(4, 4, 32, 16, [5], "decode", torch.float32)
+    with pytest.raises(RuntimeError, match="triton"):
+        module.paged_attention(*case.args())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA
+
+needs_cuda = pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
+
+
+def _cuda_lens(num_seqs: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 1001, (num_seqs,), generator=g).tolist()
+    lens[:3] = [1, 16, 1000]  # edges: one token, exactly one block, the longest
+    return lens
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("mode", ["decode", "prefill", "prefix"])
+def test_cuda_matches_reference(dtype: torch.dtype, mode: str) -> None:
+    from engine.triton_attention import paged_attention
+
+    num_seqs = 64 if mode != "prefill" else 12  # prefill: every position is a query
+    case = make_case(16, 2, 128, 16, _cuda_lens(num_seqs, seed=1), mode, dtype, device="cuda", seed=2,
+                     num_padding_rows=5 if mode == "decode" else 0)
+    out = paged_attention(*case.args())
+    ref = reference_attention(*case.args())
+    assert out.dtype == dtype and out.shape == case.q.shape
+    err = relative_error(out, ref)
+    assert err <= BOUNDS[dtype], f"{mode} {dtype}: max relative error {err:.3e} > {BOUNDS[dtype]:.0e}"
+    assert (out[case.context_lens == 0] == 0).all()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_cuda_graph_replay(dtype: torch.dtype) -> None:
+    """Capture one decode step, rewrite every input in place (new queries, tables, lengths), replay, compare."""
+    from engine.triton_attention import paged_attention
+
+    first = make_case(16, 2, 128, 16, _cuda_lens(32, seed=3), "decode", dtype, device="cuda", seed=4,
+                      num_padding_rows=4)
+    # Same number of blocks and query rows (the graph's shapes), different lengths and block placement.
+    second = make_case(16, 2, 128, 16, _cuda_lens(32, seed=3)[::-1], "decode", dtype, device="cuda", seed=5,
+                       num_padding_rows=4)
+    assert second.k_cache.shape == first.k_cache.shape and second.block_tables.shape == first.block_tables.shape
+    static = make_case(16, 2, 128, 16, _cuda_lens(32, seed=3), "decode", dtype, device="cuda", seed=4,
+                       num_padding_rows=4)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up compiles the kernel outside the capture
+        paged_attention(*static.args())
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention(*static.args())
+
+    for source in (first, second):
+        for dst, src in zip(static.args(), source.args(), strict=True):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        err = relative_error(out, reference_attention(*source.args()))
+        assert err <= BOUNDS[dtype], f"graph replay {dtype}: max relative error {err:.3e} > {BOUNDS[dtype]:.0e}"
+        assert (out[source.context_lens == 0] == 0).all()

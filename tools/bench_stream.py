@@ -1,0 +1,382 @@
+"""Burst streaming benchmark: voxcpm-serve or nano-vllm-voxcpm, measured with one protocol.
+
+    python tools/bench_stream.py --engine voxcpm-serve --model CKPT --conc 1,8,32,64 --out ours.json
+    python tools/bench_stream.py --engine nanovllm --model CKPT --out nano.json   # flash_attn shim on PYTHONPATH
+
+Protocol (the one the anchors in shared/bench were measured with):
+- for each concurrency c: one warm-up burst, then --iters counted bursts of c requests submitted at once;
+- per request: TTFB (burst submit -> first chunk), wall (submit -> last chunk), audio seconds,
+  RTF = wall / audio, playback underruns for a listener who starts at the first chunk (a gap when a
+  chunk arrives more than 1 ms after the buffered audio ran out);
+- per burst: throughput = audio seconds generated / burst wall seconds.
+The JSON keeps the anchor files' keys (results[].ttfb_p50, rtf_mean, throughput_audio_s_per_s, ...) so
+tools/bench_compare.py reads ours, theirs and the anchors alike. It is rewritten after every concurrency,
+so a run cut off by a time limit still leaves the finished rows ("complete": false).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import importlib.metadata
+import io
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import wave
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+# The protocol's text: ~80 English words, long enough for 100 patches (16 s at 48 kHz).
+TEXT = (
+    "Streaming speech synthesis has to start talking almost at once and then keep ahead of the "
+    "listener for as long as the sentence lasts. A production service also has to do this for many "
+    "people at the same time, on one graphics card, without a single gap in the audio. This paragraph "
+    "is long enough to keep the model busy for several seconds, which makes the measurement of the "
+    "real time factor stable, and short enough that a whole run of the benchmark finishes quickly."
+)
+# HiFi mode: the transcript given with the synthetic 5 s clip (the same string as the anchor run).
+CLIP_TEXT = "This is a five second reference clip used for cloning."
+CFG_VALUE = 2.0
+TEMPERATURE = 1.0
+GAP_TOLERANCE_S = 1e-3
+
+GenFn = Callable[[], AsyncIterator[Any]]
+
+
+# ---------------------------------------------------------------- measurement
+
+
+def count_underruns(arrivals: list[float], durations: list[float]) -> tuple[int, float]:
+    """Gaps heard by a listener who starts at the first chunk and plays every chunk back to back.
+    Returns (number of gaps, total silent seconds)."""
+    if not arrivals:
+        return 0, 0.0
+    play_end = arrivals[0]  # when the buffered audio runs out
+    gaps, silent = 0, 0.0
+    for at, dur in zip(arrivals, durations, strict=True):
+        if at > play_end + GAP_TOLERANCE_S:
+            gaps += 1
+            silent += at - play_end
+            play_end = at  # playback resumes when the late chunk lands
+        play_end += dur
+    return gaps, silent
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if xs else None
+
+
+def mean(xs: list[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
+
+
+def chunk_samples(chunk: Any, channels: int) -> int:
+    # Chunks are 1-D float32 arrays; a multi-channel chunk counts frames, not samples.
+    return int(np.asarray(chunk).size) // max(channels, 1)
+
+
+async def one_request(gen: GenFn, t0: float, sample_rate: int, channels: int) -> dict[str, Any]:
+    arrivals: list[float] = []
+    durations: list[float] = []
+    async for chunk in gen():
+        arrivals.append(time.perf_counter() - t0)
+        durations.append(chunk_samples(chunk, channels) / sample_rate)
+    if not arrivals:
+        raise RuntimeError("request produced no audio")
+    audio_s = sum(durations)
+    gaps, gap_s = count_underruns(arrivals, durations)
+    return {"ttfb": arrivals[0], "wall": arrivals[-1], "audio_s": audio_s,
+            "rtf": arrivals[-1] / audio_s if audio_s > 0 else None,
+            "gaps": gaps, "gap_s": gap_s, "chunks": len(arrivals)}
+
+
+async def run_burst(gen: GenFn, c: int, sample_rate: int, channels: int) -> tuple[list[dict], list[str], dict]:
+    """c requests submitted at once; TTFB and wall count from this single submit instant, as in the protocol."""
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*(one_request(gen, t0, sample_rate, channels) for _ in range(c)),
+                                return_exceptions=True)
+    wall = time.perf_counter() - t0
+    ok = [o for o in outs if isinstance(o, dict)]
+    errors = [f"{type(o).__name__}: {o}" for o in outs if isinstance(o, BaseException)]
+    return ok, errors, {"wall": wall, "audio_s": sum(r["audio_s"] for r in ok)}
+
+
+def summarize(c: int, reqs: list[dict], bursts: list[dict], errors: list[str], gpu_mib: int | None) -> dict[str, Any]:
+    ttfb = [r["ttfb"] for r in reqs]
+    rtf = [r["rtf"] for r in reqs if r["rtf"] is not None]
+    return {
+        "concurrency": c,
+        "requests": len(reqs),
+        "failed": len(errors),
+        "errors": errors[:5],
+        "ttfb_p50": percentile(ttfb, 50),
+        "ttfb_p95": percentile(ttfb, 95),
+        "ttfb_p99": percentile(ttfb, 99),
+        "rtf_mean": mean(rtf),
+        "rtf_p95": percentile(rtf, 95),
+        "wall_mean": mean([r["wall"] for r in reqs]),
+        "audio_s_mean": mean([r["audio_s"] for r in reqs]),
+        "chunks_mean": mean([r["chunks"] for r in reqs]),
+        "streams_with_underrun": sum(1 for r in reqs if r["gaps"] > 0),
+        "underrun_gaps_total": sum(r["gaps"] for r in reqs),
+        "underrun_s_total": sum(r["gap_s"] for r in reqs),
+        "throughput_audio_s_per_s": mean([b["audio_s"] / b["wall"] for b in bursts if b["wall"] > 0]),
+        "burst_walls": [b["wall"] for b in bursts],
+        "gpu_mem_used_mib_max": gpu_mib,
+    }
+
+
+# ---------------------------------------------------------------- environment facts
+
+
+def gpu_index(devices: list[int | str]) -> int | None:
+    """The first pool device as a GPU index (for nvidia-smi), None when the pool runs on the CPU."""
+    for d in devices:
+        if isinstance(d, int):
+            return d
+        if d.startswith("cuda"):
+            return int(d.partition(":")[2] or 0)
+    return None
+
+
+def nvidia_smi(query: str, device: int | None) -> str | None:
+    if device is None or shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-i", str(device)],
+                             capture_output=True, text=True, timeout=15, check=True).stdout.strip()
+    except (subprocess.SubprocessError, OSError):
+        return None
+    return out.splitlines()[0].strip() if out else None
+
+
+def gpu_mem_used_mib(device: int | None) -> int | None:
+    # The model lives in worker processes, so the parent's torch.cuda counters would read zero.
+    v = nvidia_smi("memory.used", device)
+    try:
+        return int(float(v)) if v is not None else None
+    except ValueError:
+        return None
+
+
+def engine_version(engine: str) -> str | None:
+    if engine == "nanovllm":
+        try:
+            return importlib.metadata.version("nano-vllm-voxcpm")
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    version = None
+    try:
+        version = importlib.metadata.version("voxcpm-serve")
+    except importlib.metadata.PackageNotFoundError:
+        try:  # a plain checkout (the GPU machine): the version from pyproject.toml
+            import tomllib
+
+            version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+        except (ImportError, OSError, KeyError):
+            pass
+    try:
+        sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        version = f"{version}+g{sha}" if version else f"g{sha}"
+    except (subprocess.SubprocessError, OSError):
+        pass  # the GPU machine's copy of the tree has no .git
+    return version
+
+
+def torch_facts(device: int | None, touch_cuda: bool) -> dict[str, Any]:
+    """torch version and GPU name. CUDA is touched only once the pool has stopped (touch_cuda): a CUDA
+    context in the parent would show up in the nvidia-smi memory readings."""
+    facts: dict[str, Any] = {"torch": None, "gpu_name": nvidia_smi("name", device)}
+    try:
+        import torch
+    except ImportError:
+        return facts
+    facts["torch"] = torch.__version__
+    if touch_cuda and device is not None:
+        try:
+            if torch.cuda.is_available():
+                facts["gpu_name"] = torch.cuda.get_device_name(device)
+        except RuntimeError:
+            pass
+    return facts
+
+
+# ---------------------------------------------------------------- synthetic clip for hifi mode
+
+
+def synthetic_clip_wav(seconds: float = 5.0, sr: int = 16000) -> bytes:
+    """A 5 s voiced-ish signal: a 150 Hz tone with a slow tremolo and light noise, as 16-bit mono WAV
+    (written with the stdlib so the benchmark needs no soundfile)."""
+    t = np.arange(int(seconds * sr), dtype=np.float64) / sr
+    tremolo = 1.0 + 0.5 * np.sin(2 * np.pi * 4.0 * t)
+    x = 0.3 * tremolo * np.sin(2 * np.pi * 150.0 * t)
+    x += 0.02 * np.random.default_rng(0).standard_normal(t.size)
+    pcm = (np.clip(x, -1.0, 1.0) * 32767).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sr)
+        w.writeframes(pcm.tobytes())
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------- driver
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", choices=["voxcpm-serve", "nanovllm"], required=True)
+    ap.add_argument("--model", required=True, help="checkpoint directory (official VoxCPM layout)")
+    ap.add_argument("--conc", default="1,8,32,64", help="comma-separated concurrencies")
+    ap.add_argument("--iters", type=int, default=2, help="counted bursts per concurrency (after one warm-up)")
+    ap.add_argument("--patches", type=int, help="patches per request (default 100; 40 in hifi mode)")
+    ap.add_argument("--mode", choices=["zeroshot", "hifi"], default="zeroshot",
+                    help="hifi: a synthetic 5 s clip as prompt and as reference")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-num-seqs", type=int, help="default: the largest --conc")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--inference-timesteps", type=int, default=10)
+    ap.add_argument("--devices", default="auto", help="comma-separated GPU indices for the pool; voxcpm-serve also "
+                    "takes device names (cpu). auto: GPU 0 if nvidia-smi sees one, else cpu")
+    ap.add_argument("--pool-kwargs", default="{}", help="extra JSON keyword arguments for from_pretrained")
+    ap.add_argument("--out", help="write the results JSON here")
+    a = ap.parse_args(argv)
+    a.conc = [int(x) for x in a.conc.split(",") if x.strip()]
+    if not a.conc or min(a.conc) < 1:
+        ap.error("--conc needs positive integers")
+    if a.devices == "auto":  # one GPU, as the anchors; nvidia-smi keeps CUDA out of this process
+        a.devices = "0" if nvidia_smi("name", 0) is not None else "cpu"
+    a.devices = [int(x) if x.strip().isdigit() else x.strip() for x in a.devices.split(",") if x.strip()]
+    a.patches = a.patches or (40 if a.mode == "hifi" else 100)
+    a.max_num_seqs = a.max_num_seqs or max(a.conc)
+    a.pool_kwargs = json.loads(a.pool_kwargs)
+    return a
+
+
+def make_pool(a: argparse.Namespace) -> Any:
+    if a.engine == "nanovllm":
+        from nanovllm_voxcpm import VoxCPM
+    else:
+        from engine import VoxCPM
+    return VoxCPM.from_pretrained(
+        model=a.model, devices=a.devices, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
+        max_num_batched_tokens=a.max_num_batched_tokens, gpu_memory_utilization=a.gpu_memory_utilization,
+        enforce_eager=a.enforce_eager, inference_timesteps=a.inference_timesteps, **a.pool_kwargs)
+
+
+def write_json(path: str | None, doc: dict[str, Any]) -> None:
+    if path:
+        tmp = Path(path).with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        tmp.replace(path)  # atomic, so a kill mid-write never leaves half a file
+
+
+def print_table(doc: dict[str, Any]) -> None:
+    head = (f"{'c':>4} {'reqs':>5} {'fail':>4} {'ttfb50':>7} {'ttfb95':>7} {'ttfb99':>7} {'rtf':>6} {'rtf95':>6} "
+            f"{'aud-s/s':>8} {'underrun':>9} {'gap-s':>7} {'mem-MiB':>8}")
+    print(f"\n{doc['engine']} {doc['engine_version']}  mode={doc['mode']} patches={doc['patches']} "
+          f"iters={doc['iters']} startup={doc['startup_s']:.1f}s  gpu={doc.get('gpu_name')}")
+    print(head)
+
+    def f(v: float | None, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    for r in doc["results"]:
+        print(f"{r['concurrency']:>4} {r['requests']:>5} {r['failed']:>4} {f(r['ttfb_p50'], '7.3f')} "
+              f"{f(r['ttfb_p95'], '7.3f')} {f(r['ttfb_p99'], '7.3f')} {f(r['rtf_mean'], '6.3f')} "
+              f"{f(r['rtf_p95'], '6.3f')} {f(r['throughput_audio_s_per_s'], '8.1f')} "
+              f"{r['streams_with_underrun']:>4}/{r['requests']:<4} {r['underrun_s_total']:7.2f} "
+              f"{r['gpu_mem_used_mib_max'] if r['gpu_mem_used_mib_max'] is not None else '-':>8}")
+
+
+async def bench(a: argparse.Namespace) -> dict[str, Any]:
+    dev0 = gpu_index(a.devices)
+    doc: dict[str, Any] = {
+        "engine": a.engine, "engine_version": engine_version(a.engine), "argv": sys.argv,
+        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "mode": a.mode, "patches": a.patches, "iters": a.iters, "text_words": len(TEXT.split()),
+        "pool": {"max_num_seqs": a.max_num_seqs, "max_model_len": a.max_model_len,
+                 "max_num_batched_tokens": a.max_num_batched_tokens,
+                 "gpu_memory_utilization": a.gpu_memory_utilization, "enforce_eager": a.enforce_eager,
+                 "inference_timesteps": a.inference_timesteps, "devices": a.devices, **a.pool_kwargs},
+        **torch_facts(dev0, touch_cuda=False), "complete": False, "results": [],
+    }
+    t = time.perf_counter()
+    pool = make_pool(a)
+    try:
+        await pool.wait_for_ready()
+        doc["startup_s"] = time.perf_counter() - t
+        info = await pool.get_model_info()
+        sr, channels = int(info["sample_rate"]), int(info.get("channels", 1) or 1)
+        doc.update(sample_rate=sr, channels=channels, gpu_mem_used_mib_after_startup=gpu_mem_used_mib(dev0))
+        tqdm.write(json.dumps({"startup_s": round(doc["startup_s"], 2), "sample_rate": sr}), file=sys.stderr)
+
+        cond: dict[str, Any] = {}
+        if a.mode == "hifi":  # one clip as both continuation prompt and reference
+            wav = synthetic_clip_wav()
+            lat = await pool.encode_latents(wav, "wav")
+            ref = lat
+            if a.engine == "voxcpm-serve":  # our pool pads a reference clip on the right, a prompt on the left
+                ref = await pool.encode_latents(wav, "wav", padding="right")
+            cond = {"prompt_latents": lat, "prompt_text": CLIP_TEXT, "ref_audio_latents": ref}
+
+        def gen() -> AsyncIterator[Any]:
+            return pool.generate(target_text=TEXT, max_generate_length=a.patches, cfg_value=CFG_VALUE,
+                                 temperature=TEMPERATURE, **cond)
+
+        with tqdm(total=len(a.conc) * (a.iters + 1), desc="bursts", unit="burst", file=sys.stderr) as bar:
+            for c in a.conc:
+                reqs: list[dict] = []
+                bursts: list[dict] = []
+                errors: list[str] = []
+                mem: list[int] = []
+                for it in range(a.iters + 1):
+                    bar.set_postfix(c=c, burst="warm-up" if it == 0 else it)
+                    ok, errs, burst = await run_burst(gen, c, sr, channels)
+                    m = gpu_mem_used_mib(dev0)  # between bursts, outside the timed region
+                    if m is not None:
+                        mem.append(m)
+                    bar.update()
+                    if it == 0:
+                        continue  # warm-up: compiles, graph captures and allocator growth land here
+                    reqs += ok
+                    errors += errs
+                    bursts.append(burst)
+                row = summarize(c, reqs, bursts, errors, max(mem) if mem else None)
+                doc["results"].append(row)
+                tqdm.write(json.dumps({k: row[k] for k in ("concurrency", "ttfb_p50", "ttfb_p95", "rtf_mean",
+                                                         "throughput_audio_s_per_s", "streams_with_underrun",
+                                                         "failed")}), file=sys.stderr)
+                write_json(a.out, doc)
+    finally:
+        await pool.stop()
+    doc["complete"] = True
+    return doc
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    doc = asyncio.run(bench(a))
+    doc.update(torch_facts(gpu_index(a.devices), touch_cuda=True))
+    write_json(a.out, doc)
+    print_table(doc)
+
+
+if __name__ == "__main__":
+    main()

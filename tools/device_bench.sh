@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# One script for the GPU machine: install the carried wheels, make the full-size random VoxCPM2
+# checkpoint, run tools/gpu_check.py, benchmark voxcpm-serve and nano-vllm-voxcpm with
+# tools/bench_stream.py under one protocol, and print the ratio table (tools/bench_compare.py).
+#
+# Here, once:    bash tools/fetch_device_wheels.sh          (fills .whl/, ~5 MiB)
+# Device call:   command "bash tools/device_bench.sh", carry [".whl"]
+#
+# Each device command may run 10 minutes, so pick parts per call with PARTS (default "check ours nano"):
+#   PARTS="check" bash tools/device_bench.sh           # gpu_check only
+#   PARTS="ours nano" bash tools/device_bench.sh       # both benchmarks + comparison
+#   PARTS="nano" CONC=1,8 bash tools/device_bench.sh   # one peer, fewer concurrencies
+#   PARTS="" OUT=dir-with-both-jsons bash tools/device_bench.sh   # only the comparison
+# Rough times: wheels ~10 s; checkpoint 1-3 min (skipped when $CKPT was finished by an earlier call on a
+# machine still warm); nano at 1,8,32,64 ~2.5 min (startup 40-55 s, then 12 bursts of 16 s of audio at
+# 10-125 audio-s/s); ours the same if it matches nano, ~5 min at the eager 164-197 ms/step. Every part
+# runs under its own limit, capped by what is left of BUDGET_S, and the benchmark JSON is rewritten after
+# each concurrency, so a part cut off still returns its finished rows. $OUT is emptied before each device
+# command: when ours and nano run in separate calls, compare the two fetched files here with
+# `python tools/bench_compare.py ours.json nano.json`. The comparison runs at the end of a call whenever
+# $OUT holds both.
+#
+# Knobs (environment): PARTS, CONC (1,8,32,64), ITERS (2), PATCHES (100), MODE (zeroshot|hifi),
+# CKPT (/tmp/full), BUDGET_S (total seconds this call may use, 580), T_CHECK / T_OURS / T_NANO (per-part
+# time limits, seconds), BENCH_ARGS (extra flags for both benchmarks), OURS_ARGS / NANO_ARGS (per engine),
+# CHECK_ARGS (extra flags for gpu_check.py). Files in $OUT (at most 8 come back): device_bench.log,
+# gpu_check.json, ours.json, nano.json, compare.md.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT="${OUT:-/tmp/device_bench_out}"
+mkdir -p "$OUT"
+LOG="$OUT/device_bench.log"
+
+PARTS="${PARTS-check ours nano}"   # empty: only the comparison of JSONs already in $OUT
+CONC="${CONC:-1,8,32,64}"
+ITERS="${ITERS:-2}"
+MODE="${MODE:-zeroshot}"
+PATCHES="${PATCHES:-}"
+CKPT="${CKPT:-/tmp/full}"
+BUDGET_S="${BUDGET_S:-580}"
+T_CHECK="${T_CHECK:-240}"
+T_OURS="${T_OURS:-330}"
+T_NANO="${T_NANO:-240}"
+SITE=/tmp/site
+SHIM="$ROOT/.whl/flash_attn_shim"
+
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export TQDM_MININTERVAL=5   # fewer progress-bar redraws in the log
+START=$SECONDS
+
+log() { echo "[device_bench +$((SECONDS - START))s] $*" | tee -a "$LOG"; }
+left() { echo $((BUDGET_S - (SECONDS - START))); }
+
+# Run "$@" under a time limit (seconds, $1) capped by what is left of BUDGET_S; output to the log.
+# timeout puts the command in its own process group and kills the whole group, so the engines'
+# spawned worker processes go with it and free the GPU for the next part.
+run_limited() {
+    local want=$1 name=$2
+    shift 2
+    local cap=$(( $(left) - 20 ))   # keep ~20 s for the comparison and the summary
+    local lim=$(( want < cap ? want : cap ))
+    if (( lim < 30 )); then
+        log "SKIP $name: only $(left)s of the ${BUDGET_S}s budget left"
+        return 124
+    fi
+    log "START $name (limit ${lim}s, $(left)s of budget left): $*"
+    local t0=$SECONDS
+    timeout -k 15 "$lim" "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    log "END $name rc=$rc in $((SECONDS - t0))s$( ((rc == 124)) && echo ' (TIMED OUT)')"
+    return "$rc"
+}
+
+gpu_mem() { nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null | head -1; }
+
+setup_wheels() {
+    [[ -n "${WHEELS_DONE:-}" ]] && return 0
+    if ! ls .whl/*.whl >/dev/null 2>&1; then
+        log "ERROR: no .whl/*.whl (run tools/fetch_device_wheels.sh here and carry [\".whl\"])"
+        return 1
+    fi
+    log "installing $(ls .whl/*.whl | wc -l) wheels to $SITE"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        .whl/*.whl 2>&1 | tee -a "$LOG" || return 1
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    WHEELS_DONE=1
+    # The wheels were installed without their dependencies: check that the image satisfies them.
+    python3 - <<'PY' 2>&1 | tee -a "$LOG"
+import importlib.metadata as md
+from pathlib import Path
+
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+
+env = {**default_environment(), "extra": ""}
+bad = []
+for dist_info in sorted(Path("/tmp/site").glob("*.dist-info")):
+    dist = md.Distribution.at(dist_info)
+    for spec in dist.requires or []:
+        req = Requirement(spec)
+        if req.marker is not None and not req.marker.evaluate(env):
+            continue
+        if req.name.replace("_", "-").lower() in ("flash-attn", "torchcodec"):
+            continue  # shimmed / never imported
+        try:
+            have = md.version(req.name)
+        except md.PackageNotFoundError:
+            bad.append(f"{dist.metadata['Name']}: needs {req}, missing")
+            continue
+        if req.specifier and not req.specifier.contains(have, prereleases=True):
+            bad.append(f"{dist.metadata['Name']}: needs {req}, found {have}")
+print("dependency check:", "all satisfied" if not bad else "\n  " + "\n  ".join(bad))
+PY
+    python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, \
+'cuda', torch.version.cuda)" 2>&1 | tee -a "$LOG"
+    nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv 2>&1 | tee -a "$LOG"
+    return 0   # the lines above only inform
+}
+
+setup_checkpoint() {
+    # The marker (beside the folder) is written only after a finished run, so a checkpoint cut off by a time limit is not reused.
+    if [[ -f "$CKPT.complete" ]]; then
+        log "checkpoint $CKPT already there (machine still warm): reused"
+        return 0
+    fi
+    rm -rf "$CKPT"
+    # ~4.6 GB of random bf16 weights; the stop head never fires, so every request makes exactly N patches.
+    run_limited 300 checkpoint python3 tools/make_random_checkpoint.py --preset full-voxcpm2 --never-stop \
+        --out "$CKPT" || return 1
+    touch "$CKPT.complete"
+}
+
+bench() {  # bench ENGINE JSON LIMIT [extra PYTHONPATH]
+    local engine=$1 json=$2 lim=$3 extra_path=${4:-}
+    local args=(--engine "$engine" --model "$CKPT" --conc "$CONC" --iters "$ITERS" --mode "$MODE" --out "$json")
+    [[ -n "$PATCHES" ]] && args+=(--patches "$PATCHES")
+    local more="${BENCH_ARGS:-}"
+    [[ $engine == nanovllm ]] && more="$more ${NANO_ARGS:-}" || more="$more ${OURS_ARGS:-}"
+    # shellcheck disable=SC2206  # word splitting of the extra flags is intended
+    args+=($more)
+    log "GPU memory before $engine: $(gpu_mem)"
+    PYTHONPATH="${extra_path:+$extra_path:}${PYTHONPATH:-}" run_limited "$lim" "bench-$engine" \
+        python3 tools/bench_stream.py "${args[@]}"
+}
+
+log "parts: $PARTS; conc=$CONC iters=$ITERS mode=$MODE patches=${PATCHES:-default}; budget ${BUDGET_S}s; out=$OUT"
+declare -A RC
+for part in $PARTS; do
+    case $part in
+        check)
+            { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
+            # A failure here must not stop the benchmarks.
+            # shellcheck disable=SC2086
+            run_limited "$T_CHECK" gpu_check python3 tools/gpu_check.py --full "$CKPT" --out "$OUT/gpu_check.json" \
+                ${CHECK_ARGS:-}
+            RC[$part]=$?
+            ;;
+        ours)
+            { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
+            bench voxcpm-serve "$OUT/ours.json" "$T_OURS"
+            RC[$part]=$?
+            ;;
+        nano)
+            { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
+            [[ -d "$SHIM/flash_attn" ]] || log "WARNING: no $SHIM/flash_attn: nano-vllm-voxcpm will not import"
+            bench nanovllm "$OUT/nano.json" "$T_NANO" "$SHIM"
+            RC[$part]=$?
+            ;;
+        *)
+            log "unknown part '$part' (known: check ours nano)"
+            ;;
+    esac
+done
+
+if [[ -f "$OUT/ours.json" && -f "$OUT/nano.json" ]]; then
+    log "comparison (ours / nano-vllm-voxcpm):"
+    python3 tools/bench_compare.py "$OUT/ours.json" "$OUT/nano.json" --md "$OUT/compare.md" 2>&1 | tee -a "$LOG"
+fi
+summary=""
+for part in $PARTS; do summary+=" $part=${RC[$part]:-?}"; done
+log "done in $((SECONDS - START))s; exit codes:$summary (124 = timed out); files: $(ls "$OUT" | tr '\n' ' ')"
