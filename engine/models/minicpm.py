@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import TransformerConfig
+from engine.fused import add_scaled, rms_norm, rotary, silu_mul
 
 # attend(layer_index, q, k, v) -> output with q's leading shape and heads*head_dim last.
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -28,8 +29,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        return (x * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rotary_table(cfg: TransformerConfig, rows: int, device: torch.device | None = None) -> torch.Tensor:
@@ -55,14 +55,6 @@ def rotary_table(cfg: TransformerConfig, rows: int, device: torch.device | None 
     return table[:rows].contiguous()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (..., L, heads, head_dim); cos/sin: (L, head_dim) fp32, broadcast over heads."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (xf * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)).to(x.dtype)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
@@ -80,7 +72,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
         if rope is not None:
             cos, sin = rope[..., 0, :], rope[..., 1, :]
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         return self.o_proj(attend(layer, q, k, v))
 
 
@@ -92,7 +84,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -107,9 +99,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None, attend: AttendFn, layer: int) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(x), rope, attend, layer)
-        x = x + h * self.residual_scale if self.use_mup else x + h
+        x = add_scaled(x, h, self.residual_scale) if self.use_mup else x + h
         h = self.mlp(self.post_attention_layernorm(x))
-        return x + h * self.residual_scale if self.use_mup else x + h
+        return add_scaled(x, h, self.residual_scale) if self.use_mup else x + h
 
 
 class MiniCPM(nn.Module):

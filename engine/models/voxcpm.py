@@ -93,13 +93,23 @@ class LocDiT(nn.Module):
         self.hidden = h
         self.condition_tokens = condition_tokens
 
+    def time_embedding(self, t: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+        """(N,) diffusion times and step sizes -> (N, hidden) time token."""
+        dtype = self.in_proj.weight.dtype
+        temb = self.time_mlp(timestep_embedding(t, self.hidden).to(dtype))
+        return temb + self.delta_time_mlp(timestep_embedding(dt, self.hidden).to(dtype))
+
     def forward(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, cond: torch.Tensor, dt: torch.Tensor,
                 rope: torch.Tensor) -> torch.Tensor:
         """x, cond: (N, D, P); mu: (N, tokens * hidden); t, dt: (N,) -> velocity (N, D, P)."""
+        return self.velocity(x, mu, self.time_embedding(t, dt), cond, rope)
+
+    def velocity(self, x: torch.Tensor, mu: torch.Tensor, temb: torch.Tensor, cond: torch.Tensor,
+                 rope: torch.Tensor) -> torch.Tensor:
+        """forward() with the time token already embedded: temb (N or 1, hidden)."""
         x = self.in_proj(x.transpose(1, 2))
         cond = self.cond_proj(cond.transpose(1, 2))
-        temb = self.time_mlp(timestep_embedding(t, self.hidden).to(x.dtype))
-        temb = temb + self.delta_time_mlp(timestep_embedding(dt, self.hidden).to(x.dtype))
+        temb = temb.expand(x.shape[0], -1)
         if self.condition_tokens == 1:
             prefix = (mu + temb).unsqueeze(1)
         else:
@@ -142,11 +152,18 @@ class FlowSampler(nn.Module):
         mu_in = torch.cat((mu, torch.zeros_like(mu)))  # second half: unconditional
         cond_in = torch.cat((cond, cond))
         cfg = cfg_value.to(mu.dtype).view(b, 1, 1)
-        for step, (t, dt) in enumerate(steps, start=1):
+        # The time token depends on the step only: embed all steps at once, not 2B rows per step.
+        # (torch.full, not torch.tensor: no host-to-device copy inside a CUDA graph capture.)
+        def scalars(values: list[float]) -> torch.Tensor:
+            return torch.stack([torch.full((), v, dtype=x.dtype, device=x.device) for v in values])
+
+        active = steps[zero_steps:]
+        tembs = self.estimator.time_embedding(scalars([t for t, _ in active]),
+                                              scalars([dt if self.mean_mode else 0.0 for _, dt in active]))
+        for step, (_, dt) in enumerate(steps, start=1):
             if step > zero_steps:
-                t_in = torch.full((2 * b,), t, dtype=x.dtype, device=x.device)
-                dt_in = torch.full((2 * b,), dt if self.mean_mode else 0.0, dtype=x.dtype, device=x.device)
-                v = self.estimator(torch.cat((x, x)), mu_in, t_in, cond_in, dt_in, rope)
+                i = step - zero_steps - 1
+                v = self.estimator.velocity(torch.cat((x, x)), mu_in, tembs[i:i + 1], cond_in, rope)
                 v_cond, v_uncond = v[:b], v[b:]
                 dot = (v_cond.reshape(b, -1) * v_uncond.reshape(b, -1)).sum(1, keepdim=True)
                 norm = v_uncond.reshape(b, -1).pow(2).sum(1, keepdim=True) + 1e-8
