@@ -1,4 +1,4 @@
-"""Element-wise chains fused into one kernel each on CUDA (torch.compile), plain torch elsewhere.
+"""Element-wise chains of the transformer blocks, one fused kernel each on CUDA (torch.compile).
 
 A decode step is launch-bound at small batch: the DiT alone runs 9 Euler evaluations x 12 layers, and
 unfused, every RMSNorm, rotary embedding, SiLU gate and residual add is 4-10 tiny kernels. Fusing them
@@ -28,7 +28,10 @@ def fused(fn: F_) -> F_:
         if not (ENABLED and x.is_cuda):
             return fn(x, *args)
         if not compiled:
-            compiled.append(torch.compile(fn, dynamic=True, fullgraph=True))
+            # Each call site's shapes/strides may need its own specialisation; past the limit dynamo
+            # falls back to eager for new ones instead of failing.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+            compiled.append(torch.compile(fn, dynamic=True))
         return compiled[0](x, *args)
 
     call.__name__ = call.__qualname__ = fn.__name__
@@ -60,9 +63,3 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 @fused
 def add_scaled(x: torch.Tensor, h: torch.Tensor, scale: float) -> torch.Tensor:
     return x + h * scale
-
-
-@fused
-def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """x + sin^2(alpha x) / alpha, the official op order."""
-    return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)

@@ -105,9 +105,9 @@ def check_full(path: Path, table: list[tuple[str, float, float]]) -> LoadedModel
     return model
 
 
-def timings(model: LoadedModel, concs: list[int], patches: int) -> list[dict]:
+def timings(model: LoadedModel, concs: list[int], patches: int, modes: list[str]) -> list[dict]:
     rows = []
-    for eager in (True, False):
+    for eager in [m == "eager" for m in modes]:
         eng = LLMEngine(model, EngineConfig(max_num_seqs=max(concs), max_model_len=1024, enforce_eager=eager,
                                             gpu_memory_utilization=0.8), device="cuda")
         patch_s = eng.runner.samples_per_patch / eng.sample_rate
@@ -141,6 +141,7 @@ def main() -> None:
     ap.add_argument("--conc", default="1,8,32,64")
     ap.add_argument("--patches", type=int, default=30)
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--timing-modes", default="eager,graphs")
     a = ap.parse_args()
     info: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv)}
@@ -155,7 +156,8 @@ def main() -> None:
             info["make_full_s"] = time.perf_counter() - t
         model = check_full(full, table)
         if not a.skip_timing:
-            info["timings"] = timings(model, [int(x) for x in a.conc.split(",")], a.patches)
+            info["timings"] = timings(model, [int(x) for x in a.conc.split(",")], a.patches,
+                                      a.timing_modes.split(","))
     info["checks"] = [{"check": n, "rel_err": e, "bound": b, "ok": e <= b} for n, e, b in table]
     print(f"\n{'check':58s} {'rel err':>9s} {'bound':>7s}")
     for n, e, b in table:

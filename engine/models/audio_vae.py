@@ -23,8 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.fused import snake
-
 # Stream state: one tensor per stateful decoder layer, indexed by that layer's `state_slot`. Every
 # tensor is [batch, channels, context] with batch first, so several streams can later be decoded
 # together by concatenating / indexing the per-slot tensors along dim 0.
@@ -208,7 +206,8 @@ class Snake1d(nn.Module):
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
 
     def forward(self, x: Tensor, states: StreamStates | None = None) -> Tensor:
-        return snake(x, self.alpha)  # same op order as the official scripted kernel
+        # x + sin^2(alpha x) / alpha, same op order as the official scripted kernel.
+        return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
 
 
 class _Tanh(nn.Module):
