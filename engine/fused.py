@@ -63,3 +63,15 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 @fused
 def add_scaled(x: torch.Tensor, h: torch.Tensor, scale: float) -> torch.Tensor:
     return x + h * scale
+
+
+@fused
+def cfg_euler_step(x: torch.Tensor, v_cond: torch.Tensor, v_uncond: torch.Tensor, cfg: torch.Tensor,
+                   dt: float) -> torch.Tensor:
+    """One Euler step with CFG-zero* guidance: the unconditional velocity is rescaled by its optimal
+    projection on the conditional one, then guided with per-row strength cfg (B, 1, 1)."""
+    b = x.shape[0]
+    dot = (v_cond.reshape(b, -1) * v_uncond.reshape(b, -1)).sum(1, keepdim=True)
+    norm = v_uncond.reshape(b, -1).pow(2).sum(1, keepdim=True) + 1e-8
+    scale = (dot / norm).view(b, 1, 1)
+    return x - dt * (v_uncond * scale + cfg * (v_cond - v_uncond * scale))

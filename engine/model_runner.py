@@ -18,9 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine import fused
 from engine.attention import AttentionMetadata, PagedKVCache, select_backend
 from engine.block_manager import BlockManager
 from engine.checkpoint import LoadedModel
+from engine.models.minicpm import fuse_projections
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.inference_timesteps = inference_timesteps
         self.backend = select_backend(device, self.dtype, attention_backend)
+        if device.type == "cuda" and fused.ENABLED:
+            fuse_projections(model.backbone)
         self.use_graphs = device.type == "cuda" and not enforce_eager
         p, d = self.cfg.patch_size, self.cfg.feat_dim
         self.samples_per_patch = p * model.vae.decode_chunk_size

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import TransformerConfig, VoxCPMConfig
+from engine.fused import cfg_euler_step
 from engine.models.minicpm import AttendFn, MiniCPM, dense_attention, rotary_table
 
 AUDIO_START_TOKEN = 101
@@ -164,11 +165,7 @@ class FlowSampler(nn.Module):
             if step > zero_steps:
                 i = step - zero_steps - 1
                 v = self.estimator.velocity(torch.cat((x, x)), mu_in, tembs[i:i + 1], cond_in, rope)
-                v_cond, v_uncond = v[:b], v[b:]
-                dot = (v_cond.reshape(b, -1) * v_uncond.reshape(b, -1)).sum(1, keepdim=True)
-                norm = v_uncond.reshape(b, -1).pow(2).sum(1, keepdim=True) + 1e-8
-                scale = (dot / norm).view(b, 1, 1)
-                x = x - dt * (v_uncond * scale + cfg * (v_cond - v_uncond * scale))
+                x = cfg_euler_step(x, v[:b], v[b:], cfg, dt)
         return x
 
 
