@@ -1,2 +1,2 @@
-"""voxcpm-serve HTTP service (FastAPI). The application itself arrives with the HTTP service issue;
-this package is where its routers, schemas, settings and lifespan will live."""
+"""voxcpm-serve HTTP service (FastAPI): routers per resource, pydantic schemas, settings from the
+environment, a lifespan that owns the engine pool. `create_app(settings)` builds the application."""

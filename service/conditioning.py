@@ -1,0 +1,100 @@
+"""A request's voice fields -> the latents and transcript the engine takes. Every lookup and decode
+happens here, before a response starts, and each failure names the field it concerns."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+from dataclasses import dataclass
+
+import numpy as np
+from fastapi import HTTPException
+
+from engine import RequestError
+from service.errors import http_error
+from service.schemas import GenerateRequest
+from service.state import ServiceState
+
+
+@dataclass
+class Conditioning:
+    prompt_latents: bytes | None = None
+    prompt_text: str = ""
+    ref_latents: bytes | None = None
+
+
+def b64decode(value: str, field: str) -> bytes:
+    if value.startswith("data:") and "," in value:  # tolerate a data: URI
+        value = value.split(",", 1)[1]
+    try:
+        data = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise HTTPException(400, f"{field}: not valid base64 ({e})") from e
+    if not data:
+        raise HTTPException(400, f"{field}: decodes to no bytes")
+    return data
+
+
+async def encode_clip(state: ServiceState, data: bytes, fmt: str, padding: str, field: str) -> bytes:
+    try:
+        return await state.pool.encode_latents(data, fmt, padding=padding)
+    except RequestError as e:
+        raise http_error(e, field) from e
+
+
+def check_latents(state: ServiceState, raw: bytes, field: str) -> bytes:
+    """float32 (frames, feat_dim), frames a positive multiple of the patch size, all finite."""
+    row = 4 * state.feat_dim
+    patch = int(state.info["patch_size"])
+    if len(raw) % row:
+        raise HTTPException(400, f"{field}: {len(raw)} bytes is not float32 rows of feat_dim={state.feat_dim} "
+                                 f"({row} bytes each)")
+    frames = len(raw) // row
+    if frames == 0 or frames % patch:
+        raise HTTPException(400, f"{field}: {frames} frames; must be a positive multiple of patch_size={patch}")
+    if not np.isfinite(np.frombuffer(raw, dtype=np.float32)).all():
+        raise HTTPException(400, f"{field}: contains NaN or infinity")
+    return raw
+
+
+async def voice_of(state: ServiceState, voice_id: str, kind: str, field: str):
+    v = await state.store.get(voice_id)
+    if v is None or v.kind != kind:
+        raise HTTPException(404, f"{field}: no cached {kind} {voice_id!r} (unknown, deleted or evicted)")
+    return v
+
+
+async def resolve(state: ServiceState, req: GenerateRequest) -> Conditioning:
+    """The combination rules are already checked by the schema; this decodes and looks up."""
+    cond = Conditioning()
+
+    async def prompt() -> None:
+        if req.prompt_wav_base64 is not None:
+            data = b64decode(req.prompt_wav_base64, "prompt_wav_base64")
+            cond.prompt_latents = await encode_clip(state, data, req.prompt_wav_format, "left", "prompt_wav_base64")
+            cond.prompt_text = req.prompt_text or ""
+        elif req.prompt_latents_base64 is not None:
+            raw = b64decode(req.prompt_latents_base64, "prompt_latents_base64")
+            cond.prompt_latents = check_latents(state, raw, "prompt_latents_base64")
+            cond.prompt_text = req.prompt_text or ""
+        elif req.prompt_id is not None:
+            v = await voice_of(state, req.prompt_id, "prompt", "prompt_id")
+            cond.prompt_latents, cond.prompt_text = v.prompt_latents, v.prompt_text
+        elif req.hifi_id is not None:
+            v = await voice_of(state, req.hifi_id, "hifi", "hifi_id")
+            cond.prompt_latents, cond.prompt_text, cond.ref_latents = v.prompt_latents, v.prompt_text, v.ref_latents
+
+    async def reference() -> None:
+        if req.ref_audio_wav_base64 is not None:
+            data = b64decode(req.ref_audio_wav_base64, "ref_audio_wav_base64")
+            cond.ref_latents = await encode_clip(state, data, req.ref_audio_wav_format, "right",
+                                                 "ref_audio_wav_base64")
+        elif req.ref_audio_latents_base64 is not None:
+            raw = b64decode(req.ref_audio_latents_base64, "ref_audio_latents_base64")
+            cond.ref_latents = check_latents(state, raw, "ref_audio_latents_base64")
+        elif req.ref_audio_id is not None:
+            cond.ref_latents = (await voice_of(state, req.ref_audio_id, "reference", "ref_audio_id")).ref_latents
+
+    await asyncio.gather(prompt(), reference())  # both clips encode concurrently
+    return cond

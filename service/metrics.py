@@ -1,0 +1,110 @@
+"""Prometheus metrics. One registry per app (tests run several apps in one process). HTTP metrics are
+labelled by route template (`/prompts/{prompt_id}`), never the raw path, so ids cannot explode the series.
+TTFB is measured from the request's arrival to the first audio byte handed to the server."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TTFB_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("voxcpm_http_requests", "HTTP requests by route template and status",
+                                ["method", "route", "status"], registry=r)
+        self.latency = Histogram("voxcpm_http_request_duration_seconds", "Arrival to last response byte",
+                                 ["method", "route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttfb = Histogram("voxcpm_time_to_first_audio_byte_seconds",
+                              "Arrival to the first audio byte sent (true TTFB)", ["route"], buckets=TTFB_BUCKETS,
+                              registry=r)
+        self.audio_seconds = Counter("voxcpm_audio_generated_seconds", "Seconds of audio generated", ["route"],
+                                     registry=r)
+        self.in_flight = Gauge("voxcpm_http_requests_in_flight", "Requests being served", registry=r)
+        self.queue_depth = Gauge("voxcpm_queue_depth", "Requests waiting: coalescing window + engine queues",
+                                 registry=r)
+        self.running = Gauge("voxcpm_running_sequences", "Sequences being decoded", registry=r)
+        self.kv_usage = Gauge("voxcpm_kv_cache_usage_ratio", "Share of KV blocks in use", ["worker"], registry=r)
+        self.step_seconds = Gauge("voxcpm_engine_step_seconds", "Mean engine step latency since the last scrape",
+                                  ["worker"], registry=r)
+        self.steps = Gauge("voxcpm_engine_steps", "Engine steps since the worker started", ["worker"], registry=r)
+        self.preemptions = Gauge("voxcpm_engine_preemptions", "Preemptions since the worker started", ["worker"],
+                                 registry=r)
+        self.workers_up = Gauge("voxcpm_workers_up", "Workers running and loaded", registry=r)
+        self.ready = Gauge("voxcpm_ready", "1 when the service reports ready", registry=r)
+        self.cache_entries = Gauge("voxcpm_voice_cache_entries", "Cached voices", ["kind"], registry=r)
+        self.cache_bytes = Gauge("voxcpm_voice_cache_bytes", "Latent bytes in the voice cache", registry=r)
+        self._last_steps: dict[str, tuple[int, float]] = {}
+
+    def observe_pool(self, stats: list[dict[str, Any] | None], coalescing: int) -> None:
+        waiting = coalescing
+        running = up = 0
+        for i, s in enumerate(stats):
+            w = str(i)
+            if s is None:
+                continue
+            up += 1
+            running += s["running"]
+            waiting += s["waiting"]
+            self.kv_usage.labels(w).set(1 - s["free_blocks"] / max(1, s["total_blocks"]))
+            self.steps.labels(w).set(s["steps"])
+            self.preemptions.labels(w).set(s["preemptions"])
+            n0, t0 = self._last_steps.get(w, (0, 0.0))
+            if s["steps"] < n0:  # the worker restarted
+                n0, t0 = 0, 0.0
+            if s["steps"] > n0:
+                self.step_seconds.labels(w).set((s["step_seconds"] - t0) / (s["steps"] - n0))
+            self._last_steps[w] = (s["steps"], s["step_seconds"])
+        self.running.set(running)
+        self.queue_depth.set(waiting)
+        self.workers_up.set(up)
+
+    def observe_cache(self, usage: dict[str, int]) -> None:
+        self.cache_bytes.set(usage["bytes"])
+        for kind in ("prompt", "reference", "hifi"):
+            self.cache_entries.labels(kind).set(usage[kind])
+
+
+class MetricsMiddleware:
+    """Pure ASGI (no BaseHTTPMiddleware): it must not buffer streams nor swallow client disconnects."""
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        arrival = time.perf_counter()
+        state = scope.setdefault("state", {})
+        state["arrival"] = arrival
+        status, first_byte_seen = 500, False
+
+        async def send_wrapper(message: dict) -> None:
+            nonlocal status, first_byte_seen
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and message.get("body") and not first_byte_seen:
+                first_byte_seen = True
+                if state.get("audio_route") and status == 200:  # set by routes that send audio
+                    self.metrics.ttfb.labels(_template(scope)).observe(time.perf_counter() - arrival)
+            await send(message)
+
+        self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.in_flight.dec()
+            route, method = _template(scope), scope["method"]
+            self.metrics.requests.labels(method, route, str(status)).inc()
+            self.metrics.latency.labels(method, route).observe(time.perf_counter() - arrival)
+
+
+def _template(scope: dict) -> str:
+    route = scope.get("route")
+    return getattr(route, "path", None) or "unmatched"

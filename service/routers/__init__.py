@@ -1,0 +1,1 @@
+"""One router per resource: generation, voices, openai, ops."""

@@ -1,0 +1,65 @@
+"""OpenAI-compatible speech: POST /v1/audio/speech, GET /v1/audio/voices, GET /v1/models. The official
+`openai` client works unmodified (client.audio.speech.create / with_streaming_response)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, HTTPException, Request, Response
+
+from service import synthesis
+from service.audio import MEDIA_TYPES
+from service.conditioning import Conditioning
+from service.deps import LoadedState, State, mark_audio
+from service.routers.voices import voice_info
+from service.schemas import ModelCard, ModelList, SpeechRequest, VoiceList
+from service.state import ServiceState
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # what OpenAI examples send: served by our model
+
+
+def model_ids(state: ServiceState) -> list[str]:
+    return [state.model_id, "voxcpm", *OPENAI_MODEL_NAMES]
+
+
+async def _voice(state: ServiceState, voice: str) -> Conditioning:
+    if voice == "default":
+        return Conditioning()
+    v = await state.store.get(voice)
+    if v is None:
+        raise HTTPException(404, f"voice: unknown voice {voice!r}; use 'default' or an id from /v1/audio/voices")
+    return Conditioning(prompt_latents=v.prompt_latents, prompt_text=v.prompt_text, ref_latents=v.ref_latents)
+
+
+@router.post("/audio/speech", response_class=Response,
+             responses={200: {"content": {t: {} for t in (*MEDIA_TYPES.values(), "text/event-stream")}}})
+async def speech(req: SpeechRequest, request: Request, state: LoadedState) -> Response:
+    """mp3 and pcm stream as they are generated; wav, flac and opus are sent whole."""
+    if req.model not in model_ids(state):
+        raise HTTPException(404, f"model: unknown model {req.model!r}; GET /v1/models lists them")
+    mark_audio(request)
+    cond = await _voice(state, req.voice)
+    text = f"({req.instructions.strip()}){req.input}" if req.instructions and req.instructions.strip() else req.input
+    params = synthesis.Params(req.max_generate_length, req.temperature, req.cfg_value, req.seed)
+    gen = await synthesis.start(state, "/v1/audio/speech", text, cond, params)
+    fmt = req.response_format
+    if req.stream_format == "sse":
+        return synthesis.ClosingStreamingResponse(synthesis.sse_events(gen, fmt, req.input),
+                                                  media_type="text/event-stream",
+                                                  headers=synthesis.audio_headers(state, fmt))
+    if fmt in ("mp3", "pcm"):
+        return synthesis.stream_response(gen, fmt)
+    data = await synthesis.whole_file(gen, fmt)
+    return Response(data, media_type=MEDIA_TYPES[fmt], headers=synthesis.audio_headers(state, fmt))
+
+
+@router.get("/audio/voices", response_model=VoiceList)
+async def voices(state: State) -> VoiceList:
+    """'default' (zero-shot) and every cached voice usable as `voice`."""
+    default = {"id": "default", "kind": "hifi", "nbytes": 0, "created": 0.0}
+    cached = [voice_info(state, v) for v in state.store.list()] if state.loaded else []
+    return VoiceList(voices=[default, *cached])
+
+
+@router.get("/models", response_model=ModelList)
+async def models(state: State) -> ModelList:
+    return ModelList(data=[ModelCard(id=m) for m in model_ids(state)])

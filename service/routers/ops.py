@@ -1,0 +1,62 @@
+"""Operations: /health (liveness), /ready (readiness), /info, /metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from service.deps import State
+
+router = APIRouter(tags=["ops"])
+
+
+@router.get("/health")
+async def health(state: State) -> JSONResponse:
+    """Liveness: the process serves. 503 only when start-up failed for good (restart the process)."""
+    if state.failure:
+        return JSONResponse({"status": "failed", "detail": state.failure}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/ready")
+async def ready(state: State) -> JSONResponse:
+    """Readiness: 200 once the model is loaded and warm and every worker is alive."""
+    if state.ready:
+        return JSONResponse({"status": "ready"})
+    if state.failure:
+        reason = state.failure
+    elif not state.loaded:
+        reason = "loading the model"
+    elif not state.pool.healthy:
+        reason = "a worker died; restarting it"
+    else:
+        reason = "warming up"
+    return JSONResponse({"status": "not ready", "detail": reason}, status_code=503, headers={"Retry-After": "5"})
+
+
+@router.get("/info")
+async def info(state: State) -> dict:
+    """Model metadata (sample rates, latent shape, limits), MP3 settings, voice cache usage."""
+    s = state.settings
+    model = {**state.info, "model_path": state.model_path, "model_id": state.model_id, "random_weights": state.demo}
+    return {
+        "model": model,
+        "lora": {"enabled": False, "uri": s.lora_uri, "id": s.lora_id},
+        "mp3": {"bitrate_kbps": s.mp3_bitrate_kbps, "quality": s.mp3_quality},
+        "queue_coalesce_ms": s.queue_coalesce_ms,
+        "voice_cache": {**state.store.usage(), "max_entries": s.voice_cache_max_entries,
+                        "max_bytes": s.voice_cache_max_bytes, "backend": s.voice_store},
+        "ready": state.ready,
+    }
+
+
+@router.get("/metrics")
+async def metrics(state: State) -> Response:
+    """Prometheus text format. Engine gauges are read from the workers at scrape time."""
+    m = state.metrics
+    if state.loaded:
+        m.observe_pool(await state.pool.stats(), state.coalescer.waiting)
+    m.observe_cache(state.store.usage())
+    m.ready.set(1 if state.ready else 0)
+    return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,135 @@
+"""Voice caches: /encode_latents, /add_prompt, /add_reference, /add_hifi, their DELETEs and GET listings.
+Ids are content hashes of (kind, uploaded bytes, transcript): registering the same clip again is a cache
+hit that skips encoding."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+from fastapi import APIRouter, HTTPException
+
+from service.conditioning import b64decode, encode_clip
+from service.deps import LoadedState, State
+from service.schemas import (
+    AddHifiRequest,
+    AddHifiResponse,
+    AddPromptRequest,
+    AddPromptResponse,
+    AddReferenceRequest,
+    AddReferenceResponse,
+    Deleted,
+    EncodeLatentsRequest,
+    EncodeLatentsResponse,
+    VoiceInfo,
+    VoiceList,
+)
+from service.state import ServiceState
+from service.voice_store import Voice, voice_id
+
+router = APIRouter(tags=["voices"])
+
+
+def _facts(state: ServiceState) -> dict:
+    return {"feat_dim": state.feat_dim, "sample_rate": state.sample_rate, "channels": 1}
+
+
+def voice_info(state: ServiceState, v: Voice) -> VoiceInfo:
+    row = 4 * state.feat_dim
+    return VoiceInfo(id=v.id, kind=v.kind, prompt_text=v.prompt_text, prompt_frames=len(v.prompt_latents or b"") // row,
+                     ref_frames=len(v.ref_latents or b"") // row, nbytes=v.nbytes, created=v.created)
+
+
+async def _cached(state: ServiceState, vid: str) -> bool:
+    return await state.store.get(vid) is not None
+
+
+@router.post("/encode_latents", response_model=EncodeLatentsResponse)
+async def encode_latents(req: EncodeLatentsRequest, state: LoadedState) -> EncodeLatentsResponse:
+    """An audio clip -> float32 latents (continuation-prompt padding), for prompt_latents_base64."""
+    data = b64decode(req.wav_base64, "wav_base64")
+    lat = await encode_clip(state, data, req.wav_format, "left", "wav_base64")
+    return EncodeLatentsResponse(prompt_latents_base64=base64.b64encode(lat).decode(), **_facts(state))
+
+
+@router.post("/add_prompt", response_model=AddPromptResponse)
+async def add_prompt(req: AddPromptRequest, state: LoadedState) -> AddPromptResponse:
+    """Cache a continuation prompt (clip + transcript); use it as prompt_id."""
+    data = b64decode(req.wav_base64, "wav_base64")
+    pid = voice_id("prompt", data, req.prompt_text)
+    if not await _cached(state, pid):
+        lat = await encode_clip(state, data, req.wav_format, "left", "wav_base64")
+        await state.store.put(Voice("prompt", pid, prompt_text=req.prompt_text, prompt_latents=lat))
+    return AddPromptResponse(prompt_id=pid, **_facts(state))
+
+
+@router.post("/add_reference", response_model=AddReferenceResponse)
+async def add_reference(req: AddReferenceRequest, state: LoadedState) -> AddReferenceResponse:
+    """Cache a reference clip (VoxCPM2 reference-audio condition); use it as ref_audio_id."""
+    data = b64decode(req.wav_base64, "wav_base64")
+    rid = voice_id("reference", data)
+    if not await _cached(state, rid):
+        lat = await encode_clip(state, data, req.wav_format, "right", "wav_base64")
+        await state.store.put(Voice("reference", rid, ref_latents=lat))
+    return AddReferenceResponse(reference_id=rid, **_facts(state))
+
+
+@router.post("/add_hifi", response_model=AddHifiResponse)
+async def add_hifi(req: AddHifiRequest, state: LoadedState) -> AddHifiResponse:
+    """Cache one clip in both roles ("Ultimate cloning"): continuation prompt with its transcript and
+    reference. Also registers the prompt and the reference alone."""
+    data = b64decode(req.wav_base64, "wav_base64")
+    hid, pid, rid = voice_id("hifi", data, req.prompt_text), voice_id("prompt", data, req.prompt_text), \
+        voice_id("reference", data)
+    if not (await _cached(state, hid) and await _cached(state, pid) and await _cached(state, rid)):
+        # one upload, one decode on our side; the engine pads the clip differently for each role
+        prompt_lat, ref_lat = await asyncio.gather(encode_clip(state, data, req.wav_format, "left", "wav_base64"),
+                                                   encode_clip(state, data, req.wav_format, "right", "wav_base64"))
+        await state.store.put(Voice("prompt", pid, prompt_text=req.prompt_text, prompt_latents=prompt_lat))
+        await state.store.put(Voice("reference", rid, ref_latents=ref_lat))
+        await state.store.put(Voice("hifi", hid, prompt_text=req.prompt_text, prompt_latents=prompt_lat,
+                                    ref_latents=ref_lat, parts={"prompt_id": pid, "reference_id": rid}))
+    return AddHifiResponse(hifi_id=hid, prompt_id=pid, reference_id=rid, **_facts(state))
+
+
+async def _delete(state: ServiceState, vid: str, kind: str, field: str) -> Deleted:
+    v = await state.store.get(vid)
+    if v is None or v.kind != kind:
+        raise HTTPException(404, f"{field}: no cached {kind} {vid!r}")
+    await state.store.delete(vid)
+    return Deleted(deleted=vid)
+
+
+@router.delete("/prompts/{prompt_id}", response_model=Deleted)
+async def delete_prompt(prompt_id: str, state: State) -> Deleted:
+    return await _delete(state, prompt_id, "prompt", "prompt_id")
+
+
+@router.delete("/references/{reference_id}", response_model=Deleted)
+async def delete_reference(reference_id: str, state: State) -> Deleted:
+    return await _delete(state, reference_id, "reference", "reference_id")
+
+
+@router.delete("/hifi/{hifi_id}", response_model=Deleted)
+async def delete_hifi(hifi_id: str, state: State) -> Deleted:
+    """Removes the bundle; the prompt and reference registered with it stay until deleted or evicted."""
+    return await _delete(state, hifi_id, "hifi", "hifi_id")
+
+
+def _listing(state: ServiceState, kind: str) -> VoiceList:
+    return VoiceList(voices=[voice_info(state, v) for v in state.store.list(kind)])
+
+
+@router.get("/prompts", response_model=VoiceList)
+async def list_prompts(state: LoadedState) -> VoiceList:
+    return _listing(state, "prompt")
+
+
+@router.get("/references", response_model=VoiceList)
+async def list_references(state: LoadedState) -> VoiceList:
+    return _listing(state, "reference")
+
+
+@router.get("/hifi", response_model=VoiceList)
+async def list_hifi(state: LoadedState) -> VoiceList:
+    return _listing(state, "hifi")

@@ -1,0 +1,159 @@
+"""Request and response bodies. Field names are the seed fork's (nano-vllm-voxcpm-hifi) so its clients
+work unchanged; the OpenAI speech body follows the OpenAI API."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+# --- voices ---------------------------------------------------------------------------------------
+
+
+class WavUpload(BaseModel):
+    wav_base64: str = Field(..., min_length=1, description="Base64 of a whole audio file (wav, flac, ogg, mp3).")
+    wav_format: str = Field("wav", description="The file's container, e.g. 'wav' (labels errors; the bytes decide).")
+
+
+class EncodeLatentsRequest(WavUpload):
+    pass
+
+
+class AudioFacts(BaseModel):
+    feat_dim: int = Field(..., description="Latent width: reshape latents as (-1, feat_dim) float32.")
+    sample_rate: int = Field(..., description="Sample rate of generated audio (Hz).")
+    channels: int = Field(1, description="Channels of generated audio.")
+
+
+class EncodeLatentsResponse(AudioFacts):
+    prompt_latents_base64: str = Field(..., description="float32 little-endian bytes shaped (frames, feat_dim).")
+    latents_dtype: Literal["float32"] = "float32"
+
+
+class AddPromptRequest(WavUpload):
+    prompt_text: str = Field(..., min_length=1, description="Transcript of the clip (continuation prompt).")
+
+
+class AddPromptResponse(AudioFacts):
+    prompt_id: str
+
+
+class AddReferenceRequest(WavUpload):
+    pass
+
+
+class AddReferenceResponse(AudioFacts):
+    reference_id: str
+
+
+class AddHifiRequest(WavUpload):
+    prompt_text: str = Field(..., min_length=1, description="Transcript of the clip.")
+
+
+class AddHifiResponse(AudioFacts):
+    hifi_id: str = Field(..., description="The clip as continuation prompt and as reference at once.")
+    prompt_id: str = Field(..., description="The same clip as a prompt alone.")
+    reference_id: str = Field(..., description="The same clip as a reference alone.")
+
+
+class VoiceInfo(BaseModel):
+    id: str
+    kind: Literal["prompt", "reference", "hifi"]
+    prompt_text: str = ""
+    prompt_frames: int = Field(0, description="Latent frames of the continuation prompt.")
+    ref_frames: int = Field(0, description="Latent frames of the reference.")
+    nbytes: int
+    created: float = Field(..., description="Unix time it was added.")
+
+
+class VoiceList(BaseModel):
+    voices: list[VoiceInfo]
+
+
+class Deleted(BaseModel):
+    deleted: str = Field(..., description="The id removed.")
+
+
+# --- generation -----------------------------------------------------------------------------------
+
+PROMPT_FORMS = "prompt_wav_base64 + prompt_text | prompt_latents_base64 + prompt_text | prompt_id | hifi_id"
+REF_FORMS = "ref_audio_wav_base64 | ref_audio_latents_base64 | ref_audio_id"
+
+
+class GenerateRequest(BaseModel):
+    target_text: str = Field(..., min_length=1, description="Text to speak. '(description)text' = voice design.")
+    prompt_wav_base64: str | None = Field(None, description="Continuation prompt: base64 audio file.")
+    prompt_wav_format: str = Field("wav", description="Container of prompt_wav_base64.")
+    prompt_text: str | None = Field(None, description="Transcript of the prompt audio (with a prompt form).")
+    prompt_latents_base64: str | None = Field(None, description="Continuation prompt as /encode_latents latents.")
+    prompt_id: str | None = Field(None, description="A prompt from /add_prompt.")
+    hifi_id: str | None = Field(None, description="A bundle from /add_hifi: its prompt and its reference.")
+    ref_audio_wav_base64: str | None = Field(None, description="Reference audio (VoxCPM2): base64 audio file.")
+    ref_audio_wav_format: str = Field("wav", description="Container of ref_audio_wav_base64.")
+    ref_audio_latents_base64: str | None = Field(None, description="Reference as float32 latents bytes.")
+    ref_audio_id: str | None = Field(None, description="A reference from /add_reference.")
+    max_generate_length: int = Field(2000, ge=1, description="Most patches generated.")
+    temperature: float = Field(1.0, ge=0, description="Scale of the initial CFM noise (0 = deterministic).")
+    cfg_value: float = Field(2.0, ge=0, description="Classifier-free guidance strength.")
+    seed: int | None = Field(None, ge=0, description="Makes the request reproducible.")
+    lora_name: str | None = Field(None, description="Per-request LoRA adapter (not supported yet: must be unset).")
+    response_format: Literal["mp3", "pcm"] = Field("mp3", description="mp3, or pcm = raw s16le mono.")
+
+    @model_validator(mode="after")
+    def _forms(self) -> GenerateRequest:
+        prompts = [n for n in ("prompt_wav_base64", "prompt_latents_base64", "prompt_id", "hifi_id")
+                   if getattr(self, n) is not None]
+        refs = [n for n in ("ref_audio_wav_base64", "ref_audio_latents_base64", "ref_audio_id")
+                if getattr(self, n) is not None]
+        if len(prompts) > 1:
+            raise ValueError(f"{' and '.join(prompts)} are mutually exclusive (prompt forms: {PROMPT_FORMS})")
+        if len(refs) > 1:
+            raise ValueError(f"{' and '.join(refs)} are mutually exclusive (reference forms: {REF_FORMS})")
+        if self.hifi_id is not None and refs:
+            raise ValueError(f"hifi_id already carries its reference: drop {refs[0]}")
+        needs_text = prompts and prompts[0] in ("prompt_wav_base64", "prompt_latents_base64")
+        if needs_text and not (self.prompt_text or "").strip():
+            raise ValueError(f"prompt_text is required with {prompts[0]} (the transcript of the prompt audio)")
+        if (self.prompt_text or "").strip() and not needs_text:
+            raise ValueError("prompt_text is only valid with prompt_wav_base64 or prompt_latents_base64")
+        if self.lora_name is not None:
+            raise ValueError("lora_name: per-request LoRA adapters are not supported yet")
+        return self
+
+
+# --- OpenAI ---------------------------------------------------------------------------------------
+
+
+class SpeechRequest(BaseModel):
+    model: str = Field(..., description="Any id from /v1/models (or tts-1, tts-1-hd, gpt-4o-mini-tts).")
+    input: str = Field(..., min_length=1, max_length=4096, description="Text to speak.")
+    voice: str = Field("default", description="'default' (zero-shot) or a cached hifi/prompt/reference id.")
+    instructions: str | None = Field(None, description="Voice design: spoken as '(instructions)input'.")
+    response_format: Literal["mp3", "wav", "pcm", "flac", "opus"] = Field("mp3", description="Audio format.")
+    speed: float = Field(1.0, description="Only 1.0 is supported.")
+    stream_format: Literal["audio", "sse"] = Field("audio", description="Raw audio bytes, or server-sent events "
+                                                                         "(mp3/pcm only).")
+    seed: int | None = Field(None, ge=0, description="VoxCPM extra: reproducible output.")
+    cfg_value: float = Field(2.0, ge=0, description="VoxCPM extra: guidance strength.")
+    temperature: float = Field(1.0, ge=0, description="VoxCPM extra: noise scale.")
+    max_generate_length: int = Field(2000, ge=1, description="VoxCPM extra: most patches generated.")
+
+    @model_validator(mode="after")
+    def _supported(self) -> SpeechRequest:
+        if self.speed != 1.0:
+            raise ValueError(f"speed: only 1.0 is supported (got {self.speed}); resample on the client instead")
+        if self.stream_format == "sse" and self.response_format not in ("mp3", "pcm"):
+            raise ValueError(f"response_format: {self.response_format} cannot stream as sse; use mp3 or pcm")
+        return self
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "voxcpm-serve"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

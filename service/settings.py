@@ -1,0 +1,84 @@
+"""Service configuration from NANOVLLM_* environment variables (the seed fork's names), validated once
+at start-up so a bad value fails fast with the variable named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# lameenc accepts only the MPEG-1/2 layer III bitrates
+MP3_BITRATES = (32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="NANOVLLM_", extra="ignore")
+
+    model_path: str | None = Field(None, description="Checkpoint directory or hub repo id; unset = embedded tiny "
+                                                     "demo checkpoint with RANDOM weights (CPU).")
+    serverpool_max_num_seqs: int = Field(16, ge=1, description="Sequences decoded together per step.")
+    serverpool_max_num_batched_tokens: int = Field(8192, ge=1, description="Prefill token budget per step.")
+    serverpool_max_model_len: int = Field(4096, ge=16, description="Longest sequence (prompt + generated).")
+    serverpool_gpu_memory_utilization: float = Field(0.95, gt=0, le=1, description="Share of GPU memory to use.")
+    serverpool_enforce_eager: bool = Field(False, description="Disable CUDA graphs.")
+    serverpool_devices: str | None = Field(None, description="Comma list of GPU indices or device names; unset = "
+                                                             "every GPU, else the CPU.")
+    serverpool_inference_timesteps: int = Field(10, ge=1, le=100, description="CFM Euler steps per patch.")
+    mp3_bitrate_kbps: int = Field(192, description="MP3 bitrate (kbit/s).")
+    mp3_quality: int = Field(2, ge=0, le=2, description="lameenc quality, 0 best .. 2 fastest (of the 0..2 range).")
+    queue_coalesce_ms: float = Field(5.0, ge=0, le=1000, description="Window gathering generation requests that "
+                                                                     "arrive together into one scheduling round.")
+    cache_dir: Path = Field(Path("~/.cache/voxcpm-serve"), description="Voice store and demo checkpoint.")
+    voice_store: Literal["disk", "memory"] = Field("disk", description="Where cached voices live.")
+    voice_cache_max_entries: int = Field(1024, ge=1, description="Most cached voices (all kinds together).")
+    voice_cache_max_bytes: int = Field(256 * 2**20, ge=1024, description="Most latent bytes cached.")
+    lora_uri: str | None = Field(None, description="LoRA adapter (seed fork); not supported by the engine yet.")
+    lora_id: str | None = None
+    lora_sha256: str | None = None
+    warmup: bool = Field(True, description="Run warm-up generations before reporting ready.")
+    ready_timeout_s: float = Field(900, gt=0, description="Longest model load before start-up fails.")
+    restart_dead_workers: bool = Field(True, description="Restart a worker that died (not ready meanwhile).")
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=1, le=65535)
+
+    @field_validator("mp3_bitrate_kbps")
+    @classmethod
+    def _bitrate(cls, v: int) -> int:
+        if v not in MP3_BITRATES:
+            raise ValueError(f"must be one of {MP3_BITRATES}")
+        return v
+
+    @field_validator("serverpool_devices")
+    @classmethod
+    def _devices(cls, v: str | None) -> str | None:
+        if v is not None and not [d for d in v.split(",") if d.strip()]:
+            raise ValueError("must list at least one device, e.g. '0,1' or 'cpu'")
+        return v
+
+    @model_validator(mode="after")
+    def _lora(self) -> Settings:
+        if self.lora_uri:
+            # Fail loudly rather than silently serving the base model to someone who asked for an adapter.
+            raise ValueError("NANOVLLM_LORA_URI is set but LoRA adapters are not supported by this engine yet")
+        return self
+
+    def device_list(self) -> list[int | str] | None:
+        if self.serverpool_devices is None:
+            return None
+        return [int(d) if d.strip().isdigit() else d.strip() for d in self.serverpool_devices.split(",") if d.strip()]
+
+    @property
+    def cache_path(self) -> Path:
+        return self.cache_dir.expanduser()
+
+
+def describe_error(err: ValidationError) -> str:
+    """One line per bad variable, named as the operator set it."""
+    lines = []
+    for e in err.errors():
+        field = "_".join(str(p) for p in e["loc"]) if e["loc"] else ""
+        name = f"NANOVLLM_{field.upper()}" if field else "configuration"
+        lines.append(f"{name}: {e['msg']}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)

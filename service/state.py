@@ -1,0 +1,44 @@
+"""What the lifespan owns and the routes share: the pool, the model's metadata, the voice store, the
+coalescer, the metrics, and whether the service is ready (loaded, warm, every worker alive)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine import AsyncVoxCPMServerPool
+from service.coalesce import Coalescer
+from service.metrics import Metrics
+from service.settings import Settings
+from service.voice_store import VoiceStore
+
+
+@dataclass
+class ServiceState:
+    settings: Settings
+    pool: AsyncVoxCPMServerPool
+    store: VoiceStore
+    coalescer: Coalescer
+    metrics: Metrics
+    model_path: str
+    model_id: str  # the name /v1/models reports
+    demo: bool = False  # serving the embedded random-weight checkpoint
+    info: dict[str, Any] = field(default_factory=dict)  # pool.get_model_info(), once loaded
+    warm: bool = False  # loaded and warmed up (cleared while a dead worker is restarted)
+    failure: str | None = None  # start-up failed for good: liveness reports it
+
+    @property
+    def loaded(self) -> bool:
+        return bool(self.info)
+
+    @property
+    def ready(self) -> bool:
+        return self.warm and self.pool.ready
+
+    @property
+    def sample_rate(self) -> int:
+        return int(self.info["sample_rate"])
+
+    @property
+    def feat_dim(self) -> int:
+        return int(self.info["feat_dim"])
