@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
 
 from engine import VoxCPM
 from service import errors, lifecycle
@@ -83,6 +84,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   description="VoxCPM text-to-speech: streaming MP3, voice caches, OpenAI-compatible speech.")
     for router in (generation.router, voices.router, openai.router, ops.router):
         app.include_router(router)
+    app.add_exception_handler(RequestValidationError, errors.validation_error_handler)
     for exc in errors.HANDLED:
         app.add_exception_handler(exc, errors.pool_error_handler)
     app.add_middleware(MetricsMiddleware, metrics=metrics)

@@ -4,6 +4,7 @@ when another try, after a worker restart, may succeed)."""
 from __future__ import annotations
 
 from fastapi import HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from engine import EngineError, PoolError, PoolStoppedError, PromptNotFoundError, RequestError, WorkerDiedError
@@ -45,3 +46,12 @@ async def pool_error_handler(request: Request, exc: Exception) -> JSONResponse:
 
 
 HANDLED = (PoolError, VoiceTooLargeError)
+
+
+async def validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    """FastAPI's 422 shape, minus the echoed input (it can be megabytes of base64): each error names the
+    field (loc) and the rule it broke (msg)."""
+    assert isinstance(exc, RequestValidationError)
+    detail = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", "").removeprefix("Value error, "),
+               "type": e.get("type", "")} for e in exc.errors()]
+    return JSONResponse({"detail": detail}, status_code=422)

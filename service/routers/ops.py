@@ -6,6 +6,7 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from engine import PoolError
 from service.deps import State
 
 router = APIRouter(tags=["ops"])
@@ -56,7 +57,10 @@ async def metrics(state: State) -> Response:
     """Prometheus text format. Engine gauges are read from the workers at scrape time."""
     m = state.metrics
     if state.loaded:
-        m.observe_pool(await state.pool.stats(), state.coalescer.waiting)
+        try:
+            m.observe_pool(await state.pool.stats(), state.coalescer.waiting)
+        except PoolError:  # a worker died during the scrape: the rest of the metrics still matter
+            m.workers_up.set(0)
     m.observe_cache(state.store.usage())
     m.ready.set(1 if state.ready else 0)
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
