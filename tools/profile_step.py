@@ -1,0 +1,119 @@
+"""Where a decode step's time goes, on a GPU: each component captured in its own CUDA graph and timed
+with CUDA events at batch B, next to the whole captured step, the engine step as the host sees it,
+and a new request's time to first audio (prefill + first step) in-process.
+
+    python tools/profile_step.py --model /tmp/full --batch 1,64 --out profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine.attention import AttentionMetadata  # noqa: E402
+
+TEXT = "Streaming speech synthesis has to start talking almost at once and keep ahead of the listener."
+
+
+def graph_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    """Mean milliseconds of `fn` replayed as a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+@torch.inference_mode()
+def components(engine: LLMEngine, b: int) -> dict[str, float]:
+    r = engine.runner
+    bb = r.model.backbone
+    buf = r.buffers
+    assert buf is not None and r.base_cache is not None and r.residual_cache is not None
+    idx = buf.slot_index[:b]
+    lm_h, res_h, prev = r.lm_hidden[idx], r.residual_hidden[idx], r.prev_patch[idx]
+    noise, cfg, pos = buf.noise[:b], buf.cfg[:b], buf.positions[:b]
+    meta = AttentionMetadata(False, buf.slot_mapping[:b], buf.block_tables[:b], buf.row_index[:b],
+                             buf.context_lens[:b])
+    patch = bb.sample_patch(lm_h, res_h, prev, noise, cfg, r.inference_timesteps)
+    embed = bb.encode_patches(patch)
+    rope = bb.rope_tables["lm"][pos]
+    lm_next = bb.fsq_layer(bb.base_lm(embed, rope, r.base_cache.attend_fn(meta)))
+    res_in = bb.residual_input(lm_next, embed)
+    latents = r._latents(patch[:, None])
+    return {
+        "DiT solve (CFG, all Euler steps)": graph_ms(lambda: bb.sample_patch(lm_h, res_h, prev, noise, cfg,
+                                                                             r.inference_timesteps)),
+        "LocEnc": graph_ms(lambda: bb.encode_patches(patch)),
+        "base LM step + FSQ": graph_ms(lambda: bb.fsq_layer(bb.base_lm(embed, rope, r.base_cache.attend_fn(meta)))),
+        "residual LM step": graph_ms(lambda: bb.residual_lm(res_in, rope, r.residual_cache.attend_fn(meta))),
+        "stop head": graph_ms(lambda: bb.stop_logits(lm_h)),
+        "VAE decode (streaming, fp32)": graph_ms(lambda: r._decode_audio(idx, latents)),
+        "whole step (one graph)": graph_ms(lambda: r.graphs[b].replay()) if b in r.graphs else float("nan"),
+    }
+
+
+def host_step_ms(engine: LLMEngine, b: int, patches: int = 40) -> tuple[float, float]:
+    """(engine.step() wall ms with b running streams, first-audio ms of a request added alone)."""
+    for i in range(b):
+        engine.add_request(TEXT, SamplingParams(seed=i, max_generate_length=patches))
+    engine.step()  # prefill + first patch
+    torch.cuda.synchronize()
+    t0, steps = time.perf_counter(), 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    step_ms = 1000 * (time.perf_counter() - t0) / steps
+    firsts = []
+    for i in range(5):
+        t0 = time.perf_counter()
+        engine.add_request(TEXT + f" {i}", SamplingParams(seed=i, max_generate_length=1))
+        engine.step()
+        firsts.append(1000 * (time.perf_counter() - t0))
+    return step_ms, sorted(firsts)[len(firsts) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--batch", default="1,64")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    batches = [int(x) for x in a.batch.split(",")]
+    engine = LLMEngine(a.model, EngineConfig(max_num_seqs=max(batches), max_model_len=1024,
+                                             gpu_memory_utilization=0.8), device="cuda")
+    res: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "command": " ".join(sys.argv),
+                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "startup_s": engine.startup_s,
+                 "batches": {}}
+    for b in batches:
+        step_ms, first_ms = host_step_ms(engine, b)
+        comp = components(engine, b)
+        comp["engine.step() as the host sees it"] = step_ms
+        comp["new request alone: add -> first audio (prefill + step)"] = first_ms
+        res["batches"][str(b)] = comp
+        print(f"\nB={b}")
+        for k, v in comp.items():
+            print(f"  {k:55s} {v:8.2f} ms")
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
