@@ -43,7 +43,11 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_ids: deque[int] = deque(range(num_blocks))
+        # Free block ids, least recently freed first (so cached blocks live longest). A cache hit takes a
+        # block from the middle: it leaves the set at once and its stale queue entry is skipped later
+        # (removing it from the deque would scan ~190k entries on an H200).
+        self.free_queue: deque[int] = deque(range(num_blocks))
+        self.free_ids: set[int] = set(range(num_blocks))
         self.cached: dict[bytes, int] = {}  # hash -> block id (block may be free but still holds the data)
 
     @property
@@ -55,9 +59,10 @@ class BlockManager:
 
     def _take(self, block_id: int | None = None) -> Block:
         if block_id is None:
-            block_id = self.free_ids.popleft()
-        else:
-            self.free_ids.remove(block_id)
+            block_id = self.free_queue.popleft()
+            while block_id not in self.free_ids:  # stale: taken as a cache hit since it was queued
+                block_id = self.free_queue.popleft()
+        self.free_ids.remove(block_id)
         block = self.blocks[block_id]
         if block.hash is not None and self.cached.get(block.hash) == block_id:
             del self.cached[block.hash]
@@ -96,7 +101,8 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_ids.append(block_id)  # its hash stays valid until the block is reused
+                self.free_ids.add(block_id)
+                self.free_queue.append(block_id)  # its hash stays valid until the block is reused
         seq.block_table = []
         seq.num_cached_tokens = 0
 
