@@ -17,6 +17,7 @@ import hashlib
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
@@ -37,6 +38,13 @@ T = TypeVar("T")
 _END = object()
 
 
+def _worker_log_level() -> int:
+    """VOXCPM_LOG_LEVEL (e.g. DEBUG) for the workers, else the parent's root level."""
+    name = os.environ.get("VOXCPM_LOG_LEVEL", "").upper()
+    level = logging.getLevelName(name) if name else logging.getLogger().level
+    return level if isinstance(level, int) else logging.INFO
+
+
 class _WorkerHandle:
     """The parent's side of one worker process."""
 
@@ -46,7 +54,7 @@ class _WorkerHandle:
         ctx = mp.get_context("spawn")  # CUDA cannot be forked
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=worker_main, name=f"voxcpm-worker-{index}",
-                                   args=(child, model_path, device, config, logging.getLogger().level), daemon=True)
+                                   args=(child, model_path, device, config, _worker_log_level()), daemon=True)
         self.process.start()
         child.close()  # our copy: the pipe must close when the child exits
         self.ready: asyncio.Future[dict[str, Any]] = loop.create_future()
