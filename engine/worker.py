@@ -208,7 +208,9 @@ class Worker:
 
 def worker_main(conn: Connection, model_path: str, device: str, config: dict[str, Any], log_level: int) -> None:
     """Process entry point (spawned)."""
-    logging.basicConfig(level=log_level, format=f"%(asctime)s worker[{device}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=max(log_level, logging.INFO),  # DEBUG only for our loggers, not torch's
+                        format=f"%(asctime)s worker[{device}] %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("engine").setLevel(log_level)
     try:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
