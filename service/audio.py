@@ -17,7 +17,7 @@ OPUS_RATES = (8000, 12000, 16000, 24000, 48000)  # the only rates Opus encodes
 
 def pcm16(samples: np.ndarray) -> bytes:
     """float32 in [-1, 1] -> little-endian signed 16-bit PCM."""
-    return (np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+    return np.round(np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
 
 
 class Mp3Stream:
@@ -46,10 +46,11 @@ def encode_whole(samples: np.ndarray, sample_rate: int, fmt: str, bitrate_kbps: 
         enc = Mp3Stream(sample_rate, bitrate_kbps, quality)
         return enc.encode(samples) + enc.flush()
     buf = io.BytesIO()
+    ints = np.frombuffer(pcm16(samples), "<i2")  # the same 16-bit samples as the pcm format
     if fmt == "wav":
-        sf.write(buf, samples, sample_rate, format="WAV", subtype="PCM_16")
+        sf.write(buf, ints, sample_rate, format="WAV", subtype="PCM_16")
     elif fmt == "flac":
-        sf.write(buf, samples, sample_rate, format="FLAC", subtype="PCM_16")
+        sf.write(buf, ints, sample_rate, format="FLAC", subtype="PCM_16")
     elif fmt == "opus":
         if sample_rate not in OPUS_RATES:  # e.g. 44.1 kHz models: Opus needs 48 kHz
             samples, sample_rate = soxr.resample(samples, sample_rate, 48000).astype(np.float32), 48000

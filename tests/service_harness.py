@@ -1,0 +1,107 @@
+"""A real voxcpm-serve over real HTTP for the service tests: uvicorn in a thread on a free port, the
+real engine pool (a spawned worker) on a tiny random checkpoint, on the CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import socket
+import threading
+import time
+import wave
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import uvicorn
+
+from service.app import create_app
+from service.settings import Settings
+
+SAMPLES_PER_PATCH = 7680  # tiny-voxcpm2: 4 latent frames x 1920 samples at 48 kHz
+SAMPLE_RATE = 48000
+
+
+def wav_bytes(seconds: float, sr: int = 16000, seed: int = 0) -> bytes:
+    t = np.arange(int(seconds * sr)) / sr
+    x = 0.3 * np.sin(2 * np.pi * (150 + 20 * seed) * t) + 0.02 * np.random.default_rng(seed).standard_normal(t.size)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sr)
+        w.writeframes((x * 32767).astype(np.int16).tobytes())
+    return buf.getvalue()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def service_settings(checkpoint: Path, cache_dir: Path, **overrides: Any) -> Settings:
+    values = dict(model_path=str(checkpoint), cache_dir=cache_dir, serverpool_max_num_seqs=4,
+                  serverpool_max_model_len=512, serverpool_max_num_batched_tokens=2048, queue_coalesce_ms=5)
+    values.update(overrides)
+    return Settings(**values)
+
+
+class LiveServer:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.app = create_app(settings)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread = threading.Thread(target=self._run, name="voxcpm-serve-test", daemon=True)
+
+    def _run(self) -> None:
+        async def serve() -> None:
+            self.loop = asyncio.get_running_loop()
+            await self.server.serve()
+
+        asyncio.run(serve())
+
+    def start(self, ready: bool = True) -> LiveServer:
+        self.thread.start()
+        self.wait(lambda: self.server.started, "uvicorn did not start")
+        if ready:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self) -> None:
+        self.wait(lambda: httpx.get(self.url + "/ready").status_code == 200, "service never became ready")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+    @property
+    def state(self):
+        return self.app.state.service
+
+    def call(self, coro: Coroutine) -> Any:
+        """Run a coroutine on the server's loop (where the pool lives)."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def pool_stats(self) -> dict[str, Any]:
+        return self.call(self.state.pool.stats())[0]
+
+    @staticmethod
+    def wait(predicate, message: str, limit_s: float = 120) -> None:
+        """Poll until predicate() holds (a generous deadline against hangs, not a timing assertion)."""
+        deadline = time.monotonic() + limit_s
+        while True:
+            try:
+                if predicate():
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, message
+            time.sleep(0.05)

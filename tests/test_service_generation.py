@@ -1,0 +1,196 @@
+"""/generate, /generate_blocking, /generate_blocking_wav over real HTTP on the real pool: audio formats,
+sample rate and duration, every conditioning path, every invalid combination (a 4xx naming the field,
+before any audio), and a client disconnect aborting the engine request."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+
+from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, LiveServer, service_settings, wav_bytes
+
+CLIP = base64.b64encode(wav_bytes(1.0)).decode()
+CLIP2 = base64.b64encode(wav_bytes(1.2, seed=1)).decode()
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint_factory, tmp_path_factory):
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    # max_model_len 4096: room for a stream of 2000 patches in the disconnect test
+    s = LiveServer(service_settings(ckpt, tmp_path_factory.mktemp("svc-gen"), serverpool_max_model_len=4096,
+                                    serverpool_max_num_batched_tokens=4096)).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def ids(client):
+    """Cached voices for the id-based paths."""
+    out = {}
+    out["prompt_id"] = client.post("/add_prompt", json={"wav_base64": CLIP, "prompt_text": "A prompt."}).json()[
+        "prompt_id"]
+    out["ref_audio_id"] = client.post("/add_reference", json={"wav_base64": CLIP2}).json()["reference_id"]
+    hifi = client.post("/add_hifi", json={"wav_base64": CLIP, "prompt_text": "A prompt."}).json()
+    out["hifi_id"] = hifi["hifi_id"]
+    lat = client.post("/encode_latents", json={"wav_base64": CLIP}).json()
+    out["prompt_latents_base64"] = lat["prompt_latents_base64"]
+    return out
+
+
+def pcm(client, body: dict, route: str = "/generate") -> np.ndarray:
+    r = client.post(route, json={"response_format": "pcm", "seed": 3, **body})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "audio/pcm" and r.headers["x-audio-encoding"] == "pcm_s16le"
+    return np.frombuffer(r.content, "<i2")
+
+
+def test_streaming_mp3_decodes_with_rate_and_duration(client):
+    n = 5
+    with client.stream("POST", "/generate", json={"target_text": "Streaming mp3.", "max_generate_length": n,
+                                                  "seed": 1}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"] == "audio/mpeg"
+        assert r.headers["x-audio-sample-rate"] == str(SAMPLE_RATE) and r.headers["x-audio-channels"] == "1"
+        parts = list(r.iter_raw())
+    data = b"".join(parts)
+    # the first bytes are an MP3 frame (sync word), not a container header, and decode on their own
+    assert data[0] == 0xFF and data[1] & 0xE0 == 0xE0
+    first, sr_first = sf.read(io.BytesIO(parts[0]))
+    assert sr_first == SAMPLE_RATE and len(first) > 0
+    audio, sr = sf.read(io.BytesIO(data))
+    assert sr == SAMPLE_RATE and audio.ndim == 1
+    expected = n * SAMPLES_PER_PATCH  # never-stop checkpoint: exactly n patches
+    assert abs(len(audio) - expected) <= 2 * 1152 + 576  # MP3 encoder delay and last-frame padding
+
+
+def test_streaming_pcm_is_exact(client):
+    assert len(pcm(client, {"target_text": "Raw pcm.", "max_generate_length": 3})) == 3 * SAMPLES_PER_PATCH
+
+
+def test_blocking_mp3_and_wav(client):
+    body = {"target_text": "Blocking.", "max_generate_length": 4, "seed": 2}
+    r = client.post("/generate_blocking", json=body)
+    assert r.status_code == 200 and r.headers["content-type"] == "audio/mpeg"
+    mp3, sr = sf.read(io.BytesIO(r.content))
+    assert sr == SAMPLE_RATE and abs(len(mp3) - 4 * SAMPLES_PER_PATCH) <= 2 * 1152 + 576
+    r = client.post("/generate_blocking_wav", json=body)
+    assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
+    wav, sr = sf.read(io.BytesIO(r.content), dtype="int16")
+    assert sr == SAMPLE_RATE and len(wav) == 4 * SAMPLES_PER_PATCH
+    # the same seed through the streaming route gives the same samples
+    assert same_audio(wav, pcm(client, {**body, "seed": 2}))
+
+
+CONDITIONINGS = {
+    "zero-shot": {},
+    "prompt_wav": {"prompt_wav_base64": CLIP, "prompt_wav_format": "wav", "prompt_text": "A prompt."},
+    "prompt_latents": {"prompt_latents_base64": "@prompt_latents_base64", "prompt_text": "A prompt."},
+    "prompt_id": {"prompt_id": "@prompt_id"},
+    "ref_wav": {"ref_audio_wav_base64": CLIP2, "ref_audio_wav_format": "wav"},
+    "ref_id": {"ref_audio_id": "@ref_audio_id"},
+    "hifi_id": {"hifi_id": "@hifi_id"},
+    "prompt_id+ref_id": {"prompt_id": "@prompt_id", "ref_audio_id": "@ref_audio_id"},
+    "prompt_wav+ref_wav": {"prompt_wav_base64": CLIP, "prompt_text": "A prompt.", "ref_audio_wav_base64": CLIP2},
+}
+
+
+def _fill(body: dict, ids: dict) -> dict:
+    return {k: ids[v[1:]] if isinstance(v, str) and v.startswith("@") else v for k, v in body.items()}
+
+
+@pytest.mark.parametrize("name", CONDITIONINGS)
+def test_every_conditioning_path(client, ids, name):
+    out = pcm(client, {"target_text": "Conditioned.", "max_generate_length": 2, **_fill(CONDITIONINGS[name], ids)})
+    assert len(out) == 2 * SAMPLES_PER_PATCH
+
+
+def same_audio(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal up to 2 LSB of 16-bit PCM: a prefix-cache hit reuses KV computed in another batch shape, which
+    rounds differently in float32 (the same request twice differs by 1 LSB too)."""
+    return a.shape == b.shape and int(np.abs(a.astype(int) - b.astype(int)).max()) <= 2
+
+
+def test_cached_paths_equal_inline_paths(client, ids):
+    """An id is exactly its clip: hifi_id == the clip inline in both roles, prompt_id == its latents."""
+    base = {"target_text": "Same voice.", "max_generate_length": 3}
+    inline_hifi = {"prompt_wav_base64": CLIP, "prompt_text": "A prompt.", "ref_audio_wav_base64": CLIP}
+    assert same_audio(pcm(client, {**base, "hifi_id": ids["hifi_id"]}), pcm(client, {**base, **inline_hifi}))
+    by_latents = {"prompt_latents_base64": ids["prompt_latents_base64"], "prompt_text": "A prompt."}
+    assert same_audio(pcm(client, {**base, "prompt_id": ids["prompt_id"]}), pcm(client, {**base, **by_latents}))
+    ref_lat = client.post("/encode_latents", json={"wav_base64": CLIP2}).json()["prompt_latents_base64"]
+    # /encode_latents pads for a prompt (left); a 1.2 s clip is not a whole number of patches, so the
+    # reference (right padding) differs: both must still be accepted
+    assert len(pcm(client, {**base, "ref_audio_latents_base64": ref_lat})) == 3 * SAMPLES_PER_PATCH
+
+
+BAD_LATENTS = base64.b64encode(np.zeros(64 * 5, np.float32).tobytes()).decode()
+INVALID = [
+    ({"prompt_id": "x", "hifi_id": "y"}, 422, "prompt_id and hifi_id are mutually exclusive"),
+    ({"prompt_wav_base64": CLIP, "prompt_text": "t", "prompt_id": "x"}, 422, "mutually exclusive"),
+    ({"ref_audio_wav_base64": CLIP, "ref_audio_id": "x"}, 422, "ref_audio_wav_base64 and ref_audio_id"),
+    ({"hifi_id": "x", "ref_audio_id": "y"}, 422, "hifi_id already carries its reference"),
+    ({"prompt_wav_base64": CLIP}, 422, "prompt_text is required with prompt_wav_base64"),
+    ({"prompt_latents_base64": BAD_LATENTS}, 422, "prompt_text is required with prompt_latents_base64"),
+    ({"prompt_text": "orphan"}, 422, "prompt_text is only valid with"),
+    ({"lora_name": "a"}, 422, "lora_name"),
+    ({"temperature": -1}, 422, "temperature"),
+    ({"cfg_value": -0.5}, 422, "cfg_value"),
+    ({"max_generate_length": 0}, 422, "max_generate_length"),
+    ({"response_format": "ogg"}, 422, "response_format"),
+    ({"target_text": ""}, 422, "target_text"),
+    ({"prompt_wav_base64": "***", "prompt_text": "t"}, 400, "prompt_wav_base64: not valid base64"),
+    ({"ref_audio_wav_base64": base64.b64encode(b"not audio at all").decode()}, 400, "ref_audio_wav_base64: could "
+                                                                                    "not decode audio"),
+    ({"prompt_latents_base64": BAD_LATENTS, "prompt_text": "t"}, 400, "prompt_latents_base64: 5 frames"),
+    ({"ref_audio_latents_base64": base64.b64encode(b"abc").decode()}, 400, "ref_audio_latents_base64: 3 bytes"),
+    ({"prompt_id": "nope"}, 404, "prompt_id: no cached prompt"),
+    ({"ref_audio_id": "nope"}, 404, "ref_audio_id: no cached reference"),
+    ({"hifi_id": "nope"}, 404, "hifi_id: no cached hifi"),
+    ({"target_text": "word " * 3000}, 400, "max_model_len"),  # the engine's verdict, still before the stream
+]
+
+
+@pytest.mark.parametrize("route", ["/generate", "/generate_blocking_wav"])
+@pytest.mark.parametrize("body,status,message", INVALID, ids=[m for _, _, m in INVALID])
+def test_invalid_requests_are_4xx_naming_the_field(client, route, body, status, message):
+    r = client.post(route, json={"target_text": "Invalid.", **body})
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    assert message in str(r.json()["detail"]), r.json()
+
+
+def test_prompt_id_of_another_kind_is_404(client, ids):
+    r = client.post("/generate", json={"target_text": "x", "prompt_id": ids["ref_audio_id"]})
+    assert r.status_code == 404 and "prompt_id" in r.json()["detail"]
+
+
+def test_client_disconnect_aborts_the_engine_request(server):
+    """Leave a long stream after its first chunk: the engine request is aborted (its KV blocks and slot
+    come back long before it could have finished on its own)."""
+    text = "A sentence repeated until the stream could run for two thousand patches. " * 25
+    before = server.pool_stats()
+    with httpx.Client(base_url=server.url, timeout=120) as c, \
+            c.stream("POST", "/generate", json={"target_text": text, "response_format": "pcm"}) as r:
+        assert r.status_code == 200
+        chunks = r.iter_raw()  # keep a reference: a discarded httpx iterator closes the connection itself
+        next(chunks)
+        mid = server.pool_stats()
+        assert mid["running"] == 1 and mid["free_blocks"] < mid["total_blocks"], f"{before} {mid}"
+    # leaving the block closed the connection mid-stream
+    LiveServer.wait(lambda: (s := server.pool_stats())["running"] == s["waiting"] == 0
+                    and s["free_blocks"] == s["total_blocks"], "KV blocks not freed after the disconnect")
+    after = server.pool_stats()
+    assert after["free_slots"] == before["free_slots"]
+    # left alone it would run 2000 steps; the abort stops it after a handful
+    assert after["steps"] - before["steps"] < 1000, (before, after)
