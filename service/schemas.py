@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 # --- voices ---------------------------------------------------------------------------------------
 
@@ -33,6 +33,13 @@ class EncodeLatentsResponse(AudioFacts):
 class AddPromptRequest(WavUpload):
     prompt_text: str = Field(..., min_length=1, description="Transcript of the clip (continuation prompt).")
 
+    @field_validator("prompt_text")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be blank (the transcript of the clip)")
+        return v
+
 
 class AddPromptResponse(AudioFacts):
     prompt_id: str
@@ -46,7 +53,7 @@ class AddReferenceResponse(AudioFacts):
     reference_id: str
 
 
-class AddHifiRequest(WavUpload):
+class AddHifiRequest(AddPromptRequest):
     prompt_text: str = Field(..., min_length=1, description="Transcript of the clip.")
 
 

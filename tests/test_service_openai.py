@@ -1,0 +1,110 @@
+"""/v1/audio/speech with the official `openai` client, unmodified: every response format decoded,
+streaming (audio and sse), cached voices, instructions, and clear rejections."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import httpx
+import openai
+import pytest
+import soundfile as sf
+
+from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, LiveServer, service_settings, wav_bytes
+
+N = 3  # patches per request (max_generate_length)
+EXTRA = {"max_generate_length": N, "seed": 1}
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint_factory, tmp_path_factory):
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    s = LiveServer(service_settings(ckpt, tmp_path_factory.mktemp("svc-openai"), voice_store="memory")).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "wav", "flac", "opus", "pcm"])
+def test_every_format_round_trips(client, fmt):
+    r = client.audio.speech.create(model="tts-1", voice="default", input="Hello.", response_format=fmt,
+                                   extra_body=EXTRA)
+    data = r.content
+    if fmt == "pcm":
+        assert len(data) == 2 * N * SAMPLES_PER_PATCH
+        return
+    audio, sr = sf.read(io.BytesIO(data))
+    assert sr == SAMPLE_RATE
+    slack = {"wav": 0, "flac": 0}.get(fmt, 2 * 1152 + 576)  # lossy codecs add priming/padding
+    assert abs(len(audio) - N * SAMPLES_PER_PATCH) <= slack
+
+
+def test_streaming_response_to_file(client, tmp_path):
+    out = tmp_path / "speech.mp3"
+    with client.audio.speech.with_streaming_response.create(model="tts-1", voice="default", input="Streamed.",
+                                                            response_format="mp3", extra_body=EXTRA) as r:
+        r.stream_to_file(out)
+    audio, sr = sf.read(out)
+    assert sr == SAMPLE_RATE and len(audio) > 0
+
+
+def test_sse_stream(server):
+    body = {"model": "tts-1", "input": "Events.", "response_format": "pcm", "stream_format": "sse", **EXTRA}
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        r = c.post("/v1/audio/speech", json=body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done"
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    assert all(e["type"] == "speech.audio.delta" for e in events[:-1])
+    assert len(pcm) == 2 * N * SAMPLES_PER_PATCH
+
+
+def test_cached_voice_and_instructions(client, server):
+    clip = base64.b64encode(wav_bytes(1.0)).decode()
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        hifi = c.post("/add_hifi", json={"wav_base64": clip, "prompt_text": "A clip."}).json()
+        voices = c.get("/v1/audio/voices").json()["voices"]
+        models = c.get("/v1/models").json()
+    assert {"default", hifi["hifi_id"], hifi["prompt_id"], hifi["reference_id"]} <= {v["id"] for v in voices}
+    assert "tts-1" in [m["id"] for m in models["data"]]
+    for voice in (hifi["hifi_id"], hifi["prompt_id"], hifi["reference_id"]):
+        r = client.audio.speech.create(model="tts-1", voice=voice, input="Cloned.", response_format="pcm",
+                                       extra_body=EXTRA)
+        assert len(r.content) == 2 * N * SAMPLES_PER_PATCH
+    r = client.audio.speech.create(model="tts-1", voice="default", input="Designed.", response_format="pcm",
+                                   instructions="A calm, low voice", extra_body=EXTRA)
+    assert len(r.content) == 2 * N * SAMPLES_PER_PATCH
+    assert len(client.models.list().data) >= 1
+
+
+@pytest.mark.parametrize("kwargs,status,field", [
+    ({"speed": 1.5}, 422, "speed"),
+    ({"voice": "alloy"}, 404, "voice"),
+    ({"model": "whisper-1"}, 404, "model"),
+    ({"response_format": "aac"}, 422, "response_format"),
+    ({"response_format": "wav", "extra_body": {"stream_format": "sse"}}, 422, "response_format"),
+])
+def test_rejections_name_the_field(client, kwargs, status, field):
+    args = {"model": "tts-1", "voice": "default", "input": "Nope.", **kwargs}
+    with pytest.raises(openai.APIStatusError) as e:
+        client.audio.speech.create(**args)
+    assert e.value.status_code == status
+    assert field in str(e.value.body)
+
+
+def test_zero_length_input_rejected(server):
+    with httpx.Client(base_url=server.url) as c:
+        r = c.post("/v1/audio/speech", json={"model": "tts-1", "input": ""})
+    assert r.status_code == 422 and "input" in str(r.json())
+
+
+def test_voices_endpoint_lists_default_first(server):
+    with httpx.Client(base_url=server.url) as c:
+        assert c.get("/v1/audio/voices").json()["voices"][0]["id"] == "default"

@@ -1,0 +1,106 @@
+"""Voice caches over HTTP: CRUD, content addressing, count/byte bounds with LRU eviction, persistence
+across a service restart (disk store), and the store's own rules."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import httpx
+import numpy as np
+import pytest
+
+from service.voice_store import DiskVoiceStore, MemoryVoiceStore, Voice, VoiceTooLargeError
+from tests.service_harness import LiveServer, service_settings, wav_bytes
+
+
+def clip(seed: int, seconds: float = 0.6) -> str:
+    return base64.b64encode(wav_bytes(seconds, seed=seed)).decode()
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("svc-voices")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoint_factory):
+    return checkpoint_factory("tiny-voxcpm2", stop="never")
+
+
+def test_crud_bounds_and_restart(checkpoint, cache_dir):
+    settings = service_settings(checkpoint, cache_dir, voice_cache_max_entries=6, warmup=False)
+    server = LiveServer(settings).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            lat = c.post("/encode_latents", json={"wav_base64": clip(0), "wav_format": "wav"}).json()
+            assert lat["latents_dtype"] == "float32" and lat["feat_dim"] == 64 and lat["sample_rate"] == 48000
+            frames = np.frombuffer(base64.b64decode(lat["prompt_latents_base64"]), np.float32).reshape(-1, 64)
+            assert len(frames) % 4 == 0
+
+            p1 = c.post("/add_prompt", json={"wav_base64": clip(1), "prompt_text": "One."}).json()
+            assert c.post("/add_prompt", json={"wav_base64": clip(1), "prompt_text": "One."}).json() == p1
+            p1b = c.post("/add_prompt", json={"wav_base64": clip(1), "prompt_text": "Other text."}).json()
+            assert p1b["prompt_id"] != p1["prompt_id"]  # the transcript is part of the content
+            ref = c.post("/add_reference", json={"wav_base64": clip(2)}).json()
+            assert [v["id"] for v in c.get("/prompts").json()["voices"]] == [p1["prompt_id"], p1b["prompt_id"]]
+            assert c.get("/references").json()["voices"][0]["ref_frames"] > 0
+
+            # touch p1, fill the cache to 6 (add_hifi registers 3), then a 7th evicts the least recently used
+            assert c.post("/generate_blocking_wav", json={"target_text": "x", "prompt_id": p1["prompt_id"],
+                                                          "max_generate_length": 1}).status_code == 200
+            hifi = c.post("/add_hifi", json={"wav_base64": clip(3), "prompt_text": "Three."}).json()
+            p4 = c.post("/add_prompt", json={"wav_base64": clip(4), "prompt_text": "Four."}).json()
+            listed = {v["id"] for k in ("prompts", "references", "hifi") for v in c.get(f"/{k}").json()["voices"]}
+            assert listed == {p1["prompt_id"], ref["reference_id"], hifi["hifi_id"], hifi["prompt_id"],
+                              hifi["reference_id"], p4["prompt_id"]}  # p1b evicted
+            r = c.post("/generate", json={"target_text": "x", "prompt_id": p1b["prompt_id"]})
+            assert r.status_code == 404 and "evicted" in r.json()["detail"]
+
+            assert c.delete(f"/references/{ref['reference_id']}").json() == {"deleted": ref["reference_id"]}
+            assert c.delete(f"/references/{ref['reference_id']}").status_code == 404
+            assert c.delete(f"/prompts/{hifi['hifi_id']}").status_code == 404  # wrong kind
+            assert c.post("/add_prompt", json={"wav_base64": clip(1), "prompt_text": " "}).status_code in (400, 422)
+            r = c.post("/add_reference", json={"wav_base64": base64.b64encode(b"junk").decode()})
+            assert r.status_code == 400 and "wav_base64" in r.json()["detail"]
+            before = sorted(listed - {ref["reference_id"]})
+    finally:
+        server.stop()
+
+    server = LiveServer(settings).start()  # same cache dir: the voices survive the restart
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            after = sorted(v["id"] for k in ("prompts", "references", "hifi") for v in c.get(f"/{k}").json()["voices"])
+            assert after == before
+            r = c.post("/generate_blocking_wav", json={"target_text": "x", "hifi_id": hifi["hifi_id"],
+                                                       "max_generate_length": 1})
+            assert r.status_code == 200
+            assert c.delete(f"/hifi/{hifi['hifi_id']}").status_code == 200
+            assert c.get("/info").json()["voice_cache"]["hifi"] == 0
+    finally:
+        server.stop()
+
+
+def _voice(i: int, n: int = 100) -> Voice:
+    return Voice("reference", f"v{i}", ref_latents=bytes(n))
+
+
+def test_store_byte_bound_and_lru_order(tmp_path):
+    async def run() -> None:
+        store = MemoryVoiceStore(max_entries=100, max_bytes=250)
+        for i in range(3):
+            await store.put(_voice(i))
+        assert [v.id for v in store.list()] == ["v1", "v2"]  # 300 bytes > 250: v0 evicted
+        await store.get("v1")
+        assert await store.put(_voice(3)) == ["v2"]
+        with pytest.raises(VoiceTooLargeError):
+            await store.put(_voice(9, n=1000))
+
+        disk = DiskVoiceStore(tmp_path, max_entries=2, max_bytes=10_000)
+        for i in range(3):
+            await disk.put(_voice(i))
+        assert sorted(p.name for p in tmp_path.glob("*.json")) == ["v1.json", "v2.json"]
+        again = DiskVoiceStore(tmp_path, max_entries=1, max_bytes=10_000)  # lower bound on reload: trimmed
+        assert len(again.list()) == 1 and len(list(tmp_path.glob("*.bin"))) == 1
+
+    asyncio.run(run())
