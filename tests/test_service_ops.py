@@ -1,0 +1,86 @@
+"""Operations over real HTTP: /health, /info, /metrics (route templates, TTFB, engine and cache gauges),
+/ready flipping to 503 when a worker dies (and back once it is restarted), settings validation."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from service.settings import Settings, describe_error
+from tests.service_harness import LiveServer, service_settings
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint_factory, tmp_path_factory):
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    s = LiveServer(service_settings(ckpt, tmp_path_factory.mktemp("svc-ops"))).start()
+    yield s
+    s.stop()
+
+
+def test_health_info(server):
+    with httpx.Client(base_url=server.url) as c:
+        assert c.get("/health").json() == {"status": "ok"}
+        info = c.get("/info").json()
+    assert info["model"]["sample_rate"] == 48000 and info["model"]["feat_dim"] == 64
+    assert info["model"]["model_path"] and info["mp3"] == {"bitrate_kbps": 192, "quality": 2}
+    assert info["ready"] is True and info["model"]["random_weights"] is False
+
+
+def test_metrics(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        assert c.post("/generate", json={"target_text": "Metrics.", "max_generate_length": 2}).status_code == 200
+        assert c.delete("/prompts/some-id").status_code == 404
+        text = c.get("/metrics").text
+    assert 'voxcpm_http_requests_total{method="DELETE",route="/prompts/{prompt_id}",status="404"} 1.0' in text
+    assert "some-id" not in text  # route templates, never raw paths
+    assert 'voxcpm_time_to_first_audio_byte_seconds_count{route="/generate"} 1.0' in text
+    assert 'voxcpm_audio_generated_seconds_total{route="/generate"} 0.32' in text  # 2 patches x 160 ms
+    for name in ("voxcpm_queue_depth", "voxcpm_running_sequences", 'voxcpm_kv_cache_usage_ratio{worker="0"}',
+                 'voxcpm_engine_step_seconds{worker="0"}', 'voxcpm_voice_cache_entries{kind="hifi"}',
+                 "voxcpm_voice_cache_bytes", "voxcpm_ready 1.0"):
+        assert name in text, name
+
+
+def test_ready_flips_when_a_worker_dies(server):
+    """Killing the worker makes /ready 503 (and generation 503 + Retry-After); the supervisor restarts it."""
+    server.state.pool.kill_worker(0)
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        LiveServer.wait(lambda: c.get("/ready").status_code == 503, "/ready stayed 200 after the worker died")
+        assert c.get("/health").status_code == 200  # the process itself is fine
+        r = c.post("/generate", json={"target_text": "x", "max_generate_length": 1})
+        if r.status_code != 200:  # the restart may already be done
+            assert r.status_code == 503 and "Retry-After" in r.headers
+    server.wait_ready()
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        assert c.post("/generate", json={"target_text": "Back.", "max_generate_length": 1}).status_code == 200
+
+
+def test_settings_validation(monkeypatch):
+    monkeypatch.setenv("NANOVLLM_MP3_QUALITY", "7")
+    monkeypatch.setenv("NANOVLLM_SERVERPOOL_GPU_MEMORY_UTILIZATION", "1.5")
+    monkeypatch.setenv("NANOVLLM_SERVERPOOL_ENFORCE_EAGER", "on")
+    with pytest.raises(ValidationError) as e:
+        Settings()
+    msg = describe_error(e.value)
+    assert "NANOVLLM_MP3_QUALITY" in msg and "NANOVLLM_SERVERPOOL_GPU_MEMORY_UTILIZATION" in msg
+    monkeypatch.delenv("NANOVLLM_MP3_QUALITY")
+    monkeypatch.delenv("NANOVLLM_SERVERPOOL_GPU_MEMORY_UTILIZATION")
+    monkeypatch.setenv("NANOVLLM_SERVERPOOL_DEVICES", "0,1")
+    s = Settings()
+    assert s.serverpool_enforce_eager is True and s.device_list() == [0, 1]
+    monkeypatch.setenv("NANOVLLM_MP3_BITRATE_KBPS", "100")
+    with pytest.raises(ValidationError, match="mp3_bitrate_kbps"):
+        Settings()
+
+
+def test_console_command_rejects_bad_config():
+    env = {**os.environ, "NANOVLLM_MP3_QUALITY": "9"}
+    p = subprocess.run([sys.executable, "-c", "from service.main import main; main()"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "NANOVLLM_MP3_QUALITY" in p.stderr
