@@ -18,6 +18,9 @@ import torch.nn.functional as F
 
 F_ = TypeVar("F_", bound=Callable[..., torch.Tensor])
 ENABLED = os.environ.get("VOXCPM_FUSE", "1") != "0"
+# Outside a graph capture (the eager prefill) a compiled call's guard checks cost more host time than
+# the launches they save, so by default fused kernels are used only in captured (replayed) code.
+IN_EAGER = os.environ.get("VOXCPM_FUSE_EAGER", "0") == "1"
 
 
 def fused(fn: F_) -> F_:
@@ -25,7 +28,7 @@ def fused(fn: F_) -> F_:
     compiled: list[Callable[..., torch.Tensor]] = []
 
     def call(x: torch.Tensor, *args: object) -> torch.Tensor:
-        if not (ENABLED and x.is_cuda):
+        if not (ENABLED and x.is_cuda and (IN_EAGER or torch.cuda.is_current_stream_capturing())):
             return fn(x, *args)
         if not compiled:
             # Each call site's shapes/strides may need its own specialisation; past the limit dynamo
