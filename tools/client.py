@@ -75,7 +75,8 @@ def main() -> None:
     (a.out / "blocking.mp3").write_bytes(show(c.post("/generate_blocking", json=body), "mp3").content)
     (a.out / "blocking.wav").write_bytes(show(c.post("/generate_blocking_wav", json=body), "wav").content)
 
-    speech = {"model": "tts-1", "input": text, "voice": hifi, "response_format": "flac", "max_generate_length": a.max_len}
+    speech = {"model": "tts-1", "input": text, "voice": hifi, "response_format": "flac",
+              "max_generate_length": a.max_len}
     (a.out / "openai.flac").write_bytes(show(c.post("/v1/audio/speech", json=speech), "openai flac").content)
     show(c.get("/v1/audio/voices"), "voices")
     show(c.get("/v1/models"), "models")
@@ -83,7 +84,8 @@ def main() -> None:
     show(c.delete(f"/prompts/{pid}"), "deleted")
     show(c.delete(f"/references/{rid}"), "deleted")
     metrics = show(c.get("/metrics"), "prometheus").text
-    print("\n".join(line for line in metrics.splitlines() if line.startswith("voxcpm_time_to_first_audio_byte_seconds_")))
+    ttfb = [line for line in metrics.splitlines() if line.startswith("voxcpm_time_to_first_audio_byte_seconds_")]
+    print("\n".join(ttfb))
 
 
 if __name__ == "__main__":
