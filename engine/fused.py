@@ -9,8 +9,9 @@ Set VOXCPM_FUSE=0 to disable.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
@@ -18,9 +19,21 @@ import torch.nn.functional as F
 
 F_ = TypeVar("F_", bound=Callable[..., torch.Tensor])
 ENABLED = os.environ.get("VOXCPM_FUSE", "1") != "0"
-# Outside a graph capture (the eager prefill) a compiled call's guard checks cost more host time than
-# the launches they save, so by default fused kernels are used only in captured (replayed) code.
+# Outside CUDA graphs (the eager prefill) a compiled call's guard checks cost more host time than the
+# launches they save, so by default the fused kernels run only in code being captured (see `capturing`).
 IN_EAGER = os.environ.get("VOXCPM_FUSE_EAGER", "0") == "1"
+_capturing = False
+
+
+@contextlib.contextmanager
+def capturing() -> Iterator[None]:
+    """Use the fused kernels inside this block: graph warm-up (compiles them) and capture."""
+    global _capturing
+    previous, _capturing = _capturing, True
+    try:
+        yield
+    finally:
+        _capturing = previous
 
 
 def fused(fn: F_) -> F_:
@@ -28,7 +41,7 @@ def fused(fn: F_) -> F_:
     compiled: list[Callable[..., torch.Tensor]] = []
 
     def call(x: torch.Tensor, *args: object) -> torch.Tensor:
-        if not (ENABLED and x.is_cuda and (IN_EAGER or torch.cuda.is_current_stream_capturing())):
+        if not (ENABLED and x.is_cuda and (IN_EAGER or _capturing)):
             return fn(x, *args)
         if not compiled:
             # Each call site's shapes/strides may need its own specialisation; past the limit dynamo

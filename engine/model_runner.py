@@ -281,10 +281,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         pool = None
         for batch in reversed(graph_buckets(self.max_num_seqs)):
-            self._decode_forward(batch, self.table_width)  # warm-up: kernels compiled, allocator primed
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._decode_forward(batch, self.table_width)
+            with fused.capturing():
+                self._decode_forward(batch, self.table_width)  # warm-up: kernels compiled, allocator primed
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._decode_forward(batch, self.table_width)
             pool = graph.pool()
             self.graphs[batch] = graph
         torch.cuda.synchronize(self.device)
