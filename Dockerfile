@@ -1,16 +1,19 @@
-# voxcpm-serve image. Dependencies come from the committed uv.lock (PyPI torch 2.11 CUDA build, runs on
-# CPU too). The HTTP entry point (voxcpm-serve) arrives with the service issue; until then the image
-# runs the engine's parity test suite.
+# voxcpm-serve image. Dependencies come from the committed uv.lock (PyPI torch 2.11 CUDA build; runs on
+# CPU too). Without NANOVLLM_MODEL_PATH it serves an embedded random-weight demo checkpoint: mount real
+# weights and set NANOVLLM_MODEL_PATH (see README "Configuration").
 FROM python:3.12-slim
 
-ENV UV_LINK_MODE=copy UV_COMPILE_BYTECODE=1 PYTHONUNBUFFERED=1
+ENV UV_LINK_MODE=copy UV_COMPILE_BYTECODE=1 PYTHONUNBUFFERED=1 NANOVLLM_CACHE_DIR=/var/cache/voxcpm-serve
 RUN pip install --no-cache-dir uv
 WORKDIR /app
 COPY pyproject.toml uv.lock README.md ./
-RUN uv sync --frozen --no-install-project
+# Runtime dependencies only: the dev group (test oracle, openai client, ...) stays out of the image.
+RUN uv sync --frozen --no-dev --no-install-project
 COPY engine ./engine
 COPY service ./service
 COPY tools ./tools
-COPY tests ./tests
-RUN uv sync --frozen
-CMD ["uv", "run", "--frozen", "pytest", "-q"]
+RUN uv sync --frozen --no-dev
+EXPOSE 8000
+# Liveness: /health; readiness (model loaded and warm): /ready — see deployment/k8s.yaml.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=600s CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"
+CMD ["/app/.venv/bin/voxcpm-serve"]
