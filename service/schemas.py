@@ -83,6 +83,10 @@ class Deleted(BaseModel):
 
 # --- generation -----------------------------------------------------------------------------------
 
+# The engine seeds torch.Generator, which takes at most an unsigned 64-bit value; a larger seed fails the
+# whole engine step (every request running on that worker), so it must be refused here.
+MAX_SEED = 2**64 - 1
+
 PROMPT_FORMS = "prompt_wav_base64 + prompt_text | prompt_latents_base64 + prompt_text | prompt_id | hifi_id"
 REF_FORMS = "ref_audio_wav_base64 | ref_audio_latents_base64 | ref_audio_id"
 
@@ -102,7 +106,7 @@ class GenerateRequest(BaseModel):
     max_generate_length: int = Field(2000, ge=1, description="Most patches generated.")
     temperature: float = Field(1.0, ge=0, description="Scale of the initial CFM noise (0 = deterministic).")
     cfg_value: float = Field(2.0, ge=0, description="Classifier-free guidance strength.")
-    seed: int | None = Field(None, ge=0, description="Makes the request reproducible.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Makes the request reproducible.")
     lora_name: str | None = Field(None, description="Per-request LoRA adapter (not supported yet: must be unset).")
     response_format: Literal["mp3", "pcm"] = Field("mp3", description="mp3, or pcm = raw s16le mono.")
 
@@ -140,7 +144,7 @@ class SpeechRequest(BaseModel):
     speed: float = Field(1.0, description="Only 1.0 is supported.")
     stream_format: Literal["audio", "sse"] = Field("audio", description="Raw audio bytes, or server-sent events "
                                                                          "(mp3/pcm only).")
-    seed: int | None = Field(None, ge=0, description="VoxCPM extra: reproducible output.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="VoxCPM extra: reproducible output.")
     cfg_value: float = Field(2.0, ge=0, description="VoxCPM extra: guidance strength.")
     temperature: float = Field(1.0, ge=0, description="VoxCPM extra: noise scale.")
     max_generate_length: int = Field(2000, ge=1, description="VoxCPM extra: most patches generated.")

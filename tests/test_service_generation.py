@@ -147,6 +147,7 @@ INVALID = [
     ({"temperature": -1}, 422, "temperature"),
     ({"cfg_value": -0.5}, 422, "cfg_value"),
     ({"max_generate_length": 0}, 422, "max_generate_length"),
+    ({"seed": 2**64}, 422, "seed"),  # past torch's range it would fail every request on the worker
     ({"response_format": "ogg"}, 422, "response_format"),
     ({"target_text": ""}, 422, "target_text"),
     ({"prompt_wav_base64": "***", "prompt_text": "t"}, 400, "prompt_wav_base64: not valid base64"),

@@ -86,6 +86,7 @@ def test_cached_voice_and_instructions(client, server):
 
 @pytest.mark.parametrize("kwargs,status,field", [
     ({"speed": 1.5}, 422, "speed"),
+    ({"extra_body": {"seed": 2**64}}, 422, "seed"),
     ({"voice": "alloy"}, 404, "voice"),
     ({"model": "whisper-1"}, 404, "model"),
     ({"response_format": "aac"}, 422, "response_format"),
