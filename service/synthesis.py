@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+from fastapi import HTTPException, Request
 from starlette.responses import StreamingResponse
 
 from engine import PoolError
@@ -20,6 +22,9 @@ from service.audio import MEDIA_TYPES, Mp3Stream, encode_whole, output_rate, pcm
 from service.conditioning import Conditioning
 from service.errors import http_error
 from service.state import ServiceState
+
+T = TypeVar("T")
+CLIENT_CLOSED = 499  # nginx's "client closed request": recorded in the metrics, never seen by the client
 
 
 @dataclass
@@ -131,6 +136,31 @@ async def sse_events(gen: Generation, fmt: str, text: str) -> AsyncIterator[byte
 def stream_response(gen: Generation, fmt: str) -> ClosingStreamingResponse:
     body = mp3_bytes(gen) if fmt == "mp3" else pcm_bytes(gen)
     return ClosingStreamingResponse(body, media_type=MEDIA_TYPES[fmt], headers=audio_headers(gen.state, fmt))
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` unless the client disconnects first; then cancel it, which closes its engine request
+    (aborted, KV blocks freed). Starlette does not cancel a non-streaming endpoint when its client leaves,
+    so without this a blocking generation runs to max_generate_length for nobody. The body has been read
+    by then, so the next message `receive` gives is the disconnect."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if task.cancelled():
+        raise HTTPException(CLIENT_CLOSED, "client disconnected")
+    return task.result()
 
 
 async def whole_file(gen: Generation, fmt: str) -> bytes:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import socket
 
 import httpx
 import numpy as np
@@ -194,4 +196,22 @@ def test_client_disconnect_aborts_the_engine_request(server):
     after = server.pool_stats()
     assert after["free_slots"] == before["free_slots"]
     # left alone it would run 2000 steps; the abort stops it after a handful
+    assert after["steps"] - before["steps"] < 1000, (before, after)
+
+
+@pytest.mark.parametrize("route", ["/generate_blocking", "/generate_blocking_wav"])
+def test_client_disconnect_aborts_a_blocking_request(server, route):
+    """A blocking route sends nothing until the end, so Starlette never notices the client leaving: the
+    route watches for the disconnect itself and aborts the engine request."""
+    text = "A sentence repeated until the request could run for two thousand patches. " * 25
+    before = server.pool_stats()
+    body = json.dumps({"target_text": text}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(f"POST {route} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        LiveServer.wait(lambda: server.pool_stats()["running"] == 1, "the request never started")
+    LiveServer.wait(lambda: (s := server.pool_stats())["running"] == s["waiting"] == 0
+                    and s["free_blocks"] == s["total_blocks"], "KV blocks not freed after the disconnect")
+    after = server.pool_stats()
+    assert after["free_slots"] == before["free_slots"]
     assert after["steps"] - before["steps"] < 1000, (before, after)

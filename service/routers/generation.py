@@ -20,6 +20,10 @@ async def _start(state: ServiceState, req: GenerateRequest, route: str) -> synth
     return await synthesis.start(state, route, req.target_text, cond, params)
 
 
+async def _whole(state: ServiceState, req: GenerateRequest, route: str, fmt: str) -> bytes:
+    return await synthesis.whole_file(await _start(state, req, route), fmt)
+
+
 @router.post("/generate", responses=AUDIO, response_class=Response)
 async def generate(req: GenerateRequest, request: Request, state: LoadedState) -> Response:
     """Stream audio as it is generated: MP3 frames (playable from the first bytes) or raw s16le PCM.
@@ -33,8 +37,7 @@ async def generate(req: GenerateRequest, request: Request, state: LoadedState) -
 async def generate_blocking(req: GenerateRequest, request: Request, state: LoadedState) -> Response:
     """The whole utterance as one MP3 (or PCM) body."""
     mark_audio(request)
-    gen = await _start(state, req, "/generate_blocking")
-    data = await synthesis.whole_file(gen, req.response_format)
+    data = await synthesis.unless_disconnected(request, _whole(state, req, "/generate_blocking", req.response_format))
     return Response(data, media_type=MEDIA_TYPES[req.response_format],
                     headers=synthesis.audio_headers(state, req.response_format))
 
@@ -43,6 +46,5 @@ async def generate_blocking(req: GenerateRequest, request: Request, state: Loade
 async def generate_blocking_wav(req: GenerateRequest, request: Request, state: LoadedState) -> Response:
     """The whole utterance as one 16-bit WAV file (response_format is ignored)."""
     mark_audio(request)
-    gen = await _start(state, req, "/generate_blocking_wav")
-    data = await synthesis.whole_file(gen, "wav")
+    data = await synthesis.unless_disconnected(request, _whole(state, req, "/generate_blocking_wav", "wav"))
     return Response(data, media_type="audio/wav", headers=synthesis.audio_headers(state, "wav"))

@@ -40,16 +40,20 @@ async def speech(req: SpeechRequest, request: Request, state: LoadedState) -> Re
     cond = await _voice(state, req.voice)
     text = f"({req.instructions.strip()}){req.input}" if req.instructions and req.instructions.strip() else req.input
     params = synthesis.Params(req.max_generate_length, req.temperature, req.cfg_value, req.seed)
-    gen = await synthesis.start(state, "/v1/audio/speech", text, cond, params)
     fmt = req.response_format
+    if fmt not in ("mp3", "pcm") and req.stream_format != "sse":  # sent whole: abort if the client leaves
+        data = await synthesis.unless_disconnected(request, _whole(state, text, cond, params, fmt))
+        return Response(data, media_type=MEDIA_TYPES[fmt], headers=synthesis.audio_headers(state, fmt))
+    gen = await synthesis.start(state, "/v1/audio/speech", text, cond, params)
     if req.stream_format == "sse":
         return synthesis.ClosingStreamingResponse(synthesis.sse_events(gen, fmt, req.input),
                                                   media_type="text/event-stream",
                                                   headers=synthesis.audio_headers(state, fmt))
-    if fmt in ("mp3", "pcm"):
-        return synthesis.stream_response(gen, fmt)
-    data = await synthesis.whole_file(gen, fmt)
-    return Response(data, media_type=MEDIA_TYPES[fmt], headers=synthesis.audio_headers(state, fmt))
+    return synthesis.stream_response(gen, fmt)
+
+
+async def _whole(state: ServiceState, text: str, cond: Conditioning, params: synthesis.Params, fmt: str) -> bytes:
+    return await synthesis.whole_file(await synthesis.start(state, "/v1/audio/speech", text, cond, params), fmt)
 
 
 @router.get("/audio/voices", response_model=VoiceList)
