@@ -95,11 +95,13 @@ class MemoryVoiceStore(VoiceStore):
             await self.get(voice.id)
             return []
         evicted = []
-        while self._voices and (len(self._voices) >= self.max_entries
-                                or self._bytes + voice.nbytes > self.max_bytes):
+        while voice.id not in self._voices and self._voices and (len(self._voices) >= self.max_entries
+                                                                 or self._bytes + voice.nbytes > self.max_bytes):
             old_id = next(iter(self._voices))
             await self.delete(old_id)
             evicted.append(old_id)
+        if voice.id in self._voices:  # a concurrent put of the same id won while we evicted: keep one
+            return evicted
         self._voices[voice.id] = voice
         self._bytes += voice.nbytes
         await self._stored(voice)

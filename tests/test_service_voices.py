@@ -104,3 +104,18 @@ def test_store_byte_bound_and_lru_order(tmp_path):
         assert len(again.list()) == 1 and len(list(tmp_path.glob("*.bin"))) == 1
 
     asyncio.run(run())
+
+
+def test_concurrent_puts_of_one_voice_count_once(tmp_path):
+    """Two requests registering the same clip at once (both missed the cache) while the store is full:
+    the entry and its bytes are counted once, or the byte bound would drift for good."""
+
+    async def run() -> None:
+        store = DiskVoiceStore(tmp_path, max_entries=2, max_bytes=10_000)  # disk: eviction awaits a thread
+        for i in range(2):
+            await store.put(_voice(i))
+        await asyncio.gather(store.put(_voice(7)), store.put(_voice(7)))
+        assert store.usage()["entries"] == len(store.list()) == 2
+        assert store.usage()["bytes"] == sum(v.nbytes for v in store.list())
+
+    asyncio.run(run())
