@@ -24,11 +24,18 @@ class Conditioning:
     ref_latents: bytes | None = None
 
 
-def b64decode(value: str, field: str) -> bytes:
+INLINE_B64_CHARS = 64 * 1024  # larger payloads (audio clips: megabytes) are decoded in a thread
+
+
+async def b64decode(value: str, field: str) -> bytes:
+    """Decode (off the event loop when large: a multi-megabyte clip would stall every stream)."""
     if value.startswith("data:") and "," in value:  # tolerate a data: URI
         value = value.split(",", 1)[1]
     try:
-        data = base64.b64decode(value, validate=True)
+        if len(value) > INLINE_B64_CHARS:
+            data = await asyncio.to_thread(base64.b64decode, value, validate=True)
+        else:
+            data = base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError) as e:
         raise HTTPException(400, f"{field}: not valid base64 ({e})") from e
     if not data:
@@ -71,11 +78,11 @@ async def resolve(state: ServiceState, req: GenerateRequest) -> Conditioning:
 
     async def prompt() -> None:
         if req.prompt_wav_base64 is not None:
-            data = b64decode(req.prompt_wav_base64, "prompt_wav_base64")
+            data = await b64decode(req.prompt_wav_base64, "prompt_wav_base64")
             cond.prompt_latents = await encode_clip(state, data, req.prompt_wav_format, "left", "prompt_wav_base64")
             cond.prompt_text = req.prompt_text or ""
         elif req.prompt_latents_base64 is not None:
-            raw = b64decode(req.prompt_latents_base64, "prompt_latents_base64")
+            raw = await b64decode(req.prompt_latents_base64, "prompt_latents_base64")
             cond.prompt_latents = check_latents(state, raw, "prompt_latents_base64")
             cond.prompt_text = req.prompt_text or ""
         elif req.prompt_id is not None:
@@ -87,11 +94,11 @@ async def resolve(state: ServiceState, req: GenerateRequest) -> Conditioning:
 
     async def reference() -> None:
         if req.ref_audio_wav_base64 is not None:
-            data = b64decode(req.ref_audio_wav_base64, "ref_audio_wav_base64")
+            data = await b64decode(req.ref_audio_wav_base64, "ref_audio_wav_base64")
             cond.ref_latents = await encode_clip(state, data, req.ref_audio_wav_format, "right",
                                                  "ref_audio_wav_base64")
         elif req.ref_audio_latents_base64 is not None:
-            raw = b64decode(req.ref_audio_latents_base64, "ref_audio_latents_base64")
+            raw = await b64decode(req.ref_audio_latents_base64, "ref_audio_latents_base64")
             cond.ref_latents = check_latents(state, raw, "ref_audio_latents_base64")
         elif req.ref_audio_id is not None:
             cond.ref_latents = (await voice_of(state, req.ref_audio_id, "reference", "ref_audio_id")).ref_latents

@@ -47,7 +47,7 @@ async def _cached(state: ServiceState, vid: str) -> bool:
 @router.post("/encode_latents", response_model=EncodeLatentsResponse)
 async def encode_latents(req: EncodeLatentsRequest, state: LoadedState) -> EncodeLatentsResponse:
     """An audio clip -> float32 latents (continuation-prompt padding), for prompt_latents_base64."""
-    data = b64decode(req.wav_base64, "wav_base64")
+    data = await b64decode(req.wav_base64, "wav_base64")
     lat = await encode_clip(state, data, req.wav_format, "left", "wav_base64")
     return EncodeLatentsResponse(prompt_latents_base64=base64.b64encode(lat).decode(), **_facts(state))
 
@@ -55,8 +55,8 @@ async def encode_latents(req: EncodeLatentsRequest, state: LoadedState) -> Encod
 @router.post("/add_prompt", response_model=AddPromptResponse)
 async def add_prompt(req: AddPromptRequest, state: LoadedState) -> AddPromptResponse:
     """Cache a continuation prompt (clip + transcript); use it as prompt_id."""
-    data = b64decode(req.wav_base64, "wav_base64")
-    pid = voice_id("prompt", data, req.prompt_text)
+    data = await b64decode(req.wav_base64, "wav_base64")
+    pid = await asyncio.to_thread(voice_id, "prompt", data, req.prompt_text)  # hashing megabytes: off the loop
     if not await _cached(state, pid):
         lat = await encode_clip(state, data, req.wav_format, "left", "wav_base64")
         await state.store.put(Voice("prompt", pid, prompt_text=req.prompt_text, prompt_latents=lat))
@@ -66,8 +66,8 @@ async def add_prompt(req: AddPromptRequest, state: LoadedState) -> AddPromptResp
 @router.post("/add_reference", response_model=AddReferenceResponse)
 async def add_reference(req: AddReferenceRequest, state: LoadedState) -> AddReferenceResponse:
     """Cache a reference clip (VoxCPM2 reference-audio condition); use it as ref_audio_id."""
-    data = b64decode(req.wav_base64, "wav_base64")
-    rid = voice_id("reference", data)
+    data = await b64decode(req.wav_base64, "wav_base64")
+    rid = await asyncio.to_thread(voice_id, "reference", data)
     if not await _cached(state, rid):
         lat = await encode_clip(state, data, req.wav_format, "right", "wav_base64")
         await state.store.put(Voice("reference", rid, ref_latents=lat))
@@ -78,9 +78,10 @@ async def add_reference(req: AddReferenceRequest, state: LoadedState) -> AddRefe
 async def add_hifi(req: AddHifiRequest, state: LoadedState) -> AddHifiResponse:
     """Cache one clip in both roles ("Ultimate cloning"): continuation prompt with its transcript and
     reference. Also registers the prompt and the reference alone."""
-    data = b64decode(req.wav_base64, "wav_base64")
-    hid, pid, rid = voice_id("hifi", data, req.prompt_text), voice_id("prompt", data, req.prompt_text), \
-        voice_id("reference", data)
+    data = await b64decode(req.wav_base64, "wav_base64")
+    hid, pid, rid = await asyncio.to_thread(lambda: (voice_id("hifi", data, req.prompt_text),
+                                                     voice_id("prompt", data, req.prompt_text),
+                                                     voice_id("reference", data)))
     if not (await _cached(state, hid) and await _cached(state, pid) and await _cached(state, rid)):
         # one upload, one decode on our side; the engine pads the clip differently for each role
         prompt_lat, ref_lat = await asyncio.gather(encode_clip(state, data, req.wav_format, "left", "wav_base64"),
