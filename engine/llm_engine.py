@@ -96,6 +96,9 @@ class LLMEngine:
         prompt = build_prompt(self.model.tokenizer, self.model.config, target_text, prompt_text,
                               prompt_latents, ref_latents)
         seq = Sequence(prompt=prompt, params=params, max_patches=max_patches(prompt, params.max_generate_length))
+        # The request's own noise source, made here so that a bad seed fails this request, not a step.
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        seq.noise = torch.Generator().manual_seed(seed)
         seq.injected_noise = injected_noise
         self.sequences[seq.seq_id] = seq
         self.scheduler.add(seq)

@@ -208,9 +208,6 @@ class ModelRunner:
         for i, seq in enumerate(seqs):
             if seq.slot is None:
                 self.assign_slot(seq)
-            if seq.noise is None:
-                seed = seq.params.seed if seq.params.seed is not None else int(torch.randint(0, 2**62, ()).item())
-                seq.noise = torch.Generator().manual_seed(seed)
             seq_ids, seq_feats, seq_mask = seq.prefill_inputs()
             last_feats.append(seq_feats[-1])
             start, n = seq.num_cached_tokens, len(seq_ids)

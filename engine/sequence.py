@@ -37,6 +37,8 @@ class SamplingParams:
             raise ValueError("cfg_value must be in [0, 20]")
         if self.min_len < 0:
             raise ValueError("min_len must be >= 0")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError("seed must be in [0, 2**64)")
 
 
 _ids = itertools.count()

@@ -60,6 +60,7 @@ class _WorkerHandle:
         self.ready: asyncio.Future[dict[str, Any]] = loop.create_future()
         self.alive = True
         self.load = 0  # in-flight generations
+        self.snapshot: dict[str, int] = {}  # the worker's last reported running/waiting/free_blocks
         self.pending: dict[str, asyncio.Queue[Any] | asyncio.Future[Any]] = {}
         self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._loop = loop
@@ -120,6 +121,8 @@ class AsyncVoxCPMServerPool:
             if not w.ready.done():
                 w.ready.set_exception(PoolError(f"worker {w.index} ({w.device}) failed to start: {msg[1]}"))
         elif kind == "events":
+            if len(msg) > 2 and msg[2] is not None:
+                w.snapshot = msg[2]
             for rid, audio, finished, err_kind, err_msg in msg[1]:
                 target = w.pending.get(rid)
                 if isinstance(target, asyncio.Queue):
@@ -163,6 +166,11 @@ class AsyncVoxCPMServerPool:
     def load(self) -> list[int]:
         """In-flight generations per worker."""
         return [w.load for w in self._workers]
+
+    def snapshot(self) -> list[dict[str, int]]:
+        """Per worker, without a round trip: in-flight requests (as routed here) and the last load the
+        worker reported (running, waiting, free_blocks, total_blocks; sent with its step events)."""
+        return [{"in_flight": w.load, "alive": int(w.alive), **w.snapshot} for w in self._workers]
 
     async def wait_for_ready(self, timeout: float | None = None) -> None:
         """Until every worker has loaded the model (raises the first start-up failure)."""
@@ -348,6 +356,9 @@ class SyncVoxCPMServerPool:
 
     def stats(self) -> list[dict[str, Any] | None]:
         return self._run(self.pool.stats())
+
+    def snapshot(self) -> list[dict[str, int]]:
+        return self.pool.snapshot()
 
     def encode_latents(self, wav: bytes, wav_format: str = "wav", padding: str = "left") -> bytes:
         return self._run(self.pool.encode_latents(wav, wav_format, padding))

@@ -4,8 +4,8 @@ Messages in (tuples): ("generate", rid, request dict), ("abort", rid), ("encode_
 format, padding), ("add_prompt", prompt_id, latents float32 bytes, text), ("remove_prompt", prompt_id),
 ("stats", rid), ("stop",).
 Messages out: ("ready", info) or ("fatal", message) once; then ("events", [(rid, audio | None,
-finished, error kind | None, error message | None), ...]) once per engine step, and ("reply", rid,
-value | None, error kind | None, message | None) for the other requests.
+finished, error kind | None, error message | None), ...], load snapshot | None) after engine steps,
+and ("reply", rid, value | None, error kind | None, message | None) for the other requests.
 The loop never blocks while sequences run; with nothing to do it sleeps in `poll`. Parent gone = exit.
 """
 
@@ -80,15 +80,17 @@ class Worker:
             "startup_s": self.engine.startup_s,
         }
 
+    def load(self) -> dict[str, int]:
+        """The cheap part of stats(), sent with step events."""
+        sched, blocks = self.engine.scheduler, self.engine.blocks
+        return {"running": len(sched.running), "waiting": len(sched.waiting), "free_blocks": blocks.num_free,
+                "total_blocks": len(blocks.blocks)}
+
     def stats(self) -> dict[str, Any]:
-        sched = self.engine.scheduler
         return {
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
-            "free_blocks": self.engine.blocks.num_free,
-            "total_blocks": len(self.engine.blocks.blocks),
+            **self.load(),
             "free_slots": len(self.engine.runner.free_slots),
-            "preemptions": sched.num_preemptions,
+            "preemptions": self.engine.scheduler.num_preemptions,
             "prompts": len(self.prompts),
             "steps": self.steps,
             "step_seconds": self.step_seconds,
@@ -192,8 +194,9 @@ class Worker:
                 out.append((rid, None, True, "request", ev.error))
             else:
                 out.append((rid, ev.audio, ev.finished, None, None))
-        if out:
-            self.conn.send(("events", out))
+        if out or self.steps % 20 == 0:
+            # The load snapshot rides along, so the pool knows each worker's load without asking.
+            self.conn.send(("events", out, self.load()))
 
     def run(self) -> None:
         while True:

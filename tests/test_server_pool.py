@@ -58,6 +58,8 @@ def _free_blocks_restored(pool) -> None:
         s = pool.stats()[0]
         if s["free_blocks"] == s["total_blocks"] and s["running"] == s["waiting"] == 0:
             assert s["free_slots"] == 4
+            snap = pool.snapshot()[0]  # what the worker last reported with its events, no round trip
+            assert snap["alive"] == 1 and snap["total_blocks"] == s["total_blocks"]
             return
         assert time.monotonic() < deadline, f"blocks not freed: {s}"
         time.sleep(0.05)
@@ -150,6 +152,7 @@ def test_bad_requests_fail_alone_and_the_worker_keeps_serving(pool):
             bad(target_text="   "),
             bad(target_text="x", temperature=-1.0),
             bad(target_text="x", cfg_value="high"),
+            bad(target_text="x", seed=2**64),  # must fail alone, not the step of everyone else
         )
         return errors, await task
 
@@ -161,7 +164,7 @@ def test_bad_requests_fail_alone_and_the_worker_keeps_serving(pool):
     assert "max_model_len=256" in messages[1]
     assert "patch_size=4" in messages[2] and "(frames, 64)" in messages[3]
     assert "4 * feat_dim" in messages[4] and "target_text" in messages[5]
-    assert "temperature" in messages[6]
+    assert "temperature" in messages[6] and "seed" in messages[8]
     with pytest.raises(RequestError, match="could not decode audio"):
         pool.encode_latents(b"not audio at all", "wav")
     with pytest.raises(PromptNotFoundError):
