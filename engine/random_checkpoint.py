@@ -71,12 +71,17 @@ TINY = {
 }
 
 
-PRESETS = ("tiny-voxcpm2", "tiny-voxcpm1.5", "tiny-voxcpm0.5b", "full-voxcpm2")
+# Full-size presets: shapes of the released models, for benchmarks. voxcpm2.json is the released VoxCPM2
+# config; voxcpm0.5b.json has VoxCPM-0.5B's published sizes (LM 1024/4096/24 layers, 16/2 heads, patch 2,
+# FSQ 256, residual 6 layers, 4-layer LocEnc/DiT, default v1 VAE) with local-module widths and RoPE
+# factors assumed (1024 wide, head_dim 64): speed depends on the shapes, not on these values.
+FULL = {"full-voxcpm2": "voxcpm2.json", "full-voxcpm0.5b": "voxcpm0.5b.json"}
+PRESETS = (*TINY, *FULL)
 
 
 def preset_config(name: str) -> dict[str, Any]:
-    if name == "full-voxcpm2":
-        return json.loads((PRESET_DIR / "voxcpm2.json").read_text())
+    if name in FULL:
+        return json.loads((PRESET_DIR / FULL[name]).read_text())
     if name in TINY:
         return TINY[name]()
     raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
