@@ -82,7 +82,8 @@ class PagedKVCache:
 
     def attend_fn(self, meta: AttentionMetadata) -> AttendFn:
         backend = self.backend
-        if backend == "flash" and not (meta.is_prefill and meta.query_lens == meta.key_lens):
+        if backend == "flash" and not (meta.is_prefill and meta.query_lens is not None
+                                       and meta.query_lens == meta.key_lens):
             backend = "triton"
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -95,9 +96,9 @@ class PagedKVCache:
                                        meta.token_context_lens).flatten(-2)
             if backend == "flash":
                 return flash_prefill_attention(q, k, v, meta)
-            if meta.is_prefill:
+            if meta.is_prefill and meta.query_lens is not None:
                 return torch_prefill_attention(q, k, v, k_cache, v_cache, meta)
-            return torch_decode_attention(q, k_cache, v_cache, meta)
+            return torch_paged_attention(q, k_cache, v_cache, meta)
 
         return attend
 
@@ -134,11 +135,12 @@ def torch_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     return torch.cat(out)
 
 
-def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: AttentionMetadata) -> torch.Tensor:
-    """One new token per sequence attending to its whole cache: q (B, heads, head_dim)."""
+def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata) -> torch.Tensor:
+    """Each query token attends to the first token_context_lens[t] cached tokens of its block-table row
+    (decode: one token per sequence; also prefill shaped for a graph, without host-side lengths)."""
     b, bs = q.shape[0], k_cache.shape[1]
-    table = meta.block_tables.long().clamp(min=0)
+    table = meta.block_tables[meta.row_index.long()].long().clamp(min=0)
     keys = k_cache[table].view(b, -1, *k_cache.shape[-2:]).transpose(1, 2)
     values = v_cache[table].view(b, -1, *v_cache.shape[-2:]).transpose(1, 2)
     positions = torch.arange(table.shape[1] * bs, device=q.device)

@@ -67,7 +67,8 @@ class LLMEngine:
         self.model = model if isinstance(model, LoadedModel) else load_model(
             model, self.device, cfg.dtype, max_positions=cfg.max_model_len)
         self.runner = ModelRunner(self.model, cfg.block_size, cfg.max_num_seqs, cfg.max_model_len,
-                                  cfg.inference_timesteps, self.device, cfg.enforce_eager, cfg.attention_backend)
+                                  cfg.inference_timesteps, self.device, cfg.enforce_eager, cfg.attention_backend,
+                                  cfg.max_num_batched_tokens)
         num_blocks = cfg.num_kv_blocks
         if num_blocks is None and self.device.type == "cuda":
             num_blocks = self.runner.profile_num_blocks(cfg.gpu_memory_utilization, cfg.max_num_batched_tokens,

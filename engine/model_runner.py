@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from engine import fused
 from engine.attention import AttentionMetadata, PagedKVCache, select_backend
@@ -43,6 +44,55 @@ def graph_buckets(max_batch: int) -> list[int]:
     return small + list(range(16, max_batch, 16)) + [max_batch]
 
 
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """Token counts with a captured prefill graph: powers of two from 16 up to max_tokens (capped at
+    2048: longer prefills are rare and cost more than their launches)."""
+    top = min(max_tokens, 2048)
+    out, t = [], 16
+    while t < top:
+        out.append(t)
+        t *= 2
+    return [*out, top]
+
+
+@dataclass
+class PrefillInputs:
+    """The host-side inputs of one prefill: the uncached tokens of several sequences, flattened."""
+
+    token_ids: torch.Tensor  # (T,) long
+    feats: torch.Tensor  # (T, P, D) float32
+    audio_mask: torch.Tensor  # (T,) bool
+    positions: torch.Tensor  # (T,) long
+    slot_mapping: torch.Tensor  # (T,) long
+    row_index: torch.Tensor  # (T,) int32: which sequence
+    block_tables: torch.Tensor  # (B, width) int32
+    last_rows: torch.Tensor  # (B,) long
+    query_lens: list[int]
+    key_lens: list[int]
+
+
+class PrefillBuffers:
+    """Static inputs/outputs of a graphed prefill, sized for the largest token bucket."""
+
+    def __init__(self, tokens: int, rows: int, table_width: int, patch: int, feat_dim: int, hidden: int,
+                 scratch_kv_slot: int, dtype: torch.dtype, device: torch.device) -> None:
+        def z(*shape: int, dt: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dt, device=device)
+
+        self.token_ids = z(tokens, dt=torch.long)
+        self.feats = z(tokens, patch, feat_dim, dt=dtype)
+        self.audio_mask = z(tokens, dt=torch.bool)
+        self.positions = z(tokens, dt=torch.long)
+        self.slot_mapping = torch.full((tokens,), scratch_kv_slot, dtype=torch.long, device=device)
+        self.row_index = z(tokens, dt=torch.int32)
+        self.context_lens = z(tokens, dt=torch.int32)  # 0 on padding tokens: they read nothing
+        self.block_tables = z(rows, table_width, dt=torch.int32)
+        self.last_rows = z(rows, dt=torch.long)
+        self.lm_hidden = z(rows, hidden, dt=dtype)
+        self.residual_hidden = z(rows, hidden, dt=dtype)
+        self.scratch_kv_slot = scratch_kv_slot
+
+
 class DecodeBuffers:
     """Static inputs and outputs of one decode step, sized for the largest batch (graph-addressable)."""
 
@@ -67,7 +117,7 @@ class DecodeBuffers:
 class ModelRunner:
     def __init__(self, model: LoadedModel, block_size: int, max_num_seqs: int, max_model_len: int,
                  inference_timesteps: int, device: torch.device, enforce_eager: bool = False,
-                 attention_backend: str | None = None) -> None:
+                 attention_backend: str | None = None, max_num_batched_tokens: int = 8192) -> None:
         self.model = model
         self.cfg = model.config
         self.device = device
@@ -101,6 +151,9 @@ class ModelRunner:
         self.residual_cache: PagedKVCache | None = None
         self.buffers: DecodeBuffers | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.prefill_buffers: PrefillBuffers | None = None
+        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.max_num_batched_tokens = max_num_batched_tokens
 
     # --- KV cache -----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -117,7 +170,11 @@ class ModelRunner:
         p, d = self.cfg.patch_size, self.cfg.feat_dim
         self.buffers = DecodeBuffers(self.max_num_seqs, self.table_width, d, p, self.samples_per_patch,
                                      self.scratch_slot, self.base_cache.scratch_slot, self.dtype, self.device)
+        self.prefill_buffers = PrefillBuffers(prefill_buckets(self.max_num_batched_tokens)[-1], self.max_num_seqs,
+                                              self.table_width, p, d, self.cfg.lm.hidden_size,
+                                              self.base_cache.scratch_slot, self.dtype, self.device)
         self.graphs.clear()
+        self.prefill_graphs.clear()
 
     @torch.inference_mode()
     def profile_num_blocks(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
@@ -199,17 +256,10 @@ class ModelRunner:
         rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs] + [[0] * width] * pad_rows
         return torch.tensor(rows, dtype=torch.int32)
 
-    @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> None:
-        """Fill both LMs' caches with each sequence's prompt (minus its prefix-cached blocks) and
-        leave its slot ready for its first decode step."""
-        ids, feats, mask, positions, slots, last_rows, qlens, klens, rows = [], [], [], [], [], [], [], [], []
-        last_feats = []
+    def prefill_inputs(self, seqs: list[Sequence]) -> PrefillInputs:
+        ids, feats, mask, positions, slots, rows, last_rows, qlens, klens = [], [], [], [], [], [], [], [], []
         for i, seq in enumerate(seqs):
-            if seq.slot is None:
-                self.assign_slot(seq)
             seq_ids, seq_feats, seq_mask = seq.prefill_inputs()
-            last_feats.append(seq_feats[-1])
             start, n = seq.num_cached_tokens, len(seq_ids)
             ids += seq_ids[start:]
             feats.append(seq_feats[start:])
@@ -221,26 +271,80 @@ class ModelRunner:
             qlens.append(n - start)
             klens.append(n)
             last_rows.append(sum(qlens) - 1)
+        return PrefillInputs(
+            token_ids=torch.tensor(ids, dtype=torch.long), feats=torch.cat(feats), audio_mask=torch.cat(mask),
+            positions=torch.tensor(positions, dtype=torch.long), slot_mapping=torch.tensor(slots, dtype=torch.long),
+            row_index=torch.tensor(rows, dtype=torch.int32),
+            block_tables=self._tables(seqs, max(len(s.block_table) for s in seqs)),
+            last_rows=torch.tensor(last_rows, dtype=torch.long), query_lens=qlens, key_lens=klens)
+
+    def prefill_eager(self, x: PrefillInputs) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.device
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        meta = AttentionMetadata(
-            is_prefill=True,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=self._tables(seqs, max(len(s.block_table) for s in seqs)).to(dev),
-            row_index=torch.tensor(rows, dtype=torch.int32, device=dev),
-            token_context_lens=(pos + 1).to(torch.int32),
-            query_lens=qlens,
-            key_lens=klens,
-        )
+        pos = x.positions.to(dev)
+        meta = AttentionMetadata(True, x.slot_mapping.to(dev), x.block_tables.to(dev), x.row_index.to(dev),
+                                 (pos + 1).to(torch.int32), x.query_lens, x.key_lens)
         assert self.base_cache is not None and self.residual_cache is not None
+        return self.model.backbone.prefill(
+            x.token_ids.to(dev), x.feats.to(dev), x.audio_mask.to(dev), pos, x.last_rows.to(dev),
+            self.base_cache.attend_fn(meta), self.residual_cache.attend_fn(meta))
+
+    def _prefill_forward(self, tokens: int) -> None:
+        """A prefill over the first `tokens` rows of the static buffers (graph body): no host-side lengths."""
+        b = self.prefill_buffers
+        assert b is not None and self.base_cache is not None and self.residual_cache is not None
+        meta = AttentionMetadata(True, b.slot_mapping[:tokens], b.block_tables, b.row_index[:tokens],
+                                 b.context_lens[:tokens])
         lm_h, res_h = self.model.backbone.prefill(
-            torch.tensor(ids, dtype=torch.long, device=dev), torch.cat(feats).to(dev), torch.cat(mask).to(dev),
-            pos, torch.tensor(last_rows, device=dev), self.base_cache.attend_fn(meta),
-            self.residual_cache.attend_fn(meta))
+            b.token_ids[:tokens], b.feats[:tokens], b.audio_mask[:tokens], b.positions[:tokens], b.last_rows,
+            self.base_cache.attend_fn(meta), self.residual_cache.attend_fn(meta), static_shapes=True)
+        b.lm_hidden.copy_(lm_h)
+        b.residual_hidden.copy_(res_h)
+
+    def prefill_buffered(self, x: PrefillInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill through the static buffers, padded to a token bucket: a graph replay when one is
+        captured (same function eagerly otherwise, e.g. to test it on the CPU)."""
+        b = self.prefill_buffers
+        assert b is not None
+        n, rows = len(x.token_ids), len(x.last_rows)
+        bucket = next(t for t in prefill_buckets(self.max_num_batched_tokens) if t >= n)
+        pad = bucket - n
+        b.token_ids[:bucket].copy_(F.pad(x.token_ids, (0, pad)), non_blocking=True)
+        b.feats[:bucket].copy_(F.pad(x.feats, (0, 0, 0, 0, 0, pad)), non_blocking=True)
+        b.audio_mask[:bucket].copy_(F.pad(x.audio_mask, (0, pad)), non_blocking=True)
+        b.positions[:bucket].copy_(F.pad(x.positions, (0, pad)), non_blocking=True)
+        b.slot_mapping[:bucket].copy_(F.pad(x.slot_mapping, (0, pad), value=b.scratch_kv_slot), non_blocking=True)
+        b.row_index[:bucket].copy_(F.pad(x.row_index, (0, pad)), non_blocking=True)
+        b.context_lens[:bucket].copy_(F.pad((x.positions + 1).to(torch.int32), (0, pad)), non_blocking=True)
+        b.block_tables.zero_()
+        b.block_tables[:rows, :x.block_tables.shape[1]].copy_(x.block_tables, non_blocking=True)
+        b.last_rows.zero_()
+        b.last_rows[:rows].copy_(x.last_rows, non_blocking=True)
+        if bucket in self.prefill_graphs:
+            self.prefill_graphs[bucket].replay()
+        else:
+            self._prefill_forward(bucket)
+        return b.lm_hidden[:rows], b.residual_hidden[:rows]
+
+    def _can_graph_prefill(self, x: PrefillInputs) -> bool:
+        b = self.prefill_buffers
+        return (bool(self.prefill_graphs) and b is not None and len(x.token_ids) <= len(b.token_ids)
+                and len(x.last_rows) <= len(b.last_rows) and x.block_tables.shape[1] <= self.table_width)
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> None:
+        """Fill both LMs' caches with each sequence's prompt (minus its prefix-cached blocks) and
+        leave its slot ready for its first decode step."""
+        for seq in seqs:
+            if seq.slot is None:
+                self.assign_slot(seq)
+        x = self.prefill_inputs(seqs)
+        lm_h, res_h = self.prefill_buffered(x) if self._can_graph_prefill(x) else self.prefill_eager(x)
+        dev = self.device
         index = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
         self.lm_hidden[index] = lm_h
         self.residual_hidden[index] = res_h
-        self.prev_patch[index] = torch.stack(last_feats).to(dev, self.dtype)
+        # The previous patch of the first decode step: the last input row's features.
+        self.prev_patch[index] = x.feats[x.last_rows].to(dev, self.dtype)
 
     # --- decode -------------------------------------------------------------------------------
     def _latents(self, patches: torch.Tensor) -> torch.Tensor:
@@ -289,6 +393,14 @@ class ModelRunner:
                     self._decode_forward(batch, self.table_width)
             pool = graph.pool()
             self.graphs[batch] = graph
+        if self.backend != "torch":  # graphed prefill needs the per-token (Triton) attention path
+            for tokens in reversed(prefill_buckets(self.max_num_batched_tokens)):
+                with fused.capturing():
+                    self._prefill_forward(tokens)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._prefill_forward(tokens)
+                self.prefill_graphs[tokens] = graph
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 

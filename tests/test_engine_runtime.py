@@ -101,3 +101,40 @@ def test_preemption_recomputes_and_keeps_audio_identical(model):
         alone = _run_all(LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=64, block_size=4)), [r])[0]
         assert together[n].shape == alone.shape
         np.testing.assert_allclose(together[n], alone, rtol=0, atol=1e-4 * np.abs(alone).max())
+
+
+def test_graph_shaped_prefill_equals_eager_prefill(model):
+    """The prefill that CUDA graphs capture (static buffers padded to a token bucket, every row's patch
+    encoded, per-token attention without host-side lengths) gives the eager prefill's hidden states,
+    also when a sequence reuses prefix-cached blocks. Run eagerly here; the GPU check replays it."""
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=5, max_model_len=256, block_size=4))
+    reqs = _requests(model)
+    for r in reqs:
+        engine.add_request(r["target_text"], r["params"], **{k: v for k, v in r.items()
+                                                            if k not in ("target_text", "params")})
+    engine.step()  # prefill (eager) + first patch: the blocks of these prompts are now in the prefix cache
+    again = engine.add_request(reqs[2]["target_text"], SamplingParams(seed=9, max_generate_length=3),
+                               prompt_text=reqs[2]["prompt_text"], prompt_latents=reqs[2]["prompt_latents"])
+    sched = engine.scheduler.schedule()
+    seqs = sched.prefill
+    assert [s.seq_id for s in seqs] == [again] and seqs[0].num_cached_tokens > 0
+    runner = engine.runner
+    x = runner.prefill_inputs(seqs)
+    with torch.inference_mode():
+        eager = runner.prefill_eager(x)
+        buffered = runner.prefill_buffered(x)
+    for a, b in zip(eager, buffered, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    # A multi-sequence prefill without cached blocks, through a fresh engine.
+    fresh = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=256, block_size=4))
+    for r in reqs:
+        fresh.add_request(r["target_text"], r["params"], **{k: v for k, v in r.items()
+                                                            if k not in ("target_text", "params")})
+    seqs = fresh.scheduler.schedule().prefill
+    assert len(seqs) == 4
+    x = fresh.runner.prefill_inputs(seqs)
+    with torch.inference_mode():
+        eager = fresh.runner.prefill_eager(x)
+        buffered = fresh.runner.prefill_buffered(x)
+    for a, b in zip(eager, buffered, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)

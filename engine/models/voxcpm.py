@@ -233,16 +233,20 @@ class VoxCPMBackbone(nn.Module):
     # --- runtime entry points -----------------------------------------------------------------
     def prefill(self, token_ids: torch.Tensor, feats: torch.Tensor, audio_mask: torch.Tensor,
                 positions: torch.Tensor, last_rows: torch.Tensor, base_attend: AttendFn,
-                residual_attend: AttendFn) -> tuple[torch.Tensor, torch.Tensor]:
+                residual_attend: AttendFn, static_shapes: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the prompt tokens of several sequences (flattened, T rows) through both LMs, filling
         their KV caches. token_ids (T,), feats (T, P, D), audio_mask (T,) bool, positions (T,),
-        last_rows (B,) index of each sequence's last token. Returns lm and residual hidden (B, H)."""
+        last_rows (B,) index of each sequence's last token. Returns lm and residual hidden (B, H).
+        static_shapes: encode every row's patch (no data-dependent indexing), as a CUDA graph needs."""
         dtype = self.stop_head.weight.dtype
         embeds = self.base_lm.embed_tokens(token_ids) * self.cfg.scale_emb
-        audio_embed = torch.zeros_like(embeds)
-        audio_rows = audio_mask.nonzero().squeeze(1)
-        if audio_rows.numel():
-            audio_embed[audio_rows] = self.encode_patches(feats[audio_rows]).to(dtype)
+        if static_shapes:
+            audio_embed = torch.where(audio_mask[:, None], self.encode_patches(feats).to(dtype), 0.0)
+        else:
+            audio_embed = torch.zeros_like(embeds)
+            audio_rows = audio_mask.nonzero().squeeze(1)
+            if audio_rows.numel():
+                audio_embed[audio_rows] = self.encode_patches(feats[audio_rows]).to(dtype)
         embeds = torch.where(audio_mask[:, None], audio_embed, embeds)
         rope = self.rope_tables["lm"][positions]
         lm_out = self.base_lm(embeds, rope, base_attend)
