@@ -19,72 +19,43 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import importlib.metadata
-import io
 import json
-import shutil
-import statistics
-import subprocess
 import sys
 import time
-import wave
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-# The protocol's text: ~80 English words, long enough for 100 patches (16 s at 48 kHz).
-TEXT = (
-    "Streaming speech synthesis has to start talking almost at once and then keep ahead of the "
-    "listener for as long as the sentence lasts. A production service also has to do this for many "
-    "people at the same time, on one graphics card, without a single gap in the audio. This paragraph "
-    "is long enough to keep the model busy for several seconds, which makes the measurement of the "
-    "real time factor stable, and short enough that a whole run of the benchmark finishes quickly."
+# The measurement helpers, the protocol's text and the environment facts are shared with the other tools.
+from benchlib import (  # noqa: E402, F401  (re-exported: older scripts import them from here)
+    CFG_VALUE,
+    CLIP_TEXT,
+    GAP_TOLERANCE_S,
+    TEMPERATURE,
+    TEXT,
+    chunk_samples,
+    count_underruns,
+    engine_version,
+    gpu_index,
+    gpu_mem_used_mib,
+    mean,
+    nvidia_smi,
+    percentile,
+    request_stats,
+    synthetic_clip_wav,
+    torch_facts,
+    write_json,
 )
-# HiFi mode: the transcript given with the synthetic 5 s clip (the same string as the anchor run).
-CLIP_TEXT = "This is a five second reference clip used for cloning."
-CFG_VALUE = 2.0
-TEMPERATURE = 1.0
-GAP_TOLERANCE_S = 1e-3
+from tqdm import tqdm  # noqa: E402
 
 GenFn = Callable[[], AsyncIterator[Any]]
 
 
 # ---------------------------------------------------------------- measurement
-
-
-def count_underruns(arrivals: list[float], durations: list[float]) -> tuple[int, float]:
-    """Gaps heard by a listener who starts at the first chunk and plays every chunk back to back.
-    Returns (number of gaps, total silent seconds)."""
-    if not arrivals:
-        return 0, 0.0
-    play_end = arrivals[0]  # when the buffered audio runs out
-    gaps, silent = 0, 0.0
-    for at, dur in zip(arrivals, durations, strict=True):
-        if at > play_end + GAP_TOLERANCE_S:
-            gaps += 1
-            silent += at - play_end
-            play_end = at  # playback resumes when the late chunk lands
-        play_end += dur
-    return gaps, silent
-
-
-def percentile(xs: list[float], q: float) -> float | None:
-    return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if xs else None
-
-
-def mean(xs: list[float]) -> float | None:
-    return statistics.fmean(xs) if xs else None
-
-
-def chunk_samples(chunk: Any, channels: int) -> int:
-    # Chunks are 1-D float32 arrays; a multi-channel chunk counts frames, not samples.
-    return int(np.asarray(chunk).size) // max(channels, 1)
 
 
 async def one_request(gen: GenFn, t0: float, sample_rate: int, channels: int) -> dict[str, Any]:
@@ -114,124 +85,13 @@ async def run_burst(gen: GenFn, c: int, sample_rate: int, channels: int) -> tupl
 
 
 def summarize(c: int, reqs: list[dict], bursts: list[dict], errors: list[str], gpu_mib: int | None) -> dict[str, Any]:
-    ttfb = [r["ttfb"] for r in reqs]
-    rtf = [r["rtf"] for r in reqs if r["rtf"] is not None]
     return {
         "concurrency": c,
-        "requests": len(reqs),
-        "failed": len(errors),
-        "errors": errors[:5],
-        "ttfb_p50": percentile(ttfb, 50),
-        "ttfb_p95": percentile(ttfb, 95),
-        "ttfb_p99": percentile(ttfb, 99),
-        "rtf_mean": mean(rtf),
-        "rtf_p95": percentile(rtf, 95),
-        "wall_mean": mean([r["wall"] for r in reqs]),
-        "audio_s_mean": mean([r["audio_s"] for r in reqs]),
-        "chunks_mean": mean([r["chunks"] for r in reqs]),
-        "streams_with_underrun": sum(1 for r in reqs if r["gaps"] > 0),
-        "underrun_gaps_total": sum(r["gaps"] for r in reqs),
-        "underrun_s_total": sum(r["gap_s"] for r in reqs),
+        **request_stats(reqs, errors),
         "throughput_audio_s_per_s": mean([b["audio_s"] / b["wall"] for b in bursts if b["wall"] > 0]),
         "burst_walls": [b["wall"] for b in bursts],
         "gpu_mem_used_mib_max": gpu_mib,
     }
-
-
-# ---------------------------------------------------------------- environment facts
-
-
-def gpu_index(devices: list[int | str]) -> int | None:
-    """The first pool device as a GPU index (for nvidia-smi), None when the pool runs on the CPU."""
-    for d in devices:
-        if isinstance(d, int):
-            return d
-        if d.startswith("cuda"):
-            return int(d.partition(":")[2] or 0)
-    return None
-
-
-def nvidia_smi(query: str, device: int | None) -> str | None:
-    if device is None or shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-i", str(device)],
-                             capture_output=True, text=True, timeout=15, check=True).stdout.strip()
-    except (subprocess.SubprocessError, OSError):
-        return None
-    return out.splitlines()[0].strip() if out else None
-
-
-def gpu_mem_used_mib(device: int | None) -> int | None:
-    # The model lives in worker processes, so the parent's torch.cuda counters would read zero.
-    v = nvidia_smi("memory.used", device)
-    try:
-        return int(float(v)) if v is not None else None
-    except ValueError:
-        return None
-
-
-def engine_version(engine: str) -> str | None:
-    if engine == "nanovllm":
-        try:
-            return importlib.metadata.version("nano-vllm-voxcpm")
-        except importlib.metadata.PackageNotFoundError:
-            return None
-    version = None
-    try:
-        version = importlib.metadata.version("voxcpm-serve")
-    except importlib.metadata.PackageNotFoundError:
-        try:  # a plain checkout (the GPU machine): the version from pyproject.toml
-            import tomllib
-
-            version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-        except (ImportError, OSError, KeyError):
-            pass
-    try:
-        sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10, check=True).stdout.strip()
-        version = f"{version}+g{sha}" if version else f"g{sha}"
-    except (subprocess.SubprocessError, OSError):
-        pass  # the GPU machine's copy of the tree has no .git
-    return version
-
-
-def torch_facts(device: int | None, touch_cuda: bool) -> dict[str, Any]:
-    """torch version and GPU name. CUDA is touched only once the pool has stopped (touch_cuda): a CUDA
-    context in the parent would show up in the nvidia-smi memory readings."""
-    facts: dict[str, Any] = {"torch": None, "gpu_name": nvidia_smi("name", device)}
-    try:
-        import torch
-    except ImportError:
-        return facts
-    facts["torch"] = torch.__version__
-    if touch_cuda and device is not None:
-        try:
-            if torch.cuda.is_available():
-                facts["gpu_name"] = torch.cuda.get_device_name(device)
-        except RuntimeError:
-            pass
-    return facts
-
-
-# ---------------------------------------------------------------- synthetic clip for hifi mode
-
-
-def synthetic_clip_wav(seconds: float = 5.0, sr: int = 16000) -> bytes:
-    """A 5 s voiced-ish signal: a 150 Hz tone with a slow tremolo and light noise, as 16-bit mono WAV
-    (written with the stdlib so the benchmark needs no soundfile)."""
-    t = np.arange(int(seconds * sr), dtype=np.float64) / sr
-    tremolo = 1.0 + 0.5 * np.sin(2 * np.pi * 4.0 * t)
-    x = 0.3 * tremolo * np.sin(2 * np.pi * 150.0 * t)
-    x += 0.02 * np.random.default_rng(0).standard_normal(t.size)
-    pcm = (np.clip(x, -1.0, 1.0) * 32767).astype("<i2")
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(sr)
-        w.writeframes(pcm.tobytes())
-    return buf.getvalue()
 
 
 # ---------------------------------------------------------------- driver
@@ -278,13 +138,6 @@ def make_pool(a: argparse.Namespace) -> Any:
         model=a.model, devices=a.devices, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
         max_num_batched_tokens=a.max_num_batched_tokens, gpu_memory_utilization=a.gpu_memory_utilization,
         enforce_eager=a.enforce_eager, inference_timesteps=a.inference_timesteps, **a.pool_kwargs)
-
-
-def write_json(path: str | None, doc: dict[str, Any]) -> None:
-    if path:
-        tmp = Path(path).with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc, indent=1))
-        tmp.replace(path)  # atomic, so a kill mid-write never leaves half a file
 
 
 def print_table(doc: dict[str, Any]) -> None:

@@ -1,0 +1,229 @@
+"""The benchmark tools (tools/bench_*.py over tools/benchlib.py), run in process on a tiny CPU checkpoint:
+each script's main() against the engine pool, three of them over HTTP against a live service. Assertions are
+on the JSON's structure and on values that do not depend on speed (request counts, audio seconds = patches x
+patch duration, no failures, ordered percentiles), never on timings."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import lameenc
+import numpy as np
+import pytest
+
+from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, LiveServer, service_settings
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+sys.path.insert(0, str(TOOLS))
+
+import benchlib  # noqa: E402
+
+PATCH_S = SAMPLES_PER_PATCH / SAMPLE_RATE  # 0.16 s
+PATCHES = 3
+POOL = ["--max-model-len", "512", "--max-num-batched-tokens", "2048", "--devices", "cpu", "--clip-seconds", "1.5"]
+RESULT_KEYS = {"label", "concurrency", "requests", "failed", "errors", "ttfb_p50", "ttfb_p95", "ttfb_p99",
+               "rtf_mean", "rtf_p95", "wall_mean", "audio_s_mean", "chunks_mean", "streams_with_underrun",
+               "underrun_gaps_total", "underrun_s_total", "throughput_audio_s_per_s", "gpu_mem_used_mib_max"}
+DOC_KEYS = {"tool", "target", "command", "argv", "date_utc", "engine_version", "patches", "torch", "gpu_name",
+            "complete", "results", "startup_s", "sample_rate", "channels", "gpu_mem_used_mib_after_startup"}
+
+
+def tool(name: str) -> Any:
+    return importlib.import_module(f"bench_{name}")
+
+
+def check_doc(doc: dict[str, Any], out: Path, name: str, target: str, rows: int) -> None:
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doc))  # the file is the returned document
+    assert doc.keys() >= DOC_KEYS, DOC_KEYS - doc.keys()
+    assert doc["tool"] == name and doc["target"] == target and doc["complete"] is True
+    assert doc["command"].startswith(f"python tools/bench_{name}.py") and doc["date_utc"]
+    assert doc["torch"] and doc["sample_rate"] == SAMPLE_RATE and doc["channels"] == 1 and doc["startup_s"] > 0
+    assert doc["patches"] == PATCHES and len(doc["results"]) == rows
+    for r in doc["results"]:
+        assert r.keys() >= RESULT_KEYS, RESULT_KEYS - r.keys()
+        assert r["failed"] == 0 and r["errors"] == [], r["errors"]
+        assert r["requests"] >= 1
+        assert 0 < r["ttfb_p50"] <= r["ttfb_p95"] <= r["ttfb_p99"]
+        assert r["rtf_mean"] > 0 and r["wall_mean"] > 0 and r["throughput_audio_s_per_s"] > 0
+        assert 0 <= r["streams_with_underrun"] <= r["requests"] and r["underrun_s_total"] >= 0
+        if shutil.which("nvidia-smi") is None:
+            assert r["gpu_mem_used_mib_max"] is None  # no GPU to read: nothing invented
+
+
+def exact_audio(doc: dict[str, Any]) -> None:
+    for r in doc["results"]:
+        assert r["audio_s_mean"] == pytest.approx(PATCHES * PATCH_S, abs=1e-9)  # never-stop: exactly N patches
+
+
+def test_latents_pool(checkpoint_factory, tmp_path):
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    out = tmp_path / "latents.json"
+    doc = tool("latents").main(["--model", str(ckpt), *POOL, "--conc", "1,2", "--iters", "1", "--patches",
+                                str(PATCHES), "--out", str(out)])
+    check_doc(doc, out, "latents", "pool", rows=2)
+    exact_audio(doc)
+    assert [r["concurrency"] for r in doc["results"]] == [1, 2] and [r["requests"] for r in doc["results"]] == [1, 2]
+    assert doc["voice"] == "latents" and doc["pool"]["devices"] == ["cpu"] and doc["pool"]["max_num_seqs"] == 2
+    r = doc["results"][1]
+    assert r["chunks_mean"] == PATCHES and len(r["burst_walls"]) == 1  # one chunk per patch in process
+
+
+def test_prompt_vs_reference_pool(checkpoint_factory, tmp_path):
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    out = tmp_path / "pvr.json"
+    doc = tool("prompt_vs_reference").main(["--model", str(ckpt), *POOL, "--conc", "1,2", "--iters", "1",
+                                            "--patches", str(PATCHES), "--modes", "zeroshot,prompt,reference,hifi",
+                                            "--out", str(out)])
+    check_doc(doc, out, "prompt_vs_reference", "pool", rows=8)
+    exact_audio(doc)
+    assert [(r["mode"], r["concurrency"]) for r in doc["results"]] == [
+        (m, c) for c in (1, 2) for m in ("zeroshot", "prompt", "reference", "hifi")]
+
+
+def test_prompt_family_pool(checkpoint_factory, tmp_path):
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    out = tmp_path / "family.json"
+    doc = tool("prompt_family").main(["--model", str(ckpt), *POOL, "--conc", "2", "--iters", "1", "--patches",
+                                      str(PATCHES), "--out", str(out)])
+    check_doc(doc, out, "prompt_family", "pool", rows=3)
+    exact_audio(doc)
+    assert [r["mode"] for r in doc["results"]] == ["shared-same", "shared-varied", "distinct"]
+    assert all(r["requests"] == 2 for r in doc["results"])
+
+
+def test_hifi_stream_pool(checkpoint_factory, tmp_path):
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    out = tmp_path / "hifi_stream.json"
+    doc = tool("hifi_stream").main(["--model", str(ckpt), *POOL, "--conc", "2", "--iters", "2", "--patches",
+                                    str(PATCHES), "--out", str(out)])
+    check_doc(doc, out, "hifi_stream", "pool", rows=1)
+    exact_audio(doc)
+    assert doc["results"][0]["requests"] == 4 and len(doc["results"][0]["burst_walls"]) == 2
+
+
+def test_hifi_blocking_pool(checkpoint_factory, tmp_path):
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    out = tmp_path / "hifi_blocking.json"
+    doc = tool("hifi_blocking").main(["--model", str(ckpt), *POOL, "--conc", "1,2", "--iters", "1", "--patches",
+                                      str(PATCHES), "--out", str(out)])
+    check_doc(doc, out, "hifi_blocking", "pool", rows=2)
+    exact_audio(doc)
+    for r in doc["results"]:  # one piece per request: the whole utterance, available at the end
+        assert r["chunks_mean"] == 1 and r["streams_with_underrun"] == 0
+        assert r["ttfb_p50"] == pytest.approx(r["wall_mean"]) if r["requests"] == 1 else r["ttfb_p50"] > 0
+
+
+def test_closed_loop_pool(checkpoint_factory, tmp_path):
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    out = tmp_path / "closed.json"
+    doc = tool("closed_loop").main(["--model", str(ckpt), *POOL, "--conc", "2", "--duration", "1.5", "--warmup",
+                                    "0.3", "--patches", str(PATCHES), "--out", str(out)])
+    check_doc(doc, out, "closed_loop", "pool", rows=1)
+    exact_audio(doc)
+    r = doc["results"][0]
+    assert r["concurrency"] == 2 and r["started"] == r["requests"] and r["duration_s"] == 1.5
+    assert r["achieved_rps"] == pytest.approx(r["requests"] / 1.5)
+    # a user's next request starts only when its previous one ended: never more than `users` in flight
+    assert 1 <= r["in_flight_max"] <= 2 and r["queue_depth_max"] is not None and r["queue_depth_max"] >= 0
+
+
+def test_open_loop_pool(checkpoint_factory, tmp_path):
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    out = tmp_path / "open.json"
+    rate, duration, seed = 4.0, 1.5, 3
+    doc = tool("open_loop").main(["--model", str(ckpt), *POOL, "--rate", str(rate), "--duration", str(duration),
+                                  "--seed", str(seed), "--patches", str(PATCHES), "--out", str(out)])
+    check_doc(doc, out, "open_loop", "pool", rows=1)
+    exact_audio(doc)
+    # the arrival times are a seeded Poisson process: the same count as the generator gives
+    rng, t, expected = np.random.default_rng(seed), 0.0, 0
+    while (t := t + float(rng.exponential(1 / rate))) < duration:
+        expected += 1
+    r = doc["results"][0]
+    assert r["arrivals"] == expected == r["requests"] and r["offered_rps"] == rate
+    assert r["achieved_rps"] == pytest.approx(expected / duration) and r["completed_rps"] > 0
+    assert r["idle_ttfb"] > 0 and r["queue_wait_est_p50"] >= 0 and r["queue_wait_est_p95"] >= 0
+    assert r["client_lag_max_s"] >= 0 and r["in_flight_max"] >= 1
+
+
+# ---------------------------------------------------------------- over HTTP
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint_factory, tmp_path_factory):
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    s = LiveServer(service_settings(ckpt, tmp_path_factory.mktemp("svc-bench"), voice_store="memory")).start()
+    yield s
+    s.stop()
+
+
+def test_prompt_vs_reference_http(server, tmp_path):
+    out = tmp_path / "pvr_http.json"
+    doc = tool("prompt_vs_reference").main(["--target", "http", "--url", server.url, "--conc", "1,2", "--iters",
+                                            "1", "--patches", str(PATCHES), "--modes", "latents,prompt,reference,hifi",
+                                            "--clip-seconds", "1.5", "--out", str(out)])
+    check_doc(doc, out, "prompt_vs_reference", "http", rows=8)
+    exact_audio(doc)  # raw PCM: whole samples counted across network pieces
+    assert doc["url"] == server.url and doc["format"] == "pcm" and doc["engine_version"] is None
+    assert doc["model_info"]["sample_rate"] == SAMPLE_RATE
+    # the voices the tool registered are deleted at its end
+    assert not server.state.store.list("hifi") and not server.state.store.list("prompt")
+
+
+def test_hifi_stream_http_mp3(server, tmp_path):
+    out = tmp_path / "hifi_http.json"
+    doc = tool("hifi_stream").main(["--target", "http", "--url", server.url, "--format", "mp3", "--conc", "2",
+                                    "--iters", "1", "--patches", str(PATCHES), "--clip-seconds", "1.5", "--out",
+                                    str(out)])
+    check_doc(doc, out, "hifi_stream", "http", rows=1)
+    # MP3 durations come from the frame headers: whole 1152-sample frames, the encoder's delay and padding
+    r = doc["results"][0]
+    assert r["requests"] == 2 and abs(r["audio_s_mean"] - PATCHES * PATCH_S) <= 3 * 1152 / SAMPLE_RATE
+
+
+def test_hifi_blocking_http(server, tmp_path):
+    out = tmp_path / "hifi_blocking_http.json"
+    doc = tool("hifi_blocking").main(["--target", "http", "--url", server.url, "--conc", "1,2", "--iters", "1",
+                                      "--patches", str(PATCHES), "--clip-seconds", "1.5", "--out", str(out)])
+    check_doc(doc, out, "hifi_blocking", "http", rows=2)
+    exact_audio(doc)
+    for r in doc["results"]:
+        assert r["ttfb_p50"] <= r["wall_mean"] * 1.000001 and r["streams_with_underrun"] == 0
+
+
+# ---------------------------------------------------------------- measurement helpers
+
+
+def test_underruns_and_pcm_pieces():
+    # chunks of 1 s: the second arrives in time, the third 0.5 s after the buffer ran out
+    assert benchlib.count_underruns([0.0, 0.9, 2.5], [1.0, 1.0, 1.0]) == (1, pytest.approx(0.5))
+    assert benchlib.count_underruns([], []) == (0, 0.0)
+    rec = benchlib.request_record([1.2, 1.4], [0.16, 0.16], start=1.0)
+    assert rec["ttfb"] == pytest.approx(0.2) and rec["wall"] == pytest.approx(0.4)
+    assert rec["rtf"] == pytest.approx(0.4 / 0.32)
+    with pytest.raises(RuntimeError):
+        benchlib.request_record([], [])
+
+
+def test_mp3_counter_reads_frame_headers():
+    sr, n = 48000, 48000  # 1 s
+    enc = lameenc.Encoder()
+    enc.set_bit_rate(192)
+    enc.set_in_sample_rate(sr)
+    enc.set_channels(1)
+    enc.set_quality(2)
+    pcm = (0.2 * np.sin(2 * np.pi * 220 * np.arange(n) / sr) * 32767).astype("<i2").tobytes()
+    data = bytes(enc.encode(pcm)) + bytes(enc.flush())
+    whole = benchlib.Mp3Counter().feed(data)
+    counter = benchlib.Mp3Counter()  # fed in odd-sized pieces: frames split across pieces still count once
+    pieces = sum(counter.feed(data[i:i + 777]) for i in range(0, len(data), 777))
+    assert whole == pytest.approx(pieces)
+    assert 1.0 <= whole <= 1.0 + 3 * 1152 / sr
+    assert math.isclose(whole * sr / 1152, round(whole * sr / 1152))  # whole MPEG-1 layer III frames
+    assert benchlib.mp3_frame(b"\x00\x00\x00\x00") is None
