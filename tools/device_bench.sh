@@ -21,7 +21,7 @@
 # $OUT holds both.
 #
 # Knobs (environment): PARTS, CONC (1,8,32,64), ITERS (2), PATCHES (100), MODE (zeroshot|hifi),
-# CKPT (/tmp/full), BUDGET_S (total seconds this call may use, 580), T_CHECK / T_OURS / T_NANO (per-part
+# PRESET (full-voxcpm2), CKPT (/tmp/full), BUDGET_S (total seconds this call may use, 580), T_CHECK / T_OURS / T_NANO (per-part
 # time limits, seconds), BENCH_ARGS (extra flags for both benchmarks), OURS_ARGS / NANO_ARGS (per engine),
 # CHECK_ARGS (extra flags for gpu_check.py). Files in $OUT (at most 8 come back): device_bench.log,
 # gpu_check.json, ours.json, nano.json, compare.md.
@@ -38,6 +38,7 @@ CONC="${CONC:-1,8,32,64}"
 ITERS="${ITERS:-2}"
 MODE="${MODE:-zeroshot}"
 PATCHES="${PATCHES:-}"
+PRESET="${PRESET:-full-voxcpm2}"   # full-voxcpm0.5b for the VoxCPM-0.5B-size table (use another CKPT)
 CKPT="${CKPT:-/tmp/full}"
 BUDGET_S="${BUDGET_S:-580}"
 T_CHECK="${T_CHECK:-240}"
@@ -127,7 +128,7 @@ setup_checkpoint() {
     fi
     rm -rf "$CKPT"
     # ~4.6 GB of random bf16 weights; the stop head never fires, so every request makes exactly N patches.
-    run_limited 300 checkpoint python3 tools/make_random_checkpoint.py --preset full-voxcpm2 --never-stop \
+    run_limited 300 checkpoint python3 tools/make_random_checkpoint.py --preset "$PRESET" --never-stop \
         --out "$CKPT" || return 1
     touch "$CKPT.complete"
 }
