@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import io
 import time
-import wave
 
 import numpy as np
 import pytest
@@ -24,18 +22,7 @@ from engine import (
     WorkerDiedError,
     load_model,
 )
-
-
-def _wav_bytes(seconds: float, sr: int = 16000, seed: int = 0) -> bytes:
-    t = np.arange(int(seconds * sr)) / sr
-    x = 0.3 * np.sin(2 * np.pi * 170 * t) + 0.02 * np.random.default_rng(seed).standard_normal(t.size)
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(sr)
-        w.writeframes((x * 32767).astype(np.int16).tobytes())
-    return buf.getvalue()
+from tests.service_harness import wav_bytes
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +61,9 @@ def test_model_info(pool):
 
 def test_concurrent_mixed_modes_equal_alone(pool, checkpoint):
     """Requests of every mode at once through the pool give exactly the audio each gives alone."""
-    lat = pool.encode_latents(_wav_bytes(1.0), "wav")
-    ref = pool.encode_latents(_wav_bytes(1.2, seed=1), "wav", padding="right")
-    prompt_id = pool.add_prompt(_wav_bytes(1.0), "wav", "A stored prompt.")
+    lat = pool.encode_latents(wav_bytes(1.0), "wav")
+    ref = pool.encode_latents(wav_bytes(1.2, seed=1), "wav", padding="right")
+    prompt_id = pool.add_prompt(wav_bytes(1.0), "wav", "A stored prompt.")
     reqs = [
         dict(target_text="Zero shot through the pool.", seed=1, max_generate_length=6),
         dict(target_text="(calm voice) Designed.", seed=2, max_generate_length=5, cfg_value=1.5),
@@ -173,9 +160,9 @@ def test_bad_requests_fail_alone_and_the_worker_keeps_serving(pool):
 
 
 def test_same_prompt_twice_is_one_id(pool):
-    a = pool.add_prompt(_wav_bytes(0.8, seed=3), "wav", "Same clip.")
-    b = pool.add_prompt(_wav_bytes(0.8, seed=3), "wav", "Same clip.")
-    c = pool.add_prompt(_wav_bytes(0.8, seed=3), "wav", "Other text.")
+    a = pool.add_prompt(wav_bytes(0.8, seed=3), "wav", "Same clip.")
+    b = pool.add_prompt(wav_bytes(0.8, seed=3), "wav", "Same clip.")
+    c = pool.add_prompt(wav_bytes(0.8, seed=3), "wav", "Other text.")
     assert a == b != c
     pool.remove_prompt(a)
     pool.remove_prompt(c)
