@@ -71,9 +71,14 @@ class Scheduler:
                 self.waiting.popleft()
                 out.rejected.append((seq, reason))
                 continue
-            # Keep one free block per running sequence for its next patch.
-            reserve = len(self.running) + 1
-            if seq.num_tokens > budget or self.blocks.num_free < self.blocks.blocks_needed(seq.num_tokens) + reserve:
+            # Keep one free block per running sequence for its next patch. With nothing running, what it
+            # needs exactly (its prefill and its first patch): never_fits let in a request that fills the
+            # whole cache, and the heuristic reserve would keep it waiting forever at the queue's head.
+            if self.running:
+                need = self.blocks.blocks_needed(seq.num_tokens) + len(self.running) + 1
+            else:
+                need = self.blocks.blocks_needed(seq.num_tokens + 1)
+            if seq.num_tokens > budget or self.blocks.num_free < need:
                 break
             self.waiting.popleft()
             self.blocks.allocate(seq)

@@ -138,3 +138,22 @@ def test_graph_shaped_prefill_equals_eager_prefill(model):
         buffered = fresh.runner.prefill_buffered(x)
     for a, b in zip(eager, buffered, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_request_needing_every_kv_block_is_admitted(model):
+    """A request whose prompt and patches fill exactly the whole cache fits (never_fits lets it in), so it
+    must be admitted once the cache is empty instead of waiting forever at the head of the queue."""
+    probe = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=256, block_size=64))
+    seq = probe.sequences[probe.add_request("Fills the cache.", SamplingParams(seed=1, max_generate_length=2))]
+    blocks = probe.blocks.blocks_needed(seq.num_prompt_tokens + seq.max_patches)
+    assert blocks == probe.blocks.blocks_needed(seq.num_prompt_tokens)
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=256, block_size=64, num_kv_blocks=blocks))
+    seq_id = engine.add_request("Fills the cache.", SamplingParams(seed=1, max_generate_length=2))
+    finished = []
+    for _ in range(20):
+        finished += [e for e in engine.step() if e.finished]
+        if not engine.has_unfinished():
+            break
+    assert [(e.seq_id, e.error) for e in finished] == [(seq_id, None)]
+    assert engine.blocks.num_free == blocks
+
