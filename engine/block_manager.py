@@ -106,6 +106,16 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_tokens = 0
 
+    def forget_uncomputed(self, seq: Sequence) -> None:
+        """A prefill that failed: its blocks past the cached prefix were entered in the cache when
+        allocated but may never have been written; drop their hashes so no later request reuses them."""
+        for block_id in seq.block_table[seq.num_cached_tokens // self.block_size:]:
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                if self.cached.get(block.hash) == block_id:
+                    del self.cached[block.hash]
+                block.hash = None
+
     def needs_new_block(self, seq: Sequence) -> bool:
         """Whether the next token (the patch fed back this step) starts a new block."""
         return seq.num_tokens // self.block_size >= len(seq.block_table)

@@ -120,12 +120,19 @@ class LLMEngine:
             self.runner.release_slot(seq, keep_state=True)
         events = [self._fail(seq, reason) for seq, reason in sched.rejected]
         t0 = time.perf_counter()
-        if sched.prefill:
-            self.runner.prefill(sched.prefill)
-        t1 = time.perf_counter()
-        if sched.decode:
-            for r in self.runner.decode(sched.decode, self.blocks):
-                events.append(self._emit(r))
+        try:
+            if sched.prefill:
+                self.runner.prefill(sched.prefill)
+            t1 = time.perf_counter()
+            if sched.decode:
+                for r in self.runner.decode(sched.decode, self.blocks):
+                    events.append(self._emit(r))
+        except BaseException:
+            # The new prompt blocks are already in the prefix cache; what they hold is unknown now (on
+            # CUDA an error of the prefill may only surface at the decode's sync).
+            for seq in sched.prefill:
+                self.blocks.forget_uncomputed(seq)
+            raise
         if sched.prefill and log.isEnabledFor(logging.DEBUG):  # prefill launch vs (prefill tail + decode)
             log.debug("step: prefill %d seqs %.1f ms (host), decode %d seqs %.1f ms", len(sched.prefill),
                       1000 * (t1 - t0), len(sched.decode), 1000 * (time.perf_counter() - t1))

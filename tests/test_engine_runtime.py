@@ -157,3 +157,26 @@ def test_request_needing_every_kv_block_is_admitted(model):
     assert [(e.seq_id, e.error) for e in finished] == [(seq_id, None)]
     assert engine.blocks.num_free == blocks
 
+
+def test_failed_prefill_does_not_poison_the_prefix_cache(model, monkeypatch):
+    """Blocks are entered in the prefix cache when allocated, before the prefill computes them: a step
+    that fails must not leave their hashes behind for the next request with the same prompt."""
+    r = _requests(model)[2]  # continuation prompt: several full blocks
+    kw = dict(prompt_text=r["prompt_text"], prompt_latents=r["prompt_latents"])
+    alone = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=256, block_size=4)).generate(
+        r["target_text"], SamplingParams(seed=3, max_generate_length=4), **kw)
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=256, block_size=4))
+    real_prefill = engine.runner.prefill
+
+    def failing_prefill(seqs):
+        raise RuntimeError("injected: out of memory in prefill")
+
+    monkeypatch.setattr(engine.runner, "prefill", failing_prefill)
+    seq_id = engine.add_request(r["target_text"], SamplingParams(seed=3, max_generate_length=4), **kw)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    engine.abort(seq_id)  # what the worker does for every request after a failed step
+    assert engine.blocks.num_free == len(engine.blocks.blocks) and len(engine.runner.free_slots) == 2
+    monkeypatch.setattr(engine.runner, "prefill", real_prefill)
+    again = engine.generate(r["target_text"], SamplingParams(seed=3, max_generate_length=4), **kw)
+    np.testing.assert_allclose(again, alone, rtol=0, atol=1e-5 * np.abs(alone).max())
