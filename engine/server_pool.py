@@ -236,7 +236,19 @@ class AsyncVoxCPMServerPool:
         if wav is not None:
             raw = await self.encode_latents(wav, wav_format)
         else:
-            raw = latents.astype(np.float32).tobytes() if isinstance(latents, np.ndarray) else bytes(latents)
+            # Checked here: the prompt is replayed to every (restarted) worker, it must be usable there.
+            feat_dim = int((await self._pick()).ready.result()["feat_dim"])
+            if isinstance(latents, np.ndarray):
+                if latents.ndim != 2 or latents.shape[1] != feat_dim or not latents.shape[0]:
+                    raise RequestError(f"latents must be shaped (frames, {feat_dim}), got {latents.shape}")
+                raw = np.ascontiguousarray(latents, dtype=np.float32).tobytes()
+            elif isinstance(latents, bytes | bytearray | memoryview):
+                raw = bytes(latents)
+                if not raw or len(raw) % (4 * feat_dim):
+                    raise RequestError(f"latents: float32 bytes must be a positive multiple of 4 * feat_dim = "
+                                       f"{4 * feat_dim} bytes, got {len(raw)}")
+            else:
+                raise RequestError(f"latents must be float32 bytes or a numpy array, got {type(latents).__name__}")
         prompt_id = hashlib.blake2b(raw + prompt_text.encode(), digest_size=12).hexdigest()
         self._prompts[prompt_id] = (raw, prompt_text)
         for w in self._workers:

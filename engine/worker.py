@@ -151,7 +151,10 @@ class Worker:
                 self.engine.abort(seq_id)
         elif op == "add_prompt":
             _, prompt_id, raw, text = msg
-            self.prompts[prompt_id] = (latents_from(raw, self.engine.model.config.feat_dim, "latents"), text)
+            try:
+                self.prompts[prompt_id] = (latents_from(raw, self.engine.model.config.feat_dim, "latents"), text)
+            except RequestError as e:  # the pool checks first; never let a bad prompt end the worker
+                log.error("prompt %s not registered: %s", prompt_id, e)
         elif op == "remove_prompt":
             self.prompts.pop(msg[1], None)
         elif op in ("encode_latents", "stats"):
@@ -161,6 +164,9 @@ class Worker:
                 self.conn.send(("reply", rid, value, None, None))
             except RequestError as e:
                 self.conn.send(("reply", rid, None, e.kind, str(e)))
+            except Exception as e:  # a bug or out of memory (a huge clip) fails this call, not the worker
+                log.error("%s failed:\n%s", op, traceback.format_exc())
+                self.conn.send(("reply", rid, None, "engine", f"{type(e).__name__}: {e}"))
         else:
             log.error("unknown message %r", op)
         return True

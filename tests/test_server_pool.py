@@ -204,3 +204,16 @@ def test_bad_configuration_is_refused_before_starting(tmp_path):
             VoxCPM.from_pretrained("unused", devices=[0])
     with pytest.raises(CheckpointError, match="config.json"):
         VoxCPM.from_pretrained(str(tmp_path))
+
+
+def test_bad_prompt_latents_fail_the_caller_not_the_worker(pool):
+    """add_prompt(latents=...) with latents the worker cannot use is the caller's error: it must not kill
+    the worker (nor be replayed to a restarted one)."""
+    for bad in (b"\x00" * 10, np.zeros((4, 7), np.float32), np.zeros((0, 64), np.float32)):
+        with pytest.raises(RequestError):
+            pool.add_prompt(latents=bad, prompt_text="Bad latents.")
+    assert pool.pool.list_prompts() == []
+    assert pool.healthy
+    assert len(list(pool.generate("Still serving.", max_generate_length=2, seed=1))) == 2
+    _free_blocks_restored(pool)
+
