@@ -12,6 +12,7 @@ back (registered prompts are replayed to the new worker).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import itertools
@@ -20,7 +21,7 @@ import multiprocessing as mp
 import os
 import queue
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
@@ -329,6 +330,10 @@ class AsyncVoxCPMServerPool:
             if w.process.is_alive():
                 w.process.kill()
                 await asyncio.to_thread(w.process.join, 5)
+        # Wake every caller now: the reader threads' exit notices may arrive after the loop is gone
+        # (the sync pool closes its loop right after this returns). A second notice finds nothing.
+        for w in self._workers:
+            self._on_exit(w)
 
 
 def _plain(value: Any) -> Any:
@@ -343,14 +348,23 @@ class SyncVoxCPMServerPool:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="voxcpm-pool-loop", daemon=True)
         self._thread.start()
+        self._lock = threading.Lock()
+        self._closed = False  # the loop is stopping or gone: nothing more may be submitted to it
 
         async def make() -> AsyncVoxCPMServerPool:
             return AsyncVoxCPMServerPool(model, devices, config)
 
         self.pool = self._run(make())
 
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        with self._lock:
+            if self._closed:  # a coroutine handed to a stopped loop would never finish: its caller would hang
+                coro.close()
+                raise PoolStoppedError("the pool is stopped")
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        return self._submit(coro).result(timeout)
 
     @property
     def healthy(self) -> bool:
@@ -382,17 +396,10 @@ class SyncVoxCPMServerPool:
     def remove_prompt(self, prompt_id: str) -> None:
         self._run(self.pool.remove_prompt(prompt_id))
 
-    def generate(self, target_text: str, **kwargs: Any) -> Iterator[np.ndarray]:
-        """Blocking iterator of float32 chunks; closing it (break) aborts the request."""
-        agen = self.pool.generate(target_text, **kwargs)
-        try:
-            while True:
-                try:
-                    yield self._run(agen.__anext__())
-                except StopAsyncIteration:
-                    return
-        finally:
-            self._run(agen.aclose())
+    def generate(self, target_text: str, **kwargs: Any) -> _SyncStream:
+        """Blocking iterator of float32 chunks; closing it (break + close(), also from another thread
+        while one waits in next()) aborts the request."""
+        return _SyncStream(self, self.pool.generate(target_text, **kwargs))
 
     def kill_worker(self, index: int) -> None:
         self.pool.kill_worker(index)
@@ -401,12 +408,99 @@ class SyncVoxCPMServerPool:
         self._run(self.pool.restart(timeout))
 
     def stop(self) -> None:
-        if self._loop.is_closed():
-            return
+        with self._lock:
+            if self._closed:
+                return
         self._run(self.pool.stop())
+        with self._lock:
+            self._closed = True
+        # Let the calls already submitted (other threads' next() on a generate, now failed with
+        # PoolStoppedError) finish before the loop stops, or their threads would wait forever.
+        asyncio.run_coroutine_threadsafe(_settle(), self._loop).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         self._loop.close()
+
+
+async def _settle(timeout: float = 5.0) -> None:
+    """Wait for the loop's other tasks, then cancel what is left (their callers get CancelledError)."""
+    tasks = asyncio.all_tasks() - {asyncio.current_task()}
+    if tasks:
+        _, left = await asyncio.wait(tasks, timeout=timeout)
+        for t in left:
+            t.cancel()
+        if left:
+            await asyncio.wait(left, timeout=timeout)
+
+
+class _SyncStream:
+    """The sync pool's generate iterator. Unlike a generator, it may be closed from another thread while
+    one is blocked in next(): the pending step is cancelled (the request is aborted) and next() ends."""
+
+    def __init__(self, pool: SyncVoxCPMServerPool, agen: AsyncIterator[np.ndarray]) -> None:
+        self._pool, self._agen = pool, agen
+        self._lock = threading.Lock()
+        self._pending: concurrent.futures.Future[np.ndarray] | None = None
+        self._closed = False
+
+    def __iter__(self) -> _SyncStream:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        with self._lock:
+            if self._closed:
+                raise StopIteration
+            if self._pending is not None:
+                raise RuntimeError("this generate iterator is already being advanced by another thread")
+            try:
+                fut = self._pending = self._pool._submit(self._agen.__anext__())  # type: ignore[arg-type]
+            except BaseException:
+                self._closed = True
+                raise
+        try:
+            return fut.result()
+        except StopAsyncIteration:
+            self._closed = True
+            raise StopIteration from None
+        except concurrent.futures.CancelledError:
+            if self._closed:  # close() from another thread
+                raise StopIteration from None
+            raise
+        except BaseException:
+            self._closed = True  # the async generator has ended with this error
+            raise
+        finally:
+            with self._lock:
+                self._pending = None
+
+    def close(self) -> None:
+        """Abort the request (no-op once it has ended)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = self._pending
+        if pending is not None:
+            pending.cancel()  # cancels the task inside the loop: generate's cleanup aborts the request
+        with contextlib.suppress(PoolStoppedError):
+            fut = self._pool._submit(self._agen.aclose())  # type: ignore[attr-defined]
+            if threading.current_thread() is not self._pool._thread:  # never wait on the loop from itself
+                fut.result()
+
+    def __enter__(self) -> _SyncStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+            with contextlib.suppress(PoolStoppedError):
+                self._pool._submit(self._agen.aclose())  # type: ignore[attr-defined]
 
 
 def _device_names(devices: list[int | str] | None) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -14,6 +15,7 @@ from engine import (
     CheckpointError,
     EngineConfig,
     LLMEngine,
+    PoolStoppedError,
     PromptNotFoundError,
     RequestError,
     SamplingParams,
@@ -217,3 +219,53 @@ def test_bad_prompt_latents_fail_the_caller_not_the_worker(pool):
     assert len(list(pool.generate("Still serving.", max_generate_length=2, seed=1))) == 2
     _free_blocks_restored(pool)
 
+
+def test_sync_iterator_closed_from_another_thread(pool):
+    """A consumer thread blocked in next() and another thread closing the iterator: the consumer's loop
+    ends, the request is aborted and its blocks are freed."""
+    it = pool.generate("A stream closed by someone else.", max_generate_length=2000, seed=6)
+    first = threading.Event()
+    got: list[object] = []
+
+    def consume() -> None:
+        try:
+            for _ in it:
+                first.set()
+            got.append("done")
+        except BaseException as e:  # noqa: BLE001
+            got.append(e)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    assert first.wait(60)
+    it.close()
+    t.join(60)
+    assert not t.is_alive() and got == ["done"], got
+    _free_blocks_restored(pool)
+
+
+def test_sync_stop_wakes_a_consumer_in_another_thread(checkpoint):
+    """stop() while another thread waits for the next chunk: that thread gets PoolStoppedError (not a
+    hang, not 'event loop is closed')."""
+    p = VoxCPM.from_pretrained(str(checkpoint), max_num_seqs=2, max_model_len=256)
+    p.wait_for_ready(timeout=120)
+    first = threading.Event()
+    got: list[object] = []
+
+    def consume() -> None:
+        try:
+            for _ in p.generate("A stream the pool stops under.", max_generate_length=2000, seed=1):
+                first.set()
+            got.append("done")
+        except BaseException as e:  # noqa: BLE001
+            got.append(e)
+
+    t = threading.Thread(target=consume, daemon=True)
+    t.start()
+    assert first.wait(60)
+    p.stop()
+    t.join(60)
+    assert not t.is_alive(), "consumer still waiting after stop()"
+    assert len(got) == 1 and isinstance(got[0], PoolStoppedError), got
+    with pytest.raises(PoolStoppedError):
+        next(iter(p.generate("After stop.")))
