@@ -441,6 +441,7 @@ class _SyncStream:
         self._pool, self._agen = pool, agen
         self._lock = threading.Lock()
         self._pending: concurrent.futures.Future[np.ndarray] | None = None
+        self._task: asyncio.Task[Any] | None = None  # the loop-side task of the pending next()
         self._closed = False
 
     def __iter__(self) -> _SyncStream:
@@ -453,7 +454,7 @@ class _SyncStream:
             if self._pending is not None:
                 raise RuntimeError("this generate iterator is already being advanced by another thread")
             try:
-                fut = self._pending = self._pool._submit(self._agen.__anext__())  # type: ignore[arg-type]
+                fut = self._pending = self._pool._submit(self._step())
             except BaseException:
                 self._closed = True
                 raise
@@ -473,17 +474,27 @@ class _SyncStream:
             with self._lock:
                 self._pending = None
 
+    async def _step(self) -> np.ndarray:
+        self._task = asyncio.current_task()
+        return await self._agen.__anext__()
+
+    async def _aclose(self) -> None:
+        # A next() in flight is cancelled and waited for first (aclose() on a running async generator
+        # raises); its cancellation runs generate's cleanup, which aborts the request.
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task])
+        await self._agen.aclose()  # type: ignore[attr-defined]
+
     def close(self) -> None:
         """Abort the request (no-op once it has ended)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            pending = self._pending
-        if pending is not None:
-            pending.cancel()  # cancels the task inside the loop: generate's cleanup aborts the request
         with contextlib.suppress(PoolStoppedError):
-            fut = self._pool._submit(self._agen.aclose())  # type: ignore[attr-defined]
+            fut = self._pool._submit(self._aclose())
             if threading.current_thread() is not self._pool._thread:  # never wait on the loop from itself
                 fut.result()
 
@@ -500,7 +511,7 @@ class _SyncStream:
                     return
                 self._closed = True
             with contextlib.suppress(PoolStoppedError):
-                self._pool._submit(self._agen.aclose())  # type: ignore[attr-defined]
+                self._pool._submit(self._aclose())
 
 
 def _device_names(devices: list[int | str] | None) -> list[str]:
