@@ -105,6 +105,12 @@ class BlockManager:
                 self.free_queue.append(block_id)  # its hash stays valid until the block is reused
         seq.block_table = []
         seq.num_cached_tokens = 0
+        if len(self.free_queue) > 2 * len(self.blocks):  # drop stale entries left by cache hits
+            kept: dict[int, None] = {}  # first occurrence of each id that is still free, in order
+            for i in self.free_queue:
+                if i in self.free_ids:
+                    kept.setdefault(i)
+            self.free_queue = deque(kept)
 
     def forget_uncomputed(self, seq: Sequence) -> None:
         """A prefill that failed: its blocks past the cached prefix were entered in the cache when

@@ -43,6 +43,10 @@ class EngineConfig:
             raise ValueError("block_size must be a power of two")
         if not 0.05 <= self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in [0.05, 1]")
+        if self.max_num_batched_tokens < self.max_model_len:
+            # A preempted stream is recomputed in one prefill of up to max_model_len tokens.
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                             f"({self.max_model_len})")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
 

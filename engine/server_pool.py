@@ -90,8 +90,8 @@ class _WorkerHandle:
             try:
                 self._loop.call_soon_threadsafe(self._on_message, self, msg)
             except RuntimeError:  # loop closed
-                return
-        self._outbox.put(_END)
+                break
+        self._outbox.put(_END)  # the sender thread ends too
         self.process.join(timeout=5)
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._on_exit, self)

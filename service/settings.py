@@ -58,6 +58,13 @@ class Settings(BaseSettings):
         return v
 
     @model_validator(mode="after")
+    def _token_budget(self) -> Settings:
+        if self.serverpool_max_num_batched_tokens < self.serverpool_max_model_len:
+            raise ValueError("NANOVLLM_SERVERPOOL_MAX_NUM_BATCHED_TOKENS must be >= NANOVLLM_SERVERPOOL_MAX_MODEL_LEN "
+                             "(a preempted stream is recomputed in one prefill)")
+        return self
+
+    @model_validator(mode="after")
     def _lora(self) -> Settings:
         if self.lora_uri:
             # Fail loudly rather than silently serving the base model to someone who asked for an adapter.

@@ -180,3 +180,23 @@ def test_failed_prefill_does_not_poison_the_prefix_cache(model, monkeypatch):
     monkeypatch.setattr(engine.runner, "prefill", real_prefill)
     again = engine.generate(r["target_text"], SamplingParams(seed=3, max_generate_length=4), **kw)
     np.testing.assert_allclose(again, alone, rtol=0, atol=1e-5 * np.abs(alone).max())
+
+
+def test_free_list_stays_bounded_under_prefix_cache_hits():
+    """Cache hits take blocks from the middle of the free list (lazily); its queue must not grow without
+    bound, and every block stays allocatable exactly once."""
+    from engine.block_manager import BlockManager
+    from engine.prompt import Prompt
+    from engine.sequence import Sequence
+
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    prompt = Prompt(token_ids=list(range(9)), feats=torch.zeros(9, 4, 64), audio_mask=torch.zeros(9, dtype=torch.bool),
+                    target_tokens=9, context=torch.zeros(0, 4, 64))
+    for _ in range(100):  # the same prompt again and again: its two full blocks are hits from the free list
+        seq = Sequence(prompt=prompt, params=SamplingParams(), max_patches=1)
+        blocks.allocate(seq)
+        blocks.free(seq)
+    assert len(blocks.free_queue) <= 2 * len(blocks.blocks) + 3
+    assert blocks.num_free == 8
+    taken = {blocks._take().block_id for _ in range(8)}
+    assert taken == set(range(8)) and blocks.num_free == 0
