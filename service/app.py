@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -42,6 +43,10 @@ def make_store(settings: Settings, model_path: str) -> VoiceStore:
 
 
 def start_pool(settings: Settings, model_path: str, demo: bool):
+    # Compiled kernels (torch.compile, Triton) persist in the cache dir: a restart on the same volume
+    # skips recompiling them. Set before the workers are spawned (they inherit the environment).
+    for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+        os.environ.setdefault(var, str(settings.cache_path / "kernels" / sub))
     devices = settings.device_list()
     if demo and devices is None:
         devices = ["cpu"]  # the demo checkpoint is tiny: no GPU needed
