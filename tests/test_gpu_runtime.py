@@ -1,0 +1,52 @@
+"""The CUDA paths (Triton attention, graphed prefill and decode) against the eager torch path, on a tiny
+fp32 checkpoint. Skipped without CUDA; `tools/gpu_check.py` runs the same comparison (and a full-size
+one) on the GPU machine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.checkpoint import load_model
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sequence import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _run(engine: LLMEngine, reqs: list[dict]) -> list[np.ndarray]:
+    ids = [engine.add_request(r["text"], r["params"], **r.get("kw", {})) for r in reqs]
+    chunks: dict[int, list[np.ndarray]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for ev in engine.step():
+            assert ev.error is None, ev.error
+            chunks[ev.seq_id].append(ev.audio)
+    assert engine.blocks.num_free == len(engine.blocks.blocks)
+    return [np.concatenate(chunks[i]) for i in ids]
+
+
+def test_graphs_and_triton_match_eager_torch(checkpoint_factory, monkeypatch):
+    # Exact fp32: no TF32 in matmuls or convolutions (restored after the test).
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"), "cuda")
+    prompt = torch.randn(12, model.config.feat_dim, generator=torch.Generator().manual_seed(3))
+    reqs = [
+        dict(text="Graphs on the GPU.", params=SamplingParams(seed=1, max_generate_length=6)),
+        dict(text="Continue.", params=SamplingParams(seed=2, max_generate_length=5, cfg_value=1.5),
+             kw=dict(prompt_text="A prompt.", prompt_latents=prompt)),
+        dict(text="Reference.", params=SamplingParams(seed=3, max_generate_length=4, temperature=0.7),
+             kw=dict(ref_latents=prompt)),
+    ]
+    config = dict(max_num_seqs=4, max_model_len=256, num_kv_blocks=128)
+    eager = _run(LLMEngine(model, EngineConfig(**config, enforce_eager=True, attention_backend="torch"), "cuda"),
+                 reqs)
+    graphed_engine = LLMEngine(model, EngineConfig(**config, attention_backend="triton"), "cuda")
+    assert graphed_engine.runner.graphs and graphed_engine.runner.prefill_graphs
+    graphed = _run(graphed_engine, reqs)
+    alone = [_run(graphed_engine, [r])[0] for r in reqs]
+    for g, e, a in zip(graphed, eager, alone, strict=True):
+        assert g.shape == e.shape == a.shape
+        np.testing.assert_allclose(g, e, rtol=0, atol=1e-4 * np.abs(e).max())
+        np.testing.assert_allclose(a, g, rtol=0, atol=1e-4 * np.abs(g).max())
