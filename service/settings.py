@@ -21,7 +21,7 @@ class Settings(BaseSettings):
     serverpool_max_num_seqs: int = Field(16, ge=1, description="Sequences decoded together per step.")
     serverpool_max_num_batched_tokens: int = Field(8192, ge=1, description="Prefill token budget per step.")
     serverpool_max_model_len: int = Field(4096, ge=16, description="Longest sequence (prompt + generated).")
-    serverpool_gpu_memory_utilization: float = Field(0.95, gt=0, le=1, description="Share of GPU memory to use.")
+    serverpool_gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Share of GPU memory to use.")
     serverpool_enforce_eager: bool = Field(False, description="Disable CUDA graphs.")
     serverpool_devices: str | None = Field(None, description="Comma list of GPU indices or device names; unset = "
                                                              "every GPU, else the CPU.")
