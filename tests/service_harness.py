@@ -9,7 +9,8 @@ import socket
 import threading
 import time
 import wave
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +106,14 @@ class LiveServer:
                 pass
             assert time.monotonic() < deadline, message
             time.sleep(0.05)
+
+
+@contextmanager
+def live_server(checkpoint_factory, cache_dir: Path, **overrides: Any) -> Iterator[LiveServer]:
+    """A started LiveServer on the never-stopping tiny checkpoint, stopped on exit (for module fixtures)."""
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    s = LiveServer(service_settings(ckpt, cache_dir, **overrides)).start()
+    try:
+        yield s
+    finally:
+        s.stop()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, LiveServer, service_settings, wav_bytes
+from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, LiveServer, live_server, wav_bytes
 
 CLIP = base64.b64encode(wav_bytes(1.0)).decode()
 CLIP2 = base64.b64encode(wav_bytes(1.2, seed=1)).decode()
@@ -22,12 +22,10 @@ CLIP2 = base64.b64encode(wav_bytes(1.2, seed=1)).decode()
 
 @pytest.fixture(scope="module")
 def server(checkpoint_factory, tmp_path_factory):
-    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
     # max_model_len 4096: room for a stream of 2000 patches in the disconnect test
-    s = LiveServer(service_settings(ckpt, tmp_path_factory.mktemp("svc-gen"), serverpool_max_model_len=4096,
-                                    serverpool_max_num_batched_tokens=4096)).start()
-    yield s
-    s.stop()
+    with live_server(checkpoint_factory, tmp_path_factory.mktemp("svc-gen"), serverpool_max_model_len=4096,
+                     serverpool_max_num_batched_tokens=4096) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import openai
 import pytest
 import soundfile as sf
 
-from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, LiveServer, service_settings, wav_bytes
+from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, live_server, wav_bytes
 
 N = 3  # patches per request (max_generate_length)
 EXTRA = {"max_generate_length": N, "seed": 1}
@@ -20,10 +20,8 @@ EXTRA = {"max_generate_length": N, "seed": 1}
 
 @pytest.fixture(scope="module")
 def server(checkpoint_factory, tmp_path_factory):
-    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
-    s = LiveServer(service_settings(ckpt, tmp_path_factory.mktemp("svc-openai"), voice_store="memory")).start()
-    yield s
-    s.stop()
+    with live_server(checkpoint_factory, tmp_path_factory.mktemp("svc-openai"), voice_store="memory") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,13 @@ import pytest
 from pydantic import ValidationError
 
 from service.settings import Settings, describe_error
-from tests.service_harness import LiveServer, service_settings
+from tests.service_harness import LiveServer, live_server
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint_factory, tmp_path_factory):
-    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
-    s = LiveServer(service_settings(ckpt, tmp_path_factory.mktemp("svc-ops"))).start()
-    yield s
-    s.stop()
+    with live_server(checkpoint_factory, tmp_path_factory.mktemp("svc-ops")) as s:
+        yield s
 
 
 def test_health_info(server):
