@@ -75,8 +75,7 @@ class LLMEngine:
                                   cfg.max_num_batched_tokens)
         num_blocks = cfg.num_kv_blocks
         if num_blocks is None and self.device.type == "cuda":
-            num_blocks = self.runner.profile_num_blocks(cfg.gpu_memory_utilization, cfg.max_num_batched_tokens,
-                                                        cfg.max_model_len)
+            num_blocks = self.runner.profile_num_blocks(cfg.gpu_memory_utilization, cfg.max_model_len)
         elif num_blocks is None:
             num_blocks = self.runner.table_width * cfg.max_num_seqs
         self.runner.allocate_kv_cache(num_blocks)

@@ -6,11 +6,13 @@ is a pure function of a few small index tensors: gather the batch's states, samp
 Euler steps with CFG), decide stop, feed the patch back through both LMs, decode it to audio, scatter
 the states back. On CUDA that whole step is captured once per batch bucket as a CUDA graph and
 replayed with no host synchronisation inside it; on CPU (or with `enforce_eager`) the same function
-runs eagerly. Prefill is eager.
+runs eagerly. On CUDA the prefill is captured too, per token bucket, over static buffers padded with
+tokens that read nothing and write to a scratch KV block; larger prefills run eagerly.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -76,20 +78,18 @@ class PrefillBuffers:
 
     def __init__(self, tokens: int, rows: int, table_width: int, patch: int, feat_dim: int, hidden: int,
                  scratch_kv_slot: int, dtype: torch.dtype, device: torch.device) -> None:
-        def z(*shape: int, dt: torch.dtype) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dt, device=device)
-
-        self.token_ids = z(tokens, dt=torch.long)
-        self.feats = z(tokens, patch, feat_dim, dt=dtype)
-        self.audio_mask = z(tokens, dt=torch.bool)
-        self.positions = z(tokens, dt=torch.long)
+        z = functools.partial(torch.zeros, device=device)
+        self.token_ids = z(tokens, dtype=torch.long)
+        self.feats = z(tokens, patch, feat_dim, dtype=dtype)
+        self.audio_mask = z(tokens, dtype=torch.bool)
+        self.positions = z(tokens, dtype=torch.long)
         self.slot_mapping = torch.full((tokens,), scratch_kv_slot, dtype=torch.long, device=device)
-        self.row_index = z(tokens, dt=torch.int32)
-        self.context_lens = z(tokens, dt=torch.int32)  # 0 on padding tokens: they read nothing
-        self.block_tables = z(rows, table_width, dt=torch.int32)
-        self.last_rows = z(rows, dt=torch.long)
-        self.lm_hidden = z(rows, hidden, dt=dtype)
-        self.residual_hidden = z(rows, hidden, dt=dtype)
+        self.row_index = z(tokens, dtype=torch.int32)
+        self.context_lens = z(tokens, dtype=torch.int32)  # 0 on padding tokens: they read nothing
+        self.block_tables = z(rows, table_width, dtype=torch.int32)
+        self.last_rows = z(rows, dtype=torch.long)
+        self.lm_hidden = z(rows, hidden, dtype=dtype)
+        self.residual_hidden = z(rows, hidden, dtype=dtype)
         self.scratch_kv_slot = scratch_kv_slot
 
 
@@ -98,20 +98,18 @@ class DecodeBuffers:
 
     def __init__(self, rows: int, table_width: int, feat_dim: int, patch: int, samples: int, scratch_seq_slot: int,
                  scratch_kv_slot: int, dtype: torch.dtype, device: torch.device) -> None:
-        def z(*shape: int, dt: torch.dtype) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dt, device=device)
-
+        z = functools.partial(torch.zeros, device=device)
         self.slot_index = torch.full((rows,), scratch_seq_slot, dtype=torch.long, device=device)
-        self.positions = z(rows, dt=torch.long)
+        self.positions = z(rows, dtype=torch.long)
         self.slot_mapping = torch.full((rows,), scratch_kv_slot, dtype=torch.long, device=device)
-        self.block_tables = z(rows, table_width, dt=torch.int32)
+        self.block_tables = z(rows, table_width, dtype=torch.int32)
         self.context_lens = torch.ones(rows, dtype=torch.int32, device=device)
         self.row_index = torch.arange(rows, dtype=torch.int32, device=device)
-        self.noise = z(rows, feat_dim, patch, dt=torch.float32)
-        self.cfg = z(rows, dt=torch.float32)
-        self.patch = z(rows, patch, feat_dim, dt=dtype)
-        self.stop = z(rows, dt=torch.bool)
-        self.audio = z(rows, samples, dt=torch.float32)
+        self.noise = z(rows, feat_dim, patch, dtype=torch.float32)
+        self.cfg = z(rows, dtype=torch.float32)
+        self.patch = z(rows, patch, feat_dim, dtype=dtype)
+        self.stop = z(rows, dtype=torch.bool)
+        self.audio = z(rows, samples, dtype=torch.float32)
 
 
 class ModelRunner:
@@ -154,6 +152,7 @@ class ModelRunner:
         self.prefill_buffers: PrefillBuffers | None = None
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_bucket_sizes = prefill_buckets(max_num_batched_tokens)
 
     # --- KV cache -----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -170,22 +169,21 @@ class ModelRunner:
         p, d = self.cfg.patch_size, self.cfg.feat_dim
         self.buffers = DecodeBuffers(self.max_num_seqs, self.table_width, d, p, self.samples_per_patch,
                                      self.scratch_slot, self.base_cache.scratch_slot, self.dtype, self.device)
-        self.prefill_buffers = PrefillBuffers(prefill_buckets(self.max_num_batched_tokens)[-1], self.max_num_seqs,
+        self.prefill_buffers = PrefillBuffers(self.prefill_bucket_sizes[-1], self.max_num_seqs,
                                               self.table_width, p, d, self.cfg.lm.hidden_size,
                                               self.base_cache.scratch_slot, self.dtype, self.device)
         self.graphs.clear()
         self.prefill_graphs.clear()
 
     @torch.inference_mode()
-    def profile_num_blocks(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
-                           max_model_len: int) -> int:
+    def profile_num_blocks(self, gpu_memory_utilization: float, max_model_len: int) -> int:
         """KV blocks that fit in `gpu_memory_utilization` of the device after the weights and the peak
         working memory of the largest prefill and the largest decode step (measured, not estimated)."""
         assert self.device.type == "cuda"
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self.allocate_kv_cache(self.table_width)  # room for one full-length sequence, for the dry run
-        tokens = min(max_num_batched_tokens, max_model_len * self.max_num_seqs)
+        tokens = min(self.max_num_batched_tokens, max_model_len * self.max_num_seqs)
         full, rest = divmod(tokens, max_model_len)
         lens = [max_model_len] * full + ([rest] if rest else [])
         self._dry_prefill(lens)
@@ -306,7 +304,7 @@ class ModelRunner:
         b = self.prefill_buffers
         assert b is not None
         n, rows = len(x.token_ids), len(x.last_rows)
-        bucket = next(t for t in prefill_buckets(self.max_num_batched_tokens) if t >= n)
+        bucket = next(t for t in self.prefill_bucket_sizes if t >= n)
         pad = bucket - n
         b.token_ids[:bucket].copy_(F.pad(x.token_ids, (0, pad)), non_blocking=True)
         b.feats[:bucket].copy_(F.pad(x.feats, (0, 0, 0, 0, 0, pad)), non_blocking=True)
@@ -394,7 +392,7 @@ class ModelRunner:
             pool = graph.pool()
             self.graphs[batch] = graph
         if self.backend != "torch":  # graphed prefill needs the per-token (Triton) attention path
-            for tokens in reversed(prefill_buckets(self.max_num_batched_tokens)):
+            for tokens in reversed(self.prefill_bucket_sizes):
                 with fused.capturing():
                     self._prefill_forward(tokens)
                     graph = torch.cuda.CUDAGraph()
@@ -424,7 +422,8 @@ class ModelRunner:
         rows = graph_batch or b
         width = self.table_width if graph_batch else max(len(s.block_table) for s in seqs)
         pad = rows - b
-        scratch_kv = self.base_cache.scratch_slot if self.base_cache else 0
+        assert self.base_cache is not None
+        scratch_kv = self.base_cache.scratch_slot
         host = {
             "slot_index": torch.tensor([s.slot for s in seqs] + [self.scratch_slot] * pad),
             "positions": torch.tensor([s.num_tokens for s in seqs] + [0] * pad),
