@@ -10,6 +10,7 @@ Set VOXCPM_FUSE=0 to disable.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -37,9 +38,11 @@ def capturing() -> Iterator[None]:
 
 
 def fused(fn: F_) -> F_:
-    """Use a compiled copy of `fn` when its first argument is a CUDA tensor."""
+    """Use a compiled copy of `fn` when its first argument is a CUDA tensor and the code is being
+    captured (or VOXCPM_FUSE_EAGER=1); the plain function otherwise."""
     compiled: list[Callable[..., torch.Tensor]] = []
 
+    @functools.wraps(fn)
     def call(x: torch.Tensor, *args: object) -> torch.Tensor:
         if not (ENABLED and x.is_cuda and (IN_EAGER or _capturing)):
             return fn(x, *args)
@@ -50,8 +53,6 @@ def fused(fn: F_) -> F_:
             compiled.append(torch.compile(fn, dynamic=True))
         return compiled[0](x, *args)
 
-    call.__name__ = call.__qualname__ = fn.__name__
-    call.__doc__ = fn.__doc__
     return call  # type: ignore[return-value]
 
 
