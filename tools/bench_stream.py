@@ -22,7 +22,6 @@ import datetime as dt
 import json
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,9 @@ from benchlib import (  # noqa: E402, F401  (re-exported: older scripts import t
     GAP_TOLERANCE_S,
     TEMPERATURE,
     TEXT,
+    PoolTarget,
+    Req,
+    bursts,
     chunk_samples,
     count_underruns,
     engine_version,
@@ -51,48 +53,6 @@ from benchlib import (  # noqa: E402, F401  (re-exported: older scripts import t
     write_json,
 )
 from tqdm import tqdm  # noqa: E402
-
-GenFn = Callable[[], AsyncIterator[Any]]
-
-
-# ---------------------------------------------------------------- measurement
-
-
-async def one_request(gen: GenFn, t0: float, sample_rate: int, channels: int) -> dict[str, Any]:
-    arrivals: list[float] = []
-    durations: list[float] = []
-    async for chunk in gen():
-        arrivals.append(time.perf_counter() - t0)
-        durations.append(chunk_samples(chunk, channels) / sample_rate)
-    if not arrivals:
-        raise RuntimeError("request produced no audio")
-    audio_s = sum(durations)
-    gaps, gap_s = count_underruns(arrivals, durations)
-    return {"ttfb": arrivals[0], "wall": arrivals[-1], "audio_s": audio_s,
-            "rtf": arrivals[-1] / audio_s if audio_s > 0 else None,
-            "gaps": gaps, "gap_s": gap_s, "chunks": len(arrivals)}
-
-
-async def run_burst(gen: GenFn, c: int, sample_rate: int, channels: int) -> tuple[list[dict], list[str], dict]:
-    """c requests submitted at once; TTFB and wall count from this single submit instant, as in the protocol."""
-    t0 = time.perf_counter()
-    outs = await asyncio.gather(*(one_request(gen, t0, sample_rate, channels) for _ in range(c)),
-                                return_exceptions=True)
-    wall = time.perf_counter() - t0
-    ok = [o for o in outs if isinstance(o, dict)]
-    errors = [f"{type(o).__name__}: {o}" for o in outs if isinstance(o, BaseException)]
-    return ok, errors, {"wall": wall, "audio_s": sum(r["audio_s"] for r in ok)}
-
-
-def summarize(c: int, reqs: list[dict], bursts: list[dict], errors: list[str], gpu_mib: int | None) -> dict[str, Any]:
-    return {
-        "concurrency": c,
-        **request_stats(reqs, errors),
-        "throughput_audio_s_per_s": mean([b["audio_s"] / b["wall"] for b in bursts if b["wall"] > 0]),
-        "burst_walls": [b["wall"] for b in bursts],
-        "gpu_mem_used_mib_max": gpu_mib,
-    }
-
 
 # ---------------------------------------------------------------- driver
 
@@ -129,17 +89,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def make_pool(a: argparse.Namespace) -> Any:
-    if a.engine == "nanovllm":
-        from nanovllm_voxcpm import VoxCPM
-    else:
-        from engine import VoxCPM
-    return VoxCPM.from_pretrained(
-        model=a.model, devices=a.devices, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
-        max_num_batched_tokens=a.max_num_batched_tokens, gpu_memory_utilization=a.gpu_memory_utilization,
-        enforce_eager=a.enforce_eager, inference_timesteps=a.inference_timesteps, **a.pool_kwargs)
-
-
 def print_table(doc: dict[str, Any]) -> None:
     head = (f"{'c':>4} {'reqs':>5} {'fail':>4} {'ttfb50':>7} {'ttfb95':>7} {'ttfb99':>7} {'rtf':>6} {'rtf95':>6} "
             f"{'aud-s/s':>8} {'underrun':>9} {'gap-s':>7} {'mem-MiB':>8}")
@@ -171,17 +120,16 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
         **torch_facts(dev0, touch_cuda=False), "complete": False, "results": [],
     }
     t = time.perf_counter()
-    pool = make_pool(a)
+    target = PoolTarget(a)
     try:
-        await pool.wait_for_ready()
+        await target.start()
         doc["startup_s"] = time.perf_counter() - t
-        info = await pool.get_model_info()
-        sr, channels = int(info["sample_rate"]), int(info.get("channels", 1) or 1)
+        pool, sr, channels = target.pool, target.sample_rate, target.channels
         doc.update(sample_rate=sr, channels=channels, gpu_mem_used_mib_after_startup=gpu_mem_used_mib(dev0))
         tqdm.write(json.dumps({"startup_s": round(doc["startup_s"], 2), "sample_rate": sr}), file=sys.stderr)
 
         cond: dict[str, Any] = {}
-        if a.mode == "hifi":  # one clip as both continuation prompt and reference
+        if a.mode == "hifi":  # one clip as both continuation prompt (inline latents, no cache) and reference
             wav = synthetic_clip_wav()
             lat = await pool.encode_latents(wav, "wav")
             ref = lat
@@ -189,36 +137,18 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
                 ref = await pool.encode_latents(wav, "wav", padding="right")
             cond = {"prompt_latents": lat, "prompt_text": CLIP_TEXT, "ref_audio_latents": ref}
 
-        def gen() -> AsyncIterator[Any]:
-            return pool.generate(target_text=TEXT, max_generate_length=a.patches, cfg_value=CFG_VALUE,
-                                 temperature=TEMPERATURE, **cond)
-
         with tqdm(total=len(a.conc) * (a.iters + 1), desc="bursts", unit="burst", file=sys.stderr) as bar:
             for c in a.conc:
-                reqs: list[dict] = []
-                bursts: list[dict] = []
-                errors: list[str] = []
-                mem: list[int] = []
-                for it in range(a.iters + 1):
-                    bar.set_postfix(c=c, burst="warm-up" if it == 0 else it)
-                    ok, errs, burst = await run_burst(gen, c, sr, channels)
-                    m = gpu_mem_used_mib(dev0)  # between bursts, outside the timed region
-                    if m is not None:
-                        mem.append(m)
-                    bar.update()
-                    if it == 0:
-                        continue  # warm-up: compiles, graph captures and allocator growth land here
-                    reqs += ok
-                    errors += errs
-                    bursts.append(burst)
-                row = summarize(c, reqs, bursts, errors, max(mem) if mem else None)
+                row = await bursts(target, lambda it, n: [Req(TEXT, a.patches, cond) for _ in range(n)], c, a.iters,
+                                   bar)
+                del row["label"]  # the anchor files' rows have none
                 doc["results"].append(row)
                 tqdm.write(json.dumps({k: row[k] for k in ("concurrency", "ttfb_p50", "ttfb_p95", "rtf_mean",
                                                          "throughput_audio_s_per_s", "streams_with_underrun",
                                                          "failed")}), file=sys.stderr)
                 write_json(a.out, doc)
     finally:
-        await pool.stop()
+        await target.stop()
     doc["complete"] = True
     return doc
 
