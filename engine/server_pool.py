@@ -69,6 +69,11 @@ class _WorkerHandle:
         threading.Thread(target=self._read, name=f"voxcpm-reader-{index}", daemon=True).start()
         threading.Thread(target=self._write, name=f"voxcpm-sender-{index}", daemon=True).start()
 
+    @property
+    def is_ready(self) -> bool:
+        """Loaded: its start-up succeeded (it may have died since; see `alive`)."""
+        return self.ready.done() and not self.ready.exception()
+
     def send(self, msg: tuple) -> None:
         if not self.alive:
             raise WorkerDiedError(f"worker {self.index} ({self.device}) is not running")
@@ -122,8 +127,7 @@ class AsyncVoxCPMServerPool:
             if not w.ready.done():
                 w.ready.set_exception(PoolError(f"worker {w.index} ({w.device}) failed to start: {msg[1]}"))
         elif kind == "events":
-            if len(msg) > 2 and msg[2] is not None:
-                w.snapshot = msg[2]
+            w.snapshot = msg[2]
             for rid, audio, finished, err_kind, err_msg in msg[1]:
                 target = w.pending.get(rid)
                 if isinstance(target, asyncio.Queue):
@@ -162,11 +166,7 @@ class AsyncVoxCPMServerPool:
 
     @property
     def ready(self) -> bool:
-        return self.healthy and all(w.ready.done() and not w.ready.exception() for w in self._workers)
-
-    def load(self) -> list[int]:
-        """In-flight generations per worker."""
-        return [w.load for w in self._workers]
+        return self.healthy and all(w.is_ready for w in self._workers)
 
     def snapshot(self) -> list[dict[str, int]]:
         """Per worker, without a round trip: in-flight requests (as routed here) and the last load the
@@ -183,7 +183,7 @@ class AsyncVoxCPMServerPool:
         live = [w for w in self._workers if w.alive]
         if not live:
             raise WorkerDiedError("no worker is running; restart the pool")
-        ready = [w for w in live if w.ready.done() and not w.ready.exception()]
+        ready = [w for w in live if w.is_ready]
         if ready:
             return min(ready, key=lambda w: w.load)
         loading = [w for w in live if not w.ready.done()]
@@ -213,7 +213,7 @@ class AsyncVoxCPMServerPool:
         """Per worker: running/waiting sequences, free KV blocks, preemptions... (None for a dead one)."""
         out: list[dict[str, Any] | None] = []
         for w in self._workers:
-            ok = w.alive and w.ready.done() and not w.ready.exception()
+            ok = w.alive and w.is_ready
             out.append(await self._call(w, "stats") if ok else None)
         return out
 

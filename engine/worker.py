@@ -4,7 +4,7 @@ Messages in (tuples): ("generate", rid, request dict), ("abort", rid), ("encode_
 format, padding), ("add_prompt", prompt_id, latents float32 bytes, text), ("remove_prompt", prompt_id),
 ("stats", rid), ("stop",).
 Messages out: ("ready", info) or ("fatal", message) once; then ("events", [(rid, audio | None,
-finished, error kind | None, error message | None), ...], load snapshot | None) after engine steps,
+finished, error kind | None, error message | None), ...], load snapshot) after engine steps,
 and ("reply", rid, value | None, error kind | None, message | None) for the other requests.
 The loop never blocks while sequences run; with nothing to do it sleeps in `poll`. Parent gone = exit.
 """
@@ -86,6 +86,10 @@ class Worker:
         return {"running": len(sched.running), "waiting": len(sched.waiting), "free_blocks": blocks.num_free,
                 "total_blocks": len(blocks.blocks)}
 
+    def _send_events(self, events: list[tuple]) -> None:
+        # The load snapshot rides along, so the pool knows each worker's load without asking.
+        self.conn.send(("events", events, self.load()))
+
     def stats(self) -> dict[str, Any]:
         return {
             **self.load(),
@@ -140,10 +144,10 @@ class Worker:
             try:
                 self._add(rid, msg[2])
             except RequestError as e:
-                self.conn.send(("events", [(rid, None, True, e.kind, str(e))]))
+                self._send_events([(rid, None, True, e.kind, str(e))])
             except Exception as e:  # a bug must fail this request, not the worker
                 log.error("adding request failed:\n%s", traceback.format_exc())
-                self.conn.send(("events", [(rid, None, True, "engine", f"{type(e).__name__}: {e}")]))
+                self._send_events([(rid, None, True, "engine", f"{type(e).__name__}: {e}")])
         elif op == "abort":
             seq_id = self.seq_of.pop(msg[1], None)
             if seq_id is not None:
@@ -184,7 +188,7 @@ class Worker:
                 out.append((rid, None, True, "engine", f"engine step failed: {message.strip().splitlines()[-1]}"))
             self.rid_of.clear()
             self.seq_of.clear()
-            self.conn.send(("events", out))
+            self._send_events(out)
             return
         self.steps += 1
         self.step_seconds += time.perf_counter() - t0
@@ -200,9 +204,8 @@ class Worker:
                 out.append((rid, None, True, "request", ev.error))
             else:
                 out.append((rid, ev.audio, ev.finished, None, None))
-        if out or self.steps % 20 == 0:
-            # The load snapshot rides along, so the pool knows each worker's load without asking.
-            self.conn.send(("events", out, self.load()))
+        if out or self.steps % 20 == 0:  # with no events, still refresh the load snapshot now and then
+            self._send_events(out)
 
     def run(self) -> None:
         while True:
