@@ -8,7 +8,8 @@ import io
 import lameenc
 import numpy as np
 import soundfile as sf
-import soxr
+
+from engine.audio import resample
 
 MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "flac": "audio/flac", "opus": "audio/ogg",
                "pcm": "audio/pcm"}
@@ -53,7 +54,7 @@ def encode_whole(samples: np.ndarray, sample_rate: int, fmt: str, bitrate_kbps: 
         sf.write(buf, ints, sample_rate, format="FLAC", subtype="PCM_16")
     elif fmt == "opus":
         if sample_rate not in OPUS_RATES:  # e.g. 44.1 kHz models: Opus needs 48 kHz
-            samples, sample_rate = soxr.resample(samples, sample_rate, 48000).astype(np.float32), 48000
+            samples, sample_rate = resample(samples, sample_rate, 48000), 48000
         sf.write(buf, samples, sample_rate, format="OGG", subtype="OPUS")
     else:
         raise ValueError(f"unknown audio format {fmt!r}")
