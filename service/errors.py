@@ -7,7 +7,7 @@ from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from engine import EngineError, PoolError, PoolStoppedError, PromptNotFoundError, RequestError, WorkerDiedError
+from engine import PoolError, PoolStoppedError, PromptNotFoundError, RequestError, WorkerDiedError
 from service.voice_store import VoiceTooLargeError
 
 RETRY_AFTER_S = "5"
@@ -22,9 +22,7 @@ def status_of(err: Exception) -> int:
         return 413
     if isinstance(err, WorkerDiedError | PoolStoppedError):
         return 503
-    if isinstance(err, EngineError):
-        return 500
-    return 500
+    return 500  # EngineError and anything unmapped
 
 
 def http_error(err: Exception, field: str | None = None) -> HTTPException:
