@@ -9,6 +9,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from service.voice_store import KINDS
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TTFB_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30)
 
@@ -66,7 +68,7 @@ class Metrics:
 
     def observe_cache(self, usage: dict[str, int]) -> None:
         self.cache_bytes.set(usage["bytes"])
-        for kind in ("prompt", "reference", "hifi"):
+        for kind in KINDS:
             self.cache_entries.labels(kind).set(usage[kind])
 
 
