@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import base64
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter
 
-from service.conditioning import b64decode, encode_clip
+from service.conditioning import b64decode, encode_clip, voice_of
 from service.deps import LoadedState, State
 from service.schemas import (
     AddHifiRequest,
@@ -94,9 +94,7 @@ async def add_hifi(req: AddHifiRequest, state: LoadedState) -> AddHifiResponse:
 
 
 async def _delete(state: ServiceState, vid: str, kind: str, field: str) -> Deleted:
-    v = await state.store.get(vid)
-    if v is None or v.kind != kind:
-        raise HTTPException(404, f"{field}: no cached {kind} {vid!r}")
+    await voice_of(state, vid, kind, field)
     await state.store.delete(vid)
     return Deleted(deleted=vid)
 
