@@ -806,10 +806,12 @@ def finish_args(ap: argparse.ArgumentParser, a: argparse.Namespace, max_conc: in
     a.argv = list(sys.argv) if argv is None else [f"tools/{Path(tool_file).name}", *argv]
     if a.target == "pool" and not a.model:
         ap.error("--model is required with --target pool")
-    if a.devices == "auto":  # one GPU, as the anchors; nvidia-smi keeps CUDA out of this process
-        a.devices = "0" if nvidia_smi("name", 0) is not None else "cpu"
+    # nvidia-smi (asked once, and only when needed) keeps CUDA out of this process
+    gpu0 = (a.devices == "auto" or a.gpu_index is None) and nvidia_smi("name", 0) is not None
+    if a.devices == "auto":  # one GPU, as the anchors
+        a.devices = "0" if gpu0 else "cpu"
     a.devices = [int(x) if x.strip().isdigit() else x.strip() for x in a.devices.split(",") if x.strip()]
-    if a.gpu_index is None and nvidia_smi("name", 0) is not None:
+    if a.gpu_index is None and gpu0:
         a.gpu_index = 0
     a.max_num_seqs = a.max_num_seqs or max_conc
     a.pool_kwargs = json.loads(a.pool_kwargs)
