@@ -2,8 +2,9 @@
 
 A decode step is launch-bound at small batch: the DiT alone runs 9 Euler evaluations x 12 layers, and
 unfused, every RMSNorm, rotary embedding, SiLU gate and residual add is 4-10 tiny kernels. Fusing them
-cuts the kernel count several-fold; the math is the same expression, so only rounding of intermediate
-values (kept in fp32 inside a fused kernel) can differ. CPU keeps the eager ops (CI, exact parity).
+(a residual add with the norm after it, q's rotary with k's) cuts the kernel count several-fold; the
+VAE's Snake activation is fused the same way. The math is the same expression, so only rounding of
+intermediate values (kept in fp32 inside a fused kernel) can differ. CPU keeps the eager ops (CI, exact parity).
 Set VOXCPM_FUSE=0 to disable.
 """
 
@@ -13,12 +14,12 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 
-F_ = TypeVar("F_", bound=Callable[..., torch.Tensor])
+F_ = TypeVar("F_", bound=Callable[..., Any])
 ENABLED = os.environ.get("VOXCPM_FUSE", "1") != "0"
 # Outside CUDA graphs (the eager prefill) a compiled call's guard checks cost more host time than the
 # launches they save, so by default the fused kernels run only in code being captured (see `capturing`).
@@ -40,10 +41,10 @@ def capturing() -> Iterator[None]:
 def fused(fn: F_) -> F_:
     """Use a compiled copy of `fn` when its first argument is a CUDA tensor and the code is being
     captured (or VOXCPM_FUSE_EAGER=1); the plain function otherwise."""
-    compiled: list[Callable[..., torch.Tensor]] = []
+    compiled: list[Callable[..., Any]] = []
 
     @functools.wraps(fn)
-    def call(x: torch.Tensor, *args: object) -> torch.Tensor:
+    def call(x: torch.Tensor, *args: object) -> Any:
         if not (ENABLED and x.is_cuda and (IN_EAGER or _capturing)):
             return fn(x, *args)
         if not compiled:
@@ -56,15 +57,25 @@ def fused(fn: F_) -> F_:
     return call  # type: ignore[return-value]
 
 
-@fused
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Variance in fp32, normalised x rounded to x's dtype, then scaled (the official op order)."""
     variance = x.float().pow(2).mean(-1, keepdim=True)
     return (x * torch.rsqrt(variance + eps)).to(x.dtype) * weight
 
 
+rms_norm = fused(_rms_norm)
+
+
 @fused
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, scale: float | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual update x + h (times muP `scale` when given) and the RMSNorm of the result, which
+    the next sub-block reads: one kernel instead of two between every pair of GEMMs."""
+    x = x + h if scale is None else x + h * scale
+    return x, _rms_norm(x, weight, eps)
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (..., L, heads, head_dim); cos/sin: (L, head_dim) fp32, broadcast over heads; applied in fp32."""
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
@@ -73,13 +84,22 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 @fused
+def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of queries and keys in one compiled call."""
+    return _rotary(q, cos, sin), _rotary(k, cos, sin)
+
+
+@fused
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
 @fused
-def add_scaled(x: torch.Tensor, h: torch.Tensor, scale: float) -> torch.Tensor:
-    return x + h * scale
+def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """The VAE's Snake activation x + sin^2(alpha x) / alpha (the official op order): five passes over
+    the largest activations of the step when unfused."""
+    return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
 
 
 @fused

@@ -12,8 +12,10 @@ tokens that read nothing and write to a scratch KV block; larger prefills run ea
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -131,6 +133,9 @@ class ModelRunner:
             # algorithm once, at warm-up, instead of its heuristic choice (the VAE is ~40% of a B=64 step).
             torch.backends.cudnn.benchmark = True
         self.use_graphs = device.type == "cuda" and not enforce_eager
+        # Second CUDA stream for the VAE decode, overlapped with the LMs (VOXCPM_VAE_STREAM=0: one stream).
+        self.vae_stream = (torch.cuda.Stream(device) if device.type == "cuda"
+                           and os.environ.get("VOXCPM_VAE_STREAM", "1") != "0" else None)
         p, d = self.cfg.patch_size, self.cfg.feat_dim
         self.samples_per_patch = p * model.vae.decode_chunk_size
         self.table_width = (max_model_len + block_size - 1) // block_size
@@ -365,16 +370,27 @@ class ModelRunner:
         index = buf.slot_index[:batch]
         meta = AttentionMetadata(False, buf.slot_mapping[:batch], buf.block_tables[:batch, :width],
                                  buf.row_index[:batch], buf.context_lens[:batch])
-        out = self.model.backbone.decode_step(
-            self.lm_hidden[index], self.residual_hidden[index], self.prev_patch[index], buf.noise[:batch],
-            buf.cfg[:batch], buf.positions[:batch], self.inference_timesteps, self.base_cache.attend_fn(meta),
-            self.residual_cache.attend_fn(meta))
+        backbone = self.model.backbone
+        lm_hidden = self.lm_hidden[index]
+        patch = backbone.sample_patch(lm_hidden, self.residual_hidden[index], self.prev_patch[index],
+                                      buf.noise[:batch], buf.cfg[:batch], self.inference_timesteps)
+        # The VAE needs only the patch and the LMs only the patch, so on CUDA they run side by side:
+        # the VAE on a second stream (forked and joined inside the captured graph), the LMs on this one.
+        # `patch` stays referenced until after the join, so its memory is not reused under the VAE.
+        side = self.vae_stream
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            buf.audio[:batch] = self._decode_audio(index, self._latents(patch[:, None]))
+        out = backbone.feed_back(patch, lm_hidden, buf.positions[:batch], self.base_cache.attend_fn(meta),
+                                 self.residual_cache.attend_fn(meta))
         self.lm_hidden[index] = out.lm_hidden
         self.residual_hidden[index] = out.residual_hidden
-        self.prev_patch[index] = out.patch
-        buf.patch[:batch] = out.patch
+        self.prev_patch[index] = patch
+        buf.patch[:batch] = patch
         buf.stop[:batch] = out.stop
-        buf.audio[:batch] = self._decode_audio(index, self._latents(out.patch[:, None]))
+        if side is not None:
+            torch.cuda.current_stream(self.device).wait_stream(side)
 
     @torch.inference_mode()
     def capture_graphs(self) -> float:

@@ -7,12 +7,16 @@ Messages out: ("ready", info) or ("fatal", message) once; then ("events", [(rid,
 finished, error kind | None, error message | None), ...], load snapshot) after engine steps,
 and ("reply", rid, value | None, error kind | None, message | None) for the other requests.
 The loop never blocks while sequences run; with nothing to do it sleeps in `poll`. Parent gone = exit.
+Everything out goes through one sender thread, in order: pickling a step's audio and writing it to
+the pipe then overlaps the next step's GPU work instead of delaying its launch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import queue
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -56,6 +60,22 @@ class Worker:
         self.seq_of: dict[str, int] = {}
         self.steps = 0
         self.step_seconds = 0.0
+        self.outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self.sender = threading.Thread(target=self._send_loop, name="worker-sender", daemon=True)
+        self.sender.start()
+
+    def _send_loop(self) -> None:
+        with contextlib.suppress(EOFError, OSError):  # parent gone: the main loop notices and exits too
+            while (msg := self.outbox.get()) is not None:
+                self.conn.send(msg)
+
+    def send(self, msg: tuple) -> None:
+        self.outbox.put(msg)
+
+    def close(self) -> None:
+        """Flush what is queued and stop the sender."""
+        self.outbox.put(None)
+        self.sender.join(timeout=10)
 
     def info(self) -> dict[str, Any]:
         m, cfg = self.engine.model, self.engine.config
@@ -78,6 +98,7 @@ class Worker:
             "kv_blocks": len(self.engine.blocks.blocks),
             "block_size": cfg.block_size,
             "startup_s": self.engine.startup_s,
+            **self.engine.startup_phases,
         }
 
     def load(self) -> dict[str, int]:
@@ -88,7 +109,7 @@ class Worker:
 
     def _send_events(self, events: list[tuple]) -> None:
         # The load snapshot rides along, so the pool knows each worker's load without asking.
-        self.conn.send(("events", events, self.load()))
+        self.send(("events", events, self.load()))
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -165,12 +186,12 @@ class Worker:
             rid = msg[1]
             try:
                 value = self._encode(*msg[2:]) if op == "encode_latents" else self.stats()
-                self.conn.send(("reply", rid, value, None, None))
+                self.send(("reply", rid, value, None, None))
             except RequestError as e:
-                self.conn.send(("reply", rid, None, e.kind, str(e)))
+                self.send(("reply", rid, None, e.kind, str(e)))
             except Exception as e:  # a bug or out of memory (a huge clip) fails this call, not the worker
                 log.error("%s failed:\n%s", op, traceback.format_exc())
-                self.conn.send(("reply", rid, None, "engine", f"{type(e).__name__}: {e}"))
+                self.send(("reply", rid, None, "engine", f"{type(e).__name__}: {e}"))
         else:
             log.error("unknown message %r", op)
         return True
@@ -228,11 +249,14 @@ def worker_main(conn: Connection, model_path: str, device: str, config: dict[str
             torch.cuda.set_device(torch.device(device))
         engine = LLMEngine(model_path, EngineConfig(**config), device)
         worker = Worker(engine, conn)
-        conn.send(("ready", worker.info()))
+        worker.send(("ready", worker.info()))
     except BaseException as e:  # report why instead of dying silently
         log.error("worker failed to start:\n%s", traceback.format_exc())
         conn.send(("fatal", f"{type(e).__name__}: {e}"))
         return
-    with contextlib.suppress(EOFError, OSError, KeyboardInterrupt):  # parent gone or interrupted: exit quietly
-        worker.run()
+    try:
+        with contextlib.suppress(EOFError, OSError, KeyboardInterrupt):  # parent gone or interrupted: exit quietly
+            worker.run()
+    finally:
+        worker.close()
 

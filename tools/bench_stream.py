@@ -124,6 +124,7 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
     try:
         await target.start()
         doc["startup_s"] = time.perf_counter() - t
+        doc["model_info"] = target.facts.get("model_info")  # ours: start-up phases (load, KV sizing, graphs)
         pool, sr, channels = target.pool, target.sample_rate, target.channels
         doc.update(sample_rate=sr, channels=channels, gpu_mem_used_mib_after_startup=gpu_mem_used_mib(dev0))
         tqdm.write(json.dumps({"startup_s": round(doc["startup_s"], 2), "sample_rate": sr}), file=sys.stderr)

@@ -8,6 +8,7 @@
 #
 # Each device command may run 10 minutes, so pick parts per call with PARTS (default "check ours nano"):
 #   PARTS="check" bash tools/device_bench.sh           # gpu_check only
+#   PARTS="profile" BASELINE=old bash tools/device_bench.sh   # step profile, of the tree in old/ too
 #   PARTS="ours nano" bash tools/device_bench.sh       # both benchmarks + comparison
 #   PARTS="nano" CONC=1,8 bash tools/device_bench.sh   # one peer, fewer concurrencies
 #   PARTS="" OUT=dir-with-both-jsons bash tools/device_bench.sh   # only the comparison
@@ -23,8 +24,8 @@
 # Knobs (environment): PARTS, CONC (1,8,32,64), ITERS (2), PATCHES (100), MODE (zeroshot|hifi),
 # PRESET (full-voxcpm2), CKPT (/tmp/full), BUDGET_S (total seconds this call may use, 580), T_CHECK / T_OURS / T_NANO (per-part
 # time limits, seconds), BENCH_ARGS (extra flags for both benchmarks), OURS_ARGS / NANO_ARGS (per engine),
-# CHECK_ARGS (extra flags for gpu_check.py). Files in $OUT (at most 8 come back): device_bench.log,
-# gpu_check.json, ours.json, nano.json, compare.md.
+# CHECK_ARGS (extra flags for gpu_check.py), PROFILE_BATCH (1,8,64), BASELINE, T_PROFILE. Files in $OUT:
+# device_bench.log, gpu_check.json, profile.json, profile_before.json, ours.json, nano.json, compare.md.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -44,6 +45,8 @@ BUDGET_S="${BUDGET_S:-580}"
 T_CHECK="${T_CHECK:-240}"
 T_OURS="${T_OURS:-330}"
 T_NANO="${T_NANO:-240}"
+T_PROFILE="${T_PROFILE:-150}"
+PROFILE_BATCH="${PROFILE_BATCH:-1,8,64}"
 SITE=/tmp/site
 SHIM="$ROOT/.whl/flash_attn_shim"
 
@@ -169,8 +172,22 @@ for part in $PARTS; do
             bench nanovllm "$OUT/nano.json" "$T_NANO" "$SHIM"
             RC[$part]=$?
             ;;
+        profile)
+            # Per-component profile of a step (tools/profile_step.py) at PROFILE_BATCH; with BASELINE=dir (a
+            # copy of an earlier tree, e.g. `git archive <commit> engine tools | tar -x -C dir`) the same
+            # profiler also runs that tree's engine first, for a before/after on one machine.
+            { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
+            RC[$part]=0
+            if [[ -n "${BASELINE:-}" ]]; then
+                cp tools/profile_step.py "$BASELINE/tools/profile_step.py"
+                run_limited "$T_PROFILE" profile-baseline python3 "$BASELINE/tools/profile_step.py" --model "$CKPT" \
+                    --batch "$PROFILE_BATCH" --kernels --out "$OUT/profile_before.json" || RC[$part]=$?
+            fi
+            run_limited "$T_PROFILE" profile python3 tools/profile_step.py --model "$CKPT" --batch "$PROFILE_BATCH" \
+                --kernels --out "$OUT/profile.json" || RC[$part]=$?
+            ;;
         *)
-            log "unknown part '$part' (known: check ours nano)"
+            log "unknown part '$part' (known: check profile ours nano)"
             ;;
     esac
 done

@@ -74,6 +74,27 @@ def components(engine: LLMEngine, b: int) -> dict[str, float]:
     }
 
 
+def kernel_table(graph: torch.cuda.CUDAGraph, reps: int = 5, top: int = 15) -> dict[str, object]:
+    """CUDA kernels of the whole-step graph (torch.profiler sees kernels inside graph replays):
+    kernels per step, summed kernel ms per step, and the `top` kernel names by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    rows.sort(key=lambda e: e.device_time_total, reverse=True)
+    return {
+        "kernels_per_step": sum(e.count for e in rows) / reps,
+        "kernel_ms_per_step": sum(e.device_time_total for e in rows) / reps / 1000,
+        "top": [{"name": e.key[:90], "calls_per_step": e.count / reps, "ms_per_step": e.device_time_total / reps / 1000}
+                for e in rows[:top]],
+    }
+
+
 def host_step_ms(engine: LLMEngine, b: int, patches: int = 40) -> tuple[float, float]:
     """(engine.step() wall ms with b running streams, first-audio ms of a request added alone)."""
     for i in range(b):
@@ -99,6 +120,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--batch", default="1,64")
     ap.add_argument("--out")
+    ap.add_argument("--kernels", action="store_true", help="also list the step graph's CUDA kernels (torch.profiler)")
     a = ap.parse_args()
     batches = [int(x) for x in a.batch.split(",")]
     engine = LLMEngine(a.model, EngineConfig(max_num_seqs=max(batches), max_model_len=1024,
@@ -115,6 +137,13 @@ def main() -> None:
         print(f"\nB={b}")
         for k, v in comp.items():
             print(f"  {k:55s} {v:8.2f} ms")
+        if a.kernels and b in engine.runner.graphs:
+            table = kernel_table(engine.runner.graphs[b])
+            res.setdefault("kernels", {})[str(b)] = table
+            print(f"  {table['kernels_per_step']:.0f} kernels per step, "
+                  f"{table['kernel_ms_per_step']:.2f} ms of kernel time")
+            for row in table["top"]:
+                print(f"    {row['ms_per_step']:7.3f} ms {row['calls_per_step']:6.0f}x  {row['name']}")
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
 

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.fused import snake
+
 # Stream state: one tensor per stateful decoder layer, indexed by that layer's `state_slot`. Every
 # tensor is [batch, channels, context] with batch first, so several streams can later be decoded
 # together by concatenating / indexing the per-slot tensors along dim 0.
@@ -206,8 +208,7 @@ class Snake1d(nn.Module):
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
 
     def forward(self, x: Tensor, states: StreamStates | None = None) -> Tensor:
-        # x + sin^2(alpha x) / alpha, same op order as the official scripted kernel.
-        return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
+        return snake(x, self.alpha)
 
 
 class _Tanh(nn.Module):

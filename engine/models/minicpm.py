@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import TransformerConfig
-from engine.fused import add_scaled, rms_norm, rotary, silu_mul
+from engine.fused import add_rms_norm, rms_norm, rotary_qk, silu_mul
 
 # attend(layer_index, q, k, v) -> output with q's leading shape and heads*head_dim last.
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -96,7 +96,7 @@ class Attention(nn.Module):
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
         if rope is not None:
             cos, sin = rope[..., 0, :], rope[..., 1, :]
-            q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+            q, k = rotary_qk(q, k, cos, sin)
         return self.o_proj(attend(layer, q, k, v))
 
 
@@ -126,14 +126,18 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.residual_scale = cfg.residual_scale
-        self.use_mup = cfg.use_mup
+        self.residual_scale: float | None = cfg.residual_scale if cfg.use_mup else None
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, attend: AttendFn, layer: int) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), rope, attend, layer)
-        x = add_scaled(x, h, self.residual_scale) if self.use_mup else x + h
-        h = self.mlp(self.post_attention_layernorm(x))
-        return add_scaled(x, h, self.residual_scale) if self.use_mup else x + h
+    def forward(self, x: torch.Tensor, normed: torch.Tensor, rope: torch.Tensor | None, attend: AttendFn, layer: int,
+                next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream; normed: input_layernorm(x), already computed by whoever updated x
+        last. Returns the updated stream and `next_norm` of it (the next layer's input norm, or the
+        stack's final norm), each residual add fused with the norm that follows it."""
+        h = self.self_attn(normed, rope, attend, layer)
+        norm = self.post_attention_layernorm
+        x, normed = add_rms_norm(x, h, self.residual_scale, norm.weight, norm.eps)
+        h = self.mlp(normed)
+        return add_rms_norm(x, h, self.residual_scale, next_norm.weight, next_norm.eps)
 
 
 def fuse_projections(module: nn.Module) -> None:
@@ -158,9 +162,13 @@ class MiniCPM(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None, attend: AttendFn) -> torch.Tensor:
         """x: (..., L, hidden); rope: (L, 2, head_dim) rows for the positions of x, or None."""
         rope = rope if self.uses_rope else None
+        if not len(self.layers):
+            return self.norm(x)
+        normed = self.layers[0].input_layernorm(x)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, attend, i)
-        return self.norm(x)
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, normed = layer(x, normed, rope, attend, i, next_norm)
+        return normed
 
 
 def dense_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -259,6 +259,12 @@ class VoxCPMBackbone(nn.Module):
                     base_attend: AttendFn, residual_attend: AttendFn) -> StepOutput:
         """Advance B sequences by one patch: sample it, decide stop, feed it back through both LMs."""
         patch = self.sample_patch(lm_hidden, residual_hidden, prev_patch, noise, cfg_value, n_timesteps)
+        return self.feed_back(patch, lm_hidden, positions, base_attend, residual_attend)
+
+    def feed_back(self, patch: torch.Tensor, lm_hidden: torch.Tensor, positions: torch.Tensor, base_attend: AttendFn,
+                  residual_attend: AttendFn) -> StepOutput:
+        """The rest of `decode_step` once the patch is sampled (the runner decodes the patch to audio
+        meanwhile): the stop decision from the old hidden state, the patch through LocEnc and both LMs."""
         stop = self.stop_logits(lm_hidden).argmax(-1) == 1
         embed = self.encode_patches(patch)
         rope = self.rope_tables["lm"][positions]
