@@ -1,11 +1,12 @@
-"""Element-wise chains of the transformer blocks, one fused kernel each on CUDA (torch.compile).
+"""Fused versions of the transformer's and the VAE's element-wise chains, chosen per call.
 
 A decode step is launch-bound at small batch: the DiT alone runs 9 Euler evaluations x 12 layers, and
-unfused, every RMSNorm, rotary embedding, SiLU gate and residual add is 4-10 tiny kernels. Fusing them
-(a residual add with the norm after it, q's rotary with k's) cuts the kernel count several-fold; the
-VAE's Snake activation is fused the same way. The math is the same expression, so only rounding of
-intermediate values (kept in fp32 inside a fused kernel) can differ. CPU keeps the eager ops (CI, exact parity).
-Set VOXCPM_FUSE=0 to disable.
+unfused, every RMSNorm, rotary embedding, SiLU gate and residual add is 4-10 tiny kernels. On CUDA the
+functions here run the Triton kernels of `engine.triton_kernels` (a residual add together with the norm
+after it, q's rotary with k's, the local modules' rotary inside their attention, the VAE's Snake in one
+pass); `cfg_euler_step` is torch.compile'd and used inside graph capture. The math is the eager
+expression with the same rounding points, so only fp32 summation order and transcendental ulps can
+differ. CPU keeps the eager ops (CI, exact parity). Set VOXCPM_FUSE=0 to disable all of it.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from typing import Any, TypeVar
 import torch
 import torch.nn.functional as F
 
+from engine import triton_kernels
+
 F_ = TypeVar("F_", bound=Callable[..., Any])
 ENABLED = os.environ.get("VOXCPM_FUSE", "1") != "0"
 # Outside CUDA graphs (the eager prefill) a compiled call's guard checks cost more host time than the
-# launches they save, so by default the fused kernels run only in code being captured (see `capturing`).
+# launches they save, so by default compiled functions run only in code being captured (see `capturing`).
 IN_EAGER = os.environ.get("VOXCPM_FUSE_EAGER", "0") == "1"
 _capturing = False
 
@@ -57,20 +60,29 @@ def fused(fn: F_) -> F_:
     return call  # type: ignore[return-value]
 
 
+def kernels(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels serve this tensor (CUDA, triton importable, fusion enabled)."""
+    return ENABLED and x.is_cuda and triton_kernels.usable(x)
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Variance in fp32, normalised x rounded to x's dtype, then scaled (the official op order)."""
     variance = x.float().pow(2).mean(-1, keepdim=True)
     return (x * torch.rsqrt(variance + eps)).to(x.dtype) * weight
 
 
-rms_norm = fused(_rms_norm)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if kernels(x) and weight.dtype == x.dtype:
+        return triton_kernels.add_rms_norm(x, None, None, weight, eps)[1]
+    return _rms_norm(x, weight, eps)
 
 
-@fused
 def add_rms_norm(x: torch.Tensor, h: torch.Tensor, scale: float | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual update x + h (times muP `scale` when given) and the RMSNorm of the result, which
     the next sub-block reads: one kernel instead of two between every pair of GEMMs."""
+    if kernels(x) and weight.dtype == x.dtype == h.dtype:
+        return triton_kernels.add_rms_norm(x, h, scale, weight, eps)
     x = x + h if scale is None else x + h * scale
     return x, _rms_norm(x, weight, eps)
 
@@ -83,22 +95,35 @@ def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (xf * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)).to(x.dtype)
 
 
-@fused
 def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary embedding of queries and keys in one compiled call."""
+    """Rotary embedding of queries and keys (one kernel for both on CUDA)."""
+    if kernels(q) and q.dim() == 3 and q.stride(-1) == k.stride(-1) == 1:
+        return triton_kernels.rotary_qk(q, k, cos, sin)
     return _rotary(q, cos, sin), _rotary(k, cos, sin)
 
 
-@fused
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if kernels(gate):
+        return triton_kernels.silu_mul(gate, up)
     return F.silu(gate) * up
 
 
-@fused
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    rope: torch.Tensor | None) -> torch.Tensor | None:
+    """The local modules' attention with rotary applied on load, as one kernel; None where the kernel
+    does not apply (the caller then rotates and uses SDPA)."""
+    if kernels(q) and triton_kernels.dense_attention_supported(q, k):
+        cos, sin = (rope[:, 0, :], rope[:, 1, :]) if rope is not None else (None, None)
+        return triton_kernels.dense_attention(q, k, v, cos, sin)
+    return None
+
+
 def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     """The VAE's Snake activation x + sin^2(alpha x) / alpha (the official op order): five passes over
     the largest activations of the step when unfused."""
+    if kernels(x) and x.dim() == 3:
+        return triton_kernels.snake(x, alpha)
     return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import fused
 from engine.config import TransformerConfig
 from engine.fused import add_rms_norm, rms_norm, rotary_qk, silu_mul
 
@@ -94,9 +95,10 @@ class Attention(nn.Module):
         q = q.view(*lead, self.num_heads, self.head_dim)
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
+        if rope is not None and isinstance(attend, DenseAttention):
+            return self.o_proj(attend(layer, q, k, v, rope))  # rotary applied inside (one kernel on CUDA)
         if rope is not None:
-            cos, sin = rope[..., 0, :], rope[..., 1, :]
-            q, k = rotary_qk(q, k, cos, sin)
+            q, k = rotary_qk(q, k, rope[..., 0, :], rope[..., 1, :])
         return self.o_proj(attend(layer, q, k, v))
 
 
@@ -171,11 +173,23 @@ class MiniCPM(nn.Module):
         return normed
 
 
-def dense_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Bidirectional attention within each short sequence: q (N, L, Hq, D), k/v (N, L, Hkv, D)."""
-    del layer
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    if not q.is_cuda:  # the CPU kernels' summation order (exact parity) is that of contiguous inputs
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    o = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    return o.transpose(1, 2).flatten(-2)
+class DenseAttention:
+    """Bidirectional attention within each short sequence (LocEnc, DiT): q (N, L, Hq, D), k/v (N, L, Hkv, D),
+    rotary rows `rope` (L, 2, D) applied to q and k first. On CUDA one Triton kernel does both."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 rope: torch.Tensor | None = None) -> torch.Tensor:
+        del layer
+        out = fused.dense_attention(q, k, v, rope)
+        if out is not None:
+            return out
+        if rope is not None:
+            q, k = rotary_qk(q, k, rope[..., 0, :], rope[..., 1, :])
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if not q.is_cuda:  # the CPU kernels' summation order (exact parity) is that of contiguous inputs
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        o = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return o.transpose(1, 2).flatten(-2)
+
+
+dense_attention = DenseAttention()

@@ -1,0 +1,224 @@
+"""Triton kernels for the element-wise chains and the short dense attention of a decode step (CUDA;
+CPU only through TRITON_INTERPRET=1, for tests).
+
+Why hand-written rather than torch.compile'd: the profile of a B=64 step on an H100 showed the compiled
+(dynamic-shape) rotary and SiLU-gate kernels at 3-6x their memory-bound time, cuDNN's flash attention
+spending 46 us per call on the DiT's 11-token sequences (tiles of 64-128 rows), and the compiled Snake
+recompiling per VAE stage until dynamo's limit; compiling them also dominated a cold start. These kernels
+compile once per dtype and block size and follow the eager op order and rounding points:
+
+- `add_rms_norm`: residual update (times the muP scale) and the RMSNorm of the result, one row per program;
+- `silu_mul`: SiLU(gate) * up over the halves of the fused gate/up projection;
+- `rotary_qk`: rotary embedding of q and k of the causal LMs (one token and head per program);
+- `dense_attention`: the local encoder's and DiT's bidirectional attention over sequences of <= 64 tokens
+  with the rotary embedding applied on load (one sequence and query head per program, GQA);
+- `snake`: the VAE's Snake activation x + sin^2(alpha x) / alpha on (B, C, T) activations of any strides.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.triton_attention import HAVE_TRITON, _is_interpreted
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, x_out_ptr, y_ptr, n_cols, eps, scale,
+                             HAS_H: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        if HAS_H:
+            h = tl.load(h_ptr + row * n_cols + cols, mask=mask, other=0.0)
+            if HAS_SCALE:  # eager rounds h * scale to the activation dtype before the add
+                h = (h.to(tl.float32) * scale).to(x.dtype)
+            x = (x.to(tl.float32) + h.to(tl.float32)).to(x.dtype)
+            tl.store(x_out_ptr + row * n_cols + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        variance = tl.sum(xf * xf, axis=0) / n_cols
+        y = (xf * tl.rsqrt(variance + eps)).to(x.dtype)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        tl.store(y_ptr + row * n_cols + cols, (y.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0)
+        s = (g / (1.0 + tl.exp(-g))).to(u.dtype)  # F.silu rounds to the dtype before the product
+        tl.store(o_ptr + row * n_cols + cols, (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=mask)
+
+    @triton.jit
+    def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, stride_qt, stride_qh, stride_kt,
+                       stride_kh, stride_ct, stride_st, HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        d = tl.arange(0, HALF)
+        c1 = tl.load(cos_ptr + t * stride_ct + d)
+        c2 = tl.load(cos_ptr + t * stride_ct + HALF + d)
+        s1 = tl.load(sin_ptr + t * stride_st + d)
+        s2 = tl.load(sin_ptr + t * stride_st + HALF + d)
+        if h < HQ:
+            src = q_ptr + t * stride_qt + h * stride_qh
+            dst = q_out_ptr + (t * HQ + h) * (2 * HALF)
+        else:
+            src = k_ptr + t * stride_kt + (h - HQ) * stride_kh
+            dst = k_out_ptr + (t * HK + h - HQ) * (2 * HALF)
+        x1 = tl.load(src + d)
+        x2 = tl.load(src + HALF + d)
+        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+        tl.store(dst + d, (x1f * c1 - x2f * s1).to(x1.dtype))
+        tl.store(dst + HALF + d, (x2f * c2 + x1f * s2).to(x1.dtype))
+
+    @triton.jit
+    def _dense_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, o_ptr,
+                                stride_qn, stride_ql, stride_qh, stride_kn, stride_kl, stride_kh,
+                                stride_vn, stride_vl, stride_vh, stride_cl, stride_sl, seq_len, sm_scale,
+                                GROUP: tl.constexpr, HALF: tl.constexpr, BLOCK_L: tl.constexpr, ROPE: tl.constexpr,
+                                DOT_PRECISION: tl.constexpr):
+        n = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        num_heads = tl.num_programs(1)
+        hk = h // GROUP
+        rows = tl.arange(0, BLOCK_L)
+        rmask = rows[:, None] < seq_len
+        d = tl.arange(0, HALF)[None, :]
+        qb = q_ptr + n * stride_qn + h * stride_qh + rows[:, None] * stride_ql
+        kb = k_ptr + n * stride_kn + hk * stride_kh + rows[:, None] * stride_kl
+        vb = v_ptr + n * stride_vn + hk * stride_vh + rows[:, None] * stride_vl
+        q1 = tl.load(qb + d, mask=rmask, other=0.0)
+        q2 = tl.load(qb + HALF + d, mask=rmask, other=0.0)
+        k1 = tl.load(kb + d, mask=rmask, other=0.0)
+        k2 = tl.load(kb + HALF + d, mask=rmask, other=0.0)
+        v1 = tl.load(vb + d, mask=rmask, other=0.0)
+        v2 = tl.load(vb + HALF + d, mask=rmask, other=0.0)
+        dtype = o_ptr.dtype.element_ty
+        if ROPE:  # rotary in fp32, rounded to the dtype: what the eager rotary hands to attention
+            cb = cos_ptr + rows[:, None] * stride_cl
+            sb = sin_ptr + rows[:, None] * stride_sl
+            c1 = tl.load(cb + d, mask=rmask, other=0.0)
+            c2 = tl.load(cb + HALF + d, mask=rmask, other=0.0)
+            s1 = tl.load(sb + d, mask=rmask, other=0.0)
+            s2 = tl.load(sb + HALF + d, mask=rmask, other=0.0)
+            q1f, q2f = q1.to(tl.float32), q2.to(tl.float32)
+            q1, q2 = (q1f * c1 - q2f * s1).to(dtype), (q2f * c2 + q1f * s2).to(dtype)
+            k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
+            k1, k2 = (k1f * c1 - k2f * s1).to(dtype), (k2f * c2 + k1f * s2).to(dtype)
+        scores = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+        scores += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)
+        scores = tl.where(tl.arange(0, BLOCK_L)[None, :] < seq_len, scores * sm_scale, float("-inf"))
+        p = tl.exp(scores - tl.max(scores, axis=1)[:, None])
+        p = (p / tl.sum(p, axis=1)[:, None]).to(dtype)
+        o1 = tl.dot(p, v1, input_precision=DOT_PRECISION)
+        o2 = tl.dot(p, v2, input_precision=DOT_PRECISION)
+        ob = o_ptr + (n * seq_len + rows[:, None]) * (num_heads * 2 * HALF) + h * (2 * HALF)
+        tl.store(ob + d, o1.to(dtype), mask=rmask)
+        tl.store(ob + HALF + d, o2.to(dtype), mask=rmask)
+
+    @triton.jit
+    def _snake_kernel(x_ptr, alpha_ptr, o_ptr, channels, length, stride_b, stride_c, stride_t,
+                      BLOCK: tl.constexpr):
+        bc = tl.program_id(0).to(tl.int64)
+        b, c = bc // channels, bc % channels
+        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = t < length
+        x = tl.load(x_ptr + b * stride_b + c * stride_c + t * stride_t, mask=mask, other=0.0).to(tl.float32)
+        alpha = tl.load(alpha_ptr + c).to(tl.float32)
+        s = tl.sin(alpha * x)
+        out = x + (1.0 / (alpha + 1e-9)) * (s * s)
+        tl.store(o_ptr + bc * length + t, out.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+MAX_DENSE_LEN = 64  # longest sequence `dense_attention` takes (LocEnc: patch + 1, DiT: 2 * patch + 3)
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the kernels can run on this tensor's device."""
+    return HAVE_TRITON and (x.is_cuda or _is_interpreted())
+
+
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor | None, scale: float | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + h * scale, RMSNorm of it) over the last dim; h=None: (x, RMSNorm(x))."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n).contiguous()
+    h2 = h.reshape(-1, n).contiguous() if h is not None else x2
+    x_out = torch.empty_like(x2) if h is not None else x2
+    y = torch.empty_like(x2)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(n)
+        _add_rms_norm_kernel[(x2.shape[0],)](x2, h2, weight, x_out, y, n, eps, 1.0 if scale is None else scale,
+                                              HAS_H=h is not None, HAS_SCALE=scale is not None, BLOCK=block,
+                                              num_warps=max(1, min(16, block // 256)))
+    return x_out.view(x.shape), y.view(x.shape)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up; gate and up may be strided views (the halves of one projection)."""
+    n = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, n), up.reshape(-1, n)
+    if g2.stride(-1) != 1:
+        g2 = g2.contiguous()
+    if u2.stride(-1) != 1:
+        u2 = u2.contiguous()
+    out = torch.empty(g2.shape, dtype=up.dtype, device=up.device)
+    if g2.shape[0]:
+        block = min(1024, triton.next_power_of_2(n))
+        _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](g2, u2, out, n, g2.stride(0), u2.stride(0),
+                                                                 BLOCK=block, num_warps=4)
+    return out.view(gate.shape)
+
+
+def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (T, Hq, D), k (T, Hk, D) with unit stride in D; cos/sin (T, D) fp32 -> rotated (contiguous) q, k."""
+    t, hq, dim = q.shape
+    hk = k.shape[1]
+    q_out = torch.empty((t, hq, dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((t, hk, dim), dtype=k.dtype, device=k.device)
+    if t:
+        _rotary_kernel[(t, hq + hk)](q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                                     cos.stride(0), sin.stride(0), HQ=hq, HK=hk, HALF=dim // 2, num_warps=1)
+    return q_out, k_out
+
+
+def dense_attention_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
+    dim = q.shape[-1]
+    return (q.dim() == 4 and q.shape[1] <= MAX_DENSE_LEN and dim >= 32 and dim & (dim - 1) == 0
+            and q.shape[2] % k.shape[2] == 0 and q.dtype in (torch.float32, torch.float16, torch.bfloat16))
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None,
+                    sin: torch.Tensor | None) -> torch.Tensor:
+    """Bidirectional attention within each sequence: q (N, L, Hq, D), k/v (N, L, Hk, D) (unit stride in D),
+    rotary rows cos/sin (L, D) fp32 applied to q and k first (None: no rotary) -> (N, L, Hq * D)."""
+    n, seq_len, hq, dim = q.shape
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = torch.empty((n, seq_len, hq * dim), dtype=q.dtype, device=q.device)
+    if n and seq_len:
+        rope = cos is not None and sin is not None
+        _dense_attention_kernel[(n, hq)](
+            q, k, v, cos if rope else q, sin if rope else q, out,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), cos.stride(0) if rope else 0, sin.stride(0) if rope else 0,
+            seq_len, dim ** -0.5, GROUP=hq // k.shape[2], HALF=dim // 2,
+            BLOCK_L=max(16, triton.next_power_of_2(seq_len)), ROPE=rope,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+    return out
+
+
+def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """x (B, C, T) any strides, alpha (1, C, 1) -> contiguous x + sin^2(alpha x) / alpha in x's dtype."""
+    b, c, t = x.shape
+    out = torch.empty((b, c, t), dtype=x.dtype, device=x.device)
+    if b and c and t:
+        block = min(1024, triton.next_power_of_2(t))
+        _snake_kernel[(b * c, triton.cdiv(t, block))](x, alpha.reshape(-1), out, c, t, x.stride(0), x.stride(1),
+                                                      x.stride(2), BLOCK=block, num_warps=4)
+    return out

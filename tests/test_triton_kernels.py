@@ -1,0 +1,129 @@
+"""The Triton kernels of engine/triton_kernels.py against the eager torch expressions they replace.
+
+On CPU they run through Triton's interpreter in a fresh subprocess (TRITON_INTERPRET=1 must be set before
+`triton.jit` runs), which prints one JSON line per case; on CUDA the same cases run compiled. The interpreter
+checks fp32 and fp16 only: its bf16 `tl.dot` returns garbage and its bf16 casts truncate (Triton 3.6), so
+bf16 is checked on CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.triton_attention import HAVE_TRITON
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1.6e-2}  # max relative error (a few ulps)
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+INTERPRETED = ("fp32", "fp16")
+
+
+def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    ours, ref = ours.detach().double().cpu(), ref.detach().double().cpu()
+    assert ours.shape == ref.shape, f"shape {tuple(ours.shape)} != {tuple(ref.shape)}"
+    if not torch.isfinite(ours).all():
+        return float("inf")
+    return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+
+
+def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
+    """Each case: dtype -> max relative error of the kernel against the eager expression (same inputs)."""
+    from engine import fused, triton_kernels
+    from engine.models.minicpm import dense_attention
+
+    def rand(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+
+    def add_rms_norm(dtype: torch.dtype) -> float:
+        x, h = rand(3, 7, 96, dtype=dtype, seed=1), rand(3, 7, 96, dtype=dtype, seed=2)
+        w = rand(96, dtype=dtype, seed=3)
+        errs = []
+        for scale in (None, 0.37):
+            xs_ref = x + h if scale is None else x + h * scale
+            xs, y = triton_kernels.add_rms_norm(x, h, scale, w, 1e-5)
+            errs += [_rel(xs, xs_ref), _rel(y, fused._rms_norm(xs_ref, w, 1e-5))]
+        _, y = triton_kernels.add_rms_norm(x, None, None, w, 1e-6)
+        return max(*errs, _rel(y, fused._rms_norm(x, w, 1e-6)))
+
+    def silu_mul(dtype: torch.dtype) -> float:
+        gate, up = rand(2, 5, 160, dtype=dtype, seed=4).chunk(2, dim=-1)  # strided halves, as in the MLP
+        return _rel(triton_kernels.silu_mul(gate, up), F.silu(gate) * up)
+
+    def rotary_qk(dtype: torch.dtype) -> float:
+        q, k, _ = rand(6, 8 * 32, dtype=dtype, seed=5).split([4 * 32, 2 * 32, 2 * 32], dim=-1)
+        q, k = q.view(6, 4, 32), k.view(6, 2, 32)
+        rope = rand(6, 2, 32, dtype=torch.float32, seed=6)
+        cos, sin = rope[:, 0], rope[:, 1]
+        qo, ko = triton_kernels.rotary_qk(q, k, cos, sin)
+        return max(_rel(qo, fused._rotary(q, cos, sin)), _rel(ko, fused._rotary(k, cos, sin)))
+
+    def dense(dtype: torch.dtype) -> float:
+        errs = []
+        for n, length in ((3, 11), (2, 5), (1, 33)):
+            q, k, v = rand(n, length, 6 * 32, dtype=dtype, seed=7 + length).split([4 * 32, 32, 32], dim=-1)
+            q, k, v = q.view(n, length, 4, 32), k.view(n, length, 1, 32), v.view(n, length, 1, 32)
+            rope = rand(length, 2, 32, dtype=torch.float32, seed=8)
+            for r in (rope, None):
+                cos, sin = (r[:, 0], r[:, 1]) if r is not None else (None, None)
+                ours = triton_kernels.dense_attention(q, k, v, cos, sin)
+                errs.append(_rel(ours, dense_attention(0, q, k, v, r)))  # off CUDA: rotary + SDPA
+        return max(errs)
+
+    def snake(dtype: torch.dtype) -> float:
+        x = rand(2, 6, 50, dtype=dtype, seed=9)[..., 5:42]  # a strided view, like a trimmed conv output
+        alpha = (rand(1, 6, 1, dtype=dtype, seed=10).abs() + 0.2)
+        return _rel(triton_kernels.snake(x, alpha), x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2))
+
+    return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "rotary_qk": rotary_qk, "dense_attention": dense,
+            "snake": snake}
+
+
+def _interpreter_main() -> None:
+    """Entry point of the subprocess (TRITON_INTERPRET=1): one JSON line per case and dtype."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    for name, case in _cases("cpu").items():
+        for dtype_name in INTERPRETED:
+            dtype = DTYPES[dtype_name]
+            print(json.dumps({"case": f"{name}-{dtype_name}", "err": case(dtype)}), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, float]:
+    if not HAVE_TRITON:
+        pytest.skip("triton is not importable")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    code = "from tests.test_triton_kernels import _interpreter_main; _interpreter_main()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {r["case"]: r["err"] for r in rows}
+
+
+CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "rotary_qk", "dense_attention", "snake")
+              for d in INTERPRETED]
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_interpreter_matches_eager(interpreter_results: dict[str, float], name: str) -> None:
+    assert name in interpreter_results, f"case {name} did not run"
+    bound = BOUNDS[DTYPES[name.rsplit("-", 1)[1]]]
+    assert interpreter_results[name] <= bound, f"{name}: max relative error {interpreter_results[name]:.2e} > {bound}"
+
+
+@pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_cuda_matches_eager(dtype_name: str) -> None:
+    dtype = DTYPES[dtype_name]
+    for name, case in _cases("cuda").items():
+        err = case(dtype)
+        assert err <= BOUNDS[dtype], f"{name}-{dtype_name}: max relative error {err:.2e} > {BOUNDS[dtype]}"
