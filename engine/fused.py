@@ -4,9 +4,10 @@ A decode step is launch-bound at small batch: the DiT alone runs 9 Euler evaluat
 unfused, every RMSNorm, rotary embedding, SiLU gate and residual add is 4-10 tiny kernels. On CUDA the
 functions here run the Triton kernels of `engine.triton_kernels` (a residual add together with the norm
 after it, q's rotary with k's, the local modules' rotary inside their attention, the VAE's Snake in one
-pass); `cfg_euler_step` is torch.compile'd and used inside graph capture. The math is the eager
-expression with the same rounding points, so only fp32 summation order and transcendental ulps can
-differ. CPU keeps the eager ops (CI, exact parity). Set VOXCPM_FUSE=0 to disable all of it.
+pass, alone or with the residual unit's depthwise conv after it); `cfg_euler_step` is torch.compile'd and
+used inside graph capture. The math is the eager expression with the same rounding points, so only fp32
+summation order and transcendental ulps can differ. CPU keeps the eager ops (CI, exact parity). Set
+VOXCPM_FUSE=0 to disable all of it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ ENABLED = os.environ.get("VOXCPM_FUSE", "1") != "0"
 # Outside CUDA graphs (the eager prefill) a compiled call's guard checks cost more host time than the
 # launches they save, so by default compiled functions run only in code being captured (see `capturing`).
 IN_EAGER = os.environ.get("VOXCPM_FUSE_EAGER", "0") == "1"
+# VOXCPM_FUSE_DWCONV=0 keeps Snake and the VAE's depthwise conv as separate kernels (to measure the fusion).
+FUSE_DWCONV = os.environ.get("VOXCPM_FUSE_DWCONV", "1") != "0"
 _capturing = False
 
 
@@ -125,6 +128,22 @@ def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     if kernels(x) and x.dim() == 3:
         return triton_kernels.snake(x, alpha)
     return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
+
+
+def snake_depthwise_conv(x: torch.Tensor, alpha: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor,
+                         bias: torch.Tensor | None, dilation: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A residual unit's Snake -> cat(carried context, .) -> dilated depthwise causal conv (stride 1) as one
+    kernel: (output, new context), or None where the kernel does not apply (the caller runs the layers).
+    state (B, C, (K - 1) * dilation) or None for the zero padding of a full-sequence pass."""
+    if not (FUSE_DWCONV and kernels(x) and x.dim() == 3 and weight.dim() == 3):
+        return None
+    b, c, _ = x.shape
+    pad = (weight.shape[-1] - 1) * dilation
+    if weight.shape[:2] != (c, 1) or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        return None
+    if state is not None and (state.shape != (b, c, pad) or state.dtype != x.dtype):
+        return None
+    return triton_kernels.snake_depthwise_conv(x, alpha, state, weight, bias, dilation)
 
 
 @fused

@@ -12,7 +12,9 @@ compile once per dtype and block size and follow the eager op order and rounding
 - `rotary_qk`: rotary embedding of q and k of the causal LMs (one token and head per program);
 - `dense_attention`: the local encoder's and DiT's bidirectional attention over sequences of <= 64 tokens
   with the rotary embedding applied on load (one sequence and query head per program, GQA);
-- `snake`: the VAE's Snake activation x + sin^2(alpha x) / alpha on (B, C, T) activations of any strides.
+- `snake`: the VAE's Snake activation x + sin^2(alpha x) / alpha on (B, C, T) activations of any strides;
+- `snake_depthwise_conv`: a residual unit's Snake, carried-context concat and dilated depthwise causal conv
+  in one pass, also returning the new carried context.
 """
 
 from __future__ import annotations
@@ -134,6 +136,53 @@ if HAVE_TRITON:
         out = x + (1.0 / (alpha + 1e-9)) * (s * s)
         tl.store(o_ptr + bc * length + t, out.to(o_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _snake_cat_load(x_row, s_row, idx, mask, pad, stride_xt, stride_st, alpha, inv_alpha,
+                        HAS_STATE: tl.constexpr):
+        """cat(state, snake(x))[idx] along time (idx in [0, pad + length)), rounded to the activation dtype
+        like the eager Snake output, returned in fp32."""
+        in_x = idx >= pad
+        x = tl.load(x_row + (idx - pad) * stride_xt, mask=mask & in_x, other=0.0)
+        xf = x.to(tl.float32)
+        s = tl.sin(alpha * xf)
+        v = (xf + inv_alpha * (s * s)).to(x.dtype).to(tl.float32)
+        if HAS_STATE:
+            old = tl.load(s_row + idx * stride_st, mask=mask & (idx < pad), other=0.0).to(tl.float32)
+            v = tl.where(in_x, v, old)
+        else:  # no carried context: the zero left-padding of a full-sequence pass
+            v = tl.where(in_x, v, 0.0)
+        return v
+
+    @triton.jit
+    def _snake_dwconv_kernel(x_ptr, alpha_ptr, state_ptr, w_ptr, bias_ptr, y_ptr, new_state_ptr, channels, length,
+                             pad, dilation, stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
+                             K: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+        bc = tl.program_id(0).to(tl.int64)
+        b, c = bc // channels, bc % channels
+        x_row = x_ptr + b * stride_xb + c * stride_xc
+        s_row = state_ptr + b * stride_sb + c * stride_sc
+        alpha = tl.load(alpha_ptr + c).to(tl.float32)
+        inv_alpha = 1.0 / (alpha + 1e-9)
+        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = t < length
+        # Each tap recomputes Snake of its inputs (K sin per output) rather than staging the block in
+        # memory: the pass stays one read of x and one write of y.
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for j in tl.static_range(K):
+            v = _snake_cat_load(x_row, s_row, t + j * dilation, mask, pad, stride_xt, stride_st, alpha, inv_alpha,
+                                HAS_STATE)
+            acc += tl.load(w_ptr + c * K + j).to(tl.float32) * v
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + c).to(tl.float32)
+        tl.store(y_ptr + bc * length + t, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        if tl.program_id(1) == 0:  # the new carried context: the last `pad` samples of cat(state, snake(x))
+            i = tl.arange(0, BLOCK_P)
+            pmask = i < pad
+            v = _snake_cat_load(x_row, s_row, length + i, pmask, pad, stride_xt, stride_st, alpha, inv_alpha,
+                                HAS_STATE)
+            tl.store(new_state_ptr + bc * pad + i, v.to(new_state_ptr.dtype.element_ty), mask=pmask)
+
 
 MAX_DENSE_LEN = 64  # longest sequence `dense_attention` takes (LocEnc: patch + 1, DiT: 2 * patch + 3)
 
@@ -222,3 +271,25 @@ def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
         _snake_kernel[(b * c, triton.cdiv(t, block))](x, alpha.reshape(-1), out, c, t, x.stride(0), x.stride(1),
                                                       x.stride(2), BLOCK=block, num_warps=4)
     return out
+
+
+def snake_depthwise_conv(x: torch.Tensor, alpha: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor,
+                         bias: torch.Tensor | None, dilation: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Snake(x), the carried context `state` (B, C, P) prepended (None: zeros), then the depthwise conv with
+    weight (C, 1, K), P = (K - 1) * dilation -> (y (B, C, T), the new context (B, C, P)), both contiguous
+    in x's dtype. x and state may have any strides."""
+    b, c, t = x.shape
+    k = weight.shape[-1]
+    pad = (k - 1) * dilation
+    y = torch.empty((b, c, t), dtype=x.dtype, device=x.device)
+    new_state = torch.empty((b, c, pad), dtype=x.dtype, device=x.device)
+    if b and c:
+        block = min(1024, triton.next_power_of_2(max(t, 1)))
+        s = state if state is not None else x
+        _snake_dwconv_kernel[(b * c, max(1, triton.cdiv(t, block)))](
+            x, alpha.reshape(-1), s, weight.reshape(c, k).contiguous(), bias if bias is not None else x, y, new_state,
+            c, t, pad, dilation, x.stride(0), x.stride(1), x.stride(2),
+            s.stride(0) if state is not None else 0, s.stride(1) if state is not None else 0,
+            s.stride(2) if state is not None else 0, K=k, HAS_STATE=state is not None, HAS_BIAS=bias is not None,
+            BLOCK=block, BLOCK_P=triton.next_power_of_2(max(pad, 1)), num_warps=4)
+    return y, new_state

@@ -83,8 +83,27 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         alpha = (rand(1, 6, 1, dtype=dtype, seed=10).abs() + 0.2)
         return _rel(triton_kernels.snake(x, alpha), x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2))
 
+    def snake_dwconv(dtype: torch.dtype) -> float:
+        errs = []
+        channels = 6
+        for seed, (length, dilation, streaming) in enumerate(((5, 3, True), (80, 3, True), (20, 1, True),
+                                                               (30, 9, True), (40, 9, False), (4, 1, False))):
+            pad = 6 * dilation
+            x = rand(2, channels, length + 9, dtype=dtype, seed=20 + seed)[..., 4:length + 4]  # strided view
+            alpha = rand(1, channels, 1, dtype=dtype, seed=30 + seed).abs() + 0.2
+            weight = rand(channels, 1, 7, dtype=dtype, seed=40 + seed) * 0.3
+            bias = rand(channels, dtype=dtype, seed=50 + seed) if seed % 2 else None
+            state = rand(2, channels, pad + 3, dtype=dtype, seed=60 + seed)[..., 3:] if streaming else None
+            s = x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
+            xcat = torch.cat([state if streaming else s.new_zeros(2, channels, pad), s], dim=-1)
+            y_ref = F.conv1d(xcat.float(), weight.float(), None if bias is None else bias.float(),
+                             dilation=dilation, groups=channels).to(dtype)  # fp32 accumulation, as cuDNN
+            y, new_state = triton_kernels.snake_depthwise_conv(x, alpha, state, weight, bias, dilation)
+            errs += [_rel(y, y_ref), _rel(new_state, xcat[..., length:])]
+        return max(errs)
+
     return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "rotary_qk": rotary_qk, "dense_attention": dense,
-            "snake": snake}
+            "snake": snake, "snake_dwconv": snake_dwconv}
 
 
 def _interpreter_main() -> None:
@@ -109,8 +128,8 @@ def interpreter_results() -> dict[str, float]:
     return {r["case"]: r["err"] for r in rows}
 
 
-CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "rotary_qk", "dense_attention", "snake")
-              for d in INTERPRETED]
+CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "rotary_qk", "dense_attention", "snake",
+                                    "snake_dwconv") for d in INTERPRETED]
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)
