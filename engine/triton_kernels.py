@@ -179,9 +179,10 @@ if HAVE_TRITON:
         if tl.program_id(1) == 0:  # the new carried context: the last `pad` samples of cat(state, snake(x))
             i = tl.arange(0, BLOCK_P)
             pmask = i < pad
-            v = _snake_cat_load(x_row, s_row, length + i, pmask, pad, stride_xt, stride_st, alpha, inv_alpha,
-                                HAS_STATE)
-            tl.store(new_state_ptr + bc * pad + i, v.to(new_state_ptr.dtype.element_ty), mask=pmask)
+            # (a new name: a compiled kernel may not give `v` another shape inside this branch)
+            tail = _snake_cat_load(x_row, s_row, length + i, pmask, pad, stride_xt, stride_st, alpha, inv_alpha,
+                                   HAS_STATE)
+            tl.store(new_state_ptr + bc * pad + i, tail.to(new_state_ptr.dtype.element_ty), mask=pmask)
 
 
 MAX_DENSE_LEN = 64  # longest sequence `dense_attention` takes (LocEnc: patch + 1, DiT: 2 * patch + 3)
