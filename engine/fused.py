@@ -28,8 +28,9 @@ ENABLED = os.environ.get("VOXCPM_FUSE", "1") != "0"
 # Outside CUDA graphs (the eager prefill) a compiled call's guard checks cost more host time than the
 # launches they save, so by default compiled functions run only in code being captured (see `capturing`).
 IN_EAGER = os.environ.get("VOXCPM_FUSE_EAGER", "0") == "1"
-# VOXCPM_FUSE_DWCONV=0 keeps Snake and the VAE's depthwise conv as separate kernels (to measure the fusion).
-FUSE_DWCONV = os.environ.get("VOXCPM_FUSE_DWCONV", "1") != "0"
+# VOXCPM_FUSE_DWCONV=1 runs the VAE's Snake + depthwise conv as one kernel. Off by default: on an H100 it
+# made a B=64 step slower (30.1 vs 27.9 ms; it recomputes Snake for each of the 7 taps, see docs/benchmarks.md).
+FUSE_DWCONV = os.environ.get("VOXCPM_FUSE_DWCONV", "0") == "1"
 _capturing = False
 
 
