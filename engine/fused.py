@@ -4,7 +4,7 @@ A decode step is launch-bound at small batch: the DiT alone runs 9 Euler evaluat
 unfused, every RMSNorm, rotary embedding, SiLU gate and residual add is 4-10 tiny kernels. On CUDA the
 functions here run the Triton kernels of `engine.triton_kernels` (a residual add together with the norm
 after it, q's rotary with k's, the local modules' rotary inside their attention, the VAE's Snake in one
-pass, alone or with the residual unit's depthwise conv after it); `cfg_euler_step` is torch.compile'd and
+pass, the residual unit's depthwise conv reading its carried context in place); `cfg_euler_step` is torch.compile'd and
 used inside graph capture. The math is the eager expression with the same rounding points, so only fp32
 summation order and transcendental ulps can differ. CPU keeps the eager ops (CI, exact parity). Set
 VOXCPM_FUSE=0 to disable all of it.
@@ -28,9 +28,11 @@ ENABLED = os.environ.get("VOXCPM_FUSE", "1") != "0"
 # Outside CUDA graphs (the eager prefill) a compiled call's guard checks cost more host time than the
 # launches they save, so by default compiled functions run only in code being captured (see `capturing`).
 IN_EAGER = os.environ.get("VOXCPM_FUSE_EAGER", "0") == "1"
-# VOXCPM_FUSE_DWCONV=1 runs the VAE's Snake + depthwise conv as one kernel. Off by default: on an H100 it
-# made a B=64 step slower (30.1 vs 27.9 ms; it recomputes Snake for each of the 7 taps, see docs/benchmarks.md).
-FUSE_DWCONV = os.environ.get("VOXCPM_FUSE_DWCONV", "0") == "1"
+# The VAE residual unit's depthwise conv on CUDA (VOXCPM_VAE_DWCONV): "triton" (default) Snake kernel, then a
+# Triton conv that reads the carried context in place (no concat copy; ATen's fp32 depthwise kernel is
+# generic and slow); "fused": Snake inside the conv kernel (measured slower on an H100: it recomputes Snake
+# for each of the 7 taps); "torch": Snake kernel, concat, F.conv1d.
+VAE_DWCONV = os.environ.get("VOXCPM_VAE_DWCONV", "triton")
 _capturing = False
 
 
@@ -131,12 +133,12 @@ def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
 
 
-def snake_depthwise_conv(x: torch.Tensor, alpha: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor,
-                         bias: torch.Tensor | None, dilation: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A residual unit's Snake -> cat(carried context, .) -> dilated depthwise causal conv (stride 1) as one
-    kernel: (output, new context), or None where the kernel does not apply (the caller runs the layers).
-    state (B, C, (K - 1) * dilation) or None for the zero padding of a full-sequence pass."""
-    if not (FUSE_DWCONV and kernels(x) and x.dim() == 3 and weight.dim() == 3):
+def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
+                          dilation: int, alpha: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A residual unit's cat(carried context, x) -> dilated depthwise causal conv (stride 1) as one kernel
+    (with `alpha`: Snake(x) instead of x): (output, new context), or None where the kernel does not apply
+    (the caller runs the layers). state (B, C, (K - 1) * dilation) or None for a full-sequence pass."""
+    if not (kernels(x) and x.dim() == 3 and weight.dim() == 3):
         return None
     b, c, _ = x.shape
     pad = (weight.shape[-1] - 1) * dilation
@@ -144,7 +146,7 @@ def snake_depthwise_conv(x: torch.Tensor, alpha: torch.Tensor, state: torch.Tens
         return None
     if state is not None and (state.shape != (b, c, pad) or state.dtype != x.dtype):
         return None
-    return triton_kernels.snake_depthwise_conv(x, alpha, state, weight, bias, dilation)
+    return triton_kernels.causal_depthwise_conv(x, state, weight, bias, dilation, alpha)
 
 
 @fused

@@ -11,13 +11,15 @@ compile once per dtype and block size and follow the eager op order and rounding
 - `silu_mul`: SiLU(gate) * up over the halves of the fused gate/up projection;
 - `rotary_qk`: rotary embedding of q and k of the causal LMs (one token and head per program);
 - `dense_attention`: the local encoder's and DiT's bidirectional attention over sequences of <= 64 tokens
-  with the rotary embedding applied on load (one sequence and query head per program, GQA);
+  with the rotary embedding applied on load (one sequence and 1..G query heads of a GQA group per program);
 - `snake`: the VAE's Snake activation x + sin^2(alpha x) / alpha on (B, C, T) activations of any strides;
-- `snake_depthwise_conv`: a residual unit's Snake, carried-context concat and dilated depthwise causal conv
-  in one pass, also returning the new carried context.
+- `causal_depthwise_conv`: a residual unit's carried-context concat and dilated depthwise causal conv in
+  one pass (optionally with the Snake before it), also returning the new carried context.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -82,20 +84,19 @@ if HAVE_TRITON:
     def _dense_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, o_ptr,
                                 stride_qn, stride_ql, stride_qh, stride_kn, stride_kl, stride_kh,
                                 stride_vn, stride_vl, stride_vh, stride_cl, stride_sl, seq_len, sm_scale,
-                                GROUP: tl.constexpr, HALF: tl.constexpr, BLOCK_L: tl.constexpr, ROPE: tl.constexpr,
-                                DOT_PRECISION: tl.constexpr):
+                                GROUP: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_L: tl.constexpr,
+                                ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        # One program per sequence and HEADS query heads of one kv head (HEADS divides GROUP): K, V and the
+        # rotary rows are loaded (and K rotated) once for all of them.
         n = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        num_heads = tl.num_programs(1)
-        hk = h // GROUP
+        first_head = tl.program_id(1) * HEADS
+        num_heads = tl.num_programs(1) * HEADS
+        hk = first_head // GROUP
         rows = tl.arange(0, BLOCK_L)
         rmask = rows[:, None] < seq_len
         d = tl.arange(0, HALF)[None, :]
-        qb = q_ptr + n * stride_qn + h * stride_qh + rows[:, None] * stride_ql
         kb = k_ptr + n * stride_kn + hk * stride_kh + rows[:, None] * stride_kl
         vb = v_ptr + n * stride_vn + hk * stride_vh + rows[:, None] * stride_vl
-        q1 = tl.load(qb + d, mask=rmask, other=0.0)
-        q2 = tl.load(qb + HALF + d, mask=rmask, other=0.0)
         k1 = tl.load(kb + d, mask=rmask, other=0.0)
         k2 = tl.load(kb + HALF + d, mask=rmask, other=0.0)
         v1 = tl.load(vb + d, mask=rmask, other=0.0)
@@ -108,20 +109,27 @@ if HAVE_TRITON:
             c2 = tl.load(cb + HALF + d, mask=rmask, other=0.0)
             s1 = tl.load(sb + d, mask=rmask, other=0.0)
             s2 = tl.load(sb + HALF + d, mask=rmask, other=0.0)
-            q1f, q2f = q1.to(tl.float32), q2.to(tl.float32)
-            q1, q2 = (q1f * c1 - q2f * s1).to(dtype), (q2f * c2 + q1f * s2).to(dtype)
             k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
             k1, k2 = (k1f * c1 - k2f * s1).to(dtype), (k2f * c2 + k1f * s2).to(dtype)
-        scores = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
-        scores += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)
-        scores = tl.where(tl.arange(0, BLOCK_L)[None, :] < seq_len, scores * sm_scale, float("-inf"))
-        p = tl.exp(scores - tl.max(scores, axis=1)[:, None])
-        p = (p / tl.sum(p, axis=1)[:, None]).to(dtype)
-        o1 = tl.dot(p, v1, input_precision=DOT_PRECISION)
-        o2 = tl.dot(p, v2, input_precision=DOT_PRECISION)
-        ob = o_ptr + (n * seq_len + rows[:, None]) * (num_heads * 2 * HALF) + h * (2 * HALF)
-        tl.store(ob + d, o1.to(dtype), mask=rmask)
-        tl.store(ob + HALF + d, o2.to(dtype), mask=rmask)
+        key_ok = tl.arange(0, BLOCK_L)[None, :] < seq_len
+        for i in tl.static_range(HEADS):
+            h = first_head + i
+            qb = q_ptr + n * stride_qn + h * stride_qh + rows[:, None] * stride_ql
+            q1 = tl.load(qb + d, mask=rmask, other=0.0)
+            q2 = tl.load(qb + HALF + d, mask=rmask, other=0.0)
+            if ROPE:
+                q1f, q2f = q1.to(tl.float32), q2.to(tl.float32)
+                q1, q2 = (q1f * c1 - q2f * s1).to(dtype), (q2f * c2 + q1f * s2).to(dtype)
+            scores = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+            scores += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)
+            scores = tl.where(key_ok, scores * sm_scale, float("-inf"))
+            p = tl.exp(scores - tl.max(scores, axis=1)[:, None])
+            p = (p / tl.sum(p, axis=1)[:, None]).to(dtype)
+            o1 = tl.dot(p, v1, input_precision=DOT_PRECISION)
+            o2 = tl.dot(p, v2, input_precision=DOT_PRECISION)
+            ob = o_ptr + (n * seq_len + rows[:, None]) * (num_heads * 2 * HALF) + h * (2 * HALF)
+            tl.store(ob + d, o1.to(dtype), mask=rmask)
+            tl.store(ob + HALF + d, o2.to(dtype), mask=rmask)
 
     @triton.jit
     def _snake_kernel(x_ptr, alpha_ptr, o_ptr, channels, length, stride_b, stride_c, stride_t,
@@ -138,14 +146,15 @@ if HAVE_TRITON:
 
     @triton.jit
     def _snake_cat_load(x_row, s_row, idx, mask, pad, stride_xt, stride_st, alpha, inv_alpha,
-                        HAS_STATE: tl.constexpr):
+                        HAS_STATE: tl.constexpr, SNAKE: tl.constexpr):
         """cat(state, snake(x))[idx] along time (idx in [0, pad + length)), rounded to the activation dtype
-        like the eager Snake output, returned in fp32."""
+        like the eager Snake output, returned in fp32 (SNAKE=False: cat(state, x)[idx])."""
         in_x = idx >= pad
         x = tl.load(x_row + (idx - pad) * stride_xt, mask=mask & in_x, other=0.0)
-        xf = x.to(tl.float32)
-        s = tl.sin(alpha * xf)
-        v = (xf + inv_alpha * (s * s)).to(x.dtype).to(tl.float32)
+        v = x.to(tl.float32)
+        if SNAKE:
+            s = tl.sin(alpha * v)
+            v = (v + inv_alpha * (s * s)).to(x.dtype).to(tl.float32)
         if HAS_STATE:
             old = tl.load(s_row + idx * stride_st, mask=mask & (idx < pad), other=0.0).to(tl.float32)
             v = tl.where(in_x, v, old)
@@ -156,22 +165,22 @@ if HAVE_TRITON:
     @triton.jit
     def _snake_dwconv_kernel(x_ptr, alpha_ptr, state_ptr, w_ptr, bias_ptr, y_ptr, new_state_ptr, channels, length,
                              pad, dilation, stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
-                             K: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             K: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, SNAKE: tl.constexpr,
                              BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
         bc = tl.program_id(0).to(tl.int64)
         b, c = bc // channels, bc % channels
         x_row = x_ptr + b * stride_xb + c * stride_xc
         s_row = state_ptr + b * stride_sb + c * stride_sc
-        alpha = tl.load(alpha_ptr + c).to(tl.float32)
+        alpha = tl.load(alpha_ptr + c).to(tl.float32)  # (unused without SNAKE; the pointer is then valid anyway)
         inv_alpha = 1.0 / (alpha + 1e-9)
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = t < length
-        # Each tap recomputes Snake of its inputs (K sin per output) rather than staging the block in
-        # memory: the pass stays one read of x and one write of y.
+        # With SNAKE each tap recomputes Snake of its inputs (K sin per output): one pass over memory, but
+        # compute-bound on the wide stages (measured slower than Snake as its own kernel, see fused.py).
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for j in tl.static_range(K):
             v = _snake_cat_load(x_row, s_row, t + j * dilation, mask, pad, stride_xt, stride_st, alpha, inv_alpha,
-                                HAS_STATE)
+                                HAS_STATE, SNAKE)
             acc += tl.load(w_ptr + c * K + j).to(tl.float32) * v
         if HAS_BIAS:
             acc += tl.load(bias_ptr + c).to(tl.float32)
@@ -181,11 +190,12 @@ if HAVE_TRITON:
             pmask = i < pad
             # (a new name: a compiled kernel may not give `v` another shape inside this branch)
             tail = _snake_cat_load(x_row, s_row, length + i, pmask, pad, stride_xt, stride_st, alpha, inv_alpha,
-                                   HAS_STATE)
+                                   HAS_STATE, SNAKE)
             tl.store(new_state_ptr + bc * pad + i, tail.to(new_state_ptr.dtype.element_ty), mask=pmask)
 
 
 MAX_DENSE_LEN = 64  # longest sequence `dense_attention` takes (LocEnc: patch + 1, DiT: 2 * patch + 3)
+DENSE_HEADS = int(os.environ.get("VOXCPM_DENSE_HEADS", "0"))  # query heads per program; 0: by batch size
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -245,19 +255,27 @@ def dense_attention_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None,
-                    sin: torch.Tensor | None) -> torch.Tensor:
+                    sin: torch.Tensor | None, heads_per_program: int | None = None) -> torch.Tensor:
     """Bidirectional attention within each sequence: q (N, L, Hq, D), k/v (N, L, Hk, D) (unit stride in D),
-    rotary rows cos/sin (L, D) fp32 applied to q and k first (None: no rotary) -> (N, L, Hq * D)."""
+    rotary rows cos/sin (L, D) fp32 applied to q and k first (None: no rotary) -> (N, L, Hq * D).
+    heads_per_program: query heads sharing one program (and one load of K/V); default: as many of a GQA
+    group as keep >= 256 programs (small batches get one head per program, for parallelism)."""
     n, seq_len, hq, dim = q.shape
+    group = hq // k.shape[2]
+    heads_per_program = heads_per_program or DENSE_HEADS or None
+    heads = heads_per_program or 1
+    while heads_per_program is None and group % (heads * 2) == 0 and n * hq // (heads * 2) >= 256:
+        heads *= 2
+    assert group % heads == 0, f"heads_per_program {heads} must divide the GQA group {group}"
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = torch.empty((n, seq_len, hq * dim), dtype=q.dtype, device=q.device)
     if n and seq_len:
         rope = cos is not None and sin is not None
-        _dense_attention_kernel[(n, hq)](
+        _dense_attention_kernel[(n, hq // heads)](
             q, k, v, cos if rope else q, sin if rope else q, out,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), cos.stride(0) if rope else 0, sin.stride(0) if rope else 0,
-            seq_len, dim ** -0.5, GROUP=hq // k.shape[2], HALF=dim // 2,
+            seq_len, dim ** -0.5, GROUP=group, HEADS=heads, HALF=dim // 2,
             BLOCK_L=max(16, triton.next_power_of_2(seq_len)), ROPE=rope,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
     return out
@@ -274,11 +292,12 @@ def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def snake_depthwise_conv(x: torch.Tensor, alpha: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor,
-                         bias: torch.Tensor | None, dilation: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Snake(x), the carried context `state` (B, C, P) prepended (None: zeros), then the depthwise conv with
-    weight (C, 1, K), P = (K - 1) * dilation -> (y (B, C, T), the new context (B, C, P)), both contiguous
-    in x's dtype. x and state may have any strides."""
+def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
+                          dilation: int, alpha: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The carried context `state` (B, C, P) prepended to x (None: zeros), then the depthwise conv with weight
+    (C, 1, K), P = (K - 1) * dilation -> (y (B, C, T), the new context (B, C, P)), both contiguous in x's
+    dtype; with `alpha` (1, C, 1), Snake(x) is what gets prepended to and convolved. x and state may have
+    any strides. No copy of the concatenation is made."""
     b, c, t = x.shape
     k = weight.shape[-1]
     pad = (k - 1) * dilation
@@ -287,10 +306,11 @@ def snake_depthwise_conv(x: torch.Tensor, alpha: torch.Tensor, state: torch.Tens
     if b and c:
         block = min(1024, triton.next_power_of_2(max(t, 1)))
         s = state if state is not None else x
+        w = weight.reshape(c, k).contiguous()
         _snake_dwconv_kernel[(b * c, max(1, triton.cdiv(t, block)))](
-            x, alpha.reshape(-1), s, weight.reshape(c, k).contiguous(), bias if bias is not None else x, y, new_state,
-            c, t, pad, dilation, x.stride(0), x.stride(1), x.stride(2),
+            x, alpha.reshape(-1) if alpha is not None else w, s, w,
+            bias if bias is not None else x, y, new_state, c, t, pad, dilation, x.stride(0), x.stride(1), x.stride(2),
             s.stride(0) if state is not None else 0, s.stride(1) if state is not None else 0,
             s.stride(2) if state is not None else 0, K=k, HAS_STATE=state is not None, HAS_BIAS=bias is not None,
-            BLOCK=block, BLOCK_P=triton.next_power_of_2(max(pad, 1)), num_warps=4)
+            SNAKE=alpha is not None, BLOCK=block, BLOCK_P=triton.next_power_of_2(max(pad, 1)), num_warps=4)
     return y, new_state

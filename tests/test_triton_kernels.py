@@ -74,8 +74,9 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             rope = rand(length, 2, 32, dtype=torch.float32, seed=8)
             for r in (rope, None):
                 cos, sin = (r[:, 0], r[:, 1]) if r is not None else (None, None)
-                ours = triton_kernels.dense_attention(q, k, v, cos, sin)
-                errs.append(_rel(ours, dense_attention(0, q, k, v, r)))  # off CUDA: rotary + SDPA
+                ref = dense_attention(0, q, k, v, r)  # off CUDA: rotary + SDPA
+                for heads in (None, 2, 4):  # one query head per program, or 2 / 4 of the GQA group of 4
+                    errs.append(_rel(triton_kernels.dense_attention(q, k, v, cos, sin, heads), ref))
         return max(errs)
 
     def snake(dtype: torch.dtype) -> float:
@@ -98,7 +99,9 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             xcat = torch.cat([state if streaming else s.new_zeros(2, channels, pad), s], dim=-1)
             y_ref = F.conv1d(xcat.float(), weight.float(), None if bias is None else bias.float(),
                              dilation=dilation, groups=channels).to(dtype)  # fp32 accumulation, as cuDNN
-            y, new_state = triton_kernels.snake_depthwise_conv(x, alpha, state, weight, bias, dilation)
+            y, new_state = triton_kernels.causal_depthwise_conv(x, state, weight, bias, dilation, alpha)
+            errs += [_rel(y, y_ref), _rel(new_state, xcat[..., length:])]
+            y, new_state = triton_kernels.causal_depthwise_conv(s, state, weight, bias, dilation)  # no Snake inside
             errs += [_rel(y, y_ref), _rel(new_state, xcat[..., length:])]
         return max(errs)
 

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.fused import snake, snake_depthwise_conv
+from engine import fused
+from engine.fused import snake
 
 # Stream state: one tensor per stateful decoder layer, indexed by that layer's `state_slot`. Every
 # tensor is [batch, channels, context] with batch first, so several streams can later be decoded
@@ -235,24 +236,26 @@ class ResidualUnit(nn.Module):
             CausalConv1d(dim, dim, 1, left_pad=0),
         ])
         snake1, conv = self.block[0], self.block[1]
-        # Snake + dilated depthwise causal conv: one fused kernel on CUDA (see `_forward_fused`).
+        # The dilated depthwise causal conv as one Triton kernel on CUDA (see `_forward_fused`).
         self.fusable = (isinstance(snake1, Snake1d) and isinstance(conv, CausalConv1d)
                         and conv.groups == conv.in_channels == conv.out_channels and conv.stride == (1,)
                         and conv.padding == (0,) and conv.left_pad == (conv.kernel_size[0] - 1) * conv.dilation[0])
 
     def forward(self, x: Tensor, states: StreamStates | None = None) -> Tensor:
-        if self.fusable and x.is_cuda:
+        if self.fusable and x.is_cuda and fused.VAE_DWCONV != "torch":
             y = self._forward_fused(x, states)
             if y is not None:
                 return y
         return x + self.block(x, states)
 
     def _forward_fused(self, x: Tensor, states: StreamStates | None) -> Tensor | None:
-        """The block with its first two layers as one kernel; None where that kernel does not apply."""
+        """The block with its depthwise conv reading the carried context in place (Snake inside it too with
+        VOXCPM_VAE_DWCONV=fused); None where that kernel does not apply."""
         snake1, conv = self.block[0], self.block[1]
         slot = conv.state_slot if states is not None else None
-        out = snake_depthwise_conv(x, snake1.alpha, states[slot] if slot is not None else None, conv.weight,
-                                   conv.bias, conv.dilation[0])
+        inside = fused.VAE_DWCONV == "fused"
+        out = fused.causal_depthwise_conv(x if inside else snake1(x), states[slot] if slot is not None else None,
+                                          conv.weight, conv.bias, conv.dilation[0], snake1.alpha if inside else None)
         if out is None:
             return None
         h, new_state = out
