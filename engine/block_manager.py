@@ -122,13 +122,14 @@ class BlockManager:
                     del self.cached[block.hash]
                 block.hash = None
 
-    def needs_new_block(self, seq: Sequence) -> bool:
-        """Whether the next token (the patch fed back this step) starts a new block."""
-        return seq.num_tokens // self.block_size >= len(seq.block_table)
+    def needs_new_block(self, seq: Sequence, ahead: int = 0) -> bool:
+        """Whether the next token (the patch fed back this step) starts a new block; `ahead`: steps
+        launched for the sequence whose patches are not counted in it yet."""
+        return (seq.num_tokens + ahead) // self.block_size >= len(seq.block_table)
 
-    def append_slot(self, seq: Sequence) -> int:
+    def append_slot(self, seq: Sequence, ahead: int = 0) -> int:
         """The cache slot of the next token, allocating a block when the last one is full."""
-        pos = seq.num_tokens
+        pos = seq.num_tokens + ahead
         if pos // self.block_size >= len(seq.block_table):
             seq.block_table.append(self._take().block_id)
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size

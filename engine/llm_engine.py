@@ -6,6 +6,7 @@ Single-threaded and synchronous; the server pool runs one of these per worker pr
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.checkpoint import LoadedModel, load_model
-from engine.model_runner import ModelRunner, PatchResult
+from engine.model_runner import LaunchedDecode, ModelRunner, PatchResult
 from engine.prompt import build_prompt, max_patches
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence, Status
@@ -34,6 +35,9 @@ class EngineConfig:
     attention_backend: str | None = None  # "flash" | "triton" | "torch"; default: the best available
     inference_timesteps: int = 10
     dtype: torch.dtype | None = None  # default: the checkpoint's
+    # Launch a decode step before reading the previous one's outputs, so the host's work between steps
+    # overlaps the device's (a sequence that stops computes one patch more, dropped). Default: on CUDA.
+    pipeline_decode: bool | None = None
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "inference_timesteps"):
@@ -85,6 +89,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
         graph_s = self.runner.capture_graphs()
         self.sequences: dict[int, Sequence] = {}
+        pipeline = cfg.pipeline_decode
+        if pipeline is None:  # VOXCPM_PIPELINE_DECODE=0/1 overrides the default (on for CUDA) to measure it
+            env = os.environ.get("VOXCPM_PIPELINE_DECODE")
+            pipeline = env != "0" if env is not None else self.device.type == "cuda"
+        self.pipeline = pipeline
+        self.in_flight: LaunchedDecode | None = None  # the launched decode step not yet read (pipelining)
         self.startup_s = time.perf_counter() - t0
         # Where start-up goes (cold start is a performance target): load, KV sizing + allocation, capture.
         self.startup_phases = {"load_s": load_s, "kv_s": kv_s, "graphs_s": graph_s}
@@ -123,6 +133,31 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[StepEvent]:
+        """One engine step; the events of the patches it read. Pipelined, a step launches the next decode
+        of the same running sequences first and then reads the one in flight (launched by the step before)."""
+        try:
+            if self.in_flight is not None:
+                in_flight, self.in_flight = self.in_flight, None
+                self.in_flight = self._launch_ahead(in_flight)
+                return [self._emit(r) for r in self.runner.collect_decode(in_flight)]
+            return self._scheduled_step()
+        except BaseException:
+            self.in_flight = None
+            raise
+
+    def _launch_ahead(self, in_flight: LaunchedDecode) -> LaunchedDecode | None:
+        """The next decode of the in-flight step's sequences, launched before that step is read, when the
+        schedule would not change: nobody new to admit, no preemption needed. Sequences that reach their
+        length limit with the in-flight patch are left out; one that stops on it runs one patch more."""
+        sched = self.scheduler
+        if sched.waiting and len(sched.running) < sched.max_num_seqs:
+            return None  # let the scheduler admit them
+        seqs = [s for s in in_flight.seqs if s.status == Status.RUNNING and s.num_generated + 1 < s.max_patches]
+        if not seqs or sum(self.blocks.needs_new_block(s, ahead=1) for s in seqs) > self.blocks.num_free:
+            return None
+        return self.runner.launch_decode(seqs, self.blocks, ahead=1)
+
+    def _scheduled_step(self) -> list[StepEvent]:
         sched = self.scheduler.schedule()
         for seq in sched.preempted:
             self.runner.release_slot(seq, keep_state=True)
@@ -133,8 +168,11 @@ class LLMEngine:
                 self.runner.prefill(sched.prefill)
             t1 = time.perf_counter()
             if sched.decode:
-                for r in self.runner.decode(sched.decode, self.blocks):
-                    events.append(self._emit(r))
+                launched = self.runner.launch_decode(sched.decode, self.blocks)
+                if self.pipeline:
+                    self.in_flight = launched  # read by the next step, after it launched the one after
+                else:
+                    events += [self._emit(r) for r in self.runner.collect_decode(launched)]
         except BaseException:
             # The new prompt blocks are already in the prefix cache; what they hold is unknown now (on
             # CUDA an error of the prefill may only surface at the decode's sync).

@@ -28,7 +28,7 @@ from engine.attention import AttentionMetadata, PagedKVCache, select_backend
 from engine.block_manager import BlockManager
 from engine.checkpoint import LoadedModel
 from engine.models.minicpm import fuse_projections
-from engine.sequence import Sequence
+from engine.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,16 @@ class PatchResult:
     audio: np.ndarray  # float32 samples at the output sample rate
     finished: bool
     finish_reason: str | None = None
+
+
+@dataclass
+class LaunchedDecode:
+    """A decode step queued on the device: its sequences, where its outputs land on the host (pinned
+    buffers on CUDA) and the event that says they are there (None: already there)."""
+
+    seqs: list[Sequence]
+    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # patch (B, P, D) float32, stop (B,), audio (B, S)
+    done: torch.cuda.Event | None
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -158,6 +168,8 @@ class ModelRunner:
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_bucket_sizes = prefill_buckets(max_num_batched_tokens)
+        self.host_out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # see _host_outputs
+        self.host_turn = 0
 
     # --- KV cache -----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -179,6 +191,7 @@ class ModelRunner:
                                               self.base_cache.scratch_slot, self.dtype, self.device)
         self.graphs.clear()
         self.prefill_graphs.clear()
+        self.host_out = []
 
     @torch.inference_mode()
     def profile_num_blocks(self, gpu_memory_utilization: float, max_model_len: int) -> int:
@@ -418,22 +431,36 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
-    def _noise(self, seq: Sequence) -> torch.Tensor:
+    def _noise(self, seq: Sequence, ahead: int) -> torch.Tensor:
         d, p = self.cfg.feat_dim, self.cfg.patch_size
         if seq.injected_noise is not None:
-            z = seq.injected_noise[seq.num_generated].reshape(d, p).float()
+            z = seq.injected_noise[seq.num_generated + ahead].reshape(d, p).float()
         else:
             assert seq.noise is not None
             z = torch.randn((d, p), generator=seq.noise)
         return z * seq.params.temperature
 
+    def _host_outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The next of two sets of pinned host buffers for a step's outputs: a launched step copies into
+        one while the host still reads the other (the previous step's)."""
+        assert self.buffers is not None
+        if not self.host_out:
+            rows, p, d = len(self.buffers.stop), self.cfg.patch_size, self.cfg.feat_dim
+            self.host_out = [(torch.zeros(rows, p, d, pin_memory=True),
+                              torch.zeros(rows, dtype=torch.bool, pin_memory=True),
+                              torch.zeros(rows, self.samples_per_patch, pin_memory=True)) for _ in range(2)]
+        self.host_turn ^= 1
+        return self.host_out[self.host_turn]
+
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence], blocks: BlockManager) -> list[PatchResult]:
-        """One patch for each sequence; the patch is fed back into both LMs in the same step."""
+    def launch_decode(self, seqs: list[Sequence], blocks: BlockManager, ahead: int = 0) -> LaunchedDecode:
+        """Start one decode step (a patch for each sequence, fed back into both LMs in the same step) and
+        queue the copies of its outputs to the host, without waiting for them. `ahead` = 1 launches it
+        while the sequences' previous step is still in flight (its patch is not counted in them yet)."""
         buf = self.buffers
         assert buf is not None
         b = len(seqs)
-        slots = [blocks.append_slot(s) for s in seqs]
+        slots = [blocks.append_slot(s, ahead) for s in seqs]
         graph_batch = next((g for g in sorted(self.graphs) if g >= b), None)
         rows = graph_batch or b
         width = self.table_width if graph_batch else max(len(s.block_table) for s in seqs)
@@ -442,32 +469,55 @@ class ModelRunner:
         scratch_kv = self.base_cache.scratch_slot
         host = {
             "slot_index": torch.tensor([s.slot for s in seqs] + [self.scratch_slot] * pad),
-            "positions": torch.tensor([s.num_tokens for s in seqs] + [0] * pad),
+            "positions": torch.tensor([s.num_tokens + ahead for s in seqs] + [0] * pad),
             "slot_mapping": torch.tensor(slots + [scratch_kv] * pad),
-            "context_lens": torch.tensor([s.num_tokens + 1 for s in seqs] + [1] * pad, dtype=torch.int32),
+            "context_lens": torch.tensor([s.num_tokens + ahead + 1 for s in seqs] + [1] * pad, dtype=torch.int32),
             "cfg": torch.tensor([s.params.cfg_value for s in seqs] + [0.0] * pad),
         }
+        # Pageable sources: each copy is staged at once, so the host may build the next step's right away.
         for name, value in host.items():
             getattr(buf, name)[:rows].copy_(value, non_blocking=True)
         buf.block_tables[:rows, :width].copy_(self._tables(seqs, width, pad), non_blocking=True)
-        buf.noise[:b].copy_(torch.stack([self._noise(s) for s in seqs]), non_blocking=True)
+        buf.noise[:b].copy_(torch.stack([self._noise(s, ahead) for s in seqs]), non_blocking=True)
         if graph_batch:
             self.graphs[graph_batch].replay()
         else:
             self._decode_forward(b, width)
-        # The one host sync of the step; copies, because on CPU .cpu() would alias the static buffers.
-        patches = buf.patch[:b].to("cpu", torch.float32, copy=True)
-        stops = buf.stop[:b].tolist()
-        audio = buf.audio[:b].to("cpu", copy=True).numpy()
+        if self.device.type != "cuda":  # synchronous anyway; copies, because .cpu() would alias the buffers
+            out = (buf.patch[:b].to("cpu", torch.float32, copy=True), buf.stop[:b].clone(), buf.audio[:b].clone())
+            return LaunchedDecode(seqs, out, None)
+        patch, stop, audio = self._host_outputs()
+        patch[:b].copy_(buf.patch[:b], non_blocking=True)
+        stop[:b].copy_(buf.stop[:b], non_blocking=True)
+        audio[:b].copy_(buf.audio[:b], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return LaunchedDecode(seqs, (patch[:b], stop[:b], audio[:b]), done)
+
+    def collect_decode(self, step: LaunchedDecode) -> list[PatchResult]:
+        """Wait for a launched step and turn its outputs into results, advancing each sequence; sequences
+        finished (or aborted) since the launch are skipped: their extra patch is dropped."""
+        if step.done is not None:
+            step.done.synchronize()
+        patch_buf, stop_buf, audio_buf = step.outputs
+        patches = patch_buf.clone().unbind(0)  # out of the pinned buffer, which the step after next reuses
+        stops = stop_buf.tolist()
+        audio = audio_buf.numpy().copy()
         results = []
-        for i, seq in enumerate(seqs):
-            step = seq.num_generated  # index of this patch
+        for i, seq in enumerate(step.seqs):
+            if seq.status != Status.RUNNING:
+                continue
+            step_index = seq.num_generated  # index of this patch
             seq.generated.append(patches[i])
             seq.num_generated += 1
             reason = None
-            if stops[i] and step > seq.params.min_len:
+            if stops[i] and step_index > seq.params.min_len:
                 reason = "stop"
             elif seq.num_generated >= seq.max_patches:
                 reason = "length"
             results.append(PatchResult(seq, patches[i], audio[i], reason is not None, reason))
         return results
+
+    def decode(self, seqs: list[Sequence], blocks: BlockManager) -> list[PatchResult]:
+        """One decode step, waited for (launch_decode + collect_decode)."""
+        return self.collect_decode(self.launch_decode(seqs, blocks))
