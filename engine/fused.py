@@ -28,11 +28,12 @@ ENABLED = os.environ.get("VOXCPM_FUSE", "1") != "0"
 # Outside CUDA graphs (the eager prefill) a compiled call's guard checks cost more host time than the
 # launches they save, so by default compiled functions run only in code being captured (see `capturing`).
 IN_EAGER = os.environ.get("VOXCPM_FUSE_EAGER", "0") == "1"
-# The VAE residual unit's depthwise conv on CUDA (VOXCPM_VAE_DWCONV): "triton" (default) Snake kernel, then a
-# Triton conv that reads the carried context in place (no concat copy; ATen's fp32 depthwise kernel is
-# generic and slow); "fused": Snake inside the conv kernel (measured slower on an H100: it recomputes Snake
-# for each of the 7 taps); "torch": Snake kernel, concat, F.conv1d.
-VAE_DWCONV = os.environ.get("VOXCPM_VAE_DWCONV", "triton")
+# The VAE residual unit's depthwise conv on CUDA (VOXCPM_VAE_DWCONV): "torch" (default) Snake kernel, concat,
+# F.conv1d; "triton": Snake kernel, then a Triton conv that reads the carried context in place (no concat copy;
+# ATen's fp32 depthwise kernel is generic and slow); "fused": Snake inside that conv kernel (measured slower on
+# an H100: it recomputes Snake for each of the 7 taps). "triton" passed its CUDA tests but was not timed on a
+# GPU yet, so it is not the default.
+VAE_DWCONV = os.environ.get("VOXCPM_VAE_DWCONV", "torch")
 _capturing = False
 
 

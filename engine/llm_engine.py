@@ -36,7 +36,8 @@ class EngineConfig:
     inference_timesteps: int = 10
     dtype: torch.dtype | None = None  # default: the checkpoint's
     # Launch a decode step before reading the previous one's outputs, so the host's work between steps
-    # overlaps the device's (a sequence that stops computes one patch more, dropped). Default: on CUDA.
+    # overlaps the device's (a sequence that stops computes one patch more, dropped). Default: off, or
+    # VOXCPM_PIPELINE_DECODE=1 (CPU-tested against the plain engine; not yet run on a GPU).
     pipeline_decode: bool | None = None
 
     def validate(self) -> None:
@@ -90,9 +91,8 @@ class LLMEngine:
         graph_s = self.runner.capture_graphs()
         self.sequences: dict[int, Sequence] = {}
         pipeline = cfg.pipeline_decode
-        if pipeline is None:  # VOXCPM_PIPELINE_DECODE=0/1 overrides the default (on for CUDA) to measure it
-            env = os.environ.get("VOXCPM_PIPELINE_DECODE")
-            pipeline = env != "0" if env is not None else self.device.type == "cuda"
+        if pipeline is None:
+            pipeline = os.environ.get("VOXCPM_PIPELINE_DECODE", "0") == "1"
         self.pipeline = pipeline
         self.in_flight: LaunchedDecode | None = None  # the launched decode step not yet read (pipelining)
         self.startup_s = time.perf_counter() - t0

@@ -195,7 +195,9 @@ if HAVE_TRITON:
 
 
 MAX_DENSE_LEN = 64  # longest sequence `dense_attention` takes (LocEnc: patch + 1, DiT: 2 * patch + 3)
-DENSE_HEADS = int(os.environ.get("VOXCPM_DENSE_HEADS", "0"))  # query heads per program; 0: by batch size
+# Query heads per program of `dense_attention`; 0: by batch size (shares K/V loads across a GQA group at
+# large batch; CUDA-tested, not timed on a GPU yet, hence not the default).
+DENSE_HEADS = int(os.environ.get("VOXCPM_DENSE_HEADS", "1"))
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -258,8 +260,9 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
                     sin: torch.Tensor | None, heads_per_program: int | None = None) -> torch.Tensor:
     """Bidirectional attention within each sequence: q (N, L, Hq, D), k/v (N, L, Hk, D) (unit stride in D),
     rotary rows cos/sin (L, D) fp32 applied to q and k first (None: no rotary) -> (N, L, Hq * D).
-    heads_per_program: query heads sharing one program (and one load of K/V); default: as many of a GQA
-    group as keep >= 256 programs (small batches get one head per program, for parallelism)."""
+    heads_per_program: query heads sharing one program (and one load of K/V); None: VOXCPM_DENSE_HEADS
+    (default 1), where 0 means as many of a GQA group as keep >= 256 programs (small batches keep one head
+    per program, for parallelism)."""
     n, seq_len, hq, dim = q.shape
     group = hq // k.shape[2]
     heads_per_program = heads_per_program or DENSE_HEADS or None
