@@ -18,9 +18,12 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |ours - ref| / max |ref| (a scale-aware max error; robust to near-zero entries)."""
+    """max |ours - ref| / max |ref| (a scale-aware max error; robust to near-zero entries); a NaN or an
+    infinity in `ours` counts as an infinite error."""
     ours, ref = ours.detach().double().cpu(), ref.detach().double().cpu()
     assert ours.shape == ref.shape, f"shape {tuple(ours.shape)} != reference {tuple(ref.shape)}"
+    if not torch.isfinite(ours).all():
+        return float("inf")
     return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
 
 

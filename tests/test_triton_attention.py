@@ -19,19 +19,11 @@ import pytest
 import torch
 
 from engine.triton_attention import HAVE_TRITON
+from tests.conftest import relative_error
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # max relative error
 DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |ours - ref| / max |ref|; NaN anywhere counts as a failure."""
-    ours, ref = ours.detach().double().cpu(), ref.detach().double().cpu()
-    assert ours.shape == ref.shape, f"shape {tuple(ours.shape)} != reference {tuple(ref.shape)}"
-    if not torch.isfinite(ours).all():
-        return float("inf")
-    return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

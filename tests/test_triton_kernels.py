@@ -20,19 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from engine.triton_attention import HAVE_TRITON
+from tests.conftest import relative_error
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1.6e-2}  # max relative error (a few ulps)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INTERPRETED = ("fp32", "fp16")
-
-
-def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    ours, ref = ours.detach().double().cpu(), ref.detach().double().cpu()
-    assert ours.shape == ref.shape, f"shape {tuple(ours.shape)} != {tuple(ref.shape)}"
-    if not torch.isfinite(ours).all():
-        return float("inf")
-    return float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
 
 
 def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
@@ -50,13 +43,13 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         for scale in (None, 0.37):
             xs_ref = x + h if scale is None else x + h * scale
             xs, y = triton_kernels.add_rms_norm(x, h, scale, w, 1e-5)
-            errs += [_rel(xs, xs_ref), _rel(y, fused._rms_norm(xs_ref, w, 1e-5))]
+            errs += [relative_error(xs, xs_ref), relative_error(y, fused._rms_norm(xs_ref, w, 1e-5))]
         _, y = triton_kernels.add_rms_norm(x, None, None, w, 1e-6)
-        return max(*errs, _rel(y, fused._rms_norm(x, w, 1e-6)))
+        return max(*errs, relative_error(y, fused._rms_norm(x, w, 1e-6)))
 
     def silu_mul(dtype: torch.dtype) -> float:
         gate, up = rand(2, 5, 160, dtype=dtype, seed=4).chunk(2, dim=-1)  # strided halves, as in the MLP
-        return _rel(triton_kernels.silu_mul(gate, up), F.silu(gate) * up)
+        return relative_error(triton_kernels.silu_mul(gate, up), F.silu(gate) * up)
 
     def rotary_qk(dtype: torch.dtype) -> float:
         q, k, _ = rand(6, 8 * 32, dtype=dtype, seed=5).split([4 * 32, 2 * 32, 2 * 32], dim=-1)
@@ -64,7 +57,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         rope = rand(6, 2, 32, dtype=torch.float32, seed=6)
         cos, sin = rope[:, 0], rope[:, 1]
         qo, ko = triton_kernels.rotary_qk(q, k, cos, sin)
-        return max(_rel(qo, fused._rotary(q, cos, sin)), _rel(ko, fused._rotary(k, cos, sin)))
+        return max(relative_error(qo, fused._rotary(q, cos, sin)), relative_error(ko, fused._rotary(k, cos, sin)))
 
     def dense(dtype: torch.dtype) -> float:
         errs = []
@@ -76,13 +69,14 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                 cos, sin = (r[:, 0], r[:, 1]) if r is not None else (None, None)
                 ref = dense_attention(0, q, k, v, r)  # off CUDA: rotary + SDPA
                 for heads in (None, 2, 4):  # one query head per program, or 2 / 4 of the GQA group of 4
-                    errs.append(_rel(triton_kernels.dense_attention(q, k, v, cos, sin, heads), ref))
+                    errs.append(relative_error(triton_kernels.dense_attention(q, k, v, cos, sin, heads), ref))
         return max(errs)
 
     def snake(dtype: torch.dtype) -> float:
         x = rand(2, 6, 50, dtype=dtype, seed=9)[..., 5:42]  # a strided view, like a trimmed conv output
-        alpha = (rand(1, 6, 1, dtype=dtype, seed=10).abs() + 0.2)
-        return _rel(triton_kernels.snake(x, alpha), x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2))
+        alpha = rand(1, 6, 1, dtype=dtype, seed=10).abs() + 0.2
+        ref = x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
+        return relative_error(triton_kernels.snake(x, alpha), ref)
 
     def snake_dwconv(dtype: torch.dtype) -> float:
         errs = []
@@ -100,9 +94,9 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             y_ref = F.conv1d(xcat.float(), weight.float(), None if bias is None else bias.float(),
                              dilation=dilation, groups=channels).to(dtype)  # fp32 accumulation, as cuDNN
             y, new_state = triton_kernels.causal_depthwise_conv(x, state, weight, bias, dilation, alpha)
-            errs += [_rel(y, y_ref), _rel(new_state, xcat[..., length:])]
+            errs += [relative_error(y, y_ref), relative_error(new_state, xcat[..., length:])]
             y, new_state = triton_kernels.causal_depthwise_conv(s, state, weight, bias, dilation)  # no Snake inside
-            errs += [_rel(y, y_ref), _rel(new_state, xcat[..., length:])]
+            errs += [relative_error(y, y_ref), relative_error(new_state, xcat[..., length:])]
         return max(errs)
 
     return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "rotary_qk": rotary_qk, "dense_attention": dense,
