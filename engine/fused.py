@@ -88,7 +88,7 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, scale: float | None, weight: 
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual update x + h (times muP `scale` when given) and the RMSNorm of the result, which
     the next sub-block reads: one kernel instead of two between every pair of GEMMs."""
-    if kernels(x) and weight.dtype == x.dtype == h.dtype:
+    if kernels(x) and weight.dtype == x.dtype == h.dtype and h.shape == x.shape:
         return triton_kernels.add_rms_norm(x, h, scale, weight, eps)
     x = x + h if scale is None else x + h * scale
     return x, _rms_norm(x, weight, eps)
@@ -105,7 +105,7 @@ def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of queries and keys (one kernel for both on CUDA)."""
-    if kernels(q) and q.dim() == 3 and q.stride(-1) == k.stride(-1) == 1:
+    if kernels(q) and triton_kernels.rotary_supported(q, k, cos, sin):
         return triton_kernels.rotary_qk(q, k, cos, sin)
     return _rotary(q, cos, sin), _rotary(k, cos, sin)
 
@@ -134,18 +134,24 @@ def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
 
 
+def depthwise_conv_supported(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor,
+                             bias: torch.Tensor | None, dilation: int) -> bool:
+    """Whether `causal_depthwise_conv` runs its kernel for these arguments."""
+    if not (kernels(x) and x.dim() == 3 and weight.dim() == 3):
+        return False
+    b, c, _ = x.shape
+    pad = (weight.shape[-1] - 1) * dilation
+    if weight.shape[:2] != (c, 1) or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        return False
+    return state is None or (state.shape == (b, c, pad) and state.dtype == x.dtype)
+
+
 def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
                           dilation: int, alpha: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A residual unit's cat(carried context, x) -> dilated depthwise causal conv (stride 1) as one kernel
     (with `alpha`: Snake(x) instead of x): (output, new context), or None where the kernel does not apply
     (the caller runs the layers). state (B, C, (K - 1) * dilation) or None for a full-sequence pass."""
-    if not (kernels(x) and x.dim() == 3 and weight.dim() == 3):
-        return None
-    b, c, _ = x.shape
-    pad = (weight.shape[-1] - 1) * dilation
-    if weight.shape[:2] != (c, 1) or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        return None
-    if state is not None and (state.shape != (b, c, pad) or state.dtype != x.dtype):
+    if not depthwise_conv_supported(x, state, weight, bias, dilation):
         return None
     return triton_kernels.causal_depthwise_conv(x, state, weight, bias, dilation, alpha)
 

@@ -135,14 +135,22 @@ class LLMEngine:
     def step(self) -> list[StepEvent]:
         """One engine step; the events of the patches it read. Pipelined, a step launches the next decode
         of the same running sequences first and then reads the one in flight (launched by the step before)."""
+        in_flight, self.in_flight = self.in_flight, None
         try:
-            if self.in_flight is not None:
-                in_flight, self.in_flight = self.in_flight, None
+            if in_flight is not None:
                 self.in_flight = self._launch_ahead(in_flight)
                 return [self._emit(r) for r in self.runner.collect_decode(in_flight)]
             return self._scheduled_step()
         except BaseException:
+            # A launched step may have moved a sequence's device state (hidden states, VAE context, KV)
+            # past what the host counted: nothing that was running can be continued. Prompt blocks of a
+            # prefill whose error surfaced only now may hold garbage: out of the prefix cache with them.
+            for launched in (in_flight, self.in_flight):
+                for seq in launched.prefilled if launched is not None else []:
+                    self.blocks.forget_uncomputed(seq)
             self.in_flight = None
+            for seq in list(self.scheduler.running):
+                self._finish(seq, "error")
             raise
 
     def _launch_ahead(self, in_flight: LaunchedDecode) -> LaunchedDecode | None:
@@ -170,6 +178,7 @@ class LLMEngine:
             if sched.decode:
                 launched = self.runner.launch_decode(sched.decode, self.blocks)
                 if self.pipeline:
+                    launched.prefilled = sched.prefill  # their errors may surface only when it is read
                     self.in_flight = launched  # read by the next step, after it launched the one after
                 else:
                     events += [self._emit(r) for r in self.runner.collect_decode(launched)]

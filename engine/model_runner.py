@@ -17,7 +17,7 @@ import functools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -50,6 +50,7 @@ class LaunchedDecode:
     seqs: list[Sequence]
     outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # patch (B, P, D) float32, stop (B,), audio (B, S)
     done: torch.cuda.Event | None
+    prefilled: list[Sequence] = field(default_factory=list)  # prefilled in the same step (pipelined engine)
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -491,7 +492,7 @@ class ModelRunner:
         stop[:b].copy_(buf.stop[:b], non_blocking=True)
         audio[:b].copy_(buf.audio[:b], non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(self.device))
         return LaunchedDecode(seqs, (patch[:b], stop[:b], audio[:b]), done)
 
     def collect_decode(self, step: LaunchedDecode) -> list[PatchResult]:

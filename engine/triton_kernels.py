@@ -19,6 +19,7 @@ compile once per dtype and block size and follow the eager op order and rounding
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -250,6 +251,22 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return q_out, k_out
 
 
+def _time_block(length: int) -> int:
+    """Samples per program along time: <= 1024, but few enough blocks for grid axis 1 (< 65536)."""
+    block = min(1024, triton.next_power_of_2(max(length, 1)))
+    while triton.cdiv(length, block) > 65535:
+        block *= 2
+    return block
+
+
+def rotary_supported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    half = q.shape[-1] // 2
+    return (q.dim() == 3 and k.dim() == 3 and half >= 1 and half & (half - 1) == 0 and q.stride(-1) == 1
+            and k.stride(-1) == 1 and cos.dim() == 2 and sin.dim() == 2 and cos.stride(-1) == sin.stride(-1) == 1
+            and cos.shape == sin.shape == (q.shape[0], q.shape[-1]) and k.shape[0] == q.shape[0]
+            and k.shape[-1] == q.shape[-1])
+
+
 def dense_attention_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
     dim = q.shape[-1]
     return (q.dim() == 4 and q.shape[1] <= MAX_DENSE_LEN and dim >= 32 and dim & (dim - 1) == 0
@@ -269,7 +286,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
     heads = heads_per_program or 1
     while heads_per_program is None and group % (heads * 2) == 0 and n * hq // (heads * 2) >= 256:
         heads *= 2
-    assert group % heads == 0, f"heads_per_program {heads} must divide the GQA group {group}"
+    heads = math.gcd(heads, group)  # a program's heads must share one kv head
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = torch.empty((n, seq_len, hq * dim), dtype=q.dtype, device=q.device)
     if n and seq_len:
@@ -277,7 +294,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
         _dense_attention_kernel[(n, hq // heads)](
             q, k, v, cos if rope else q, sin if rope else q, out,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), cos.stride(0) if rope else 0, sin.stride(0) if rope else 0,
+            v.stride(0), v.stride(1), v.stride(2), cos.stride(0) if cos is not None else 0,
+            sin.stride(0) if sin is not None else 0,
             seq_len, dim ** -0.5, GROUP=group, HEADS=heads, HALF=dim // 2,
             BLOCK_L=max(16, triton.next_power_of_2(seq_len)), ROPE=rope,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
@@ -289,7 +307,7 @@ def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     b, c, t = x.shape
     out = torch.empty((b, c, t), dtype=x.dtype, device=x.device)
     if b and c and t:
-        block = min(1024, triton.next_power_of_2(t))
+        block = _time_block(t)
         _snake_kernel[(b * c, triton.cdiv(t, block))](x, alpha.reshape(-1), out, c, t, x.stride(0), x.stride(1),
                                                       x.stride(2), BLOCK=block, num_warps=4)
     return out
@@ -307,7 +325,7 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
     y = torch.empty((b, c, t), dtype=x.dtype, device=x.device)
     new_state = torch.empty((b, c, pad), dtype=x.dtype, device=x.device)
     if b and c:
-        block = min(1024, triton.next_power_of_2(max(t, 1)))
+        block = _time_block(t)
         s = state if state is not None else x
         w = weight.reshape(c, k).contiguous()
         _snake_dwconv_kernel[(b * c, max(1, triton.cdiv(t, block)))](

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -60,14 +61,21 @@ class Worker:
         self.seq_of: dict[str, int] = {}
         self.steps = 0
         self.step_seconds = 0.0
-        self.outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        # Bounded: when the parent lags, the engine waits here instead of piling audio up in memory.
+        self.outbox: queue.Queue[tuple | None] = queue.Queue(maxsize=64)
         self.sender = threading.Thread(target=self._send_loop, name="worker-sender", daemon=True)
         self.sender.start()
 
     def _send_loop(self) -> None:
-        with contextlib.suppress(EOFError, OSError):  # parent gone: the main loop notices and exits too
+        try:
             while (msg := self.outbox.get()) is not None:
                 self.conn.send(msg)
+        except (EOFError, OSError):  # parent gone: the main loop notices and exits too
+            pass
+        except BaseException:  # e.g. a message that cannot be pickled: callers would wait forever
+            log.critical("worker sender failed, exiting so the pool fails callers and restarts:\n%s",
+                         traceback.format_exc())
+            os._exit(70)
 
     def send(self, msg: tuple) -> None:
         self.outbox.put(msg)

@@ -202,10 +202,11 @@ def test_free_list_stays_bounded_under_prefix_cache_hits():
     assert taken == set(range(8)) and blocks.num_free == 0
 
 
-def _run_events(engine: LLMEngine, reqs: list[dict], late: list[dict] = (), abort_after: int | None = None
+def _run_events(engine: LLMEngine, reqs: list[dict], late: tuple[dict, ...] = (), abort_after: int | None = None
                 ) -> tuple[dict[int, np.ndarray], dict[int, str | None]]:
     """Run to completion; `late` requests join after two steps; request 0 is aborted after `abort_after`
-    of its chunks. Returns audio and finish reason by request number (reqs, then late)."""
+    of its chunks (and must get no event after that). Returns audio and finish reason by request number
+    (reqs, then late)."""
     def add(r: dict) -> int:
         return engine.add_request(r["target_text"], r["params"])
 
@@ -218,6 +219,7 @@ def _run_events(engine: LLMEngine, reqs: list[dict], late: list[dict] = (), abor
             ids += [add(r) for r in late]
         for ev in engine.step():
             assert ev.error is None, ev.error
+            assert reasons.get(ev.seq_id) != "aborted", "an event after the abort"
             chunks.setdefault(ev.seq_id, []).append(ev.audio)
             if ev.finished:
                 reasons[ev.seq_id] = ev.finish_reason
@@ -235,7 +237,7 @@ def test_pipelined_decode_equals_plain_and_frees_everything(checkpoint_factory):
     model = load_model(checkpoint_factory("tiny-voxcpm2", stop="always"))
     reqs = [dict(target_text=f"Request number {i}.", params=SamplingParams(seed=i, max_generate_length=n, min_len=m))
             for i, (n, m) in enumerate(((9, 9), (6, 1), (4, 3), (8, 5)))]
-    late = [dict(target_text="A late request.", params=SamplingParams(seed=9, max_generate_length=5, min_len=2))]
+    late = (dict(target_text="A late request.", params=SamplingParams(seed=9, max_generate_length=5, min_len=2)),)
 
     def run(pipeline: bool, abort_after: int | None = None) -> tuple[dict, dict, LLMEngine]:
         engine = LLMEngine(model, EngineConfig(max_num_seqs=8, max_model_len=256, block_size=4,
@@ -262,5 +264,35 @@ def test_pipelined_decode_equals_plain_and_frees_everything(checkpoint_factory):
     for n, audio in plain_audio.items():  # batch composition may differ by a step: equal up to fp32 rounding
         assert piped_audio[n].shape == audio.shape
         np.testing.assert_allclose(piped_audio[n], audio, rtol=0, atol=1e-5 * np.abs(audio).max())
-    _, aborted_reasons, _ = run(True, abort_after=2)
-    assert aborted_reasons[0] == "aborted"
+    aborted_audio, aborted_reasons, _ = run(True, abort_after=2)
+    assert len(aborted_audio[0]) == 2 * len(plain_audio[0]) // 9  # 2 of its 9 patches, nothing after the abort
+    assert {n: r for n, r in aborted_reasons.items() if n} == {n: r for n, r in plain_reasons.items() if n}
+    for n, audio in plain_audio.items():
+        if n:
+            np.testing.assert_allclose(aborted_audio[n], audio, rtol=0, atol=1e-5 * np.abs(audio).max())
+
+
+def test_failed_pipelined_step_ends_what_was_running(model, monkeypatch):
+    # A launched step may have moved device state past what the host counted: after a failure nothing that
+    # was running may continue (it would skip a patch), everything is freed, and new requests still work.
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=256, block_size=4, pipeline_decode=True))
+    ids = [engine.add_request(f"Request {i}.", SamplingParams(seed=i, max_generate_length=8)) for i in range(2)]
+    for _ in range(3):
+        engine.step()
+    assert engine.in_flight is not None
+    real_collect = engine.runner.collect_decode
+
+    def failing_collect(step):
+        raise RuntimeError("injected: device error surfacing at the sync")
+
+    monkeypatch.setattr(engine.runner, "collect_decode", failing_collect)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    assert engine.in_flight is None and not engine.has_unfinished()
+    assert all(i not in engine.sequences for i in ids)
+    assert engine.blocks.num_free == len(engine.blocks.blocks) and len(engine.runner.free_slots) == 2
+    monkeypatch.setattr(engine.runner, "collect_decode", real_collect)
+    alone = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=256, block_size=4)).generate(
+        "After the failure.", SamplingParams(seed=5, max_generate_length=4))
+    again = engine.generate("After the failure.", SamplingParams(seed=5, max_generate_length=4))
+    np.testing.assert_allclose(again, alone, rtol=0, atol=1e-5 * np.abs(alone).max())

@@ -253,11 +253,13 @@ class ResidualUnit(nn.Module):
         VOXCPM_VAE_DWCONV=fused); None where that kernel does not apply."""
         snake1, conv = self.block[0], self.block[1]
         slot = conv.state_slot if states is not None else None
-        inside = fused.VAE_DWCONV == "fused"
-        out = fused.causal_depthwise_conv(x if inside else snake1(x), states[slot] if slot is not None else None,
-                                          conv.weight, conv.bias, conv.dilation[0], snake1.alpha if inside else None)
-        if out is None:
+        state = states[slot] if states is not None and slot is not None else None
+        if not fused.depthwise_conv_supported(x, state, conv.weight, conv.bias, conv.dilation[0]):
             return None
+        inside = fused.VAE_DWCONV == "fused"
+        out = fused.causal_depthwise_conv(x if inside else snake1(x), state, conv.weight, conv.bias,
+                                          conv.dilation[0], snake1.alpha if inside else None)
+        assert out is not None  # supported, checked above
         h, new_state = out
         if slot is not None:
             states[slot] = new_state
