@@ -9,6 +9,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -209,14 +210,21 @@ class LLMEngine:
 
     def generate(self, target_text: str, params: SamplingParams | None = None, **kwargs: object) -> np.ndarray:
         """Convenience for scripts and tests: run one request to completion, return its waveform."""
-        seq_id = self.add_request(target_text, params, **kwargs)  # type: ignore[arg-type]
-        chunks = []
-        while True:
+        return self.generate_all([dict(target_text=target_text, params=params, **kwargs)])[0]
+
+    def generate_all(self, requests: list[dict[str, Any]]) -> list[np.ndarray]:
+        """Run requests (each a dict of `add_request` arguments) together to completion; their waveforms,
+        in order. Other requests in the engine keep running alongside; the first error raises."""
+        ids = [self.add_request(**r) for r in requests]
+        chunks: dict[int, list[np.ndarray]] = {i: [] for i in ids}
+        left = set(ids)
+        while left:
             for ev in self.step():
-                if ev.seq_id != seq_id:
+                if ev.seq_id not in chunks:
                     continue
                 if ev.error:
                     raise RuntimeError(ev.error)
-                chunks.append(ev.audio)
+                chunks[ev.seq_id].append(ev.audio)
                 if ev.finished:
-                    return np.concatenate(chunks)
+                    left.discard(ev.seq_id)
+        return [np.concatenate(chunks[i]) for i in ids]

@@ -37,14 +37,9 @@ def _requests(model):
 
 
 def _run_all(engine: LLMEngine, reqs: list[dict]) -> dict[int, np.ndarray]:
-    ids = [engine.add_request(r["target_text"], r["params"], **{k: v for k, v in r.items()
-                                                               if k not in ("target_text", "params")}) for r in reqs]
-    chunks: dict[int, list[np.ndarray]] = {i: [] for i in ids}
-    while engine.has_unfinished():
-        for ev in engine.step():
-            assert ev.error is None, ev.error
-            chunks[ev.seq_id].append(ev.audio)
-    return {n: np.concatenate(chunks[i]) for n, i in enumerate(ids)}
+    audio = engine.generate_all(reqs)
+    assert engine.blocks.num_free == len(engine.blocks.blocks), "KV blocks leaked"
+    return dict(enumerate(audio))
 
 
 def test_concurrent_mixed_modes_equal_alone(model):

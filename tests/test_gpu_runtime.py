@@ -16,14 +16,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def _run(engine: LLMEngine, reqs: list[dict]) -> list[np.ndarray]:
-    ids = [engine.add_request(r["text"], r["params"], **r.get("kw", {})) for r in reqs]
-    chunks: dict[int, list[np.ndarray]] = {i: [] for i in ids}
-    while engine.has_unfinished():
-        for ev in engine.step():
-            assert ev.error is None, ev.error
-            chunks[ev.seq_id].append(ev.audio)
+    audio = engine.generate_all([dict(target_text=r["text"], params=r["params"], **r.get("kw", {})) for r in reqs])
     assert engine.blocks.num_free == len(engine.blocks.blocks)
-    return [np.concatenate(chunks[i]) for i in ids]
+    return audio
 
 
 def test_graphs_and_triton_match_eager_torch(checkpoint_factory, monkeypatch):

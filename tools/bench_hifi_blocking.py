@@ -18,24 +18,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_hifi_stream  # noqa: E402
 import benchlib as bl  # noqa: E402
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = bl.parser(__doc__, conc="1,5,10", patches=40, iters=2)
-    a = ap.parse_args(argv)
-    return bl.finish_args(ap, a, max(a.conc), argv, __file__)
-
-
 async def body(target: bl.Target, a: argparse.Namespace, run: bl.Run, bar: Any) -> None:
-    voice = await target.voice("hifi", bl.synthetic_clip_wav(a.clip_seconds))
-    for c in a.conc:
-        run.add(await bl.bursts(target, lambda it, n: [bl.Req(a.text, a.patches, voice) for _ in range(n)], c,
-                                a.iters, bar, label=f"hifi-blocking c={c}", blocking=True))
+    await bench_hifi_stream.body(target, a, run, bar, blocking=True)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    a = parse_args(argv)
+    a = bench_hifi_stream.parse_args(argv, __doc__, __file__)
     return bl.run_tool("hifi_blocking", a, {"iters": a.iters, "conc": a.conc}, body,
                        total=len(a.conc) * (a.iters + 1), extra_columns=[("wall_mean", "wall", "7.3f")])
 

@@ -29,9 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = bl.parser(__doc__, conc="8", patches=40, iters=2)
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     a = ap.parse_args(argv)
-    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    if not a.modes or any(m not in MODES for m in a.modes):
-        ap.error(f"--modes: choose from {', '.join(MODES)}")
+    a.modes = bl.parse_choices(ap, "--modes", a.modes, MODES)
     return bl.finish_args(ap, a, max(a.conc), argv, __file__)
 
 

@@ -27,9 +27,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--modes", default="prompt,reference,hifi",
                     help=f"comma-separated conditioning modes, of {', '.join(bl.VOICE_KINDS)}")
     a = ap.parse_args(argv)
-    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    if not a.modes or any(m not in bl.VOICE_KINDS for m in a.modes):
-        ap.error(f"--modes: choose from {', '.join(bl.VOICE_KINDS)}")
+    a.modes = bl.parse_choices(ap, "--modes", a.modes, bl.VOICE_KINDS)
     return bl.finish_args(ap, a, max(a.conc), argv, __file__)
 
 

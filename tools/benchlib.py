@@ -758,6 +758,15 @@ def positive_floats(text: str) -> list[float]:
     return out
 
 
+def parse_choices(ap: argparse.ArgumentParser, flag: str, value: str, choices: tuple[str, ...] | list[str]
+                  ) -> list[str]:
+    """A comma-separated list flag, every item one of `choices` (else the parser's usage error)."""
+    items = [m.strip() for m in value.split(",") if m.strip()]
+    if not items or any(m not in choices for m in items):
+        ap.error(f"{flag}: choose from {', '.join(choices)}")
+    return items
+
+
 def parser(doc: str | None, conc: str | None = "1,8", patches: int = 100, iters: int | None = 2,
            duration: float | None = None) -> argparse.ArgumentParser:
     """The flags every tool shares. conc/iters/duration None: the tool has no such flag."""

@@ -179,7 +179,7 @@ for part in $PARTS; do
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
             RC[$part]=0
             if [[ -n "${BASELINE:-}" ]]; then
-                cp tools/profile_step.py "$BASELINE/tools/profile_step.py"
+                cp tools/profile_step.py tools/gpu_check.py "$BASELINE/tools/"  # today's profiler, old engine
                 run_limited "$T_PROFILE" profile-baseline python3 "$BASELINE/tools/profile_step.py" --model "$CKPT" \
                     --batch "$PROFILE_BATCH" --kernels --out "$OUT/profile_before.json" || RC[$part]=$?
             fi

@@ -43,15 +43,9 @@ def requests(model: LoadedModel, patches: int) -> list[dict]:
 
 
 def run(engine: LLMEngine, reqs: list[dict]) -> list[np.ndarray]:
-    ids = [engine.add_request(r["target_text"], r["params"], **{k: v for k, v in r.items()
-                                                               if k not in ("target_text", "params")}) for r in reqs]
-    chunks: dict[int, list[np.ndarray]] = {i: [] for i in ids}
-    while engine.has_unfinished():
-        for ev in engine.step():
-            assert ev.error is None, ev.error
-            chunks[ev.seq_id].append(ev.audio)
+    audio = engine.generate_all(reqs)
     assert engine.blocks.num_free == len(engine.blocks.blocks), "KV blocks leaked"
-    return [np.concatenate(chunks[i]) for i in ids]
+    return audio
 
 
 def rel_err(a: list[np.ndarray], b: list[np.ndarray]) -> float:
@@ -105,6 +99,20 @@ def check_full(path: Path, table: list[tuple[str, float, float]]) -> LoadedModel
     return model
 
 
+def step_ms(engine: LLMEngine, c: int, patches: int) -> float:
+    """Mean wall ms of engine.step() with c streams of `patches` patches running (their first step, with
+    the prefill, not counted)."""
+    for i in range(c):
+        engine.add_request(TEXT, SamplingParams(seed=i, max_generate_length=patches))
+    engine.step()  # prefill + first patch
+    torch.cuda.synchronize()
+    t0, steps = time.perf_counter(), 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    return 1000 * (time.perf_counter() - t0) / steps
+
+
 def timings(model: LoadedModel, concs: list[int], patches: int, modes: list[str]) -> list[dict]:
     rows = []
     for eager in [m == "eager" for m in modes]:
@@ -112,17 +120,8 @@ def timings(model: LoadedModel, concs: list[int], patches: int, modes: list[str]
                                             gpu_memory_utilization=0.8), device="cuda")
         patch_s = eng.runner.samples_per_patch / eng.sample_rate
         for c in concs:
-            for _measured in (False, True):  # warm-up round first
-                for i in range(c):
-                    eng.add_request(TEXT, SamplingParams(seed=i, max_generate_length=patches))
-                eng.step()  # prefill + first patch
-                torch.cuda.synchronize()
-                t0, steps = time.perf_counter(), 0
-                while eng.has_unfinished():
-                    eng.step()
-                    steps += 1
-                wall = time.perf_counter() - t0
-            ms = 1000 * wall / steps
+            step_ms(eng, c, patches)  # warm-up round
+            ms = step_ms(eng, c, patches)
             row = {"mode": "eager" if eager else "graphs", "c": c, "ms_per_step": ms,
                    "rtf": ms / 1000 / patch_s, "audio_s_per_s": c * patch_s / (ms / 1000),
                    "startup_s": eng.startup_s, "kv_blocks": len(eng.blocks.blocks), "backend": eng.runner.backend}

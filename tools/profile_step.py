@@ -20,8 +20,7 @@ import torch  # noqa: E402
 
 from engine import EngineConfig, LLMEngine, SamplingParams, fused  # noqa: E402
 from engine.attention import AttentionMetadata  # noqa: E402
-
-TEXT = "Streaming speech synthesis has to start talking almost at once and keep ahead of the listener."
+from tools.gpu_check import TEXT, step_ms  # noqa: E402
 
 
 def graph_ms(fn: Callable[[], object] | torch.cuda.CUDAGraph, reps: int = 20) -> float:
@@ -97,15 +96,7 @@ def kernel_table(graph: torch.cuda.CUDAGraph, reps: int = 5, top: int = 15) -> d
 
 def host_step_ms(engine: LLMEngine, b: int, patches: int = 40) -> tuple[float, float]:
     """(engine.step() wall ms with b running streams, first-audio ms of a request added alone)."""
-    for i in range(b):
-        engine.add_request(TEXT, SamplingParams(seed=i, max_generate_length=patches))
-    engine.step()  # prefill + first patch
-    torch.cuda.synchronize()
-    t0, steps = time.perf_counter(), 0
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-    step_ms = 1000 * (time.perf_counter() - t0) / steps
+    ms = step_ms(engine, b, patches)
     firsts = []
     for i in range(5):
         t0 = time.perf_counter()
@@ -113,7 +104,7 @@ def host_step_ms(engine: LLMEngine, b: int, patches: int = 40) -> tuple[float, f
         while not any(ev.seq_id == seq_id for ev in engine.step()):  # pipelined: read by the step after
             pass
         firsts.append(1000 * (time.perf_counter() - t0))
-    return step_ms, sorted(firsts)[len(firsts) // 2]
+    return ms, sorted(firsts)[len(firsts) // 2]
 
 
 def main() -> None:
