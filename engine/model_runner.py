@@ -498,12 +498,13 @@ class ModelRunner:
     def collect_decode(self, step: LaunchedDecode) -> list[PatchResult]:
         """Wait for a launched step and turn its outputs into results, advancing each sequence; sequences
         finished (or aborted) since the launch are skipped: their extra patch is dropped."""
-        if step.done is not None:
-            step.done.synchronize()
         patch_buf, stop_buf, audio_buf = step.outputs
-        patches = patch_buf.clone().unbind(0)  # out of the pinned buffer, which the step after next reuses
+        if step.done is not None:  # pinned buffers, reused by the step after next: copy out
+            step.done.synchronize()
+            patch_buf, audio_buf = patch_buf.clone(), audio_buf.clone()
+        patches = patch_buf.unbind(0)
         stops = stop_buf.tolist()
-        audio = audio_buf.numpy().copy()
+        audio = audio_buf.numpy()
         results = []
         for i, seq in enumerate(step.seqs):
             if seq.status != Status.RUNNING:
@@ -518,7 +519,3 @@ class ModelRunner:
                 reason = "length"
             results.append(PatchResult(seq, patches[i], audio[i], reason is not None, reason))
         return results
-
-    def decode(self, seqs: list[Sequence], blocks: BlockManager) -> list[PatchResult]:
-        """One decode step, waited for (launch_decode + collect_decode)."""
-        return self.collect_decode(self.launch_decode(seqs, blocks))
