@@ -98,7 +98,9 @@ class LLMEngine:
         self.in_flight: LaunchedDecode | None = None  # the launched decode step not yet read (pipelining)
         self.startup_s = time.perf_counter() - t0
         # Where start-up goes (cold start is a performance target): load, KV sizing + allocation, capture.
-        self.startup_phases = {"load_s": load_s, "kv_s": kv_s, "graphs_s": graph_s}
+        times = self.runner.capture_times.values()
+        self.startup_phases = {"load_s": load_s, "kv_s": kv_s, "graphs_s": graph_s,
+                               "graph_warmup_s": sum(w for w, _ in times), "graph_capture_s": sum(c for _, c in times)}
         log.info("engine ready on %s in %.1f s (load %.1f s, KV sizing %.1f s, %s): %d KV blocks of %d tokens, "
                  "attention %s", self.device, self.startup_s, load_s, kv_s,
                  f"{len(self.runner.graphs) + len(self.runner.prefill_graphs)} CUDA graphs in {graph_s:.1f} s"

@@ -17,7 +17,9 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -167,6 +169,7 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_buffers: PrefillBuffers | None = None
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.capture_times: dict[str, tuple[float, float]] = {}  # graph -> (warm-up s, capture s): start-up cost
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_bucket_sizes = prefill_buckets(max_num_batched_tokens)
         self.host_out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # see _host_outputs
@@ -414,23 +417,29 @@ class ModelRunner:
         t0 = time.perf_counter()
         pool = None
         for batch in reversed(graph_buckets(self.max_num_seqs)):
-            with fused.capturing():
-                self._decode_forward(batch, self.table_width)  # warm-up: kernels compiled, allocator primed
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._decode_forward(batch, self.table_width)
+            self.graphs[batch] = graph = self._capture(f"decode B={batch}", self._decode_forward, batch,
+                                                       self.table_width, pool=pool)
             pool = graph.pool()
-            self.graphs[batch] = graph
         if self.backend != "torch":  # graphed prefill needs the per-token (Triton) attention path
             for tokens in reversed(self.prefill_bucket_sizes):
-                with fused.capturing():
-                    self._prefill_forward(tokens)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self._prefill_forward(tokens)
-                self.prefill_graphs[tokens] = graph
+                self.prefill_graphs[tokens] = self._capture(f"prefill T={tokens}", self._prefill_forward, tokens,
+                                                            pool=pool)
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
+
+    def _capture(self, name: str, body: Callable[..., None], *args: int, pool: Any) -> torch.cuda.CUDAGraph:
+        """Warm `body` up (kernels compiled, allocator primed) and capture it; both times go to capture_times."""
+        t0 = time.perf_counter()
+        with fused.capturing():
+            body(*args)
+            torch.cuda.synchronize(self.device)
+            t1 = time.perf_counter()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                body(*args)
+        torch.cuda.synchronize(self.device)
+        self.capture_times[name] = (t1 - t0, time.perf_counter() - t1)
+        return graph
 
     def _noise(self, seq: Sequence, ahead: int) -> torch.Tensor:
         d, p = self.cfg.feat_dim, self.cfg.patch_size

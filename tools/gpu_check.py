@@ -52,12 +52,17 @@ def rel_err(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return max(float(np.abs(x - y).max() / np.abs(y).max()) for x, y in zip(a, b, strict=True))
 
 
-def variants(model: LoadedModel, device: str, reqs: list[dict], max_model_len: int) -> dict[str, list[np.ndarray]]:
+def variants(model: LoadedModel, device: str, reqs: list[dict], max_model_len: int,
+             pipelined: bool = False) -> dict[str, list[np.ndarray]]:
     out = {}
-    for name, backend, eager in (("eager torch", "torch", True), ("eager triton", "triton", True),
-                                 ("graph triton", "triton", False), ("graph torch", "torch", False)):
+    runs = [("eager torch", "torch", True, False), ("eager triton", "triton", True, False),
+            ("graph triton", "triton", False, False), ("graph torch", "torch", False, False)]
+    if pipelined:  # the next step launched before the previous one is read: same numbers expected
+        runs.append(("graph triton, pipelined", "triton", False, True))
+    for name, backend, eager, pipeline in runs:
         eng = LLMEngine(model, EngineConfig(max_num_seqs=8, max_model_len=max_model_len, num_kv_blocks=512,
-                                            enforce_eager=eager, attention_backend=backend), device=device)
+                                            enforce_eager=eager, attention_backend=backend,
+                                            pipeline_decode=pipeline), device=device)
         out[name] = run(eng, reqs)
         if name == "graph triton":  # each request alone in the same graph engine: batching must not matter
             out["graph triton, alone"] = [run(eng, [r])[0] for r in reqs]
@@ -75,11 +80,13 @@ def check_tiny(tmp: Path, table: list[tuple[str, float, float]]) -> None:
     cpu_model = load_model(path, "cpu")
     reqs = requests(cpu_model, 12)
     cpu = run(LLMEngine(cpu_model, EngineConfig(max_num_seqs=8, max_model_len=512)), reqs)
-    gpu = variants(load_model(path, "cuda"), "cuda", reqs, 512)
+    gpu = variants(load_model(path, "cuda"), "cuda", reqs, 512, pipelined=True)
     for name, wav in gpu.items():
         table.append((f"tiny fp32: {name} vs CPU eager", rel_err(wav, cpu), 1e-4))
     table.append(("tiny fp32: graph triton vs eager torch (GPU)", rel_err(gpu["graph triton"], gpu["eager torch"]),
                   1e-4))
+    table.append(("tiny fp32: graph triton pipelined vs not",
+                  rel_err(gpu["graph triton, pipelined"], gpu["graph triton"]), 1e-6))
     table.append(("tiny fp32: graph triton batched vs alone", rel_err(gpu["graph triton"], gpu["graph triton, alone"]),
                   1e-4))
 

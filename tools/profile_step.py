@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -119,7 +120,8 @@ def main() -> None:
                                              gpu_memory_utilization=0.8), device="cuda")
     res: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "command": " ".join(sys.argv),
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "startup_s": engine.startup_s,
-                 "batches": {}}
+                 "startup_phases": engine.startup_phases, "capture_times": engine.runner.capture_times,
+                 "env": {k: v for k, v in os.environ.items() if k.startswith("VOXCPM_")}, "batches": {}}
     for b in batches:
         step_ms, first_ms = host_step_ms(engine, b)
         comp = components(engine, b)
