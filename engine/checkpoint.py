@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,8 +61,8 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
                               "pass a local checkpoint directory instead") from e
 
 
-def _torch_load(path: Path) -> dict[str, torch.Tensor]:
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+def _torch_load(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    obj = torch.load(path, map_location=device, weights_only=True)
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
         obj = obj["state_dict"]
     if not isinstance(obj, dict):
@@ -69,10 +70,11 @@ def _torch_load(path: Path) -> dict[str, torch.Tensor]:
     return obj
 
 
-def read_main_weights(path: Path) -> dict[str, torch.Tensor]:
+def read_main_weights(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The main state dict, read straight onto `device` (no host copy of the weights on the way to a GPU)."""
     single = path / "model.safetensors"
     if single.is_file():
-        return load_file(single)
+        return load_file(single, device=device)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -81,18 +83,18 @@ def read_main_weights(path: Path) -> dict[str, torch.Tensor]:
     if shards:
         state: dict[str, torch.Tensor] = {}
         for name in shards:
-            state.update(load_file(path / name))
+            state.update(load_file(path / name, device=device))
         return state
     if (path / "pytorch_model.bin").is_file():
-        return _torch_load(path / "pytorch_model.bin")
+        return _torch_load(path / "pytorch_model.bin", device)
     raise CheckpointError(f"{path} has no model weights (model.safetensors, *.safetensors or pytorch_model.bin)")
 
 
-def read_vae_weights(path: Path, main: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def read_vae_weights(path: Path, main: dict[str, torch.Tensor], device: str = "cpu") -> dict[str, torch.Tensor]:
     if (path / "audiovae.safetensors").is_file():
-        state = load_file(path / "audiovae.safetensors")
+        state = load_file(path / "audiovae.safetensors", device=device)
     elif (path / "audiovae.pth").is_file():
-        state = _torch_load(path / "audiovae.pth")
+        state = _torch_load(path / "audiovae.pth", device)
     else:
         # A checkpoint saved as one state dict keeps the VAE under the audio_vae. prefix.
         state = {k[len(VAE_PREFIX):]: v for k, v in main.items() if k.startswith(VAE_PREFIX)}
@@ -136,8 +138,11 @@ def load_model(model: str | os.PathLike, device: torch.device | str = "cpu", dty
         raise CheckpointError(str(e)) from e
     tokenizer = TextTokenizer.from_dir(path)
     dtype = dtype or cfg.dtype
-    main = read_main_weights(path)
-    vae_state = read_vae_weights(path, main)
+    where = str(torch.device(device))
+    t0 = time.perf_counter()
+    main = read_main_weights(path, where)
+    vae_state = read_vae_weights(path, main, where)
+    read_s = time.perf_counter() - t0
     main = {k: v for k, v in main.items() if not k.startswith(VAE_PREFIX)}
     with torch.device("meta"):
         backbone = build_backbone(cfg)
@@ -147,5 +152,6 @@ def load_model(model: str | os.PathLike, device: torch.device | str = "cpu", dty
     backbone.to(device).eval()
     vae.to(device).eval()
     backbone.setup_rope(max_positions or cfg.max_length, device)
-    log.info("loaded %s (%s, %s) on %s", path, cfg.architecture, dtype, device)
+    log.info("loaded %s (%s, %s) on %s in %.1f s (%.1f s reading weights)", path, cfg.architecture, dtype, device,
+             time.perf_counter() - t0, read_s)
     return LoadedModel(path=path, config=cfg, backbone=backbone, vae=vae, tokenizer=tokenizer)

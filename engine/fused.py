@@ -4,67 +4,29 @@ A decode step is launch-bound at small batch: the DiT alone runs 9 Euler evaluat
 unfused, every RMSNorm, rotary embedding, SiLU gate and residual add is 4-10 tiny kernels. On CUDA the
 functions here run the Triton kernels of `engine.triton_kernels` (a residual add together with the norm
 after it, q's rotary with k's, the local modules' rotary inside their attention, the VAE's Snake in one
-pass, the residual unit's depthwise conv reading its carried context in place); `cfg_euler_step` is torch.compile'd and
-used inside graph capture. The math is the eager expression with the same rounding points, so only fp32
-summation order and transcendental ulps can differ. CPU keeps the eager ops (CI, exact parity). Set
-VOXCPM_FUSE=0 to disable all of it.
+pass, the residual unit's depthwise conv reading its carried context in place with the next Snake fused in,
+its 1x1 conv and residual add as one GEMM, the sampler's CFG Euler step). The math is the eager expression
+with the same rounding points, so only fp32 summation order and transcendental ulps can differ. CPU keeps the
+eager ops (CI, exact parity). Set VOXCPM_FUSE=0 to disable all of it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from engine import triton_kernels
 
-F_ = TypeVar("F_", bound=Callable[..., Any])
 ENABLED = os.environ.get("VOXCPM_FUSE", "1") != "0"
-# Outside CUDA graphs (the eager prefill) a compiled call's guard checks cost more host time than the
-# launches they save, so by default compiled functions run only in code being captured (see `capturing`).
-IN_EAGER = os.environ.get("VOXCPM_FUSE_EAGER", "0") == "1"
-# The VAE residual unit's depthwise conv on CUDA (VOXCPM_VAE_DWCONV): "torch" (default) Snake kernel, concat,
-# F.conv1d; "triton": Snake kernel, then a Triton conv that reads the carried context in place (no concat copy;
-# ATen's fp32 depthwise kernel is generic and slow); "fused": Snake inside that conv kernel (measured slower on
-# an H100: it recomputes Snake for each of the 7 taps). "triton" passed its CUDA tests but was not timed on a
-# GPU yet, so it is not the default.
-VAE_DWCONV = os.environ.get("VOXCPM_VAE_DWCONV", "torch")
-_capturing = False
-
-
-@contextlib.contextmanager
-def capturing() -> Iterator[None]:
-    """Use the fused kernels inside this block: graph warm-up (compiles them) and capture."""
-    global _capturing
-    previous, _capturing = _capturing, True
-    try:
-        yield
-    finally:
-        _capturing = previous
-
-
-def fused(fn: F_) -> F_:
-    """Use a compiled copy of `fn` when its first argument is a CUDA tensor and the code is being
-    captured (or VOXCPM_FUSE_EAGER=1); the plain function otherwise."""
-    compiled: list[Callable[..., Any]] = []
-
-    @functools.wraps(fn)
-    def call(x: torch.Tensor, *args: object) -> Any:
-        if not (ENABLED and x.is_cuda and (IN_EAGER or _capturing)):
-            return fn(x, *args)
-        if not compiled:
-            # Each call site's shapes/strides may need its own specialisation; past the limit dynamo
-            # falls back to eager for new ones instead of failing.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-            compiled.append(torch.compile(fn, dynamic=True))
-        return compiled[0](x, *args)
-
-    return call  # type: ignore[return-value]
+# The VAE residual unit on CUDA (VOXCPM_VAE_DWCONV): "triton" (default) Snake kernel, a Triton depthwise conv that
+# reads the carried context in place and applies the second Snake to its output, then the 1x1 conv and the
+# residual add as one GEMM; "torch": the layers one by one (Snake kernel, concat, cuDNN convs, add). H100, B=64
+# step: 28.0 ms (torch) -> 26.1 ms (the conv kernel alone, before the Snake and GEMM fusions).
+VAE_DWCONV = os.environ.get("VOXCPM_VAE_DWCONV", "triton")
 
 
 def kernels(x: torch.Tensor) -> bool:
@@ -147,21 +109,46 @@ def depthwise_conv_supported(x: torch.Tensor, state: torch.Tensor | None, weight
 
 
 def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
-                          dilation: int, alpha: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A residual unit's cat(carried context, x) -> dilated depthwise causal conv (stride 1) as one kernel
-    (with `alpha`: Snake(x) instead of x): (output, new context), or None where the kernel does not apply
-    (the caller runs the layers). state (B, C, (K - 1) * dilation) or None for a full-sequence pass."""
+                          dilation: int, out_alpha: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A residual unit's cat(carried context, x) -> dilated depthwise causal conv (stride 1) [-> Snake with
+    `out_alpha`] as one kernel: (output, new context), or None where the kernel does not apply (the caller
+    runs the layers). state (B, C, (K - 1) * dilation) or None for a full-sequence pass."""
     if not depthwise_conv_supported(x, state, weight, bias, dilation):
         return None
-    return triton_kernels.causal_depthwise_conv(x, state, weight, bias, dilation, alpha)
+    return triton_kernels.causal_depthwise_conv(x, state, weight, bias, dilation, out_alpha)
 
 
-@fused
-def cfg_euler_step(x: torch.Tensor, v_cond: torch.Tensor, v_uncond: torch.Tensor, cfg: torch.Tensor,
-                   dt: float) -> torch.Tensor:
-    """One Euler step with CFG-zero* guidance: the unconditional velocity is rescaled by its optimal
-    projection on the conditional one, then guided with per-row strength cfg (B, 1, 1)."""
+def pointwise_conv_residual(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            residual: torch.Tensor) -> torch.Tensor:
+    """residual + conv1d(h, weight (O, C, 1), bias) as one batched GEMM that adds the residual in its
+    epilogue (no layout copies around a cuDNN conv, no separate add). fp32 follows cuDNN's TF32 policy
+    (`torch.backends.cudnn.allow_tf32`), as the convolution it replaces would."""
+    w = weight[:, :, 0].expand(h.shape[0], -1, -1)  # stride 0 over the batch: no copy
+    with _matmul_tf32(h.is_cuda and torch.backends.cudnn.allow_tf32):
+        out = torch.baddbmm(residual, w, h)
+    return out if bias is None else out.add_(bias[:, None])
+
+
+@contextlib.contextmanager
+def _matmul_tf32(enabled: bool) -> Iterator[None]:
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def cfg_euler_step(x: torch.Tensor, v: torch.Tensor, cfg: torch.Tensor, dt: float) -> torch.Tensor:
+    """One Euler step with CFG-zero* guidance: x (B, D, P); v (2B, D, P) the conditional velocities, then the
+    unconditional ones, which are rescaled by their optimal projection on the conditional ones and guided
+    with per-row strength cfg (B, 1, 1)."""
     b = x.shape[0]
+    if (kernels(x) and x.dtype == v.dtype == cfg.dtype and x.is_contiguous() and v.is_contiguous()
+            and cfg.numel() == b and v.shape[0] == 2 * b and x[0].numel() <= 4096):
+        return triton_kernels.cfg_euler_step(x, v, cfg.reshape(b), dt)
+    v_cond, v_uncond = v[:b], v[b:]
     dot = (v_cond.reshape(b, -1) * v_uncond.reshape(b, -1)).sum(1, keepdim=True)
     norm = v_uncond.reshape(b, -1).pow(2).sum(1, keepdim=True) + 1e-8
     scale = (dot / norm).view(b, 1, 1)

@@ -37,8 +37,9 @@ class EngineConfig:
     inference_timesteps: int = 10
     dtype: torch.dtype | None = None  # default: the checkpoint's
     # Launch a decode step before reading the previous one's outputs, so the host's work between steps
-    # overlaps the device's (a sequence that stops computes one patch more, dropped). Default: off, or
-    # VOXCPM_PIPELINE_DECODE=1 (CPU-tested against the plain engine; not yet run on a GPU).
+    # overlaps the device's (a sequence that stops computes one patch more, dropped). Default: on for CUDA
+    # (H100, B=64: engine.step() 36.1 -> 24.2 ms), off on CPU where a step is synchronous anyway;
+    # VOXCPM_PIPELINE_DECODE=0/1 overrides.
     pipeline_decode: bool | None = None
 
     def validate(self) -> None:
@@ -93,7 +94,7 @@ class LLMEngine:
         self.sequences: dict[int, Sequence] = {}
         pipeline = cfg.pipeline_decode
         if pipeline is None:
-            pipeline = os.environ.get("VOXCPM_PIPELINE_DECODE", "0") == "1"
+            pipeline = os.environ.get("VOXCPM_PIPELINE_DECODE", "1" if self.device.type == "cuda" else "0") == "1"
         self.pipeline = pipeline
         self.in_flight: LaunchedDecode | None = None  # the launched decode step not yet read (pipelining)
         self.startup_s = time.perf_counter() - t0

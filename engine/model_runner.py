@@ -143,8 +143,9 @@ class ModelRunner:
             fuse_projections(model.backbone)
         if device.type == "cuda":
             # The VAE's convolutions have fixed shapes per graph bucket: let cuDNN pick the fastest
-            # algorithm once, at warm-up, instead of its heuristic choice (the VAE is ~40% of a B=64 step).
-            torch.backends.cudnn.benchmark = True
+            # algorithm once, at warm-up, instead of its heuristic choice (VOXCPM_CUDNN_BENCHMARK=0: heuristic,
+            # for a faster start-up: every bucket's new shapes are benchmarked).
+            torch.backends.cudnn.benchmark = os.environ.get("VOXCPM_CUDNN_BENCHMARK", "1") != "0"
         self.use_graphs = device.type == "cuda" and not enforce_eager
         # Second CUDA stream for the VAE decode, overlapped with the LMs (VOXCPM_VAE_STREAM=0: one stream).
         self.vae_stream = (torch.cuda.Stream(device) if device.type == "cuda"
@@ -430,13 +431,12 @@ class ModelRunner:
     def _capture(self, name: str, body: Callable[..., None], *args: int, pool: Any) -> torch.cuda.CUDAGraph:
         """Warm `body` up (kernels compiled, allocator primed) and capture it; both times go to capture_times."""
         t0 = time.perf_counter()
-        with fused.capturing():
+        body(*args)
+        torch.cuda.synchronize(self.device)
+        t1 = time.perf_counter()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
             body(*args)
-            torch.cuda.synchronize(self.device)
-            t1 = time.perf_counter()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                body(*args)
         torch.cuda.synchronize(self.device)
         self.capture_times[name] = (t1 - t0, time.perf_counter() - t1)
         return graph

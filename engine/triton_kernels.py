@@ -4,7 +4,8 @@ CPU only through TRITON_INTERPRET=1, for tests).
 Why hand-written rather than torch.compile'd: the profile of a B=64 step on an H100 showed the compiled
 (dynamic-shape) rotary and SiLU-gate kernels at 3-6x their memory-bound time, cuDNN's flash attention
 spending 46 us per call on the DiT's 11-token sequences (tiles of 64-128 rows), and the compiled Snake
-recompiling per VAE stage until dynamo's limit; compiling them also dominated a cold start. These kernels
+recompiling per VAE stage until dynamo's limit; compiling them also dominated a cold start (the engine no
+longer uses torch.compile at all). These kernels
 compile once per dtype and block size and follow the eager op order and rounding points:
 
 - `add_rms_norm`: residual update (times the muP scale) and the RMSNorm of the result, one row per program;
@@ -13,8 +14,9 @@ compile once per dtype and block size and follow the eager op order and rounding
 - `dense_attention`: the local encoder's and DiT's bidirectional attention over sequences of <= 64 tokens
   with the rotary embedding applied on load (one sequence and 1..G query heads of a GQA group per program);
 - `snake`: the VAE's Snake activation x + sin^2(alpha x) / alpha on (B, C, T) activations of any strides;
-- `causal_depthwise_conv`: a residual unit's carried-context concat and dilated depthwise causal conv in
-  one pass (optionally with the Snake before it), also returning the new carried context.
+- `causal_depthwise_conv`: a residual unit's carried-context concat, dilated depthwise causal conv and the
+  Snake after it in one pass, also returning the new carried context;
+- `cfg_euler_step`: one Euler step of the flow sampler with CFG-zero* guidance, one row per program.
 """
 
 from __future__ import annotations
@@ -146,59 +148,75 @@ if HAVE_TRITON:
         tl.store(o_ptr + bc * length + t, out.to(o_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _snake_cat_load(x_row, s_row, idx, mask, pad, stride_xt, stride_st, alpha, inv_alpha,
-                        HAS_STATE: tl.constexpr, SNAKE: tl.constexpr):
-        """cat(state, snake(x))[idx] along time (idx in [0, pad + length)), rounded to the activation dtype
-        like the eager Snake output, returned in fp32 (SNAKE=False: cat(state, x)[idx])."""
+    def _cat_load(x_row, s_row, idx, mask, pad, stride_xt, stride_st, HAS_STATE: tl.constexpr):
+        """cat(state, x)[idx] along time (idx in [0, pad + length)) in fp32; without state the zero
+        left-padding of a full-sequence pass."""
         in_x = idx >= pad
-        x = tl.load(x_row + (idx - pad) * stride_xt, mask=mask & in_x, other=0.0)
-        v = x.to(tl.float32)
-        if SNAKE:
-            s = tl.sin(alpha * v)
-            v = (v + inv_alpha * (s * s)).to(x.dtype).to(tl.float32)
+        v = tl.load(x_row + (idx - pad) * stride_xt, mask=mask & in_x, other=0.0).to(tl.float32)
         if HAS_STATE:
             old = tl.load(s_row + idx * stride_st, mask=mask & (idx < pad), other=0.0).to(tl.float32)
             v = tl.where(in_x, v, old)
-        else:  # no carried context: the zero left-padding of a full-sequence pass
-            v = tl.where(in_x, v, 0.0)
         return v
 
     @triton.jit
-    def _snake_dwconv_kernel(x_ptr, alpha_ptr, state_ptr, w_ptr, bias_ptr, y_ptr, new_state_ptr, channels, length,
-                             pad, dilation, stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
-                             K: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, SNAKE: tl.constexpr,
-                             BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+    def _dwconv_kernel(x_ptr, state_ptr, w_ptr, bias_ptr, alpha_ptr, y_ptr, new_state_ptr, channels, length,
+                       pad, dilation, stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
+                       K: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_SNAKE: tl.constexpr,
+                       BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
         bc = tl.program_id(0).to(tl.int64)
         b, c = bc // channels, bc % channels
         x_row = x_ptr + b * stride_xb + c * stride_xc
         s_row = state_ptr + b * stride_sb + c * stride_sc
-        alpha = tl.load(alpha_ptr + c).to(tl.float32)  # (unused without SNAKE; the pointer is then valid anyway)
-        inv_alpha = 1.0 / (alpha + 1e-9)
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = t < length
-        # With SNAKE each tap recomputes Snake of its inputs (K sin per output): one pass over memory, but
-        # compute-bound on the wide stages (measured slower than Snake as its own kernel, see fused.py).
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for j in tl.static_range(K):
-            v = _snake_cat_load(x_row, s_row, t + j * dilation, mask, pad, stride_xt, stride_st, alpha, inv_alpha,
-                                HAS_STATE, SNAKE)
-            acc += tl.load(w_ptr + c * K + j).to(tl.float32) * v
+            acc += tl.load(w_ptr + c * K + j).to(tl.float32) * _cat_load(x_row, s_row, t + j * dilation, mask, pad,
+                                                                          stride_xt, stride_st, HAS_STATE)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + c).to(tl.float32)
+        if OUT_SNAKE:  # the Snake after the conv, on the conv's output rounded to its dtype (the eager order)
+            acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+            alpha = tl.load(alpha_ptr + c).to(tl.float32)
+            s = tl.sin(alpha * acc)
+            acc = acc + (1.0 / (alpha + 1e-9)) * (s * s)
         tl.store(y_ptr + bc * length + t, acc.to(y_ptr.dtype.element_ty), mask=mask)
-        if tl.program_id(1) == 0:  # the new carried context: the last `pad` samples of cat(state, snake(x))
+        if tl.program_id(1) == 0:  # the new carried context: the last `pad` samples of cat(state, x)
             i = tl.arange(0, BLOCK_P)
             pmask = i < pad
-            # (a new name: a compiled kernel may not give `v` another shape inside this branch)
-            tail = _snake_cat_load(x_row, s_row, length + i, pmask, pad, stride_xt, stride_st, alpha, inv_alpha,
-                                   HAS_STATE, SNAKE)
+            tail = _cat_load(x_row, s_row, length + i, pmask, pad, stride_xt, stride_st, HAS_STATE)
             tl.store(new_state_ptr + bc * pad + i, tail.to(new_state_ptr.dtype.element_ty), mask=pmask)
 
 
+    @triton.jit
+    def _cfg_euler_kernel(x_ptr, v_ptr, cfg_ptr, o_ptr, n, batch, dt, stride_x, stride_v, stride_o,
+                          BLOCK: tl.constexpr):
+        """One row: x - dt * (vu * s + cfg * (vc - vu * s)), s = <vc, vu> / (|vu|^2 + 1e-8), rounded to the
+        activation dtype at every point where the eager expression rounds."""
+        row = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, BLOCK)
+        m = i < n
+        dtype = o_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * stride_x + i, mask=m, other=0.0).to(tl.float32)
+        vc = tl.load(v_ptr + row * stride_v + i, mask=m, other=0.0).to(tl.float32)
+        vu = tl.load(v_ptr + (row + batch) * stride_v + i, mask=m, other=0.0).to(tl.float32)
+        dot = tl.sum((vc * vu).to(dtype).to(tl.float32), axis=0).to(dtype).to(tl.float32)
+        norm = tl.sum((vu * vu).to(dtype).to(tl.float32), axis=0).to(dtype).to(tl.float32)
+        norm = (norm + 1e-8).to(dtype).to(tl.float32)
+        scale = (dot / norm).to(dtype).to(tl.float32)
+        cfg = tl.load(cfg_ptr + row).to(tl.float32)
+        a = (vu * scale).to(dtype).to(tl.float32)
+        d = (vc - a).to(dtype).to(tl.float32)
+        e = (cfg * d).to(dtype).to(tl.float32)
+        f = (a + e).to(dtype).to(tl.float32)
+        g = (dt * f).to(dtype).to(tl.float32)
+        tl.store(o_ptr + row * stride_o + i, (x - g).to(dtype), mask=m)
+
+
 MAX_DENSE_LEN = 64  # longest sequence `dense_attention` takes (LocEnc: patch + 1, DiT: 2 * patch + 3)
-# Query heads per program of `dense_attention`; 0: by batch size (shares K/V loads across a GQA group at
-# large batch; CUDA-tested, not timed on a GPU yet, hence not the default).
-DENSE_HEADS = int(os.environ.get("VOXCPM_DENSE_HEADS", "1"))
+# Query heads per program of `dense_attention`; 0 (default): by batch size, sharing K/V loads across a GQA
+# group at large batch (H100, B=64: whole step 28.0 -> 26.4 ms against one head per program).
+DENSE_HEADS = int(os.environ.get("VOXCPM_DENSE_HEADS", "0"))
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -278,7 +296,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
     """Bidirectional attention within each sequence: q (N, L, Hq, D), k/v (N, L, Hk, D) (unit stride in D),
     rotary rows cos/sin (L, D) fp32 applied to q and k first (None: no rotary) -> (N, L, Hq * D).
     heads_per_program: query heads sharing one program (and one load of K/V); None: VOXCPM_DENSE_HEADS
-    (default 1), where 0 means as many of a GQA group as keep >= 256 programs (small batches keep one head
+    (default 0), where 0 means as many of a GQA group as keep >= 256 programs (small batches keep one head
     per program, for parallelism)."""
     n, seq_len, hq, dim = q.shape
     group = hq // k.shape[2]
@@ -314,11 +332,11 @@ def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
 
 
 def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
-                          dilation: int, alpha: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          dilation: int, out_alpha: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The carried context `state` (B, C, P) prepended to x (None: zeros), then the depthwise conv with weight
     (C, 1, K), P = (K - 1) * dilation -> (y (B, C, T), the new context (B, C, P)), both contiguous in x's
-    dtype; with `alpha` (1, C, 1), Snake(x) is what gets prepended to and convolved. x and state may have
-    any strides. No copy of the concatenation is made."""
+    dtype; with `out_alpha` (1, C, 1), y is Snake of the conv's output. x and state may have any strides.
+    No copy of the concatenation is made."""
     b, c, t = x.shape
     k = weight.shape[-1]
     pad = (k - 1) * dilation
@@ -328,10 +346,23 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
         block = _time_block(t)
         s = state if state is not None else x
         w = weight.reshape(c, k).contiguous()
-        _snake_dwconv_kernel[(b * c, max(1, triton.cdiv(t, block)))](
-            x, alpha.reshape(-1) if alpha is not None else w, s, w,
-            bias if bias is not None else x, y, new_state, c, t, pad, dilation, x.stride(0), x.stride(1), x.stride(2),
+        _dwconv_kernel[(b * c, max(1, triton.cdiv(t, block)))](
+            x, s, w, bias if bias is not None else w, out_alpha.reshape(-1) if out_alpha is not None else w, y,
+            new_state, c, t, pad, dilation, x.stride(0), x.stride(1), x.stride(2),
             s.stride(0) if state is not None else 0, s.stride(1) if state is not None else 0,
             s.stride(2) if state is not None else 0, K=k, HAS_STATE=state is not None, HAS_BIAS=bias is not None,
-            SNAKE=alpha is not None, BLOCK=block, BLOCK_P=triton.next_power_of_2(max(pad, 1)), num_warps=4)
+            OUT_SNAKE=out_alpha is not None, BLOCK=block, BLOCK_P=triton.next_power_of_2(max(pad, 1)), num_warps=4)
     return y, new_state
+
+
+def cfg_euler_step(x: torch.Tensor, v: torch.Tensor, cfg: torch.Tensor, dt: float) -> torch.Tensor:
+    """x (B, ...) one Euler step with CFG-zero* guidance; v (2B, ...): conditional rows, then unconditional;
+    cfg (B,) per-row guidance. All one dtype; rows contiguous. One program per row."""
+    b = x.shape[0]
+    n = x[0].numel()
+    x2, v2 = x.reshape(b, n), v.reshape(2 * b, n)
+    out = torch.empty_like(x2)
+    if b:
+        _cfg_euler_kernel[(b,)](x2, v2, cfg, out, n, b, dt, x2.stride(0), v2.stride(0), out.stride(0),
+                                BLOCK=triton.next_power_of_2(n), num_warps=1 if n <= 512 else 4)
+    return out.view(x.shape)

@@ -43,10 +43,9 @@ def make_store(settings: Settings, model_path: str) -> VoiceStore:
 
 
 def start_pool(settings: Settings, model_path: str, demo: bool):
-    # Compiled kernels (torch.compile, Triton) persist in the cache dir: a restart on the same volume
-    # skips recompiling them. Set before the workers are spawned (they inherit the environment).
-    for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
-        os.environ.setdefault(var, str(settings.cache_path / "kernels" / sub))
+    # Compiled Triton kernels persist in the cache dir: a restart on the same volume skips recompiling them.
+    # Set before the workers are spawned (they inherit the environment).
+    os.environ.setdefault("TRITON_CACHE_DIR", str(settings.cache_path / "kernels" / "triton"))
     devices = settings.device_list()
     if demo and devices is None:
         devices = ["cpu"]  # the demo checkpoint is tiny: no GPU needed

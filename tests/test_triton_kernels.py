@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -78,7 +79,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         ref = x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
         return relative_error(triton_kernels.snake(x, alpha), ref)
 
-    def snake_dwconv(dtype: torch.dtype) -> float:
+    def dwconv_snake(dtype: torch.dtype) -> float:
         errs = []
         channels = 6
         for seed, (length, dilation, streaming) in enumerate(((5, 3, True), (80, 3, True), (20, 1, True),
@@ -89,18 +90,55 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             weight = rand(channels, 1, 7, dtype=dtype, seed=40 + seed) * 0.3
             bias = rand(channels, dtype=dtype, seed=50 + seed) if seed % 2 else None
             state = rand(2, channels, pad + 3, dtype=dtype, seed=60 + seed)[..., 3:] if streaming else None
-            s = x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
-            xcat = torch.cat([state if streaming else s.new_zeros(2, channels, pad), s], dim=-1)
+            xcat = torch.cat([state if streaming else x.new_zeros(2, channels, pad), x], dim=-1)
             y_ref = F.conv1d(xcat.float(), weight.float(), None if bias is None else bias.float(),
                              dilation=dilation, groups=channels).to(dtype)  # fp32 accumulation, as cuDNN
+            y, new_state = triton_kernels.causal_depthwise_conv(x, state, weight, bias, dilation)
+            errs += [relative_error(y, y_ref), relative_error(new_state, xcat[..., length:])]
+            s_ref = y_ref + (alpha + 1e-9).reciprocal() * torch.sin(alpha * y_ref).pow(2)  # Snake after the conv
             y, new_state = triton_kernels.causal_depthwise_conv(x, state, weight, bias, dilation, alpha)
-            errs += [relative_error(y, y_ref), relative_error(new_state, xcat[..., length:])]
-            y, new_state = triton_kernels.causal_depthwise_conv(s, state, weight, bias, dilation)  # no Snake inside
-            errs += [relative_error(y, y_ref), relative_error(new_state, xcat[..., length:])]
+            errs += [relative_error(y, s_ref), relative_error(new_state, xcat[..., length:])]
         return max(errs)
 
+    def residual_unit(dtype: torch.dtype) -> float:
+        """The VAE residual unit's kernel path (Snake, conv + Snake, GEMM + residual) against its layers, over
+        three streamed chunks and a full-sequence pass (exact fp32 GEMMs/convs on both sides)."""
+        from engine.models.audio_vae import ResidualUnit
+
+        torch.manual_seed(70)
+        unit = ResidualUnit(8, dilation=3, groups=8).to(device, dtype)
+        for snake_layer in (unit.block[0], unit.block[2]):
+            snake_layer.alpha.data.uniform_(0.3, 1.5)
+        unit.block[1].state_slot = 0
+        chunks = [rand(2, 8, n, dtype=dtype, seed=71 + n) for n in (4, 9, 30)]
+        errs = []
+        tf32 = torch.backends.cudnn.allow_tf32
+        torch.backends.cudnn.allow_tf32 = False
+        try:
+            with torch.no_grad(), mock.patch.object(fused, "kernels", triton_kernels.usable):
+                assert unit.fusable and fused.depthwise_conv_supported(chunks[0], None, unit.block[1].weight,
+                                                                       unit.block[1].bias, 3)
+                states_ref, states = [torch.zeros(2, 8, 18, dtype=dtype, device=device)], [None]
+                states[0] = states_ref[0].clone()
+                for x in chunks:
+                    ref = x + unit.block(x, states_ref)  # the layers one by one
+                    errs += [relative_error(unit(x, states), ref), relative_error(states[0], states_ref[0])]
+                full = torch.cat(chunks, dim=-1)
+                errs.append(relative_error(unit(full), full + unit.block(full)))
+        finally:
+            torch.backends.cudnn.allow_tf32 = tf32
+        return max(errs)
+
+    def cfg_euler(dtype: torch.dtype) -> float:
+        x = rand(3, 64, 4, dtype=dtype, seed=80)
+        v = rand(6, 64, 4, dtype=dtype, seed=81)
+        cfg = (rand(3, 1, 1, dtype=torch.float32, seed=82).abs() + 1.0).to(dtype)
+        ref = fused.cfg_euler_step(x.cpu(), v.cpu(), cfg.cpu(), 0.0917).to(device)  # eager (CPU tensors)
+        return relative_error(triton_kernels.cfg_euler_step(x, v, cfg.reshape(3), 0.0917), ref)
+
     return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "rotary_qk": rotary_qk, "dense_attention": dense,
-            "snake": snake, "snake_dwconv": snake_dwconv}
+            "snake": snake, "dwconv_snake": dwconv_snake, "residual_unit": residual_unit,
+            "cfg_euler": cfg_euler}
 
 
 def _interpreter_main() -> None:
@@ -126,7 +164,7 @@ def interpreter_results() -> dict[str, float]:
 
 
 CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "rotary_qk", "dense_attention", "snake",
-                                    "snake_dwconv") for d in INTERPRETED]
+                                    "dwconv_snake", "residual_unit", "cfg_euler") for d in INTERPRETED]
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)

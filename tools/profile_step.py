@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engine import EngineConfig, LLMEngine, SamplingParams, fused  # noqa: E402
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.attention import AttentionMetadata  # noqa: E402
 from tools.gpu_check import TEXT, step_ms  # noqa: E402
 
@@ -29,12 +29,11 @@ def graph_ms(fn: Callable[[], object] | torch.cuda.CUDAGraph, reps: int = 20) ->
     if isinstance(fn, torch.cuda.CUDAGraph):
         g = fn
     else:
-        with fused.capturing():  # as the engine captures its step
+        fn()  # warm-up
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
             fn()
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
     g.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

@@ -235,37 +235,32 @@ class ResidualUnit(nn.Module):
             Snake1d(dim),
             CausalConv1d(dim, dim, 1, left_pad=0),
         ])
-        snake1, conv = self.block[0], self.block[1]
-        # The dilated depthwise causal conv as one Triton kernel on CUDA (see `_forward_fused`).
-        self.fusable = (isinstance(snake1, Snake1d) and isinstance(conv, CausalConv1d)
+        snake1, conv, snake2, pointwise = self.block
+        # On CUDA the block runs as Snake kernel, depthwise conv (+ the second Snake) kernel, GEMM + residual.
+        self.fusable = (isinstance(snake1, Snake1d) and isinstance(conv, CausalConv1d) and isinstance(snake2, Snake1d)
                         and conv.groups == conv.in_channels == conv.out_channels and conv.stride == (1,)
                         and conv.padding == (0,) and conv.left_pad == (conv.kernel_size[0] - 1) * conv.dilation[0])
 
     def forward(self, x: Tensor, states: StreamStates | None = None) -> Tensor:
-        if self.fusable and x.is_cuda and fused.VAE_DWCONV != "torch":
+        if self.fusable and fused.kernels(x) and fused.VAE_DWCONV == "triton":
             y = self._forward_fused(x, states)
             if y is not None:
                 return y
         return x + self.block(x, states)
 
     def _forward_fused(self, x: Tensor, states: StreamStates | None) -> Tensor | None:
-        """The block with its depthwise conv reading the carried context in place (Snake inside it too with
-        VOXCPM_VAE_DWCONV=fused); None where that kernel does not apply."""
-        snake1, conv = self.block[0], self.block[1]
+        """The block in three kernels (see `fusable`); None where the conv kernel does not apply."""
+        snake1, conv, snake2, pointwise = self.block
         slot = conv.state_slot if states is not None else None
         state = states[slot] if states is not None and slot is not None else None
         if not fused.depthwise_conv_supported(x, state, conv.weight, conv.bias, conv.dilation[0]):
             return None
-        inside = fused.VAE_DWCONV == "fused"
-        out = fused.causal_depthwise_conv(x if inside else snake1(x), state, conv.weight, conv.bias,
-                                          conv.dilation[0], snake1.alpha if inside else None)
+        out = fused.causal_depthwise_conv(snake1(x), state, conv.weight, conv.bias, conv.dilation[0], snake2.alpha)
         assert out is not None  # supported, checked above
         h, new_state = out
-        if slot is not None:
+        if states is not None and slot is not None:
             states[slot] = new_state
-        for layer in list(self.block)[2:]:
-            h = layer(h, states)
-        return x + h
+        return fused.pointwise_conv_residual(h, pointwise.weight, pointwise.bias, x)
 
 
 class EncoderBlock(nn.Module):

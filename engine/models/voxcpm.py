@@ -165,7 +165,7 @@ class FlowSampler(nn.Module):
             if step > zero_steps:
                 i = step - zero_steps - 1
                 v = self.estimator.velocity(torch.cat((x, x)), mu_in, tembs[i:i + 1], cond_in, rope)
-                x = cfg_euler_step(x, v[:b], v[b:], cfg, dt)
+                x = cfg_euler_step(x, v, cfg, dt)
         return x
 
 
