@@ -122,11 +122,15 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
 def pointwise_conv_residual(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             residual: torch.Tensor) -> torch.Tensor:
     """residual + conv1d(h, weight (O, C, 1), bias) as one batched GEMM that adds the residual in its
-    epilogue (no layout copies around a cuDNN conv, no separate add). fp32 follows cuDNN's TF32 policy
-    (`torch.backends.cudnn.allow_tf32`), as the convolution it replaces would."""
+    epilogue (no layout copies around a cuDNN conv, no separate add). Without autograd a contiguous `residual`
+    is consumed: the GEMM accumulates into it in place (out of place, the GEMM would first copy it).
+    fp32 follows cuDNN's TF32 policy (`torch.backends.cudnn.allow_tf32`), as the convolution it replaces."""
     w = weight[:, :, 0].expand(h.shape[0], -1, -1)  # stride 0 over the batch: no copy
     with _matmul_tf32(h.is_cuda and torch.backends.cudnn.allow_tf32):
-        out = torch.baddbmm(residual, w, h)
+        if residual.is_contiguous() and not torch.is_grad_enabled():
+            out = residual.baddbmm_(w, h)
+        else:
+            out = torch.baddbmm(residual, w, h)
     return out if bias is None else out.add_(bias[:, None])
 
 

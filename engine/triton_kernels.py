@@ -31,6 +31,7 @@ from engine.triton_attention import HAVE_TRITON, _is_interpreted
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, x_out_ptr, y_ptr, n_cols, eps, scale,
@@ -136,14 +137,17 @@ if HAVE_TRITON:
 
     @triton.jit
     def _snake_kernel(x_ptr, alpha_ptr, o_ptr, channels, length, stride_b, stride_c, stride_t,
-                      BLOCK: tl.constexpr):
+                      FAST_SIN: tl.constexpr, BLOCK: tl.constexpr):
         bc = tl.program_id(0).to(tl.int64)
         b, c = bc // channels, bc % channels
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = t < length
         x = tl.load(x_ptr + b * stride_b + c * stride_c + t * stride_t, mask=mask, other=0.0).to(tl.float32)
         alpha = tl.load(alpha_ptr + c).to(tl.float32)
-        s = tl.sin(alpha * x)
+        if FAST_SIN:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
+            s = libdevice.fast_sinf(alpha * x)
+        else:
+            s = tl.sin(alpha * x)
         out = x + (1.0 / (alpha + 1e-9)) * (s * s)
         tl.store(o_ptr + bc * length + t, out.to(o_ptr.dtype.element_ty), mask=mask)
 
@@ -162,7 +166,7 @@ if HAVE_TRITON:
     def _dwconv_kernel(x_ptr, state_ptr, w_ptr, bias_ptr, alpha_ptr, y_ptr, new_state_ptr, channels, length,
                        pad, dilation, stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
                        K: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_SNAKE: tl.constexpr,
-                       BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+                       FAST_SIN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
         bc = tl.program_id(0).to(tl.int64)
         b, c = bc // channels, bc % channels
         x_row = x_ptr + b * stride_xb + c * stride_xc
@@ -178,7 +182,10 @@ if HAVE_TRITON:
         if OUT_SNAKE:  # the Snake after the conv, on the conv's output rounded to its dtype (the eager order)
             acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
             alpha = tl.load(alpha_ptr + c).to(tl.float32)
-            s = tl.sin(alpha * acc)
+            if FAST_SIN:  # noqa: SIM108
+                s = libdevice.fast_sinf(alpha * acc)
+            else:
+                s = tl.sin(alpha * acc)
             acc = acc + (1.0 / (alpha + 1e-9)) * (s * s)
         tl.store(y_ptr + bc * length + t, acc.to(y_ptr.dtype.element_ty), mask=mask)
         if tl.program_id(1) == 0:  # the new carried context: the last `pad` samples of cat(state, x)
@@ -211,6 +218,16 @@ if HAVE_TRITON:
         f = (a + e).to(dtype).to(tl.float32)
         g = (dt * f).to(dtype).to(tl.float32)
         tl.store(o_ptr + row * stride_o + i, (x - g).to(dtype), mask=m)
+
+
+# Snake's sin on CUDA: the hardware approximation (__nv_fast_sinf, abs error ~1e-6 near 0, growing ~|x| * 2^-22)
+# instead of libdevice's exact-range-reduction sin, which made the Snake kernels compute-bound on the wide VAE
+# stages. Far below the TF32 convolutions' error; VOXCPM_FAST_SIN=0 for the exact sin.
+FAST_SIN = os.environ.get("VOXCPM_FAST_SIN", "1") != "0"
+
+
+def fast_sin() -> bool:
+    return FAST_SIN and not _is_interpreted()  # the interpreter has no fast_sinf
 
 
 MAX_DENSE_LEN = 64  # longest sequence `dense_attention` takes (LocEnc: patch + 1, DiT: 2 * patch + 3)
@@ -327,7 +344,7 @@ def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     if b and c and t:
         block = _time_block(t)
         _snake_kernel[(b * c, triton.cdiv(t, block))](x, alpha.reshape(-1), out, c, t, x.stride(0), x.stride(1),
-                                                      x.stride(2), BLOCK=block, num_warps=4)
+                                                      x.stride(2), FAST_SIN=fast_sin(), BLOCK=block, num_warps=4)
     return out
 
 
@@ -351,7 +368,8 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
             new_state, c, t, pad, dilation, x.stride(0), x.stride(1), x.stride(2),
             s.stride(0) if state is not None else 0, s.stride(1) if state is not None else 0,
             s.stride(2) if state is not None else 0, K=k, HAS_STATE=state is not None, HAS_BIAS=bias is not None,
-            OUT_SNAKE=out_alpha is not None, BLOCK=block, BLOCK_P=triton.next_power_of_2(max(pad, 1)), num_warps=4)
+            OUT_SNAKE=out_alpha is not None, FAST_SIN=fast_sin(), BLOCK=block,
+            BLOCK_P=triton.next_power_of_2(max(pad, 1)), num_warps=4)
     return y, new_state
 
 

@@ -25,6 +25,7 @@ import importlib.metadata
 import io
 import json
 import math
+import os
 import shlex
 import shutil
 import statistics
@@ -241,9 +242,10 @@ def engine_version(engine: str) -> str | None:
             version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
         except (ImportError, OSError, KeyError):
             pass
-    try:
-        sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10, check=True).stdout.strip()
+    try:  # VOXCPM_COMMIT: set by whoever copied the tree to a machine without its .git (or with a stale one)
+        sha = os.environ.get("VOXCPM_COMMIT") or subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+            check=True).stdout.strip()
         version = f"{version}+g{sha}" if version else f"g{sha}"
     except (subprocess.SubprocessError, OSError):
         pass  # the GPU machine's copy of the tree has no .git

@@ -107,6 +107,26 @@ def host_step_ms(engine: LLMEngine, b: int, patches: int = 40) -> tuple[float, f
     return ms, sorted(firsts)[len(firsts) // 2]
 
 
+def burst_first_audio(engine: LLMEngine, n: int) -> dict:
+    """n requests added at once (the benchmark's burst): wall ms until each has its first audio, and the wall
+    ms of every engine.step() until the last one has (where a burst's TTFB goes: prefills, then decodes)."""
+    t0 = time.perf_counter()
+    ids = {engine.add_request(TEXT + f" {i}", SamplingParams(seed=i, max_generate_length=3)) for i in range(n)}
+    first: dict[int, float] = {}
+    steps = []
+    while len(first) < n:
+        s0 = time.perf_counter()
+        events = engine.step()
+        steps.append(round(1000 * (time.perf_counter() - s0), 2))
+        for ev in events:
+            if ev.seq_id in ids and ev.seq_id not in first:
+                first[ev.seq_id] = 1000 * (time.perf_counter() - t0)
+    while engine.has_unfinished():
+        engine.step()
+    ttfb = sorted(first.values())
+    return {"n": n, "ttfb_ms_p50": ttfb[n // 2], "ttfb_ms_max": ttfb[-1], "step_ms": steps}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -137,6 +157,12 @@ def main() -> None:
                   f"{table['kernel_ms_per_step']:.2f} ms of kernel time")
             for row in table["top"]:
                 print(f"    {row['ms_per_step']:7.3f} ms {row['calls_per_step']:6.0f}x  {row['name']}")
+    for b in batches:
+        if b >= 8:
+            burst_first_audio(engine, b)  # warm-up (prefill shapes)
+            res.setdefault("bursts", {})[str(b)] = burst = burst_first_audio(engine, b)
+            print(f"burst of {b}: first audio p50 {burst['ttfb_ms_p50']:.1f} ms, last {burst['ttfb_ms_max']:.1f} ms; "
+                  f"steps {burst['step_ms']}")
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
 

@@ -249,7 +249,8 @@ class ResidualUnit(nn.Module):
         return x + self.block(x, states)
 
     def _forward_fused(self, x: Tensor, states: StreamStates | None) -> Tensor | None:
-        """The block in three kernels (see `fusable`); None where the conv kernel does not apply."""
+        """The block in three kernels (see `fusable`); None where the conv kernel does not apply. Consumes x
+        (the GEMM adds into it in place): a residual unit's input is always an intermediate of the VAE."""
         snake1, conv, snake2, pointwise = self.block
         slot = conv.state_slot if states is not None else None
         state = states[slot] if states is not None and slot is not None else None
