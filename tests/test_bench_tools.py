@@ -17,7 +17,7 @@ import lameenc
 import numpy as np
 import pytest
 
-from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, live_server
+from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, free_port, live_server
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 sys.path.insert(0, str(TOOLS))
@@ -207,3 +207,23 @@ def test_mp3_counter_reads_frame_headers():
     assert 1.0 <= whole <= 1.0 + 3 * 1152 / sr
     assert math.isclose(whole * sr / 1152, round(whole * sr / 1152))  # whole MPEG-1 layer III frames
     assert benchlib.mp3_frame(b"\x00\x00\x00\x00") is None
+
+
+def test_tune_coalesce_runs_each_window_against_its_own_service(checkpoint_factory, tmp_path, monkeypatch):
+    """tools/tune_coalesce.py starts the real service per window (a subprocess on the tiny checkpoint, CPU)
+    and runs the open-loop benchmark against it over HTTP; each window's service really used its window."""
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    monkeypatch.setenv("NANOVLLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("NANOVLLM_DEVICES", "cpu")
+    tune = importlib.import_module("tune_coalesce")
+    out = tmp_path / "tune.json"
+    doc = tune.main(["--model", str(ckpt), "--windows", "0,7", "--rate", "3", "--duration", "1", "--patches", "2",
+                     "--max-num-seqs", "4", "--port", str(free_port()), "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
+    assert [w["window_ms"] for w in doc["windows"]] == [0.0, 7.0]
+    for w in doc["windows"]:
+        assert "error" not in w, w.get("error")
+        rows = w["open_loop"]["results"]
+        assert len(rows) == 1 and rows[0]["failed"] == 0 and rows[0]["requests"] == rows[0]["arrivals"] >= 1
+        log = (tmp_path / w["service_log"]).read_text()
+        assert w["open_loop"]["service"]["queue_coalesce_ms"] == w["window_ms"], log[-2000:]

@@ -1,0 +1,135 @@
+"""Tune the queue-coalescing window (NANOVLLM_QUEUE_COALESCE_MS) on this machine: for each window, start the
+service (`python -m service.main`, a fresh process) on the checkpoint, run the open-loop arrival benchmark
+(tools/bench_open_loop.py) against it over HTTP, stop it; then print one table over all windows and write
+one JSON (each window's full open-loop document included).
+
+    python tools/tune_coalesce.py --model CKPT --windows 0,2,5,10 --rate 10,30 --duration 20 --out tune.json
+
+The window holds the first request of a quiet period for up to that long, so that requests arriving
+together are prefilled in one engine step: it costs up to the window in TTFB and can save prefill steps
+that would each delay every running stream's next patch. The best window is the one with the lowest TTFB
+p95 at the rates that matter, without underruns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_open_loop  # noqa: E402
+import benchlib as bl  # noqa: E402
+
+METRICS = ("ttfb_p50", "ttfb_p95", "rtf_mean", "throughput_audio_s_per_s", "streams_with_underrun", "failed")
+
+
+def windows_ms(text: str) -> list[float]:
+    out = [float(x) for x in text.split(",") if x.strip()]
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError("needs comma-separated windows >= 0 (milliseconds)")
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="checkpoint directory")
+    ap.add_argument("--windows", type=windows_ms, default=windows_ms("0,2,5,10"),
+                    help="comma-separated windows to try, milliseconds (0: off)")
+    ap.add_argument("--rate", default="10,30", help="open-loop arrival rates, requests per second")
+    ap.add_argument("--duration", type=float, default=20.0, help="measured seconds per rate")
+    ap.add_argument("--patches", type=int, default=50, help="patches per request")
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--devices", default=None, help="NANOVLLM_DEVICES for the service (default: its own)")
+    ap.add_argument("--ready-timeout", type=float, default=600)
+    ap.add_argument("--out", help="write the JSON here")
+    return ap.parse_args(argv)
+
+
+def start_service(a: argparse.Namespace, window_ms: float, log_path: Path) -> subprocess.Popen:
+    env = {**os.environ, "NANOVLLM_MODEL_PATH": a.model, "NANOVLLM_QUEUE_COALESCE_MS": str(window_ms),
+           "NANOVLLM_PORT": str(a.port), "NANOVLLM_HOST": "127.0.0.1",
+           "NANOVLLM_SERVERPOOL_MAX_NUM_SEQS": str(a.max_num_seqs)}
+    if a.devices:
+        env["NANOVLLM_DEVICES"] = a.devices
+    log = log_path.open("w")
+    # Its own process group, so that stopping it takes the engine's worker processes along.
+    return subprocess.Popen([sys.executable, "-m", "service.main"], cwd=bl.REPO, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the service exited with code {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/ready", timeout=5).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the service was not ready after {timeout:.0f} s")
+
+
+def stop_service(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    a = parse_args(argv)
+    url = f"http://127.0.0.1:{a.port}"
+    out_dir = Path(a.out).resolve().parent if a.out else Path.cwd()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc: dict[str, Any] = {"tool": "tune_coalesce", "argv": sys.argv if argv is None else argv,
+                           "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                           "engine_version": bl.engine_version("voxcpm-serve"), "windows": []}
+    for window in a.windows:
+        log_path = out_dir / f"tune_coalesce_service_{window:g}ms.log"
+        proc = start_service(a, window, log_path)
+        entry: dict[str, Any] = {"window_ms": window, "service_log": log_path.name}
+        try:
+            entry["ready_s"] = wait_ready(url, proc, a.ready_timeout)
+            entry["open_loop"] = bench_open_loop.main([
+                "--target", "http", "--url", url, "--rate", a.rate, "--duration", str(a.duration),
+                "--patches", str(a.patches)])
+        except Exception as e:  # noqa: BLE001 - one window failing must not lose the others
+            entry["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            stop_service(proc)
+        doc["windows"].append(entry)
+        bl.write_json(a.out, doc)
+    print_summary(doc)
+    return doc
+
+
+def print_summary(doc: dict[str, Any]) -> None:
+    print(f"\n{'window':>7} {'arrivals':>12} " + " ".join(f"{m[:12]:>12}" for m in METRICS))
+    for entry in doc["windows"]:
+        if "error" in entry:
+            print(f"{entry['window_ms']:>5g}ms  {entry['error']}")
+            continue
+        for row in entry["open_loop"]["results"]:
+            cells = " ".join(f"{bl._f(row.get(m), '12.3f' if isinstance(row.get(m), float) else '12d'):>12}"
+                             for m in METRICS)
+            print(f"{entry['window_ms']:>5g}ms {row.get('label', ''):>12} {cells}")
+
+
+if __name__ == "__main__":
+    print(json.dumps({"windows_tried": len(main()["windows"])}))
