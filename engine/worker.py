@@ -238,28 +238,13 @@ class Worker:
 
     def run(self) -> None:
         while True:
-            idle = not self.engine.has_unfinished()
-            timeout: float | None = None if idle else 0
-            settle_until = None
+            timeout = 0 if self.engine.has_unfinished() else None
             while self.conn.poll(timeout):
-                msg = self.conn.recv()
-                if not self.handle(msg):
+                if not self.handle(self.conn.recv()):
                     return
                 timeout = 0
-                if idle and msg[0] == "generate" and ARRIVAL_SETTLE_MAX_S > 0:
-                    # Woken from idle by a request: the rest of a burst is usually still in the pipe (the pool
-                    # writes one message per request). Wait while more keep coming, so that the whole burst is
-                    # prefilled together instead of its head running ahead and the tail waiting steps for it.
-                    settle_until = settle_until or time.monotonic() + ARRIVAL_SETTLE_MAX_S
-                    timeout = max(0.0, min(ARRIVAL_SETTLE_GAP_S, settle_until - time.monotonic()))
             if self.engine.has_unfinished():
                 self.step()
-
-
-# Arrival settling after idle (see Worker.run): wait up to GAP for the next message, at most MAX in all
-# (VOXCPM_ARRIVAL_SETTLE_MS, default 3; 0 disables).
-ARRIVAL_SETTLE_MAX_S = float(os.environ.get("VOXCPM_ARRIVAL_SETTLE_MS", "3")) / 1000
-ARRIVAL_SETTLE_GAP_S = min(0.0005, ARRIVAL_SETTLE_MAX_S)
 
 
 def worker_main(conn: Connection, model_path: str, device: str, config: dict[str, Any], log_level: int) -> None:
