@@ -149,8 +149,8 @@ def cfg_euler_step(x: torch.Tensor, v: torch.Tensor, cfg: torch.Tensor, dt: floa
     unconditional ones, which are rescaled by their optimal projection on the conditional ones and guided
     with per-row strength cfg (B, 1, 1)."""
     b = x.shape[0]
-    if (kernels(x) and x.dtype == v.dtype == cfg.dtype and x.is_contiguous() and v.is_contiguous()
-            and cfg.numel() == b and v.shape[0] == 2 * b and x[0].numel() <= 4096):
+    if (kernels(x) and x.dim() == 3 and x.dtype == v.dtype == cfg.dtype and x.is_contiguous()
+            and v.shape == (2 * b, *x.shape[1:]) and cfg.numel() == b and x[0].numel() <= 4096):
         return triton_kernels.cfg_euler_step(x, v, cfg.reshape(b), dt)
     v_cond, v_uncond = v[:b], v[b:]
     dot = (v_cond.reshape(b, -1) * v_uncond.reshape(b, -1)).sum(1, keepdim=True)

@@ -196,17 +196,19 @@ if HAVE_TRITON:
 
 
     @triton.jit
-    def _cfg_euler_kernel(x_ptr, v_ptr, cfg_ptr, o_ptr, n, batch, dt, stride_x, stride_v, stride_o,
-                          BLOCK: tl.constexpr):
+    def _cfg_euler_kernel(x_ptr, v_ptr, cfg_ptr, o_ptr, n, inner, batch, dt, stride_x, stride_vb, stride_vo,
+                          stride_vi, BLOCK: tl.constexpr):
         """One row: x - dt * (vu * s + cfg * (vc - vu * s)), s = <vc, vu> / (|vu|^2 + 1e-8), rounded to the
-        activation dtype at every point where the eager expression rounds."""
+        activation dtype at every point where the eager expression rounds. x and the output are contiguous
+        rows of n = outer * inner values; v's rows have strides (outer, inner) (the DiT's transposed output)."""
         row = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, BLOCK)
         m = i < n
+        v_off = (i // inner) * stride_vo + (i % inner) * stride_vi
         dtype = o_ptr.dtype.element_ty
         x = tl.load(x_ptr + row * stride_x + i, mask=m, other=0.0).to(tl.float32)
-        vc = tl.load(v_ptr + row * stride_v + i, mask=m, other=0.0).to(tl.float32)
-        vu = tl.load(v_ptr + (row + batch) * stride_v + i, mask=m, other=0.0).to(tl.float32)
+        vc = tl.load(v_ptr + row * stride_vb + v_off, mask=m, other=0.0).to(tl.float32)
+        vu = tl.load(v_ptr + (row + batch) * stride_vb + v_off, mask=m, other=0.0).to(tl.float32)
         dot = tl.sum((vc * vu).to(dtype).to(tl.float32), axis=0).to(dtype).to(tl.float32)
         norm = tl.sum((vu * vu).to(dtype).to(tl.float32), axis=0).to(dtype).to(tl.float32)
         norm = (norm + 1e-8).to(dtype).to(tl.float32)
@@ -217,7 +219,7 @@ if HAVE_TRITON:
         e = (cfg * d).to(dtype).to(tl.float32)
         f = (a + e).to(dtype).to(tl.float32)
         g = (dt * f).to(dtype).to(tl.float32)
-        tl.store(o_ptr + row * stride_o + i, (x - g).to(dtype), mask=m)
+        tl.store(o_ptr + row * n + i, (x - g).to(dtype), mask=m)
 
 
 # Snake's sin on CUDA: the hardware approximation (__nv_fast_sinf, abs error ~1e-6 near 0, growing ~|x| * 2^-22)
@@ -374,13 +376,11 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
 
 
 def cfg_euler_step(x: torch.Tensor, v: torch.Tensor, cfg: torch.Tensor, dt: float) -> torch.Tensor:
-    """x (B, ...) one Euler step with CFG-zero* guidance; v (2B, ...): conditional rows, then unconditional;
-    cfg (B,) per-row guidance. All one dtype; rows contiguous. One program per row."""
-    b = x.shape[0]
-    n = x[0].numel()
-    x2, v2 = x.reshape(b, n), v.reshape(2 * b, n)
-    out = torch.empty_like(x2)
+    """x (B, D, P) one Euler step with CFG-zero* guidance; v (2B, D, P) of any strides: conditional rows,
+    then unconditional; cfg (B,) per-row guidance. One dtype; x contiguous. One program per row."""
+    b, d, p = x.shape
+    out = torch.empty_like(x)
     if b:
-        _cfg_euler_kernel[(b,)](x2, v2, cfg, out, n, b, dt, x2.stride(0), v2.stride(0), out.stride(0),
-                                BLOCK=triton.next_power_of_2(n), num_warps=1 if n <= 512 else 4)
-    return out.view(x.shape)
+        _cfg_euler_kernel[(b,)](x, v, cfg, out, d * p, p, b, dt, d * p, v.stride(0), v.stride(1), v.stride(2),
+                                BLOCK=triton.next_power_of_2(d * p), num_warps=1 if d * p <= 512 else 4)
+    return out

@@ -132,10 +132,18 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
 
     def cfg_euler(dtype: torch.dtype) -> float:
         x = rand(3, 64, 4, dtype=dtype, seed=80)
-        v = rand(6, 64, 4, dtype=dtype, seed=81)
         cfg = (rand(3, 1, 1, dtype=torch.float32, seed=82).abs() + 1.0).to(dtype)
-        ref = fused.cfg_euler_step(x.cpu(), v.cpu(), cfg.cpu(), 0.0917).to(device)  # eager (CPU tensors)
-        return relative_error(triton_kernels.cfg_euler_step(x, v, cfg.reshape(3), 0.0917), ref)
+        errs = []
+        # v contiguous, and transposed as the DiT returns it ((2B, P, D) memory viewed as (2B, D, P))
+        for v in (rand(6, 64, 4, dtype=dtype, seed=81), rand(6, 4, 64, dtype=dtype, seed=81).transpose(1, 2)):
+            ref = fused.cfg_euler_step(x.cpu(), v.cpu(), cfg.cpu(), 0.0917).to(device)  # eager (CPU tensors)
+            errs.append(relative_error(triton_kernels.cfg_euler_step(x, v, cfg.reshape(3), 0.0917), ref))
+            # and the sampler's call (cfg (B, 1, 1), v as the DiT returns it) takes the kernel, not the eager ops
+            with mock.patch.object(fused, "kernels", triton_kernels.usable), \
+                    mock.patch.object(triton_kernels, "cfg_euler_step", wraps=triton_kernels.cfg_euler_step) as spy:
+                errs.append(relative_error(fused.cfg_euler_step(x, v, cfg, 0.0917), ref))
+            assert spy.call_count == 1, "fused.cfg_euler_step fell back to the eager ops"
+        return max(errs)
 
     return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "rotary_qk": rotary_qk, "dense_attention": dense,
             "snake": snake, "dwconv_snake": dwconv_snake, "residual_unit": residual_unit,
