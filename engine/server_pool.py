@@ -536,16 +536,18 @@ class VoxCPM:
                         gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
                         inference_timesteps: int = 10, block_size: int = 16,
                         attention_backend: str | None = None, num_kv_blocks: int | None = None,
-                        dtype: str | torch.dtype | None = None) -> AsyncVoxCPMServerPool | SyncVoxCPMServerPool:
+                        dtype: str | torch.dtype | None = None, pipeline_decode: bool | None = None
+                        ) -> AsyncVoxCPMServerPool | SyncVoxCPMServerPool:
         """Start one worker per device (default: every visible GPU, else the CPU). `model` is a checkpoint
-        directory or a hub repo id. Returns at once; `wait_for_ready()` waits for the model to load."""
+        directory or a hub repo id. Returns at once; `wait_for_ready()` waits for the model to load.
+        pipeline_decode: see EngineConfig (default: on for CUDA devices)."""
         from engine.config import parse_dtype
 
         config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                               gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                               attention_backend=attention_backend, inference_timesteps=inference_timesteps,
-                              num_kv_blocks=num_kv_blocks,
+                              num_kv_blocks=num_kv_blocks, pipeline_decode=pipeline_decode,
                               dtype=parse_dtype(dtype) if isinstance(dtype, str) else dtype)
         config.validate()
         names = _device_names(devices)

@@ -103,6 +103,7 @@ class Worker:
             "inference_timesteps": cfg.inference_timesteps,
             "attention_backend": self.engine.runner.backend,
             "cuda_graphs": len(self.engine.runner.graphs),
+            "pipelined_decode": self.engine.pipeline,
             "kv_blocks": len(self.engine.blocks.blocks),
             "block_size": cfg.block_size,
             "startup_s": self.engine.startup_s,

@@ -32,11 +32,14 @@ def checkpoint(checkpoint_factory):
     return checkpoint_factory("tiny-voxcpm2", stop="never")
 
 
-@pytest.fixture(scope="module")
-def pool(checkpoint):
-    p = VoxCPM.from_pretrained(str(checkpoint), max_num_seqs=4, max_model_len=256, block_size=4)
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "pipelined"])
+def pool(checkpoint, request):
+    """The pool's tests run on both decode loops: plain (the CPU default) and pipelined (the CUDA default)."""
+    p = VoxCPM.from_pretrained(str(checkpoint), max_num_seqs=4, max_model_len=256, block_size=4,
+                               pipeline_decode=request.param)
     assert isinstance(p, SyncVoxCPMServerPool)
     p.wait_for_ready(timeout=120)
+    assert p.get_model_info()["pipelined_decode"] is request.param
     yield p
     p.stop()
 
