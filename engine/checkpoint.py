@@ -152,6 +152,9 @@ def load_model(model: str | os.PathLike, device: torch.device | str = "cpu", dty
     backbone.to(device).eval()
     vae.to(device).eval()
     backbone.setup_rope(max_positions or cfg.max_length, device)
+    del main, vae_state
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # originals of converted (e.g. fp32 -> bf16) weights: back to the device
     log.info("loaded %s (%s, %s) on %s in %.1f s (%.1f s reading weights)", path, cfg.architecture, dtype, device,
              time.perf_counter() - t0, read_s)
     return LoadedModel(path=path, config=cfg, backbone=backbone, vae=vae, tokenizer=tokenizer)

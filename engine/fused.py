@@ -6,15 +6,15 @@ functions here run the Triton kernels of `engine.triton_kernels` (a residual add
 after it, q's rotary with k's, the local modules' rotary inside their attention, the VAE's Snake in one
 pass, the residual unit's depthwise conv reading its carried context in place with the next Snake fused in,
 its 1x1 conv and residual add as one GEMM, the sampler's CFG Euler step). The math is the eager expression
-with the same rounding points, so only fp32 summation order and transcendental ulps can differ. CPU keeps the
-eager ops (CI, exact parity). Set VOXCPM_FUSE=0 to disable all of it.
+with the same rounding points; what can differ is fp32 summation order, Triton's approximate fp32 division,
+the Snake's hardware sine approximation (VOXCPM_FAST_SIN=0: exact) and the VAE GEMM's TF32 and add order —
+all far below the bf16 model's and the TF32 convolutions' own error. CPU keeps the eager ops (CI, exact
+parity). Set VOXCPM_FUSE=0 to disable all of it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,8 @@ ENABLED = os.environ.get("VOXCPM_FUSE", "1") != "0"
 # residual add as one GEMM; "torch": the layers one by one (Snake kernel, concat, cuDNN convs, add). H100, B=64
 # step: 28.0 ms (torch) -> 26.1 ms (the conv kernel alone, before the Snake and GEMM fusions).
 VAE_DWCONV = os.environ.get("VOXCPM_VAE_DWCONV", "triton")
+if VAE_DWCONV not in ("triton", "torch"):
+    raise ValueError(f"VOXCPM_VAE_DWCONV={VAE_DWCONV!r}: use 'triton' (default) or 'torch'")
 
 
 def kernels(x: torch.Tensor) -> bool:
@@ -123,25 +125,14 @@ def pointwise_conv_residual(h: torch.Tensor, weight: torch.Tensor, bias: torch.T
                             residual: torch.Tensor) -> torch.Tensor:
     """residual + conv1d(h, weight (O, C, 1), bias) as one batched GEMM that adds the residual in its
     epilogue (no layout copies around a cuDNN conv, no separate add). Without autograd a contiguous `residual`
-    is consumed: the GEMM accumulates into it in place (out of place, the GEMM would first copy it).
-    fp32 follows cuDNN's TF32 policy (`torch.backends.cudnn.allow_tf32`), as the convolution it replaces."""
+    is consumed: the GEMM accumulates into it in place (out of place, the GEMM would first copy it). fp32
+    GEMMs follow the process's matmul TF32 setting, which the CUDA model runner aligns with cuDNN's."""
     w = weight[:, :, 0].expand(h.shape[0], -1, -1)  # stride 0 over the batch: no copy
-    with _matmul_tf32(h.is_cuda and torch.backends.cudnn.allow_tf32):
-        if residual.is_contiguous() and not torch.is_grad_enabled():
-            out = residual.baddbmm_(w, h)
-        else:
-            out = torch.baddbmm(residual, w, h)
+    if residual.is_contiguous() and not torch.is_grad_enabled():
+        out = residual.baddbmm_(w, h)
+    else:
+        out = torch.baddbmm(residual, w, h)
     return out if bias is None else out.add_(bias[:, None])
-
-
-@contextlib.contextmanager
-def _matmul_tf32(enabled: bool) -> Iterator[None]:
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = enabled
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 def cfg_euler_step(x: torch.Tensor, v: torch.Tensor, cfg: torch.Tensor, dt: float) -> torch.Tensor:
@@ -150,8 +141,8 @@ def cfg_euler_step(x: torch.Tensor, v: torch.Tensor, cfg: torch.Tensor, dt: floa
     with per-row strength cfg (B, 1, 1)."""
     b = x.shape[0]
     if (kernels(x) and x.dim() == 3 and x.dtype == v.dtype == cfg.dtype and x.is_contiguous()
-            and v.shape == (2 * b, *x.shape[1:]) and cfg.numel() == b and x[0].numel() <= 4096):
-        return triton_kernels.cfg_euler_step(x, v, cfg.reshape(b), dt)
+            and v.shape == (2 * b, *x.shape[1:]) and cfg.numel() == b and x.shape[1] * x.shape[2] <= 4096):
+        return triton_kernels.cfg_euler_step(x, v, cfg.reshape(b).contiguous(), dt)
     v_cond, v_uncond = v[:b], v[b:]
     dot = (v_cond.reshape(b, -1) * v_uncond.reshape(b, -1)).sum(1, keepdim=True)
     norm = v_uncond.reshape(b, -1).pow(2).sum(1, keepdim=True) + 1e-8

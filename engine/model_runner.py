@@ -146,6 +146,11 @@ class ModelRunner:
             # algorithm once, at warm-up, instead of its heuristic choice (VOXCPM_CUDNN_BENCHMARK=0: heuristic,
             # for a faster start-up: every bucket's new shapes are benchmarked).
             torch.backends.cudnn.benchmark = os.environ.get("VOXCPM_CUDNN_BENCHMARK", "1") != "0"
+            # The VAE's 1x1 convolutions run as fp32 GEMMs (fused.pointwise_conv_residual): give them cuDNN's TF32
+            # policy, as the convolutions they replace had (process-wide: a worker owns its process). A process on
+            # torch's newer fp32_precision API refuses the legacy flags: its own choice then stands.
+            with contextlib.suppress(RuntimeError):
+                torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32
         self.use_graphs = device.type == "cuda" and not enforce_eager
         # Second CUDA stream for the VAE decode, overlapped with the LMs (VOXCPM_VAE_STREAM=0: one stream).
         self.vae_stream = (torch.cuda.Stream(device) if device.type == "cuda"

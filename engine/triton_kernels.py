@@ -229,7 +229,8 @@ FAST_SIN = os.environ.get("VOXCPM_FAST_SIN", "1") != "0"
 
 
 def fast_sin() -> bool:
-    return FAST_SIN and not _is_interpreted()  # the interpreter has no fast_sinf
+    # fast_sinf is CUDA libdevice's: not in the interpreter, not on ROCm
+    return FAST_SIN and not _is_interpreted() and torch.version.hip is None
 
 
 MAX_DENSE_LEN = 64  # longest sequence `dense_attention` takes (LocEnc: patch + 1, DiT: 2 * patch + 3)

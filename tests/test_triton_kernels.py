@@ -115,9 +115,8 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         tf32 = torch.backends.cudnn.allow_tf32
         torch.backends.cudnn.allow_tf32 = False
         try:
-            with torch.no_grad(), mock.patch.object(fused, "kernels", triton_kernels.usable):
-                assert unit.fusable and fused.depthwise_conv_supported(chunks[0], None, unit.block[1].weight,
-                                                                       unit.block[1].bias, 3)
+            with torch.no_grad(), mock.patch.object(fused, "kernels", triton_kernels.usable), \
+                    mock.patch.object(fused, "pointwise_conv_residual", wraps=fused.pointwise_conv_residual) as spy:
                 states_ref, states = [torch.zeros(2, 8, 18, dtype=dtype, device=device)], [None]
                 states[0] = states_ref[0].clone()
                 for x in chunks:
@@ -126,6 +125,12 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                              relative_error(states[0], states_ref[0])]
                 full = torch.cat(chunks, dim=-1)
                 errs.append(relative_error(unit(full.clone()), full + unit.block(full)))
+                # a strided input (a block's first unit gets a trimmed transposed-conv output): out of place
+                wide = rand(2, 8, 40, dtype=dtype, seed=79)
+                strided = wide[..., 3:33]
+                errs.append(relative_error(unit(strided), strided + unit.block(strided)))
+                assert torch.equal(wide, rand(2, 8, 40, dtype=dtype, seed=79))  # its storage left alone
+                assert spy.call_count == len(chunks) + 2, "the residual unit did not take its kernel path"
         finally:
             torch.backends.cudnn.allow_tf32 = tf32
         return max(errs)

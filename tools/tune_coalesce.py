@@ -14,9 +14,11 @@ p95 at the rates that matter, without underruns.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -56,16 +58,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def start_service(a: argparse.Namespace, window_ms: float, log_path: Path) -> subprocess.Popen:
+    if not port_free(a.port):  # else /ready could be answered by some other (e.g. a leftover) service
+        raise RuntimeError(f"port {a.port} is in use")
     env = {**os.environ, "NANOVLLM_MODEL_PATH": a.model, "NANOVLLM_QUEUE_COALESCE_MS": str(window_ms),
            "NANOVLLM_PORT": str(a.port), "NANOVLLM_HOST": "127.0.0.1",
            "NANOVLLM_SERVERPOOL_MAX_NUM_SEQS": str(a.max_num_seqs)}
     if a.devices:
         env["NANOVLLM_DEVICES"] = a.devices
-    log = log_path.open("w")
-    # Its own process group, so that stopping it takes the engine's worker processes along.
-    return subprocess.Popen([sys.executable, "-m", "service.main"], cwd=bl.REPO, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    with log_path.open("w") as log:
+        # Its own process group, so that stopping it takes the engine's worker processes along.
+        return subprocess.Popen([sys.executable, "-m", "service.main"], cwd=bl.REPO, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
@@ -83,13 +96,22 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
 
 
 def stop_service(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
+    """SIGTERM the service's whole process group (its workers too, even if the service itself died), then
+    SIGKILL what is left after 60 s."""
+    for sig, wait_s in ((signal.SIGTERM, 60.0), (signal.SIGKILL, 10.0)):
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break  # the group is gone
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.2)
+            try:
+                os.killpg(proc.pid, 0)  # anyone left in the group?
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -106,9 +128,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         entry: dict[str, Any] = {"window_ms": window, "service_log": log_path.name}
         try:
             entry["ready_s"] = wait_ready(url, proc, a.ready_timeout)
-            entry["open_loop"] = bench_open_loop.main([
+            entry["open_loop"] = doc_window = bench_open_loop.main([
                 "--target", "http", "--url", url, "--rate", a.rate, "--duration", str(a.duration),
                 "--patches", str(a.patches)])
+            served = (doc_window.get("service") or {}).get("queue_coalesce_ms")
+            if proc.poll() is not None or served != window:
+                raise RuntimeError(f"measured a service with window {served} ms, not this one ({window} ms)")
         except Exception as e:  # noqa: BLE001 - one window failing must not lose the others
             entry["error"] = f"{type(e).__name__}: {e}"
         finally:
@@ -117,6 +142,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         bl.write_json(a.out, doc)
     print_summary(doc)
     return doc
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def print_summary(doc: dict[str, Any]) -> None:
@@ -132,4 +161,6 @@ def print_summary(doc: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
+    # A SIGTERM (e.g. from `timeout`) must still stop the running service: turn it into an exception.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     print(json.dumps({"windows_tried": len(main()["windows"])}))
