@@ -7,7 +7,7 @@
 # Device call:   command "bash tools/device_bench.sh", carry [".whl"]
 #
 # Each device command may run 10 minutes, so pick parts per call with PARTS (default "check ours nano"):
-#   PARTS="check" bash tools/device_bench.sh           # gpu_check only
+#   PARTS="test check" bash tools/device_bench.sh      # the CUDA tests (~2-4 min, mostly JIT), then gpu_check
 #   PARTS="profile" BASELINE=old bash tools/device_bench.sh   # step profile, of the tree in old/ too
 #   PARTS="ours nano" bash tools/device_bench.sh       # both benchmarks + comparison
 #   PARTS="nano" CONC=1,8 bash tools/device_bench.sh   # one peer, fewer concurrencies
@@ -23,7 +23,7 @@
 #
 # Knobs (environment): PARTS, CONC (1,8,32,64), ITERS (2), PATCHES (100), MODE (zeroshot|hifi),
 # PRESET (full-voxcpm2), CKPT (/tmp/full), BUDGET_S (total seconds this call may use, 580), T_CHECK / T_OURS / T_NANO (per-part
-# time limits, seconds), BENCH_ARGS (extra flags for both benchmarks), OURS_ARGS / NANO_ARGS (per engine),
+# time limits, seconds; T_TEST for the CUDA tests), BENCH_ARGS (extra flags for both benchmarks), OURS_ARGS / NANO_ARGS (per engine),
 # CHECK_ARGS (extra flags for gpu_check.py), PROFILE_BATCH (1,8,64), BASELINE, T_PROFILE. Files in $OUT:
 # device_bench.log, gpu_check.json, profile.json, profile_before.json, ours.json, nano.json, compare.md.
 set -uo pipefail
@@ -43,6 +43,7 @@ PRESET="${PRESET:-full-voxcpm2}"   # full-voxcpm0.5b for the VoxCPM-0.5B-size ta
 CKPT="${CKPT:-/tmp/full}"
 BUDGET_S="${BUDGET_S:-580}"
 T_CHECK="${T_CHECK:-240}"
+T_TEST="${T_TEST:-300}"
 T_OURS="${T_OURS:-330}"
 T_NANO="${T_NANO:-240}"
 T_PROFILE="${T_PROFILE:-150}"
@@ -153,6 +154,13 @@ log "parts: $PARTS; conc=$CONC iters=$ITERS mode=$MODE patches=${PATCHES:-defaul
 declare -A RC
 for part in $PARTS; do
     case $part in
+        test)
+            # The CUDA tests (kernels vs eager, graphs vs eager, paged attention); no checkpoint needed.
+            setup_wheels || { RC[$part]=setup; continue; }
+            run_limited "$T_TEST" pytest python3 -m pytest -p no:cacheprovider -q tests/test_triton_kernels.py \
+                tests/test_triton_attention.py tests/test_gpu_runtime.py
+            RC[$part]=$?
+            ;;
         check)
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
             # A failure here must not stop the benchmarks.
@@ -187,7 +195,7 @@ for part in $PARTS; do
                 --kernels --out "$OUT/profile.json" || RC[$part]=$?
             ;;
         *)
-            log "unknown part '$part' (known: check profile ours nano)"
+            log "unknown part '$part' (known: test check profile ours nano)"
             ;;
     esac
 done
