@@ -111,13 +111,10 @@ def depthwise_conv_supported(x: torch.Tensor, state: torch.Tensor | None, weight
 
 
 def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
-                          dilation: int, out_alpha: torch.Tensor | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                          dilation: int, out_alpha: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A residual unit's cat(carried context, x) -> dilated depthwise causal conv (stride 1) [-> Snake with
-    `out_alpha`] as one kernel: (output, new context), or None where the kernel does not apply (the caller
-    runs the layers). state (B, C, (K - 1) * dilation) or None for a full-sequence pass."""
-    if not depthwise_conv_supported(x, state, weight, bias, dilation):
-        return None
+    `out_alpha`] as one kernel: (output, new context). state (B, C, (K - 1) * dilation) or None for a
+    full-sequence pass. Only where `depthwise_conv_supported` (the caller checks, before its Snake)."""
     return triton_kernels.causal_depthwise_conv(x, state, weight, bias, dilation, out_alpha)
 
 

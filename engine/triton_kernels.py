@@ -136,6 +136,15 @@ if HAVE_TRITON:
             tl.store(ob + HALF + d, o2.to(dtype), mask=rmask)
 
     @triton.jit
+    def _snake(x, alpha, FAST_SIN: tl.constexpr):
+        """x + sin^2(alpha x) / alpha in fp32 (the official op order)."""
+        if FAST_SIN:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
+            s = libdevice.fast_sinf(alpha * x)
+        else:
+            s = tl.sin(alpha * x)
+        return x + (1.0 / (alpha + 1e-9)) * (s * s)
+
+    @triton.jit
     def _snake_kernel(x_ptr, alpha_ptr, o_ptr, channels, length, stride_b, stride_c, stride_t,
                       FAST_SIN: tl.constexpr, BLOCK: tl.constexpr):
         bc = tl.program_id(0).to(tl.int64)
@@ -143,12 +152,7 @@ if HAVE_TRITON:
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = t < length
         x = tl.load(x_ptr + b * stride_b + c * stride_c + t * stride_t, mask=mask, other=0.0).to(tl.float32)
-        alpha = tl.load(alpha_ptr + c).to(tl.float32)
-        if FAST_SIN:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
-            s = libdevice.fast_sinf(alpha * x)
-        else:
-            s = tl.sin(alpha * x)
-        out = x + (1.0 / (alpha + 1e-9)) * (s * s)
+        out = _snake(x, tl.load(alpha_ptr + c).to(tl.float32), FAST_SIN)
         tl.store(o_ptr + bc * length + t, out.to(o_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -180,13 +184,8 @@ if HAVE_TRITON:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + c).to(tl.float32)
         if OUT_SNAKE:  # the Snake after the conv, on the conv's output rounded to its dtype (the eager order)
-            acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-            alpha = tl.load(alpha_ptr + c).to(tl.float32)
-            if FAST_SIN:  # noqa: SIM108
-                s = libdevice.fast_sinf(alpha * acc)
-            else:
-                s = tl.sin(alpha * acc)
-            acc = acc + (1.0 / (alpha + 1e-9)) * (s * s)
+            acc = _snake(acc.to(y_ptr.dtype.element_ty).to(tl.float32), tl.load(alpha_ptr + c).to(tl.float32),
+                         FAST_SIN)
         tl.store(y_ptr + bc * length + t, acc.to(y_ptr.dtype.element_ty), mask=mask)
         if tl.program_id(1) == 0:  # the new carried context: the last `pad` samples of cat(state, x)
             i = tl.arange(0, BLOCK_P)
@@ -196,8 +195,8 @@ if HAVE_TRITON:
 
 
     @triton.jit
-    def _cfg_euler_kernel(x_ptr, v_ptr, cfg_ptr, o_ptr, n, inner, batch, dt, stride_x, stride_vb, stride_vo,
-                          stride_vi, BLOCK: tl.constexpr):
+    def _cfg_euler_kernel(x_ptr, v_ptr, cfg_ptr, o_ptr, n, inner, batch, dt, stride_vb, stride_vo, stride_vi,
+                          BLOCK: tl.constexpr):
         """One row: x - dt * (vu * s + cfg * (vc - vu * s)), s = <vc, vu> / (|vu|^2 + 1e-8), rounded to the
         activation dtype at every point where the eager expression rounds. x and the output are contiguous
         rows of n = outer * inner values; v's rows have strides (outer, inner) (the DiT's transposed output)."""
@@ -206,7 +205,7 @@ if HAVE_TRITON:
         m = i < n
         v_off = (i // inner) * stride_vo + (i % inner) * stride_vi
         dtype = o_ptr.dtype.element_ty
-        x = tl.load(x_ptr + row * stride_x + i, mask=m, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * n + i, mask=m, other=0.0).to(tl.float32)
         vc = tl.load(v_ptr + row * stride_vb + v_off, mask=m, other=0.0).to(tl.float32)
         vu = tl.load(v_ptr + (row + batch) * stride_vb + v_off, mask=m, other=0.0).to(tl.float32)
         dot = tl.sum((vc * vu).to(dtype).to(tl.float32), axis=0).to(dtype).to(tl.float32)
@@ -382,6 +381,6 @@ def cfg_euler_step(x: torch.Tensor, v: torch.Tensor, cfg: torch.Tensor, dt: floa
     b, d, p = x.shape
     out = torch.empty_like(x)
     if b:
-        _cfg_euler_kernel[(b,)](x, v, cfg, out, d * p, p, b, dt, d * p, v.stride(0), v.stride(1), v.stride(2),
+        _cfg_euler_kernel[(b,)](x, v, cfg, out, d * p, p, b, dt, v.stride(0), v.stride(1), v.stride(2),
                                 BLOCK=triton.next_power_of_2(d * p), num_warps=1 if d * p <= 512 else 4)
     return out

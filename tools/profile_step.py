@@ -97,33 +97,29 @@ def kernel_table(graph: torch.cuda.CUDAGraph, reps: int = 5, top: int = 15) -> d
 def host_step_ms(engine: LLMEngine, b: int, patches: int = 40) -> tuple[float, float]:
     """(engine.step() wall ms with b running streams, first-audio ms of a request added alone)."""
     ms = step_ms(engine, b, patches)
-    firsts = []
-    for i in range(5):
-        t0 = time.perf_counter()
-        seq_id = engine.add_request(TEXT + f" {i}", SamplingParams(seed=i, max_generate_length=1))
-        while not any(ev.seq_id == seq_id for ev in engine.step()):  # pipelined: read by the step after
-            pass
-        firsts.append(1000 * (time.perf_counter() - t0))
-    return ms, sorted(firsts)[len(firsts) // 2]
+    firsts = sorted(burst_first_audio(engine, 1, first=i)["ttfb_ms_p50"] for i in range(5))
+    return ms, firsts[len(firsts) // 2]
 
 
-def burst_first_audio(engine: LLMEngine, n: int) -> dict:
+def burst_first_audio(engine: LLMEngine, n: int, first: int = 0) -> dict:
     """n requests added at once (the benchmark's burst): wall ms until each has its first audio, and the wall
-    ms of every engine.step() until the last one has (where a burst's TTFB goes: prefills, then decodes)."""
+    ms of every engine.step() until the last one has (where a burst's TTFB goes: prefills, then decodes).
+    Request i (from `first`) has its own text suffix and seed."""
     t0 = time.perf_counter()
-    ids = {engine.add_request(TEXT + f" {i}", SamplingParams(seed=i, max_generate_length=3)) for i in range(n)}
-    first: dict[int, float] = {}
+    ids = {engine.add_request(TEXT + f" {i}", SamplingParams(seed=i, max_generate_length=3))
+           for i in range(first, first + n)}
+    firsts: dict[int, float] = {}
     steps = []
-    while len(first) < n:
+    while len(firsts) < n:
         s0 = time.perf_counter()
         events = engine.step()
         steps.append(round(1000 * (time.perf_counter() - s0), 2))
         for ev in events:
-            if ev.seq_id in ids and ev.seq_id not in first:
-                first[ev.seq_id] = 1000 * (time.perf_counter() - t0)
+            if ev.seq_id in ids and ev.seq_id not in firsts:
+                firsts[ev.seq_id] = 1000 * (time.perf_counter() - t0)
     while engine.has_unfinished():
         engine.step()
-    ttfb = sorted(first.values())
+    ttfb = sorted(firsts.values())
     return {"n": n, "ttfb_ms_p50": ttfb[n // 2], "ttfb_ms_max": ttfb[-1], "step_ms": steps}
 
 

@@ -252,15 +252,14 @@ class ResidualUnit(nn.Module):
         """The block in three kernels (see `fusable`); None where the conv kernel does not apply. Consumes x
         (the GEMM adds into it in place): a residual unit's input is always an intermediate of the VAE."""
         snake1, conv, snake2, pointwise = self.block
-        slot = conv.state_slot if states is not None else None
-        state = states[slot] if states is not None and slot is not None else None
+        streaming = states is not None and conv.state_slot is not None
+        state = states[conv.state_slot] if streaming else None
         if not fused.depthwise_conv_supported(x, state, conv.weight, conv.bias, conv.dilation[0]):
             return None
-        out = fused.causal_depthwise_conv(snake1(x), state, conv.weight, conv.bias, conv.dilation[0], snake2.alpha)
-        assert out is not None  # supported, checked above
-        h, new_state = out
-        if states is not None and slot is not None:
-            states[slot] = new_state
+        h, new_state = fused.causal_depthwise_conv(snake1(x), state, conv.weight, conv.bias, conv.dilation[0],
+                                                   snake2.alpha)
+        if streaming:
+            states[conv.state_slot] = new_state
         return fused.pointwise_conv_residual(h, pointwise.weight, pointwise.bias, x)
 
 
