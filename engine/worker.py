@@ -171,6 +171,7 @@ class Worker:
             return False
         if op == "generate":
             rid = msg[1]
+            log.debug("generate %s received", rid)
             try:
                 self._add(rid, msg[2])
             except RequestError as e:
@@ -221,7 +222,11 @@ class Worker:
             self._send_events(out)
             return
         self.steps += 1
-        self.step_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.step_seconds += dt
+        if log.isEnabledFor(logging.DEBUG):  # the timeline of a burst: arrivals (above), steps, first audio
+            log.debug("step %d: %.1f ms, %d events, %d waiting, %d running", self.steps, 1000 * dt, len(events),
+                      len(self.engine.scheduler.waiting), len(self.engine.scheduler.running))
         out = []
         for ev in events:
             rid = self.rid_of.get(ev.seq_id)
