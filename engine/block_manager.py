@@ -12,6 +12,7 @@ import hashlib
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.sequence import Sequence
@@ -25,15 +26,20 @@ class Block:
 
 
 def block_hashes(token_ids: list[int], feats: torch.Tensor, audio_mask: torch.Tensor, block_size: int) -> list[bytes]:
-    """Chained hashes of each full block of a prefill input."""
+    """Chained hashes of each full block of a prefill input (a block's token ids; with audio rows, also
+    the mask and those rows' features)."""
+    n = len(token_ids) // block_size * block_size
+    ids = np.asarray(token_ids[:n], dtype=np.int64).reshape(-1, block_size)
+    mask = audio_mask[:n].numpy().reshape(-1, block_size)
+    has_audio = mask.any(axis=1)
     hashes, prev = [], b""
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    for i in range(len(ids)):
         h = hashlib.blake2b(prev, digest_size=16)
-        h.update(torch.tensor(token_ids[start:start + block_size], dtype=torch.int64).numpy().tobytes())
-        rows = audio_mask[start:start + block_size]
-        if bool(rows.any()):
-            h.update(rows.numpy().tobytes())
-            h.update(feats[start:start + block_size][rows].float().contiguous().numpy().tobytes())
+        h.update(ids[i].tobytes())
+        if has_audio[i]:
+            rows = audio_mask[i * block_size:(i + 1) * block_size]
+            h.update(mask[i].tobytes())
+            h.update(feats[i * block_size:(i + 1) * block_size][rows].float().contiguous().numpy().tobytes())
         prev = h.digest()
         hashes.append(prev)
     return hashes

@@ -251,20 +251,30 @@ class ModelRunner:
                                     self.residual_cache.attend_fn(meta))
 
     # --- slots --------------------------------------------------------------------------------
-    def assign_slot(self, seq: Sequence) -> None:
-        """Give a sequence a state row; a new one gets a fresh VAE stream, a resumed one its saved state."""
-        seq.slot = self.free_slots.pop()
-        states = seq.saved_vae_state
-        for i, buf in enumerate(self.vae_states):
-            if states is None:
-                buf[seq.slot].zero_()
-            else:
-                buf[seq.slot].copy_(states[i])
-        if states is None and len(seq.prompt.context):
-            # Continuation: the VAE stream starts after the prompt's last patches (audio dropped).
-            self._decode_audio(torch.tensor([seq.slot], device=self.device),
-                               self._latents(seq.prompt.context.to(self.device)[None]))
-        seq.saved_vae_state = None
+    def assign_slots(self, seqs: list[Sequence]) -> None:
+        """Give sequences state rows: a new one a fresh VAE stream, a resumed one its saved state. Batched
+        (one op per state buffer, one VAE pass per context length), so a burst of new requests costs a
+        few dozen launches, not dozens per request."""
+        for seq in seqs:
+            seq.slot = self.free_slots.pop()
+        fresh = [s for s in seqs if s.saved_vae_state is None]
+        if fresh:
+            index = torch.tensor([s.slot for s in fresh], device=self.device)
+            for buf in self.vae_states:
+                buf.index_fill_(0, index, 0)
+        for seq in seqs:
+            if seq.saved_vae_state is not None:
+                for buf, state in zip(self.vae_states, seq.saved_vae_state, strict=True):
+                    buf[seq.slot].copy_(state)
+                seq.saved_vae_state = None
+        # Continuation: the VAE stream starts after the prompt's last patches (their audio dropped).
+        by_length: dict[int, list[Sequence]] = {}
+        for seq in fresh:
+            if len(seq.prompt.context):
+                by_length.setdefault(len(seq.prompt.context), []).append(seq)
+        for group in by_length.values():
+            context = torch.stack([s.prompt.context for s in group]).to(self.device)
+            self._decode_audio(torch.tensor([s.slot for s in group], device=self.device), self._latents(context))
 
     def release_slot(self, seq: Sequence, keep_state: bool = False) -> None:
         """Free a sequence's row (finished, aborted) or park its VAE stream state (preempted)."""
@@ -360,9 +370,7 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence]) -> None:
         """Fill both LMs' caches with each sequence's prompt (minus its prefix-cached blocks) and
         leave its slot ready for its first decode step."""
-        for seq in seqs:
-            if seq.slot is None:
-                self.assign_slot(seq)
+        self.assign_slots([s for s in seqs if s.slot is None])
         x = self.prefill_inputs(seqs)
         lm_h, res_h = self.prefill_buffered(x) if self._can_graph_prefill(x) else self.prefill_eager(x)
         dev = self.device

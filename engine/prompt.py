@@ -81,15 +81,16 @@ def build_prompt(tokenizer: TextTokenizer, cfg: VoxCPMConfig, target_text: str, 
         add_text([REF_AUDIO_START_TOKEN])
         add_audio(latents_to_patches(ref_latents, cfg, "ref_audio_latents"))
         add_text([REF_AUDIO_END_TOKEN])
-    text = prompt_text + target_text if prompt_latents is not None else target_text
-    add_text(tokenizer.encode(text) + [AUDIO_START_TOKEN])
+    target_ids = tokenizer.encode(target_text)
+    text_ids = tokenizer.encode(prompt_text + target_text) if prompt_latents is not None else target_ids
+    add_text(text_ids + [AUDIO_START_TOKEN])
     context = torch.zeros(0, p, d)
     if prompt_latents is not None:
         patches = latents_to_patches(prompt_latents, cfg, "prompt_latents")
         add_audio(patches)
         context = patches[-cfg.decode_context_patches:]
-    return Prompt(token_ids=ids, feats=torch.cat(feats), audio_mask=torch.tensor(audio, dtype=torch.bool),
-                  target_tokens=len(tokenizer.encode(target_text)), context=context)
+    return Prompt(token_ids=ids, feats=feats[0] if len(feats) == 1 else torch.cat(feats),
+                  audio_mask=torch.tensor(audio, dtype=torch.bool), target_tokens=len(target_ids), context=context)
 
 
 def max_patches(prompt: Prompt, max_generate_length: int) -> int:

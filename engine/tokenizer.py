@@ -83,6 +83,10 @@ class TextTokenizer:
         self._unk_id: int | None = self._vocab.get(unk_token) if unk_token is not None else None
         # Precomputed once: the set of multi-character pure-CJK vocab entries that get split.
         self._cjk_multichar: frozenset[str] = frozenset(p for p in self._vocab if _is_cjk_multichar(p))
+        # Every vocab string the split applies to (with or without the "▁" marker): a text with none of
+        # them (most text) maps piece by piece, without the per-piece marker strip.
+        self._split_pieces: frozenset[str] = frozenset(
+            p for p in self._vocab if p.replace(_METASPACE, "") in self._cjk_multichar)
         self._vocab_size = max(self._vocab.values()) + 1 if self._vocab else 0
 
     # ------------------------------------------------------------------ loading
@@ -225,7 +229,14 @@ class TextTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Official VoxCPM text ids for ``text`` (no BOS/EOS)."""
-        return self._to_ids(self.tokenize(text))
+        if not isinstance(text, str):
+            raise TypeError(f"expected str, got {type(text).__name__}")
+        pieces = self._backend.encode(text, add_special_tokens=False).tokens
+        if not self._split_pieces.isdisjoint(pieces):
+            return self._to_ids(self.tokenize(text))
+        vocab, unk = self._vocab, self._unk_id
+        ids = [vocab.get(piece, unk) for piece in pieces]
+        return ids if None not in ids else self._to_ids(pieces)  # _to_ids names the missing piece
 
     def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
