@@ -125,6 +125,9 @@ class DecodeBuffers:
         self.patch = z(rows, patch, feat_dim, dtype=dtype)
         self.stop = z(rows, dtype=torch.bool)
         self.audio = z(rows, samples, dtype=torch.float32)
+        # The VAE's own copies of its inputs when it runs behind the next step (ModelRunner.vae_overlap).
+        self.vae_index = torch.full((rows,), scratch_seq_slot, dtype=torch.long, device=device)
+        self.vae_patch = z(rows, patch, feat_dim, dtype=dtype)
 
 
 class ModelRunner:
@@ -155,6 +158,12 @@ class ModelRunner:
         # Second CUDA stream for the VAE decode, overlapped with the LMs (VOXCPM_VAE_STREAM=0: one stream).
         self.vae_stream = (torch.cuda.Stream(device) if device.type == "cuda"
                            and os.environ.get("VOXCPM_VAE_STREAM", "1") != "0" else None)
+        # With graphs, the VAE is its own graph on that stream, replayed behind the step that made its patch:
+        # it overlaps the next step's DiT instead of ending its own step (VOXCPM_VAE_OVERLAP=0: joined in-step).
+        self.vae_overlap = (self.vae_stream is not None and self.use_graphs
+                            and os.environ.get("VOXCPM_VAE_OVERLAP", "1") != "0")
+        self.vae_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.vae_inputs_taken: torch.cuda.Event | None = None  # the last VAE launch has copied its inputs
         p, d = self.cfg.patch_size, self.cfg.feat_dim
         self.samples_per_patch = p * model.vae.decode_chunk_size
         self.table_width = (max_model_len + block_size - 1) // block_size
@@ -200,6 +209,8 @@ class ModelRunner:
                                               self.table_width, p, d, self.cfg.lm.hidden_size,
                                               self.base_cache.scratch_slot, self.dtype, self.device)
         self.graphs.clear()
+        self.vae_graphs.clear()
+        self.vae_inputs_taken = None
         self.prefill_graphs.clear()
         self.host_out = []
 
@@ -219,6 +230,12 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         stats = torch.cuda.memory_stats(self.device)
         peak_extra = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+        if self.vae_overlap:  # its graphs' own pool is held beside the step's: count its peak once more
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._vae_forward(self.max_num_seqs)
+            torch.cuda.synchronize(self.device)
+            stats = torch.cuda.memory_stats(self.device)
+            peak_extra += stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
         self.base_cache = self.residual_cache = self.buffers = None
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
@@ -255,6 +272,8 @@ class ModelRunner:
         """Give sequences state rows: a new one a fresh VAE stream, a resumed one its saved state. Batched
         (one op per state buffer, one VAE pass per context length), so a burst of new requests costs a
         few dozen launches, not dozens per request."""
+        if seqs:
+            self.join_vae()
         for seq in seqs:
             seq.slot = self.free_slots.pop()
         fresh = [s for s in seqs if s.saved_vae_state is None]
@@ -281,6 +300,7 @@ class ModelRunner:
         if seq.slot is None:
             return
         if keep_state:
+            self.join_vae()
             seq.saved_vae_state = [buf[seq.slot].clone() for buf in self.vae_states]
         self.free_slots.append(seq.slot)
         seq.slot = None
@@ -381,6 +401,11 @@ class ModelRunner:
         self.prev_patch[index] = x.feats[x.last_rows].to(dev, self.dtype)
 
     # --- decode -------------------------------------------------------------------------------
+    def join_vae(self) -> None:
+        """Order this stream's next work after every VAE decode launched so far (before touching VAE states)."""
+        if self.vae_overlap and self.vae_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.vae_stream)
+
     def _latents(self, patches: torch.Tensor) -> torch.Tensor:
         """(B, N, P, D) patches -> (B, D, N * P) VAE input."""
         vae_dtype = self.vae_states[0].dtype if self.vae_states else torch.float32
@@ -394,8 +419,9 @@ class ModelRunner:
             buf[index] = state
         return audio.flatten(1)
 
-    def _decode_forward(self, batch: int, width: int) -> None:
-        """One decode step over the first `batch` rows of the static buffers (graph body)."""
+    def _decode_forward(self, batch: int, width: int, vae: bool = True) -> None:
+        """One decode step over the first `batch` rows of the static buffers (graph body); without `vae`, the
+        patch is left for `_vae_forward`."""
         buf = self.buffers
         assert buf is not None and self.base_cache is not None and self.residual_cache is not None
         index = buf.slot_index[:batch]
@@ -408,11 +434,12 @@ class ModelRunner:
         # The VAE needs only the patch and the LMs only the patch, so on CUDA they run side by side:
         # the VAE on a second stream (forked and joined inside the captured graph), the LMs on this one.
         # `patch` stays referenced until after the join, so its memory is not reused under the VAE.
-        side = self.vae_stream
+        side = self.vae_stream if vae else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            buf.audio[:batch] = self._decode_audio(index, self._latents(patch[:, None]))
+        if vae:
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                buf.audio[:batch] = self._decode_audio(index, self._latents(patch[:, None]))
         out = backbone.feed_back(patch, lm_hidden, buf.positions[:batch], self.base_cache.attend_fn(meta),
                                  self.residual_cache.attend_fn(meta))
         self.lm_hidden[index] = out.lm_hidden
@@ -423,6 +450,12 @@ class ModelRunner:
         if side is not None:
             torch.cuda.current_stream(self.device).wait_stream(side)
 
+    def _vae_forward(self, batch: int) -> None:
+        """The VAE decode of the patches in the VAE's input buffers (graph body, replayed on the VAE stream)."""
+        buf = self.buffers
+        assert buf is not None
+        buf.audio[:batch] = self._decode_audio(buf.vae_index[:batch], self._latents(buf.vae_patch[:batch, None]))
+
     @torch.inference_mode()
     def capture_graphs(self) -> float:
         """Capture the decode step for every bucket (largest first, sharing one memory pool)."""
@@ -430,10 +463,15 @@ class ModelRunner:
             return 0.0
         t0 = time.perf_counter()
         pool = None
+        vae_pool = None  # its own pool: a VAE graph runs while the next step's graph does
         for batch in reversed(graph_buckets(self.max_num_seqs)):
             self.graphs[batch] = graph = self._capture(f"decode B={batch}", self._decode_forward, batch,
-                                                       self.table_width, pool=pool)
+                                                       self.table_width, not self.vae_overlap, pool=pool)
             pool = graph.pool()
+            if self.vae_overlap:
+                self.vae_graphs[batch] = vae_graph = self._capture(f"vae B={batch}", self._vae_forward, batch,
+                                                                   pool=vae_pool, stream=self.vae_stream)
+                vae_pool = vae_graph.pool()
         if self.backend != "torch":  # graphed prefill needs the per-token (Triton) attention path
             for tokens in reversed(self.prefill_bucket_sizes):
                 self.prefill_graphs[tokens] = self._capture(f"prefill T={tokens}", self._prefill_forward, tokens,
@@ -441,14 +479,16 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
-    def _capture(self, name: str, body: Callable[..., None], *args: int, pool: Any) -> torch.cuda.CUDAGraph:
-        """Warm `body` up (kernels compiled, allocator primed) and capture it; both times go to capture_times."""
+    def _capture(self, name: str, body: Callable[..., None], *args: int | bool, pool: Any,
+                 stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:
+        """Warm `body` up (kernels compiled, allocator primed) and capture it (on `stream` when given, where it is
+        then replayed); both times go to capture_times."""
         t0 = time.perf_counter()
         body(*args)
         torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             body(*args)
         torch.cuda.synchronize(self.device)
         self.capture_times[name] = (t1 - t0, time.perf_counter() - t1)
@@ -490,6 +530,11 @@ class ModelRunner:
         pad = rows - b
         assert self.base_cache is not None
         scratch_kv = self.base_cache.scratch_slot
+        overlap = self.vae_overlap and graph_batch is not None
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if overlap and self.vae_inputs_taken is not None:
+            assert stream is not None
+            stream.wait_event(self.vae_inputs_taken)  # the last VAE launch has read slot_index and patch
         host = {
             "slot_index": torch.tensor([s.slot for s in seqs] + [self.scratch_slot] * pad),
             "positions": torch.tensor([s.num_tokens + ahead for s in seqs] + [0] * pad),
@@ -506,15 +551,30 @@ class ModelRunner:
             self.graphs[graph_batch].replay()
         else:
             self._decode_forward(b, width)
-        if self.device.type != "cuda":  # synchronous anyway; copies, because .cpu() would alias the buffers
+        if stream is None:  # CPU: synchronous anyway; copies, because .cpu() would alias the buffers
             out = (buf.patch[:b].to("cpu", torch.float32, copy=True), buf.stop[:b].clone(), buf.audio[:b].clone())
             return LaunchedDecode(seqs, out, None)
         patch, stop, audio = self._host_outputs()
         patch[:b].copy_(buf.patch[:b], non_blocking=True)
         stop[:b].copy_(buf.stop[:b], non_blocking=True)
-        audio[:b].copy_(buf.audio[:b], non_blocking=True)
+        if overlap:
+            # The VAE behind this step, on its stream: it takes copies of its inputs (the next step overwrites
+            # them after `vae_inputs_taken`) and decodes while the next step's graph runs.
+            side = self.vae_stream
+            assert side is not None and graph_batch is not None
+            side.wait_stream(stream)
+            with torch.cuda.stream(side):
+                buf.vae_index[:rows].copy_(buf.slot_index[:rows])
+                buf.vae_patch[:rows].copy_(buf.patch[:rows])
+                self.vae_inputs_taken = torch.cuda.Event()
+                self.vae_inputs_taken.record(side)
+                self.vae_graphs[graph_batch].replay()
+                audio[:b].copy_(buf.audio[:b], non_blocking=True)
+            stream = side  # done = the VAE's copy, which comes after everything of this step
+        else:
+            audio[:b].copy_(buf.audio[:b], non_blocking=True)
         done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self.device))
+        done.record(stream)
         return LaunchedDecode(seqs, (patch[:b], stop[:b], audio[:b]), done)
 
     def collect_decode(self, step: LaunchedDecode) -> list[PatchResult]:

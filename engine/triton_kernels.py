@@ -311,7 +311,7 @@ def dense_attention_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None,
-                    sin: torch.Tensor | None, heads_per_program: int | None = None) -> torch.Tensor:
+                    sin: torch.Tensor | None, heads_per_program: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """Bidirectional attention within each sequence: q (N, L, Hq, D), k/v (N, L, Hk, D) (unit stride in D),
     rotary rows cos/sin (L, D) fp32 applied to q and k first (None: no rotary) -> (N, L, Hq * D).
     heads_per_program: query heads sharing one program (and one load of K/V); None: VOXCPM_DENSE_HEADS
@@ -335,7 +335,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
             sin.stride(0) if sin is not None else 0,
             seq_len, dim ** -0.5, GROUP=group, HEADS=heads, HALF=dim // 2,
             BLOCK_L=max(16, triton.next_power_of_2(seq_len)), ROPE=rope,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps)
     return out
 
 
