@@ -90,11 +90,17 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return None
 
 
-def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+def snake(x: torch.Tensor, alpha: torch.Tensor, scale: torch.Tensor | None = None,
+          shift: torch.Tensor | None = None) -> torch.Tensor:
     """The VAE's Snake activation x + sin^2(alpha x) / alpha (the official op order): five passes over
-    the largest activations of the step when unfused."""
+    the largest activations of the step when unfused. With per-channel `scale` / `shift` ((C,)), of
+    x * scale + shift (in the same kernel on CUDA)."""
     if kernels(x) and x.dim() == 3:
-        return triton_kernels.snake(x, alpha)
+        return triton_kernels.snake(x, alpha, scale, shift)
+    if scale is not None:
+        x = x * scale[:, None]
+    if shift is not None:
+        x = x + shift[:, None]
     return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
 
 

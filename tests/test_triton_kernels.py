@@ -77,7 +77,14 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         x = rand(2, 6, 50, dtype=dtype, seed=9)[..., 5:42]  # a strided view, like a trimmed conv output
         alpha = rand(1, 6, 1, dtype=dtype, seed=10).abs() + 0.2
         ref = x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
-        return relative_error(triton_kernels.snake(x, alpha), ref)
+        scale, shift = rand(6, dtype=dtype, seed=11), rand(6, dtype=dtype, seed=12)
+        xa = x * scale[:, None] + shift[:, None]
+        ref_affine = xa + (alpha + 1e-9).reciprocal() * torch.sin(alpha * xa).pow(2)
+        xs = x + shift[:, None]
+        ref_shift = xs + (alpha + 1e-9).reciprocal() * torch.sin(alpha * xs).pow(2)
+        return max(relative_error(triton_kernels.snake(x, alpha), ref),
+                   relative_error(triton_kernels.snake(x, alpha, scale, shift), ref_affine),
+                   relative_error(triton_kernels.snake(x, alpha, None, shift), ref_shift))
 
     def dwconv_snake(dtype: torch.dtype) -> float:
         errs = []
@@ -135,6 +142,38 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             torch.backends.cudnn.allow_tf32 = tf32
         return max(errs)
 
+    def vae_decoder(dtype: torch.dtype) -> float:
+        """The streaming VAE decoder's kernel path (biases and the sample-rate condition carried into the next
+        Snake kernel) against its layers one by one, over three streamed chunks."""
+        from engine.models.audio_vae import AudioVAE, AudioVAEConfig, Decoder
+
+        torch.manual_seed(90)
+        cfg = AudioVAEConfig.from_dict({"encoder_dim": 4, "encoder_rates": [2, 2], "latent_dim": 8, "decoder_dim": 32,
+                                        "decoder_rates": [2, 3]}, version=2)
+        vae = AudioVAE(cfg, 2).to(device, dtype)
+        for name, param in vae.decoder.named_parameters():
+            if name.endswith("alpha"):
+                param.data.uniform_(0.3, 1.5)
+            elif name.endswith("bias") or "embed" in name:
+                param.data.uniform_(-0.5, 0.5)  # biases that matter: they are what the kernel path defers
+        errs = []
+        tf32 = torch.backends.cudnn.allow_tf32
+        torch.backends.cudnn.allow_tf32 = False
+        try:
+            with torch.no_grad():
+                ref, ours = vae.streaming_decoder(2), vae.streaming_decoder(2)
+                with mock.patch.object(Decoder, "_forward_deferred", wraps=vae.decoder._forward_deferred) as spy:
+                    for seed, n in enumerate((1, 3, 2)):
+                        z = rand(2, 8, n, dtype=dtype, seed=91 + seed)
+                        expected = ref.decode_chunk(z)  # off CUDA and unpatched: the layers one by one
+                        with mock.patch.object(fused, "kernels", triton_kernels.usable):
+                            errs.append(relative_error(ours.decode_chunk(z), expected))
+                        errs += [relative_error(a, b) for a, b in zip(ours.states, ref.states, strict=True)]
+                assert spy.call_count == 3, "the decoder did not take its kernel path"
+        finally:
+            torch.backends.cudnn.allow_tf32 = tf32
+        return max(errs)
+
     def cfg_euler(dtype: torch.dtype) -> float:
         x = rand(3, 64, 4, dtype=dtype, seed=80)
         cfg = (rand(3, 1, 1, dtype=torch.float32, seed=82).abs() + 1.0).to(dtype)
@@ -152,7 +191,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
 
     return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "rotary_qk": rotary_qk, "dense_attention": dense,
             "snake": snake, "dwconv_snake": dwconv_snake, "residual_unit": residual_unit,
-            "cfg_euler": cfg_euler}
+            "vae_decoder": vae_decoder, "cfg_euler": cfg_euler}
 
 
 def _interpreter_main() -> None:
@@ -178,7 +217,7 @@ def interpreter_results() -> dict[str, float]:
 
 
 CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "rotary_qk", "dense_attention", "snake",
-                                    "dwconv_snake", "residual_unit", "cfg_euler") for d in INTERPRETED]
+                                    "dwconv_snake", "residual_unit", "vae_decoder", "cfg_euler") for d in INTERPRETED]
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)

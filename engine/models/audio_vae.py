@@ -243,24 +243,30 @@ class ResidualUnit(nn.Module):
 
     def forward(self, x: Tensor, states: StreamStates | None = None) -> Tensor:
         if self.fusable and fused.kernels(x) and fused.VAE_DWCONV == "triton":
-            y = self._forward_fused(x, states)
+            y = self.forward_deferred(x, states)
             if y is not None:
-                return y
+                out, bias = y
+                return out if bias is None else out.add_(bias[:, None])
         return x + self.block(x, states)
 
-    def _forward_fused(self, x: Tensor, states: StreamStates | None) -> Tensor | None:
-        """The block in three kernels (see `fusable`); None where the conv kernel does not apply. Consumes x
-        (the GEMM adds into it in place): a residual unit's input is always an intermediate of the VAE."""
+    def forward_deferred(self, x: Tensor, states: StreamStates | None,
+                         pending: Tensor | None = None) -> tuple[Tensor, Tensor | None] | None:
+        """The block in three kernels (see `fusable`) with its output bias left out: for the input x + pending
+        (pending: a per-channel bias (C,) not yet added to x, or None), (y, bias) with output = y + bias. None where
+        the conv kernel does not apply (nothing consumed). Consumes x (the GEMM adds into it in place): a residual
+        unit's input is always an intermediate of the VAE."""
         snake1, conv, snake2, pointwise = self.block
         streaming = states is not None and conv.state_slot is not None
         state = states[conv.state_slot] if streaming else None
         if not fused.depthwise_conv_supported(x, state, conv.weight, conv.bias, conv.dilation[0]):
             return None
-        h, new_state = fused.causal_depthwise_conv(snake1(x), state, conv.weight, conv.bias, conv.dilation[0],
-                                                   snake2.alpha)
+        h, new_state = fused.causal_depthwise_conv(fused.snake(x, snake1.alpha, shift=pending), state, conv.weight,
+                                                   conv.bias, conv.dilation[0], snake2.alpha)
         if streaming:
             states[conv.state_slot] = new_state
-        return fused.pointwise_conv_residual(h, pointwise.weight, pointwise.bias, x)
+        out = fused.pointwise_conv_residual(h, pointwise.weight, None, x)
+        bias = pointwise.bias
+        return out, (bias if pending is None else pending if bias is None else pending + bias)
 
 
 class EncoderBlock(nn.Module):
@@ -324,9 +330,25 @@ class DecoderBlock(nn.Module):
                    ResidualUnit(out_dim, 9, groups)]
         self.block = _Chain(layers)
         self.input_channels = in_dim
+        self.deferrable = not use_noise_block and all(unit.fusable for unit in layers[2:])
 
     def forward(self, x: Tensor, states: StreamStates | None = None) -> Tensor:
         return self.block(x, states)
+
+    def forward_deferred(self, x: Tensor, states: StreamStates | None, scale: Tensor | None,
+                         shift: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """The block of the input x * scale + shift (per-channel, each optional, applied inside the Snake kernel)
+        with the residual units' biases left out: (y, bias) with output = y + bias (see ResidualUnit)."""
+        snake, upsample, *units = self.block
+        x = upsample(fused.snake(x, snake.alpha, scale, shift), states)
+        pending = None
+        for unit in units:
+            y = unit.forward_deferred(x, states, pending)
+            if y is None:  # the conv kernel does not apply: this unit the plain way, its input made whole
+                x, pending = unit(x if pending is None else x + pending[:, None], states), None
+            else:
+                x, pending = y
+        return x, pending
 
 
 class SampleRateConditionLayer(nn.Module):
@@ -350,6 +372,17 @@ class SampleRateConditionLayer(nn.Module):
             raise ValueError(f"invalid cond_type {cond_type!r}")
         self.out_layer = (_Chain([Snake1d(out_in_dim), CausalConv1d(out_in_dim, dim, 1, left_pad=0)])
                           if out_layer else None)
+
+    @property
+    def is_affine(self) -> bool:
+        """Whether the layer is a per-channel x * scale + shift (what `affine` returns)."""
+        return self.out_layer is None and self.cond_type in ("scale_bias", "scale_bias_init", "add")
+
+    def affine(self, sr_idx: int) -> tuple[Tensor | None, Tensor]:
+        """(scale or None, shift), each (C,), of an `is_affine` layer for one bucket."""
+        if self.cond_type == "add":
+            return None, self.cond_embed.weight[sr_idx]
+        return self.scale_embed.weight[sr_idx], self.bias_embed.weight[sr_idx]
 
     @staticmethod
     def _lookup(emb: nn.Embedding, sr_idx: int | Tensor) -> Tensor:
@@ -423,15 +456,42 @@ class Decoder(nn.Module):
 
     def forward(self, x: Tensor, sr_idx: int | Tensor | None = None,
                 states: StreamStates | None = None) -> Tensor:
-        if self.sr_cond_model is None:
-            return self.model(x, states)
-        if sr_idx is None:
+        if self.sr_cond_model is not None and sr_idx is None:
             raise ValueError("sample-rate conditioned decoder needs sr_idx")
-        for layer, cond in zip(self.model, self.sr_cond_model, strict=True):
+        conds = list(self.sr_cond_model) if self.sr_cond_model is not None else [None] * len(self.model)
+        if (self.deferrable and not isinstance(sr_idx, Tensor) and fused.kernels(x)
+                and fused.VAE_DWCONV == "triton"):
+            return self._forward_deferred(x, sr_idx, states, conds)
+        for layer, cond in zip(self.model, conds, strict=True):
             if cond is not None:
                 x = cond(x, sr_idx, states)
             x = layer(x, states)
         return x
+
+    @property
+    def deferrable(self) -> bool:
+        blocks_ok = all(layer.deferrable for layer in self.model if isinstance(layer, DecoderBlock))
+        return blocks_ok and all(cond.is_affine for cond in self.sr_cond_model or [] if cond is not None)
+
+    def _forward_deferred(self, x: Tensor, sr_idx: int | None, states: StreamStates | None,
+                          conds: list[SampleRateConditionLayer | None]) -> Tensor:
+        """The CUDA kernel path: each residual unit's output bias and each block's sample-rate condition are
+        applied inside the next Snake kernel (a per-channel shift / scale) instead of as passes of their own
+        over the activations (~30 full-size passes per step)."""
+        pending: Tensor | None = None  # per-channel bias not yet added to x
+        for layer, cond in zip(self.model, conds, strict=True):
+            if isinstance(layer, DecoderBlock):
+                scale, shift = cond.affine(sr_idx) if cond is not None and sr_idx is not None else (None, None)
+                if pending is not None:  # (x + pending) * scale + shift
+                    shift = (pending if scale is None else pending * scale) + (0 if shift is None else shift)
+                x, pending = layer.forward_deferred(x, states, scale, shift)
+            elif isinstance(layer, Snake1d) and pending is not None:
+                x, pending = fused.snake(x, layer.alpha, shift=pending), None
+            else:
+                if pending is not None:
+                    x, pending = x + pending[:, None], None
+                x = layer(x, states)
+        return x if pending is None else x + pending[:, None]
 
 
 # --------------------------------------------------------------------------------------------------
