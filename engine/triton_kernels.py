@@ -422,30 +422,26 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
 
 
 def causal_conv_transpose(x: torch.Tensor, state: torch.Tensor | None, weight_kio: torch.Tensor,
-                          bias: torch.Tensor | None, stride: int, tf32: bool,
-                          tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                          bias: torch.Tensor | None, stride: int, tf32: bool) -> torch.Tensor:
     """The streaming upsampler: conv_transpose1d(cat(state, x)) with weight (K, C_in, C_out) (the module's
     (C_in, C_out, K) weight, taps first), cut to the T * stride outputs of x's frames: frame m's outputs take
     tap j + r * stride from input frame m - r (state (B, C_in, ctx) before x; None: zeros) -> contiguous
     (B, C_out, T * stride). x and state may have any strides; no concatenation is made. fp32 inputs multiply in
-    TF32 when `tf32` (the policy of the convolution it replaces). tiles: (BM, BN, BK, warps) to override the
-    default tile (tools/bench_kernels.py sweeps them)."""
+    TF32 when `tf32` (the policy of the convolution it replaces)."""
     b, c_in, t = x.shape
     k, _, c_out = weight_kio.shape
     y = torch.empty((b, c_out, t * stride), dtype=x.dtype, device=x.device)
     if b and t:
         s = state if state is not None else x
         bm, bn = min(64, max(16, triton.next_power_of_2(c_out))), 64
-        bk, warps = min(32, max(16, triton.next_power_of_2(c_in))), 4
-        if tiles is not None:
-            bm, bn, bk, warps = tiles
+        bk = min(32, max(16, triton.next_power_of_2(c_in)))
         _conv_transpose_kernel[(triton.cdiv(c_out, bm), triton.cdiv(b * t, bn), stride)](
             x, s, weight_kio, bias if bias is not None else weight_kio, y, c_out, t, b * t,
             state.shape[-1] if state is not None else 0, x.stride(0), x.stride(1), x.stride(2),
             s.stride(0) if state is not None else 0, s.stride(1) if state is not None else 0,
             s.stride(2) if state is not None else 0, C_IN=c_in, STRIDE=stride, KERNEL=k, HAS_STATE=state is not None,
             HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk,
-            DOT_PRECISION="tf32" if tf32 and x.dtype == torch.float32 else "ieee", num_warps=warps)
+            DOT_PRECISION="tf32" if tf32 and x.dtype == torch.float32 else "ieee", num_warps=4)
     return y
 
 
