@@ -124,19 +124,6 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
     return triton_kernels.causal_depthwise_conv(x, state, weight, bias, dilation, out_alpha)
 
 
-def causal_conv_transpose(x: torch.Tensor, state: torch.Tensor | None, weight_kio: torch.Tensor,
-                          bias: torch.Tensor | None, stride: int) -> torch.Tensor | None:
-    """The VAE's streaming upsampler (see audio_vae.CausalConvTranspose1d) as one Triton implicit GEMM reading the
-    carried context in place and writing only the kept outputs, contiguous: no concatenation, no trimmed view,
-    no cuDNN algorithm search per batch size at start-up. weight_kio: (K, C_in, C_out). None where it does not
-    apply (the caller then runs the cuDNN path)."""
-    if not (kernels(x) and x.dim() == 3 and weight_kio.dtype == x.dtype and x.dtype == torch.float32):
-        return None
-    if state is not None and (state.shape[:2] != x.shape[:2] or state.dtype != x.dtype):
-        return None
-    return triton_kernels.causal_conv_transpose(x, state, weight_kio, bias, stride, torch.backends.cudnn.allow_tf32)
-
-
 def pointwise_conv_residual(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             residual: torch.Tensor) -> torch.Tensor:
     """residual + conv1d(h, weight (O, C, 1), bias) as one batched GEMM that adds the residual in its

@@ -199,41 +199,6 @@ if HAVE_TRITON:
 
 
     @triton.jit
-    def _conv_transpose_kernel(x_ptr, state_ptr, w_ptr, bias_ptr, y_ptr, c_out, length, total, ctx,
-                               stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
-                               C_IN: tl.constexpr, STRIDE: tl.constexpr, KERNEL: tl.constexpr, HAS_STATE: tl.constexpr,
-                               HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                               DOT_PRECISION: tl.constexpr):
-        """Output phase j of a transposed conv as an implicit GEMM: y[b, o, m * STRIDE + j] = bias[o] +
-        sum over taps k = j + r * STRIDE < KERNEL and input channels i of w[k, i, o] * cat(state, x)[b, i, ctx + m - r].
-        One program: BM output channels x BN (batch, frame) pairs (the batch folded into the GEMM's N)."""
-        j = tl.program_id(2)
-        co = tl.program_id(0) * BM + tl.arange(0, BM)
-        nn = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
-        b, m = nn // length, nn % length
-        co_ok, n_ok = co < c_out, nn < total
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for r in tl.static_range((KERNEL + STRIDE - 1) // STRIDE):
-            k = j + r * STRIDE
-            src = m - r  # input frame; < 0: from the carried context (zeros without one)
-            for c0 in range(0, C_IN, BK):
-                ci = c0 + tl.arange(0, BK)
-                ci_ok = ci < C_IN
-                xv = tl.load(x_ptr + b[None, :] * stride_xb + ci[:, None] * stride_xc + src[None, :] * stride_xt,
-                             mask=ci_ok[:, None] & (n_ok & (src >= 0))[None, :], other=0.0)
-                if HAS_STATE:
-                    xv += tl.load(state_ptr + b[None, :] * stride_sb + ci[:, None] * stride_sc
-                                  + (ctx + src)[None, :] * stride_st,
-                                  mask=ci_ok[:, None] & (n_ok & (src < 0) & (ctx + src >= 0))[None, :], other=0.0)
-                wv = tl.load(w_ptr + k * C_IN * c_out + ci[None, :] * c_out + co[:, None],
-                             mask=co_ok[:, None] & ci_ok[None, :] & (k < KERNEL), other=0.0)
-                acc += tl.dot(wv, xv, input_precision=DOT_PRECISION)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + co, mask=co_ok, other=0.0).to(tl.float32)[:, None]
-        out = y_ptr + b[None, :] * (c_out * length * STRIDE) + co[:, None] * (length * STRIDE) + m[None, :] * STRIDE + j
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=co_ok[:, None] & n_ok[None, :])
-
-    @triton.jit
     def _cfg_euler_kernel(x_ptr, v_ptr, cfg_ptr, o_ptr, n, inner, batch, dt, stride_vb, stride_vo, stride_vi,
                           BLOCK: tl.constexpr):
         """One row: x - dt * (vu * s + cfg * (vc - vu * s)), s = <vc, vu> / (|vu|^2 + 1e-8), rounded to the
@@ -419,30 +384,6 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
             OUT_SNAKE=out_alpha is not None, FAST_SIN=fast_sin(), BLOCK=block,
             BLOCK_P=triton.next_power_of_2(max(pad, 1)), num_warps=4)
     return y, new_state
-
-
-def causal_conv_transpose(x: torch.Tensor, state: torch.Tensor | None, weight_kio: torch.Tensor,
-                          bias: torch.Tensor | None, stride: int, tf32: bool) -> torch.Tensor:
-    """The streaming upsampler: conv_transpose1d(cat(state, x)) with weight (K, C_in, C_out) (the module's
-    (C_in, C_out, K) weight, taps first), cut to the T * stride outputs of x's frames: frame m's outputs take
-    tap j + r * stride from input frame m - r (state (B, C_in, ctx) before x; None: zeros) -> contiguous
-    (B, C_out, T * stride). x and state may have any strides; no concatenation is made. fp32 inputs multiply in
-    TF32 when `tf32` (the policy of the convolution it replaces)."""
-    b, c_in, t = x.shape
-    k, _, c_out = weight_kio.shape
-    y = torch.empty((b, c_out, t * stride), dtype=x.dtype, device=x.device)
-    if b and t:
-        s = state if state is not None else x
-        bm, bn = min(64, max(16, triton.next_power_of_2(c_out))), 64
-        bk = min(32, max(16, triton.next_power_of_2(c_in)))
-        _conv_transpose_kernel[(triton.cdiv(c_out, bm), triton.cdiv(b * t, bn), stride)](
-            x, s, weight_kio, bias if bias is not None else weight_kio, y, c_out, t, b * t,
-            state.shape[-1] if state is not None else 0, x.stride(0), x.stride(1), x.stride(2),
-            s.stride(0) if state is not None else 0, s.stride(1) if state is not None else 0,
-            s.stride(2) if state is not None else 0, C_IN=c_in, STRIDE=stride, KERNEL=k, HAS_STATE=state is not None,
-            HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk,
-            DOT_PRECISION="tf32" if tf32 and x.dtype == torch.float32 else "ieee", num_warps=4)
-    return y
 
 
 def cfg_euler_step(x: torch.Tensor, v: torch.Tensor, cfg: torch.Tensor, dt: float) -> torch.Tensor:

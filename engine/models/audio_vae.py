@@ -190,28 +190,9 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
     def state_shape(self) -> tuple[int, int] | None:
         return (self.in_channels, self.context) if self.context > 0 else None
 
-    def kernel_weight(self) -> Tensor:
-        """The weight as (K, C_in, C_out) for the Triton kernel, made once per weight version (fp32 VAE: ~165 MB
-        for VoxCPM2's upsamplers, next to the ~180 MB of their weights)."""
-        key = (self.weight.data_ptr(), self.weight._version)
-        cached = getattr(self, "_kernel_weight", None)
-        if cached is None or cached[0] != key:
-            cached = (key, self.weight.detach().permute(2, 0, 1).contiguous())
-            self._kernel_weight = cached
-        return cached[1]
-
     def forward(self, x: Tensor, states: StreamStates | None = None) -> Tensor:  # type: ignore[override]
         stride = self.stride[0]
-        streaming = states is not None and self.state_slot is not None
-        if fused.kernels(x) and fused.VAE_DWCONV == "triton":
-            state = states[self.state_slot] if streaming else None
-            y = fused.causal_conv_transpose(x, state, self.kernel_weight(), self.bias, stride)
-            if y is not None:
-                if streaming:
-                    tail = x if x.shape[-1] >= self.context else torch.cat([state, x], dim=-1)
-                    states[self.state_slot] = tail[..., tail.shape[-1] - self.context:]
-                return y
-        if not streaming:
+        if states is None or self.state_slot is None:
             y = F.conv_transpose1d(x, self.weight, self.bias, stride)
             return y[..., : y.shape[-1] - self.right_trim]
         n_new = x.shape[-1]
