@@ -5,9 +5,11 @@ unfused, every RMSNorm, rotary embedding, SiLU gate and residual add is 4-10 tin
 functions here run the Triton kernels of `engine.triton_kernels` (a residual add together with the norm
 after it, q's rotary with k's, the local modules' rotary inside their attention, the VAE's Snake in one
 pass, the residual unit's depthwise conv reading its carried context in place with the next Snake fused in,
-its 1x1 conv and residual add as one GEMM, the sampler's CFG Euler step). The math is the eager expression
-with the same rounding points; what can differ is fp32 summation order, Triton's approximate fp32 division,
-the Snake's hardware sine approximation (VOXCPM_FAST_SIN=0: exact) and the VAE GEMM's TF32 and add order —
+its 1x1 conv and residual add as one GEMM, the decoder's biases and sample-rate condition carried into the next
+Snake as a per-channel affine, the sampler's CFG Euler step). The math is the eager expression with the same
+rounding points; what can differ is fp32 summation order, Triton's approximate fp32 division, the Snake's
+hardware sine approximation (VOXCPM_FAST_SIN=0: exact), the deferred biases' add order (and an fp32 FMA where
+the condition multiplies and adds) and the VAE GEMM's TF32 and add order —
 all far below the bf16 model's and the TF32 convolutions' own error. CPU keeps the eager ops (CI, exact
 parity). Set VOXCPM_FUSE=0 to disable all of it.
 """
@@ -22,7 +24,8 @@ import torch.nn.functional as F
 from engine import triton_kernels
 
 ENABLED = os.environ.get("VOXCPM_FUSE", "1") != "0"
-# The VAE residual unit on CUDA (VOXCPM_VAE_DWCONV): "triton" (default) Snake kernel, a Triton depthwise conv that
+# The VAE decoder on CUDA (VOXCPM_VAE_DWCONV): "triton" (default) the deferred-bias path of audio_vae.Decoder, whose
+# residual unit is a Snake kernel, a Triton depthwise conv that
 # reads the carried context in place and applies the second Snake to its output, then the 1x1 conv and the
 # residual add as one GEMM; "torch": the layers one by one (Snake kernel, concat, cuDNN convs, add). H100, B=64
 # step: 28.0 ms (torch) -> 26.1 ms (the conv kernel alone, before the Snake and GEMM fusions).
