@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -21,23 +22,12 @@ import torch  # noqa: E402
 from engine import triton_kernels  # noqa: E402
 from engine.config import VoxCPMConfig  # noqa: E402
 from engine.models.minicpm import rotary_table  # noqa: E402
+from tools.profile_step import graph_ms  # noqa: E402
 
 
-def replay_us(fn, reps: int = 50) -> float:
-    """Mean microseconds of `fn` captured in a CUDA graph and replayed `reps` times."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / reps
+def replay_us(fn: Callable[[], object]) -> float:
+    """Mean microseconds of `fn` captured in a CUDA graph and replayed."""
+    return 1000 * graph_ms(fn, reps=50)
 
 
 def main() -> None:
