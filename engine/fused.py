@@ -127,6 +127,25 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
     return triton_kernels.causal_depthwise_conv(x, state, weight, bias, dilation, out_alpha)
 
 
+def causal_conv_transpose(x: torch.Tensor, state: torch.Tensor | None, weight_taps: torch.Tensor,
+                          bias: torch.Tensor | None, stride: int, kernel: int) -> torch.Tensor | None:
+    """The VAE's streaming upsampler (audio_vae.CausalConvTranspose1d) as one GEMM of every tap over the context
+    and the new frames (cuBLAS, under the matmul TF32 policy that the runner aligns with cuDNN's) and one Triton
+    overlap-add writing only the kept outputs, contiguous: no cuDNN algorithm search per batch size at start-up,
+    no trimmed view. weight_taps: (kernel * C_out, C_in), rows ordered (tap, channel). state (B, C_in, ctx) or
+    None (zeros). None where it does not apply (the caller then runs cuDNN)."""
+    if not (kernels(x) and x.dim() == 3 and weight_taps.dtype == x.dtype):
+        return None
+    ctx = (kernel - 1) // stride
+    if state is None:
+        xin = F.pad(x, (ctx, 0))
+    elif state.shape == (x.shape[0], x.shape[1], ctx) and state.dtype == x.dtype:
+        xin = torch.cat([state, x], dim=-1)
+    else:
+        return None
+    return triton_kernels.overlap_add(torch.matmul(weight_taps, xin), bias, stride, kernel, ctx)
+
+
 def pointwise_conv_residual(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             residual: torch.Tensor) -> torch.Tensor:
     """residual + conv1d(h, weight (O, C, 1), bias) as one batched GEMM that adds the residual in its

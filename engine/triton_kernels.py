@@ -199,6 +199,27 @@ if HAVE_TRITON:
 
 
     @triton.jit
+    def _overlap_add_kernel(g_ptr, bias_ptr, y_ptr, c_out, frames, out_len, ctx, STRIDE: tl.constexpr,
+                            KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+        """One (batch, channel) row of a transposed conv from its per-tap products g (B, KERNEL * c_out, frames),
+        rows ordered (tap, channel): y[t] = bias + sum over taps k = t % STRIDE + r * STRIDE of
+        g[k, t // STRIDE + ctx - r]."""
+        bc = tl.program_id(0).to(tl.int64)
+        b, c = bc // c_out, bc % c_out
+        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = t < out_len
+        j, m = t % STRIDE, t // STRIDE
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        g_b = g_ptr + b * (KERNEL * c_out * frames)
+        for r in tl.static_range((KERNEL + STRIDE - 1) // STRIDE):
+            k = j + r * STRIDE
+            acc += tl.load(g_b + (k * c_out + c) * frames + m + ctx - r, mask=mask & (k < KERNEL),
+                           other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + c).to(tl.float32)
+        tl.store(y_ptr + bc * out_len + t, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _cfg_euler_kernel(x_ptr, v_ptr, cfg_ptr, o_ptr, n, inner, batch, dt, stride_vb, stride_vo, stride_vi,
                           BLOCK: tl.constexpr):
         """One row: x - dt * (vu * s + cfg * (vc - vu * s)), s = <vc, vu> / (|vu|^2 + 1e-8), rounded to the
@@ -384,6 +405,20 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
             OUT_SNAKE=out_alpha is not None, FAST_SIN=fast_sin(), BLOCK=block,
             BLOCK_P=triton.next_power_of_2(max(pad, 1)), num_warps=4)
     return y, new_state
+
+
+def overlap_add(g: torch.Tensor, bias: torch.Tensor | None, stride: int, kernel: int, ctx: int) -> torch.Tensor:
+    """The transposed conv's outputs from its per-tap products: g (B, kernel * C_out, F) contiguous, rows ordered
+    (tap, channel), F = ctx + T input frames (the first ctx the carried context) -> (B, C_out, T * stride)."""
+    b, rows, frames = g.shape
+    c_out, out_len = rows // kernel, (frames - ctx) * stride
+    y = torch.empty((b, c_out, out_len), dtype=g.dtype, device=g.device)
+    if b and c_out and out_len:
+        block = _time_block(out_len)
+        _overlap_add_kernel[(b * c_out, triton.cdiv(out_len, block))](
+            g, bias if bias is not None else g, y, c_out, frames, out_len, ctx, STRIDE=stride, KERNEL=kernel,
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return y
 
 
 def cfg_euler_step(x: torch.Tensor, v: torch.Tensor, cfg: torch.Tensor, dt: float) -> torch.Tensor:

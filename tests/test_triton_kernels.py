@@ -142,6 +142,40 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             torch.backends.cudnn.allow_tf32 = tf32
         return max(errs)
 
+    def conv_transpose(dtype: torch.dtype) -> float:
+        """The VAE upsampler's kernel path (one GEMM of every tap + the overlap-add kernel) against the module's
+        cuDNN path, over streamed chunks (one shorter than the context) and a full-sequence pass, with the new
+        context."""
+        from engine.models.audio_vae import CausalConvTranspose1d
+
+        errs = []
+        tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            for seed, (c_in, c_out, stride) in enumerate(((32, 16, 2), (16, 40, 5), (64, 16, 8))):
+                torch.manual_seed(100 + seed)
+                conv = CausalConvTranspose1d(c_in, c_out, 2 * stride, stride, stride).to(device, dtype)
+                conv.state_slot = 0
+                states_ref = [rand(2, c_in, conv.context, dtype=dtype, seed=110 + seed)]
+                states = [states_ref[0].clone()]
+                with torch.no_grad(), mock.patch.object(fused, "causal_conv_transpose",
+                                                        wraps=fused.causal_conv_transpose) as spy:
+                    for n in (1, 3, 7):
+                        x = rand(2, c_in, n + 2, dtype=dtype, seed=120 + n)[..., 1:n + 1]  # a strided view
+                        with mock.patch.object(fused, "kernels", lambda x: False):
+                            ref = conv(x, states_ref)
+                        with mock.patch.object(fused, "kernels", triton_kernels.usable):
+                            errs += [relative_error(conv(x, states), ref), relative_error(states[0], states_ref[0])]
+                    x = rand(2, c_in, 9, dtype=dtype, seed=130)
+                    with mock.patch.object(fused, "kernels", lambda x: False):
+                        ref = conv(x)
+                    with mock.patch.object(fused, "kernels", triton_kernels.usable):
+                        errs.append(relative_error(conv(x), ref))
+                    assert spy.call_count == 4, "the upsampler did not take its kernel path"
+        finally:
+            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+        return max(errs)
+
     def vae_decoder(dtype: torch.dtype) -> float:
         """The streaming VAE decoder's kernel path (biases and the sample-rate condition carried into the next
         Snake kernel) against its layers one by one, over three streamed chunks."""
@@ -192,7 +226,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
 
     return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "rotary_qk": rotary_qk, "dense_attention": dense,
             "snake": snake, "dwconv_snake": dwconv_snake, "residual_unit": residual_unit,
-            "vae_decoder": vae_decoder, "cfg_euler": cfg_euler}
+            "conv_transpose": conv_transpose, "vae_decoder": vae_decoder, "cfg_euler": cfg_euler}
 
 
 def _interpreter_main() -> None:
@@ -218,7 +252,8 @@ def interpreter_results() -> dict[str, float]:
 
 
 CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "rotary_qk", "dense_attention", "snake",
-                                    "dwconv_snake", "residual_unit", "vae_decoder", "cfg_euler") for d in INTERPRETED]
+                                    "dwconv_snake", "residual_unit", "conv_transpose", "vae_decoder", "cfg_euler")
+              for d in INTERPRETED]
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)

@@ -190,9 +190,29 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
     def state_shape(self) -> tuple[int, int] | None:
         return (self.in_channels, self.context) if self.context > 0 else None
 
+    def tap_weight(self) -> Tensor:
+        """The weight as (K * C_out, C_in), rows ordered (tap, channel), for `fused.causal_conv_transpose`; made
+        once per weight version (VoxCPM2's fp32 upsamplers: ~165 MB beside their own ~165 MB)."""
+        key = (self.weight.data_ptr(), self.weight._version)
+        cached = getattr(self, "_tap_weight", None)
+        if cached is None or cached[0] != key:
+            k, c_out = self.kernel_size[0], self.out_channels
+            cached = (key, self.weight.detach().permute(2, 1, 0).reshape(k * c_out, self.in_channels).contiguous())
+            self._tap_weight = cached
+        return cached[1]
+
     def forward(self, x: Tensor, states: StreamStates | None = None) -> Tensor:  # type: ignore[override]
         stride = self.stride[0]
-        if states is None or self.state_slot is None:
+        streaming = states is not None and self.state_slot is not None
+        if fused.kernels(x) and fused.VAE_DWCONV == "triton":
+            state = states[self.state_slot] if streaming else None
+            y = fused.causal_conv_transpose(x, state, self.tap_weight(), self.bias, stride, self.kernel_size[0])
+            if y is not None:
+                if streaming:
+                    tail = x if x.shape[-1] >= self.context else torch.cat([state, x], dim=-1)
+                    states[self.state_slot] = tail[..., tail.shape[-1] - self.context:]
+                return y
+        if not streaming:
             y = F.conv_transpose1d(x, self.weight, self.bias, stride)
             return y[..., : y.shape[-1] - self.right_trim]
         n_new = x.shape[-1]
