@@ -30,6 +30,11 @@ ENABLED = os.environ.get("VOXCPM_FUSE", "1") != "0"
 # residual add as one GEMM; "torch": the layers one by one (Snake kernel, concat, cuDNN convs, add). H100, B=64
 # step: 28.0 ms (torch) -> 26.1 ms (the conv kernel alone, before the Snake and GEMM fusions).
 VAE_DWCONV = os.environ.get("VOXCPM_VAE_DWCONV", "triton")
+# The decoder's upsamplers on CUDA (VOXCPM_VAE_UPSAMPLER): "cudnn" (default) the transposed conv with cuDNN's
+# benchmarked algorithm per batch bucket; "gemm": `causal_conv_transpose` (no algorithm search at start-up).
+VAE_UPSAMPLER = os.environ.get("VOXCPM_VAE_UPSAMPLER", "cudnn")
+if VAE_UPSAMPLER not in ("cudnn", "gemm"):
+    raise ValueError(f"VOXCPM_VAE_UPSAMPLER={VAE_UPSAMPLER!r}: use 'cudnn' (default) or 'gemm'")
 if VAE_DWCONV not in ("triton", "torch"):
     raise ValueError(f"VOXCPM_VAE_DWCONV={VAE_DWCONV!r}: use 'triton' (default) or 'torch'")
 
@@ -133,17 +138,20 @@ def causal_conv_transpose(x: torch.Tensor, state: torch.Tensor | None, weight_ta
     and the new frames (cuBLAS, under the matmul TF32 policy that the runner aligns with cuDNN's) and one Triton
     overlap-add writing only the kept outputs, contiguous: no cuDNN algorithm search per batch size at start-up,
     no trimmed view. weight_taps: (kernel * C_out, C_in), rows ordered (tap, channel). state (B, C_in, ctx) or
-    None (zeros). None where it does not apply (the caller then runs cuDNN)."""
+    None (zeros). None where it does not apply (the caller then runs cuDNN). Used with VOXCPM_VAE_UPSAMPLER=gemm
+    (H100, before the frame padding: start-up 24 -> 16 s, VAE at B=1 0.81 -> 0.60 ms, but B=128 11.7 -> 17.4 ms,
+    7.1 ms of it two unaligned GEMMs; the padding is not yet timed)."""
     if not (kernels(x) and x.dim() == 3 and weight_taps.dtype == x.dtype):
         return None
+    b, c, n = x.shape
     ctx = (kernel - 1) // stride
-    if state is None:
-        xin = F.pad(x, (ctx, 0))
-    elif state.shape == (x.shape[0], x.shape[1], ctx) and state.dtype == x.dtype:
-        xin = torch.cat([state, x], dim=-1)
-    else:
+    if state is not None and (state.shape != (b, c, ctx) or state.dtype != x.dtype):
         return None
-    return triton_kernels.overlap_add(torch.matmul(weight_taps, xin), bias, stride, kernel, ctx)
+    # Frames padded to a multiple of 4: cuBLAS's fast kernels need 16-byte aligned rows (odd rows: "align1" ones).
+    pad = -(ctx + n) % 4
+    head = state if state is not None else x.new_zeros(b, c, ctx)
+    xin = torch.cat([head, x, x.new_zeros(b, c, pad)] if pad else [head, x], dim=-1)
+    return triton_kernels.overlap_add(torch.matmul(weight_taps, xin), bias, stride, kernel, ctx, n)
 
 
 def pointwise_conv_residual(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

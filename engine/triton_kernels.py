@@ -407,11 +407,13 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
     return y, new_state
 
 
-def overlap_add(g: torch.Tensor, bias: torch.Tensor | None, stride: int, kernel: int, ctx: int) -> torch.Tensor:
+def overlap_add(g: torch.Tensor, bias: torch.Tensor | None, stride: int, kernel: int, ctx: int,
+                length: int) -> torch.Tensor:
     """The transposed conv's outputs from its per-tap products: g (B, kernel * C_out, F) contiguous, rows ordered
-    (tap, channel), F = ctx + T input frames (the first ctx the carried context) -> (B, C_out, T * stride)."""
+    (tap, channel), over ctx + `length` input frames (the first ctx the carried context; F may be larger, padding)
+    -> (B, C_out, length * stride)."""
     b, rows, frames = g.shape
-    c_out, out_len = rows // kernel, (frames - ctx) * stride
+    c_out, out_len = rows // kernel, length * stride
     y = torch.empty((b, c_out, out_len), dtype=g.dtype, device=g.device)
     if b and c_out and out_len:
         block = _time_block(out_len)

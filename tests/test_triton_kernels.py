@@ -158,8 +158,8 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                 conv.state_slot = 0
                 states_ref = [rand(2, c_in, conv.context, dtype=dtype, seed=110 + seed)]
                 states = [states_ref[0].clone()]
-                with torch.no_grad(), mock.patch.object(fused, "causal_conv_transpose",
-                                                        wraps=fused.causal_conv_transpose) as spy:
+                with torch.no_grad(), mock.patch.object(fused, "VAE_UPSAMPLER", "gemm"), \
+                        mock.patch.object(fused, "causal_conv_transpose", wraps=fused.causal_conv_transpose) as spy:
                     for n in (1, 3, 7):
                         x = rand(2, c_in, n + 2, dtype=dtype, seed=120 + n)[..., 1:n + 1]  # a strided view
                         with mock.patch.object(fused, "kernels", lambda x: False):
@@ -191,22 +191,23 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             elif name.endswith("bias") or "embed" in name:
                 param.data.uniform_(-0.5, 0.5)  # biases that matter: they are what the kernel path defers
         errs = []
-        tf32 = torch.backends.cudnn.allow_tf32
-        torch.backends.cudnn.allow_tf32 = False
+        tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
         try:
-            with torch.no_grad():
-                ref, ours = vae.streaming_decoder(2), vae.streaming_decoder(2)
-                with mock.patch.object(Decoder, "_forward_deferred", wraps=vae.decoder._forward_deferred) as spy:
-                    for seed, n in enumerate((1, 3, 2)):
-                        z = rand(2, 8, n, dtype=dtype, seed=91 + seed)
-                        with mock.patch.object(fused, "kernels", lambda x: False):  # the layers one by one, eager
-                            expected = ref.decode_chunk(z)
-                        with mock.patch.object(fused, "kernels", triton_kernels.usable):
-                            errs.append(relative_error(ours.decode_chunk(z), expected))
-                        errs += [relative_error(a, b) for a, b in zip(ours.states, ref.states, strict=True)]
-                assert spy.call_count == 3, "the decoder did not take its kernel path"
+            for upsampler in ("cudnn", "gemm"):
+                with torch.no_grad(), mock.patch.object(fused, "VAE_UPSAMPLER", upsampler):
+                    ref, ours = vae.streaming_decoder(2), vae.streaming_decoder(2)
+                    with mock.patch.object(Decoder, "_forward_deferred", wraps=vae.decoder._forward_deferred) as spy:
+                        for seed, n in enumerate((1, 3, 2)):
+                            z = rand(2, 8, n, dtype=dtype, seed=91 + seed)
+                            with mock.patch.object(fused, "kernels", lambda x: False):  # the layers one by one
+                                expected = ref.decode_chunk(z)
+                            with mock.patch.object(fused, "kernels", triton_kernels.usable):
+                                errs.append(relative_error(ours.decode_chunk(z), expected))
+                            errs += [relative_error(a, b) for a, b in zip(ours.states, ref.states, strict=True)]
+                    assert spy.call_count == 3, "the decoder did not take its kernel path"
         finally:
-            torch.backends.cudnn.allow_tf32 = tf32
+            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
         return max(errs)
 
     def cfg_euler(dtype: torch.dtype) -> float:

@@ -204,7 +204,7 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
     def forward(self, x: Tensor, states: StreamStates | None = None) -> Tensor:  # type: ignore[override]
         stride = self.stride[0]
         streaming = states is not None and self.state_slot is not None
-        if fused.kernels(x) and fused.VAE_DWCONV == "triton":
+        if fused.kernels(x) and fused.VAE_DWCONV == "triton" and fused.VAE_UPSAMPLER == "gemm":
             state = states[self.state_slot] if streaming else None
             y = fused.causal_conv_transpose(x, state, self.tap_weight(), self.bias, stride, self.kernel_size[0])
             if y is not None:
