@@ -226,7 +226,7 @@ class ModelRunner:
         full, rest = divmod(tokens, max_model_len)
         lens = [max_model_len] * full + ([rest] if rest else [])
         self._dry_prefill(lens)
-        self._decode_forward(self.max_num_seqs, self.table_width)
+        self._decode_forward(self.max_num_seqs, self.table_width, not self.vae_overlap)
         torch.cuda.synchronize(self.device)
         stats = torch.cuda.memory_stats(self.device)
         peak_extra = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
@@ -291,9 +291,17 @@ class ModelRunner:
         for seq in fresh:
             if len(seq.prompt.context):
                 by_length.setdefault(len(seq.prompt.context), []).append(seq)
-        for group in by_length.values():
-            context = torch.stack([s.prompt.context for s in group]).to(self.device)
-            self._decode_audio(torch.tensor([s.slot for s in group], device=self.device), self._latents(context))
+        for patches, group in by_length.items():
+            # Chunks padded to a power of two (padding rows decode into the scratch slot): a few shapes (cuDNN searches
+            # each once), and no more patches at once than the profiled decode step's max_num_seqs (at most 16 rows).
+            most = 1 << (max(1, min(16, self.max_num_seqs // patches)).bit_length() - 1)
+            for start in range(0, len(group), most):
+                chunk = group[start:start + most]
+                rows = 1 << (len(chunk) - 1).bit_length()
+                context = torch.stack([s.prompt.context for s in chunk])
+                context = torch.cat([context, context[:1].expand(rows - len(chunk), -1, -1, -1)]).to(self.device)
+                index = [s.slot for s in chunk] + [self.scratch_slot] * (rows - len(chunk))
+                self._decode_audio(torch.tensor(index, device=self.device), self._latents(context))
 
     def release_slot(self, seq: Sequence, keep_state: bool = False) -> None:
         """Free a sequence's row (finished, aborted) or park its VAE stream state (preempted)."""
@@ -532,7 +540,7 @@ class ModelRunner:
         scratch_kv = self.base_cache.scratch_slot
         overlap = self.vae_overlap and graph_batch is not None
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        if overlap and self.vae_inputs_taken is not None:
+        if self.vae_inputs_taken is not None:
             assert stream is not None
             stream.wait_event(self.vae_inputs_taken)  # the last VAE launch has read slot_index and patch
         host = {

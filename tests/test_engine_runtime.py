@@ -55,7 +55,8 @@ def test_continuations_admitted_together_equal_alone(model):
     """Prompt contexts of one length are decoded into the new VAE streams in one batched pass."""
     reqs = [dict(target_text=f"Continue number {i}.", prompt_text="A prompt.", prompt_latents=_clip(model, 3, seed=i),
                  params=SamplingParams(seed=i, max_generate_length=4)) for i in range(3)]
-    together = _run_all(LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=256, block_size=4)), reqs)
+    # max_num_seqs 12, 3-patch contexts: one chunk of 3 padded to 4 rows (the padding row decodes into the scratch slot)
+    together = _run_all(LLMEngine(model, EngineConfig(max_num_seqs=12, max_model_len=256, block_size=4)), reqs)
     for n, r in enumerate(reqs):
         alone = _run_all(LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=256, block_size=4)), [r])[0]
         np.testing.assert_allclose(together[n], alone, rtol=0, atol=1e-5 * np.abs(alone).max())

@@ -62,7 +62,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
 
     def dense(dtype: torch.dtype) -> float:
         errs = []
-        for n, length in ((3, 11), (2, 5), (1, 33)):
+        for n, length in ((3, 11), (2, 5), (1, 33), (64, 11)):  # the last: >= 256 (sequence, head) pairs, 2 warps
             q, k, v = rand(n, length, 6 * 32, dtype=dtype, seed=7 + length).split([4 * 32, 32, 32], dim=-1)
             q, k, v = q.view(n, length, 4, 32), k.view(n, length, 1, 32), v.view(n, length, 1, 32)
             rope = rand(length, 2, 32, dtype=torch.float32, seed=8)
