@@ -30,13 +30,13 @@ ENABLED = os.environ.get("VOXCPM_FUSE", "1") != "0"
 # residual add as one GEMM; "torch": the layers one by one (Snake kernel, concat, cuDNN convs, add). H100, B=64
 # step: 28.0 ms (torch) -> 26.1 ms (the conv kernel alone, before the Snake and GEMM fusions).
 VAE_DWCONV = os.environ.get("VOXCPM_VAE_DWCONV", "triton")
+if VAE_DWCONV not in ("triton", "torch"):
+    raise ValueError(f"VOXCPM_VAE_DWCONV={VAE_DWCONV!r}: use 'triton' (default) or 'torch'")
 # The decoder's upsamplers on CUDA (VOXCPM_VAE_UPSAMPLER): "cudnn" (default) the transposed conv with cuDNN's
 # benchmarked algorithm per batch bucket; "gemm": `causal_conv_transpose` (no algorithm search at start-up).
 VAE_UPSAMPLER = os.environ.get("VOXCPM_VAE_UPSAMPLER", "cudnn")
 if VAE_UPSAMPLER not in ("cudnn", "gemm"):
     raise ValueError(f"VOXCPM_VAE_UPSAMPLER={VAE_UPSAMPLER!r}: use 'cudnn' (default) or 'gemm'")
-if VAE_DWCONV not in ("triton", "torch"):
-    raise ValueError(f"VOXCPM_VAE_DWCONV={VAE_DWCONV!r}: use 'triton' (default) or 'torch'")
 
 
 def kernels(x: torch.Tensor) -> bool:

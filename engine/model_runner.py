@@ -286,22 +286,25 @@ class ModelRunner:
                 for buf, state in zip(self.vae_states, seq.saved_vae_state, strict=True):
                     buf[seq.slot].copy_(state)
                 seq.saved_vae_state = None
-        # Continuation: the VAE stream starts after the prompt's last patches (their audio dropped).
+        self._prime_vae_streams([s for s in fresh if len(s.prompt.context)])
+
+    def _prime_vae_streams(self, seqs: list[Sequence]) -> None:
+        """Continuation: a new VAE stream starts after the prompt's last patches (their audio dropped). One VAE
+        pass per context length, in chunks padded to a power of two (padding rows decode into the scratch slot):
+        few shapes (cuDNN searches each once), no more patches at once than the profiled step's max_num_seqs
+        (at most 16 rows)."""
         by_length: dict[int, list[Sequence]] = {}
-        for seq in fresh:
-            if len(seq.prompt.context):
-                by_length.setdefault(len(seq.prompt.context), []).append(seq)
+        for seq in seqs:
+            by_length.setdefault(len(seq.prompt.context), []).append(seq)
         for patches, group in by_length.items():
-            # Chunks padded to a power of two (padding rows decode into the scratch slot): a few shapes (cuDNN searches
-            # each once), and no more patches at once than the profiled decode step's max_num_seqs (at most 16 rows).
             most = 1 << (max(1, min(16, self.max_num_seqs // patches)).bit_length() - 1)
             for start in range(0, len(group), most):
                 chunk = group[start:start + most]
-                rows = 1 << (len(chunk) - 1).bit_length()
+                pad = (1 << (len(chunk) - 1).bit_length()) - len(chunk)
                 context = torch.stack([s.prompt.context for s in chunk])
-                context = torch.cat([context, context[:1].expand(rows - len(chunk), -1, -1, -1)]).to(self.device)
-                index = [s.slot for s in chunk] + [self.scratch_slot] * (rows - len(chunk))
-                self._decode_audio(torch.tensor(index, device=self.device), self._latents(context))
+                context = torch.cat([context, context[:1].expand(pad, -1, -1, -1)]).to(self.device)
+                index = torch.tensor([s.slot for s in chunk] + [self.scratch_slot] * pad, device=self.device)
+                self._decode_audio(index, self._latents(context))
 
     def release_slot(self, seq: Sequence, keep_state: bool = False) -> None:
         """Free a sequence's row (finished, aborted) or park its VAE stream state (preempted)."""
@@ -577,12 +580,11 @@ class ModelRunner:
                 self.vae_inputs_taken = torch.cuda.Event()
                 self.vae_inputs_taken.record(side)
                 self.vae_graphs[graph_batch].replay()
-                audio[:b].copy_(buf.audio[:b], non_blocking=True)
-            stream = side  # done = the VAE's copy, which comes after everything of this step
-        else:
-            audio[:b].copy_(buf.audio[:b], non_blocking=True)
+            stream = side  # the audio copy and `done` then come after everything of this step
         done = torch.cuda.Event()
-        done.record(stream)
+        with torch.cuda.stream(stream):
+            audio[:b].copy_(buf.audio[:b], non_blocking=True)
+            done.record(stream)
         return LaunchedDecode(seqs, (patch[:b], stop[:b], audio[:b]), done)
 
     def collect_decode(self, step: LaunchedDecode) -> list[PatchResult]:

@@ -458,6 +458,10 @@ class Decoder(nn.Module):
                 for layer in layers
             ])
 
+        # Whether the CUDA kernel path (`_forward_deferred`) fits this layout: fixed by the config, so decided once.
+        self.deferrable = (all(layer.deferrable for layer in layers if isinstance(layer, DecoderBlock))
+                           and all(cond.is_affine for cond in self.sr_cond_model or [] if cond is not None))
+
         # Fixed slot per stateful layer (module order); shapes let a stream allocate its states.
         self.state_shapes: list[tuple[int, int]] = []
         for m in self.modules():
@@ -487,11 +491,6 @@ class Decoder(nn.Module):
                 x = cond(x, sr_idx, states)
             x = layer(x, states)
         return x
-
-    @property
-    def deferrable(self) -> bool:
-        blocks_ok = all(layer.deferrable for layer in self.model if isinstance(layer, DecoderBlock))
-        return blocks_ok and all(cond.is_affine for cond in self.sr_cond_model or [] if cond is not None)
 
     def _forward_deferred(self, x: Tensor, sr_idx: int | None, states: StreamStates | None,
                           conds: list[SampleRateConditionLayer | None]) -> Tensor:
