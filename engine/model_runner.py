@@ -162,6 +162,11 @@ class ModelRunner:
         # it overlaps the next step's DiT instead of ending its own step (VOXCPM_VAE_OVERLAP=0: joined in-step).
         self.vae_overlap = (self.vae_stream is not None and self.use_graphs
                             and os.environ.get("VOXCPM_VAE_OVERLAP", "1") != "0")
+        # The step's own stream, of higher priority than the VAE's: where an overlapped VAE decode and the next step
+        # wait for SMs together, the step's kernels (the critical path) get them first. A graph runs at its launch
+        # stream's priority. VOXCPM_STEP_PRIORITY=0: the caller's stream.
+        self.step_stream = (torch.cuda.Stream(device, priority=-1) if self.vae_overlap
+                            and os.environ.get("VOXCPM_STEP_PRIORITY", "1") != "0" else None)
         self.vae_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.vae_inputs_taken: torch.cuda.Event | None = None  # the last VAE launch has copied its inputs
         p, d = self.cfg.patch_size, self.cfg.feat_dim
@@ -410,6 +415,10 @@ class ModelRunner:
         self.residual_hidden[index] = res_h
         # The previous patch of the first decode step: the last input row's features.
         self.prev_patch[index] = x.feats[x.last_rows].to(dev, self.dtype)
+
+    def on_step_stream(self) -> contextlib.AbstractContextManager[Any]:
+        """Context for the engine's step work (prefill, decode, slot changes): the high-priority step stream."""
+        return torch.cuda.stream(self.step_stream) if self.step_stream is not None else contextlib.nullcontext()
 
     # --- decode -------------------------------------------------------------------------------
     def join_vae(self) -> None:

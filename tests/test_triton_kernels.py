@@ -52,6 +52,20 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         gate, up = rand(2, 5, 160, dtype=dtype, seed=4).chunk(2, dim=-1)  # strided halves, as in the MLP
         return relative_error(triton_kernels.silu_mul(gate, up), F.silu(gate) * up)
 
+    def skinny_matmul(dtype: torch.dtype) -> float:
+        errs = []
+        for rows, k_dim, n in ((1, 64, 48), (5, 96, 32), (22, 32, 64), (40, 48, 16)):
+            x = rand(rows, k_dim, dtype=dtype, seed=90 + rows)
+            w = rand(n, k_dim, dtype=dtype, seed=91 + rows) * k_dim ** -0.5
+            errs.append(relative_error(triton_kernels.skinny_matmul(x, w), F.linear(x, w)))
+            gate, up = F.linear(x, torch.cat([w, w.flip(0)])).chunk(2, dim=-1)
+            errs.append(relative_error(triton_kernels.skinny_matmul(x, torch.cat([w, w.flip(0)]), silu_gate=True),
+                                       F.silu(gate) * up))
+        x = rand(2, 3, 64, dtype=dtype, seed=99)  # leading dims kept; another tile configuration
+        w = rand(32, 64, dtype=dtype, seed=98)
+        errs.append(relative_error(triton_kernels.skinny_matmul(x, w, config=(16, 32, 32, 2, 4)), F.linear(x, w)))
+        return max(errs)
+
     def rotary_qk(dtype: torch.dtype) -> float:
         q, k, _ = rand(6, 8 * 32, dtype=dtype, seed=5).split([4 * 32, 2 * 32, 2 * 32], dim=-1)
         q, k = q.view(6, 4, 32), k.view(6, 2, 32)
@@ -225,7 +239,8 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             assert spy.call_count == 1, "fused.cfg_euler_step fell back to the eager ops"
         return max(errs)
 
-    return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "rotary_qk": rotary_qk, "dense_attention": dense,
+    return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "skinny_matmul": skinny_matmul, "rotary_qk": rotary_qk,
+            "dense_attention": dense,
             "snake": snake, "dwconv_snake": dwconv_snake, "residual_unit": residual_unit,
             "conv_transpose": conv_transpose, "vae_decoder": vae_decoder, "cfg_euler": cfg_euler}
 
@@ -252,7 +267,8 @@ def interpreter_results() -> dict[str, float]:
     return {r["case"]: r["err"] for r in rows}
 
 
-CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "rotary_qk", "dense_attention", "snake",
+CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "skinny_matmul", "rotary_qk", "dense_attention",
+                                    "snake",
                                     "dwconv_snake", "residual_unit", "conv_transpose", "vae_decoder", "cfg_euler")
               for d in INTERPRETED]
 

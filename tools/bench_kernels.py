@@ -1,6 +1,11 @@
-"""Micro-benchmark of the local modules' dense attention kernel at the DiT's and LocEnc's decode shapes,
-over its launch parameters (query heads per program, warps): which setting each batch size should use.
-Times come from CUDA events over CUDA-graph replays (launch cost excluded, as inside the captured step).
+"""Micro-benchmarks of the decode step's kernels at its shapes, over their launch parameters:
+- attention: the local modules' dense attention (query heads per program, warps) at the DiT's and LocEnc's
+  shapes per batch size;
+- gemm: every bias-free projection of the four transformer stacks (q/k/v, o, gate/up with the SiLU gate, down)
+  at few rows, cuBLAS (F.linear, + silu_mul for gate/up) against `skinny_matmul` with its default
+  configuration, and a sweep of its tile configurations at the rows of a B=1 step.
+Times come from CUDA events over CUDA-graph replays (launch cost excluded, as inside the captured step); the
+GEMMs cycle through enough weight copies that each call reads its weight from HBM, not from L2.
 
     python tools/bench_kernels.py --model /tmp/full --batch 1,8,64,128 --out kernels.json
 """
@@ -30,20 +35,83 @@ def replay_us(fn: Callable[[], object]) -> float:
     return 1000 * graph_ms(fn, reps=50)
 
 
+def projections(cfg: VoxCPMConfig) -> list[tuple[str, int, int, bool, int]]:
+    """(name, output rows of the weight, K, SiLU-gated, activation rows per request at a decode step)."""
+    out = []
+    for stack, tcfg, per_request in (("LM", cfg.lm, 1), ("DiT", cfg.dit, 2 * (2 * cfg.patch_size + 3)),
+                                     ("LocEnc", cfg.encoder, cfg.patch_size + 1)):
+        h, q, kv, ffn = tcfg.hidden_size, tcfg.num_attention_heads * tcfg.head_dim, \
+            tcfg.num_key_value_heads * tcfg.head_dim, tcfg.intermediate_size
+        out += [(f"{stack} qkv", q + 2 * kv, h, False, per_request), (f"{stack} o", h, q, False, per_request),
+                (f"{stack} gate_up+silu", 2 * ffn, h, True, per_request), (f"{stack} down", h, ffn, False, per_request)]
+    return out
+
+
+def gemm_us(fn: Callable[[torch.Tensor], object], weight: torch.Tensor) -> float:
+    """Microseconds per call of fn(weight copy), cycling through copies worth > 2x the L2 cache."""
+    copies = max(2, -(-160 * 2**20 // (weight.numel() * weight.element_size())))
+    weights = [weight.clone() for _ in range(copies)]
+    return replay_us(lambda: [fn(w) for w in weights]) / copies
+
+
+def bench_gemm(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: torch.dtype) -> list[dict]:
+    rows = []
+    sweep = [(bn, bk, stages, 4) for bn in (16, 32) for bk in (128, 256) for stages in (3, 4)]
+    sweep += [(16, 256, 6, 4), (16, 128, 4, 2), (16, 512, 3, 4)]
+    for name, n_rows, k_dim, gated, per_request in projections(cfg):
+        weight = torch.randn(n_rows, k_dim, device=dev, dtype=dtype) * k_dim ** -0.5
+        for b in batches:
+            m = b * per_request
+            if m > triton_kernels.SKINNY_ROWS:
+                continue
+            x = torch.randn(m, k_dim, device=dev, dtype=dtype)
+
+            def cublas(w: torch.Tensor, x: torch.Tensor = x, gated: bool = gated) -> torch.Tensor:
+                y = torch.nn.functional.linear(x, w)
+                return triton_kernels.silu_mul(*y.chunk(2, dim=-1)) if gated else y
+
+            base = gemm_us(cublas, weight)
+            ours = gemm_us(lambda w, x=x, g=gated: triton_kernels.skinny_matmul(x, w, silu_gate=g), weight)
+            gbytes = weight.numel() * weight.element_size() / 1e3  # per us -> GB/s
+            row = {"projection": name, "batch": b, "rows": m, "n": n_rows, "k": k_dim, "cublas_us": round(base, 2),
+                   "skinny_us": round(ours, 2), "skinny_config": list(triton_kernels.skinny_config(m, k_dim, n_rows)),
+                   "skinny_GBps": round(gbytes / ours), "cublas_GBps": round(gbytes / base)}
+            if b == batches[0]:
+                best = None
+                for bn, bk, stages, warps in sweep:
+                    config = (max(16, 1 << (m - 1).bit_length()), bn, bk, stages, warps)
+                    if (n_rows // (2 if gated else 1)) % bn or k_dim % bk or bk * config[0] > 16384:
+                        continue
+                    us = gemm_us(lambda w, x=x, c=config, g=gated: triton_kernels.skinny_matmul(x, w, g, c), weight)
+                    if best is None or us < best[0]:
+                        best = (us, config)
+                if best is not None:
+                    row |= {"best_us": round(best[0], 2), "best_config": list(best[1])}
+            rows.append(row)
+            print(f"{name} rows={m}: cuBLAS {base:.2f} us, skinny {ours:.2f} us ({row['skinny_GBps']} GB/s)"
+                  + (f", best {row['best_us']:.2f} us at {row['best_config']}" if "best_us" in row else ""), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True, help="checkpoint directory (only its config is read)")
     ap.add_argument("--batch", default="1,8,64,128")
+    ap.add_argument("--only", default="attention,gemm", help="which benchmarks: attention, gemm")
     ap.add_argument("--out")
     a = ap.parse_args()
     cfg = VoxCPMConfig.from_dir(a.model)
     dev, dtype = torch.device("cuda"), torch.bfloat16
+    batches = [int(x) for x in a.batch.split(",")]
     rows = []
+    gemm_rows = bench_gemm(cfg, batches, dev, dtype) if "gemm" in a.only else []
     for name, tcfg, seq_len, per_request in (("DiT", cfg.dit, 2 * cfg.patch_size + 1 + 2, 2),
                                              ("LocEnc", cfg.encoder, cfg.patch_size + 1, 1)):
+        if "attention" not in a.only:
+            break
         hq, hk, d = tcfg.num_attention_heads, tcfg.num_key_value_heads, tcfg.head_dim
         rope = rotary_table(tcfg, seq_len, dev)
-        for b in (int(x) for x in a.batch.split(",")):
+        for b in batches:
             n = b * per_request
             # q, k, v as views of one fused projection output, as the model hands them over
             qkv = torch.randn(n, seq_len, (hq + 2 * hk) * d, device=dev, dtype=dtype)
@@ -63,7 +131,7 @@ def main() -> None:
             rows.append({"module": name, "batch": b, "sequences": n, "seq_len": seq_len, "heads_per_program": "default",
                          "num_warps": 2 if n * hq >= 256 else 4, "us": round(auto, 2)})
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows, "gemm": gemm_rows}
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
 
