@@ -17,8 +17,8 @@ compile once per dtype and block size and follow the eager op order and rounding
 - `causal_depthwise_conv`: a residual unit's carried-context concat, dilated depthwise causal conv and the
   Snake after it in one pass, also returning the new carried context;
 - `cfg_euler_step`: one Euler step of the flow sampler with CFG-zero* guidance, one row per program;
-- `skinny_matmul`: a bias-free projection of a few rows (a decode step's q/k/v, o, gate/up with the SiLU gate
-  fused in, down), weight-streaming: one program per 16 output columns.
+- `skinny_matmul`: a bias-free projection of a few rows, weight-streaming (one program per 16 output columns),
+  with the SiLU gate fused in for the gate/up projection (the one place it beat cuBLAS on the H100).
 """
 
 from __future__ import annotations
@@ -231,21 +231,22 @@ if HAVE_TRITON:
 
 
     @triton.jit
-    def _overlap_add_kernel(g_ptr, bias_ptr, y_ptr, c_out, frames, out_len, ctx, STRIDE: tl.constexpr,
-                            KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-        """One (batch, channel) row of a transposed conv from its per-tap products g (B, KERNEL * c_out, frames),
-        rows ordered (tap, channel): y[t] = bias + sum over taps k = t % STRIDE + r * STRIDE of
-        g[k, t // STRIDE + ctx - r]."""
+    def _overlap_add_kernel(g_ptr, bias_ptr, y_ptr, c_out, out_len, ctx, stride_gb, stride_gr,
+                            STRIDE: tl.constexpr, KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            BLOCK: tl.constexpr):
+        """One (batch, channel) row of a transposed conv from its per-tap products g: element (b, row, frame) at
+        b * stride_gb + row * stride_gr + frame, rows ordered (tap, channel): y[t] = bias + sum over taps
+        k = t % STRIDE + r * STRIDE of g[b, k * c_out + c, t // STRIDE + ctx - r]."""
         bc = tl.program_id(0).to(tl.int64)
         b, c = bc // c_out, bc % c_out
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = t < out_len
         j, m = t % STRIDE, t // STRIDE
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        g_b = g_ptr + b * (KERNEL * c_out * frames)
+        g_b = g_ptr + b * stride_gb
         for r in tl.static_range((KERNEL + STRIDE - 1) // STRIDE):
             k = j + r * STRIDE
-            acc += tl.load(g_b + (k * c_out + c) * frames + m + ctx - r, mask=mask & (k < KERNEL),
+            acc += tl.load(g_b + (k * c_out + c) * stride_gr + m + ctx - r, mask=mask & (k < KERNEL),
                            other=0.0).to(tl.float32)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + c).to(tl.float32)
@@ -332,7 +333,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out.view(gate.shape)
 
 
-# Activation rows up to which `skinny_matmul` serves a bias-free projection (VOXCPM_SKINNY_ROWS; 0: never):
+# Activation rows up to which `skinny_matmul` serves the gate/up projection (VOXCPM_SKINNY_ROWS; 0: never):
 # below it a decode step's GEMMs read each weight once for a handful of rows and are bound by that read.
 SKINNY_ROWS = int(os.environ.get("VOXCPM_SKINNY_ROWS", "64"))
 
@@ -350,7 +351,7 @@ def skinny_supported(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = Fa
 def skinny_config(rows: int, k_dim: int, n: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) of `skinny_matmul` for this shape."""
     block_m = max(16, triton.next_power_of_2(rows))
-    block_k = next(b for b in (256, 128, 64, 32, 16) if k_dim % b == 0 and b * block_m <= 8192)
+    block_k = next(b for b in (128, 64, 32, 16) if k_dim % b == 0)  # the H100 sweep's best for the gated GEMMs
     return block_m, 16, block_k, 4, 4
 
 
@@ -485,17 +486,18 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
 
 def overlap_add(g: torch.Tensor, bias: torch.Tensor | None, stride: int, kernel: int, ctx: int,
                 length: int) -> torch.Tensor:
-    """The transposed conv's outputs from its per-tap products: g (B, kernel * C_out, F) contiguous, rows ordered
-    (tap, channel), over ctx + `length` input frames (the first ctx the carried context; F may be larger, padding)
-    -> (B, C_out, length * stride)."""
+    """The transposed conv's outputs from its per-tap products: g (B, kernel * C_out, F) with unit stride along the
+    frames (any batch and row strides), rows ordered (tap, channel), over ctx + `length` input frames (the first ctx
+    the carried context; F may be larger, padding) -> (B, C_out, length * stride) contiguous."""
     b, rows, frames = g.shape
     c_out, out_len = rows // kernel, length * stride
+    assert g.stride(2) == 1
     y = torch.empty((b, c_out, out_len), dtype=g.dtype, device=g.device)
     if b and c_out and out_len:
         block = _time_block(out_len)
         _overlap_add_kernel[(b * c_out, triton.cdiv(out_len, block))](
-            g, bias if bias is not None else g, y, c_out, frames, out_len, ctx, STRIDE=stride, KERNEL=kernel,
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+            g, bias if bias is not None else g, y, c_out, out_len, ctx, g.stride(0), g.stride(1), STRIDE=stride,
+            KERNEL=kernel, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
     return y
 
 

@@ -87,7 +87,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None, attend: AttendFn, layer: int) -> torch.Tensor:
         lead = x.shape[:-1]
         if self.qkv_weight is not None:
-            q, k, v = fused.linear(x, self.qkv_weight).split(
+            q, k, v = F.linear(x, self.qkv_weight).split(
                 [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                  self.num_kv_heads * self.head_dim], dim=-1)
         else:
@@ -96,10 +96,10 @@ class Attention(nn.Module):
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
         if rope is not None and isinstance(attend, DenseAttention):
-            return fused.linear(attend(layer, q, k, v, rope), self.o_proj.weight)  # rotary inside (one kernel)
+            return self.o_proj(attend(layer, q, k, v, rope))  # rotary applied inside (one kernel on CUDA)
         if rope is not None:
             q, k = rotary_qk(q, k, rope[..., 0, :], rope[..., 1, :])
-        return fused.linear(attend(layer, q, k, v), self.o_proj.weight)
+        return self.o_proj(attend(layer, q, k, v))
 
 
 class MLP(nn.Module):
@@ -116,7 +116,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            return fused.linear(fused.silu_gate_linear(x, self.gate_up_weight), self.down_proj.weight)
+            return self.down_proj(fused.silu_gate_linear(x, self.gate_up_weight))
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
