@@ -93,11 +93,64 @@ def bench_gemm(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: 
     return rows
 
 
+def bench_prefetch(cfg: VoxCPMConfig, dev: torch.device, dtype: torch.dtype) -> list[dict]:
+    """The DiT's projection chain at a B=1 step (rows 2 * sequence length, every layer's own weights, from HBM),
+    plain against each GEMM's weights read into L2 by a side branch while the GEMM before it runs."""
+    tcfg = cfg.dit
+    h, q, kv, ffn = tcfg.hidden_size, tcfg.num_attention_heads * tcfg.head_dim, \
+        tcfg.num_key_value_heads * tcfg.head_dim, tcfg.intermediate_size
+    rows = 2 * (2 * cfg.patch_size + 3)
+    layers = [[torch.randn(n, k, device=dev, dtype=dtype) * k ** -0.5 for n, k in
+               ((q + 2 * kv, h), (h, q), (2 * ffn, h), (h, ffn))] for _ in range(tcfg.num_hidden_layers)]
+    x0 = torch.randn(rows, h, device=dev, dtype=dtype)
+    weights = [w for layer in layers for w in layer]
+
+    def gemm(i: int, a: torch.Tensor) -> torch.Tensor:
+        w = weights[i]
+        kind = i % 4
+        if kind == 0:
+            return torch.nn.functional.linear(a, w)[:, :q]
+        if kind == 2:
+            return triton_kernels.silu_mul(*torch.nn.functional.linear(a, w).chunk(2, dim=-1))
+        return torch.nn.functional.linear(a, w)
+
+    def plain() -> None:
+        a = x0
+        for i in range(len(weights)):
+            a = gemm(i, a)
+
+    side = torch.cuda.Stream(dev)
+
+    def prefetched(programs: int, ahead: int) -> None:
+        main = torch.cuda.current_stream(dev)
+        a = x0
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for j in range(ahead):
+                triton_kernels.l2_prefetch(weights[j], programs)
+        for i in range(len(weights)):
+            if i + ahead < len(weights):
+                side.wait_stream(main)  # start prefetching GEMM i + ahead once GEMM i - 1 is done
+                with torch.cuda.stream(side):
+                    triton_kernels.l2_prefetch(weights[i + ahead], programs)
+            a = gemm(i, a)
+        main.wait_stream(side)
+
+    out = [{"variant": "plain", "us_per_layer": round(replay_us(plain) / len(layers), 2)}]
+    print(f"DiT layer chain rows={rows}: plain {out[0]['us_per_layer']:.2f} us per layer", flush=True)
+    for programs in (16, 32, 66, 132):
+        for ahead in (1, 2):
+            us = replay_us(partial(prefetched, programs, ahead)) / len(layers)
+            out.append({"variant": f"prefetch programs={programs} ahead={ahead}", "us_per_layer": round(us, 2)})
+            print(f"  prefetch programs={programs} ahead={ahead}: {us:.2f} us per layer", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True, help="checkpoint directory (only its config is read)")
     ap.add_argument("--batch", default="1,8,64,128")
-    ap.add_argument("--only", default="attention,gemm", help="which benchmarks: attention, gemm")
+    ap.add_argument("--only", default="attention,gemm,prefetch", help="which benchmarks: attention, gemm, prefetch")
     ap.add_argument("--out")
     a = ap.parse_args()
     cfg = VoxCPMConfig.from_dir(a.model)
@@ -105,6 +158,7 @@ def main() -> None:
     batches = [int(x) for x in a.batch.split(",")]
     rows = []
     gemm_rows = bench_gemm(cfg, batches, dev, dtype) if "gemm" in a.only else []
+    prefetch_rows = bench_prefetch(cfg, dev, dtype) if "prefetch" in a.only else []
     for name, tcfg, seq_len, per_request in (("DiT", cfg.dit, 2 * cfg.patch_size + 1 + 2, 2),
                                              ("LocEnc", cfg.encoder, cfg.patch_size + 1, 1)):
         if "attention" not in a.only:
@@ -131,7 +185,8 @@ def main() -> None:
             rows.append({"module": name, "batch": b, "sequences": n, "seq_len": seq_len, "heads_per_program": "default",
                          "num_warps": 2 if n * hq >= 256 else 4, "us": round(auto, 2)})
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows, "gemm": gemm_rows}
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows, "gemm": gemm_rows,
+              "prefetch": prefetch_rows}
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
 
