@@ -95,14 +95,16 @@ if HAVE_TRITON:
         tl.store(o_ptr + m[None, :] * stride_o + cols[:, None], y, mask=m_mask[None, :])
 
     @triton.jit
-    def _l2_prefetch_kernel(w_ptr, sink_ptr, n, ITERS: tl.constexpr, BLOCK: tl.constexpr):
-        # Reads n elements into L2 (".cg": not L1; evict_last: kept over streaming data) and discards them; the
-        # store under a condition no data meets keeps the loads from being optimised away.
+    def _l2_prefetch_kernel(w_ptr, sink_ptr, n, ITERS: tl.constexpr, BLOCK: tl.constexpr, CACHE: tl.constexpr,
+                            EVICT: tl.constexpr):
+        # Reads n elements (through L2; CACHE ".cg": not into L1, EVICT "evict_last": kept over streaming data;
+        # ptxas refuses the two together) and discards them; the store under a condition no data meets keeps the
+        # loads from being optimised away.
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for i in range(ITERS):
             offs = (i * tl.num_programs(0) + tl.program_id(0)) * BLOCK + tl.arange(0, BLOCK)
-            acc += tl.load(w_ptr + offs, mask=offs < n, other=0.0, cache_modifier=".cg",
-                           eviction_policy="evict_last").to(tl.float32)
+            acc += tl.load(w_ptr + offs, mask=offs < n, other=0.0, cache_modifier=CACHE,
+                           eviction_policy=EVICT).to(tl.float32)
         total = tl.sum(acc, axis=0)
         if total == 1.0e38:
             tl.store(sink_ptr, total)
@@ -390,14 +392,15 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False
     return out.view(*x.shape[:-1], n)
 
 
-def l2_prefetch(weight: torch.Tensor, programs: int = 32, block: int = 4096) -> None:
+def l2_prefetch(weight: torch.Tensor, programs: int = 32, block: int = 4096, cache: str = ".cg",
+                evict: str = "") -> None:
     """Read `weight` (contiguous) into the L2 cache with `programs` programs, for a GEMM that follows."""
     sink = _PREFETCH_SINK.get(weight.device)
     if sink is None:
         sink = _PREFETCH_SINK[weight.device] = torch.zeros(1, dtype=torch.float32, device=weight.device)
     n = weight.numel()
     _l2_prefetch_kernel[(programs,)](weight, sink, n, ITERS=triton.cdiv(n, programs * block), BLOCK=block,
-                                     num_warps=4)
+                                     CACHE=cache, EVICT=evict, num_warps=4)
 
 
 _PREFETCH_SINK: dict[torch.device, torch.Tensor] = {}

@@ -121,28 +121,30 @@ def bench_prefetch(cfg: VoxCPMConfig, dev: torch.device, dtype: torch.dtype) -> 
 
     side = torch.cuda.Stream(dev)
 
-    def prefetched(programs: int, ahead: int) -> None:
+    def prefetched(programs: int, ahead: int, cache: str, evict: str) -> None:
         main = torch.cuda.current_stream(dev)
         a = x0
         side.wait_stream(main)
         with torch.cuda.stream(side):
             for j in range(ahead):
-                triton_kernels.l2_prefetch(weights[j], programs)
+                triton_kernels.l2_prefetch(weights[j], programs, cache=cache, evict=evict)
         for i in range(len(weights)):
             if i + ahead < len(weights):
                 side.wait_stream(main)  # start prefetching GEMM i + ahead once GEMM i - 1 is done
                 with torch.cuda.stream(side):
-                    triton_kernels.l2_prefetch(weights[i + ahead], programs)
+                    triton_kernels.l2_prefetch(weights[i + ahead], programs, cache=cache, evict=evict)
             a = gemm(i, a)
         main.wait_stream(side)
 
     out = [{"variant": "plain", "us_per_layer": round(replay_us(plain) / len(layers), 2)}]
     print(f"DiT layer chain rows={rows}: plain {out[0]['us_per_layer']:.2f} us per layer", flush=True)
-    for programs in (16, 32, 66, 132):
-        for ahead in (1, 2):
-            us = replay_us(partial(prefetched, programs, ahead)) / len(layers)
-            out.append({"variant": f"prefetch programs={programs} ahead={ahead}", "us_per_layer": round(us, 2)})
-            print(f"  prefetch programs={programs} ahead={ahead}: {us:.2f} us per layer", flush=True)
+    for cache, evict in ((".cg", ""), ("", "evict_last")):
+        for programs in (16, 32, 66, 132):
+            for ahead in (1, 2):
+                us = replay_us(partial(prefetched, programs, ahead, cache, evict)) / len(layers)
+                name = f"prefetch {cache or evict} programs={programs} ahead={ahead}"
+                out.append({"variant": name, "us_per_layer": round(us, 2)})
+                print(f"  {name}: {us:.2f} us per layer", flush=True)
     return out
 
 
