@@ -155,18 +155,22 @@ class ModelRunner:
             with contextlib.suppress(RuntimeError):
                 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32
         self.use_graphs = device.type == "cuda" and not enforce_eager
+        # Which stream's kernels get SMs first where the overlapped VAE decode and the next step compete
+        # (VOXCPM_STREAM_PRIORITY): "none", "step" (the step on a high-priority stream) or "vae".
+        priority = os.environ.get("VOXCPM_STREAM_PRIORITY", "none")
+        if priority not in ("none", "step", "vae"):
+            raise ValueError(f"VOXCPM_STREAM_PRIORITY={priority!r}: use 'none', 'step' or 'vae'")
         # Second CUDA stream for the VAE decode, overlapped with the LMs (VOXCPM_VAE_STREAM=0: one stream).
-        self.vae_stream = (torch.cuda.Stream(device) if device.type == "cuda"
-                           and os.environ.get("VOXCPM_VAE_STREAM", "1") != "0" else None)
+        self.vae_stream = (torch.cuda.Stream(device, priority=-1 if priority == "vae" else 0)
+                           if device.type == "cuda" and os.environ.get("VOXCPM_VAE_STREAM", "1") != "0" else None)
         # With graphs, the VAE is its own graph on that stream, replayed behind the step that made its patch:
         # it overlaps the next step's DiT instead of ending its own step (VOXCPM_VAE_OVERLAP=0: joined in-step).
         self.vae_overlap = (self.vae_stream is not None and self.use_graphs
                             and os.environ.get("VOXCPM_VAE_OVERLAP", "1") != "0")
-        # The step's own stream, of higher priority than the VAE's: where an overlapped VAE decode and the next step
-        # wait for SMs together, the step's kernels (the critical path) get them first. A graph runs at its launch
-        # stream's priority. VOXCPM_STEP_PRIORITY=0: the caller's stream.
-        self.step_stream = (torch.cuda.Stream(device, priority=-1) if self.vae_overlap
-                            and os.environ.get("VOXCPM_STEP_PRIORITY", "1") != "0" else None)
+        # With "step", the engine's step work runs on its own high-priority stream (a graph runs at its launch
+        # stream's priority).
+        self.step_stream = (torch.cuda.Stream(device, priority=-1) if self.vae_overlap and priority == "step"
+                            else None)
         self.vae_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.vae_inputs_taken: torch.cuda.Event | None = None  # the last VAE launch has copied its inputs
         p, d = self.cfg.patch_size, self.cfg.feat_dim

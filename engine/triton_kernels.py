@@ -95,21 +95,6 @@ if HAVE_TRITON:
         tl.store(o_ptr + m[None, :] * stride_o + cols[:, None], y, mask=m_mask[None, :])
 
     @triton.jit
-    def _l2_prefetch_kernel(w_ptr, sink_ptr, n, ITERS: tl.constexpr, BLOCK: tl.constexpr, CACHE: tl.constexpr,
-                            EVICT: tl.constexpr):
-        # Reads n elements (through L2; CACHE ".cg": not into L1, EVICT "evict_last": kept over streaming data;
-        # ptxas refuses the two together) and discards them; the store under a condition no data meets keeps the
-        # loads from being optimised away.
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for i in range(ITERS):
-            offs = (i * tl.num_programs(0) + tl.program_id(0)) * BLOCK + tl.arange(0, BLOCK)
-            acc += tl.load(w_ptr + offs, mask=offs < n, other=0.0, cache_modifier=CACHE,
-                           eviction_policy=EVICT).to(tl.float32)
-        total = tl.sum(acc, axis=0)
-        if total == 1.0e38:
-            tl.store(sink_ptr, total)
-
-    @triton.jit
     def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, stride_qt, stride_qh, stride_kt,
                        stride_kh, stride_ct, stride_st, HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
@@ -390,20 +375,6 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_stages=stages, num_warps=warps)
     return out.view(*x.shape[:-1], n)
-
-
-def l2_prefetch(weight: torch.Tensor, programs: int = 32, block: int = 4096, cache: str = ".cg",
-                evict: str = "") -> None:
-    """Read `weight` (contiguous) into the L2 cache with `programs` programs, for a GEMM that follows."""
-    sink = _PREFETCH_SINK.get(weight.device)
-    if sink is None:
-        sink = _PREFETCH_SINK[weight.device] = torch.zeros(1, dtype=torch.float32, device=weight.device)
-    n = weight.numel()
-    _l2_prefetch_kernel[(programs,)](weight, sink, n, ITERS=triton.cdiv(n, programs * block), BLOCK=block,
-                                     CACHE=cache, EVICT=evict, num_warps=4)
-
-
-_PREFETCH_SINK: dict[torch.device, torch.Tensor] = {}
 
 
 def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,

@@ -4,6 +4,9 @@
 - gemm: every bias-free projection of the four transformer stacks (q/k/v, o, gate/up with the SiLU gate, down)
   at few rows, cuBLAS (F.linear, + silu_mul for gate/up) against `skinny_matmul` with its default
   configuration, and a sweep of its tile configurations at the rows of a B=1 step.
+- prefetch: an experiment, the DiT's projection chain at B=1 with each GEMM's weights read into L2 by a side
+  branch while the GEMM before it runs (H100: the side branch, at most ~0.6 TB/s from 132 programs, made the
+  chain 2-16x slower than plain; not used by the engine).
 Times come from CUDA events over CUDA-graph replays (launch cost excluded, as inside the captured step); the
 GEMMs cycle through enough weight copies that each call reads its weight from HBM, not from L2.
 
@@ -23,11 +26,43 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from engine import triton_kernels  # noqa: E402
 from engine.config import VoxCPMConfig  # noqa: E402
 from engine.models.minicpm import rotary_table  # noqa: E402
 from tools.profile_step import graph_ms  # noqa: E402
+
+
+@triton.jit
+def _l2_prefetch_kernel(w_ptr, sink_ptr, n, ITERS: tl.constexpr, BLOCK: tl.constexpr, CACHE: tl.constexpr,
+                        EVICT: tl.constexpr):
+    # Reads n elements (through L2; CACHE ".cg": not into L1, EVICT "evict_last": kept over streaming data;
+    # ptxas refuses the two together) and discards them; the store under a condition no data meets keeps the
+    # loads from being optimised away.
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(ITERS):
+        offs = (i * tl.num_programs(0) + tl.program_id(0)) * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(w_ptr + offs, mask=offs < n, other=0.0, cache_modifier=CACHE,
+                       eviction_policy=EVICT).to(tl.float32)
+    total = tl.sum(acc, axis=0)
+    if total == 1.0e38:
+        tl.store(sink_ptr, total)
+
+
+def l2_prefetch(weight: torch.Tensor, programs: int = 32, block: int = 4096, cache: str = ".cg",
+                evict: str = "") -> None:
+    """Read `weight` (contiguous) into the L2 cache with `programs` programs, for a GEMM that follows."""
+    sink = _PREFETCH_SINK.get(weight.device)
+    if sink is None:
+        sink = _PREFETCH_SINK[weight.device] = torch.zeros(1, dtype=torch.float32, device=weight.device)
+    n = weight.numel()
+    _l2_prefetch_kernel[(programs,)](weight, sink, n, ITERS=triton.cdiv(n, programs * block), BLOCK=block,
+                                     CACHE=cache, EVICT=evict, num_warps=4)
+
+
+_PREFETCH_SINK: dict[torch.device, torch.Tensor] = {}
 
 
 def replay_us(fn: Callable[[], object]) -> float:
@@ -127,12 +162,12 @@ def bench_prefetch(cfg: VoxCPMConfig, dev: torch.device, dtype: torch.dtype) -> 
         side.wait_stream(main)
         with torch.cuda.stream(side):
             for j in range(ahead):
-                triton_kernels.l2_prefetch(weights[j], programs, cache=cache, evict=evict)
+                l2_prefetch(weights[j], programs, cache=cache, evict=evict)
         for i in range(len(weights)):
             if i + ahead < len(weights):
                 side.wait_stream(main)  # start prefetching GEMM i + ahead once GEMM i - 1 is done
                 with torch.cuda.stream(side):
-                    triton_kernels.l2_prefetch(weights[i + ahead], programs, cache=cache, evict=evict)
+                    l2_prefetch(weights[i + ahead], programs, cache=cache, evict=evict)
             a = gemm(i, a)
         main.wait_stream(side)
 
