@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.audio import AudioError, decode_audio, encode_latents
-from engine.checkpoint import CheckpointError, load_model
+from engine import checkpoint
+from engine.checkpoint import CheckpointError, load_model, read_safetensors_chunked
 from engine.config import VoxCPMConfig
 from engine.models.audio_vae import AudioVAEConfig
 from tests.conftest import TINY_PRESETS, check_parity
@@ -79,6 +80,24 @@ def test_layout_variants_load_identically(kind, checkpoint_factory, tmp_path):
     assert loaded.keys() == reference.keys()
     for k, v in reference.items():
         assert torch.equal(loaded[k], v), k
+
+
+def test_chunked_safetensors_reader_equals_safetensors(checkpoint_factory, tmp_path, monkeypatch):
+    """The GPU loader's reader (here on the CPU): every tensor equal to safetensors' own, across chunk borders and
+    at offsets that are not a multiple of the dtype's size; a truncated file is an error."""
+    state = load_file(checkpoint_factory("tiny-voxcpm2") / "model.safetensors")
+    state |= {"odd.u8": torch.arange(3, dtype=torch.uint8), "odd.f32": torch.randn(5, 3),
+              "odd.bf16": torch.randn(7).to(torch.bfloat16), "odd.scalar": torch.tensor(2.5)}
+    file = tmp_path / "w.safetensors"
+    save_file(state, file)
+    monkeypatch.setattr(checkpoint, "_CHUNK", 4093)  # many chunks, borders inside tensors
+    loaded = read_safetensors_chunked(file, "cpu")
+    assert loaded.keys() == state.keys()
+    for k, v in load_file(file).items():
+        assert loaded[k].dtype == v.dtype and torch.equal(loaded[k], v), k
+    file.write_bytes(file.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match="truncated"):
+        read_safetensors_chunked(file, "cpu")
 
 
 def test_missing_and_unexpected_weights_are_listed(checkpoint_factory, tmp_path):
