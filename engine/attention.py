@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import fused
+from engine.fused import rotary_qk
 from engine.models.minicpm import AttendFn
 
 BACKENDS = ("flash", "triton", "torch")
@@ -86,14 +88,19 @@ class PagedKVCache:
                                        and meta.query_lens == meta.key_lens):
             backend = "triton"
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   rope: torch.Tensor | None = None) -> torch.Tensor:
             k_cache, v_cache = self.k[layer], self.v[layer]
-            store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             if backend == "triton":
                 from engine.triton_attention import paged_attention
 
+                # The Triton kernel reads K/V from the cache only: rotary and cache write as one kernel.
+                q_rot = fused.rotary_store_kv(q, k, v, rope, k_cache, v_cache, meta.slot_mapping)
+                q = q_rot if q_rot is not None else rotate_and_store(q, k, v, rope, k_cache, v_cache,
+                                                                     meta.slot_mapping)[0]
                 return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.row_index,
                                        meta.token_context_lens).flatten(-2)
+            q, k = rotate_and_store(q, k, v, rope, k_cache, v_cache, meta.slot_mapping)
             if backend == "flash":
                 return flash_prefill_attention(q, k, v, meta)
             if meta.is_prefill and meta.query_lens is not None:
@@ -101,6 +108,16 @@ class PagedKVCache:
             return torch_paged_attention(q, k_cache, v_cache, meta)
 
         return attend
+
+
+def rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor | None,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of q and k (rope (T, 2, D) rows, or None), then k and v into the cache: (q, k) rotated."""
+    if rope is not None:
+        q, k = rotary_qk(q, k, rope[..., 0, :], rope[..., 1, :])
+    store_kv(k_cache, v_cache, k, v, slot_mapping)
+    return q, k
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

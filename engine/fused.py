@@ -84,6 +84,18 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return _rotary(q, cos, sin), _rotary(k, cos, sin)
 
 
+def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor | None,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    """A causal layer's rotary embedding (rope (T, 2, D) rows, or None) and K/V cache write as one kernel; returns
+    the rotated q, or None where the kernel does not apply (the caller then rotates and scatters itself)."""
+    if not (kernels(q) and triton_kernels.rotary_store_supported(q, k, v, k_cache, v_cache, slot_mapping)):
+        return None
+    if rope is not None and not triton_kernels.rotary_supported(q, k, rope[..., 0, :], rope[..., 1, :]):
+        return None
+    cos, sin = (rope[..., 0, :], rope[..., 1, :]) if rope is not None else (None, None)
+    return triton_kernels.rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if kernels(gate):
         return triton_kernels.silu_mul(gate, up)

@@ -11,6 +11,8 @@ compile once per dtype and block size and follow the eager op order and rounding
 - `add_rms_norm`: residual update (times the muP scale) and the RMSNorm of the result, one row per program;
 - `silu_mul`: SiLU(gate) * up over the halves of the fused gate/up projection;
 - `rotary_qk`: rotary embedding of q and k of the causal LMs (one token and head per program);
+- `rotary_store_kv`: the same with k (rotated) and v written straight into their paged-cache slots (the decode
+  path: one kernel instead of the rotary and two scatters per layer);
 - `dense_attention`: the local encoder's and DiT's bidirectional attention over sequences of <= 64 tokens
   with the rotary embedding applied on load (one sequence and 1..G query heads of a GQA group per program);
 - `snake`: the VAE's Snake activation x + sin^2(alpha x) / alpha on (B, C, T) activations of any strides;
@@ -95,26 +97,57 @@ if HAVE_TRITON:
         tl.store(o_ptr + m[None, :] * stride_o + cols[:, None], y, mask=m_mask[None, :])
 
     @triton.jit
+    def _rotate_row(src, dst, cos_row, sin_row, HALF: tl.constexpr):
+        """One head's rotary embedding in fp32 (x * cos + rotate_half(x) * sin), rounded to the input dtype."""
+        d = tl.arange(0, HALF)
+        c1, c2 = tl.load(cos_row + d), tl.load(cos_row + HALF + d)
+        s1, s2 = tl.load(sin_row + d), tl.load(sin_row + HALF + d)
+        x1 = tl.load(src + d)
+        x2 = tl.load(src + HALF + d)
+        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+        tl.store(dst + d, (x1f * c1 - x2f * s1).to(x1.dtype))
+        tl.store(dst + HALF + d, (x2f * c2 + x1f * s2).to(x1.dtype))
+
+    @triton.jit
     def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, stride_qt, stride_qh, stride_kt,
                        stride_kh, stride_ct, stride_st, HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
-        d = tl.arange(0, HALF)
-        c1 = tl.load(cos_ptr + t * stride_ct + d)
-        c2 = tl.load(cos_ptr + t * stride_ct + HALF + d)
-        s1 = tl.load(sin_ptr + t * stride_st + d)
-        s2 = tl.load(sin_ptr + t * stride_st + HALF + d)
         if h < HQ:
             src = q_ptr + t * stride_qt + h * stride_qh
             dst = q_out_ptr + (t * HQ + h) * (2 * HALF)
         else:
             src = k_ptr + t * stride_kt + (h - HQ) * stride_kh
             dst = k_out_ptr + (t * HK + h - HQ) * (2 * HALF)
-        x1 = tl.load(src + d)
-        x2 = tl.load(src + HALF + d)
-        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-        tl.store(dst + d, (x1f * c1 - x2f * s1).to(x1.dtype))
-        tl.store(dst + HALF + d, (x2f * c2 + x1f * s2).to(x1.dtype))
+        _rotate_row(src, dst, cos_ptr + t * stride_ct, sin_ptr + t * stride_st, HALF)
+
+    @triton.jit
+    def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+                                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
+                                HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr):
+        # One (token, head) per program: with ROPE the q heads (rotated to q_out), then the k heads (rotated into
+        # the cache slot), then the v heads (copied there); without, only k and v, copied.
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        slot_row = tl.load(slot_ptr + t) * (HK * 2 * HALF)
+        e = tl.arange(0, 2 * HALF)
+        if ROPE:
+            cos_row, sin_row = cos_ptr + t * stride_ct, sin_ptr + t * stride_st
+            if h < HQ:
+                _rotate_row(q_ptr + t * stride_qt + h * stride_qh, q_out_ptr + (t * HQ + h) * (2 * HALF), cos_row,
+                            sin_row, HALF)
+            elif h < HQ + HK:
+                _rotate_row(k_ptr + t * stride_kt + (h - HQ) * stride_kh,
+                            k_cache_ptr + slot_row + (h - HQ) * (2 * HALF), cos_row, sin_row, HALF)
+            else:
+                hv = h - HQ - HK
+                v_row = tl.load(v_ptr + t * stride_vt + hv * stride_vh + e)
+                tl.store(v_cache_ptr + slot_row + hv * (2 * HALF) + e, v_row)
+        elif h < HK:
+            tl.store(k_cache_ptr + slot_row + h * (2 * HALF) + e, tl.load(k_ptr + t * stride_kt + h * stride_kh + e))
+        else:
+            hv = h - HK
+            tl.store(v_cache_ptr + slot_row + hv * (2 * HALF) + e, tl.load(v_ptr + t * stride_vt + hv * stride_vh + e))
 
     @triton.jit
     def _dense_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, o_ptr,
@@ -388,6 +421,35 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
         _rotary_kernel[(t, hq + hk)](q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                                      cos.stride(0), sin.stride(0), HQ=hq, HK=hk, HALF=dim // 2, num_warps=1)
     return q_out, k_out
+
+
+def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None,
+                    sin: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> torch.Tensor:
+    """A causal layer's new tokens into its paged cache in one kernel: k rotated (cos/sin (T, D) fp32; None: no
+    rotary) and v written to their flat slots of k_cache/v_cache (contiguous (..., Hk, D)); returns q rotated
+    (contiguous) or, without rotary, q itself. q (T, Hq, D), k/v (T, Hk, D) with unit stride in D."""
+    t, hq, dim = q.shape
+    hk = k.shape[1]
+    rope = cos is not None and sin is not None
+    q_out = torch.empty((t, hq, dim), dtype=q.dtype, device=q.device) if rope else q
+    if t:
+        _rotary_store_kv_kernel[(t, (hq if rope else 0) + 2 * hk)](
+            q, k, v, cos if rope else k, sin if rope else k, slot_mapping, q_out, k_cache, v_cache, q.stride(0),
+            q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0) if rope else 0,
+            sin.stride(0) if rope else 0, HQ=hq, HK=hk, HALF=dim // 2, ROPE=rope, num_warps=1)
+    return q_out
+
+
+def rotary_store_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    half = q.shape[-1] // 2
+    return (q.dim() == k.dim() == v.dim() == 3 and half >= 1 and half & (half - 1) == 0
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k.shape == v.shape
+            and k.shape[0] == q.shape[0] and k.shape[-1] == q.shape[-1] and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and k_cache.shape[-2:] == k.shape[-2:] == v_cache.shape[-2:]
+            and k_cache.dtype == v_cache.dtype == k.dtype == v.dtype
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous())
 
 
 def _time_block(length: int) -> int:

@@ -14,8 +14,8 @@ import soundfile as sf
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.audio import AudioError, decode_audio, encode_latents
 from engine import checkpoint
+from engine.audio import AudioError, decode_audio, encode_latents
 from engine.checkpoint import CheckpointError, load_model, read_safetensors_chunked
 from engine.config import VoxCPMConfig
 from engine.models.audio_vae import AudioVAEConfig

@@ -74,6 +74,27 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         qo, ko = triton_kernels.rotary_qk(q, k, cos, sin)
         return max(relative_error(qo, fused._rotary(q, cos, sin)), relative_error(ko, fused._rotary(k, cos, sin)))
 
+    def rotary_store_kv(dtype: torch.dtype) -> float:
+        """Rotary + paged-cache write: q rotated out, k rotated and v copied into their slots, other slots kept."""
+        t, hq, hk, dim = 5, 4, 2, 32
+        q, k, v = rand(t, (hq + 2 * hk) * dim, dtype=dtype, seed=13).split([hq * dim, hk * dim, hk * dim], dim=-1)
+        q, k, v = q.view(t, hq, dim), k.view(t, hk, dim), v.view(t, hk, dim)  # strided views, as in the model
+        rope = rand(t, 2, dim, dtype=torch.float32, seed=14)
+        slots = torch.tensor([7, 2, 11, 0, 5], device=device)
+        errs = []
+        for r in (rope, None):
+            k_cache = rand(3, 4, hk, dim, dtype=dtype, seed=15)  # (blocks, block_size, heads, dim)
+            v_cache = rand(3, 4, hk, dim, dtype=dtype, seed=16)
+            k_ref, v_ref = k_cache.clone().view(-1, hk, dim), v_cache.clone().view(-1, hk, dim)
+            cos, sin = (r[:, 0], r[:, 1]) if r is not None else (None, None)
+            q_ref = fused._rotary(q, cos, sin) if r is not None else q
+            k_ref[slots] = fused._rotary(k, cos, sin) if r is not None else k
+            v_ref[slots] = v
+            q_out = triton_kernels.rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
+            errs += [relative_error(q_out, q_ref), relative_error(k_cache.view(-1, hk, dim), k_ref),
+                     relative_error(v_cache.view(-1, hk, dim), v_ref)]
+        return max(errs)
+
     def dense(dtype: torch.dtype) -> float:
         errs = []
         for n, length in ((3, 11), (2, 5), (1, 33), (64, 11)):  # the last: >= 256 (sequence, head) pairs, 2 warps
@@ -240,7 +261,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         return max(errs)
 
     return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "skinny_matmul": skinny_matmul, "rotary_qk": rotary_qk,
-            "dense_attention": dense,
+            "rotary_store_kv": rotary_store_kv, "dense_attention": dense,
             "snake": snake, "dwconv_snake": dwconv_snake, "residual_unit": residual_unit,
             "conv_transpose": conv_transpose, "vae_decoder": vae_decoder, "cfg_euler": cfg_euler}
 
@@ -267,8 +288,8 @@ def interpreter_results() -> dict[str, float]:
     return {r["case"]: r["err"] for r in rows}
 
 
-CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "skinny_matmul", "rotary_qk", "dense_attention",
-                                    "snake",
+CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "skinny_matmul", "rotary_qk", "rotary_store_kv",
+                                    "dense_attention", "snake",
                                     "dwconv_snake", "residual_unit", "conv_transpose", "vae_decoder", "cfg_euler")
               for d in INTERPRETED]
 

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from engine import fused
 from engine.fused import snake
+from engine.models.minicpm import embedding
 
 # Stream state: one tensor per stateful decoder layer, indexed by that layer's `state_slot`. Every
 # tensor is [batch, channels, context] with batch first, so several streams can later be decoded
@@ -379,14 +380,14 @@ class SampleRateConditionLayer(nn.Module):
         self.cond_type = cond_type
         out_in_dim = dim
         if cond_type in ("scale_bias", "scale_bias_init"):
-            self.scale_embed = nn.Embedding(buckets, dim)
-            self.bias_embed = nn.Embedding(buckets, dim)
+            self.scale_embed = embedding(buckets, dim)
+            self.bias_embed = embedding(buckets, dim)
         elif cond_type == "add":
-            self.cond_embed = nn.Embedding(buckets, dim)
+            self.cond_embed = embedding(buckets, dim)
         elif cond_type == "concat":
             if not out_layer:
                 raise ValueError("cond_type 'concat' needs cond_out_layer=True")
-            self.cond_embed = nn.Embedding(buckets, cond_dim)
+            self.cond_embed = embedding(buckets, cond_dim)
             out_in_dim = dim + cond_dim
         else:
             raise ValueError(f"invalid cond_type {cond_type!r}")

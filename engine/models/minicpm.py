@@ -19,8 +19,17 @@ from engine import fused
 from engine.config import TransformerConfig
 from engine.fused import add_rms_norm, rms_norm, rotary_qk, silu_mul
 
-# attend(layer_index, q, k, v) -> output with q's leading shape and heads*head_dim last.
-AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# attend(layer_index, q, k, v, rope) -> output with q's leading shape and heads*head_dim last; rope: rotary rows
+# (L, 2, head_dim) that the attention applies to q and k first (inside its kernels where it can), or None.
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding whose random init is skipped on the meta device (the loader's build): there `normal_` runs
+    through torch's reference ops, whose first use imports torch._dynamo (~2.7 s of every start-up)."""
+    if torch.empty(0).is_meta:
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
 
 
 class RMSNorm(nn.Module):
@@ -95,11 +104,7 @@ class Attention(nn.Module):
         q = q.view(*lead, self.num_heads, self.head_dim)
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
-        if rope is not None and isinstance(attend, DenseAttention):
-            return self.o_proj(attend(layer, q, k, v, rope))  # rotary applied inside (one kernel on CUDA)
-        if rope is not None:
-            q, k = rotary_qk(q, k, rope[..., 0, :], rope[..., 1, :])
-        return self.o_proj(attend(layer, q, k, v))
+        return self.o_proj(attend(layer, q, k, v, rope))
 
 
 class MLP(nn.Module):
@@ -155,7 +160,7 @@ class MiniCPM(nn.Module):
         super().__init__()
         self.cfg = cfg
         if cfg.vocab_size > 0:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.uses_rope = not cfg.no_rope
