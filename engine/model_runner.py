@@ -167,6 +167,9 @@ class ModelRunner:
         # it overlaps the next step's DiT instead of ending its own step (VOXCPM_VAE_OVERLAP=0: joined in-step).
         self.vae_overlap = (self.vae_stream is not None and self.use_graphs
                             and os.environ.get("VOXCPM_VAE_OVERLAP", "1") != "0")
+        # Batch buckets below VOXCPM_VAE_OVERLAP_MIN_BATCH keep the VAE inside their step graph (on the second
+        # stream, beside the LMs' feed-back): a small batch's VAE fits there, and its audio is ready with its step.
+        self.vae_overlap_min_batch = int(os.environ.get("VOXCPM_VAE_OVERLAP_MIN_BATCH", "1"))
         # With "step", the engine's step work runs on its own high-priority stream (a graph runs at its launch
         # stream's priority).
         self.step_stream = (torch.cuda.Stream(device, priority=-1) if self.vae_overlap and priority == "step"
@@ -235,11 +238,11 @@ class ModelRunner:
         full, rest = divmod(tokens, max_model_len)
         lens = [max_model_len] * full + ([rest] if rest else [])
         self._dry_prefill(lens)
-        self._decode_forward(self.max_num_seqs, self.table_width, not self.vae_overlap)
+        self._decode_forward(self.max_num_seqs, self.table_width, not self.overlaps(self.max_num_seqs))
         torch.cuda.synchronize(self.device)
         stats = torch.cuda.memory_stats(self.device)
         peak_extra = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-        if self.vae_overlap:  # its graphs' own pool is held beside the step's: count its peak once more
+        if self.overlaps(self.max_num_seqs):  # its graphs' own pool is held beside the step's: count its peak again
             torch.cuda.reset_peak_memory_stats(self.device)
             self._vae_forward(self.max_num_seqs)
             torch.cuda.synchronize(self.device)
@@ -420,6 +423,10 @@ class ModelRunner:
         # The previous patch of the first decode step: the last input row's features.
         self.prev_patch[index] = x.feats[x.last_rows].to(dev, self.dtype)
 
+    def overlaps(self, batch: int) -> bool:
+        """Whether this batch bucket's VAE decode is its own graph, replayed behind the step (else inside it)."""
+        return self.vae_overlap and batch >= self.vae_overlap_min_batch
+
     def on_step_stream(self) -> contextlib.AbstractContextManager[Any]:
         """Context for the engine's step work (prefill, decode, slot changes): the high-priority step stream."""
         return torch.cuda.stream(self.step_stream) if self.step_stream is not None else contextlib.nullcontext()
@@ -490,9 +497,9 @@ class ModelRunner:
         vae_pool = None  # its own pool: a VAE graph runs while the next step's graph does
         for batch in reversed(graph_buckets(self.max_num_seqs)):
             self.graphs[batch] = graph = self._capture(f"decode B={batch}", self._decode_forward, batch,
-                                                       self.table_width, not self.vae_overlap, pool=pool)
+                                                       self.table_width, not self.overlaps(batch), pool=pool)
             pool = graph.pool()
-            if self.vae_overlap:
+            if self.overlaps(batch):
                 self.vae_graphs[batch] = vae_graph = self._capture(f"vae B={batch}", self._vae_forward, batch,
                                                                    pool=vae_pool, stream=self.vae_stream)
                 vae_pool = vae_graph.pool()
@@ -554,7 +561,7 @@ class ModelRunner:
         pad = rows - b
         assert self.base_cache is not None
         scratch_kv = self.base_cache.scratch_slot
-        overlap = self.vae_overlap and graph_batch is not None
+        overlap = graph_batch in self.vae_graphs
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         if self.vae_inputs_taken is not None:
             assert stream is not None

@@ -70,7 +70,7 @@ def components(engine: LLMEngine, b: int) -> dict[str, float]:
         "stop head": graph_ms(lambda: bb.stop_logits(lm_h)),
         "VAE decode (streaming, fp32)": graph_ms(lambda: r._decode_audio(idx, latents)),
         # With the VAE overlapped (the CUDA default) the step graph stops at the LMs; the VAE graph runs behind it.
-        "whole step (one graph)" if not r.vae_graphs else "step graph without the VAE":
+        "whole step (one graph)" if b not in r.vae_graphs else "step graph without the VAE":
             graph_ms(r.graphs[b]) if b in r.graphs else float("nan"),
         **({"VAE graph (overlaps the next step)": graph_ms(r.vae_graphs[b])} if b in r.vae_graphs else {}),
     }
