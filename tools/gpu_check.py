@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import tempfile
 import time
@@ -55,11 +56,15 @@ def rel_err(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 def variants(model: LoadedModel, device: str, reqs: list[dict], max_model_len: int,
              pipelined: bool = False) -> dict[str, list[np.ndarray]]:
     out = {}
-    runs = [("eager torch", "torch", True, False), ("eager triton", "triton", True, False),
-            ("graph triton", "triton", False, False), ("graph torch", "torch", False, False)]
+    runs = [("eager torch", "torch", True, False, "32"), ("eager triton", "triton", True, False, "32"),
+            ("graph triton", "triton", False, False, "32"), ("graph torch", "torch", False, False, "32")]
     if pipelined:  # the next step launched before the previous one is read: same numbers expected
-        runs.append(("graph triton, pipelined", "triton", False, True))
-    for name, backend, eager, pipeline in runs:
+        runs.append(("graph triton, pipelined", "triton", False, True, "32"))
+        # every bucket's VAE as its own graph behind the step (the default from batch 32 on)
+        runs.append(("graph triton, pipelined, VAE behind the step", "triton", False, True, "1"))
+    saved = os.environ.get("VOXCPM_VAE_OVERLAP_MIN_BATCH")
+    for name, backend, eager, pipeline, overlap_min_batch in runs:
+        os.environ["VOXCPM_VAE_OVERLAP_MIN_BATCH"] = overlap_min_batch  # read when the runner is made
         eng = LLMEngine(model, EngineConfig(max_num_seqs=8, max_model_len=max_model_len, num_kv_blocks=512,
                                             enforce_eager=eager, attention_backend=backend,
                                             pipeline_decode=pipeline), device=device)
@@ -69,6 +74,10 @@ def variants(model: LoadedModel, device: str, reqs: list[dict], max_model_len: i
         del eng
         gc.collect()
         torch.cuda.empty_cache()
+    if saved is None:
+        os.environ.pop("VOXCPM_VAE_OVERLAP_MIN_BATCH")
+    else:
+        os.environ["VOXCPM_VAE_OVERLAP_MIN_BATCH"] = saved
     return out
 
 
@@ -87,6 +96,8 @@ def check_tiny(tmp: Path, table: list[tuple[str, float, float]]) -> None:
                   1e-4))
     table.append(("tiny fp32: graph triton pipelined vs not",
                   rel_err(gpu["graph triton, pipelined"], gpu["graph triton"]), 1e-6))
+    table.append(("tiny fp32: VAE behind the step vs inside it",
+                  rel_err(gpu["graph triton, pipelined, VAE behind the step"], gpu["graph triton, pipelined"]), 1e-6))
     table.append(("tiny fp32: graph triton batched vs alone", rel_err(gpu["graph triton"], gpu["graph triton, alone"]),
                   1e-4))
 
