@@ -131,8 +131,7 @@ class LLMEngine:
         """Cancel a request: its KV blocks and slot are freed at once."""
         seq = self.sequences.pop(seq_id, None)
         if seq is not None and seq.status != Status.FINISHED:
-            with self.runner.on_step_stream():
-                self._finish(seq, "aborted")
+            self._finish(seq, "aborted")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -140,10 +139,6 @@ class LLMEngine:
     def step(self) -> list[StepEvent]:
         """One engine step; the events of the patches it read. Pipelined, a step launches the next decode
         of the same running sequences first and then reads the one in flight (launched by the step before)."""
-        with self.runner.on_step_stream():
-            return self._step()
-
-    def _step(self) -> list[StepEvent]:
         in_flight, self.in_flight = self.in_flight, None
         try:
             if in_flight is not None:

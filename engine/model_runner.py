@@ -155,14 +155,10 @@ class ModelRunner:
             with contextlib.suppress(RuntimeError):
                 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32
         self.use_graphs = device.type == "cuda" and not enforce_eager
-        # Which stream's kernels get SMs first where the overlapped VAE decode and the next step compete
-        # (VOXCPM_STREAM_PRIORITY): "none", "step" (the step on a high-priority stream) or "vae".
-        priority = os.environ.get("VOXCPM_STREAM_PRIORITY", "none")
-        if priority not in ("none", "step", "vae"):
-            raise ValueError(f"VOXCPM_STREAM_PRIORITY={priority!r}: use 'none', 'step' or 'vae'")
-        # Second CUDA stream for the VAE decode, overlapped with the LMs (VOXCPM_VAE_STREAM=0: one stream).
-        self.vae_stream = (torch.cuda.Stream(device, priority=-1 if priority == "vae" else 0)
-                           if device.type == "cuda" and os.environ.get("VOXCPM_VAE_STREAM", "1") != "0" else None)
+        # Second CUDA stream for the VAE decode, overlapped with the LMs (VOXCPM_VAE_STREAM=0: one stream). (Stream
+        # priorities for it or for the step measured no difference on the H100: docs/benchmarks.md, step 9.)
+        self.vae_stream = (torch.cuda.Stream(device) if device.type == "cuda"
+                           and os.environ.get("VOXCPM_VAE_STREAM", "1") != "0" else None)
         # With graphs, the VAE is its own graph on that stream, replayed behind the step that made its patch:
         # it overlaps the next step's DiT instead of ending its own step (VOXCPM_VAE_OVERLAP=0: joined in-step).
         self.vae_overlap = (self.vae_stream is not None and self.use_graphs
@@ -171,10 +167,6 @@ class ModelRunner:
         # stream, beside the LMs' feed-back): a small batch's VAE fits there, and its audio is ready with its step
         # (H100, host step B=1 7.10 -> 7.00 ms, B=8 8.57 -> 8.33; c=8 RTF 0.0553 -> 0.0543 in two A/B pairs).
         self.vae_overlap_min_batch = int(os.environ.get("VOXCPM_VAE_OVERLAP_MIN_BATCH", "32"))
-        # With "step", the engine's step work runs on its own high-priority stream (a graph runs at its launch
-        # stream's priority).
-        self.step_stream = (torch.cuda.Stream(device, priority=-1) if self.vae_overlap and priority == "step"
-                            else None)
         self.vae_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.vae_inputs_taken: torch.cuda.Event | None = None  # the last VAE launch has copied its inputs
         p, d = self.cfg.patch_size, self.cfg.feat_dim
@@ -427,10 +419,6 @@ class ModelRunner:
     def overlaps(self, batch: int) -> bool:
         """Whether this batch bucket's VAE decode is its own graph, replayed behind the step (else inside it)."""
         return self.vae_overlap and batch >= self.vae_overlap_min_batch
-
-    def on_step_stream(self) -> contextlib.AbstractContextManager[Any]:
-        """Context for the engine's step work (prefill, decode, slot changes): the high-priority step stream."""
-        return torch.cuda.stream(self.step_stream) if self.step_stream is not None else contextlib.nullcontext()
 
     # --- decode -------------------------------------------------------------------------------
     def join_vae(self) -> None:
