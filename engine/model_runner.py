@@ -125,7 +125,7 @@ class DecodeBuffers:
         self.patch = z(rows, patch, feat_dim, dtype=dtype)
         self.stop = z(rows, dtype=torch.bool)
         self.audio = z(rows, samples, dtype=torch.float32)
-        # The VAE's own copies of its inputs when it runs behind the next step (ModelRunner.vae_overlap).
+        # The VAE's own copies of its inputs when it runs behind the next step (ModelRunner.overlaps).
         self.vae_index = torch.full((rows,), scratch_seq_slot, dtype=torch.long, device=device)
         self.vae_patch = z(rows, patch, feat_dim, dtype=dtype)
 
@@ -235,6 +235,13 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         stats = torch.cuda.memory_stats(self.device)
         peak_extra = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+        in_step = [b for b in graph_buckets(self.max_num_seqs) if not self.overlaps(b)]
+        if in_step and self.overlaps(self.max_num_seqs):  # a smaller bucket's step with its VAE inside may need more
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._decode_forward(max(in_step), self.table_width, True)
+            torch.cuda.synchronize(self.device)
+            stats = torch.cuda.memory_stats(self.device)
+            peak_extra = max(peak_extra, stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"])
         if self.overlaps(self.max_num_seqs):  # its graphs' own pool is held beside the step's: count its peak again
             torch.cuda.reset_peak_memory_stats(self.device)
             self._vae_forward(self.max_num_seqs)
@@ -555,6 +562,10 @@ class ModelRunner:
         if self.vae_inputs_taken is not None:
             assert stream is not None
             stream.wait_event(self.vae_inputs_taken)  # the last VAE launch has read slot_index and patch
+        if not overlap:
+            # This step decodes its audio itself (a bucket below VOXCPM_VAE_OVERLAP_MIN_BATCH, or eager): after the
+            # VAE graph of a previous, larger step is done with the VAE states, the audio buffer and its copy.
+            self.join_vae()
         host = {
             "slot_index": torch.tensor([s.slot for s in seqs] + [self.scratch_slot] * pad),
             "positions": torch.tensor([s.num_tokens + ahead for s in seqs] + [0] * pad),

@@ -11,8 +11,8 @@ compile once per dtype and block size and follow the eager op order and rounding
 - `add_rms_norm`: residual update (times the muP scale) and the RMSNorm of the result, one row per program;
 - `silu_mul`: SiLU(gate) * up over the halves of the fused gate/up projection;
 - `rotary_qk`: rotary embedding of q and k of the causal LMs (one token and head per program);
-- `rotary_store_kv`: the same with k (rotated) and v written straight into their paged-cache slots (the decode
-  path: one kernel instead of the rotary and two scatters per layer);
+- `rotary_store_kv`: the same with k (rotated) and v written straight into their paged-cache slots (every Triton-
+  backend step, decode and prefill: one kernel instead of the rotary and two scatters per layer);
 - `dense_attention`: the local encoder's and DiT's bidirectional attention over sequences of <= 64 tokens
   with the rotary embedding applied on load (one sequence and 1..G query heads of a GQA group per program);
 - `snake`: the VAE's Snake activation x + sin^2(alpha x) / alpha on (B, C, T) activations of any strides;
@@ -368,7 +368,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 # Activation rows up to which `skinny_matmul` serves the gate/up projection (VOXCPM_SKINNY_ROWS; 0: never):
 # below it a decode step's GEMMs read each weight once for a handful of rows and are bound by that read.
-SKINNY_ROWS = int(os.environ.get("VOXCPM_SKINNY_ROWS", "64"))
+SKINNY_ROWS = min(64, int(os.environ.get("VOXCPM_SKINNY_ROWS", "64")))  # tiles for more rows would not fit in SMEM
 
 
 def skinny_supported(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False) -> bool:

@@ -260,8 +260,45 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             assert spy.call_count == 1, "fused.cfg_euler_step fell back to the eager ops"
         return max(errs)
 
+    def dispatch(dtype: torch.dtype) -> float:
+        """The model's calls take the new kernels where they apply: the Triton backend's attention (rotary + cache
+        write in one kernel, then the paged kernel) against the torch backend's, and the MLP's gated projection."""
+        from engine.attention import AttentionMetadata, PagedKVCache
+
+        hq, hk, dim, bs = 4, 2, 32, 4
+        lens = [5, 1, 9]  # context per sequence, the new token included
+        tables = torch.tensor([[2, 0, 0], [1, 0, 0], [3, 4, 5]], dtype=torch.int32, device=device)
+        slots = torch.tensor([int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)],
+                             device=device)
+        meta = AttentionMetadata(False, slots, tables, torch.arange(3, dtype=torch.int32, device=device),
+                                 torch.tensor(lens, dtype=torch.int32, device=device))
+        q = rand(3, hq, dim, dtype=dtype, seed=17)
+        k, v = rand(3, hk, dim, dtype=dtype, seed=18), rand(3, hk, dim, dtype=dtype, seed=19)
+        errs = []
+        for rope in (rand(3, 2, dim, dtype=torch.float32, seed=20), None):
+            out = {}
+            for backend in ("torch", "triton"):
+                cache = PagedKVCache(1, 6, bs, hk, dim, dtype, device, backend=backend)
+                cache.k.copy_(rand(*cache.k.shape, dtype=dtype, seed=21))
+                cache.v.copy_(rand(*cache.v.shape, dtype=dtype, seed=22))
+                kernels = triton_kernels.usable if backend == "triton" else fused.kernels  # the torch one: eager ops
+                fused_write = triton_kernels.rotary_store_kv
+                with mock.patch.object(fused, "kernels", kernels), \
+                        mock.patch.object(triton_kernels, "rotary_store_kv", wraps=fused_write) as spy:
+                    out[backend] = (cache.attend_fn(meta)(0, q, k, v, rope), cache.k.clone(), cache.v.clone())
+                assert spy.call_count == (backend == "triton"), f"{backend}: fused K/V write used {spy.call_count}x"
+            errs += [relative_error(a, b) for a, b in zip(out["triton"], out["torch"], strict=True)]
+        x = rand(5, 64, dtype=dtype, seed=23)
+        w = rand(96, 64, dtype=dtype, seed=24) * 0.125
+        gate, up = F.linear(x, w).chunk(2, dim=-1)
+        with mock.patch.object(fused, "kernels", triton_kernels.usable), \
+                mock.patch.object(triton_kernels, "skinny_matmul", wraps=triton_kernels.skinny_matmul) as spy:
+            errs.append(relative_error(fused.silu_gate_linear(x, w), F.silu(gate) * up))
+        assert spy.call_count == 1, "fused.silu_gate_linear did not take the skinny kernel"
+        return max(errs)
+
     return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "skinny_matmul": skinny_matmul, "rotary_qk": rotary_qk,
-            "rotary_store_kv": rotary_store_kv, "dense_attention": dense,
+            "rotary_store_kv": rotary_store_kv, "dispatch": dispatch, "dense_attention": dense,
             "snake": snake, "dwconv_snake": dwconv_snake, "residual_unit": residual_unit,
             "conv_transpose": conv_transpose, "vae_decoder": vae_decoder, "cfg_euler": cfg_euler}
 
@@ -269,6 +306,9 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
 def _interpreter_main() -> None:
     """Entry point of the subprocess (TRITON_INTERPRET=1): one JSON line per case and dtype."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    from tests.test_triton_attention import _patch_interpreter
+
+    _patch_interpreter()  # the paged attention kernel (in the dispatch case) needs it under triton 3.6
     for name, case in _cases("cpu").items():
         for dtype_name in INTERPRETED:
             dtype = DTYPES[dtype_name]
@@ -289,7 +329,7 @@ def interpreter_results() -> dict[str, float]:
 
 
 CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "skinny_matmul", "rotary_qk", "rotary_store_kv",
-                                    "dense_attention", "snake",
+                                    "dispatch", "dense_attention", "snake",
                                     "dwconv_snake", "residual_unit", "conv_transpose", "vae_decoder", "cfg_euler")
               for d in INTERPRETED]
 

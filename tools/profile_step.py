@@ -69,7 +69,8 @@ def components(engine: LLMEngine, b: int) -> dict[str, float]:
         "residual LM step": graph_ms(lambda: bb.residual_lm(res_in, rope, r.residual_cache.attend_fn(meta))),
         "stop head": graph_ms(lambda: bb.stop_logits(lm_h)),
         "VAE decode (streaming, fp32)": graph_ms(lambda: r._decode_audio(idx, latents)),
-        # With the VAE overlapped (the CUDA default) the step graph stops at the LMs; the VAE graph runs behind it.
+        # From VOXCPM_VAE_OVERLAP_MIN_BATCH on (32) the step graph stops at the LMs and the VAE graph runs behind it;
+        # below, the VAE is inside the step graph.
         "whole step (one graph)" if b not in r.vae_graphs else "step graph without the VAE":
             graph_ms(r.graphs[b]) if b in r.graphs else float("nan"),
         **({"VAE graph (overlaps the next step)": graph_ms(r.vae_graphs[b])} if b in r.vae_graphs else {}),
