@@ -45,3 +45,38 @@ def test_graphs_and_triton_match_eager_torch(checkpoint_factory, monkeypatch):
         assert g.shape == e.shape == a.shape
         np.testing.assert_allclose(g, e, rtol=0, atol=1e-4 * np.abs(e).max())
         np.testing.assert_allclose(a, g, rtol=0, atol=1e-4 * np.abs(g).max())
+
+
+def test_vae_inside_and_behind_the_step_agree_across_the_threshold(checkpoint_factory, monkeypatch):
+    """Buckets below VOXCPM_VAE_OVERLAP_MIN_BATCH decode their VAE inside the step graph, the others behind it. With
+    the threshold at 4 and requests of different lengths, the pipelined batch shrinks from bucket 4 (behind) to 2
+    and 1 (inside): the audio must equal the all-inside run's, bit for bit (the same kernels on the same inputs)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"), "cuda")
+    reqs = [dict(text=f"Request {i}.", params=SamplingParams(seed=i, max_generate_length=9 - 3 * i)) for i in range(3)]
+    config = dict(max_num_seqs=4, max_model_len=256, num_kv_blocks=128, attention_backend="triton",
+                  pipeline_decode=True)
+    audio = {}
+    for threshold in ("32", "4"):
+        monkeypatch.setenv("VOXCPM_VAE_OVERLAP_MIN_BATCH", threshold)  # read when the runner is made
+        engine = LLMEngine(model, EngineConfig(**config), "cuda")
+        assert bool(engine.runner.vae_graphs) == (threshold == "4")
+        audio[threshold] = _run(engine, reqs)
+    for inside, mixed in zip(audio["32"], audio["4"], strict=True):
+        np.testing.assert_array_equal(mixed, inside)
+
+
+def test_chunked_checkpoint_reader_on_the_gpu(checkpoint_factory, monkeypatch):
+    """The GPU reader (pinned double buffering, many chunks) gives safetensors' tensors, on the requested device."""
+    from safetensors.torch import load_file
+
+    from engine import checkpoint
+
+    file = checkpoint_factory("tiny-voxcpm2") / "model.safetensors"
+    monkeypatch.setattr(checkpoint, "_CHUNK", 1 << 16)
+    loaded = checkpoint.read_safetensors_chunked(file, "cuda")
+    reference = load_file(file)
+    assert loaded.keys() == reference.keys()
+    for k, v in reference.items():
+        assert loaded[k].is_cuda and torch.equal(loaded[k].cpu(), v), k
