@@ -24,7 +24,8 @@
 # Knobs (environment): PARTS, CONC (1,8,32,64), ITERS (2), PATCHES (100), MODE (zeroshot|hifi),
 # PRESET (full-voxcpm2), CKPT (/tmp/full), BUDGET_S (total seconds this call may use, 580), T_CHECK / T_OURS / T_NANO (per-part
 # time limits, seconds; T_TEST for the CUDA tests), BENCH_ARGS (extra flags for both benchmarks), OURS_ARGS / NANO_ARGS (per engine),
-# CHECK_ARGS (extra flags for gpu_check.py), PROFILE_BATCH (1,8,64), BASELINE, T_PROFILE. Files in $OUT:
+# CHECK_ARGS (extra flags for gpu_check.py), PROFILE_BATCH (1,8,64), BASELINE, T_PROFILE, FRESH_KERNELS (1: our
+# benchmark starts on an empty Triton kernel cache, for the cold start of a fresh machine). Files in $OUT:
 # device_bench.log, gpu_check.json, profile.json, profile_before.json, ours.json, nano.json, compare.md.
 set -uo pipefail
 
@@ -171,7 +172,13 @@ for part in $PARTS; do
             ;;
         ours)
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
-            bench voxcpm-serve "$OUT/ours.json" "$T_OURS"
+            if [[ "${FRESH_KERNELS:-0}" == 1 ]]; then
+                fresh="$(mktemp -d)"
+                log "empty Triton kernel cache for this benchmark: $fresh"
+                TRITON_CACHE_DIR="$fresh" bench voxcpm-serve "$OUT/ours.json" "$T_OURS"
+            else
+                bench voxcpm-serve "$OUT/ours.json" "$T_OURS"
+            fi
             RC[$part]=$?
             ;;
         nano)
