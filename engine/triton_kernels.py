@@ -36,6 +36,10 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except ImportError:  # a triton without programmatic dependent launch: skinny_matmul(pdl=True) cannot compile
+        gdc_launch_dependents = gdc_wait = None
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, x_out_ptr, y_ptr, n_cols, eps, scale,
@@ -69,7 +73,7 @@ if HAVE_TRITON:
     @triton.jit
     def _skinny_matmul_kernel(x_ptr, w_ptr, o_ptr, rows, n_out, stride_x, stride_o, K: tl.constexpr,
                               SILU_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # The weight tile is the dot's left operand (its rows are output columns): a few activation rows
         # fill the dot's narrow side, and each program streams BLOCK_N weight rows once, K-contiguous.
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,7 +85,22 @@ if HAVE_TRITON:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         up_offset = n_out.to(tl.int64) * K
-        for _ in range(0, K, BLOCK_K):
+        if PDL:
+            # Launched as a programmatic dependent of the kernel before (launch_pdl): this grid may start while
+            # that one runs. Its weights do not depend on it: the first tile is loaded before waiting for it.
+            gdc_launch_dependents()
+            w_first = tl.load(w_ptrs)
+            u_first = w_first
+            if SILU_GATE:
+                u_first = tl.load(w_ptrs + up_offset)
+            gdc_wait()
+            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+            acc = tl.dot(w_first, xt, acc, input_precision=DOT_PRECISION)
+            if SILU_GATE:
+                acc_up = tl.dot(u_first, xt, acc_up, input_precision=DOT_PRECISION)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        for _ in range(BLOCK_K if PDL else 0, K, BLOCK_K):
             xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
             acc = tl.dot(tl.load(w_ptrs), xt, acc, input_precision=DOT_PRECISION)
             if SILU_GATE:  # the up rows follow the gate rows: same columns, one more accumulator
@@ -389,11 +408,13 @@ def skinny_config(rows: int, k_dim: int, n: int) -> tuple[int, int, int, int, in
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False,
-                  config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                  config: tuple[int, int, int, int, int] | None = None, pdl: bool = False) -> torch.Tensor:
     """x (..., K) @ weight.T for a few rows (`skinny_supported`): one program per 16 output columns streams
     their weight rows once (no split-K, no reduction kernel). silu_gate: weight is [gate; up] (2N, K) and
     the result silu(x @ gate.T) * (x @ up.T), as the gate/up GEMM then `silu_mul` round it. config: as
-    `skinny_config` returns (default), for tools/bench_kernels.py's sweep."""
+    `skinny_config` returns (default), for tools/bench_kernels.py's sweep. pdl (CUDA, sm90+): launched as a
+    programmatic dependent of the previous kernel, loading its first weight tile before waiting for it (an
+    experiment of tools/bench_kernels.py, not used by the engine)."""
     k_dim = x.shape[-1]
     x2 = x.reshape(-1, k_dim)
     if x2.stride(-1) != 1:
@@ -406,7 +427,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False
     _skinny_matmul_kernel[(n // block_n,)](
         x2, weight, out, rows, n, x2.stride(0), out.stride(0), K=k_dim, SILU_GATE=silu_gate,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_stages=stages, num_warps=warps)
+        BLOCK_K=block_k, PDL=pdl, num_stages=stages, num_warps=warps, **({"launch_pdl": True} if pdl else {}))
     return out.view(*x.shape[:-1], n)
 
 

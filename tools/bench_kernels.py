@@ -6,7 +6,9 @@
   configuration, and a sweep of its tile configurations at the rows of a B=1 step.
 - prefetch: an experiment, the DiT's projection chain at B=1 with each GEMM's weights read into L2 by a side
   branch while the GEMM before it runs (H100: the side branch, at most ~0.6 TB/s from 132 programs, made the
-  chain 2-16x slower than plain; not used by the engine).
+  chain 2-16x slower than plain; not used by the engine);
+- pdl: the same chain, cuBLAS against the skinny GEMM for all four projections, plain and launched as programmatic
+  dependents (not yet run on a GPU).
 Times come from CUDA events over CUDA-graph replays (launch cost excluded, as inside the captured step); the
 GEMMs cycle through enough weight copies that each call reads its weight from HBM, not from L2.
 
@@ -183,11 +185,52 @@ def bench_prefetch(cfg: VoxCPMConfig, dev: torch.device, dtype: torch.dtype) -> 
     return out
 
 
+def bench_pdl(cfg: VoxCPMConfig, dev: torch.device, dtype: torch.dtype) -> list[dict]:
+    """The DiT's projection chain at a B=1 step (every layer's own weights, from HBM): cuBLAS + silu_mul against
+    `skinny_matmul` for all four projections, launched plainly and as programmatic dependents (PDL: each GEMM's
+    grid starts while the one before runs and loads its first weight tile before waiting for it)."""
+    tcfg = cfg.dit
+    h, q, kv, ffn = tcfg.hidden_size, tcfg.num_attention_heads * tcfg.head_dim, \
+        tcfg.num_key_value_heads * tcfg.head_dim, tcfg.intermediate_size
+    rows = 2 * (2 * cfg.patch_size + 3)
+    shapes = ((q + 2 * kv, h), (h, q), (2 * ffn, h), (h, ffn))
+    layers = [[torch.randn(n, k, device=dev, dtype=dtype) * k ** -0.5 for n, k in shapes]
+              for _ in range(tcfg.num_hidden_layers)]
+    x0 = torch.randn(rows, h, device=dev, dtype=dtype)
+
+    def chain(kind: str) -> None:
+        a = x0
+        for w_qkv, w_o, w_gate_up, w_down in layers:
+            if kind == "cublas":
+                a = torch.nn.functional.linear(a, w_qkv)[:, :q]
+                a = torch.nn.functional.linear(a, w_o)
+                a = triton_kernels.silu_mul(*torch.nn.functional.linear(a, w_gate_up).chunk(2, dim=-1))
+                a = torch.nn.functional.linear(a, w_down)
+            else:
+                pdl = kind == "skinny, PDL"
+                a = triton_kernels.skinny_matmul(a, w_qkv, pdl=pdl)[:, :q]
+                a = triton_kernels.skinny_matmul(a, w_o, pdl=pdl)
+                a = triton_kernels.skinny_matmul(a, w_gate_up, silu_gate=True, pdl=pdl)
+                a = triton_kernels.skinny_matmul(a, w_down, pdl=pdl)
+
+    out = []
+    for kind in ("cublas", "skinny", "skinny, PDL"):
+        try:
+            us = replay_us(partial(chain, kind)) / len(layers)
+        except Exception as e:  # an experiment: a launch the capture refuses is a result too
+            out.append({"variant": kind, "rows": rows, "error": f"{type(e).__name__}: {e}"[:500]})
+            print(f"DiT projection chain rows={rows}, {kind}: failed: {out[-1]['error']}", flush=True)
+            continue
+        out.append({"variant": kind, "rows": rows, "us_per_layer": round(us, 2)})
+        print(f"DiT projection chain rows={rows}, {kind}: {us:.2f} us per layer", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True, help="checkpoint directory (only its config is read)")
     ap.add_argument("--batch", default="1,8,64,128")
-    ap.add_argument("--only", default="attention,gemm,prefetch", help="which benchmarks: attention, gemm, prefetch")
+    ap.add_argument("--only", default="attention,gemm,pdl", help="which benchmarks: attention, gemm, prefetch, pdl")
     ap.add_argument("--out")
     a = ap.parse_args()
     cfg = VoxCPMConfig.from_dir(a.model)
@@ -196,6 +239,7 @@ def main() -> None:
     rows = []
     gemm_rows = bench_gemm(cfg, batches, dev, dtype) if "gemm" in a.only else []
     prefetch_rows = bench_prefetch(cfg, dev, dtype) if "prefetch" in a.only else []
+    pdl_rows = bench_pdl(cfg, dev, dtype) if "pdl" in a.only else []
     for name, tcfg, seq_len, per_request in (("DiT", cfg.dit, 2 * cfg.patch_size + 1 + 2, 2),
                                              ("LocEnc", cfg.encoder, cfg.patch_size + 1, 1)):
         if "attention" not in a.only:
@@ -223,7 +267,7 @@ def main() -> None:
                          "num_warps": 2 if n * hq >= 256 else 4, "us": round(auto, 2)})
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows, "gemm": gemm_rows,
-              "prefetch": prefetch_rows}
+              "prefetch": prefetch_rows, "pdl": pdl_rows}
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
 
