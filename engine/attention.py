@@ -91,16 +91,18 @@ class PagedKVCache:
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    rope: torch.Tensor | None = None) -> torch.Tensor:
             k_cache, v_cache = self.k[layer], self.v[layer]
+            # The Triton attention reads K/V from the cache only: there rotary and cache write are one kernel.
+            q_rot = fused.rotary_store_kv(q, k, v, rope, k_cache, v_cache, meta.slot_mapping) \
+                if backend == "triton" else None
+            if q_rot is None:
+                q, k = rotate_and_store(q, k, v, rope, k_cache, v_cache, meta.slot_mapping)
+            else:
+                q = q_rot
             if backend == "triton":
                 from engine.triton_attention import paged_attention
 
-                # The Triton kernel reads K/V from the cache only: rotary and cache write as one kernel.
-                q_rot = fused.rotary_store_kv(q, k, v, rope, k_cache, v_cache, meta.slot_mapping)
-                q = q_rot if q_rot is not None else rotate_and_store(q, k, v, rope, k_cache, v_cache,
-                                                                     meta.slot_mapping)[0]
                 return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.row_index,
                                        meta.token_context_lens).flatten(-2)
-            q, k = rotate_and_store(q, k, v, rope, k_cache, v_cache, meta.slot_mapping)
             if backend == "flash":
                 return flash_prefill_attention(q, k, v, meta)
             if meta.is_prefill and meta.query_lens is not None:

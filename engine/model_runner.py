@@ -169,6 +169,7 @@ class ModelRunner:
         self.vae_overlap_min_batch = int(os.environ.get("VOXCPM_VAE_OVERLAP_MIN_BATCH", "32"))
         self.vae_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.vae_inputs_taken: torch.cuda.Event | None = None  # the last VAE launch has copied its inputs
+        self.vae_unjoined = False  # a VAE graph was launched behind a step since the last `join_vae`
         p, d = self.cfg.patch_size, self.cfg.feat_dim
         self.samples_per_patch = p * model.vae.decode_chunk_size
         self.table_width = (max_model_len + block_size - 1) // block_size
@@ -216,6 +217,7 @@ class ModelRunner:
         self.graphs.clear()
         self.vae_graphs.clear()
         self.vae_inputs_taken = None
+        self.vae_unjoined = False
         self.prefill_graphs.clear()
         self.host_out = []
 
@@ -225,29 +227,23 @@ class ModelRunner:
         working memory of the largest prefill and the largest decode step (measured, not estimated)."""
         assert self.device.type == "cuda"
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
         self.allocate_kv_cache(self.table_width)  # room for one full-length sequence, for the dry run
         tokens = min(self.max_num_batched_tokens, max_model_len * self.max_num_seqs)
         full, rest = divmod(tokens, max_model_len)
         lens = [max_model_len] * full + ([rest] if rest else [])
-        self._dry_prefill(lens)
-        self._decode_forward(self.max_num_seqs, self.table_width, not self.overlaps(self.max_num_seqs))
-        torch.cuda.synchronize(self.device)
-        stats = torch.cuda.memory_stats(self.device)
-        peak_extra = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-        in_step = [b for b in graph_buckets(self.max_num_seqs) if not self.overlaps(b)]
-        if in_step and self.overlaps(self.max_num_seqs):  # a smaller bucket's step with its VAE inside may need more
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._decode_forward(max(in_step), self.table_width, True)
-            torch.cuda.synchronize(self.device)
-            stats = torch.cuda.memory_stats(self.device)
-            peak_extra = max(peak_extra, stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"])
-        if self.overlaps(self.max_num_seqs):  # its graphs' own pool is held beside the step's: count its peak again
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._vae_forward(self.max_num_seqs)
-            torch.cuda.synchronize(self.device)
-            stats = torch.cuda.memory_stats(self.device)
-            peak_extra += stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+        largest = self.max_num_seqs
+
+        def prefill_and_step() -> None:
+            self._dry_prefill(lens)
+            self._decode_forward(largest, self.table_width, not self.overlaps(largest))
+
+        peak_extra = self._working_memory(prefill_and_step)
+        in_step = [b for b in graph_buckets(largest) if not self.overlaps(b)]
+        if in_step and self.overlaps(largest):  # a smaller bucket's step with its VAE inside may need more
+            peak_extra = max(peak_extra, self._working_memory(
+                lambda: self._decode_forward(max(in_step), self.table_width, True)))
+        if self.overlaps(largest):  # the VAE graphs' own pool is held beside the step's: its peak counts again
+            peak_extra += self._working_memory(lambda: self._vae_forward(largest))
         self.base_cache = self.residual_cache = self.buffers = None
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
@@ -278,6 +274,14 @@ class ModelRunner:
                                     torch.zeros(n, p, d, dtype=self.dtype, device=dev), mask, positions,
                                     torch.tensor([n - 1], device=dev), self.base_cache.attend_fn(meta),
                                     self.residual_cache.attend_fn(meta))
+
+    def _working_memory(self, body: Callable[[], None]) -> int:
+        """Peak bytes `body` allocates on the device beyond what stays allocated after it."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        body()
+        torch.cuda.synchronize(self.device)
+        stats = torch.cuda.memory_stats(self.device)
+        return stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
 
     # --- slots --------------------------------------------------------------------------------
     def assign_slots(self, seqs: list[Sequence]) -> None:
@@ -429,9 +433,12 @@ class ModelRunner:
 
     # --- decode -------------------------------------------------------------------------------
     def join_vae(self) -> None:
-        """Order this stream's next work after every VAE decode launched so far (before touching VAE states)."""
-        if self.vae_overlap and self.vae_stream is not None:
+        """Order this stream's next work after every VAE graph launched behind a step so far (before touching VAE
+        states or the audio buffer)."""
+        if self.vae_unjoined:
+            assert self.vae_stream is not None
             torch.cuda.current_stream(self.device).wait_stream(self.vae_stream)
+            self.vae_unjoined = False
 
     def _latents(self, patches: torch.Tensor) -> torch.Tensor:
         """(B, N, P, D) patches -> (B, D, N * P) VAE input."""
@@ -600,6 +607,7 @@ class ModelRunner:
                 self.vae_inputs_taken = torch.cuda.Event()
                 self.vae_inputs_taken.record(side)
                 self.vae_graphs[graph_batch].replay()
+            self.vae_unjoined = True
             stream = side  # the audio copy and `done` then come after everything of this step
         done = torch.cuda.Event()
         with torch.cuda.stream(stream):

@@ -144,27 +144,24 @@ if HAVE_TRITON:
     def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
                                 HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr):
-        # One (token, head) per program: with ROPE the q heads (rotated to q_out), then the k heads (rotated into
-        # the cache slot), then the v heads (copied there); without, only k and v, copied.
+        # One (token, head) per program: with ROPE the q heads first (rotated to q_out); then the k heads (rotated
+        # with ROPE, else copied) and the v heads (copied) into the token's cache slot.
         t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
+        h = tl.program_id(1) - (HQ if ROPE else 0)  # < 0: a q head
         slot_row = tl.load(slot_ptr + t) * (HK * 2 * HALF)
-        e = tl.arange(0, 2 * HALF)
-        if ROPE:
-            cos_row, sin_row = cos_ptr + t * stride_ct, sin_ptr + t * stride_st
-            if h < HQ:
-                _rotate_row(q_ptr + t * stride_qt + h * stride_qh, q_out_ptr + (t * HQ + h) * (2 * HALF), cos_row,
-                            sin_row, HALF)
-            elif h < HQ + HK:
-                _rotate_row(k_ptr + t * stride_kt + (h - HQ) * stride_kh,
-                            k_cache_ptr + slot_row + (h - HQ) * (2 * HALF), cos_row, sin_row, HALF)
-            else:
-                hv = h - HQ - HK
-                v_row = tl.load(v_ptr + t * stride_vt + hv * stride_vh + e)
-                tl.store(v_cache_ptr + slot_row + hv * (2 * HALF) + e, v_row)
+        cos_row, sin_row = cos_ptr + t * stride_ct, sin_ptr + t * stride_st
+        if h < 0:
+            _rotate_row(q_ptr + t * stride_qt + (h + HQ) * stride_qh, q_out_ptr + (t * HQ + h + HQ) * (2 * HALF),
+                        cos_row, sin_row, HALF)
         elif h < HK:
-            tl.store(k_cache_ptr + slot_row + h * (2 * HALF) + e, tl.load(k_ptr + t * stride_kt + h * stride_kh + e))
+            src, dst = k_ptr + t * stride_kt + h * stride_kh, k_cache_ptr + slot_row + h * (2 * HALF)
+            if ROPE:
+                _rotate_row(src, dst, cos_row, sin_row, HALF)
+            else:
+                e = tl.arange(0, 2 * HALF)
+                tl.store(dst + e, tl.load(src + e))
         else:
+            e = tl.arange(0, 2 * HALF)
             hv = h - HK
             tl.store(v_cache_ptr + slot_row + hv * (2 * HALF) + e, tl.load(v_ptr + t * stride_vt + hv * stride_vh + e))
 
