@@ -32,7 +32,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from engine import triton_kernels  # noqa: E402
-from engine.config import VoxCPMConfig  # noqa: E402
+from engine.config import TransformerConfig, VoxCPMConfig  # noqa: E402
 from engine.models.minicpm import rotary_table  # noqa: E402
 from tools.profile_step import graph_ms  # noqa: E402
 
@@ -72,16 +72,35 @@ def replay_us(fn: Callable[[], object]) -> float:
     return 1000 * graph_ms(fn, reps=50)
 
 
+def layer_shapes(tcfg: TransformerConfig) -> list[tuple[int, int]]:
+    """(output rows, K) of a layer's fused q/k/v, o, fused gate/up and down weights."""
+    h, q = tcfg.hidden_size, tcfg.num_attention_heads * tcfg.head_dim
+    kv, ffn = tcfg.num_key_value_heads * tcfg.head_dim, tcfg.intermediate_size
+    return [(q + 2 * kv, h), (h, q), (2 * ffn, h), (h, ffn)]
+
+
 def projections(cfg: VoxCPMConfig) -> list[tuple[str, int, int, bool, int]]:
     """(name, output rows of the weight, K, SiLU-gated, activation rows per request at a decode step)."""
     out = []
-    for stack, tcfg, per_request in (("LM", cfg.lm, 1), ("DiT", cfg.dit, 2 * (2 * cfg.patch_size + 3)),
+    for stack, tcfg, per_request in (("LM", cfg.lm, 1), ("DiT", cfg.dit, dit_rows(cfg)),
                                      ("LocEnc", cfg.encoder, cfg.patch_size + 1)):
-        h, q, kv, ffn = tcfg.hidden_size, tcfg.num_attention_heads * tcfg.head_dim, \
-            tcfg.num_key_value_heads * tcfg.head_dim, tcfg.intermediate_size
-        out += [(f"{stack} qkv", q + 2 * kv, h, False, per_request), (f"{stack} o", h, q, False, per_request),
-                (f"{stack} gate_up+silu", 2 * ffn, h, True, per_request), (f"{stack} down", h, ffn, False, per_request)]
+        for name, (n, k) in zip(("qkv", "o", "gate_up+silu", "down"), layer_shapes(tcfg), strict=True):
+            out.append((f"{stack} {name}", n, k, name == "gate_up+silu", per_request))
     return out
+
+
+def dit_rows(cfg: VoxCPMConfig) -> int:
+    """The DiT's activation rows per request at a decode step: CFG's two sequences of 2 * patch + 3 tokens."""
+    return 2 * (2 * cfg.patch_size + 3)
+
+
+def dit_chain(cfg: VoxCPMConfig, dev: torch.device, dtype: torch.dtype) -> tuple[list[list[torch.Tensor]],
+                                                                                  torch.Tensor]:
+    """Random weights of every DiT layer (one tensor each: none is read from L2 twice in a step) and the input
+    rows of a B=1 step."""
+    layers = [[torch.randn(n, k, device=dev, dtype=dtype) * k ** -0.5 for n, k in layer_shapes(cfg.dit)]
+              for _ in range(cfg.dit.num_hidden_layers)]
+    return layers, torch.randn(dit_rows(cfg), cfg.dit.hidden_size, device=dev, dtype=dtype)
 
 
 def gemm_us(fn: Callable[[torch.Tensor], object], weight: torch.Tensor) -> float:
@@ -133,13 +152,8 @@ def bench_gemm(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: 
 def bench_prefetch(cfg: VoxCPMConfig, dev: torch.device, dtype: torch.dtype) -> list[dict]:
     """The DiT's projection chain at a B=1 step (rows 2 * sequence length, every layer's own weights, from HBM),
     plain against each GEMM's weights read into L2 by a side branch while the GEMM before it runs."""
-    tcfg = cfg.dit
-    h, q, kv, ffn = tcfg.hidden_size, tcfg.num_attention_heads * tcfg.head_dim, \
-        tcfg.num_key_value_heads * tcfg.head_dim, tcfg.intermediate_size
-    rows = 2 * (2 * cfg.patch_size + 3)
-    layers = [[torch.randn(n, k, device=dev, dtype=dtype) * k ** -0.5 for n, k in
-               ((q + 2 * kv, h), (h, q), (2 * ffn, h), (h, ffn))] for _ in range(tcfg.num_hidden_layers)]
-    x0 = torch.randn(rows, h, device=dev, dtype=dtype)
+    layers, x0 = dit_chain(cfg, dev, dtype)
+    rows, q = x0.shape[0], layers[0][1].shape[1]  # q heads * head_dim: o's K
     weights = [w for layer in layers for w in layer]
 
     def gemm(i: int, a: torch.Tensor) -> torch.Tensor:
@@ -189,14 +203,8 @@ def bench_pdl(cfg: VoxCPMConfig, dev: torch.device, dtype: torch.dtype) -> list[
     """The DiT's projection chain at a B=1 step (every layer's own weights, from HBM): cuBLAS + silu_mul against
     `skinny_matmul` for all four projections, launched plainly and as programmatic dependents (PDL: each GEMM's
     grid starts while the one before runs and loads its first weight tile before waiting for it)."""
-    tcfg = cfg.dit
-    h, q, kv, ffn = tcfg.hidden_size, tcfg.num_attention_heads * tcfg.head_dim, \
-        tcfg.num_key_value_heads * tcfg.head_dim, tcfg.intermediate_size
-    rows = 2 * (2 * cfg.patch_size + 3)
-    shapes = ((q + 2 * kv, h), (h, q), (2 * ffn, h), (h, ffn))
-    layers = [[torch.randn(n, k, device=dev, dtype=dtype) * k ** -0.5 for n, k in shapes]
-              for _ in range(tcfg.num_hidden_layers)]
-    x0 = torch.randn(rows, h, device=dev, dtype=dtype)
+    layers, x0 = dit_chain(cfg, dev, dtype)
+    rows, q = x0.shape[0], layers[0][1].shape[1]  # q heads * head_dim: o's K
 
     def chain(kind: str) -> None:
         a = x0
