@@ -8,7 +8,8 @@
   branch while the GEMM before it runs (H100: the side branch, at most ~0.6 TB/s from 132 programs, made the
   chain 2-16x slower than plain; not used by the engine);
 - pdl: the same chain, cuBLAS against the skinny GEMM for all four projections, plain and launched as programmatic
-  dependents (not yet run on a GPU).
+  dependents (PDL) with and without an L2 prefetch of the weights before waiting; then whole DiT layers (norms,
+  projections, attention) as the engine runs them against all-Triton kernels, plain and PDL.
 Times come from CUDA events over CUDA-graph replays (launch cost excluded, as inside the captured step); the
 GEMMs cycle through enough weight copies that each call reads its weight from HBM, not from L2.
 
@@ -200,37 +201,64 @@ def bench_prefetch(cfg: VoxCPMConfig, dev: torch.device, dtype: torch.dtype) -> 
 
 
 def bench_pdl(cfg: VoxCPMConfig, dev: torch.device, dtype: torch.dtype) -> list[dict]:
-    """The DiT's projection chain at a B=1 step (every layer's own weights, from HBM): cuBLAS + silu_mul against
-    `skinny_matmul` for all four projections, launched plainly and as programmatic dependents (PDL: each GEMM's
-    grid starts while the one before runs and loads its first weight tile before waiting for it)."""
+    """Programmatic dependent launch (PDL) on the DiT at a B=1 step, every layer's own weights (read from HBM):
+    - the projection chain alone: cuBLAS + silu_mul, `skinny_matmul`, the skinny GEMM as a PDL kernel without
+      and with its weight slice prefetched into L2 before it waits for the kernel before;
+    - whole layers (norms, projections, attention): the engine's kernels as they run today (cuBLAS for q/k/v, o
+      and down), the same all in Triton kernels, and those launched as PDL kernels (GEMMs prefetching)."""
     layers, x0 = dit_chain(cfg, dev, dtype)
     rows, q = x0.shape[0], layers[0][1].shape[1]  # q heads * head_dim: o's K
+    tcfg = cfg.dit
+    hq, hk, d = tcfg.num_attention_heads, tcfg.num_key_value_heads, tcfg.head_dim
+    seq_len = rows // 2
+    rope = rotary_table(tcfg, seq_len, dev)
+    norm_w = torch.ones(tcfg.hidden_size, device=dev, dtype=dtype)
+    linear = torch.nn.functional.linear
 
-    def chain(kind: str) -> None:
+    def projections_chain(kind: str) -> None:
         a = x0
         for w_qkv, w_o, w_gate_up, w_down in layers:
             if kind == "cublas":
-                a = torch.nn.functional.linear(a, w_qkv)[:, :q]
-                a = torch.nn.functional.linear(a, w_o)
-                a = triton_kernels.silu_mul(*torch.nn.functional.linear(a, w_gate_up).chunk(2, dim=-1))
-                a = torch.nn.functional.linear(a, w_down)
+                a = linear(a, w_qkv)[:, :q]
+                a = linear(a, w_o)
+                a = triton_kernels.silu_mul(*linear(a, w_gate_up).chunk(2, dim=-1))
+                a = linear(a, w_down)
             else:
-                pdl = kind == "skinny, PDL"
-                a = triton_kernels.skinny_matmul(a, w_qkv, pdl=pdl)[:, :q]
-                a = triton_kernels.skinny_matmul(a, w_o, pdl=pdl)
-                a = triton_kernels.skinny_matmul(a, w_gate_up, silu_gate=True, pdl=pdl)
-                a = triton_kernels.skinny_matmul(a, w_down, pdl=pdl)
+                pdl, prefetch = "PDL" in kind, "prefetch" in kind
+                a = triton_kernels.skinny_matmul(a, w_qkv, pdl=pdl, prefetch=prefetch)[:, :q]
+                a = triton_kernels.skinny_matmul(a, w_o, pdl=pdl, prefetch=prefetch)
+                a = triton_kernels.skinny_matmul(a, w_gate_up, silu_gate=True, pdl=pdl, prefetch=prefetch)
+                a = triton_kernels.skinny_matmul(a, w_down, pdl=pdl, prefetch=prefetch)
+
+    def layer_chain(kind: str) -> None:
+        pdl, triton_gemms = kind.endswith("PDL"), kind != "engine today"
+
+        def gemm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return triton_kernels.skinny_matmul(a, w, pdl=pdl) if triton_gemms else linear(a, w)
+
+        x, normed = triton_kernels.add_rms_norm(x0, None, None, norm_w, 1e-5, pdl=pdl)
+        for w_qkv, w_o, w_gate_up, w_down in layers:
+            qkv = gemm(normed, w_qkv).view(2, seq_len, -1)
+            qq, kk, vv = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+            att = triton_kernels.dense_attention(qq.unflatten(-1, (hq, d)), kk.unflatten(-1, (hk, d)),
+                                                 vv.unflatten(-1, (hk, d)), rope[:, 0], rope[:, 1], pdl=pdl)
+            x, normed = triton_kernels.add_rms_norm(x, gemm(att.view(rows, -1), w_o), None, norm_w, 1e-5, pdl=pdl)
+            g = triton_kernels.skinny_matmul(normed, w_gate_up, silu_gate=True, pdl=pdl)
+            x, normed = triton_kernels.add_rms_norm(x, gemm(g, w_down), None, norm_w, 1e-5, pdl=pdl)
 
     out = []
-    for kind in ("cublas", "skinny", "skinny, PDL"):
-        try:
-            us = replay_us(partial(chain, kind)) / len(layers)
-        except Exception as e:  # an experiment: a launch the capture refuses is a result too
-            out.append({"variant": kind, "rows": rows, "error": f"{type(e).__name__}: {e}"[:500]})
-            print(f"DiT projection chain rows={rows}, {kind}: failed: {out[-1]['error']}", flush=True)
-            continue
-        out.append({"variant": kind, "rows": rows, "us_per_layer": round(us, 2)})
-        print(f"DiT projection chain rows={rows}, {kind}: {us:.2f} us per layer", flush=True)
+    for what, fn, kinds in (("projection chain", projections_chain,
+                             ("cublas", "skinny", "skinny PDL", "skinny PDL prefetch")),
+                            ("whole layers", layer_chain, ("engine today", "all Triton", "all Triton PDL"))):
+        for kind in kinds:
+            try:
+                us = replay_us(partial(fn, kind)) / len(layers)
+            except Exception as e:  # an experiment: a launch the capture refuses is a result too
+                out.append({"chain": what, "variant": kind, "rows": rows, "error": f"{type(e).__name__}: {e}"[:500]})
+                print(f"DiT {what} rows={rows}, {kind}: failed: {out[-1]['error']}", flush=True)
+                continue
+            out.append({"chain": what, "variant": kind, "rows": rows, "us_per_layer": round(us, 2)})
+            print(f"DiT {what} rows={rows}, {kind}: {us:.2f} us per layer", flush=True)
     return out
 
 
