@@ -44,9 +44,12 @@ if HAVE_TRITON:
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, x_out_ptr, y_ptr, n_cols, eps, scale,
                              HAS_H: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # a programmatic dependent: let the next kernel start (and prefetch its weights), then wait
-            gdc_launch_dependents()
+        if PDL:  # a programmatic dependent: wait for the kernel before; let the next one start (see PDL_TRIGGER)
+            if PDL == 1:
+                gdc_launch_dependents()
             gdc_wait()
+            if PDL >= 2:
+                gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -103,13 +106,16 @@ if HAVE_TRITON:
             # Launched as a programmatic dependent (launch_pdl): this grid may start while the kernel before it
             # runs. Its weights do not depend on that kernel: the program's whole weight slice (BLOCK_N contiguous
             # rows) is prefetched into L2 before waiting, so the weight read overlaps the kernels before.
-            gdc_launch_dependents()
+            if PDL == 1:
+                gdc_launch_dependents()
             if PREFETCH:
                 first = w_ptr + (tl.program_id(0) * BLOCK_N).to(tl.int64) * K
                 _prefetch_l2(first, BLOCK_N * K, LINE_ELEMS)
                 if SILU_GATE:
                     _prefetch_l2(first + up_offset, BLOCK_N * K, LINE_ELEMS)
             gdc_wait()
+            if PDL == 2:
+                gdc_launch_dependents()
         for _ in range(0, K, BLOCK_K):
             xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
             acc = tl.dot(tl.load(w_ptrs), xt, acc, input_precision=DOT_PRECISION)
@@ -117,6 +123,8 @@ if HAVE_TRITON:
                 acc_up = tl.dot(tl.load(w_ptrs + up_offset), xt, acc_up, input_precision=DOT_PRECISION)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+        if PDL == 3:
+            gdc_launch_dependents()
         y = acc.to(o_ptr.dtype.element_ty)  # rounded like a GEMM's output
         if SILU_GATE:  # then silu_mul's op order on the rounded halves
             g = y.to(tl.float32)
@@ -182,8 +190,11 @@ if HAVE_TRITON:
                                 GROUP: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_L: tl.constexpr,
                                 ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
         if PDL:
-            gdc_launch_dependents()
+            if PDL == 1:
+                gdc_launch_dependents()
             gdc_wait()
+            if PDL >= 2:
+                gdc_launch_dependents()
         # One program per sequence and HEADS query heads of one kv head (HEADS divides GROUP): K, V and the
         # rotary rows are loaded (and K rotated) once for all of them.
         n = tl.program_id(0).to(tl.int64)
@@ -363,6 +374,17 @@ def usable(x: torch.Tensor) -> bool:
     return HAVE_TRITON and (x.is_cuda or _is_interpreted())
 
 
+# Where a kernel launched as a programmatic dependent (pdl=True) lets the next one start: 1 at its start (the next may
+# run ahead to its own wait, prefetching), 2 once it has waited for the kernel before it (one kernel of lookahead),
+# 3 when its main loop is done (GEMMs; the others as 2).
+PDL_TRIGGER = int(os.environ.get("VOXCPM_PDL_TRIGGER", "2"))
+
+
+def _pdl(pdl: bool) -> int:
+    """The kernels' PDL constexpr: 0 off, else the trigger point."""
+    return PDL_TRIGGER if pdl else 0
+
+
 def _launch_options(pdl: bool) -> dict:
     """A kernel launch's extra options: launched as a programmatic dependent of the kernel before it (sm90+)."""
     return {"launch_pdl": True} if pdl else {}
@@ -381,7 +403,8 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor | None, scale: float | None, w
         block = triton.next_power_of_2(n)
         _add_rms_norm_kernel[(x2.shape[0],)](x2, h2, weight, x_out, y, n, eps, 1.0 if scale is None else scale,
                                               HAS_H=h is not None, HAS_SCALE=scale is not None, BLOCK=block,
-                                              PDL=pdl, num_warps=max(1, min(16, block // 256)), **_launch_options(pdl))
+                                              PDL=_pdl(pdl), num_warps=max(1, min(16, block // 256)),
+                                              **_launch_options(pdl))
     return x_out.view(x.shape), y.view(x.shape)
 
 
@@ -444,7 +467,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False
     _skinny_matmul_kernel[(n // block_n,)](
         x2, weight, out, rows, n, x2.stride(0), out.stride(0), K=k_dim, SILU_GATE=silu_gate,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, PDL=pdl, PREFETCH=pdl and prefetch, LINE_ELEMS=128 // weight.element_size(),
+        BLOCK_K=block_k, PDL=_pdl(pdl), PREFETCH=pdl and prefetch, LINE_ELEMS=128 // weight.element_size(),
         num_stages=stages, num_warps=warps, **_launch_options(pdl))
     return out.view(*x.shape[:-1], n)
 
@@ -540,7 +563,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
             sin.stride(0) if sin is not None else 0,
             seq_len, dim ** -0.5, GROUP=group, HEADS=heads, HALF=dim // 2,
             BLOCK_L=max(16, triton.next_power_of_2(seq_len)), ROPE=rope,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=_pdl(pdl),
             num_warps=num_warps or (2 if n * hq >= 256 else 4), **_launch_options(pdl))
     return out
 

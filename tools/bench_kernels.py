@@ -231,7 +231,7 @@ def bench_pdl(cfg: VoxCPMConfig, dev: torch.device, dtype: torch.dtype) -> list[
                 a = triton_kernels.skinny_matmul(a, w_down, pdl=pdl, prefetch=prefetch)
 
     def layer_chain(kind: str) -> None:
-        pdl, triton_gemms = kind.endswith("PDL"), kind != "engine today"
+        pdl, triton_gemms = "PDL" in kind, kind != "engine today"
 
         def gemm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return triton_kernels.skinny_matmul(a, w, pdl=pdl) if triton_gemms else linear(a, w)
@@ -247,10 +247,14 @@ def bench_pdl(cfg: VoxCPMConfig, dev: torch.device, dtype: torch.dtype) -> list[
             x, normed = triton_kernels.add_rms_norm(x, gemm(g, w_down), None, norm_w, 1e-5, pdl=pdl)
 
     out = []
-    for what, fn, kinds in (("projection chain", projections_chain,
-                             ("cublas", "skinny", "skinny PDL", "skinny PDL prefetch")),
-                            ("whole layers", layer_chain, ("engine today", "all Triton", "all Triton PDL"))):
+    trigger = triton_kernels.PDL_TRIGGER
+    skinny_pdl = (f"skinny PDL{t} {p}" for t in (1, 2, 3) for p in ("", "prefetch"))
+    for what, fn, kinds in (("projection chain", projections_chain, ("cublas", "skinny", *skinny_pdl)),
+                            ("whole layers", layer_chain, ("engine today", "all Triton",
+                                                           *(f"all Triton PDL{t}" for t in (1, 2, 3))))):
         for kind in kinds:
+            if "PDL" in kind:
+                triton_kernels.PDL_TRIGGER = int(kind.split("PDL")[1][0])
             try:
                 us = replay_us(partial(fn, kind)) / len(layers)
             except Exception as e:  # an experiment: a launch the capture refuses is a result too
@@ -259,6 +263,7 @@ def bench_pdl(cfg: VoxCPMConfig, dev: torch.device, dtype: torch.dtype) -> list[
                 continue
             out.append({"chain": what, "variant": kind, "rows": rows, "us_per_layer": round(us, 2)})
             print(f"DiT {what} rows={rows}, {kind}: {us:.2f} us per layer", flush=True)
+    triton_kernels.PDL_TRIGGER = trigger
     return out
 
 
