@@ -14,12 +14,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine import kernel_cache
 from engine.block_manager import BlockManager
 from engine.checkpoint import LoadedModel, load_model
 from engine.model_runner import LaunchedDecode, ModelRunner, PatchResult
 from engine.prompt import build_prompt, max_patches
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence, Status
+from engine.triton_attention import HAVE_TRITON
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +77,13 @@ class LLMEngine:
         cfg.validate()
         self.device = torch.device(device)
         t0 = time.perf_counter()
+        if self.device.type == "cuda" and HAVE_TRITON:
+            kernel_cache.RECORDER.install()  # which kernels compile, from cache or not (the manifest tool reads it)
+        kernels_before = (kernel_cache.RECORDER.compiled, kernel_cache.RECORDER.cached)
+        precompiler = kernel_cache.Precompiler(model, cfg.dtype, self.device)  # in parallel with the load
         self.model = model if isinstance(model, LoadedModel) else load_model(
             model, self.device, cfg.dtype, max_positions=cfg.max_model_len)
+        kernel_stats = precompiler.wait()
         load_s = time.perf_counter() - t0
         self.runner = ModelRunner(self.model, cfg.block_size, cfg.max_num_seqs, cfg.max_model_len,
                                   cfg.inference_timesteps, self.device, cfg.enforce_eager, cfg.attention_backend,
@@ -101,7 +108,10 @@ class LLMEngine:
         # Where start-up goes (cold start is a performance target): load, KV sizing + allocation, capture.
         times = self.runner.capture_times.values()
         self.startup_phases = {"load_s": load_s, "kv_s": kv_s, "graphs_s": graph_s,
-                               "graph_warmup_s": sum(w for w, _ in times), "graph_capture_s": sum(c for _, c in times)}
+                               "graph_warmup_s": sum(w for w, _ in times), "graph_capture_s": sum(c for _, c in times),
+                               "kernels": {**kernel_stats,
+                                           "jit_compiled": kernel_cache.RECORDER.compiled - kernels_before[0],
+                                           "jit_from_cache": kernel_cache.RECORDER.cached - kernels_before[1]}}
         log.info("engine ready on %s in %.1f s (load %.1f s, KV sizing %.1f s, %s): %d KV blocks of %d tokens, "
                  "attention %s", self.device, self.startup_s, load_s, kv_s,
                  f"{len(self.runner.graphs) + len(self.runner.prefill_graphs)} CUDA graphs in {graph_s:.1f} s"

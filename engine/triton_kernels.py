@@ -36,20 +36,10 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
-    try:
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    except ImportError:  # a triton without programmatic dependent launch: skinny_matmul(pdl=True) cannot compile
-        gdc_launch_dependents = gdc_wait = None
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, x_out_ptr, y_ptr, n_cols, eps, scale,
-                             HAS_H: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # a programmatic dependent: wait for the kernel before; let the next one start (see PDL_TRIGGER)
-            if PDL == 1:
-                gdc_launch_dependents()
-            gdc_wait()
-            if PDL >= 2:
-                gdc_launch_dependents()
+                             HAS_H: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -77,20 +67,9 @@ if HAVE_TRITON:
         tl.store(o_ptr + row * n_cols + cols, (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=mask)
 
     @triton.jit
-    def _prefetch_l2(ptr, n_elems: tl.constexpr, elems_per_line: tl.constexpr, LINES: tl.constexpr = 256):
-        """Prefetch every 128-byte line of ptr[0:n_elems] into L2 (prefetch.global.L2: no registers held, no
-        wait; the loads that follow find the lines there or in flight)."""
-        total: tl.constexpr = (n_elems + elems_per_line - 1) // elems_per_line
-        for start in tl.static_range(0, total, LINES):
-            line = tl.minimum(start + tl.arange(0, LINES), total - 1)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr + line * elems_per_line],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def _skinny_matmul_kernel(x_ptr, w_ptr, o_ptr, rows, n_out, stride_x, stride_o, K: tl.constexpr,
                               SILU_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                              PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr):
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # The weight tile is the dot's left operand (its rows are output columns): a few activation rows
         # fill the dot's narrow side, and each program streams BLOCK_N weight rows once, K-contiguous.
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -102,20 +81,6 @@ if HAVE_TRITON:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         up_offset = n_out.to(tl.int64) * K
-        if PDL:
-            # Launched as a programmatic dependent (launch_pdl): this grid may start while the kernel before it
-            # runs. Its weights do not depend on that kernel: the program's whole weight slice (BLOCK_N contiguous
-            # rows) is prefetched into L2 before waiting, so the weight read overlaps the kernels before.
-            if PDL == 1:
-                gdc_launch_dependents()
-            if PREFETCH:
-                first = w_ptr + (tl.program_id(0) * BLOCK_N).to(tl.int64) * K
-                _prefetch_l2(first, BLOCK_N * K, LINE_ELEMS)
-                if SILU_GATE:
-                    _prefetch_l2(first + up_offset, BLOCK_N * K, LINE_ELEMS)
-            gdc_wait()
-            if PDL == 2:
-                gdc_launch_dependents()
         for _ in range(0, K, BLOCK_K):
             xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
             acc = tl.dot(tl.load(w_ptrs), xt, acc, input_precision=DOT_PRECISION)
@@ -123,8 +88,6 @@ if HAVE_TRITON:
                 acc_up = tl.dot(tl.load(w_ptrs + up_offset), xt, acc_up, input_precision=DOT_PRECISION)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        if PDL == 3:
-            gdc_launch_dependents()
         y = acc.to(o_ptr.dtype.element_ty)  # rounded like a GEMM's output
         if SILU_GATE:  # then silu_mul's op order on the rounded halves
             g = y.to(tl.float32)
@@ -188,13 +151,7 @@ if HAVE_TRITON:
                                 stride_qn, stride_ql, stride_qh, stride_kn, stride_kl, stride_kh,
                                 stride_vn, stride_vl, stride_vh, stride_cl, stride_sl, seq_len, sm_scale,
                                 GROUP: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_L: tl.constexpr,
-                                ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            if PDL == 1:
-                gdc_launch_dependents()
-            gdc_wait()
-            if PDL >= 2:
-                gdc_launch_dependents()
+                                ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
         # One program per sequence and HEADS query heads of one kv head (HEADS divides GROUP): K, V and the
         # rotary rows are loaded (and K rotated) once for all of them.
         n = tl.program_id(0).to(tl.int64)
@@ -374,26 +331,9 @@ def usable(x: torch.Tensor) -> bool:
     return HAVE_TRITON and (x.is_cuda or _is_interpreted())
 
 
-# Where a kernel launched as a programmatic dependent (pdl=True) lets the next one start: 1 at its start (the next may
-# run ahead to its own wait, prefetching), 2 once it has waited for the kernel before it (one kernel of lookahead),
-# 3 when its main loop is done (GEMMs; the others as 2).
-PDL_TRIGGER = int(os.environ.get("VOXCPM_PDL_TRIGGER", "2"))
-
-
-def _pdl(pdl: bool) -> int:
-    """The kernels' PDL constexpr: 0 off, else the trigger point."""
-    return PDL_TRIGGER if pdl else 0
-
-
-def _launch_options(pdl: bool) -> dict:
-    """A kernel launch's extra options: launched as a programmatic dependent of the kernel before it (sm90+)."""
-    return {"launch_pdl": True} if pdl else {}
-
-
 def add_rms_norm(x: torch.Tensor, h: torch.Tensor | None, scale: float | None, weight: torch.Tensor,
-                 eps: float, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + h * scale, RMSNorm of it) over the last dim; h=None: (x, RMSNorm(x)). pdl: launched as a programmatic
-    dependent (it lets the next kernel start, then waits for the one before)."""
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + h * scale, RMSNorm of it) over the last dim; h=None: (x, RMSNorm(x))."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n).contiguous()
     h2 = h.reshape(-1, n).contiguous() if h is not None else x2
@@ -403,8 +343,7 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor | None, scale: float | None, w
         block = triton.next_power_of_2(n)
         _add_rms_norm_kernel[(x2.shape[0],)](x2, h2, weight, x_out, y, n, eps, 1.0 if scale is None else scale,
                                               HAS_H=h is not None, HAS_SCALE=scale is not None, BLOCK=block,
-                                              PDL=_pdl(pdl), num_warps=max(1, min(16, block // 256)),
-                                              **_launch_options(pdl))
+                                              num_warps=max(1, min(16, block // 256)))
     return x_out.view(x.shape), y.view(x.shape)
 
 
@@ -447,14 +386,11 @@ def skinny_config(rows: int, k_dim: int, n: int) -> tuple[int, int, int, int, in
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False,
-                  config: tuple[int, int, int, int, int] | None = None, pdl: bool = False,
-                  prefetch: bool = True) -> torch.Tensor:
+                  config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """x (..., K) @ weight.T for a few rows (`skinny_supported`): one program per 16 output columns streams
     their weight rows once (no split-K, no reduction kernel). silu_gate: weight is [gate; up] (2N, K) and
     the result silu(x @ gate.T) * (x @ up.T), as the gate/up GEMM then `silu_mul` round it. config: as
-    `skinny_config` returns (default), for tools/bench_kernels.py's sweep. pdl (CUDA, sm90+): launched as a
-    programmatic dependent of the previous kernel, prefetching its weight slice into L2 (`prefetch`) before waiting
-    for it."""
+    `skinny_config` returns (default), for tools/bench_kernels.py's sweep."""
     k_dim = x.shape[-1]
     x2 = x.reshape(-1, k_dim)
     if x2.stride(-1) != 1:
@@ -467,8 +403,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False
     _skinny_matmul_kernel[(n // block_n,)](
         x2, weight, out, rows, n, x2.stride(0), out.stride(0), K=k_dim, SILU_GATE=silu_gate,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, PDL=_pdl(pdl), PREFETCH=pdl and prefetch, LINE_ELEMS=128 // weight.element_size(),
-        num_stages=stages, num_warps=warps, **_launch_options(pdl))
+        BLOCK_K=block_k, num_stages=stages, num_warps=warps)
     return out.view(*x.shape[:-1], n)
 
 
@@ -538,7 +473,7 @@ def dense_attention_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None,
                     sin: torch.Tensor | None, heads_per_program: int | None = None,
-                    num_warps: int | None = None, pdl: bool = False) -> torch.Tensor:
+                    num_warps: int | None = None) -> torch.Tensor:
     """Bidirectional attention within each sequence: q (N, L, Hq, D), k/v (N, L, Hk, D) (unit stride in D),
     rotary rows cos/sin (L, D) fp32 applied to q and k first (None: no rotary) -> (N, L, Hq * D).
     heads_per_program: query heads sharing one program (and one load of K/V); None: VOXCPM_DENSE_HEADS
@@ -563,8 +498,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
             sin.stride(0) if sin is not None else 0,
             seq_len, dim ** -0.5, GROUP=group, HEADS=heads, HALF=dim // 2,
             BLOCK_L=max(16, triton.next_power_of_2(seq_len)), ROPE=rope,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=_pdl(pdl),
-            num_warps=num_warps or (2 if n * hq >= 256 else 4), **_launch_options(pdl))
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=num_warps or (2 if n * hq >= 256 else 4))
     return out
 
 

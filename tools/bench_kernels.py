@@ -7,9 +7,8 @@
 - prefetch: an experiment, the DiT's projection chain at B=1 with each GEMM's weights read into L2 by a side
   branch while the GEMM before it runs (H100: the side branch, at most ~0.6 TB/s from 132 programs, made the
   chain 2-16x slower than plain; not used by the engine);
-- pdl: the same chain, cuBLAS against the skinny GEMM for all four projections, plain and launched as programmatic
-  dependents (PDL) with and without an L2 prefetch of the weights before waiting; then whole DiT layers (norms,
-  projections, attention) as the engine runs them against all-Triton kernels, plain and PDL.
+(Tried and removed, H100: programmatic dependent launch of the DiT's kernels, with and without an L2 prefetch of each
+GEMM's weights before it waits: never faster than plain launches; docs/benchmarks.md, profile step 11.)
 Times come from CUDA events over CUDA-graph replays (launch cost excluded, as inside the captured step); the
 GEMMs cycle through enough weight copies that each call reads its weight from HBM, not from L2.
 
@@ -200,78 +199,11 @@ def bench_prefetch(cfg: VoxCPMConfig, dev: torch.device, dtype: torch.dtype) -> 
     return out
 
 
-def bench_pdl(cfg: VoxCPMConfig, dev: torch.device, dtype: torch.dtype) -> list[dict]:
-    """Programmatic dependent launch (PDL) on the DiT at a B=1 step, every layer's own weights (read from HBM):
-    - the projection chain alone: cuBLAS + silu_mul, `skinny_matmul`, the skinny GEMM as a PDL kernel without
-      and with its weight slice prefetched into L2 before it waits for the kernel before;
-    - whole layers (norms, projections, attention): the engine's kernels as they run today (cuBLAS for q/k/v, o
-      and down), the same all in Triton kernels, and those launched as PDL kernels (GEMMs prefetching)."""
-    layers, x0 = dit_chain(cfg, dev, dtype)
-    rows, q = x0.shape[0], layers[0][1].shape[1]  # q heads * head_dim: o's K
-    tcfg = cfg.dit
-    hq, hk, d = tcfg.num_attention_heads, tcfg.num_key_value_heads, tcfg.head_dim
-    seq_len = rows // 2
-    rope = rotary_table(tcfg, seq_len, dev)
-    norm_w = torch.ones(tcfg.hidden_size, device=dev, dtype=dtype)
-    linear = torch.nn.functional.linear
-
-    def projections_chain(kind: str) -> None:
-        a = x0
-        for w_qkv, w_o, w_gate_up, w_down in layers:
-            if kind == "cublas":
-                a = linear(a, w_qkv)[:, :q]
-                a = linear(a, w_o)
-                a = triton_kernels.silu_mul(*linear(a, w_gate_up).chunk(2, dim=-1))
-                a = linear(a, w_down)
-            else:
-                pdl, prefetch = "PDL" in kind, "prefetch" in kind
-                a = triton_kernels.skinny_matmul(a, w_qkv, pdl=pdl, prefetch=prefetch)[:, :q]
-                a = triton_kernels.skinny_matmul(a, w_o, pdl=pdl, prefetch=prefetch)
-                a = triton_kernels.skinny_matmul(a, w_gate_up, silu_gate=True, pdl=pdl, prefetch=prefetch)
-                a = triton_kernels.skinny_matmul(a, w_down, pdl=pdl, prefetch=prefetch)
-
-    def layer_chain(kind: str) -> None:
-        pdl, triton_gemms = "PDL" in kind, kind != "engine today"
-
-        def gemm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            return triton_kernels.skinny_matmul(a, w, pdl=pdl) if triton_gemms else linear(a, w)
-
-        x, normed = triton_kernels.add_rms_norm(x0, None, None, norm_w, 1e-5, pdl=pdl)
-        for w_qkv, w_o, w_gate_up, w_down in layers:
-            qkv = gemm(normed, w_qkv).view(2, seq_len, -1)
-            qq, kk, vv = qkv.split([hq * d, hk * d, hk * d], dim=-1)
-            att = triton_kernels.dense_attention(qq.unflatten(-1, (hq, d)), kk.unflatten(-1, (hk, d)),
-                                                 vv.unflatten(-1, (hk, d)), rope[:, 0], rope[:, 1], pdl=pdl)
-            x, normed = triton_kernels.add_rms_norm(x, gemm(att.view(rows, -1), w_o), None, norm_w, 1e-5, pdl=pdl)
-            g = triton_kernels.skinny_matmul(normed, w_gate_up, silu_gate=True, pdl=pdl)
-            x, normed = triton_kernels.add_rms_norm(x, gemm(g, w_down), None, norm_w, 1e-5, pdl=pdl)
-
-    out = []
-    trigger = triton_kernels.PDL_TRIGGER
-    skinny_pdl = (f"skinny PDL{t} {p}" for t in (1, 2, 3) for p in ("", "prefetch"))
-    for what, fn, kinds in (("projection chain", projections_chain, ("cublas", "skinny", *skinny_pdl)),
-                            ("whole layers", layer_chain, ("engine today", "all Triton",
-                                                           *(f"all Triton PDL{t}" for t in (1, 2, 3))))):
-        for kind in kinds:
-            if "PDL" in kind:
-                triton_kernels.PDL_TRIGGER = int(kind.split("PDL")[1][0])
-            try:
-                us = replay_us(partial(fn, kind)) / len(layers)
-            except Exception as e:  # an experiment: a launch the capture refuses is a result too
-                out.append({"chain": what, "variant": kind, "rows": rows, "error": f"{type(e).__name__}: {e}"[:500]})
-                print(f"DiT {what} rows={rows}, {kind}: failed: {out[-1]['error']}", flush=True)
-                continue
-            out.append({"chain": what, "variant": kind, "rows": rows, "us_per_layer": round(us, 2)})
-            print(f"DiT {what} rows={rows}, {kind}: {us:.2f} us per layer", flush=True)
-    triton_kernels.PDL_TRIGGER = trigger
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True, help="checkpoint directory (only its config is read)")
     ap.add_argument("--batch", default="1,8,64,128")
-    ap.add_argument("--only", default="attention,gemm,pdl", help="which benchmarks: attention, gemm, prefetch, pdl")
+    ap.add_argument("--only", default="attention,gemm", help="which benchmarks: attention, gemm, prefetch")
     ap.add_argument("--out")
     a = ap.parse_args()
     cfg = VoxCPMConfig.from_dir(a.model)
@@ -280,7 +212,6 @@ def main() -> None:
     rows = []
     gemm_rows = bench_gemm(cfg, batches, dev, dtype) if "gemm" in a.only else []
     prefetch_rows = bench_prefetch(cfg, dev, dtype) if "prefetch" in a.only else []
-    pdl_rows = bench_pdl(cfg, dev, dtype) if "pdl" in a.only else []
     for name, tcfg, seq_len, per_request in (("DiT", cfg.dit, 2 * cfg.patch_size + 1 + 2, 2),
                                              ("LocEnc", cfg.encoder, cfg.patch_size + 1, 1)):
         if "attention" not in a.only:
@@ -308,7 +239,7 @@ def main() -> None:
                          "num_warps": 2 if n * hq >= 256 else 4, "us": round(auto, 2)})
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows, "gemm": gemm_rows,
-              "prefetch": prefetch_rows, "pdl": pdl_rows}
+              "prefetch": prefetch_rows}
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
 

@@ -1,0 +1,269 @@
+"""Triton kernels compiled ahead, in parallel, for a start-up on an empty kernel cache.
+
+A fresh machine or pod has no compiled kernels: its first start-up JIT-compiles ~50 kernel variants one after
+another inside warm-up and graph capture (H100: 33.4 s to ready instead of 12.3 s). A *manifest* lists the
+variants one start-up compiled, as Triton's own specialization records (kernel, signature, constexprs, alignment
+attributes, launch options), for one model shape on one GPU architecture. Before the first kernel runs,
+`Precompiler` compiles those not yet in the cache in a pool of processes while the model loads; the JIT then
+finds them in the cache. A record names its kernel by module and name, so it survives edits of the kernel's code;
+a record that no longer fits the kernel is skipped, and the JIT compiles whatever a manifest missed, as before.
+
+Manifests ship in engine/kernel_manifests/ (recorded on the GPU by tools/record_kernel_manifest.py), or come from
+VOXCPM_KERNEL_MANIFEST (a file). Every engine records what it compiles (`Recorder`), so a manifest for another
+GPU or model is one run of that tool. VOXCPM_PRECOMPILE=0 turns the pool off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.checkpoint import LoadedModel, resolve_model_path
+from engine.config import VoxCPMConfig
+
+log = logging.getLogger(__name__)
+
+MANIFEST_DIR = Path(__file__).parent / "kernel_manifests"
+ENABLED = os.environ.get("VOXCPM_PRECOMPILE", "1") != "0"
+
+
+def model_digest(cfg: VoxCPMConfig, dtype: torch.dtype) -> str:
+    """What a kernel's shapes depend on: the parsed model configuration (not the raw file, whose extra keys vary
+    between copies of one model) and the activation dtype."""
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "raw"}
+    text = json.dumps({"config": fields, "dtype": str(dtype)}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _default_options(arch: int) -> dict[str, Any]:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    return dict(make_backend(GPUTarget("cuda", arch, 32)).parse_options({}).__dict__)
+
+
+class Recorder:
+    """Collects the specialization record of every kernel the JIT compiles in this process (Triton's
+    `jit_cache_hook`, called on each in-memory miss whether or not the file cache has the binary), and counts file-
+    cache hits and real compiles (its compilation listener)."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, dict[str, Any]] = {}
+        self.compiled = 0
+        self.cached = 0
+        self._installed = False
+
+    def install(self) -> Recorder:
+        from triton import knobs
+        if not self._installed:
+            self._previous = (knobs.runtime.jit_cache_hook, knobs.compilation.listener)
+            knobs.runtime.jit_cache_hook = self._on_jit_miss
+            knobs.compilation.listener = self._on_compile
+            self._installed = True
+        return self
+
+    def uninstall(self) -> None:
+        from triton import knobs
+        if self._installed:
+            knobs.runtime.jit_cache_hook, knobs.compilation.listener = self._previous
+            self._installed = False
+
+    def _on_jit_miss(self, **kwargs: Any) -> bool:
+        record = json.loads(kwargs["compile"]["specialization_data"])
+        record.pop("key", None)  # the in-memory key: not needed to compile
+        self.records[json.dumps(record, sort_keys=True)] = record
+        return False  # go on compiling
+
+    def _on_compile(self, *, cache_hit: bool, **kwargs: Any) -> None:
+        if cache_hit:
+            self.cached += 1
+        else:
+            self.compiled += 1
+
+    def manifest(self, digest: str, arch: int) -> dict[str, Any]:
+        """The records as a manifest; launch options reduced to those differing from Triton's defaults (the rest,
+        such as library paths, belong to the installation that compiles)."""
+        import triton
+        defaults = _default_options(arch)
+        entries = []
+        for record in self.records.values():
+            options = {k: v for k, v in record["options"].items()
+                       if k != "extern_libs" and json.loads(json.dumps(defaults.get(k))) != v}
+            entries.append({**record, "options": options})
+        entries.sort(key=lambda r: (r["name"], json.dumps(r, sort_keys=True)))
+        return {"model": digest, "arch": arch, "triton": triton.__version__, "entries": entries}
+
+
+def load_manifests(digest: str, arch: int) -> list[dict[str, Any]]:
+    """The records of every manifest for this model shape and architecture (shipped ones, VOXCPM_KERNEL_MANIFEST)."""
+    paths = sorted(MANIFEST_DIR.glob("*.json"))
+    if os.environ.get("VOXCPM_KERNEL_MANIFEST"):
+        paths.append(Path(os.environ["VOXCPM_KERNEL_MANIFEST"]))
+    entries: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        try:
+            m = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            log.warning("kernel manifest %s unreadable: %s", path, e)
+            continue
+        if m.get("model") == digest and m.get("arch") == arch:
+            for e in m.get("entries", []):
+                entries[json.dumps(e, sort_keys=True)] = e
+    return list(entries.values())
+
+
+def _source_and_options(record: dict[str, Any], arch: int) -> tuple[Any, Any, Any]:
+    """(ASTSource, target, options) that `triton.compile` turns into the same cache entry as the JIT's compile of
+    this record (the reconstruction of `JITFunction.preload`)."""
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+
+    module, name = record["name"].rsplit(".", 1)
+    fn = getattr(importlib.import_module(module), name)
+    constexprs = {tuple(k): tl.dtype(v) if tl.dtype.is_dtype(v) else
+                  tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v
+                  for k, v in zip(record["constant_keys"], record["constant_vals"], strict=True)}
+    attrs = {tuple(k): v for k, v in zip(record["attrs_keys"], record["attrs_vals"], strict=True)}
+    signature = {k: tuple(v) if isinstance(v, list) else v for k, v in record["signature"].items()}
+    target = GPUTarget("cuda", arch, 32)
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in record["options"].items()}
+    options = make_backend(target).parse_options(options)
+    return ASTSource(fn, signature, constexprs, attrs), target, options
+
+
+def is_cached(record: dict[str, Any], arch: int) -> bool:
+    """Whether the kernel cache already holds this record's binary (the lookup `triton.compile` starts with)."""
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.cache import get_cache_key, get_cache_manager
+
+    src, target, options = _source_and_options(record, arch)
+    key = get_cache_key(src, make_backend(target), options, env_vars=get_cache_invalidating_env_vars())
+    manager = get_cache_manager(hashlib.sha256(key.encode("utf-8")).hexdigest())
+    name = f"{src.name[:150]}.json"
+    return (manager.get_group(name) or {}).get(name) is not None
+
+
+def compile_record(record: dict[str, Any], arch: int) -> float:
+    """Compile one record into the kernel cache (a pool worker's job; no GPU needed); returns seconds taken."""
+    import triton
+    t0 = time.perf_counter()
+    src, target, options = _source_and_options(record, arch)
+    triton.compile(src, target=target, options=options.__dict__)
+    return time.perf_counter() - t0
+
+
+RECORDER = Recorder()  # one per process: Triton's hooks are global
+
+
+def start_compilers(records: list[dict[str, Any]], arch: int, workers: int) -> list[subprocess.Popen]:
+    """Compile `records` in `workers` child processes (this module run as a program on a file of records), round-robin.
+    Subprocesses rather than multiprocessing: the engine's worker is a daemonic process, which may not fork
+    children of its own through multiprocessing; and no child may touch the parent's CUDA state."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)  # where `engine` is importable from
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    procs = []
+    for i in range(workers):
+        chunk = records[i::workers]
+        if not chunk:
+            continue
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(chunk, f)
+        procs.append(subprocess.Popen([sys.executable, "-m", "engine.kernel_cache", str(arch), f.name],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True))
+    return procs
+
+
+def collect(procs: list[subprocess.Popen]) -> tuple[int, int]:
+    """Wait for the compiler processes; (records compiled, records failed)."""
+    done = failed = 0
+    for proc in procs:
+        out, err = proc.communicate()
+        Path(proc.args[-1]).unlink(missing_ok=True)
+        lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        done += sum(1 for r in lines if r.get("ok"))
+        failed += sum(1 for r in lines if not r.get("ok"))
+        for r in lines:
+            if not r.get("ok"):
+                log.info("precompiling %s failed (the JIT will compile it): %s", r.get("name"), r.get("error"))
+        if proc.returncode != 0:
+            log.warning("kernel compiler process exited with %s: %s", proc.returncode, err[-2000:])
+    return done, failed
+
+
+class Precompiler:
+    """Compiles a manifest's missing records in a process pool, started before the model loads; `wait()` before
+    the first kernel launch."""
+
+    def __init__(self, model: LoadedModel | str | os.PathLike, dtype: torch.dtype | None,
+                 device: torch.device) -> None:
+        """model: the engine's (loaded, or the checkpoint to load); dtype: the engine's runtime dtype when set."""
+        self.t0 = time.perf_counter()
+        self.stats: dict[str, Any] = {"precompiled": 0, "precompile_failed": 0}
+        self._procs: list[subprocess.Popen] = []
+        if not (ENABLED and device.type == "cuda" and torch.version.hip is None):
+            return
+        if isinstance(model, LoadedModel):
+            cfg, dtype = model.config, dtype or next(model.backbone.parameters()).dtype
+        else:
+            try:
+                cfg = VoxCPMConfig.from_dir(resolve_model_path(model))
+            except Exception as e:  # the loader reports a bad checkpoint properly, right after
+                log.info("no kernel precompile: %s", e)
+                return
+            dtype = dtype or cfg.dtype
+        major, minor = torch.cuda.get_device_capability(device)
+        arch = major * 10 + minor
+        records = load_manifests(model_digest(cfg, dtype), arch)
+        missing = []
+        for record in records:
+            try:
+                if not is_cached(record, arch):
+                    missing.append(record)
+            except Exception as e:  # a record that no longer fits its kernel: the JIT compiles what is needed
+                log.info("kernel manifest record for %s skipped: %s", record.get("name"), e)
+                self.stats["precompile_failed"] += 1
+        self.stats.update(manifest_records=len(records), missing=len(missing))
+        if not missing:
+            return
+        workers = max(1, min(len(missing), len(os.sched_getaffinity(0)) - 1, 16))
+        self._procs = start_compilers(missing, arch, workers)
+        self.stats["workers"] = workers
+
+    def wait(self) -> dict[str, Any]:
+        done, failed = collect(self._procs)
+        self._procs = []
+        self.stats["precompiled"] += done
+        self.stats["precompile_failed"] += failed
+        self.stats["precompile_s"] = round(time.perf_counter() - self.t0, 2)
+        return self.stats
+
+
+def _main() -> None:
+    """A compiler process of `start_compilers`: arch, a file of records (JSON list); one JSON line per record out."""
+    arch = int(sys.argv[1])
+    for record in json.loads(Path(sys.argv[2]).read_text(encoding="utf-8")):
+        try:
+            print(json.dumps({"ok": True, "name": record.get("name"), "s": round(compile_record(record, arch), 3)}),
+                  flush=True)
+        except Exception as e:  # one bad record costs only itself
+            print(json.dumps({"ok": False, "name": record.get("name"), "error": f"{type(e).__name__}: {e}"[:500]}),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,119 @@
+"""Kernel manifests (engine/kernel_cache.py): a record as Triton's JIT writes it is reduced to a portable manifest,
+found again by model shape and architecture, and compiled for sm_90 in a child process (no GPU needed: Triton
+compiles for a named target) into the kernel cache, where the cache lookup then finds it. On CUDA: a start-up on an
+empty cache with the manifest of an earlier start-up compiles nothing itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.triton_attention import HAVE_TRITON
+
+pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _jit_record() -> str:
+    """The specialization record Triton's JIT passes its cache hook for `_silu_mul_kernel` on bf16 rows of 1024
+    (16-byte aligned pointers, row strides divisible by 16), 4 warps."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import serialize_specialization_data
+
+    from engine import triton_kernels
+    options = make_backend(GPUTarget("cuda", 90, 32)).parse_options({"num_warps": 4, "debug": False})
+    signature = {"g_ptr": "*bf16", "u_ptr": "*bf16", "o_ptr": "*bf16", "n_cols": "i32", "stride_g": "i32",
+                 "stride_u": "i32", "BLOCK": "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
+    fn = triton_kernels._silu_mul_kernel
+    return serialize_specialization_data(f"{fn.__module__}.{fn.__qualname__}", signature, {(6,): 1024}, attrs,
+                                         options, "jit-key")
+
+
+def test_manifest_round_trip_and_compile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import kernel_cache
+    from engine.config import VoxCPMConfig
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    recorder = kernel_cache.Recorder()
+    data = _jit_record()
+    assert recorder._on_jit_miss(compile={"specialization_data": data}) is False  # the JIT goes on compiling
+    recorder._on_jit_miss(compile={"specialization_data": data})  # a second miss of the same variant: one record
+    recorder._on_compile(cache_hit=False)
+    recorder._on_compile(cache_hit=True)
+    assert (recorder.compiled, recorder.cached) == (1, 1)
+
+    cfg = VoxCPMConfig.from_dict(json.loads((REPO_ROOT / "engine/presets/voxcpm2.json").read_text()))
+    digest = kernel_cache.model_digest(cfg, torch.bfloat16)
+    assert digest != kernel_cache.model_digest(cfg, torch.float16)
+    manifest = recorder.manifest(digest, 90)
+    (entry,) = manifest["entries"]
+    # launch options reduced to the non-defaults: none here (4 warps is Triton's default); no library paths
+    assert entry["options"] == {} and "key" not in entry
+    assert entry["name"] == "engine.triton_kernels._silu_mul_kernel"
+
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(manifest))
+    monkeypatch.setenv("VOXCPM_KERNEL_MANIFEST", str(path))
+    assert kernel_cache.load_manifests(digest, 90) == [entry]
+    assert kernel_cache.load_manifests(digest, 80) == []  # another architecture
+    assert kernel_cache.load_manifests("0" * 16, 90) == []  # another model shape
+
+    assert not kernel_cache.is_cached(entry, 90)
+    # compiled in a child process, as the engine's precompiler does (no GPU needed); a broken record fails alone
+    broken = {**entry, "name": "engine.triton_kernels._no_such_kernel"}
+    procs = kernel_cache.start_compilers([entry, broken], 90, workers=1)
+    assert kernel_cache.collect(procs) == (1, 1)
+    assert kernel_cache.is_cached(entry, 90)
+    assert not kernel_cache.is_cached({**entry, "options": {"num_warps": 8}}, 90)  # another variant
+    with pytest.raises(AttributeError):
+        kernel_cache.is_cached(broken, 90)
+
+
+def test_precompiler_is_off_without_cuda() -> None:
+    from engine import kernel_cache
+    stats = kernel_cache.Precompiler("/nonexistent", None, torch.device("cpu")).wait()
+    assert stats["precompiled"] == 0 and "manifest_records" not in stats
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_start_on_empty_cache_with_manifest_compiles_nothing_itself(tmp_path: Path) -> None:
+    """Start-up 1 (cache A) records a manifest; start-up 2 on an empty cache B with that manifest precompiles it
+    in the pool, and its JIT then finds every kernel in the cache (0 compiled in-process)."""
+    from engine.random_checkpoint import make_random_checkpoint
+    ckpt = tmp_path / "ckpt"
+    make_random_checkpoint(ckpt, "tiny-voxcpm2", seed=0)
+    script = (
+        "import json, sys, torch\n"
+        "from engine import kernel_cache\n"
+        "from engine.llm_engine import EngineConfig, LLMEngine\n"
+        "e = LLMEngine(sys.argv[1], EngineConfig(max_num_seqs=4), device='cuda')\n"
+        "m = kernel_cache.RECORDER.manifest(kernel_cache.model_digest(e.model.config, "
+        "next(e.model.backbone.parameters()).dtype), 10 * torch.cuda.get_device_capability()[0] "
+        "+ torch.cuda.get_device_capability()[1])\n"
+        "open(sys.argv[2], 'w').write(json.dumps(m))\n"
+        "print(json.dumps(e.startup_phases['kernels']))\n")
+
+    def start(cache: str, manifest_out: Path, manifest_in: Path | None) -> dict:
+        env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / cache), "PYTHONPATH": str(REPO_ROOT)}
+        env.pop("VOXCPM_KERNEL_MANIFEST", None)
+        if manifest_in is not None:
+            env["VOXCPM_KERNEL_MANIFEST"] = str(manifest_in)
+        out = subprocess.run([sys.executable, "-c", script, str(ckpt), str(manifest_out)], env=env, cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first = start("a", tmp_path / "m1.json", None)
+    assert first["jit_compiled"] > 0
+    second = start("b", tmp_path / "m2.json", tmp_path / "m1.json")
+    assert second["missing"] == second["manifest_records"] > 0 and second["precompiled"] == second["missing"]
+    assert second["jit_compiled"] == 0, second
+    assert second["jit_from_cache"] >= first["jit_compiled"]

@@ -1,0 +1,73 @@
+"""Record the Triton kernel variants an engine compiles for a model on this GPU, as a kernel manifest
+(engine/kernel_cache.py): start-up, then requests of the kinds a service sees (zero-shot at one and at full
+concurrency, a long text, reference clips of several lengths through the VAE encoder), so that a later start-up
+on an empty kernel cache compiles all of them ahead, in parallel, and the first requests meet no JIT compile.
+
+    python tools/record_kernel_manifest.py --model /tmp/full --max-num-seqs 128 \
+        --out engine/kernel_manifests/voxcpm2-sm90.json
+
+The manifest is valid for every checkpoint of the same shape (real weights included) on GPUs of the same
+architecture; the file name is free (all manifests in engine/kernel_manifests/ are read, matched by content).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from engine import kernel_cache  # noqa: E402
+from engine.audio import encode_latents  # noqa: E402
+from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from engine.sequence import SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--max-num-seqs", type=int, default=128, help="the largest batch the manifest covers")
+    ap.add_argument("--patches", type=int, default=4, help="patches per request while exercising")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU: a manifest is per GPU architecture")
+    t0 = time.perf_counter()
+    engine = LLMEngine(a.model, EngineConfig(max_num_seqs=a.max_num_seqs), device="cuda")
+    print(f"engine ready in {engine.startup_s:.1f} s; kernels: {engine.startup_phases['kernels']}", flush=True)
+    params = SamplingParams(max_generate_length=a.patches, min_len=a.patches, seed=0)
+    vae, patch = engine.model.vae, engine.model.config.patch_size
+    rng = np.random.default_rng(0)
+    for seconds in (0.5, 1.3, 3.0, 7.7, 20.0):  # reference clips: the encoder's kernels per length class
+        encode_latents(vae, rng.standard_normal(int(seconds * vae.sample_rate)).astype(np.float32) * 0.1,
+                       vae.sample_rate, patch, "right")
+    prompt = encode_latents(vae, rng.standard_normal(3 * vae.sample_rate).astype(np.float32) * 0.1,
+                            vae.sample_rate, patch, "left")
+    texts = ["Hello.", "A sentence of ordinary length for a voice to speak aloud. " * 3,
+             "A long paragraph, so that the prefill runs well beyond the captured token buckets. " * 40]
+    for conc in (1, 8, a.max_num_seqs):
+        engine.generate_all([dict(target_text=texts[i % len(texts)], params=params) for i in range(conc)])
+    engine.generate_all([dict(target_text=t, params=params, prompt_text="A prompt.", prompt_latents=prompt)
+                         for t in texts])
+    major, minor = torch.cuda.get_device_capability()
+    manifest = kernel_cache.RECORDER.manifest(kernel_cache.model_digest(engine.model.config,
+                                                                       next(engine.model.backbone.parameters()).dtype),
+                                              major * 10 + minor)
+    manifest.update(device=torch.cuda.get_device_name(), command=" ".join(sys.argv),
+                    date=time.strftime("%Y-%m-%d", time.gmtime()))
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(manifest, indent=1) + "\n")
+    names: dict[str, int] = {}
+    for e in manifest["entries"]:
+        names[e["name"].rsplit(".", 1)[1]] = names.get(e["name"].rsplit(".", 1)[1], 0) + 1
+    print(f"{len(manifest['entries'])} kernel variants in {time.perf_counter() - t0:.0f} s -> {a.out}: {names}")
+
+
+if __name__ == "__main__":
+    main()
