@@ -249,7 +249,8 @@ class Precompiler:
         self._procs = []
         self.stats["precompiled"] += done
         self.stats["precompile_failed"] += failed
-        self.stats["precompile_s"] = round(time.perf_counter() - self.t0, 2)
+        if "workers" in self.stats:  # from the pool's start (beside the model load) to its last compile
+            self.stats["precompile_s"] = round(time.perf_counter() - self.t0, 2)
         return self.stats
 
 

@@ -102,7 +102,8 @@ def test_start_on_empty_cache_with_manifest_compiles_nothing_itself(tmp_path: Pa
         "print(json.dumps(e.startup_phases['kernels']))\n")
 
     def start(cache: str, manifest_out: Path, manifest_in: Path | None) -> dict:
-        env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / cache), "PYTHONPATH": str(REPO_ROOT)}
+        path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / cache), "PYTHONPATH": path}
         env.pop("VOXCPM_KERNEL_MANIFEST", None)
         if manifest_in is not None:
             env["VOXCPM_KERNEL_MANIFEST"] = str(manifest_in)
