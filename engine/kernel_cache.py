@@ -21,6 +21,7 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -62,6 +63,7 @@ class Recorder:
         self.records: dict[str, dict[str, Any]] = {}
         self.compiled = 0
         self.cached = 0
+        self.compiled_names: list[str] = []  # of the real compiles, in order
         self._installed = False
 
     def install(self) -> Recorder:
@@ -90,6 +92,7 @@ class Recorder:
             self.cached += 1
         else:
             self.compiled += 1
+            self.compiled_names.append(getattr(kwargs.get("src"), "name", "?"))
 
     def manifest(self, digest: str, arch: int) -> dict[str, Any]:
         """The records as a manifest; launch options reduced to those differing from Triton's defaults (the rest,
@@ -169,40 +172,36 @@ def compile_record(record: dict[str, Any], arch: int) -> float:
 RECORDER = Recorder()  # one per process: Triton's hooks are global
 
 
-def start_compilers(records: list[dict[str, Any]], arch: int, workers: int) -> list[subprocess.Popen]:
-    """Compile `records` in `workers` child processes (this module run as a program on a file of records), round-robin.
-    Subprocesses rather than multiprocessing: the engine's worker is a daemonic process, which may not fork
-    children of its own through multiprocessing; and no child may touch the parent's CUDA state."""
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)  # where `engine` is importable from
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    procs = []
-    for i in range(workers):
-        chunk = records[i::workers]
-        if not chunk:
-            continue
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(chunk, f)
-        procs.append(subprocess.Popen([sys.executable, "-m", "engine.kernel_cache", str(arch), f.name],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True))
-    return procs
+class CompilerProcesses:
+    """Child processes (this module run as a program) compiling records into the kernel cache. Each child claims the
+    next record nobody has taken (an exclusive create of a file named by its index), so long and short compiles
+    spread evenly. Subprocesses rather than multiprocessing: the engine runs in a daemonic process, which may not
+    start multiprocessing children; and none of them may touch the parent's CUDA state."""
 
+    def __init__(self, records: list[dict[str, Any]], arch: int, workers: int) -> None:
+        self.workdir = Path(tempfile.mkdtemp(prefix="voxcpm-precompile-"))
+        (self.workdir / "records.json").write_text(json.dumps(records), encoding="utf-8")
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parent.parent)  # where `engine` is importable from
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.procs = [subprocess.Popen([sys.executable, "-m", "engine.kernel_cache", str(arch), str(self.workdir)],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+                      for _ in range(max(1, min(workers, len(records))))]
 
-def collect(procs: list[subprocess.Popen]) -> tuple[int, int]:
-    """Wait for the compiler processes; (records compiled, records failed)."""
-    done = failed = 0
-    for proc in procs:
-        out, err = proc.communicate()
-        Path(proc.args[-1]).unlink(missing_ok=True)
-        lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        done += sum(1 for r in lines if r.get("ok"))
-        failed += sum(1 for r in lines if not r.get("ok"))
-        for r in lines:
-            if not r.get("ok"):
-                log.info("precompiling %s failed (the JIT will compile it): %s", r.get("name"), r.get("error"))
-        if proc.returncode != 0:
-            log.warning("kernel compiler process exited with %s: %s", proc.returncode, err[-2000:])
-    return done, failed
+    def collect(self) -> dict[str, Any]:
+        """Wait for every child: records compiled and failed, and the slowest record's seconds."""
+        results = []
+        for proc in self.procs:
+            out, err = proc.communicate()
+            results += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            if proc.returncode != 0:
+                log.warning("kernel compiler process exited with %s: %s", proc.returncode, err[-2000:])
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        for r in results:
+            if not r["ok"]:
+                log.info("precompiling %s failed (the JIT will compile it): %s", r["name"], r["error"])
+        return {"precompiled": sum(r["ok"] for r in results), "precompile_failed": sum(not r["ok"] for r in results),
+                "slowest_record_s": max((r.get("s", 0.0) for r in results), default=0.0)}
 
 
 class Precompiler:
@@ -214,7 +213,7 @@ class Precompiler:
         """model: the engine's (loaded, or the checkpoint to load); dtype: the engine's runtime dtype when set."""
         self.t0 = time.perf_counter()
         self.stats: dict[str, Any] = {"precompiled": 0, "precompile_failed": 0}
-        self._procs: list[subprocess.Popen] = []
+        self._compilers: CompilerProcesses | None = None
         if not (ENABLED and device.type == "cuda" and torch.version.hip is None):
             return
         if isinstance(model, LoadedModel):
@@ -241,23 +240,30 @@ class Precompiler:
         if not missing:
             return
         workers = max(1, min(len(missing), len(os.sched_getaffinity(0)) - 1, 16))
-        self._procs = start_compilers(missing, arch, workers)
+        self._compilers = CompilerProcesses(missing, arch, workers)
         self.stats["workers"] = workers
 
     def wait(self) -> dict[str, Any]:
-        done, failed = collect(self._procs)
-        self._procs = []
-        self.stats["precompiled"] += done
-        self.stats["precompile_failed"] += failed
-        if "workers" in self.stats:  # from the pool's start (beside the model load) to its last compile
+        if self._compilers is not None:
+            result = self._compilers.collect()
+            self._compilers = None
+            self.stats["precompiled"] += result["precompiled"]
+            self.stats["precompile_failed"] += result["precompile_failed"]
+            self.stats["slowest_record_s"] = result["slowest_record_s"]
+            # from the children's start (beside the model load) to the last compile
             self.stats["precompile_s"] = round(time.perf_counter() - self.t0, 2)
         return self.stats
 
 
 def _main() -> None:
-    """A compiler process of `start_compilers`: arch, a file of records (JSON list); one JSON line per record out."""
-    arch = int(sys.argv[1])
-    for record in json.loads(Path(sys.argv[2]).read_text(encoding="utf-8")):
+    """A child of `CompilerProcesses`: arch, the work folder (records.json); claims records until none is left, one
+    JSON line out per record compiled."""
+    arch, workdir = int(sys.argv[1]), Path(sys.argv[2])
+    for i, record in enumerate(json.loads((workdir / "records.json").read_text(encoding="utf-8"))):
+        try:
+            os.close(os.open(workdir / f"{i}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:  # another child has it
+            continue
         try:
             print(json.dumps({"ok": True, "name": record.get("name"), "s": round(compile_record(record, arch), 3)}),
                   flush=True)

@@ -83,8 +83,9 @@ class LLMEngine:
         precompiler = kernel_cache.Precompiler(model, cfg.dtype, self.device)  # in parallel with the load
         self.model = model if isinstance(model, LoadedModel) else load_model(
             model, self.device, cfg.dtype, max_positions=cfg.max_model_len)
-        kernel_stats = precompiler.wait()
         load_s = time.perf_counter() - t0
+        kernel_stats = precompiler.wait()
+        wait_s = time.perf_counter() - t0 - load_s  # for kernels still compiling when the model is in
         self.runner = ModelRunner(self.model, cfg.block_size, cfg.max_num_seqs, cfg.max_model_len,
                                   cfg.inference_timesteps, self.device, cfg.enforce_eager, cfg.attention_backend,
                                   cfg.max_num_batched_tokens)
@@ -94,7 +95,7 @@ class LLMEngine:
         elif num_blocks is None:
             num_blocks = self.runner.table_width * cfg.max_num_seqs
         self.runner.allocate_kv_cache(num_blocks)
-        kv_s = time.perf_counter() - t0 - load_s
+        kv_s = time.perf_counter() - t0 - load_s - wait_s
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
         graph_s = self.runner.capture_graphs()
@@ -107,10 +108,12 @@ class LLMEngine:
         self.startup_s = time.perf_counter() - t0
         # Where start-up goes (cold start is a performance target): load, KV sizing + allocation, capture.
         times = self.runner.capture_times.values()
-        self.startup_phases = {"load_s": load_s, "kv_s": kv_s, "graphs_s": graph_s,
+        self.startup_phases = {"load_s": load_s, "precompile_wait_s": wait_s, "kv_s": kv_s, "graphs_s": graph_s,
                                "graph_warmup_s": sum(w for w, _ in times), "graph_capture_s": sum(c for _, c in times),
                                "kernels": {**kernel_stats,
                                            "jit_compiled": kernel_cache.RECORDER.compiled - kernels_before[0],
+                                           "jit_compiled_names": kernel_cache.RECORDER.compiled_names[
+                                               kernels_before[0]:],
                                            "jit_from_cache": kernel_cache.RECORDER.cached - kernels_before[1]}}
         log.info("engine ready on %s in %.1f s (load %.1f s, KV sizing %.1f s, %s): %d KV blocks of %d tokens, "
                  "attention %s", self.device, self.startup_s, load_s, kv_s,

@@ -61,6 +61,7 @@ def test_manifest_round_trip_and_compile(tmp_path: Path, monkeypatch: pytest.Mon
 
     path = tmp_path / "m.json"
     path.write_text(json.dumps(manifest))
+    monkeypatch.setattr(kernel_cache, "MANIFEST_DIR", tmp_path / "shipped")  # only this one (the shipped match)
     monkeypatch.setenv("VOXCPM_KERNEL_MANIFEST", str(path))
     assert kernel_cache.load_manifests(digest, 90) == [entry]
     assert kernel_cache.load_manifests(digest, 80) == []  # another architecture
@@ -69,8 +70,8 @@ def test_manifest_round_trip_and_compile(tmp_path: Path, monkeypatch: pytest.Mon
     assert not kernel_cache.is_cached(entry, 90)
     # compiled in a child process, as the engine's precompiler does (no GPU needed); a broken record fails alone
     broken = {**entry, "name": "engine.triton_kernels._no_such_kernel"}
-    procs = kernel_cache.start_compilers([entry, broken], 90, workers=1)
-    assert kernel_cache.collect(procs) == (1, 1)
+    result = kernel_cache.CompilerProcesses([entry, broken, entry], 90, workers=2).collect()
+    assert (result["precompiled"], result["precompile_failed"]) == (2, 1)  # each record compiled once, by one child
     assert kernel_cache.is_cached(entry, 90)
     assert not kernel_cache.is_cached({**entry, "options": {"num_warps": 8}}, 90)  # another variant
     with pytest.raises(AttributeError):

@@ -420,7 +420,7 @@ class PoolTarget(Target):
 
 
 def _plain_info(info: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in info.items() if isinstance(v, str | int | float | bool | list) or v is None}
+    return {k: v for k, v in info.items() if isinstance(v, str | int | float | bool | list | dict) or v is None}
 
 
 class HttpTarget(Target):
