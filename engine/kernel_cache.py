@@ -61,6 +61,8 @@ class Recorder:
 
     def __init__(self) -> None:
         self.records: dict[str, dict[str, Any]] = {}
+        self._last: dict[str, Any] | None = None  # the record of the JIT miss being compiled, and when it began
+        self._t0 = 0.0
         self.compiled = 0
         self.cached = 0
         self.compiled_names: list[str] = []  # of the real compiles, in order
@@ -84,7 +86,8 @@ class Recorder:
     def _on_jit_miss(self, **kwargs: Any) -> bool:
         record = json.loads(kwargs["compile"]["specialization_data"])
         record.pop("key", None)  # the in-memory key: not needed to compile
-        self.records[json.dumps(record, sort_keys=True)] = record
+        self._last = self.records.setdefault(json.dumps(record, sort_keys=True), record)
+        self._t0 = time.perf_counter()
         return False  # go on compiling
 
     def _on_compile(self, *, cache_hit: bool, **kwargs: Any) -> None:
@@ -93,6 +96,9 @@ class Recorder:
         else:
             self.compiled += 1
             self.compiled_names.append(getattr(kwargs.get("src"), "name", "?"))
+            if self._last is not None:  # the JIT compiles right after its miss, in the same thread
+                self._last["compile_s"] = round(time.perf_counter() - self._t0, 3)
+        self._last = None
 
     def manifest(self, digest: str, arch: int) -> dict[str, Any]:
         """The records as a manifest; launch options reduced to those differing from Triton's defaults (the rest,
@@ -160,13 +166,22 @@ def is_cached(record: dict[str, Any], arch: int) -> bool:
     return (manager.get_group(name) or {}).get(name) is not None
 
 
-def compile_record(record: dict[str, Any], arch: int) -> float:
-    """Compile one record into the kernel cache (a pool worker's job; no GPU needed); returns seconds taken."""
+def compile_record(record: dict[str, Any], arch: int) -> tuple[float, bool]:
+    """Compile one record into the kernel cache (no GPU needed), and its launcher where this machine can build it:
+    (seconds taken, launcher built)."""
     import triton
     t0 = time.perf_counter()
     src, target, options = _source_and_options(record, arch)
-    triton.compile(src, target=target, options=options.__dict__)
-    return time.perf_counter() - t0
+    kernel = triton.compile(src, target=target, options=options.__dict__)
+    try:
+        # The launch stub of a signature is a C module of its own, built with the C compiler and linked against
+        # libcuda on first use, cached beside the kernels (one build per signature: ~0.3 s each, serial otherwise).
+        from triton.backends.nvidia.driver import CudaLauncher
+        CudaLauncher(src, kernel.metadata)
+        launcher = True
+    except Exception:  # no libcuda or no C compiler here: the engine builds it on first use, as before
+        launcher = False
+    return time.perf_counter() - t0, launcher
 
 
 RECORDER = Recorder()  # one per process: Triton's hooks are global
@@ -201,6 +216,7 @@ class CompilerProcesses:
             if not r["ok"]:
                 log.info("precompiling %s failed (the JIT will compile it): %s", r["name"], r["error"])
         return {"precompiled": sum(r["ok"] for r in results), "precompile_failed": sum(not r["ok"] for r in results),
+                "launchers_built": sum(bool(r.get("launcher")) for r in results),
                 "slowest_record_s": max((r.get("s", 0.0) for r in results), default=0.0)}
 
 
@@ -240,6 +256,7 @@ class Precompiler:
         if not missing:
             return
         workers = max(1, min(len(missing), len(os.sched_getaffinity(0)) - 1, 16))
+        missing.sort(key=lambda r: -r.get("compile_s", 0.0))  # longest first: the last ones to finish are short
         self._compilers = CompilerProcesses(missing, arch, workers)
         self.stats["workers"] = workers
 
@@ -249,6 +266,7 @@ class Precompiler:
             self._compilers = None
             self.stats["precompiled"] += result["precompiled"]
             self.stats["precompile_failed"] += result["precompile_failed"]
+            self.stats["launchers_built"] = result["launchers_built"]
             self.stats["slowest_record_s"] = result["slowest_record_s"]
             # from the children's start (beside the model load) to the last compile
             self.stats["precompile_s"] = round(time.perf_counter() - self.t0, 2)
@@ -265,7 +283,8 @@ def _main() -> None:
         except FileExistsError:  # another child has it
             continue
         try:
-            print(json.dumps({"ok": True, "name": record.get("name"), "s": round(compile_record(record, arch), 3)}),
+            seconds, launcher = compile_record(record, arch)
+            print(json.dumps({"ok": True, "name": record.get("name"), "s": round(seconds, 3), "launcher": launcher}),
                   flush=True)
         except Exception as e:  # one bad record costs only itself
             print(json.dumps({"ok": False, "name": record.get("name"), "error": f"{type(e).__name__}: {e}"[:500]}),
