@@ -16,6 +16,7 @@ GPU or model is one run of that tool. VOXCPM_PRECOMPILE=0 turns the pool off.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import importlib
 import json
@@ -25,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -220,17 +222,35 @@ class CompilerProcesses:
                 "slowest_record_s": max((r.get("s", 0.0) for r in results), default=0.0)}
 
 
+def gpu_arch_from_nvidia_smi() -> int | None:
+    """The GPUs' compute capability as nvidia-smi reports it (the pool's parent process must not initialise CUDA);
+    None when unknown or when the GPUs differ."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.split()
+        caps = {round(float(c) * 10) for c in out}
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return caps.pop() if len(caps) == 1 else None
+
+
 class Precompiler:
-    """Compiles a manifest's missing records in a process pool, started before the model loads; `wait()` before
-    the first kernel launch."""
+    """Compiles a manifest's records missing from the kernel cache in child processes, started before the model
+    loads; `wait()` before the first kernel launch. One precompile per cache at a time: whoever compiles holds an
+    exclusive lock on a file in the cache dir, and an engine that finds it taken (the pool's parent compiling while
+    the workers start, or another GPU's worker) waits for it in `wait()` and then compiles only what is still
+    missing. `background` (the pool's parent): the lock is released by a thread when the children are done."""
 
     def __init__(self, model: LoadedModel | str | os.PathLike, dtype: torch.dtype | None,
-                 device: torch.device) -> None:
-        """model: the engine's (loaded, or the checkpoint to load); dtype: the engine's runtime dtype when set."""
+                 device: torch.device | None, arch: int | None = None, background: bool = False) -> None:
+        """model: the engine's (loaded, or the checkpoint to load); dtype: the engine's runtime dtype when set;
+        device: the engine's, or None with `arch` given (no CUDA in this process)."""
         self.t0 = time.perf_counter()
         self.stats: dict[str, Any] = {"precompiled": 0, "precompile_failed": 0}
         self._compilers: CompilerProcesses | None = None
-        if not (ENABLED and device.type == "cuda" and torch.version.hip is None):
+        self._records: list[dict[str, Any]] = []
+        self._lock: int | None = None
+        if not (ENABLED and torch.version.hip is None and (device is None or device.type == "cuda")):
             return
         if isinstance(model, LoadedModel):
             cfg, dtype = model.config, dtype or next(model.backbone.parameters()).dtype
@@ -241,26 +261,59 @@ class Precompiler:
                 log.info("no kernel precompile: %s", e)
                 return
             dtype = dtype or cfg.dtype
-        major, minor = torch.cuda.get_device_capability(device)
-        arch = major * 10 + minor
-        records = load_manifests(model_digest(cfg, dtype), arch)
-        missing = []
-        for record in records:
+        if arch is None:
+            if device is None:
+                return
+            major, minor = torch.cuda.get_device_capability(device)
+            arch = major * 10 + minor
+        self.arch = arch
+        self._records = load_manifests(model_digest(cfg, dtype), arch)
+        self.stats["manifest_records"] = len(self._records)
+        if self._records and self._try_lock(block=False):
+            self._start()
+            if self._compilers is None:  # the cache is complete
+                self._unlock()
+                self._records = []
+            elif background:
+                threading.Thread(target=self.wait, name="voxcpm-precompile", daemon=True).start()
+
+    def _try_lock(self, block: bool, timeout_s: float = 600.0) -> bool:
+        from triton import knobs
+        path = Path(knobs.cache.dir)
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path / "voxcpm-precompile.lock", os.O_CREAT | os.O_RDWR)
+        deadline = time.monotonic() + (timeout_s if block else 0.0)
+        while True:
             try:
-                if not is_cached(record, arch):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._lock = fd
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    return False
+                time.sleep(0.05)
+
+    def _start(self) -> None:
+        missing = []
+        for record in self._records:
+            try:
+                if not is_cached(record, self.arch):
                     missing.append(record)
             except Exception as e:  # a record that no longer fits its kernel: the JIT compiles what is needed
                 log.info("kernel manifest record for %s skipped: %s", record.get("name"), e)
                 self.stats["precompile_failed"] += 1
-        self.stats.update(manifest_records=len(records), missing=len(missing))
-        if not missing:
-            return
-        workers = max(1, min(len(missing), len(os.sched_getaffinity(0)) - 1, 16))
-        missing.sort(key=lambda r: -r.get("compile_s", 0.0))  # longest first: the last ones to finish are short
-        self._compilers = CompilerProcesses(missing, arch, workers)
-        self.stats["workers"] = workers
+        self.stats["missing"] = len(missing)
+        if missing:
+            workers = max(1, min(len(missing), len(os.sched_getaffinity(0)) - 1, 16))
+            missing.sort(key=lambda r: -r.get("compile_s", 0.0))  # longest first: the last to finish are short
+            self._compilers = CompilerProcesses(missing, self.arch, workers)
+            self.stats["workers"] = workers
 
     def wait(self) -> dict[str, Any]:
+        if self._records and self._compilers is None and self._try_lock(block=True):
+            self.stats["waited_for_other_s"] = round(time.perf_counter() - self.t0, 2)
+            self._start()  # what the other precompile left (normally nothing)
         if self._compilers is not None:
             result = self._compilers.collect()
             self._compilers = None
@@ -270,7 +323,15 @@ class Precompiler:
             self.stats["slowest_record_s"] = result["slowest_record_s"]
             # from the children's start (beside the model load) to the last compile
             self.stats["precompile_s"] = round(time.perf_counter() - self.t0, 2)
+        self._unlock()
+        self._records = []
         return self.stats
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+            os.close(self._lock)
+            self._lock = None
 
 
 def _main() -> None:

@@ -78,6 +78,33 @@ def test_manifest_round_trip_and_compile(tmp_path: Path, monkeypatch: pytest.Mon
         kernel_cache.is_cached(broken, 90)
 
 
+def test_one_precompile_per_cache_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            checkpoint_factory) -> None:
+    """Two precompilers of one cache (the pool's parent and a worker's engine): the first takes the lock and
+    compiles; the second defers to `wait()`, blocks until the first is done, then finds nothing missing."""
+    from engine import kernel_cache
+    from engine.config import VoxCPMConfig
+    ckpt = checkpoint_factory("tiny-voxcpm2")
+    cfg = VoxCPMConfig.from_dir(ckpt)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernel_cache, "MANIFEST_DIR", tmp_path / "shipped")
+    entry = json.loads(_jit_record())
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"model": kernel_cache.model_digest(cfg, cfg.dtype), "arch": 90, "entries": [entry]}))
+    monkeypatch.setenv("VOXCPM_KERNEL_MANIFEST", str(path))
+
+    first = kernel_cache.Precompiler(ckpt, None, None, arch=90)  # no CUDA here: the architecture is given
+    second = kernel_cache.Precompiler(ckpt, None, None, arch=90)
+    assert first.stats["missing"] == 1 and first.stats["workers"] == 1
+    assert "missing" not in second.stats  # the lock was taken: nothing checked or started yet
+    done = first.wait()
+    assert (done["precompiled"], done["precompile_failed"]) == (1, 0)
+    after = second.wait()
+    assert after["missing"] == 0 and after["precompiled"] == 0 and "waited_for_other_s" in after
+    # lock released: a third one checks at once and finds the cache complete
+    assert kernel_cache.Precompiler(ckpt, None, None, arch=90).stats["missing"] == 0
+
+
 def test_precompiler_is_off_without_cuda() -> None:
     from engine import kernel_cache
     stats = kernel_cache.Precompiler("/nonexistent", None, torch.device("cpu")).wait()

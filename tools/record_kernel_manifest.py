@@ -3,7 +3,7 @@
 concurrency, a long text, reference clips of several lengths through the VAE encoder), so that a later start-up
 on an empty kernel cache compiles all of them ahead, in parallel, and the first requests meet no JIT compile.
 
-    python tools/record_kernel_manifest.py --model /tmp/full --max-num-seqs 128 \
+    TRITON_CACHE_DIR=$(mktemp -d) python tools/record_kernel_manifest.py --model /tmp/full --max-num-seqs 128 \
         --out engine/kernel_manifests/voxcpm2-sm90.json
 
 The manifest is valid for every checkpoint of the same shape (real weights included) on GPUs of the same
@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The JIT itself compiles every variant here (no manifest precompile), which times each compile for the manifest:
+# the precompiler starts the longest first. Run on an empty TRITON_CACHE_DIR for those times.
+os.environ["VOXCPM_PRECOMPILE"] = "0"
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
