@@ -96,44 +96,6 @@ if HAVE_TRITON:
             y = (s.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
         tl.store(o_ptr + m[None, :] * stride_o + cols[:, None], y, mask=m_mask[None, :])
 
-    @triton.jit(do_not_specialize=["rows"])  # one compile for every batch bucket
-    def _splitk_matmul_kernel(x_ptr, w_ptr, o_ptr, ws_ptr, count_ptr, rows, n_out, stride_x, stride_o,
-                              K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # Program (n tile, m tile, k slice). With SPLIT_K > 1 each slice stores its fp32 partial tile in ws; the
-        # last slice to arrive (a per-tile counter) sums the partials in slice order -- the same order every run,
-        # whoever arrives last -- rounds once, stores, and resets the counter for the next call.
-        pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        kk = tl.arange(0, BLOCK_K)
-        K_SLICE: tl.constexpr = K // SPLIT_K
-        k0 = pid_k * K_SLICE
-        m_mask = m[:, None] < rows
-        x_ptrs = x_ptr + m[:, None].to(tl.int64) * stride_x + (k0 + kk)[None, :]
-        w_ptrs = w_ptr + n[None, :].to(tl.int64) * K + (k0 + kk)[:, None]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(0, K_SLICE, BLOCK_K):
-            acc = tl.dot(tl.load(x_ptrs, mask=m_mask, other=0.0), tl.load(w_ptrs), acc, input_precision=DOT_PRECISION)
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        o_ptrs = o_ptr + m[:, None].to(tl.int64) * stride_o + n[None, :]
-        if SPLIT_K == 1:
-            tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=m_mask)
-        else:
-            tile = pid_m * tl.num_programs(0) + pid_n
-            local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            ws_tile = ws_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
-            tl.store(ws_tile + pid_k * (BLOCK_M * BLOCK_N) + local, acc)
-            tl.debug_barrier()  # every thread's partial written before the count (the release below covers them)
-            arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:
-                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for s in tl.static_range(SPLIT_K):
-                    total += tl.load(ws_tile + s * (BLOCK_M * BLOCK_N) + local, cache_modifier=".cg")
-                tl.store(o_ptrs, total.to(o_ptr.dtype.element_ty), mask=m_mask)
-                tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
-
     @triton.jit
     def _rotate_row(src, dst, cos_row, sin_row, HALF: tl.constexpr):
         """One head's rotary embedding in fp32 (x * cos + rotate_half(x) * sin), rounded to the input dtype."""
@@ -442,38 +404,6 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False
         x2, weight, out, rows, n, x2.stride(0), out.stride(0), K=k_dim, SILU_GATE=silu_gate,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_stages=stages, num_warps=warps)
-    return out.view(*x.shape[:-1], n)
-
-
-# Per-tile arrival counters of `splitk_matmul`, per device: zero between calls (the last slice resets its tile's).
-_SPLITK_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def splitk_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int, int, int]) -> torch.Tensor:
-    """x (..., K) @ weight (N, K).T with K split over `split_k` programs per output tile whose fp32 partials the
-    last-arriving one sums in a fixed order (deterministic). config: (BLOCK_M, BLOCK_N, BLOCK_K, split_k,
-    num_stages, num_warps); N % BLOCK_N == 0 and K % (split_k * BLOCK_K) == 0."""
-    k_dim = x.shape[-1]
-    x2 = x.reshape(-1, k_dim)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    rows, n = x2.shape[0], weight.shape[0]
-    block_m, block_n, block_k, split_k, stages, warps = config
-    assert n % block_n == 0 and k_dim % (split_k * block_k) == 0, (n, k_dim, config)
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    grid = (n // block_n, triton.cdiv(rows, block_m), split_k)
-    tiles = grid[0] * grid[1]
-    ws = out
-    counters = _SPLITK_COUNTERS.get(x.device)
-    if split_k > 1:
-        ws = torch.empty(tiles * split_k * block_m * block_n, dtype=torch.float32, device=x.device)
-        if counters is None or counters.numel() < tiles:  # made outside graph capture: the first call is eager
-            counters = _SPLITK_COUNTERS[x.device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=x.device)
-    if rows:
-        _splitk_matmul_kernel[grid](
-            x2, weight, out, ws, counters if counters is not None else out, rows, n, x2.stride(0), out.stride(0),
-            K=k_dim, SPLIT_K=split_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages, num_warps=warps)
     return out.view(*x.shape[:-1], n)
 
 

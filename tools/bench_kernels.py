@@ -7,8 +7,10 @@
 - prefetch: an experiment, the DiT's projection chain at B=1 with each GEMM's weights read into L2 by a side
   branch while the GEMM before it runs (H100: the side branch, at most ~0.6 TB/s from 132 programs, made the
   chain 2-16x slower than plain; not used by the engine);
-(Tried and removed, H100: programmatic dependent launch of the DiT's kernels, with and without an L2 prefetch of each
-GEMM's weights before it waits: never faster than plain launches; docs/benchmarks.md, profile step 11.)
+(Tried and removed, H100 (docs/benchmarks.md, profile step 11): programmatic dependent launch of the DiT's kernels,
+with and without an L2 prefetch of each GEMM's weights before it waits, never faster than plain launches (f5283e3);
+a split-K Triton GEMM with a deterministic last-arrival reduction at the DiT's 88-352 rows, 6-60% slower than cuBLAS
+at every shape (9842888).)
 Times come from CUDA events over CUDA-graph replays (launch cost excluded, as inside the captured step); the
 GEMMs cycle through enough weight copies that each call reads its weight from HBM, not from L2.
 
@@ -199,39 +201,11 @@ def bench_prefetch(cfg: VoxCPMConfig, dev: torch.device, dtype: torch.dtype) -> 
     return out
 
 
-def bench_splitk(cfg: VoxCPMConfig, dev: torch.device, dtype: torch.dtype) -> list[dict]:
-    """The DiT's projections at the rows of B=4/8/16 steps (88/176/352; the skinny GEMM stops at 64): cuBLAS against
-    `splitk_matmul` over its tile sizes and K splits."""
-    rows_out = []
-    configs = [(bm, bn, bk, split, 4 if bk == 64 else 3, 4) for bm in (64, 128) for bn in (64, 128)
-               for bk in (64, 128) for split in (1, 2, 4, 8)]
-    for name, (n, k_dim) in zip(("qkv", "o", "gate_up", "down"), layer_shapes(cfg.dit), strict=True):
-        weight = torch.randn(n, k_dim, device=dev, dtype=dtype) * k_dim ** -0.5
-        for m in (88, 176, 352):
-            x = torch.randn(m, k_dim, device=dev, dtype=dtype)
-            base = gemm_us(lambda w, x=x: torch.nn.functional.linear(x, w), weight)
-            ref = torch.nn.functional.linear(x, weight).float()
-            timed = []
-            for c in configs:
-                if n % c[1] or k_dim % (c[3] * c[2]):
-                    continue
-                out = triton_kernels.splitk_matmul(x, weight, c).float()
-                err = float((out - ref).abs().max() / ref.abs().max())
-                timed.append((gemm_us(lambda w, x=x, c=c: triton_kernels.splitk_matmul(x, w, c), weight), c, err))
-            us, best, err = min(timed)
-            rows_out.append({"projection": f"DiT {name}", "rows": m, "n": n, "k": k_dim, "cublas_us": round(base, 2),
-                             "best_us": round(us, 2), "best_config": list(best), "best_rel_err": err,
-                             "all": [[round(t, 2), list(c)] for t, c, _ in sorted(timed)[:8]]})
-            print(f"DiT {name} rows={m}: cuBLAS {base:.2f} us, split-K best {us:.2f} us at {best} (err {err:.1e})",
-                  flush=True)
-    return rows_out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True, help="checkpoint directory (only its config is read)")
     ap.add_argument("--batch", default="1,8,64,128")
-    ap.add_argument("--only", default="attention,gemm", help="which benchmarks: attention, gemm, prefetch, splitk")
+    ap.add_argument("--only", default="attention,gemm", help="which benchmarks: attention, gemm, prefetch")
     ap.add_argument("--out")
     a = ap.parse_args()
     cfg = VoxCPMConfig.from_dir(a.model)
@@ -240,7 +214,6 @@ def main() -> None:
     rows = []
     gemm_rows = bench_gemm(cfg, batches, dev, dtype) if "gemm" in a.only else []
     prefetch_rows = bench_prefetch(cfg, dev, dtype) if "prefetch" in a.only else []
-    splitk_rows = bench_splitk(cfg, dev, dtype) if "splitk" in a.only else []
     for name, tcfg, seq_len, per_request in (("DiT", cfg.dit, 2 * cfg.patch_size + 1 + 2, 2),
                                              ("LocEnc", cfg.encoder, cfg.patch_size + 1, 1)):
         if "attention" not in a.only:
@@ -268,7 +241,7 @@ def main() -> None:
                          "num_warps": 2 if n * hq >= 256 else 4, "us": round(auto, 2)})
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows, "gemm": gemm_rows,
-              "prefetch": prefetch_rows, "splitk": splitk_rows}
+              "prefetch": prefetch_rows}
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
 
