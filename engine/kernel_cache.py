@@ -35,6 +35,7 @@ import torch
 
 from engine.checkpoint import LoadedModel, resolve_model_path
 from engine.config import VoxCPMConfig
+from engine.triton_attention import HAVE_TRITON
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +117,19 @@ class Recorder:
         return {"model": digest, "arch": arch, "triton": triton.__version__, "entries": entries}
 
 
+def triton_version() -> str:
+    import triton
+    return triton.__version__
+
+
+def _same_minor_version(a: str, b: str) -> bool:
+    """Records name Triton's options and specialization as one release line writes them."""
+    return a.split(".")[:2] == b.split(".")[:2]
+
+
 def load_manifests(digest: str, arch: int) -> list[dict[str, Any]]:
-    """The records of every manifest for this model shape and architecture (shipped ones, VOXCPM_KERNEL_MANIFEST)."""
+    """The records of every manifest for this model shape, architecture and Triton release line (shipped ones,
+    VOXCPM_KERNEL_MANIFEST)."""
     paths = sorted(MANIFEST_DIR.glob("*.json"))
     if os.environ.get("VOXCPM_KERNEL_MANIFEST"):
         paths.append(Path(os.environ["VOXCPM_KERNEL_MANIFEST"]))
@@ -128,9 +140,14 @@ def load_manifests(digest: str, arch: int) -> list[dict[str, Any]]:
         except (OSError, json.JSONDecodeError) as e:
             log.warning("kernel manifest %s unreadable: %s", path, e)
             continue
-        if m.get("model") == digest and m.get("arch") == arch:
-            for e in m.get("entries", []):
-                entries[json.dumps(e, sort_keys=True)] = e
+        if m.get("model") != digest or m.get("arch") != arch:
+            continue
+        if not _same_minor_version(m.get("triton", ""), triton_version()):
+            log.info("kernel manifest %s is for triton %s, this is %s: not used", path, m.get("triton"),
+                     triton_version())
+            continue
+        for e in m.get("entries", []):
+            entries[json.dumps({k: v for k, v in e.items() if k != "compile_s"}, sort_keys=True)] = e
     return list(entries.values())
 
 
@@ -190,36 +207,58 @@ RECORDER = Recorder()  # one per process: Triton's hooks are global
 
 
 class CompilerProcesses:
-    """Child processes (this module run as a program) compiling records into the kernel cache. Each child claims the
-    next record nobody has taken (an exclusive create of a file named by its index), so long and short compiles
-    spread evenly. Subprocesses rather than multiprocessing: the engine runs in a daemonic process, which may not
-    start multiprocessing children; and none of them may touch the parent's CUDA state."""
+    """Child processes compiling records into the kernel cache. Each child claims the next record nobody has taken
+    (an exclusive create of a file named by its index), so long and short compiles spread evenly. Subprocesses rather
+    than multiprocessing: the engine runs in a daemonic process, which may not start multiprocessing children; and
+    none of them may touch the parent's CUDA state."""
 
     def __init__(self, records: list[dict[str, Any]], arch: int, workers: int) -> None:
+        self.records = len(records)
         self.workdir = Path(tempfile.mkdtemp(prefix="voxcpm-precompile-"))
         (self.workdir / "records.json").write_text(json.dumps(records), encoding="utf-8")
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parent.parent)  # where `engine` is importable from
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.procs = [subprocess.Popen([sys.executable, "-m", "engine.kernel_cache", str(arch), str(self.workdir)],
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+        command = [sys.executable, "-c", "from engine.kernel_cache import compiler_main; compiler_main()", str(arch),
+                   str(self.workdir)]
+        self.procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
                       for _ in range(max(1, min(workers, len(records))))]
 
-    def collect(self) -> dict[str, Any]:
-        """Wait for every child: records compiled and failed, and the slowest record's seconds."""
+    def collect(self, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Wait for every child (a child still running after `timeout_s` in all is killed): records compiled and
+        failed (a record a child claimed but never reported, crashed or killed, counts as failed), launchers
+        ready, and the slowest record's seconds."""
+        deadline = time.monotonic() + timeout_s
         results = []
         for proc in self.procs:
-            out, err = proc.communicate()
-            results += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            try:
+                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            for line in out.splitlines():
+                try:
+                    results.append(json.loads(line))
+                except json.JSONDecodeError:  # anything else a compiler printed
+                    continue
             if proc.returncode != 0:
                 log.warning("kernel compiler process exited with %s: %s", proc.returncode, err[-2000:])
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        self.close()
+        ok = [r for r in results if isinstance(r, dict) and r.get("ok")]
         for r in results:
-            if not r["ok"]:
-                log.info("precompiling %s failed (the JIT will compile it): %s", r["name"], r["error"])
-        return {"precompiled": sum(r["ok"] for r in results), "precompile_failed": sum(not r["ok"] for r in results),
-                "launchers_built": sum(bool(r.get("launcher")) for r in results),
-                "slowest_record_s": max((r.get("s", 0.0) for r in results), default=0.0)}
+            if isinstance(r, dict) and not r.get("ok"):
+                log.info("precompiling %s failed (the JIT will compile it): %s", r.get("name"), r.get("error"))
+        return {"precompiled": len(ok), "precompile_failed": self.records - len(ok),
+                "launchers_ready": sum(bool(r.get("launcher")) for r in ok),
+                "slowest_record_s": max((r.get("s", 0.0) for r in ok), default=0.0)}
+
+    def close(self) -> None:
+        """Kill what still runs and remove the work folder (also when the engine gives up on start-up)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def gpu_arch_from_nvidia_smi() -> int | None:
@@ -236,10 +275,11 @@ def gpu_arch_from_nvidia_smi() -> int | None:
 
 class Precompiler:
     """Compiles a manifest's records missing from the kernel cache in child processes, started before the model
-    loads; `wait()` before the first kernel launch. One precompile per cache at a time: whoever compiles holds an
-    exclusive lock on a file in the cache dir, and an engine that finds it taken (the pool's parent compiling while
-    the workers start, or another GPU's worker) waits for it in `wait()` and then compiles only what is still
-    missing. `background` (the pool's parent): the lock is released by a thread when the children are done."""
+    loads; `wait()` before the first kernel launch (or `close()` when start-up fails). One precompile per cache at a
+    time: whoever compiles holds an exclusive lock on a file in the cache dir, and an engine that finds it taken (the
+    pool's parent compiling while the workers start, or another GPU's worker) waits for it in `wait()` and then
+    compiles only what is still missing. `background` (the pool's parent): a thread waits and releases the lock.
+    Any trouble here (no Triton, an unwritable cache dir) only turns the precompile off: the JIT compiles as before."""
 
     def __init__(self, model: LoadedModel | str | os.PathLike, dtype: torch.dtype | None,
                  device: torch.device | None, arch: int | None = None, background: bool = False) -> None:
@@ -250,8 +290,24 @@ class Precompiler:
         self._compilers: CompilerProcesses | None = None
         self._records: list[dict[str, Any]] = []
         self._lock: int | None = None
-        if not (ENABLED and torch.version.hip is None and (device is None or device.type == "cuda")):
+        if not (ENABLED and HAVE_TRITON and torch.version.hip is None and (device is None or device.type == "cuda")):
             return
+        try:
+            self._records = self._manifest_records(model, dtype, device, arch)
+            self.stats["manifest_records"] = len(self._records)
+            if self._records and self._try_lock(block=False):
+                self._start()
+                if self._compilers is None:  # the cache is complete
+                    self._unlock()
+                    self._records = []
+                elif background:
+                    threading.Thread(target=self._wait_and_log, name="voxcpm-precompile", daemon=True).start()
+        except Exception as e:  # never fail a start-up over an optimisation
+            log.warning("kernel precompile off: %s: %s", type(e).__name__, e)
+            self.close()
+
+    def _manifest_records(self, model: LoadedModel | str | os.PathLike, dtype: torch.dtype | None,
+                          device: torch.device | None, arch: int | None) -> list[dict[str, Any]]:
         if isinstance(model, LoadedModel):
             cfg, dtype = model.config, dtype or next(model.backbone.parameters()).dtype
         else:
@@ -259,23 +315,15 @@ class Precompiler:
                 cfg = VoxCPMConfig.from_dir(resolve_model_path(model))
             except Exception as e:  # the loader reports a bad checkpoint properly, right after
                 log.info("no kernel precompile: %s", e)
-                return
+                return []
             dtype = dtype or cfg.dtype
         if arch is None:
             if device is None:
-                return
+                return []
             major, minor = torch.cuda.get_device_capability(device)
             arch = major * 10 + minor
         self.arch = arch
-        self._records = load_manifests(model_digest(cfg, dtype), arch)
-        self.stats["manifest_records"] = len(self._records)
-        if self._records and self._try_lock(block=False):
-            self._start()
-            if self._compilers is None:  # the cache is complete
-                self._unlock()
-                self._records = []
-            elif background:
-                threading.Thread(target=self.wait, name="voxcpm-precompile", daemon=True).start()
+        return load_manifests(model_digest(cfg, dtype), arch)
 
     def _try_lock(self, block: bool, timeout_s: float = 600.0) -> bool:
         from triton import knobs
@@ -311,21 +359,36 @@ class Precompiler:
             self.stats["workers"] = workers
 
     def wait(self) -> dict[str, Any]:
-        if self._records and self._compilers is None and self._try_lock(block=True):
-            self.stats["waited_for_other_s"] = round(time.perf_counter() - self.t0, 2)
-            self._start()  # what the other precompile left (normally nothing)
+        try:
+            if self._records and self._compilers is None:
+                t = time.perf_counter()
+                if self._try_lock(block=True):
+                    self.stats["waited_for_other_s"] = round(time.perf_counter() - t, 2)
+                    self._start()  # what the other precompile left (normally nothing)
+            if self._compilers is not None:
+                result = self._compilers.collect()
+                self._compilers = None
+                for key in ("precompiled", "precompile_failed"):
+                    self.stats[key] += result.pop(key)
+                self.stats.update(result)
+                # from the children's start (beside the model load) to the last compile
+                self.stats["precompile_s"] = round(time.perf_counter() - self.t0, 2)
+        except Exception as e:
+            log.warning("kernel precompile stopped: %s: %s", type(e).__name__, e)
+        finally:
+            self.close()
+        return self.stats
+
+    def _wait_and_log(self) -> None:
+        log.info("kernel precompile: %s", self.wait())
+
+    def close(self) -> None:
+        """Stop compiling (children killed) and release the lock; idempotent."""
         if self._compilers is not None:
-            result = self._compilers.collect()
+            self._compilers.close()
             self._compilers = None
-            self.stats["precompiled"] += result["precompiled"]
-            self.stats["precompile_failed"] += result["precompile_failed"]
-            self.stats["launchers_built"] = result["launchers_built"]
-            self.stats["slowest_record_s"] = result["slowest_record_s"]
-            # from the children's start (beside the model load) to the last compile
-            self.stats["precompile_s"] = round(time.perf_counter() - self.t0, 2)
         self._unlock()
         self._records = []
-        return self.stats
 
     def _unlock(self) -> None:
         if self._lock is not None:
@@ -334,9 +397,9 @@ class Precompiler:
             self._lock = None
 
 
-def _main() -> None:
-    """A child of `CompilerProcesses`: arch, the work folder (records.json); claims records until none is left, one
-    JSON line out per record compiled."""
+def compiler_main() -> None:
+    """A child of `CompilerProcesses` (argv: arch, the work folder with records.json): claims records until none is
+    left; one JSON line out per record it claimed."""
     arch, workdir = int(sys.argv[1]), Path(sys.argv[2])
     for i, record in enumerate(json.loads((workdir / "records.json").read_text(encoding="utf-8"))):
         try:
@@ -350,7 +413,3 @@ def _main() -> None:
         except Exception as e:  # one bad record costs only itself
             print(json.dumps({"ok": False, "name": record.get("name"), "error": f"{type(e).__name__}: {e}"[:500]}),
                   flush=True)
-
-
-if __name__ == "__main__":
-    _main()

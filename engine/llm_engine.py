@@ -81,8 +81,12 @@ class LLMEngine:
             kernel_cache.RECORDER.install()  # which kernels compile, from cache or not (the manifest tool reads it)
         kernels_before = (kernel_cache.RECORDER.compiled, kernel_cache.RECORDER.cached)
         precompiler = kernel_cache.Precompiler(model, cfg.dtype, self.device)  # in parallel with the load
-        self.model = model if isinstance(model, LoadedModel) else load_model(
-            model, self.device, cfg.dtype, max_positions=cfg.max_model_len)
+        try:
+            self.model = model if isinstance(model, LoadedModel) else load_model(
+                model, self.device, cfg.dtype, max_positions=cfg.max_model_len)
+        except BaseException:
+            precompiler.close()  # its children and its lock must not outlive a failed start-up
+            raise
         load_s = time.perf_counter() - t0
         kernel_stats = precompiler.wait()
         wait_s = time.perf_counter() - t0 - load_s  # for kernels still compiling when the model is in

@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -90,19 +92,57 @@ def test_one_precompile_per_cache_at_a_time(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setattr(kernel_cache, "MANIFEST_DIR", tmp_path / "shipped")
     entry = json.loads(_jit_record())
     path = tmp_path / "m.json"
-    path.write_text(json.dumps({"model": kernel_cache.model_digest(cfg, cfg.dtype), "arch": 90, "entries": [entry]}))
+    path.write_text(json.dumps({"model": kernel_cache.model_digest(cfg, cfg.dtype), "arch": 90,
+                                "triton": kernel_cache.triton_version(), "entries": [entry]}))
     monkeypatch.setenv("VOXCPM_KERNEL_MANIFEST", str(path))
 
     first = kernel_cache.Precompiler(ckpt, None, None, arch=90)  # no CUDA here: the architecture is given
     second = kernel_cache.Precompiler(ckpt, None, None, arch=90)
     assert first.stats["missing"] == 1 and first.stats["workers"] == 1
     assert "missing" not in second.stats  # the lock was taken: nothing checked or started yet
+    waiter = threading.Thread(target=second.wait)
+    waiter.start()
+    time.sleep(0.5)  # the first one's child is still importing (seconds): the second must be blocked
+    assert waiter.is_alive()
     done = first.wait()
     assert (done["precompiled"], done["precompile_failed"]) == (1, 0)
-    after = second.wait()
-    assert after["missing"] == 0 and after["precompiled"] == 0 and "waited_for_other_s" in after
+    waiter.join(timeout=60)
+    after = second.stats
+    assert not waiter.is_alive() and after["missing"] == 0 and after["precompiled"] == 0
+    assert after["waited_for_other_s"] > 0.4
     # lock released: a third one checks at once and finds the cache complete
     assert kernel_cache.Precompiler(ckpt, None, None, arch=90).stats["missing"] == 0
+
+    # a manifest of another Triton release line is not used
+    path.write_text(json.dumps({"model": kernel_cache.model_digest(cfg, cfg.dtype), "arch": 90,
+                                "triton": "2.0.0", "entries": [entry]}))
+    assert kernel_cache.Precompiler(ckpt, None, None, arch=90).stats["manifest_records"] == 0
+
+
+def test_precompile_trouble_never_fails_a_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 checkpoint_factory) -> None:
+    """An unusable cache dir turns the precompile off (the engine's JIT compiles as before); close() kills the
+    children and removes their work folder."""
+    from engine import kernel_cache
+    from engine.config import VoxCPMConfig
+    ckpt = checkpoint_factory("tiny-voxcpm2")
+    cfg = VoxCPMConfig.from_dir(ckpt)
+    entry = json.loads(_jit_record())
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"model": kernel_cache.model_digest(cfg, cfg.dtype), "arch": 90,
+                                "triton": kernel_cache.triton_version(), "entries": [entry]}))
+    monkeypatch.setattr(kernel_cache, "MANIFEST_DIR", tmp_path / "shipped")
+    monkeypatch.setenv("VOXCPM_KERNEL_MANIFEST", str(path))
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "a-file" / "cache"))  # cannot be created
+    p = kernel_cache.Precompiler(ckpt, None, None, arch=90)
+    assert p.stats["manifest_records"] == 1 and "missing" not in p.stats
+    assert p.wait()["precompiled"] == 0
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    compilers = kernel_cache.CompilerProcesses([entry], 90, workers=1)
+    compilers.close()
+    assert all(proc.poll() is not None for proc in compilers.procs) and not compilers.workdir.exists()
 
 
 def test_precompiler_is_off_without_cuda() -> None:
@@ -145,5 +185,5 @@ def test_start_on_empty_cache_with_manifest_compiles_nothing_itself(tmp_path: Pa
     second = start("b", tmp_path / "m2.json", tmp_path / "m1.json")
     assert second["missing"] == second["manifest_records"] > 0 and second["precompiled"] == second["missing"]
     assert second["jit_compiled"] == 0, second
-    assert second["launchers_built"] == second["precompiled"]  # a GPU machine has libcuda and a C compiler
+    assert second["launchers_ready"] == second["precompiled"]  # a GPU machine has libcuda and a C compiler
     assert second["jit_from_cache"] >= first["jit_compiled"]
