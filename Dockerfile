@@ -4,6 +4,9 @@
 FROM python:3.12-slim
 
 ENV UV_LINK_MODE=copy UV_COMPILE_BYTECODE=1 PYTHONUNBUFFERED=1 NANOVLLM_CACHE_DIR=/var/cache/voxcpm-serve
+# Triton builds a small C launcher per kernel signature at run time (on a GPU): it needs a C compiler and libc
+# headers, which the slim image lacks ("Failed to find C compiler"). The builds are cached in the kernel cache.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 RUN pip install --no-cache-dir uv
 WORKDIR /app
 COPY pyproject.toml uv.lock README.md ./
