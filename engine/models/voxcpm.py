@@ -108,16 +108,28 @@ class LocDiT(nn.Module):
     def velocity(self, x: torch.Tensor, mu: torch.Tensor, temb: torch.Tensor, cond: torch.Tensor,
                  rope: torch.Tensor) -> torch.Tensor:
         """forward() with the time token already embedded: temb (N or 1, hidden)."""
-        x = self.in_proj(x.transpose(1, 2))
-        cond = self.cond_proj(cond.transpose(1, 2))
-        temb = temb.expand(x.shape[0], -1)
+        return self.velocity_after(x, self.leading_tokens(mu, temb.unsqueeze(0), cond)[0], rope)
+
+    def leading_tokens(self, mu: torch.Tensor, tembs: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """The sequence before the noisy patch, for each time token: condition token(s) with the time token, then
+        the previous patch. mu (N, tokens * hidden); tembs (S, hidden) (or (S, N, hidden)); cond (N, D, P) ->
+        (S, N, tokens [+ 1] + P, hidden). The sampler builds them once for all its steps: only the time token
+        changes from one step to the next."""
+        n, steps = mu.shape[0], tembs.shape[0]
+        cond = self.cond_proj(cond.transpose(1, 2)).expand(steps, -1, -1, -1)
+        tembs = tembs.view(steps, -1, self.hidden).expand(steps, n, self.hidden)
         if self.condition_tokens == 1:
-            prefix = (mu + temb).unsqueeze(1)
+            prefix = (mu + tembs).unsqueeze(2)
         else:
-            prefix = torch.cat((mu.view(x.shape[0], self.condition_tokens, self.hidden), temb.unsqueeze(1)), dim=1)
-        seq = torch.cat((prefix, cond, x), dim=1)
+            prefix = torch.cat((mu.view(1, n, self.condition_tokens, self.hidden).expand(steps, -1, -1, -1),
+                                tembs.unsqueeze(2)), dim=2)
+        return torch.cat((prefix, cond), dim=2)
+
+    def velocity_after(self, x: torch.Tensor, leading: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """The velocity of the noisy patch x (N, D, P) after one step's `leading_tokens` (N, T, hidden)."""
+        seq = torch.cat((leading, self.in_proj(x.transpose(1, 2))), dim=1)
         h = self.decoder(seq, rope[: seq.shape[1]], dense_attention)
-        return self.out_proj(h[:, prefix.shape[1] + cond.shape[1]:]).transpose(1, 2)
+        return self.out_proj(h[:, leading.shape[1]:]).transpose(1, 2)
 
 
 @lru_cache(maxsize=16)
@@ -161,10 +173,11 @@ class FlowSampler(nn.Module):
         active = steps[zero_steps:]
         tembs = self.estimator.time_embedding(scalars([t for t, _ in active]),
                                               scalars([dt if self.mean_mode else 0.0 for _, dt in active]))
+        # Everything before the noisy patch, for all steps at once (the condition projection once, not per step).
+        leading = self.estimator.leading_tokens(mu_in, tembs, cond_in) if active else None
         for step, (_, dt) in enumerate(steps, start=1):
             if step > zero_steps:
-                i = step - zero_steps - 1
-                v = self.estimator.velocity(torch.cat((x, x)), mu_in, tembs[i:i + 1], cond_in, rope)
+                v = self.estimator.velocity_after(torch.cat((x, x)), leading[step - zero_steps - 1], rope)
                 x = cfg_euler_step(x, v, cfg, dt)
         return x
 
