@@ -218,8 +218,11 @@ class TextTokenizer:
         """Backend pieces after the CJK multi-char split (the official ``CharTokenizerWrapper.tokenize``)."""
         if not isinstance(text, str):
             raise TypeError(f"expected str, got {type(text).__name__}")
+        return self._split(self._backend.encode(text, add_special_tokens=False).tokens)
+
+    def _split(self, backend_pieces: list[str]) -> list[str]:
         pieces: list[str] = []
-        for piece in self._backend.encode(text, add_special_tokens=False).tokens:
+        for piece in backend_pieces:
             bare = piece.replace(_METASPACE, "")
             if bare in self._cjk_multichar:
                 pieces.extend(bare)  # split into characters; the "▁" marker is dropped like upstream
@@ -233,7 +236,7 @@ class TextTokenizer:
             raise TypeError(f"expected str, got {type(text).__name__}")
         pieces = self._backend.encode(text, add_special_tokens=False).tokens
         if not self._split_pieces.isdisjoint(pieces):
-            return self._to_ids(self.tokenize(text))
+            return self._to_ids(self._split(pieces))
         vocab, unk = self._vocab, self._unk_id
         ids = [vocab.get(piece, unk) for piece in pieces]
         return ids if None not in ids else self._to_ids(pieces)  # _to_ids names the missing piece
