@@ -221,6 +221,7 @@ class TextTokenizer:
         return self._split(self._backend.encode(text, add_special_tokens=False).tokens)
 
     def _split(self, backend_pieces: list[str]) -> list[str]:
+        """The backend's pieces with every CJK multi-character piece split into its characters."""
         pieces: list[str] = []
         for piece in backend_pieces:
             bare = piece.replace(_METASPACE, "")
