@@ -74,12 +74,22 @@ class Recorder:
         self._installed = False
 
     def install(self) -> Recorder:
-        from triton import knobs
-        if not self._installed:
+        """Hook into Triton's JIT (idempotent; nothing to do without Triton)."""
+        if HAVE_TRITON and not self._installed:
+            from triton import knobs
             knobs.runtime.jit_cache_hook = self._on_jit_miss
             knobs.compilation.listener = self._on_compile
             self._installed = True
         return self
+
+    def mark(self) -> tuple[int, int]:
+        """A point to count from (`since`)."""
+        return self.compiled, self.cached
+
+    def since(self, mark: tuple[int, int]) -> dict[str, Any]:
+        """What the JIT did after `mark`: real compiles (and their kernels), binaries found in the file cache."""
+        return {"jit_compiled": self.compiled - mark[0], "jit_compiled_names": self.compiled_names[mark[0]:],
+                "jit_from_cache": self.cached - mark[1]}
 
     def _on_jit_miss(self, **kwargs: Any) -> bool:
         record = json.loads(kwargs["compile"]["specialization_data"])
@@ -279,7 +289,8 @@ class Precompiler:
     def __init__(self, model: LoadedModel | str | os.PathLike, dtype: torch.dtype | None,
                  device: torch.device | None, arch: int | None = None, background: bool = False) -> None:
         """model: the engine's (loaded, or the checkpoint to load); dtype: the engine's runtime dtype when set;
-        device: the engine's, or None with `arch` given (no CUDA in this process)."""
+        device: the engine's, or None in a process that must not initialise CUDA (the pool's parent): then `arch`,
+        or the GPUs' architecture as nvidia-smi reports it."""
         self.t0 = time.perf_counter()
         self.stats: dict[str, Any] = {"precompiled": 0, "precompile_failed": 0}
         self._compilers: CompilerProcesses | None = None
@@ -312,9 +323,11 @@ class Precompiler:
                 log.info("no kernel precompile: %s", e)
                 return []
             dtype = dtype or cfg.dtype
-        if arch is None:
-            if device is None:
+        if arch is None and device is None:
+            arch = gpu_arch_from_nvidia_smi()
+            if arch is None:
                 return []
+        elif arch is None:
             major, minor = torch.cuda.get_device_capability(device)
             arch = major * 10 + minor
         self.arch = arch

@@ -21,7 +21,6 @@ from engine.model_runner import LaunchedDecode, ModelRunner, PatchResult
 from engine.prompt import build_prompt, max_patches
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence, Status
-from engine.triton_attention import HAVE_TRITON
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +76,9 @@ class LLMEngine:
         cfg.validate()
         self.device = torch.device(device)
         t0 = time.perf_counter()
-        if self.device.type == "cuda" and HAVE_TRITON:
+        if self.device.type == "cuda":
             kernel_cache.RECORDER.install()  # which kernels compile, from cache or not (the manifest tool reads it)
-        kernels_before = (kernel_cache.RECORDER.compiled, kernel_cache.RECORDER.cached)
+        kernels_mark = kernel_cache.RECORDER.mark()
         precompiler = kernel_cache.Precompiler(model, cfg.dtype, self.device)  # in parallel with the load
         try:
             self.model = model if isinstance(model, LoadedModel) else load_model(
@@ -114,11 +113,7 @@ class LLMEngine:
         times = self.runner.capture_times.values()
         self.startup_phases = {"load_s": load_s, "precompile_wait_s": wait_s, "kv_s": kv_s, "graphs_s": graph_s,
                                "graph_warmup_s": sum(w for w, _ in times), "graph_capture_s": sum(c for _, c in times),
-                               "kernels": {**kernel_stats,
-                                           "jit_compiled": kernel_cache.RECORDER.compiled - kernels_before[0],
-                                           "jit_compiled_names": kernel_cache.RECORDER.compiled_names[
-                                               kernels_before[0]:],
-                                           "jit_from_cache": kernel_cache.RECORDER.cached - kernels_before[1]}}
+                               "kernels": {**kernel_stats, **kernel_cache.RECORDER.since(kernels_mark)}}
         log.info("engine ready on %s in %.1f s (load %.1f s, KV sizing %.1f s, %s): %d KV blocks of %d tokens, "
                  "attention %s", self.device, self.startup_s, load_s, kv_s,
                  f"{len(self.runner.graphs) + len(self.runner.prefill_graphs)} CUDA graphs in {graph_s:.1f} s"

@@ -33,7 +33,6 @@ from engine import kernel_cache
 from engine.checkpoint import CheckpointError, resolve_model_path
 from engine.errors import PoolError, PoolStoppedError, PromptNotFoundError, RequestError, WorkerDiedError, error_from
 from engine.llm_engine import EngineConfig
-from engine.triton_attention import HAVE_TRITON
 from engine.worker import worker_main
 
 log = logging.getLogger(__name__)
@@ -118,12 +117,10 @@ class AsyncVoxCPMServerPool:
 
     def _precompile_early(self, devices: list[str]) -> None:
         """Start compiling the kernel manifest here, while the workers spawn and import (~6 s before an engine
-        starts on an H100 machine); a worker's engine waits for it before its first kernel. The GPU architecture
-        comes from nvidia-smi: this process never initialises CUDA."""
-        if any(d.startswith("cuda") for d in devices) and HAVE_TRITON:
-            arch = kernel_cache.gpu_arch_from_nvidia_smi()
-            if arch is not None:
-                kernel_cache.Precompiler(self.model_path, self.config.dtype, None, arch=arch, background=True)
+        starts on an H100 machine); a worker's engine waits for it before its first kernel. No device: this
+        process never initialises CUDA (the architecture comes from nvidia-smi)."""
+        if any(d.startswith("cuda") for d in devices):
+            kernel_cache.Precompiler(self.model_path, self.config.dtype, None, background=True)
 
     def _spawn(self, index: int, device: str) -> _WorkerHandle:
         return _WorkerHandle(index, device, self.model_path, asdict(self.config), self._loop, self._on_message,
