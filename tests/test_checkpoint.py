@@ -82,22 +82,40 @@ def test_layout_variants_load_identically(kind, checkpoint_factory, tmp_path):
         assert torch.equal(loaded[k], v), k
 
 
-def test_chunked_safetensors_reader_equals_safetensors(checkpoint_factory, tmp_path, monkeypatch):
-    """The GPU loader's reader (here on the CPU): every tensor equal to safetensors' own, across chunk borders and
-    at offsets that are not a multiple of the dtype's size; a truncated file is an error."""
-    state = load_file(checkpoint_factory("tiny-voxcpm2") / "model.safetensors")
-    state |= {"odd.u8": torch.arange(3, dtype=torch.uint8), "odd.f32": torch.randn(5, 3),
-              "odd.bf16": torch.randn(7).to(torch.bfloat16), "odd.scalar": torch.tensor(2.5)}
+def _write_packed_safetensors(tensors: dict[str, torch.Tensor], file: Path) -> None:
+    """A safetensors file with the tensors packed back to back in the given order (safetensors' own writer sorts
+    them so that every offset is aligned; real files need not be)."""
+    names = {v: k for k, v in checkpoint._SAFETENSORS_DTYPES.items()}
+    header, blobs, offset = {}, [], 0
+    for name, t in tensors.items():
+        raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    file.write_bytes(len(head).to_bytes(8, "little") + head + b"".join(blobs))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_chunked_safetensors_reader_reads_every_tensor(device, checkpoint_factory, tmp_path, monkeypatch):
+    """The GPU loader's reader (on the CPU, and on a GPU through its pinned double buffers): every tensor equal to
+    what was written, across chunk borders and at offsets that are not a multiple of the dtype's size (a 3-byte
+    tensor first), on the requested device; a truncated file is an error."""
+    state = {"odd.u8": torch.arange(3, dtype=torch.uint8), "odd.f32": torch.randn(5, 3),
+             "odd.bf16": torch.randn(7).to(torch.bfloat16), "odd.scalar": torch.tensor(2.5)}
+    state |= load_file(checkpoint_factory("tiny-voxcpm2") / "model.safetensors")
     file = tmp_path / "w.safetensors"
-    save_file(state, file)
+    _write_packed_safetensors(state, file)
     monkeypatch.setattr(checkpoint, "_CHUNK", 4093)  # many chunks, borders inside tensors
-    loaded = read_safetensors_chunked(file, "cpu")
+    loaded = read_safetensors_chunked(file, device)
     assert loaded.keys() == state.keys()
-    for k, v in load_file(file).items():
-        assert loaded[k].dtype == v.dtype and torch.equal(loaded[k], v), k
+    for k, v in state.items():
+        assert loaded[k].device.type == device and loaded[k].dtype == v.dtype and torch.equal(loaded[k].cpu(), v), k
     file.write_bytes(file.read_bytes()[:-10])
     with pytest.raises(CheckpointError, match="truncated"):
-        read_safetensors_chunked(file, "cpu")
+        read_safetensors_chunked(file, device)
 
 
 def test_missing_and_unexpected_weights_are_listed(checkpoint_factory, tmp_path):

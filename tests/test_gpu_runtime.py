@@ -65,18 +65,3 @@ def test_vae_inside_and_behind_the_step_agree_across_the_threshold(checkpoint_fa
         audio[threshold] = _run(engine, reqs)
     for inside, mixed in zip(audio["32"], audio["4"], strict=True):
         np.testing.assert_array_equal(mixed, inside)
-
-
-def test_chunked_checkpoint_reader_on_the_gpu(checkpoint_factory, monkeypatch):
-    """The GPU reader (pinned double buffering, many chunks) gives safetensors' tensors, on the requested device."""
-    from safetensors.torch import load_file
-
-    from engine import checkpoint
-
-    file = checkpoint_factory("tiny-voxcpm2") / "model.safetensors"
-    monkeypatch.setattr(checkpoint, "_CHUNK", 1 << 16)
-    loaded = checkpoint.read_safetensors_chunked(file, "cuda")
-    reference = load_file(file)
-    assert loaded.keys() == reference.keys()
-    for k, v in reference.items():
-        assert loaded[k].is_cuda and torch.equal(loaded[k].cpu(), v), k
