@@ -53,6 +53,17 @@ def model_digest(cfg: VoxCPMConfig, dtype: torch.dtype) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def loaded_model_digest(model: LoadedModel) -> str:
+    """`model_digest` of a loaded model (its backbone's dtype is the one it runs in)."""
+    return model_digest(model.config, next(model.backbone.parameters()).dtype)
+
+
+def cuda_arch(device: torch.device | str | None = None) -> int:
+    """The compute capability of a CUDA device as Triton names architectures (H100: 90)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
 def _default_options(arch: int) -> dict[str, Any]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
@@ -107,6 +118,10 @@ class Recorder:
             if self._last is not None:  # the JIT compiles right after its miss, in the same thread
                 self._last["compile_s"] = round(time.perf_counter() - self._t0, 3)
         self._last = None
+
+    def manifest_of(self, model: LoadedModel, device: torch.device | str | None = None) -> dict[str, Any]:
+        """The manifest of what this process compiled for a loaded model on a CUDA device."""
+        return self.manifest(loaded_model_digest(model), cuda_arch(device))
 
     def manifest(self, digest: str, arch: int) -> dict[str, Any]:
         """The records as a manifest; launch options reduced to those differing from Triton's defaults (the rest,
@@ -315,23 +330,20 @@ class Precompiler:
     def _manifest_records(self, model: LoadedModel | str | os.PathLike, dtype: torch.dtype | None,
                           device: torch.device | None, arch: int | None) -> list[dict[str, Any]]:
         if isinstance(model, LoadedModel):
-            cfg, dtype = model.config, dtype or next(model.backbone.parameters()).dtype
+            digest = loaded_model_digest(model)
         else:
             try:
                 cfg = VoxCPMConfig.from_dir(resolve_model_path(model))
             except Exception as e:  # the loader reports a bad checkpoint properly, right after
                 log.info("no kernel precompile: %s", e)
                 return []
-            dtype = dtype or cfg.dtype
-        if arch is None and device is None:
-            arch = gpu_arch_from_nvidia_smi()
+            digest = model_digest(cfg, dtype or cfg.dtype)
+        if arch is None:
+            arch = cuda_arch(device) if device is not None else gpu_arch_from_nvidia_smi()
             if arch is None:
                 return []
-        elif arch is None:
-            major, minor = torch.cuda.get_device_capability(device)
-            arch = major * 10 + minor
         self.arch = arch
-        return load_manifests(model_digest(cfg, dtype), arch)
+        return load_manifests(digest, arch)
 
     def _try_lock(self, block: bool, timeout_s: float = 600.0) -> bool:
         from triton import knobs

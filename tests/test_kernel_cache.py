@@ -39,6 +39,16 @@ def _jit_record() -> str:
                                          options, "jit-key")
 
 
+def _use_only_manifest(path: Path, digest: str, entries: list[dict], monkeypatch: pytest.MonkeyPatch,
+                       triton: str | None = None) -> None:
+    """Write a manifest for `digest` on sm_90 and make it the only one the precompiler reads."""
+    from engine import kernel_cache
+    path.write_text(json.dumps({"model": digest, "arch": 90, "triton": triton or kernel_cache.triton_version(),
+                                "entries": entries}))
+    monkeypatch.setattr(kernel_cache, "MANIFEST_DIR", path.parent / "shipped")
+    monkeypatch.setenv("VOXCPM_KERNEL_MANIFEST", str(path))
+
+
 def test_manifest_round_trip_and_compile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from engine import kernel_cache
     from engine.config import VoxCPMConfig
@@ -76,8 +86,21 @@ def test_manifest_round_trip_and_compile(tmp_path: Path, monkeypatch: pytest.Mon
     assert (result["precompiled"], result["precompile_failed"]) == (2, 1)  # each record compiled once, by one child
     assert kernel_cache.is_cached(entry, 90)
     assert not kernel_cache.is_cached({**entry, "options": {"num_warps": 8}}, 90)  # another variant
-    with pytest.raises(AttributeError):
-        kernel_cache.is_cached(broken, 90)
+
+
+def test_a_record_that_no_longer_fits_its_kernel_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            checkpoint_factory) -> None:
+    """A record naming a kernel that is gone counts as failed; the others still compile."""
+    from engine import kernel_cache
+    from engine.config import VoxCPMConfig
+    ckpt = checkpoint_factory("tiny-voxcpm2")
+    cfg = VoxCPMConfig.from_dir(ckpt)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    entry = json.loads(_jit_record())
+    broken = {**entry, "name": "engine.triton_kernels._no_such_kernel"}
+    _use_only_manifest(tmp_path / "m.json", kernel_cache.model_digest(cfg, cfg.dtype), [broken, entry], monkeypatch)
+    stats = kernel_cache.Precompiler(ckpt, None, None, arch=90).wait()
+    assert (stats["missing"], stats["precompiled"], stats["precompile_failed"]) == (1, 1, 1)
 
 
 def test_one_precompile_per_cache_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -89,12 +112,9 @@ def test_one_precompile_per_cache_at_a_time(tmp_path: Path, monkeypatch: pytest.
     ckpt = checkpoint_factory("tiny-voxcpm2")
     cfg = VoxCPMConfig.from_dir(ckpt)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(kernel_cache, "MANIFEST_DIR", tmp_path / "shipped")
     entry = json.loads(_jit_record())
-    path = tmp_path / "m.json"
-    path.write_text(json.dumps({"model": kernel_cache.model_digest(cfg, cfg.dtype), "arch": 90,
-                                "triton": kernel_cache.triton_version(), "entries": [entry]}))
-    monkeypatch.setenv("VOXCPM_KERNEL_MANIFEST", str(path))
+    digest = kernel_cache.model_digest(cfg, cfg.dtype)
+    _use_only_manifest(tmp_path / "m.json", digest, [entry], monkeypatch)
 
     first = kernel_cache.Precompiler(ckpt, None, None, arch=90)  # no CUDA here: the architecture is given
     second = kernel_cache.Precompiler(ckpt, None, None, arch=90)
@@ -114,8 +134,7 @@ def test_one_precompile_per_cache_at_a_time(tmp_path: Path, monkeypatch: pytest.
     assert kernel_cache.Precompiler(ckpt, None, None, arch=90).stats["missing"] == 0
 
     # a manifest of another Triton release line is not used
-    path.write_text(json.dumps({"model": kernel_cache.model_digest(cfg, cfg.dtype), "arch": 90,
-                                "triton": "2.0.0", "entries": [entry]}))
+    _use_only_manifest(tmp_path / "m.json", digest, [entry], monkeypatch, triton="2.0.0")
     assert kernel_cache.Precompiler(ckpt, None, None, arch=90).stats["manifest_records"] == 0
 
 
@@ -128,11 +147,7 @@ def test_precompile_trouble_never_fails_a_start(tmp_path: Path, monkeypatch: pyt
     ckpt = checkpoint_factory("tiny-voxcpm2")
     cfg = VoxCPMConfig.from_dir(ckpt)
     entry = json.loads(_jit_record())
-    path = tmp_path / "m.json"
-    path.write_text(json.dumps({"model": kernel_cache.model_digest(cfg, cfg.dtype), "arch": 90,
-                                "triton": kernel_cache.triton_version(), "entries": [entry]}))
-    monkeypatch.setattr(kernel_cache, "MANIFEST_DIR", tmp_path / "shipped")
-    monkeypatch.setenv("VOXCPM_KERNEL_MANIFEST", str(path))
+    _use_only_manifest(tmp_path / "m.json", kernel_cache.model_digest(cfg, cfg.dtype), [entry], monkeypatch)
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "a-file" / "cache"))  # cannot be created
     p = kernel_cache.Precompiler(ckpt, None, None, arch=90)
@@ -159,13 +174,11 @@ def test_start_on_empty_cache_with_manifest_compiles_nothing_itself(tmp_path: Pa
     ckpt = tmp_path / "ckpt"
     make_random_checkpoint(ckpt, "tiny-voxcpm2", seed=0)
     script = (
-        "import json, sys, torch\n"
+        "import json, sys\n"
         "from engine import kernel_cache\n"
         "from engine.llm_engine import EngineConfig, LLMEngine\n"
         "e = LLMEngine(sys.argv[1], EngineConfig(max_num_seqs=4), device='cuda')\n"
-        "m = kernel_cache.RECORDER.manifest(kernel_cache.model_digest(e.model.config, "
-        "next(e.model.backbone.parameters()).dtype), 10 * torch.cuda.get_device_capability()[0] "
-        "+ torch.cuda.get_device_capability()[1])\n"
+        "m = kernel_cache.RECORDER.manifest_of(e.model)\n"
         "open(sys.argv[2], 'w').write(json.dumps(m))\n"
         "print(json.dumps(e.startup_phases['kernels']))\n")
 

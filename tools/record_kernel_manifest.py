@@ -13,6 +13,7 @@ architecture; the file name is free (all manifests in engine/kernel_manifests/ a
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -59,18 +60,13 @@ def main() -> None:
         engine.generate_all([dict(target_text=texts[i % len(texts)], params=params) for i in range(conc)])
     engine.generate_all([dict(target_text=t, params=params, prompt_text="A prompt.", prompt_latents=prompt)
                          for t in texts])
-    major, minor = torch.cuda.get_device_capability()
-    manifest = kernel_cache.RECORDER.manifest(kernel_cache.model_digest(engine.model.config,
-                                                                       next(engine.model.backbone.parameters()).dtype),
-                                              major * 10 + minor)
+    manifest = kernel_cache.RECORDER.manifest_of(engine.model)
     manifest.update(device=torch.cuda.get_device_name(), command=" ".join(sys.argv),
                     date=time.strftime("%Y-%m-%d", time.gmtime()))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(manifest, indent=1) + "\n")
-    names: dict[str, int] = {}
-    for e in manifest["entries"]:
-        names[e["name"].rsplit(".", 1)[1]] = names.get(e["name"].rsplit(".", 1)[1], 0) + 1
-    print(f"{len(manifest['entries'])} kernel variants in {time.perf_counter() - t0:.0f} s -> {a.out}: {names}")
+    names = collections.Counter(e["name"].rsplit(".", 1)[1] for e in manifest["entries"])
+    print(f"{len(manifest['entries'])} kernel variants in {time.perf_counter() - t0:.0f} s -> {a.out}: {dict(names)}")
 
 
 if __name__ == "__main__":
