@@ -471,6 +471,11 @@ def dense_attention_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
             and q.shape[2] % k.shape[2] == 0 and q.dtype in (torch.float32, torch.float16, torch.bfloat16))
 
 
+def dense_attention_warps(sequences: int, heads: int) -> int:
+    """`dense_attention`'s default warps per program: 2 from 256 (sequence, head) pairs on, else 4."""
+    return 2 if sequences * heads >= 256 else 4
+
+
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None,
                     sin: torch.Tensor | None, heads_per_program: int | None = None,
                     num_warps: int | None = None) -> torch.Tensor:
@@ -499,7 +504,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
             seq_len, dim ** -0.5, GROUP=group, HEADS=heads, HALF=dim // 2,
             BLOCK_L=max(16, triton.next_power_of_2(seq_len)), ROPE=rope,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=num_warps or (2 if n * hq >= 256 else 4))
+            num_warps=num_warps or dense_attention_warps(n, hq))
     return out
 
 
