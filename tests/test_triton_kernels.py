@@ -8,11 +8,12 @@ bf16 is checked on CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -27,6 +28,17 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1.6e-2}  # max relative error (a few ulps)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INTERPRETED = ("fp32", "fp16")
+
+
+@contextlib.contextmanager
+def exact_fp32_on_cuda() -> Iterator[None]:
+    """No TF32 in cuDNN convolutions or matmuls (fp32 references compare like with like), restored afterwards."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
@@ -154,27 +166,22 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         unit.block[1].state_slot = 0
         chunks = [rand(2, 8, n, dtype=dtype, seed=71 + n) for n in (4, 9, 30)]
         errs = []
-        tf32 = torch.backends.cudnn.allow_tf32
-        torch.backends.cudnn.allow_tf32 = False
-        try:
-            with torch.no_grad(), mock.patch.object(fused, "kernels", triton_kernels.usable), \
-                    mock.patch.object(fused, "pointwise_conv_residual", wraps=fused.pointwise_conv_residual) as spy:
-                states_ref, states = [torch.zeros(2, 8, 18, dtype=dtype, device=device)], [None]
-                states[0] = states_ref[0].clone()
-                for x in chunks:
-                    ref = x + unit.block(x, states_ref)  # the layers one by one
-                    errs += [relative_error(unit(x.clone(), states), ref),  # (the kernel path consumes its input)
-                             relative_error(states[0], states_ref[0])]
-                full = torch.cat(chunks, dim=-1)
-                errs.append(relative_error(unit(full.clone()), full + unit.block(full)))
-                # a strided input (a block's first unit gets a trimmed transposed-conv output): out of place
-                wide = rand(2, 8, 40, dtype=dtype, seed=79)
-                strided = wide[..., 3:33]
-                errs.append(relative_error(unit(strided), strided + unit.block(strided)))
-                assert torch.equal(wide, rand(2, 8, 40, dtype=dtype, seed=79))  # its storage left alone
-                assert spy.call_count == len(chunks) + 2, "the residual unit did not take its kernel path"
-        finally:
-            torch.backends.cudnn.allow_tf32 = tf32
+        with exact_fp32_on_cuda(), torch.no_grad(), mock.patch.object(fused, "kernels", triton_kernels.usable), \
+                mock.patch.object(fused, "pointwise_conv_residual", wraps=fused.pointwise_conv_residual) as spy:
+            states_ref, states = [torch.zeros(2, 8, 18, dtype=dtype, device=device)], [None]
+            states[0] = states_ref[0].clone()
+            for x in chunks:
+                ref = x + unit.block(x, states_ref)  # the layers one by one
+                errs += [relative_error(unit(x.clone(), states), ref),  # (the kernel path consumes its input)
+                         relative_error(states[0], states_ref[0])]
+            full = torch.cat(chunks, dim=-1)
+            errs.append(relative_error(unit(full.clone()), full + unit.block(full)))
+            # a strided input (a block's first unit gets a trimmed transposed-conv output): out of place
+            wide = rand(2, 8, 40, dtype=dtype, seed=79)
+            strided = wide[..., 3:33]
+            errs.append(relative_error(unit(strided), strided + unit.block(strided)))
+            assert torch.equal(wide, rand(2, 8, 40, dtype=dtype, seed=79))  # its storage left alone
+            assert spy.call_count == len(chunks) + 2, "the residual unit did not take its kernel path"
         return max(errs)
 
     def conv_transpose(dtype: torch.dtype) -> float:
@@ -184,9 +191,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         from engine.models.audio_vae import CausalConvTranspose1d
 
         errs = []
-        tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-        try:
+        with exact_fp32_on_cuda():
             for seed, (c_in, c_out, stride) in enumerate(((32, 16, 2), (16, 40, 5), (64, 16, 8))):
                 torch.manual_seed(100 + seed)
                 conv = CausalConvTranspose1d(c_in, c_out, 2 * stride, stride, stride).to(device, dtype)
@@ -207,8 +212,6 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                     with mock.patch.object(fused, "kernels", triton_kernels.usable):
                         errs.append(relative_error(conv(x), ref))
                     assert spy.call_count == 4, "the upsampler did not take its kernel path"
-        finally:
-            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
         return max(errs)
 
     def vae_decoder(dtype: torch.dtype) -> float:
@@ -226,9 +229,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             elif name.endswith("bias") or "embed" in name:
                 param.data.uniform_(-0.5, 0.5)  # biases that matter: they are what the kernel path defers
         errs = []
-        tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-        try:
+        with exact_fp32_on_cuda():
             for upsampler in ("cudnn", "gemm"):
                 with torch.no_grad(), mock.patch.object(fused, "VAE_UPSAMPLER", upsampler):
                     ref, ours = vae.streaming_decoder(2), vae.streaming_decoder(2)
@@ -241,8 +242,6 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                                 errs.append(relative_error(ours.decode_chunk(z), expected))
                             errs += [relative_error(a, b) for a, b in zip(ours.states, ref.states, strict=True)]
                     assert spy.call_count == 3, "the decoder did not take its kernel path"
-        finally:
-            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
         return max(errs)
 
     def cfg_euler(dtype: torch.dtype) -> float:
