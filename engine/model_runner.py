@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine import fused
+from engine import fused, triton_layer
 from engine.attention import AttentionMetadata, PagedKVCache, select_backend
 from engine.block_manager import BlockManager
 from engine.checkpoint import LoadedModel
@@ -144,6 +144,7 @@ class ModelRunner:
         self.backend = select_backend(device, self.dtype, attention_backend)
         if device.type == "cuda" and fused.ENABLED:
             fuse_projections(model.backbone)
+            triton_layer.prepare(device)  # the layer kernels' barrier counters, before any graph capture
         if device.type == "cuda":
             # The VAE's convolutions have fixed shapes per graph bucket: let cuDNN pick the fastest
             # algorithm once, at warm-up, instead of its heuristic choice (VOXCPM_CUDNN_BENCHMARK=0: heuristic,

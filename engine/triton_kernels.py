@@ -152,21 +152,32 @@ if HAVE_TRITON:
                                 stride_vn, stride_vl, stride_vh, stride_cl, stride_sl, seq_len, sm_scale,
                                 GROUP: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_L: tl.constexpr,
                                 ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        # One program per sequence and HEADS query heads of one kv head (HEADS divides GROUP): K, V and the
-        # rotary rows are loaded (and K rotated) once for all of them.
-        n = tl.program_id(0).to(tl.int64)
-        first_head = tl.program_id(1) * HEADS
-        num_heads = tl.num_programs(1) * HEADS
+        # One program per sequence and HEADS query heads of one kv head (HEADS divides GROUP).
+        attend_heads(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, o_ptr, tl.program_id(0).to(tl.int64),
+                     tl.program_id(1) * HEADS, tl.num_programs(1) * HEADS, stride_qn, stride_ql, stride_qh,
+                     stride_kn, stride_kl, stride_kh, stride_vn, stride_vl, stride_vh, stride_cl, stride_sl, seq_len,
+                     sm_scale, GROUP, HEADS, HALF, BLOCK_L, ROPE, DOT_PRECISION, "")
+
+    @triton.jit
+    def attend_heads(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, o_ptr, n, first_head, num_heads,
+                     stride_qn, stride_ql, stride_qh, stride_kn, stride_kl, stride_kh,
+                     stride_vn, stride_vl, stride_vh, stride_cl, stride_sl, seq_len, sm_scale,
+                     GROUP: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_L: tl.constexpr,
+                     ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr, CACHE: tl.constexpr):
+        """Sequence n's attention for query heads first_head .. first_head + HEADS - 1 of one kv head: K, V and the
+        rotary rows are loaded (and K rotated) once for all of them. Output rows (n * seq_len + l) of num_heads
+        heads. CACHE: the loads' cache modifier (".cg" where q/k/v were written by other programs of the same
+        launch: L1 is not coherent)."""
         hk = first_head // GROUP
         rows = tl.arange(0, BLOCK_L)
         rmask = rows[:, None] < seq_len
         d = tl.arange(0, HALF)[None, :]
         kb = k_ptr + n * stride_kn + hk * stride_kh + rows[:, None] * stride_kl
         vb = v_ptr + n * stride_vn + hk * stride_vh + rows[:, None] * stride_vl
-        k1 = tl.load(kb + d, mask=rmask, other=0.0)
-        k2 = tl.load(kb + HALF + d, mask=rmask, other=0.0)
-        v1 = tl.load(vb + d, mask=rmask, other=0.0)
-        v2 = tl.load(vb + HALF + d, mask=rmask, other=0.0)
+        k1 = tl.load(kb + d, mask=rmask, other=0.0, cache_modifier=CACHE)
+        k2 = tl.load(kb + HALF + d, mask=rmask, other=0.0, cache_modifier=CACHE)
+        v1 = tl.load(vb + d, mask=rmask, other=0.0, cache_modifier=CACHE)
+        v2 = tl.load(vb + HALF + d, mask=rmask, other=0.0, cache_modifier=CACHE)
         dtype = o_ptr.dtype.element_ty
         if ROPE:  # rotary in fp32, rounded to the dtype: what the eager rotary hands to attention
             cb = cos_ptr + rows[:, None] * stride_cl
@@ -181,8 +192,8 @@ if HAVE_TRITON:
         for i in tl.static_range(HEADS):
             h = first_head + i
             qb = q_ptr + n * stride_qn + h * stride_qh + rows[:, None] * stride_ql
-            q1 = tl.load(qb + d, mask=rmask, other=0.0)
-            q2 = tl.load(qb + HALF + d, mask=rmask, other=0.0)
+            q1 = tl.load(qb + d, mask=rmask, other=0.0, cache_modifier=CACHE)
+            q2 = tl.load(qb + HALF + d, mask=rmask, other=0.0, cache_modifier=CACHE)
             if ROPE:
                 q1f, q2f = q1.to(tl.float32), q2.to(tl.float32)
                 q1, q2 = (q1f * c1 - q2f * s1).to(dtype), (q2f * c2 + q1f * s2).to(dtype)

@@ -296,10 +296,47 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         assert spy.call_count == 1, "fused.silu_gate_linear did not take the skinny kernel"
         return max(errs)
 
+    def dense_layer_stack(dtype: torch.dtype) -> float:
+        """A local module's stack as layer kernels (`engine.triton_layer`) against its eager layers: with and without
+        rotary and muP scale, 1-2 sequences, and taken by MiniCPM.forward where the kernels serve the tensor."""
+        from engine import triton_layer
+        from engine.config import TransformerConfig
+        from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
+
+        errs = []
+        modes = ["phases"] + (["fused"] if device == "cuda" else [])  # the interpreter cannot run grid barriers
+        for mup, no_rope in ((False, False), (True, True)):
+            cfg = TransformerConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                    num_hidden_layers=2, rms_norm_eps=1e-5, kv_channels=32, use_mup=mup,
+                                    scale_depth=1.4, no_rope=no_rope)
+            torch.manual_seed(31)
+            stack = MiniCPM(cfg).to(device, dtype)
+            with torch.no_grad():
+                for name, p in stack.named_parameters():
+                    if name.endswith("norm.weight"):
+                        p.copy_(rand(*p.shape, dtype=dtype, seed=32) * 0.5 + 1.0)
+            fuse_projections(stack)
+            for n, length in ((2, 11), (1, 5)):
+                x = rand(n, length, 64, dtype=dtype, seed=33 + length)
+                rope = rotary_table(cfg, length, torch.device(device))
+                with mock.patch.object(fused, "kernels", lambda _: False):
+                    ref = stack(x, rope, dense_attention)
+                assert triton_layer.supported(stack, x)
+                stack_rope = rope if stack.uses_rope else None
+                for mode in modes:
+                    with mock.patch.object(triton_layer, "MODE", mode):
+                        errs.append(relative_error(triton_layer.dense_stack(stack, x, stack_rope), ref))
+                with mock.patch.object(fused, "kernels", triton_kernels.usable), \
+                        mock.patch.object(triton_layer, "dense_stack", wraps=triton_layer.dense_stack) as spy:
+                    errs.append(relative_error(stack(x, rope, dense_attention), ref))
+                assert spy.call_count == 1, "MiniCPM.forward did not take the layer kernels"
+        return max(errs)
+
     return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "skinny_matmul": skinny_matmul, "rotary_qk": rotary_qk,
             "rotary_store_kv": rotary_store_kv, "dispatch": dispatch, "dense_attention": dense,
             "snake": snake, "dwconv_snake": dwconv_snake, "residual_unit": residual_unit,
-            "conv_transpose": conv_transpose, "vae_decoder": vae_decoder, "cfg_euler": cfg_euler}
+            "conv_transpose": conv_transpose, "vae_decoder": vae_decoder, "cfg_euler": cfg_euler,
+            "dense_layer_stack": dense_layer_stack}
 
 
 def _interpreter_main() -> None:
@@ -329,7 +366,8 @@ def interpreter_results() -> dict[str, float]:
 
 CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "skinny_matmul", "rotary_qk", "rotary_store_kv",
                                     "dispatch", "dense_attention", "snake",
-                                    "dwconv_snake", "residual_unit", "conv_transpose", "vae_decoder", "cfg_euler")
+                                    "dwconv_snake", "residual_unit", "conv_transpose", "vae_decoder", "cfg_euler",
+                                    "dense_layer_stack")
               for d in INTERPRETED]
 
 

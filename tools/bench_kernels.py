@@ -3,7 +3,8 @@
   shapes per batch size;
 - gemm: every bias-free projection of the four transformer stacks (q/k/v, o, gate/up with the SiLU gate, down)
   at few rows, cuBLAS (F.linear, + silu_mul for gate/up) against `skinny_matmul` with its default
-  configuration, and a sweep of its tile configurations at the rows of a B=1 step.
+  configuration, and a sweep of its tile configurations at the rows of a B=1 step;
+- layer: the DiT's and LocEnc's stacks as separate kernels per layer against the layer kernel (engine/triton_layer.py).
 (Tried and removed, H100 (docs/benchmarks.md, profile steps 10 and 11): the DiT's GEMM weights read into L2 by a
 side branch while the GEMM before runs, 2-16x slower (d3fa620); programmatic dependent launch of the DiT's kernels,
 with and without an L2 prefetch of each GEMM's weights before it waits, never faster than plain launches (f5283e3);
@@ -24,14 +25,15 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engine import triton_kernels  # noqa: E402
+from engine import triton_kernels, triton_layer  # noqa: E402
 from engine.config import TransformerConfig, VoxCPMConfig  # noqa: E402
-from engine.models.minicpm import rotary_table  # noqa: E402
+from engine.models.minicpm import MiniCPM, dense_attention, fuse_projections, rotary_table  # noqa: E402
 from tools.profile_step import graph_ms  # noqa: E402
 
 
@@ -108,11 +110,46 @@ def bench_gemm(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: 
     return rows
 
 
+def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: torch.dtype) -> list[dict]:
+    """The DiT's and LocEnc's whole stacks (every layer its own random weights, read from HBM) at a decode step's
+    rows: the layers' separate kernels against the layer kernel (`engine.triton_layer`) as one launch per layer
+    (grid barriers) and as one launch per phase; the outputs' relative error against the separate kernels'."""
+    out = []
+    for name, tcfg, seq_len, per_request in (("DiT", cfg.dit, dit_rows(cfg) // 2, 2),
+                                             ("LocEnc", cfg.encoder, cfg.patch_size + 1, 1)):
+        with torch.device(dev):
+            stack = MiniCPM(tcfg).to(dtype)
+        with torch.no_grad():
+            for p in stack.parameters():
+                p.normal_(1.0 if p.dim() == 1 else 0.0, 0.1 if p.dim() == 1 else p.shape[-1] ** -0.5)
+        fuse_projections(stack)
+        rope = rotary_table(tcfg, seq_len, dev)
+        for b in batches:
+            x = torch.randn(b * per_request, seq_len, tcfg.hidden_size, device=dev, dtype=dtype)
+            if not triton_layer.supported(stack, x):
+                continue
+            row: dict = {"module": name, "batch": b, "rows": x.shape[0] * seq_len, "layers": len(stack.layers)}
+            outputs = {}
+            for mode in ("off", "phases", "fused"):
+                with mock.patch.object(triton_layer, "MODE", mode), torch.no_grad():
+                    outputs[mode] = stack(x, rope, dense_attention).float()
+                    us = replay_us(partial(stack, x, rope, dense_attention))
+                    row[f"{mode}_us_per_layer"] = round(us / len(stack.layers), 2)
+            for mode in ("phases", "fused"):
+                ref = outputs["off"]
+                row[f"{mode}_rel_err"] = float((outputs[mode] - ref).abs().max() / ref.abs().max())
+            out.append(row)
+            print(f"{name} B={b} ({row['rows']} rows): us per layer: separate kernels {row['off_us_per_layer']}, "
+                  f"phases {row['phases_us_per_layer']}, fused {row['fused_us_per_layer']}; rel err phases "
+                  f"{row['phases_rel_err']:.2e}, fused {row['fused_rel_err']:.2e}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True, help="checkpoint directory (only its config is read)")
     ap.add_argument("--batch", default="1,8,64,128")
-    ap.add_argument("--only", default="attention,gemm", help="which benchmarks: attention, gemm")
+    ap.add_argument("--only", default="attention,gemm,layer", help="which benchmarks: attention, gemm, layer")
     ap.add_argument("--out")
     a = ap.parse_args()
     cfg = VoxCPMConfig.from_dir(a.model)
@@ -121,6 +158,7 @@ def main() -> None:
     only = set(a.only.split(","))
     rows = []
     gemm_rows = bench_gemm(cfg, batches, dev, dtype) if "gemm" in only else []
+    layer_rows = bench_layer(cfg, batches, dev, dtype) if "layer" in only else []
     attention = (("DiT", cfg.dit, dit_rows(cfg) // 2, 2), ("LocEnc", cfg.encoder, cfg.patch_size + 1, 1))
     for name, tcfg, seq_len, per_request in attention if "attention" in only else ():
         hq, hk, d = tcfg.num_attention_heads, tcfg.num_key_value_heads, tcfg.head_dim
@@ -145,7 +183,8 @@ def main() -> None:
             rows.append({"module": name, "batch": b, "sequences": n, "seq_len": seq_len, "heads_per_program": "default",
                          "num_warps": triton_kernels.dense_attention_warps(n, hq), "us": round(auto, 2)})
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows, "gemm": gemm_rows}
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows, "gemm": gemm_rows,
+              "layer": layer_rows}
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
 

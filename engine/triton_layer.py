@@ -1,0 +1,270 @@
+"""A whole decoder layer of the local modules (LocEnc, DiT) as one persistent Triton kernel, for a few rows.
+
+Why: at B=1 a decode step runs the DiT's 12 layers 9 times (and the LocEnc's 12 once), and each layer was 8 kernels
+of 2-10 us, mostly fixed latency (launch, the first DRAM round trips, the tail): 34.5 us per layer on an H100 where
+its 35 MB of weights take 11.5 us at HBM rate. Here one grid of at most one program per SM runs the layer's phases
+back to back, separated by grid-wide barriers (an atomic counter) instead of kernel boundaries:
+
+  0  x = x_prev + the previous layer's down projection (fp32 partials, summed and rounded here); RMSNorm(x) (rows)
+  1  q/k/v projection of the normed rows                                                    (BLOCK_N-column tiles)
+  2  attention with the rotary embedding                                                     ((sequence, head) pairs)
+  3  o projection, split along K into fp32 partials                                                  (tiles x splits)
+  4  x1 = x + o; RMSNorm(x1); x1 is the layer's residual output                                                (rows)
+  5  gate/up projection with the SiLU gate                                                                     (tiles)
+  6  down projection, split along K into fp32 partials, summed by the next layer's phase 0              (tiles x splits)
+
+A stack ends with phase 0 alone under its final norm. The rounding points are the eager layer's (each projection's
+output rounded to the dtype after fp32 accumulation, split partials summed in split order first, as cuBLAS's
+split-K does; the norms, attention and SiLU gate as in `engine.triton_kernels`). Co-residency of the programs is
+what the barriers need: the grid never exceeds the SM count and every program fits on an SM, and launches of this
+kernel must not overlap (one counter, stream-ordered: the engine runs the local modules on one stream). Without
+barriers (Triton's interpreter, which runs programs one after another, or mode "phases") each phase is its own
+launch of the same kernel: same arithmetic, kernel boundaries instead of barriers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine import triton_kernels
+from engine.config import TransformerConfig
+from engine.triton_attention import HAVE_TRITON, _is_interpreted
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from engine.triton_kernels import attend_heads
+
+    @triton.jit
+    def _grid_sync(sync_ptr, target):
+        """Every program's stores so far visible to every program once all `target` arrivals are counted."""
+        tl.debug_barrier()  # all threads of this program are done with the phase
+        arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
+        spins = 0
+        while (arrived < target) & (spins < 4_000_000):  # bounded (~seconds): a broken launch fails, not hangs
+            arrived = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+            spins += 1
+        tl.debug_barrier()
+
+    @triton.jit
+    def _residual_norm_rows(x_ptr, part_ptr, w_ptr, x_out_ptr, y_ptr, rows, eps, scale, pid, nprog,
+                            H: tl.constexpr, SPLITS: tl.constexpr, HAS_PART: tl.constexpr, HAS_SCALE: tl.constexpr,
+                            BLOCK_H: tl.constexpr, CACHE: tl.constexpr):
+        # x + round(sum of the partials) [* scale], stored, and its RMSNorm: `add_rms_norm`'s op order.
+        cols = tl.arange(0, BLOCK_H)
+        mask = cols < H
+        for r in range(pid, rows, nprog):
+            x = tl.load(x_ptr + r * H + cols, mask=mask, other=0.0, cache_modifier=CACHE)
+            if HAS_PART:
+                h = tl.zeros((BLOCK_H,), dtype=tl.float32)
+                for s in tl.static_range(SPLITS):
+                    h += tl.load(part_ptr + (s * rows + r) * H + cols, mask=mask, other=0.0, cache_modifier=CACHE)
+                h = h.to(x.dtype)  # the projection's output rounding
+                if HAS_SCALE:
+                    h = (h.to(tl.float32) * scale).to(x.dtype)
+                x = (x.to(tl.float32) + h.to(tl.float32)).to(x.dtype)
+            tl.store(x_out_ptr + r * H + cols, x, mask=mask)
+            xf = x.to(tl.float32)
+            y = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)).to(x.dtype)
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+            tl.store(y_ptr + r * H + cols, (y.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=mask)
+
+    @triton.jit
+    def _project(a_ptr, w_ptr, out_ptr, rows, pid, nprog, N: tl.constexpr, K: tl.constexpr, SPLITS: tl.constexpr,
+                 SILU_GATE: tl.constexpr, PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # out = a (rows, K) @ w (N [x 2 with the gate], K).T, one unit per BLOCK_N columns and K split: the weight
+        # tile is the dot's left operand (a few activation rows fill its narrow side), streamed once from HBM.
+        KS: tl.constexpr = K // SPLITS
+        m = tl.arange(0, BLOCK_M)
+        m_ok = m < rows
+        kk = tl.arange(0, BLOCK_K)
+        for unit in range(pid, (N // BLOCK_N) * SPLITS, nprog):
+            split = unit % SPLITS
+            cols = (unit // SPLITS) * BLOCK_N + tl.arange(0, BLOCK_N)
+            w_ptrs = w_ptr + cols[:, None].to(tl.int64) * K + split * KS + kk[None, :]
+            a_ptrs = a_ptr + m[None, :] * K + split * KS + kk[:, None]
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for _ in range(0, KS, BLOCK_K):
+                a = tl.load(a_ptrs, mask=m_ok[None, :], other=0.0, cache_modifier=".cg")
+                acc = tl.dot(tl.load(w_ptrs, eviction_policy="evict_first"), a, acc, input_precision=DOT_PRECISION)
+                if SILU_GATE:  # the up rows follow the gate rows
+                    acc_up = tl.dot(tl.load(w_ptrs + N * K, eviction_policy="evict_first"), a, acc_up,
+                                    input_precision=DOT_PRECISION)
+                w_ptrs += BLOCK_K
+                a_ptrs += BLOCK_K
+            out_mask = m_ok[None, :]
+            if PARTIAL:
+                tl.store(out_ptr + (split * rows + m[None, :]) * N + cols[:, None], acc, mask=out_mask)
+            else:
+                y = acc.to(out_ptr.dtype.element_ty)
+                if SILU_GATE:  # silu_mul's op order on the rounded halves
+                    g = y.to(tl.float32)
+                    up = acc_up.to(out_ptr.dtype.element_ty)
+                    s = (g / (1.0 + tl.exp(-g))).to(up.dtype)
+                    y = (s.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+                tl.store(out_ptr + m[None, :] * N + cols[:, None], y, mask=out_mask)
+
+    @triton.jit
+    def _dense_layer_kernel(x_ptr, down_part_ptr, x_out_ptr, in_norm_ptr, post_norm_ptr, qkv_w_ptr, o_w_ptr,
+                            gate_up_w_ptr, down_w_ptr, cos_ptr, sin_ptr, xn_ptr, normed_ptr, qkv_ptr, attn_ptr,
+                            o_part_ptr, normed2_ptr, act_ptr, sync_ptr, sequences, seq_len, stride_cl, stride_sl,
+                            eps, scale, sm_scale,
+                            H: tl.constexpr, NQKV: tl.constexpr, HQ: tl.constexpr, GROUP: tl.constexpr,
+                            HALF: tl.constexpr, F: tl.constexpr, O_SPLITS: tl.constexpr, DOWN_SPLITS: tl.constexpr,
+                            HAS_PART: tl.constexpr, HAS_SCALE: tl.constexpr, ROPE: tl.constexpr,
+                            PHASE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                            BLOCK_L: tl.constexpr):
+        # PHASE -1: all phases, grid barriers between them; 0..6: that phase only (a launch per phase).
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        rows = sequences * seq_len
+        D: tl.constexpr = 2 * HALF
+        ALL: tl.constexpr = PHASE < 0
+        if ALL or PHASE == 0:
+            _residual_norm_rows(x_ptr, down_part_ptr, in_norm_ptr, xn_ptr, normed_ptr, rows, eps, scale, pid, nprog,
+                                H, DOWN_SPLITS, HAS_PART, HAS_SCALE, BLOCK_H, "")
+        if ALL:
+            _grid_sync(sync_ptr, nprog)
+        if ALL or PHASE == 1:
+            _project(normed_ptr, qkv_w_ptr, qkv_ptr, rows, pid, nprog, NQKV, H, 1, False, False, DOT_PRECISION,
+                     BLOCK_M, BLOCK_N, BLOCK_K)
+        if ALL:
+            _grid_sync(sync_ptr, 2 * nprog)
+        if ALL or PHASE == 2:
+            hk_cols: tl.constexpr = (NQKV - HQ * D) // 2
+            for unit in range(pid, sequences * HQ, nprog):
+                n = unit // HQ  # (sequence, head) pairs: offsets stay far below 2**31
+                seq_stride = seq_len * NQKV  # q, k and v: column ranges of the q/k/v rows
+                attend_heads(qkv_ptr, qkv_ptr + HQ * D, qkv_ptr + HQ * D + hk_cols, cos_ptr, sin_ptr, attn_ptr, n,
+                             unit % HQ, HQ, seq_stride, NQKV, D, seq_stride, NQKV, D, seq_stride, NQKV, D, stride_cl,
+                             stride_sl, seq_len, sm_scale, GROUP, 1, HALF, BLOCK_L, ROPE, DOT_PRECISION, ".cg")
+        if ALL:
+            _grid_sync(sync_ptr, 3 * nprog)
+        if ALL or PHASE == 3:
+            _project(attn_ptr, o_w_ptr, o_part_ptr, rows, pid, nprog, H, HQ * D, O_SPLITS, False, True,
+                     DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        if ALL:
+            _grid_sync(sync_ptr, 4 * nprog)
+        if ALL or PHASE == 4:
+            _residual_norm_rows(xn_ptr, o_part_ptr, post_norm_ptr, x_out_ptr, normed2_ptr, rows, eps, scale, pid,
+                                nprog, H, O_SPLITS, True, HAS_SCALE, BLOCK_H, ".cg")
+        if ALL:
+            _grid_sync(sync_ptr, 5 * nprog)
+        if ALL or PHASE == 5:
+            _project(normed2_ptr, gate_up_w_ptr, act_ptr, rows, pid, nprog, F, H, 1, True, False, DOT_PRECISION,
+                     BLOCK_M, BLOCK_N, BLOCK_K)
+        if ALL:
+            _grid_sync(sync_ptr, 6 * nprog)
+        if ALL or PHASE == 6:
+            _project(act_ptr, down_w_ptr, down_part_ptr, rows, pid, nprog, H, F, DOWN_SPLITS, False, True,
+                     DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        if ALL:  # noqa: SIM102 (a constexpr guard: Triton would emit the atomic under `and`)
+            # The last program out resets the counters for the next launch: everyone is past every barrier.
+            if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
+                tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+
+
+MAX_ROWS = 64  # rows (sequences x tokens) up to which a stack runs as layer kernels: the DiT at B=1 (22), LocEnc B<=12
+# VOXCPM_LAYER_KERNEL: "fused" (default) one launch per layer with grid barriers; "phases" a launch per phase (same
+# arithmetic, for comparison); "off" the layer's separate kernels.
+MODE = os.environ.get("VOXCPM_LAYER_KERNEL", "fused")
+if MODE not in ("fused", "phases", "off"):
+    raise ValueError(f"VOXCPM_LAYER_KERNEL={MODE!r}: use 'fused' (default), 'phases' or 'off'")
+BLOCK_N = 16
+_sync: dict[torch.device, torch.Tensor] = {}  # the barrier counter and the exit counter, per device
+_sm_count: dict[torch.device, int] = {}
+
+
+def _sms(device: torch.device) -> int:
+    if device not in _sm_count:
+        cuda = device.type == "cuda"
+        _sm_count[device] = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 8
+    return _sm_count[device]
+
+
+def prepare(device: torch.device) -> None:
+    """Allocate the device's barrier counters (zeroed; every fused launch leaves them zeroed). Outside a CUDA graph
+    capture: a counter allocated inside one would live in that graph's private memory pool."""
+    if device not in _sync:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("triton_layer.prepare(device) must run before a CUDA graph capture")
+        _sync[device] = torch.zeros(2, device=device, dtype=torch.int32)
+
+
+def _plan(cfg: TransformerConfig, sms: int) -> tuple[int, int, int] | None:
+    """(o splits, down splits, K tile) for this stack's shapes, or None where the tiles do not divide them. The
+    projections to `hidden` columns are split along K until their units fill the SMs."""
+    h, f, q_width = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim
+    if any(n % BLOCK_N for n in (h, f, q_width, cfg.num_key_value_heads * cfg.head_dim)):
+        return None
+    splits = max(1, min(4, sms // (h // BLOCK_N)))
+    while splits > 1 and (q_width % (splits * 16) or f % (splits * 16)):
+        splits -= 1
+    block_k = next((b for b in (128, 64, 32, 16) if h % b == 0 and q_width // splits % b == 0
+                    and f // splits % b == 0), None)
+    return None if block_k is None else (splits, splits, block_k)
+
+
+def supported(stack: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Whether `dense_stack` runs this MiniCPM stack on x (N, L, hidden): CUDA (or the interpreter), fused
+    projections, few rows, shapes the tiles divide."""
+    if MODE == "off" or not (HAVE_TRITON and triton_kernels.usable(x) and x.dim() == 3 and len(stack.layers)):
+        return False
+    cfg, layer = stack.cfg, stack.layers[0]
+    d = cfg.head_dim
+    return (x.shape[0] * x.shape[1] <= MAX_ROWS and x.shape[1] <= triton_kernels.MAX_DENSE_LEN
+            and layer.self_attn.qkv_weight is not None and layer.mlp.gate_up_weight is not None
+            and x.dtype == layer.self_attn.qkv_weight.dtype and x.shape[-1] == cfg.hidden_size
+            and d >= 32 and d & (d - 1) == 0 and cfg.num_attention_heads % cfg.num_key_value_heads == 0
+            and _plan(cfg, _sms(x.device)) is not None)
+
+
+def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+    """stack(x) for a non-causal MiniCPM stack (its final norm applied), where `supported`: x (N, L, hidden);
+    rope (L, 2, head_dim) rows or None. One launch per layer, plus one for the final norm."""
+    cfg, layers = stack.cfg, stack.layers
+    n, seq_len, h = x.shape
+    rows, dev, dtype = n * seq_len, x.device, x.dtype
+    hq, hk, d, f = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+    nqkv = (hq + 2 * hk) * d
+    sms = _sms(dev)
+    o_splits, down_splits, block_k = _plan(cfg, sms)
+    fused_launch = MODE == "fused" and not _is_interpreted()
+    x = x.reshape(rows, h).contiguous()
+
+    def buffer(*shape: int, fp32: bool = False) -> torch.Tensor:
+        return torch.empty(shape, device=dev, dtype=torch.float32 if fp32 else dtype)
+
+    x_res, x_mid, normed, normed2 = buffer(rows, h), buffer(rows, h), buffer(rows, h), buffer(rows, h)
+    qkv, attn, act = buffer(rows, nqkv), buffer(rows, hq * d), buffer(rows, f)
+    o_part, down_part = buffer(o_splits, rows, h, fp32=True), buffer(down_splits, rows, h, fp32=True)
+    prepare(dev)
+    cos, sin = (rope[:, 0, :], rope[:, 1, :]) if rope is not None else (x, x)
+    units = (rows, nqkv // BLOCK_N, n * hq, h // BLOCK_N * o_splits, rows, f // BLOCK_N, h // BLOCK_N * down_splits)
+    scale = layers[0].residual_scale
+
+    def launch(layer: torch.nn.Module, first: bool, x_in: torch.Tensor, in_norm: torch.Tensor, phase: int) -> None:
+        grid = min(sms, max(units) if phase < 0 else units[phase])
+        _dense_layer_kernel[(grid,)](
+            x_in, down_part, x_res, in_norm, layer.post_attention_layernorm.weight, layer.self_attn.qkv_weight,
+            layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight, layer.mlp.down_proj.weight, cos, sin, x_mid,
+            normed, qkv, attn, o_part, normed2, act, _sync[dev], n, seq_len, cos.stride(0), sin.stride(0),
+            cfg.rms_norm_eps, 1.0 if scale is None else scale, d ** -0.5, H=h, NQKV=nqkv, HQ=hq, GROUP=hq // hk,
+            HALF=d // 2, F=f, O_SPLITS=o_splits, DOWN_SPLITS=down_splits, HAS_PART=not first,
+            HAS_SCALE=scale is not None, ROPE=rope is not None, PHASE=phase,
+            DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", BLOCK_M=max(16, triton.next_power_of_2(rows)),
+            BLOCK_N=BLOCK_N, BLOCK_K=block_k, BLOCK_H=triton.next_power_of_2(h),
+            BLOCK_L=max(16, triton.next_power_of_2(seq_len)), num_warps=4, num_stages=3)
+
+    for i, layer in enumerate(layers):
+        for phase in (-1,) if fused_launch else range(len(units)):
+            launch(layer, i == 0, x if i == 0 else x_res, layer.input_layernorm.weight, phase)
+    launch(layers[-1], False, x_res, stack.norm.weight, 0)  # the last layer's down projection added, the final norm
+    return normed.view(n, seq_len, h)
