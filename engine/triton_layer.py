@@ -178,6 +178,8 @@ MODE = os.environ.get("VOXCPM_LAYER_KERNEL", "fused")
 if MODE not in ("fused", "phases", "off"):
     raise ValueError(f"VOXCPM_LAYER_KERNEL={MODE!r}: use 'fused' (default), 'phases' or 'off'")
 BLOCK_N = 16
+# (largest K tile, pipeline stages, warps) of the launches: tools/bench_kernels.py --only layer sweeps them.
+LAUNCH = (128, 3, 4)
 _sync: dict[torch.device, torch.Tensor] = {}  # the barrier counter and the exit counter, per device
 _sm_count: dict[torch.device, int] = {}
 
@@ -207,8 +209,8 @@ def _plan(cfg: TransformerConfig, sms: int) -> tuple[int, int, int] | None:
     splits = max(1, min(4, sms // (h // BLOCK_N)))
     while splits > 1 and (q_width % (splits * 16) or f % (splits * 16)):
         splits -= 1
-    block_k = next((b for b in (128, 64, 32, 16) if h % b == 0 and q_width // splits % b == 0
-                    and f // splits % b == 0), None)
+    block_k = next((b for b in (512, 256, 128, 64, 32, 16) if b <= LAUNCH[0] and h % b == 0
+                    and q_width // splits % b == 0 and f // splits % b == 0), None)
     return None if block_k is None else (splits, splits, block_k)
 
 
@@ -226,9 +228,11 @@ def supported(stack: torch.nn.Module, x: torch.Tensor) -> bool:
             and _plan(cfg, _sms(x.device)) is not None)
 
 
-def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | None,
+                only_phases: tuple[int, ...] | None = None) -> torch.Tensor:
     """stack(x) for a non-causal MiniCPM stack (its final norm applied), where `supported`: x (N, L, hidden);
-    rope (L, 2, head_dim) rows or None. One launch per layer, plus one for the final norm."""
+    rope (L, 2, head_dim) rows or None. One launch per layer, plus one for the final norm. only_phases (mode
+    "phases", for timing them one by one): launch only these phases of each layer."""
     cfg, layers = stack.cfg, stack.layers
     n, seq_len, h = x.shape
     rows, dev, dtype = n * seq_len, x.device, x.dtype
@@ -261,10 +265,10 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
             HAS_SCALE=scale is not None, ROPE=rope is not None, PHASE=phase,
             DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", BLOCK_M=max(16, triton.next_power_of_2(rows)),
             BLOCK_N=BLOCK_N, BLOCK_K=block_k, BLOCK_H=triton.next_power_of_2(h),
-            BLOCK_L=max(16, triton.next_power_of_2(seq_len)), num_warps=4, num_stages=3)
+            BLOCK_L=max(16, triton.next_power_of_2(seq_len)), num_stages=LAUNCH[1], num_warps=LAUNCH[2])
 
     for i, layer in enumerate(layers):
-        for phase in (-1,) if fused_launch else range(len(units)):
+        for phase in (-1,) if fused_launch else only_phases or range(len(units)):
             launch(layer, i == 0, x if i == 0 else x_res, layer.input_layernorm.weight, phase)
     launch(layers[-1], False, x_res, stack.norm.weight, 0)  # the last layer's down projection added, the final norm
     return normed.view(n, seq_len, h)

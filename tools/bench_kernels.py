@@ -138,10 +138,25 @@ def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype:
             for mode in ("phases", "fused"):
                 ref = outputs["off"]
                 row[f"{mode}_rel_err"] = float((outputs[mode] - ref).abs().max() / ref.abs().max())
+            with mock.patch.object(triton_layer, "MODE", "phases"), torch.no_grad():
+                row["phase_us"] = [round(replay_us(partial(triton_layer.dense_stack, stack, x, rope, (phase,)))
+                                         / len(stack.layers), 2) for phase in range(7)]
+            if b == batches[0]:  # the launch configurations of the fused kernel
+                sweep = {}
+                for launch in [(bk, st, w) for bk in (128, 256, 512) for st in (2, 3, 4) for w in (4, 8)]:
+                    with mock.patch.object(triton_layer, "LAUNCH", launch), torch.no_grad():
+                        try:
+                            sweep[str(launch)] = round(replay_us(partial(stack, x, rope, dense_attention))
+                                                       / len(stack.layers), 2)
+                        except Exception as e:  # e.g. out of shared memory
+                            sweep[str(launch)] = f"{type(e).__name__}"
+                row["fused_sweep_us_per_layer"] = sweep
+                print(f"  sweep (K tile, stages, warps) -> us per layer: {sweep}", flush=True)
             out.append(row)
             print(f"{name} B={b} ({row['rows']} rows): us per layer: separate kernels {row['off_us_per_layer']}, "
                   f"phases {row['phases_us_per_layer']}, fused {row['fused_us_per_layer']}; rel err phases "
-                  f"{row['phases_rel_err']:.2e}, fused {row['fused_rel_err']:.2e}", flush=True)
+                  f"{row['phases_rel_err']:.2e}, fused {row['fused_rel_err']:.2e}; per phase {row['phase_us']}",
+                  flush=True)
     return out
 
 
