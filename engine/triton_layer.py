@@ -178,8 +178,11 @@ MODE = os.environ.get("VOXCPM_LAYER_KERNEL", "fused")
 if MODE not in ("fused", "phases", "off"):
     raise ValueError(f"VOXCPM_LAYER_KERNEL={MODE!r}: use 'fused' (default), 'phases' or 'off'")
 BLOCK_N = 16
-# (largest K tile, pipeline stages, warps) of the launches: tools/bench_kernels.py --only layer sweeps them.
-LAUNCH = (128, 3, 4)
+# (largest K tile, pipeline stages, warps, programs per SM) of the launches: tools/bench_kernels.py --only layer sweeps
+# them. More than one program per SM keeps more weight bytes in flight per SM (the fused grid is capped by what the
+# compiled kernel's registers and shared memory let reside at once).
+LAUNCH = tuple(int(v) for v in os.environ.get("VOXCPM_LAYER_LAUNCH", "128,4,4,2").split(","))
+_resident: dict[tuple, int] = {}
 _sync: dict[torch.device, torch.Tensor] = {}  # the barrier counter and the exit counter, per device
 _sm_count: dict[torch.device, int] = {}
 
@@ -198,6 +201,22 @@ def prepare(device: torch.device) -> None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("triton_layer.prepare(device) must run before a CUDA graph capture")
         _sync[device] = torch.zeros(2, device=device, dtype=torch.int32)
+
+
+def _programs_per_sm(args: tuple, kwargs: dict, device: torch.device) -> int:
+    """How many programs of this kernel variant fit on one SM at once (registers, shared memory, threads)."""
+    key = (device, *sorted(kwargs.items()))
+    if key not in _resident:
+        compiled = _dense_layer_kernel.warmup(*args, grid=(1,), **kwargs)
+        compiled._init_handles()
+        props = torch.cuda.get_device_properties(device)
+        threads = 32 * kwargs["num_warps"]
+        fits = [props.max_threads_per_multi_processor // threads,
+                props.regs_per_multiprocessor // max(1, compiled.n_regs * threads)]
+        if compiled.metadata.shared:  # the driver reserves 1 KB per resident block
+            fits.append(props.shared_memory_per_multiprocessor // (compiled.metadata.shared + 1024))
+        _resident[key] = max(1, min(fits))
+    return _resident[key]
 
 
 def _plan(cfg: TransformerConfig, sms: int) -> tuple[int, int, int] | None:
@@ -225,7 +244,7 @@ def supported(stack: torch.nn.Module, x: torch.Tensor) -> bool:
             and layer.self_attn.qkv_weight is not None and layer.mlp.gate_up_weight is not None
             and x.dtype == layer.self_attn.qkv_weight.dtype and x.shape[-1] == cfg.hidden_size
             and d >= 32 and d & (d - 1) == 0 and cfg.num_attention_heads % cfg.num_key_value_heads == 0
-            and _plan(cfg, _sms(x.device)) is not None)
+            and _plan(cfg, _sms(x.device) * LAUNCH[3]) is not None)
 
 
 def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | None,
@@ -239,7 +258,7 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
     hq, hk, d, f = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
     nqkv = (hq + 2 * hk) * d
     sms = _sms(dev)
-    o_splits, down_splits, block_k = _plan(cfg, sms)
+    o_splits, down_splits, block_k = _plan(cfg, sms * LAUNCH[3])
     fused_launch = MODE == "fused" and not _is_interpreted()
     x = x.reshape(rows, h).contiguous()
 
@@ -255,17 +274,22 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
     scale = layers[0].residual_scale
 
     def launch(layer: torch.nn.Module, first: bool, x_in: torch.Tensor, in_norm: torch.Tensor, phase: int) -> None:
-        grid = min(sms, max(units) if phase < 0 else units[phase])
-        _dense_layer_kernel[(grid,)](
+        args = (
             x_in, down_part, x_res, in_norm, layer.post_attention_layernorm.weight, layer.self_attn.qkv_weight,
             layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight, layer.mlp.down_proj.weight, cos, sin, x_mid,
             normed, qkv, attn, o_part, normed2, act, _sync[dev], n, seq_len, cos.stride(0), sin.stride(0),
-            cfg.rms_norm_eps, 1.0 if scale is None else scale, d ** -0.5, H=h, NQKV=nqkv, HQ=hq, GROUP=hq // hk,
-            HALF=d // 2, F=f, O_SPLITS=o_splits, DOWN_SPLITS=down_splits, HAS_PART=not first,
-            HAS_SCALE=scale is not None, ROPE=rope is not None, PHASE=phase,
-            DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", BLOCK_M=max(16, triton.next_power_of_2(rows)),
-            BLOCK_N=BLOCK_N, BLOCK_K=block_k, BLOCK_H=triton.next_power_of_2(h),
-            BLOCK_L=max(16, triton.next_power_of_2(seq_len)), num_stages=LAUNCH[1], num_warps=LAUNCH[2])
+            cfg.rms_norm_eps, 1.0 if scale is None else scale, d ** -0.5)
+        kwargs = dict(H=h, NQKV=nqkv, HQ=hq, GROUP=hq // hk, HALF=d // 2, F=f, O_SPLITS=o_splits,
+                      DOWN_SPLITS=down_splits, HAS_PART=not first, HAS_SCALE=scale is not None, ROPE=rope is not None,
+                      PHASE=phase, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                      BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+                      BLOCK_H=triton.next_power_of_2(h), BLOCK_L=max(16, triton.next_power_of_2(seq_len)),
+                      num_stages=LAUNCH[1], num_warps=LAUNCH[2])
+        if phase < 0:  # every program resident at once, or the barriers wait for ever
+            grid = min(sms * min(LAUNCH[3], _programs_per_sm(args, kwargs, dev)), max(units))
+        else:
+            grid = min(sms * LAUNCH[3], units[phase])
+        _dense_layer_kernel[(grid,)](*args, **kwargs)
 
     for i, layer in enumerate(layers):
         for phase in (-1,) if fused_launch else only_phases or range(len(units)):
