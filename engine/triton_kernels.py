@@ -156,40 +156,29 @@ if HAVE_TRITON:
         attend_heads(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, o_ptr, tl.program_id(0).to(tl.int64),
                      tl.program_id(1) * HEADS, tl.num_programs(1) * HEADS, stride_qn, stride_ql, stride_qh,
                      stride_kn, stride_kl, stride_kh, stride_vn, stride_vl, stride_vh, stride_cl, stride_sl, seq_len,
-                     sm_scale, GROUP, HEADS, HALF, BLOCK_L, ROPE, DOT_PRECISION, "", 1, 0)
-
-    @triton.jit
-    def _load_summed(ptrs, mask, split_stride, dtype, CACHE: tl.constexpr, SPLITS: tl.constexpr):
-        if SPLITS == 1:
-            return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=CACHE)
-        acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=CACHE)
-        for s in tl.static_range(1, SPLITS):
-            acc += tl.load(ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=CACHE)
-        return acc.to(dtype)
+                     sm_scale, GROUP, HEADS, HALF, BLOCK_L, ROPE, DOT_PRECISION, "")
 
     @triton.jit
     def attend_heads(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, o_ptr, n, first_head, num_heads,
                      stride_qn, stride_ql, stride_qh, stride_kn, stride_kl, stride_kh,
                      stride_vn, stride_vl, stride_vh, stride_cl, stride_sl, seq_len, sm_scale,
                      GROUP: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_L: tl.constexpr,
-                     ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr, CACHE: tl.constexpr, SPLITS: tl.constexpr,
-                     split_stride):
+                     ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr, CACHE: tl.constexpr):
         """Sequence n's attention for query heads first_head .. first_head + HEADS - 1 of one kv head: K, V and the
         rotary rows are loaded (and K rotated) once for all of them. Output rows (n * seq_len + l) of num_heads
         heads. CACHE: the loads' cache modifier (".cg" where q/k/v were written by other programs of the same
-        launch: L1 is not coherent). SPLITS > 1: q/k/v are SPLITS fp32 partial sums split_stride elements apart,
-        summed in order and rounded to the output dtype on load (a split-K projection's result)."""
+        launch: L1 is not coherent)."""
         hk = first_head // GROUP
         rows = tl.arange(0, BLOCK_L)
         rmask = rows[:, None] < seq_len
         d = tl.arange(0, HALF)[None, :]
         kb = k_ptr + n * stride_kn + hk * stride_kh + rows[:, None] * stride_kl
         vb = v_ptr + n * stride_vn + hk * stride_vh + rows[:, None] * stride_vl
+        k1 = tl.load(kb + d, mask=rmask, other=0.0, cache_modifier=CACHE)
+        k2 = tl.load(kb + HALF + d, mask=rmask, other=0.0, cache_modifier=CACHE)
+        v1 = tl.load(vb + d, mask=rmask, other=0.0, cache_modifier=CACHE)
+        v2 = tl.load(vb + HALF + d, mask=rmask, other=0.0, cache_modifier=CACHE)
         dtype = o_ptr.dtype.element_ty
-        k1 = _load_summed(kb + d, rmask, split_stride, dtype, CACHE, SPLITS)
-        k2 = _load_summed(kb + HALF + d, rmask, split_stride, dtype, CACHE, SPLITS)
-        v1 = _load_summed(vb + d, rmask, split_stride, dtype, CACHE, SPLITS)
-        v2 = _load_summed(vb + HALF + d, rmask, split_stride, dtype, CACHE, SPLITS)
         if ROPE:  # rotary in fp32, rounded to the dtype: what the eager rotary hands to attention
             cb = cos_ptr + rows[:, None] * stride_cl
             sb = sin_ptr + rows[:, None] * stride_sl
@@ -203,8 +192,8 @@ if HAVE_TRITON:
         for i in tl.static_range(HEADS):
             h = first_head + i
             qb = q_ptr + n * stride_qn + h * stride_qh + rows[:, None] * stride_ql
-            q1 = _load_summed(qb + d, rmask, split_stride, dtype, CACHE, SPLITS)
-            q2 = _load_summed(qb + HALF + d, rmask, split_stride, dtype, CACHE, SPLITS)
+            q1 = tl.load(qb + d, mask=rmask, other=0.0, cache_modifier=CACHE)
+            q2 = tl.load(qb + HALF + d, mask=rmask, other=0.0, cache_modifier=CACHE)
             if ROPE:
                 q1f, q2f = q1.to(tl.float32), q2.to(tl.float32)
                 q1, q2 = (q1f * c1 - q2f * s1).to(dtype), (q2f * c2 + q1f * s2).to(dtype)

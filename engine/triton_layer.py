@@ -6,8 +6,8 @@ its 35 MB of weights take 11.5 us at HBM rate. Here one grid of at most one prog
 back to back, separated by grid-wide barriers (an atomic counter) instead of kernel boundaries:
 
   0  x = x_prev + the previous layer's down projection (fp32 partials, summed and rounded here); RMSNorm(x) (rows)
-  1  q/k/v projection of the normed rows, split along K into fp32 partials                           (tiles x splits)
-  2  attention with the rotary embedding, q/k/v partials summed on load                      ((sequence, head) pairs)
+  1  q/k/v projection of the normed rows                                                    (BLOCK_N-column tiles)
+  2  attention with the rotary embedding                                                     ((sequence, head) pairs)
   3  o projection, split along K into fp32 partials                                                  (tiles x splits)
   4  x1 = x + o; RMSNorm(x1); x1 is the layer's residual output                                                (rows)
   5  gate/up projection with the SiLU gate                                                                     (tiles)
@@ -115,8 +115,7 @@ if HAVE_TRITON:
                             o_part_ptr, normed2_ptr, act_ptr, sync_ptr, sequences, seq_len, stride_cl, stride_sl,
                             eps, scale, sm_scale,
                             H: tl.constexpr, NQKV: tl.constexpr, HQ: tl.constexpr, GROUP: tl.constexpr,
-                            HALF: tl.constexpr, F: tl.constexpr, QKV_SPLITS: tl.constexpr, O_SPLITS: tl.constexpr,
-                            DOWN_SPLITS: tl.constexpr,
+                            HALF: tl.constexpr, F: tl.constexpr, O_SPLITS: tl.constexpr, DOWN_SPLITS: tl.constexpr,
                             HAS_PART: tl.constexpr, HAS_SCALE: tl.constexpr, ROPE: tl.constexpr,
                             PHASE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -133,8 +132,8 @@ if HAVE_TRITON:
         if ALL:
             _grid_sync(sync_ptr, nprog)
         if ALL or PHASE == 1:
-            _project(normed_ptr, qkv_w_ptr, qkv_ptr, rows, pid, nprog, NQKV, H, QKV_SPLITS, False, QKV_SPLITS > 1,
-                     DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+            _project(normed_ptr, qkv_w_ptr, qkv_ptr, rows, pid, nprog, NQKV, H, 1, False, False, DOT_PRECISION,
+                     BLOCK_M, BLOCK_N, BLOCK_K)
         if ALL:
             _grid_sync(sync_ptr, 2 * nprog)
         if ALL or PHASE == 2:
@@ -144,8 +143,7 @@ if HAVE_TRITON:
                 seq_stride = seq_len * NQKV  # q, k and v: column ranges of the q/k/v rows
                 attend_heads(qkv_ptr, qkv_ptr + HQ * D, qkv_ptr + HQ * D + hk_cols, cos_ptr, sin_ptr, attn_ptr, n,
                              unit % HQ, HQ, seq_stride, NQKV, D, seq_stride, NQKV, D, seq_stride, NQKV, D, stride_cl,
-                             stride_sl, seq_len, sm_scale, GROUP, 1, HALF, BLOCK_L, ROPE, DOT_PRECISION, ".cg",
-                             QKV_SPLITS, rows * NQKV)
+                             stride_sl, seq_len, sm_scale, GROUP, 1, HALF, BLOCK_L, ROPE, DOT_PRECISION, ".cg")
         if ALL:
             _grid_sync(sync_ptr, 3 * nprog)
         if ALL or PHASE == 3:
@@ -180,13 +178,10 @@ MODE = os.environ.get("VOXCPM_LAYER_KERNEL", "fused")
 if MODE not in ("fused", "phases", "off"):
     raise ValueError(f"VOXCPM_LAYER_KERNEL={MODE!r}: use 'fused' (default), 'phases' or 'off'")
 BLOCK_N = 16
-# (largest K tile, pipeline stages, warps, programs per SM, q/k/v K splits) of the launches (VOXCPM_LAYER_LAUNCH):
-# tools/bench_kernels.py --only layer sweeps them. Several programs per SM keep more weight bytes in flight per SM
-# (the fused grid is capped by what the compiled kernel's registers and shared memory let reside at once).
-LAUNCH = tuple(int(v) for v in os.environ.get("VOXCPM_LAYER_LAUNCH", "128,4,4,4,2").split(","))
-if len(LAUNCH) != 5 or min(LAUNCH) < 1:
-    raise ValueError(f"VOXCPM_LAYER_LAUNCH={LAUNCH}: five positive integers (K tile, stages, warps, programs per SM, "
-                     "q/k/v splits)")
+# (largest K tile, pipeline stages, warps, programs per SM) of the launches: tools/bench_kernels.py --only layer sweeps
+# them. More than one program per SM keeps more weight bytes in flight per SM (the fused grid is capped by what the
+# compiled kernel's registers and shared memory let reside at once).
+LAUNCH = tuple(int(v) for v in os.environ.get("VOXCPM_LAYER_LAUNCH", "128,4,4,2").split(","))
 _resident: dict[tuple, int] = {}
 _sync: dict[torch.device, torch.Tensor] = {}  # the barrier counter and the exit counter, per device
 _sm_count: dict[torch.device, int] = {}
@@ -224,19 +219,18 @@ def _programs_per_sm(args: tuple, kwargs: dict, device: torch.device) -> int:
     return _resident[key]
 
 
-def _plan(cfg: TransformerConfig, sms: int) -> tuple[int, int, int, int] | None:
-    """(q/k/v splits, o splits, down splits, K tile) for this stack's shapes, or None where the tiles do not divide
-    them. The projections to `hidden` columns are split along K until their units fill the programs."""
+def _plan(cfg: TransformerConfig, sms: int) -> tuple[int, int, int] | None:
+    """(o splits, down splits, K tile) for this stack's shapes, or None where the tiles do not divide them. The
+    projections to `hidden` columns are split along K until their units fill the SMs."""
     h, f, q_width = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim
     if any(n % BLOCK_N for n in (h, f, q_width, cfg.num_key_value_heads * cfg.head_dim)):
         return None
     splits = max(1, min(4, sms // (h // BLOCK_N)))
     while splits > 1 and (q_width % (splits * 16) or f % (splits * 16)):
         splits -= 1
-    qkv_splits = LAUNCH[4]
-    block_k = next((b for b in (512, 256, 128, 64, 32, 16) if b <= LAUNCH[0] and h % (qkv_splits * b) == 0
+    block_k = next((b for b in (512, 256, 128, 64, 32, 16) if b <= LAUNCH[0] and h % b == 0
                     and q_width // splits % b == 0 and f // splits % b == 0), None)
-    return None if block_k is None else (qkv_splits, splits, splits, block_k)
+    return None if block_k is None else (splits, splits, block_k)
 
 
 def supported(stack: torch.nn.Module, x: torch.Tensor) -> bool:
@@ -264,7 +258,7 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
     hq, hk, d, f = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
     nqkv = (hq + 2 * hk) * d
     sms = _sms(dev)
-    qkv_splits, o_splits, down_splits, block_k = _plan(cfg, sms * LAUNCH[3])
+    o_splits, down_splits, block_k = _plan(cfg, sms * LAUNCH[3])
     fused_launch = MODE == "fused" and not _is_interpreted()
     x = x.reshape(rows, h).contiguous()
 
@@ -272,12 +266,11 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
         return torch.empty(shape, device=dev, dtype=torch.float32 if fp32 else dtype)
 
     x_res, x_mid, normed, normed2 = buffer(rows, h), buffer(rows, h), buffer(rows, h), buffer(rows, h)
-    qkv, attn, act = buffer(qkv_splits, rows, nqkv, fp32=qkv_splits > 1), buffer(rows, hq * d), buffer(rows, f)
+    qkv, attn, act = buffer(rows, nqkv), buffer(rows, hq * d), buffer(rows, f)
     o_part, down_part = buffer(o_splits, rows, h, fp32=True), buffer(down_splits, rows, h, fp32=True)
     prepare(dev)
     cos, sin = (rope[:, 0, :], rope[:, 1, :]) if rope is not None else (x, x)
-    units = (rows, nqkv // BLOCK_N * qkv_splits, n * hq, h // BLOCK_N * o_splits, rows, f // BLOCK_N,
-             h // BLOCK_N * down_splits)  # of each phase
+    units = (rows, nqkv // BLOCK_N, n * hq, h // BLOCK_N * o_splits, rows, f // BLOCK_N, h // BLOCK_N * down_splits)
     scale = layers[0].residual_scale
 
     def launch(layer: torch.nn.Module, first: bool, x_in: torch.Tensor, in_norm: torch.Tensor, phase: int) -> None:
@@ -286,7 +279,7 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
             layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight, layer.mlp.down_proj.weight, cos, sin, x_mid,
             normed, qkv, attn, o_part, normed2, act, _sync[dev], n, seq_len, cos.stride(0), sin.stride(0),
             cfg.rms_norm_eps, 1.0 if scale is None else scale, d ** -0.5)
-        kwargs = dict(H=h, NQKV=nqkv, HQ=hq, GROUP=hq // hk, HALF=d // 2, F=f, QKV_SPLITS=qkv_splits, O_SPLITS=o_splits,
+        kwargs = dict(H=h, NQKV=nqkv, HQ=hq, GROUP=hq // hk, HALF=d // 2, F=f, O_SPLITS=o_splits,
                       DOWN_SPLITS=down_splits, HAS_PART=not first, HAS_SCALE=scale is not None, ROPE=rope is not None,
                       PHASE=phase, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
                       BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=BLOCK_N, BLOCK_K=block_k,
