@@ -171,7 +171,9 @@ if HAVE_TRITON:
                 tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
 
 
-MAX_ROWS = 64  # rows (sequences x tokens) up to which a stack runs as layer kernels: the DiT at B=1 (22), LocEnc B<=12
+# Rows (sequences x tokens) up to which a stack runs as layer kernels (VOXCPM_LAYER_MAX_ROWS): the DiT at B=1 (22 rows),
+# the LocEnc up to B=12.
+MAX_ROWS = int(os.environ.get("VOXCPM_LAYER_MAX_ROWS", "64"))
 # VOXCPM_LAYER_KERNEL: "fused" (default) one launch per layer with grid barriers; "phases" a launch per phase (same
 # arithmetic, for comparison); "off" the layer's separate kernels.
 MODE = os.environ.get("VOXCPM_LAYER_KERNEL", "fused")
@@ -181,7 +183,9 @@ BLOCK_N = 16
 # (largest K tile, pipeline stages, warps, programs per SM) of the launches: tools/bench_kernels.py --only layer sweeps
 # them. More than one program per SM keeps more weight bytes in flight per SM (the fused grid is capped by what the
 # compiled kernel's registers and shared memory let reside at once).
-LAUNCH = tuple(int(v) for v in os.environ.get("VOXCPM_LAYER_LAUNCH", "128,4,4,2").split(","))
+LAUNCH = tuple(int(v) for v in os.environ.get("VOXCPM_LAYER_LAUNCH", "128,4,4,4").split(","))
+if len(LAUNCH) != 4 or min(LAUNCH) < 1:
+    raise ValueError(f"VOXCPM_LAYER_LAUNCH={LAUNCH}: four positive integers (K tile, stages, warps, programs per SM)")
 _resident: dict[tuple, int] = {}
 _sync: dict[torch.device, torch.Tensor] = {}  # the barrier counter and the exit counter, per device
 _sm_count: dict[torch.device, int] = {}
