@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from engine import kernel_cache, warm_libraries
+from engine import kernel_cache
 from engine.checkpoint import CheckpointError, resolve_model_path
 from engine.errors import PoolError, PoolStoppedError, PromptNotFoundError, RequestError, WorkerDiedError, error_from
 from engine.llm_engine import EngineConfig
@@ -112,17 +112,14 @@ class AsyncVoxCPMServerPool:
         self._prompts: dict[str, tuple[bytes, str]] = {}
         self._ids = itertools.count()
         self._stopped = False
-        self._warm_read: dict[str, float | int | bool] = {}  # the page-cache read of the CUDA libraries
-        self._warm_up_early(devices)
+        self._precompile_early(devices)
         self._workers = [self._spawn(i, d) for i, d in enumerate(devices)]
 
-    def _warm_up_early(self, devices: list[str]) -> None:
-        """Start compiling the kernel manifest and reading the CUDA libraries into the page cache here, while the
-        workers spawn and import (~6 s before an engine starts on an H100 machine); a worker's engine waits for the
-        compile before its first kernel. No device: this process never initialises CUDA (the architecture comes
-        from nvidia-smi)."""
+    def _precompile_early(self, devices: list[str]) -> None:
+        """Start compiling the kernel manifest here, while the workers spawn and import (~6 s before an engine
+        starts on an H100 machine); a worker's engine waits for it before its first kernel. No device: this
+        process never initialises CUDA (the architecture comes from nvidia-smi)."""
         if any(d.startswith("cuda") for d in devices):
-            self._warm_read = warm_libraries.start()
             kernel_cache.Precompiler(self.model_path, self.config.dtype, None, background=True)
 
     def _spawn(self, index: int, device: str) -> _WorkerHandle:
@@ -219,8 +216,6 @@ class AsyncVoxCPMServerPool:
         w = await self._pick()
         info = dict(w.ready.result())
         info["devices"] = list(self.devices)
-        if self._warm_read:
-            info["warm_libraries"] = dict(self._warm_read)
         return info
 
     async def stats(self) -> list[dict[str, Any] | None]:

@@ -43,9 +43,11 @@ def make_store(settings: Settings, model_path: str) -> VoiceStore:
 
 
 def start_pool(settings: Settings, model_path: str, demo: bool):
-    # Compiled Triton kernels persist in the cache dir: a restart on the same volume skips recompiling them.
-    # Set before the workers are spawned (they inherit the environment).
+    # Compiled Triton kernels persist in the cache dir: a restart on the same volume skips recompiling them. So does
+    # the CUDA driver's JIT cache (a few PTX-only library kernels compiled at the first KV sizing: H100, KV sizing
+    # 3.3-3.7 s on an empty one, 2.1 s on a filled one). Set before the workers are spawned (they inherit it).
     os.environ.setdefault("TRITON_CACHE_DIR", str(settings.cache_path / "kernels" / "triton"))
+    os.environ.setdefault("CUDA_CACHE_PATH", str(settings.cache_path / "kernels" / "cuda"))
     devices = settings.device_list()
     if demo and devices is None:
         devices = ["cpu"]  # the demo checkpoint is tiny: no GPU needed

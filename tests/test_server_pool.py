@@ -273,25 +273,3 @@ def test_sync_stop_wakes_a_consumer_in_another_thread(checkpoint):
     with pytest.raises(PoolStoppedError):
         next(iter(p.generate("After stop.")))
 
-
-def test_warm_libraries_reads_each_file_through_in_the_background(tmp_path, monkeypatch):
-    """The pool's page-cache read of the CUDA libraries: every byte of every file, a missing one skipped, the stats
-    filled in when the thread ends; and the files it would read on this installation exist, each once."""
-    from engine import warm_libraries
-
-    found = warm_libraries.library_files()
-    assert len(found) == len(set(found)) and all(p.is_file() for p in found)
-    if torch.version.cuda is not None:
-        assert any(p.name == "libtorch_cuda.so" for p in found)
-    files = [tmp_path / "a.so", tmp_path / "missing.so", tmp_path / "b.so"]
-    files[0].write_bytes(b"x" * (warm_libraries.CHUNK * 2 + 5))  # more than one read
-    files[2].write_bytes(b"y" * 1_000_000)
-    monkeypatch.setattr(warm_libraries, "library_files", lambda: files)
-    stats = warm_libraries.start()
-    deadline = time.monotonic() + 30
-    while not stats["done"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert stats["done"] and stats["files"] == 3
-    assert stats["megabytes"] == round((warm_libraries.CHUNK * 2 + 5 + 1_000_000) / 1e6)
-    monkeypatch.setattr(warm_libraries, "ENABLED", False)
-    assert warm_libraries.start() == {}
