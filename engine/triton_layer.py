@@ -1,9 +1,10 @@
 """A whole decoder layer of the local modules (LocEnc, DiT) as one persistent Triton kernel, for a few rows.
 
 Why: at B=1 a decode step runs the DiT's 12 layers 9 times (and the LocEnc's 12 once), and each layer was 8 kernels
-of 2-10 us, mostly fixed latency (launch, the first DRAM round trips, the tail): 34.5 us per layer on an H100 where
-its 35 MB of weights take 11.5 us at HBM rate. Here one grid of at most one program per SM runs the layer's phases
-back to back, separated by grid-wide barriers (an atomic counter) instead of kernel boundaries:
+of 2-10 us, mostly fixed latency (launch, the first DRAM round trips, the tail): 34.3 us per layer on an H100 where
+its 35 MB of weights take 11.5 us at HBM rate. Here one grid (as many programs as fit on the SMs at once, 4 per SM
+by default) runs the layer's phases back to back, separated by grid-wide barriers (an atomic counter) instead of
+kernel boundaries:
 
   0  x = x_prev + the previous layer's down projection (fp32 partials, summed and rounded here); RMSNorm(x) (rows)
   1  q/k/v projection of the normed rows                                                    (BLOCK_N-column tiles)
@@ -13,13 +14,18 @@ back to back, separated by grid-wide barriers (an atomic counter) instead of ker
   5  gate/up projection with the SiLU gate                                                                     (tiles)
   6  down projection, split along K into fp32 partials, summed by the next layer's phase 0              (tiles x splits)
 
-A stack ends with phase 0 alone under its final norm. The rounding points are the eager layer's (each projection's
-output rounded to the dtype after fp32 accumulation, split partials summed in split order first, as cuBLAS's
-split-K does; the norms, attention and SiLU gate as in `engine.triton_kernels`). Co-residency of the programs is
-what the barriers need: the grid never exceeds the SM count and every program fits on an SM, and launches of this
-kernel must not overlap (one counter, stream-ordered: the engine runs the local modules on one stream). Without
-barriers (Triton's interpreter, which runs programs one after another, or mode "phases") each phase is its own
-launch of the same kernel: same arithmetic, kernel boundaries instead of barriers.
+A stack ends with phase 0 alone under its final norm. Measured (H100, docs/benchmarks.md, profile step 12): 33.3 us
+per DiT layer at B=1, B=1 step 6.94 -> 6.50 ms. A barrier costs about what a kernel boundary in a CUDA graph costs;
+the gain is fewer, fuller phases, and several programs per SM keeping enough weight bytes in flight.
+
+The rounding points are the eager layer's (each projection's output rounded to the dtype after fp32 accumulation,
+split partials summed in split order first, as cuBLAS's split-K does; the norms, attention and SiLU gate as in
+`engine.triton_kernels`). The barriers need every program resident at once: the grid never exceeds what the compiled
+variant's registers, shared memory and threads let the SMs hold together (`_programs_per_sm`), and launches of this
+kernel must not overlap (one counter per device, stream-ordered: the engine runs the local modules on one stream;
+kernels of other streams, like the VAE's, only delay programs, they finish on their own). Without barriers (Triton's
+interpreter, which runs programs one after another, or mode "phases") each phase is its own launch of the same
+kernel: same arithmetic, kernel boundaries instead of barriers.
 """
 
 from __future__ import annotations
@@ -211,8 +217,8 @@ def _programs_per_sm(args: tuple, kwargs: dict, device: torch.device) -> int:
     """How many programs of this kernel variant fit on one SM at once (registers, shared memory, threads)."""
     key = (device, *sorted(kwargs.items()))
     if key not in _resident:
-        compiled = _dense_layer_kernel.warmup(*args, grid=(1,), **kwargs)
-        compiled._init_handles()
+        compiled = _dense_layer_kernel.warmup(*args, grid=(1,), **kwargs)  # compiles, launches nothing
+        compiled._init_handles()  # loads the module: n_regs is known from here (Triton 3.6)
         props = torch.cuda.get_device_properties(device)
         threads = 32 * kwargs["num_warps"]
         fits = [props.max_threads_per_multi_processor // threads,
