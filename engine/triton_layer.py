@@ -56,15 +56,15 @@ if HAVE_TRITON:
         tl.debug_barrier()
 
     @triton.jit
-    def _residual_norm_rows(x_ptr, part_ptr, w_ptr, x_out_ptr, y_ptr, rows, eps, scale, pid, nprog,
-                            H: tl.constexpr, SPLITS: tl.constexpr, HAS_PART: tl.constexpr, HAS_SCALE: tl.constexpr,
+    def _residual_norm_rows(x_ptr, part_ptr, w_ptr, x_out_ptr, y_ptr, rows, has_part, eps, scale, pid, nprog,
+                            H: tl.constexpr, SPLITS: tl.constexpr, HAS_SCALE: tl.constexpr,
                             BLOCK_H: tl.constexpr, CACHE: tl.constexpr):
         # x + round(sum of the partials) [* scale], stored, and its RMSNorm: `add_rms_norm`'s op order.
         cols = tl.arange(0, BLOCK_H)
         mask = cols < H
         for r in range(pid, rows, nprog):
             x = tl.load(x_ptr + r * H + cols, mask=mask, other=0.0, cache_modifier=CACHE)
-            if HAS_PART:
+            if has_part:
                 h = tl.zeros((BLOCK_H,), dtype=tl.float32)
                 for s in tl.static_range(SPLITS):
                     h += tl.load(part_ptr + (s * rows + r) * H + cols, mask=mask, other=0.0, cache_modifier=CACHE)
@@ -115,14 +115,15 @@ if HAVE_TRITON:
                     y = (s.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
                 tl.store(out_ptr + m[None, :] * N + cols[:, None], y, mask=out_mask)
 
-    @triton.jit
+    # Not specialised on `sequences` == 1 or `has_part`: fewer variants to compile at start-up, no cost at run time.
+    @triton.jit(do_not_specialize=["sequences", "has_part"])
     def _dense_layer_kernel(x_ptr, down_part_ptr, x_out_ptr, in_norm_ptr, post_norm_ptr, qkv_w_ptr, o_w_ptr,
                             gate_up_w_ptr, down_w_ptr, cos_ptr, sin_ptr, xn_ptr, normed_ptr, qkv_ptr, attn_ptr,
-                            o_part_ptr, normed2_ptr, act_ptr, sync_ptr, sequences, seq_len, stride_cl, stride_sl,
-                            eps, scale, sm_scale,
+                            o_part_ptr, normed2_ptr, act_ptr, sync_ptr, sequences, seq_len, has_part, stride_cl,
+                            stride_sl, eps, scale, sm_scale,
                             H: tl.constexpr, NQKV: tl.constexpr, HQ: tl.constexpr, GROUP: tl.constexpr,
                             HALF: tl.constexpr, F: tl.constexpr, O_SPLITS: tl.constexpr, DOWN_SPLITS: tl.constexpr,
-                            HAS_PART: tl.constexpr, HAS_SCALE: tl.constexpr, ROPE: tl.constexpr,
+                            HAS_SCALE: tl.constexpr, ROPE: tl.constexpr,
                             PHASE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
                             BLOCK_L: tl.constexpr):
@@ -133,8 +134,8 @@ if HAVE_TRITON:
         D: tl.constexpr = 2 * HALF
         ALL: tl.constexpr = PHASE < 0
         if ALL or PHASE == 0:
-            _residual_norm_rows(x_ptr, down_part_ptr, in_norm_ptr, xn_ptr, normed_ptr, rows, eps, scale, pid, nprog,
-                                H, DOWN_SPLITS, HAS_PART, HAS_SCALE, BLOCK_H, "")
+            _residual_norm_rows(x_ptr, down_part_ptr, in_norm_ptr, xn_ptr, normed_ptr, rows, has_part, eps, scale, pid,
+                                nprog, H, DOWN_SPLITS, HAS_SCALE, BLOCK_H, "")
         if ALL:
             _grid_sync(sync_ptr, nprog)
         if ALL or PHASE == 1:
@@ -158,8 +159,8 @@ if HAVE_TRITON:
         if ALL:
             _grid_sync(sync_ptr, 4 * nprog)
         if ALL or PHASE == 4:
-            _residual_norm_rows(xn_ptr, o_part_ptr, post_norm_ptr, x_out_ptr, normed2_ptr, rows, eps, scale, pid,
-                                nprog, H, O_SPLITS, True, HAS_SCALE, BLOCK_H, ".cg")
+            _residual_norm_rows(xn_ptr, o_part_ptr, post_norm_ptr, x_out_ptr, normed2_ptr, rows, 1, eps, scale, pid,
+                                nprog, H, O_SPLITS, HAS_SCALE, BLOCK_H, ".cg")
         if ALL:
             _grid_sync(sync_ptr, 5 * nprog)
         if ALL or PHASE == 5:
@@ -287,12 +288,13 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
         args = (
             x_in, down_part, x_res, in_norm, layer.post_attention_layernorm.weight, layer.self_attn.qkv_weight,
             layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight, layer.mlp.down_proj.weight, cos, sin, x_mid,
-            normed, qkv, attn, o_part, normed2, act, _sync[dev], n, seq_len, cos.stride(0), sin.stride(0),
+            normed, qkv, attn, o_part, normed2, act, _sync[dev], n, seq_len, 0 if first else 1, cos.stride(0),
+            sin.stride(0),
             cfg.rms_norm_eps, 1.0 if scale is None else scale, d ** -0.5)
         kwargs = dict(H=h, NQKV=nqkv, HQ=hq, GROUP=hq // hk, HALF=d // 2, F=f, O_SPLITS=o_splits,
-                      DOWN_SPLITS=down_splits, HAS_PART=not first, HAS_SCALE=scale is not None, ROPE=rope is not None,
+                      DOWN_SPLITS=down_splits, HAS_SCALE=scale is not None, ROPE=rope is not None,
                       PHASE=phase, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                      BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+                      BLOCK_M=max(32, triton.next_power_of_2(rows)), BLOCK_N=BLOCK_N, BLOCK_K=block_k,
                       BLOCK_H=triton.next_power_of_2(h), BLOCK_L=max(16, triton.next_power_of_2(seq_len)),
                       num_stages=LAUNCH[1], num_warps=LAUNCH[2])
         if phase < 0:  # every program resident at once, or the barriers wait for ever
