@@ -1,13 +1,46 @@
 """voxcpm-serve inference engine: VoxCPM models (VoxCPM2, VoxCPM1.5, VoxCPM-0.5B) with continuous
 batching over a paged KV cache, CUDA graphs and a multi-process server pool. The official `voxcpm`
-package is never imported here."""
+package is never imported here.
 
-from engine.checkpoint import CheckpointError, LoadedModel, load_model
-from engine.errors import EngineError, PoolError, PoolStoppedError, PromptNotFoundError, RequestError, WorkerDiedError
-from engine.llm_engine import EngineConfig, LLMEngine, StepEvent
-from engine.sequence import SamplingParams
-from engine.server_pool import AsyncVoxCPMServerPool, SyncVoxCPMServerPool, VoxCPM
+The public names load on first use (PEP 562): importing one submodule, as the start-up's kernel-compiling child
+processes do (`engine.kernel_compiler`), does not import the whole engine and torch with it."""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "CheckpointError": "engine.checkpoint", "LoadedModel": "engine.checkpoint", "load_model": "engine.checkpoint",
+    "EngineError": "engine.errors", "PoolError": "engine.errors", "PoolStoppedError": "engine.errors",
+    "PromptNotFoundError": "engine.errors", "RequestError": "engine.errors", "WorkerDiedError": "engine.errors",
+    "EngineConfig": "engine.llm_engine", "LLMEngine": "engine.llm_engine", "StepEvent": "engine.llm_engine",
+    "SamplingParams": "engine.sequence",
+    "AsyncVoxCPMServerPool": "engine.server_pool", "SyncVoxCPMServerPool": "engine.server_pool",
+    "VoxCPM": "engine.server_pool",
+}
 __all__ = ["AsyncVoxCPMServerPool", "CheckpointError", "EngineConfig", "EngineError", "LLMEngine", "LoadedModel",
            "PoolError", "PoolStoppedError", "PromptNotFoundError", "RequestError", "SamplingParams", "StepEvent",
            "SyncVoxCPMServerPool", "VoxCPM", "WorkerDiedError", "load_model"]
+
+if TYPE_CHECKING:
+    from engine.checkpoint import CheckpointError, LoadedModel, load_model
+    from engine.errors import (
+        EngineError,
+        PoolError,
+        PoolStoppedError,
+        PromptNotFoundError,
+        RequestError,
+        WorkerDiedError,
+    )
+    from engine.llm_engine import EngineConfig, LLMEngine, StepEvent
+    from engine.sequence import SamplingParams
+    from engine.server_pool import AsyncVoxCPMServerPool, SyncVoxCPMServerPool, VoxCPM
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # once
+        return value
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import hashlib
-import importlib
 import json
 import logging
 import os
@@ -37,6 +36,7 @@ import torch
 
 from engine.checkpoint import LoadedModel, resolve_model_path
 from engine.config import VoxCPMConfig
+from engine.kernel_compiler import source_and_options
 from engine.triton_attention import HAVE_TRITON
 
 log = logging.getLogger(__name__)
@@ -171,56 +171,17 @@ def load_manifests(digest: str, arch: int) -> list[dict[str, Any]]:
     return list(entries.values())
 
 
-def _source_and_options(record: dict[str, Any], arch: int) -> tuple[Any, Any, Any]:
-    """(ASTSource, target, options) that `triton.compile` turns into the same cache entry as the JIT's compile of
-    this record (the reconstruction of `JITFunction.preload`)."""
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler.compiler import make_backend
-
-    module, name = record["name"].rsplit(".", 1)
-    fn = getattr(importlib.import_module(module), name)
-    constexprs = {tuple(k): tl.dtype(v) if tl.dtype.is_dtype(v) else
-                  tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v
-                  for k, v in zip(record["constant_keys"], record["constant_vals"], strict=True)}
-    attrs = {tuple(k): v for k, v in zip(record["attrs_keys"], record["attrs_vals"], strict=True)}
-    signature = {k: tuple(v) if isinstance(v, list) else v for k, v in record["signature"].items()}
-    target = GPUTarget("cuda", arch, 32)
-    options = {k: tuple(v) if isinstance(v, list) else v for k, v in record["options"].items()}
-    options = make_backend(target).parse_options(options)
-    return ASTSource(fn, signature, constexprs, attrs), target, options
-
-
 def is_cached(record: dict[str, Any], arch: int) -> bool:
     """Whether the kernel cache already holds this record's binary (the lookup `triton.compile` starts with)."""
     from triton._C.libtriton import get_cache_invalidating_env_vars
     from triton.compiler.compiler import make_backend
     from triton.runtime.cache import get_cache_key, get_cache_manager
 
-    src, target, options = _source_and_options(record, arch)
+    src, target, options = source_and_options(record, arch)
     key = get_cache_key(src, make_backend(target), options, env_vars=get_cache_invalidating_env_vars())
     manager = get_cache_manager(hashlib.sha256(key.encode("utf-8")).hexdigest())
     name = f"{src.name[:150]}.json"
     return (manager.get_group(name) or {}).get(name) is not None
-
-
-def compile_record(record: dict[str, Any], arch: int) -> tuple[float, bool]:
-    """Compile one record into the kernel cache (no GPU needed), and its launcher where this machine can build it:
-    (seconds taken, launcher built)."""
-    import triton
-    t0 = time.perf_counter()
-    src, target, options = _source_and_options(record, arch)
-    kernel = triton.compile(src, target=target, options=options.__dict__)
-    try:
-        # The launch stub of a signature is a C module of its own, built with the C compiler and linked against
-        # libcuda on first use, cached beside the kernels (one build per signature: ~0.3 s each, serial otherwise).
-        from triton.backends.nvidia.driver import CudaLauncher
-        CudaLauncher(src, kernel.metadata)
-        launcher = True
-    except Exception:  # no libcuda or no C compiler here: the engine builds it on first use, as before
-        launcher = False
-    return time.perf_counter() - t0, launcher
 
 
 RECORDER = Recorder()  # one per process: Triton's hooks are global
@@ -239,8 +200,8 @@ class CompilerProcesses:
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parent.parent)  # where `engine` is importable from
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        command = [sys.executable, "-c", "from engine.kernel_cache import compiler_main; compiler_main()", str(arch),
-                   str(self.workdir)]
+        command = [sys.executable, "-c", "from engine.kernel_compiler import compiler_main; compiler_main()",
+                   str(arch), str(self.workdir)]
         self.procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
                       for _ in range(max(1, min(workers, len(records))))]
 
@@ -415,21 +376,3 @@ class Precompiler:
             fcntl.flock(self._lock, fcntl.LOCK_UN)
             os.close(self._lock)
             self._lock = None
-
-
-def compiler_main() -> None:
-    """A child of `CompilerProcesses` (argv: arch, the work folder with records.json): claims records until none is
-    left; one JSON line out per record it claimed."""
-    arch, workdir = int(sys.argv[1]), Path(sys.argv[2])
-    for i, record in enumerate(json.loads((workdir / "records.json").read_text(encoding="utf-8"))):
-        try:
-            os.close(os.open(workdir / f"{i}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:  # another child has it
-            continue
-        try:
-            seconds, launcher = compile_record(record, arch)
-            print(json.dumps({"ok": True, "name": record.get("name"), "s": round(seconds, 3), "launcher": launcher}),
-                  flush=True)
-        except Exception as e:  # one bad record costs only itself
-            print(json.dumps({"ok": False, "name": record.get("name"), "error": f"{type(e).__name__}: {e}"[:500]}),
-                  flush=True)

@@ -15,7 +15,12 @@ is synchronised or allocated from data values. Compile (call once) before captur
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from engine.lazy_torch import torch  # the kernel-compiling children never load it
 
 try:  # triton is absent on e.g. macOS; the module must still import there
     import triton

@@ -27,8 +27,12 @@ from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+else:
+    from engine.lazy_torch import torch  # the kernel-compiling children never load it
 
 from engine.triton_attention import HAVE_TRITON, _is_interpreted
 

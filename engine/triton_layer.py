@@ -31,12 +31,17 @@ kernel: same arithmetic, kernel boundaries instead of barriers.
 from __future__ import annotations
 
 import os
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine import triton_kernels
-from engine.config import TransformerConfig
 from engine.triton_attention import HAVE_TRITON, _is_interpreted
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.config import TransformerConfig
+else:
+    from engine.lazy_torch import torch  # the kernel-compiling children never load it
 
 if HAVE_TRITON:
     import triton

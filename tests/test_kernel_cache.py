@@ -88,6 +88,22 @@ def test_manifest_round_trip_and_compile(tmp_path: Path, monkeypatch: pytest.Mon
     assert not kernel_cache.is_cached({**entry, "options": {"num_warps": 8}}, 90)  # another variant
 
 
+def test_a_compiler_child_never_imports_torch(tmp_path: Path) -> None:
+    """The precompile's children import the kernel modules for their Triton functions only: torch (seconds of each
+    child's start, fifteen at once) stays unimported through a compile of a record of every kernel module."""
+    record = json.loads(_jit_record())
+    code = ("import json, sys\n"
+            "from engine.kernel_compiler import compile_record\n"
+            "import engine.triton_attention, engine.triton_kernels, engine.triton_layer\n"
+            f"compile_record(json.loads({json.dumps(json.dumps(record))}), 90)\n"
+            "print('torch imported:', 'torch' in sys.modules)\n")
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("torch imported: False"), proc.stdout
+
+
 def test_a_record_that_no_longer_fits_its_kernel_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                             checkpoint_factory) -> None:
     """A record naming a kernel that is gone counts as failed; the others still compile."""

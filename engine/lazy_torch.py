@@ -1,0 +1,28 @@
+"""`torch`, imported on first use, for the Triton kernel modules.
+
+They import torch only for their Python wrappers. The start-up's kernel-compiling child processes
+(`engine.kernel_compiler`) import those modules for the kernels alone, fifteen at once while the workers start, and
+torch's import was ~2 s of each child's start. In the engine's processes torch is already imported: the first
+attribute access binds it, the rest cost one Python-level lookup.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+
+class _OnDemand:
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._module: ModuleType | None = None
+
+    def __getattr__(self, attr: str) -> Any:
+        module = self._module
+        if module is None:
+            module = self._module = importlib.import_module(self._name)
+        return getattr(module, attr)
+
+
+torch: Any = _OnDemand("torch")
