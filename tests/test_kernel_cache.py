@@ -138,7 +138,7 @@ def test_one_precompile_per_cache_at_a_time(tmp_path: Path, monkeypatch: pytest.
     assert "missing" not in second.stats  # the lock was taken: nothing checked or started yet
     waiter = threading.Thread(target=second.wait)
     waiter.start()
-    time.sleep(0.5)  # the first one's child is still importing (seconds): the second must be blocked
+    time.sleep(0.5)  # the first holds the lock until its wait(), however fast its child: the second is blocked
     assert waiter.is_alive()
     done = first.wait()
     assert (done["precompiled"], done["precompile_failed"]) == (1, 0)

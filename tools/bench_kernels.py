@@ -64,11 +64,15 @@ def dit_rows(cfg: VoxCPMConfig) -> int:
     return 2 * (2 * cfg.patch_size + 3)
 
 
-def gemm_us(fn: Callable[[torch.Tensor], object], weight: torch.Tensor) -> float:
-    """Microseconds per call of fn(weight copy), cycling through copies worth > 2x the L2 cache."""
+def weight_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """Copies of a weight worth > 2x the L2 cache, so that a GEMM cycling through them reads from HBM."""
     copies = max(2, -(-160 * 2**20 // (weight.numel() * weight.element_size())))
-    weights = [weight.clone() for _ in range(copies)]
-    return replay_us(lambda: [fn(w) for w in weights]) / copies
+    return [weight.clone() for _ in range(copies)]
+
+
+def gemm_us(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) -> float:
+    """Microseconds per call of fn(weight copy), cycling through `weight_copies`."""
+    return replay_us(lambda: [fn(w) for w in weights]) / len(weights)
 
 
 def bench_gemm(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: torch.dtype) -> list[dict]:
@@ -77,6 +81,7 @@ def bench_gemm(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: 
     sweep += [(16, 256, 6, 4), (16, 128, 4, 2), (16, 512, 3, 4)]
     for name, n_rows, k_dim, gated, per_request in projections(cfg):
         weight = torch.randn(n_rows, k_dim, device=dev, dtype=dtype) * k_dim ** -0.5
+        weights = weight_copies(weight)  # once per projection, for every call below
         for b in batches:
             m = b * per_request
             if m > triton_kernels.SKINNY_ROWS:
@@ -87,8 +92,8 @@ def bench_gemm(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: 
                 y = torch.nn.functional.linear(x, w)
                 return triton_kernels.silu_mul(*y.chunk(2, dim=-1)) if gated else y
 
-            base = gemm_us(cublas, weight)
-            ours = gemm_us(lambda w, x=x, g=gated: triton_kernels.skinny_matmul(x, w, silu_gate=g), weight)
+            base = gemm_us(cublas, weights)
+            ours = gemm_us(lambda w, x=x, g=gated: triton_kernels.skinny_matmul(x, w, silu_gate=g), weights)
             gbytes = weight.numel() * weight.element_size() / 1e3  # per us -> GB/s
             row = {"projection": name, "batch": b, "rows": m, "n": n_rows, "k": k_dim, "cublas_us": round(base, 2),
                    "skinny_us": round(ours, 2), "skinny_config": list(triton_kernels.skinny_config(m, k_dim, n_rows)),
@@ -99,7 +104,7 @@ def bench_gemm(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: 
                     config = (triton_kernels.skinny_config(m, k_dim, n_rows)[0], bn, bk, stages, warps)
                     if (n_rows // (2 if gated else 1)) % bn or k_dim % bk or bk * config[0] > 16384:
                         continue
-                    us = gemm_us(lambda w, x=x, c=config, g=gated: triton_kernels.skinny_matmul(x, w, g, c), weight)
+                    us = gemm_us(lambda w, x=x, c=config, g=gated: triton_kernels.skinny_matmul(x, w, g, c), weights)
                     if best is None or us < best[0]:
                         best = (us, config)
                 if best is not None:

@@ -176,6 +176,9 @@ for part in $PARTS; do
                 fresh="$(mktemp -d)"
                 log "empty Triton kernel cache for this benchmark: $fresh"
                 TRITON_CACHE_DIR="$fresh" bench voxcpm-serve "$OUT/ours.json" "$T_OURS"
+                rc=$?
+                rm -rf "$fresh"
+                (exit $rc)
             else
                 bench voxcpm-serve "$OUT/ours.json" "$T_OURS"
             fi
