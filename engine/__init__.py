@@ -44,3 +44,7 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value  # once
         return value
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

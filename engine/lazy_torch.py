@@ -3,7 +3,7 @@
 They import torch only for their Python wrappers. The start-up's kernel-compiling child processes
 (`engine.kernel_compiler`) import those modules for the kernels alone, fifteen at once while the workers start, and
 torch's import was ~2 s of each child's start. In the engine's processes torch is already imported: the first
-attribute access binds it, the rest cost one Python-level lookup.
+attribute access binds it; each access costs one Python-level `__getattr__` call.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ class _OnDemand:
         self._module: ModuleType | None = None
 
     def __getattr__(self, attr: str) -> Any:
+        if attr in ("_name", "_module"):  # not set yet (an instance made without __init__, as copy does)
+            raise AttributeError(attr)
         module = self._module
         if module is None:
             module = self._module = importlib.import_module(self._name)

@@ -2,9 +2,9 @@
 
 Why: at B=1 a decode step runs the DiT's 12 layers 9 times (and the LocEnc's 12 once), and each layer was 8 kernels
 of 2-10 us, mostly fixed latency (launch, the first DRAM round trips, the tail): 34.3 us per layer on an H100 where
-its 35 MB of weights take 11.5 us at HBM rate. Here one grid (as many programs as fit on the SMs at once, 4 per SM
-by default) runs the layer's phases back to back, separated by grid-wide barriers (an atomic counter) instead of
-kernel boundaries:
+its 35 MB of weights take 11.5 us at HBM rate. Here one grid (as many programs as fit on the SMs at once, up to 4 per
+SM; 2 fit for the shipped variants on an H100) runs the layer's phases back to back, separated by grid-wide barriers
+(an atomic counter) instead of kernel boundaries:
 
   0  x = x_prev + the previous layer's down projection (fp32 partials, summed and rounded here); RMSNorm(x) (rows)
   1  q/k/v projection of the normed rows                                                    (BLOCK_N-column tiles)
@@ -15,8 +15,9 @@ kernel boundaries:
   6  down projection, split along K into fp32 partials, summed by the next layer's phase 0              (tiles x splits)
 
 A stack ends with phase 0 alone under its final norm. Measured (H100, docs/benchmarks.md, profile step 12): 33.3 us
-per DiT layer at B=1, B=1 step 6.94 -> 6.50 ms. A barrier costs about what a kernel boundary in a CUDA graph costs;
-the gain is fewer, fuller phases, and several programs per SM keeping enough weight bytes in flight.
+per DiT layer at B=1 (2 programs per SM: what fits), B=1 step 6.94 -> 6.50 ms. A barrier costs about what a kernel
+boundary in a CUDA graph costs; the gain is fewer, fuller phases, and several programs per SM keeping enough weight
+bytes in flight.
 
 The rounding points are the eager layer's (each projection's output rounded to the dtype after fp32 accumulation,
 split partials summed in split order first, as cuBLAS's split-K does; the norms, attention and SiLU gate as in
@@ -51,13 +52,17 @@ if HAVE_TRITON:
 
     @triton.jit
     def _grid_sync(sync_ptr, target):
-        """Every program's stores so far visible to every program once all `target` arrivals are counted."""
+        """Every program's stores so far visible to every program once all `target` arrivals are counted. A grid
+        that never completes (programs not all resident) traps after ~seconds of spinning: the launch fails with a
+        CUDA error (the worker restarts) instead of going on with another program's phase unfinished."""
         tl.debug_barrier()  # all threads of this program are done with the phase
         arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
         spins = 0
-        while (arrived < target) & (spins < 4_000_000):  # bounded (~seconds): a broken launch fails, not hangs
+        while (arrived < target) & (spins < 4_000_000):
             arrived = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
             spins += 1
+        if arrived < target:
+            tl.inline_asm_elementwise("trap;", "=r,r", [arrived], dtype=tl.int32, is_pure=False, pack=1)
         tl.debug_barrier()
 
     @triton.jit
@@ -185,7 +190,7 @@ if HAVE_TRITON:
 
 # Rows (sequences x tokens) up to which a stack runs as layer kernels (VOXCPM_LAYER_MAX_ROWS): the DiT at B=1 (22 rows),
 # the LocEnc up to B=12.
-MAX_ROWS = int(os.environ.get("VOXCPM_LAYER_MAX_ROWS", "64"))
+MAX_ROWS = min(64, int(os.environ.get("VOXCPM_LAYER_MAX_ROWS", "64")))  # more: tiles past the SM's resources
 # VOXCPM_LAYER_KERNEL: "fused" (default) one launch per layer with grid barriers; "phases" a launch per phase (same
 # arithmetic, for comparison); "off" the layer's separate kernels.
 MODE = os.environ.get("VOXCPM_LAYER_KERNEL", "fused")
@@ -193,14 +198,22 @@ if MODE not in ("fused", "phases", "off"):
     raise ValueError(f"VOXCPM_LAYER_KERNEL={MODE!r}: use 'fused' (default), 'phases' or 'off'")
 BLOCK_N = 16
 # (largest K tile, pipeline stages, warps, programs per SM) of the launches: tools/bench_kernels.py --only layer sweeps
-# them. More than one program per SM keeps more weight bytes in flight per SM (the fused grid is capped by what the
-# compiled kernel's registers and shared memory let reside at once).
+# them. More than one program per SM keeps more weight bytes in flight per SM; the fused grid is capped by what the
+# compiled variant's registers and shared memory let reside at once (the shipped bf16 variants: 88 KB of shared
+# memory, 2 per SM on an H100).
 LAUNCH = tuple(int(v) for v in os.environ.get("VOXCPM_LAYER_LAUNCH", "128,4,4,4").split(","))
 if len(LAUNCH) != 4 or min(LAUNCH) < 1:
     raise ValueError(f"VOXCPM_LAYER_LAUNCH={LAUNCH}: four positive integers (K tile, stages, warps, programs per SM)")
 _resident: dict[tuple, int] = {}
 _sync: dict[torch.device, torch.Tensor] = {}  # the barrier counter and the exit counter, per device
 _sm_count: dict[torch.device, int] = {}
+
+
+def _device(device: torch.device) -> torch.device:
+    """`cuda` as `cuda:<current>`: one key per GPU for the counters."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _sms(device: torch.device) -> int:
@@ -213,6 +226,7 @@ def _sms(device: torch.device) -> int:
 def prepare(device: torch.device) -> None:
     """Allocate the device's barrier counters (zeroed; every fused launch leaves them zeroed). Outside a CUDA graph
     capture: a counter allocated inside one would live in that graph's private memory pool."""
+    device = _device(torch.device(device))
     if device not in _sync:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("triton_layer.prepare(device) must run before a CUDA graph capture")
@@ -220,15 +234,17 @@ def prepare(device: torch.device) -> None:
 
 
 def _programs_per_sm(args: tuple, kwargs: dict, device: torch.device) -> int:
-    """How many programs of this kernel variant fit on one SM at once (registers, shared memory, threads)."""
-    key = (device, *sorted(kwargs.items()))
+    """How many programs of this kernel variant fit on one SM at once (threads, registers as the hardware allocates
+    them, shared memory, the block limit), per compiled variant."""
+    compiled = _dense_layer_kernel.warmup(*args, grid=(1,), **kwargs)  # compiles (or finds), launches nothing
+    key = (device, compiled.hash)
     if key not in _resident:
-        compiled = _dense_layer_kernel.warmup(*args, grid=(1,), **kwargs)  # compiles, launches nothing
         compiled._init_handles()  # loads the module: n_regs is known from here (Triton 3.6)
         props = torch.cuda.get_device_properties(device)
-        threads = 32 * kwargs["num_warps"]
-        fits = [props.max_threads_per_multi_processor // threads,
-                props.regs_per_multiprocessor // max(1, compiled.n_regs * threads)]
+        warps = kwargs["num_warps"]
+        regs_per_warp = -(-compiled.n_regs * 32 // 256) * 256  # allocated per warp in units of 256
+        fits = [props.max_threads_per_multi_processor // (32 * warps), props.regs_per_multiprocessor // (
+            regs_per_warp * warps), 32]  # 32: blocks per SM (sm_80 / sm_90)
         if compiled.metadata.shared:  # the driver reserves 1 KB per resident block
             fits.append(props.shared_memory_per_multiprocessor // (compiled.metadata.shared + 1024))
         _resident[key] = max(1, min(fits))
@@ -270,7 +286,7 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
     "phases", for timing them one by one): launch only these phases of each layer."""
     cfg, layers = stack.cfg, stack.layers
     n, seq_len, h = x.shape
-    rows, dev, dtype = n * seq_len, x.device, x.dtype
+    rows, dev, dtype = n * seq_len, _device(x.device), x.dtype
     hq, hk, d, f = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
     nqkv = (hq + 2 * hk) * d
     sms = _sms(dev)

@@ -298,17 +298,20 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
 
     def dense_layer_stack(dtype: torch.dtype) -> float:
         """A local module's stack as layer kernels (`engine.triton_layer`) against its eager layers: with and without
-        rotary and muP scale, 1-2 sequences, and taken by MiniCPM.forward where the kernels serve the tensor."""
+        rotary and muP scale, 1-2 sequences, and taken by MiniCPM.forward where the kernels serve the tensor. On CUDA
+        also fused (grid barriers), with a wide MLP whose units outnumber the resident programs (each program takes
+        several), and the barrier counters back at zero after every launch."""
         from engine import triton_layer
         from engine.config import TransformerConfig
         from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
 
         errs = []
         modes = ["phases"] + (["fused"] if device == "cuda" else [])  # the interpreter cannot run grid barriers
-        for mup, no_rope in ((False, False), (True, True)):
-            cfg = TransformerConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        configs = [(False, False, 128), (True, True, 128)] + ([(False, False, 8192)] if device == "cuda" else [])
+        for mup, no_rope, ffn in configs:
+            cfg = TransformerConfig(hidden_size=64, intermediate_size=ffn, num_attention_heads=4, num_key_value_heads=2,
                                     num_hidden_layers=2, rms_norm_eps=1e-5, kv_channels=32, use_mup=mup,
-                                    scale_depth=1.4, no_rope=no_rope)
+                                    scale_depth=0.7, no_rope=no_rope)  # muP residual scale 0.49
             torch.manual_seed(31)
             stack = MiniCPM(cfg).to(device, dtype)
             with torch.no_grad():
@@ -326,6 +329,9 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                 for mode in modes:
                     with mock.patch.object(triton_layer, "MODE", mode):
                         errs.append(relative_error(triton_layer.dense_stack(stack, x, stack_rope), ref))
+                    if mode == "fused":
+                        counters = triton_layer._sync[triton_layer._device(x.device)]
+                        assert counters.tolist() == [0, 0], f"barrier counters left at {counters.tolist()}"
                 with mock.patch.object(fused, "kernels", triton_kernels.usable), \
                         mock.patch.object(triton_layer, "dense_stack", wraps=triton_layer.dense_stack) as spy:
                     errs.append(relative_error(stack(x, rope, dense_attention), ref))
