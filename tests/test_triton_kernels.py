@@ -187,14 +187,16 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
     def conv_transpose(dtype: torch.dtype) -> float:
         """The VAE upsampler's kernel path (one GEMM of every tap + the overlap-add kernel) against the module's
         cuDNN path, over streamed chunks of 1, 3 and 7 frames (strided views) and a full-sequence pass, with the new
-        context."""
+        context. The shipped geometry (kernel 2 x stride) carries one frame of context; a kernel of 3 x stride
+        carries two, so a chunk of one frame is shorter than its context (the new context then spans both)."""
         from engine.models.audio_vae import CausalConvTranspose1d
 
         errs = []
         with exact_fp32_on_cuda():
-            for seed, (c_in, c_out, stride) in enumerate(((32, 16, 2), (16, 40, 5), (64, 16, 8))):
+            geometries = ((32, 16, 2, 2), (16, 40, 5, 2), (64, 16, 8, 2), (16, 24, 3, 3))
+            for seed, (c_in, c_out, stride, taps) in enumerate(geometries):
                 torch.manual_seed(100 + seed)
-                conv = CausalConvTranspose1d(c_in, c_out, 2 * stride, stride, stride).to(device, dtype)
+                conv = CausalConvTranspose1d(c_in, c_out, taps * stride, stride, (taps - 1) * stride).to(device, dtype)
                 conv.state_slot = 0
                 states_ref = [rand(2, c_in, conv.context, dtype=dtype, seed=110 + seed)]
                 states = [states_ref[0].clone()]
