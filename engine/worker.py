@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 SAMPLING_FIELDS = ("max_generate_length", "temperature", "cfg_value", "min_len", "seed")
 
 
+class DeviceLostError(RuntimeError):
+    """The worker's device cannot run work any more (a sticky CUDA error): the worker process ends."""
+
+
 def latents_from(value: Any, feat_dim: int, field: str) -> torch.Tensor:
     """Latents given as float32 bytes, a numpy array or a tensor -> (frames, feat_dim) float32 tensor."""
     if isinstance(value, bytes | bytearray | memoryview):
@@ -210,7 +214,7 @@ class Worker:
         t0 = time.perf_counter()
         try:
             events = self.engine.step()
-        except Exception:  # a bug or OOM: fail what is running, keep serving
+        except Exception as error:  # a bug or OOM: fail what is running, keep serving (a lost device: exit)
             message = traceback.format_exc()
             log.error("engine step failed:\n%s", message)
             out = []
@@ -220,6 +224,8 @@ class Worker:
             self.rid_of.clear()
             self.seq_of.clear()
             self._send_events(out)
+            if not self._device_usable():
+                raise DeviceLostError(f"{self.engine.device} no longer runs work") from error
             return
         self.steps += 1
         dt = time.perf_counter() - t0
@@ -241,6 +247,19 @@ class Worker:
                 out.append((rid, ev.audio, ev.finished, None, None))
         if out or self.steps % 20 == 0:  # with no events, still refresh the load snapshot now and then
             self._send_events(out)
+
+    def _device_usable(self) -> bool:
+        """After a failed step: whether the device still runs work. Out of memory passes; a CUDA error such as an
+        illegal address, or a layer kernel's trap (engine/triton_layer.py), is sticky: every later call would fail,
+        so the worker ends and the pool (the service) restarts it on a fresh CUDA context."""
+        device = self.engine.device
+        if device.type != "cuda":
+            return True
+        try:
+            torch.cuda.synchronize(device)
+            return torch.ones(1, device=device).add_(1).item() == 2.0
+        except RuntimeError:
+            return False
 
     def run(self) -> None:
         while True:
@@ -271,6 +290,9 @@ def worker_main(conn: Connection, model_path: str, device: str, config: dict[str
     try:
         with contextlib.suppress(EOFError, OSError, KeyboardInterrupt):  # parent gone or interrupted: exit quietly
             worker.run()
+    except DeviceLostError:
+        log.critical("worker exiting, its device is lost:\n%s", traceback.format_exc())
+        raise SystemExit(75) from None  # the pool fails callers at once; the service restarts the worker
     finally:
         worker.close()
 

@@ -273,3 +273,37 @@ def test_sync_stop_wakes_a_consumer_in_another_thread(checkpoint):
     with pytest.raises(PoolStoppedError):
         next(iter(p.generate("After stop.")))
 
+
+
+@pytest.mark.parametrize("device_lost", [False, True], ids=["step-error", "device-lost"])
+def test_failed_step_fails_running_requests_and_a_lost_device_ends_the_worker(checkpoint, monkeypatch,
+                                                                              device_lost):
+    """A step that raises fails the running requests at once; the worker keeps serving unless its device no longer
+    runs work (a sticky CUDA error, e.g. a layer kernel's trap): then it ends, so the pool restarts it."""
+    import multiprocessing
+
+    from engine.worker import DeviceLostError, Worker
+
+    engine = LLMEngine(str(checkpoint), EngineConfig(max_num_seqs=2, max_model_len=128))
+    parent, child = multiprocessing.Pipe()
+    worker = Worker(engine, child)
+    try:
+        worker.handle(("generate", "r1", {"target_text": "Hello there.", "max_generate_length": 4}))
+        worker.step()  # a real step: the request holds KV blocks and a slot now
+        assert parent.poll(10) and parent.recv()[1][0][:1] == ("r1",)  # its first audio
+        assert engine.blocks.num_free < len(engine.blocks.blocks)
+        monkeypatch.setattr(engine, "step", lambda: (_ for _ in ()).throw(RuntimeError("CUDA error: test")))
+        monkeypatch.setattr(worker, "_device_usable", lambda: not device_lost)
+        if device_lost:
+            with pytest.raises(DeviceLostError):
+                worker.step()
+        else:
+            worker.step()
+        assert parent.poll(10)
+        kind, events, _ = parent.recv()
+        assert kind == "events" and events[0][0] == "r1" and events[0][2] is True and events[0][3] == "engine"
+        assert "CUDA error: test" in events[0][4]
+        assert engine.blocks.num_free == len(engine.blocks.blocks)  # the failed request's blocks are back
+        assert not worker.rid_of and not engine.has_unfinished()
+    finally:
+        worker.close()
