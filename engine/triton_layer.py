@@ -310,15 +310,14 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
             x_in, down_part, x_res, in_norm, layer.post_attention_layernorm.weight, layer.self_attn.qkv_weight,
             layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight, layer.mlp.down_proj.weight, cos, sin, x_mid,
             normed, qkv, attn, o_part, normed2, act, _sync[dev], n, seq_len, 0 if first else 1, cos.stride(0),
-            sin.stride(0),
-            cfg.rms_norm_eps, 1.0 if scale is None else scale, d ** -0.5)
+            sin.stride(0), cfg.rms_norm_eps, 1.0 if scale is None else scale, d ** -0.5)
         kwargs = dict(H=h, NQKV=nqkv, HQ=hq, GROUP=hq // hk, HALF=d // 2, F=f, O_SPLITS=o_splits,
                       DOWN_SPLITS=down_splits, HAS_SCALE=scale is not None, ROPE=rope is not None,
                       PHASE=phase, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
                       BLOCK_M=max(32, triton.next_power_of_2(rows)), BLOCK_N=BLOCK_N, BLOCK_K=block_k,
                       BLOCK_H=triton.next_power_of_2(h), BLOCK_L=max(16, triton.next_power_of_2(seq_len)),
                       num_stages=LAUNCH[1], num_warps=LAUNCH[2])
-        if phase < 0:  # every program resident at once, or the barriers wait for ever
+        if phase < 0:  # every program resident at once, or a barrier cannot complete (and traps)
             grid = min(sms * min(LAUNCH[3], _programs_per_sm(args, kwargs, dev)), max(units))
         else:
             grid = min(sms * LAUNCH[3], units[phase])
