@@ -51,19 +51,21 @@ if HAVE_TRITON:
     from engine.triton_kernels import attend_heads
 
     @triton.jit
-    def _grid_sync(sync_ptr, target):
-        """Every program's stores so far visible to every program once all `target` arrivals are counted. A grid
-        that never completes (programs not all resident) traps after ~seconds of spinning: the launch fails with a
-        CUDA error (the worker restarts) instead of going on with another program's phase unfinished."""
-        tl.debug_barrier()  # all threads of this program are done with the phase
-        arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
-        spins = 0
-        while (arrived < target) & (spins < 4_000_000):
-            arrived = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
-            spins += 1
-        if arrived < target:
-            tl.inline_asm_elementwise("trap;", "=r,r", [arrived], dtype=tl.int32, is_pure=False, pack=1)
-        tl.debug_barrier()
+    def _grid_sync(sync_ptr, target, ACTIVE: tl.constexpr):
+        """Every program's stores so far visible to every program once all `target` arrivals are counted (nothing
+        when not ACTIVE: one launch per phase). A grid that never completes (programs not all resident) traps after
+        ~seconds of spinning: the launch fails with a CUDA error (the worker restarts) instead of going on with
+        another program's phase unfinished."""
+        if ACTIVE:
+            tl.debug_barrier()  # all threads of this program are done with the phase
+            arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
+            spins = 0
+            while (arrived < target) & (spins < 4_000_000):
+                arrived = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+                spins += 1
+            if arrived < target:
+                tl.inline_asm_elementwise("trap;", "=r,r", [arrived], dtype=tl.int32, is_pure=False, pack=1)
+            tl.debug_barrier()
 
     @triton.jit
     def _residual_norm_rows(x_ptr, part_ptr, w_ptr, x_out_ptr, y_ptr, rows, has_part, eps, scale, pid, nprog,
@@ -146,13 +148,11 @@ if HAVE_TRITON:
         if ALL or PHASE == 0:
             _residual_norm_rows(x_ptr, down_part_ptr, in_norm_ptr, xn_ptr, normed_ptr, rows, has_part, eps, scale, pid,
                                 nprog, H, DOWN_SPLITS, HAS_SCALE, BLOCK_H, "")
-        if ALL:
-            _grid_sync(sync_ptr, nprog)
+        _grid_sync(sync_ptr, nprog, ALL)
         if ALL or PHASE == 1:
             _project(normed_ptr, qkv_w_ptr, qkv_ptr, rows, pid, nprog, NQKV, H, 1, False, False, DOT_PRECISION,
                      BLOCK_M, BLOCK_N, BLOCK_K)
-        if ALL:
-            _grid_sync(sync_ptr, 2 * nprog)
+        _grid_sync(sync_ptr, 2 * nprog, ALL)
         if ALL or PHASE == 2:
             hk_cols: tl.constexpr = (NQKV - HQ * D) // 2
             for unit in range(pid, sequences * HQ, nprog):
@@ -161,23 +161,19 @@ if HAVE_TRITON:
                 attend_heads(qkv_ptr, qkv_ptr + HQ * D, qkv_ptr + HQ * D + hk_cols, cos_ptr, sin_ptr, attn_ptr, n,
                              unit % HQ, HQ, seq_stride, NQKV, D, seq_stride, NQKV, D, seq_stride, NQKV, D, stride_cl,
                              stride_sl, seq_len, sm_scale, GROUP, 1, HALF, BLOCK_L, ROPE, DOT_PRECISION, ".cg")
-        if ALL:
-            _grid_sync(sync_ptr, 3 * nprog)
+        _grid_sync(sync_ptr, 3 * nprog, ALL)
         if ALL or PHASE == 3:
             _project(attn_ptr, o_w_ptr, o_part_ptr, rows, pid, nprog, H, HQ * D, O_SPLITS, False, True,
                      DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-        if ALL:
-            _grid_sync(sync_ptr, 4 * nprog)
+        _grid_sync(sync_ptr, 4 * nprog, ALL)
         if ALL or PHASE == 4:
             _residual_norm_rows(xn_ptr, o_part_ptr, post_norm_ptr, x_out_ptr, normed2_ptr, rows, 1, eps, scale, pid,
                                 nprog, H, O_SPLITS, HAS_SCALE, BLOCK_H, ".cg")
-        if ALL:
-            _grid_sync(sync_ptr, 5 * nprog)
+        _grid_sync(sync_ptr, 5 * nprog, ALL)
         if ALL or PHASE == 5:
             _project(normed2_ptr, gate_up_w_ptr, act_ptr, rows, pid, nprog, F, H, 1, True, False, DOT_PRECISION,
                      BLOCK_M, BLOCK_N, BLOCK_K)
-        if ALL:
-            _grid_sync(sync_ptr, 6 * nprog)
+        _grid_sync(sync_ptr, 6 * nprog, ALL)
         if ALL or PHASE == 6:
             _project(act_ptr, down_w_ptr, down_part_ptr, rows, pid, nprog, H, F, DOWN_SPLITS, False, True,
                      DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -233,12 +229,15 @@ def prepare(device: torch.device) -> None:
         _sync[device] = torch.zeros(2, device=device, dtype=torch.int32)
 
 
-def _programs_per_sm(args: tuple, kwargs: dict, device: torch.device) -> int:
+def _programs_per_sm(args: tuple, kwargs: dict, seq_len: int, device: torch.device) -> int:
     """How many programs of this kernel variant fit on one SM at once (threads, registers as the hardware allocates
-    them, shared memory, the block limit), per compiled variant."""
-    compiled = _dense_layer_kernel.warmup(*args, grid=(1,), **kwargs)  # compiles (or finds), launches nothing
-    key = (device, compiled.hash)
+    them, shared memory, the block limit). Looked up per launch configuration: the compiled variant (`warmup`) is
+    consulted once, not at every eager launch. The key holds what picks the variant besides the constexprs: the
+    dtype, and `seq_len` (Triton specialises integers equal to 1 or divisible by 16; pointers come from torch
+    allocations, 16-byte aligned)."""
+    key = (device, args[0].dtype, seq_len == 1, seq_len % 16 == 0, *sorted(kwargs.items()))
     if key not in _resident:
+        compiled = _dense_layer_kernel.warmup(*args, grid=(1,), **kwargs)  # compiles (or finds), launches nothing
         compiled._init_handles()  # loads the module: n_regs is known from here (Triton 3.6)
         props = torch.cuda.get_device_properties(device)
         warps = kwargs["num_warps"]
@@ -318,7 +317,7 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
                       BLOCK_H=triton.next_power_of_2(h), BLOCK_L=max(16, triton.next_power_of_2(seq_len)),
                       num_stages=LAUNCH[1], num_warps=LAUNCH[2])
         if phase < 0:  # every program resident at once, or a barrier cannot complete (and traps)
-            grid = min(sms * min(LAUNCH[3], _programs_per_sm(args, kwargs, dev)), max(units))
+            grid = min(sms * min(LAUNCH[3], _programs_per_sm(args, kwargs, seq_len, dev)), max(units))
         else:
             grid = min(sms * LAUNCH[3], units[phase])
         _dense_layer_kernel[(grid,)](*args, **kwargs)
