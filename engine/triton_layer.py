@@ -69,6 +69,28 @@ if HAVE_TRITON:
             tl.debug_barrier()
 
     @triton.jit
+    def _prefetch(w_ptr, pid, nprog, N: tl.constexpr, K: tl.constexpr, SPLITS: tl.constexpr, GATE: tl.constexpr,
+                  PF_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        # The first PF_K weight elements along K of each of this program's units of a coming projection (the unit
+        # order of `_project`) into L2, one `prefetch` per 128-byte line: nothing held, nothing waited for. Issued
+        # before a phase that leaves HBM idle (a barrier, a norm, the attention), so the projection after it starts
+        # on L2 hits instead of a DRAM round trip and a pipeline ramp.
+        if PF_K > 0:
+            LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
+            KS: tl.constexpr = K // SPLITS
+            rows = tl.arange(0, BLOCK_N)
+            lines = tl.arange(0, 16) * LINE
+            for unit in range(pid, (N // BLOCK_N) * SPLITS, nprog):
+                base = w_ptr + ((unit // SPLITS) * BLOCK_N + rows)[:, None].to(tl.int64) * K + (unit % SPLITS) * KS
+                for c in tl.static_range(0, PF_K, 16 * LINE):
+                    ptrs = base + tl.minimum(c + lines, PF_K - LINE)[None, :]
+                    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
+                                              is_pure=False, pack=1)
+                    if GATE:  # the up rows follow the gate rows
+                        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs + N * K],
+                                                  dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _residual_norm_rows(x_ptr, part_ptr, w_ptr, x_out_ptr, y_ptr, rows, has_part, eps, scale, pid, nprog,
                             H: tl.constexpr, SPLITS: tl.constexpr, HAS_SCALE: tl.constexpr,
                             BLOCK_H: tl.constexpr, CACHE: tl.constexpr):
@@ -208,7 +230,8 @@ if HAVE_TRITON:
                       HAS_SCALE: tl.constexpr, ROPE: tl.constexpr, PAGED: tl.constexpr,
                       PHASE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_L: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                      BLOCK_L: tl.constexpr, BLOCK_SIZE: tl.constexpr, PF_QKV: tl.constexpr, PF_O: tl.constexpr,
+                      PF_GATE_UP: tl.constexpr, PF_DOWN: tl.constexpr):
         # PHASE -1: all phases, grid barriers between them; 0..6: that phase only (a launch per phase). PAGED: a causal
         # stack's decode step (one token per sequence, seq_len 1) over its paged KV cache (the k/v_cache, tables,
         # row_index, ctx and slot pointers: that layer's cache and the step's AttentionMetadata); else dense
@@ -218,6 +241,10 @@ if HAVE_TRITON:
         rows = sequences * seq_len
         D: tl.constexpr = 2 * HALF
         ALL: tl.constexpr = PHASE < 0
+        # PF_*: how far along K each projection's units are prefetched into L2 ahead of it (0: not), in fused
+        # launches only: from the phase before, which would otherwise leave HBM idle.
+        if ALL:
+            _prefetch(qkv_w_ptr, pid, nprog, NQKV, H, 1, False, PF_QKV, BLOCK_N)
         if ALL or PHASE == 0:
             _residual_norm_rows(x_ptr, down_part_ptr, in_norm_ptr, xn_ptr, normed_ptr, rows, has_part, eps, scale, pid,
                                 nprog, H, DOWN_SPLITS, HAS_SCALE, BLOCK_H, "")
@@ -225,6 +252,8 @@ if HAVE_TRITON:
         if ALL or PHASE == 1:
             _project(normed_ptr, qkv_w_ptr, qkv_ptr, rows, pid, nprog, NQKV, H, 1, False, False, DOT_PRECISION,
                      BLOCK_M, BLOCK_N, BLOCK_K)
+        if ALL:
+            _prefetch(o_w_ptr, pid, nprog, H, HQ * D, O_SPLITS, False, PF_O, BLOCK_N)
         _grid_sync(sync_ptr, 2 * nprog, ALL)
         if (ALL or PHASE == 2) and PAGED:
             _attend_cached(qkv_ptr, cos_ptr, sin_ptr, attn_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, row_index_ptr,
@@ -242,6 +271,8 @@ if HAVE_TRITON:
         if ALL or PHASE == 3:
             _project(attn_ptr, o_w_ptr, o_part_ptr, rows, pid, nprog, H, HQ * D, O_SPLITS, False, True,
                      DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        if ALL:
+            _prefetch(gate_up_w_ptr, pid, nprog, F, H, 1, True, PF_GATE_UP, BLOCK_N)
         _grid_sync(sync_ptr, 4 * nprog, ALL)
         if ALL or PHASE == 4:
             _residual_norm_rows(xn_ptr, o_part_ptr, post_norm_ptr, x_out_ptr, normed2_ptr, rows, 1, eps, scale, pid,
@@ -250,6 +281,8 @@ if HAVE_TRITON:
         if ALL or PHASE == 5:
             _project(normed2_ptr, gate_up_w_ptr, act_ptr, rows, pid, nprog, F, H, 1, True, False, DOT_PRECISION,
                      BLOCK_M, BLOCK_N, BLOCK_K)
+        if ALL:
+            _prefetch(down_w_ptr, pid, nprog, H, F, DOWN_SPLITS, False, PF_DOWN, BLOCK_N)
         _grid_sync(sync_ptr, 6 * nprog, ALL)
         if ALL or PHASE == 6:
             _project(act_ptr, down_w_ptr, down_part_ptr, rows, pid, nprog, H, F, DOWN_SPLITS, False, True,
@@ -267,6 +300,9 @@ MAX_ROWS = min(64, int(os.environ.get("VOXCPM_LAYER_MAX_ROWS", "64")))  # more: 
 # Tokens up to which a causal stack's decode step (the base and residual LMs: one token per sequence) runs as layer
 # kernels (VOXCPM_LAYER_MAX_DECODE_ROWS).
 MAX_DECODE_ROWS = min(64, int(os.environ.get("VOXCPM_LAYER_MAX_DECODE_ROWS", "64")))
+# Bytes of each projection's weights prefetched into L2 ahead of it in a fused launch (VOXCPM_LAYER_PREFETCH_MB, 0:
+# none): about what HBM can deliver in the idle phase before it; more only evicts what is still to be used.
+PREFETCH_BYTES = int(float(os.environ.get("VOXCPM_LAYER_PREFETCH_MB", "8")) * 2**20)
 PAGED_KEYS_PER_TILE = 32  # cached keys per step of a decode unit's loop (one query row: registers, not tensor cores)
 # VOXCPM_LAYER_KERNEL: "fused" (default) one launch per layer with grid barriers; "phases" a launch per phase (same
 # arithmetic, for comparison); "off" the layer's separate kernels.
@@ -343,6 +379,13 @@ def _plan(cfg: TransformerConfig, sms: int) -> tuple[int, int, int] | None:
     block_k = next((b for b in (512, 256, 128, 64, 32, 16) if b <= LAUNCH[0] and h % b == 0
                     and q_width // splits % b == 0 and f // splits % b == 0), None)
     return None if block_k is None else (splits, splits, block_k)
+
+
+def _prefetch_len(rows: int, k: int, elem_size: int) -> int:
+    """How far along K (elements, whole 128-byte lines) a projection's units are prefetched: its first
+    `PREFETCH_BYTES` in all. rows: the weight's rows (gate and up together); k: the K of one split."""
+    line = 128 // elem_size
+    return 0 if k % line else min(k, PREFETCH_BYTES // (rows * elem_size)) // line * line
 
 
 def _stack_supported(stack: torch.nn.Module, x: torch.Tensor, rows: int, max_rows: int) -> bool:
@@ -424,6 +467,10 @@ def _run_stack(stack: torch.nn.Module, x: torch.Tensor, sequences: int, seq_len:
         block_size, stride_bt, block_l = 1, 0, max(16, triton.next_power_of_2(seq_len))
     units = (rows, nqkv // BLOCK_N, sequences * hq, h // BLOCK_N * o_splits, rows, f // BLOCK_N,
              h // BLOCK_N * down_splits)
+    pf_names = ("PF_QKV", "PF_O", "PF_GATE_UP", "PF_DOWN")
+    pf_shapes = ((nqkv, h), (h, hq * d // o_splits), (2 * f, h), (h, f // down_splits))
+    prefetch = {name: _prefetch_len(n, k, x.element_size()) if fused_launch else 0
+                for name, (n, k) in zip(pf_names, pf_shapes, strict=True)}
     scale = layers[0].residual_scale
 
     def launch(i: int, x_in: torch.Tensor, in_norm: torch.Tensor, phase: int) -> None:
@@ -439,7 +486,7 @@ def _run_stack(stack: torch.nn.Module, x: torch.Tensor, sequences: int, seq_len:
                       DOWN_SPLITS=down_splits, HAS_SCALE=scale is not None, ROPE=rope is not None,
                       PAGED=paged is not None, PHASE=phase, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
                       BLOCK_M=max(32, triton.next_power_of_2(rows)), BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-                      BLOCK_H=triton.next_power_of_2(h), BLOCK_L=block_l, BLOCK_SIZE=block_size,
+                      BLOCK_H=triton.next_power_of_2(h), BLOCK_L=block_l, BLOCK_SIZE=block_size, **prefetch,
                       num_stages=LAUNCH[1], num_warps=LAUNCH[2])
         if phase < 0:  # every program resident at once, or a barrier cannot complete (and traps)
             grid = min(sms * min(LAUNCH[3], _programs_per_sm(args, kwargs, seq_len, dev)), max(units))

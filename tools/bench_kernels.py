@@ -117,6 +117,16 @@ def bench_gemm(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: 
     return rows
 
 
+def prefetch_sweep(run: Callable[[], object], layers: int) -> dict[str, float]:
+    """us per layer of a fused layer-kernel stack at each L2 prefetch budget (MB per projection, 0: none)."""
+    sweep = {}
+    for mb in (0, 2, 4, 8, 16, 32):
+        with mock.patch.object(triton_layer, "PREFETCH_BYTES", mb * 2**20), torch.no_grad():
+            sweep[str(mb)] = round(replay_us(run) / layers, 2)
+    print(f"  prefetch sweep (MB per projection -> us per layer): {sweep}", flush=True)
+    return sweep
+
+
 def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: torch.dtype) -> list[dict]:
     """The DiT's and LocEnc's whole stacks (every layer its own random weights, read from HBM) at a decode step's
     rows: the layers' separate kernels against the layer kernel (`engine.triton_layer`) as one launch per layer
@@ -159,6 +169,9 @@ def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype:
                             sweep[str(launch)] = f"{type(e).__name__}"
                 row["fused_sweep_us_per_layer"] = sweep
                 print(f"  sweep (K tile, stages, warps, programs per SM) -> us per layer: {sweep}", flush=True)
+            if b == batches[0]:
+                row["prefetch_sweep_us_per_layer"] = prefetch_sweep(partial(stack, x, rope, dense_attention),
+                                                                    len(stack.layers))
             out.append(row)
             print(f"{name} B={b} ({row['rows']} rows): us per layer: separate kernels {row['off_us_per_layer']}, "
                   f"phases {row['phases_us_per_layer']}, fused {row['fused_us_per_layer']}; rel err phases "
@@ -207,6 +220,8 @@ def bench_decode_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device,
             for mode in ("phases", "fused"):
                 ref = outputs["off"]
                 row[f"{mode}_rel_err"] = float((outputs[mode] - ref).abs().max() / ref.abs().max())
+            if b == batches[0]:
+                row["prefetch_sweep_us_per_layer"] = prefetch_sweep(partial(stack, x, rope, attend), len(stack.layers))
             stack_rope = rope if stack.uses_rope else None
             with mock.patch.object(triton_layer, "MODE", "phases"), torch.no_grad():
                 row["phase_us"] = [round(replay_us(partial(triton_layer.decode_stack, stack, x, stack_rope, cache.k,
