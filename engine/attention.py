@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import fused, triton_layer
+from engine import fused
 from engine.fused import rotary_qk
+from engine.models.minicpm import AttendFn
 
 BACKENDS = ("flash", "triton", "torch")
 
@@ -81,51 +82,34 @@ class PagedKVCache:
                         dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
-    def attend_fn(self, meta: AttentionMetadata) -> PagedAttend:
+    def attend_fn(self, meta: AttentionMetadata) -> AttendFn:
         backend = self.backend
         if backend == "flash" and not (meta.is_prefill and meta.query_lens is not None
                                        and meta.query_lens == meta.key_lens):
             backend = "triton"
-        return PagedAttend(self, meta, backend)
 
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   rope: torch.Tensor | None = None) -> torch.Tensor:
+            k_cache, v_cache = self.k[layer], self.v[layer]
+            # The Triton attention reads K/V from the cache only: there rotary and cache write are one kernel.
+            q_rot = fused.rotary_store_kv(q, k, v, rope, k_cache, v_cache, meta.slot_mapping) \
+                if backend == "triton" else None
+            if q_rot is None:
+                q, k = rotate_and_store(q, k, v, rope, k_cache, v_cache, meta.slot_mapping)
+            else:
+                q = q_rot
+            if backend == "triton":
+                from engine.triton_attention import paged_attention
 
-class PagedAttend:
-    """The per-layer attention function of one step over a paged cache (what the transformer calls), and, for a
-    decode step on the Triton backend, the whole stack as layer kernels (`run_stack`)."""
+                return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.row_index,
+                                       meta.token_context_lens).flatten(-2)
+            if backend == "flash":
+                return flash_prefill_attention(q, k, v, meta)
+            if meta.is_prefill and meta.query_lens is not None:
+                return torch_prefill_attention(q, k, v, k_cache, v_cache, meta)
+            return torch_paged_attention(q, k_cache, v_cache, meta)
 
-    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, backend: str) -> None:
-        self.cache, self.meta, self.backend = cache, meta, backend
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 rope: torch.Tensor | None = None) -> torch.Tensor:
-        meta, backend = self.meta, self.backend
-        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-        # The Triton attention reads K/V from the cache only: there rotary and cache write are one kernel.
-        q_rot = fused.rotary_store_kv(q, k, v, rope, k_cache, v_cache, meta.slot_mapping) \
-            if backend == "triton" else None
-        if q_rot is None:
-            q, k = rotate_and_store(q, k, v, rope, k_cache, v_cache, meta.slot_mapping)
-        else:
-            q = q_rot
-        if backend == "triton":
-            from engine.triton_attention import paged_attention
-
-            return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.row_index,
-                                   meta.token_context_lens).flatten(-2)
-        if backend == "flash":
-            return flash_prefill_attention(q, k, v, meta)
-        if meta.is_prefill and meta.query_lens is not None:
-            return torch_prefill_attention(q, k, v, k_cache, v_cache, meta)
-        return torch_paged_attention(q, k_cache, v_cache, meta)
-
-    def run_stack(self, stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor | None:
-        """stack(x) of a decode step as one persistent kernel per layer (`engine.triton_layer`), or None where that
-        does not apply (prefill, a backend other than Triton, CPU, too many tokens)."""
-        k, v = self.cache.k, self.cache.v
-        if self.backend != "triton" or self.meta.is_prefill or not fused.kernels(x) \
-                or not triton_layer.decode_supported(stack, x, k, v):
-            return None
-        return triton_layer.decode_stack(stack, x, rope, k, v, self.meta)
+        return attend
 
 
 def rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor | None,

@@ -14,10 +14,11 @@ SM; 2 fit for the shipped variants on an H100) runs the layer's phases back to b
   5  gate/up projection with the SiLU gate                                                                     (tiles)
   6  down projection, split along K into fp32 partials, summed by the next layer's phase 0              (tiles x splits)
 
-A stack ends with phase 0 alone under its final norm. Measured (H100, docs/benchmarks.md, profile step 12): 33.3 us
-per DiT layer at B=1 (2 programs per SM: what fits), B=1 step 6.94 -> 6.50 ms. A barrier costs about what a kernel
-boundary in a CUDA graph costs; the gain is fewer, fuller phases, and several programs per SM keeping enough weight
-bytes in flight.
+A stack ends with phase 0 alone under its final norm. Each program also prefetches into L2 the first weights of its
+units of the next projection from the phase before it (`_prefetch`, `PREFETCH_BYTES`). Measured (H100,
+docs/benchmarks.md, profile steps 12-13): 33.3 us per DiT layer at B=1 (2 programs per SM: what fits), 31.75 with the
+prefetch; B=1 step 6.94 -> 6.50 ms. A barrier costs about what a kernel boundary in a CUDA graph costs; the gain is
+fewer, fuller phases, and several programs per SM keeping enough weight bytes in flight.
 
 The rounding points are the eager layer's (each projection's output rounded to the dtype after fp32 accumulation,
 split partials summed in split order first, as cuBLAS's split-K does; the norms, attention and SiLU gate as in
@@ -40,7 +41,6 @@ from engine.triton_attention import HAVE_TRITON, _is_interpreted
 if TYPE_CHECKING:
     import torch
 
-    from engine.attention import AttentionMetadata
     from engine.config import TransformerConfig
 else:
     from engine.lazy_torch import torch  # the kernel-compiling children never load it
@@ -74,7 +74,7 @@ if HAVE_TRITON:
         # The first PF_K weight elements along K of each of this program's units of a coming projection (the unit
         # order of `_project`) into L2, one `prefetch` per 128-byte line: nothing held, nothing waited for. Issued
         # before a phase that leaves HBM idle (a barrier, a norm, the attention), so the projection after it starts
-        # on L2 hits instead of a DRAM round trip and a pipeline ramp.
+        # on L2 hits instead of a DRAM round trip.
         if PF_K > 0:
             LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
             KS: tl.constexpr = K // SPLITS
@@ -150,92 +150,20 @@ if HAVE_TRITON:
                     y = (s.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
                 tl.store(out_ptr + m[None, :] * N + cols[:, None], y, mask=out_mask)
 
-    @triton.jit
-    def _attend_cached(qkv_ptr, cos_ptr, sin_ptr, attn_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, row_index_ptr,
-                       ctx_ptr, slot_ptr, tokens, stride_cl, stride_sl, stride_bt, sm_scale, pid, nprog,
-                       NQKV: tl.constexpr, HQ: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
-                       ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_KV: tl.constexpr):
-        # A causal stack's decode attention, one unit per (token, query head): the token's q and k rotated (rounded
-        # to the dtype, as the eager rotary hands them over), its k and v stored to its cache slot (by the first
-        # query head of each kv head), then attention over the cached positions before it and itself. The token's
-        # own k/v come from registers, so no unit reads a slot another unit of this phase writes. An online softmax
-        # in the exp2 domain with p rounded to the dtype before p @ v, as `engine.triton_attention`.
-        D: tl.constexpr = 2 * HALF
-        HK: tl.constexpr = HQ // GROUP
-        d = tl.arange(0, HALF)
-        kv = tl.arange(0, BLOCK_KV)
-        qk_scale = sm_scale * 1.4426950408889634
-        dtype = attn_ptr.dtype.element_ty
-        for unit in range(pid, tokens * HQ, nprog):
-            t = unit // HQ  # rows <= 64: offsets far below 2**31 (slots and blocks are int64)
-            h = unit % HQ
-            g = h // GROUP
-            row = qkv_ptr + t * NQKV
-            q1 = tl.load(row + h * D + d, cache_modifier=".cg")
-            q2 = tl.load(row + h * D + HALF + d, cache_modifier=".cg")
-            k1 = tl.load(row + HQ * D + g * D + d, cache_modifier=".cg")
-            k2 = tl.load(row + HQ * D + g * D + HALF + d, cache_modifier=".cg")
-            v1 = tl.load(row + (HQ + HK) * D + g * D + d, cache_modifier=".cg")
-            v2 = tl.load(row + (HQ + HK) * D + g * D + HALF + d, cache_modifier=".cg")
-            if ROPE:
-                c1, c2 = tl.load(cos_ptr + t * stride_cl + d), tl.load(cos_ptr + t * stride_cl + HALF + d)
-                s1, s2 = tl.load(sin_ptr + t * stride_sl + d), tl.load(sin_ptr + t * stride_sl + HALF + d)
-                q1f, q2f, k1f, k2f = q1.to(tl.float32), q2.to(tl.float32), k1.to(tl.float32), k2.to(tl.float32)
-                q1, q2 = (q1f * c1 - q2f * s1).to(dtype), (q2f * c2 + q1f * s2).to(dtype)
-                k1, k2 = (k1f * c1 - k2f * s1).to(dtype), (k2f * c2 + k1f * s2).to(dtype)
-            if h % GROUP == 0:
-                slot = tl.load(slot_ptr + t) * (HK * D) + g * D
-                tl.store(k_cache_ptr + slot + d, k1)
-                tl.store(k_cache_ptr + slot + HALF + d, k2)
-                tl.store(v_cache_ptr + slot + d, v1)
-                tl.store(v_cache_ptr + slot + HALF + d, v2)
-            q1f, q2f = q1.to(tl.float32), q2.to(tl.float32)
-            m = (tl.sum(q1f * k1.to(tl.float32), axis=0) + tl.sum(q2f * k2.to(tl.float32), axis=0)) * qk_scale
-            l = m * 0.0 + 1.0  # the token itself: p = 1
-            acc1, acc2 = v1.to(tl.float32), v2.to(tl.float32)
-            past = tl.load(ctx_ptr + t) - 1  # cached positions before the token (0 for a padding row)
-            table = tables_ptr + tl.load(row_index_ptr + t).to(tl.int64) * stride_bt
-            for start in range(0, past, BLOCK_KV):
-                pos = start + kv
-                valid = pos < past
-                block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-                base = (block * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * (HK * D) + g * D + d[None, :]
-                kt1 = tl.load(k_cache_ptr + base, mask=valid[:, None], other=0.0).to(tl.float32)
-                kt2 = tl.load(k_cache_ptr + base + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
-                s = (tl.sum(kt1 * q1f[None, :], axis=1) + tl.sum(kt2 * q2f[None, :], axis=1)) * qk_scale
-                s = tl.where(valid, s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, axis=0))
-                p = tl.math.exp2(s - m_new)
-                alpha = tl.math.exp2(m - m_new)
-                l = l * alpha + tl.sum(p, axis=0)
-                p = p.to(dtype).to(tl.float32)[:, None]
-                vt1 = tl.load(v_cache_ptr + base, mask=valid[:, None], other=0.0).to(tl.float32)
-                vt2 = tl.load(v_cache_ptr + base + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
-                acc1 = acc1 * alpha + tl.sum(p * vt1, axis=0)
-                acc2 = acc2 * alpha + tl.sum(p * vt2, axis=0)
-                m = m_new
-            out = attn_ptr + (t * HQ + h) * D
-            tl.store(out + d, (acc1 / l).to(dtype))
-            tl.store(out + HALF + d, (acc2 / l).to(dtype))
-
     # Not specialised on `sequences` == 1 or `has_part`: fewer variants to compile at start-up, no cost at run time.
     @triton.jit(do_not_specialize=["sequences", "has_part"])
-    def _layer_kernel(x_ptr, down_part_ptr, x_out_ptr, in_norm_ptr, post_norm_ptr, qkv_w_ptr, o_w_ptr,
-                      gate_up_w_ptr, down_w_ptr, cos_ptr, sin_ptr, xn_ptr, normed_ptr, qkv_ptr, attn_ptr,
-                      o_part_ptr, normed2_ptr, act_ptr, sync_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, row_index_ptr,
-                      ctx_ptr, slot_ptr, sequences, seq_len, has_part, stride_cl, stride_sl, stride_bt, eps, scale,
-                      sm_scale,
-                      H: tl.constexpr, NQKV: tl.constexpr, HQ: tl.constexpr, GROUP: tl.constexpr,
-                      HALF: tl.constexpr, F: tl.constexpr, O_SPLITS: tl.constexpr, DOWN_SPLITS: tl.constexpr,
-                      HAS_SCALE: tl.constexpr, ROPE: tl.constexpr, PAGED: tl.constexpr,
-                      PHASE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_L: tl.constexpr, BLOCK_SIZE: tl.constexpr, PF_QKV: tl.constexpr, PF_O: tl.constexpr,
-                      PF_GATE_UP: tl.constexpr, PF_DOWN: tl.constexpr):
-        # PHASE -1: all phases, grid barriers between them; 0..6: that phase only (a launch per phase). PAGED: a causal
-        # stack's decode step (one token per sequence, seq_len 1) over its paged KV cache (the k/v_cache, tables,
-        # row_index, ctx and slot pointers: that layer's cache and the step's AttentionMetadata); else dense
-        # attention within each sequence of seq_len rows (the cache pointers unused).
+    def _dense_layer_kernel(x_ptr, down_part_ptr, x_out_ptr, in_norm_ptr, post_norm_ptr, qkv_w_ptr, o_w_ptr,
+                            gate_up_w_ptr, down_w_ptr, cos_ptr, sin_ptr, xn_ptr, normed_ptr, qkv_ptr, attn_ptr,
+                            o_part_ptr, normed2_ptr, act_ptr, sync_ptr, sequences, seq_len, has_part, stride_cl,
+                            stride_sl, eps, scale, sm_scale,
+                            H: tl.constexpr, NQKV: tl.constexpr, HQ: tl.constexpr, GROUP: tl.constexpr,
+                            HALF: tl.constexpr, F: tl.constexpr, O_SPLITS: tl.constexpr, DOWN_SPLITS: tl.constexpr,
+                            HAS_SCALE: tl.constexpr, ROPE: tl.constexpr,
+                            PHASE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                            BLOCK_L: tl.constexpr, PF_QKV: tl.constexpr, PF_O: tl.constexpr,
+                            PF_GATE_UP: tl.constexpr, PF_DOWN: tl.constexpr):
+        # PHASE -1: all phases, grid barriers between them; 0..6: that phase only (a launch per phase).
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         rows = sequences * seq_len
@@ -255,11 +183,7 @@ if HAVE_TRITON:
         if ALL:
             _prefetch(o_w_ptr, pid, nprog, H, HQ * D, O_SPLITS, False, PF_O, BLOCK_N)
         _grid_sync(sync_ptr, 2 * nprog, ALL)
-        if (ALL or PHASE == 2) and PAGED:
-            _attend_cached(qkv_ptr, cos_ptr, sin_ptr, attn_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, row_index_ptr,
-                           ctx_ptr, slot_ptr, rows, stride_cl, stride_sl, stride_bt, sm_scale, pid, nprog, NQKV, HQ,
-                           GROUP, HALF, ROPE, BLOCK_SIZE, BLOCK_L)
-        if (ALL or PHASE == 2) and not PAGED:
+        if ALL or PHASE == 2:
             hk_cols: tl.constexpr = (NQKV - HQ * D) // 2
             for unit in range(pid, sequences * HQ, nprog):
                 n = unit // HQ  # (sequence, head) pairs: offsets stay far below 2**31
@@ -297,13 +221,6 @@ if HAVE_TRITON:
 # Rows (sequences x tokens) up to which a stack runs as layer kernels (VOXCPM_LAYER_MAX_ROWS): the DiT at B=1 (22 rows),
 # the LocEnc up to B=12.
 MAX_ROWS = min(64, int(os.environ.get("VOXCPM_LAYER_MAX_ROWS", "64")))  # more: tiles past the SM's resources
-# Tokens up to which a causal stack's decode step (the base and residual LMs: one token per sequence) runs as layer
-# kernels (VOXCPM_LAYER_MAX_DECODE_ROWS).
-MAX_DECODE_ROWS = min(64, int(os.environ.get("VOXCPM_LAYER_MAX_DECODE_ROWS", "64")))
-# Bytes of each projection's weights prefetched into L2 ahead of it in a fused launch (VOXCPM_LAYER_PREFETCH_MB, 0:
-# none): about what HBM can deliver in the idle phase before it; more only evicts what is still to be used.
-PREFETCH_BYTES = int(float(os.environ.get("VOXCPM_LAYER_PREFETCH_MB", "8")) * 2**20)
-PAGED_KEYS_PER_TILE = 32  # cached keys per step of a decode unit's loop (one query row: registers, not tensor cores)
 # VOXCPM_LAYER_KERNEL: "fused" (default) one launch per layer with grid barriers; "phases" a launch per phase (same
 # arithmetic, for comparison); "off" the layer's separate kernels.
 MODE = os.environ.get("VOXCPM_LAYER_KERNEL", "fused")
@@ -317,6 +234,10 @@ BLOCK_N = 16
 LAUNCH = tuple(int(v) for v in os.environ.get("VOXCPM_LAYER_LAUNCH", "128,4,4,4").split(","))
 if len(LAUNCH) != 4 or min(LAUNCH) < 1:
     raise ValueError(f"VOXCPM_LAYER_LAUNCH={LAUNCH}: four positive integers (K tile, stages, warps, programs per SM)")
+# Bytes of each projection's weights prefetched into L2 ahead of it in a fused launch (VOXCPM_LAYER_PREFETCH_MB, 0:
+# none): about what HBM delivers in the idle phase before it; more only evicts what is still to be used. DiT B=1 on an
+# H100 (tools/bench_kernels.py --only layer): 0 MB 33.5 us per layer, 2 MB 31.75, 4 MB 32.1, 8 MB 32.4, 16 MB 33.9.
+PREFETCH_BYTES = int(float(os.environ.get("VOXCPM_LAYER_PREFETCH_MB", "2")) * 2**20)
 _resident: dict[tuple, int] = {}
 _sync: dict[torch.device, torch.Tensor] = {}  # the barrier counter and the exit counter, per device
 _sm_count: dict[torch.device, int] = {}
@@ -354,7 +275,7 @@ def _programs_per_sm(args: tuple, kwargs: dict, seq_len: int, device: torch.devi
     allocations, 16-byte aligned)."""
     key = (device, args[0].dtype, seq_len == 1, seq_len % 16 == 0, *sorted(kwargs.items()))
     if key not in _resident:
-        compiled = _layer_kernel.warmup(*args, grid=(1,), **kwargs)  # compiles (or finds), launches nothing
+        compiled = _dense_layer_kernel.warmup(*args, grid=(1,), **kwargs)  # compiles (or finds), launches nothing
         compiled._init_handles()  # loads the module: n_regs is known from here (Triton 3.6)
         props = torch.cuda.get_device_properties(device)
         warps = kwargs["num_warps"]
@@ -388,34 +309,18 @@ def _prefetch_len(rows: int, k: int, elem_size: int) -> int:
     return 0 if k % line else min(k, PREFETCH_BYTES // (rows * elem_size)) // line * line
 
 
-def _stack_supported(stack: torch.nn.Module, x: torch.Tensor, rows: int, max_rows: int) -> bool:
-    """What both kinds of stack need: CUDA (or the interpreter), fused projections in x's dtype, few rows, head
-    shapes the attention phase takes, projection shapes the tiles divide."""
-    if MODE == "off" or not (HAVE_TRITON and triton_kernels.usable(x) and len(stack.layers)):
+def supported(stack: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Whether `dense_stack` runs this MiniCPM stack on x (N, L, hidden): CUDA (or the interpreter), fused
+    projections, few rows, shapes the tiles divide."""
+    if MODE == "off" or not (HAVE_TRITON and triton_kernels.usable(x) and x.dim() == 3 and len(stack.layers)):
         return False
     cfg, layer = stack.cfg, stack.layers[0]
     d = cfg.head_dim
-    return (rows <= max_rows and layer.self_attn.qkv_weight is not None and layer.mlp.gate_up_weight is not None
+    return (x.shape[0] * x.shape[1] <= MAX_ROWS and x.shape[1] <= triton_kernels.MAX_DENSE_LEN
+            and layer.self_attn.qkv_weight is not None and layer.mlp.gate_up_weight is not None
             and x.dtype == layer.self_attn.qkv_weight.dtype and x.shape[-1] == cfg.hidden_size
             and d >= 32 and d & (d - 1) == 0 and cfg.num_attention_heads % cfg.num_key_value_heads == 0
             and _plan(cfg, _sms(x.device) * LAUNCH[3]) is not None)
-
-
-def supported(stack: torch.nn.Module, x: torch.Tensor) -> bool:
-    """Whether `dense_stack` runs this non-causal MiniCPM stack on x (N, L, hidden)."""
-    return (x.dim() == 3 and x.shape[1] <= triton_kernels.MAX_DENSE_LEN
-            and _stack_supported(stack, x, x.shape[0] * x.shape[1], MAX_ROWS))
-
-
-def decode_supported(stack: torch.nn.Module, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether `decode_stack` runs this causal MiniCPM stack's decode step on x (T, hidden) over its paged cache
-    (layers, blocks, block size, kv heads, head_dim), contiguous, of x's dtype."""
-    cfg = stack.cfg
-    return (x.dim() == 2 and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-            and k_cache.dtype == v_cache.dtype == x.dtype and k_cache.dim() == 5
-            and k_cache.shape[0] == len(stack.layers)
-            and k_cache.shape[-2:] == (cfg.num_key_value_heads, cfg.head_dim)
-            and _stack_supported(stack, x, x.shape[0], MAX_DECODE_ROWS))
 
 
 def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | None,
@@ -423,33 +328,15 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
     """stack(x) for a non-causal MiniCPM stack (its final norm applied), where `supported`: x (N, L, hidden);
     rope (L, 2, head_dim) rows or None. One launch per layer, plus one for the final norm. only_phases (mode
     "phases", for timing them one by one): launch only these phases of each layer."""
-    n, seq_len, h = x.shape
-    out = _run_stack(stack, x.reshape(n * seq_len, h), n, seq_len, rope, None, only_phases)
-    return out.view(n, seq_len, h)
-
-
-def decode_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | None, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata, only_phases: tuple[int, ...] | None = None,
-                 ) -> torch.Tensor:
-    """stack(x, rope, attend) of a causal MiniCPM stack's decode step, where `decode_supported`: x (T, hidden), one
-    token per sequence; rope (T, 2, head_dim) rows of the tokens' positions or None; the stack's K/V caches (every
-    layer's; each token's k/v are written to its slot) and the step's metadata (decode: not a prefill)."""
-    assert not meta.is_prefill, "decode_stack takes one token per sequence"
-    paged = (k_cache, v_cache, meta.block_tables, meta.row_index, meta.token_context_lens, meta.slot_mapping)
-    return _run_stack(stack, x.contiguous(), x.shape[0], 1, rope, paged, only_phases)
-
-
-def _run_stack(stack: torch.nn.Module, x: torch.Tensor, sequences: int, seq_len: int, rope: torch.Tensor | None,
-               paged: tuple[torch.Tensor, ...] | None, only_phases: tuple[int, ...] | None) -> torch.Tensor:
-    """The layer kernels over x (rows, hidden), `sequences` of `seq_len` rows (paged: tokens of 1)."""
     cfg, layers = stack.cfg, stack.layers
-    rows, h = x.shape
-    dev, dtype = _device(x.device), x.dtype
+    n, seq_len, h = x.shape
+    rows, dev, dtype = n * seq_len, _device(x.device), x.dtype
     hq, hk, d, f = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
     nqkv = (hq + 2 * hk) * d
     sms = _sms(dev)
     o_splits, down_splits, block_k = _plan(cfg, sms * LAUNCH[3])
     fused_launch = MODE == "fused" and not _is_interpreted()
+    x = x.reshape(rows, h).contiguous()
 
     def buffer(*shape: int, fp32: bool = False) -> torch.Tensor:
         return torch.empty(shape, device=dev, dtype=torch.float32 if fp32 else dtype)
@@ -459,43 +346,33 @@ def _run_stack(stack: torch.nn.Module, x: torch.Tensor, sequences: int, seq_len:
     o_part, down_part = buffer(o_splits, rows, h, fp32=True), buffer(down_splits, rows, h, fp32=True)
     prepare(dev)
     cos, sin = (rope[:, 0, :], rope[:, 1, :]) if rope is not None else (x, x)
-    if paged is not None:
-        k_cache, v_cache, tables, row_index, ctx, slots = paged
-        block_size, stride_bt, block_l = k_cache.shape[2], tables.stride(0), PAGED_KEYS_PER_TILE
-    else:
-        k_cache = v_cache = tables = row_index = ctx = slots = x  # unused
-        block_size, stride_bt, block_l = 1, 0, max(16, triton.next_power_of_2(seq_len))
-    units = (rows, nqkv // BLOCK_N, sequences * hq, h // BLOCK_N * o_splits, rows, f // BLOCK_N,
-             h // BLOCK_N * down_splits)
+    units = (rows, nqkv // BLOCK_N, n * hq, h // BLOCK_N * o_splits, rows, f // BLOCK_N, h // BLOCK_N * down_splits)
     pf_names = ("PF_QKV", "PF_O", "PF_GATE_UP", "PF_DOWN")
     pf_shapes = ((nqkv, h), (h, hq * d // o_splits), (2 * f, h), (h, f // down_splits))
-    prefetch = {name: _prefetch_len(n, k, x.element_size()) if fused_launch else 0
-                for name, (n, k) in zip(pf_names, pf_shapes, strict=True)}
+    prefetch = {name: _prefetch_len(n_rows, k, x.element_size()) if fused_launch else 0
+                for name, (n_rows, k) in zip(pf_names, pf_shapes, strict=True)}
     scale = layers[0].residual_scale
 
-    def launch(i: int, x_in: torch.Tensor, in_norm: torch.Tensor, phase: int) -> None:
-        layer = layers[i]
-        caches = (k_cache[i], v_cache[i]) if paged is not None else (x, x)
+    def launch(layer: torch.nn.Module, first: bool, x_in: torch.Tensor, in_norm: torch.Tensor, phase: int) -> None:
         args = (
             x_in, down_part, x_res, in_norm, layer.post_attention_layernorm.weight, layer.self_attn.qkv_weight,
             layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight, layer.mlp.down_proj.weight, cos, sin, x_mid,
-            normed, qkv, attn, o_part, normed2, act, _sync[dev], *caches, tables, row_index, ctx, slots, sequences,
-            seq_len, 0 if x_in is x else 1, cos.stride(0), sin.stride(0), stride_bt, cfg.rms_norm_eps,
-            1.0 if scale is None else scale, d ** -0.5)
+            normed, qkv, attn, o_part, normed2, act, _sync[dev], n, seq_len, 0 if first else 1, cos.stride(0),
+            sin.stride(0), cfg.rms_norm_eps, 1.0 if scale is None else scale, d ** -0.5)
         kwargs = dict(H=h, NQKV=nqkv, HQ=hq, GROUP=hq // hk, HALF=d // 2, F=f, O_SPLITS=o_splits,
                       DOWN_SPLITS=down_splits, HAS_SCALE=scale is not None, ROPE=rope is not None,
-                      PAGED=paged is not None, PHASE=phase, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                      PHASE=phase, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
                       BLOCK_M=max(32, triton.next_power_of_2(rows)), BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-                      BLOCK_H=triton.next_power_of_2(h), BLOCK_L=block_l, BLOCK_SIZE=block_size, **prefetch,
+                      BLOCK_H=triton.next_power_of_2(h), BLOCK_L=max(16, triton.next_power_of_2(seq_len)), **prefetch,
                       num_stages=LAUNCH[1], num_warps=LAUNCH[2])
         if phase < 0:  # every program resident at once, or a barrier cannot complete (and traps)
             grid = min(sms * min(LAUNCH[3], _programs_per_sm(args, kwargs, seq_len, dev)), max(units))
         else:
             grid = min(sms * LAUNCH[3], units[phase])
-        _layer_kernel[(grid,)](*args, **kwargs)
+        _dense_layer_kernel[(grid,)](*args, **kwargs)
 
     for i, layer in enumerate(layers):
         for phase in (-1,) if fused_launch else only_phases or range(len(units)):
-            launch(i, x if i == 0 else x_res, layer.input_layernorm.weight, phase)
-    launch(len(layers) - 1, x_res, stack.norm.weight, 0)  # the last layer's down projection added, the final norm
-    return normed
+            launch(layer, i == 0, x if i == 0 else x_res, layer.input_layernorm.weight, phase)
+    launch(layers[-1], False, x_res, stack.norm.weight, 0)  # the last layer's down projection added, the final norm
+    return normed.view(n, seq_len, h)

@@ -340,76 +340,11 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                 assert spy.call_count == 1, "MiniCPM.forward did not take the layer kernels"
         return max(errs)
 
-    def decode_layer_stack(dtype: torch.dtype) -> float:
-        """A causal stack's decode step as layer kernels (`triton_layer.decode_stack`: attention over the paged
-        cache with the token's k/v written to its slot) against its eager layers on the torch attention backend:
-        with and without rotary and muP scale, tokens with long, short and no cached context, the caches compared
-        after the step too, and taken by MiniCPM.forward through the cache's attend on the Triton backend. On CUDA
-        also fused (grid barriers). A padding row as a captured batch has it (scratch slot, block table of block 0,
-        context 1) rides along: its output is discarded by the engine (the kernel attends it to its own k/v, the
-        eager path to whatever block 0 holds), so only its finiteness is checked."""
-        from engine import triton_layer
-        from engine.attention import AttentionMetadata, PagedKVCache
-        from engine.config import TransformerConfig
-        from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
-
-        errs = []
-        modes = ["phases"] + (["fused"] if device == "cuda" else [])
-        block_size, num_blocks, contexts = 4, 12, [7, 13, 1, 1]  # the last row: padding (scratch slot)
-        for mup, no_rope in ((False, False), (True, True)):
-            cfg = TransformerConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                                    num_hidden_layers=2, rms_norm_eps=1e-5, kv_channels=32, use_mup=mup,
-                                    scale_depth=0.7, no_rope=no_rope)
-            torch.manual_seed(41)
-            stack = MiniCPM(cfg).to(device, dtype)
-            fuse_projections(stack)
-            cache = PagedKVCache(2, num_blocks, block_size, 2, 32, dtype, device, backend="torch")
-            cache.k.copy_(rand(*cache.k.shape, dtype=dtype, seed=42))
-            cache.v.copy_(rand(*cache.v.shape, dtype=dtype, seed=43))
-            perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(44))
-            tables = torch.stack([perm[:4], perm[4:8], perm[8:12], torch.zeros(4, dtype=perm.dtype)])
-            tables = tables.to(device, torch.int32)
-            slots = [int(tables[i, (c - 1) // block_size]) * block_size + (c - 1) % block_size
-                     for i, c in enumerate(contexts)]
-            slots[-1] = cache.scratch_slot
-            meta = AttentionMetadata(False, torch.tensor(slots, device=device), tables,
-                                     torch.arange(4, dtype=torch.int32, device=device),
-                                     torch.tensor(contexts, dtype=torch.int32, device=device))
-            positions = torch.tensor([c - 1 for c in contexts], device=device)
-            rope = rotary_table(cfg, 16, torch.device(device))[positions]
-            x = rand(4, 64, dtype=dtype, seed=45)
-            ref_cache = PagedKVCache(2, num_blocks, block_size, 2, 32, dtype, device, backend="torch")
-            ref_cache.k.copy_(cache.k)
-            ref_cache.v.copy_(cache.v)
-            with mock.patch.object(fused, "kernels", lambda _: False):
-                ref = stack(x, rope, ref_cache.attend_fn(meta))
-            assert triton_layer.decode_supported(stack, x, cache.k, cache.v)
-            stack_rope = rope if stack.uses_rope else None
-            for mode in modes:
-                step_cache = PagedKVCache(2, num_blocks, block_size, 2, 32, dtype, device, backend="triton")
-                step_cache.k.copy_(cache.k)
-                step_cache.v.copy_(cache.v)
-                with mock.patch.object(triton_layer, "MODE", mode):
-                    out = triton_layer.decode_stack(stack, x, stack_rope, step_cache.k, step_cache.v, meta)
-                assert bool(out[3].isfinite().all()), "the padding row's output is not finite"
-                errs.append(relative_error(out[:3], ref[:3]))
-                real = slice(0, cache.scratch_slot // block_size)  # the scratch block holds padding rows' writes
-                errs += [relative_error(step_cache.k[:, real], ref_cache.k[:, real]),
-                         relative_error(step_cache.v[:, real], ref_cache.v[:, real])]
-            step_cache = PagedKVCache(2, num_blocks, block_size, 2, 32, dtype, device, backend="triton")
-            with mock.patch.object(fused, "kernels", triton_kernels.usable), \
-                    mock.patch.object(triton_layer, "decode_stack", wraps=triton_layer.decode_stack) as spy:
-                step_cache.k.copy_(cache.k)
-                step_cache.v.copy_(cache.v)
-                errs.append(relative_error(stack(x, rope, step_cache.attend_fn(meta))[:3], ref[:3]))
-            assert spy.call_count == 1, "MiniCPM.forward did not take the decode layer kernels"
-        return max(errs)
-
     return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "skinny_matmul": skinny_matmul, "rotary_qk": rotary_qk,
             "rotary_store_kv": rotary_store_kv, "dispatch": dispatch, "dense_attention": dense,
             "snake": snake, "dwconv_snake": dwconv_snake, "residual_unit": residual_unit,
             "conv_transpose": conv_transpose, "vae_decoder": vae_decoder, "cfg_euler": cfg_euler,
-            "dense_layer_stack": dense_layer_stack, "decode_layer_stack": decode_layer_stack}
+            "dense_layer_stack": dense_layer_stack}
 
 
 def _interpreter_main() -> None:
@@ -440,7 +375,7 @@ def interpreter_results() -> dict[str, float]:
 CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "skinny_matmul", "rotary_qk", "rotary_store_kv",
                                     "dispatch", "dense_attention", "snake",
                                     "dwconv_snake", "residual_unit", "conv_transpose", "vae_decoder", "cfg_euler",
-                                    "dense_layer_stack", "decode_layer_stack")
+                                    "dense_layer_stack")
               for d in INTERPRETED]
 
 

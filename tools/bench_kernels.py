@@ -4,8 +4,7 @@
 - gemm: every bias-free projection of the four transformer stacks (q/k/v, o, gate/up with the SiLU gate, down)
   at few rows, cuBLAS (F.linear, + silu_mul for gate/up) against `skinny_matmul` with its default
   configuration, and a sweep of its tile configurations at the rows of a B=1 step;
-- layer: the DiT's and LocEnc's stacks as separate kernels per layer against the layer kernel (engine/triton_layer.py);
-- decode_layer: the same for the base and residual LMs' decode step over a paged cache.
+- layer: the DiT's and LocEnc's stacks as separate kernels per layer against the layer kernel (engine/triton_layer.py).
 (Tried and removed, H100 (docs/benchmarks.md, profile steps 10 and 11): the DiT's GEMM weights read into L2 by a
 side branch while the GEMM before runs, 2-16x slower (d3fa620); programmatic dependent launch of the DiT's kernels,
 with and without an L2 prefetch of each GEMM's weights before it waits, never faster than plain launches (f5283e3);
@@ -33,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from engine import triton_kernels, triton_layer  # noqa: E402
-from engine.attention import AttentionMetadata, PagedKVCache  # noqa: E402
 from engine.config import TransformerConfig, VoxCPMConfig  # noqa: E402
 from engine.models.minicpm import MiniCPM, dense_attention, fuse_projections, rotary_table  # noqa: E402
 from tools.profile_step import graph_ms  # noqa: E402
@@ -180,68 +178,11 @@ def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype:
     return out
 
 
-def bench_decode_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: torch.dtype,
-                       context: int = 230, block_size: int = 16) -> list[dict]:
-    """The base and residual LMs' whole stacks at a decode step (B tokens, each sequence `context` tokens long in a
-    paged cache of `block_size`-token blocks, every layer its own random weights): the layers' separate kernels
-    (Triton backend: rotary + cache write, paged attention, cuBLAS and the skinny gate/up) against the layer kernel
-    as one launch per layer and as one launch per phase; the outputs' relative error against the separate kernels'."""
-    out = []
-    for name, tcfg in (("base LM", cfg.lm), ("residual LM", cfg.residual_lm)):
-        with torch.device(dev):
-            stack = MiniCPM(tcfg).to(dtype)
-        with torch.no_grad():
-            for p in stack.parameters():
-                p.normal_(1.0 if p.dim() == 1 else 0.0, 0.1 if p.dim() == 1 else p.shape[-1] ** -0.5)
-        fuse_projections(stack)
-        for b in batches:
-            blocks_per_seq = -(-context // block_size)
-            cache = PagedKVCache(len(stack.layers), b * blocks_per_seq, block_size, tcfg.num_key_value_heads,
-                                 tcfg.head_dim, dtype, dev, backend="triton")
-            cache.k.normal_()
-            cache.v.normal_()
-            tables = torch.randperm(b * blocks_per_seq, device=dev).view(b, blocks_per_seq).to(torch.int32)
-            last = context - 1
-            slots = (tables[:, last // block_size].long() * block_size + last % block_size).contiguous()
-            meta = AttentionMetadata(False, slots, tables, torch.arange(b, dtype=torch.int32, device=dev),
-                                     torch.full((b,), context, dtype=torch.int32, device=dev))
-            rope = rotary_table(tcfg, context, dev)[torch.full((b,), last, device=dev)]
-            x = torch.randn(b, tcfg.hidden_size, device=dev, dtype=dtype)
-            attend = cache.attend_fn(meta)
-            if not triton_layer.decode_supported(stack, x, cache.k, cache.v):
-                continue
-            row: dict = {"module": name, "batch": b, "context": context, "layers": len(stack.layers)}
-            outputs = {}
-            for mode in ("off", "phases", "fused"):
-                with mock.patch.object(triton_layer, "MODE", mode), torch.no_grad():
-                    outputs[mode] = stack(x, rope, attend).float()
-                    us = replay_us(partial(stack, x, rope, attend))
-                    row[f"{mode}_us_per_layer"] = round(us / len(stack.layers), 2)
-            for mode in ("phases", "fused"):
-                ref = outputs["off"]
-                row[f"{mode}_rel_err"] = float((outputs[mode] - ref).abs().max() / ref.abs().max())
-            if b == batches[0]:
-                row["prefetch_sweep_us_per_layer"] = prefetch_sweep(partial(stack, x, rope, attend), len(stack.layers))
-            stack_rope = rope if stack.uses_rope else None
-            with mock.patch.object(triton_layer, "MODE", "phases"), torch.no_grad():
-                row["phase_us"] = [round(replay_us(partial(triton_layer.decode_stack, stack, x, stack_rope, cache.k,
-                                                           cache.v, meta, (phase,))) / len(stack.layers), 2)
-                                   for phase in range(7)]
-            out.append(row)
-            print(f"{name} B={b} (context {context}): us per layer: separate kernels {row['off_us_per_layer']}, "
-                  f"phases {row['phases_us_per_layer']}, fused {row['fused_us_per_layer']}; rel err phases "
-                  f"{row['phases_rel_err']:.2e}, fused {row['fused_rel_err']:.2e}; per phase {row['phase_us']}",
-                  flush=True)
-            del cache
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True, help="checkpoint directory (only its config is read)")
     ap.add_argument("--batch", default="1,8,64,128")
-    ap.add_argument("--only", default="attention,gemm,layer,decode_layer",
-                    help="which benchmarks: attention, gemm, layer, decode_layer")
+    ap.add_argument("--only", default="attention,gemm,layer", help="which benchmarks: attention, gemm, layer")
     ap.add_argument("--out")
     a = ap.parse_args()
     cfg = VoxCPMConfig.from_dir(a.model)
@@ -251,7 +192,6 @@ def main() -> None:
     rows = []
     gemm_rows = bench_gemm(cfg, batches, dev, dtype) if "gemm" in only else []
     layer_rows = bench_layer(cfg, batches, dev, dtype) if "layer" in only else []
-    decode_rows = bench_decode_layer(cfg, batches, dev, dtype) if "decode_layer" in only else []
     attention = (("DiT", cfg.dit, dit_rows(cfg) // 2, 2), ("LocEnc", cfg.encoder, cfg.patch_size + 1, 1))
     for name, tcfg, seq_len, per_request in attention if "attention" in only else ():
         hq, hk, d = tcfg.num_attention_heads, tcfg.num_key_value_heads, tcfg.head_dim
@@ -277,7 +217,7 @@ def main() -> None:
                          "num_warps": triton_kernels.dense_attention_warps(n, hq), "us": round(auto, 2)})
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows, "gemm": gemm_rows,
-              "layer": layer_rows, "decode_layer": decode_rows}
+              "layer": layer_rows}
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
 

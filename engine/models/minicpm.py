@@ -20,8 +20,7 @@ from engine.config import TransformerConfig
 from engine.fused import add_rms_norm, rms_norm, rotary_qk, silu_mul
 
 # attend(layer_index, q, k, v, rope) -> output with q's leading shape and heads*head_dim last; rope: rotary rows
-# (L, 2, head_dim) that the attention applies to q and k first (inside its kernels where it can), or None. An attend
-# may also have run_stack(stack, x, rope) -> the whole stack's output, or None: its own kernels for whole layers.
+# (L, 2, head_dim) that the attention applies to q and k first (inside its kernels where it can), or None.
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
@@ -171,11 +170,8 @@ class MiniCPM(nn.Module):
         rope = rope if self.uses_rope else None
         if not len(self.layers):
             return self.norm(x)
-        # A few rows (a local module's, or an LM's decode step): the attention's own whole-stack kernels, if any.
-        run_stack = getattr(attend, "run_stack", None)
-        out = run_stack(self, x, rope) if run_stack is not None else None
-        if out is not None:
-            return out
+        if attend is dense_attention and fused.kernels(x) and triton_layer.supported(self, x):
+            return triton_layer.dense_stack(self, x, rope)  # a few rows of a local module: a kernel per layer
         normed = self.layers[0].input_layernorm(x)
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
@@ -186,12 +182,6 @@ class MiniCPM(nn.Module):
 class DenseAttention:
     """Bidirectional attention within each short sequence (LocEnc, DiT): q (N, L, Hq, D), k/v (N, L, Hkv, D),
     rotary rows `rope` (L, 2, D) applied to q and k first. On CUDA one Triton kernel does both."""
-
-    def run_stack(self, stack: MiniCPM, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor | None:
-        """stack(x) as one persistent kernel per layer (`engine.triton_layer`) for a few rows on CUDA, else None."""
-        if fused.kernels(x) and triton_layer.supported(stack, x):
-            return triton_layer.dense_stack(stack, x, rope)
-        return None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  rope: torch.Tensor | None = None) -> torch.Tensor:
