@@ -6,8 +6,7 @@ the per-layer function the transformer calls. Three backends, chosen once at sta
 
 - "flash": flash-attn's varlen kernel for prefills without a cached prefix (its paged kernels need
   256-token pages, too coarse for reusing voice prompts), the Triton kernel for everything else;
-- "triton": `engine.triton_attention.paged_attention` for prefill and decode (CUDA; a decode step's rotary, cache
-  write and attention as one kernel, `fused.decode_attention`);
+- "triton": `engine.triton_attention.paged_attention` for prefill and decode (CUDA);
 - "torch": SDPA over gathered blocks, any device (the CPU path, and the reference the others are
   checked against).
 
@@ -92,11 +91,6 @@ class PagedKVCache:
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    rope: torch.Tensor | None = None) -> torch.Tensor:
             k_cache, v_cache = self.k[layer], self.v[layer]
-            if backend == "triton" and not meta.is_prefill:  # one token per sequence: one kernel for all of it
-                out = fused.decode_attention(q, k, v, rope, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
-                                             meta.row_index, meta.token_context_lens)
-                if out is not None:
-                    return out.flatten(-2)
             # The Triton attention reads K/V from the cache only: there rotary and cache write are one kernel.
             q_rot = fused.rotary_store_kv(q, k, v, rope, k_cache, v_cache, meta.slot_mapping) \
                 if backend == "triton" else None

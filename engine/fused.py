@@ -96,22 +96,6 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: tor
     return triton_kernels.rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor | None,
-                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                     block_tables: torch.Tensor, row_index: torch.Tensor,
-                     context_lens: torch.Tensor) -> torch.Tensor | None:
-    """A causal layer's decode step (one new token per sequence): rotary, K/V cache write and paged attention as one
-    kernel, (T, Hq, D); None where the kernel does not apply (the caller then runs them one by one)."""
-    if not (kernels(q) and triton_kernels.rotary_store_supported(q, k, v, k_cache, v_cache, slot_mapping)
-            and q.shape[-1] >= 16 and q.shape[1] % k.shape[1] == 0 and block_tables.stride(1) == 1):
-        return None
-    if rope is not None and not triton_kernels.rotary_supported(q, k, rope[..., 0, :], rope[..., 1, :]):
-        return None
-    cos, sin = (rope[..., 0, :], rope[..., 1, :]) if rope is not None else (None, None)
-    return triton_kernels.decode_attention(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables, row_index,
-                                           context_lens)
-
-
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if kernels(gate):
         return triton_kernels.silu_mul(gate, up)
@@ -127,18 +111,6 @@ def silu_gate_linear(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Ten
         return triton_kernels.skinny_matmul(x, gate_up_weight, silu_gate=True)
     gate, up = F.linear(x, gate_up_weight).chunk(2, dim=-1)
     return silu_mul(gate, up)
-
-
-def add_rms_norm_silu_gate_linear(x: torch.Tensor, h: torch.Tensor, scale: float | None, norm_weight: torch.Tensor,
-                                  eps: float, gate_up_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_rms_norm` then `silu_gate_linear` of the norm: (the updated residual stream, the gated activation). For
-    a few rows on CUDA one kernel: every program of the weight-streaming GEMM makes the norm itself (one kernel
-    less per layer)."""
-    if (kernels(x) and h.shape == x.shape and h.dtype == x.dtype == norm_weight.dtype
-            and triton_kernels.skinny_supported(x, gate_up_weight, silu_gate=True)):
-        return triton_kernels.residual_skinny_matmul(x, h, scale, norm_weight, eps, gate_up_weight, silu_gate=True)
-    x, normed = add_rms_norm(x, h, scale, norm_weight, eps)
-    return x, silu_gate_linear(normed, gate_up_weight)
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

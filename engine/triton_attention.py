@@ -41,15 +41,16 @@ _NUM_STAGES = 2
 if HAVE_TRITON:
 
     @triton.jit
-    def attend_paged(
-        q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, row_index_ptr, context_lens_ptr, t, kv_head,
+    def _paged_attention_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, row_index_ptr, context_lens_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain
         G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
-        """Query token t's attention for the G query heads of one kv head over its cached positions (t int64)."""
+        t = tl.program_id(0).to(tl.int64)
+        kv_head = tl.program_id(1)
         row = tl.load(row_index_ptr + t).to(tl.int64)
         ctx = tl.load(context_lens_ptr + t)
 
@@ -96,20 +97,6 @@ if HAVE_TRITON:
         out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
         tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
-
-    @triton.jit
-    def _paged_attention_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, row_index_ptr, context_lens_ptr,
-        stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-        qk_scale,
-        G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ):
-        attend_paged(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, row_index_ptr, context_lens_ptr,
-                     tl.program_id(0).to(tl.int64), tl.program_id(1), stride_qt, stride_qh, stride_ot, stride_oh,
-                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, qk_scale, G, BLOCK_G,
-                     HEAD_DIM, BLOCK_N, BLOCK_SIZE, DOT_PRECISION)
 
 
 def _is_interpreted() -> bool:

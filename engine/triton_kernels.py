@@ -11,10 +11,8 @@ compile once per dtype and block size and follow the eager op order and rounding
 - `add_rms_norm`: residual update (times the muP scale) and the RMSNorm of the result, one row per program;
 - `silu_mul`: SiLU(gate) * up over the halves of the fused gate/up projection;
 - `rotary_qk`: rotary embedding of q and k of the causal LMs (one token and head per program);
-- `rotary_store_kv`: the same with k (rotated) and v written straight into their paged-cache slots (a Triton-
-  backend prefill: one kernel instead of the rotary and two scatters per layer);
-- `decode_attention`: a decode step's rotary, cache write and paged attention in one kernel (one program per token
-  and kv head);
+- `rotary_store_kv`: the same with k (rotated) and v written straight into their paged-cache slots (every Triton-
+  backend step, decode and prefill: one kernel instead of the rotary and two scatters per layer);
 - `dense_attention`: the local encoder's and DiT's bidirectional attention over sequences of <= 64 tokens
   with the rotary embedding applied on load (one sequence and 1..G query heads of a GQA group per program);
 - `snake`: the VAE's Snake activation x + sin^2(alpha x) / alpha on (B, C, T) activations of any strides;
@@ -22,8 +20,7 @@ compile once per dtype and block size and follow the eager op order and rounding
   Snake after it in one pass, also returning the new carried context;
 - `cfg_euler_step`: one Euler step of the flow sampler with CFG-zero* guidance, one row per program;
 - `skinny_matmul`: a bias-free projection of a few rows, weight-streaming (one program per 16 output columns),
-  with the SiLU gate fused in for the gate/up projection (the one place it beat cuBLAS on the H100), and optionally
-  the residual add and RMSNorm before it made inside (one kernel less per layer).
+  with the SiLU gate fused in for the gate/up projection (the one place it beat cuBLAS on the H100).
 """
 
 from __future__ import annotations
@@ -43,8 +40,6 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
-
-    from engine.triton_attention import attend_paged
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, x_out_ptr, y_ptr, n_cols, eps, scale,
@@ -76,54 +71,27 @@ if HAVE_TRITON:
         tl.store(o_ptr + row * n_cols + cols, (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=mask)
 
     @triton.jit
-    def _residual_rows(x_ptrs, h_ptrs, mask, scale, HAS_SCALE: tl.constexpr):
-        # x + h (h * scale rounded first with muP): `add_rms_norm`'s op order, on a (K chunk, rows) tile.
-        x = tl.load(x_ptrs, mask=mask, other=0.0)
-        h = tl.load(h_ptrs, mask=mask, other=0.0)
-        if HAS_SCALE:
-            h = (h.to(tl.float32) * scale).to(x.dtype)
-        return (x.to(tl.float32) + h.to(tl.float32)).to(x.dtype)
-
-    @triton.jit
-    def _skinny_matmul_kernel(x_ptr, w_ptr, o_ptr, h_ptr, norm_w_ptr, x_out_ptr, rows, n_out, stride_x, stride_o,
-                              eps, scale, K: tl.constexpr, SILU_GATE: tl.constexpr, NORM: tl.constexpr,
-                              HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    def _skinny_matmul_kernel(x_ptr, w_ptr, o_ptr, rows, n_out, stride_x, stride_o, K: tl.constexpr,
+                              SILU_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # The weight tile is the dot's left operand (its rows are output columns): a few activation rows
         # fill the dot's narrow side, and each program streams BLOCK_N weight rows once, K-contiguous.
-        # NORM: the activation is RMSNorm(x + h) (norm_w, eps; `add_rms_norm`'s rounding), made from x and h in
-        # every program (a first pass for the rows' variance, then chunk by chunk beside the weight stream);
-        # program 0 also stores x + h (the residual stream) to x_out. x and h: rows x K, row stride stride_x.
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         kk = tl.arange(0, BLOCK_K)
         m_mask = m < rows
         w_ptrs = w_ptr + cols[:, None].to(tl.int64) * K + kk[None, :]
-        x_offs = m[None, :] * stride_x + kk[:, None]
-        if NORM:
-            sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                xs = _residual_rows(x_ptr + x_offs + k0, h_ptr + x_offs + k0, m_mask[None, :], scale, HAS_SCALE)
-                xf = xs.to(tl.float32)
-                sq += tl.sum(xf * xf, axis=0)
-            rstd = tl.rsqrt(sq / K + eps)
+        x_ptrs = x_ptr + m[None, :] * stride_x + kk[:, None]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         up_offset = n_out.to(tl.int64) * K
-        for k0 in range(0, K, BLOCK_K):
-            if NORM:
-                xs = _residual_rows(x_ptr + x_offs + k0, h_ptr + x_offs + k0, m_mask[None, :], scale, HAS_SCALE)
-                if tl.program_id(0) == 0:
-                    tl.store(x_out_ptr + x_offs + k0, xs, mask=m_mask[None, :])
-                y = (xs.to(tl.float32) * rstd[None, :]).to(xs.dtype)
-                nw = tl.load(norm_w_ptr + k0 + kk)
-                xt = (y.to(tl.float32) * nw[:, None].to(tl.float32)).to(xs.dtype)
-            else:
-                xt = tl.load(x_ptr + x_offs + k0, mask=m_mask[None, :], other=0.0)
+        for _ in range(0, K, BLOCK_K):
+            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
             acc = tl.dot(tl.load(w_ptrs), xt, acc, input_precision=DOT_PRECISION)
             if SILU_GATE:  # the up rows follow the gate rows: same columns, one more accumulator
                 acc_up = tl.dot(tl.load(w_ptrs + up_offset), xt, acc_up, input_precision=DOT_PRECISION)
             w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
         y = acc.to(o_ptr.dtype.element_ty)  # rounded like a GEMM's output
         if SILU_GATE:  # then silu_mul's op order on the rounded halves
             g = y.to(tl.float32)
@@ -181,44 +149,6 @@ if HAVE_TRITON:
             e = tl.arange(0, 2 * HALF)
             hv = h - HK
             tl.store(v_cache_ptr + slot_row + hv * (2 * HALF) + e, tl.load(v_ptr + t * stride_vt + hv * stride_vh + e))
-
-    @triton.jit
-    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, q_rot_ptr, k_cache_ptr, v_cache_ptr,
-                                 out_ptr, block_tables_ptr, row_index_ptr, context_lens_ptr, stride_qt, stride_qh,
-                                 stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st, stride_kb,
-                                 stride_ks, stride_bt, qk_scale, HQ: tl.constexpr, HK: tl.constexpr,
-                                 HALF: tl.constexpr, ROPE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        # A decode step (one new token per sequence) of a causal layer, per (token, kv head): with ROPE the group's
-        # q heads rotated (to q_rot) and k rotated, k and v stored to the token's cache slot, then the group's
-        # attention over the cache, the new slot included. The program reads only slots of its own sequence and kv
-        # head, the new one written by itself: the barrier makes its stores visible to all its threads.
-        t = tl.program_id(0).to(tl.int64)
-        g = tl.program_id(1)
-        D: tl.constexpr = 2 * HALF
-        GROUP: tl.constexpr = HQ // HK
-        slot_row = tl.load(slot_ptr + t) * (HK * D) + g * D
-        cos_row, sin_row = cos_ptr + t * stride_ct, sin_ptr + t * stride_st
-        k_src = k_ptr + t * stride_kt + g * stride_kh
-        e = tl.arange(0, D)
-        if ROPE:
-            for i in tl.static_range(GROUP):
-                h = g * GROUP + i
-                _rotate_row(q_ptr + t * stride_qt + h * stride_qh, q_rot_ptr + (t * HQ + h) * D, cos_row, sin_row,
-                            HALF)
-            _rotate_row(k_src, k_cache_ptr + slot_row, cos_row, sin_row, HALF)
-        else:
-            tl.store(k_cache_ptr + slot_row + e, tl.load(k_src + e))
-        tl.store(v_cache_ptr + slot_row + e, tl.load(v_ptr + t * stride_vt + g * stride_vh + e))
-        tl.debug_barrier()
-        if ROPE:
-            attend_paged(q_rot_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, row_index_ptr,
-                         context_lens_ptr, t, g, HQ * D, D, HQ * D, D, stride_kb, stride_ks, D, stride_kb, stride_ks,
-                         D, stride_bt, qk_scale, GROUP, BLOCK_G, D, BLOCK_N, BLOCK_SIZE, DOT_PRECISION)
-        else:
-            attend_paged(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, row_index_ptr,
-                         context_lens_ptr, t, g, stride_qt, stride_qh, HQ * D, D, stride_kb, stride_ks, D, stride_kb,
-                         stride_ks, D, stride_bt, qk_scale, GROUP, BLOCK_G, D, BLOCK_N, BLOCK_SIZE, DOT_PRECISION)
 
     @triton.jit
     def _dense_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, o_ptr,
@@ -476,42 +406,20 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False
     their weight rows once (no split-K, no reduction kernel). silu_gate: weight is [gate; up] (2N, K) and
     the result silu(x @ gate.T) * (x @ up.T), as the gate/up GEMM then `silu_mul` round it. config: as
     `skinny_config` returns (default), for tools/bench_kernels.py's sweep."""
-    return _skinny(x, weight, silu_gate, config, None)[1]
-
-
-def residual_skinny_matmul(x: torch.Tensor, h: torch.Tensor, scale: float | None, norm_weight: torch.Tensor,
-                           eps: float, weight: torch.Tensor, silu_gate: bool = False,
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_rms_norm(x, h, scale, norm_weight, eps)` and `skinny_matmul` of the norm in one kernel (every program
-    makes the norm of its rows itself): (x + h [* scale], the projection). x, h (..., K) of a few rows."""
-    return _skinny(x, weight, silu_gate, None, (h, scale, norm_weight, eps))
-
-
-def _skinny(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool, config: tuple[int, int, int, int, int] | None,
-            residual: tuple[torch.Tensor, float | None, torch.Tensor, float] | None,
-            ) -> tuple[torch.Tensor, torch.Tensor]:
     k_dim = x.shape[-1]
     x2 = x.reshape(-1, k_dim)
-    if x2.stride(-1) != 1 or residual is not None:
+    if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
     n = weight.shape[0] // (2 if silu_gate else 1)
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     block_m, block_n, block_k, stages, warps = config or skinny_config(rows, k_dim, n)
     assert rows <= block_m and n % block_n == 0 and k_dim % block_k == 0, (rows, n, k_dim, config)
-    x_out = x2
-    if residual is not None:
-        h, scale, norm_weight, eps = residual
-        h2, x_out = h.reshape(rows, k_dim).contiguous(), torch.empty_like(x2)
-        norm_args = (h2, norm_weight, x_out, eps, 1.0 if scale is None else scale)
-    else:
-        norm_args = (x2, x2, x2, 0.0, 1.0)  # unused
     _skinny_matmul_kernel[(n // block_n,)](
-        x2, weight, out, *norm_args[:3], rows, n, x2.stride(0), out.stride(0), *norm_args[3:], K=k_dim,
-        SILU_GATE=silu_gate, NORM=residual is not None, HAS_SCALE=residual is not None and residual[1] is not None,
+        x2, weight, out, rows, n, x2.stride(0), out.stride(0), K=k_dim, SILU_GATE=silu_gate,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_stages=stages, num_warps=warps)
-    return x_out.view(x.shape), out.view(*x.shape[:-1], n)
+    return out.view(*x.shape[:-1], n)
 
 
 def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -543,33 +451,6 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
             q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0) if rope else 0,
             sin.stride(0) if rope else 0, HQ=hq, HK=hk, HALF=dim // 2, ROPE=rope, num_warps=1)
     return q_out
-
-
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None,
-                     sin: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                     block_tables: torch.Tensor, row_index: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-    """A causal layer's decode attention in one kernel: `rotary_store_kv` (q, k rotated with cos/sin (T, D) fp32, or
-    None: no rotary; k, v to their slots of the contiguous caches) followed by `paged_attention` over the caches.
-    One new token per sequence (several tokens of one sequence in a launch would read each other's slots
-    unordered). q (T, Hq, D), k/v (T, Hk, D) with unit stride in D -> (T, Hq, D)."""
-    from engine.triton_attention import _BLOCK_N, _LOG2E
-
-    t, hq, dim = q.shape
-    hk = k.shape[1]
-    rope = cos is not None and sin is not None
-    out = torch.empty((t, hq, dim), dtype=q.dtype, device=q.device)
-    q_rot = torch.empty((t, hq, dim), dtype=q.dtype, device=q.device) if rope else q
-    if t:
-        group = hq // hk
-        _decode_attention_kernel[(t, hk)](
-            q, k, v, cos if rope else q, sin if rope else q, slot_mapping, q_rot, k_cache, v_cache, out, block_tables,
-            row_index, context_lens, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            cos.stride(0) if rope else 0, sin.stride(0) if rope else 0, k_cache.stride(0), k_cache.stride(1),
-            block_tables.stride(0), dim ** -0.5 * _LOG2E, HQ=hq, HK=hk, HALF=dim // 2, ROPE=rope,
-            BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_BLOCK_N[q.element_size()],
-            BLOCK_SIZE=k_cache.shape[1], DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
-            num_stages=2)
-    return out
 
 
 def rotary_store_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -78,27 +78,6 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         errs.append(relative_error(triton_kernels.skinny_matmul(x, w, config=(16, 32, 32, 2, 4)), F.linear(x, w)))
         return max(errs)
 
-    def residual_skinny_matmul(dtype: torch.dtype) -> float:
-        """The gate/up GEMM with the residual add and RMSNorm before it made inside (`residual_skinny_matmul`)
-        against `add_rms_norm` then the eager gated projection: the residual stream and the activation, with and
-        without the muP scale, several row counts and K over several tiles; and the decoder layer taking it."""
-        errs = []
-        for rows, k_dim, n in ((1, 256, 48), (5, 96, 32), (40, 128, 16)):
-            x, h = rand(rows, k_dim, dtype=dtype, seed=80 + rows), rand(rows, k_dim, dtype=dtype, seed=81 + rows)
-            w = rand(2 * n, k_dim, dtype=dtype, seed=82 + rows) * k_dim ** -0.5
-            norm_w = rand(k_dim, dtype=dtype, seed=83) * 0.5 + 1.0
-            for scale in (None, 0.37):
-                with mock.patch.object(fused, "kernels", lambda _: False):  # the eager ops
-                    xs_ref, normed = fused.add_rms_norm(x, h, scale, norm_w, 1e-5)
-                gate, up = F.linear(normed, w).chunk(2, dim=-1)
-                xs, act = triton_kernels.residual_skinny_matmul(x, h, scale, norm_w, 1e-5, w, silu_gate=True)
-                errs += [relative_error(xs, xs_ref), relative_error(act, F.silu(gate) * up)]
-        with mock.patch.object(fused, "kernels", triton_kernels.usable), mock.patch.object(
-                triton_kernels, "residual_skinny_matmul", wraps=triton_kernels.residual_skinny_matmul) as spy:
-            fused.add_rms_norm_silu_gate_linear(x, h, None, norm_w, 1e-5, w)
-        assert spy.call_count == 1, "fused.add_rms_norm_silu_gate_linear did not take the kernel"
-        return max(errs)
-
     def rotary_qk(dtype: torch.dtype) -> float:
         q, k, _ = rand(6, 8 * 32, dtype=dtype, seed=5).split([4 * 32, 2 * 32, 2 * 32], dim=-1)
         q, k = q.view(6, 4, 32), k.view(6, 2, 32)
@@ -283,10 +262,8 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         return max(errs)
 
     def dispatch(dtype: torch.dtype) -> float:
-        """The model's calls take the new kernels where they apply: the Triton backend's attention against the torch
-        backend's, outputs and caches (a decode step: rotary, cache write and attention in one kernel; a prefill
-        shaped like one: rotary + cache write in one kernel, then the paged kernel), and the MLP's gated
-        projection."""
+        """The model's calls take the new kernels where they apply: the Triton backend's attention (rotary + cache
+        write in one kernel, then the paged kernel) against the torch backend's, and the MLP's gated projection."""
         from engine.attention import AttentionMetadata, PagedKVCache
 
         hq, hk, dim, bs = 4, 2, 32, 4
@@ -294,24 +271,24 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         tables = torch.tensor([[2, 0, 0], [1, 0, 0], [3, 4, 5]], dtype=torch.int32, device=device)
         slots = torch.tensor([int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)],
                              device=device)
+        meta = AttentionMetadata(False, slots, tables, torch.arange(3, dtype=torch.int32, device=device),
+                                 torch.tensor(lens, dtype=torch.int32, device=device))
         q = rand(3, hq, dim, dtype=dtype, seed=17)
         k, v = rand(3, hk, dim, dtype=dtype, seed=18), rand(3, hk, dim, dtype=dtype, seed=19)
         errs = []
-        for is_prefill, kernel in ((False, "decode_attention"), (True, "rotary_store_kv")):
-            meta = AttentionMetadata(is_prefill, slots, tables, torch.arange(3, dtype=torch.int32, device=device),
-                                     torch.tensor(lens, dtype=torch.int32, device=device))
-            for rope in (rand(3, 2, dim, dtype=torch.float32, seed=20), None):
-                out = {}
-                for backend in ("torch", "triton"):
-                    cache = PagedKVCache(1, 6, bs, hk, dim, dtype, device, backend=backend)
-                    cache.k.copy_(rand(*cache.k.shape, dtype=dtype, seed=21))
-                    cache.v.copy_(rand(*cache.v.shape, dtype=dtype, seed=22))
-                    kernels = triton_kernels.usable if backend == "triton" else fused.kernels  # torch: eager ops
-                    with mock.patch.object(fused, "kernels", kernels), mock.patch.object(
-                            triton_kernels, kernel, wraps=getattr(triton_kernels, kernel)) as spy:
-                        out[backend] = (cache.attend_fn(meta)(0, q, k, v, rope), cache.k.clone(), cache.v.clone())
-                    assert spy.call_count == (backend == "triton"), f"{backend}: {kernel} used {spy.call_count}x"
-                errs += [relative_error(a, b) for a, b in zip(out["triton"], out["torch"], strict=True)]
+        for rope in (rand(3, 2, dim, dtype=torch.float32, seed=20), None):
+            out = {}
+            for backend in ("torch", "triton"):
+                cache = PagedKVCache(1, 6, bs, hk, dim, dtype, device, backend=backend)
+                cache.k.copy_(rand(*cache.k.shape, dtype=dtype, seed=21))
+                cache.v.copy_(rand(*cache.v.shape, dtype=dtype, seed=22))
+                kernels = triton_kernels.usable if backend == "triton" else fused.kernels  # the torch one: eager ops
+                fused_write = triton_kernels.rotary_store_kv
+                with mock.patch.object(fused, "kernels", kernels), \
+                        mock.patch.object(triton_kernels, "rotary_store_kv", wraps=fused_write) as spy:
+                    out[backend] = (cache.attend_fn(meta)(0, q, k, v, rope), cache.k.clone(), cache.v.clone())
+                assert spy.call_count == (backend == "triton"), f"{backend}: fused K/V write used {spy.call_count}x"
+            errs += [relative_error(a, b) for a, b in zip(out["triton"], out["torch"], strict=True)]
         x = rand(5, 64, dtype=dtype, seed=23)
         w = rand(96, 64, dtype=dtype, seed=24) * 0.125
         gate, up = F.linear(x, w).chunk(2, dim=-1)
@@ -363,8 +340,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                 assert spy.call_count == 1, "MiniCPM.forward did not take the layer kernels"
         return max(errs)
 
-    return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "skinny_matmul": skinny_matmul,
-            "residual_skinny_matmul": residual_skinny_matmul, "rotary_qk": rotary_qk,
+    return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "skinny_matmul": skinny_matmul, "rotary_qk": rotary_qk,
             "rotary_store_kv": rotary_store_kv, "dispatch": dispatch, "dense_attention": dense,
             "snake": snake, "dwconv_snake": dwconv_snake, "residual_unit": residual_unit,
             "conv_transpose": conv_transpose, "vae_decoder": vae_decoder, "cfg_euler": cfg_euler,
@@ -396,8 +372,7 @@ def interpreter_results() -> dict[str, float]:
     return {r["case"]: r["err"] for r in rows}
 
 
-CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "skinny_matmul", "residual_skinny_matmul",
-                                    "rotary_qk", "rotary_store_kv",
+CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "skinny_matmul", "rotary_qk", "rotary_store_kv",
                                     "dispatch", "dense_attention", "snake",
                                     "dwconv_snake", "residual_unit", "conv_transpose", "vae_decoder", "cfg_euler",
                                     "dense_layer_stack")

@@ -141,13 +141,8 @@ class DecoderLayer(nn.Module):
         stack's final norm), each residual add fused with the norm that follows it."""
         h = self.self_attn(normed, rope, attend, layer)
         norm = self.post_attention_layernorm
-        if self.mlp.gate_up_weight is not None:  # the residual add and norm inside the gate/up GEMM where it can
-            x, act = fused.add_rms_norm_silu_gate_linear(x, h, self.residual_scale, norm.weight, norm.eps,
-                                                         self.mlp.gate_up_weight)
-            h = self.mlp.down_proj(act)
-        else:
-            x, normed = add_rms_norm(x, h, self.residual_scale, norm.weight, norm.eps)
-            h = self.mlp(normed)
+        x, normed = add_rms_norm(x, h, self.residual_scale, norm.weight, norm.eps)
+        h = self.mlp(normed)
         return add_rms_norm(x, h, self.residual_scale, next_norm.weight, next_norm.eps)
 
 
