@@ -168,12 +168,6 @@ class ModelRunner:
         # stream, beside the LMs' feed-back): a small batch's VAE fits there, and its audio is ready with its step
         # (H100, host step B=1 7.10 -> 7.00 ms, B=8 8.57 -> 8.33; c=8 RTF 0.0553 -> 0.0543 in two A/B pairs).
         self.vae_overlap_min_batch = int(os.environ.get("VOXCPM_VAE_OVERLAP_MIN_BATCH", "32"))
-        # Inside the step graph, where the VAE's branch starts (VOXCPM_VAE_FORK): "patch" as soon as the patch is
-        # sampled (beside LocEnc and the LMs), "encoded" after LocEnc (beside the LMs only: LocEnc's layer kernel
-        # wants every SM at once, engine/triton_layer.py).
-        self.vae_fork = os.environ.get("VOXCPM_VAE_FORK", "patch")
-        if self.vae_fork not in ("patch", "encoded"):
-            raise ValueError(f"VOXCPM_VAE_FORK={self.vae_fork!r}: use 'patch' or 'encoded'")
         self.vae_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.vae_inputs_taken: torch.cuda.Event | None = None  # the last VAE launch has copied its inputs
         self.vae_unjoined = False  # a VAE graph was launched behind a step since the last `join_vae`
@@ -476,14 +470,13 @@ class ModelRunner:
         # the VAE on a second stream (forked and joined inside the captured graph), the LMs on this one.
         # `patch` stays referenced until after the join, so its memory is not reused under the VAE.
         side = self.vae_stream if vae else None
-        embed = backbone.encode_patches(patch) if side is not None and self.vae_fork == "encoded" else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(self.device))
         if vae:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 buf.audio[:batch] = self._decode_audio(index, self._latents(patch[:, None]))
         out = backbone.feed_back(patch, lm_hidden, buf.positions[:batch], self.base_cache.attend_fn(meta),
-                                 self.residual_cache.attend_fn(meta), embed)
+                                 self.residual_cache.attend_fn(meta))
         self.lm_hidden[index] = out.lm_hidden
         self.residual_hidden[index] = out.residual_hidden
         self.prev_patch[index] = patch

@@ -275,12 +275,11 @@ class VoxCPMBackbone(nn.Module):
         return self.feed_back(patch, lm_hidden, positions, base_attend, residual_attend)
 
     def feed_back(self, patch: torch.Tensor, lm_hidden: torch.Tensor, positions: torch.Tensor, base_attend: AttendFn,
-                  residual_attend: AttendFn, embed: torch.Tensor | None = None) -> StepOutput:
+                  residual_attend: AttendFn) -> StepOutput:
         """The rest of `decode_step` once the patch is sampled (the runner decodes the patch to audio
-        meanwhile): the stop decision from the old hidden state, the patch through LocEnc (unless `embed`, its
-        output, is given) and both LMs."""
+        meanwhile): the stop decision from the old hidden state, the patch through LocEnc and both LMs."""
         stop = self.stop_logits(lm_hidden).argmax(-1) == 1
-        embed = self.encode_patches(patch) if embed is None else embed
+        embed = self.encode_patches(patch)
         rope = self.rope_tables["lm"][positions]
         lm_next = self.fsq_layer(self.base_lm(embed, rope, base_attend))
         residual_next = self.residual_lm(self.residual_input(lm_next, embed), rope, residual_attend)
