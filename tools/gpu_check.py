@@ -134,17 +134,17 @@ def check_full(path: Path, table: list[tuple[str, float, float]]) -> LoadedModel
 
 
 def step_ms(engine: LLMEngine, c: int, patches: int) -> float:
-    """Mean wall ms of engine.step() with c streams of `patches` patches running (their first step, with
-    the prefill, not counted)."""
+    """Mean wall ms per decode step with c streams of `patches` patches running: the time between the first and the
+    last engine.step() that delivered patches, over the steps in between. (Pipelined, each such call returns when
+    the step before the one it launched is done, so consecutive returns are one device step apart; counting every
+    call against the time after the first made the mean 1/patches too low, as this tool did before 2026-11-22.)"""
     for i in range(c):
         engine.add_request(TEXT, SamplingParams(seed=i, max_generate_length=patches))
-    engine.step()  # prefill + first patch
-    torch.cuda.synchronize()
-    t0, steps = time.perf_counter(), 0
+    delivered = []
     while engine.has_unfinished():
-        engine.step()
-        steps += 1
-    return 1000 * (time.perf_counter() - t0) / steps
+        if engine.step():
+            delivered.append(time.perf_counter())
+    return 1000 * (delivered[-1] - delivered[0]) / (len(delivered) - 1)
 
 
 def timings(model: LoadedModel, concs: list[int], patches: int, modes: list[str]) -> list[dict]:
