@@ -80,7 +80,7 @@ if HAVE_TRITON:
             KS: tl.constexpr = K // SPLITS
             rows = tl.arange(0, BLOCK_N)
             lines = tl.arange(0, 16) * LINE
-            for unit in range(pid, (N // BLOCK_N) * SPLITS, nprog):  # weight tiles (the row tiles share them)
+            for unit in range(pid, (N // BLOCK_N) * SPLITS, nprog):
                 base = w_ptr + ((unit // SPLITS) * BLOCK_N + rows)[:, None].to(tl.int64) * K + (unit % SPLITS) * KS
                 for c in tl.static_range(0, PF_K, 16 * LINE):
                     ptrs = base + tl.minimum(c + lines, PF_K - LINE)[None, :]
@@ -119,16 +119,13 @@ if HAVE_TRITON:
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # out = a (rows, K) @ w (N [x 2 with the gate], K).T, one unit per BLOCK_N columns and K split: the weight
         # tile is the dot's left operand (a few activation rows fill its narrow side), streamed once from HBM.
-        # More rows than BLOCK_M: a unit per row tile too, the row tiles of one weight tile side by side in the unit
-        # order, so programs running together share it (read from HBM once, then from L2).
         KS: tl.constexpr = K // SPLITS
-        m_tiles = tl.cdiv(rows, BLOCK_M)
+        m = tl.arange(0, BLOCK_M)
+        m_ok = m < rows
         kk = tl.arange(0, BLOCK_K)
-        for unit in range(pid, (N // BLOCK_N) * SPLITS * m_tiles, nprog):
-            m = (unit % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-            m_ok = m < rows
-            split = unit // m_tiles % SPLITS
-            cols = (unit // m_tiles // SPLITS) * BLOCK_N + tl.arange(0, BLOCK_N)
+        for unit in range(pid, (N // BLOCK_N) * SPLITS, nprog):
+            split = unit % SPLITS
+            cols = (unit // SPLITS) * BLOCK_N + tl.arange(0, BLOCK_N)
             w_ptrs = w_ptr + cols[:, None].to(tl.int64) * K + split * KS + kk[None, :]
             a_ptrs = a_ptr + m[None, :] * K + split * KS + kk[:, None]
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -223,18 +220,13 @@ if HAVE_TRITON:
 
 # Rows (sequences x tokens) up to which a stack runs as layer kernels (VOXCPM_LAYER_MAX_ROWS): the DiT at B=1 (22 rows),
 # the LocEnc up to B=12.
-MAX_ROWS = min(256, int(os.environ.get("VOXCPM_LAYER_MAX_ROWS", "64")))
+MAX_ROWS = min(64, int(os.environ.get("VOXCPM_LAYER_MAX_ROWS", "64")))  # more: tiles past the SM's resources
 # VOXCPM_LAYER_KERNEL: "fused" (default) one launch per layer with grid barriers; "phases" a launch per phase (same
 # arithmetic, for comparison); "off" the layer's separate kernels.
 MODE = os.environ.get("VOXCPM_LAYER_KERNEL", "fused")
 if MODE not in ("fused", "phases", "off"):
     raise ValueError(f"VOXCPM_LAYER_KERNEL={MODE!r}: use 'fused' (default), 'phases' or 'off'")
-BLOCK_N = 16  # weight rows (output columns) per unit at <= 64 rows
-# Above 64 rows: row tiles of 64 and (VOXCPM_LAYER_TALL) wider weight tiles, largest K tile, stages, warps: each row
-# tile of the activations is read once per weight tile, so narrow weight tiles would multiply that traffic.
-TALL = tuple(int(v) for v in os.environ.get("VOXCPM_LAYER_TALL", "64,64,3,4").split(","))
-if len(TALL) != 4 or min(TALL) < 1:
-    raise ValueError(f"VOXCPM_LAYER_TALL={TALL}: four positive integers (columns, K tile, stages, warps)")
+BLOCK_N = 16
 # (largest K tile, pipeline stages, warps, programs per SM) of the launches: tools/bench_kernels.py --only layer sweeps
 # them. More than one program per SM keeps more weight bytes in flight per SM; the fused grid is capped by what the
 # compiled variant's registers and shared memory let reside at once (the shipped bf16 variants: 88 KB of shared
@@ -296,24 +288,16 @@ def _programs_per_sm(args: tuple, kwargs: dict, seq_len: int, device: torch.devi
     return _resident[key]
 
 
-def _tiles(rows: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, largest K tile, pipeline stages, warps) of the launches for `rows` rows."""
-    if rows <= 64:
-        return max(32, triton.next_power_of_2(rows)), BLOCK_N, LAUNCH[0], LAUNCH[1], LAUNCH[2]
-    return 64, TALL[0], TALL[1], TALL[2], TALL[3]
-
-
-def _plan(cfg: TransformerConfig, sms: int, rows: int) -> tuple[int, int, int] | None:
-    """(o splits, down splits, K tile) for this stack's shapes at `rows` rows, or None where the tiles do not divide
-    them. The projections to `hidden` columns are split along K until their units fill the SMs."""
+def _plan(cfg: TransformerConfig, sms: int) -> tuple[int, int, int] | None:
+    """(o splits, down splits, K tile) for this stack's shapes, or None where the tiles do not divide them. The
+    projections to `hidden` columns are split along K until their units fill the SMs."""
     h, f, q_width = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim
-    block_m, block_n, k_cap = _tiles(rows)[:3]
-    if any(n % block_n for n in (h, f, q_width, cfg.num_key_value_heads * cfg.head_dim)):
+    if any(n % BLOCK_N for n in (h, f, q_width, cfg.num_key_value_heads * cfg.head_dim)):
         return None
-    splits = max(1, min(4, sms // (h // block_n * -(-rows // block_m))))
+    splits = max(1, min(4, sms // (h // BLOCK_N)))
     while splits > 1 and (q_width % (splits * 16) or f % (splits * 16)):
         splits -= 1
-    block_k = next((b for b in (512, 256, 128, 64, 32, 16) if b <= k_cap and h % b == 0
+    block_k = next((b for b in (512, 256, 128, 64, 32, 16) if b <= LAUNCH[0] and h % b == 0
                     and q_width // splits % b == 0 and f // splits % b == 0), None)
     return None if block_k is None else (splits, splits, block_k)
 
@@ -336,7 +320,7 @@ def supported(stack: torch.nn.Module, x: torch.Tensor) -> bool:
             and layer.self_attn.qkv_weight is not None and layer.mlp.gate_up_weight is not None
             and x.dtype == layer.self_attn.qkv_weight.dtype and x.shape[-1] == cfg.hidden_size
             and d >= 32 and d & (d - 1) == 0 and cfg.num_attention_heads % cfg.num_key_value_heads == 0
-            and _plan(cfg, _sms(x.device) * LAUNCH[3], x.shape[0] * x.shape[1]) is not None)
+            and _plan(cfg, _sms(x.device) * LAUNCH[3]) is not None)
 
 
 def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | None,
@@ -350,9 +334,7 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
     hq, hk, d, f = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
     nqkv = (hq + 2 * hk) * d
     sms = _sms(dev)
-    o_splits, down_splits, block_k = _plan(cfg, sms * LAUNCH[3], rows)
-    block_m, block_n, _, stages, warps = _tiles(rows)
-    m_tiles = -(-rows // block_m)
+    o_splits, down_splits, block_k = _plan(cfg, sms * LAUNCH[3])
     fused_launch = MODE == "fused" and not _is_interpreted()
     x = x.reshape(rows, h).contiguous()
 
@@ -364,8 +346,7 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
     o_part, down_part = buffer(o_splits, rows, h, fp32=True), buffer(down_splits, rows, h, fp32=True)
     prepare(dev)
     cos, sin = (rope[:, 0, :], rope[:, 1, :]) if rope is not None else (x, x)
-    units = (rows, nqkv // block_n * m_tiles, n * hq, h // block_n * o_splits * m_tiles, rows, f // block_n * m_tiles,
-             h // block_n * down_splits * m_tiles)
+    units = (rows, nqkv // BLOCK_N, n * hq, h // BLOCK_N * o_splits, rows, f // BLOCK_N, h // BLOCK_N * down_splits)
     pf_names = ("PF_QKV", "PF_O", "PF_GATE_UP", "PF_DOWN")
     pf_shapes = ((nqkv, h), (h, hq * d // o_splits), (2 * f, h), (h, f // down_splits))
     prefetch = {name: _prefetch_len(n_rows, k, x.element_size()) if fused_launch else 0
@@ -381,8 +362,9 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
         kwargs = dict(H=h, NQKV=nqkv, HQ=hq, GROUP=hq // hk, HALF=d // 2, F=f, O_SPLITS=o_splits,
                       DOWN_SPLITS=down_splits, HAS_SCALE=scale is not None, ROPE=rope is not None,
                       PHASE=phase, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_H=triton.next_power_of_2(h),
-                      BLOCK_L=max(16, triton.next_power_of_2(seq_len)), **prefetch, num_stages=stages, num_warps=warps)
+                      BLOCK_M=max(32, triton.next_power_of_2(rows)), BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+                      BLOCK_H=triton.next_power_of_2(h), BLOCK_L=max(16, triton.next_power_of_2(seq_len)), **prefetch,
+                      num_stages=LAUNCH[1], num_warps=LAUNCH[2])
         if phase < 0:  # every program resident at once, or a barrier cannot complete (and traps)
             grid = min(sms * min(LAUNCH[3], _programs_per_sm(args, kwargs, seq_len, dev)), max(units))
         else:

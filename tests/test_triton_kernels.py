@@ -300,45 +300,44 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
 
     def dense_layer_stack(dtype: torch.dtype) -> float:
         """A local module's stack as layer kernels (`engine.triton_layer`) against its eager layers: with and without
-        rotary and muP scale, 1-7 sequences (up to 77 rows: row tiles), and taken by MiniCPM.forward where the kernels
-        serve the tensor. On CUDA also fused (grid barriers), with a wide MLP whose units outnumber the resident
-        programs (each program takes several), and the barrier counters back at zero after every launch."""
+        rotary and muP scale, 1-2 sequences, and taken by MiniCPM.forward where the kernels serve the tensor. On CUDA
+        also fused (grid barriers), with a wide MLP whose units outnumber the resident programs (each program takes
+        several), and the barrier counters back at zero after every launch."""
         from engine import triton_layer
         from engine.config import TransformerConfig
         from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
 
         errs = []
-        with mock.patch.object(triton_layer, "MAX_ROWS", 256):  # the row tiles' case too
-            modes = ["phases"] + (["fused"] if device == "cuda" else [])  # the interpreter cannot run grid barriers
-            configs = [(False, False, 128), (True, True, 128)] + ([(False, False, 8192)] if device == "cuda" else [])
-            for mup, no_rope, ffn in configs:
-                cfg = TransformerConfig(hidden_size=64, intermediate_size=ffn, num_attention_heads=4,
-                                        num_key_value_heads=2, num_hidden_layers=2, rms_norm_eps=1e-5, kv_channels=32,
-                                        use_mup=mup, scale_depth=0.7, no_rope=no_rope)  # muP residual scale 0.49
-                torch.manual_seed(31)
-                stack = MiniCPM(cfg).to(device, dtype)
-                with torch.no_grad():
-                    for name, p in stack.named_parameters():
-                        if name.endswith("norm.weight"):
-                            p.copy_(rand(*p.shape, dtype=dtype, seed=32) * 0.5 + 1.0)
-                fuse_projections(stack)
-                for n, length in ((2, 11), (1, 5), (7, 11)):  # the last: 77 rows, two row tiles of wider weight tiles
-                    x = rand(n, length, 64, dtype=dtype, seed=33 + length)
-                    rope = rotary_table(cfg, length, torch.device(device))
-                    with mock.patch.object(fused, "kernels", lambda _: False):
-                        ref = stack(x, rope, dense_attention)
-                    assert triton_layer.supported(stack, x)
-                    stack_rope = rope if stack.uses_rope else None
-                    for mode in modes:
-                        with mock.patch.object(triton_layer, "MODE", mode):
-                            errs.append(relative_error(triton_layer.dense_stack(stack, x, stack_rope), ref))
-                        if mode == "fused":
-                            counters = triton_layer._sync[triton_layer._device(x.device)]
-                            assert counters.tolist() == [0, 0], f"barrier counters left at {counters.tolist()}"
-                    with mock.patch.object(fused, "kernels", triton_kernels.usable), \
-                            mock.patch.object(triton_layer, "dense_stack", wraps=triton_layer.dense_stack) as spy:
-                        errs.append(relative_error(stack(x, rope, dense_attention), ref))
-                    assert spy.call_count == 1, "MiniCPM.forward did not take the layer kernels"
+        modes = ["phases"] + (["fused"] if device == "cuda" else [])  # the interpreter cannot run grid barriers
+        configs = [(False, False, 128), (True, True, 128)] + ([(False, False, 8192)] if device == "cuda" else [])
+        for mup, no_rope, ffn in configs:
+            cfg = TransformerConfig(hidden_size=64, intermediate_size=ffn, num_attention_heads=4, num_key_value_heads=2,
+                                    num_hidden_layers=2, rms_norm_eps=1e-5, kv_channels=32, use_mup=mup,
+                                    scale_depth=0.7, no_rope=no_rope)  # muP residual scale 0.49
+            torch.manual_seed(31)
+            stack = MiniCPM(cfg).to(device, dtype)
+            with torch.no_grad():
+                for name, p in stack.named_parameters():
+                    if name.endswith("norm.weight"):
+                        p.copy_(rand(*p.shape, dtype=dtype, seed=32) * 0.5 + 1.0)
+            fuse_projections(stack)
+            for n, length in ((2, 11), (1, 5)):
+                x = rand(n, length, 64, dtype=dtype, seed=33 + length)
+                rope = rotary_table(cfg, length, torch.device(device))
+                with mock.patch.object(fused, "kernels", lambda _: False):
+                    ref = stack(x, rope, dense_attention)
+                assert triton_layer.supported(stack, x)
+                stack_rope = rope if stack.uses_rope else None
+                for mode in modes:
+                    with mock.patch.object(triton_layer, "MODE", mode):
+                        errs.append(relative_error(triton_layer.dense_stack(stack, x, stack_rope), ref))
+                    if mode == "fused":
+                        counters = triton_layer._sync[triton_layer._device(x.device)]
+                        assert counters.tolist() == [0, 0], f"barrier counters left at {counters.tolist()}"
+                with mock.patch.object(fused, "kernels", triton_kernels.usable), \
+                        mock.patch.object(triton_layer, "dense_stack", wraps=triton_layer.dense_stack) as spy:
+                    errs.append(relative_error(stack(x, rope, dense_attention), ref))
+                assert spy.call_count == 1, "MiniCPM.forward did not take the layer kernels"
         return max(errs)
 
     return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "skinny_matmul": skinny_matmul, "rotary_qk": rotary_qk,

@@ -129,12 +129,9 @@ def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype:
     """The DiT's and LocEnc's whole stacks (every layer its own random weights, read from HBM) at a decode step's
     rows: the layers' separate kernels against the layer kernel (`engine.triton_layer`) as one launch per layer
     (grid barriers) and as one launch per phase; the outputs' relative error against the separate kernels'."""
-    out, tall_sweep = [], {}
-    max_rows = mock.patch.object(triton_layer, "MAX_ROWS", 256)  # above the default 64 too: what row tiles give
-    max_rows.start()
+    out = []
     for name, tcfg, seq_len, per_request in (("DiT", cfg.dit, dit_rows(cfg) // 2, 2),
                                              ("LocEnc", cfg.encoder, cfg.patch_size + 1, 1)):
-        tall_swept = False
         with torch.device(dev):
             stack = MiniCPM(tcfg).to(dtype)
         with torch.no_grad():
@@ -146,20 +143,6 @@ def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype:
             x = torch.randn(b * per_request, seq_len, tcfg.hidden_size, device=dev, dtype=dtype)
             if not triton_layer.supported(stack, x):
                 continue
-            if b * per_request * seq_len > 64 and not tall_swept:  # the row-tiled launch configurations
-                tall_swept = True
-                sweep = {}
-                for tall in [(32, 64, 3, 4), (64, 64, 3, 4), (64, 64, 4, 4), (64, 128, 3, 4), (128, 64, 3, 4),
-                             (64, 32, 4, 4), (128, 32, 4, 8)]:
-                    with mock.patch.object(triton_layer, "TALL", tall), torch.no_grad():
-                        try:
-                            sweep[str(tall)] = round(replay_us(partial(stack, x, rope, dense_attention))
-                                                     / len(stack.layers), 2)
-                        except Exception as e:  # e.g. out of shared memory
-                            sweep[str(tall)] = f"{type(e).__name__}"
-                print(f"  {name} B={b} row-tiled sweep (columns, K tile, stages, warps) -> us per layer: {sweep}",
-                      flush=True)
-                tall_sweep[f"{name} B={b}"] = sweep
             row: dict = {"module": name, "batch": b, "rows": x.shape[0] * seq_len, "layers": len(stack.layers)}
             outputs = {}
             for mode in ("off", "phases", "fused"):
@@ -192,9 +175,6 @@ def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype:
                   f"phases {row['phases_us_per_layer']}, fused {row['fused_us_per_layer']}; rel err phases "
                   f"{row['phases_rel_err']:.2e}, fused {row['fused_rel_err']:.2e}; per phase {row['phase_us']}",
                   flush=True)
-    max_rows.stop()
-    if tall_sweep:
-        out.append({"row_tiled_sweep_us_per_layer": tall_sweep})
     return out
 
 
