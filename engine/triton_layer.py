@@ -150,58 +150,6 @@ if HAVE_TRITON:
                     y = (s.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
                 tl.store(out_ptr + m[None, :] * N + cols[:, None], y, mask=out_mask)
 
-    @triton.jit
-    def _attend_project(qkv_ptr, cos_ptr, sin_ptr, w_ptr, part_ptr, rows, seq_len, stride_cl, stride_sl, sm_scale, pid,
-                        nprog, H: tl.constexpr, NQKV: tl.constexpr, HQ: tl.constexpr, GROUP: tl.constexpr,
-                        HALF: tl.constexpr, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_NO: tl.constexpr):
-        # Phases 2 and 3 in one: a unit per (BLOCK_NO output columns, head) computes that head's attention for every
-        # row (one masked block-diagonal attention over all the sequences' rows, rows <= BLOCK_M, rotary applied on
-        # load: `attend_heads`'s arithmetic and rounding) and projects it with the head's K range of the o weight,
-        # storing fp32 partials per head that phase 4 sums in head order. The attention is recomputed by each of the
-        # H / BLOCK_NO column tiles, which costs less than a phase and a barrier at these few rows.
-        D: tl.constexpr = 2 * HALF
-        K: tl.constexpr = HQ * D
-        HK: tl.constexpr = HQ // GROUP
-        r = tl.arange(0, BLOCK_M)
-        r_ok = r < rows
-        keep = ((r[:, None] // seq_len) == (r[None, :] // seq_len)) & r_ok[None, :]
-        d = tl.arange(0, HALF)[None, :]
-        row_ptrs = qkv_ptr + r[:, None] * NQKV + d
-        dtype = qkv_ptr.dtype.element_ty
-        if ROPE:
-            pos = (r % seq_len)[:, None]
-            c1 = tl.load(cos_ptr + pos * stride_cl + d, mask=r_ok[:, None], other=0.0)
-            c2 = tl.load(cos_ptr + pos * stride_cl + HALF + d, mask=r_ok[:, None], other=0.0)
-            s1 = tl.load(sin_ptr + pos * stride_sl + d, mask=r_ok[:, None], other=0.0)
-            s2 = tl.load(sin_ptr + pos * stride_sl + HALF + d, mask=r_ok[:, None], other=0.0)
-        for unit in tl.range(pid, (H // BLOCK_NO) * HQ, nprog, num_stages=1):  # no pipelining: shared memory
-            h = unit % HQ
-            g = h // GROUP
-            cols = (unit // HQ) * BLOCK_NO + tl.arange(0, BLOCK_NO)
-            w1 = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + h * D + d, eviction_policy="evict_first")
-            w2 = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + h * D + HALF + d, eviction_policy="evict_first")
-            q1 = tl.load(row_ptrs + h * D, mask=r_ok[:, None], other=0.0, cache_modifier=".cg")
-            q2 = tl.load(row_ptrs + h * D + HALF, mask=r_ok[:, None], other=0.0, cache_modifier=".cg")
-            k1 = tl.load(row_ptrs + (HQ + g) * D, mask=r_ok[:, None], other=0.0, cache_modifier=".cg")
-            k2 = tl.load(row_ptrs + (HQ + g) * D + HALF, mask=r_ok[:, None], other=0.0, cache_modifier=".cg")
-            v1 = tl.load(row_ptrs + (HQ + HK + g) * D, mask=r_ok[:, None], other=0.0, cache_modifier=".cg")
-            v2 = tl.load(row_ptrs + (HQ + HK + g) * D + HALF, mask=r_ok[:, None], other=0.0, cache_modifier=".cg")
-            if ROPE:  # in fp32, rounded to the dtype: what the eager rotary hands to attention
-                q1f, q2f, k1f, k2f = q1.to(tl.float32), q2.to(tl.float32), k1.to(tl.float32), k2.to(tl.float32)
-                q1, q2 = (q1f * c1 - q2f * s1).to(dtype), (q2f * c2 + q1f * s2).to(dtype)
-                k1, k2 = (k1f * c1 - k2f * s1).to(dtype), (k2f * c2 + k1f * s2).to(dtype)
-            scores = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
-            scores += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)
-            scores = tl.where(keep, scores * sm_scale, -1e30)  # finite: padding rows stay finite (and unstored)
-            p = tl.exp(scores - tl.max(scores, axis=1)[:, None])
-            p = (p / tl.sum(p, axis=1)[:, None]).to(dtype)
-            o1 = tl.dot(p, v1, input_precision=DOT_PRECISION).to(dtype)  # the attention output's rounding
-            o2 = tl.dot(p, v2, input_precision=DOT_PRECISION).to(dtype)
-            acc = tl.dot(w1, tl.trans(o1), input_precision=DOT_PRECISION)
-            acc = tl.dot(w2, tl.trans(o2), acc, input_precision=DOT_PRECISION)
-            tl.store(part_ptr + (h * rows + r[None, :]) * H + cols[:, None], acc, mask=r_ok[None, :])
-
     # Not specialised on `sequences` == 1 or `has_part`: fewer variants to compile at start-up, no cost at run time.
     @triton.jit(do_not_specialize=["sequences", "has_part"])
     def _dense_layer_kernel(x_ptr, down_part_ptr, x_out_ptr, in_norm_ptr, post_norm_ptr, qkv_w_ptr, o_w_ptr,
@@ -214,10 +162,8 @@ if HAVE_TRITON:
                             PHASE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
                             BLOCK_L: tl.constexpr, PF_QKV: tl.constexpr, PF_O: tl.constexpr,
-                            PF_GATE_UP: tl.constexpr, PF_DOWN: tl.constexpr, ATTN_IN_O: tl.constexpr,
-                            BLOCK_NO: tl.constexpr):
-        # PHASE -1: all phases, grid barriers between them; 0..6: that phase only (a launch per phase). ATTN_IN_O:
-        # phase 3 computes the attention itself (`_attend_project`, O_SPLITS = HQ); phase 2 and its barrier go.
+                            PF_GATE_UP: tl.constexpr, PF_DOWN: tl.constexpr):
+        # PHASE -1: all phases, grid barriers between them; 0..6: that phase only (a launch per phase).
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         rows = sequences * seq_len
@@ -237,8 +183,7 @@ if HAVE_TRITON:
         if ALL:
             _prefetch(o_w_ptr, pid, nprog, H, HQ * D, O_SPLITS, False, PF_O, BLOCK_N)
         _grid_sync(sync_ptr, 2 * nprog, ALL)
-        B2: tl.constexpr = 0 if ATTN_IN_O else 1  # barriers after phase 2: the later targets shift without it
-        if (ALL or PHASE == 2) and not ATTN_IN_O:
+        if ALL or PHASE == 2:
             hk_cols: tl.constexpr = (NQKV - HQ * D) // 2
             for unit in range(pid, sequences * HQ, nprog):
                 n = unit // HQ  # (sequence, head) pairs: offsets stay far below 2**31
@@ -246,26 +191,23 @@ if HAVE_TRITON:
                 attend_heads(qkv_ptr, qkv_ptr + HQ * D, qkv_ptr + HQ * D + hk_cols, cos_ptr, sin_ptr, attn_ptr, n,
                              unit % HQ, HQ, seq_stride, NQKV, D, seq_stride, NQKV, D, seq_stride, NQKV, D, stride_cl,
                              stride_sl, seq_len, sm_scale, GROUP, 1, HALF, BLOCK_L, ROPE, DOT_PRECISION, ".cg")
-        _grid_sync(sync_ptr, 3 * nprog, ALL and not ATTN_IN_O)
-        if (ALL or PHASE == 3) and ATTN_IN_O:
-            _attend_project(qkv_ptr, cos_ptr, sin_ptr, o_w_ptr, o_part_ptr, rows, seq_len, stride_cl, stride_sl,
-                            sm_scale, pid, nprog, H, NQKV, HQ, GROUP, HALF, ROPE, DOT_PRECISION, BLOCK_M, BLOCK_NO)
-        if (ALL or PHASE == 3) and not ATTN_IN_O:
+        _grid_sync(sync_ptr, 3 * nprog, ALL)
+        if ALL or PHASE == 3:
             _project(attn_ptr, o_w_ptr, o_part_ptr, rows, pid, nprog, H, HQ * D, O_SPLITS, False, True,
                      DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         if ALL:
             _prefetch(gate_up_w_ptr, pid, nprog, F, H, 1, True, PF_GATE_UP, BLOCK_N)
-        _grid_sync(sync_ptr, (3 + B2) * nprog, ALL)
+        _grid_sync(sync_ptr, 4 * nprog, ALL)
         if ALL or PHASE == 4:
             _residual_norm_rows(xn_ptr, o_part_ptr, post_norm_ptr, x_out_ptr, normed2_ptr, rows, 1, eps, scale, pid,
                                 nprog, H, O_SPLITS, HAS_SCALE, BLOCK_H, ".cg")
-        _grid_sync(sync_ptr, (4 + B2) * nprog, ALL)
+        _grid_sync(sync_ptr, 5 * nprog, ALL)
         if ALL or PHASE == 5:
             _project(normed2_ptr, gate_up_w_ptr, act_ptr, rows, pid, nprog, F, H, 1, True, False, DOT_PRECISION,
                      BLOCK_M, BLOCK_N, BLOCK_K)
         if ALL:
             _prefetch(down_w_ptr, pid, nprog, H, F, DOWN_SPLITS, False, PF_DOWN, BLOCK_N)
-        _grid_sync(sync_ptr, (5 + B2) * nprog, ALL)
+        _grid_sync(sync_ptr, 6 * nprog, ALL)
         if ALL or PHASE == 6:
             _project(act_ptr, down_w_ptr, down_part_ptr, rows, pid, nprog, H, F, DOWN_SPLITS, False, True,
                      DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -296,10 +238,6 @@ if len(LAUNCH) != 4 or min(LAUNCH) < 1:
 # none): about what HBM delivers in the idle phase before it; more only evicts what is still to be used. DiT B=1 on an
 # H100 (tools/bench_kernels.py --only layer): 0 MB 33.5 us per layer, 2 MB 31.75, 4 MB 32.1, 8 MB 32.4, 16 MB 33.9.
 PREFETCH_BYTES = int(float(os.environ.get("VOXCPM_LAYER_PREFETCH_MB", "2")) * 2**20)
-# VOXCPM_LAYER_ATTN_IN_O=0: the attention as a phase of its own (a unit per sequence and head) before the o
-# projection, instead of inside the o projection's units (`_attend_project`, BLOCK_NO output columns per unit).
-ATTN_IN_O = os.environ.get("VOXCPM_LAYER_ATTN_IN_O", "1") != "0"
-BLOCK_NO = 64
 _resident: dict[tuple, int] = {}
 _sync: dict[torch.device, torch.Tensor] = {}  # the barrier counter and the exit counter, per device
 _sm_count: dict[torch.device, int] = {}
@@ -403,17 +341,12 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
     def buffer(*shape: int, fp32: bool = False) -> torch.Tensor:
         return torch.empty(shape, device=dev, dtype=torch.float32 if fp32 else dtype)
 
-    attn_in_o = ATTN_IN_O and h % BLOCK_NO == 0
-    if attn_in_o:
-        o_splits = hq  # a partial per head
     x_res, x_mid, normed, normed2 = buffer(rows, h), buffer(rows, h), buffer(rows, h), buffer(rows, h)
-    qkv, act = buffer(rows, nqkv), buffer(rows, f)
-    attn = qkv if attn_in_o else buffer(rows, hq * d)  # not written with attn_in_o
+    qkv, attn, act = buffer(rows, nqkv), buffer(rows, hq * d), buffer(rows, f)
     o_part, down_part = buffer(o_splits, rows, h, fp32=True), buffer(down_splits, rows, h, fp32=True)
     prepare(dev)
     cos, sin = (rope[:, 0, :], rope[:, 1, :]) if rope is not None else (x, x)
-    units = (rows, nqkv // BLOCK_N, 0 if attn_in_o else n * hq, h // BLOCK_NO * hq if attn_in_o else
-             h // BLOCK_N * o_splits, rows, f // BLOCK_N, h // BLOCK_N * down_splits)
+    units = (rows, nqkv // BLOCK_N, n * hq, h // BLOCK_N * o_splits, rows, f // BLOCK_N, h // BLOCK_N * down_splits)
     pf_names = ("PF_QKV", "PF_O", "PF_GATE_UP", "PF_DOWN")
     pf_shapes = ((nqkv, h), (h, hq * d // o_splits), (2 * f, h), (h, f // down_splits))
     prefetch = {name: _prefetch_len(n_rows, k, x.element_size()) if fused_launch else 0
@@ -431,7 +364,7 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
                       PHASE=phase, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
                       BLOCK_M=max(32, triton.next_power_of_2(rows)), BLOCK_N=BLOCK_N, BLOCK_K=block_k,
                       BLOCK_H=triton.next_power_of_2(h), BLOCK_L=max(16, triton.next_power_of_2(seq_len)), **prefetch,
-                      ATTN_IN_O=attn_in_o, BLOCK_NO=BLOCK_NO, num_stages=LAUNCH[1], num_warps=LAUNCH[2])
+                      num_stages=LAUNCH[1], num_warps=LAUNCH[2])
         if phase < 0:  # every program resident at once, or a barrier cannot complete (and traps)
             grid = min(sms * min(LAUNCH[3], _programs_per_sm(args, kwargs, seq_len, dev)), max(units))
         else:
@@ -440,7 +373,6 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
 
     for i, layer in enumerate(layers):
         for phase in (-1,) if fused_launch else only_phases or range(len(units)):
-            if phase < 0 or units[phase]:
-                launch(layer, i == 0, x if i == 0 else x_res, layer.input_layernorm.weight, phase)
+            launch(layer, i == 0, x if i == 0 else x_res, layer.input_layernorm.weight, phase)
     launch(layers[-1], False, x_res, stack.norm.weight, 0)  # the last layer's down projection added, the final norm
     return normed.view(n, seq_len, h)

@@ -300,8 +300,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
 
     def dense_layer_stack(dtype: torch.dtype) -> float:
         """A local module's stack as layer kernels (`engine.triton_layer`) against its eager layers: with and without
-        rotary and muP scale, 1-2 sequences, the attention in the o projection's units or a phase of its own, and
-        taken by MiniCPM.forward where the kernels serve the tensor. On CUDA
+        rotary and muP scale, 1-2 sequences, and taken by MiniCPM.forward where the kernels serve the tensor. On CUDA
         also fused (grid barriers), with a wide MLP whose units outnumber the resident programs (each program takes
         several), and the barrier counters back at zero after every launch."""
         from engine import triton_layer
@@ -329,9 +328,8 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                     ref = stack(x, rope, dense_attention)
                 assert triton_layer.supported(stack, x)
                 stack_rope = rope if stack.uses_rope else None
-                for mode, attn_in_o in ((m, a) for m in modes for a in (True, False)):
-                    with mock.patch.object(triton_layer, "MODE", mode), \
-                            mock.patch.object(triton_layer, "ATTN_IN_O", attn_in_o):
+                for mode in modes:
+                    with mock.patch.object(triton_layer, "MODE", mode):
                         errs.append(relative_error(triton_layer.dense_stack(stack, x, stack_rope), ref))
                     if mode == "fused":
                         counters = triton_layer._sync[triton_layer._device(x.device)]

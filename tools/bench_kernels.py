@@ -153,14 +153,9 @@ def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype:
             for mode in ("phases", "fused"):
                 ref = outputs["off"]
                 row[f"{mode}_rel_err"] = float((outputs[mode] - ref).abs().max() / ref.abs().max())
-            other = not triton_layer.ATTN_IN_O  # the attention in the o projection's units, or a phase of its own
-            with mock.patch.object(triton_layer, "ATTN_IN_O", other), torch.no_grad():
-                row[f"fused_attn_in_o_{other}_us_per_layer"] = round(
-                    replay_us(partial(stack, x, rope, dense_attention)) / len(stack.layers), 2)
             with mock.patch.object(triton_layer, "MODE", "phases"), torch.no_grad():
                 row["phase_us"] = [round(replay_us(partial(triton_layer.dense_stack, stack, x, rope, (phase,)))
-                                         / len(stack.layers), 2) if phase != 2 or not triton_layer.ATTN_IN_O
-                                   else 0.0 for phase in range(7)]
+                                         / len(stack.layers), 2) for phase in range(7)]
             if b == batches[0] and name == "DiT":  # the launch configurations of the fused kernel
                 sweep = {}
                 for launch in [(bk, st, 4, ctas) for bk in (64, 128) for st in (2, 3, 4) for ctas in (1, 2, 4)]:
@@ -177,9 +172,7 @@ def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype:
                                                                     len(stack.layers))
             out.append(row)
             print(f"{name} B={b} ({row['rows']} rows): us per layer: separate kernels {row['off_us_per_layer']}, "
-                  f"phases {row['phases_us_per_layer']}, fused {row['fused_us_per_layer']} (attention in the o "
-                  f"projection: {triton_layer.ATTN_IN_O}; the other way "
-                  f"{row[f'fused_attn_in_o_{other}_us_per_layer']}); rel err phases "
+                  f"phases {row['phases_us_per_layer']}, fused {row['fused_us_per_layer']}; rel err phases "
                   f"{row['phases_rel_err']:.2e}, fused {row['fused_rel_err']:.2e}; per phase {row['phase_us']}",
                   flush=True)
     return out
