@@ -352,6 +352,13 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
     prefetch = {name: _prefetch_len(n_rows, k, x.element_size()) if fused_launch else 0
                 for name, (n_rows, k) in zip(pf_names, pf_shapes, strict=True)}
     scale = layers[0].residual_scale
+    settings = dict(H=h, NQKV=nqkv, HQ=hq, GROUP=hq // hk, HALF=d // 2, F=f, O_SPLITS=o_splits,
+                    DOWN_SPLITS=down_splits, HAS_SCALE=scale is not None, ROPE=rope is not None,
+                    DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                    BLOCK_M=max(32, triton.next_power_of_2(rows)), BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+                    BLOCK_H=triton.next_power_of_2(h), BLOCK_L=max(16, triton.next_power_of_2(seq_len)), **prefetch,
+                    num_stages=LAUNCH[1], num_warps=LAUNCH[2])
+    grids: dict[int, int] = {}  # per phase: the same for every layer
 
     def launch(layer: torch.nn.Module, first: bool, x_in: torch.Tensor, in_norm: torch.Tensor, phase: int) -> None:
         args = (
@@ -359,17 +366,13 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
             layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight, layer.mlp.down_proj.weight, cos, sin, x_mid,
             normed, qkv, attn, o_part, normed2, act, _sync[dev], n, seq_len, 0 if first else 1, cos.stride(0),
             sin.stride(0), cfg.rms_norm_eps, 1.0 if scale is None else scale, d ** -0.5)
-        kwargs = dict(H=h, NQKV=nqkv, HQ=hq, GROUP=hq // hk, HALF=d // 2, F=f, O_SPLITS=o_splits,
-                      DOWN_SPLITS=down_splits, HAS_SCALE=scale is not None, ROPE=rope is not None,
-                      PHASE=phase, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                      BLOCK_M=max(32, triton.next_power_of_2(rows)), BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-                      BLOCK_H=triton.next_power_of_2(h), BLOCK_L=max(16, triton.next_power_of_2(seq_len)), **prefetch,
-                      num_stages=LAUNCH[1], num_warps=LAUNCH[2])
-        if phase < 0:  # every program resident at once, or a barrier cannot complete (and traps)
-            grid = min(sms * min(LAUNCH[3], _programs_per_sm(args, kwargs, seq_len, dev)), max(units))
-        else:
-            grid = min(sms * LAUNCH[3], units[phase])
-        _dense_layer_kernel[(grid,)](*args, **kwargs)
+        kwargs = dict(settings, PHASE=phase)
+        if phase not in grids:
+            if phase < 0:  # every program resident at once, or a barrier cannot complete (and traps)
+                grids[phase] = min(sms * min(LAUNCH[3], _programs_per_sm(args, kwargs, seq_len, dev)), max(units))
+            else:
+                grids[phase] = min(sms * LAUNCH[3], units[phase])
+        _dense_layer_kernel[(grids[phase],)](*args, **kwargs)
 
     for i, layer in enumerate(layers):
         for phase in (-1,) if fused_launch else only_phases or range(len(units)):

@@ -274,7 +274,6 @@ def test_sync_stop_wakes_a_consumer_in_another_thread(checkpoint):
         next(iter(p.generate("After stop.")))
 
 
-
 @pytest.mark.parametrize("device_lost", [False, True], ids=["step-error", "device-lost"])
 def test_failed_step_fails_running_requests_and_a_lost_device_ends_the_worker(checkpoint, monkeypatch,
                                                                               device_lost):

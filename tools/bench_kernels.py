@@ -115,14 +115,18 @@ def bench_gemm(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: 
     return rows
 
 
-def prefetch_sweep(run: Callable[[], object], layers: int) -> dict[str, float]:
-    """us per layer of a fused layer-kernel stack at each L2 prefetch budget (MB per projection, 0: none)."""
-    sweep = {}
-    for mb in (0, 2, 4, 8, 16, 32):
-        with mock.patch.object(triton_layer, "PREFETCH_BYTES", mb * 2**20), torch.no_grad():
-            sweep[str(mb)] = round(replay_us(run) / layers, 2)
-    print(f"  prefetch sweep (MB per projection -> us per layer): {sweep}", flush=True)
-    return sweep
+def sweep_us(run: Callable[[], object], layers: int, setting: str, values: dict[str, object]) -> dict[str, float | str]:
+    """us per layer of a fused layer-kernel stack with `engine.triton_layer.<setting>` at each value (by label; a value
+    that does not compile or launch, e.g. out of shared memory, is reported by its exception's name)."""
+    out: dict[str, float | str] = {}
+    for label, value in values.items():
+        with mock.patch.object(triton_layer, setting, value), torch.no_grad():
+            try:
+                out[label] = round(replay_us(run) / layers, 2)
+            except Exception as e:
+                out[label] = type(e).__name__
+    print(f"  {setting} sweep -> us per layer: {out}", flush=True)
+    return out
 
 
 def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: torch.dtype) -> list[dict]:
@@ -156,20 +160,14 @@ def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype:
             with mock.patch.object(triton_layer, "MODE", "phases"), torch.no_grad():
                 row["phase_us"] = [round(replay_us(partial(triton_layer.dense_stack, stack, x, rope, (phase,)))
                                          / len(stack.layers), 2) for phase in range(7)]
-            if b == batches[0] and name == "DiT":  # the launch configurations of the fused kernel
-                sweep = {}
-                for launch in [(bk, st, 4, ctas) for bk in (64, 128) for st in (2, 3, 4) for ctas in (1, 2, 4)]:
-                    with mock.patch.object(triton_layer, "LAUNCH", launch), torch.no_grad():
-                        try:
-                            sweep[str(launch)] = round(replay_us(partial(stack, x, rope, dense_attention))
-                                                       / len(stack.layers), 2)
-                        except Exception as e:  # e.g. out of shared memory
-                            sweep[str(launch)] = f"{type(e).__name__}"
-                row["fused_sweep_us_per_layer"] = sweep
-                print(f"  sweep (K tile, stages, warps, programs per SM) -> us per layer: {sweep}", flush=True)
-            if b == batches[0]:
-                row["prefetch_sweep_us_per_layer"] = prefetch_sweep(partial(stack, x, rope, dense_attention),
-                                                                    len(stack.layers))
+            run = partial(stack, x, rope, dense_attention)
+            if b == batches[0] and name == "DiT":  # (K tile, stages, warps, programs per SM) of the fused kernel
+                launches = [(bk, st, 4, ctas) for bk in (64, 128) for st in (2, 3, 4) for ctas in (1, 2, 4)]
+                row["fused_sweep_us_per_layer"] = sweep_us(run, len(stack.layers), "LAUNCH",
+                                                           {str(v): v for v in launches})
+            if b == batches[0]:  # MB per projection prefetched into L2
+                row["prefetch_sweep_us_per_layer"] = sweep_us(run, len(stack.layers), "PREFETCH_BYTES",
+                                                              {str(mb): mb * 2**20 for mb in (0, 2, 4, 8, 16, 32)})
             out.append(row)
             print(f"{name} B={b} ({row['rows']} rows): us per layer: separate kernels {row['off_us_per_layer']}, "
                   f"phases {row['phases_us_per_layer']}, fused {row['fused_us_per_layer']}; rel err phases "
