@@ -41,42 +41,6 @@ if VAE_UPSAMPLER not in ("cudnn", "gemm"):
     raise ValueError(f"VOXCPM_VAE_UPSAMPLER={VAE_UPSAMPLER!r}: use 'gemm' (default) or 'cudnn'")
 
 
-# VOXCPM_L2_PREFETCH=1: the layers outside `engine.triton_layer` (the LMs; the local modules above its rows) pull their
-# coming projections' weights into L2 from a side stream (`prefetch_l2`) while the current ones stream from HBM:
-# at decode batch sizes each GEMM is a weight read with a ramp and a tail that leave HBM idle in between.
-# VOXCPM_L2_PREFETCH_GATE_UP_MB: how much of the gate/up weights (MB) rides with the o projection's.
-L2_PREFETCH = os.environ.get("VOXCPM_L2_PREFETCH", "0") == "1"
-L2_PREFETCH_GATE_UP = int(float(os.environ.get("VOXCPM_L2_PREFETCH_GATE_UP_MB", "16")) * 2**20)
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
-_forked: set[tuple[torch.device, int]] = set()  # (device, stream handle) with prefetches to join
-
-
-def prefetch_l2(a: torch.Tensor, a_bytes: int, b: torch.Tensor | None = None, b_bytes: int = 0) -> None:
-    """With VOXCPM_L2_PREFETCH on a Hopper-class GPU: the first `a_bytes` of a, then `b_bytes` of b, into L2 on a side
-    stream that starts after the work queued so far (CUDA-graph capture records the fork). `join_prefetch` must
-    follow before the current stream's work is awaited or a capture ends."""
-    if not (L2_PREFETCH and kernels(a) and torch.cuda.get_device_capability(a.device)[0] >= 9):
-        return
-    current = torch.cuda.current_stream(a.device)
-    side = _side_streams.get(a.device)
-    if side is None:
-        side = _side_streams[a.device] = torch.cuda.Stream(a.device)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        triton_kernels.l2_prefetch(a, a_bytes, a if b is None else b, b_bytes)
-    _forked.add((a.device, current.cuda_stream))
-
-
-def join_prefetch(x: torch.Tensor) -> None:
-    """The current stream waits for the prefetches forked from it (they are long done: only the capture needs it)."""
-    if not _forked or not x.is_cuda:
-        return
-    current = torch.cuda.current_stream(x.device)
-    if (x.device, current.cuda_stream) in _forked:
-        current.wait_stream(_side_streams[x.device])
-        _forked.discard((x.device, current.cuda_stream))
-
-
 def kernels(x: torch.Tensor) -> bool:
     """Whether the Triton kernels serve this tensor (CUDA, triton importable, fusion enabled)."""
     return ENABLED and x.is_cuda and triton_kernels.usable(x)

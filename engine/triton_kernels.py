@@ -42,26 +42,6 @@ if HAVE_TRITON:
     from triton.language.extra import libdevice
 
     @triton.jit
-    def bulk_prefetch(w_ptr, nbytes, pid, nprog):
-        """Program `pid` of `nprog` pulls its share of the `nbytes` bytes from w_ptr (256-byte aligned pieces) into
-        L2 with one bulk prefetch: the SM's copy engine walks it, thread 0 issues it, nothing is held or waited for
-        (sm_90+)."""
-        chunk = tl.cdiv(tl.cdiv(nbytes, nprog), 256) * 256
-        start = pid * chunk
-        size = tl.minimum(chunk, nbytes - start)
-        if size > 0:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-                "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [w_ptr.to(tl.pointer_type(tl.int8)) + start, size], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _l2_prefetch_kernel(a_ptr, a_bytes, b_ptr, b_bytes):
-        # a's bytes, then b's: each program issues its share of each
-        bulk_prefetch(a_ptr, a_bytes, tl.program_id(0), tl.num_programs(0))
-        bulk_prefetch(b_ptr, b_bytes, tl.program_id(0), tl.num_programs(0))
-
-    @triton.jit
     def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, x_out_ptr, y_ptr, n_cols, eps, scale,
                              HAS_H: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -364,17 +344,6 @@ DENSE_HEADS = int(os.environ.get("VOXCPM_DENSE_HEADS", "0"))
 def usable(x: torch.Tensor) -> bool:
     """Whether the kernels can run on this tensor's device."""
     return HAVE_TRITON and (x.is_cuda or _is_interpreted())
-
-
-L2_PREFETCH_PROGRAMS = 64  # programs (SMs' copy engines) sharing a prefetch
-
-
-def l2_prefetch(a: torch.Tensor, a_bytes: int, b: torch.Tensor, b_bytes: int) -> None:
-    """Start pulling the first `a_bytes` of a, then the first `b_bytes` of b (contiguous tensors, 16-byte aligned),
-    into L2 (compute capability 9.0+): a hint that leaves nothing to wait for."""
-    _l2_prefetch_kernel[(L2_PREFETCH_PROGRAMS,)](a, min(a_bytes, a.numel() * a.element_size()) // 256 * 256,
-                                                  b, min(b_bytes, b.numel() * b.element_size()) // 256 * 256,
-                                                  num_warps=1)
 
 
 def add_rms_norm(x: torch.Tensor, h: torch.Tensor | None, scale: float | None, weight: torch.Tensor,

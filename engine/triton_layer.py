@@ -49,10 +49,10 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from engine.triton_kernels import attend_heads, bulk_prefetch
+    from engine.triton_kernels import attend_heads
 
     @triton.jit
-    def _grid_sync(sync_ptr, target, ACTIVE: tl.constexpr, POLL_LOAD: tl.constexpr):
+    def _grid_sync(sync_ptr, target, ACTIVE: tl.constexpr):
         """Every program's stores so far visible to every program once all `target` arrivals are counted (nothing
         when not ACTIVE: one launch per phase). A grid that never completes (programs not all resident) traps after
         ~seconds of spinning: the launch fails with a CUDA error (the worker restarts) instead of going on with
@@ -62,11 +62,7 @@ if HAVE_TRITON:
             arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
             spins = 0
             while (arrived < target) & (spins < 4_000_000):
-                if POLL_LOAD:  # every thread polls with a plain acquire load: no read-modify-write at L2
-                    arrived = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [sync_ptr],
-                                                        dtype=tl.int32, is_pure=False, pack=1)
-                else:
-                    arrived = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+                arrived = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
                 spins += 1
             if arrived < target:
                 tl.inline_asm_elementwise("trap;", "=r,r", [arrived], dtype=tl.int32, is_pure=False, pack=1)
@@ -155,11 +151,10 @@ if HAVE_TRITON:
                 tl.store(out_ptr + m[None, :] * N + cols[:, None], y, mask=out_mask)
 
     # Not specialised on `sequences` == 1 or `has_part`: fewer variants to compile at start-up, no cost at run time.
-    @triton.jit(do_not_specialize=["sequences", "has_part", "has_next"])
+    @triton.jit(do_not_specialize=["sequences", "has_part"])
     def _dense_layer_kernel(x_ptr, down_part_ptr, x_out_ptr, in_norm_ptr, post_norm_ptr, qkv_w_ptr, o_w_ptr,
-                            gate_up_w_ptr, down_w_ptr, next_qkv_w_ptr, next_o_w_ptr, cos_ptr, sin_ptr, xn_ptr,
-                            normed_ptr, qkv_ptr, attn_ptr, o_part_ptr, normed2_ptr, act_ptr, sync_ptr, sequences,
-                            seq_len, has_part, has_next, stride_cl,
+                            gate_up_w_ptr, down_w_ptr, cos_ptr, sin_ptr, xn_ptr, normed_ptr, qkv_ptr, attn_ptr,
+                            o_part_ptr, normed2_ptr, act_ptr, sync_ptr, sequences, seq_len, has_part, stride_cl,
                             stride_sl, eps, scale, sm_scale,
                             H: tl.constexpr, NQKV: tl.constexpr, HQ: tl.constexpr, GROUP: tl.constexpr,
                             HALF: tl.constexpr, F: tl.constexpr, O_SPLITS: tl.constexpr, DOWN_SPLITS: tl.constexpr,
@@ -167,8 +162,7 @@ if HAVE_TRITON:
                             PHASE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
                             BLOCK_L: tl.constexpr, PF_QKV: tl.constexpr, PF_O: tl.constexpr,
-                            PF_GATE_UP: tl.constexpr, PF_DOWN: tl.constexpr, PF_BULK: tl.constexpr,
-                            POLL_LOAD: tl.constexpr):
+                            PF_GATE_UP: tl.constexpr, PF_DOWN: tl.constexpr):
         # PHASE -1: all phases, grid barriers between them; 0..6: that phase only (a launch per phase).
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
@@ -177,32 +171,18 @@ if HAVE_TRITON:
         ALL: tl.constexpr = PHASE < 0
         # PF_*: how far along K each projection's units are prefetched into L2 ahead of it (0: not), in fused
         # launches only: from the phase before, which would otherwise leave HBM idle.
-        # PF_BULK (fused launches): whole projections by bulk prefetches instead; 1: each a phase or two ahead, 2:
-        # the whole layer at the start. With has_next, the next layer's q/k/v and o during the down projection.
-        ES: tl.constexpr = qkv_w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        QKV_BYTES: tl.constexpr = NQKV * H * ES
-        O_BYTES: tl.constexpr = H * HQ * D * ES
         if ALL:
             _prefetch(qkv_w_ptr, pid, nprog, NQKV, H, 1, False, PF_QKV, BLOCK_N)
-            if PF_BULK > 0:
-                bulk_prefetch(qkv_w_ptr, QKV_BYTES, pid, nprog)
-            if PF_BULK == 2:
-                bulk_prefetch(o_w_ptr, O_BYTES, pid, nprog)
-                bulk_prefetch(gate_up_w_ptr, 2 * F * H * ES, pid, nprog)
-                bulk_prefetch(down_w_ptr, H * F * ES, pid, nprog)
         if ALL or PHASE == 0:
             _residual_norm_rows(x_ptr, down_part_ptr, in_norm_ptr, xn_ptr, normed_ptr, rows, has_part, eps, scale, pid,
                                 nprog, H, DOWN_SPLITS, HAS_SCALE, BLOCK_H, "")
-        _grid_sync(sync_ptr, nprog, ALL, POLL_LOAD)
+        _grid_sync(sync_ptr, nprog, ALL)
         if ALL or PHASE == 1:
             _project(normed_ptr, qkv_w_ptr, qkv_ptr, rows, pid, nprog, NQKV, H, 1, False, False, DOT_PRECISION,
                      BLOCK_M, BLOCK_N, BLOCK_K)
         if ALL:
             _prefetch(o_w_ptr, pid, nprog, H, HQ * D, O_SPLITS, False, PF_O, BLOCK_N)
-            if PF_BULK == 1:
-                bulk_prefetch(o_w_ptr, O_BYTES, pid, nprog)
-                bulk_prefetch(gate_up_w_ptr, 2 * F * H * ES, pid, nprog)
-        _grid_sync(sync_ptr, 2 * nprog, ALL, POLL_LOAD)
+        _grid_sync(sync_ptr, 2 * nprog, ALL)
         if ALL or PHASE == 2:
             hk_cols: tl.constexpr = (NQKV - HQ * D) // 2
             for unit in range(pid, sequences * HQ, nprog):
@@ -211,28 +191,23 @@ if HAVE_TRITON:
                 attend_heads(qkv_ptr, qkv_ptr + HQ * D, qkv_ptr + HQ * D + hk_cols, cos_ptr, sin_ptr, attn_ptr, n,
                              unit % HQ, HQ, seq_stride, NQKV, D, seq_stride, NQKV, D, seq_stride, NQKV, D, stride_cl,
                              stride_sl, seq_len, sm_scale, GROUP, 1, HALF, BLOCK_L, ROPE, DOT_PRECISION, ".cg")
-        _grid_sync(sync_ptr, 3 * nprog, ALL, POLL_LOAD)
+        _grid_sync(sync_ptr, 3 * nprog, ALL)
         if ALL or PHASE == 3:
             _project(attn_ptr, o_w_ptr, o_part_ptr, rows, pid, nprog, H, HQ * D, O_SPLITS, False, True,
                      DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         if ALL:
             _prefetch(gate_up_w_ptr, pid, nprog, F, H, 1, True, PF_GATE_UP, BLOCK_N)
-            if PF_BULK == 1:
-                bulk_prefetch(down_w_ptr, H * F * ES, pid, nprog)
-        _grid_sync(sync_ptr, 4 * nprog, ALL, POLL_LOAD)
+        _grid_sync(sync_ptr, 4 * nprog, ALL)
         if ALL or PHASE == 4:
             _residual_norm_rows(xn_ptr, o_part_ptr, post_norm_ptr, x_out_ptr, normed2_ptr, rows, 1, eps, scale, pid,
                                 nprog, H, O_SPLITS, HAS_SCALE, BLOCK_H, ".cg")
-        _grid_sync(sync_ptr, 5 * nprog, ALL, POLL_LOAD)
+        _grid_sync(sync_ptr, 5 * nprog, ALL)
         if ALL or PHASE == 5:
             _project(normed2_ptr, gate_up_w_ptr, act_ptr, rows, pid, nprog, F, H, 1, True, False, DOT_PRECISION,
                      BLOCK_M, BLOCK_N, BLOCK_K)
         if ALL:
             _prefetch(down_w_ptr, pid, nprog, H, F, DOWN_SPLITS, False, PF_DOWN, BLOCK_N)
-            if PF_BULK > 0:
-                bulk_prefetch(next_qkv_w_ptr, QKV_BYTES * has_next, pid, nprog)
-                bulk_prefetch(next_o_w_ptr, O_BYTES * has_next, pid, nprog)
-        _grid_sync(sync_ptr, 6 * nprog, ALL, POLL_LOAD)
+        _grid_sync(sync_ptr, 6 * nprog, ALL)
         if ALL or PHASE == 6:
             _project(act_ptr, down_w_ptr, down_part_ptr, rows, pid, nprog, H, F, DOWN_SPLITS, False, True,
                      DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -263,15 +238,6 @@ if len(LAUNCH) != 4 or min(LAUNCH) < 1:
 # none): about what HBM delivers in the idle phase before it; more only evicts what is still to be used. DiT B=1 on an
 # H100 (tools/bench_kernels.py --only layer): 0 MB 33.5 us per layer, 2 MB 31.75, 4 MB 32.1, 8 MB 32.4, 16 MB 33.9.
 PREFETCH_BYTES = int(float(os.environ.get("VOXCPM_LAYER_PREFETCH_MB", "2")) * 2**20)
-# VOXCPM_LAYER_PREFETCH_BULK: whole projections by bulk prefetches instead (0: off; 1: each a phase or two ahead; 2:
-# the whole layer at the start of its launch); VOXCPM_LAYER_PREFETCH_NEXT=1: with bulk prefetches, each layer also
-# prefetches the next layer's q/k/v and o weights during its down projection (the last layer the first's: the DiT
-# runs its stack once per Euler step).
-PREFETCH_BULK = int(os.environ.get("VOXCPM_LAYER_PREFETCH_BULK", "0"))
-PREFETCH_NEXT = os.environ.get("VOXCPM_LAYER_PREFETCH_NEXT", "0") == "1"
-# VOXCPM_LAYER_BARRIER_POLL=load: the grid barrier's waiting programs poll the counter with acquire loads instead of
-# atomic read-modify-writes.
-BARRIER_POLL_LOAD = os.environ.get("VOXCPM_LAYER_BARRIER_POLL", "atomic") == "load"
 _resident: dict[tuple, int] = {}
 _sync: dict[torch.device, torch.Tensor] = {}  # the barrier counter and the exit counter, per device
 _sm_count: dict[torch.device, int] = {}
@@ -383,8 +349,7 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
     units = (rows, nqkv // BLOCK_N, n * hq, h // BLOCK_N * o_splits, rows, f // BLOCK_N, h // BLOCK_N * down_splits)
     pf_names = ("PF_QKV", "PF_O", "PF_GATE_UP", "PF_DOWN")
     pf_shapes = ((nqkv, h), (h, hq * d // o_splits), (2 * f, h), (h, f // down_splits))
-    bulk = PREFETCH_BULK if fused_launch else 0
-    prefetch = {name: _prefetch_len(n_rows, k, x.element_size()) if fused_launch and not bulk else 0
+    prefetch = {name: _prefetch_len(n_rows, k, x.element_size()) if fused_launch else 0
                 for name, (n_rows, k) in zip(pf_names, pf_shapes, strict=True)}
     scale = layers[0].residual_scale
     settings = dict(H=h, NQKV=nqkv, HQ=hq, GROUP=hq // hk, HALF=d // 2, F=f, O_SPLITS=o_splits,
@@ -392,18 +357,15 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
                     DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
                     BLOCK_M=max(32, triton.next_power_of_2(rows)), BLOCK_N=BLOCK_N, BLOCK_K=block_k,
                     BLOCK_H=triton.next_power_of_2(h), BLOCK_L=max(16, triton.next_power_of_2(seq_len)), **prefetch,
-                    PF_BULK=bulk, POLL_LOAD=BARRIER_POLL_LOAD, num_stages=LAUNCH[1], num_warps=LAUNCH[2])
+                    num_stages=LAUNCH[1], num_warps=LAUNCH[2])
     grids: dict[int, int] = {}  # per phase: the same for every layer
 
-    def launch(layer: torch.nn.Module, first: bool, x_in: torch.Tensor, in_norm: torch.Tensor, phase: int,
-               following: torch.nn.Module) -> None:
-        attn_w, mlp_w = layer.self_attn, layer.mlp
+    def launch(layer: torch.nn.Module, first: bool, x_in: torch.Tensor, in_norm: torch.Tensor, phase: int) -> None:
         args = (
-            x_in, down_part, x_res, in_norm, layer.post_attention_layernorm.weight, attn_w.qkv_weight,
-            attn_w.o_proj.weight, mlp_w.gate_up_weight, mlp_w.down_proj.weight, following.self_attn.qkv_weight,
-            following.self_attn.o_proj.weight, cos, sin, x_mid, normed, qkv, attn, o_part, normed2, act, _sync[dev], n,
-            seq_len, 0 if first else 1, int(PREFETCH_NEXT), cos.stride(0), sin.stride(0), cfg.rms_norm_eps,
-            1.0 if scale is None else scale, d ** -0.5)
+            x_in, down_part, x_res, in_norm, layer.post_attention_layernorm.weight, layer.self_attn.qkv_weight,
+            layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight, layer.mlp.down_proj.weight, cos, sin, x_mid,
+            normed, qkv, attn, o_part, normed2, act, _sync[dev], n, seq_len, 0 if first else 1, cos.stride(0),
+            sin.stride(0), cfg.rms_norm_eps, 1.0 if scale is None else scale, d ** -0.5)
         kwargs = dict(settings, PHASE=phase)
         if phase not in grids:
             if phase < 0:  # every program resident at once, or a barrier cannot complete (and traps)
@@ -414,8 +376,6 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
 
     for i, layer in enumerate(layers):
         for phase in (-1,) if fused_launch else only_phases or range(len(units)):
-            launch(layer, i == 0, x if i == 0 else x_res, layer.input_layernorm.weight, phase,
-                   layers[(i + 1) % len(layers)])
-    # the last layer's down projection added, the final norm
-    launch(layers[-1], False, x_res, stack.norm.weight, 0, layers[0])
+            launch(layer, i == 0, x if i == 0 else x_res, layer.input_layernorm.weight, phase)
+    launch(layers[-1], False, x_res, stack.norm.weight, 0)  # the last layer's down projection added, the final norm
     return normed.view(n, seq_len, h)

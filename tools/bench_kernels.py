@@ -117,12 +117,10 @@ def bench_gemm(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: 
 
 def sweep_us(run: Callable[[], object], layers: int, setting: str, values: dict[str, object]) -> dict[str, float | str]:
     """us per layer of a fused layer-kernel stack with `engine.triton_layer.<setting>` at each value (by label; a value
-    that does not compile or launch, e.g. out of shared memory, is reported by its exception's name). A dict value
-    sets several settings at once (`setting` then only names the sweep)."""
+    that does not compile or launch, e.g. out of shared memory, is reported by its exception's name)."""
     out: dict[str, float | str] = {}
     for label, value in values.items():
-        settings = value if isinstance(value, dict) else {setting: value}
-        with mock.patch.multiple(triton_layer, **settings), torch.no_grad():
+        with mock.patch.object(triton_layer, setting, value), torch.no_grad():
             try:
                 out[label] = round(replay_us(run) / layers, 2)
             except Exception as e:
@@ -170,13 +168,6 @@ def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype:
             if b == batches[0]:  # MB per projection prefetched into L2
                 row["prefetch_sweep_us_per_layer"] = sweep_us(run, len(stack.layers), "PREFETCH_BYTES",
                                                               {str(mb): mb * 2**20 for mb in (0, 2, 4, 8, 16, 32)})
-            if b in batches[:2]:  # bulk prefetches (none, a phase ahead, the whole layer; with the next layer's) and
-                # the barrier's polling
-                row["bulk_sweep_us_per_layer"] = sweep_us(run, len(stack.layers), "PREFETCH_BULK", {
-                    f"bulk{bulk}{'+next' if nxt else ''}{'+load-poll' if poll else ''}":
-                        {"PREFETCH_BULK": bulk, "PREFETCH_NEXT": nxt, "BARRIER_POLL_LOAD": poll}
-                    for bulk, nxt, poll in ((0, False, False), (0, False, True), (1, False, False), (2, False, False),
-                                            (1, True, False), (2, True, False), (1, True, True), (2, True, True))})
             out.append(row)
             print(f"{name} B={b} ({row['rows']} rows): us per layer: separate kernels {row['off_us_per_layer']}, "
                   f"phases {row['phases_us_per_layer']}, fused {row['fused_us_per_layer']}; rel err phases "

@@ -119,15 +119,10 @@ class MLP(nn.Module):
         if self.gate_up_weight is None:
             self.gate_up_weight = _fuse_rows(self.gate_proj, self.up_proj)
 
-    def forward(self, x: torch.Tensor, coming_qkv: torch.Tensor | None = None) -> torch.Tensor:
-        """coming_qkv: the next layer's fused q/k/v weight, pulled into L2 while the down projection runs."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            act = fused.silu_gate_linear(x, self.gate_up_weight)
-        else:
-            act = silu_mul(self.gate_proj(x), self.up_proj(x))
-        if coming_qkv is not None:
-            fused.prefetch_l2(coming_qkv, coming_qkv.numel() * coming_qkv.element_size())
-        return self.down_proj(act)
+            return self.down_proj(fused.silu_gate_linear(x, self.gate_up_weight))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -140,19 +135,14 @@ class DecoderLayer(nn.Module):
         self.residual_scale: float | None = cfg.residual_scale if cfg.use_mup else None
 
     def forward(self, x: torch.Tensor, normed: torch.Tensor, rope: torch.Tensor | None, attend: AttendFn, layer: int,
-                next_norm: RMSNorm, coming: DecoderLayer | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream; normed: input_layernorm(x), already computed by whoever updated x
         last. Returns the updated stream and `next_norm` of it (the next layer's input norm, or the
-        stack's final norm), each residual add fused with the norm that follows it. With L2 prefetching
-        (`fused.prefetch_l2`), the o and gate/up weights stream in during q/k/v and the attention, and the
-        `coming` layer's q/k/v during the down projection."""
-        o_w, gate_up_w = self.self_attn.o_proj.weight, self.mlp.gate_up_weight
-        if gate_up_w is not None:
-            fused.prefetch_l2(o_w, o_w.numel() * o_w.element_size(), gate_up_w, fused.L2_PREFETCH_GATE_UP)
+        stack's final norm), each residual add fused with the norm that follows it."""
         h = self.self_attn(normed, rope, attend, layer)
         norm = self.post_attention_layernorm
         x, normed = add_rms_norm(x, h, self.residual_scale, norm.weight, norm.eps)
-        h = self.mlp(normed, coming.self_attn.qkv_weight if coming is not None else None)
+        h = self.mlp(normed)
         return add_rms_norm(x, h, self.residual_scale, next_norm.weight, next_norm.eps)
 
 
@@ -184,10 +174,8 @@ class MiniCPM(nn.Module):
             return triton_layer.dense_stack(self, x, rope)  # a few rows of a local module: a kernel per layer
         normed = self.layers[0].input_layernorm(x)
         for i, layer in enumerate(self.layers):
-            coming = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            x, normed = layer(x, normed, rope, attend, i, self.norm if coming is None else coming.input_layernorm,
-                              coming)
-        fused.join_prefetch(x)
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, normed = layer(x, normed, rope, attend, i, next_norm)
         return normed
 
 
