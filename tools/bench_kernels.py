@@ -159,14 +159,12 @@ def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype:
                 row[f"{mode}_rel_err"] = float((outputs[mode] - ref).abs().max() / ref.abs().max())
             with mock.patch.object(triton_layer, "MODE", "phases"), torch.no_grad():
                 row["phase_us"] = [round(replay_us(partial(triton_layer.dense_stack, stack, x, rope, (phase,)))
-                                         / len(stack.layers), 2) for phase in range(6)]
+                                         / len(stack.layers), 2) for phase in range(7)]
             run = partial(stack, x, rope, dense_attention)
             if b == batches[0] and name == "DiT":  # (K tile, stages, warps, programs per SM) of the fused kernel
                 launches = [(bk, st, 4, ctas) for bk in (64, 128) for st in (2, 3, 4) for ctas in (1, 2, 4)]
                 row["fused_sweep_us_per_layer"] = sweep_us(run, len(stack.layers), "LAUNCH",
                                                            {str(v): v for v in launches})
-            row["attn_tail_sweep_us_per_layer"] = sweep_us(run, len(stack.layers), "ATTN_TAIL",
-                                                           {"tail": True, "phase": False})
             if b == batches[0]:  # MB per projection prefetched into L2
                 row["prefetch_sweep_us_per_layer"] = sweep_us(run, len(stack.layers), "PREFETCH_BYTES",
                                                               {str(mb): mb * 2**20 for mb in (0, 2, 4, 8, 16, 32)})
