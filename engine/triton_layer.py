@@ -3,7 +3,7 @@
 Why: at B=1 a decode step runs the DiT's 12 layers 9 times (and the LocEnc's 12 once), and each layer was 8 kernels
 of 2-10 us, mostly fixed latency (launch, the first DRAM round trips, the tail): 34.3 us per layer on an H100 where
 its 35 MB of weights take 11.5 us at HBM rate. Here one grid (as many programs as fit on the SMs at once, up to 4 per
-SM; 2 fit for the shipped variants on an H100) runs the layer's phases back to back, separated by grid-wide barriers
+SM; one per SM by default) runs the layer's phases back to back, separated by grid-wide barriers
 (an atomic counter) instead of kernel boundaries:
 
   0  x = x_prev + the previous layer's down projection (fp32 partials, summed and rounded here); RMSNorm(x) (rows)
@@ -16,9 +16,9 @@ SM; 2 fit for the shipped variants on an H100) runs the layer's phases back to b
 
 A stack ends with phase 0 alone under its final norm. Each program also prefetches into L2 the first weights of its
 units of the next projection from the phase before it (`_prefetch`, `PREFETCH_BYTES`). Measured (H100,
-docs/benchmarks.md, profile steps 12-13): 33.3 us per DiT layer at B=1 (2 programs per SM: what fits), 31.75 with the
-prefetch; B=1 step 6.94 -> 6.50 ms. A barrier costs about what a kernel boundary in a CUDA graph costs; the gain is
-fewer, fuller phases, and several programs per SM keeping enough weight bytes in flight.
+docs/benchmarks.md, profile steps 12-14): 33.3 us per DiT layer at B=1 (16-column units, 2 programs per SM), 31.75 with
+the prefetch, 30.05 with 32-column units (1 per SM); B=1 step 6.94 -> 6.50 -> 6.19 ms. A barrier costs about what a
+kernel boundary in a CUDA graph costs; the gain is fewer, fuller phases.
 
 The rounding points are the eager layer's (each projection's output rounded to the dtype after fp32 accumulation,
 split partials summed in split order first, as cuBLAS's split-K does; the norms, attention and SiLU gate as in
@@ -226,12 +226,15 @@ MAX_ROWS = min(64, int(os.environ.get("VOXCPM_LAYER_MAX_ROWS", "64")))  # more: 
 MODE = os.environ.get("VOXCPM_LAYER_KERNEL", "fused")
 if MODE not in ("fused", "phases", "off"):
     raise ValueError(f"VOXCPM_LAYER_KERNEL={MODE!r}: use 'fused' (default), 'phases' or 'off'")
-BLOCK_N = 16
+# Output columns per unit (VOXCPM_LAYER_BLOCK_N). Every unit reads all the rows' activations along its K range from
+# L2, so wider units read them fewer times over; narrower ones make more units. DiT B=1 on an H100 (tools/
+# bench_kernels.py --only layer, best launch of each): 16 columns 31.65 us per layer, 32: 30.05, 64: 31.07.
+BLOCK_N = int(os.environ.get("VOXCPM_LAYER_BLOCK_N", "32"))
 # (largest K tile, pipeline stages, warps, programs per SM) of the launches: tools/bench_kernels.py --only layer sweeps
-# them. More than one program per SM keeps more weight bytes in flight per SM; the fused grid is capped by what the
-# compiled variant's registers and shared memory let reside at once (the shipped bf16 variants: 88 KB of shared
-# memory, 2 per SM on an H100).
-LAUNCH = tuple(int(v) for v in os.environ.get("VOXCPM_LAYER_LAUNCH", "128,4,4,4").split(","))
+# them. With 32 columns one program per SM streams as fast as two (30.05 / 30.06 us per DiT layer) and leaves fewer
+# programs to meet at each grid barrier; the fused grid is also capped by what the compiled variant's registers and
+# shared memory let reside at once.
+LAUNCH = tuple(int(v) for v in os.environ.get("VOXCPM_LAYER_LAUNCH", "128,4,4,1").split(","))
 if len(LAUNCH) != 4 or min(LAUNCH) < 1:
     raise ValueError(f"VOXCPM_LAYER_LAUNCH={LAUNCH}: four positive integers (K tile, stages, warps, programs per SM)")
 # Bytes of each projection's weights prefetched into L2 ahead of it in a fused launch (VOXCPM_LAYER_PREFETCH_MB, 0:

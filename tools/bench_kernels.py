@@ -117,10 +117,12 @@ def bench_gemm(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: 
 
 def sweep_us(run: Callable[[], object], layers: int, setting: str, values: dict[str, object]) -> dict[str, float | str]:
     """us per layer of a fused layer-kernel stack with `engine.triton_layer.<setting>` at each value (by label; a value
-    that does not compile or launch, e.g. out of shared memory, is reported by its exception's name)."""
+    that does not compile or launch, e.g. out of shared memory, is reported by its exception's name). A dict value
+    sets several settings at once (`setting` then only names the sweep)."""
     out: dict[str, float | str] = {}
     for label, value in values.items():
-        with mock.patch.object(triton_layer, setting, value), torch.no_grad():
+        settings = value if isinstance(value, dict) else {setting: value}
+        with mock.patch.multiple(triton_layer, **settings), torch.no_grad():
             try:
                 out[label] = round(replay_us(run) / layers, 2)
             except Exception as e:
@@ -162,9 +164,15 @@ def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype:
                                          / len(stack.layers), 2) for phase in range(7)]
             run = partial(stack, x, rope, dense_attention)
             if b == batches[0] and name == "DiT":  # (K tile, stages, warps, programs per SM) of the fused kernel
-                launches = [(bk, st, 4, ctas) for bk in (64, 128) for st in (2, 3, 4) for ctas in (1, 2, 4)]
+                launches = [(bk, st, 4, 1) for bk in (64, 128, 256) for st in (3, 4, 5, 6, 8)] + [
+                    (128, st, 4, 2) for st in (4, 5)]
                 row["fused_sweep_us_per_layer"] = sweep_us(run, len(stack.layers), "LAUNCH",
                                                            {str(v): v for v in launches})
+            if b == batches[0]:  # output columns per unit, with (K tile, stages, warps, programs per SM)
+                row["block_n_sweep_us_per_layer"] = sweep_us(run, len(stack.layers), "BLOCK_N", {
+                    f"{bn} {launch}": {"BLOCK_N": bn, "LAUNCH": launch}
+                    for bn in (16, 32, 64) for launch in ((128, 4, 4, 2), (128, 4, 4, 1), (128, 6, 4, 1),
+                                                          (64, 6, 4, 1), (256, 3, 4, 1))})
             if b == batches[0]:  # MB per projection prefetched into L2
                 row["prefetch_sweep_us_per_layer"] = sweep_us(run, len(stack.layers), "PREFETCH_BYTES",
                                                               {str(mb): mb * 2**20 for mb in (0, 2, 4, 8, 16, 32)})
