@@ -1,0 +1,280 @@
+"""Does staging a phase's weights in shared memory before the grid barrier that precedes it pay? (GPU, sm_90)
+
+The local modules' layer kernel (`engine/triton_layer.py`) runs a DiT layer at B=1 in ~30 us on an H100 where its
+35 MB of weights take ~11.5 us at HBM rate: every phase starts its weight stream only after the barrier before it
+(a DRAM round trip and a pipeline ramp each time), because Triton ties a kernel's loads to the loop that consumes
+them. Gluon (Triton's lower-level dialect) gives explicit shared memory and cp.async groups, so a program can copy
+its unit of the next projection into shared memory while it still computes the current one and waits at the
+barrier. This measures that on the DiT's four projections (q/k/v, o split 4 ways along K, gate/up, down split 4
+ways; 32-column units, one persistent program per SM, 12 layers with their own weights, the rows' activations
+from L2), with grid barriers between the phases, both ways:
+
+  staged 0: each phase copies its weights after the barrier (chunk by chunk, consumed as they land);
+  staged 1: each phase's weights were issued two phases earlier, right after this program's last use of the buffer.
+
+The activations are fixed inputs (not the previous phase's output) and the outputs fp32 partials: the timing
+structure of the layer's projection phases, not its arithmetic. Reference: the layer kernel's projection phases
+(`tools/bench_kernels.py --only layer`, "per phase" 1, 3, 5, 6: ~25 us of the 30). Prints us per layer for both
+and writes JSON.
+
+    python tools/bench_staged_weights.py --layers 12 --out staged.json        # on the GPU machine
+    python tools/bench_staged_weights.py --compile-only                      # here: compiles for sm_90, no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+BN, BM, KC = 32, 32, 64  # unit rows (output columns), activation rows (22 padded), K chunk
+H, QKV, F, SPLITS = 1024, 2560, 4096, 4  # the DiT's shapes (VoxCPM2)
+# per phase: (weight rows, weight K, units, chunks per unit, commit groups per unit, gated)
+PHASES = ((QKV, H, QKV // BN, H // KC, 4, False), (H, 2 * H, H // BN * SPLITS, 2 * H // SPLITS // KC, 2, False),
+          (2 * F, H, F // BN, 2 * H // KC, 8, True), (H, F, H // BN * SPLITS, F // SPLITS // KC, 4, False))
+
+
+@gluon.jit
+def _grid_sync(sync_ptr, target):
+    gl.thread_barrier()
+    arrived = gl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
+    spins = 0
+    while (arrived < target) & (spins < 4_000_000):
+        arrived = gl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+        spins += 1
+    if arrived < target:  # not all programs resident: fail the launch instead of hanging
+        gl.inline_asm_elementwise("trap;", "=r,r", [arrived], dtype=gl.int32, is_pure=False, pack=1)
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _issue(buf, w_ptr, unit, UNITS: gl.constexpr, ROWS: gl.constexpr, K: gl.constexpr, NCH: gl.constexpr,
+           GROUPS: gl.constexpr, SPLIT: gl.constexpr, GATED: gl.constexpr, BN: gl.constexpr, KC: gl.constexpr,
+           cp_layout: gl.constexpr):
+    # this program's unit of a projection into buf chunk by chunk (K chunks of BN rows; gated: gate and up chunks
+    # alternate), in GROUPS cp.async groups; a program without a unit commits empty groups (the counts stay equal)
+    r = gl.arange(0, BN, layout=gl.SliceLayout(1, cp_layout))
+    c = gl.arange(0, KC, layout=gl.SliceLayout(0, cp_layout))
+    ok = (unit < UNITS) & (r[:, None] < BN)
+    if SPLIT:
+        row0 = (unit // 4) * BN
+        col0 = (unit % 4) * (NCH * KC)
+    else:
+        row0 = unit * BN
+        col0 = 0
+    base = w_ptr + (row0 + r)[:, None].to(gl.int64) * K + col0 + c[None, :]
+    PER_GROUP: gl.constexpr = NCH // GROUPS
+    for i in gl.static_range(NCH):
+        if GATED:  # noqa: SIM108 (a constexpr branch) chunk i: gate rows at K chunk i // 2 (even), up rows (odd)
+            ptrs = base + (i % 2) * (ROWS // 2) * K + (i // 2) * KC
+        else:
+            ptrs = base + i * KC
+        async_copy.async_copy_global_to_shared(buf.index(i), ptrs, mask=ok)
+        if i % PER_GROUP == PER_GROUP - 1:
+            async_copy.commit_group()
+
+
+@gluon.jit
+def _compute(buf, act_ptr, out_ptr, unit, UNITS: gl.constexpr, K: gl.constexpr, NCH: gl.constexpr,
+             GROUPS: gl.constexpr, NEWER: gl.constexpr, SPLIT: gl.constexpr, GATED: gl.constexpr, BN: gl.constexpr,
+             BM: gl.constexpr, KC: gl.constexpr):
+    # acc = W unit (BN, K slice) @ act (BM, K slice).T from the chunks in buf, each waited for as it is needed
+    # (NEWER: cp.async groups issued after this unit's); stored as fp32 (BN, BM) at out_ptr + unit
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 2], instr_shape=[16, 8])
+    dot0: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+    dot1: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    a_layout: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+    kk = gl.arange(0, KC, layout=gl.SliceLayout(1, a_layout))
+    m = gl.arange(0, BM, layout=gl.SliceLayout(0, a_layout))
+    col0 = (unit % 4) * ((NCH // 2 if GATED else NCH) * KC) if SPLIT else 0
+    a_base = act_ptr + m[None, :] * K + col0 + kk[:, None]
+    acc = gl.zeros([BN, BM], gl.float32, mma)
+    acc_up = gl.zeros([BN, BM], gl.float32, mma)
+    STEPS: gl.constexpr = NCH // 2 if GATED else NCH
+    PER_GROUP: gl.constexpr = NCH // GROUPS
+    a_next = gl.load(a_base)
+    for s in gl.static_range(STEPS):
+        a = gl.convert_layout(a_next, dot1)
+        if s + 1 < STEPS:
+            a_next = gl.load(a_base + (s + 1) * KC)
+        # wait for the group of the last chunk this step reads (later groups may still be in flight)
+        if GATED:
+            async_copy.wait_group(GROUPS - 1 - (2 * s + 1) // PER_GROUP + NEWER)
+            acc = mma_v2(buf.index(2 * s).load(dot0), a, acc)
+            acc_up = mma_v2(buf.index(2 * s + 1).load(dot0), a, acc_up)
+        else:
+            async_copy.wait_group(GROUPS - 1 - s // PER_GROUP + NEWER)
+            acc = mma_v2(buf.index(s).load(dot0), a, acc)
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    res = gl.convert_layout(acc + acc_up, out_layout)
+    ro = gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
+    co = gl.arange(0, BM, layout=gl.SliceLayout(0, out_layout))
+    gl.store(out_ptr + (unit * BN + ro[:, None]) * BM + co[None, :], res, mask=(unit < UNITS) & (ro[:, None] < BN))
+
+
+@gluon.jit
+def _chain_kernel(w0, w1, w2, w3, a0, a1, a2, a3, out_ptr, sync_ptr, layers, STAGED: gl.constexpr,
+                  BN: gl.constexpr, BM: gl.constexpr, KC: gl.constexpr):
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    cp_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    smem_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+    # q/k/v and gate/up (phases 0 and 2) in one buffer, o and down (1 and 3) in the other
+    buf_a = gl.allocate_shared_memory(gl.bfloat16, [32, BN, KC], smem_layout)
+    buf_b = gl.allocate_shared_memory(gl.bfloat16, [16, BN, KC], smem_layout)
+    # (rows, K, units, chunks, groups, split, gated) of the four phases (the module's PHASES)
+    R0: gl.constexpr = 2560
+    K0: gl.constexpr = 1024
+    U0: gl.constexpr = 80
+    C0: gl.constexpr = 16
+    G0: gl.constexpr = 4
+    R1: gl.constexpr = 1024
+    K1: gl.constexpr = 2048
+    U1: gl.constexpr = 128
+    C1: gl.constexpr = 8
+    G1: gl.constexpr = 2
+    R2: gl.constexpr = 8192
+    K2: gl.constexpr = 1024
+    U2: gl.constexpr = 128
+    C2: gl.constexpr = 32
+    G2: gl.constexpr = 8
+    R3: gl.constexpr = 1024
+    K3: gl.constexpr = 4096
+    U3: gl.constexpr = 128
+    C3: gl.constexpr = 16
+    G3: gl.constexpr = 4
+    S0: gl.constexpr = R0 * K0
+    S1: gl.constexpr = R1 * K1
+    S2: gl.constexpr = R2 * K2
+    S3: gl.constexpr = R3 * K3
+    out1 = out_ptr + U0 * BN * BM
+    out2 = out1 + U1 * BN * BM
+    out3 = out2 + U2 * BN * BM
+    if STAGED:
+        _issue(buf_a, w0, pid, U0, R0, K0, C0, G0, False, False, BN, KC, cp_layout)
+        _issue(buf_b, w1, pid, U1, R1, K1, C1, G1, True, False, BN, KC, cp_layout)
+    bar = 0
+    for layer in range(layers):
+        nxt = (layer + 1) % layers  # the last layer issues the first's again: the group counts stay static
+        bar += 1
+        _grid_sync(sync_ptr, bar * nprog)
+        if not STAGED:
+            _issue(buf_a, w0 + layer * S0, pid, U0, R0, K0, C0, G0, False, False, BN, KC, cp_layout)
+        _compute(buf_a, a0, out_ptr, pid, U0, K0, C0, G0, G1 if STAGED else 0, False, False, BN, BM, KC)
+        if STAGED:  # every warp done reading the buffer before it is overwritten
+            gl.thread_barrier()
+            _issue(buf_a, w2 + layer * S2, pid, U2, R2, K2, C2, G2, False, True, BN, KC, cp_layout)
+        bar += 1
+        _grid_sync(sync_ptr, bar * nprog)
+        if not STAGED:
+            _issue(buf_b, w1 + layer * S1, pid, U1, R1, K1, C1, G1, True, False, BN, KC, cp_layout)
+        _compute(buf_b, a1, out1, pid, U1, K1, C1, G1, G2 if STAGED else 0, True, False, BN, BM, KC)
+        if STAGED:  # every warp done reading the buffer before it is overwritten
+            gl.thread_barrier()
+            _issue(buf_b, w3 + layer * S3, pid, U3, R3, K3, C3, G3, True, False, BN, KC, cp_layout)
+        bar += 1
+        _grid_sync(sync_ptr, bar * nprog)
+        if not STAGED:
+            _issue(buf_a, w2 + layer * S2, pid, U2, R2, K2, C2, G2, False, True, BN, KC, cp_layout)
+        _compute(buf_a, a2, out2, pid, U2, K2, C2, G2, G3 if STAGED else 0, False, True, BN, BM, KC)
+        if STAGED:  # every warp done reading the buffer before it is overwritten
+            gl.thread_barrier()
+            _issue(buf_a, w0 + nxt * S0, pid, U0, R0, K0, C0, G0, False, False, BN, KC, cp_layout)
+        bar += 1
+        _grid_sync(sync_ptr, bar * nprog)
+        if not STAGED:
+            _issue(buf_b, w3 + layer * S3, pid, U3, R3, K3, C3, G3, True, False, BN, KC, cp_layout)
+        _compute(buf_b, a3, out3, pid, U3, K3, C3, G3, G0 if STAGED else 0, True, False, BN, BM, KC)
+        if STAGED:  # every warp done reading the buffer before it is overwritten
+            gl.thread_barrier()
+            _issue(buf_b, w1 + nxt * S1, pid, U1, R1, K1, C1, G1, True, False, BN, KC, cp_layout)
+    async_copy.wait_group(0)
+    # the last program out resets the barrier counter for the next launch
+    if gl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
+        gl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
+        gl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+
+
+def compile_only() -> None:
+    """Compile both variants for sm_90 (no GPU needed) and report their shared memory and instruction counts."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    names = _chain_kernel.arg_names
+    sig = {n: ("*bf16" if n[0] in "wa" and len(n) == 2 else "*fp32" if n == "out_ptr" else "*i32" if n == "sync_ptr"
+               else "i32" if n == "layers" else "constexpr") for n in names}
+    for staged in (0, 1):
+        constexprs = {(names.index(k),): v for k, v in dict(STAGED=staged, BN=BN, BM=BM, KC=KC).items()}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
+        t0 = time.perf_counter()
+        kernel = triton.compile(GluonASTSource(_chain_kernel, sig, constexprs, attrs),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        ptx = kernel.asm["ptx"]
+        print(f"staged {staged}: compiled in {time.perf_counter() - t0:.1f} s, shared {kernel.metadata.shared} B, "
+              f"cp.async {ptx.count('cp.async.c')}, mma {ptx.count('mma.sync')}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    if a.compile_only:
+        compile_only()
+        return
+    import torch
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    torch.manual_seed(0)
+    weights = [torch.randn(a.layers, rows, k, device=dev, dtype=torch.bfloat16) * k ** -0.5
+               for rows, k, *_ in PHASES]
+    acts = [torch.zeros(BM, k, device=dev, dtype=torch.bfloat16) for _, k, *_ in PHASES]
+    for act in acts:
+        act[:22].normal_()
+    out = torch.empty(sum(units for _, _, units, *_ in PHASES) * BN * BM, device=dev, dtype=torch.float32)
+    sync = torch.zeros(2, device=dev, dtype=torch.int32)
+    result: dict = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+                    "triton": triton.__version__, "layers": a.layers, "programs": sms,
+                    "weight_mb_per_layer": sum(w[0].numel() * 2 for w in weights) / 2**20,
+                    "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    outputs = {}
+    for staged in (0, 1):
+        def run(staged: int = staged) -> None:
+            _chain_kernel[(sms,)](*weights, *acts, out, sync, a.layers, STAGED=staged, BN=BN, BM=BM, KC=KC,
+                                  num_warps=4)
+        run()
+        torch.cuda.synchronize()
+        outputs[staged] = out.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(a.reps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        us = start.elapsed_time(end) * 1000 / a.reps / a.layers
+        result[f"staged{staged}_us_per_layer"] = round(us, 2)
+        print(f"staged {staged}: {us:.2f} us per layer (4 projection phases, 4 barriers)", flush=True)
+    # the same products both ways (the last layer's), and against torch for the q/k/v phase's first unit
+    result["outputs_equal"] = bool(torch.equal(outputs[0], outputs[1]))
+    ref = (weights[0][-1][:BN].float() @ acts[0].float().T)
+    result["qkv_unit0_max_abs_err"] = float((outputs[1][: BN * BM].view(BN, BM) - ref).abs().max())
+    print(json.dumps(result, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
