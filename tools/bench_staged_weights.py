@@ -37,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 BN, BM, KC = 32, 32, 64  # unit rows (output columns), activation rows (22 padded), K chunk
 H, QKV, F, SPLITS = 1024, 2560, 4096, 4  # the DiT's shapes (VoxCPM2)
 # per phase: (weight rows, weight K, units, chunks per unit, commit groups per unit, gated)
+VARIANTS = ((0, 0), (1, 0), (0, 1), (1, 1))  # (staged, light phases)
 PHASES = ((QKV, H, QKV // BN, H // KC, 4, False), (H, 2 * H, H // BN * SPLITS, 2 * H // SPLITS // KC, 2, False),
           (2 * F, H, F // BN, 2 * H // KC, 8, True), (H, F, H // BN * SPLITS, F // SPLITS // KC, 4, False))
 
@@ -52,6 +53,18 @@ def _grid_sync(sync_ptr, target):
     if arrived < target:  # not all programs resident: fail the launch instead of hanging
         gl.inline_asm_elementwise("trap;", "=r,r", [arrived], dtype=gl.int32, is_pure=False, pack=1)
     gl.thread_barrier()
+
+
+@gluon.jit
+def _light_phase(src_ptr, dst_ptr, sync_ptr, target, pid, UNITS: gl.constexpr, H: gl.constexpr):
+    # a phase without weights (a norm's or the attention's stand-in): a barrier, then UNITS programs each read a row
+    # of H activations (written by other programs: L2) and write it elsewhere
+    _grid_sync(sync_ptr, target)
+    layout: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
+    cols = gl.arange(0, H, layout=layout)
+    if pid < UNITS:
+        x = gl.load(src_ptr + pid * H + cols, cache_modifier=".cg")
+        gl.store(dst_ptr + pid * H + cols, x + 1)
 
 
 @gluon.jit
@@ -120,8 +133,8 @@ def _compute(buf, act_ptr, out_ptr, unit, UNITS: gl.constexpr, K: gl.constexpr, 
 
 
 @gluon.jit
-def _chain_kernel(w0, w1, w2, w3, a0, a1, a2, a3, out_ptr, sync_ptr, layers, STAGED: gl.constexpr,
-                  BN: gl.constexpr, BM: gl.constexpr, KC: gl.constexpr):
+def _chain_kernel(w0, w1, w2, w3, a0, a1, a2, a3, out_ptr, light_ptr, sync_ptr, layers, STAGED: gl.constexpr,
+                  LIGHT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, KC: gl.constexpr):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     cp_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -163,6 +176,9 @@ def _chain_kernel(w0, w1, w2, w3, a0, a1, a2, a3, out_ptr, sync_ptr, layers, STA
     bar = 0
     for layer in range(layers):
         nxt = (layer + 1) % layers  # the last layer issues the first's again: the group counts stay static
+        if LIGHT:  # the input norm
+            bar += 1
+            _light_phase(light_ptr, light_ptr + 32 * 1024, sync_ptr, bar * nprog, pid, 22, 1024)
         bar += 1
         _grid_sync(sync_ptr, bar * nprog)
         if not STAGED:
@@ -171,6 +187,9 @@ def _chain_kernel(w0, w1, w2, w3, a0, a1, a2, a3, out_ptr, sync_ptr, layers, STA
         if STAGED:  # every warp done reading the buffer before it is overwritten
             gl.thread_barrier()
             _issue(buf_a, w2 + layer * S2, pid, U2, R2, K2, C2, G2, False, True, BN, KC, cp_layout)
+        if LIGHT:  # the attention (a program per sequence and head)
+            bar += 1
+            _light_phase(light_ptr, light_ptr + 32 * 1024, sync_ptr, bar * nprog, pid, 32, 1024)
         bar += 1
         _grid_sync(sync_ptr, bar * nprog)
         if not STAGED:
@@ -179,6 +198,9 @@ def _chain_kernel(w0, w1, w2, w3, a0, a1, a2, a3, out_ptr, sync_ptr, layers, STA
         if STAGED:  # every warp done reading the buffer before it is overwritten
             gl.thread_barrier()
             _issue(buf_b, w3 + layer * S3, pid, U3, R3, K3, C3, G3, True, False, BN, KC, cp_layout)
+        if LIGHT:  # the post-attention norm
+            bar += 1
+            _light_phase(light_ptr, light_ptr + 32 * 1024, sync_ptr, bar * nprog, pid, 22, 1024)
         bar += 1
         _grid_sync(sync_ptr, bar * nprog)
         if not STAGED:
@@ -202,22 +224,27 @@ def _chain_kernel(w0, w1, w2, w3, a0, a1, a2, a3, out_ptr, sync_ptr, layers, STA
         gl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
 
 
-def compile_only() -> None:
-    """Compile both variants for sm_90 (no GPU needed) and report their shared memory and instruction counts."""
+def compile_only() -> dict[tuple[int, int], tuple[int, int, int]]:
+    """Compile every variant for sm_90 (no GPU needed): {(staged, light): (shared memory bytes, cp.async and mma
+    instructions in the PTX)}."""
+    compiled = {}
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     names = _chain_kernel.arg_names
-    sig = {n: ("*bf16" if n[0] in "wa" and len(n) == 2 else "*fp32" if n == "out_ptr" else "*i32" if n == "sync_ptr"
-               else "i32" if n == "layers" else "constexpr") for n in names}
-    for staged in (0, 1):
-        constexprs = {(names.index(k),): v for k, v in dict(STAGED=staged, BN=BN, BM=BM, KC=KC).items()}
+    sig = {n: ("*bf16" if n[0] in "wa" and len(n) == 2 or n == "light_ptr" else "*fp32" if n == "out_ptr"
+               else "*i32" if n == "sync_ptr" else "i32" if n == "layers" else "constexpr") for n in names}
+    for staged, light in VARIANTS:
+        constexprs = {(names.index(k),): v for k, v in dict(STAGED=staged, LIGHT=light, BN=BN, BM=BM, KC=KC).items()}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
         t0 = time.perf_counter()
         kernel = triton.compile(GluonASTSource(_chain_kernel, sig, constexprs, attrs),
                                 target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         ptx = kernel.asm["ptx"]
-        print(f"staged {staged}: compiled in {time.perf_counter() - t0:.1f} s, shared {kernel.metadata.shared} B, "
-              f"cp.async {ptx.count('cp.async.c')}, mma {ptx.count('mma.sync')}", flush=True)
+        print(f"staged {staged} light {light}: compiled in {time.perf_counter() - t0:.1f} s, shared "
+              f"{kernel.metadata.shared} B, cp.async {ptx.count('cp.async.c')}, mma {ptx.count('mma.sync')}",
+              flush=True)
+        compiled[(staged, light)] = (kernel.metadata.shared, ptx.count("cp.async.c"), ptx.count("mma.sync"))
+    return compiled
 
 
 def main() -> None:
@@ -240,6 +267,7 @@ def main() -> None:
     for act in acts:
         act[:22].normal_()
     out = torch.empty(sum(units for _, _, units, *_ in PHASES) * BN * BM, device=dev, dtype=torch.float32)
+    light = torch.randn(2 * 32 * 1024, device=dev, dtype=torch.bfloat16)
     sync = torch.zeros(2, device=dev, dtype=torch.int32)
     result: dict = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
                     "triton": triton.__version__, "layers": a.layers, "programs": sms,
@@ -247,13 +275,13 @@ def main() -> None:
                     "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     outputs = {}
-    for staged in (0, 1):
-        def run(staged: int = staged) -> None:
-            _chain_kernel[(sms,)](*weights, *acts, out, sync, a.layers, STAGED=staged, BN=BN, BM=BM, KC=KC,
-                                  num_warps=4)
+    for staged, with_light in VARIANTS:
+        def run(staged: int = staged, with_light: int = with_light) -> None:
+            _chain_kernel[(sms,)](*weights, *acts, out, light, sync, a.layers, STAGED=staged, LIGHT=with_light,
+                                  BN=BN, BM=BM, KC=KC, num_warps=4)
         run()
         torch.cuda.synchronize()
-        outputs[staged] = out.clone()
+        outputs[(staged, with_light)] = out.clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             run()
@@ -265,12 +293,14 @@ def main() -> None:
         end.record()
         torch.cuda.synchronize()
         us = start.elapsed_time(end) * 1000 / a.reps / a.layers
-        result[f"staged{staged}_us_per_layer"] = round(us, 2)
-        print(f"staged {staged}: {us:.2f} us per layer (4 projection phases, 4 barriers)", flush=True)
+        label = f"staged{staged}_light{with_light}"
+        result[f"{label}_us_per_layer"] = round(us, 2)
+        print(f"{label}: {us:.2f} us per layer (4 projection phases{', 3 light ones' if with_light else ''})",
+              flush=True)
     # the same products both ways (the last layer's), and against torch for the q/k/v phase's first unit
-    result["outputs_equal"] = bool(torch.equal(outputs[0], outputs[1]))
+    result["outputs_equal"] = all(torch.equal(outputs[VARIANTS[0]], o) for o in outputs.values())
     ref = (weights[0][-1][:BN].float() @ acts[0].float().T)
-    result["qkv_unit0_max_abs_err"] = float((outputs[1][: BN * BM].view(BN, BM) - ref).abs().max())
+    result["qkv_unit0_max_abs_err"] = float((outputs[(1, 1)][: BN * BM].view(BN, BM) - ref).abs().max())
     print(json.dumps(result, indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
