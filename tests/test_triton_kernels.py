@@ -393,3 +393,76 @@ def test_cuda_matches_eager(dtype_name: str) -> None:
     for name, case in _cases("cuda").items():
         err = case(dtype)
         assert err <= BOUNDS[dtype], f"{name}-{dtype_name}: max relative error {err:.2e} > {BOUNDS[dtype]}"
+
+
+def _gluon_stack_config(mup: bool, no_rope: bool):
+    """The smallest local-module shape the experimental Gluon stack kernel takes (`engine.gluon_layer.supported`)."""
+    from engine.config import TransformerConfig
+    return TransformerConfig(hidden_size=256, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                             num_hidden_layers=3, rms_norm_eps=1e-5, kv_channels=128, use_mup=mup, scale_depth=0.7,
+                             no_rope=no_rope)
+
+
+def test_gluon_stack_compiles_for_hopper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The experimental Gluon stack kernel (`engine/gluon_layer.py`; it runs on sm_90+ only) compiles here for sm_90
+    at the DiT's shape: within an H100's shared memory, with its weight copies and MMAs; and the engine does not
+    take it for CPU tensors."""
+    pytest.importorskip("triton.experimental.gluon")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from engine import gluon_layer
+    from engine.models.minicpm import MiniCPM, fuse_projections
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    names = gluon_layer._stack_kernel.arg_names
+    consts = dict(H=1024, NQKV=2560, HQ=16, GROUP=8, HALF=64, F=4096, HAS_SCALE=False, ROPE=True, BM=32,
+                  BLOCK_H=1024, BLOCK_L=16, BN=gluon_layer.BN, KC=gluon_layer.KC,
+                  GROUP_CHUNKS=gluon_layer.GROUP_CHUNKS, SPLITS=gluon_layer.SPLITS)
+    fp32 = {"cos_ptr", "sin_ptr", "o_part_ptr", "down_part_ptr"}
+    sig = {n: "constexpr" if n in consts else "*i64" if n == "table_ptr" else "*i32" if n == "sync_ptr"
+           else ("*fp32" if n in fp32 else "*bf16") if n.endswith("_ptr")
+           else "fp32" if n in ("eps", "scale", "sm_scale") else "i32" for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
+    kernel = triton.compile(GluonASTSource(gluon_layer._stack_kernel, sig,
+                                           {(names.index(k),): v for k, v in consts.items()}, attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = kernel.asm["ptx"]
+    assert 0 < kernel.metadata.shared <= 227 * 1024
+    assert ptx.count("cp.async.cg") > 0 and ptx.count("mma.sync") > 0 and "cp.async.wait_group" in ptx
+    stack = MiniCPM(_gluon_stack_config(False, False)).to(torch.bfloat16)
+    fuse_projections(stack)
+    assert not gluon_layer.supported(stack, torch.zeros(2, 11, 256, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()
+                         and torch.cuda.get_device_capability()[0] >= 9), reason="needs an sm_90+ GPU")
+def test_gluon_stack_matches_eager_cuda() -> None:
+    """EXPERIMENTAL kernel: the Gluon stack against the eager layers (bf16; with and without rotary and the muP scale,
+    1-2 sequences), directly and through MiniCPM.forward under VOXCPM_LAYER_KERNEL=gluon, the barrier counters back
+    at zero."""
+    from engine import fused, gluon_layer, triton_layer
+    from engine.models.minicpm import MiniCPM, dense_attention, fuse_projections, rotary_table
+    for mup, no_rope in ((False, False), (True, True)):
+        cfg = _gluon_stack_config(mup, no_rope)
+        torch.manual_seed(41)
+        stack = MiniCPM(cfg).to("cuda", torch.bfloat16)
+        with torch.no_grad():
+            for name, p in stack.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5)
+        fuse_projections(stack)
+        for n, length in ((2, 11), (1, 5)):
+            x = torch.randn(n, length, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+            rope = rotary_table(cfg, length, torch.device("cuda"))
+            with torch.no_grad(), mock.patch.object(fused, "kernels", lambda _: False):
+                ref = stack(x, rope, dense_attention)
+            assert gluon_layer.supported(stack, x)
+            with torch.no_grad():
+                err = relative_error(gluon_layer.dense_stack(stack, x, rope if stack.uses_rope else None), ref)
+            assert err <= BOUNDS[torch.bfloat16], f"mup={mup} rows={n * length}: {err:.2e}"
+            assert triton_layer._sync[triton_layer._device(x.device)].tolist() == [0, 0]
+            with torch.no_grad(), mock.patch.object(triton_layer, "MODE", "gluon"), \
+                    mock.patch.object(gluon_layer, "dense_stack", wraps=gluon_layer.dense_stack) as spy:
+                err = relative_error(stack(x, rope, dense_attention), ref)
+            assert spy.call_count == 1 and err <= BOUNDS[torch.bfloat16]
