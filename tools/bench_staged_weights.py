@@ -32,9 +32,13 @@ from pathlib import Path
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-BN, BM, KC = 32, 32, 64  # unit rows (output columns), activation rows (22 padded), K chunk
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the experimental stack kernel's building blocks: its weight copies, projections and grid barrier
+from engine.gluon_layer import BN, GROUP_CHUNKS, KC, _issue, _project, _store_tile, _sync  # noqa: E402
+
+BM = 32  # activation rows (22 padded)
 H, QKV, F, SPLITS = 1024, 2560, 4096, 4  # the DiT's shapes (VoxCPM2)
 # per phase: (weight rows, weight K, units, chunks per unit, commit groups per unit, gated)
 VARIANTS = ((0, 0), (1, 0), (0, 1), (1, 1))  # (staged, light phases)
@@ -43,23 +47,10 @@ PHASES = ((QKV, H, QKV // BN, H // KC, 4, False), (H, 2 * H, H // BN * SPLITS, 2
 
 
 @gluon.jit
-def _grid_sync(sync_ptr, target):
-    gl.thread_barrier()
-    arrived = gl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
-    spins = 0
-    while (arrived < target) & (spins < 4_000_000):
-        arrived = gl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
-        spins += 1
-    if arrived < target:  # not all programs resident: fail the launch instead of hanging
-        gl.inline_asm_elementwise("trap;", "=r,r", [arrived], dtype=gl.int32, is_pure=False, pack=1)
-    gl.thread_barrier()
-
-
-@gluon.jit
 def _light_phase(src_ptr, dst_ptr, sync_ptr, target, pid, UNITS: gl.constexpr, H: gl.constexpr):
     # a phase without weights (a norm's or the attention's stand-in): a barrier, then UNITS programs each read a row
     # of H activations (written by other programs: L2) and write it elsewhere
-    _grid_sync(sync_ptr, target)
+    _sync(sync_ptr, target)
     layout: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
     cols = gl.arange(0, H, layout=layout)
     if pid < UNITS:
@@ -68,76 +59,21 @@ def _light_phase(src_ptr, dst_ptr, sync_ptr, target, pid, UNITS: gl.constexpr, H
 
 
 @gluon.jit
-def _issue(buf, w_ptr, unit, UNITS: gl.constexpr, ROWS: gl.constexpr, K: gl.constexpr, NCH: gl.constexpr,
-           GROUPS: gl.constexpr, SPLIT: gl.constexpr, GATED: gl.constexpr, BN: gl.constexpr, KC: gl.constexpr,
-           cp_layout: gl.constexpr):
-    # this program's unit of a projection into buf chunk by chunk (K chunks of BN rows; gated: gate and up chunks
-    # alternate), in GROUPS cp.async groups; a program without a unit commits empty groups (the counts stay equal)
-    r = gl.arange(0, BN, layout=gl.SliceLayout(1, cp_layout))
-    c = gl.arange(0, KC, layout=gl.SliceLayout(0, cp_layout))
-    ok = (unit < UNITS) & (r[:, None] < BN)
-    if SPLIT:
-        row0 = (unit // 4) * BN
-        col0 = (unit % 4) * (NCH * KC)
-    else:
-        row0 = unit * BN
-        col0 = 0
-    base = w_ptr + (row0 + r)[:, None].to(gl.int64) * K + col0 + c[None, :]
-    PER_GROUP: gl.constexpr = NCH // GROUPS
-    for i in gl.static_range(NCH):
-        if GATED:  # noqa: SIM108 (a constexpr branch) chunk i: gate rows at K chunk i // 2 (even), up rows (odd)
-            ptrs = base + (i % 2) * (ROWS // 2) * K + (i // 2) * KC
-        else:
-            ptrs = base + i * KC
-        async_copy.async_copy_global_to_shared(buf.index(i), ptrs, mask=ok)
-        if i % PER_GROUP == PER_GROUP - 1:
-            async_copy.commit_group()
-
-
-@gluon.jit
 def _compute(buf, act_ptr, out_ptr, unit, UNITS: gl.constexpr, K: gl.constexpr, NCH: gl.constexpr,
-             GROUPS: gl.constexpr, NEWER: gl.constexpr, SPLIT: gl.constexpr, GATED: gl.constexpr, BN: gl.constexpr,
-             BM: gl.constexpr, KC: gl.constexpr):
-    # acc = W unit (BN, K slice) @ act (BM, K slice).T from the chunks in buf, each waited for as it is needed
-    # (NEWER: cp.async groups issued after this unit's); stored as fp32 (BN, BM) at out_ptr + unit
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 2], instr_shape=[16, 8])
-    dot0: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
-    dot1: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-    a_layout: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
-    kk = gl.arange(0, KC, layout=gl.SliceLayout(1, a_layout))
-    m = gl.arange(0, BM, layout=gl.SliceLayout(0, a_layout))
-    col0 = (unit % 4) * ((NCH // 2 if GATED else NCH) * KC) if SPLIT else 0
-    a_base = act_ptr + m[None, :] * K + col0 + kk[:, None]
-    acc = gl.zeros([BN, BM], gl.float32, mma)
-    acc_up = gl.zeros([BN, BM], gl.float32, mma)
-    STEPS: gl.constexpr = NCH // 2 if GATED else NCH
-    PER_GROUP: gl.constexpr = NCH // GROUPS
-    a_next = gl.load(a_base)
-    for s in gl.static_range(STEPS):
-        a = gl.convert_layout(a_next, dot1)
-        if s + 1 < STEPS:
-            a_next = gl.load(a_base + (s + 1) * KC)
-        # wait for the group of the last chunk this step reads (later groups may still be in flight)
-        if GATED:
-            async_copy.wait_group(GROUPS - 1 - (2 * s + 1) // PER_GROUP + NEWER)
-            acc = mma_v2(buf.index(2 * s).load(dot0), a, acc)
-            acc_up = mma_v2(buf.index(2 * s + 1).load(dot0), a, acc_up)
-        else:
-            async_copy.wait_group(GROUPS - 1 - s // PER_GROUP + NEWER)
-            acc = mma_v2(buf.index(s).load(dot0), a, acc)
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
-    res = gl.convert_layout(acc + acc_up, out_layout)
-    ro = gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
-    co = gl.arange(0, BM, layout=gl.SliceLayout(0, out_layout))
-    gl.store(out_ptr + (unit * BN + ro[:, None]) * BM + co[None, :], res, mask=(unit < UNITS) & (ro[:, None] < BN))
+             NEWER: gl.constexpr, SPLIT: gl.constexpr, GATED: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr,
+             KC: gl.constexpr, GROUP_CHUNKS: gl.constexpr):
+    # the unit's product (gate + up where gated) as fp32 (BM, BN) at out_ptr + unit * BN * BM
+    acc, acc_up = _project(buf, act_ptr, unit, BM, K, NCH, NEWER, SPLIT, GATED, BN, BM, KC, GROUP_CHUNKS)
+    if unit < UNITS:
+        _store_tile(out_ptr + unit * BN * BM, acc + acc_up, BM, BN, 0, BN, BM)
 
 
 @gluon.jit
 def _chain_kernel(w0, w1, w2, w3, a0, a1, a2, a3, out_ptr, light_ptr, sync_ptr, layers, STAGED: gl.constexpr,
-                  LIGHT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, KC: gl.constexpr):
+                  LIGHT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, KC: gl.constexpr,
+                  GROUP_CHUNKS: gl.constexpr):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    cp_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     smem_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
     # q/k/v and gate/up (phases 0 and 2) in one buffer, o and down (1 and 3) in the other
     buf_a = gl.allocate_shared_memory(gl.bfloat16, [32, BN, KC], smem_layout)
@@ -171,8 +107,8 @@ def _chain_kernel(w0, w1, w2, w3, a0, a1, a2, a3, out_ptr, light_ptr, sync_ptr, 
     out2 = out1 + U1 * BN * BM
     out3 = out2 + U2 * BN * BM
     if STAGED:
-        _issue(buf_a, w0, pid, U0, R0, K0, C0, G0, False, False, BN, KC, cp_layout)
-        _issue(buf_b, w1, pid, U1, R1, K1, C1, G1, True, False, BN, KC, cp_layout)
+        _issue(buf_a, w0, pid, True, U0, R0, K0, C0, False, False, BN, KC, GROUP_CHUNKS)
+        _issue(buf_b, w1, pid, True, U1, R1, K1, C1, True, False, BN, KC, GROUP_CHUNKS)
     bar = 0
     for layer in range(layers):
         nxt = (layer + 1) % layers  # the last layer issues the first's again: the group counts stay static
@@ -180,43 +116,43 @@ def _chain_kernel(w0, w1, w2, w3, a0, a1, a2, a3, out_ptr, light_ptr, sync_ptr, 
             bar += 1
             _light_phase(light_ptr, light_ptr + 32 * 1024, sync_ptr, bar * nprog, pid, 22, 1024)
         bar += 1
-        _grid_sync(sync_ptr, bar * nprog)
+        _sync(sync_ptr, bar * nprog)
         if not STAGED:
-            _issue(buf_a, w0 + layer * S0, pid, U0, R0, K0, C0, G0, False, False, BN, KC, cp_layout)
-        _compute(buf_a, a0, out_ptr, pid, U0, K0, C0, G0, G1 if STAGED else 0, False, False, BN, BM, KC)
+            _issue(buf_a, w0 + layer * S0, pid, True, U0, R0, K0, C0, False, False, BN, KC, GROUP_CHUNKS)
+        _compute(buf_a, a0, out_ptr, pid, U0, K0, C0, G1 if STAGED else 0, False, False, BN, BM, KC, GROUP_CHUNKS)
         if STAGED:  # every warp done reading the buffer before it is overwritten
             gl.thread_barrier()
-            _issue(buf_a, w2 + layer * S2, pid, U2, R2, K2, C2, G2, False, True, BN, KC, cp_layout)
+            _issue(buf_a, w2 + layer * S2, pid, True, U2, R2, K2, C2, False, True, BN, KC, GROUP_CHUNKS)
         if LIGHT:  # the attention (a program per sequence and head)
             bar += 1
             _light_phase(light_ptr, light_ptr + 32 * 1024, sync_ptr, bar * nprog, pid, 32, 1024)
         bar += 1
-        _grid_sync(sync_ptr, bar * nprog)
+        _sync(sync_ptr, bar * nprog)
         if not STAGED:
-            _issue(buf_b, w1 + layer * S1, pid, U1, R1, K1, C1, G1, True, False, BN, KC, cp_layout)
-        _compute(buf_b, a1, out1, pid, U1, K1, C1, G1, G2 if STAGED else 0, True, False, BN, BM, KC)
+            _issue(buf_b, w1 + layer * S1, pid, True, U1, R1, K1, C1, True, False, BN, KC, GROUP_CHUNKS)
+        _compute(buf_b, a1, out1, pid, U1, K1, C1, G2 if STAGED else 0, True, False, BN, BM, KC, GROUP_CHUNKS)
         if STAGED:  # every warp done reading the buffer before it is overwritten
             gl.thread_barrier()
-            _issue(buf_b, w3 + layer * S3, pid, U3, R3, K3, C3, G3, True, False, BN, KC, cp_layout)
+            _issue(buf_b, w3 + layer * S3, pid, True, U3, R3, K3, C3, True, False, BN, KC, GROUP_CHUNKS)
         if LIGHT:  # the post-attention norm
             bar += 1
             _light_phase(light_ptr, light_ptr + 32 * 1024, sync_ptr, bar * nprog, pid, 22, 1024)
         bar += 1
-        _grid_sync(sync_ptr, bar * nprog)
+        _sync(sync_ptr, bar * nprog)
         if not STAGED:
-            _issue(buf_a, w2 + layer * S2, pid, U2, R2, K2, C2, G2, False, True, BN, KC, cp_layout)
-        _compute(buf_a, a2, out2, pid, U2, K2, C2, G2, G3 if STAGED else 0, False, True, BN, BM, KC)
+            _issue(buf_a, w2 + layer * S2, pid, True, U2, R2, K2, C2, False, True, BN, KC, GROUP_CHUNKS)
+        _compute(buf_a, a2, out2, pid, U2, K2, C2, G3 if STAGED else 0, False, True, BN, BM, KC, GROUP_CHUNKS)
         if STAGED:  # every warp done reading the buffer before it is overwritten
             gl.thread_barrier()
-            _issue(buf_a, w0 + nxt * S0, pid, U0, R0, K0, C0, G0, False, False, BN, KC, cp_layout)
+            _issue(buf_a, w0 + nxt * S0, pid, True, U0, R0, K0, C0, False, False, BN, KC, GROUP_CHUNKS)
         bar += 1
-        _grid_sync(sync_ptr, bar * nprog)
+        _sync(sync_ptr, bar * nprog)
         if not STAGED:
-            _issue(buf_b, w3 + layer * S3, pid, U3, R3, K3, C3, G3, True, False, BN, KC, cp_layout)
-        _compute(buf_b, a3, out3, pid, U3, K3, C3, G3, G0 if STAGED else 0, True, False, BN, BM, KC)
+            _issue(buf_b, w3 + layer * S3, pid, True, U3, R3, K3, C3, True, False, BN, KC, GROUP_CHUNKS)
+        _compute(buf_b, a3, out3, pid, U3, K3, C3, G0 if STAGED else 0, True, False, BN, BM, KC, GROUP_CHUNKS)
         if STAGED:  # every warp done reading the buffer before it is overwritten
             gl.thread_barrier()
-            _issue(buf_b, w1 + nxt * S1, pid, U1, R1, K1, C1, G1, True, False, BN, KC, cp_layout)
+            _issue(buf_b, w1 + nxt * S1, pid, True, U1, R1, K1, C1, True, False, BN, KC, GROUP_CHUNKS)
     async_copy.wait_group(0)
     # the last program out resets the barrier counter for the next launch
     if gl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
@@ -234,7 +170,8 @@ def compile_only() -> dict[tuple[int, int], tuple[int, int, int]]:
     sig = {n: ("*bf16" if n[0] in "wa" and len(n) == 2 or n == "light_ptr" else "*fp32" if n == "out_ptr"
                else "*i32" if n == "sync_ptr" else "i32" if n == "layers" else "constexpr") for n in names}
     for staged, light in VARIANTS:
-        constexprs = {(names.index(k),): v for k, v in dict(STAGED=staged, LIGHT=light, BN=BN, BM=BM, KC=KC).items()}
+        constexprs = {(names.index(k),): v for k, v in dict(STAGED=staged, LIGHT=light, BN=BN, BM=BM, KC=KC,
+                                                                   GROUP_CHUNKS=GROUP_CHUNKS).items()}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
         t0 = time.perf_counter()
         kernel = triton.compile(GluonASTSource(_chain_kernel, sig, constexprs, attrs),
@@ -258,6 +195,8 @@ def main() -> None:
         compile_only()
         return
     import torch
+
+    from tools.profile_step import graph_ms
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     torch.manual_seed(0)
@@ -278,29 +217,19 @@ def main() -> None:
     for staged, with_light in VARIANTS:
         def run(staged: int = staged, with_light: int = with_light) -> None:
             _chain_kernel[(sms,)](*weights, *acts, out, light, sync, a.layers, STAGED=staged, LIGHT=with_light,
-                                  BN=BN, BM=BM, KC=KC, num_warps=4)
+                                  BN=BN, BM=BM, KC=KC, GROUP_CHUNKS=GROUP_CHUNKS, num_warps=4)
         run()
         torch.cuda.synchronize()
         outputs[(staged, with_light)] = out.clone()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(a.reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        us = start.elapsed_time(end) * 1000 / a.reps / a.layers
+        us = 1000 * graph_ms(run, reps=a.reps) / a.layers
         label = f"staged{staged}_light{with_light}"
         result[f"{label}_us_per_layer"] = round(us, 2)
         print(f"{label}: {us:.2f} us per layer (4 projection phases{', 3 light ones' if with_light else ''})",
               flush=True)
     # the same products both ways (the last layer's), and against torch for the q/k/v phase's first unit
     result["outputs_equal"] = all(torch.equal(outputs[VARIANTS[0]], o) for o in outputs.values())
-    ref = (weights[0][-1][:BN].float() @ acts[0].float().T)
-    result["qkv_unit0_max_abs_err"] = float((outputs[(1, 1)][: BN * BM].view(BN, BM) - ref).abs().max())
+    ref = (weights[0][-1][:BN].float() @ acts[0].float().T)  # (BN, BM); stored per unit as (BM, BN)
+    result["qkv_unit0_max_abs_err"] = float((outputs[(1, 1)][: BN * BM].view(BM, BN).T - ref).abs().max())
     print(json.dumps(result, indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
