@@ -197,6 +197,32 @@ def pointwise_conv_residual(h: torch.Tensor, weight: torch.Tensor, bias: torch.T
     return out if bias is None else out.add_(bias[:, None])
 
 
+def dit_input(x: torch.Tensor, leading: torch.Tensor, in_proj: torch.nn.Linear) -> torch.Tensor:
+    """A DiT evaluation's input: the leading tokens (2B, T, H), then in_proj of the noisy patch x (B, D, P) for the
+    conditional and the unconditional half alike -> (2B, T + P, H). On CUDA one kernel instead of two
+    concatenations, a transpose copy and the GEMM."""
+    b, d, p = x.shape
+    if (kernels(x) and x.is_contiguous() and leading.stride(-1) == 1 and leading.shape[0] == 2 * b
+            and x.dtype == leading.dtype == in_proj.weight.dtype and in_proj.bias is not None and d <= 256
+            and in_proj.weight.is_contiguous()):
+        return triton_kernels.dit_input(x, leading, in_proj.weight, in_proj.bias)
+    return torch.cat((leading, in_proj(torch.cat((x, x)).transpose(1, 2))), dim=1)
+
+
+def dit_output_euler(h: torch.Tensor, lead_len: int, out_proj: torch.nn.Linear, x: torch.Tensor, cfg: torch.Tensor,
+                     dt: float) -> torch.Tensor:
+    """The Euler step after a DiT evaluation: the velocities out_proj(h[:, lead_len:]) (conditional rows, then
+    unconditional) guided into x (`cfg_euler_step`). On CUDA one kernel instead of a copy, the GEMM and the step."""
+    b, d, p = x.shape
+    if (kernels(x) and x.is_contiguous() and h.stride(-1) == 1 and h.shape[0] == 2 * b and h.dim() == 3
+            and x.dtype == h.dtype == cfg.dtype == out_proj.weight.dtype and out_proj.bias is not None
+            and out_proj.weight.is_contiguous() and d <= 128 and p <= 16 and cfg.numel() == b
+            and h.shape[-1] % 16 == 0):
+        return triton_kernels.dit_output_euler(h, lead_len, out_proj.weight, out_proj.bias, x,
+                                               cfg.reshape(b).contiguous(), dt)
+    return cfg_euler_step(x, out_proj(h[:, lead_len:]).transpose(1, 2), cfg, dt)
+
+
 def cfg_euler_step(x: torch.Tensor, v: torch.Tensor, cfg: torch.Tensor, dt: float) -> torch.Tensor:
     """One Euler step with CFG-zero* guidance: x (B, D, P); v (2B, D, P) the conditional velocities, then the
     unconditional ones, which are rescaled by their optimal projection on the conditional ones and guided

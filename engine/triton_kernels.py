@@ -19,6 +19,8 @@ compile once per dtype and block size and follow the eager op order and rounding
 - `causal_depthwise_conv`: a residual unit's carried-context concat, dilated depthwise causal conv and the
   Snake after it in one pass, also returning the new carried context;
 - `cfg_euler_step`: one Euler step of the flow sampler with CFG-zero* guidance, one row per program;
+- `dit_input`: a DiT evaluation's input rows (the leading tokens, then in_proj of the noisy patch for both CFG
+  halves) in one kernel; `dit_output_euler`: its output projection and the guided Euler step in one kernel;
 - `skinny_matmul`: a bias-free projection of a few rows, weight-streaming (one program per 16 output columns),
   with the SiLU gate fused in for the gate/up projection (the one place it beat cuBLAS on the H100).
 """
@@ -298,30 +300,85 @@ if HAVE_TRITON:
         tl.store(y_ptr + bc * out_len + t, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _cfg_euler_kernel(x_ptr, v_ptr, cfg_ptr, o_ptr, n, inner, batch, dt, stride_vb, stride_vo, stride_vi,
-                          BLOCK: tl.constexpr):
-        """One row: x - dt * (vu * s + cfg * (vc - vu * s)), s = <vc, vu> / (|vu|^2 + 1e-8), rounded to the
-        activation dtype at every point where the eager expression rounds. x and the output are contiguous
-        rows of n = outer * inner values; v's rows have strides (outer, inner) (the DiT's transposed output)."""
-        row = tl.program_id(0).to(tl.int64)
-        i = tl.arange(0, BLOCK)
-        m = i < n
-        v_off = (i // inner) * stride_vo + (i % inner) * stride_vi
-        dtype = o_ptr.dtype.element_ty
-        x = tl.load(x_ptr + row * n + i, mask=m, other=0.0).to(tl.float32)
-        vc = tl.load(v_ptr + row * stride_vb + v_off, mask=m, other=0.0).to(tl.float32)
-        vu = tl.load(v_ptr + (row + batch) * stride_vb + v_off, mask=m, other=0.0).to(tl.float32)
-        dot = tl.sum((vc * vu).to(dtype).to(tl.float32), axis=0).to(dtype).to(tl.float32)
-        norm = tl.sum((vu * vu).to(dtype).to(tl.float32), axis=0).to(dtype).to(tl.float32)
+    def _cfg_euler_math(x, vc, vu, cfg, dt, mask, dtype: tl.constexpr):
+        """x - dt * (vu * s + cfg * (vc - vu * s)), s = <vc, vu> / (|vu|^2 + 1e-8) over the masked elements (fp32
+        values of dtype), rounded to dtype at every point where the eager expression rounds."""
+        dot = tl.sum(tl.where(mask, (vc * vu).to(dtype).to(tl.float32), 0.0)).to(dtype).to(tl.float32)
+        norm = tl.sum(tl.where(mask, (vu * vu).to(dtype).to(tl.float32), 0.0)).to(dtype).to(tl.float32)
         norm = (norm + 1e-8).to(dtype).to(tl.float32)
         scale = (dot / norm).to(dtype).to(tl.float32)
-        cfg = tl.load(cfg_ptr + row).to(tl.float32)
         a = (vu * scale).to(dtype).to(tl.float32)
         d = (vc - a).to(dtype).to(tl.float32)
         e = (cfg * d).to(dtype).to(tl.float32)
         f = (a + e).to(dtype).to(tl.float32)
         g = (dt * f).to(dtype).to(tl.float32)
-        tl.store(o_ptr + row * n + i, (x - g).to(dtype), mask=m)
+        return (x - g).to(dtype)
+
+    @triton.jit
+    def _cfg_euler_kernel(x_ptr, v_ptr, cfg_ptr, o_ptr, n, inner, batch, dt, stride_vb, stride_vo, stride_vi,
+                          BLOCK: tl.constexpr):
+        """One row of `cfg_euler_step`. x and the output are contiguous rows of n = outer * inner values; v's rows
+        have strides (outer, inner) (the DiT's transposed output)."""
+        row = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, BLOCK)
+        m = i < n
+        v_off = (i // inner) * stride_vo + (i % inner) * stride_vi
+        x = tl.load(x_ptr + row * n + i, mask=m, other=0.0).to(tl.float32)
+        vc = tl.load(v_ptr + row * stride_vb + v_off, mask=m, other=0.0).to(tl.float32)
+        vu = tl.load(v_ptr + (row + batch) * stride_vb + v_off, mask=m, other=0.0).to(tl.float32)
+        cfg = tl.load(cfg_ptr + row).to(tl.float32)
+        tl.store(o_ptr + row * n + i, _cfg_euler_math(x, vc, vu, cfg, dt, m, o_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _dit_input_kernel(x_ptr, lead_ptr, w_ptr, b_ptr, seq_ptr, batch, lead_len, hidden, stride_ln, stride_lt,
+                          D: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        """One (sequence, position) row of a DiT evaluation's input, BLOCK_H columns of it: the leading tokens'
+        row, or in_proj of the noisy patch's frame (x of the conditional and the unconditional half alike), its
+        fp32 sum plus the bias rounded once, as the eager linear rounds."""
+        row = tl.program_id(0)
+        n, t = row // (lead_len + P), row % (lead_len + P)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        hm = h < hidden
+        out = seq_ptr + row.to(tl.int64) * hidden + h
+        if t < lead_len:
+            tl.store(out, tl.load(lead_ptr + n * stride_ln + t * stride_lt + h, mask=hm, other=0.0), mask=hm)
+        else:
+            d = tl.arange(0, BLOCK_D)
+            xv = tl.load(x_ptr + ((n % batch) * D + d) * P + (t - lead_len), mask=d < D, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + h[:, None] * D + d[None, :], mask=hm[:, None] & (d[None, :] < D), other=0.0)
+            acc = tl.sum(w.to(tl.float32) * xv[None, :], axis=1) + tl.load(b_ptr + h, mask=hm, other=0.0).to(
+                tl.float32)
+            tl.store(out, acc.to(seq_ptr.dtype.element_ty), mask=hm)
+
+    @triton.jit
+    def _dit_output_euler_kernel(h_ptr, w_ptr, b_ptr, x_ptr, cfg_ptr, o_ptr, batch, lead_len, dt, stride_hn,
+                                 stride_ht, D: tl.constexpr, P: tl.constexpr, H: tl.constexpr, BLOCK_D: tl.constexpr,
+                                 BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """One row b: the conditional and unconditional velocities out_proj(h[b or batch + b, lead_len:]) (rounded
+        as the eager linear rounds), then `cfg_euler_step`'s update of x[b]."""
+        b = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        p = tl.arange(0, BLOCK_P)
+        k = tl.arange(0, BLOCK_K)
+        dtype = o_ptr.dtype.element_ty
+        w_rows = w_ptr + d[:, None] * H + k[None, :]
+        hc = h_ptr + b * stride_hn + (lead_len + p)[None, :] * stride_ht + k[:, None]
+        hu = hc + batch * stride_hn
+        pm = p[None, :] < P
+        acc_c = tl.zeros((BLOCK_D, BLOCK_P), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_D, BLOCK_P), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            w = tl.load(w_rows + k0, mask=d[:, None] < D, other=0.0)
+            acc_c = tl.dot(w, tl.load(hc + k0, mask=pm, other=0.0), acc_c, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(w, tl.load(hu + k0, mask=pm, other=0.0), acc_u, input_precision=DOT_PRECISION)
+        bias = tl.load(b_ptr + d, mask=d < D, other=0.0).to(tl.float32)[:, None]
+        vc = (acc_c + bias).to(dtype).to(tl.float32)
+        vu = (acc_u + bias).to(dtype).to(tl.float32)
+        m = (d[:, None] < D) & pm
+        offs = b * D * P + d[:, None] * P + p[None, :]
+        x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        cfg = tl.load(cfg_ptr + b).to(tl.float32)
+        tl.store(o_ptr + offs, _cfg_euler_math(x, vc, vu, cfg, dt, m, dtype), mask=m)
 
 
 # Snake's sin on CUDA: the hardware approximation (__nv_fast_sinf, abs error ~1e-6 near 0, growing ~|x| * 2^-22)
@@ -588,4 +645,32 @@ def cfg_euler_step(x: torch.Tensor, v: torch.Tensor, cfg: torch.Tensor, dt: floa
     if b:
         _cfg_euler_kernel[(b,)](x, v, cfg, out, d * p, p, b, dt, v.stride(0), v.stride(1), v.stride(2),
                                 BLOCK=triton.next_power_of_2(d * p), num_warps=1 if d * p <= 512 else 4)
+    return out
+
+
+def dit_input(x: torch.Tensor, leading: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """cat(leading, in_proj(cat(x, x).transpose(1, 2))) along positions: x (B, D, P) contiguous, leading (2B, T, H)
+    with unit column stride, in_proj's weight (H, D) and bias (H,) -> (2B, T + P, H) in one kernel."""
+    b, d, p = x.shape
+    n, lead_len, hidden = leading.shape
+    seq = torch.empty((n, lead_len + p, hidden), dtype=leading.dtype, device=x.device)
+    block_h = min(256, triton.next_power_of_2(hidden))
+    _dit_input_kernel[(n * (lead_len + p), triton.cdiv(hidden, block_h))](
+        x, leading, weight, bias, seq, b, lead_len, hidden, leading.stride(0), leading.stride(1), D=d, P=p,
+        BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d), num_warps=4)
+    return seq
+
+
+def dit_output_euler(h: torch.Tensor, lead_len: int, weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor,
+                     cfg: torch.Tensor, dt: float) -> torch.Tensor:
+    """cfg_euler_step(x, out_proj(h[:, lead_len:]).transpose(1, 2), cfg, dt) in one kernel: h (2B, T + P, H) with
+    unit column stride, out_proj's weight (D, H) contiguous and bias (D,), x (B, D, P) contiguous, cfg (B,)."""
+    b, d, p = x.shape
+    hidden = h.shape[-1]
+    out = torch.empty_like(x)
+    block_k = next(k for k in (64, 32, 16) if hidden % k == 0)
+    _dit_output_euler_kernel[(b,)](
+        h, weight, bias, x, cfg, out, b, lead_len, dt, h.stride(0), h.stride(1), D=d, P=p, H=hidden,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_K=block_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
     return out

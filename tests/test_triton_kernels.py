@@ -9,6 +9,7 @@ bf16 is checked on CUDA.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import subprocess
@@ -261,6 +262,35 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             assert spy.call_count == 1, "fused.cfg_euler_step fell back to the eager ops"
         return max(errs)
 
+    def dit_step(dtype: torch.dtype) -> float:
+        """A DiT evaluation's input (the leading tokens, then in_proj of the noisy patch for both CFG halves) and its
+        output projection with the guided Euler step, one kernel each, against the eager ops; the sampler's calls
+        take them."""
+        b, d, p, t, h = 3, 64, 4, 7, 96
+        x, leading = rand(b, d, p, dtype=dtype, seed=83), rand(2 * b, t, h, dtype=dtype, seed=84)
+        hidden = rand(2 * b, t + p, h, dtype=dtype, seed=85)
+        cfg = (rand(b, 1, 1, dtype=torch.float32, seed=86).abs() + 1.0).to(dtype)
+        in_proj, out_proj = torch.nn.Linear(d, h).to(device, dtype), torch.nn.Linear(h, d).to(device, dtype)
+        with torch.no_grad():
+            for i, lin in enumerate((in_proj, out_proj)):
+                lin.weight.copy_(rand(*lin.weight.shape, dtype=dtype, seed=87 + i) * lin.weight.shape[1] ** -0.5)
+                lin.bias.copy_(rand(*lin.bias.shape, dtype=dtype, seed=89 + i) * 0.1)
+            cpu_in, cpu_out = copy.deepcopy(in_proj).cpu(), copy.deepcopy(out_proj).cpu()
+            seq_ref = torch.cat((leading.cpu(), cpu_in(torch.cat((x, x)).cpu().transpose(1, 2))), dim=1).to(device)
+            step_ref = fused.cfg_euler_step(x.cpu(), cpu_out(hidden.cpu()[:, t:]).transpose(1, 2), cfg.cpu(),
+                                            0.0917).to(device)
+            errs = [relative_error(triton_kernels.dit_input(x, leading, in_proj.weight, in_proj.bias), seq_ref),
+                    relative_error(triton_kernels.dit_output_euler(hidden, t, out_proj.weight, out_proj.bias, x,
+                                                                   cfg.reshape(b), 0.0917), step_ref)]
+            with mock.patch.object(fused, "kernels", triton_kernels.usable), \
+                    mock.patch.object(triton_kernels, "dit_input", wraps=triton_kernels.dit_input) as spy_in, \
+                    mock.patch.object(triton_kernels, "dit_output_euler",
+                                      wraps=triton_kernels.dit_output_euler) as spy_out:
+                errs += [relative_error(fused.dit_input(x, leading, in_proj), seq_ref),
+                         relative_error(fused.dit_output_euler(hidden, t, out_proj, x, cfg, 0.0917), step_ref)]
+            assert spy_in.call_count == spy_out.call_count == 1, "the sampler's calls fell back to the eager ops"
+        return max(errs)
+
     def dispatch(dtype: torch.dtype) -> float:
         """The model's calls take the new kernels where they apply: the Triton backend's attention (rotary + cache
         write in one kernel, then the paged kernel) against the torch backend's, and the MLP's gated projection."""
@@ -343,7 +373,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
     return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "skinny_matmul": skinny_matmul, "rotary_qk": rotary_qk,
             "rotary_store_kv": rotary_store_kv, "dispatch": dispatch, "dense_attention": dense,
             "snake": snake, "dwconv_snake": dwconv_snake, "residual_unit": residual_unit,
-            "conv_transpose": conv_transpose, "vae_decoder": vae_decoder, "cfg_euler": cfg_euler,
+            "conv_transpose": conv_transpose, "vae_decoder": vae_decoder, "cfg_euler": cfg_euler, "dit_step": dit_step,
             "dense_layer_stack": dense_layer_stack}
 
 
@@ -375,6 +405,7 @@ def interpreter_results() -> dict[str, float]:
 CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "skinny_matmul", "rotary_qk", "rotary_store_kv",
                                     "dispatch", "dense_attention", "snake",
                                     "dwconv_snake", "residual_unit", "conv_transpose", "vae_decoder", "cfg_euler",
+                                    "dit_step",
                                     "dense_layer_stack")
               for d in INTERPRETED]
 

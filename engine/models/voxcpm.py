@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import fused
 from engine.config import TransformerConfig, VoxCPMConfig
-from engine.fused import cfg_euler_step
 from engine.models.minicpm import AttendFn, MiniCPM, dense_attention, rotary_table
 
 AUDIO_START_TOKEN = 101
@@ -125,6 +125,15 @@ class LocDiT(nn.Module):
                                 tembs.unsqueeze(2)), dim=2)
         return torch.cat((prefix, cond), dim=2)
 
+    def euler_step(self, x: torch.Tensor, leading: torch.Tensor, rope: torch.Tensor, cfg: torch.Tensor,
+                   dt: float) -> torch.Tensor:
+        """One guided Euler step of the noisy patch x (B, D, P): the velocities of its conditional and unconditional
+        copies after `leading` (2B, T, hidden), then `cfg_euler_step` (on CUDA the DiT's input and its output
+        projection with the step are one kernel each)."""
+        seq = fused.dit_input(x, leading, self.in_proj)
+        h = self.decoder(seq, rope[: seq.shape[1]], dense_attention)
+        return fused.dit_output_euler(h, leading.shape[1], self.out_proj, x, cfg, dt)
+
     def velocity_after(self, x: torch.Tensor, leading: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         """The velocity of the noisy patch x (N, D, P) after one step's `leading_tokens` (N, T, hidden)."""
         seq = torch.cat((leading, self.in_proj(x.transpose(1, 2))), dim=1)
@@ -177,8 +186,7 @@ class FlowSampler(nn.Module):
         leading = self.estimator.leading_tokens(mu_in, tembs, cond_in) if active else None
         for step, (_, dt) in enumerate(steps, start=1):
             if step > zero_steps:
-                v = self.estimator.velocity_after(torch.cat((x, x)), leading[step - zero_steps - 1], rope)
-                x = cfg_euler_step(x, v, cfg, dt)
+                x = self.estimator.euler_step(x, leading[step - zero_steps - 1], rope, cfg, dt)
         return x
 
 
