@@ -329,7 +329,8 @@ if HAVE_TRITON:
         cfg = tl.load(cfg_ptr + row).to(tl.float32)
         tl.store(o_ptr + row * n + i, _cfg_euler_math(x, vc, vu, cfg, dt, m, o_ptr.dtype.element_ty), mask=m)
 
-    @triton.jit
+    # Integers not specialised (1, multiples of 16): one variant per dtype and shape, whatever the batch.
+    @triton.jit(do_not_specialize=["batch", "lead_len", "hidden", "stride_ln", "stride_lt"])
     def _dit_input_kernel(x_ptr, lead_ptr, w_ptr, b_ptr, seq_ptr, batch, lead_len, hidden, stride_ln, stride_lt,
                           D: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
         """One (sequence, position) row of a DiT evaluation's input, BLOCK_H columns of it: the leading tokens'
@@ -350,7 +351,7 @@ if HAVE_TRITON:
                 tl.float32)
             tl.store(out, acc.to(seq_ptr.dtype.element_ty), mask=hm)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["batch", "lead_len", "stride_hn", "stride_ht"])
     def _dit_output_euler_kernel(h_ptr, w_ptr, b_ptr, x_ptr, cfg_ptr, o_ptr, batch, lead_len, dt, stride_hn,
                                  stride_ht, D: tl.constexpr, P: tl.constexpr, H: tl.constexpr, BLOCK_D: tl.constexpr,
                                  BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
