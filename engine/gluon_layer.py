@@ -17,6 +17,7 @@ final norm at the end. Needs every program resident (grid barriers) and one unit
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 from engine.triton_attention import HAVE_TRITON, _is_interpreted
@@ -54,7 +55,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _issue(buf, w_ptr, unit, live, UNITS: gl.constexpr, ROWS: gl.constexpr, K: gl.constexpr,
                NCH: gl.constexpr, SPLIT: gl.constexpr, GATED: gl.constexpr, BN: gl.constexpr, KC: gl.constexpr,
-               GROUP_CHUNKS: gl.constexpr):
+               GROUP_CHUNKS: gl.constexpr, SPLITS: gl.constexpr):
         # this program's unit of a (ROWS, K) weight into buf, chunk by chunk ((BN, KC) each; gated: gate and up
         # chunks alternate), GROUP_CHUNKS to a cp.async group; without a unit (or not live) the copies are predicated
         # off and the groups still committed, so every program counts the same groups
@@ -63,8 +64,8 @@ if HAVE_GLUON:
         c = gl.arange(0, KC, layout=gl.SliceLayout(0, layout))
         ok = (unit < UNITS) & live & (r[:, None] < BN)
         if SPLIT:
-            row0 = (unit // 4) * BN
-            col0 = (unit % 4) * (NCH * KC)
+            row0 = (unit // SPLITS) * BN
+            col0 = (unit % SPLITS) * (NCH * KC)
         else:
             row0 = unit * BN
             col0 = 0
@@ -81,18 +82,18 @@ if HAVE_GLUON:
     @gluon.jit
     def _project(buf, a_ptr, unit, rows, K: gl.constexpr, NCH: gl.constexpr, NEWER: gl.constexpr,
                  SPLIT: gl.constexpr, GATED: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, KC: gl.constexpr,
-                 GROUP_CHUNKS: gl.constexpr):
+                 GROUP_CHUNKS: gl.constexpr, SPLITS: gl.constexpr):
         # (acc, acc_up): the unit's weight chunks in buf (BN, KC each) times the rows' activations a (rows, K), fp32
         # (BN, BM); each chunk waited for as it is needed (NEWER: cp.async groups committed after this unit's)
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 2], instr_shape=[16, 8])
-        dot0: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
-        dot1: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+        dot0: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        dot1: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
         a_layout: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
         kk = gl.arange(0, KC, layout=gl.SliceLayout(1, a_layout))
         m = gl.arange(0, BM, layout=gl.SliceLayout(0, a_layout))
         STEPS: gl.constexpr = NCH // 2 if GATED else NCH
         GROUPS: gl.constexpr = NCH // GROUP_CHUNKS
-        col0 = (unit % 4) * (STEPS * KC) if SPLIT else 0
+        col0 = (unit % SPLITS) * (STEPS * KC) if SPLIT else 0
         a_base = a_ptr + m[None, :] * K + col0 + kk[:, None]
         a_ok = m[None, :] < rows
         acc = gl.zeros([BN, BM], gl.float32, mma)
@@ -182,16 +183,16 @@ if HAVE_GLUON:
                 q1f, q2f, k1f, k2f = q1.to(gl.float32), q2.to(gl.float32), k1.to(gl.float32), k2.to(gl.float32)
                 q1, q2 = (q1f * c1 - q2f * s1).to(dtype), (q2f * c2 + q1f * s2).to(dtype)
                 k1, k2 = (k1f * c1 - k2f * s1).to(dtype), (k2f * c2 + k1f * s2).to(dtype)
-            s_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_mma, k_width=8)
-            s_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=s_mma, k_width=8)
+            s_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_mma, k_width=2)
+            s_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=s_mma, k_width=2)
             scores = gl.zeros([BLOCK_L, BLOCK_L], gl.float32, s_mma)
             scores = mma_v2(gl.convert_layout(q1, s_a), gl.convert_layout(gl.permute(k1, [1, 0]), s_b), scores)
             scores = mma_v2(gl.convert_layout(q2, s_a), gl.convert_layout(gl.permute(k2, [1, 0]), s_b), scores)
             scores = gl.where(keys, scores * sm_scale, float("-inf"))
             p = gl.exp(scores - gl.max(scores, axis=1)[:, None])
             p = (p / gl.sum(p, axis=1)[:, None]).to(dtype)
-            o_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_mma, k_width=8)
-            o_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=o_mma, k_width=8)
+            o_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_mma, k_width=2)
+            o_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=o_mma, k_width=2)
             pa = gl.convert_layout(p, o_a)
             o1 = mma_v2(pa, gl.convert_layout(v1, o_b), gl.zeros([BLOCK_L, HALF], gl.float32, o_mma))
             o2 = mma_v2(pa, gl.convert_layout(v2, o_b), gl.zeros([BLOCK_L, HALF], gl.float32, o_mma))
@@ -231,8 +232,8 @@ if HAVE_GLUON:
         buf_b = gl.allocate_shared_memory(gl.bfloat16, [C_DOWN, BN, KC], smem)
         qkv_w = ref_ptr + gl.multiple_of(gl.load(table_ptr + 0), 8)
         o_w = ref_ptr + gl.multiple_of(gl.load(table_ptr + 1), 8)
-        _issue(buf_a, qkv_w, pid, True, U_QKV, NQKV, H, C_QKV, False, False, BN, KC, GROUP_CHUNKS)
-        _issue(buf_b, o_w, pid, True, U_O, H, HQ * D, C_O, True, False, BN, KC, GROUP_CHUNKS)
+        _issue(buf_a, qkv_w, pid, True, U_QKV, NQKV, H, C_QKV, False, False, BN, KC, GROUP_CHUNKS, SPLITS)
+        _issue(buf_b, o_w, pid, True, U_O, H, HQ * D, C_O, True, False, BN, KC, GROUP_CHUNKS, SPLITS)
         bar = 0
         for layer in range(layers):
             row = table_ptr + layer * 6
@@ -248,11 +249,12 @@ if HAVE_GLUON:
             bar += 1
             _sync(sync_ptr, bar * nprog)
             # 1: q/k/v (newer groups: this layer's o)
-            acc, _ = _project(buf_a, normed_ptr, pid, rows, H, C_QKV, G_O, False, False, BN, BM, KC, GROUP_CHUNKS)
+            acc, _ = _project(buf_a, normed_ptr, pid, rows, H, C_QKV, G_O, False, False, BN, BM, KC, GROUP_CHUNKS,
+                              SPLITS)
             if pid < U_QKV:
                 _store_tile(qkv_ptr, acc.to(gl.bfloat16), rows, NQKV, pid * BN, BN, BM)
             gl.thread_barrier()  # every warp done with buffer a
-            _issue(buf_a, gate_up_w, pid, True, U_GU, 2 * F, H, C_GU, False, True, BN, KC, GROUP_CHUNKS)
+            _issue(buf_a, gate_up_w, pid, True, U_GU, 2 * F, H, C_GU, False, True, BN, KC, GROUP_CHUNKS, SPLITS)
             bar += 1
             _sync(sync_ptr, bar * nprog)
             # 2: attention
@@ -261,11 +263,12 @@ if HAVE_GLUON:
             bar += 1
             _sync(sync_ptr, bar * nprog)
             # 3: o, split along K into fp32 partials (newer groups: gate/up)
-            acc, _ = _project(buf_b, attn_ptr, pid, rows, HQ * D, C_O, G_GU, True, False, BN, BM, KC, GROUP_CHUNKS)
+            acc, _ = _project(buf_b, attn_ptr, pid, rows, HQ * D, C_O, G_GU, True, False, BN, BM, KC, GROUP_CHUNKS,
+                              SPLITS)
             if pid < U_O:
                 _store_tile(o_part_ptr + (pid % SPLITS) * rows * H, acc, rows, H, (pid // SPLITS) * BN, BN, BM)
             gl.thread_barrier()
-            _issue(buf_b, down_w, pid, True, U_O, H, F, C_DOWN, True, False, BN, KC, GROUP_CHUNKS)
+            _issue(buf_b, down_w, pid, True, U_O, H, F, C_DOWN, True, False, BN, KC, GROUP_CHUNKS, SPLITS)
             bar += 1
             _sync(sync_ptr, bar * nprog)
             # 4: the o projection added, the post-attention norm
@@ -275,7 +278,7 @@ if HAVE_GLUON:
             _sync(sync_ptr, bar * nprog)
             # 5: gate/up with the SiLU gate (newer groups: down); silu_mul's op order on the rounded halves
             acc, acc_up = _project(buf_a, normed_ptr, pid, rows, H, C_GU, G_DOWN, False, True, BN, BM, KC,
-                                   GROUP_CHUNKS)
+                                   GROUP_CHUNKS, SPLITS)
             if pid < U_GU:
                 g = acc.to(gl.bfloat16).to(gl.float32)
                 up = acc_up.to(gl.bfloat16)
@@ -283,17 +286,18 @@ if HAVE_GLUON:
                 _store_tile(act_ptr, (silu.to(gl.float32) * up.to(gl.float32)).to(gl.bfloat16), rows, F, pid * BN,
                             BN, BM)
             gl.thread_barrier()
-            _issue(buf_a, ref_ptr + gl.multiple_of(gl.load(nxt + 0), 8), pid, live, U_QKV, NQKV, H, C_QKV, False, False,
-                   BN, KC, GROUP_CHUNKS)
+            _issue(buf_a, ref_ptr + gl.multiple_of(gl.load(nxt + 0), 8), pid, live, U_QKV, NQKV, H, C_QKV, False,
+                   False, BN, KC, GROUP_CHUNKS, SPLITS)
             bar += 1
             _sync(sync_ptr, bar * nprog)
             # 6: down, split along K into fp32 partials (newer groups: the next layer's q/k/v)
-            acc, _ = _project(buf_b, act_ptr, pid, rows, F, C_DOWN, G_QKV, True, False, BN, BM, KC, GROUP_CHUNKS)
+            acc, _ = _project(buf_b, act_ptr, pid, rows, F, C_DOWN, G_QKV, True, False, BN, BM, KC, GROUP_CHUNKS,
+                              SPLITS)
             if pid < U_O:
                 _store_tile(down_part_ptr + (pid % SPLITS) * rows * H, acc, rows, H, (pid // SPLITS) * BN, BN, BM)
             gl.thread_barrier()
-            _issue(buf_b, ref_ptr + gl.multiple_of(gl.load(nxt + 1), 8), pid, live, U_O, H, HQ * D, C_O, True, False,
-                   BN, KC, GROUP_CHUNKS)
+            _issue(buf_b, ref_ptr + gl.multiple_of(gl.load(nxt + 1), 8), pid, live, U_O, H, HQ * D, C_O, True,
+                   False, BN, KC, GROUP_CHUNKS, SPLITS)
             bar += 1
             _sync(sync_ptr, bar * nprog)
         async_copy.wait_group(0)
@@ -306,26 +310,31 @@ if HAVE_GLUON:
             gl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
 
 
-_tables: dict[int, torch.Tensor] = {}  # per stack: the layers' weight pointers
+# per stack: (its weights' addresses, their offsets from the first q/k/v weight); rebuilt when a weight moves
+_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def supported(stack: torch.nn.Module, x: torch.Tensor) -> bool:
-    """Whether `dense_stack` takes this stack and input: CUDA (sm_90+) bf16, fused projections, at most 64 rows, and
-    the shapes its units cover with one unit per program (hidden 1024 and ffn 4096 for the released models)."""
+    """Whether `dense_stack` takes this stack and input: CUDA (sm_90+, enough shared memory) bf16, fused projections,
+    at most 32 rows, and the shapes its units cover with one unit per program (hidden 1024 and ffn 4096 for the
+    released models)."""
     if not (HAVE_GLUON and x.is_cuda and not _is_interpreted() and x.dtype == torch.bfloat16 and x.dim() == 3):
         return False
     cfg, layer = stack.cfg, stack.layers[0] if len(stack.layers) else None
     if layer is None or layer.self_attn.qkv_weight is None or layer.mlp.gate_up_weight is None:
         return False
-    h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    nqkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    h, f, d, hq, hk = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_attention_heads,
+                       cfg.num_key_value_heads)
+    nqkv = (hq + 2 * hk) * d
+    props = torch.cuda.get_device_properties(x.device)
     chunk = KC * GROUP_CHUNKS
-    return (torch.cuda.get_device_capability(x.device)[0] >= 9 and x.shape[0] * x.shape[1] <= 64
-            and x.shape[1] <= 16 and d in (64, 128) and h % chunk == 0 and f % (SPLITS * chunk) == 0
-            and cfg.num_attention_heads * d % (SPLITS * chunk) == 0 and nqkv % BN == 0
-            and max(nqkv // BN, h // BN * SPLITS, f // BN) <= sms and h <= 4096 and cfg.num_attention_heads * d <= f
-            and (2 * h + f // SPLITS) * BN * 2 <= 200 * 1024)
+    shared = (2 * h + f // SPLITS) * BN * 2 + 16 * 1024  # the two weight buffers and the layouts' scratch
+    return (torch.cuda.get_device_capability(x.device)[0] >= 9 and shared <= props.shared_memory_per_block_optin
+            and x.shape[0] * x.shape[1] <= 32  # one 32-row tile (64 rows spill registers)
+            and x.shape[1] <= 16 and x.shape[-1] == h and d in (64, 128) and hq % hk == 0 and h % chunk == 0
+            and f % (SPLITS * chunk) == 0 and hq * d % (SPLITS * chunk) == 0 and nqkv % BN == 0 and hq * d <= f
+            and max(nqkv // BN, h // BN * SPLITS, f // BN) <= props.multi_processor_count and h <= 4096
+            and stack.norm.weight.dtype == layer.self_attn.qkv_weight.dtype == torch.bfloat16)
 
 
 def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
@@ -336,23 +345,24 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
     rows, dev = n * seq_len, x.device
     hq, hk, d, f = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
     nqkv = (hq + 2 * hk) * d
-    table = _tables.get(id(stack))
-    if table is None:
+    ref = layers[0].self_attn.qkv_weight
+    weights = [(lyr.self_attn.qkv_weight, lyr.self_attn.o_proj.weight, lyr.mlp.gate_up_weight,
+                lyr.mlp.down_proj.weight, lyr.input_layernorm.weight, lyr.post_attention_layernorm.weight)
+               for lyr in layers]
+    addresses = tuple(t.data_ptr() for row in weights for t in row)
+    known, table = _tables.get(stack, (None, None))
+    if known != addresses:
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("gluon_layer.dense_stack: first call inside a CUDA graph capture")
-        ref = layers[0].self_attn.qkv_weight
-        weights = [(lyr.self_attn.qkv_weight, lyr.self_attn.o_proj.weight, lyr.mlp.gate_up_weight,
-                    lyr.mlp.down_proj.weight, lyr.input_layernorm.weight, lyr.post_attention_layernorm.weight)
-                   for lyr in layers]
+            raise RuntimeError("gluon_layer.dense_stack: the stack's first call (or moved weights) inside a capture")
         if any(t.dtype != ref.dtype or not t.is_contiguous()
                or (t.data_ptr() - ref.data_ptr()) % (16 if i < 4 else 2) for row in weights for i, t in enumerate(row)):
             raise ValueError("gluon_layer: the weights must be contiguous bf16, the projections 16-byte aligned")
-        table = _tables[id(stack)] = torch.tensor(
-            [[(t.data_ptr() - ref.data_ptr()) // ref.element_size() for t in row] for row in weights],
-            dtype=torch.int64, device=dev)
+        table = torch.tensor([[(t.data_ptr() - ref.data_ptr()) // ref.element_size() for t in row] for row in weights],
+                             dtype=torch.int64, device=dev)
+        _tables[stack] = (addresses, table)
     triton_layer.prepare(dev)
     sync = triton_layer._sync[triton_layer._device(dev)]
-    xs = x.reshape(rows, h).clone()  # the residual stream, updated in place
+    xs = x.reshape(rows, h).clone(memory_format=torch.contiguous_format)  # the residual stream, updated in place
 
     def buffer(*shape: int, fp32: bool = False) -> torch.Tensor:
         return torch.empty(shape, device=dev, dtype=torch.float32 if fp32 else x.dtype)
@@ -368,6 +378,6 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
         down_part, y, sync, n, seq_len, len(layers), cos.stride(0), sin.stride(0), cfg.rms_norm_eps,
         1.0 if scale is None else scale, d ** -0.5,
         H=h, NQKV=nqkv, HQ=hq, GROUP=hq // hk, HALF=d // 2, F=f, HAS_SCALE=scale is not None, ROPE=rope is not None,
-        BM=max(32, 1 << (rows - 1).bit_length()), BLOCK_H=1 << (h - 1).bit_length(), BLOCK_L=16, BN=BN, KC=KC,
+        BM=32, BLOCK_H=1 << (h - 1).bit_length(), BLOCK_L=16, BN=BN, KC=KC,
         GROUP_CHUNKS=GROUP_CHUNKS, SPLITS=SPLITS, num_warps=4)
     return y.view(n, seq_len, h)

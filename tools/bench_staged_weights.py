@@ -36,10 +36,10 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # the experimental stack kernel's building blocks: its weight copies, projections and grid barrier
-from engine.gluon_layer import BN, GROUP_CHUNKS, KC, _issue, _project, _store_tile, _sync  # noqa: E402
+from engine.gluon_layer import BN, GROUP_CHUNKS, KC, SPLITS, _issue, _project, _store_tile, _sync  # noqa: E402
 
 BM = 32  # activation rows (22 padded)
-H, QKV, F, SPLITS = 1024, 2560, 4096, 4  # the DiT's shapes (VoxCPM2)
+H, QKV, F = 1024, 2560, 4096  # the DiT's shapes (VoxCPM2), split SPLITS ways along K for o and down
 # per phase: (weight rows, weight K, units, chunks per unit, commit groups per unit, gated)
 VARIANTS = ((0, 0), (1, 0), (0, 1), (1, 1))  # (staged, light phases)
 PHASES = ((QKV, H, QKV // BN, H // KC, 4, False), (H, 2 * H, H // BN * SPLITS, 2 * H // SPLITS // KC, 2, False),
@@ -61,9 +61,9 @@ def _light_phase(src_ptr, dst_ptr, sync_ptr, target, pid, UNITS: gl.constexpr, H
 @gluon.jit
 def _compute(buf, act_ptr, out_ptr, unit, UNITS: gl.constexpr, K: gl.constexpr, NCH: gl.constexpr,
              NEWER: gl.constexpr, SPLIT: gl.constexpr, GATED: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr,
-             KC: gl.constexpr, GROUP_CHUNKS: gl.constexpr):
+             KC: gl.constexpr, GROUP_CHUNKS: gl.constexpr, SPLITS: gl.constexpr):
     # the unit's product (gate + up where gated) as fp32 (BM, BN) at out_ptr + unit * BN * BM
-    acc, acc_up = _project(buf, act_ptr, unit, BM, K, NCH, NEWER, SPLIT, GATED, BN, BM, KC, GROUP_CHUNKS)
+    acc, acc_up = _project(buf, act_ptr, unit, BM, K, NCH, NEWER, SPLIT, GATED, BN, BM, KC, GROUP_CHUNKS, SPLITS)
     if unit < UNITS:
         _store_tile(out_ptr + unit * BN * BM, acc + acc_up, BM, BN, 0, BN, BM)
 
@@ -71,7 +71,7 @@ def _compute(buf, act_ptr, out_ptr, unit, UNITS: gl.constexpr, K: gl.constexpr, 
 @gluon.jit
 def _chain_kernel(w0, w1, w2, w3, a0, a1, a2, a3, out_ptr, light_ptr, sync_ptr, layers, STAGED: gl.constexpr,
                   LIGHT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, KC: gl.constexpr,
-                  GROUP_CHUNKS: gl.constexpr):
+                  GROUP_CHUNKS: gl.constexpr, SPLITS: gl.constexpr):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     smem_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
@@ -107,8 +107,8 @@ def _chain_kernel(w0, w1, w2, w3, a0, a1, a2, a3, out_ptr, light_ptr, sync_ptr, 
     out2 = out1 + U1 * BN * BM
     out3 = out2 + U2 * BN * BM
     if STAGED:
-        _issue(buf_a, w0, pid, True, U0, R0, K0, C0, False, False, BN, KC, GROUP_CHUNKS)
-        _issue(buf_b, w1, pid, True, U1, R1, K1, C1, True, False, BN, KC, GROUP_CHUNKS)
+        _issue(buf_a, w0, pid, True, U0, R0, K0, C0, False, False, BN, KC, GROUP_CHUNKS, SPLITS)
+        _issue(buf_b, w1, pid, True, U1, R1, K1, C1, True, False, BN, KC, GROUP_CHUNKS, SPLITS)
     bar = 0
     for layer in range(layers):
         nxt = (layer + 1) % layers  # the last layer issues the first's again: the group counts stay static
@@ -118,41 +118,42 @@ def _chain_kernel(w0, w1, w2, w3, a0, a1, a2, a3, out_ptr, light_ptr, sync_ptr, 
         bar += 1
         _sync(sync_ptr, bar * nprog)
         if not STAGED:
-            _issue(buf_a, w0 + layer * S0, pid, True, U0, R0, K0, C0, False, False, BN, KC, GROUP_CHUNKS)
-        _compute(buf_a, a0, out_ptr, pid, U0, K0, C0, G1 if STAGED else 0, False, False, BN, BM, KC, GROUP_CHUNKS)
+            _issue(buf_a, w0 + layer * S0, pid, True, U0, R0, K0, C0, False, False, BN, KC, GROUP_CHUNKS, SPLITS)
+        _compute(buf_a, a0, out_ptr, pid, U0, K0, C0, G1 if STAGED else 0, False, False, BN, BM, KC, GROUP_CHUNKS,
+                 SPLITS)
         if STAGED:  # every warp done reading the buffer before it is overwritten
             gl.thread_barrier()
-            _issue(buf_a, w2 + layer * S2, pid, True, U2, R2, K2, C2, False, True, BN, KC, GROUP_CHUNKS)
+            _issue(buf_a, w2 + layer * S2, pid, True, U2, R2, K2, C2, False, True, BN, KC, GROUP_CHUNKS, SPLITS)
         if LIGHT:  # the attention (a program per sequence and head)
             bar += 1
             _light_phase(light_ptr, light_ptr + 32 * 1024, sync_ptr, bar * nprog, pid, 32, 1024)
         bar += 1
         _sync(sync_ptr, bar * nprog)
         if not STAGED:
-            _issue(buf_b, w1 + layer * S1, pid, True, U1, R1, K1, C1, True, False, BN, KC, GROUP_CHUNKS)
-        _compute(buf_b, a1, out1, pid, U1, K1, C1, G2 if STAGED else 0, True, False, BN, BM, KC, GROUP_CHUNKS)
+            _issue(buf_b, w1 + layer * S1, pid, True, U1, R1, K1, C1, True, False, BN, KC, GROUP_CHUNKS, SPLITS)
+        _compute(buf_b, a1, out1, pid, U1, K1, C1, G2 if STAGED else 0, True, False, BN, BM, KC, GROUP_CHUNKS, SPLITS)
         if STAGED:  # every warp done reading the buffer before it is overwritten
             gl.thread_barrier()
-            _issue(buf_b, w3 + layer * S3, pid, True, U3, R3, K3, C3, True, False, BN, KC, GROUP_CHUNKS)
+            _issue(buf_b, w3 + layer * S3, pid, True, U3, R3, K3, C3, True, False, BN, KC, GROUP_CHUNKS, SPLITS)
         if LIGHT:  # the post-attention norm
             bar += 1
             _light_phase(light_ptr, light_ptr + 32 * 1024, sync_ptr, bar * nprog, pid, 22, 1024)
         bar += 1
         _sync(sync_ptr, bar * nprog)
         if not STAGED:
-            _issue(buf_a, w2 + layer * S2, pid, True, U2, R2, K2, C2, False, True, BN, KC, GROUP_CHUNKS)
-        _compute(buf_a, a2, out2, pid, U2, K2, C2, G3 if STAGED else 0, False, True, BN, BM, KC, GROUP_CHUNKS)
+            _issue(buf_a, w2 + layer * S2, pid, True, U2, R2, K2, C2, False, True, BN, KC, GROUP_CHUNKS, SPLITS)
+        _compute(buf_a, a2, out2, pid, U2, K2, C2, G3 if STAGED else 0, False, True, BN, BM, KC, GROUP_CHUNKS, SPLITS)
         if STAGED:  # every warp done reading the buffer before it is overwritten
             gl.thread_barrier()
-            _issue(buf_a, w0 + nxt * S0, pid, True, U0, R0, K0, C0, False, False, BN, KC, GROUP_CHUNKS)
+            _issue(buf_a, w0 + nxt * S0, pid, True, U0, R0, K0, C0, False, False, BN, KC, GROUP_CHUNKS, SPLITS)
         bar += 1
         _sync(sync_ptr, bar * nprog)
         if not STAGED:
-            _issue(buf_b, w3 + layer * S3, pid, True, U3, R3, K3, C3, True, False, BN, KC, GROUP_CHUNKS)
-        _compute(buf_b, a3, out3, pid, U3, K3, C3, G0 if STAGED else 0, True, False, BN, BM, KC, GROUP_CHUNKS)
+            _issue(buf_b, w3 + layer * S3, pid, True, U3, R3, K3, C3, True, False, BN, KC, GROUP_CHUNKS, SPLITS)
+        _compute(buf_b, a3, out3, pid, U3, K3, C3, G0 if STAGED else 0, True, False, BN, BM, KC, GROUP_CHUNKS, SPLITS)
         if STAGED:  # every warp done reading the buffer before it is overwritten
             gl.thread_barrier()
-            _issue(buf_b, w1 + nxt * S1, pid, True, U1, R1, K1, C1, True, False, BN, KC, GROUP_CHUNKS)
+            _issue(buf_b, w1 + nxt * S1, pid, True, U1, R1, K1, C1, True, False, BN, KC, GROUP_CHUNKS, SPLITS)
     async_copy.wait_group(0)
     # the last program out resets the barrier counter for the next launch
     if gl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
@@ -171,7 +172,7 @@ def compile_only() -> dict[tuple[int, int], tuple[int, int, int]]:
                else "*i32" if n == "sync_ptr" else "i32" if n == "layers" else "constexpr") for n in names}
     for staged, light in VARIANTS:
         constexprs = {(names.index(k),): v for k, v in dict(STAGED=staged, LIGHT=light, BN=BN, BM=BM, KC=KC,
-                                                                   GROUP_CHUNKS=GROUP_CHUNKS).items()}
+                                                                   GROUP_CHUNKS=GROUP_CHUNKS, SPLITS=SPLITS).items()}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
         t0 = time.perf_counter()
         kernel = triton.compile(GluonASTSource(_chain_kernel, sig, constexprs, attrs),
@@ -217,7 +218,8 @@ def main() -> None:
     for staged, with_light in VARIANTS:
         def run(staged: int = staged, with_light: int = with_light) -> None:
             _chain_kernel[(sms,)](*weights, *acts, out, light, sync, a.layers, STAGED=staged, LIGHT=with_light,
-                                  BN=BN, BM=BM, KC=KC, GROUP_CHUNKS=GROUP_CHUNKS, num_warps=4)
+                                  BN=BN, BM=BM, KC=KC, GROUP_CHUNKS=GROUP_CHUNKS, SPLITS=SPLITS,
+                                  num_warps=4)
         run()
         torch.cuda.synchronize()
         outputs[(staged, with_light)] = out.clone()
