@@ -138,7 +138,7 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, scale: torch.Tensor | None = Non
 
 
 def depthwise_conv_supported(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor,
-                             bias: torch.Tensor | None, dilation: int) -> bool:
+                             bias: torch.Tensor | None, dilation: int, slots: torch.Tensor | None = None) -> bool:
     """Whether `causal_depthwise_conv` runs its kernel for these arguments."""
     if not (kernels(x) and x.dim() == 3 and weight.dim() == 3):
         return False
@@ -146,15 +146,21 @@ def depthwise_conv_supported(x: torch.Tensor, state: torch.Tensor | None, weight
     pad = (weight.shape[-1] - 1) * dilation
     if weight.shape[:2] != (c, 1) or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         return False
+    if slots is not None:  # state: every slot's context, updated in place at rows `slots`
+        return (state is not None and state.dim() == 3 and state.shape[1:] == (c, pad) and state.dtype == x.dtype
+                and slots.shape == (b,) and not slots.is_floating_point() and slots.device == x.device)
     return state is None or (state.shape == (b, c, pad) and state.dtype == x.dtype)
 
 
 def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
-                          dilation: int, out_alpha: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          dilation: int, out_alpha: torch.Tensor | None = None,
+                          slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A residual unit's cat(carried context, x) -> dilated depthwise causal conv (stride 1) [-> Snake with
     `out_alpha`] as one kernel: (output, new context). state (B, C, (K - 1) * dilation) or None for a
-    full-sequence pass. Only where `depthwise_conv_supported` (the caller checks, before its Snake)."""
-    return triton_kernels.causal_depthwise_conv(x, state, weight, bias, dilation, out_alpha)
+    full-sequence pass; with `slots` (B,), state holds every slot's context, rows slots[b] are read and replaced
+    in place (the new context returned is state itself). Only where `depthwise_conv_supported` (the caller checks,
+    before its Snake)."""
+    return triton_kernels.causal_depthwise_conv(x, state, weight, bias, dilation, out_alpha, slots)
 
 
 def causal_conv_transpose(x: torch.Tensor, state: torch.Tensor | None, weight_taps: torch.Tensor,

@@ -29,6 +29,7 @@ from engine import fused, triton_layer
 from engine.attention import AttentionMetadata, PagedKVCache, select_backend
 from engine.block_manager import BlockManager
 from engine.checkpoint import LoadedModel
+from engine.models.audio_vae import SlotStates
 from engine.models.minicpm import fuse_projections
 from engine.sequence import Sequence, Status
 
@@ -447,11 +448,9 @@ class ModelRunner:
         return patches.to(vae_dtype).flatten(1, 2).transpose(1, 2)
 
     def _decode_audio(self, index: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-        """Streaming VAE decode of new latents for the streams in `index`; their states move on."""
-        states = [buf[index] for buf in self.vae_states]
-        audio = self.model.vae.decoder(latents, self.vae_sr_idx, states)
-        for buf, state in zip(self.vae_states, states, strict=True):
-            buf[index] = state
+        """Streaming VAE decode of new latents for the streams in `index`; their states move on (read and replaced
+        at their slots' rows of the state buffers, in place where a kernel can)."""
+        audio = self.model.vae.decoder(latents, self.vae_sr_idx, SlotStates(self.vae_states, index))
         return audio.flatten(1)
 
     def _decode_forward(self, batch: int, width: int, vae: bool = True) -> None:

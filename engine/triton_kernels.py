@@ -250,14 +250,16 @@ if HAVE_TRITON:
         return v
 
     @triton.jit
-    def _dwconv_kernel(x_ptr, state_ptr, w_ptr, bias_ptr, alpha_ptr, y_ptr, new_state_ptr, channels, length,
-                       pad, dilation, stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
-                       K: tl.constexpr, HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_SNAKE: tl.constexpr,
-                       FAST_SIN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+    def _dwconv_kernel(x_ptr, state_ptr, slot_ptr, w_ptr, bias_ptr, alpha_ptr, y_ptr, new_state_ptr, channels,
+                       length, pad, dilation, stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
+                       K: tl.constexpr, HAS_STATE: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       OUT_SNAKE: tl.constexpr, FAST_SIN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+        # HAS_SLOTS: state holds every slot's context; row b's is slot_ptr[b]'s, replaced in place at the end
         bc = tl.program_id(0).to(tl.int64)
         b, c = bc // channels, bc % channels
         x_row = x_ptr + b * stride_xb + c * stride_xc
-        s_row = state_ptr + b * stride_sb + c * stride_sc
+        s_b = tl.load(slot_ptr + b).to(tl.int64) if HAS_SLOTS else b
+        s_row = state_ptr + s_b * stride_sb + c * stride_sc
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = t < length
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -274,7 +276,11 @@ if HAVE_TRITON:
             i = tl.arange(0, BLOCK_P)
             pmask = i < pad
             tail = _cat_load(x_row, s_row, length + i, pmask, pad, stride_xt, stride_st, HAS_STATE)
-            tl.store(new_state_ptr + bc * pad + i, tail.to(new_state_ptr.dtype.element_ty), mask=pmask)
+            if HAS_SLOTS:  # in place: only this program reads the old context (one time block, or blocks >= pad)
+                tl.debug_barrier()  # every thread of the program is done reading it
+                tl.store(s_row + i * stride_st, tail.to(state_ptr.dtype.element_ty), mask=pmask)
+            else:
+                tl.store(new_state_ptr + bc * pad + i, tail.to(new_state_ptr.dtype.element_ty), mask=pmask)
 
 
     @triton.jit
@@ -597,26 +603,31 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, scale: torch.Tensor | None = Non
 
 
 def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
-                          dilation: int, out_alpha: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          dilation: int, out_alpha: torch.Tensor | None = None,
+                          slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The carried context `state` (B, C, P) prepended to x (None: zeros), then the depthwise conv with weight
     (C, 1, K), P = (K - 1) * dilation -> (y (B, C, T), the new context (B, C, P)), both contiguous in x's
     dtype; with `out_alpha` (1, C, 1), y is Snake of the conv's output. x and state may have any strides.
-    No copy of the concatenation is made."""
+    No copy of the concatenation is made. With `slots` (B,): state is (slots, C, P), row b's context is
+    state[slots[b]], and it is replaced there in place (returned: state)."""
     b, c, t = x.shape
     k = weight.shape[-1]
     pad = (k - 1) * dilation
     y = torch.empty((b, c, t), dtype=x.dtype, device=x.device)
-    new_state = torch.empty((b, c, pad), dtype=x.dtype, device=x.device)
+    in_place = slots is not None and state is not None
+    new_state = state if in_place else torch.empty((b, c, pad), dtype=x.dtype, device=x.device)
     if b and c:
         block = _time_block(t)
+        # in place, only the first time block may read the old context: it must cover it, or be the only block
+        assert not in_place or block >= pad or triton.cdiv(t, block) == 1, (t, block, pad)
         s = state if state is not None else x
         w = weight.reshape(c, k).contiguous()
         _dwconv_kernel[(b * c, max(1, triton.cdiv(t, block)))](
-            x, s, w, bias if bias is not None else w, out_alpha.reshape(-1) if out_alpha is not None else w, y,
-            new_state, c, t, pad, dilation, x.stride(0), x.stride(1), x.stride(2),
-            s.stride(0) if state is not None else 0, s.stride(1) if state is not None else 0,
-            s.stride(2) if state is not None else 0, K=k, HAS_STATE=state is not None, HAS_BIAS=bias is not None,
-            OUT_SNAKE=out_alpha is not None, FAST_SIN=fast_sin(), BLOCK=block,
+            x, s, slots if in_place else w, w, bias if bias is not None else w,
+            out_alpha.reshape(-1) if out_alpha is not None else w, y, new_state, c, t, pad, dilation, x.stride(0),
+            x.stride(1), x.stride(2), s.stride(0) if state is not None else 0, s.stride(1) if state is not None else 0,
+            s.stride(2) if state is not None else 0, K=k, HAS_STATE=state is not None, HAS_SLOTS=in_place,
+            HAS_BIAS=bias is not None, OUT_SNAKE=out_alpha is not None, FAST_SIN=fast_sin(), BLOCK=block,
             BLOCK_P=triton.next_power_of_2(max(pad, 1)), num_warps=4)
     return y, new_state
 

@@ -153,6 +153,14 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             s_ref = y_ref + (alpha + 1e-9).reciprocal() * torch.sin(alpha * y_ref).pow(2)  # Snake after the conv
             y, new_state = triton_kernels.causal_depthwise_conv(x, state, weight, bias, dilation, alpha)
             errs += [relative_error(y, s_ref), relative_error(new_state, xcat[..., length:])]
+            if streaming:  # the contexts in per-slot buffers (rows 3 and 0 of 4), read and replaced in place
+                slots = torch.tensor([3, 0], device=device)
+                buffers = rand(4, channels, pad, dtype=dtype, seed=70 + seed)
+                buffers[slots] = state
+                untouched = buffers[1:3].clone()
+                y, returned = triton_kernels.causal_depthwise_conv(x, buffers, weight, bias, dilation, alpha, slots)
+                assert returned is buffers and torch.equal(buffers[1:3], untouched), "rows of other slots changed"
+                errs += [relative_error(y, s_ref), relative_error(buffers[slots], xcat[..., length:])]
         return max(errs)
 
     def residual_unit(dtype: torch.dtype) -> float:
@@ -220,7 +228,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
     def vae_decoder(dtype: torch.dtype) -> float:
         """The streaming VAE decoder's kernel path (biases and the sample-rate condition carried into the next
         Snake kernel) against its layers one by one, over three streamed chunks."""
-        from engine.models.audio_vae import AudioVAE, AudioVAEConfig, Decoder
+        from engine.models.audio_vae import AudioVAE, AudioVAEConfig, Decoder, SlotStates
 
         torch.manual_seed(90)
         cfg = AudioVAEConfig.from_dict({"encoder_dim": 4, "encoder_rates": [2, 2], "latent_dim": 8, "decoder_dim": 32,
@@ -236,6 +244,9 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             for upsampler in ("cudnn", "gemm"):
                 with torch.no_grad(), mock.patch.object(fused, "VAE_UPSAMPLER", upsampler):
                     ref, ours = vae.streaming_decoder(2), vae.streaming_decoder(2)
+                    # and as the runner keeps them: every slot's state in buffers, the two streams at slots 2 and 0
+                    slots = torch.tensor([2, 0], device=device)
+                    buffers = [torch.zeros(3, *state.shape[1:], device=device, dtype=dtype) for state in ours.states]
                     with mock.patch.object(Decoder, "_forward_deferred", wraps=vae.decoder._forward_deferred) as spy:
                         for seed, n in enumerate((1, 3, 2)):
                             z = rand(2, 8, n, dtype=dtype, seed=91 + seed)
@@ -243,8 +254,12 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                                 expected = ref.decode_chunk(z)
                             with mock.patch.object(fused, "kernels", triton_kernels.usable):
                                 errs.append(relative_error(ours.decode_chunk(z), expected))
+                                in_slots = vae.decoder(z, ours.sr_idx, SlotStates(buffers, slots))
+                            errs.append(relative_error(in_slots, expected))
                             errs += [relative_error(a, b) for a, b in zip(ours.states, ref.states, strict=True)]
-                    assert spy.call_count == 3, "the decoder did not take its kernel path"
+                            errs += [relative_error(buf[slots], b) for buf, b in zip(buffers, ref.states, strict=True)]
+                            assert all(not buf[1].any() for buf in buffers), "a third slot's state changed"
+                    assert spy.call_count == 6, "the decoder did not take its kernel path"
         return max(errs)
 
     def cfg_euler(dtype: torch.dtype) -> float:

@@ -27,10 +27,27 @@ from engine import fused
 from engine.fused import snake
 from engine.models.minicpm import embedding
 
+
+class SlotStates:
+    """A batch's stream states kept in per-slot buffers: buffers[i] is (slots, channels, context) for stateful layer
+    i, and batch row b's stream is slot index[b]. Layers read and replace a layer's states as with a list (a gather,
+    then a scatter of the new context); the fused depthwise conv reads and writes its buffer in place instead."""
+
+    def __init__(self, buffers: list[Tensor], index: Tensor) -> None:
+        self.buffers, self.index = buffers, index
+
+    def __getitem__(self, i: int) -> Tensor:
+        return self.buffers[i][self.index]
+
+    def __setitem__(self, i: int, value: Tensor) -> None:
+        self.buffers[i][self.index] = value
+
+
 # Stream state: one tensor per stateful decoder layer, indexed by that layer's `state_slot`. Every
 # tensor is [batch, channels, context] with batch first, so several streams can later be decoded
-# together by concatenating / indexing the per-slot tensors along dim 0.
-StreamStates = list[Tensor]
+# together by concatenating / indexing the per-slot tensors along dim 0 (or `SlotStates`: the same, read from and
+# written to per-slot buffers).
+StreamStates = list[Tensor] | SlotStates
 
 
 # --------------------------------------------------------------------------------------------------
@@ -278,12 +295,15 @@ class ResidualUnit(nn.Module):
         unit's input is always an intermediate of the VAE."""
         snake1, conv, snake2, pointwise = self.block
         streaming = states is not None and conv.state_slot is not None
-        state = states[conv.state_slot] if streaming else None
-        if not fused.depthwise_conv_supported(x, state, conv.weight, conv.bias, conv.dilation[0]):
+        # per-slot buffers: the kernel reads and replaces its streams' rows in place (no gather, no scatter)
+        slots = states.index if streaming and isinstance(states, SlotStates) else None
+        state = (states.buffers[conv.state_slot] if slots is not None else states[conv.state_slot]) if streaming \
+            else None
+        if not fused.depthwise_conv_supported(x, state, conv.weight, conv.bias, conv.dilation[0], slots):
             return None
         h, new_state = fused.causal_depthwise_conv(fused.snake(x, snake1.alpha, shift=pending), state, conv.weight,
-                                                   conv.bias, conv.dilation[0], snake2.alpha)
-        if streaming:
+                                                   conv.bias, conv.dilation[0], snake2.alpha, slots)
+        if streaming and slots is None:
             states[conv.state_slot] = new_state
         out = fused.pointwise_conv_residual(h, pointwise.weight, None, x)
         bias = pointwise.bias
