@@ -148,7 +148,8 @@ def depthwise_conv_supported(x: torch.Tensor, state: torch.Tensor | None, weight
         return False
     if slots is not None:  # state: every slot's context, updated in place at rows `slots`
         return (state is not None and state.dim() == 3 and state.shape[1:] == (c, pad) and state.dtype == x.dtype
-                and slots.shape == (b,) and not slots.is_floating_point() and slots.device == x.device)
+                and slots.shape == (b,) and slots.dtype in (torch.int32, torch.int64) and slots.is_contiguous()
+                and slots.device == x.device)
     return state is None or (state.shape == (b, c, pad) and state.dtype == x.dtype)
 
 

@@ -276,7 +276,10 @@ if HAVE_TRITON:
             i = tl.arange(0, BLOCK_P)
             pmask = i < pad
             tail = _cat_load(x_row, s_row, length + i, pmask, pad, stride_xt, stride_st, HAS_STATE)
-            if HAS_SLOTS:  # in place: only this program reads the old context (one time block, or blocks >= pad)
+            # in place: of the programs of this row, only this one reads the old context (one time block, or blocks
+            # >= pad). Rows sharing a slot (the runner's padding rows, all on its scratch slot) race there: harmless,
+            # their outputs are discarded.
+            if HAS_SLOTS:
                 tl.debug_barrier()  # every thread of the program is done reading it
                 tl.store(s_row + i * stride_st, tail.to(state_ptr.dtype.element_ty), mask=pmask)
             else:
@@ -335,13 +338,14 @@ if HAVE_TRITON:
         cfg = tl.load(cfg_ptr + row).to(tl.float32)
         tl.store(o_ptr + row * n + i, _cfg_euler_math(x, vc, vu, cfg, dt, m, o_ptr.dtype.element_ty), mask=m)
 
-    # Integers not specialised (1, multiples of 16): one variant per dtype and shape, whatever the batch.
-    @triton.jit(do_not_specialize=["batch", "lead_len", "hidden", "stride_ln", "stride_lt"])
+    # The batch not specialised (1, multiples of 16): one variant per dtype and model shape, whatever the batch.
+    @triton.jit(do_not_specialize=["batch", "lead_len"])
     def _dit_input_kernel(x_ptr, lead_ptr, w_ptr, b_ptr, seq_ptr, batch, lead_len, hidden, stride_ln, stride_lt,
                           D: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
         """One (sequence, position) row of a DiT evaluation's input, BLOCK_H columns of it: the leading tokens'
-        row, or in_proj of the noisy patch's frame (x of the conditional and the unconditional half alike), its
-        fp32 sum plus the bias rounded once, as the eager linear rounds."""
+        row, or in_proj of the noisy patch's frame (x of the conditional and the unconditional half alike): the
+        product rounded, then the bias added and rounded, as the eager linear of a strided input (a matmul, then
+        the bias add) rounds."""
         row = tl.program_id(0)
         n, t = row // (lead_len + P), row % (lead_len + P)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -353,16 +357,17 @@ if HAVE_TRITON:
             d = tl.arange(0, BLOCK_D)
             xv = tl.load(x_ptr + ((n % batch) * D + d) * P + (t - lead_len), mask=d < D, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + h[:, None] * D + d[None, :], mask=hm[:, None] & (d[None, :] < D), other=0.0)
-            acc = tl.sum(w.to(tl.float32) * xv[None, :], axis=1) + tl.load(b_ptr + h, mask=hm, other=0.0).to(
-                tl.float32)
-            tl.store(out, acc.to(seq_ptr.dtype.element_ty), mask=hm)
+            dtype = seq_ptr.dtype.element_ty
+            acc = tl.sum(w.to(tl.float32) * xv[None, :], axis=1).to(dtype).to(tl.float32)  # the matmul's rounding
+            acc += tl.load(b_ptr + h, mask=hm, other=0.0).to(tl.float32)
+            tl.store(out, acc.to(dtype), mask=hm)
 
-    @triton.jit(do_not_specialize=["batch", "lead_len", "stride_hn", "stride_ht"])
+    @triton.jit(do_not_specialize=["batch", "lead_len"])
     def _dit_output_euler_kernel(h_ptr, w_ptr, b_ptr, x_ptr, cfg_ptr, o_ptr, batch, lead_len, dt, stride_hn,
                                  stride_ht, D: tl.constexpr, P: tl.constexpr, H: tl.constexpr, BLOCK_D: tl.constexpr,
                                  BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """One row b: the conditional and unconditional velocities out_proj(h[b or batch + b, lead_len:]) (rounded
-        as the eager linear rounds), then `cfg_euler_step`'s update of x[b]."""
+        as the eager linear of that strided slice rounds), then `cfg_euler_step`'s update of x[b]."""
         b = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         p = tl.arange(0, BLOCK_P)
@@ -379,8 +384,9 @@ if HAVE_TRITON:
             acc_c = tl.dot(w, tl.load(hc + k0, mask=pm, other=0.0), acc_c, input_precision=DOT_PRECISION)
             acc_u = tl.dot(w, tl.load(hu + k0, mask=pm, other=0.0), acc_u, input_precision=DOT_PRECISION)
         bias = tl.load(b_ptr + d, mask=d < D, other=0.0).to(tl.float32)[:, None]
-        vc = (acc_c + bias).to(dtype).to(tl.float32)
-        vu = (acc_u + bias).to(dtype).to(tl.float32)
+        # the eager linear of a strided input: the matmul rounded, then the bias added and rounded
+        vc = (acc_c.to(dtype).to(tl.float32) + bias).to(dtype).to(tl.float32)
+        vu = (acc_u.to(dtype).to(tl.float32) + bias).to(dtype).to(tl.float32)
         m = (d[:, None] < D) & pm
         offs = b * D * P + d[:, None] * P + p[None, :]
         x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
