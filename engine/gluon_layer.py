@@ -53,6 +53,13 @@ if HAVE_GLUON:
         gl.thread_barrier()
 
     @gluon.jit
+    def _release(sync_ptr, nprog):
+        # after a launch's last barrier: the last program out resets the barrier counters for the next launch
+        if gl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
+            gl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
+            gl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+
+    @gluon.jit
     def _issue(buf, w_ptr, unit, live, UNITS: gl.constexpr, ROWS: gl.constexpr, K: gl.constexpr,
                NCH: gl.constexpr, SPLIT: gl.constexpr, GATED: gl.constexpr, BN: gl.constexpr, KC: gl.constexpr,
                GROUP_CHUNKS: gl.constexpr, SPLITS: gl.constexpr):
@@ -304,10 +311,7 @@ if HAVE_GLUON:
         # the last down projection added, the stack's final norm
         _residual_norm(x_ptr, down_part_ptr, final_norm_ptr, y_ptr, rows, True, eps, scale, pid, nprog, H, SPLITS,
                        HAS_SCALE, BLOCK_H)
-        # the last program out resets the barrier counter for the next launch
-        if gl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
-            gl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
-            gl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+        _release(sync_ptr, nprog)
 
 
 # per stack: (its weights' addresses, their offsets from the first q/k/v weight); rebuilt when a weight moves

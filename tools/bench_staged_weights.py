@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # the experimental stack kernel's building blocks: its weight copies, projections and grid barrier
-from engine.gluon_layer import BN, GROUP_CHUNKS, KC, SPLITS, _issue, _project, _store_tile, _sync  # noqa: E402
+from engine.gluon_layer import BN, GROUP_CHUNKS, KC, SPLITS, _issue, _project, _release, _store_tile, _sync  # noqa: E402
 
 BM = 32  # activation rows (22 padded)
 H, QKV, F = 1024, 2560, 4096  # the DiT's shapes (VoxCPM2), split SPLITS ways along K for o and down
@@ -66,6 +66,32 @@ def _compute(buf, act_ptr, out_ptr, unit, UNITS: gl.constexpr, K: gl.constexpr, 
     acc, acc_up = _project(buf, act_ptr, unit, BM, K, NCH, NEWER, SPLIT, GATED, BN, BM, KC, GROUP_CHUNKS, SPLITS)
     if unit < UNITS:
         _store_tile(out_ptr + unit * BN * BM, acc + acc_up, BM, BN, 0, BN, BM)
+
+
+@gluon.jit
+def _phase(buf, w_ptr, a_ptr, out_ptr, w_later_ptr, light_ptr, sync_ptr, bar, pid, nprog, U: gl.constexpr,
+           R: gl.constexpr, K: gl.constexpr, C: gl.constexpr, SPLIT: gl.constexpr, GATED: gl.constexpr,
+           U_LATER: gl.constexpr, R_LATER: gl.constexpr, K_LATER: gl.constexpr, C_LATER: gl.constexpr,
+           SPLIT_LATER: gl.constexpr, GATED_LATER: gl.constexpr, NEWER: gl.constexpr, LIGHT_UNITS: gl.constexpr,
+           STAGED: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, KC: gl.constexpr, GROUP_CHUNKS: gl.constexpr,
+           SPLITS: gl.constexpr):
+    # One projection phase (after a light phase with LIGHT_UNITS > 0), barriers counted on from `bar` (returned).
+    # Not staged: its weights (w) copied after the barrier. Staged: they were issued two phases earlier, NEWER groups
+    # have been committed since, and the buffer takes the weights two phases on (w_later) once this phase is done.
+    if LIGHT_UNITS > 0:
+        bar += 1
+        _light_phase(light_ptr, light_ptr + 32 * 1024, sync_ptr, bar * nprog, pid, LIGHT_UNITS, 1024)
+    bar += 1
+    _sync(sync_ptr, bar * nprog)
+    if not STAGED:
+        _issue(buf, w_ptr, pid, True, U, R, K, C, SPLIT, GATED, BN, KC, GROUP_CHUNKS, SPLITS)
+    _compute(buf, a_ptr, out_ptr, pid, U, K, C, NEWER if STAGED else 0, SPLIT, GATED, BN, BM, KC, GROUP_CHUNKS,
+             SPLITS)
+    if STAGED:  # every warp done reading the buffer before it is overwritten
+        gl.thread_barrier()
+        _issue(buf, w_later_ptr, pid, True, U_LATER, R_LATER, K_LATER, C_LATER, SPLIT_LATER, GATED_LATER, BN, KC,
+               GROUP_CHUNKS, SPLITS)
+    return bar
 
 
 @gluon.jit
@@ -112,53 +138,22 @@ def _chain_kernel(w0, w1, w2, w3, a0, a1, a2, a3, out_ptr, light_ptr, sync_ptr, 
     bar = 0
     for layer in range(layers):
         nxt = (layer + 1) % layers  # the last layer issues the first's again: the group counts stay static
-        if LIGHT:  # the input norm
-            bar += 1
-            _light_phase(light_ptr, light_ptr + 32 * 1024, sync_ptr, bar * nprog, pid, 22, 1024)
-        bar += 1
-        _sync(sync_ptr, bar * nprog)
-        if not STAGED:
-            _issue(buf_a, w0 + layer * S0, pid, True, U0, R0, K0, C0, False, False, BN, KC, GROUP_CHUNKS, SPLITS)
-        _compute(buf_a, a0, out_ptr, pid, U0, K0, C0, G1 if STAGED else 0, False, False, BN, BM, KC, GROUP_CHUNKS,
-                 SPLITS)
-        if STAGED:  # every warp done reading the buffer before it is overwritten
-            gl.thread_barrier()
-            _issue(buf_a, w2 + layer * S2, pid, True, U2, R2, K2, C2, False, True, BN, KC, GROUP_CHUNKS, SPLITS)
-        if LIGHT:  # the attention (a program per sequence and head)
-            bar += 1
-            _light_phase(light_ptr, light_ptr + 32 * 1024, sync_ptr, bar * nprog, pid, 32, 1024)
-        bar += 1
-        _sync(sync_ptr, bar * nprog)
-        if not STAGED:
-            _issue(buf_b, w1 + layer * S1, pid, True, U1, R1, K1, C1, True, False, BN, KC, GROUP_CHUNKS, SPLITS)
-        _compute(buf_b, a1, out1, pid, U1, K1, C1, G2 if STAGED else 0, True, False, BN, BM, KC, GROUP_CHUNKS, SPLITS)
-        if STAGED:  # every warp done reading the buffer before it is overwritten
-            gl.thread_barrier()
-            _issue(buf_b, w3 + layer * S3, pid, True, U3, R3, K3, C3, True, False, BN, KC, GROUP_CHUNKS, SPLITS)
-        if LIGHT:  # the post-attention norm
-            bar += 1
-            _light_phase(light_ptr, light_ptr + 32 * 1024, sync_ptr, bar * nprog, pid, 22, 1024)
-        bar += 1
-        _sync(sync_ptr, bar * nprog)
-        if not STAGED:
-            _issue(buf_a, w2 + layer * S2, pid, True, U2, R2, K2, C2, False, True, BN, KC, GROUP_CHUNKS, SPLITS)
-        _compute(buf_a, a2, out2, pid, U2, K2, C2, G3 if STAGED else 0, False, True, BN, BM, KC, GROUP_CHUNKS, SPLITS)
-        if STAGED:  # every warp done reading the buffer before it is overwritten
-            gl.thread_barrier()
-            _issue(buf_a, w0 + nxt * S0, pid, True, U0, R0, K0, C0, False, False, BN, KC, GROUP_CHUNKS, SPLITS)
-        bar += 1
-        _sync(sync_ptr, bar * nprog)
-        if not STAGED:
-            _issue(buf_b, w3 + layer * S3, pid, True, U3, R3, K3, C3, True, False, BN, KC, GROUP_CHUNKS, SPLITS)
-        _compute(buf_b, a3, out3, pid, U3, K3, C3, G0 if STAGED else 0, True, False, BN, BM, KC, GROUP_CHUNKS, SPLITS)
-        if STAGED:  # every warp done reading the buffer before it is overwritten
-            gl.thread_barrier()
-            _issue(buf_b, w1 + nxt * S1, pid, True, U1, R1, K1, C1, True, False, BN, KC, GROUP_CHUNKS, SPLITS)
+        # q/k/v after the input norm, then o after the attention, gate/up after the norm, down (light: the three
+        # weightless phases' stand-ins, 22 rows or 32 (sequence, head) pairs)
+        bar = _phase(buf_a, w0 + layer * S0, a0, out_ptr, w2 + layer * S2, light_ptr, sync_ptr, bar, pid, nprog,
+                     U0, R0, K0, C0, False, False, U2, R2, K2, C2, False, True, G1, 22 * LIGHT, STAGED, BN, BM, KC,
+                     GROUP_CHUNKS, SPLITS)
+        bar = _phase(buf_b, w1 + layer * S1, a1, out1, w3 + layer * S3, light_ptr, sync_ptr, bar, pid, nprog,
+                     U1, R1, K1, C1, True, False, U3, R3, K3, C3, True, False, G2, 32 * LIGHT, STAGED, BN, BM, KC,
+                     GROUP_CHUNKS, SPLITS)
+        bar = _phase(buf_a, w2 + layer * S2, a2, out2, w0 + nxt * S0, light_ptr, sync_ptr, bar, pid, nprog,
+                     U2, R2, K2, C2, False, True, U0, R0, K0, C0, False, False, G3, 22 * LIGHT, STAGED, BN, BM, KC,
+                     GROUP_CHUNKS, SPLITS)
+        bar = _phase(buf_b, w3 + layer * S3, a3, out3, w1 + nxt * S1, light_ptr, sync_ptr, bar, pid, nprog,
+                     U3, R3, K3, C3, True, False, U1, R1, K1, C1, True, False, G0, 0, STAGED, BN, BM, KC,
+                     GROUP_CHUNKS, SPLITS)
     async_copy.wait_group(0)
-    # the last program out resets the barrier counter for the next launch
-    if gl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
-        gl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
-        gl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+    _release(sync_ptr, nprog)
 
 
 def compile_only() -> dict[tuple[int, int], tuple[int, int, int]]:

@@ -295,10 +295,11 @@ class ResidualUnit(nn.Module):
         unit's input is always an intermediate of the VAE."""
         snake1, conv, snake2, pointwise = self.block
         streaming = states is not None and conv.state_slot is not None
-        # per-slot buffers: the kernel reads and replaces its streams' rows in place (no gather, no scatter)
-        slots = states.index if streaming and isinstance(states, SlotStates) else None
-        state = (states.buffers[conv.state_slot] if slots is not None else states[conv.state_slot]) if streaming \
-            else None
+        slots, state = None, None
+        if streaming and isinstance(states, SlotStates):  # the kernel reads and replaces the slots' rows in place
+            slots, state = states.index, states.buffers[conv.state_slot]
+        elif streaming:
+            state = states[conv.state_slot]
         if not fused.depthwise_conv_supported(x, state, conv.weight, conv.bias, conv.dilation[0], slots):
             return None
         h, new_state = fused.causal_depthwise_conv(fused.snake(x, snake1.alpha, shift=pending), state, conv.weight,
