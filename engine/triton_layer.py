@@ -223,11 +223,9 @@ if HAVE_TRITON:
 MAX_ROWS = min(64, int(os.environ.get("VOXCPM_LAYER_MAX_ROWS", "64")))  # more: tiles past the SM's resources
 # VOXCPM_LAYER_KERNEL: "fused" (default) one launch per layer with grid barriers; "phases" a launch per phase (same
 # arithmetic, for comparison); "off" the layer's separate kernels.
-# "gluon": EXPERIMENTAL, the whole stack as one Gluon kernel with its weights staged in shared memory
-# (`engine.gluon_layer`, sm_90+, where it applies; this module's fused kernel elsewhere), not yet run on a GPU.
 MODE = os.environ.get("VOXCPM_LAYER_KERNEL", "fused")
-if MODE not in ("fused", "phases", "off", "gluon"):
-    raise ValueError(f"VOXCPM_LAYER_KERNEL={MODE!r}: use 'fused' (default), 'phases', 'off' or 'gluon'")
+if MODE not in ("fused", "phases", "off"):
+    raise ValueError(f"VOXCPM_LAYER_KERNEL={MODE!r}: use 'fused' (default), 'phases' or 'off'")
 # Output columns per unit (VOXCPM_LAYER_BLOCK_N). Every unit reads all the rows' activations along its K range from
 # L2, so wider units read them fewer times over; narrower ones make more units. DiT B=1 on an H100 (tools/
 # bench_kernels.py --only layer, best launch of each): 16 columns 31.65 us per layer, 32: 30.05, 64: 31.07.
@@ -340,7 +338,7 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
     nqkv = (hq + 2 * hk) * d
     sms = _sms(dev)
     o_splits, down_splits, block_k = _plan(cfg, sms * LAUNCH[3])
-    fused_launch = MODE in ("fused", "gluon") and not _is_interpreted()
+    fused_launch = MODE == "fused" and not _is_interpreted()
     x = x.reshape(rows, h).contiguous()
 
     def buffer(*shape: int, fp32: bool = False) -> torch.Tensor:

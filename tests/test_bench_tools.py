@@ -227,17 +227,3 @@ def test_tune_coalesce_runs_each_window_against_its_own_service(checkpoint_facto
         assert len(rows) == 1 and rows[0]["failed"] == 0 and rows[0]["requests"] == rows[0]["arrivals"] >= 1
         log = (tmp_path / w["service_log"]).read_text()
         assert w["open_loop"]["service"]["queue_coalesce_ms"] == w["window_ms"], log[-2000:]
-
-
-def test_staged_weights_benchmark_compiles_for_hopper(tmp_path, monkeypatch):
-    """tools/bench_staged_weights.py (Gluon; it runs on a GPU only) compiles its four variants for sm_90 here: the
-    staged ones issue more cp.async (the next phase's weights, and the first layer's again at the end) with the
-    same MMAs, all within an H100's shared memory."""
-    pytest.importorskip("triton.experimental.gluon")
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    compiled = tool("staged_weights").compile_only()
-    assert set(compiled) == {(0, 0), (1, 0), (0, 1), (1, 1)}
-    for light in (0, 1):
-        (shared0, copies0, mma0), (shared1, copies1, mma1) = compiled[(0, light)], compiled[(1, light)]
-        assert mma0 == mma1 > 0 and copies1 > copies0 > 0
-        assert shared0 == shared1 <= 227 * 1024

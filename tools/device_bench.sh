@@ -8,7 +8,6 @@
 #
 # Each device command may run 10 minutes, so pick parts per call with PARTS (default "check ours nano"):
 #   PARTS="test check" bash tools/device_bench.sh      # the CUDA tests (~2-4 min, mostly JIT), then gpu_check
-#   PARTS="gluon" bash tools/device_bench.sh           # the experimental Gluon staging: benchmark, test, profile
 #   PARTS="profile" BASELINE=old bash tools/device_bench.sh   # step profile, of the tree in old/ too
 #   PARTS="ours nano" bash tools/device_bench.sh       # both benchmarks + comparison
 #   PARTS="nano" CONC=1,8 bash tools/device_bench.sh   # one peer, fewer concurrencies
@@ -27,7 +26,7 @@
 # time limits, seconds; T_TEST for the CUDA tests), BENCH_ARGS (extra flags for both benchmarks), OURS_ARGS / NANO_ARGS (per engine),
 # CHECK_ARGS (extra flags for gpu_check.py), PROFILE_BATCH (1,8,64), BASELINE, T_PROFILE, FRESH_KERNELS (1: our
 # benchmark starts on an empty Triton kernel cache, for the cold start of a fresh machine). Files in $OUT:
-# device_bench.log, gpu_check.json, profile.json, profile_before.json, staged.json, profile_gluon.json, ours.json,
+# device_bench.log, gpu_check.json, profile.json, profile_before.json, ours.json,
 # nano.json, compare.md.
 set -uo pipefail
 
@@ -207,20 +206,8 @@ for part in $PARTS; do
             run_limited "$T_PROFILE" profile python3 tools/profile_step.py --model "$CKPT" --batch "$PROFILE_BATCH" \
                 --kernels --out "$OUT/profile.json" || RC[$part]=$?
             ;;
-        gluon)
-            # The experimental Gluon path: the shared-memory staging micro-benchmark, the stack kernel against the
-            # eager layers, and a step profile with it (VOXCPM_LAYER_KERNEL=gluon).
-            { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
-            RC[$part]=0
-            run_limited 150 staged-weights python3 tools/bench_staged_weights.py --out "$OUT/staged.json" \
-                || RC[$part]=$?
-            run_limited 200 gluon-test python3 -m pytest -p no:cacheprovider -q -k gluon tests/test_triton_kernels.py \
-                || RC[$part]=$?
-            VOXCPM_LAYER_KERNEL=gluon run_limited "$T_PROFILE" profile-gluon python3 tools/profile_step.py \
-                --model "$CKPT" --batch 1,8 --out "$OUT/profile_gluon.json" || RC[$part]=$?
-            ;;
         *)
-            log "unknown part '$part' (known: test check profile gluon ours nano)"
+            log "unknown part '$part' (known: test check profile ours nano)"
             ;;
     esac
 done
