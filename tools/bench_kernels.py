@@ -4,7 +4,10 @@
 - gemm: every bias-free projection of the four transformer stacks (q/k/v, o, gate/up with the SiLU gate, down)
   at few rows, cuBLAS (F.linear, + silu_mul for gate/up) against `skinny_matmul` with its default
   configuration, and a sweep of its tile configurations at the rows of a B=1 step;
-- layer: the DiT's and LocEnc's stacks as separate kernels per layer against the layer kernel (engine/triton_layer.py).
+- layer: the DiT's and LocEnc's stacks as separate kernels per layer against the layer kernel (engine/triton_layer.py);
+- barrier: what one of the layer kernel's grid barriers costs (a grid of one or two programs per SM through 84
+  barriers, with and without a store and a load of another program's data between them), against a kernel boundary
+  in a CUDA graph (84 dependent launches of the same grid).
 (Tried and removed, H100 (docs/benchmarks.md, profile steps 10 and 11): the DiT's GEMM weights read into L2 by a
 side branch while the GEMM before runs, 2-16x slower (d3fa620); programmatic dependent launch of the DiT's kernels,
 with and without an L2 prefetch of each GEMM's weights before it waits, never faster than plain launches (f5283e3);
@@ -30,6 +33,8 @@ from unittest import mock
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from engine import triton_kernels, triton_layer  # noqa: E402
 from engine.config import TransformerConfig, VoxCPMConfig  # noqa: E402
@@ -184,11 +189,61 @@ def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype:
     return out
 
 
+@triton.jit
+def _barrier_chain(sync_ptr, data_ptr, n, EXCHANGE: tl.constexpr):
+    # n grid barriers (the layer kernel's); EXCHANGE: each program stores a line before and reads its neighbour's after
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs = tl.arange(0, 128)
+    acc = tl.zeros((128,), dtype=tl.float32)
+    for i in range(n):
+        if EXCHANGE:
+            tl.store(data_ptr + pid * 128 + offs, acc + i)
+        triton_layer._grid_sync(sync_ptr, (i + 1) * nprog, True)
+        if EXCHANGE:
+            acc += tl.load(data_ptr + ((pid + 1) % nprog) * 128 + offs, cache_modifier=".cg")
+    tl.store(data_ptr + pid * 128 + offs, acc)
+    if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:  # counters reset for the next launch
+        tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _neighbour_step(src_ptr, dst_ptr):
+    # one dependent launch: each program reads its neighbour's line of the previous launch
+    pid = tl.program_id(0)
+    offs = tl.arange(0, 128)
+    x = tl.load(src_ptr + ((pid + 1) % tl.num_programs(0)) * 128 + offs)
+    tl.store(dst_ptr + pid * 128 + offs, x + 1)
+
+
+def bench_barrier(dev: torch.device, n: int = 84) -> dict[str, float]:
+    """us per grid barrier and per kernel boundary (CUDA-graph replays), one and two programs per SM."""
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    sync = torch.zeros(2, dtype=torch.int32, device=dev)
+    out: dict[str, float] = {"sms": sms, "barriers": n}
+    for per_sm in (1, 2):
+        grid = sms * per_sm
+        a, b = torch.zeros(grid * 128, device=dev), torch.zeros(grid * 128, device=dev)
+        for exchange in (False, True):
+            def chain(count: int, ex: bool = exchange, g: int = grid, data: torch.Tensor = a) -> None:
+                _barrier_chain[(g,)](sync, data, count, EXCHANGE=ex, num_warps=4)
+            per = 1000 * (graph_ms(partial(chain, n), reps=50) - graph_ms(partial(chain, 0), reps=50)) / n
+            out[f"barrier_us_{per_sm}_per_sm{'_exchange' if exchange else ''}"] = round(per, 3)
+
+        def launches(g: int = grid, x: torch.Tensor = a, y: torch.Tensor = b) -> None:
+            for i in range(n):
+                _neighbour_step[(g,)](x if i % 2 == 0 else y, y if i % 2 == 0 else x, num_warps=4)
+        out[f"boundary_us_{per_sm}_per_sm"] = round(1000 * graph_ms(launches, reps=20) / n, 3)
+    print("barrier:", json.dumps(out), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True, help="checkpoint directory (only its config is read)")
     ap.add_argument("--batch", default="1,8,64,128")
-    ap.add_argument("--only", default="attention,gemm,layer", help="which benchmarks: attention, gemm, layer")
+    ap.add_argument("--only", default="attention,gemm,layer", help="which benchmarks: attention, gemm, layer, barrier")
     ap.add_argument("--out")
     a = ap.parse_args()
     cfg = VoxCPMConfig.from_dir(a.model)
@@ -198,6 +253,7 @@ def main() -> None:
     rows = []
     gemm_rows = bench_gemm(cfg, batches, dev, dtype) if "gemm" in only else []
     layer_rows = bench_layer(cfg, batches, dev, dtype) if "layer" in only else []
+    barrier = bench_barrier(dev) if "barrier" in only else {}
     attention = (("DiT", cfg.dit, dit_rows(cfg) // 2, 2), ("LocEnc", cfg.encoder, cfg.patch_size + 1, 1))
     for name, tcfg, seq_len, per_request in attention if "attention" in only else ():
         hq, hk, d = tcfg.num_attention_heads, tcfg.num_key_value_heads, tcfg.head_dim
@@ -223,7 +279,7 @@ def main() -> None:
                          "num_warps": triton_kernels.dense_attention_warps(n, hq), "us": round(auto, 2)})
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows, "gemm": gemm_rows,
-              "layer": layer_rows}
+              "layer": layer_rows, "barrier": barrier}
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
 
