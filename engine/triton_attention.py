@@ -9,12 +9,20 @@ Grid (T, num_kv_heads): a program takes the G = num_heads // num_kv_heads query 
 fp32, and writes the G output rows. Each token of a tile looks up its own physical block, so a tile may span
 several cache blocks (or part of one) and BLOCK_N is independent of the cache's block size.
 
+Split along the keys (flash-decoding) when T * num_kv_heads programs would leave most SMs idle (a decode step of a
+few sequences): grid (T, num_kv_heads, splits), each program takes SPLIT_KEYS consecutive keys of its token's context
+and stores its partial softmax (running max, sum, unnormalised output) in fp32; the last of a row's active splits to
+finish (an arrival counter per (token, kv head), reset by that program) combines them in split order, so the result
+does not depend on which program finishes last. A decode step's attention then costs about one tile's latency plus
+the combine, instead of one tile per SPLIT_KEYS keys of context one after another.
+
 Capturable in a CUDA graph: the grid depends only on shapes, all per-sequence data is read on the device, nothing
 is synchronised or allocated from data values. Compile (call once) before capturing.
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -37,23 +45,54 @@ _LOG2E = 1.4426950408889634
 _BLOCK_N = {2: 128, 4: 64}
 _NUM_WARPS = 4
 _NUM_STAGES = 2
+# Keys per program when the keys are split (VOXCPM_ATTN_SPLIT_KEYS; 0: never split), and the largest number of
+# (token, kv head) rows a call may have for it: more rows already spread over the SMs.
+SPLIT_KEYS = int(os.environ.get("VOXCPM_ATTN_SPLIT_KEYS", "64"))
+if SPLIT_KEYS and (SPLIT_KEYS < 16 or SPLIT_KEYS & (SPLIT_KEYS - 1)):
+    raise ValueError(f"VOXCPM_ATTN_SPLIT_KEYS={SPLIT_KEYS}: use 0 (never split) or a power of two >= 16")
+SPLIT_MAX_ROWS = 64
+_counters: dict[object, torch.Tensor] = {}  # per device: arrival counters of the split rows, all 0 between launches
 
 if HAVE_TRITON:
 
     @triton.jit
     def _paged_attention_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, row_index_ptr, context_lens_ptr,
+        q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, row_index_ptr, context_lens_ptr, part_ptr, count_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain
         G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_KEYS: tl.constexpr,
     ):
+        # SPLIT_KEYS > 0: program_id(2) is this program's split; part_ptr holds per (token, kv head, split) the partial
+        # [max (BLOCK_G), sum (BLOCK_G), output (BLOCK_G x HEAD_DIM)] in fp32; count_ptr the rows' arrival counters.
         t = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
         row = tl.load(row_index_ptr + t).to(tl.int64)
         ctx = tl.load(context_lens_ptr + t)
+        if SPLIT_KEYS > 0:
+            split = tl.program_id(2)
+            lo = split * SPLIT_KEYS
+            hi = tl.minimum(ctx, lo + SPLIT_KEYS)
+            active = tl.maximum(tl.cdiv(ctx, SPLIT_KEYS), 1)  # a row of context 0 still writes its zero output
+        else:
+            split = 0
+            lo = 0
+            hi = ctx
+            active = 1
+        if split < active:
+            _attend_keys(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, part_ptr, count_ptr, t, kv_head, row, lo,
+                         hi, split, active, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
+                         stride_vb, stride_vs, stride_vh, stride_bt, qk_scale, G, BLOCK_G, HEAD_DIM, BLOCK_N,
+                         BLOCK_SIZE, DOT_PRECISION, SPLIT_KEYS)
 
+    @triton.jit
+    def _attend_keys(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, part_ptr, count_ptr, t, kv_head, row, lo, hi,
+                     split, active, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
+                     stride_vb, stride_vs, stride_vh, stride_bt, qk_scale, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, SPLIT_KEYS: tl.constexpr):
+        # keys lo..hi-1 of one token's context for the query heads of one kv head; the output, or this split's partial
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, HEAD_DIM)
         offs_n = tl.arange(0, BLOCK_N)
@@ -72,9 +111,9 @@ if HAVE_TRITON:
         v_head = v_ptr + kv_head * stride_vh
         # Only tiles holding at least one valid key: block table entries past the sequence are never read, and
         # every visited tile has a finite max, so m never stays -inf inside the loop.
-        for start in range(0, ctx, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             pos = start + offs_n
-            valid = pos < ctx
+            valid = pos < hi
             block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
             slot = (pos % BLOCK_SIZE).to(tl.int64)
             # Masked loads: slots past ctx may hold stale or uninitialised data (even NaN), and 0 * NaN = NaN in p @ v.
@@ -93,14 +132,49 @@ if HAVE_TRITON:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m = m_new
 
-        # ctx == 0 (e.g. padding rows of a captured batch): acc is 0, so the output is 0, not 0/0.
-        out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
-        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        out_ptrs = out_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        if active == 1:
+            # ctx == 0 (e.g. padding rows of a captured batch): acc is 0, so the output is 0, not 0/0.
+            out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        elif SPLIT_KEYS > 0:
+            PART: tl.constexpr = BLOCK_G * (HEAD_DIM + 2)
+            row_parts = part_ptr + (t * tl.num_programs(1) + kv_head) * tl.num_programs(2) * PART
+            mine = row_parts + split * PART
+            tl.store(mine + offs_g, m)
+            tl.store(mine + BLOCK_G + offs_g, l)
+            tl.store(mine + 2 * BLOCK_G + offs_g[:, None] * HEAD_DIM + offs_d[None, :], acc)
+            counter = count_ptr + t * tl.num_programs(1) + kv_head
+            tl.debug_barrier()  # every thread's partial stored before the arrival is published
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == active - 1:
+                tl.debug_barrier()
+                # The last split of the row: the partials combined in split order (exp2 domain, as in the loop).
+                m_all = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+                for j in range(active):
+                    m_all = tl.maximum(m_all, tl.load(row_parts + j * PART + offs_g, cache_modifier=".cg"))
+                l_all = tl.zeros([BLOCK_G], dtype=tl.float32)
+                acc_all = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+                for j in range(active):
+                    part = row_parts + j * PART
+                    w = tl.math.exp2(tl.load(part + offs_g, cache_modifier=".cg") - m_all)
+                    l_all += tl.load(part + BLOCK_G + offs_g, cache_modifier=".cg") * w
+                    acc_all += tl.load(part + 2 * BLOCK_G + offs_g[:, None] * HEAD_DIM + offs_d[None, :],
+                                       cache_modifier=".cg") * w[:, None]
+                tl.store(out_ptrs, (acc_all / l_all[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 def _is_interpreted() -> bool:
     return type(_paged_attention_kernel).__name__ == "InterpretedFunction"
+
+
+def split_keys_for(num_tokens: int, num_kv_heads: int, table_keys: int) -> int:
+    """Keys per program of a call with these rows and block tables of `table_keys` slots, 0 for no split. The splits
+    cover the longest context the tables can hold (the grid may not depend on the lengths, which live on the device);
+    splits past a token's context end at once."""
+    if SPLIT_KEYS <= 0 or table_keys <= SPLIT_KEYS or num_tokens * num_kv_heads > SPLIT_MAX_ROWS:
+        return 0
+    return SPLIT_KEYS
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -134,18 +208,29 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_tokens == 0:
         return out
     group = num_heads // num_kv_heads
+    block_g = max(16, triton.next_power_of_2(group))
     scale = head_dim ** -0.5 if scale is None else scale
-    grid = (num_tokens, num_kv_heads)
-    _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, row_index, context_lens,
+    block_n = _BLOCK_N[q.element_size()]
+    split_keys = split_keys_for(num_tokens, num_kv_heads, block_tables.shape[1] * block_size)
+    splits = triton.cdiv(block_tables.shape[1] * block_size, split_keys) if split_keys else 1
+    if split_keys:
+        block_n = min(block_n, split_keys)
+        parts = torch.empty((num_tokens, num_kv_heads, splits, block_g * (head_dim + 2)), dtype=torch.float32,
+                            device=q.device)
+        counters = _counters.get(q.device)
+        if counters is None:
+            counters = _counters[q.device] = torch.zeros(SPLIT_MAX_ROWS, dtype=torch.int32, device=q.device)
+    else:
+        splits, parts, counters = 1, out, row_index  # not read
+    _paged_attention_kernel[(num_tokens, num_kv_heads, splits)](
+        q, k_cache, v_cache, out, block_tables, row_index, context_lens, parts, counters,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         scale * _LOG2E,
-        G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_N=_BLOCK_N[q.element_size()],
-        BLOCK_SIZE=block_size,
+        G=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         # fp32 caches get exact fp32 dots (tf32 would cost ~1e-3 relative error); bf16/fp16 use tensor cores
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT_KEYS=split_keys,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     return out

@@ -178,17 +178,24 @@ def _interpreter_main() -> None:
 
     assert ta._is_interpreted(), "the kernel was compiled, not interpreted"
     default_block_n = dict(ta._BLOCK_N)
+    default_split = ta.SPLIT_KEYS
     for name in INTERPRETER_CASES:
         dtype, (h, kv, d, bs), mode = _parse_case(name)
         ta._BLOCK_N = dict.fromkeys(default_block_n, 16) if name.endswith("tile16") else default_block_n
         case = make_case(h, kv, d, bs, INTERPRETER_LENS[mode], mode, dtype, seed=zlib.crc32(name.encode()),
                          num_padding_rows=2 if mode == "decode" else 0)
         try:
-            out = ta.paged_attention(*case.args())
             ref = reference_attention(*case.args())
-            err = relative_error(out, ref)
-            pad_ok = bool((out[case.context_lens == 0] == 0).all())
-            result = {"case": name, "err": err, "padding_zero": pad_ok, "dtype_ok": out.dtype == dtype}
+            result = {"case": name}
+            # the keys split across programs (the default for so few rows; 16: many splits per row) and not split
+            for split_keys in (ta.SPLIT_KEYS, 16, 0):
+                ta.SPLIT_KEYS = split_keys
+                out = ta.paged_attention(*case.args())
+                result[f"split{split_keys}"] = {
+                    "err": relative_error(out, ref), "padding_zero": bool((out[case.context_lens == 0] == 0).all()),
+                    "dtype_ok": out.dtype == dtype, "counters_zero": all(
+                        bool((c == 0).all()) for c in ta._counters.values())}
+            ta.SPLIT_KEYS = default_split
         except Exception as e:  # report, and keep checking the other cases
             result = {"case": name, "error": f"{type(e).__name__}: {e}"}
         print(json.dumps(result), flush=True)
@@ -212,9 +219,25 @@ def test_interpreter_matches_reference(interpreter_results: dict[str, dict], nam
     assert result is not None, f"{name}: no result from the interpreter subprocess"
     assert "error" not in result, f"{name}: {result['error']}"
     dtype = _parse_case(name)[0]
-    assert result["err"] <= BOUNDS[dtype], f"{name}: max relative error {result['err']:.3e} > {BOUNDS[dtype]:.0e}"
-    assert result["padding_zero"], f"{name}: rows with context 0 are not 0"
-    assert result["dtype_ok"], f"{name}: output dtype differs from q's"
+    runs = {k: v for k, v in result.items() if k.startswith("split")}
+    assert len(runs) == 3, runs.keys()
+    for how, r in runs.items():
+        assert r["err"] <= BOUNDS[dtype], f"{name} {how}: max relative error {r['err']:.3e} > {BOUNDS[dtype]:.0e}"
+        assert r["padding_zero"], f"{name} {how}: rows with context 0 are not 0"
+        assert r["dtype_ok"], f"{name} {how}: output dtype differs from q's"
+        assert r["counters_zero"], f"{name} {how}: the split rows' arrival counters were not reset"
+
+
+def test_split_applies_to_decode_sized_calls() -> None:
+    """Which calls split their keys: few (token, kv head) rows and tables holding more than one split's keys."""
+    if not HAVE_TRITON:
+        pytest.skip("triton not importable")
+    import engine.triton_attention as ta
+
+    assert ta.split_keys_for(num_tokens=1, num_kv_heads=2, table_keys=1024) == ta.SPLIT_KEYS > 0
+    assert ta.split_keys_for(num_tokens=32, num_kv_heads=2, table_keys=1024) == ta.SPLIT_KEYS
+    assert ta.split_keys_for(num_tokens=33, num_kv_heads=2, table_keys=1024) == 0  # enough programs already
+    assert ta.split_keys_for(num_tokens=1, num_kv_heads=2, table_keys=ta.SPLIT_KEYS) == 0  # one split: nothing to split
 
 
 def test_reference_matches_sdpa() -> None:
@@ -273,36 +296,46 @@ def _cuda_lens(num_seqs: int, seed: int) -> list[int]:
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("mode", ["decode", "prefill", "prefix"])
+@pytest.mark.parametrize("mode", ["decode", "decode-split", "prefill", "prefix"])
 def test_cuda_matches_reference(dtype: torch.dtype, mode: str) -> None:
-    from engine.triton_attention import paged_attention
+    """decode-split: few enough rows (12 sequences + 5 padding rows, 2 kv heads) that the keys are split."""
+    import engine.triton_attention as ta
 
-    num_seqs = 64 if mode != "prefill" else 12  # prefill: every position is a query
+    num_seqs = {"decode": 64, "decode-split": 12, "prefill": 12, "prefix": 64}[mode]  # prefill: every position a query
+    mode = mode.removesuffix("-split")
     case = make_case(16, 2, 128, 16, _cuda_lens(num_seqs, seed=1), mode, dtype, device="cuda", seed=2,
                      num_padding_rows=5 if mode == "decode" else 0)
+    split = ta.split_keys_for(len(case.q), 2, case.block_tables.shape[1] * 16)
+    assert (split > 0) == (num_seqs == 12 and mode == "decode"), split
+    paged_attention = ta.paged_attention
     out = paged_attention(*case.args())
     ref = reference_attention(*case.args())
     assert out.dtype == dtype and out.shape == case.q.shape
     err = relative_error(out, ref)
     assert err <= BOUNDS[dtype], f"{mode} {dtype}: max relative error {err:.3e} > {BOUNDS[dtype]:.0e}"
     assert (out[case.context_lens == 0] == 0).all()
+    assert all(bool((c == 0).all()) for c in ta._counters.values())
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_cuda_graph_replay(dtype: torch.dtype) -> None:
-    """Capture one decode step, rewrite every input in place (new queries, tables, lengths), replay, compare."""
-    from engine.triton_attention import paged_attention
+@pytest.mark.parametrize("num_seqs", [32, 24], ids=["whole", "split"])
+def test_cuda_graph_replay(dtype: torch.dtype, num_seqs: int) -> None:
+    """Capture one decode step, rewrite every input in place (new queries, tables, lengths), replay, compare; 24
+    sequences + 4 padding rows: the keys split (the arrival counters must come back to 0 after every replay)."""
+    import engine.triton_attention as ta
+    paged_attention = ta.paged_attention
 
-    first = make_case(16, 2, 128, 16, _cuda_lens(32, seed=3), "decode", dtype, device="cuda", seed=4,
+    first = make_case(16, 2, 128, 16, _cuda_lens(num_seqs, seed=3), "decode", dtype, device="cuda", seed=4,
                       num_padding_rows=4)
     # Same number of blocks and query rows (the graph's shapes), different lengths and block placement.
-    second = make_case(16, 2, 128, 16, _cuda_lens(32, seed=3)[::-1], "decode", dtype, device="cuda", seed=5,
+    second = make_case(16, 2, 128, 16, _cuda_lens(num_seqs, seed=3)[::-1], "decode", dtype, device="cuda", seed=5,
                        num_padding_rows=4)
     assert second.k_cache.shape == first.k_cache.shape and second.block_tables.shape == first.block_tables.shape
-    static = make_case(16, 2, 128, 16, _cuda_lens(32, seed=3), "decode", dtype, device="cuda", seed=4,
+    static = make_case(16, 2, 128, 16, _cuda_lens(num_seqs, seed=3), "decode", dtype, device="cuda", seed=4,
                        num_padding_rows=4)
+    assert (ta.split_keys_for(num_seqs + 4, 2, static.block_tables.shape[1] * 16) > 0) == (num_seqs == 24)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -320,4 +353,5 @@ def test_cuda_graph_replay(dtype: torch.dtype) -> None:
         torch.cuda.synchronize()
         err = relative_error(out, reference_attention(*source.args()))
         assert err <= BOUNDS[dtype], f"graph replay {dtype}: max relative error {err:.3e} > {BOUNDS[dtype]:.0e}"
+        assert all(bool((c == 0).all()) for c in ta._counters.values())
         assert (out[source.context_lens == 0] == 0).all()
