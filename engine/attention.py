@@ -91,6 +91,13 @@ class PagedKVCache:
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    rope: torch.Tensor | None = None) -> torch.Tensor:
             k_cache, v_cache = self.k[layer], self.v[layer]
+            if backend == "triton" and not meta.is_prefill:  # few sequences: rotary and cache write inside it
+                from engine.triton_attention import decode_attention
+
+                out = decode_attention(q, k, v, rope, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
+                                       meta.row_index, meta.token_context_lens)
+                if out is not None:
+                    return out.flatten(-2)
             # The Triton attention reads K/V from the cache only: there rotary and cache write are one kernel.
             q_rot = fused.rotary_store_kv(q, k, v, rope, k_cache, v_cache, meta.slot_mapping) \
                 if backend == "triton" else None

@@ -56,16 +56,35 @@ _counters: dict[object, torch.Tensor] = {}  # per device: arrival counters of th
 if HAVE_TRITON:
 
     @triton.jit
+    def _rotate_row(src, dst, cos_row, sin_row, HALF: tl.constexpr):
+        """One head's rotary embedding in fp32 (x * cos + rotate_half(x) * sin), rounded to the input dtype."""
+        d = tl.arange(0, HALF)
+        c1, c2 = tl.load(cos_row + d), tl.load(cos_row + HALF + d)
+        s1, s2 = tl.load(sin_row + d), tl.load(sin_row + HALF + d)
+        x1 = tl.load(src + d)
+        x2 = tl.load(src + HALF + d)
+        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+        tl.store(dst + d, (x1f * c1 - x2f * s1).to(x1.dtype))
+        tl.store(dst + HALF + d, (x2f * c2 + x1f * s2).to(x1.dtype))
+
+    @triton.jit
     def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, row_index_ptr, context_lens_ptr, part_ptr, count_ptr,
+        new_k_ptr, new_v_ptr, slot_ptr, cos_ptr, sin_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+        stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_ct, stride_st,
         qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain
         G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_KEYS: tl.constexpr, NEW_KV: tl.constexpr,
+        ROPE: tl.constexpr,
     ):
         # SPLIT_KEYS > 0: program_id(2) is this program's split; part_ptr holds per (token, kv head, split) the partial
         # [max (BLOCK_G), sum (BLOCK_G), output (BLOCK_G x HEAD_DIM)] in fp32; count_ptr the rows' arrival counters.
+        # NEW_KV (a decode step, with SPLIT_KEYS): q, new_k and new_v are each token's projections, not yet rotated
+        # (ROPE: cos/sin rows per token) nor stored: every program rotates its q heads, and the split that reads the
+        # token's own position (the last) first writes its k (rotated) and v to the token's slot (`rotary_store_kv`'s
+        # work, without its kernel).
         t = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
         row = tl.load(row_index_ptr + t).to(tl.int64)
@@ -81,17 +100,56 @@ if HAVE_TRITON:
             hi = ctx
             active = 1
         if split < active:
+            if NEW_KV:
+                q_ptr, stride_qt, stride_qh = _new_token(q_ptr, k_ptr, v_ptr, part_ptr, new_k_ptr, new_v_ptr, slot_ptr,
+                                                         cos_ptr, sin_ptr, t, kv_head, split, active, stride_qt,
+                                                         stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
+                                                         stride_vs, stride_vh, stride_nkt, stride_nkh, stride_nvt,
+                                                         stride_nvh, stride_ct, stride_st, G, BLOCK_G, HEAD_DIM,
+                                                         BLOCK_SIZE, ROPE)
             _attend_keys(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, part_ptr, count_ptr, t, kv_head, row, lo,
                          hi, split, active, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
                          stride_vb, stride_vs, stride_vh, stride_bt, qk_scale, G, BLOCK_G, HEAD_DIM, BLOCK_N,
-                         BLOCK_SIZE, DOT_PRECISION, SPLIT_KEYS)
+                         BLOCK_SIZE, DOT_PRECISION, SPLIT_KEYS, NEW_KV)
+
+    @triton.jit
+    def _new_token(q_ptr, k_ptr, v_ptr, part_ptr, new_k_ptr, new_v_ptr, slot_ptr, cos_ptr, sin_ptr, t, kv_head, split,
+                   active, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                   stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_ct, stride_st, G: tl.constexpr,
+                   BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROPE: tl.constexpr):
+        # This program's q heads rotated into the output area of its partial (overwritten at the end), and, by the
+        # last split, the token's k (rotated) and v into its cache slot; returns where q now is (pointer, strides).
+        HALF: tl.constexpr = HEAD_DIM // 2
+        PART: tl.constexpr = BLOCK_G * (HEAD_DIM + 2)
+        q_rot = part_ptr + ((t * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split) * PART + 2 * BLOCK_G
+        cos_row, sin_row = cos_ptr + t * stride_ct, sin_ptr + t * stride_st
+        e = tl.arange(0, HEAD_DIM)
+        for g in tl.static_range(G):
+            src = q_ptr + t * stride_qt + (kv_head * G + g) * stride_qh
+            if ROPE:
+                _rotate_row(src, q_rot + g * HEAD_DIM, cos_row, sin_row, HALF)
+            else:
+                tl.store(q_rot + g * HEAD_DIM + e, tl.load(src + e).to(tl.float32))
+        if split == active - 1:
+            slot = tl.load(slot_ptr + t)
+            block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+            k_dst = k_ptr + block * stride_kb + offset * stride_ks + kv_head * stride_kh
+            k_src = new_k_ptr + t * stride_nkt + kv_head * stride_nkh
+            if ROPE:
+                _rotate_row(k_src, k_dst, cos_row, sin_row, HALF)
+            else:
+                tl.store(k_dst + e, tl.load(k_src + e))
+            tl.store(v_ptr + block * stride_vb + offset * stride_vs + kv_head * stride_vh + e,
+                     tl.load(new_v_ptr + t * stride_nvt + kv_head * stride_nvh + e))
+        tl.debug_barrier()  # all of it stored before any thread of the program reads it back
+        return q_rot - (kv_head * G) * HEAD_DIM, 0, HEAD_DIM  # so that q's (t, head) address is q_rot's row
 
     @triton.jit
     def _attend_keys(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, part_ptr, count_ptr, t, kv_head, row, lo, hi,
                      split, active, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
                      stride_vb, stride_vs, stride_vh, stride_bt, qk_scale, G: tl.constexpr, BLOCK_G: tl.constexpr,
                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, SPLIT_KEYS: tl.constexpr):
+                     DOT_PRECISION: tl.constexpr, SPLIT_KEYS: tl.constexpr, NEW_KV: tl.constexpr):
         # keys lo..hi-1 of one token's context for the query heads of one kv head; the output, or this split's partial
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -101,6 +159,8 @@ if HAVE_TRITON:
 
         q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=g_mask[:, None], other=0.0)
+        if NEW_KV:  # rotated q in fp32 scratch (the dot's operand dtype is the cache's)
+            q = q.to(k_ptr.dtype.element_ty)
 
         m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -178,14 +238,17 @@ def split_keys_for(num_tokens: int, num_kv_heads: int, table_keys: int) -> int:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    row_index: torch.Tensor, context_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                    row_index: torch.Tensor, context_lens: torch.Tensor, scale: float | None = None,
+                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                    rope: torch.Tensor | None = None) -> torch.Tensor:
     """q: (T, num_heads, head_dim), one row per query token (any number of tokens per sequence).
     block_tables: (R, W) int32 (entries past a sequence's blocks may be anything, e.g. -1 or 0; never read).
     row_index: (T,) int32, which block_tables row each query token belongs to.
     context_lens: (T,) int32, how many cached tokens (positions 0..n-1) this query token attends to
     (for causal prefill of a token at position p this is p + 1; for decode it is the sequence length).
     Returns (T, num_heads, head_dim) in q's dtype. GQA: num_heads is a multiple of num_kv_heads; query head h uses
-    kv head h // (num_heads // num_kv_heads). scale defaults to head_dim ** -0.5."""
+    kv head h // (num_heads // num_kv_heads). scale defaults to head_dim ** -0.5. new_kv / rope: see
+    `decode_attention` (q then not yet rotated, the new K/V not yet in the cache)."""
     if not HAVE_TRITON:
         raise RuntimeError("paged_attention needs triton, which is not importable here; use the torch attention path")
     if not q.is_cuda and not _is_interpreted():
@@ -222,15 +285,50 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             counters = _counters[q.device] = torch.zeros(SPLIT_MAX_ROWS, dtype=torch.int32, device=q.device)
     else:
         splits, parts, counters = 1, out, row_index  # not read
+    if new_kv is not None:
+        assert split_keys, "the new tokens' K/V are stored by the split kernel only (decode_attention checks)"
+        new_k, new_v, slot_mapping = new_kv
+        cos, sin = (rope[:, 0], rope[:, 1]) if rope is not None else (new_k, new_k)  # not read without rotary
+    else:
+        new_k = new_v = slot_mapping = cos = sin = row_index  # not read
     _paged_attention_kernel[(num_tokens, num_kv_heads, splits)](
         q, k_cache, v_cache, out, block_tables, row_index, context_lens, parts, counters,
+        new_k, new_v, slot_mapping, cos, sin,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        *((new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1)) if new_kv is not None else (0,) * 4),
+        *((cos.stride(0), sin.stride(0)) if new_kv is not None and rope is not None else (0, 0)),
         scale * _LOG2E,
         G=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         # fp32 caches get exact fp32 dots (tf32 would cost ~1e-3 relative error); bf16/fp16 use tensor cores
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT_KEYS=split_keys,
+        NEW_KV=new_kv is not None, ROPE=new_kv is not None and rope is not None,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     return out
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor | None,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     block_tables: torch.Tensor, row_index: torch.Tensor,
+                     context_lens: torch.Tensor) -> torch.Tensor | None:
+    """A decode step's attention with the new tokens' rotary embedding (rope (T, 2, D) fp32 rows, or None) and
+    K/V cache write inside the split kernel: q (T, Hq, D), k/v (T, Hk, D) the token's projections (unit stride in D),
+    one new token per row at position context_lens - 1, slot_mapping (T,) int64 its flat cache slot. None where it
+    does not apply (keys not split for this call, or layouts it does not take): the caller then rotates and stores
+    first (`engine.fused.rotary_store_kv`) and calls `paged_attention`."""
+    if not (HAVE_TRITON and (q.is_cuda or _is_interpreted())):
+        return None
+    t, _, dim = q.shape
+    hk, block_size = k_cache.shape[-2], k_cache.shape[1]
+    if not split_keys_for(t, hk, block_tables.shape[1] * block_size):
+        return None
+    if not (k.shape == v.shape == (t, hk, dim) and k.stride(-1) == v.stride(-1) == q.stride(-1) == 1
+            and k.dtype == v.dtype == k_cache.dtype and slot_mapping.shape == (t,)
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
+        return None
+    if rope is not None and not (rope.shape == (t, 2, dim) and rope.dtype == torch.float32 and rope.stride(-1) == 1):
+        return None
+    return paged_attention(q, k_cache, v_cache, block_tables, row_index, context_lens, new_kv=(k, v, slot_mapping),
+                           rope=rope)

@@ -43,6 +43,8 @@ if HAVE_TRITON:
     import triton.language as tl
     from triton.language.extra import libdevice
 
+    from engine.triton_attention import _rotate_row
+
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, x_out_ptr, y_ptr, n_cols, eps, scale,
                              HAS_H: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
@@ -101,18 +103,6 @@ if HAVE_TRITON:
             s = (g / (1.0 + tl.exp(-g))).to(up.dtype)
             y = (s.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
         tl.store(o_ptr + m[None, :] * stride_o + cols[:, None], y, mask=m_mask[None, :])
-
-    @triton.jit
-    def _rotate_row(src, dst, cos_row, sin_row, HALF: tl.constexpr):
-        """One head's rotary embedding in fp32 (x * cos + rotate_half(x) * sin), rounded to the input dtype."""
-        d = tl.arange(0, HALF)
-        c1, c2 = tl.load(cos_row + d), tl.load(cos_row + HALF + d)
-        s1, s2 = tl.load(sin_row + d), tl.load(sin_row + HALF + d)
-        x1 = tl.load(src + d)
-        x2 = tl.load(src + HALF + d)
-        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-        tl.store(dst + d, (x1f * c1 - x2f * s1).to(x1.dtype))
-        tl.store(dst + HALF + d, (x2f * c2 + x1f * s2).to(x1.dtype))
 
     @triton.jit
     def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, stride_qt, stride_qh, stride_kt,

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,6 +130,59 @@ INTERPRETER_CASES = [
       "fp32-h16-kv2-d128-bs32-prefill-tile16"]
 
 
+# decode_attention: the new token's rotary embedding and K/V cache write inside the split kernel
+FUSED_CASES = ["fp32-h8-kv2-d64-bs16-rope", "bf16-h16-kv2-d128-bs16-rope", "bf16-h8-kv2-d64-bs16-norope"]
+
+
+def rotate_half_ref(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """x (T, H, D) * cos + rotate_half(x) * sin in fp32 (rope (T, 2, D)), rounded to x's dtype."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * rope[:, None, 0] + rotated * rope[:, None, 1]).to(x.dtype)
+
+
+def fused_decode_check(name: str, decode_attention: Callable, seed: int, device: str = "cpu") -> dict:
+    """decode_attention against rotating and storing first, then the reference, on a decode case whose new
+    tokens' cache slots hold NaN before the call (so the kernel must write them); padding rows as the runner makes
+    them (context 1, the scratch slot)."""
+    dtype_name, h, kv, d, bs, rope_kind = name.split("-")
+    dtype, (h, kv, d, bs) = DTYPE_NAMES[dtype_name], (int(h[1:]), int(kv[2:]), int(d[1:]), int(bs[2:]))
+    case = make_case(h, kv, d, bs, [1, 17, 40, 150], "decode", dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    t = len(case.q)
+    scratch = case.k_cache.shape[0] * bs  # one more block at the end: the padding rows' slot
+    k_cache = torch.cat((case.k_cache, torch.full_like(case.k_cache[:1], float("nan"))))
+    v_cache = torch.cat((case.v_cache, torch.full_like(case.v_cache[:1], float("nan"))))
+    pos = case.context_lens.long() - 1
+    slots = case.block_tables[case.row_index.long(), pos // bs].long() * bs + pos % bs
+    row_index = torch.cat((case.row_index, torch.zeros(2, dtype=torch.int32)))
+    context_lens = torch.cat((case.context_lens, torch.ones(2, dtype=torch.int32)))
+    slots = torch.cat((slots, torch.full((2,), scratch)))
+    q = torch.randn(t + 2, h + 2 * kv, d, generator=g).to(dtype)[:, :h]  # a view with a wider token stride
+    new_k, new_v = (torch.randn(t + 2, kv, d, generator=g).to(dtype) for _ in range(2))
+    angles = torch.rand(t + 2, d // 2, generator=g) * 6.3
+    rope = torch.stack((angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)), dim=1) if rope_kind == "rope" else None
+    flat_k, flat_v = k_cache.view(-1, kv, d), v_cache.view(-1, kv, d)
+    flat_k[slots[:t]], flat_v[slots[:t]] = float("nan"), float("nan")
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    k_new = rotate_half_ref(new_k, rope) if rope is not None else new_k
+    k_ref.view(-1, kv, d)[slots] = k_new
+    v_ref.view(-1, kv, d)[slots] = new_v
+    q_ref = rotate_half_ref(q, rope) if rope is not None else q
+    ref = reference_attention(q_ref[:t], k_ref, v_ref, case.block_tables, case.row_index, case.context_lens)
+    dev = [x.to(device) if x is not None else None for x in (q, new_k, new_v, rope, k_cache, v_cache, slots,
+                                                                case.block_tables, row_index, context_lens)]
+    out = decode_attention(*dev)
+    if out is None:
+        return {"case": name, "error": "decode_attention did not apply"}
+    out, flat_k, flat_v = out.cpu(), dev[4].cpu().view(-1, kv, d), dev[5].cpu().view(-1, kv, d)
+    return {"case": name, "err": relative_error(out[:t], ref), "dtype_ok": out.dtype == dtype,
+            "cache_err": max(relative_error(flat_k[slots[:t]], k_new[:t]),
+                             relative_error(flat_v[slots[:t]], new_v[:t])),
+            "cache_finite": bool(torch.isfinite(flat_k[slots]).all() and torch.isfinite(flat_v[slots]).all())}
+
+
 def _parse_case(name: str) -> tuple[torch.dtype, tuple[int, int, int, int], str]:
     dtype, h, kv, d, bs, mode = name.split("-")[:6]
     return DTYPE_NAMES[dtype], (int(h[1:]), int(kv[2:]), int(d[1:]), int(bs[2:])), mode
@@ -199,6 +253,12 @@ def _interpreter_main() -> None:
         except Exception as e:  # report, and keep checking the other cases
             result = {"case": name, "error": f"{type(e).__name__}: {e}"}
         print(json.dumps(result), flush=True)
+    for name in FUSED_CASES:
+        try:
+            result = fused_decode_check(name, ta.decode_attention, zlib.crc32(name.encode()))
+        except Exception as e:
+            result = {"case": name, "error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(result), flush=True)
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +286,19 @@ def test_interpreter_matches_reference(interpreter_results: dict[str, dict], nam
         assert r["padding_zero"], f"{name} {how}: rows with context 0 are not 0"
         assert r["dtype_ok"], f"{name} {how}: output dtype differs from q's"
         assert r["counters_zero"], f"{name} {how}: the split rows' arrival counters were not reset"
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not importable")
+@pytest.mark.parametrize("name", FUSED_CASES)
+def test_interpreter_decode_attention(interpreter_results: dict[str, dict], name: str) -> None:
+    """The split kernel rotating the new token and writing its K/V itself matches rotate-store-then-attend."""
+    result = interpreter_results.get(name)
+    assert result is not None, f"{name}: no result from the interpreter subprocess"
+    assert "error" not in result, f"{name}: {result['error']}"
+    dtype = DTYPE_NAMES[name.split("-")[0]]
+    assert result["err"] <= BOUNDS[dtype], f"{name}: max relative error {result['err']:.3e}"
+    assert result["cache_err"] <= BOUNDS[dtype], f"{name}: cache slots {result['cache_err']:.3e}"
+    assert result["cache_finite"] and result["dtype_ok"], result
 
 
 def test_split_applies_to_decode_sized_calls() -> None:
@@ -314,6 +387,20 @@ def test_cuda_matches_reference(dtype: torch.dtype, mode: str) -> None:
     err = relative_error(out, ref)
     assert err <= BOUNDS[dtype], f"{mode} {dtype}: max relative error {err:.3e} > {BOUNDS[dtype]:.0e}"
     assert (out[case.context_lens == 0] == 0).all()
+    assert all(bool((c == 0).all()) for c in ta._counters.values())
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", FUSED_CASES)
+def test_cuda_decode_attention(name: str) -> None:
+    import engine.triton_attention as ta
+
+    result = fused_decode_check(name, ta.decode_attention, zlib.crc32(name.encode()), device="cuda")
+    assert "error" not in result, result
+    dtype = DTYPE_NAMES[name.split("-")[0]]
+    assert result["err"] <= BOUNDS[dtype] and result["cache_err"] <= BOUNDS[dtype], result
+    assert result["cache_finite"] and result["dtype_ok"], result
     assert all(bool((c == 0).all()) for c in ta._counters.values())
 
 
