@@ -101,12 +101,10 @@ if HAVE_TRITON:
             active = 1
         if split < active:
             if NEW_KV:
-                q_ptr, stride_qt, stride_qh = _new_token(q_ptr, k_ptr, v_ptr, part_ptr, new_k_ptr, new_v_ptr, slot_ptr,
-                                                         cos_ptr, sin_ptr, t, kv_head, split, active, stride_qt,
-                                                         stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
-                                                         stride_vs, stride_vh, stride_nkt, stride_nkh, stride_nvt,
-                                                         stride_nvh, stride_ct, stride_st, G, BLOCK_G, HEAD_DIM,
-                                                         BLOCK_SIZE, ROPE)
+                _new_token(q_ptr, k_ptr, v_ptr, part_ptr, new_k_ptr, new_v_ptr, slot_ptr, cos_ptr, sin_ptr, t, kv_head,
+                           split, active, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                           stride_vh, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_ct, stride_st, G, BLOCK_G,
+                           HEAD_DIM, BLOCK_SIZE, ROPE)
             _attend_keys(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, part_ptr, count_ptr, t, kv_head, row, lo,
                          hi, split, active, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
                          stride_vb, stride_vs, stride_vh, stride_bt, qk_scale, G, BLOCK_G, HEAD_DIM, BLOCK_N,
@@ -117,11 +115,10 @@ if HAVE_TRITON:
                    active, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                    stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_ct, stride_st, G: tl.constexpr,
                    BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROPE: tl.constexpr):
-        # This program's q heads rotated into the output area of its partial (overwritten at the end), and, by the
-        # last split, the token's k (rotated) and v into its cache slot; returns where q now is (pointer, strides).
+        # This program's q heads rotated into the output area of its partial (`_scratch_q`, overwritten at the end),
+        # and, by the last split, the token's k (rotated) and v into its cache slot.
         HALF: tl.constexpr = HEAD_DIM // 2
-        PART: tl.constexpr = BLOCK_G * (HEAD_DIM + 2)
-        q_rot = part_ptr + ((t * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split) * PART + 2 * BLOCK_G
+        q_rot = _scratch_q(part_ptr, t, kv_head, split, BLOCK_G, HEAD_DIM)
         cos_row, sin_row = cos_ptr + t * stride_ct, sin_ptr + t * stride_st
         e = tl.arange(0, HEAD_DIM)
         for g in tl.static_range(G):
@@ -142,7 +139,11 @@ if HAVE_TRITON:
             tl.store(v_ptr + block * stride_vb + offset * stride_vs + kv_head * stride_vh + e,
                      tl.load(new_v_ptr + t * stride_nvt + kv_head * stride_nvh + e))
         tl.debug_barrier()  # all of it stored before any thread of the program reads it back
-        return q_rot - (kv_head * G) * HEAD_DIM, 0, HEAD_DIM  # so that q's (t, head) address is q_rot's row
+
+    @triton.jit
+    def _scratch_q(part_ptr, t, kv_head, split, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr):
+        PART: tl.constexpr = BLOCK_G * (HEAD_DIM + 2)
+        return part_ptr + ((t * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split) * PART + 2 * BLOCK_G
 
     @triton.jit
     def _attend_keys(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, part_ptr, count_ptr, t, kv_head, row, lo, hi,
@@ -157,10 +158,12 @@ if HAVE_TRITON:
         g_mask = offs_g < G
         heads = kv_head * G + offs_g  # the query heads of this kv head (GQA)
 
-        q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=g_mask[:, None], other=0.0)
-        if NEW_KV:  # rotated q in fp32 scratch (the dot's operand dtype is the cache's)
-            q = q.to(k_ptr.dtype.element_ty)
+        if NEW_KV:  # q rotated by `_new_token`, in fp32 scratch (the dot's operand dtype is the cache's)
+            q = tl.load(_scratch_q(part_ptr, t, kv_head, split, BLOCK_G, HEAD_DIM) + offs_g[:, None] * HEAD_DIM
+                        + offs_d[None, :], mask=g_mask[:, None], other=0.0).to(k_ptr.dtype.element_ty)
+        else:
+            q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                        mask=g_mask[:, None], other=0.0)
 
         m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l = tl.zeros([BLOCK_G], dtype=tl.float32)
