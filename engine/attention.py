@@ -37,7 +37,7 @@ class AttentionMetadata:
     and sees the cached tokens 0..token_context_lens[t]-1 (itself included: K/V are stored first).
     """
 
-    is_prefill: bool
+    is_prefill: bool  # False: a decode step, exactly one new token per sequence (the fused decode attention's contract)
     slot_mapping: torch.Tensor  # (T,) int64 flat cache slot of each new token
     block_tables: torch.Tensor  # (B, max_blocks) int32
     row_index: torch.Tensor  # (T,) int32
@@ -91,7 +91,8 @@ class PagedKVCache:
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    rope: torch.Tensor | None = None) -> torch.Tensor:
             k_cache, v_cache = self.k[layer], self.v[layer]
-            if backend == "triton" and not meta.is_prefill:  # few sequences: rotary and cache write inside it
+            # A decode step (one new token per sequence) of few sequences: rotary and cache write inside the attention.
+            if backend == "triton" and not meta.is_prefill:
                 from engine.triton_attention import decode_attention
 
                 out = decode_attention(q, k, v, rope, k_cache, v_cache, meta.slot_mapping, meta.block_tables,

@@ -51,7 +51,9 @@ SPLIT_KEYS = int(os.environ.get("VOXCPM_ATTN_SPLIT_KEYS", "64"))
 if SPLIT_KEYS and (SPLIT_KEYS < 16 or SPLIT_KEYS & (SPLIT_KEYS - 1)):
     raise ValueError(f"VOXCPM_ATTN_SPLIT_KEYS={SPLIT_KEYS}: use 0 (never split) or a power of two >= 16")
 SPLIT_MAX_ROWS = 64
-_counters: dict[object, torch.Tensor] = {}  # per device: arrival counters of the split rows, all 0 between launches
+# Per device: the split rows' arrival counters, all 0 between launches. One set per device, so split launches must not
+# run concurrently on two streams of one device (the engine runs its LMs on one stream; the VAE's has no attention).
+_counters: dict[object, torch.Tensor] = {}
 
 if HAVE_TRITON:
 
@@ -93,7 +95,9 @@ if HAVE_TRITON:
             split = tl.program_id(2)
             lo = split * SPLIT_KEYS
             hi = tl.minimum(ctx, lo + SPLIT_KEYS)
-            active = tl.maximum(tl.cdiv(ctx, SPLIT_KEYS), 1)  # a row of context 0 still writes its zero output
+            # a row of context 0 still writes its zero output; never more splits than the grid has (a context past
+            # the tables' capacity would otherwise leave its row's counter unreset for every later launch)
+            active = tl.minimum(tl.maximum(tl.cdiv(ctx, SPLIT_KEYS), 1), tl.num_programs(2))
         else:
             split = 0
             lo = 0
@@ -201,6 +205,8 @@ if HAVE_TRITON:
             out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
         elif SPLIT_KEYS > 0:
+            if NEW_KV:
+                tl.debug_barrier()  # every thread done reading q from the scratch the partial's output overwrites
             PART: tl.constexpr = BLOCK_G * (HEAD_DIM + 2)
             row_parts = part_ptr + (t * tl.num_programs(1) + kv_head) * tl.num_programs(2) * PART
             mine = row_parts + split * PART
@@ -285,7 +291,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                             device=q.device)
         counters = _counters.get(q.device)
         if counters is None:
+            if q.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("paged_attention: the first split launch on a device inside a CUDA-graph capture "
+                                   "(its counters must be zeroed outside it: run the call once before capturing)")
             counters = _counters[q.device] = torch.zeros(SPLIT_MAX_ROWS, dtype=torch.int32, device=q.device)
+        assert num_tokens * num_kv_heads <= counters.numel()  # split_keys_for's bound
     else:
         splits, parts, counters = 1, out, row_index  # not read
     if new_kv is not None:
@@ -318,7 +328,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: to
                      context_lens: torch.Tensor) -> torch.Tensor | None:
     """A decode step's attention with the new tokens' rotary embedding (rope (T, 2, D) fp32 rows, or None) and
     K/V cache write inside the split kernel: q (T, Hq, D), k/v (T, Hk, D) the token's projections (unit stride in D),
-    one new token per row at position context_lens - 1, slot_mapping (T,) int64 its flat cache slot. None where it
+    one new token per row at position context_lens - 1 (a decode step: no other row of the call may read that
+    position, so several tokens of one sequence in one call are not allowed), slot_mapping (T,) int64 its flat cache
+    slot. None where it
     does not apply (keys not split for this call, or layouts it does not take): the caller then rotates and stores
     first (`engine.fused.rotary_store_kv`) and calls `paged_attention`."""
     if not (HAVE_TRITON and (q.is_cuda or _is_interpreted())):
@@ -328,7 +340,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: to
     if not split_keys_for(t, hk, block_tables.shape[1] * block_size):
         return None
     if not (k.shape == v.shape == (t, hk, dim) and k.stride(-1) == v.stride(-1) == q.stride(-1) == 1
-            and k.dtype == v.dtype == k_cache.dtype and slot_mapping.shape == (t,)
+            and q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and dim >= 16 and dim & (dim - 1) == 0
+            and q.shape[1] % hk == 0 and slot_mapping.shape == (t,)
             and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
         return None
     if rope is not None and not (rope.shape == (t, 2, dim) and rope.dtype == torch.float32 and rope.stride(-1) == 1):
