@@ -296,12 +296,23 @@ def interpreter_results() -> dict[str, dict]:
     return {r["case"]: r for r in results}
 
 
+def _interpreted(results: dict[str, dict], name: str) -> dict:
+    """One case's result from the interpreter subprocess, which ran without an error."""
+    result = results.get(name)
+    assert result is not None, f"{name}: no result from the interpreter subprocess"
+    assert "error" not in result, f"{name}: {result['error']}"
+    return result
+
+
+def _assert_fused(result: dict, dtype: torch.dtype, what: str) -> None:
+    assert result["err"] <= BOUNDS[dtype] and result["cache_err"] <= BOUNDS[dtype], (what, result)
+    assert result["cache_finite"] and result["dtype_ok"], (what, result)
+
+
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton not importable")
 @pytest.mark.parametrize("name", INTERPRETER_CASES)
 def test_interpreter_matches_reference(interpreter_results: dict[str, dict], name: str) -> None:
-    result = interpreter_results.get(name)
-    assert result is not None, f"{name}: no result from the interpreter subprocess"
-    assert "error" not in result, f"{name}: {result['error']}"
+    result = _interpreted(interpreter_results, name)
     dtype = _parse_case(name)[0]
     runs = {k: v for k, v in result.items() if k.startswith("split")}
     assert len(runs) == 3, runs.keys()
@@ -316,13 +327,7 @@ def test_interpreter_matches_reference(interpreter_results: dict[str, dict], nam
 @pytest.mark.parametrize("name", FUSED_CASES)
 def test_interpreter_decode_attention(interpreter_results: dict[str, dict], name: str) -> None:
     """The split kernel rotating the new token and writing its K/V itself matches rotate-store-then-attend."""
-    result = interpreter_results.get(name)
-    assert result is not None, f"{name}: no result from the interpreter subprocess"
-    assert "error" not in result, f"{name}: {result['error']}"
-    dtype = DTYPE_NAMES[name.split("-")[0]]
-    assert result["err"] <= BOUNDS[dtype], f"{name}: max relative error {result['err']:.3e}"
-    assert result["cache_err"] <= BOUNDS[dtype], f"{name}: cache slots {result['cache_err']:.3e}"
-    assert result["cache_finite"] and result["dtype_ok"], result
+    _assert_fused(_interpreted(interpreter_results, name), DTYPE_NAMES[name.split("-")[0]], name)
 
 
 def test_split_applies_to_decode_sized_calls() -> None:
@@ -422,15 +427,8 @@ def test_cuda_decode_attention(name: str) -> None:
 
     result = fused_decode_check(name, ta.decode_attention, zlib.crc32(name.encode()), device="cuda")
     assert "error" not in result, result
-    dtype = DTYPE_NAMES[name.split("-")[0]]
-    assert result["err"] <= BOUNDS[dtype] and result["cache_err"] <= BOUNDS[dtype], result
-    assert result["cache_finite"] and result["dtype_ok"], result
+    _assert_fused(result, DTYPE_NAMES[name.split("-")[0]], name)
     assert all(bool((c == 0).all()) for c in ta._counters.values())
-
-
-def _assert_fused(result: dict, dtype: torch.dtype, what: str) -> None:
-    assert result["err"] <= BOUNDS[dtype] and result["cache_err"] <= BOUNDS[dtype], (what, result)
-    assert result["cache_finite"] and result["dtype_ok"], (what, result)
 
 
 @pytest.mark.gpu
