@@ -47,7 +47,7 @@ _NUM_WARPS = 4
 _NUM_STAGES = 2
 # Keys per program when the keys are split (VOXCPM_ATTN_SPLIT_KEYS; 0: never split), and the largest number of
 # (token, kv head) rows a call may have for it: more rows already spread over the SMs.
-SPLIT_KEYS = int(os.environ.get("VOXCPM_ATTN_SPLIT_KEYS", "64"))
+SPLIT_KEYS = int(os.environ.get("VOXCPM_ATTN_SPLIT_KEYS", "128"))
 if SPLIT_KEYS and (SPLIT_KEYS < 16 or SPLIT_KEYS & (SPLIT_KEYS - 1)):
     raise ValueError(f"VOXCPM_ATTN_SPLIT_KEYS={SPLIT_KEYS}: use 0 (never split) or a power of two >= 16")
 SPLIT_MAX_ROWS = 64
