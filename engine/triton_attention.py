@@ -14,7 +14,9 @@ few sequences): grid (T, num_kv_heads, splits), each program takes SPLIT_KEYS co
 and stores its partial softmax (running max, sum, unnormalised output) in fp32; the last of a row's active splits to
 finish (an arrival counter per (token, kv head), reset by that program) combines them in split order, so the result
 does not depend on which program finishes last. A decode step's attention then costs about one tile's latency plus
-the combine, instead of one tile per SPLIT_KEYS keys of context one after another.
+the combine, instead of one tile per SPLIT_KEYS keys of context one after another. Such a decode also takes the
+new token's q/k/v unrotated (`decode_attention`): the programs rotate their q heads, and the split holding the token's
+own position writes its rotated k and its v to the cache first, in place of a separate rotary-and-store kernel.
 
 Capturable in a CUDA graph: the grid depends only on shapes, all per-sequence data is read on the device, nothing
 is synchronised or allocated from data values. Compile (call once) before capturing.
