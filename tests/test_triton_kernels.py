@@ -307,13 +307,17 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         return max(errs)
 
     def dispatch(dtype: torch.dtype) -> float:
-        """The model's calls take the new kernels where they apply: the Triton backend's attention (rotary + cache
-        write in one kernel, then the paged kernel) against the torch backend's, and the MLP's gated projection."""
+        """The model's calls take the new kernels where they apply: the Triton backend's attention against the torch
+        backend's, as rotary + cache write in one kernel then the paged kernel, and (16-key splits: the third
+        sequence's context is split) as the split decode kernel doing the rotary and the cache write itself; and the
+        MLP's gated projection."""
+        from engine import triton_attention
         from engine.attention import AttentionMetadata, PagedKVCache
 
         hq, hk, dim, bs = 4, 2, 32, 4
-        lens = [5, 1, 9]  # context per sequence, the new token included
-        tables = torch.tensor([[2, 0, 0], [1, 0, 0], [3, 4, 5]], dtype=torch.int32, device=device)
+        lens = [5, 1, 19]  # context per sequence, the new token included
+        tables = torch.tensor([[2, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0], [3, 4, 5, 6, 7, 0]], dtype=torch.int32,
+                              device=device)
         slots = torch.tensor([int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)],
                              device=device)
         meta = AttentionMetadata(False, slots, tables, torch.arange(3, dtype=torch.int32, device=device),
@@ -323,17 +327,22 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         errs = []
         for rope in (rand(3, 2, dim, dtype=torch.float32, seed=20), None):
             out = {}
-            for backend in ("torch", "triton"):
-                cache = PagedKVCache(1, 6, bs, hk, dim, dtype, device, backend=backend)
+            for backend, split_keys in (("torch", 0), ("triton", 0), ("triton", 16)):
+                cache = PagedKVCache(1, 8, bs, hk, dim, dtype, device, backend=backend)
                 cache.k.copy_(rand(*cache.k.shape, dtype=dtype, seed=21))
                 cache.v.copy_(rand(*cache.v.shape, dtype=dtype, seed=22))
                 kernels = triton_kernels.usable if backend == "triton" else fused.kernels  # the torch one: eager ops
                 fused_write = triton_kernels.rotary_store_kv
                 with mock.patch.object(fused, "kernels", kernels), \
+                        mock.patch.object(triton_attention, "SPLIT_KEYS", split_keys), \
                         mock.patch.object(triton_kernels, "rotary_store_kv", wraps=fused_write) as spy:
-                    out[backend] = (cache.attend_fn(meta)(0, q, k, v, rope), cache.k.clone(), cache.v.clone())
-                assert spy.call_count == (backend == "triton"), f"{backend}: fused K/V write used {spy.call_count}x"
-            errs += [relative_error(a, b) for a, b in zip(out["triton"], out["torch"], strict=True)]
+                    out[backend, split_keys] = (cache.attend_fn(meta)(0, q, k, v, rope), cache.k.clone(),
+                                                cache.v.clone())
+                assert spy.call_count == (backend == "triton" and not split_keys), \
+                    f"{backend} split {split_keys}: separate rotary + K/V write used {spy.call_count}x"
+                assert all(bool((c == 0).all()) for c in triton_attention._counters.values())
+            for ours in (out["triton", 0], out["triton", 16]):
+                errs += [relative_error(a, b) for a, b in zip(ours, out["torch", 0], strict=True)]
         x = rand(5, 64, dtype=dtype, seed=23)
         w = rand(96, 64, dtype=dtype, seed=24) * 0.125
         gate, up = F.linear(x, w).chunk(2, dim=-1)
