@@ -26,8 +26,7 @@
 # time limits, seconds; T_TEST for the CUDA tests), BENCH_ARGS (extra flags for both benchmarks), OURS_ARGS / NANO_ARGS (per engine),
 # CHECK_ARGS (extra flags for gpu_check.py), PROFILE_BATCH (1,8,64), BASELINE, T_PROFILE, FRESH_KERNELS (1: our
 # benchmark starts on an empty Triton kernel cache, for the cold start of a fresh machine). Files in $OUT:
-# device_bench.log, gpu_check.json, profile.json, profile_before.json, ours.json,
-# nano.json, compare.md.
+# device_bench.log, gpu_check.json, profile.json, profile_before.json, ours.json, nano.json, compare.md.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
