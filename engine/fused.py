@@ -154,14 +154,15 @@ def depthwise_conv_supported(x: torch.Tensor, state: torch.Tensor | None, weight
 
 
 def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
-                          dilation: int, out_alpha: torch.Tensor | None = None,
-                          slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A residual unit's cat(carried context, x) -> dilated depthwise causal conv (stride 1) [-> Snake with
-    `out_alpha`] as one kernel: (output, new context). state (B, C, (K - 1) * dilation) or None for a
-    full-sequence pass; with `slots` (B,), state holds every slot's context, rows slots[b] are read and replaced
-    in place (the new context returned is state itself). Only where `depthwise_conv_supported` (the caller checks,
-    before its Snake)."""
-    return triton_kernels.causal_depthwise_conv(x, state, weight, bias, dilation, out_alpha, slots)
+                          dilation: int, out_alpha: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                          in_alpha: torch.Tensor | None = None,
+                          in_shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual unit's [Snake with `in_alpha` of x + `in_shift`] -> cat(carried context, that) -> dilated
+    depthwise causal conv (stride 1) [-> Snake with `out_alpha`] as one kernel: (output, new context). state
+    (B, C, (K - 1) * dilation) or None for a full-sequence pass; with `slots` (B,), state holds every slot's
+    context, rows slots[b] are read and replaced in place (the new context returned is state itself). Only where
+    `depthwise_conv_supported` (the caller checks)."""
+    return triton_kernels.causal_depthwise_conv(x, state, weight, bias, dilation, out_alpha, slots, in_alpha, in_shift)
 
 
 def causal_conv_transpose(x: torch.Tensor, state: torch.Tensor | None, weight_taps: torch.Tensor,

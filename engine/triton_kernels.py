@@ -16,7 +16,7 @@ compile once per dtype and block size and follow the eager op order and rounding
 - `dense_attention`: the local encoder's and DiT's bidirectional attention over sequences of <= 64 tokens
   with the rotary embedding applied on load (one sequence and 1..G query heads of a GQA group per program);
 - `snake`: the VAE's Snake activation x + sin^2(alpha x) / alpha on (B, C, T) activations of any strides;
-- `causal_depthwise_conv`: a residual unit's carried-context concat, dilated depthwise causal conv and the
+- `causal_depthwise_conv`: a residual unit's Snake, carried-context concat, dilated depthwise causal conv and the
   Snake after it in one pass, also returning the new carried context;
 - `cfg_euler_step`: one Euler step of the flow sampler with CFG-zero* guidance, one row per program;
 - `dit_input`: a DiT evaluation's input rows (the leading tokens, then in_proj of the noisy patch for both CFG
@@ -229,33 +229,49 @@ if HAVE_TRITON:
         tl.store(o_ptr + bc * length + t, out.to(o_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _cat_load(x_row, s_row, idx, mask, pad, stride_xt, stride_st, HAS_STATE: tl.constexpr):
-        """cat(state, x)[idx] along time (idx in [0, pad + length)) in fp32; without state the zero
-        left-padding of a full-sequence pass."""
+    def _cat_load(x_row, s_row, idx, mask, pad, stride_xt, stride_st, in_alpha, in_shift, HAS_STATE: tl.constexpr,
+                  IN_SNAKE: tl.constexpr, IN_SHIFT: tl.constexpr, FAST_SIN: tl.constexpr):
+        """cat(state, x')[idx] along time (idx in [0, pad + length)) in fp32, x' = x or, with IN_SNAKE,
+        Snake(x [+ in_shift]) rounded to x's dtype (the separate Snake kernel's output; the state holds earlier x');
+        without state the zero left-padding of a full-sequence pass."""
         in_x = idx >= pad
-        v = tl.load(x_row + (idx - pad) * stride_xt, mask=mask & in_x, other=0.0).to(tl.float32)
+        v = tl.load(x_row + (idx - pad) * stride_xt, mask=mask & in_x, other=0.0)
+        if IN_SNAKE:
+            vf = v.to(tl.float32)
+            if IN_SHIFT:
+                vf = vf + in_shift
+            v = _snake(vf, in_alpha, FAST_SIN).to(v.dtype)
+        v = v.to(tl.float32)
         if HAS_STATE:
             old = tl.load(s_row + idx * stride_st, mask=mask & (idx < pad), other=0.0).to(tl.float32)
             v = tl.where(in_x, v, old)
+        elif IN_SNAKE:  # the zero padding stays zero (Snake(0 + shift) is not)
+            v = tl.where(in_x, v, 0.0)
         return v
 
     @triton.jit
-    def _dwconv_kernel(x_ptr, state_ptr, slot_ptr, w_ptr, bias_ptr, alpha_ptr, y_ptr, new_state_ptr, channels,
-                       length, pad, dilation, stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
-                       K: tl.constexpr, HAS_STATE: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    def _dwconv_kernel(x_ptr, state_ptr, slot_ptr, w_ptr, bias_ptr, alpha_ptr, in_alpha_ptr, in_shift_ptr, y_ptr,
+                       new_state_ptr, channels, length, pad, dilation, stride_xb, stride_xc, stride_xt, stride_sb,
+                       stride_sc, stride_st, K: tl.constexpr, HAS_STATE: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, IN_SNAKE: tl.constexpr, IN_SHIFT: tl.constexpr,
                        OUT_SNAKE: tl.constexpr, FAST_SIN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
-        # HAS_SLOTS: state holds every slot's context; row b's is slot_ptr[b]'s, replaced in place at the end
+        # HAS_SLOTS: state holds every slot's context; row b's is slot_ptr[b]'s, replaced in place at the end.
+        # IN_SNAKE: the residual unit's first Snake applied to x on load (each sample once per tap: recomputing is
+        # cheaper than the separate kernel's pass over the activations), the context holds its outputs.
         bc = tl.program_id(0).to(tl.int64)
         b, c = bc // channels, bc % channels
         x_row = x_ptr + b * stride_xb + c * stride_xc
         s_b = tl.load(slot_ptr + b).to(tl.int64) if HAS_SLOTS else b
         s_row = state_ptr + s_b * stride_sb + c * stride_sc
+        in_alpha = tl.load(in_alpha_ptr + c).to(tl.float32) if IN_SNAKE else 0.0
+        in_shift = tl.load(in_shift_ptr + c).to(tl.float32) if IN_SHIFT else 0.0
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = t < length
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for j in tl.static_range(K):
-            acc += tl.load(w_ptr + c * K + j).to(tl.float32) * _cat_load(x_row, s_row, t + j * dilation, mask, pad,
-                                                                          stride_xt, stride_st, HAS_STATE)
+            acc += tl.load(w_ptr + c * K + j).to(tl.float32) * _cat_load(
+                x_row, s_row, t + j * dilation, mask, pad, stride_xt, stride_st, in_alpha, in_shift, HAS_STATE,
+                IN_SNAKE, IN_SHIFT, FAST_SIN)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + c).to(tl.float32)
         if OUT_SNAKE:  # the Snake after the conv, on the conv's output rounded to its dtype (the eager order)
@@ -265,7 +281,8 @@ if HAVE_TRITON:
         if tl.program_id(1) == 0:  # the new carried context: the last `pad` samples of cat(state, x)
             i = tl.arange(0, BLOCK_P)
             pmask = i < pad
-            tail = _cat_load(x_row, s_row, length + i, pmask, pad, stride_xt, stride_st, HAS_STATE)
+            tail = _cat_load(x_row, s_row, length + i, pmask, pad, stride_xt, stride_st, in_alpha, in_shift,
+                             HAS_STATE, IN_SNAKE, IN_SHIFT, FAST_SIN)
             # in place: of the programs of this row, only this one reads the old context (one time block, or blocks
             # >= pad). Rows sharing a slot (the runner's padding rows, all on its scratch slot) race there: harmless,
             # their outputs are discarded.
@@ -599,13 +616,16 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, scale: torch.Tensor | None = Non
 
 
 def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
-                          dilation: int, out_alpha: torch.Tensor | None = None,
-                          slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The carried context `state` (B, C, P) prepended to x (None: zeros), then the depthwise conv with weight
+                          dilation: int, out_alpha: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                          in_alpha: torch.Tensor | None = None,
+                          in_shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The carried context `state` (B, C, P) prepended to x' (None: zeros), then the depthwise conv with weight
     (C, 1, K), P = (K - 1) * dilation -> (y (B, C, T), the new context (B, C, P)), both contiguous in x's
-    dtype; with `out_alpha` (1, C, 1), y is Snake of the conv's output. x and state may have any strides.
-    No copy of the concatenation is made. With `slots` (B,): state is (slots, C, P), row b's context is
-    state[slots[b]], and it is replaced there in place (returned: state)."""
+    dtype. x' is x, or with `in_alpha` (1, C, 1) `snake(x, in_alpha, shift=in_shift)` (in_shift (C,) or None),
+    computed on load: the context holds x' as it would after a separate Snake. With `out_alpha` (1, C, 1), y is
+    Snake of the conv's output. x and state may have any strides. No copy of the concatenation is made. With
+    `slots` (B,): state is (slots, C, P), row b's context is state[slots[b]], and it is replaced there in place
+    (returned: state)."""
     b, c, t = x.shape
     k = weight.shape[-1]
     pad = (k - 1) * dilation
@@ -620,10 +640,12 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
         w = weight.reshape(c, k).contiguous()
         _dwconv_kernel[(b * c, max(1, triton.cdiv(t, block)))](
             x, s, slots if in_place else w, w, bias if bias is not None else w,
-            out_alpha.reshape(-1) if out_alpha is not None else w, y, new_state, c, t, pad, dilation, x.stride(0),
-            x.stride(1), x.stride(2), s.stride(0) if state is not None else 0, s.stride(1) if state is not None else 0,
+            out_alpha.reshape(-1) if out_alpha is not None else w, in_alpha.reshape(-1) if in_alpha is not None else w,
+            in_shift if in_shift is not None else w, y, new_state, c, t, pad, dilation, x.stride(0), x.stride(1),
+            x.stride(2), s.stride(0) if state is not None else 0, s.stride(1) if state is not None else 0,
             s.stride(2) if state is not None else 0, K=k, HAS_STATE=state is not None, HAS_SLOTS=in_place,
-            HAS_BIAS=bias is not None, OUT_SNAKE=out_alpha is not None, FAST_SIN=fast_sin(), BLOCK=block,
+            HAS_BIAS=bias is not None, IN_SNAKE=in_alpha is not None, IN_SHIFT=in_shift is not None,
+            OUT_SNAKE=out_alpha is not None, FAST_SIN=fast_sin(), BLOCK=block,
             BLOCK_P=triton.next_power_of_2(max(pad, 1)), num_warps=4)
     return y, new_state
 

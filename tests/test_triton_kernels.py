@@ -161,6 +161,24 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                 y, returned = triton_kernels.causal_depthwise_conv(x, buffers, weight, bias, dilation, alpha, slots)
                 assert returned is buffers and torch.equal(buffers[1:3], untouched), "rows of other slots changed"
                 errs += [relative_error(y, s_ref), relative_error(buffers[slots], xcat[..., length:])]
+            # the Snake before the conv on load (with a per-channel shift, and without): against the Snake kernel's
+            # output fed to the conv; the context holds Snake outputs
+            in_alpha = rand(1, channels, 1, dtype=dtype, seed=80 + seed).abs() + 0.2
+            for shift in (rand(channels, dtype=dtype, seed=90 + seed), None):
+                xs = triton_kernels.snake(x, in_alpha, None, shift)
+                xs_cat = torch.cat([state if streaming else x.new_zeros(2, channels, pad), xs], dim=-1)
+                ys_ref = F.conv1d(xs_cat.float(), weight.float(), None if bias is None else bias.float(),
+                                  dilation=dilation, groups=channels).to(dtype)
+                ys_ref = ys_ref + (alpha + 1e-9).reciprocal() * torch.sin(alpha * ys_ref).pow(2)
+                y, new_state = triton_kernels.causal_depthwise_conv(x, state, weight, bias, dilation, alpha,
+                                                                    in_alpha=in_alpha, in_shift=shift)
+                errs += [relative_error(y, ys_ref), relative_error(new_state, xs_cat[..., length:])]
+                if streaming:
+                    buffers = rand(4, channels, pad, dtype=dtype, seed=75 + seed)
+                    buffers[slots] = state
+                    y, _ = triton_kernels.causal_depthwise_conv(x, buffers, weight, bias, dilation, alpha, slots,
+                                                                in_alpha, shift)
+                    errs += [relative_error(y, ys_ref), relative_error(buffers[slots], xs_cat[..., length:])]
         return max(errs)
 
     def residual_unit(dtype: torch.dtype) -> float:

@@ -274,7 +274,7 @@ class ResidualUnit(nn.Module):
             CausalConv1d(dim, dim, 1, left_pad=0),
         ])
         snake1, conv, snake2, pointwise = self.block
-        # On CUDA the block runs as Snake kernel, depthwise conv (+ the second Snake) kernel, GEMM + residual.
+        # On CUDA the block runs as two kernels: the depthwise conv with both Snakes, the GEMM + residual.
         self.fusable = (isinstance(snake1, Snake1d) and isinstance(conv, CausalConv1d) and isinstance(snake2, Snake1d)
                         and conv.groups == conv.in_channels == conv.out_channels and conv.stride == (1,)
                         and conv.padding == (0,) and conv.left_pad == (conv.kernel_size[0] - 1) * conv.dilation[0])
@@ -289,7 +289,7 @@ class ResidualUnit(nn.Module):
 
     def forward_deferred(self, x: Tensor, states: StreamStates | None,
                          pending: Tensor | None = None) -> tuple[Tensor, Tensor | None] | None:
-        """The block in three kernels (see `fusable`) with its output bias left out: for the input x + pending
+        """The block in two kernels (see `fusable`) with its output bias left out: for the input x + pending
         (pending: a per-channel bias (C,) not yet added to x, or None), (y, bias) with output = y + bias. None where
         the conv kernel does not apply (nothing consumed). Consumes x (the GEMM adds into it in place): a residual
         unit's input is always an intermediate of the VAE."""
@@ -302,8 +302,8 @@ class ResidualUnit(nn.Module):
             state = states[conv.state_slot]
         if not fused.depthwise_conv_supported(x, state, conv.weight, conv.bias, conv.dilation[0], slots):
             return None
-        h, new_state = fused.causal_depthwise_conv(fused.snake(x, snake1.alpha, shift=pending), state, conv.weight,
-                                                   conv.bias, conv.dilation[0], snake2.alpha, slots)
+        h, new_state = fused.causal_depthwise_conv(x, state, conv.weight, conv.bias, conv.dilation[0], snake2.alpha,
+                                                   slots, in_alpha=snake1.alpha, in_shift=pending)
         if streaming and slots is None:
             states[conv.state_slot] = new_state
         out = fused.pointwise_conv_residual(h, pointwise.weight, None, x)
