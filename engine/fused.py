@@ -166,27 +166,31 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
 
 
 def causal_conv_transpose(x: torch.Tensor, state: torch.Tensor | None, weight_taps: torch.Tensor,
-                          bias: torch.Tensor | None, stride: int, kernel: int) -> torch.Tensor | None:
+                          bias: torch.Tensor | None, stride: int, kernel: int,
+                          slots: torch.Tensor | None = None) -> torch.Tensor | None:
     """The VAE's streaming upsampler (audio_vae.CausalConvTranspose1d) as one GEMM of every tap over the context
     and the new frames of all streams (cuBLAS, under the matmul TF32 policy that the runner aligns with cuDNN's)
     and one Triton overlap-add writing only the kept outputs, contiguous: no cuDNN algorithm search per batch size
     at start-up, no trimmed view. weight_taps: (kernel * C_out, C_in), rows ordered (tap, channel). state
-    (B, C_in, ctx) or None (zeros). None where it does not apply (the caller then runs cuDNN). Not used with
-    VOXCPM_VAE_UPSAMPLER=cudnn."""
+    (B, C_in, ctx) or None (zeros); with `slots` (B,), state is every slot's context (slots, C_in, ctx), rows slots[b]
+    are read and replaced in place by the new context. None where it does not apply (nothing changed; the caller
+    then runs cuDNN). Not used with VOXCPM_VAE_UPSAMPLER=cudnn."""
     if not (kernels(x) and x.dim() == 3 and weight_taps.dtype == x.dtype):
         return None
     b, c, n = x.shape
     ctx = (kernel - 1) // stride
-    if state is not None and (state.shape != (b, c, ctx) or state.dtype != x.dtype):
+    if slots is not None:
+        if not (state is not None and state.dim() == 3 and state.shape[1:] == (c, ctx) and state.dtype == x.dtype
+                and slots.shape == (b,) and slots.dtype in (torch.int32, torch.int64) and slots.is_contiguous()
+                and slots.device == x.device):
+            return None
+    elif state is not None and (state.shape != (b, c, ctx) or state.dtype != x.dtype):
         return None
     # One GEMM over every stream's frames: the input laid out (C_in, B, F), F = ctx + n padded to a multiple of 4
     # (cuBLAS's fast kernels need 16-byte aligned rows). A GEMM per stream (B, C_in, F) was 6.5 of the VAE's
     # 15.5 ms at B=128 on the H100: a handful of frames per stream is far too narrow for a GEMM.
     frames = ctx + n + (-(ctx + n) % 4)
-    xin = x.new_zeros(c, b, frames)
-    if state is not None:
-        xin[:, :, :ctx] = state.transpose(0, 1)
-    xin[:, :, ctx:ctx + n] = x.transpose(0, 1)
+    xin = triton_kernels.upsampler_input(x, state, ctx, frames, slots)
     g = torch.mm(weight_taps, xin.view(c, b * frames)).view(-1, b, frames).transpose(0, 1)
     return triton_kernels.overlap_add(g, bias, stride, kernel, ctx, n)
 

@@ -18,6 +18,8 @@ compile once per dtype and block size and follow the eager op order and rounding
 - `snake`: the VAE's Snake activation x + sin^2(alpha x) / alpha on (B, C, T) activations of any strides;
 - `causal_depthwise_conv`: a residual unit's Snake, carried-context concat, dilated depthwise causal conv and the
   Snake after it in one pass, also returning the new carried context;
+- `upsampler_input`, `overlap_add`: the VAE upsampler's GEMM input (the carried context and the new frames of every
+  stream side by side, the context replaced in place) and the transposed conv's outputs from its per-tap products;
 - `cfg_euler_step`: one Euler step of the flow sampler with CFG-zero* guidance, one row per program;
 - `dit_input`: a DiT evaluation's input rows (the leading tokens, then in_proj of the noisy patch for both CFG
   halves) in one kernel; `dit_output_euler`: its output projection and the guided Euler step in one kernel;
@@ -292,6 +294,30 @@ if HAVE_TRITON:
             else:
                 tl.store(new_state_ptr + bc * pad + i, tail.to(new_state_ptr.dtype.element_ty), mask=pmask)
 
+
+    @triton.jit
+    def _upsampler_input_kernel(x_ptr, state_ptr, slot_ptr, xin_ptr, channels, batch, length, ctx, frames, stride_xb,
+                                stride_xc, stride_xt, stride_sb, stride_sc, stride_st, HAS_STATE: tl.constexpr,
+                                HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+        # One (batch, channel) row: xin[c, b, :] = cat(context, x row) zero-padded to `frames`. HAS_SLOTS: the context
+        # is slot_ptr[b]'s row of the per-slot buffer, replaced in place by the new one (the concat's last ctx
+        # frames) by the program that read it (the first frame block, BLOCK >= ctx).
+        bc = tl.program_id(0).to(tl.int64)
+        b, c = bc // channels, bc % channels
+        x_row = x_ptr + b * stride_xb + c * stride_xc
+        s_b = tl.load(slot_ptr + b).to(tl.int64) if HAS_SLOTS else b
+        s_row = state_ptr + s_b * stride_sb + c * stride_sc
+        f = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        v = _cat_load(x_row, s_row, f, f < ctx + length, ctx, stride_xt, stride_st, 0.0, 0.0, HAS_STATE, False,
+                      False, False)
+        tl.store(xin_ptr + (c * batch + b) * frames + f, v.to(xin_ptr.dtype.element_ty), mask=f < frames)
+        if HAS_SLOTS and tl.program_id(1) == 0:
+            i = tl.arange(0, BLOCK_P)
+            pmask = i < ctx
+            tail = _cat_load(x_row, s_row, length + i, pmask, ctx, stride_xt, stride_st, 0.0, 0.0, HAS_STATE, False,
+                             False, False)
+            tl.debug_barrier()  # every thread of the program is done reading the old context
+            tl.store(s_row + i * stride_st, tail.to(state_ptr.dtype.element_ty), mask=pmask)
 
     @triton.jit
     def _overlap_add_kernel(g_ptr, bias_ptr, y_ptr, c_out, out_len, ctx, stride_gb, stride_gr,
@@ -648,6 +674,26 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
             OUT_SNAKE=out_alpha is not None, FAST_SIN=fast_sin(), BLOCK=block,
             BLOCK_P=triton.next_power_of_2(max(pad, 1)), num_warps=4)
     return y, new_state
+
+
+def upsampler_input(x: torch.Tensor, state: torch.Tensor | None, ctx: int, frames: int,
+                    slots: torch.Tensor | None = None) -> torch.Tensor:
+    """The upsampler GEMM's input: x (B, C, n) any strides after its carried context `state` (B, C, ctx) (None:
+    zeros), zero-padded to `frames` >= ctx + n -> (C, B, frames) contiguous, every stream's frames side by side. With
+    `slots` (B,): state is (slots, C, ctx), row b's context is state[slots[b]], and it is replaced there in place by
+    the new one (the last ctx frames of cat(context, x))."""
+    b, c, n = x.shape
+    xin = torch.empty((c, b, frames), dtype=x.dtype, device=x.device)
+    if b and c:
+        block = max(_time_block(frames), triton.next_power_of_2(max(ctx, 1)))
+        s = state if state is not None else x
+        in_place = slots is not None and state is not None
+        _upsampler_input_kernel[(b * c, triton.cdiv(frames, block))](
+            x, s, slots if in_place else x, xin, c, b, n, ctx, frames, x.stride(0), x.stride(1), x.stride(2),
+            s.stride(0) if state is not None else 0, s.stride(1) if state is not None else 0,
+            s.stride(2) if state is not None else 0, HAS_STATE=state is not None, HAS_SLOTS=in_place, BLOCK=block,
+            BLOCK_P=triton.next_power_of_2(max(ctx, 1)), num_warps=4)
+    return xin
 
 
 def overlap_add(g: torch.Tensor, bias: torch.Tensor | None, stride: int, kernel: int, ctx: int,

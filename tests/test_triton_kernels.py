@@ -216,7 +216,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         cuDNN path, over streamed chunks of 1, 3 and 7 frames (strided views) and a full-sequence pass, with the new
         context. The shipped geometry (kernel 2 x stride) carries one frame of context; a kernel of 3 x stride
         carries two, so a chunk of one frame is shorter than its context (the new context then spans both)."""
-        from engine.models.audio_vae import CausalConvTranspose1d
+        from engine.models.audio_vae import CausalConvTranspose1d, SlotStates
 
         errs = []
         with exact_fp32_on_cuda():
@@ -227,6 +227,11 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                 conv.state_slot = 0
                 states_ref = [rand(2, c_in, conv.context, dtype=dtype, seed=110 + seed)]
                 states = [states_ref[0].clone()]
+                # the contexts also in per-slot buffers (rows 3 and 0 of 4), read and replaced in place by the kernel
+                slots = torch.tensor([3, 0], device=device)
+                buffers = rand(4, c_in, conv.context, dtype=dtype, seed=115 + seed)
+                buffers[slots] = states_ref[0]
+                untouched = buffers[1:3].clone()
                 with torch.no_grad(), mock.patch.object(fused, "VAE_UPSAMPLER", "gemm"), \
                         mock.patch.object(triton_kernels, "overlap_add", wraps=triton_kernels.overlap_add) as spy:
                     for n in (1, 3, 7):
@@ -234,13 +239,16 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                         with mock.patch.object(fused, "kernels", lambda x: False):
                             ref = conv(x, states_ref)
                         with mock.patch.object(fused, "kernels", triton_kernels.usable):
-                            errs += [relative_error(conv(x, states), ref), relative_error(states[0], states_ref[0])]
+                            errs += [relative_error(conv(x, states), ref), relative_error(states[0], states_ref[0]),
+                                     relative_error(conv(x, SlotStates([buffers], slots)), ref),
+                                     relative_error(buffers[slots], states_ref[0])]
+                    assert torch.equal(buffers[1:3], untouched), "rows of other slots changed"
                     x = rand(2, c_in, 9, dtype=dtype, seed=130)
                     with mock.patch.object(fused, "kernels", lambda x: False):
                         ref = conv(x)
                     with mock.patch.object(fused, "kernels", triton_kernels.usable):
                         errs.append(relative_error(conv(x), ref))
-                    assert spy.call_count == 4, "the upsampler did not take its kernel path"
+                    assert spy.call_count == 7, "the upsampler did not take its kernel path"
         return max(errs)
 
     def vae_decoder(dtype: torch.dtype) -> float:

@@ -223,13 +223,19 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
         stride = self.stride[0]
         streaming = states is not None and self.state_slot is not None
         if fused.kernels(x) and fused.VAE_DWCONV == "triton" and fused.VAE_UPSAMPLER == "gemm":
-            state = states[self.state_slot] if streaming else None
-            y = fused.causal_conv_transpose(x, state, self.tap_weight(), self.bias, stride, self.kernel_size[0])
-            if y is not None:
-                if streaming:
-                    tail = x if x.shape[-1] >= self.context else torch.cat([state, x], dim=-1)
-                    states[self.state_slot] = tail[..., tail.shape[-1] - self.context:]
-                return y
+            if streaming and isinstance(states, SlotStates):  # the kernel reads and replaces the slots' rows in place
+                y = fused.causal_conv_transpose(x, states.buffers[self.state_slot], self.tap_weight(), self.bias,
+                                                stride, self.kernel_size[0], states.index)
+                if y is not None:
+                    return y
+            else:
+                state = states[self.state_slot] if streaming else None
+                y = fused.causal_conv_transpose(x, state, self.tap_weight(), self.bias, stride, self.kernel_size[0])
+                if y is not None:
+                    if streaming:
+                        tail = x if x.shape[-1] >= self.context else torch.cat([state, x], dim=-1)
+                        states[self.state_slot] = tail[..., tail.shape[-1] - self.context:]
+                    return y
         if not streaming:
             y = F.conv_transpose1d(x, self.weight, self.bias, stride)
             return y[..., : y.shape[-1] - self.right_trim]
