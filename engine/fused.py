@@ -137,20 +137,27 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, scale: torch.Tensor | None = Non
     return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
 
 
+def _context_fits(state: torch.Tensor | None, slots: torch.Tensor | None, x: torch.Tensor, width: int) -> bool:
+    """Whether a kernel can take `state` as the carried context (width frames) of x's (B, C, T) streams: (B, C,
+    width) or None; with `slots` (B,), every slot's contexts (slots, C, width) read and replaced at rows slots[b]."""
+    b, c = x.shape[:2]
+    if slots is not None:
+        return (state is not None and state.dim() == 3 and state.shape[1:] == (c, width) and state.dtype == x.dtype
+                and slots.shape == (b,) and slots.dtype in (torch.int32, torch.int64) and slots.is_contiguous()
+                and slots.device == x.device)
+    return state is None or (state.shape == (b, c, width) and state.dtype == x.dtype)
+
+
 def depthwise_conv_supported(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor,
                              bias: torch.Tensor | None, dilation: int, slots: torch.Tensor | None = None) -> bool:
     """Whether `causal_depthwise_conv` runs its kernel for these arguments."""
     if not (kernels(x) and x.dim() == 3 and weight.dim() == 3):
         return False
-    b, c, _ = x.shape
+    c = x.shape[1]
     pad = (weight.shape[-1] - 1) * dilation
     if weight.shape[:2] != (c, 1) or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         return False
-    if slots is not None:  # state: every slot's context, updated in place at rows `slots`
-        return (state is not None and state.dim() == 3 and state.shape[1:] == (c, pad) and state.dtype == x.dtype
-                and slots.shape == (b,) and slots.dtype in (torch.int32, torch.int64) and slots.is_contiguous()
-                and slots.device == x.device)
-    return state is None or (state.shape == (b, c, pad) and state.dtype == x.dtype)
+    return _context_fits(state, slots, x, pad)
 
 
 def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -179,12 +186,7 @@ def causal_conv_transpose(x: torch.Tensor, state: torch.Tensor | None, weight_ta
         return None
     b, c, n = x.shape
     ctx = (kernel - 1) // stride
-    if slots is not None:
-        if not (state is not None and state.dim() == 3 and state.shape[1:] == (c, ctx) and state.dtype == x.dtype
-                and slots.shape == (b,) and slots.dtype in (torch.int32, torch.int64) and slots.is_contiguous()
-                and slots.device == x.device):
-            return None
-    elif state is not None and (state.shape != (b, c, ctx) or state.dtype != x.dtype):
+    if not _context_fits(state, slots, x, ctx):
         return None
     # One GEMM over every stream's frames: the input laid out (C_in, B, F), F = ctx + n padded to a multiple of 4
     # (cuBLAS's fast kernels need 16-byte aligned rows). A GEMM per stream (B, C_in, F) was 6.5 of the VAE's

@@ -50,6 +50,17 @@ class SlotStates:
 StreamStates = list[Tensor] | SlotStates
 
 
+def layer_context(states: StreamStates | None, slot: int | None) -> tuple[Tensor | None, Tensor | None]:
+    """A stateful layer's (context, slots) for a kernel: with per-slot buffers the layer's whole buffer and the
+    batch's slots (the kernel reads and replaces those rows in place), else the batch's contexts and None; (None,
+    None) when not streaming."""
+    if states is None or slot is None:
+        return None, None
+    if isinstance(states, SlotStates):
+        return states.buffers[slot], states.index
+    return states[slot], None
+
+
 # --------------------------------------------------------------------------------------------------
 # Config
 # --------------------------------------------------------------------------------------------------
@@ -223,19 +234,13 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
         stride = self.stride[0]
         streaming = states is not None and self.state_slot is not None
         if fused.kernels(x) and fused.VAE_DWCONV == "triton" and fused.VAE_UPSAMPLER == "gemm":
-            if streaming and isinstance(states, SlotStates):  # the kernel reads and replaces the slots' rows in place
-                y = fused.causal_conv_transpose(x, states.buffers[self.state_slot], self.tap_weight(), self.bias,
-                                                stride, self.kernel_size[0], states.index)
-                if y is not None:
-                    return y
-            else:
-                state = states[self.state_slot] if streaming else None
-                y = fused.causal_conv_transpose(x, state, self.tap_weight(), self.bias, stride, self.kernel_size[0])
-                if y is not None:
-                    if streaming:
-                        tail = x if x.shape[-1] >= self.context else torch.cat([state, x], dim=-1)
-                        states[self.state_slot] = tail[..., tail.shape[-1] - self.context:]
-                    return y
+            state, slots = layer_context(states, self.state_slot)
+            y = fused.causal_conv_transpose(x, state, self.tap_weight(), self.bias, stride, self.kernel_size[0], slots)
+            if y is not None:
+                if streaming and slots is None:  # (per-slot buffers: the kernel replaced the context in place)
+                    tail = x if x.shape[-1] >= self.context else torch.cat([state, x], dim=-1)
+                    states[self.state_slot] = tail[..., tail.shape[-1] - self.context:]
+                return y
         if not streaming:
             y = F.conv_transpose1d(x, self.weight, self.bias, stride)
             return y[..., : y.shape[-1] - self.right_trim]
@@ -301,11 +306,7 @@ class ResidualUnit(nn.Module):
         unit's input is always an intermediate of the VAE."""
         snake1, conv, snake2, pointwise = self.block
         streaming = states is not None and conv.state_slot is not None
-        slots, state = None, None
-        if streaming and isinstance(states, SlotStates):  # the kernel reads and replaces the slots' rows in place
-            slots, state = states.index, states.buffers[conv.state_slot]
-        elif streaming:
-            state = states[conv.state_slot]
+        state, slots = layer_context(states, conv.state_slot)
         if not fused.depthwise_conv_supported(x, state, conv.weight, conv.bias, conv.dilation[0], slots):
             return None
         h, new_state = fused.causal_depthwise_conv(x, state, conv.weight, conv.bias, conv.dilation[0], snake2.alpha,
