@@ -252,6 +252,24 @@ if HAVE_TRITON:
         return v
 
     @triton.jit
+    def _store_context(x_row, s_row, new_row, length, pad, stride_xt, stride_st, in_alpha, in_shift,
+                       HAS_STATE: tl.constexpr, HAS_SLOTS: tl.constexpr, IN_SNAKE: tl.constexpr,
+                       IN_SHIFT: tl.constexpr, FAST_SIN: tl.constexpr, BLOCK_P: tl.constexpr):
+        """A row's new carried context, the last `pad` frames of cat(state, x') (see `_cat_load`): with HAS_SLOTS in
+        place of the old one at s_row, once every thread of the program has read that (the caller is the row's
+        only program that reads it; rows sharing a slot, the runner's padding rows on its scratch slot, race there
+        harmlessly: their outputs are discarded), else to new_row (contiguous)."""
+        i = tl.arange(0, BLOCK_P)
+        pmask = i < pad
+        tail = _cat_load(x_row, s_row, length + i, pmask, pad, stride_xt, stride_st, in_alpha, in_shift, HAS_STATE,
+                         IN_SNAKE, IN_SHIFT, FAST_SIN)
+        if HAS_SLOTS:
+            tl.debug_barrier()
+            tl.store(s_row + i * stride_st, tail.to(s_row.dtype.element_ty), mask=pmask)
+        else:
+            tl.store(new_row + i, tail.to(new_row.dtype.element_ty), mask=pmask)
+
+    @triton.jit
     def _dwconv_kernel(x_ptr, state_ptr, slot_ptr, w_ptr, bias_ptr, alpha_ptr, in_alpha_ptr, in_shift_ptr, y_ptr,
                        new_state_ptr, channels, length, pad, dilation, stride_xb, stride_xc, stride_xt, stride_sb,
                        stride_sc, stride_st, K: tl.constexpr, HAS_STATE: tl.constexpr, HAS_SLOTS: tl.constexpr,
@@ -280,19 +298,9 @@ if HAVE_TRITON:
             acc = _snake(acc.to(y_ptr.dtype.element_ty).to(tl.float32), tl.load(alpha_ptr + c).to(tl.float32),
                          FAST_SIN)
         tl.store(y_ptr + bc * length + t, acc.to(y_ptr.dtype.element_ty), mask=mask)
-        if tl.program_id(1) == 0:  # the new carried context: the last `pad` samples of cat(state, x)
-            i = tl.arange(0, BLOCK_P)
-            pmask = i < pad
-            tail = _cat_load(x_row, s_row, length + i, pmask, pad, stride_xt, stride_st, in_alpha, in_shift,
-                             HAS_STATE, IN_SNAKE, IN_SHIFT, FAST_SIN)
-            # in place: of the programs of this row, only this one reads the old context (one time block, or blocks
-            # >= pad). Rows sharing a slot (the runner's padding rows, all on its scratch slot) race there: harmless,
-            # their outputs are discarded.
-            if HAS_SLOTS:
-                tl.debug_barrier()  # every thread of the program is done reading it
-                tl.store(s_row + i * stride_st, tail.to(state_ptr.dtype.element_ty), mask=pmask)
-            else:
-                tl.store(new_state_ptr + bc * pad + i, tail.to(new_state_ptr.dtype.element_ty), mask=pmask)
+        if tl.program_id(1) == 0:  # only this program of the row reads the old context (one time block, or >= pad)
+            _store_context(x_row, s_row, new_state_ptr + bc * pad, length, pad, stride_xt, stride_st, in_alpha,
+                           in_shift, HAS_STATE, HAS_SLOTS, IN_SNAKE, IN_SHIFT, FAST_SIN, BLOCK_P)
 
 
     @triton.jit
@@ -312,12 +320,8 @@ if HAVE_TRITON:
                       False, False)
         tl.store(xin_ptr + (c * batch + b) * frames + f, v.to(xin_ptr.dtype.element_ty), mask=f < frames)
         if HAS_SLOTS and tl.program_id(1) == 0:
-            i = tl.arange(0, BLOCK_P)
-            pmask = i < ctx
-            tail = _cat_load(x_row, s_row, length + i, pmask, ctx, stride_xt, stride_st, 0.0, 0.0, HAS_STATE, False,
-                             False, False)
-            tl.debug_barrier()  # every thread of the program is done reading the old context
-            tl.store(s_row + i * stride_st, tail.to(state_ptr.dtype.element_ty), mask=pmask)
+            _store_context(x_row, s_row, s_row, length, ctx, stride_xt, stride_st, 0.0, 0.0, HAS_STATE, True, False,
+                           False, False, BLOCK_P)
 
     @triton.jit
     def _overlap_add_kernel(g_ptr, bias_ptr, y_ptr, c_out, out_len, ctx, stride_gb, stride_gr,
