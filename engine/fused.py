@@ -174,14 +174,15 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
 
 def causal_conv_transpose(x: torch.Tensor, state: torch.Tensor | None, weight_taps: torch.Tensor,
                           bias: torch.Tensor | None, stride: int, kernel: int,
-                          slots: torch.Tensor | None = None) -> torch.Tensor | None:
+                          slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The VAE's streaming upsampler (audio_vae.CausalConvTranspose1d) as one GEMM of every tap over the context
     and the new frames of all streams (cuBLAS, under the matmul TF32 policy that the runner aligns with cuDNN's)
     and one Triton overlap-add writing only the kept outputs, contiguous: no cuDNN algorithm search per batch size
     at start-up, no trimmed view. weight_taps: (kernel * C_out, C_in), rows ordered (tap, channel). state
-    (B, C_in, ctx) or None (zeros); with `slots` (B,), state is every slot's context (slots, C_in, ctx), rows slots[b]
-    are read and replaced in place by the new context. None where it does not apply (nothing changed; the caller
-    then runs cuDNN). Not used with VOXCPM_VAE_UPSAMPLER=cudnn."""
+    (B, C_in, ctx) or None (zeros, no context kept) -> (output, new context (B, C_in, ctx) or None); with `slots`
+    (B,), state is every slot's context (slots, C_in, ctx), rows slots[b] are read and replaced in place by the new
+    context (returned: state), as `causal_depthwise_conv` does. None where it does not apply (nothing changed; the
+    caller then runs cuDNN). Not used with VOXCPM_VAE_UPSAMPLER=cudnn."""
     if not (kernels(x) and x.dim() == 3 and weight_taps.dtype == x.dtype):
         return None
     b, c, n = x.shape
@@ -192,9 +193,9 @@ def causal_conv_transpose(x: torch.Tensor, state: torch.Tensor | None, weight_ta
     # (cuBLAS's fast kernels need 16-byte aligned rows). A GEMM per stream (B, C_in, F) was 6.5 of the VAE's
     # 15.5 ms at B=128 on the H100: a handful of frames per stream is far too narrow for a GEMM.
     frames = ctx + n + (-(ctx + n) % 4)
-    xin = triton_kernels.upsampler_input(x, state, ctx, frames, slots)
+    xin, new_state = triton_kernels.upsampler_input(x, state, ctx, frames, slots)
     g = torch.mm(weight_taps, xin.view(c, b * frames)).view(-1, b, frames).transpose(0, 1)
-    return triton_kernels.overlap_add(g, bias, stride, kernel, ctx, n)
+    return triton_kernels.overlap_add(g, bias, stride, kernel, ctx, n), new_state
 
 
 def pointwise_conv_residual(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -304,12 +304,14 @@ if HAVE_TRITON:
 
 
     @triton.jit
-    def _upsampler_input_kernel(x_ptr, state_ptr, slot_ptr, xin_ptr, channels, batch, length, ctx, frames, stride_xb,
-                                stride_xc, stride_xt, stride_sb, stride_sc, stride_st, HAS_STATE: tl.constexpr,
-                                HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
-        # One (batch, channel) row: xin[c, b, :] = cat(context, x row) zero-padded to `frames`. HAS_SLOTS: the context
-        # is slot_ptr[b]'s row of the per-slot buffer, replaced in place by the new one (the concat's last ctx
-        # frames) by the program that read it (the first frame block, BLOCK >= ctx).
+    def _upsampler_input_kernel(x_ptr, state_ptr, slot_ptr, xin_ptr, new_state_ptr, channels, batch, length, ctx,
+                                frames, stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
+                                HAS_STATE: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr,
+                                BLOCK_P: tl.constexpr):
+        # One (batch, channel) row: xin[c, b, :] = cat(context, x row) zero-padded to `frames`. With HAS_STATE the new
+        # context (the concat's last ctx frames) is written by the program that read the old one (the first frame
+        # block, BLOCK >= ctx): with HAS_SLOTS in place of slot_ptr[b]'s row of the per-slot buffer, else to
+        # new_state_ptr's row.
         bc = tl.program_id(0).to(tl.int64)
         b, c = bc // channels, bc % channels
         x_row = x_ptr + b * stride_xb + c * stride_xc
@@ -319,9 +321,9 @@ if HAVE_TRITON:
         v = _cat_load(x_row, s_row, f, f < ctx + length, ctx, stride_xt, stride_st, 0.0, 0.0, HAS_STATE, False,
                       False, False)
         tl.store(xin_ptr + (c * batch + b) * frames + f, v.to(xin_ptr.dtype.element_ty), mask=f < frames)
-        if HAS_SLOTS and tl.program_id(1) == 0:
-            _store_context(x_row, s_row, s_row, length, ctx, stride_xt, stride_st, 0.0, 0.0, HAS_STATE, True, False,
-                           False, False, BLOCK_P)
+        if HAS_STATE and tl.program_id(1) == 0:
+            _store_context(x_row, s_row, new_state_ptr + bc * ctx, length, ctx, stride_xt, stride_st, 0.0, 0.0,
+                           HAS_STATE, HAS_SLOTS, False, False, False, BLOCK_P)
 
     @triton.jit
     def _overlap_add_kernel(g_ptr, bias_ptr, y_ptr, c_out, out_len, ctx, stride_gb, stride_gr,
@@ -681,23 +683,27 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
 
 
 def upsampler_input(x: torch.Tensor, state: torch.Tensor | None, ctx: int, frames: int,
-                    slots: torch.Tensor | None = None) -> torch.Tensor:
-    """The upsampler GEMM's input: x (B, C, n) any strides after its carried context `state` (B, C, ctx) (None:
-    zeros), zero-padded to `frames` >= ctx + n -> (C, B, frames) contiguous, every stream's frames side by side. With
-    `slots` (B,): state is (slots, C, ctx), row b's context is state[slots[b]], and it is replaced there in place by
-    the new one (the last ctx frames of cat(context, x))."""
+                    slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The upsampler GEMM's input and the new carried context: x (B, C, n) any strides after its context `state`
+    (B, C, ctx) (None: zeros), zero-padded to `frames` >= ctx + n -> ((C, B, frames) contiguous, every stream's frames
+    side by side; the last ctx frames of cat(context, x) as (B, C, ctx), None without a state). With `slots` (B,):
+    state is (slots, C, ctx), row b's context is state[slots[b]], and it is replaced there in place (returned:
+    state), as `causal_depthwise_conv` does."""
     b, c, n = x.shape
     xin = torch.empty((c, b, frames), dtype=x.dtype, device=x.device)
+    in_place = slots is not None and state is not None
+    new_state = (state if in_place else None if state is None
+                 else torch.empty((b, c, ctx), dtype=x.dtype, device=x.device))
     if b and c:
         block = max(_time_block(frames), triton.next_power_of_2(max(ctx, 1)))
         s = state if state is not None else x
-        in_place = slots is not None and state is not None
         _upsampler_input_kernel[(b * c, triton.cdiv(frames, block))](
-            x, s, slots if in_place else x, xin, c, b, n, ctx, frames, x.stride(0), x.stride(1), x.stride(2),
+            x, s, slots if in_place else x, xin, new_state if new_state is not None else xin, c, b, n, ctx, frames,
+            x.stride(0), x.stride(1), x.stride(2),
             s.stride(0) if state is not None else 0, s.stride(1) if state is not None else 0,
             s.stride(2) if state is not None else 0, HAS_STATE=state is not None, HAS_SLOTS=in_place, BLOCK=block,
             BLOCK_P=triton.next_power_of_2(max(ctx, 1)), num_warps=4)
-    return xin
+    return xin, new_state
 
 
 def overlap_add(g: torch.Tensor, bias: torch.Tensor | None, stride: int, kernel: int, ctx: int,

@@ -235,11 +235,12 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
         streaming = states is not None and self.state_slot is not None
         if fused.kernels(x) and fused.VAE_DWCONV == "triton" and fused.VAE_UPSAMPLER == "gemm":
             state, slots = layer_context(states, self.state_slot)
-            y = fused.causal_conv_transpose(x, state, self.tap_weight(), self.bias, stride, self.kernel_size[0], slots)
-            if y is not None:
+            out = fused.causal_conv_transpose(x, state, self.tap_weight(), self.bias, stride, self.kernel_size[0],
+                                              slots)
+            if out is not None:
+                y, new_state = out
                 if streaming and slots is None:  # (per-slot buffers: the kernel replaced the context in place)
-                    tail = x if x.shape[-1] >= self.context else torch.cat([state, x], dim=-1)
-                    states[self.state_slot] = tail[..., tail.shape[-1] - self.context:]
+                    states[self.state_slot] = new_state
                 return y
         if not streaming:
             y = F.conv_transpose1d(x, self.weight, self.bias, stride)
