@@ -25,13 +25,17 @@ split partials summed in split order first, as cuBLAS's split-K does; the norms,
 `engine.triton_kernels`). The barriers need every program resident at once: the grid never exceeds what the compiled
 variant's registers, shared memory and threads let the SMs hold together (`_programs_per_sm`), and launches of this
 kernel must not overlap (one counter per device, stream-ordered: the engine runs the local modules on one stream;
-kernels of other streams, like the VAE's, only delay programs, they finish on their own). Without barriers (Triton's
+kernels of other streams, like the VAE's, only delay programs, they finish on their own). The fused launch is a
+cooperative one (`COOPERATIVE`): the driver then guarantees that co-residency, or refuses the launch where the
+process may use fewer SMs than the device reports (an MPS client with an active-thread limit); the grid is then
+halved until it is accepted (`_launch_fused`), instead of spinning into the barrier's trap. Without barriers (Triton's
 interpreter, which runs programs one after another, or mode "phases") each phase is its own launch of the same
 kernel: same arithmetic, kernel boundaries instead of barriers.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -44,6 +48,8 @@ if TYPE_CHECKING:
     from engine.config import TransformerConfig
 else:
     from engine.lazy_torch import torch  # the kernel-compiling children never load it
+
+log = logging.getLogger(__name__)
 
 if HAVE_TRITON:
     import triton
@@ -241,9 +247,12 @@ if len(LAUNCH) != 4 or min(LAUNCH) < 1:
 # none): about what HBM delivers in the idle phase before it; more only evicts what is still to be used. DiT B=1 on an
 # H100 (tools/bench_kernels.py --only layer): 0 MB 33.5 us per layer, 2 MB 31.75, 4 MB 32.1, 8 MB 32.4, 16 MB 33.9.
 PREFETCH_BYTES = int(float(os.environ.get("VOXCPM_LAYER_PREFETCH_MB", "2")) * 2**20)
+# The fused launch as a cooperative launch (VOXCPM_LAYER_COOPERATIVE=0: a plain one, the barrier's trap the only guard).
+COOPERATIVE = os.environ.get("VOXCPM_LAYER_COOPERATIVE", "1") != "0"
 _resident: dict[tuple, int] = {}
 _sync: dict[torch.device, torch.Tensor] = {}  # the barrier counter and the exit counter, per device
 _sm_count: dict[torch.device, int] = {}
+_grid_halvings: dict[torch.device, int] = {}  # per device: how often a refused cooperative grid was halved
 
 
 def _device(device: torch.device) -> torch.device:
@@ -289,6 +298,28 @@ def _programs_per_sm(args: tuple, kwargs: dict, seq_len: int, device: torch.devi
             fits.append(props.shared_memory_per_multiprocessor // (compiled.metadata.shared + 1024))
         _resident[key] = max(1, min(fits))
     return _resident[key]
+
+
+def _launch_fused(grid: int, args: tuple, kwargs: dict, device: torch.device) -> None:
+    """One fused (all-phase) launch of `grid` programs, cooperative where kwargs ask for it. A cooperative grid the
+    driver refuses as too large (the process has fewer SMs than the device reports) is halved until accepted, and the
+    halving kept for the device's later launches (the engine's warm-up runs every shape before its graph capture).
+    The phases loop over their units, so any grid size computes the same."""
+    if not kwargs.get("launch_cooperative_grid"):
+        _dense_layer_kernel[(grid,)](*args, **kwargs)
+        return
+    grid = max(1, grid >> _grid_halvings.get(device, 0))
+    while True:
+        try:
+            _dense_layer_kernel[(grid,)](*args, **kwargs)
+            return
+        except RuntimeError as e:  # CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE: refused, nothing ran, nothing sticky
+            if "cooperative launch" not in str(e) or grid == 1:
+                raise
+        grid //= 2
+        _grid_halvings[device] = _grid_halvings.get(device, 0) + 1
+        log.warning("layer kernel: a cooperative grid was refused on %s (fewer usable SMs than the %d it reports, "
+                    "e.g. an MPS client's limit); running %d programs", device, _sms(device), grid)
 
 
 def _plan(cfg: TransformerConfig, sms: int) -> tuple[int, int, int] | None:
@@ -370,12 +401,17 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
             normed, qkv, attn, o_part, normed2, act, _sync[dev], n, seq_len, 0 if first else 1, cos.stride(0),
             sin.stride(0), cfg.rms_norm_eps, 1.0 if scale is None else scale, d ** -0.5)
         kwargs = dict(settings, PHASE=phase)
+        if phase < 0 and COOPERATIVE:  # (a launch option, but also part of the compiled variant's cache key)
+            kwargs["launch_cooperative_grid"] = True
         if phase not in grids:
             if phase < 0:  # every program resident at once, or a barrier cannot complete (and traps)
                 grids[phase] = min(sms * min(LAUNCH[3], _programs_per_sm(args, kwargs, seq_len, dev)), max(units))
             else:
                 grids[phase] = min(sms * LAUNCH[3], units[phase])
-        _dense_layer_kernel[(grids[phase],)](*args, **kwargs)
+        if phase < 0:
+            _launch_fused(grids[phase], args, kwargs, dev)
+        else:
+            _dense_layer_kernel[(grids[phase],)](*args, **kwargs)
 
     for i, layer in enumerate(layers):
         for phase in (-1,) if fused_launch else only_phases or range(len(units)):

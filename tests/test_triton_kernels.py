@@ -474,3 +474,44 @@ def test_cuda_matches_eager(dtype_name: str) -> None:
     for name, case in _cases("cuda").items():
         err = case(dtype)
         assert err <= BOUNDS[dtype], f"{name}-{dtype_name}: max relative error {err:.2e} > {BOUNDS[dtype]}"
+
+
+@pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
+def test_refused_cooperative_grid_is_halved_cuda() -> None:
+    """A fused layer-kernel grid larger than the GPU can hold at once (what an MPS client with an SM limit meets) is
+    refused by the driver as a cooperative launch; the launch halves it until accepted, remembers the halving, and
+    computes what the per-phase launches compute."""
+    from engine import triton_layer
+    from engine.config import TransformerConfig
+    from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
+
+    cfg = TransformerConfig(hidden_size=64, intermediate_size=8192, num_attention_heads=4, num_key_value_heads=2,
+                            num_hidden_layers=2, rms_norm_eps=1e-5, kv_channels=32)
+    torch.manual_seed(41)
+    stack = MiniCPM(cfg).to("cuda", torch.float32)
+    fuse_projections(stack)
+    x = torch.randn(2, 11, 64, device="cuda")
+    rope = rotary_table(cfg, 11, torch.device("cuda"))
+    assert triton_layer.supported(stack, x)
+    with mock.patch.object(triton_layer, "MODE", "phases"):
+        ref = triton_layer.dense_stack(stack, x, rope)
+    dev = triton_layer._device(x.device)
+    real_launch = triton_layer._launch_fused
+
+    def oversized(grid: int, args: tuple, kwargs: dict, device: torch.device) -> None:
+        real_launch(grid * 64, args, kwargs, device)  # far more programs than the SMs hold at once
+
+    try:
+        with mock.patch.object(triton_layer, "MODE", "fused"), mock.patch.object(triton_layer, "COOPERATIVE", True), \
+                mock.patch.object(triton_layer, "_launch_fused", oversized):
+            out = triton_layer.dense_stack(stack, x, rope)
+            halvings = triton_layer._grid_halvings.get(dev, 0)
+            again = triton_layer.dense_stack(stack, x, rope)  # starts from the remembered halving
+        assert halvings >= 1, "the oversized cooperative grid was not refused"
+        assert triton_layer._grid_halvings[dev] == halvings, "a later launch was refused again"
+        assert relative_error(out, ref) <= BOUNDS[torch.float32]
+        assert torch.equal(again, out)
+        assert triton_layer._sync[dev].tolist() == [0, 0], "barrier counters left set"
+    finally:
+        triton_layer._grid_halvings.pop(dev, None)
+
