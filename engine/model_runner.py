@@ -36,25 +36,6 @@ from engine.sequence import Sequence, Status
 log = logging.getLogger(__name__)
 
 
-def vae_stream(device: torch.device) -> torch.cuda.Stream:
-    """The VAE's CUDA stream. With VOXCPM_VAE_SMS=n (experimental, off by default) a stream of a green context
-    holding n SMs: the VAE then runs on those SMs only, beside a step that may use all of them."""
-    sms = int(os.environ.get("VOXCPM_VAE_SMS", "0"))
-    if sms > 0:
-        try:
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            green = torch.cuda.GreenContext.create(sms, index)
-            raw = green.Stream()
-            stream = torch.cuda.Stream(stream_id=raw.stream_id, device_index=raw.device_index,
-                                       device_type=raw.device_type)
-            stream._green_context = green  # type: ignore[attr-defined]  # kept alive with its stream
-            log.info("VAE stream on a green context of %d SMs", sms)
-            return stream
-        except (RuntimeError, AttributeError, TypeError) as e:
-            log.warning("VOXCPM_VAE_SMS=%d: no green context (%s); the VAE stream uses every SM", sms, e)
-    return torch.cuda.Stream(device)
-
-
 @dataclass
 class PatchResult:
     seq: Sequence
@@ -178,7 +159,7 @@ class ModelRunner:
         self.use_graphs = device.type == "cuda" and not enforce_eager
         # Second CUDA stream for the VAE decode, overlapped with the LMs (VOXCPM_VAE_STREAM=0: one stream). (Stream
         # priorities for it or for the step measured no difference on the H100: docs/benchmarks.md, step 9.)
-        self.vae_stream = (vae_stream(device) if device.type == "cuda"
+        self.vae_stream = (torch.cuda.Stream(device) if device.type == "cuda"
                            and os.environ.get("VOXCPM_VAE_STREAM", "1") != "0" else None)
         # With graphs, the VAE is its own graph on that stream, replayed behind the step that made its patch:
         # it overlaps the next step's DiT instead of ending its own step (VOXCPM_VAE_OVERLAP=0: joined in-step).
