@@ -252,7 +252,8 @@ COOPERATIVE = os.environ.get("VOXCPM_LAYER_COOPERATIVE", "1") != "0"
 _resident: dict[tuple, int] = {}
 _sync: dict[torch.device, torch.Tensor] = {}  # the barrier counter and the exit counter, per device
 _sm_count: dict[torch.device, int] = {}
-_grid_halvings: dict[torch.device, int] = {}  # per device: how often a refused cooperative grid was halved
+_grid_cap: dict[torch.device, int] = {}  # per device: the largest cooperative grid accepted after a refusal
+_plain_launch: set[torch.device] = set()  # devices without cooperative launches
 
 
 def _device(device: torch.device) -> torch.device:
@@ -302,24 +303,38 @@ def _programs_per_sm(args: tuple, kwargs: dict, seq_len: int, device: torch.devi
 
 def _launch_fused(grid: int, args: tuple, kwargs: dict, device: torch.device) -> None:
     """One fused (all-phase) launch of `grid` programs, cooperative where kwargs ask for it. A cooperative grid the
-    driver refuses as too large (the process has fewer SMs than the device reports) is halved until accepted, and the
-    halving kept for the device's later launches (the engine's warm-up runs every shape before its graph capture).
-    The phases loop over their units, so any grid size computes the same."""
+    driver refuses as too large (the process has fewer SMs than the device reports) is halved until accepted, and
+    that size kept as the device's cap (with one program per SM, the default, every variant's fused grid is one per
+    SM, so one cap serves them all). The engine's warm-up runs every shape before its graph capture, where a refusal
+    would invalidate the capture: there it is an error. The phases loop over their units, so any grid size computes
+    the same."""
     if not kwargs.get("launch_cooperative_grid"):
         _dense_layer_kernel[(grid,)](*args, **kwargs)
         return
-    grid = max(1, grid >> _grid_halvings.get(device, 0))
+    if device in _plain_launch:
+        _dense_layer_kernel[(grid,)](*args, **dict(kwargs, launch_cooperative_grid=False))
+        return
+    grid = min(grid, _grid_cap.get(device, grid))
     while True:
         try:
             _dense_layer_kernel[(grid,)](*args, **kwargs)
             return
-        except RuntimeError as e:  # CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE: refused, nothing ran, nothing sticky
-            if "cooperative launch" not in str(e) or grid == 1:
+        except RuntimeError as e:  # refused: nothing ran, the error is not sticky
+            message = str(e)
+            if "not supported" in message:  # a GPU or driver without cooperative launches: plain ones
+                log.warning("layer kernel: no cooperative launch on %s (%s); plain launches", device, message)
+                _plain_launch.add(device)
+                _dense_layer_kernel[(grid,)](*args, **dict(kwargs, launch_cooperative_grid=False))
+                return
+            if "cooperative launch" not in message or grid == 1:  # "too many blocks in cooperative launch"
                 raise
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"layer kernel: cooperative grid of {grid} refused during a CUDA graph capture "
+                                   "(the warm-up before it did not run this shape)") from e
         grid //= 2
-        _grid_halvings[device] = _grid_halvings.get(device, 0) + 1
+        _grid_cap[device] = grid
         log.warning("layer kernel: a cooperative grid was refused on %s (fewer usable SMs than the %d it reports, "
-                    "e.g. an MPS client's limit); running %d programs", device, _sms(device), grid)
+                    "e.g. an MPS client's limit); trying %d programs", device, _sms(device), grid)
 
 
 def _plan(cfg: TransformerConfig, sms: int) -> tuple[int, int, int] | None:

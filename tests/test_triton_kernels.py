@@ -501,17 +501,18 @@ def test_refused_cooperative_grid_is_halved_cuda() -> None:
     def oversized(grid: int, args: tuple, kwargs: dict, device: torch.device) -> None:
         real_launch(grid * 64, args, kwargs, device)  # far more programs than the SMs hold at once
 
-    try:
-        with mock.patch.object(triton_layer, "MODE", "fused"), mock.patch.object(triton_layer, "COOPERATIVE", True), \
-                mock.patch.object(triton_layer, "_launch_fused", oversized):
-            out = triton_layer.dense_stack(stack, x, rope)
-            halvings = triton_layer._grid_halvings.get(dev, 0)
-            again = triton_layer.dense_stack(stack, x, rope)  # starts from the remembered halving
-        assert halvings >= 1, "the oversized cooperative grid was not refused"
-        assert triton_layer._grid_halvings[dev] == halvings, "a later launch was refused again"
-        assert relative_error(out, ref) <= BOUNDS[torch.float32]
-        assert torch.equal(again, out)
-        assert triton_layer._sync[dev].tolist() == [0, 0], "barrier counters left set"
-    finally:
-        triton_layer._grid_halvings.pop(dev, None)
+    with mock.patch.object(triton_layer, "MODE", "fused"), mock.patch.object(triton_layer, "COOPERATIVE", True), \
+            mock.patch.object(triton_layer, "_launch_fused", oversized), \
+            mock.patch.dict(triton_layer._grid_cap, clear=True), \
+            mock.patch.object(triton_layer, "_plain_launch", set()):
+        out = triton_layer.dense_stack(stack, x, rope)
+        cap = triton_layer._grid_cap.get(dev)
+        with mock.patch.object(triton_layer, "log") as log:
+            again = triton_layer.dense_stack(stack, x, rope)  # starts from the remembered cap
+        assert cap is not None, "the oversized cooperative grid was not refused"
+        assert triton_layer._grid_cap[dev] == cap and not log.warning.called, "a later launch was refused again"
+        assert not triton_layer._plain_launch
+    assert relative_error(out, ref) <= BOUNDS[torch.float32]
+    assert torch.equal(again, out)
+    assert triton_layer._sync[dev].tolist() == [0, 0], "barrier counters left set"
 
