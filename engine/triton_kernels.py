@@ -647,6 +647,15 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, scale: torch.Tensor | None = Non
     return out
 
 
+def _context_args(x: torch.Tensor, state: torch.Tensor | None,
+                  slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
+    """A VAE kernel's carried-context arguments: the tensor it reads (x, never read, without a state), the slots when
+    the context is read and replaced in place (else None), and its (batch, channel, time) strides (zeros without)."""
+    if state is None:
+        return x, None, (0, 0, 0)
+    return state, slots, tuple(state.stride())
+
+
 def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
                           dilation: int, out_alpha: torch.Tensor | None = None, slots: torch.Tensor | None = None,
                           in_alpha: torch.Tensor | None = None,
@@ -662,20 +671,19 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
     k = weight.shape[-1]
     pad = (k - 1) * dilation
     y = torch.empty((b, c, t), dtype=x.dtype, device=x.device)
-    in_place = slots is not None and state is not None
-    new_state = state if in_place else torch.empty((b, c, pad), dtype=x.dtype, device=x.device)
+    source, slots, state_strides = _context_args(x, state, slots)
+    in_place = slots is not None
+    new_state = source if in_place else torch.empty((b, c, pad), dtype=x.dtype, device=x.device)
     if b and c:
         block = _time_block(t)
         # in place, only the first time block may read the old context: it must cover it, or be the only block
         assert not in_place or block >= pad or triton.cdiv(t, block) == 1, (t, block, pad)
-        s = state if state is not None else x
         w = weight.reshape(c, k).contiguous()
         _dwconv_kernel[(b * c, max(1, triton.cdiv(t, block)))](
-            x, s, slots if in_place else w, w, bias if bias is not None else w,
+            x, source, slots if in_place else w, w, bias if bias is not None else w,
             out_alpha.reshape(-1) if out_alpha is not None else w, in_alpha.reshape(-1) if in_alpha is not None else w,
-            in_shift if in_shift is not None else w, y, new_state, c, t, pad, dilation, x.stride(0), x.stride(1),
-            x.stride(2), s.stride(0) if state is not None else 0, s.stride(1) if state is not None else 0,
-            s.stride(2) if state is not None else 0, K=k, HAS_STATE=state is not None, HAS_SLOTS=in_place,
+            in_shift if in_shift is not None else w, y, new_state, c, t, pad, dilation, *x.stride(), *state_strides,
+            K=k, HAS_STATE=state is not None, HAS_SLOTS=in_place,
             HAS_BIAS=bias is not None, IN_SNAKE=in_alpha is not None, IN_SHIFT=in_shift is not None,
             OUT_SNAKE=out_alpha is not None, FAST_SIN=fast_sin(), BLOCK=block,
             BLOCK_P=triton.next_power_of_2(max(pad, 1)), num_warps=4)
@@ -691,17 +699,15 @@ def upsampler_input(x: torch.Tensor, state: torch.Tensor | None, ctx: int, frame
     state), as `causal_depthwise_conv` does."""
     b, c, n = x.shape
     xin = torch.empty((c, b, frames), dtype=x.dtype, device=x.device)
-    in_place = slots is not None and state is not None
-    new_state = (state if in_place else None if state is None
+    source, slots, state_strides = _context_args(x, state, slots)
+    in_place = slots is not None
+    new_state = (source if in_place else None if state is None
                  else torch.empty((b, c, ctx), dtype=x.dtype, device=x.device))
     if b and c:
         block = max(_time_block(frames), triton.next_power_of_2(max(ctx, 1)))
-        s = state if state is not None else x
         _upsampler_input_kernel[(b * c, triton.cdiv(frames, block))](
-            x, s, slots if in_place else x, xin, new_state if new_state is not None else xin, c, b, n, ctx, frames,
-            x.stride(0), x.stride(1), x.stride(2),
-            s.stride(0) if state is not None else 0, s.stride(1) if state is not None else 0,
-            s.stride(2) if state is not None else 0, HAS_STATE=state is not None, HAS_SLOTS=in_place, BLOCK=block,
+            x, source, slots if in_place else x, xin, new_state if new_state is not None else xin, c, b, n, ctx,
+            frames, *x.stride(), *state_strides, HAS_STATE=state is not None, HAS_SLOTS=in_place, BLOCK=block,
             BLOCK_P=triton.next_power_of_2(max(ctx, 1)), num_warps=4)
     return xin, new_state
 

@@ -479,8 +479,8 @@ def test_cuda_matches_eager(dtype_name: str) -> None:
 @pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
 def test_refused_cooperative_grid_is_halved_cuda() -> None:
     """A fused layer-kernel grid larger than the GPU can hold at once (what an MPS client with an SM limit meets) is
-    refused by the driver as a cooperative launch; the launch halves it until accepted, remembers the halving, and
-    computes what the per-phase launches compute."""
+    refused by the driver as a cooperative launch; the launch halves it until accepted, keeps that size as the
+    device's cap (a later launch is not refused again), and computes what the per-phase launches compute."""
     from engine import triton_layer
     from engine.config import TransformerConfig
     from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
