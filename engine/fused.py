@@ -61,11 +61,54 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, h: torch.Tensor, scale: float | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual update x + h (times muP `scale` when given) and the RMSNorm of the result, which
-    the next sub-block reads: one kernel instead of two between every pair of GEMMs."""
+    the next sub-block reads: one kernel instead of two between every pair of GEMMs. h is the branch's output,
+    or the split-K partial products (S, *x.shape) fp32 that `residual_linear` made of it (summed here)."""
+    partials = h.dim() == x.dim() + 1
+    if partials and h.shape[1:] == x.shape and h.dtype == torch.float32 and kernels(x) and weight.dtype == x.dtype:
+        return triton_kernels.add_rms_norm(x, h, scale, weight, eps)
+    if partials:
+        h = h.sum(0).to(x.dtype)
     if kernels(x) and weight.dtype == x.dtype == h.dtype and h.shape == x.shape:
         return triton_kernels.add_rms_norm(x, h, scale, weight, eps)
     x = x + h if scale is None else x + h * scale
     return x, _rms_norm(x, weight, eps)
+
+
+# Split-K for a residual branch's last projection (VOXCPM_SPLIT_K=0: off). Where a GEMM has few output tiles for its
+# length of K (1024 output columns, K 2048 or 4096, a few hundred rows: the DiT's o projection at 4-16 sequences, its
+# down projection at 4-46), cuBLAS runs it on a fraction of the SMs. A strided batched GEMM over S slices of K writes
+# fp32 partial products that the add + RMSNorm kernel after it sums. H100, o / down + add_rms_norm, us per layer
+# (cuBLAS -> split): 176 rows 8.2 -> 7.4 (S=2) / 10.9 -> 8.8 (S=4); 352 rows 10.4 -> 8.1 / 16.8 -> 10.3 (S=2); 704
+# rows down 21.7 -> 17.0 (S=2); from ~1024 rows on, or with wider outputs, one GEMM is as fast or faster
+# (docs/benchmarks.md, session 14; `tools/bench_kernels.py --only splitk` measures it).
+SPLIT_K = os.environ.get("VOXCPM_SPLIT_K", "1") != "0"
+
+
+def residual_splits(rows: int, k_dim: int, n: int) -> int:
+    """How many K slices `residual_linear` uses for (rows, K) @ (K, n): 1 (one GEMM) where splitting measured no
+    faster on the H100."""
+    if rows < 16 or k_dim < 1024:
+        return 1
+    outputs = rows * n
+    if outputs > (1 << 20 if k_dim >= 4096 else 360 << 10):
+        return 1
+    return 4 if k_dim >= 4096 and outputs <= 180 << 10 else 2
+
+
+def residual_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T for the last projection of a residual branch, which `add_rms_norm` adds to the stream: the output,
+    or on CUDA where `residual_splits` says so, its S partial products over slices of K, (S, *x.shape[:-1], N)
+    fp32 (fp32 accumulation throughout; only the summation order differs from one GEMM's)."""
+    k_dim, n = x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, k_dim)
+    splits = residual_splits(x2.shape[0], k_dim, n) if SPLIT_K and x.is_cuda and kernels(x) else 1
+    if (splits == 1 or (k_dim // splits) % 8 or x.dtype not in (torch.float16, torch.bfloat16)
+            or weight.dtype != x.dtype or not weight.is_contiguous() or torch.is_grad_enabled()):
+        return F.linear(x, weight)
+    rows, part = x2.shape[0], k_dim // splits
+    x_slices = x2.contiguous().view(rows, splits, part).transpose(0, 1)  # (S, rows, K/S), strides (K/S, K, 1)
+    w_slices = weight.view(n, splits, part).permute(1, 2, 0)  # (S, K/S, n) column-major: cuBLAS reads it as is
+    return torch.bmm(x_slices, w_slices, out_dtype=torch.float32).view(splits, *x.shape[:-1], n)
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

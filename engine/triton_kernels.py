@@ -8,7 +8,8 @@ recompiling per VAE stage until dynamo's limit; compiling them also dominated a 
 longer uses torch.compile at all). These kernels
 compile once per dtype and block size and follow the eager op order and rounding points:
 
-- `add_rms_norm`: residual update (times the muP scale) and the RMSNorm of the result, one row per program;
+- `add_rms_norm`: residual update (times the muP scale) and the RMSNorm of the result, one row per program (the
+  update may be a split-K GEMM's fp32 partials, summed here);
 - `silu_mul`: SiLU(gate) * up over the halves of the fused gate/up projection;
 - `rotary_qk`: rotary embedding of q and k of the causal LMs (one token and head per program);
 - `rotary_store_kv`: the same with k (rotated) and v written straight into their paged-cache slots (every Triton-
@@ -48,14 +49,18 @@ if HAVE_TRITON:
     from engine.triton_attention import _rotate_row
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, x_out_ptr, y_ptr, n_cols, eps, scale,
-                             HAS_H: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, x_out_ptr, y_ptr, n_cols, split_stride, eps, scale,
+                             HAS_H: tl.constexpr, HAS_SCALE: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
         if HAS_H:
             h = tl.load(h_ptr + row * n_cols + cols, mask=mask, other=0.0)
+            if SPLITS > 1:  # h is a split-K GEMM's fp32 partials: summed in split order, rounded as its output
+                for s in tl.static_range(1, SPLITS):
+                    h += tl.load(h_ptr + s * split_stride + row * n_cols + cols, mask=mask, other=0.0)
+                h = h.to(x.dtype)
             if HAS_SCALE:  # eager rounds h * scale to the activation dtype before the add
                 h = (h.to(tl.float32) * scale).to(x.dtype)
             x = (x.to(tl.float32) + h.to(tl.float32)).to(x.dtype)
@@ -457,16 +462,20 @@ def usable(x: torch.Tensor) -> bool:
 
 def add_rms_norm(x: torch.Tensor, h: torch.Tensor | None, scale: float | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + h * scale, RMSNorm of it) over the last dim; h=None: (x, RMSNorm(x))."""
+    """(x + h * scale, RMSNorm of it) over the last dim; h=None: (x, RMSNorm(x)). h may also be a split-K GEMM's
+    fp32 partial products (S, *x.shape) (`fused.residual_linear`): summed in split order and rounded to x's dtype
+    first, as the GEMM's own output would be."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n).contiguous()
-    h2 = h.reshape(-1, n).contiguous() if h is not None else x2
+    splits = h.shape[0] if h is not None and h.dim() == x.dim() + 1 else 1
+    h2 = h.reshape(splits, -1, n).contiguous() if h is not None else x2
     x_out = torch.empty_like(x2) if h is not None else x2
     y = torch.empty_like(x2)
     if x2.shape[0]:
         block = triton.next_power_of_2(n)
-        _add_rms_norm_kernel[(x2.shape[0],)](x2, h2, weight, x_out, y, n, eps, 1.0 if scale is None else scale,
-                                              HAS_H=h is not None, HAS_SCALE=scale is not None, BLOCK=block,
+        _add_rms_norm_kernel[(x2.shape[0],)](x2, h2, weight, x_out, y, n, x2.numel(), eps,
+                                              1.0 if scale is None else scale, HAS_H=h is not None,
+                                              HAS_SCALE=scale is not None, SPLITS=splits, BLOCK=block,
                                               num_warps=max(1, min(16, block // 256)))
     return x_out.view(x.shape), y.view(x.shape)
 

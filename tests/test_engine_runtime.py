@@ -302,3 +302,26 @@ def test_failed_pipelined_step_ends_what_was_running(model, monkeypatch):
         "After the failure.", SamplingParams(seed=5, max_generate_length=4))
     again = engine.generate("After the failure.", SamplingParams(seed=5, max_generate_length=4))
     np.testing.assert_allclose(again, alone, rtol=0, atol=1e-5 * np.abs(alone).max())
+
+
+def test_residual_split_rule_and_eager_partials() -> None:
+    """The split-K rule splits only measured-faster shapes, and the eager add + norm sums partials like the kernel:
+    in split order, rounded to the stream's dtype before the add."""
+    from engine import fused
+
+    assert fused.residual_splits(8, 4096, 1024) == 1  # a decode of a few rows: one GEMM
+    assert fused.residual_splits(176, 512, 1024) == 1  # short K
+    assert fused.residual_splits(176, 2048, 1024) == 2 and fused.residual_splits(176, 4096, 1024) == 4
+    assert fused.residual_splits(704, 4096, 1024) == 2 and fused.residual_splits(704, 2048, 1024) == 1
+    assert fused.residual_splits(1408, 4096, 1024) == 1
+    x = torch.randn(3, 5, 32, dtype=torch.bfloat16)
+    parts = torch.randn(2, 3, 5, 32)
+    w = torch.rand(32, dtype=torch.bfloat16) + 0.5
+    stream, normed = fused.add_rms_norm(x, parts, 0.5, w, 1e-5)
+    want = x + (parts[0] + parts[1]).to(torch.bfloat16) * 0.5
+    assert torch.equal(stream, want)
+    variance = want.float().pow(2).mean(-1, keepdim=True)
+    assert torch.equal(normed, (want * torch.rsqrt(variance + 1e-5)).to(torch.bfloat16) * w)
+    linear = torch.nn.Linear(64, 32, bias=False)
+    a = torch.randn(40, 64)
+    assert torch.equal(fused.residual_linear(a, linear.weight), torch.nn.functional.linear(a, linear.weight))

@@ -59,7 +59,15 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             xs, y = triton_kernels.add_rms_norm(x, h, scale, w, 1e-5)
             errs += [relative_error(xs, xs_ref), relative_error(y, fused._rms_norm(xs_ref, w, 1e-5))]
         _, y = triton_kernels.add_rms_norm(x, None, None, w, 1e-6)
-        return max(*errs, relative_error(y, fused._rms_norm(x, w, 1e-6)))
+        errs.append(relative_error(y, fused._rms_norm(x, w, 1e-6)))
+        for splits in (2, 4):  # h as a split-K GEMM's fp32 partials: summed, rounded to the dtype, then added
+            parts = rand(splits, 3, 7, 96, dtype=torch.float32, seed=20 + splits)
+            h_sum = parts.sum(0).to(dtype)
+            for scale in (None, 0.37):
+                xs_ref = x + h_sum if scale is None else x + h_sum * scale
+                xs, y = triton_kernels.add_rms_norm(x, parts, scale, w, 1e-5)
+                errs += [relative_error(xs, xs_ref), relative_error(y, fused._rms_norm(xs_ref, w, 1e-5))]
+        return max(errs)
 
     def silu_mul(dtype: torch.dtype) -> float:
         gate, up = rand(2, 5, 160, dtype=dtype, seed=4).chunk(2, dim=-1)  # strided halves, as in the MLP
@@ -516,3 +524,36 @@ def test_refused_cooperative_grid_is_halved_cuda() -> None:
     assert torch.equal(again, out)
     assert triton_layer._sync[dev].tolist() == [0, 0], "barrier counters left set"
 
+
+
+@pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
+def test_split_k_residual_projections_match_one_gemm_cuda() -> None:
+    """Where `residual_splits` splits (rows >= 16, K >= 1024), a decoder stack's o and down projections come back as
+    fp32 partials that the add + RMSNorm kernel sums: the stack's output matches the one-GEMM path's within bf16
+    rounding, and the split path really ran (o: K 1024, 2 slices; down: K 4096, 4 slices)."""
+    from engine import fused
+    from engine.config import TransformerConfig
+    from engine.models import minicpm
+    from engine.models.minicpm import MiniCPM, dense_attention, fuse_projections, rotary_table
+
+    cfg = TransformerConfig(hidden_size=256, intermediate_size=4096, num_attention_heads=8, num_key_value_heads=2,
+                            num_hidden_layers=2, rms_norm_eps=1e-5, kv_channels=128)
+    torch.manual_seed(43)
+    stack = MiniCPM(cfg).to("cuda", torch.bfloat16)
+    fuse_projections(stack)
+    x = torch.randn(4, 24, 256, device="cuda", dtype=torch.bfloat16)  # 96 rows: above the layer kernel's 64
+    rope = rotary_table(cfg, 24, torch.device("cuda"))
+    shapes: list[tuple[int, ...]] = []
+
+    def recording(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = fused.residual_linear(a, w)
+        shapes.append(tuple(out.shape))
+        return out
+
+    with torch.inference_mode():
+        with mock.patch.object(fused, "SPLIT_K", False):
+            ref = stack(x, rope, dense_attention)
+        with mock.patch.object(minicpm, "residual_linear", recording):
+            out = stack(x, rope, dense_attention)
+    assert shapes == [(2, 4, 24, 256), (4, 4, 24, 256)] * 2, shapes
+    assert relative_error(out, ref) <= BOUNDS[torch.bfloat16]

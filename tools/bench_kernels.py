@@ -5,6 +5,8 @@
   at few rows, cuBLAS (F.linear, + silu_mul for gate/up) against `skinny_matmul` with its default
   configuration, and a sweep of its tile configurations at the rows of a B=1 step;
 - layer: the DiT's and LocEnc's stacks as separate kernels per layer against the layer kernel (engine/triton_layer.py);
+- splitk: the o and down projections with the residual add + RMSNorm after them, one cuBLAS GEMM against the
+  split-K partials of `fused.residual_linear` (2 and 4 slices of K) and what `fused.residual_splits` picks;
 - barrier: what one of the layer kernel's grid barriers costs (a grid of one or two programs per SM through 84
   barriers, with and without a store and a load of another program's data between them), against a kernel boundary
   in a CUDA graph (84 dependent launches of the same grid).
@@ -117,6 +119,36 @@ def bench_gemm(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: 
             rows.append(row)
             print(f"{name} rows={m}: cuBLAS {base:.2f} us, skinny {ours:.2f} us ({row['skinny_GBps']} GB/s)"
                   + (f", best {row['best_us']:.2f} us at {row['best_config']}" if "best_us" in row else ""), flush=True)
+    return rows
+
+
+def bench_splitk(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Each stack's o and down projection followed by the residual add + RMSNorm, as `DecoderLayer` runs them: one
+    cuBLAS GEMM against `fused.residual_linear`'s split-K partials over 2 and 4 slices of K (the kernel summing
+    them), and what `fused.residual_splits` picks, at the rows of each batch size (LM: one per request)."""
+    from engine import fused
+
+    rows = []
+    for stack, tcfg, per_request in (("LM", cfg.lm, 1), ("DiT", cfg.dit, dit_rows(cfg)),
+                                     ("LocEnc", cfg.encoder, cfg.patch_size + 1)):
+        for name, (n, k_dim) in zip(("o", "down"), layer_shapes(tcfg)[1::2], strict=True):
+            weight = torch.randn(n, k_dim, device=dev, dtype=dtype) * k_dim ** -0.5
+            weights = weight_copies(weight)
+            norm_w = torch.rand(n, device=dev, dtype=dtype) + 0.5
+            for b in batches:
+                m = b * per_request
+                x = torch.randn(m, k_dim, device=dev, dtype=dtype)
+                resid = torch.randn(m, n, device=dev, dtype=dtype)
+                row = {"projection": f"{stack} {name}", "batch": b, "rows": m, "n": n, "k": k_dim,
+                       "picked_splits": fused.residual_splits(m, k_dim, n)}
+                for splits in (1, 2, 4):
+                    with mock.patch.object(fused, "residual_splits", lambda *_, s=splits: s):
+                        us = gemm_us(lambda w, x=x, r=resid, g=norm_w: fused.add_rms_norm(
+                            r, fused.residual_linear(x, w), None, g, 1e-5), weights)
+                    row[f"splits{splits}_us"] = round(us, 2)
+                rows.append(row)
+                print(f"{stack} {name} rows={m}: one GEMM {row['splits1_us']:.2f} us, 2 slices {row['splits2_us']:.2f},"
+                      f" 4 slices {row['splits4_us']:.2f} (picked {row['picked_splits']})", flush=True)
     return rows
 
 
@@ -243,7 +275,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True, help="checkpoint directory (only its config is read)")
     ap.add_argument("--batch", default="1,8,64,128")
-    ap.add_argument("--only", default="attention,gemm,layer", help="which benchmarks: attention, gemm, layer, barrier")
+    ap.add_argument("--only", default="attention,gemm,layer",
+                    help="which benchmarks: attention, gemm, layer, barrier, splitk")
     ap.add_argument("--out")
     a = ap.parse_args()
     cfg = VoxCPMConfig.from_dir(a.model)
@@ -254,6 +287,8 @@ def main() -> None:
     gemm_rows = bench_gemm(cfg, batches, dev, dtype) if "gemm" in only else []
     layer_rows = bench_layer(cfg, batches, dev, dtype) if "layer" in only else []
     barrier = bench_barrier(dev) if "barrier" in only else {}
+    with torch.inference_mode():  # residual_linear splits only without autograd
+        splitk_rows = bench_splitk(cfg, batches, dev, dtype) if "splitk" in only else []
     attention = (("DiT", cfg.dit, dit_rows(cfg) // 2, 2), ("LocEnc", cfg.encoder, cfg.patch_size + 1, 1))
     for name, tcfg, seq_len, per_request in attention if "attention" in only else ():
         hq, hk, d = tcfg.num_attention_heads, tcfg.num_key_value_heads, tcfg.head_dim
@@ -279,7 +314,7 @@ def main() -> None:
                          "num_warps": triton_kernels.dense_attention_warps(n, hq), "us": round(auto, 2)})
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows, "gemm": gemm_rows,
-              "layer": layer_rows, "barrier": barrier}
+              "layer": layer_rows, "barrier": barrier, "splitk": splitk_rows}
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
 

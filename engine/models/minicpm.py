@@ -17,7 +17,7 @@ from torch import nn
 
 from engine import fused, triton_layer
 from engine.config import TransformerConfig
-from engine.fused import add_rms_norm, rms_norm, rotary_qk, silu_mul
+from engine.fused import add_rms_norm, residual_linear, rms_norm, rotary_qk, silu_mul
 
 # attend(layer_index, q, k, v, rope) -> output with q's leading shape and heads*head_dim last; rope: rotary rows
 # (L, 2, head_dim) that the attention applies to q and k first (inside its kernels where it can), or None.
@@ -94,6 +94,10 @@ class Attention(nn.Module):
             self.qkv_weight = _fuse_rows(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None, attend: AttendFn, layer: int) -> torch.Tensor:
+        return self.o_proj(self.heads(x, rope, attend, layer))
+
+    def heads(self, x: torch.Tensor, rope: torch.Tensor | None, attend: AttendFn, layer: int) -> torch.Tensor:
+        """The attention's output before o_proj: (..., heads * head_dim)."""
         lead = x.shape[:-1]
         if self.qkv_weight is not None:
             q, k, v = F.linear(x, self.qkv_weight).split(
@@ -104,7 +108,7 @@ class Attention(nn.Module):
         q = q.view(*lead, self.num_heads, self.head_dim)
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
-        return self.o_proj(attend(layer, q, k, v, rope))
+        return attend(layer, q, k, v, rope)
 
 
 class MLP(nn.Module):
@@ -120,9 +124,13 @@ class MLP(nn.Module):
             self.gate_up_weight = _fuse_rows(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gated(x))
+
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate(x)) * up(x): the MLP's output before down_proj."""
         if self.gate_up_weight is not None:
-            return self.down_proj(fused.silu_gate_linear(x, self.gate_up_weight))
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+            return fused.silu_gate_linear(x, self.gate_up_weight)
+        return silu_mul(self.gate_proj(x), self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -139,10 +147,11 @@ class DecoderLayer(nn.Module):
         """x: the residual stream; normed: input_layernorm(x), already computed by whoever updated x
         last. Returns the updated stream and `next_norm` of it (the next layer's input norm, or the
         stack's final norm), each residual add fused with the norm that follows it."""
-        h = self.self_attn(normed, rope, attend, layer)
+        # Each branch's last projection may come back as split-K partials, which the add + norm sums.
+        h = residual_linear(self.self_attn.heads(normed, rope, attend, layer), self.self_attn.o_proj.weight)
         norm = self.post_attention_layernorm
         x, normed = add_rms_norm(x, h, self.residual_scale, norm.weight, norm.eps)
-        h = self.mlp(normed)
+        h = residual_linear(self.mlp.gated(normed), self.mlp.down_proj.weight)
         return add_rms_norm(x, h, self.residual_scale, next_norm.weight, next_norm.eps)
 
 
