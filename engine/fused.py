@@ -75,24 +75,22 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, scale: float | None, weight: 
 
 
 # Split-K for a residual branch's last projection (VOXCPM_SPLIT_K=0: off). Where a GEMM has few output tiles for its
-# length of K (1024 output columns, K 2048 or 4096, a few hundred rows: the DiT's o projection at 4-16 sequences, its
-# down projection at 4-46), cuBLAS runs it on a fraction of the SMs. A strided batched GEMM over S slices of K writes
-# fp32 partial products that the add + RMSNorm kernel after it sums. H100, o / down + add_rms_norm, us per layer
-# (cuBLAS -> split): 176 rows 8.2 -> 7.4 (S=2) / 10.9 -> 8.8 (S=4); 352 rows 10.4 -> 8.1 / 16.8 -> 10.3 (S=2); 704
-# rows down 21.7 -> 17.0 (S=2); from ~1024 rows on, or with wider outputs, one GEMM is as fast or faster
-# (docs/benchmarks.md, session 14; `tools/bench_kernels.py --only splitk` measures it).
+# length of K (the DiT's o and down projections at a few hundred rows, the LMs' at a decode's few), cuBLAS runs it on
+# a fraction of the SMs. A strided batched GEMM over S slices of K writes fp32 partial products that the add + RMSNorm
+# kernel after it sums. H100, projection + add_rms_norm, us per layer (one GEMM -> split): DiT o at 176 rows 8.3 ->
+# 7.5 (S=2), down 11.0 -> 9.0 (S=4); at 352 rows 10.4 -> 8.2 / 16.3 -> 10.2 (S=2); down at 704 rows 21.6 -> 16.9;
+# LM o / down at 1-8 rows 7.4-8.3 -> 7.0-7.8 / 14.2-14.3 -> 13.5-13.7 (S=2); from ~700 (o) or ~1100 (down) rows on,
+# one GEMM is as fast or faster (docs/benchmarks.md, session 14; `tools/bench_kernels.py --only splitk`).
 SPLIT_K = os.environ.get("VOXCPM_SPLIT_K", "1") != "0"
 
 
 def residual_splits(rows: int, k_dim: int, n: int) -> int:
     """How many K slices `residual_linear` uses for (rows, K) @ (K, n): 1 (one GEMM) where splitting measured no
-    faster on the H100."""
-    if rows < 16 or k_dim < 1024:
-        return 1
+    faster on the H100 (`bench_kernels --only splitk`: many outputs, or a short K)."""
     outputs = rows * n
-    if outputs > (1 << 20 if k_dim >= 4096 else 360 << 10):
+    if k_dim < 1024 or outputs > (1100 << 10 if k_dim >= 4096 else 360 << 10):
         return 1
-    return 4 if k_dim >= 4096 and outputs <= 180 << 10 else 2
+    return 4 if k_dim >= 4096 and n <= 1024 and outputs <= 180 << 10 else 2
 
 
 def residual_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

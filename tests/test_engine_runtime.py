@@ -309,11 +309,11 @@ def test_residual_split_rule_and_eager_partials() -> None:
     in split order, rounded to the stream's dtype before the add."""
     from engine import fused
 
-    assert fused.residual_splits(8, 4096, 1024) == 1  # a decode of a few rows: one GEMM
     assert fused.residual_splits(176, 512, 1024) == 1  # short K
     assert fused.residual_splits(176, 2048, 1024) == 2 and fused.residual_splits(176, 4096, 1024) == 4
+    assert fused.residual_splits(8, 6144, 2048) == 2  # an LM decode's down projection: wide output, 2 slices
     assert fused.residual_splits(704, 4096, 1024) == 2 and fused.residual_splits(704, 2048, 1024) == 1
-    assert fused.residual_splits(1408, 4096, 1024) == 1
+    assert fused.residual_splits(1408, 4096, 1024) == 1 and fused.residual_splits(4096, 2048, 2048) == 1
     x = torch.randn(3, 5, 32, dtype=torch.bfloat16)
     parts = torch.randn(2, 3, 5, 32)
     w = torch.rand(32, dtype=torch.bfloat16) + 0.5
