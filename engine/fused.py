@@ -79,8 +79,9 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, scale: float | None, weight: 
 # a fraction of the SMs. A strided batched GEMM over S slices of K writes fp32 partial products that the add + RMSNorm
 # kernel after it sums. H100, projection + add_rms_norm, us per layer (one GEMM -> split): DiT o at 176 rows 8.3 ->
 # 7.5 (S=2), down 11.0 -> 9.0 (S=4); at 352 rows 10.4 -> 8.2 / 16.3 -> 10.2 (S=2); down at 704 rows 21.6 -> 16.9;
-# LM o / down at 1-8 rows 7.4-8.3 -> 7.0-7.8 / 14.2-14.3 -> 13.5-13.7 (S=2); from ~700 (o) or ~1100 (down) rows on,
-# one GEMM is as fast or faster (docs/benchmarks.md, session 14; `tools/bench_kernels.py --only splitk`).
+# LM o / down at 1-8 rows 7.4-8.3 -> 7.0-7.8 / 14.2-14.3 -> 13.5-13.7 (S=2). The rule stops splitting above 360 K
+# outputs for K < 4096 (the DiT's o at ~352 rows; the split measured even at 704) and above 1.1 M for K >= 4096 (its
+# down at ~1100 rows; one GEMM faster at 1408) (docs/benchmarks.md, session 14; `tools/bench_kernels.py --only splitk`).
 SPLIT_K = os.environ.get("VOXCPM_SPLIT_K", "1") != "0"
 
 
@@ -93,6 +94,16 @@ def residual_splits(rows: int, k_dim: int, n: int) -> int:
     return 4 if k_dim >= 4096 and n <= 1024 and outputs <= 180 << 10 else 2
 
 
+def split_k_views(x2: torch.Tensor, weight: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views for a batched GEMM over `splits` slices of K (no copies): x2 (rows, K) contiguous -> (S, rows, K/S) with
+    strides (K/S, K, 1); weight (N, K) contiguous -> (S, K/S, N), column-major slices that cuBLAS reads as they are.
+    bmm of the two, summed over S, is x2 @ weight.T."""
+    rows, k_dim = x2.shape
+    part = k_dim // splits
+    return (x2.view(rows, splits, part).transpose(0, 1),
+            weight.view(weight.shape[0], splits, part).permute(1, 2, 0))
+
+
 def residual_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T for the last projection of a residual branch, which `add_rms_norm` adds to the stream: the output,
     or on CUDA where `residual_splits` says so, its S partial products over slices of K, (S, *x.shape[:-1], N)
@@ -100,12 +111,11 @@ def residual_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     k_dim, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k_dim)
     splits = residual_splits(x2.shape[0], k_dim, n) if SPLIT_K and x.is_cuda and kernels(x) else 1
-    if (splits == 1 or (k_dim // splits) % 8 or x.dtype not in (torch.float16, torch.bfloat16)
+    # Each slice a whole number of 16-byte rows (cuBLAS's aligned kernels), K a multiple of the slice count.
+    if (splits == 1 or k_dim % (8 * splits) or x.dtype not in (torch.float16, torch.bfloat16)
             or weight.dtype != x.dtype or not weight.is_contiguous() or torch.is_grad_enabled()):
         return F.linear(x, weight)
-    rows, part = x2.shape[0], k_dim // splits
-    x_slices = x2.contiguous().view(rows, splits, part).transpose(0, 1)  # (S, rows, K/S), strides (K/S, K, 1)
-    w_slices = weight.view(n, splits, part).permute(1, 2, 0)  # (S, K/S, n) column-major: cuBLAS reads it as is
+    x_slices, w_slices = split_k_views(x2.contiguous(), weight, splits)
     return torch.bmm(x_slices, w_slices, out_dtype=torch.float32).view(splits, *x.shape[:-1], n)
 
 

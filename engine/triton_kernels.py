@@ -59,7 +59,7 @@ if HAVE_TRITON:
             h = tl.load(h_ptr + row * n_cols + cols, mask=mask, other=0.0)
             if SPLITS > 1:  # h is a split-K GEMM's fp32 partials: summed in split order, rounded as its output
                 for s in tl.static_range(1, SPLITS):
-                    h += tl.load(h_ptr + s * split_stride + row * n_cols + cols, mask=mask, other=0.0)
+                    h += tl.load(h_ptr + s * split_stride.to(tl.int64) + row * n_cols + cols, mask=mask, other=0.0)
                 h = h.to(x.dtype)
             if HAS_SCALE:  # eager rounds h * scale to the activation dtype before the add
                 h = (h.to(tl.float32) * scale).to(x.dtype)
@@ -467,7 +467,13 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor | None, scale: float | None, w
     first, as the GEMM's own output would be."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n).contiguous()
-    splits = h.shape[0] if h is not None and h.dim() == x.dim() + 1 else 1
+    splits = 1
+    if h is not None and h.dim() == x.dim() + 1:
+        if h.shape[1:] != x.shape or h.dtype != torch.float32:
+            raise ValueError(f"split-K partials must be fp32 (S, *{tuple(x.shape)}), got {h.dtype} {tuple(h.shape)}")
+        splits = h.shape[0]
+        if splits == 1:  # one "partial": the GEMM's output, rounded as such
+            h, splits = h[0].to(x.dtype), 1
     h2 = h.reshape(splits, -1, n).contiguous() if h is not None else x2
     x_out = torch.empty_like(x2) if h is not None else x2
     y = torch.empty_like(x2)

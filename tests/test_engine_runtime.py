@@ -305,8 +305,8 @@ def test_failed_pipelined_step_ends_what_was_running(model, monkeypatch):
 
 
 def test_residual_split_rule_and_eager_partials() -> None:
-    """The split-K rule splits only measured-faster shapes, and the eager add + norm sums partials like the kernel:
-    in split order, rounded to the stream's dtype before the add."""
+    """The split-K rule splits only measured-faster shapes; the eager add + norm sums partials like the kernel (in split
+    order, rounded to the stream's dtype before the add); the slices' views multiply to the whole product."""
     from engine import fused
 
     assert fused.residual_splits(176, 512, 1024) == 1  # short K
@@ -322,6 +322,10 @@ def test_residual_split_rule_and_eager_partials() -> None:
     assert torch.equal(stream, want)
     variance = want.float().pow(2).mean(-1, keepdim=True)
     assert torch.equal(normed, (want * torch.rsqrt(variance + 1e-5)).to(torch.bfloat16) * w)
-    linear = torch.nn.Linear(64, 32, bias=False)
-    a = torch.randn(40, 64)
-    assert torch.equal(fused.residual_linear(a, linear.weight), torch.nn.functional.linear(a, linear.weight))
+    g = torch.Generator().manual_seed(3)
+    for rows, k_dim, n, splits in ((40, 64, 32, 2), (3, 128, 48, 4), (1, 96, 16, 3)):
+        x = torch.randn(rows, 2 * k_dim, generator=g)[:, ::2]  # a strided activation, made contiguous first
+        weight = torch.randn(n, k_dim, generator=g)
+        x_slices, w_slices = fused.split_k_views(x.contiguous(), weight, splits)
+        assert x_slices.shape == (splits, rows, k_dim // splits) and w_slices.shape == (splits, k_dim // splits, n)
+        assert torch.allclose(torch.bmm(x_slices, w_slices).sum(0), x @ weight.T, atol=1e-5, rtol=1e-5)

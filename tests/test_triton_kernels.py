@@ -60,7 +60,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             errs += [relative_error(xs, xs_ref), relative_error(y, fused._rms_norm(xs_ref, w, 1e-5))]
         _, y = triton_kernels.add_rms_norm(x, None, None, w, 1e-6)
         errs.append(relative_error(y, fused._rms_norm(x, w, 1e-6)))
-        for splits in (2, 4):  # h as a split-K GEMM's fp32 partials: summed, rounded to the dtype, then added
+        for splits in (1, 2, 4):  # h as a split-K GEMM's fp32 partials: summed, rounded to the dtype, then added
             parts = rand(splits, 3, 7, 96, dtype=torch.float32, seed=20 + splits)
             h_sum = parts.sum(0).to(dtype)
             for scale in (None, 0.37):
@@ -525,13 +525,12 @@ def test_refused_cooperative_grid_is_halved_cuda() -> None:
     assert triton_layer._sync[dev].tolist() == [0, 0], "barrier counters left set"
 
 
-
 @pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
 def test_split_k_residual_projections_match_one_gemm_cuda() -> None:
-    """Where `residual_splits` splits (rows >= 16, K >= 1024), a decoder stack's o and down projections come back as
+    """Where `residual_splits` splits (K >= 1024, few outputs), a decoder stack's o and down projections come back as
     fp32 partials that the add + RMSNorm kernel sums: the stack's output matches the one-GEMM path's within bf16
-    rounding, and the split path really ran (o: K 1024, 2 slices; down: K 4096, 4 slices)."""
-    from engine import fused
+    rounding, and the split path really ran (o: K 1024, 2 slices; down: K 4096, 4 slices; the kernel got them)."""
+    from engine import fused, triton_kernels
     from engine.config import TransformerConfig
     from engine.models import minicpm
     from engine.models.minicpm import MiniCPM, dense_attention, fuse_projections, rotary_table
@@ -553,7 +552,9 @@ def test_split_k_residual_projections_match_one_gemm_cuda() -> None:
     with torch.inference_mode():
         with mock.patch.object(fused, "SPLIT_K", False):
             ref = stack(x, rope, dense_attention)
-        with mock.patch.object(minicpm, "residual_linear", recording):
+        with mock.patch.object(minicpm, "residual_linear", recording), \
+                mock.patch.object(triton_kernels, "add_rms_norm", wraps=triton_kernels.add_rms_norm) as kernel:
             out = stack(x, rope, dense_attention)
     assert shapes == [(2, 4, 24, 256), (4, 4, 24, 256)] * 2, shapes
+    assert sum(c.args[1] is not None and c.args[1].dim() == 4 for c in kernel.call_args_list) == 4
     assert relative_error(out, ref) <= BOUNDS[torch.bfloat16]
