@@ -64,12 +64,11 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, scale: float | None, weight: 
     the next sub-block reads: one kernel instead of two between every pair of GEMMs. h is the branch's output,
     or the split-K partial products (S, *x.shape) fp32 that `residual_linear` made of it (summed here)."""
     partials = h.dim() == x.dim() + 1
-    if partials and h.shape[1:] == x.shape and h.dtype == torch.float32 and kernels(x) and weight.dtype == x.dtype:
+    if (kernels(x) and weight.dtype == x.dtype and h.shape[int(partials):] == x.shape
+            and h.dtype == (torch.float32 if partials else x.dtype)):
         return triton_kernels.add_rms_norm(x, h, scale, weight, eps)
     if partials:
         h = h.sum(0).to(x.dtype)
-    if kernels(x) and weight.dtype == x.dtype == h.dtype and h.shape == x.shape:
-        return triton_kernels.add_rms_norm(x, h, scale, weight, eps)
     x = x + h if scale is None else x + h * scale
     return x, _rms_norm(x, weight, eps)
 

@@ -94,10 +94,7 @@ class Attention(nn.Module):
             self.qkv_weight = _fuse_rows(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None, attend: AttendFn, layer: int) -> torch.Tensor:
-        return self.o_proj(self.heads(x, rope, attend, layer))
-
-    def heads(self, x: torch.Tensor, rope: torch.Tensor | None, attend: AttendFn, layer: int) -> torch.Tensor:
-        """The attention's output before o_proj: (..., heads * head_dim)."""
+        """The attention branch's output, or its split-K partials (`fused.residual_linear`) for `add_rms_norm`."""
         lead = x.shape[:-1]
         if self.qkv_weight is not None:
             q, k, v = F.linear(x, self.qkv_weight).split(
@@ -108,7 +105,7 @@ class Attention(nn.Module):
         q = q.view(*lead, self.num_heads, self.head_dim)
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
-        return attend(layer, q, k, v, rope)
+        return residual_linear(attend(layer, q, k, v, rope), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -124,13 +121,12 @@ class MLP(nn.Module):
             self.gate_up_weight = _fuse_rows(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gated(x))
-
-    def gated(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate(x)) * up(x): the MLP's output before down_proj."""
+        """The MLP branch's output, or its split-K partials (`fused.residual_linear`) for `add_rms_norm`."""
         if self.gate_up_weight is not None:
-            return fused.silu_gate_linear(x, self.gate_up_weight)
-        return silu_mul(self.gate_proj(x), self.up_proj(x))
+            gated = fused.silu_gate_linear(x, self.gate_up_weight)
+        else:
+            gated = silu_mul(self.gate_proj(x), self.up_proj(x))
+        return residual_linear(gated, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -147,11 +143,11 @@ class DecoderLayer(nn.Module):
         """x: the residual stream; normed: input_layernorm(x), already computed by whoever updated x
         last. Returns the updated stream and `next_norm` of it (the next layer's input norm, or the
         stack's final norm), each residual add fused with the norm that follows it."""
-        # Each branch's last projection may come back as split-K partials, which the add + norm sums.
-        h = residual_linear(self.self_attn.heads(normed, rope, attend, layer), self.self_attn.o_proj.weight)
+        # Each branch's output may come back as split-K partials, which the add + norm sums.
+        h = self.self_attn(normed, rope, attend, layer)
         norm = self.post_attention_layernorm
         x, normed = add_rms_norm(x, h, self.residual_scale, norm.weight, norm.eps)
-        h = residual_linear(self.mlp.gated(normed), self.mlp.down_proj.weight)
+        h = self.mlp(normed)
         return add_rms_norm(x, h, self.residual_scale, next_norm.weight, next_norm.eps)
 
 
