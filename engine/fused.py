@@ -106,7 +106,10 @@ def split_k_views(x2: torch.Tensor, weight: torch.Tensor, splits: int) -> tuple[
 def residual_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T for the last projection of a residual branch, which `add_rms_norm` adds to the stream: the output,
     or on CUDA where `residual_splits` says so, its S partial products over slices of K, (S, *x.shape[:-1], N)
-    fp32 (fp32 accumulation throughout; only the summation order differs from one GEMM's)."""
+    fp32 (fp32 accumulation throughout; only the summation order differs from one GEMM's). A row or two go to the
+    GEMV kernel (`linear`), which returns partials where it cuts K into slices."""
+    if kernels(x) and triton_kernels.gemv_supported(x, weight, partials=True):
+        return triton_kernels.gemv(x, weight)
     k_dim, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k_dim)
     splits = residual_splits(x2.shape[0], k_dim, n) if SPLIT_K and x.is_cuda and kernels(x) else 1
@@ -152,11 +155,21 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T without bias: on CUDA a row or two (`engine.pdl.GEMV_MAX_ROWS`) go to the weight-streaming GEMV
+    kernel chained by PDL (`triton_kernels.gemv`: the one-row decode chain of the LMs), the rest to cuBLAS."""
+    if kernels(x) and triton_kernels.gemv_supported(x, weight):
+        return triton_kernels.gemv(x, weight)
+    return F.linear(x, weight)
+
+
 def silu_gate_linear(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for the fused [gate; up] weight (2I, K): for a few rows on CUDA one
     weight-streaming kernel with the gated product in its epilogue (H100, B=1 step: DiT 10.3 -> 8.6 us, LM
     21.2 -> 20.0 us against cuBLAS + silu_mul; the other projections stay on cuBLAS, which the same kernel did
     not beat there), else the GEMM and `silu_mul`."""
+    if kernels(x) and triton_kernels.gemv_supported(x, gate_up_weight, silu_gate=True):
+        return triton_kernels.gemv(x, gate_up_weight, silu_gate=True)
     if kernels(x) and triton_kernels.skinny_supported(x, gate_up_weight, silu_gate=True):
         return triton_kernels.skinny_matmul(x, gate_up_weight, silu_gate=True)
     gate, up = F.linear(x, gate_up_weight).chunk(2, dim=-1)

@@ -27,6 +27,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from engine import pdl
+
 if TYPE_CHECKING:
     import torch
 else:
@@ -35,6 +37,7 @@ else:
 try:  # triton is absent on e.g. macOS; the module must still import there
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - depends on the platform
@@ -81,7 +84,7 @@ if HAVE_TRITON:
         qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain
         G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_KEYS: tl.constexpr, NEW_KV: tl.constexpr,
-        ROPE: tl.constexpr,
+        ROPE: tl.constexpr, PDL: tl.constexpr,
     ):
         # SPLIT_KEYS > 0: program_id(2) is this program's split; part_ptr holds per (token, kv head, split) the partial
         # [max (BLOCK_G), sum (BLOCK_G), output (BLOCK_G x HEAD_DIM)] in fp32; count_ptr the rows' arrival counters.
@@ -89,6 +92,9 @@ if HAVE_TRITON:
         # (ROPE: cos/sin rows per token) nor stored: every program rotates its q heads, and the split that reads the
         # token's own position (the last) first writes its k (rotated) and v to the token's slot (`rotary_store_kv`'s
         # work, without its kernel).
+        if PDL:  # engine/pdl.py: the next kernel may start streaming its weights; q/k/v are the kernel before's
+            gdc_launch_dependents()
+            gdc_wait()
         t = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
         row = tl.load(row_index_ptr + t).to(tl.int64)
@@ -306,6 +312,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         cos, sin = (rope[:, 0], rope[:, 1]) if rope is not None else (new_k, new_k)  # not read without rotary
     else:
         new_k = new_v = slot_mapping = cos = sin = row_index  # not read
+    chained = pdl.launch(q, num_tokens)
     _paged_attention_kernel[(num_tokens, num_kv_heads, splits)](
         q, k_cache, v_cache, out, block_tables, row_index, context_lens, parts, counters,
         new_k, new_v, slot_mapping, cos, sin,
@@ -318,8 +325,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         G=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         # fp32 caches get exact fp32 dots (tf32 would cost ~1e-3 relative error); bf16/fp16 use tensor cores
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT_KEYS=split_keys,
-        NEW_KV=new_kv is not None, ROPE=new_kv is not None and rope is not None,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        NEW_KV=new_kv is not None, ROPE=new_kv is not None and rope is not None, PDL=chained,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **({"launch_pdl": True} if chained else {}),
     )
     return out
 

@@ -87,6 +87,39 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         errs.append(relative_error(triton_kernels.skinny_matmul(x, w, config=(16, 32, 32, 2, 4)), F.linear(x, w)))
         return max(errs)
 
+    def gemv(dtype: torch.dtype) -> float:
+        """The one-row GEMV (engine/pdl.py) through the dispatch that serves it: `fused.linear` (a strided row, two
+        rows), the SiLU-gated gate/up, and the o/down projections' `residual_linear`, whose K cut into slices comes
+        back as fp32 partials that `add_rms_norm` sums. fp32 rows stay on F.linear (the GEMV holds 16-bit weights)."""
+        from engine import pdl
+
+        errs = []
+        with mock.patch.object(fused, "kernels", triton_kernels.usable), \
+                mock.patch.object(pdl, "GEMV_MAX_ROWS", 2), \
+                mock.patch.object(triton_kernels, "gemv", wraps=triton_kernels.gemv) as spy:
+            for rows, k_dim, n in ((1, 64, 48), (2, 128, 32)):
+                x = rand(rows, k_dim + 32, dtype=dtype, seed=140 + rows)[:, 16:16 + k_dim]  # rows of a wider tensor
+                w = rand(n, k_dim, dtype=dtype, seed=141 + rows) * k_dim ** -0.5
+                errs.append(relative_error(fused.linear(x, w), F.linear(x, w)))
+            x = rand(1, 64, dtype=dtype, seed=143)
+            w = rand(48, 64, dtype=dtype, seed=144) * 0.125
+            gate, up = F.linear(x, w).chunk(2, dim=-1)
+            errs.append(relative_error(fused.silu_gate_linear(x, w), F.silu(gate) * up))
+            with mock.patch.object(triton_kernels, "GEMV_SLICE", 32):
+                x, res = rand(1, 96, dtype=dtype, seed=145), rand(1, 16, dtype=dtype, seed=146)
+                w = rand(16, 96, dtype=dtype, seed=147) * 0.1
+                parts = fused.residual_linear(x, w)
+                if dtype != torch.float32:
+                    assert parts.shape == (3, 1, 16) and parts.dtype == torch.float32, (parts.shape, parts.dtype)
+                    errs.append(relative_error(parts.sum(0).to(dtype), F.linear(x, w)))
+                norm_w = rand(16, dtype=dtype, seed=148)
+                h_ref = parts.sum(0).to(dtype) if parts.dim() == 3 else F.linear(x, w)
+                errs.append(relative_error(fused.add_rms_norm(res, parts, None, norm_w, 1e-5)[1],
+                                           fused._rms_norm(res + h_ref, norm_w, 1e-5)))
+        expected = 0 if dtype == torch.float32 else 4
+        assert spy.call_count == expected, f"the GEMV served {spy.call_count} of the {expected} projections"
+        return max(errs)
+
     def rotary_qk(dtype: torch.dtype) -> float:
         q, k, _ = rand(6, 8 * 32, dtype=dtype, seed=5).split([4 * 32, 2 * 32, 2 * 32], dim=-1)
         q, k = q.view(6, 4, 32), k.view(6, 2, 32)
@@ -428,7 +461,8 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                 assert spy.call_count == 1, "MiniCPM.forward did not take the layer kernels"
         return max(errs)
 
-    return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "skinny_matmul": skinny_matmul, "rotary_qk": rotary_qk,
+    return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "skinny_matmul": skinny_matmul, "gemv": gemv,
+            "rotary_qk": rotary_qk,
             "rotary_store_kv": rotary_store_kv, "dispatch": dispatch, "dense_attention": dense,
             "snake": snake, "dwconv_snake": dwconv_snake, "residual_unit": residual_unit,
             "conv_transpose": conv_transpose, "vae_decoder": vae_decoder, "cfg_euler": cfg_euler, "dit_step": dit_step,
@@ -460,7 +494,8 @@ def interpreter_results() -> dict[str, float]:
     return {r["case"]: r["err"] for r in rows}
 
 
-CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "skinny_matmul", "rotary_qk", "rotary_store_kv",
+CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "skinny_matmul", "gemv", "rotary_qk",
+                                    "rotary_store_kv",
                                     "dispatch", "dense_attention", "snake",
                                     "dwconv_snake", "residual_unit", "conv_transpose", "vae_decoder", "cfg_euler",
                                     "dit_step",
@@ -558,3 +593,49 @@ def test_split_k_residual_projections_match_one_gemm_cuda() -> None:
     assert shapes == [(2, 4, 24, 256), (4, 4, 24, 256)] * 2, shapes
     assert sum(c.args[1] is not None and c.args[1].dim() == 4 for c in kernel.call_args_list) == 4
     assert relative_error(out, ref) <= BOUNDS[torch.bfloat16]
+
+
+@pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
+def test_pdl_chain_matches_plain_launches_cuda() -> None:
+    """The one-row chain of GEMV and add + RMSNorm kernels launched with PDL (engine/pdl.py) computes exactly what
+    plain launches of the same kernels compute, eager and replayed in a CUDA graph over new inputs: a kernel that read
+    its predecessor's output before that was written would differ. Also checks the launches were PDL ones."""
+    from engine import fused, pdl, triton_kernels
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm_90 or newer")
+    torch.manual_seed(51)
+    hidden, ffn, layers = 512, 1536, 6
+    weights = [dict(qkv=torch.randn(3 * hidden, hidden, device="cuda").bfloat16() * hidden ** -0.5,
+                    o=torch.randn(hidden, hidden, device="cuda").bfloat16() * hidden ** -0.5,
+                    gate_up=torch.randn(2 * ffn, hidden, device="cuda").bfloat16() * hidden ** -0.5,
+                    down=torch.randn(hidden, ffn, device="cuda").bfloat16() * ffn ** -0.5,
+                    norm=torch.rand(hidden, device="cuda").bfloat16() + 0.5) for _ in range(layers)]
+    x_in = torch.randn(1, hidden, device="cuda").bfloat16()
+
+    def chain() -> torch.Tensor:
+        x, normed = x_in, fused.rms_norm(x_in, weights[0]["norm"], 1e-5)
+        for w in weights:
+            qkv = fused.linear(normed, w["qkv"])
+            x, normed = fused.add_rms_norm(x, fused.residual_linear(qkv[:, :hidden], w["o"]), None, w["norm"], 1e-5)
+            gated = fused.silu_gate_linear(normed, w["gate_up"])
+            x, normed = fused.add_rms_norm(x, fused.residual_linear(gated, w["down"]), None, w["norm"], 1e-5)
+        return normed
+
+    with mock.patch.object(triton_kernels, "GEMV_SLICE", 512):  # the down projection's K in 3 slices: partials
+        with mock.patch.object(pdl, "ENABLED", False):
+            plain = chain()
+        with mock.patch.object(triton_kernels, "_pdl_option", wraps=triton_kernels._pdl_option) as spy:
+            chained = chain()
+        assert sum(c.args[0] for c in spy.call_args_list) == 1 + 6 * layers, "not every kernel was a PDL launch"
+        assert torch.equal(chained, plain)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        for i in range(10):
+            x_in.copy_(torch.randn(1, hidden, device="cuda").bfloat16())
+            with mock.patch.object(pdl, "ENABLED", False):
+                ref = chain()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, ref), f"replay {i}: the PDL chain differs from plain launches"

@@ -97,7 +97,7 @@ class Attention(nn.Module):
         """The attention branch's output, or its split-K partials (`fused.residual_linear`) for `add_rms_norm`."""
         lead = x.shape[:-1]
         if self.qkv_weight is not None:
-            q, k, v = F.linear(x, self.qkv_weight).split(
+            q, k, v = fused.linear(x, self.qkv_weight).split(
                 [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                  self.num_kv_heads * self.head_dim], dim=-1)
         else:

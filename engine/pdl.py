@@ -1,0 +1,48 @@
+"""When the one-row decode chain runs as weight-streaming kernels chained by programmatic dependent launch (PDL).
+
+Why: at c=1 the base and residual LMs run one activation row through 36 layers of ~94 MB each. As separate kernels
+(cuBLAS GEMMs, the skinny gate/up kernel, add + RMSNorm, attention) every projection paid its own ramp and tail: the
+HBM stream stopped at each kernel boundary. With PDL a kernel starts while the one before it still runs
+(`gdc_launch_dependents` at its start), and the GEMV kernel (`triton_kernels.gemv`) loads its whole weight slice into
+registers before it waits (`gdc_wait`) for the activations, so the next projection's weights stream while the
+previous kernel finishes. H100, 28 LM-shaped layers without attention (`tools/bench_pdl_chain.py`): 48.6 us per layer
+on the engine's kernels, 42.3 with the GEMV alone, 36.7 with the GEMV chained by PDL; at 8 rows the GEMV's fp32 FMA
+reduction is slower than the tensor-core kernels (75 against 49 us), so it serves up to `GEMV_MAX_ROWS` rows.
+
+Correctness: a kernel launched with PDL reads nothing another kernel writes before its `gdc_wait` (only its weights),
+and writes nothing before it; `gdc_wait` returns once the kernel before it has completed and its writes are visible,
+and that kernel waited for its own predecessor the same way, so stream order holds. A kernel before the chain that
+never triggers (cuBLAS, a copy) simply lets the next one start when it ends.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from engine.lazy_torch import torch  # the kernel-compiling children never load it
+
+# VOXCPM_PDL=0: plain launches everywhere. VOXCPM_GEMV_MAX_ROWS: activation rows up to which the GEMV kernel serves a
+# projection (0: never; the GEMMs then stay on cuBLAS and the skinny kernel).
+ENABLED = os.environ.get("VOXCPM_PDL", "1") != "0"
+GEMV_MAX_ROWS = int(os.environ.get("VOXCPM_GEMV_MAX_ROWS", "1"))
+if GEMV_MAX_ROWS < 0:
+    raise ValueError(f"VOXCPM_GEMV_MAX_ROWS={GEMV_MAX_ROWS}: use 0 (off) or a positive number of rows")
+_capable: dict[int, bool] = {}
+
+
+def _device_capable(device: torch.device) -> bool:
+    """griddepcontrol is Hopper's (sm_90) and newer; ROCm has no PDL."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _capable:
+        _capable[index] = torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+    return _capable[index]
+
+
+def launch(x: torch.Tensor, rows: int) -> bool:
+    """Whether a kernel of this call over `rows` activation rows is launched with PDL (its constexpr PDL and the
+    launch option): the one-row chain on a GPU that has it, never in the interpreter."""
+    return ENABLED and 0 < rows <= GEMV_MAX_ROWS and x.is_cuda and _device_capable(x.device)
