@@ -37,7 +37,7 @@ else:
 try:  # triton is absent on e.g. macOS; the module must still import there
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    from triton.language.extra.cuda import gdc_wait
 
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - depends on the platform
@@ -92,13 +92,18 @@ if HAVE_TRITON:
         # (ROPE: cos/sin rows per token) nor stored: every program rotates its q heads, and the split that reads the
         # token's own position (the last) first writes its k (rotated) and v to the token's slot (`rotary_store_kv`'s
         # work, without its kernel).
-        if PDL:  # engine/pdl.py: the next kernel may start streaming its weights; q/k/v are the kernel before's
-            gdc_launch_dependents()
-            gdc_wait()
         t = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
+        # The step's inputs (rows, lengths, block tables) and the cache's earlier keys are no kernel's of the chain:
+        # readable before the wait. q/k/v are the kernel before's.
         row = tl.load(row_index_ptr + t).to(tl.int64)
         ctx = tl.load(context_lens_ptr + t)
+        if PDL:  # engine/pdl.py. No early start for the next kernel: its weight stream would delay these loads.
+            if SPLIT_KEYS > 0:  # this split's first tile of cached keys and values into L2 while waiting
+                _prefetch_tile(k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
+                               block_tables_ptr + row * stride_bt, tl.program_id(2) * SPLIT_KEYS, ctx - 1, stride_kb,
+                               stride_ks, stride_vb, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_SIZE)
+            gdc_wait()
         if SPLIT_KEYS > 0:
             split = tl.program_id(2)
             lo = split * SPLIT_KEYS
@@ -121,6 +126,25 @@ if HAVE_TRITON:
                          hi, split, active, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
                          stride_vb, stride_vs, stride_vh, stride_bt, qk_scale, G, BLOCK_G, HEAD_DIM, BLOCK_N,
                          BLOCK_SIZE, DOT_PRECISION, SPLIT_KEYS, NEW_KV)
+
+    @triton.jit
+    def _prefetch_tile(k_head, v_head, bt_row, lo, hi, stride_kb, stride_ks, stride_vb, stride_vs,
+                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        # `prefetch.global.L2` of the 128-byte lines of keys lo..hi-1 (at most a tile): nothing held or waited for.
+        LINE: tl.constexpr = 1024 // k_head.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
+        pos = lo + tl.arange(0, BLOCK_N)
+        valid = pos < hi
+        block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = (pos % BLOCK_SIZE).to(tl.int64)
+        lines = tl.arange(0, max(HEAD_DIM // LINE, 1)) * LINE
+        k_lines = tl.where(valid[:, None], k_head + block[:, None] * stride_kb + slot[:, None] * stride_ks
+                           + lines[None, :], k_head)
+        v_lines = tl.where(valid[:, None], v_head + block[:, None] * stride_vb + slot[:, None] * stride_vs
+                           + lines[None, :], v_head)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [k_lines], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [v_lines], dtype=tl.int32, is_pure=False,
+                                  pack=1)
 
     @triton.jit
     def _new_token(q_ptr, k_ptr, v_ptr, part_ptr, new_k_ptr, new_v_ptr, slot_ptr, cos_ptr, sin_ptr, t, kv_head, split,
