@@ -106,7 +106,7 @@ def split_k_views(x2: torch.Tensor, weight: torch.Tensor, splits: int) -> tuple[
 def residual_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T for the last projection of a residual branch, which `add_rms_norm` adds to the stream: the output,
     or on CUDA where `residual_splits` says so, its S partial products over slices of K, (S, *x.shape[:-1], N)
-    fp32 (fp32 accumulation throughout; only the summation order differs from one GEMM's). A row or two go to the
+    fp32 (fp32 accumulation throughout; only the summation order differs from one GEMM's). One-row calls go to the
     GEMV kernel (`linear`), which returns partials where it cuts K into slices."""
     if kernels(x) and triton_kernels.gemv_supported(x, weight, partials=True):
         return triton_kernels.gemv(x, weight)
@@ -156,8 +156,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T without bias: on CUDA a row or two (`engine.pdl.GEMV_MAX_ROWS`) go to the weight-streaming GEMV
-    kernel chained by PDL (`triton_kernels.gemv`: the one-row decode chain of the LMs), the rest to cuBLAS."""
+    """x @ weight.T without bias: on CUDA up to `engine.pdl.GEMV_MAX_ROWS` rows (one by default) go to the
+    weight-streaming GEMV kernel chained by PDL (`triton_kernels.gemv`: the LMs' one-row decode chain), the rest to
+    cuBLAS."""
     if kernels(x) and triton_kernels.gemv_supported(x, weight):
         return triton_kernels.gemv(x, weight)
     return F.linear(x, weight)

@@ -12,8 +12,8 @@ reduction is slower than the tensor-core kernels (75 against 49 us), so it serve
 Which kernel lets the next one start at once (H100, B=1 step, `tools/profile_step.py`): the GEMVs and the add +
 RMSNorm do (the norm without it: 5.73 ms against 5.69); the decode attention does not (with it: 5.73 against 5.68 ms:
 the o projection's weight stream would queue ahead of the attention's own latency-bound loads), and instead prefetches
-its cached keys and values into L2 while it waits for q/k/v. Tried and dropped: 8 warps per GEMV program (5.75 ms), the DiT's and LocEnc's
-cooperative layer kernels chained the same way (DiT 3.42 -> 3.75 ms).
+its cached keys and values into L2 while it waits for q/k/v. Tried and dropped: 8 warps per GEMV program (5.75 ms),
+the DiT's and LocEnc's cooperative layer kernels chained the same way (DiT 3.42 -> 3.75 ms).
 
 Correctness: a kernel launched with PDL reads nothing another kernel writes before its `gdc_wait` (only its weights),
 and writes nothing before it; `gdc_wait` returns once the kernel before it has completed and its writes are visible,
@@ -52,3 +52,9 @@ def launch(x: torch.Tensor, rows: int) -> bool:
     """Whether a kernel of this call over `rows` activation rows is launched with PDL (its constexpr PDL and the
     launch option): the one-row chain on a GPU that has it, never in the interpreter."""
     return ENABLED and 0 < rows <= GEMV_MAX_ROWS and x.is_cuda and _device_capable(x.device)
+
+
+def option(chained: bool) -> dict[str, bool]:
+    """The launch option of a kernel chained by PDL, to pass beside its constexpr PDL (none otherwise: the
+    interpreter takes no such option)."""
+    return {"launch_pdl": True} if chained else {}

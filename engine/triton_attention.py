@@ -94,8 +94,8 @@ if HAVE_TRITON:
         # work, without its kernel).
         t = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
-        # The step's inputs (rows, lengths, block tables) and the cache's earlier keys are no kernel's of the chain:
-        # readable before the wait. q/k/v are the kernel before's.
+        # The step's inputs (rows, lengths, block tables) and the cache's earlier keys are written by no kernel of the
+        # PDL chain, so they may be read before its wait; q/k/v (the kernel before's output) only after it.
         row = tl.load(row_index_ptr + t).to(tl.int64)
         ctx = tl.load(context_lens_ptr + t)
         if PDL:  # engine/pdl.py. No early start for the next kernel: its weight stream would delay these loads.
@@ -128,9 +128,14 @@ if HAVE_TRITON:
                          BLOCK_SIZE, DOT_PRECISION, SPLIT_KEYS, NEW_KV)
 
     @triton.jit
+    def prefetch_l2(ptrs):
+        """`prefetch.global.L2` of the 128-byte line of every pointer: nothing held, nothing waited for."""
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _prefetch_tile(k_head, v_head, bt_row, lo, hi, stride_kb, stride_ks, stride_vb, stride_vs,
                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-        # `prefetch.global.L2` of the 128-byte lines of keys lo..hi-1 (at most a tile): nothing held or waited for.
+        # The 128-byte lines of keys and values lo..hi-1 (at most a tile) into L2.
         LINE: tl.constexpr = 1024 // k_head.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
         pos = lo + tl.arange(0, BLOCK_N)
         valid = pos < hi
@@ -141,10 +146,8 @@ if HAVE_TRITON:
                            + lines[None, :], k_head)
         v_lines = tl.where(valid[:, None], v_head + block[:, None] * stride_vb + slot[:, None] * stride_vs
                            + lines[None, :], v_head)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [k_lines], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [v_lines], dtype=tl.int32, is_pure=False,
-                                  pack=1)
+        prefetch_l2(k_lines)
+        prefetch_l2(v_lines)
 
     @triton.jit
     def _new_token(q_ptr, k_ptr, v_ptr, part_ptr, new_k_ptr, new_v_ptr, slot_ptr, cos_ptr, sin_ptr, t, kv_head, split,
@@ -350,7 +353,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # fp32 caches get exact fp32 dots (tf32 would cost ~1e-3 relative error); bf16/fp16 use tensor cores
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT_KEYS=split_keys,
         NEW_KV=new_kv is not None, ROPE=new_kv is not None and rope is not None, PDL=chained,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **({"launch_pdl": True} if chained else {}),
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **pdl.option(chained),
     )
     return out
 

@@ -524,7 +524,7 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor | None, scale: float | None, w
         _add_rms_norm_kernel[(x2.shape[0],)](x2, h2, weight, x_out, y, n, x2.numel(), eps,
                                               1.0 if scale is None else scale, HAS_H=h is not None,
                                               HAS_SCALE=scale is not None, SPLITS=splits, BLOCK=block, PDL=chained,
-                                              num_warps=max(1, min(16, block // 256)), **_pdl_option(chained))
+                                              num_warps=max(1, min(16, block // 256)), **pdl.option(chained))
     return x_out.view(x.shape), y.view(x.shape)
 
 
@@ -588,11 +588,6 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False
     return out.view(*x.shape[:-1], n)
 
 
-def _pdl_option(chained: bool) -> dict[str, bool]:
-    """The launch option of a kernel chained by PDL (none otherwise: the interpreter takes no such option)."""
-    return {"launch_pdl": True} if chained else {}
-
-
 GEMV_SLICE = 2048  # the most K elements per GEMV program: 8 weight rows of them are 32 KB of registers (16-bit)
 GEMV_BLOCK_N = 8  # output columns per program (4 with the SiLU gate, whose up rows double the slice)
 
@@ -604,20 +599,20 @@ def gemv_slices(k_dim: int) -> int:
 
 
 def gemv_supported(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False, partials: bool = False) -> bool:
-    """Whether `gemv` takes x (..., K) @ weight (N, K).T: up to `pdl.GEMV_MAX_ROWS` rows of a 16-bit dtype, a
-    contiguous weight; K in slices only where the caller sums partials."""
+    """Whether `gemv` takes x (..., K) @ weight (N, K).T: up to `pdl.GEMV_MAX_ROWS` rows (one by default) of a
+    16-bit dtype, a contiguous weight; K in slices only where the caller sums partials."""
     k_dim = x.shape[-1]
     rows = x.numel() // max(k_dim, 1)
     slices = gemv_slices(k_dim)
     block_n = GEMV_BLOCK_N // 2 if silu_gate else GEMV_BLOCK_N
     return (0 < rows <= pdl.GEMV_MAX_ROWS and slices > 0
-            and (slices == 1 or partials and not silu_gate) and weight.dim() == 2 and weight.shape[1] == k_dim
+            and (slices == 1 or (partials and not silu_gate)) and weight.dim() == 2 and weight.shape[1] == k_dim
             and weight.shape[0] % ((2 if silu_gate else 1) * block_n) == 0 and x.dtype == weight.dtype
             and x.dtype in (torch.float16, torch.bfloat16) and weight.is_contiguous() and x.stride(-1) == 1)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False) -> torch.Tensor:
-    """x (..., K) @ weight.T for a row or two (`gemv_supported`), launched with PDL where `pdl.launch` says so.
+    """x (..., K) @ weight.T for a few rows (`gemv_supported`), launched with PDL where `pdl.launch` says so.
     Returns (..., N) in x's dtype, or where K is cut into S slices the fp32 partial products (S, ..., N) for
     `add_rms_norm`. silu_gate: weight is [gate; up] (2N, K), the result silu(x @ gate.T) * (x @ up.T) rounded as
     the GEMM and `silu_mul` round it."""
@@ -633,7 +628,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False) -> torc
     chained = pdl.launch(x2, rows)
     _gemv_kernel[(n // block_n * slices,)](x2, weight, out, rows, x2.stride(0), N=n, K=k_dim, KS=k_dim // slices,
                                            SILU_GATE=silu_gate, PARTIAL=slices > 1, BLOCK_N=block_n, PDL=chained,
-                                           num_warps=4, **_pdl_option(chained))
+                                           num_warps=4, **pdl.option(chained))
     return out.view(slices, *x.shape[:-1], n) if slices > 1 else out.view(*x.shape[:-1], n)
 
 

@@ -55,6 +55,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from engine.triton_attention import prefetch_l2
     from engine.triton_kernels import attend_heads
 
     @triton.jit
@@ -90,11 +91,9 @@ if HAVE_TRITON:
                 base = w_ptr + ((unit // SPLITS) * BLOCK_N + rows)[:, None].to(tl.int64) * K + (unit % SPLITS) * KS
                 for c in tl.static_range(0, PF_K, 16 * LINE):
                     ptrs = base + tl.minimum(c + lines, PF_K - LINE)[None, :]
-                    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
-                                              is_pure=False, pack=1)
+                    prefetch_l2(ptrs)
                     if GATE:  # the up rows follow the gate rows
-                        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs + N * K],
-                                                  dtype=tl.int32, is_pure=False, pack=1)
+                        prefetch_l2(ptrs + N * K)
 
     @triton.jit
     def _residual_norm_rows(x_ptr, part_ptr, w_ptr, x_out_ptr, y_ptr, rows, has_part, eps, scale, pid, nprog,

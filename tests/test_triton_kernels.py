@@ -625,7 +625,7 @@ def test_pdl_chain_matches_plain_launches_cuda() -> None:
     with mock.patch.object(triton_kernels, "GEMV_SLICE", 512):  # the down projection's K in 3 slices: partials
         with mock.patch.object(pdl, "ENABLED", False):
             plain = chain()
-        with mock.patch.object(triton_kernels, "_pdl_option", wraps=triton_kernels._pdl_option) as spy:
+        with mock.patch.object(pdl, "option", wraps=pdl.option) as spy:
             chained = chain()
         assert sum(c.args[0] for c in spy.call_args_list) == 1 + 6 * layers, "not every kernel was a PDL launch"
         assert torch.equal(chained, plain)
