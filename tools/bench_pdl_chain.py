@@ -1,20 +1,30 @@
-"""The LMs' one-row decode chain on the engine's own kernels, three ways (engine/pdl.py): the projections on cuBLAS and
-the skinny gate/up kernel (`VOXCPM_GEMV_MAX_ROWS=0`, the engine before the GEMV), on the GEMV kernel with plain
-launches (`VOXCPM_PDL=0`), and on the GEMV kernel chained by programmatic dependent launch (the default).
+"""Decode chains of a few rows on the engine's own kernels, each way the engine can run them (engine/pdl.py).
 
-Per layer, LM shapes of the checkpoint's config, every layer its own weights (they stream from HBM, as in a step):
-q/k/v -> o (of the normed rows: no attention) -> add + RMSNorm -> gate/up + SiLU -> down -> add + RMSNorm, through
-`engine.fused` exactly as `MiniCPM`'s layers call it. Microseconds per layer from CUDA-graph replays; the outputs of
-the three must agree within bf16 rounding (the GEMV sums in another order than cuBLAS) and the two GEMV ways exactly.
+`--stack lm` (default): the LMs' layers without attention, LM shapes of the checkpoint's config, every layer its own
+weights (they stream from HBM, as in a step): q/k/v -> o (of the normed rows) -> add + RMSNorm -> gate/up + SiLU ->
+down -> add + RMSNorm, through `engine.fused` exactly as `MiniCPM`'s layers call it. Ways: cuBLAS and the skinny
+gate/up kernel with plain launches (the engine before session 15), the GEMV with plain launches, the GEMV chained by
+PDL, the skinny kernel for every projection chained by PDL.
 
-    python tools/bench_pdl_chain.py --model /tmp/full --rows 1,2 --out pdl_chain.json
+`--stack dit` / `--stack locenc`: the real local stack (`MiniCPM` with random weights of the config's shapes, its
+dense attention with the rotary embedding), `--seqs` sequences of `--seq-len` tokens (the DiT at B=1: 2 x 11). Ways:
+the cooperative layer kernel (`engine.triton_layer`, plain launches), the layers as separate kernels with plain
+launches, and the layers as a PDL chain of separate kernels.
+
+Microseconds per layer from CUDA-graph replays; every way's output is compared with the first one's (bf16 rounding
+and summation order differ between them) and, for the chained ways, with the same kernels' plain launches (equal).
+
+    python tools/bench_pdl_chain.py --model /tmp/full --rows 1,2,8 --out pdl_chain.json
+    python tools/bench_pdl_chain.py --model /tmp/full --stack dit --seqs 2,4 --seq-len 11
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -22,37 +32,73 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engine import fused, pdl  # noqa: E402
-from engine.config import VoxCPMConfig  # noqa: E402
+from engine import fused, pdl, triton_kernels, triton_layer  # noqa: E402
+from engine.config import TransformerConfig, VoxCPMConfig  # noqa: E402
+from engine.models.minicpm import MiniCPM, dense_attention, fuse_projections, rotary_table  # noqa: E402
 from tools.profile_step import graph_ms  # noqa: E402
 
-WAYS = {"cublas+skinny": (True, 0), "gemv": (False, None), "gemv+pdl": (True, None)}  # (pdl.ENABLED, GEMV_MAX_ROWS)
+# way -> module attributes patched for it: (module, name, value); None for GEMV_MAX_ROWS means "the rows measured"
+LM_WAYS: dict[str, list[tuple[object, str, object]]] = {
+    "cublas+skinny": [(pdl, "ENABLED", False), (pdl, "GEMV_MAX_ROWS", 0), (pdl, "CHAIN_MAX_ROWS", 0)],
+    "gemv": [(pdl, "ENABLED", False), (pdl, "GEMV_MAX_ROWS", None), (pdl, "CHAIN_MAX_ROWS", 0)],
+    "gemv+pdl": [(pdl, "ENABLED", True), (pdl, "GEMV_MAX_ROWS", None), (pdl, "CHAIN_MAX_ROWS", 0)],
+    "gemv mma": [(pdl, "ENABLED", False), (pdl, "GEMV_MAX_ROWS", 0), (pdl, "CHAIN_MAX_ROWS", 64)],
+    "gemv mma+pdl": [(pdl, "ENABLED", True), (pdl, "GEMV_MAX_ROWS", 0), (pdl, "CHAIN_MAX_ROWS", 64)],
+}
+STACK_WAYS: dict[str, list[tuple[object, str, object]]] = {
+    "layer kernel": [(pdl, "ENABLED", False), (pdl, "CHAIN_MAX_ROWS", 0)],
+    "kernels, plain": [(pdl, "ENABLED", False), (pdl, "CHAIN_MAX_ROWS", 0), (triton_layer, "MODE", "off")],
+    "gemv mma": [(pdl, "ENABLED", False), (pdl, "CHAIN_MAX_ROWS", 64), (triton_layer, "MODE", "off")],
+    "gemv mma+pdl": [(pdl, "ENABLED", True), (pdl, "CHAIN_MAX_ROWS", 64)],
+    "gemv mma+pdl, 4 warps": [(pdl, "ENABLED", True), (pdl, "CHAIN_MAX_ROWS", 64),
+                              (triton_kernels, "GEMV_MMA_WARPS", 4)],
+    "gemv mma+pdl, 8 warps": [(pdl, "ENABLED", True), (pdl, "CHAIN_MAX_ROWS", 64),
+                              (triton_kernels, "GEMV_MMA_WARPS", 8)],
+}
+# a chained way and the same kernels launched plainly: their outputs must be equal
+PLAIN_OF = {"gemv+pdl": "gemv", "gemv mma+pdl": "gemv mma"}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True, help="checkpoint directory or preset JSON (engine/presets); config only")
-    ap.add_argument("--rows", default="1")
-    ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--out")
-    args = ap.parse_args()
-    src = Path(args.model)
-    cfg = (VoxCPMConfig.from_dir(src) if src.is_dir() else VoxCPMConfig.from_dict(json.loads(src.read_text()))).lm
+@contextlib.contextmanager
+def patched(way: list[tuple[object, str, object]], rows: int) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for module, name, value in way:
+            stack.enter_context(mock.patch.object(module, name, rows if value is None else value))
+        yield
+
+
+def measure(label: str, ways: dict[str, list[tuple[object, str, object]]], rows: int, layers: int,
+            run: Callable[[], torch.Tensor], results: list[dict]) -> None:
+    outs: dict[str, torch.Tensor] = {}
+    for way, patches in ways.items():
+        with patched(patches, rows):
+            outs[way] = run().float().clone()
+            us = 1000 * graph_ms(run, reps=20) / layers
+        first = next(iter(outs.values()))
+        err = (outs[way] - first).abs().max().item()
+        print(f"{label} {way}: {us:.2f} us per layer (max |diff| vs {next(iter(outs))}: {err:.3g})", flush=True)
+        results.append(dict(case=label, rows=rows, way=way, us_per_layer=round(us, 3), max_abs_diff=err))
+    for chained, plain in PLAIN_OF.items():
+        if chained in outs and plain in outs:
+            same = torch.equal(outs[chained], outs[plain])
+            print(f"{label}: {chained} and {plain} outputs identical: {same}", flush=True)
+            results.append(dict(case=label, rows=rows, identical=[chained, plain], equal=same))
+
+
+def lm_chain(cfg: TransformerConfig, rows_list: list[int], layers_n: int, results: list[dict]) -> None:
     dev, dt = torch.device("cuda"), torch.bfloat16
     h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     nqkv, f = q + 2 * cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
     if q != h:
         raise SystemExit("the o projection reads the normed rows in place of the attention output: needs q == hidden")
-    torch.manual_seed(0)
 
     def weight(n: int, k: int) -> torch.Tensor:
         return (torch.randn(n, k, device=dev) * k ** -0.5).to(dt)
 
     layers = [dict(qkv=weight(nqkv, h), o=weight(h, q), gate_up=weight(2 * f, h), down=weight(h, f),
                    norm1=torch.rand(h, device=dev).to(dt) + 0.5, norm2=torch.rand(h, device=dev).to(dt) + 0.5)
-              for _ in range(args.layers)]
-    results = []
-    for rows in [int(r) for r in args.rows.split(",")]:
+              for _ in range(layers_n)]
+    for rows in rows_list:
         x0 = torch.randn(rows, h, device=dev, dtype=dt)
 
         def chain(x0: torch.Tensor = x0) -> torch.Tensor:
@@ -65,21 +111,51 @@ def main() -> None:
                 x, normed = fused.add_rms_norm(x, fused.residual_linear(gated, lw["down"]), None, lw["norm1"], 1e-5)
             return normed
 
-        outs = {}
-        for way, (enabled, max_rows) in WAYS.items():
-            with mock.patch.object(pdl, "ENABLED", enabled), \
-                    mock.patch.object(pdl, "GEMV_MAX_ROWS", max(rows, 1) if max_rows is None else max_rows):
-                outs[way] = chain().float()
-                us = 1000 * graph_ms(chain, reps=20) / args.layers
-            err = (outs[way] - outs["cublas+skinny"]).abs().max().item()
-            print(f"rows={rows} {way}: {us:.2f} us per layer (max |diff| vs cublas+skinny {err:.3g})", flush=True)
-            results.append(dict(rows=rows, way=way, us_per_layer=round(us, 3), max_abs_diff=err))
-        same = torch.equal(outs["gemv"], outs["gemv+pdl"])
-        print(f"rows={rows}: gemv and gemv+pdl outputs identical: {same}", flush=True)
-        results.append(dict(rows=rows, gemv_pdl_identical=same))
+        ways = {w: p for w, p in LM_WAYS.items() if rows == 1 or w not in ("gemv", "gemv+pdl")}
+        measure(f"lm rows={rows}", ways, rows, layers_n, chain, results)
+
+
+def local_stack(cfg: TransformerConfig, seqs_list: list[int], seq_len: int, label: str, results: list[dict]) -> None:
+    dev = torch.device("cuda")
+    with torch.device(dev):
+        stack = MiniCPM(cfg).to(torch.bfloat16).eval()
+    for p in stack.parameters():  # random weights of the init's scale; the norms near one
+        with torch.no_grad():
+            p.copy_(torch.rand_like(p) + 0.5 if p.dim() == 1 else torch.randn_like(p) * p.shape[-1] ** -0.5)
+    fuse_projections(stack)
+    rope = rotary_table(cfg, seq_len, dev)
+    for seqs in seqs_list:
+        x0 = torch.randn(seqs, seq_len, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
+
+        @torch.inference_mode()
+        def run(x0: torch.Tensor = x0) -> torch.Tensor:
+            return stack(x0, rope, dense_attention)
+
+        measure(f"{label} {seqs}x{seq_len}", STACK_WAYS, seqs * seq_len, cfg.num_hidden_layers, run, results)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True, help="checkpoint directory or preset JSON (engine/presets); config only")
+    ap.add_argument("--stack", choices=("lm", "dit", "locenc"), default="lm")
+    ap.add_argument("--rows", default="1", help="lm: activation rows")
+    ap.add_argument("--layers", type=int, default=28, help="lm: layers")
+    ap.add_argument("--seqs", default="2", help="dit/locenc: sequences (the DiT has two per request: CFG)")
+    ap.add_argument("--seq-len", type=int, default=11, help="dit/locenc: tokens per sequence")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    src = Path(args.model)
+    cfg = VoxCPMConfig.from_dir(src) if src.is_dir() else VoxCPMConfig.from_dict(json.loads(src.read_text()))
+    torch.manual_seed(0)
+    results: list[dict] = []
+    if args.stack == "lm":
+        lm_chain(cfg.lm, [int(r) for r in args.rows.split(",")], args.layers, results)
+    else:
+        local_stack(cfg.dit if args.stack == "dit" else cfg.encoder, [int(s) for s in args.seqs.split(",")],
+                    args.seq_len, args.stack, results)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                                                  layers=args.layers, results=results), indent=1))
+                                                  stack=args.stack, results=results), indent=1))
 
 
 if __name__ == "__main__":
