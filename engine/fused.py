@@ -109,7 +109,7 @@ def residual_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     fp32 (fp32 accumulation throughout; only the summation order differs from one GEMM's). One-row calls go to the
     GEMV kernel (`linear`), which returns partials where it cuts K into slices."""
     if kernels(x) and triton_kernels.gemv_supported(x, weight, partials=True):
-        return triton_kernels.gemv(x, weight, partials=True)
+        return triton_kernels.gemv(x, weight)
     k_dim, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k_dim)
     splits = residual_splits(x2.shape[0], k_dim, n) if SPLIT_K and x.is_cuda and kernels(x) else 1
@@ -157,8 +157,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T without bias: on CUDA up to `engine.pdl.GEMV_MAX_ROWS` rows (one by default) go to the
-    weight-streaming GEMV kernel, up to `pdl.CHAIN_MAX_ROWS` to its tensor-core variant, both chained by PDL (the
-    decode chain of a few rows), the rest to cuBLAS."""
+    weight-streaming GEMV kernel chained by PDL (`triton_kernels.gemv`: the LMs' one-row decode chain), the rest to
+    cuBLAS."""
     if kernels(x) and triton_kernels.gemv_supported(x, weight):
         return triton_kernels.gemv(x, weight)
     return F.linear(x, weight)

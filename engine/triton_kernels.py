@@ -79,10 +79,13 @@ if HAVE_TRITON:
         tl.store(y_ptr + row * n_cols + cols, (y.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
+        if PDL:  # engine/pdl.py: gate and up are the kernel before's output
+            gdc_launch_dependents()
+            gdc_wait()
         g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0)
         s = (g / (1.0 + tl.exp(-g))).to(u.dtype)  # F.silu rounds to the dtype before the product
@@ -151,70 +154,6 @@ if HAVE_TRITON:
                     s = (g / (1.0 + tl.exp(-g))).to(up.dtype)
                     y = (s.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
                 tl.store(out_ptr + m * N + cols, y)
-
-    @triton.jit
-    def _weight_chunks(base, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
-        # Up to 4 consecutive (rows, CHUNK) tiles of weights into registers; the unused ones alias the first.
-        w0 = tl.load(base)
-        w1 = w0
-        w2 = w0
-        w3 = w0
-        if CHUNKS > 1:
-            w1 = tl.load(base + CHUNK)
-        if CHUNKS > 2:
-            w2 = tl.load(base + 2 * CHUNK)
-        if CHUNKS > 3:
-            w3 = tl.load(base + 3 * CHUNK)
-        return w0, w1, w2, w3
-
-    @triton.jit
-    def _dot_chunks(w0, w1, w2, w3, x_ptrs, m_ok, acc, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
-        # acc + w (rows, CHUNKS * CHUNK) @ x.T, x's chunks loaded one by one (x_ptrs: the first, (CHUNK, BLOCK_M)).
-        acc = tl.dot(w0, tl.load(x_ptrs, mask=m_ok, other=0.0), acc)
-        if CHUNKS > 1:
-            acc = tl.dot(w1, tl.load(x_ptrs + CHUNK, mask=m_ok, other=0.0), acc)
-        if CHUNKS > 2:
-            acc = tl.dot(w2, tl.load(x_ptrs + 2 * CHUNK, mask=m_ok, other=0.0), acc)
-        if CHUNKS > 3:
-            acc = tl.dot(w3, tl.load(x_ptrs + 3 * CHUNK, mask=m_ok, other=0.0), acc)
-        return acc
-
-    @triton.jit
-    def _gemv_mma_kernel(x_ptr, w_ptr, out_ptr, rows, stride_x, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr,
-                         SILU_GATE: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         CHUNKS: tl.constexpr, PDL: tl.constexpr):
-        # `_gemv_kernel` for a few rows more than one (the DiT's 22 at B=1): the weight slice into registers before
-        # the wait as there, in up to 4 chunks along K, then each chunk times the rows' chunk on the tensor cores.
-        SPLITS: tl.constexpr = K // KS
-        CHUNK: tl.constexpr = KS // CHUNKS
-        pid = tl.program_id(0)
-        split = pid % SPLITS
-        cols = (pid // SPLITS) * BLOCK_N + tl.arange(0, BLOCK_N)
-        kk = tl.arange(0, CHUNK)
-        if PDL:
-            gdc_launch_dependents()
-        w_base = w_ptr + cols[:, None].to(tl.int64) * K + split * KS + kk[None, :]
-        w0, w1, w2, w3 = _weight_chunks(w_base, CHUNK, CHUNKS)
-        if SILU_GATE:  # the up rows follow the gate rows
-            u0, u1, u2, u3 = _weight_chunks(w_base + N * K, CHUNK, CHUNKS)
-        if PDL:
-            gdc_wait()
-        m = tl.arange(0, BLOCK_M)
-        m_ok = (m < rows)[None, :]
-        x_ptrs = x_ptr + m[None, :] * stride_x + split * KS + kk[:, None]
-        acc = _dot_chunks(w0, w1, w2, w3, x_ptrs, m_ok, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), CHUNK, CHUNKS)
-        out_ptrs = out_ptr + m[None, :] * N + cols[:, None]
-        if PARTIAL:  # fp32 partials over the K slices, summed by `add_rms_norm`
-            tl.store(out_ptrs + split * rows * N, acc, mask=m_ok)
-        else:
-            y = acc.to(out_ptr.dtype.element_ty)  # rounded like a GEMM's output
-            if SILU_GATE:  # then silu_mul's op order on the rounded halves
-                up = _dot_chunks(u0, u1, u2, u3, x_ptrs, m_ok, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32),
-                                 CHUNK, CHUNKS).to(out_ptr.dtype.element_ty)
-                g = y.to(tl.float32)
-                s = (g / (1.0 + tl.exp(-g))).to(up.dtype)
-                y = (s.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
-            tl.store(out_ptrs, y, mask=m_ok)
 
     @triton.jit
     def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, stride_qt, stride_qh, stride_kt,
@@ -605,8 +544,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(g2.shape, dtype=up.dtype, device=up.device)
     if g2.shape[0]:
         block = min(1024, triton.next_power_of_2(n))
+        chained = pdl.launch(g2, g2.shape[0])
         _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](g2, u2, out, n, g2.stride(0), u2.stride(0),
-                                                                 BLOCK=block, num_warps=4)
+                                                                 BLOCK=block, PDL=chained, num_warps=4,
+                                                                 **pdl.option(chained))
     return out.view(gate.shape)
 
 
@@ -656,75 +597,45 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False
 
 GEMV_SLICE = 2048  # the most K elements per GEMV program: 8 weight rows of them are 32 KB of registers (16-bit)
 GEMV_BLOCK_N = 8  # output columns per program (4 with the SiLU gate, whose up rows double the slice)
-# Above pdl.GEMV_MAX_ROWS and up to pdl.CHAIN_MAX_ROWS rows the GEMV runs on the tensor cores (`_gemv_mma_kernel`):
-# 16 output columns per program (the dot's least), K in slices of at most GEMV_MMA_SLICE where partials are summed.
-GEMV_MMA_BLOCK_N = 16
-GEMV_MMA_SLICE = 1024
-GEMV_MMA_WARPS = 0  # 0: 4 up to 32 KB of weights per program, else 8
 
 
-def gemv_slices(k_dim: int, limit: int | None = None) -> int:
-    """Into how many slices `gemv` cuts K: the fewest of a power-of-two length <= limit (GEMV_SLICE) (0: none fits)."""
-    limit = limit or GEMV_SLICE
-    return next((s for s in range(1, 17) if k_dim % s == 0 and k_dim // s <= limit
+def gemv_slices(k_dim: int) -> int:
+    """Into how many slices `gemv` cuts K: the fewest of a power-of-two length <= GEMV_SLICE (0: none fits)."""
+    return next((s for s in range(1, 17) if k_dim % s == 0 and k_dim // s <= GEMV_SLICE
                  and (k_dim // s) & (k_dim // s - 1) == 0 and k_dim // s >= 16), 0)
 
 
-def _gemv_plan(rows: int, k_dim: int, silu_gate: bool, partials: bool) -> tuple[bool, int, int] | None:
-    """(tensor cores, K slices, output columns per program) of a `gemv` over `rows` rows; None: not served."""
-    if 0 < rows <= pdl.GEMV_MAX_ROWS:
-        slices = gemv_slices(k_dim)
-        mma, block_n = False, GEMV_BLOCK_N // 2 if silu_gate else GEMV_BLOCK_N
-    elif pdl.GEMV_MAX_ROWS < rows <= min(pdl.CHAIN_MAX_ROWS, 64):
-        slices = gemv_slices(k_dim, GEMV_MMA_SLICE if partials and not silu_gate else None)
-        mma, block_n = True, GEMV_MMA_BLOCK_N
-    else:
-        return None
-    if slices == 0 or (slices > 1 and not (partials and not silu_gate)):
-        return None
-    return mma, slices, block_n
-
-
 def gemv_supported(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False, partials: bool = False) -> bool:
-    """Whether `gemv` takes x (..., K) @ weight (N, K).T: up to `pdl.GEMV_MAX_ROWS` rows (one by default), or on the
-    tensor cores up to `pdl.CHAIN_MAX_ROWS`, of a 16-bit dtype, a contiguous weight; K in slices only where the
-    caller sums partials."""
+    """Whether `gemv` takes x (..., K) @ weight (N, K).T: up to `pdl.GEMV_MAX_ROWS` rows (one by default) of a
+    16-bit dtype, a contiguous weight; K in slices only where the caller sums partials."""
     k_dim = x.shape[-1]
-    plan = _gemv_plan(x.numel() // max(k_dim, 1), k_dim, silu_gate, partials)
-    return (plan is not None and weight.dim() == 2 and weight.shape[1] == k_dim
-            and weight.shape[0] % ((2 if silu_gate else 1) * plan[2]) == 0 and x.dtype == weight.dtype
+    rows = x.numel() // max(k_dim, 1)
+    slices = gemv_slices(k_dim)
+    block_n = GEMV_BLOCK_N // 2 if silu_gate else GEMV_BLOCK_N
+    return (0 < rows <= pdl.GEMV_MAX_ROWS and slices > 0
+            and (slices == 1 or (partials and not silu_gate)) and weight.dim() == 2 and weight.shape[1] == k_dim
+            and weight.shape[0] % ((2 if silu_gate else 1) * block_n) == 0 and x.dtype == weight.dtype
             and x.dtype in (torch.float16, torch.bfloat16) and weight.is_contiguous() and x.stride(-1) == 1)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False, partials: bool = False) -> torch.Tensor:
-    """x (..., K) @ weight.T for a few rows (`gemv_supported` with the same arguments), launched with PDL where
-    `pdl.launch` says so. Returns (..., N) in x's dtype, or with partials where K is cut into S slices the fp32
-    partial products (S, ..., N) for `add_rms_norm`. silu_gate: weight is [gate; up] (2N, K), the result
-    silu(x @ gate.T) * (x @ up.T) rounded as the GEMM and `silu_mul` round it."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False) -> torch.Tensor:
+    """x (..., K) @ weight.T for a few rows (`gemv_supported`), launched with PDL where `pdl.launch` says so.
+    Returns (..., N) in x's dtype, or where K is cut into S slices the fp32 partial products (S, ..., N) for
+    `add_rms_norm`. silu_gate: weight is [gate; up] (2N, K), the result silu(x @ gate.T) * (x @ up.T) rounded as
+    the GEMM and `silu_mul` round it."""
     k_dim = x.shape[-1]
     x2 = x.reshape(-1, k_dim)
-    rows = x2.shape[0]
-    plan = _gemv_plan(rows, k_dim, silu_gate, partials)
-    assert plan is not None, (rows, k_dim, silu_gate, partials)
-    mma, slices, block_n = plan
+    rows, slices = x2.shape[0], gemv_slices(k_dim)
     n = weight.shape[0] // (2 if silu_gate else 1)
+    block_n = GEMV_BLOCK_N // 2 if silu_gate else GEMV_BLOCK_N
     if slices > 1:
         out = torch.empty((slices, rows, n), dtype=torch.float32, device=x.device)
     else:
         out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     chained = pdl.launch(x2, rows)
-    grid = (n // block_n * slices,)
-    if mma:
-        ks = k_dim // slices
-        weight_bytes = block_n * ks * x.element_size() * (2 if silu_gate else 1)
-        warps = GEMV_MMA_WARPS or (4 if weight_bytes <= 32 << 10 else 8)
-        _gemv_mma_kernel[grid](x2, weight, out, rows, x2.stride(0), N=n, K=k_dim, KS=ks, SILU_GATE=silu_gate,
-                               PARTIAL=slices > 1, BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n,
-                               CHUNKS=min(4, max(1, ks // 256)), PDL=chained, num_warps=warps, **pdl.option(chained))
-    else:
-        _gemv_kernel[grid](x2, weight, out, rows, x2.stride(0), N=n, K=k_dim, KS=k_dim // slices,
-                           SILU_GATE=silu_gate, PARTIAL=slices > 1, BLOCK_N=block_n, PDL=chained,
-                           num_warps=4, **pdl.option(chained))
+    _gemv_kernel[(n // block_n * slices,)](x2, weight, out, rows, x2.stride(0), N=n, K=k_dim, KS=k_dim // slices,
+                                           SILU_GATE=silu_gate, PARTIAL=slices > 1, BLOCK_N=block_n, PDL=chained,
+                                           num_warps=4, **pdl.option(chained))
     return out.view(slices, *x.shape[:-1], n) if slices > 1 else out.view(*x.shape[:-1], n)
 
 

@@ -120,34 +120,6 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         assert spy.call_count == expected, f"the GEMV served {spy.call_count} of the {expected} projections"
         return max(errs)
 
-    def gemv_mma(dtype: torch.dtype) -> float:
-        """The GEMV's tensor-core variant for 2..pdl.CHAIN_MAX_ROWS rows (the DiT's 22 at B=1) through the same
-        dispatch: q/k/v-like (K in 2 chunks), the SiLU-gated gate/up, and residual_linear's K in 4 slices as fp32
-        partials."""
-        from engine import pdl
-
-        errs = []
-        with mock.patch.object(fused, "kernels", triton_kernels.usable), \
-                mock.patch.object(pdl, "GEMV_MAX_ROWS", 1), mock.patch.object(pdl, "CHAIN_MAX_ROWS", 32), \
-                mock.patch.object(triton_kernels, "GEMV_MMA_SLICE", 256), \
-                mock.patch.object(triton_kernels, "gemv", wraps=triton_kernels.gemv) as spy:
-            for rows in (5, 22):
-                x = rand(rows, 512 + 32, dtype=dtype, seed=150 + rows)[:, 16:16 + 512]  # rows of a wider tensor
-                w = rand(48, 512, dtype=dtype, seed=151 + rows) * 512 ** -0.5
-                errs.append(relative_error(fused.linear(x, w), F.linear(x, w)))
-                w = rand(64, 512, dtype=dtype, seed=152 + rows) * 0.0625
-                gate, up = F.linear(x, w).chunk(2, dim=-1)
-                errs.append(relative_error(fused.silu_gate_linear(x, w), F.silu(gate) * up))
-                x = rand(rows, 1024, dtype=dtype, seed=153 + rows)
-                w = rand(32, 1024, dtype=dtype, seed=154 + rows) * 0.03
-                parts = fused.residual_linear(x, w)
-                if dtype != torch.float32:
-                    assert parts.shape == (4, rows, 32) and parts.dtype == torch.float32, (parts.shape, parts.dtype)
-                    errs.append(relative_error(parts.sum(0), F.linear(x.float(), w.float())))
-        expected = 0 if dtype == torch.float32 else 6
-        assert spy.call_count == expected, f"the GEMV served {spy.call_count} of the {expected} projections"
-        return max(errs)
-
     def rotary_qk(dtype: torch.dtype) -> float:
         q, k, _ = rand(6, 8 * 32, dtype=dtype, seed=5).split([4 * 32, 2 * 32, 2 * 32], dim=-1)
         q, k = q.view(6, 4, 32), k.view(6, 2, 32)
@@ -452,7 +424,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         rotary and muP scale, 1-2 sequences, and taken by MiniCPM.forward where the kernels serve the tensor. On CUDA
         also fused (grid barriers), with a wide MLP whose units outnumber the resident programs (each program takes
         several), and the barrier counters back at zero after every launch."""
-        from engine import pdl, triton_layer
+        from engine import triton_layer
         from engine.config import TransformerConfig
         from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
 
@@ -484,14 +456,12 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                         counters = triton_layer._sync[triton_layer._device(x.device)]
                         assert counters.tolist() == [0, 0], f"barrier counters left at {counters.tolist()}"
                 with mock.patch.object(fused, "kernels", triton_kernels.usable), \
-                        mock.patch.object(pdl, "ENABLED", False), \
                         mock.patch.object(triton_layer, "dense_stack", wraps=triton_layer.dense_stack) as spy:
                     errs.append(relative_error(stack(x, rope, dense_attention), ref))
                 assert spy.call_count == 1, "MiniCPM.forward did not take the layer kernels"
         return max(errs)
 
     return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "skinny_matmul": skinny_matmul, "gemv": gemv,
-            "gemv_mma": gemv_mma,
             "rotary_qk": rotary_qk,
             "rotary_store_kv": rotary_store_kv, "dispatch": dispatch, "dense_attention": dense,
             "snake": snake, "dwconv_snake": dwconv_snake, "residual_unit": residual_unit,
@@ -524,7 +494,7 @@ def interpreter_results() -> dict[str, float]:
     return {r["case"]: r["err"] for r in rows}
 
 
-CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "skinny_matmul", "gemv", "gemv_mma", "rotary_qk",
+CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "skinny_matmul", "gemv", "rotary_qk",
                                     "rotary_store_kv",
                                     "dispatch", "dense_attention", "snake",
                                     "dwconv_snake", "residual_unit", "conv_transpose", "vae_decoder", "cfg_euler",
@@ -673,10 +643,10 @@ def test_pdl_chain_matches_plain_launches_cuda() -> None:
 
 @pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
 def test_pdl_local_stack_matches_plain_launches_cuda() -> None:
-    """A local module's stack at the DiT's B=1 shape (2 sequences x 11 tokens) as a PDL chain of separate kernels
-    (the GEMV's tensor-core variant for every projection, o's and down's K in slices as partials, the dense
-    attention, add + RMSNorm): every launch a PDL one, the same as the same kernels launched plainly (eager and
-    over 10 graph replays with new inputs), and within bf16 rounding of the eager torch layers."""
+    """A local module's stack at the DiT's B=8 shape (16 sequences x 11 tokens: cuBLAS projections, down's K in
+    slices as partials) with the kernels between the GEMMs (add + RMSNorm, the dense attention, SiLU-mul) launched
+    with PDL (engine/pdl.py): every one of them a PDL launch, the same as the same kernels launched plainly (eager
+    and over 10 graph replays with new inputs), and within bf16 rounding of the eager torch layers."""
     from engine import fused, pdl, triton_kernels
     from engine.config import TransformerConfig
     from engine.models.minicpm import MiniCPM, dense_attention, fuse_projections, rotary_table
@@ -688,7 +658,7 @@ def test_pdl_local_stack_matches_plain_launches_cuda() -> None:
     torch.manual_seed(53)
     stack = MiniCPM(cfg).to("cuda", torch.bfloat16)
     fuse_projections(stack)
-    x_in = torch.randn(2, 11, 256, device="cuda", dtype=torch.bfloat16)
+    x_in = torch.randn(16, 11, 256, device="cuda", dtype=torch.bfloat16)
     rope = rotary_table(cfg, 11, torch.device("cuda"))
 
     def run() -> torch.Tensor:
@@ -698,23 +668,22 @@ def test_pdl_local_stack_matches_plain_launches_cuda() -> None:
         with mock.patch.object(pdl, "option", lambda chained: {}):
             return run()
 
-    with torch.inference_mode(), mock.patch.object(pdl, "CHAIN_MAX_ROWS", 32), \
-            mock.patch.object(triton_kernels, "GEMV_MMA_SLICE", 256):  # o (K 512) and down (K 1024) in slices
+    with torch.inference_mode(), mock.patch.object(pdl, "PDL_MAX_ROWS", 256):
         with mock.patch.object(fused, "kernels", lambda _: False):
             eager = run()
         with mock.patch.object(pdl, "option", wraps=pdl.option) as spy, \
                 mock.patch.object(triton_kernels, "add_rms_norm", wraps=triton_kernels.add_rms_norm) as norm:
             chained = run()
-        assert sum(c.args[0] for c in spy.call_args_list) == 1 + 7 * cfg.num_hidden_layers, "not all PDL launches"
-        assert sum(c.args[1] is not None and c.args[1].dim() == 4 for c in norm.call_args_list) == 6, "no partials"
+        assert sum(c.args[0] for c in spy.call_args_list) == 1 + 4 * cfg.num_hidden_layers, "not all PDL launches"
+        assert sum(c.args[1] is not None and c.args[1].dim() == 4 for c in norm.call_args_list) == 3, "no partials"
         assert torch.equal(chained, plain())
         assert relative_error(chained, eager) <= BOUNDS[torch.bfloat16]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = run()
         for i in range(10):
-            x_in.copy_(torch.randn(2, 11, 256, device="cuda", dtype=torch.bfloat16))
+            x_in.copy_(torch.randn(16, 11, 256, device="cuda", dtype=torch.bfloat16))
             ref = plain()
             graph.replay()
             torch.cuda.synchronize()
-            assert torch.equal(out, ref), f"replay {i}: the PDL chain differs from plain launches"
+            assert torch.equal(out, ref), f"replay {i}: the PDL launches differ from plain ones"

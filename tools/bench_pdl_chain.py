@@ -3,19 +3,19 @@
 `--stack lm` (default): the LMs' layers without attention, LM shapes of the checkpoint's config, every layer its own
 weights (they stream from HBM, as in a step): q/k/v -> o (of the normed rows) -> add + RMSNorm -> gate/up + SiLU ->
 down -> add + RMSNorm, through `engine.fused` exactly as `MiniCPM`'s layers call it. Ways: cuBLAS and the skinny
-gate/up kernel with plain launches (the engine before session 15), the GEMV with plain launches, the GEMV chained by
-PDL, the skinny kernel for every projection chained by PDL.
+gate/up kernel with plain launches (the engine before session 15), the same with the kernels between the GEMMs
+launched with PDL, and at one row the GEMV with plain launches and chained by PDL.
 
 `--stack dit` / `--stack locenc`: the real local stack (`MiniCPM` with random weights of the config's shapes, its
-dense attention with the rotary embedding), `--seqs` sequences of `--seq-len` tokens (the DiT at B=1: 2 x 11). Ways:
-the cooperative layer kernel (`engine.triton_layer`, plain launches), the layers as separate kernels with plain
-launches, and the layers as a PDL chain of separate kernels.
+dense attention with the rotary embedding), `--seqs` sequences of `--seq-len` tokens (the DiT at B=1: 2 x 11, at B=8
+16 x 11). Ways: the cooperative layer kernel (`engine.triton_layer`, up to its 64 rows), the layers as separate
+kernels with plain launches, and the same with the kernels between the GEMMs launched with PDL.
 
 Microseconds per layer from CUDA-graph replays; every way's output is compared with the first one's (bf16 rounding
 and summation order differ between them) and, for the chained ways, with the same kernels' plain launches (equal).
 
     python tools/bench_pdl_chain.py --model /tmp/full --rows 1,2,8 --out pdl_chain.json
-    python tools/bench_pdl_chain.py --model /tmp/full --stack dit --seqs 2,4 --seq-len 11
+    python tools/bench_pdl_chain.py --model /tmp/full --stack dit --seqs 2,16,32 --seq-len 11
 """
 
 from __future__ import annotations
@@ -32,31 +32,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engine import fused, pdl, triton_kernels, triton_layer  # noqa: E402
+from engine import fused, pdl, triton_layer  # noqa: E402
 from engine.config import TransformerConfig, VoxCPMConfig  # noqa: E402
 from engine.models.minicpm import MiniCPM, dense_attention, fuse_projections, rotary_table  # noqa: E402
 from tools.profile_step import graph_ms  # noqa: E402
 
 # way -> module attributes patched for it: (module, name, value); None for GEMV_MAX_ROWS means "the rows measured"
 LM_WAYS: dict[str, list[tuple[object, str, object]]] = {
-    "cublas+skinny": [(pdl, "ENABLED", False), (pdl, "GEMV_MAX_ROWS", 0), (pdl, "CHAIN_MAX_ROWS", 0)],
-    "gemv": [(pdl, "ENABLED", False), (pdl, "GEMV_MAX_ROWS", None), (pdl, "CHAIN_MAX_ROWS", 0)],
-    "gemv+pdl": [(pdl, "ENABLED", True), (pdl, "GEMV_MAX_ROWS", None), (pdl, "CHAIN_MAX_ROWS", 0)],
-    "gemv mma": [(pdl, "ENABLED", False), (pdl, "GEMV_MAX_ROWS", 0), (pdl, "CHAIN_MAX_ROWS", 64)],
-    "gemv mma+pdl": [(pdl, "ENABLED", True), (pdl, "GEMV_MAX_ROWS", 0), (pdl, "CHAIN_MAX_ROWS", 64)],
+    "cublas+skinny": [(pdl, "ENABLED", False), (pdl, "GEMV_MAX_ROWS", 0)],
+    "cublas+skinny, pdl": [(pdl, "ENABLED", True), (pdl, "GEMV_MAX_ROWS", 0), (pdl, "PDL_MAX_ROWS", 1024)],
+    "gemv": [(pdl, "ENABLED", False), (pdl, "GEMV_MAX_ROWS", None)],
+    "gemv+pdl": [(pdl, "ENABLED", True), (pdl, "GEMV_MAX_ROWS", None)],
 }
 STACK_WAYS: dict[str, list[tuple[object, str, object]]] = {
-    "layer kernel": [(pdl, "ENABLED", False), (pdl, "CHAIN_MAX_ROWS", 0)],
-    "kernels, plain": [(pdl, "ENABLED", False), (pdl, "CHAIN_MAX_ROWS", 0), (triton_layer, "MODE", "off")],
-    "gemv mma": [(pdl, "ENABLED", False), (pdl, "CHAIN_MAX_ROWS", 64), (triton_layer, "MODE", "off")],
-    "gemv mma+pdl": [(pdl, "ENABLED", True), (pdl, "CHAIN_MAX_ROWS", 64)],
-    "gemv mma+pdl, 4 warps": [(pdl, "ENABLED", True), (pdl, "CHAIN_MAX_ROWS", 64),
-                              (triton_kernels, "GEMV_MMA_WARPS", 4)],
-    "gemv mma+pdl, 8 warps": [(pdl, "ENABLED", True), (pdl, "CHAIN_MAX_ROWS", 64),
-                              (triton_kernels, "GEMV_MMA_WARPS", 8)],
+    "layer kernel": [(pdl, "ENABLED", False)],
+    "kernels, plain": [(pdl, "ENABLED", False), (triton_layer, "MODE", "off")],
+    "kernels, pdl": [(pdl, "ENABLED", True), (pdl, "PDL_MAX_ROWS", 1024), (triton_layer, "MODE", "off")],
 }
 # a chained way and the same kernels launched plainly: their outputs must be equal
-PLAIN_OF = {"gemv+pdl": "gemv", "gemv mma+pdl": "gemv mma"}
+PLAIN_OF = {"gemv+pdl": "gemv", "cublas+skinny, pdl": "cublas+skinny", "kernels, pdl": "kernels, plain"}
 
 
 @contextlib.contextmanager
@@ -111,7 +105,7 @@ def lm_chain(cfg: TransformerConfig, rows_list: list[int], layers_n: int, result
                 x, normed = fused.add_rms_norm(x, fused.residual_linear(gated, lw["down"]), None, lw["norm1"], 1e-5)
             return normed
 
-        ways = {w: p for w, p in LM_WAYS.items() if rows == 1 or w not in ("gemv", "gemv+pdl")}
+        ways = {w: p for w, p in LM_WAYS.items() if rows == 1 or not w.startswith("gemv")}
         measure(f"lm rows={rows}", ways, rows, layers_n, chain, results)
 
 
@@ -131,7 +125,8 @@ def local_stack(cfg: TransformerConfig, seqs_list: list[int], seq_len: int, labe
         def run(x0: torch.Tensor = x0) -> torch.Tensor:
             return stack(x0, rope, dense_attention)
 
-        measure(f"{label} {seqs}x{seq_len}", STACK_WAYS, seqs * seq_len, cfg.num_hidden_layers, run, results)
+        ways = {w: p for w, p in STACK_WAYS.items() if seqs * seq_len <= triton_layer.MAX_ROWS or w != "layer kernel"}
+        measure(f"{label} {seqs}x{seq_len}", ways, seqs * seq_len, cfg.num_hidden_layers, run, results)
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import fused, pdl, triton_layer
+from engine import fused, triton_layer
 from engine.config import TransformerConfig
 from engine.fused import add_rms_norm, residual_linear, rms_norm, rotary_qk, silu_mul
 
@@ -175,10 +175,8 @@ class MiniCPM(nn.Module):
         rope = rope if self.uses_rope else None
         if not len(self.layers):
             return self.norm(x)
-        # A few rows of a local module: a kernel per layer, unless its layers run as a PDL chain (engine/pdl.py).
-        if (attend is dense_attention and fused.kernels(x) and triton_layer.supported(self, x)
-                and not pdl.launch(x, x.numel() // x.shape[-1])):
-            return triton_layer.dense_stack(self, x, rope)
+        if attend is dense_attention and fused.kernels(x) and triton_layer.supported(self, x):
+            return triton_layer.dense_stack(self, x, rope)  # a few rows of a local module: a kernel per layer
         normed = self.layers[0].input_layernorm(x)
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
