@@ -37,12 +37,6 @@ ENABLED = os.environ.get("VOXCPM_PDL", "1") != "0"
 GEMV_MAX_ROWS = int(os.environ.get("VOXCPM_GEMV_MAX_ROWS", "1"))
 if GEMV_MAX_ROWS < 0:
     raise ValueError(f"VOXCPM_GEMV_MAX_ROWS={GEMV_MAX_ROWS}: use 0 (off) or a positive number of rows")
-# VOXCPM_PDL_MAX_ROWS: activation rows up to which the element-wise and attention kernels between cuBLAS GEMMs (add +
-# RMSNorm, SiLU-mul, the dense and paged attention) are launched with PDL too: a GEMM never lets them start early, but
-# they launch as its last programs exit, before the GEMM has completed, and wait for it on the GPU.
-PDL_MAX_ROWS = int(os.environ.get("VOXCPM_PDL_MAX_ROWS", "256"))
-if PDL_MAX_ROWS < 0:
-    raise ValueError(f"VOXCPM_PDL_MAX_ROWS={PDL_MAX_ROWS}: use 0 (off) or a positive number of rows")
 _capable: dict[int, bool] = {}
 
 
@@ -56,8 +50,8 @@ def _device_capable(device: torch.device) -> bool:
 
 def launch(x: torch.Tensor, rows: int) -> bool:
     """Whether a kernel of this call over `rows` activation rows is launched with PDL (its constexpr PDL and the
-    launch option): the decode chain of a few rows on a GPU that has it, never in the interpreter."""
-    return ENABLED and 0 < rows <= max(GEMV_MAX_ROWS, PDL_MAX_ROWS) and x.is_cuda and _device_capable(x.device)
+    launch option): the one-row chain on a GPU that has it, never in the interpreter."""
+    return ENABLED and 0 < rows <= GEMV_MAX_ROWS and x.is_cuda and _device_capable(x.device)
 
 
 def option(chained: bool) -> dict[str, bool]:

@@ -79,13 +79,10 @@ if HAVE_TRITON:
         tl.store(y_ptr + row * n_cols + cols, (y.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
-        if PDL:  # engine/pdl.py: gate and up are the kernel before's output
-            gdc_launch_dependents()
-            gdc_wait()
         g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0)
         s = (g / (1.0 + tl.exp(-g))).to(u.dtype)  # F.silu rounds to the dtype before the product
@@ -198,10 +195,8 @@ if HAVE_TRITON:
                                 stride_qn, stride_ql, stride_qh, stride_kn, stride_kl, stride_kh,
                                 stride_vn, stride_vl, stride_vh, stride_cl, stride_sl, seq_len, sm_scale,
                                 GROUP: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_L: tl.constexpr,
-                                ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                                ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
         # One program per sequence and HEADS query heads of one kv head (HEADS divides GROUP).
-        if PDL:  # engine/pdl.py. q/k/v are the kernel before's output: nothing is read before the wait. No early
-            gdc_wait()  # start for the o projection: its weight loads would delay these (H100: 31.8 against 43.0 us)
         attend_heads(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, o_ptr, tl.program_id(0).to(tl.int64),
                      tl.program_id(1) * HEADS, tl.num_programs(1) * HEADS, stride_qn, stride_ql, stride_qh,
                      stride_kn, stride_kl, stride_kh, stride_vn, stride_vl, stride_vh, stride_cl, stride_sl, seq_len,
@@ -544,10 +539,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(g2.shape, dtype=up.dtype, device=up.device)
     if g2.shape[0]:
         block = min(1024, triton.next_power_of_2(n))
-        chained = pdl.launch(g2, g2.shape[0])
         _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](g2, u2, out, n, g2.stride(0), u2.stride(0),
-                                                                 BLOCK=block, PDL=chained, num_warps=4,
-                                                                 **pdl.option(chained))
+                                                                 BLOCK=block, num_warps=4)
     return out.view(gate.shape)
 
 
@@ -728,7 +721,6 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
     out = torch.empty((n, seq_len, hq * dim), dtype=q.dtype, device=q.device)
     if n and seq_len:
         rope = cos is not None and sin is not None
-        chained = pdl.launch(q, n * seq_len)
         _dense_attention_kernel[(n, hq // heads)](
             q, k, v, cos if rope else q, sin if rope else q, out,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -736,8 +728,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
             sin.stride(0) if sin is not None else 0,
             seq_len, dim ** -0.5, GROUP=group, HEADS=heads, HALF=dim // 2,
             BLOCK_L=max(16, triton.next_power_of_2(seq_len)), ROPE=rope,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=chained,
-            num_warps=num_warps or dense_attention_warps(n, hq), **pdl.option(chained))
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=num_warps or dense_attention_warps(n, hq))
     return out
 
 

@@ -3,16 +3,15 @@
 `--stack lm` (default): the LMs' layers without attention, LM shapes of the checkpoint's config, every layer its own
 weights (they stream from HBM, as in a step): q/k/v -> o (of the normed rows) -> add + RMSNorm -> gate/up + SiLU ->
 down -> add + RMSNorm, through `engine.fused` exactly as `MiniCPM`'s layers call it. Ways: cuBLAS and the skinny
-gate/up kernel with plain launches (the engine before session 15), the same with the kernels between the GEMMs
-launched with PDL, and at one row the GEMV with plain launches and chained by PDL.
+gate/up kernel (the engine before session 15), and at one row the GEMV with plain launches and chained by PDL.
 
 `--stack dit` / `--stack locenc`: the real local stack (`MiniCPM` with random weights of the config's shapes, its
 dense attention with the rotary embedding), `--seqs` sequences of `--seq-len` tokens (the DiT at B=1: 2 x 11, at B=8
-16 x 11). Ways: the cooperative layer kernel (`engine.triton_layer`, up to its 64 rows), the layers as separate
-kernels with plain launches, and the same with the kernels between the GEMMs launched with PDL.
+16 x 11). Ways: the cooperative layer kernel (`engine.triton_layer`, up to its 64 rows) and the layers as separate
+kernels (cuBLAS GEMMs, the Triton attention and element-wise kernels).
 
 Microseconds per layer from CUDA-graph replays; every way's output is compared with the first one's (bf16 rounding
-and summation order differ between them) and, for the chained ways, with the same kernels' plain launches (equal).
+and summation order differ between them) and, for the chained way, with the same kernels' plain launches (equal).
 
     python tools/bench_pdl_chain.py --model /tmp/full --rows 1,2,8 --out pdl_chain.json
     python tools/bench_pdl_chain.py --model /tmp/full --stack dit --seqs 2,16,32 --seq-len 11
@@ -39,18 +38,16 @@ from tools.profile_step import graph_ms  # noqa: E402
 
 # way -> module attributes patched for it: (module, name, value); None for GEMV_MAX_ROWS means "the rows measured"
 LM_WAYS: dict[str, list[tuple[object, str, object]]] = {
-    "cublas+skinny": [(pdl, "ENABLED", False), (pdl, "GEMV_MAX_ROWS", 0)],
-    "cublas+skinny, pdl": [(pdl, "ENABLED", True), (pdl, "GEMV_MAX_ROWS", 0), (pdl, "PDL_MAX_ROWS", 1024)],
+    "cublas+skinny": [(pdl, "ENABLED", True), (pdl, "GEMV_MAX_ROWS", 0)],
     "gemv": [(pdl, "ENABLED", False), (pdl, "GEMV_MAX_ROWS", None)],
     "gemv+pdl": [(pdl, "ENABLED", True), (pdl, "GEMV_MAX_ROWS", None)],
 }
 STACK_WAYS: dict[str, list[tuple[object, str, object]]] = {
-    "layer kernel": [(pdl, "ENABLED", False)],
-    "kernels, plain": [(pdl, "ENABLED", False), (triton_layer, "MODE", "off")],
-    "kernels, pdl": [(pdl, "ENABLED", True), (pdl, "PDL_MAX_ROWS", 1024), (triton_layer, "MODE", "off")],
+    "layer kernel": [],
+    "separate kernels": [(triton_layer, "MODE", "off")],
 }
 # a chained way and the same kernels launched plainly: their outputs must be equal
-PLAIN_OF = {"gemv+pdl": "gemv", "cublas+skinny, pdl": "cublas+skinny", "kernels, pdl": "kernels, plain"}
+PLAIN_OF = {"gemv+pdl": "gemv"}
 
 
 @contextlib.contextmanager
