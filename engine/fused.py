@@ -112,7 +112,7 @@ def residual_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return triton_kernels.gemv(x, weight)
     k_dim, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k_dim)
-    splits = residual_splits(x2.shape[0], k_dim, n) if SPLIT_K and x.is_cuda and kernels(x) else 1
+    splits = residual_splits(x2.shape[0], k_dim, n) if SPLIT_K and kernels(x) else 1
     # Each slice a whole number of 16-byte rows (cuBLAS's aligned kernels), K a multiple of the slice count.
     if (splits == 1 or k_dim % (8 * splits) or x.dtype not in (torch.float16, torch.bfloat16)
             or weight.dtype != x.dtype or not weight.is_contiguous() or torch.is_grad_enabled()):

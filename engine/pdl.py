@@ -13,7 +13,10 @@ Which kernel lets the next one start at once (H100, B=1 step, `tools/profile_ste
 RMSNorm do (the norm without it: 5.73 ms against 5.69); the decode attention does not (with it: 5.73 against 5.68 ms:
 the o projection's weight stream would queue ahead of the attention's own latency-bound loads), and instead prefetches
 its cached keys and values into L2 while it waits for q/k/v. Tried and dropped: 8 warps per GEMV program (5.75 ms),
-the DiT's and LocEnc's cooperative layer kernels chained the same way (DiT 3.42 -> 3.75 ms).
+the DiT's and LocEnc's cooperative layer kernels chained the same way (DiT 3.42 -> 3.75 ms); the attention letting the
+o projection start after its key loop (no change); and above one row (docs/benchmarks.md, session 16) the local
+modules' layers as a chain of separate kernels on a tensor-core GEMV (DiT 37.7 against the layer kernel's 29.6 us per
+layer) and PDL for the kernels between cuBLAS GEMMs (B=8 DiT 4.67 -> 4.92 ms).
 
 Correctness: a kernel launched with PDL reads nothing another kernel writes before its `gdc_wait` (only its weights),
 and writes nothing before it; `gdc_wait` returns once the kernel before it has completed and its writes are visible,

@@ -514,7 +514,7 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor | None, scale: float | None, w
             raise ValueError(f"split-K partials must be fp32 (S, *{tuple(x.shape)}), got {h.dtype} {tuple(h.shape)}")
         splits = h.shape[0]
         if splits == 1:  # one "partial": the GEMM's output, rounded as such
-            h, splits = h[0].to(x.dtype), 1
+            h = h[0].to(x.dtype)
     h2 = h.reshape(splits, -1, n).contiguous() if h is not None else x2
     x_out = torch.empty_like(x2) if h is not None else x2
     y = torch.empty_like(x2)
