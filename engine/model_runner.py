@@ -35,6 +35,14 @@ from engine.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
 
+# Where a step graph forks its second stream (the stop head and the VAE decode of the new patch, beside the feed-back
+# of the patch through LocEnc and the LMs), VOXCPM_VAE_FORK: "encoder" (default) after LocEnc, beside the LMs' kernel
+# chain; "dit" right after the DiT, beside LocEnc as well, whose layer kernels it slowed (H100 B=1 trace: LocEnc's 12
+# layers ~37 us each beside the VAE against ~29 alone; docs/benchmarks.md, session 17).
+VAE_FORK = os.environ.get("VOXCPM_VAE_FORK", "encoder")
+if VAE_FORK not in ("encoder", "dit"):
+    raise ValueError(f"VOXCPM_VAE_FORK={VAE_FORK!r}: use 'encoder' (default) or 'dit'")
+
 
 @dataclass
 class PatchResult:
@@ -465,24 +473,35 @@ class ModelRunner:
         lm_hidden = self.lm_hidden[index]
         patch = backbone.sample_patch(lm_hidden, self.residual_hidden[index], self.prev_patch[index],
                                       buf.noise[:batch], buf.cfg[:batch], self.inference_timesteps)
-        # The VAE needs only the patch and the LMs only the patch, so on CUDA they run side by side:
-        # the VAE on a second stream (forked and joined inside the captured graph), the LMs on this one.
-        # `patch` stays referenced until after the join, so its memory is not reused under the VAE.
+        # The stop head and the VAE need only the old hidden state and the patch, the LMs only the encoded patch,
+        # so on CUDA they run side by side: the stop head and the VAE on a second stream (forked and joined inside
+        # the captured graph), LocEnc and the LMs on this one. The fork comes after LocEnc (VAE_FORK): its layer
+        # kernel's grid barriers wait for the slowest program, which the VAE's kernels beside it would slow.
+        # `patch` and `lm_hidden` stay referenced until after the join, so their memory is not reused under it.
         side = self.vae_stream if vae else None
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(self.device))
-        if vae:
+        main = torch.cuda.current_stream(self.device) if side is not None else None
+
+        def fork() -> None:
+            if side is not None:
+                side.wait_stream(main)
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                buf.audio[:batch] = self._decode_audio(index, self._latents(patch[:, None]))
-        out = backbone.feed_back(patch, lm_hidden, buf.positions[:batch], self.base_cache.attend_fn(meta),
-                                 self.residual_cache.attend_fn(meta))
-        self.lm_hidden[index] = out.lm_hidden
-        self.residual_hidden[index] = out.residual_hidden
+                buf.stop[:batch] = backbone.stop_flags(lm_hidden)
+                if vae:
+                    buf.audio[:batch] = self._decode_audio(index, self._latents(patch[:, None]))
+
+        if VAE_FORK == "dit":
+            fork()
+        embed = backbone.encode_patches(patch)
+        if VAE_FORK != "dit":
+            fork()
+        lm_next, residual_next = backbone.advance_lms(embed, buf.positions[:batch], self.base_cache.attend_fn(meta),
+                                                      self.residual_cache.attend_fn(meta))
+        self.lm_hidden[index] = lm_next
+        self.residual_hidden[index] = residual_next
         self.prev_patch[index] = patch
         buf.patch[:batch] = patch
-        buf.stop[:batch] = out.stop
         if side is not None:
-            torch.cuda.current_stream(self.device).wait_stream(side)
+            main.wait_stream(side)
 
     def _vae_forward(self, batch: int) -> None:
         """The VAE decode of the patches in the VAE's input buffers (graph body, replayed on the VAE stream)."""

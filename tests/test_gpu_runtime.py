@@ -65,3 +65,21 @@ def test_vae_inside_and_behind_the_step_agree_across_the_threshold(checkpoint_fa
         audio[threshold] = _run(engine, reqs)
     for inside, mixed in zip(audio["32"], audio["4"], strict=True):
         np.testing.assert_array_equal(mixed, inside)
+
+
+def test_second_stream_fork_point_does_not_change_the_audio(checkpoint_factory, monkeypatch):
+    """The stop head and the VAE run on the second stream, forked after the DiT or after LocEnc (VAE_FORK): the same
+    kernels on the same inputs, so the audio and where each request stops must be identical."""
+    from engine import model_runner
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    model = load_model(checkpoint_factory("tiny-voxcpm2"), "cuda")  # its stop head may fire
+    reqs = [dict(text=f"Fork point {i}.", params=SamplingParams(seed=i, max_generate_length=12)) for i in range(3)]
+    config = dict(max_num_seqs=4, max_model_len=256, num_kv_blocks=128, attention_backend="triton")
+    audio = {}
+    for fork in ("dit", "encoder"):
+        monkeypatch.setattr(model_runner, "VAE_FORK", fork)
+        audio[fork] = _run(LLMEngine(model, EngineConfig(**config), "cuda"), reqs)
+    for a, b in zip(audio["dit"], audio["encoder"], strict=True):
+        np.testing.assert_array_equal(a, b)

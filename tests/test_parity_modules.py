@@ -90,6 +90,27 @@ def test_cfm_solve_with_cfg(models, cfg_value):
     check_parity(f"{name} CFM solve (10 steps, cfg {cfg_value})", got, ref, BOUND)
 
 
+def test_time_tokens_cached_until_weights_change(models):
+    """The sampler's time tokens are computed once per schedule and again only when a time MLP weight changes."""
+    _, ours, _ = models
+    sampler = ours.backbone.feat_decoder
+    first = sampler.time_tokens(10, torch.float32, torch.device("cpu"))
+    assert sampler.time_tokens(10, torch.float32, torch.device("cpu")) is first
+    assert sampler.time_tokens(5, torch.float32, torch.device("cpu")).shape[0] < first.shape[0]
+    bias = sampler.estimator.time_mlp.linear_2.bias
+    saved = bias.detach().clone()
+    with torch.no_grad():
+        bias.add_(1.0)  # in place: the same tensor, a new version
+    try:
+        changed = sampler.time_tokens(10, torch.float32, torch.device("cpu"))
+        assert changed is not first
+        torch.testing.assert_close(changed - first, torch.ones_like(first), atol=1e-4, rtol=0)
+    finally:
+        with torch.no_grad():
+            bias.copy_(saved)
+    torch.testing.assert_close(sampler.time_tokens(10, torch.float32, torch.device("cpu")), first, atol=0, rtol=0)
+
+
 def test_stop_fsq_and_projections(models):
     name, ours, off = models
     h = ours.config.lm.hidden_size

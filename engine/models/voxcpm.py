@@ -141,6 +141,11 @@ class LocDiT(nn.Module):
         return self.out_proj(h[:, leading.shape[1]:]).transpose(1, 2)
 
 
+def _version(t: torch.Tensor) -> int:
+    """A tensor's in-place modification counter (-1 for an inference tensor, which has none)."""
+    return -1 if t.is_inference() else t._version
+
+
 @lru_cache(maxsize=16)
 def euler_schedule(n_timesteps: int, dtype: torch.dtype) -> tuple[list[tuple[float, float]], int]:
     """(t, dt) of each Euler step with the official sway schedule, rounded in `dtype` exactly as the
@@ -164,6 +169,33 @@ class FlowSampler(nn.Module):
         super().__init__()
         self.estimator = estimator
         self.mean_mode = mean_mode
+        # The time tokens of a schedule, by (steps, dtype, device): see `time_tokens`.
+        self._time_tokens: dict[tuple, tuple[tuple[int, ...], torch.Tensor]] = {}
+
+    def time_tokens(self, n_timesteps: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """(S, hidden) time tokens of the schedule's S non-zero steps. They depend on the schedule and the time MLPs'
+        weights only, so they are computed once, not in every step: in a B=1 decode step on an H100 their ~25 small
+        kernels (fills, sinusoids, four GEMMs) took ~85 us. Recomputed when a time MLP weight is replaced or changed
+        in place (its version counter moves); never stored from inside a CUDA graph capture, whose memory is the
+        graph's (the engine's warm-up runs every shape eagerly first)."""
+        weights = [p for mlp in (self.estimator.time_mlp, self.estimator.delta_time_mlp) for p in mlp.parameters()]
+        version = tuple(v for p in weights for v in (id(p), p.data_ptr(), _version(p)))
+        key = (n_timesteps, dtype, device)
+        cached = self._time_tokens.get(key)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        steps, zero_steps = euler_schedule(n_timesteps, dtype)
+        active = steps[zero_steps:]
+        # (torch.full, not torch.tensor: no host-to-device copy inside a CUDA graph capture.)
+        def scalars(values: list[float]) -> torch.Tensor:
+            return torch.stack([torch.full((), v, dtype=dtype, device=device) for v in values])
+
+        tokens = self.estimator.time_embedding(scalars([t for t, _ in active]),
+                                               scalars([dt if self.mean_mode else 0.0 for _, dt in active]))
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            self._time_tokens[key] = (version, tokens)
+        return tokens
 
     def forward(self, mu: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor, cfg_value: torch.Tensor,
                 n_timesteps: int, rope: torch.Tensor) -> torch.Tensor:
@@ -174,16 +206,10 @@ class FlowSampler(nn.Module):
         mu_in = torch.cat((mu, torch.zeros_like(mu)))  # second half: unconditional
         cond_in = torch.cat((cond, cond))
         cfg = cfg_value.to(mu.dtype).view(b, 1, 1)
-        # The time token depends on the step only: embed all steps at once, not 2B rows per step.
-        # (torch.full, not torch.tensor: no host-to-device copy inside a CUDA graph capture.)
-        def scalars(values: list[float]) -> torch.Tensor:
-            return torch.stack([torch.full((), v, dtype=x.dtype, device=x.device) for v in values])
-
         active = steps[zero_steps:]
-        tembs = self.estimator.time_embedding(scalars([t for t, _ in active]),
-                                              scalars([dt if self.mean_mode else 0.0 for _, dt in active]))
         # Everything before the noisy patch, for all steps at once (the condition projection once, not per step).
-        leading = self.estimator.leading_tokens(mu_in, tembs, cond_in) if active else None
+        leading = (self.estimator.leading_tokens(mu_in, self.time_tokens(n_timesteps, x.dtype, x.device), cond_in)
+                   if active else None)
         for step, (_, dt) in enumerate(steps, start=1):
             if step > zero_steps:
                 x = self.estimator.euler_step(x, leading[step - zero_steps - 1], rope, cfg, dt)
@@ -284,11 +310,20 @@ class VoxCPMBackbone(nn.Module):
 
     def feed_back(self, patch: torch.Tensor, lm_hidden: torch.Tensor, positions: torch.Tensor, base_attend: AttendFn,
                   residual_attend: AttendFn) -> StepOutput:
-        """The rest of `decode_step` once the patch is sampled (the runner decodes the patch to audio
-        meanwhile): the stop decision from the old hidden state, the patch through LocEnc and both LMs."""
-        stop = self.stop_logits(lm_hidden).argmax(-1) == 1
-        embed = self.encode_patches(patch)
+        """The rest of `decode_step` once the patch is sampled: the stop decision from the old hidden state, the
+        patch through LocEnc and both LMs. (The runner calls the pieces itself, to run the stop head and the VAE
+        beside the LMs.)"""
+        stop = self.stop_flags(lm_hidden)
+        lm_next, residual_next = self.advance_lms(self.encode_patches(patch), positions, base_attend, residual_attend)
+        return StepOutput(patch=patch, stop=stop, lm_hidden=lm_next, residual_hidden=residual_next)
+
+    def stop_flags(self, lm_hidden: torch.Tensor) -> torch.Tensor:
+        """(B,) bool: whether the stop head fires on the hidden state the patch was sampled from."""
+        return self.stop_logits(lm_hidden).argmax(-1) == 1
+
+    def advance_lms(self, embed: torch.Tensor, positions: torch.Tensor, base_attend: AttendFn,
+                    residual_attend: AttendFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoded patch (B, H) through both LMs at `positions`: their next hidden states."""
         rope = self.rope_tables["lm"][positions]
         lm_next = self.fsq_layer(self.base_lm(embed, rope, base_attend))
-        residual_next = self.residual_lm(self.residual_input(lm_next, embed), rope, residual_attend)
-        return StepOutput(patch=patch, stop=stop, lm_hidden=lm_next, residual_hidden=residual_next)
+        return lm_next, self.residual_lm(self.residual_input(lm_next, embed), rope, residual_attend)
