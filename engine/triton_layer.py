@@ -1,4 +1,4 @@
-"""A whole decoder layer of the local modules (LocEnc, DiT) as one persistent Triton kernel, for a few rows.
+"""The decoder stack of a local module (LocEnc, DiT) as one persistent Triton kernel, for a few rows.
 
 Why: at B=1 a decode step runs the DiT's 12 layers 9 times (and the LocEnc's 12 once), and each layer was 8 kernels
 of 2-10 us, mostly fixed latency (launch, the first DRAM round trips, the tail): 34.3 us per layer on an H100 where
@@ -14,8 +14,11 @@ SM; one per SM by default) runs the layer's phases back to back, separated by gr
   5  gate/up projection with the SiLU gate                                                                     (tiles)
   6  down projection, split along K into fp32 partials, summed by the next layer's phase 0              (tiles x splits)
 
-A stack ends with phase 0 alone under its final norm. Each program also prefetches into L2 the first weights of its
-units of the next projection from the phase before it (`_prefetch`, `PREFETCH_BYTES`). Measured (H100,
+A stack ends with phase 0 alone under its final norm. The whole stack is one launch: the layers' weights are stacks
+(`MiniCPM.stack_layer_weights`), layer l's at row l, and a barrier replaces the kernel boundary between two layers
+(session 17: the 12 launches of a DiT evaluation left ~0.4 us idle and a new grid's start between them). Each
+program also prefetches into L2 the first weights of its units of the next projection from the phase before it
+(`_prefetch`, `PREFETCH_BYTES`; the next layer's q/k/v during its down projection). Measured (H100,
 docs/benchmarks.md, profile steps 12-14): 33.3 us per DiT layer at B=1 (16-column units, 2 programs per SM), 31.75 with
 the prefetch, 30.05 with 32-column units (1 per SM); B=1 step 6.94 -> 6.50 -> 6.19 ms. A barrier costs about what a
 kernel boundary in a CUDA graph costs; the gain is fewer, fuller phases.
@@ -155,39 +158,30 @@ if HAVE_TRITON:
                     y = (s.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
                 tl.store(out_ptr + m[None, :] * N + cols[:, None], y, mask=out_mask)
 
-    # Not specialised on `sequences` == 1 or `has_part`: fewer variants to compile at start-up, no cost at run time.
-    @triton.jit(do_not_specialize=["sequences", "has_part"])
-    def _dense_layer_kernel(x_ptr, down_part_ptr, x_out_ptr, in_norm_ptr, post_norm_ptr, qkv_w_ptr, o_w_ptr,
-                            gate_up_w_ptr, down_w_ptr, cos_ptr, sin_ptr, xn_ptr, normed_ptr, qkv_ptr, attn_ptr,
-                            o_part_ptr, normed2_ptr, act_ptr, sync_ptr, sequences, seq_len, has_part, stride_cl,
-                            stride_sl, eps, scale, sm_scale,
-                            H: tl.constexpr, NQKV: tl.constexpr, HQ: tl.constexpr, GROUP: tl.constexpr,
-                            HALF: tl.constexpr, F: tl.constexpr, O_SPLITS: tl.constexpr, DOWN_SPLITS: tl.constexpr,
-                            HAS_SCALE: tl.constexpr, ROPE: tl.constexpr,
-                            PHASE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                            BLOCK_L: tl.constexpr, PF_QKV: tl.constexpr, PF_O: tl.constexpr,
-                            PF_GATE_UP: tl.constexpr, PF_DOWN: tl.constexpr):
-        # PHASE -1: all phases, grid barriers between them; 0..6: that phase only (a launch per phase).
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        rows = sequences * seq_len
-        D: tl.constexpr = 2 * HALF
+    @triton.jit
+    def _layer_phases(l, qkv_w_ptr, o_w_ptr, gate_up_w_ptr, down_w_ptr, post_norm_ptr, cos_ptr, sin_ptr, xn_ptr,
+                      normed_ptr, qkv_ptr, attn_ptr, o_part_ptr, x_out_ptr, normed2_ptr, act_ptr, down_part_ptr,
+                      sync_ptr, sync_base, pid, nprog, sequences, seq_len, rows, stride_cl, stride_sl, eps, scale,
+                      sm_scale,
+                      H: tl.constexpr, NQKV: tl.constexpr, HQ: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
+                      F: tl.constexpr, O_SPLITS: tl.constexpr, DOWN_SPLITS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                      ROPE: tl.constexpr, PHASE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
+                      PF_O: tl.constexpr, PF_GATE_UP: tl.constexpr, PF_DOWN: tl.constexpr):
+        # Phases 1-6 of layer l (its weights at l's row of each stack), barriers between them when ALL.
         ALL: tl.constexpr = PHASE < 0
-        # PF_*: how far along K each projection's units are prefetched into L2 ahead of it (0: not), in fused
-        # launches only: from the phase before, which would otherwise leave HBM idle.
-        if ALL:
-            _prefetch(qkv_w_ptr, pid, nprog, NQKV, H, 1, False, PF_QKV, BLOCK_N)
-        if ALL or PHASE == 0:
-            _residual_norm_rows(x_ptr, down_part_ptr, in_norm_ptr, xn_ptr, normed_ptr, rows, has_part, eps, scale, pid,
-                                nprog, H, DOWN_SPLITS, HAS_SCALE, BLOCK_H, "")
-        _grid_sync(sync_ptr, nprog, ALL)
+        D: tl.constexpr = 2 * HALF
+        li = l.to(tl.int64)
+        qkv_w = qkv_w_ptr + li * (NQKV * H)
+        o_w = o_w_ptr + li * (H * HQ * D)
+        gate_up_w = gate_up_w_ptr + li * (2 * F * H)
+        down_w = down_w_ptr + li * (H * F)
         if ALL or PHASE == 1:
-            _project(normed_ptr, qkv_w_ptr, qkv_ptr, rows, pid, nprog, NQKV, H, 1, False, False, DOT_PRECISION,
+            _project(normed_ptr, qkv_w, qkv_ptr, rows, pid, nprog, NQKV, H, 1, False, False, DOT_PRECISION,
                      BLOCK_M, BLOCK_N, BLOCK_K)
         if ALL:
-            _prefetch(o_w_ptr, pid, nprog, H, HQ * D, O_SPLITS, False, PF_O, BLOCK_N)
-        _grid_sync(sync_ptr, 2 * nprog, ALL)
+            _prefetch(o_w, pid, nprog, H, HQ * D, O_SPLITS, False, PF_O, BLOCK_N)
+        _grid_sync(sync_ptr, (sync_base + 1) * nprog, ALL)
         if ALL or PHASE == 2:
             hk_cols: tl.constexpr = (NQKV - HQ * D) // 2
             for unit in range(pid, sequences * HQ, nprog):
@@ -196,31 +190,85 @@ if HAVE_TRITON:
                 attend_heads(qkv_ptr, qkv_ptr + HQ * D, qkv_ptr + HQ * D + hk_cols, cos_ptr, sin_ptr, attn_ptr, n,
                              unit % HQ, HQ, seq_stride, NQKV, D, seq_stride, NQKV, D, seq_stride, NQKV, D, stride_cl,
                              stride_sl, seq_len, sm_scale, GROUP, 1, HALF, BLOCK_L, ROPE, DOT_PRECISION, ".cg")
-        _grid_sync(sync_ptr, 3 * nprog, ALL)
+        _grid_sync(sync_ptr, (sync_base + 2) * nprog, ALL)
         if ALL or PHASE == 3:
-            _project(attn_ptr, o_w_ptr, o_part_ptr, rows, pid, nprog, H, HQ * D, O_SPLITS, False, True,
+            _project(attn_ptr, o_w, o_part_ptr, rows, pid, nprog, H, HQ * D, O_SPLITS, False, True,
                      DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         if ALL:
-            _prefetch(gate_up_w_ptr, pid, nprog, F, H, 1, True, PF_GATE_UP, BLOCK_N)
-        _grid_sync(sync_ptr, 4 * nprog, ALL)
+            _prefetch(gate_up_w, pid, nprog, F, H, 1, True, PF_GATE_UP, BLOCK_N)
+        _grid_sync(sync_ptr, (sync_base + 3) * nprog, ALL)
         if ALL or PHASE == 4:
-            _residual_norm_rows(xn_ptr, o_part_ptr, post_norm_ptr, x_out_ptr, normed2_ptr, rows, 1, eps, scale, pid,
-                                nprog, H, O_SPLITS, HAS_SCALE, BLOCK_H, ".cg")
-        _grid_sync(sync_ptr, 5 * nprog, ALL)
+            _residual_norm_rows(xn_ptr, o_part_ptr, post_norm_ptr + li * H, x_out_ptr, normed2_ptr, rows, 1, eps,
+                                scale, pid, nprog, H, O_SPLITS, HAS_SCALE, BLOCK_H, ".cg")
+        _grid_sync(sync_ptr, (sync_base + 4) * nprog, ALL)
         if ALL or PHASE == 5:
-            _project(normed2_ptr, gate_up_w_ptr, act_ptr, rows, pid, nprog, F, H, 1, True, False, DOT_PRECISION,
+            _project(normed2_ptr, gate_up_w, act_ptr, rows, pid, nprog, F, H, 1, True, False, DOT_PRECISION,
                      BLOCK_M, BLOCK_N, BLOCK_K)
         if ALL:
-            _prefetch(down_w_ptr, pid, nprog, H, F, DOWN_SPLITS, False, PF_DOWN, BLOCK_N)
-        _grid_sync(sync_ptr, 6 * nprog, ALL)
+            _prefetch(down_w, pid, nprog, H, F, DOWN_SPLITS, False, PF_DOWN, BLOCK_N)
+        _grid_sync(sync_ptr, (sync_base + 5) * nprog, ALL)
         if ALL or PHASE == 6:
-            _project(act_ptr, down_w_ptr, down_part_ptr, rows, pid, nprog, H, F, DOWN_SPLITS, False, True,
+            _project(act_ptr, down_w, down_part_ptr, rows, pid, nprog, H, F, DOWN_SPLITS, False, True,
                      DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-        if ALL:  # noqa: SIM102 (a constexpr guard: Triton would emit the atomic under `and`)
+
+    # Not specialised on `sequences` == 1, `has_part`, `num_layers` or `layer`: fewer variants to compile at start-up,
+    # no cost at run time.
+    @triton.jit(do_not_specialize=["sequences", "has_part", "num_layers", "layer"])
+    def _dense_layer_kernel(x_ptr, down_part_ptr, x_out_ptr, in_norm_ptr, post_norm_ptr, qkv_w_ptr, o_w_ptr,
+                            gate_up_w_ptr, down_w_ptr, cos_ptr, sin_ptr, xn_ptr, normed_ptr, qkv_ptr, attn_ptr,
+                            o_part_ptr, normed2_ptr, act_ptr, sync_ptr, sequences, seq_len, has_part, num_layers,
+                            layer, stride_cl, stride_sl, eps, scale, sm_scale,
+                            H: tl.constexpr, NQKV: tl.constexpr, HQ: tl.constexpr, GROUP: tl.constexpr,
+                            HALF: tl.constexpr, F: tl.constexpr, O_SPLITS: tl.constexpr, DOWN_SPLITS: tl.constexpr,
+                            HAS_SCALE: tl.constexpr, ROPE: tl.constexpr,
+                            PHASE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                            BLOCK_L: tl.constexpr, PF_QKV: tl.constexpr, PF_O: tl.constexpr,
+                            PF_GATE_UP: tl.constexpr, PF_DOWN: tl.constexpr):
+        # PHASE -1: the whole stack of `num_layers` layers and its final norm, grid barriers between the phases;
+        # 0..6: that phase of layer `layer` only (a launch per phase; phase 0 of layer `num_layers` is the final norm).
+        # The weights are stacks (`MiniCPM.stack_layer_weights`): layer l's at row l; in_norm has the final norm last.
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        rows = sequences * seq_len
+        ALL: tl.constexpr = PHASE < 0
+        # PF_*: how far along K each projection's units are prefetched into L2 ahead of it (0: not), in fused
+        # launches only: from the phase before, which would otherwise leave HBM idle.
+        if ALL:
+            _prefetch(qkv_w_ptr, pid, nprog, NQKV, H, 1, False, PF_QKV, BLOCK_N)
+            _residual_norm_rows(x_ptr, down_part_ptr, in_norm_ptr, xn_ptr, normed_ptr, rows, has_part, eps, scale, pid,
+                                nprog, H, DOWN_SPLITS, HAS_SCALE, BLOCK_H, "")
+            _grid_sync(sync_ptr, nprog, True)
+            for l in range(num_layers):
+                base = 1 + 7 * l  # barriers before this layer's phases
+                _layer_phases(l, qkv_w_ptr, o_w_ptr, gate_up_w_ptr, down_w_ptr, post_norm_ptr, cos_ptr, sin_ptr,
+                              xn_ptr, normed_ptr, qkv_ptr, attn_ptr, o_part_ptr, x_out_ptr, normed2_ptr, act_ptr,
+                              down_part_ptr, sync_ptr, base, pid, nprog, sequences, seq_len, rows, stride_cl,
+                              stride_sl, eps, scale, sm_scale, H, NQKV, HQ, GROUP, HALF, F, O_SPLITS, DOWN_SPLITS,
+                              HAS_SCALE, ROPE, PHASE, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_H, BLOCK_L,
+                              PF_O, PF_GATE_UP, PF_DOWN)
+                if l + 1 < num_layers:  # the next layer's first weights, while the last programs finish
+                    _prefetch(qkv_w_ptr + (l + 1).to(tl.int64) * (NQKV * H), pid, nprog, NQKV, H, 1, False, PF_QKV,
+                              BLOCK_N)
+                _grid_sync(sync_ptr, (base + 6) * nprog, True)
+                # The residual update by the down projection and the next layer's input norm (the final norm last).
+                _residual_norm_rows(x_out_ptr, down_part_ptr, in_norm_ptr + (l + 1).to(tl.int64) * H, xn_ptr,
+                                    normed_ptr, rows, 1, eps, scale, pid, nprog, H, DOWN_SPLITS, HAS_SCALE, BLOCK_H,
+                                    ".cg")
+                _grid_sync(sync_ptr, (base + 7) * nprog, True)
             # The last program out resets the counters for the next launch: everyone is past every barrier.
             if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
                 tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
                 tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+        elif PHASE == 0:
+            _residual_norm_rows(x_ptr, down_part_ptr, in_norm_ptr + layer.to(tl.int64) * H, xn_ptr, normed_ptr, rows,
+                                has_part, eps, scale, pid, nprog, H, DOWN_SPLITS, HAS_SCALE, BLOCK_H, "")
+        else:
+            _layer_phases(layer, qkv_w_ptr, o_w_ptr, gate_up_w_ptr, down_w_ptr, post_norm_ptr, cos_ptr, sin_ptr,
+                          xn_ptr, normed_ptr, qkv_ptr, attn_ptr, o_part_ptr, x_out_ptr, normed2_ptr, act_ptr,
+                          down_part_ptr, sync_ptr, 0, pid, nprog, sequences, seq_len, rows, stride_cl, stride_sl, eps,
+                          scale, sm_scale, H, NQKV, HQ, GROUP, HALF, F, O_SPLITS, DOWN_SPLITS, HAS_SCALE, ROPE, PHASE,
+                          DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_H, BLOCK_L, PF_O, PF_GATE_UP, PF_DOWN)
 
 
 # Rows (sequences x tokens) up to which a stack runs as layer kernels (VOXCPM_LAYER_MAX_ROWS): the DiT at B=1 (22 rows),
@@ -359,7 +407,7 @@ def _prefetch_len(rows: int, k: int, elem_size: int) -> int:
 
 def supported(stack: torch.nn.Module, x: torch.Tensor) -> bool:
     """Whether `dense_stack` runs this MiniCPM stack on x (N, L, hidden): CUDA (or the interpreter), fused
-    projections, few rows, shapes the tiles divide."""
+    projections, layer weights stacked (`MiniCPM.stack_layer_weights`), few rows, shapes the tiles divide."""
     if MODE == "off" or not (HAVE_TRITON and triton_kernels.usable(x) and x.dim() == 3 and len(stack.layers)):
         return False
     cfg, layer = stack.cfg, stack.layers[0]
@@ -368,14 +416,15 @@ def supported(stack: torch.nn.Module, x: torch.Tensor) -> bool:
             and layer.self_attn.qkv_weight is not None and layer.mlp.gate_up_weight is not None
             and x.dtype == layer.self_attn.qkv_weight.dtype and x.shape[-1] == cfg.hidden_size
             and d >= 32 and d & (d - 1) == 0 and cfg.num_attention_heads % cfg.num_key_value_heads == 0
-            and _plan(cfg, _sms(x.device) * LAUNCH[3]) is not None)
+            and _plan(cfg, _sms(x.device) * LAUNCH[3]) is not None and stack.layer_weight_stacks() is not None)
 
 
 def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | None,
                 only_phases: tuple[int, ...] | None = None) -> torch.Tensor:
     """stack(x) for a non-causal MiniCPM stack (its final norm applied), where `supported`: x (N, L, hidden);
-    rope (L, 2, head_dim) rows or None. One launch per layer, plus one for the final norm. only_phases (mode
-    "phases", for timing them one by one): launch only these phases of each layer."""
+    rope (L, 2, head_dim) rows or None. One launch for the whole stack (mode "fused"), or one per phase of each layer
+    and one for the final norm (mode "phases"; only_phases, for timing them one by one: only these phases of each
+    layer)."""
     cfg, layers = stack.cfg, stack.layers
     n, seq_len, h = x.shape
     rows, dev, dtype = n * seq_len, _device(x.device), x.dtype
@@ -407,13 +456,15 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
                     BLOCK_H=triton.next_power_of_2(h), BLOCK_L=max(16, triton.next_power_of_2(seq_len)), **prefetch,
                     num_stages=LAUNCH[1], num_warps=LAUNCH[2])
     grids: dict[int, int] = {}  # per phase: the same for every layer
+    w = stack.layer_weight_stacks()
+    assert w is not None  # `supported` checked it
 
-    def launch(layer: torch.nn.Module, first: bool, x_in: torch.Tensor, in_norm: torch.Tensor, phase: int) -> None:
+    def launch(layer: int, x_in: torch.Tensor, phase: int) -> None:
         args = (
-            x_in, down_part, x_res, in_norm, layer.post_attention_layernorm.weight, layer.self_attn.qkv_weight,
-            layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight, layer.mlp.down_proj.weight, cos, sin, x_mid,
-            normed, qkv, attn, o_part, normed2, act, _sync[dev], n, seq_len, 0 if first else 1, cos.stride(0),
-            sin.stride(0), cfg.rms_norm_eps, 1.0 if scale is None else scale, d ** -0.5)
+            x_in, down_part, x_res, w["input_norm"], w["post_norm"], w["qkv"], w["o"], w["gate_up"], w["down"], cos,
+            sin, x_mid, normed, qkv, attn, o_part, normed2, act, _sync[dev], n, seq_len, 0 if layer == 0 else 1,
+            len(layers), layer, cos.stride(0), sin.stride(0), cfg.rms_norm_eps, 1.0 if scale is None else scale,
+            d ** -0.5)
         kwargs = dict(settings, PHASE=phase)
         if phase < 0 and COOPERATIVE:  # (a launch option, but also part of the compiled variant's cache key)
             kwargs["launch_cooperative_grid"] = True
@@ -427,8 +478,11 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
         else:
             _dense_layer_kernel[(grids[phase],)](*args, **kwargs)
 
-    for i, layer in enumerate(layers):
-        for phase in (-1,) if fused_launch else only_phases or range(len(units)):
-            launch(layer, i == 0, x if i == 0 else x_res, layer.input_layernorm.weight, phase)
-    launch(layers[-1], False, x_res, stack.norm.weight, 0)  # the last layer's down projection added, the final norm
+    if fused_launch:
+        launch(0, x, -1)  # every layer and the final norm
+    else:
+        for i in range(len(layers)):
+            for phase in only_phases or range(len(units)):
+                launch(i, x if i == 0 else x_res, phase)
+        launch(len(layers), x_res, 0)  # the last layer's down projection added, the final norm
     return normed.view(n, seq_len, h)

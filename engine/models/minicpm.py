@@ -69,12 +69,17 @@ def _fuse_rows(*linears: nn.Linear) -> torch.Tensor:
     """Concatenate the linears' weights into one matrix and make each weight a view of its rows, so
     the fused GEMM costs no extra memory and the named parameters (checkpoints, adapters) stay valid."""
     fused = torch.cat([lin.weight.detach() for lin in linears])
+    _alias_rows(fused, *linears)
+    return fused
+
+
+def _alias_rows(fused: torch.Tensor, *linears: nn.Linear) -> None:
+    """Each linear's weight as a view of its rows of `fused` (in order)."""
     start = 0
     for lin in linears:
         n = lin.weight.shape[0]
         lin.weight.data = fused[start:start + n]
         start += n
-    return fused
 
 
 class Attention(nn.Module):
@@ -152,10 +157,14 @@ class DecoderLayer(nn.Module):
 
 
 def fuse_projections(module: nn.Module) -> None:
-    """Fuse q/k/v and gate/up projections of every layer under `module` (idempotent, no extra memory)."""
+    """Fuse q/k/v and gate/up projections of every layer under `module`, and stack each kind of layer weight of every
+    stack into one tensor (`MiniCPM.stack_layer_weights`). Idempotent, no extra memory."""
     for m in module.modules():
         if isinstance(m, Attention | MLP):
             m.fuse_projections()
+    for m in module.modules():
+        if isinstance(m, MiniCPM):
+            m.stack_layer_weights()
 
 
 class MiniCPM(nn.Module):
@@ -169,6 +178,59 @@ class MiniCPM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.uses_rope = not cfg.no_rope
+
+    def stack_layer_weights(self) -> None:
+        """Each kind of layer weight (fused q/k/v, o, fused gate/up, down, the post-attention norms, and the input
+        norms followed by the final norm) as one contiguous (layers, ...) tensor whose rows the layers' weights are
+        views of: the layer kernel (`engine.triton_layer`) then runs the whole stack in one launch, addressing a
+        layer's weights at a fixed stride. No extra memory; the named parameters stay valid. After
+        `fuse_projections`; idempotent."""
+        layers = list(self.layers)
+        if not layers or self.layer_weight_stacks() is not None:
+            return
+        attns, mlps = [layer.self_attn for layer in layers], [layer.mlp for layer in layers]
+        if any(a.qkv_weight is None for a in attns) or any(m.gate_up_weight is None for m in mlps):
+            return
+
+        def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+            return torch.stack([t.detach() for t in tensors])
+
+        qkv, gate_up = stacked([a.qkv_weight for a in attns]), stacked([m.gate_up_weight for m in mlps])
+        for i, (a, m) in enumerate(zip(attns, mlps, strict=True)):
+            a.qkv_weight, m.gate_up_weight = qkv[i], gate_up[i]
+            _alias_rows(qkv[i], a.q_proj, a.k_proj, a.v_proj)
+            _alias_rows(gate_up[i], m.gate_proj, m.up_proj)
+        norms = [layer.input_layernorm.weight for layer in layers] + [self.norm.weight]
+        for params in ([a.o_proj.weight for a in attns], [m.down_proj.weight for m in mlps],
+                       [layer.post_attention_layernorm.weight for layer in layers], norms):
+            stack = stacked(params)
+            for i, param in enumerate(params):
+                param.data = stack[i]
+
+    def layer_weight_stacks(self) -> dict[str, torch.Tensor] | None:
+        """The stacks `stack_layer_weights` made, as (layers, ...) views ("input_norm" has one row more: the final
+        norm), or None where the layers' weights are not (or no longer) rows of one tensor each at a fixed stride."""
+        layers = list(self.layers)
+        if not layers:
+            return None
+        attns, mlps = [layer.self_attn for layer in layers], [layer.mlp for layer in layers]
+        if any(a.qkv_weight is None for a in attns) or any(m.gate_up_weight is None for m in mlps):
+            return None
+        kinds = {"qkv": [a.qkv_weight for a in attns], "o": [a.o_proj.weight for a in attns],
+                 "gate_up": [m.gate_up_weight for m in mlps], "down": [m.down_proj.weight for m in mlps],
+                 "post_norm": [layer.post_attention_layernorm.weight for layer in layers],
+                 "input_norm": [layer.input_layernorm.weight for layer in layers] + [self.norm.weight]}
+        out = {}
+        for kind, tensors in kinds.items():
+            first = tensors[0]
+            step, storage = first.numel() * first.element_size(), first.untyped_storage().data_ptr()
+            if not first.is_contiguous() or any(t.shape != first.shape or t.dtype != first.dtype
+                                                or t.untyped_storage().data_ptr() != storage
+                                                or t.data_ptr() != first.data_ptr() + i * step
+                                                for i, t in enumerate(tensors)):
+                return None
+            out[kind] = first.as_strided((len(tensors), *first.shape), (first.numel(), *first.stride()))
+        return out
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None, attend: AttendFn) -> torch.Tensor:
         """x: (..., L, hidden); rope: (L, 2, head_dim) rows for the positions of x, or None."""
