@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -59,7 +60,7 @@ class LaunchedDecode:
     buffers on CUDA) and the event that says they are there (None: already there)."""
 
     seqs: list[Sequence]
-    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # patch (B, P, D) float32, stop (B,), audio (B, S)
+    outputs: tuple[torch.Tensor, torch.Tensor]  # results (B, P * D + 1) float32 (`DecodeBuffers`), audio (B, S)
     done: torch.cuda.Event | None
     prefilled: list[Sequence] = field(default_factory=list)  # prefilled in the same step (pipelined engine)
 
@@ -117,26 +118,94 @@ class PrefillBuffers:
         self.scratch_kv_slot = scratch_kv_slot
 
 
+@dataclass
+class StepInputs:
+    """The per-step inputs of a decode step for `rows` rows: views of one byte buffer (see `DecodeBuffers`)."""
+
+    slot_index: torch.Tensor  # (rows,) long: each row's slot (state row)
+    positions: torch.Tensor  # (rows,) long
+    slot_mapping: torch.Tensor  # (rows,) long: KV slot of the new token
+    context_lens: torch.Tensor  # (rows,) int32
+    cfg: torch.Tensor  # (rows,) float32
+    block_tables: torch.Tensor  # (rows, table width) int32
+    noise: torch.Tensor  # (rows, D, P) float32
+
+    def fill_padding(self, scratch_seq_slot: int, scratch_kv_slot: int, start: int = 0) -> None:
+        """Rows from `start` on as padding: they read nothing and write only scratch rows."""
+        self.slot_index[start:] = scratch_seq_slot
+        self.positions[start:] = 0
+        self.slot_mapping[start:] = scratch_kv_slot
+        self.context_lens[start:] = 1
+        self.cfg[start:] = 0.0
+        self.block_tables[start:] = 0
+        self.noise[start:] = 0.0
+
+
 class DecodeBuffers:
-    """Static inputs and outputs of one decode step, sized for the largest batch (graph-addressable)."""
+    """Static inputs and outputs of one decode step, sized for the largest batch (graph-addressable).
+
+    A step's inputs are one byte buffer, laid out per row count (`step_inputs`): the graph of a batch bucket reads
+    its layout's views, and the host fills the same layout in pinned memory and moves it in one copy. (Seven small
+    copies, one per input, left the device ~25 us idle between two B=1 steps on an H100: session 17's trace.)"""
+
+    FIELDS: tuple[tuple[str, torch.dtype], ...] = (
+        ("slot_index", torch.long), ("positions", torch.long), ("slot_mapping", torch.long),
+        ("context_lens", torch.int32), ("cfg", torch.float32), ("block_tables", torch.int32),
+        ("noise", torch.float32))
 
     def __init__(self, rows: int, table_width: int, feat_dim: int, patch: int, samples: int, scratch_seq_slot: int,
                  scratch_kv_slot: int, dtype: torch.dtype, device: torch.device) -> None:
         z = functools.partial(torch.zeros, device=device)
-        self.slot_index = torch.full((rows,), scratch_seq_slot, dtype=torch.long, device=device)
-        self.positions = z(rows, dtype=torch.long)
-        self.slot_mapping = torch.full((rows,), scratch_kv_slot, dtype=torch.long, device=device)
-        self.block_tables = z(rows, table_width, dtype=torch.int32)
-        self.context_lens = torch.ones(rows, dtype=torch.int32, device=device)
+        self.table_width, self.feat_dim, self.patch_size = table_width, feat_dim, patch
+        self.scratch_seq_slot, self.scratch_kv_slot = scratch_seq_slot, scratch_kv_slot
+        self.inputs = z(self.input_bytes(rows), dtype=torch.uint8)
+        self._layouts: dict[tuple[int, int], StepInputs] = {}
         self.row_index = torch.arange(rows, dtype=torch.int32, device=device)
-        self.noise = z(rows, feat_dim, patch, dtype=torch.float32)
-        self.cfg = z(rows, dtype=torch.float32)
-        self.patch = z(rows, patch, feat_dim, dtype=dtype)
-        self.stop = z(rows, dtype=torch.bool)
+        # Each row's patch (P * D, float32) and stop flag (1.0 / 0.0) side by side: one copy to the host per step
+        # (with the patch already in float32: no conversion kernel before it).
+        self.results = z(rows, patch * feat_dim + 1, dtype=torch.float32)
         self.audio = z(rows, samples, dtype=torch.float32)
         # The VAE's own copies of its inputs when it runs behind the next step (ModelRunner.overlaps).
         self.vae_index = torch.full((rows,), scratch_seq_slot, dtype=torch.long, device=device)
         self.vae_patch = z(rows, patch, feat_dim, dtype=dtype)
+
+    def patch(self, rows: int) -> torch.Tensor:
+        """(rows, P, D) float32 view of the results: each row's new patch."""
+        return self.results[:rows, :-1].view(rows, self.patch_size, self.feat_dim)
+
+    def stop(self, rows: int) -> torch.Tensor:
+        """(rows,) float32 view of the results: 1.0 where the stop head fired."""
+        return self.results[:rows, -1]
+
+    def _shapes(self, rows: int) -> list[tuple[int, ...]]:
+        return [(rows,)] * 5 + [(rows, self.table_width), (rows, self.feat_dim, self.patch_size)]
+
+    def input_bytes(self, rows: int) -> int:
+        """Bytes of the inputs of `rows` rows; each input starts 16-byte aligned (as a torch allocation is, so the
+        kernels reading them compile to the same variants)."""
+        total = 0
+        for (_, dtype), shape in zip(self.FIELDS, self._shapes(rows), strict=True):
+            total = -(-total // 16) * 16 + math.prod(shape) * dtype.itemsize
+        return -(-total // 16) * 16
+
+    def step_inputs(self, rows: int, packed: torch.Tensor | None = None) -> StepInputs:
+        """The inputs of a `rows`-row step as views of `packed` (default: the device buffer)."""
+        packed = self.inputs if packed is None else packed
+        key = (rows, packed.data_ptr())  # the device buffer and the runner's pinned ones live as long as this
+        if key not in self._layouts:
+            views, offset = {}, 0
+            for (name, dtype), shape in zip(self.FIELDS, self._shapes(rows), strict=True):
+                offset = -(-offset // 16) * 16
+                n = math.prod(shape) * dtype.itemsize
+                views[name] = packed[offset:offset + n].view(dtype).view(shape)
+                offset += n
+            self._layouts[key] = StepInputs(**views)
+        return self._layouts[key]
+
+    def reset_inputs(self, rows: int) -> None:
+        """All `rows` rows of that layout as padding, right before a warm-up or dry run runs the step on them (the
+        layouts of different row counts overlap: resetting one garbles the others)."""
+        self.step_inputs(rows).fill_padding(self.scratch_seq_slot, self.scratch_kv_slot)
 
 
 class ModelRunner:
@@ -203,8 +272,11 @@ class ModelRunner:
         self.capture_times: dict[str, tuple[float, float]] = {}  # graph -> (warm-up s, capture s): start-up cost
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_bucket_sizes = prefill_buckets(max_num_batched_tokens)
-        self.host_out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # see _host_outputs
+        self.host_out: list[tuple[torch.Tensor, torch.Tensor]] = []  # see _host_outputs
         self.host_turn = 0
+        self.host_in: list[torch.Tensor] = []  # see _host_inputs
+        self.host_in_copied: list[torch.cuda.Event | None] = [None, None]
+        self.host_in_turn = 0
 
     # --- KV cache -----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -230,6 +302,7 @@ class ModelRunner:
         self.vae_unjoined = False
         self.prefill_graphs.clear()
         self.host_out = []
+        self.host_in = []
 
     @torch.inference_mode()
     def profile_num_blocks(self, gpu_memory_utilization: float, max_model_len: int) -> int:
@@ -243,15 +316,22 @@ class ModelRunner:
         lens = [max_model_len] * full + ([rest] if rest else [])
         largest = self.max_num_seqs
 
+        buffers = self.buffers
+        assert buffers is not None
+
+        def dry_step(rows: int, vae: bool) -> None:
+            # The layouts of different row counts share bytes: padding in this one right before it runs.
+            buffers.reset_inputs(rows)
+            self._decode_forward(rows, self.table_width, vae)
+
         def prefill_and_step() -> None:
             self._dry_prefill(lens)
-            self._decode_forward(largest, self.table_width, not self.overlaps(largest))
+            dry_step(largest, not self.overlaps(largest))
 
         peak_extra = self._working_memory(prefill_and_step)
         in_step = [b for b in graph_buckets(largest) if not self.overlaps(b)]
         if in_step and self.overlaps(largest):  # a smaller bucket's step with its VAE inside may need more
-            peak_extra = max(peak_extra, self._working_memory(
-                lambda: self._decode_forward(max(in_step), self.table_width, True)))
+            peak_extra = max(peak_extra, self._working_memory(lambda: dry_step(max(in_step), True)))
         if self.overlaps(largest):  # the VAE graphs' own pool is held beside the step's: its peak counts again
             peak_extra += self._working_memory(lambda: self._vae_forward(largest))
         self.base_cache = self.residual_cache = self.buffers = None
@@ -466,13 +546,14 @@ class ModelRunner:
         patch is left for `_vae_forward`."""
         buf = self.buffers
         assert buf is not None and self.base_cache is not None and self.residual_cache is not None
-        index = buf.slot_index[:batch]
-        meta = AttentionMetadata(False, buf.slot_mapping[:batch], buf.block_tables[:batch, :width],
-                                 buf.row_index[:batch], buf.context_lens[:batch])
+        inputs = buf.step_inputs(batch)
+        index = inputs.slot_index
+        meta = AttentionMetadata(False, inputs.slot_mapping, inputs.block_tables[:, :width], buf.row_index[:batch],
+                                 inputs.context_lens)
         backbone = self.model.backbone
         lm_hidden = self.lm_hidden[index]
         patch = backbone.sample_patch(lm_hidden, self.residual_hidden[index], self.prev_patch[index],
-                                      buf.noise[:batch], buf.cfg[:batch], self.inference_timesteps)
+                                      inputs.noise, inputs.cfg, self.inference_timesteps)
         # The stop head and the VAE need only the old hidden state and the patch, the LMs only the encoded patch,
         # so on CUDA they run side by side: the stop head and the VAE on a second stream (forked and joined inside
         # the captured graph), LocEnc and the LMs on this one. The fork comes after LocEnc (VAE_FORK): its layer
@@ -485,7 +566,7 @@ class ModelRunner:
             if side is not None:
                 side.wait_stream(main)
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                buf.stop[:batch] = backbone.stop_flags(lm_hidden)
+                buf.stop(batch).copy_(backbone.stop_flags(lm_hidden))
                 if vae:
                     buf.audio[:batch] = self._decode_audio(index, self._latents(patch[:, None]))
 
@@ -494,12 +575,12 @@ class ModelRunner:
         embed = backbone.encode_patches(patch)
         if VAE_FORK != "dit":
             fork()
-        lm_next, residual_next = backbone.advance_lms(embed, buf.positions[:batch], self.base_cache.attend_fn(meta),
+        lm_next, residual_next = backbone.advance_lms(embed, inputs.positions, self.base_cache.attend_fn(meta),
                                                       self.residual_cache.attend_fn(meta))
         self.lm_hidden[index] = lm_next
         self.residual_hidden[index] = residual_next
         self.prev_patch[index] = patch
-        buf.patch[:batch] = patch
+        buf.patch(batch).copy_(patch)
         if side is not None:
             main.wait_stream(side)
 
@@ -517,7 +598,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         pool = None
         vae_pool = None  # its own pool: a VAE graph runs while the next step's graph does
+        assert self.buffers is not None
         for batch in reversed(graph_buckets(self.max_num_seqs)):
+            # The warm-up runs the step on this layout's inputs: padding, not bytes of another layout (they share them).
+            self.buffers.reset_inputs(batch)
             self.graphs[batch] = graph = self._capture(f"decode B={batch}", self._decode_forward, batch,
                                                        self.table_width, not self.overlaps(batch), pool=pool)
             pool = graph.pool()
@@ -556,17 +640,30 @@ class ModelRunner:
             z = torch.randn((d, p), generator=seq.noise)
         return z * seq.params.temperature
 
-    def _host_outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _host_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next of two sets of pinned host buffers for a step's outputs: a launched step copies into
         one while the host still reads the other (the previous step's)."""
         assert self.buffers is not None
         if not self.host_out:
-            rows, p, d = len(self.buffers.stop), self.cfg.patch_size, self.cfg.feat_dim
-            self.host_out = [(torch.zeros(rows, p, d, pin_memory=True),
-                              torch.zeros(rows, dtype=torch.bool, pin_memory=True),
-                              torch.zeros(rows, self.samples_per_patch, pin_memory=True)) for _ in range(2)]
+            results, audio = self.buffers.results, self.buffers.audio
+            self.host_out = [(torch.zeros(results.shape, pin_memory=True), torch.zeros(audio.shape, pin_memory=True))
+                             for _ in range(2)]
         self.host_turn ^= 1
         return self.host_out[self.host_turn]
+
+    def _host_inputs(self) -> torch.Tensor:
+        """The next of two pinned byte buffers for a step's inputs (`DecodeBuffers.step_inputs` lays them out): the
+        host fills one while the copy from the other may still be queued; its last copy is waited for first."""
+        assert self.buffers is not None
+        if not self.host_in:
+            self.host_in = [torch.zeros(self.buffers.inputs.numel(), dtype=torch.uint8, pin_memory=True)
+                            for _ in range(2)]
+            self.host_in_copied = [None, None]
+        self.host_in_turn ^= 1
+        copied = self.host_in_copied[self.host_in_turn]
+        if copied is not None:
+            copied.synchronize()  # long done: the copy was queued two launches ago
+        return self.host_in[self.host_in_turn]
 
     @torch.inference_mode()
     def launch_decode(self, seqs: list[Sequence], blocks: BlockManager, ahead: int = 0) -> LaunchedDecode:
@@ -592,28 +689,32 @@ class ModelRunner:
             # This step decodes its audio itself (a bucket below VOXCPM_VAE_OVERLAP_MIN_BATCH, or eager): after the
             # VAE graph of a previous, larger step is done with the VAE states, the audio buffer and its copy.
             self.join_vae()
-        host = {
-            "slot_index": torch.tensor([s.slot for s in seqs] + [self.scratch_slot] * pad),
-            "positions": torch.tensor([s.num_tokens + ahead for s in seqs] + [0] * pad),
-            "slot_mapping": torch.tensor(slots + [scratch_kv] * pad),
-            "context_lens": torch.tensor([s.num_tokens + ahead + 1 for s in seqs] + [1] * pad, dtype=torch.int32),
-            "cfg": torch.tensor([s.params.cfg_value for s in seqs] + [0.0] * pad),
-        }
-        # Pageable sources: each copy is staged at once, so the host may build the next step's right away.
-        for name, value in host.items():
-            getattr(buf, name)[:rows].copy_(value, non_blocking=True)
-        buf.block_tables[:rows, :width].copy_(self._tables(seqs, width, pad), non_blocking=True)
-        buf.noise[:b].copy_(torch.stack([self._noise(s, ahead) for s in seqs]), non_blocking=True)
+        # The inputs, in the layout of `rows` rows: on CUDA written to pinned memory and moved in one copy; on the
+        # CPU written in place.
+        packed = self._host_inputs() if stream is not None else buf.inputs
+        inputs = buf.step_inputs(rows, packed)
+        inputs.slot_index[:b] = torch.tensor([s.slot for s in seqs])
+        inputs.positions[:b] = torch.tensor([s.num_tokens + ahead for s in seqs])
+        inputs.slot_mapping[:b] = torch.tensor(slots)
+        inputs.context_lens[:b] = torch.tensor([s.num_tokens + ahead + 1 for s in seqs], dtype=torch.int32)
+        inputs.cfg[:b] = torch.tensor([s.params.cfg_value for s in seqs])
+        inputs.block_tables[:b, :width] = self._tables(seqs, width)
+        inputs.noise[:b] = torch.stack([self._noise(s, ahead) for s in seqs])
+        if pad:
+            inputs.fill_padding(self.scratch_slot, scratch_kv, start=b)
+        if stream is not None:
+            size = buf.input_bytes(rows)
+            buf.inputs[:size].copy_(packed[:size], non_blocking=True)
+            self.host_in_copied[self.host_in_turn] = copied = torch.cuda.Event()
+            copied.record(stream)
         if graph_batch:
             self.graphs[graph_batch].replay()
         else:
             self._decode_forward(b, width)
         if stream is None:  # CPU: synchronous anyway; copies, because .cpu() would alias the buffers
-            out = (buf.patch[:b].to("cpu", torch.float32, copy=True), buf.stop[:b].clone(), buf.audio[:b].clone())
-            return LaunchedDecode(seqs, out, None)
-        patch, stop, audio = self._host_outputs()
-        patch[:b].copy_(buf.patch[:b], non_blocking=True)
-        stop[:b].copy_(buf.stop[:b], non_blocking=True)
+            return LaunchedDecode(seqs, (buf.results[:b].clone(), buf.audio[:b].clone()), None)
+        results, audio = self._host_outputs()
+        results[:b].copy_(buf.results[:b], non_blocking=True)
         if overlap:
             # The VAE behind this step, on its stream: it takes copies of its inputs (the next step overwrites
             # them after `vae_inputs_taken`) and decodes while the next step's graph runs.
@@ -621,8 +722,8 @@ class ModelRunner:
             assert side is not None and graph_batch is not None
             side.wait_stream(stream)
             with torch.cuda.stream(side):
-                buf.vae_index[:rows].copy_(buf.slot_index[:rows])
-                buf.vae_patch[:rows].copy_(buf.patch[:rows])
+                buf.vae_index[:rows].copy_(buf.step_inputs(rows).slot_index)
+                buf.vae_patch[:rows].copy_(buf.patch(rows))
                 self.vae_inputs_taken = torch.cuda.Event()
                 self.vae_inputs_taken.record(side)
                 self.vae_graphs[graph_batch].replay()
@@ -632,17 +733,19 @@ class ModelRunner:
         with torch.cuda.stream(stream):
             audio[:b].copy_(buf.audio[:b], non_blocking=True)
             done.record(stream)
-        return LaunchedDecode(seqs, (patch[:b], stop[:b], audio[:b]), done)
+        return LaunchedDecode(seqs, (results[:b], audio[:b]), done)
 
     def collect_decode(self, step: LaunchedDecode) -> list[PatchResult]:
         """Wait for a launched step and turn its outputs into results, advancing each sequence; sequences
         finished (or aborted) since the launch are skipped: their extra patch is dropped."""
-        patch_buf, stop_buf, audio_buf = step.outputs
+        results, audio_buf = step.outputs
         if step.done is not None:  # pinned buffers, reused by the step after next: copy out
             step.done.synchronize()
-            patch_buf, audio_buf = patch_buf.clone(), audio_buf.clone()
-        patches = patch_buf.unbind(0)
-        stops = stop_buf.tolist()
+            audio_buf = audio_buf.clone()
+        # A copy (the pinned buffer is reused): the patches outlive this step in their sequences.
+        patches = results[:, :-1].clone(memory_format=torch.contiguous_format).view(
+            len(results), self.cfg.patch_size, self.cfg.feat_dim).unbind(0)
+        stops = (results[:, -1] > 0.5).tolist()
         audio = audio_buf.numpy()
         results = []
         for i, seq in enumerate(step.seqs):

@@ -329,3 +329,35 @@ def test_residual_split_rule_and_eager_partials() -> None:
         x_slices, w_slices = fused.split_k_views(x.contiguous(), weight, splits)
         assert x_slices.shape == (splits, rows, k_dim // splits) and w_slices.shape == (splits, k_dim // splits, n)
         assert torch.allclose(torch.bmm(x_slices, w_slices).sum(0), x @ weight.T, atol=1e-5, rtol=1e-5)
+
+
+def test_step_inputs_layouts_are_aligned_disjoint_and_padded():
+    """A decode step's inputs are views of one byte buffer, laid out per row count: every input 16-byte aligned (the
+    kernels reading them compile to the same variants as for separate tensors), no two overlapping, all inside the
+    buffer; padding rows point at the scratch rows."""
+    from engine.model_runner import DecodeBuffers
+
+    buf = DecodeBuffers(rows=9, table_width=5, feat_dim=6, patch=3, samples=10, scratch_seq_slot=9,
+                        scratch_kv_slot=77, dtype=torch.float32, device=torch.device("cpu"))
+    base, end = buf.inputs.data_ptr(), buf.inputs.data_ptr() + buf.inputs.numel()
+    for rows in (1, 2, 4, 9):
+        inputs = buf.step_inputs(rows)
+        assert buf.step_inputs(rows) is inputs
+        spans = []
+        for name, dtype in DecodeBuffers.FIELDS:
+            t = getattr(inputs, name)
+            assert t.dtype == dtype and t.shape[0] == rows and t.is_contiguous(), name
+            assert (t.data_ptr() - base) % 16 == 0, f"{name} not 16-byte aligned at {rows} rows"
+            spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+        spans.sort()
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False))
+        assert spans[-1][1] <= base + buf.input_bytes(rows) <= end
+        assert inputs.block_tables.shape == (rows, 5) and inputs.noise.shape == (rows, 6, 3)
+        inputs.slot_index[:] = 3
+        inputs.noise[:] = 1.0
+        inputs.fill_padding(9, 77, start=1)
+        assert inputs.slot_index.tolist() == [3] + [9] * (rows - 1)
+        assert inputs.slot_mapping[1:].eq(77).all() and inputs.context_lens[1:].eq(1).all()
+        assert inputs.noise[0].eq(1.0).all() and inputs.noise[1:].eq(0.0).all()
+    buf.reset_inputs(4)
+    assert buf.step_inputs(4).slot_index.tolist() == [9] * 4

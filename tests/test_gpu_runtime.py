@@ -83,3 +83,18 @@ def test_second_stream_fork_point_does_not_change_the_audio(checkpoint_factory, 
         audio[fork] = _run(LLMEngine(model, EngineConfig(**config), "cuda"), reqs)
     for a, b in zip(audio["dit"], audio["encoder"], strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_kv_sizing_dry_steps_then_generation(checkpoint_factory, monkeypatch):
+    """Without num_kv_blocks the engine sizes its KV cache from dry steps of its largest bucket and, when that bucket's
+    VAE runs behind the step, of its largest bucket with the VAE inside; each dry step runs on its own layout of the
+    step inputs (layouts of different sizes share bytes). The engine then generates what a sized-by-hand one does."""
+    monkeypatch.setenv("VOXCPM_VAE_OVERLAP_MIN_BATCH", "4")  # buckets 4 and 8 behind, 1 and 2 inside
+    model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"), "cuda")
+    reqs = [dict(text=f"Sized {i}.", params=SamplingParams(seed=i, max_generate_length=4)) for i in range(2)]
+    config = dict(max_num_seqs=8, max_model_len=256, attention_backend="triton")
+    sized = LLMEngine(model, EngineConfig(**config, gpu_memory_utilization=0.5), "cuda")
+    assert sized.runner.vae_graphs and len(sized.blocks.blocks) > 16
+    by_hand = LLMEngine(model, EngineConfig(**config, num_kv_blocks=64), "cuda")
+    for a, b in zip(_run(sized, reqs), _run(by_hand, reqs), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -50,11 +50,12 @@ def components(engine: LLMEngine, b: int) -> dict[str, float]:
     bb = r.model.backbone
     buf = r.buffers
     assert buf is not None and r.base_cache is not None and r.residual_cache is not None
-    idx = buf.slot_index[:b]
+    inputs = buf.step_inputs(b)
+    idx = inputs.slot_index
     lm_h, res_h, prev = r.lm_hidden[idx], r.residual_hidden[idx], r.prev_patch[idx]
-    noise, cfg, pos = buf.noise[:b], buf.cfg[:b], buf.positions[:b]
-    meta = AttentionMetadata(False, buf.slot_mapping[:b], buf.block_tables[:b], buf.row_index[:b],
-                             buf.context_lens[:b])
+    noise, cfg, pos = inputs.noise, inputs.cfg, inputs.positions
+    meta = AttentionMetadata(False, inputs.slot_mapping, inputs.block_tables, buf.row_index[:b],
+                             inputs.context_lens)
     patch = bb.sample_patch(lm_h, res_h, prev, noise, cfg, r.inference_timesteps)
     embed = bb.encode_patches(patch)
     rope = bb.rope_tables["lm"][pos]
