@@ -292,8 +292,10 @@ if len(LAUNCH) != 4 or min(LAUNCH) < 1:
     raise ValueError(f"VOXCPM_LAYER_LAUNCH={LAUNCH}: four positive integers (K tile, stages, warps, programs per SM)")
 # Bytes of each projection's weights prefetched into L2 ahead of it in a fused launch (VOXCPM_LAYER_PREFETCH_MB, 0:
 # none): about what HBM delivers in the idle phase before it; more only evicts what is still to be used. DiT B=1 on an
-# H100 (tools/bench_kernels.py --only layer): 0 MB 33.5 us per layer, 2 MB 31.75, 4 MB 32.1, 8 MB 32.4, 16 MB 33.9.
-PREFETCH_BYTES = int(float(os.environ.get("VOXCPM_LAYER_PREFETCH_MB", "2")) * 2**20)
+# H100 (tools/bench_kernels.py --only layer), one launch per layer: 0 MB 33.5 us per layer, 2 MB 31.75, 4 MB 32.1,
+# 8 MB 32.4, 16 MB 33.9; one launch per stack (session 17, two rounds): 2 MB 28.9, 3 MB 28.8, 4 MB 28.5, 5 MB 28.6,
+# 6 MB 28.5-28.8 (LocEnc 27.5-27.7 throughout); B=1 step 5.41 -> 5.37 ms with 4 MB in two A/B pairs.
+PREFETCH_BYTES = int(float(os.environ.get("VOXCPM_LAYER_PREFETCH_MB", "4")) * 2**20)
 # The fused launch as a cooperative launch (VOXCPM_LAYER_COOPERATIVE=0: a plain one, the barrier's trap the only guard).
 COOPERATIVE = os.environ.get("VOXCPM_LAYER_COOPERATIVE", "1") != "0"
 _resident: dict[tuple, int] = {}
