@@ -274,7 +274,7 @@ if HAVE_TRITON:
 # Rows (sequences x tokens) up to which a stack runs as layer kernels (VOXCPM_LAYER_MAX_ROWS): the DiT at B=1 (22 rows),
 # the LocEnc up to B=12.
 MAX_ROWS = min(64, int(os.environ.get("VOXCPM_LAYER_MAX_ROWS", "64")))  # more: tiles past the SM's resources
-# VOXCPM_LAYER_KERNEL: "fused" (default) one launch per layer with grid barriers; "phases" a launch per phase (same
+# VOXCPM_LAYER_KERNEL: "fused" (default) one launch per stack with grid barriers; "phases" a launch per phase (same
 # arithmetic, for comparison); "off" the layer's separate kernels.
 MODE = os.environ.get("VOXCPM_LAYER_KERNEL", "fused")
 if MODE not in ("fused", "phases", "off"):

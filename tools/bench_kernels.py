@@ -173,7 +173,7 @@ def sweep_us(run: Callable[[], object], layers: int, setting: str, values: dict[
 
 def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: torch.dtype) -> list[dict]:
     """The DiT's and LocEnc's whole stacks (every layer its own random weights, read from HBM) at a decode step's
-    rows: the layers' separate kernels against the layer kernel (`engine.triton_layer`) as one launch per layer
+    rows: the layers' separate kernels against the layer kernel (`engine.triton_layer`) as one launch per stack
     (grid barriers) and as one launch per phase; the outputs' relative error against the separate kernels'."""
     out = []
     for name, tcfg, seq_len, per_request in (("DiT", cfg.dit, dit_rows(cfg) // 2, 2),

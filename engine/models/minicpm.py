@@ -238,7 +238,7 @@ class MiniCPM(nn.Module):
         if not len(self.layers):
             return self.norm(x)
         if attend is dense_attention and fused.kernels(x) and triton_layer.supported(self, x):
-            return triton_layer.dense_stack(self, x, rope)  # a few rows of a local module: a kernel per layer
+            return triton_layer.dense_stack(self, x, rope)  # a few rows of a local module: one kernel launch
         normed = self.layers[0].input_layernorm(x)
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
