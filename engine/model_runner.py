@@ -738,14 +738,14 @@ class ModelRunner:
     def collect_decode(self, step: LaunchedDecode) -> list[PatchResult]:
         """Wait for a launched step and turn its outputs into results, advancing each sequence; sequences
         finished (or aborted) since the launch are skipped: their extra patch is dropped."""
-        results, audio_buf = step.outputs
+        patch_stop, audio_buf = step.outputs
         if step.done is not None:  # pinned buffers, reused by the step after next: copy out
             step.done.synchronize()
             audio_buf = audio_buf.clone()
         # A copy (the pinned buffer is reused): the patches outlive this step in their sequences.
-        patches = results[:, :-1].clone(memory_format=torch.contiguous_format).view(
-            len(results), self.cfg.patch_size, self.cfg.feat_dim).unbind(0)
-        stops = (results[:, -1] > 0.5).tolist()
+        patches = patch_stop[:, :-1].clone(memory_format=torch.contiguous_format).view(
+            len(patch_stop), self.cfg.patch_size, self.cfg.feat_dim).unbind(0)
+        stops = (patch_stop[:, -1] > 0.5).tolist()
         audio = audio_buf.numpy()
         results = []
         for i, seq in enumerate(step.seqs):
