@@ -30,6 +30,7 @@ compile once per dtype and block size and follow the eager op order and rounding
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import TYPE_CHECKING
@@ -592,6 +593,7 @@ GEMV_SLICE = 2048  # the most K elements per GEMV program: 8 weight rows of them
 GEMV_BLOCK_N = 8  # output columns per program (4 with the SiLU gate, whose up rows double the slice)
 
 
+@functools.lru_cache(maxsize=64)
 def gemv_slices(k_dim: int) -> int:
     """Into how many slices `gemv` cuts K: the fewest of a power-of-two length <= GEMV_SLICE (0: none fits)."""
     return next((s for s in range(1, 17) if k_dim % s == 0 and k_dim // s <= GEMV_SLICE

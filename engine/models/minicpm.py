@@ -179,49 +179,42 @@ class MiniCPM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.uses_rope = not cfg.no_rope
 
+    def _layer_weights(self) -> dict[str, list[torch.Tensor]] | None:
+        """Each kind of layer weight, layer by layer ("input_norm" with the final norm last); None before
+        `fuse_projections` (or without layers)."""
+        attns, mlps = [layer.self_attn for layer in self.layers], [layer.mlp for layer in self.layers]
+        if not attns or any(a.qkv_weight is None for a in attns) or any(m.gate_up_weight is None for m in mlps):
+            return None
+        return {"qkv": [a.qkv_weight for a in attns], "o": [a.o_proj.weight for a in attns],
+                "gate_up": [m.gate_up_weight for m in mlps], "down": [m.down_proj.weight for m in mlps],
+                "post_norm": [layer.post_attention_layernorm.weight for layer in self.layers],
+                "input_norm": [layer.input_layernorm.weight for layer in self.layers] + [self.norm.weight]}
+
     def stack_layer_weights(self) -> None:
         """Each kind of layer weight (fused q/k/v, o, fused gate/up, down, the post-attention norms, and the input
         norms followed by the final norm) as one contiguous (layers, ...) tensor whose rows the layers' weights are
         views of: the layer kernel (`engine.triton_layer`) then runs the whole stack in one launch, addressing a
         layer's weights at a fixed stride. No extra memory; the named parameters stay valid. After
         `fuse_projections`; idempotent."""
-        layers = list(self.layers)
-        if not layers or self.layer_weight_stacks() is not None:
+        weights = self._layer_weights()
+        if weights is None or self.layer_weight_stacks() is not None:
             return
-        attns, mlps = [layer.self_attn for layer in layers], [layer.mlp for layer in layers]
-        if any(a.qkv_weight is None for a in attns) or any(m.gate_up_weight is None for m in mlps):
-            return
-
-        def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
-            return torch.stack([t.detach() for t in tensors])
-
-        qkv, gate_up = stacked([a.qkv_weight for a in attns]), stacked([m.gate_up_weight for m in mlps])
-        for i, (a, m) in enumerate(zip(attns, mlps, strict=True)):
-            a.qkv_weight, m.gate_up_weight = qkv[i], gate_up[i]
-            _alias_rows(qkv[i], a.q_proj, a.k_proj, a.v_proj)
-            _alias_rows(gate_up[i], m.gate_proj, m.up_proj)
-        norms = [layer.input_layernorm.weight for layer in layers] + [self.norm.weight]
-        for params in ([a.o_proj.weight for a in attns], [m.down_proj.weight for m in mlps],
-                       [layer.post_attention_layernorm.weight for layer in layers], norms):
-            stack = stacked(params)
-            for i, param in enumerate(params):
-                param.data = stack[i]
+        for tensors in weights.values():
+            for tensor, row in zip(tensors, torch.stack([t.detach() for t in tensors]), strict=True):
+                tensor.data = row  # the same tensor (parameter or fused weight), now a row of the stack
+        for layer in self.layers:  # q/k/v and gate/up stay row views of their fused weight, which moved
+            a, m = layer.self_attn, layer.mlp
+            _alias_rows(a.qkv_weight, a.q_proj, a.k_proj, a.v_proj)
+            _alias_rows(m.gate_up_weight, m.gate_proj, m.up_proj)
 
     def layer_weight_stacks(self) -> dict[str, torch.Tensor] | None:
         """The stacks `stack_layer_weights` made, as (layers, ...) views ("input_norm" has one row more: the final
         norm), or None where the layers' weights are not (or no longer) rows of one tensor each at a fixed stride."""
-        layers = list(self.layers)
-        if not layers:
+        weights = self._layer_weights()
+        if weights is None:
             return None
-        attns, mlps = [layer.self_attn for layer in layers], [layer.mlp for layer in layers]
-        if any(a.qkv_weight is None for a in attns) or any(m.gate_up_weight is None for m in mlps):
-            return None
-        kinds = {"qkv": [a.qkv_weight for a in attns], "o": [a.o_proj.weight for a in attns],
-                 "gate_up": [m.gate_up_weight for m in mlps], "down": [m.down_proj.weight for m in mlps],
-                 "post_norm": [layer.post_attention_layernorm.weight for layer in layers],
-                 "input_norm": [layer.input_layernorm.weight for layer in layers] + [self.norm.weight]}
         out = {}
-        for kind, tensors in kinds.items():
+        for kind, tensors in weights.items():
             first = tensors[0]
             step, storage = first.numel() * first.element_size(), first.untyped_storage().data_ptr()
             if not first.is_contiguous() or any(t.shape != first.shape or t.dtype != first.dtype

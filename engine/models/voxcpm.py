@@ -3,15 +3,15 @@ encoder (LocEnc), local DiT with a CFM Euler sampler, and the stop head.
 
 A family subclass (voxcpm1.py, voxcpm2.py) only says how the residual LM input and the DiT condition
 are formed. Everything here works on batches: `prefill` takes the flattened tokens of several
-sequences, `decode_step` advances B sequences by one patch; attention goes through the `attend`
-functions of the paged KV cache, so the module holds no per-request state.
+sequences; a decode step of B sequences is `sample_patch`, `stop_flags`, `encode_patches` and `advance_lms`, which the
+runner composes (and places on two CUDA streams); attention goes through the `attend` functions of the paged KV
+cache, so the module holds no per-request state.
 Module and parameter names equal the official checkpoint's keys.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -216,14 +216,6 @@ class FlowSampler(nn.Module):
         return x
 
 
-@dataclass
-class StepOutput:
-    patch: torch.Tensor  # (B, P, D) the new latent patch
-    stop: torch.Tensor  # (B,) bool, from the hidden state before this step's update
-    lm_hidden: torch.Tensor  # (B, H) for the next step
-    residual_hidden: torch.Tensor  # (B, H)
-
-
 class VoxCPMBackbone(nn.Module):
     condition_tokens = 1  # DiT condition tokens; VoxCPM2 uses 2
 
@@ -301,29 +293,14 @@ class VoxCPMBackbone(nn.Module):
         residual_out = self.residual_lm(self.residual_input(lm_out, audio_embed), rope, residual_attend)
         return lm_out[last_rows], residual_out[last_rows]
 
-    def decode_step(self, lm_hidden: torch.Tensor, residual_hidden: torch.Tensor, prev_patch: torch.Tensor,
-                    noise: torch.Tensor, cfg_value: torch.Tensor, positions: torch.Tensor, n_timesteps: int,
-                    base_attend: AttendFn, residual_attend: AttendFn) -> StepOutput:
-        """Advance B sequences by one patch: sample it, decide stop, feed it back through both LMs."""
-        patch = self.sample_patch(lm_hidden, residual_hidden, prev_patch, noise, cfg_value, n_timesteps)
-        return self.feed_back(patch, lm_hidden, positions, base_attend, residual_attend)
-
-    def feed_back(self, patch: torch.Tensor, lm_hidden: torch.Tensor, positions: torch.Tensor, base_attend: AttendFn,
-                  residual_attend: AttendFn) -> StepOutput:
-        """The rest of `decode_step` once the patch is sampled: the stop decision from the old hidden state, the
-        patch through LocEnc and both LMs. (The runner calls the pieces itself, to run the stop head and the VAE
-        beside the LMs.)"""
-        stop = self.stop_flags(lm_hidden)
-        lm_next, residual_next = self.advance_lms(self.encode_patches(patch), positions, base_attend, residual_attend)
-        return StepOutput(patch=patch, stop=stop, lm_hidden=lm_next, residual_hidden=residual_next)
-
     def stop_flags(self, lm_hidden: torch.Tensor) -> torch.Tensor:
         """(B,) bool: whether the stop head fires on the hidden state the patch was sampled from."""
         return self.stop_logits(lm_hidden).argmax(-1) == 1
 
     def advance_lms(self, embed: torch.Tensor, positions: torch.Tensor, base_attend: AttendFn,
                     residual_attend: AttendFn) -> tuple[torch.Tensor, torch.Tensor]:
-        """The encoded patch (B, H) through both LMs at `positions`: their next hidden states."""
+        """The new patches' LM embeddings (B, H, from `encode_patches`) through both LMs at `positions`: their next
+        hidden states."""
         rope = self.rope_tables["lm"][positions]
         lm_next = self.fsq_layer(self.base_lm(embed, rope, base_attend))
         return lm_next, self.residual_lm(self.residual_input(lm_next, embed), rope, residual_attend)
