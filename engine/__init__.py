@@ -15,13 +15,14 @@ _EXPORTS = {
     "EngineError": "engine.errors", "PoolError": "engine.errors", "PoolStoppedError": "engine.errors",
     "PromptNotFoundError": "engine.errors", "RequestError": "engine.errors", "WorkerDiedError": "engine.errors",
     "EngineConfig": "engine.llm_engine", "LLMEngine": "engine.llm_engine", "StepEvent": "engine.llm_engine",
-    "SamplingParams": "engine.sequence",
-    "AsyncVoxCPMServerPool": "engine.server_pool", "SyncVoxCPMServerPool": "engine.server_pool",
-    "VoxCPM": "engine.server_pool",
+    "SamplingParams": "engine.serving.protocol", "SynthesisRequest": "engine.serving.protocol",
+    "GenerationStream": "engine.serving.client",
+    "AsyncVoxCPMServerPool": "engine.serving.pool", "SyncVoxCPMServerPool": "engine.serving.pool",
+    "VoxCPM": "engine.serving.pool",
 }
-__all__ = ["AsyncVoxCPMServerPool", "CheckpointError", "EngineConfig", "EngineError", "LLMEngine", "LoadedModel",
-           "PoolError", "PoolStoppedError", "PromptNotFoundError", "RequestError", "SamplingParams", "StepEvent",
-           "SyncVoxCPMServerPool", "VoxCPM", "WorkerDiedError", "load_model"]
+__all__ = ["AsyncVoxCPMServerPool", "CheckpointError", "EngineConfig", "EngineError", "GenerationStream", "LLMEngine",
+           "LoadedModel", "PoolError", "PoolStoppedError", "PromptNotFoundError", "RequestError", "SamplingParams",
+           "StepEvent", "SyncVoxCPMServerPool", "SynthesisRequest", "VoxCPM", "WorkerDiedError", "load_model"]
 
 if TYPE_CHECKING:
     from engine.checkpoint import CheckpointError, LoadedModel, load_model
@@ -34,8 +35,9 @@ if TYPE_CHECKING:
         WorkerDiedError,
     )
     from engine.llm_engine import EngineConfig, LLMEngine, StepEvent
-    from engine.sequence import SamplingParams
-    from engine.server_pool import AsyncVoxCPMServerPool, SyncVoxCPMServerPool, VoxCPM
+    from engine.serving.client import GenerationStream
+    from engine.serving.pool import AsyncVoxCPMServerPool, SyncVoxCPMServerPool, VoxCPM
+    from engine.serving.protocol import SamplingParams, SynthesisRequest
 
 
 def __getattr__(name: str) -> Any:

@@ -1,19 +1,23 @@
-"""Audio in: decode uploaded audio, resample to the VAE's rate and turn a clip into latents.
+"""Audio in and out: decode uploaded audio, resample, turn a clip into latents, float samples to 16-bit PCM.
 
 Resampling uses soxr at "HQ" quality, which is what librosa.load (the official VoxCPM2 loader)
 uses by default, so a clip at any rate encodes to the same latents as in the official package.
+Torch is imported only by `encode_latents`: the service's API processes use the rest without it.
 """
 
 from __future__ import annotations
 
 import io
+from typing import TYPE_CHECKING
 
 import numpy as np
 import soundfile as sf
 import soxr
-import torch
 
-from engine.models.audio_vae import AudioVAE
+if TYPE_CHECKING:
+    import torch
+
+    from engine.models.audio_vae import AudioVAE
 
 
 class AudioError(ValueError):
@@ -38,7 +42,11 @@ def resample(samples: np.ndarray, sr: int, target_sr: int) -> np.ndarray:
     return soxr.resample(samples, sr, target_sr, quality="HQ").astype(np.float32)
 
 
-@torch.inference_mode()
+def pcm16(samples: np.ndarray) -> bytes:
+    """float32 in [-1, 1] -> little-endian signed 16-bit PCM."""
+    return np.round(np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+
+
 def encode_latents(vae: AudioVAE, samples: np.ndarray, sr: int, patch_size: int,
                    padding: str = "left") -> torch.Tensor:
     """A clip -> (frames, latent_dim) float32 latents, frames a multiple of patch_size.
@@ -46,6 +54,8 @@ def encode_latents(vae: AudioVAE, samples: np.ndarray, sr: int, patch_size: int,
     The clip is zero-padded to whole patches before encoding: on the left for a continuation prompt
     (so no silence sits between the prompt and the generated speech), on the right for a reference.
     """
+    import torch
+
     if padding not in ("left", "right"):
         raise ValueError("padding must be left or right")
     audio = torch.from_numpy(resample(samples, sr, vae.sample_rate)).unsqueeze(0)
@@ -55,4 +65,5 @@ def encode_latents(vae: AudioVAE, samples: np.ndarray, sr: int, patch_size: int,
     pad = -audio.shape[1] % patch_len
     audio = torch.nn.functional.pad(audio, (pad, 0) if padding == "left" else (0, pad))
     device = next(vae.parameters()).device
-    return vae.encode(audio.to(device), vae.sample_rate)[0].T.float().cpu().contiguous()
+    with torch.inference_mode():
+        return vae.encode(audio.to(device), vae.sample_rate)[0].T.float().cpu().contiguous()

@@ -42,6 +42,9 @@ class EngineConfig:
     # (H100, B=64: engine.step() 36.1 -> 24.2 ms), off on CPU where a step is synchronous anyway;
     # VOXCPM_PIPELINE_DECODE=0/1 overrides.
     pipeline_decode: bool | None = None
+    # Window gathering requests that arrive together into one scheduling round (one batched prefill): new
+    # requests wait up to this long for others before they are admitted. 0 = admit at once.
+    coalesce_ms: float = 0.0
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "inference_timesteps"):
@@ -57,6 +60,8 @@ class EngineConfig:
                              f"({self.max_model_len})")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
+        if not 0.0 <= self.coalesce_ms <= 1000.0:
+            raise ValueError("coalesce_ms must be in [0, 1000]")
 
 
 @dataclass
@@ -100,7 +105,8 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks)
         kv_s = time.perf_counter() - t0 - load_s - wait_s
         self.blocks = BlockManager(num_blocks, cfg.block_size)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
+                                   cfg.coalesce_ms / 1000.0)
         graph_s = self.runner.capture_graphs()
         self.sequences: dict[int, Sequence] = {}
         pipeline = cfg.pipeline_decode
@@ -148,6 +154,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def has_work(self) -> bool:
+        """Whether step() would do something now: a step in flight, running sequences, or admissions (a request
+        still inside its coalescing window is not work yet)."""
+        return self.in_flight is not None or bool(self.scheduler.running) or self.scheduler.can_admit
+
+    def idle_wait(self) -> float | None:
+        """With no work now: seconds until there is some (a coalescing window closes), None = only a new request."""
+        return self.scheduler.window_left() if self.scheduler.waiting else None
+
     def step(self) -> list[StepEvent]:
         """One engine step; the events of the patches it read. Pipelined, a step launches the next decode
         of the same running sequences first and then reads the one in flight (launched by the step before)."""
@@ -174,7 +189,7 @@ class LLMEngine:
         schedule would not change: nobody new to admit, no preemption needed. Sequences that reach their
         length limit with the in-flight patch are left out; one that stops on it runs one patch more."""
         sched = self.scheduler
-        if sched.waiting and len(sched.running) < sched.max_num_seqs:
+        if sched.can_admit:
             return None  # let the scheduler admit them
         seqs = [s for s in in_flight.seqs if s.status == Status.RUNNING and s.num_generated + 1 < s.max_patches]
         if not seqs or sum(self.blocks.needs_new_block(s, ahead=1) for s in seqs) > self.blocks.num_free:

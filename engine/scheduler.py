@@ -4,10 +4,15 @@ Every step advances all running sequences by one patch (so running streams keep 
 before that, prefills as many waiting sequences as the token budget and free KV blocks allow. When
 blocks run out mid-stream the most recently started sequence is preempted (its KV is dropped and
 recomputed later). A request that can never fit fails instead of waiting forever.
+
+With a coalescing window, a new request at the head of the queue opens it: admissions wait until it has
+waited that long (or the queue could fill every free seat), so requests arriving together are admitted in
+one round, one batched prefill, instead of trickling into successive steps.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -29,11 +34,12 @@ class Schedule:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, coalesce_s: float = 0.0) -> None:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.coalesce_s = coalesce_s
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -44,6 +50,20 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def window_left(self, now: float | None = None) -> float:
+        """Seconds until the coalescing window of the request at the head of the queue closes (0: admit now)."""
+        if not self.coalesce_s or not self.waiting:
+            return 0.0
+        head = self.waiting[0]
+        if head.num_generated or len(self.waiting) >= self.max_num_seqs - len(self.running):
+            return 0.0  # a preempted stream resumes at once; a queue that fills every seat need not wait
+        return max(0.0, head.arrival + self.coalesce_s - (time.monotonic() if now is None else now))
+
+    @property
+    def can_admit(self) -> bool:
+        """Whether the next schedule() would look at the waiting queue."""
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs and not self.window_left()
 
     def never_fits(self, seq: Sequence) -> str | None:
         longest = seq.num_prompt_tokens + seq.max_patches
@@ -64,7 +84,7 @@ class Scheduler:
             out.preempted.append(self.running[-1])
             self._preempt(self.running[-1])
         budget = self.max_num_batched_tokens
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.can_admit:
             seq = self.waiting[0]
             reason = self.never_fits(seq)
             if reason is not None:

@@ -5,40 +5,19 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.prompt import Prompt
+from engine.serving.protocol import SamplingParams
 
 
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class SamplingParams:
-    """Per-request generation parameters (names as in nano-vllm-voxcpm)."""
-
-    max_generate_length: int = 2000
-    temperature: float = 1.0  # multiplies the CFM start noise; 0 = deterministic
-    cfg_value: float = 2.0
-    min_len: int = 2  # the stop head is honoured only after this many patches
-    seed: int | None = None
-
-    def validate(self) -> None:
-        if self.max_generate_length < 1:
-            raise ValueError("max_generate_length must be >= 1")
-        if not 0.0 <= self.temperature <= 10.0:
-            raise ValueError("temperature must be in [0, 10]")
-        if not 0.0 <= self.cfg_value <= 20.0:
-            raise ValueError("cfg_value must be in [0, 20]")
-        if self.min_len < 0:
-            raise ValueError("min_len must be >= 0")
-        if self.seed is not None and not 0 <= self.seed < 2**64:
-            raise ValueError("seed must be in [0, 2**64)")
 
 
 _ids = itertools.count()
@@ -50,6 +29,7 @@ class Sequence:
     params: SamplingParams
     max_patches: int
     seq_id: int = field(default_factory=lambda: next(_ids))
+    arrival: float = field(default_factory=time.monotonic)  # opens the scheduler's coalescing window
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

@@ -281,15 +281,24 @@ def test_failed_step_fails_running_requests_and_a_lost_device_ends_the_worker(ch
     runs work (a sticky CUDA error, e.g. a layer kernel's trap): then it ends, so the pool restarts it."""
     import multiprocessing
 
-    from engine.worker import DeviceLostError, Worker
+    from engine.serving import protocol as msgs
+    from engine.serving.worker import DeviceLostError, Worker
 
     engine = LLMEngine(str(checkpoint), EngineConfig(max_num_seqs=2, max_model_len=128))
-    parent, child = multiprocessing.Pipe()
-    worker = Worker(engine, child)
+    client, worker_end = multiprocessing.Pipe()
+    worker = Worker(engine)
+    worker.acceptor.attach(worker_end)
+    worker._take_new_links()
+    link = next(iter(worker.links.values()))
     try:
-        worker.handle(("generate", "r1", {"target_text": "Hello there.", "max_generate_length": 4}))
+        assert client.poll(10) and isinstance(client.recv(), msgs.Ready)
+        request = msgs.SynthesisRequest("Hello there.", params=SamplingParams(max_generate_length=4))
+        worker.handle(link, msgs.Generate("r1", request))
         worker.step()  # a real step: the request holds KV blocks and a slot now
-        assert parent.poll(10) and parent.recv()[1][0][:1] == ("r1",)  # its first audio
+        assert client.poll(10)
+        first = client.recv()
+        assert isinstance(first, msgs.StepEvents) and first.events[0].request_id == "r1"  # its first audio
+        assert first.events[0].audio is not None and not first.events[0].finished
         assert engine.blocks.num_free < len(engine.blocks.blocks)
         monkeypatch.setattr(engine, "step", lambda: (_ for _ in ()).throw(RuntimeError("CUDA error: test")))
         monkeypatch.setattr(worker, "_device_usable", lambda: not device_lost)
@@ -298,11 +307,13 @@ def test_failed_step_fails_running_requests_and_a_lost_device_ends_the_worker(ch
                 worker.step()
         else:
             worker.step()
-        assert parent.poll(10)
-        kind, events, _ = parent.recv()
-        assert kind == "events" and events[0][0] == "r1" and events[0][2] is True and events[0][3] == "engine"
-        assert "CUDA error: test" in events[0][4]
+        assert client.poll(10)
+        failed = client.recv()
+        assert isinstance(failed, msgs.StepEvents)
+        ev = failed.events[0]
+        assert ev.request_id == "r1" and ev.finished and ev.finish_reason == "error" and ev.error.kind == "engine"
+        assert "CUDA error: test" in ev.error.message
         assert engine.blocks.num_free == len(engine.blocks.blocks)  # the failed request's blocks are back
-        assert not worker.rid_of and not engine.has_unfinished()
+        assert not worker.owner and not link.requests and not engine.has_unfinished()
     finally:
         worker.close()

@@ -1,0 +1,452 @@
+"""EngineClient: one process's connections to the engine workers.
+
+A library pool has one client; the service has one in each API process. A client routes each request to the
+least-loaded ready worker and turns the worker's per-step messages into one async stream per request. A
+request may carry a *transform* (the service's audio encoder): it runs on one of the client's encoder lanes,
+threads that each take a fixed share of the streams (so a stream's chunks stay in order) and receive each
+step's chunks as one batch, so encoding spreads over cores instead of serialising on the event loop.
+
+Threads per worker connection: a reader (unpickles messages; hands audio to the loop or the lanes) and a
+sender. A connection that breaks fails its requests at once (WorkerDiedError, or PoolStoppedError after the
+worker said Goodbye) and is re-established in the background: a restarted worker listens on the same address,
+and the client's registered prompts are sent to it again. Torch-free: API processes import it without torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection
+from typing import Any
+
+import numpy as np
+
+from engine.errors import PoolError, PoolStoppedError, RequestError, WorkerDiedError, error_from
+from engine.serving import protocol as p
+
+log = logging.getLogger(__name__)
+
+# A stream's transform: (chunk, is_last) -> what the stream yields for it (None: nothing for this chunk).
+Transform = Callable[[np.ndarray, bool], Any]
+RECONNECT_S = (0.05, 0.5)  # first and longest pause between connection attempts
+_END = object()
+
+
+@dataclass
+class _Item:
+    """What a stream's queue holds: a yielded value (or None), the samples behind it, and how it ends."""
+
+    value: Any
+    samples: int = 0
+    finished: bool = False
+    finish_reason: p.FinishReason | None = None
+    error: BaseException | None = None
+
+
+class GenerationStream:
+    """One request's output as an async iterator: float32 chunks, or what its transform makes of them.
+    `finish_reason` ("stop", "length", "aborted", "error") is set once it ends; closing it early (aclose, break,
+    garbage collection) aborts the request, which frees its KV blocks and slot in the engine at once."""
+
+    def __init__(self, client: EngineClient, request: p.SynthesisRequest, transform: Transform | None) -> None:
+        self.client, self.request, self.transform = client, request, transform
+        self.request_id = f"g{next(client.ids)}"
+        self.finish_reason: p.FinishReason | None = None
+        self.samples = 0  # samples generated so far
+        self.lane = 0
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._link: _WorkerLink | None = None
+        self._ended = False  # the last item was taken, or the stream was closed
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._link is None and not self._ended:
+            await self._start()
+        while not self._ended:
+            item = await self._queue.get()
+            self.samples += item.samples
+            if item.error is not None:
+                self._end("error")
+                raise item.error
+            if item.finished:
+                self._end(item.finish_reason or "stop")
+            if item.value is not None:
+                return item.value
+        raise StopAsyncIteration
+
+    async def _start(self) -> None:
+        try:
+            self.request.params.validate()
+        except ValueError as e:
+            self._end("error")
+            raise RequestError(str(e)) from e
+        try:
+            link = await self.client.pick()
+        except BaseException:
+            self._end("error")
+            raise
+        self._link = link
+        self.lane = next(self.client.lane_turns) if self.transform is not None else 0
+        link.streams[self.request_id] = self
+        try:
+            link.send(p.Generate(self.request_id, self.request))
+        except BaseException:
+            self._end("error")
+            raise
+
+    def _end(self, reason: p.FinishReason) -> None:
+        self._ended = True
+        if self.finish_reason is None:
+            self.finish_reason = reason
+        if self._link is not None:
+            self._link.streams.pop(self.request_id, None)
+
+    def put(self, item: _Item) -> None:
+        """From the event loop: the next item (dropped once the stream is closed)."""
+        if not self._ended:
+            self._queue.put_nowait(item)
+
+    def convert(self, ev: p.AudioEvent) -> _Item:
+        """An event -> the queue item (on a lane thread when there is a transform)."""
+        if ev.error is not None:
+            return _Item(None, finished=True, finish_reason="error", error=error_from(ev.error.kind, ev.error.message))
+        audio = ev.audio
+        if audio is None:
+            if self.transform is None or not ev.finished:
+                return _Item(None, finished=ev.finished, finish_reason=ev.finish_reason)
+            audio = np.zeros(0, np.float32)  # an end without a chunk: the transform still flushes
+        value: Any = audio
+        if self.transform is not None:
+            try:
+                value = self.transform(audio, ev.finished)
+            except Exception as e:  # an encoder bug fails this stream only
+                log.exception("transform of %s failed", self.request_id)
+                return _Item(None, finished=True, finish_reason="error",
+                             error=PoolError(f"encoding the audio failed: {type(e).__name__}: {e}"))
+        return _Item(value, len(audio), ev.finished, ev.finish_reason)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Abort the request if it is still running (idempotent; safe from any thread)."""
+        if self._ended:
+            return
+        self._end("aborted")
+        link = self._link
+        if link is not None and link.connected:
+            with contextlib.suppress(PoolError):
+                link.send(p.Abort(self.request_id))
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class _WorkerLink:
+    """This client's connection to one worker."""
+
+    def __init__(self, client: EngineClient, index: int, address: str) -> None:
+        self.client, self.index, self.address = client, index, address
+        self.conn: Connection | None = None
+        self.connected = False  # the connection is up (not necessarily ready)
+        self.ready = False  # Ready received on the current connection
+        self.down = False  # a connection broke and has not been re-established yet
+        self.info: dict[str, Any] = {}
+        self.load = p.WorkerLoad()
+        self.streams: dict[str, GenerationStream] = {}
+        self.calls: dict[str, asyncio.Future[Any]] = {}
+        self.ready_event = asyncio.Event()
+        self.stopped_reason: str | None = None  # the worker said Goodbye on this connection
+        self.closed_event = asyncio.Event()  # set when the current connection ends
+        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def send(self, msg: Any) -> None:
+        if not self.connected:
+            raise WorkerDiedError(f"worker {self.index} is not connected")
+        self._outbox.put(msg)
+
+    def attach(self, conn: Connection) -> asyncio.Event:
+        """Start serving a fresh connection (event loop thread); the event is set when it ends."""
+        self.conn, self.connected, self.stopped_reason = conn, True, None
+        self.closed_event = asyncio.Event()
+        self._outbox = queue.SimpleQueue()
+        threading.Thread(target=self._write, args=(conn, self._outbox), name=f"voxcpm-sender-{self.index}",
+                         daemon=True).start()
+        threading.Thread(target=self._read, args=(conn,), name=f"voxcpm-reader-{self.index}", daemon=True).start()
+        return self.closed_event
+
+    def _write(self, conn: Connection, outbox: queue.SimpleQueue[Any]) -> None:
+        while (msg := outbox.get()) is not _END:
+            try:
+                conn.send(msg)
+            except (OSError, ValueError):
+                return  # the reader sees the connection close
+
+    def _read(self, conn: Connection) -> None:
+        loop, client = self.client.loop, self.client
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            try:
+                if isinstance(msg, p.StepEvents):
+                    client.dispatch(self, msg)
+                else:
+                    loop.call_soon_threadsafe(client.on_message, self, msg)
+            except RuntimeError:  # the loop is closed
+                break
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(client.on_closed, self, conn)
+
+    def close_connection(self) -> None:
+        self._outbox.put(_END)
+        if self.conn is not None:
+            with contextlib.suppress(OSError):
+                self.conn.close()
+
+
+class EncoderLanes:
+    """Threads that run streams' transforms, a fixed lane per stream (its chunks stay in order); each lane takes
+    one step's chunks of its streams as one job and hands the results to the loop in one callback."""
+
+    def __init__(self, count: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(count)]
+        for i, q in enumerate(self.queues):
+            threading.Thread(target=self._run, args=(q,), name=f"voxcpm-encoder-{i}", daemon=True).start()
+
+    def submit(self, lane: int, jobs: list[tuple[GenerationStream, p.AudioEvent]]) -> None:
+        self.queues[lane].put(jobs)
+
+    def _run(self, q: queue.SimpleQueue[Any]) -> None:
+        while (jobs := q.get()) is not _END:
+            out = [(stream, stream.convert(ev)) for stream, ev in jobs]
+            try:
+                self.loop.call_soon_threadsafe(_deliver, out)
+            except RuntimeError:  # the loop is closed
+                return
+
+    def stop(self) -> None:
+        for q in self.queues:
+            q.put(_END)
+
+
+def _deliver(items: Iterable[tuple[GenerationStream, _Item]]) -> None:
+    for stream, item in items:
+        stream.put(item)
+
+
+class EngineClient:
+    """Connections from this process to every engine worker (by Unix socket address)."""
+
+    def __init__(self, addresses: list[str], authkey: bytes, lanes: int = 2) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.authkey = authkey
+        self.links = [_WorkerLink(self, i, a) for i, a in enumerate(addresses)]
+        self.lanes = EncoderLanes(max(1, lanes), self.loop)
+        self.lane_turns = itertools.cycle(range(max(1, lanes)))
+        self.ids = itertools.count()
+        self.prompts: dict[str, tuple[np.ndarray, str]] = {}
+        self.closed = False
+        self._tasks = [asyncio.ensure_future(self._keep_connected(link)) for link in self.links]
+
+    # --- connections --------------------------------------------------------------------------------
+    async def _keep_connected(self, link: _WorkerLink) -> None:
+        pause = RECONNECT_S[0]
+        while not self.closed:
+            try:
+                conn = await asyncio.to_thread(Client, link.address, "AF_UNIX", authkey=self.authkey)
+            except (OSError, EOFError) as e:  # not listening (yet, or any more)
+                log.debug("worker %d at %s: %s", link.index, link.address, e)
+                await asyncio.sleep(pause)
+                pause = min(RECONNECT_S[1], 2 * pause)
+                continue
+            except Exception as e:  # authentication failed, ...
+                log.error("worker %d at %s refused us: %s", link.index, link.address, e)
+                await asyncio.sleep(RECONNECT_S[1])
+                continue
+            if self.closed:
+                conn.close()
+                return
+            pause = RECONNECT_S[0]
+            closed = link.attach(conn)
+            for prompt_id, (latents, text) in self.prompts.items():  # a restarted worker learns them again
+                link.send(p.AddPrompt(prompt_id, latents, text))
+            await closed.wait()
+
+    def on_message(self, link: _WorkerLink, msg: Any) -> None:
+        if isinstance(msg, p.Ready):
+            link.info, link.ready, link.down = msg.info, True, False
+            link.ready_event.set()
+        elif isinstance(msg, p.Reply):
+            fut = link.calls.pop(msg.call_id, None)
+            if fut is not None and not fut.done():
+                if msg.error is not None:
+                    fut.set_exception(error_from(msg.error.kind, msg.error.message))
+                else:
+                    fut.set_result(msg.value)
+        elif isinstance(msg, p.Goodbye):
+            link.stopped_reason = msg.reason
+        else:
+            log.error("unexpected message %r from worker %d", type(msg).__name__, link.index)
+
+    def on_closed(self, link: _WorkerLink, conn: Connection) -> None:
+        """A connection ended: fail what waits on it, and let _keep_connected make a new one."""
+        if conn is not link.conn:
+            return
+        link.close_connection()
+        link.conn = None
+        link.connected = link.ready = False
+        link.down = not self.closed
+        link.ready_event = asyncio.Event()
+        if self.closed or link.stopped_reason:
+            err: PoolError = PoolStoppedError(f"worker {link.index} stopped: {link.stopped_reason or 'pool closed'}")
+        else:
+            err = WorkerDiedError(f"worker {link.index} ({link.info.get('device', link.address)}) exited")
+            log.error("lost the connection to worker %d: its requests failed", link.index)
+        for stream in list(link.streams.values()):
+            stream.put(_Item(None, finished=True, finish_reason="error", error=err))
+        link.streams.clear()
+        for fut in link.calls.values():
+            if not fut.done():
+                fut.set_exception(err)
+        link.calls.clear()
+        link.closed_event.set()
+
+    # --- events (the reader thread) -----------------------------------------------------------------
+    def dispatch(self, link: _WorkerLink, msg: p.StepEvents) -> None:
+        """A step's events: plain streams' chunks go to the loop in one callback, transformed ones to their lanes."""
+        plain: list[tuple[GenerationStream, _Item]] = []
+        lanes: dict[int, list[tuple[GenerationStream, p.AudioEvent]]] = {}
+        for ev in msg.events:
+            stream = link.streams.get(ev.request_id)
+            if stream is None:
+                continue  # closed meanwhile
+            if stream.transform is None:
+                plain.append((stream, stream.convert(ev)))
+            else:
+                lanes.setdefault(stream.lane, []).append((stream, ev))
+        self.loop.call_soon_threadsafe(self._on_step, link, msg.load, plain)
+        for lane, jobs in lanes.items():
+            self.lanes.submit(lane, jobs)
+
+    @staticmethod
+    def _on_step(link: _WorkerLink, load: p.WorkerLoad, plain: list[tuple[GenerationStream, _Item]]) -> None:
+        link.load = load
+        _deliver(plain)
+
+    # --- state --------------------------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        """No connection is broken (a worker may still be loading)."""
+        return not self.closed and not any(link.down for link in self.links)
+
+    @property
+    def ready(self) -> bool:
+        return not self.closed and all(link.ready for link in self.links)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The model facts of the first ready worker ({} before any)."""
+        return next((link.info for link in self.links if link.ready), {})
+
+    async def wait_for_ready(self, timeout: float | None = None) -> None:
+        async def all_ready() -> None:
+            while not self.ready:
+                if self.closed:
+                    raise PoolStoppedError("the pool is stopped")
+                await self._some_ready(self.links, 0.5)
+
+        await asyncio.wait_for(all_ready(), timeout)
+
+    @staticmethod
+    async def _some_ready(links: list[_WorkerLink], timeout: float | None) -> None:
+        """Until one of the links not ready turns ready (or the timeout passes)."""
+        waits = [asyncio.ensure_future(link.ready_event.wait()) for link in links if not link.ready]
+        if not waits:
+            return
+        _, pending = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+
+    def snapshot(self) -> list[dict[str, int]]:
+        """Per worker, without a round trip: this client's in-flight requests and the load the worker last
+        reported with its events (running, waiting, free_blocks, total_blocks: every client's requests)."""
+        return [{"in_flight": len(link.streams), "alive": int(link.connected), **vars(link.load)}
+                for link in self.links]
+
+    async def pick(self) -> _WorkerLink:
+        """The ready worker with the least work (this client's in flight + what it reported); waits while the
+        workers are still loading."""
+        while True:
+            if self.closed:
+                raise PoolStoppedError("the pool is stopped")
+            ready = [link for link in self.links if link.ready]
+            if ready:
+                return min(ready, key=lambda lk: len(lk.streams) + lk.load.running + lk.load.waiting)
+            if all(link.down for link in self.links):
+                raise WorkerDiedError("no worker is running; restart the pool")
+            await self._some_ready(self.links, 0.5)
+
+    # --- calls --------------------------------------------------------------------------------------
+    def generate(self, request: p.SynthesisRequest, transform: Transform | None = None) -> GenerationStream:
+        """The request's stream (it is sent to a worker on the first `anext`)."""
+        return GenerationStream(self, request, transform)
+
+    async def call(self, link: _WorkerLink, make: Callable[[str], Any]) -> Any:
+        call_id = f"c{next(self.ids)}"
+        fut: asyncio.Future[Any] = self.loop.create_future()
+        link.calls[call_id] = fut
+        try:
+            link.send(make(call_id))
+            return await fut
+        finally:
+            link.calls.pop(call_id, None)
+
+    async def encode_latents(self, wav: bytes, wav_format: str | None, padding: str) -> np.ndarray:
+        return await self.call(await self.pick(), lambda cid: p.EncodeLatents(cid, wav, wav_format, padding))
+
+    async def stats(self) -> list[dict[str, Any] | None]:
+        """Per worker: running/waiting sequences, free KV blocks, preemptions... (None for one not ready)."""
+        out: list[dict[str, Any] | None] = []
+        for link in self.links:
+            out.append(await self.call(link, p.GetStats) if link.ready else None)
+        return out
+
+    def add_prompt(self, prompt_id: str, latents: np.ndarray, text: str) -> None:
+        self.prompts[prompt_id] = (latents, text)
+        for link in self.links:
+            if link.connected:
+                link.send(p.AddPrompt(prompt_id, latents, text))
+
+    def remove_prompt(self, prompt_id: str) -> bool:
+        if self.prompts.pop(prompt_id, None) is None:
+            return False
+        for link in self.links:
+            if link.connected:
+                link.send(p.RemovePrompt(prompt_id))
+        return True
+
+    async def close(self) -> None:
+        """Drop every connection (their requests fail with PoolStoppedError) and stop the lanes."""
+        if self.closed:
+            return
+        self.closed = True
+        for task in self._tasks:
+            task.cancel()
+        for link in self.links:
+            conn = link.conn
+            link.close_connection()
+            if conn is not None:
+                self.on_closed(link, conn)
+        self.lanes.stop()

@@ -1,0 +1,481 @@
+"""The server pool (the library API): one worker process per device and this process's client of them.
+
+`VoxCPM.from_pretrained(...)` returns an `AsyncVoxCPMServerPool` when called inside a running event loop and a
+`SyncVoxCPMServerPool` (the same pool driven from a private loop thread) otherwise. Requests go to the
+least-loaded worker; a worker that dies fails its callers at once (`WorkerDiedError`), the pool reports itself
+unhealthy and `restart()` brings it back with the prompts registered here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from engine import kernel_cache
+from engine.checkpoint import CheckpointError, resolve_model_path
+from engine.errors import PoolStoppedError, PromptNotFoundError, RequestError
+from engine.llm_engine import EngineConfig
+from engine.serving import protocol as p
+from engine.serving.client import EngineClient, GenerationStream, Transform
+from engine.serving.processes import WorkerProcess, socket_address
+from engine.serving.worker import WorkerOptions
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def worker_log_level() -> int:
+    """VOXCPM_LOG_LEVEL (e.g. DEBUG) for the workers, else the parent's root level."""
+    name = os.environ.get("VOXCPM_LOG_LEVEL", "").upper()
+    level = logging.getLevelName(name) if name else logging.getLogger().level
+    return level if isinstance(level, int) else logging.INFO
+
+
+class WorkerSet:
+    """The worker processes of one engine (a library pool's, or the service supervisor's): spawned on sockets in
+    a private directory, authenticated with a fresh key, restarted on the same addresses."""
+
+    def __init__(self, model_path: str, devices: list[str], config: EngineConfig, *, warmup: bool = False,
+                 on_exit: Any = None) -> None:
+        self.model_path, self.devices, self.config, self.warmup = model_path, devices, config, warmup
+        self.directory = tempfile.mkdtemp(prefix="voxcpm-workers-")  # mode 0700: only this user reaches the sockets
+        self.authkey = os.urandom(32)
+        self._on_exit = on_exit
+        self._precompile_early()
+        self.processes = [self._spawn(i) for i in range(len(devices))]
+
+    @property
+    def addresses(self) -> list[str]:
+        return [socket_address(self.directory, i) for i in range(len(self.devices))]
+
+    def _precompile_early(self) -> None:
+        """Start compiling the kernel manifest here, while the workers spawn and import (~6 s before an engine
+        starts on an H100 machine); a worker's engine waits for it before its first kernel. No device: this
+        process never initialises CUDA (the architecture comes from nvidia-smi)."""
+        if any(d.startswith("cuda") for d in self.devices):
+            kernel_cache.Precompiler(self.model_path, self.config.dtype, None, background=True)
+
+    def _spawn(self, index: int) -> WorkerProcess:
+        options = WorkerOptions(model_path=self.model_path, device=self.devices[index], engine=self.config,
+                                address=socket_address(self.directory, index), authkey=self.authkey,
+                                warmup=self.warmup, log_level=worker_log_level())
+        return WorkerProcess(index, options, self._on_exit)
+
+    def restart_dead(self) -> list[int]:
+        """Replace every worker process that has ended; their indices."""
+        dead = [i for i, w in enumerate(self.processes) if not w.alive]
+        for i in dead:
+            self.processes[i].join(1)
+            self.processes[i] = self._spawn(i)
+        return dead
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every worker (they say Goodbye to their clients first), then remove the socket directory."""
+        for w in self.processes:
+            w.request_stop()
+        for w in self.processes:
+            w.join(timeout)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class AsyncVoxCPMServerPool:
+    def __init__(self, model: str, devices: list[str], config: EngineConfig, *, warmup: bool = False,
+                 encoder_lanes: int = 2) -> None:
+        self.model_path = str(resolve_model_path(model))
+        self.devices = devices
+        self.config = config
+        self._stopped = False
+        self.workers = WorkerSet(self.model_path, devices, config, warmup=warmup)
+        self.client = EngineClient(self.workers.addresses, self.workers.authkey, encoder_lanes)
+
+    # --- state --------------------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        """Every worker is running (ready or still loading) and the pool is not stopped."""
+        return not self._stopped and all(w.alive for w in self.workers.processes) and self.client.healthy
+
+    @property
+    def ready(self) -> bool:
+        return self.healthy and self.client.ready
+
+    def snapshot(self) -> list[dict[str, int]]:
+        """Per worker, without a round trip: in-flight requests (as routed here) and the load the worker last
+        reported with its events (running, waiting, free_blocks, total_blocks)."""
+        return [{**s, "alive": int(s["alive"] and w.alive)}
+                for s, w in zip(self.client.snapshot(), self.workers.processes, strict=True)]
+
+    async def wait_for_ready(self, timeout: float | None = None) -> None:
+        """Until every worker has loaded the model (raises the first start-up failure)."""
+        async def ready() -> None:
+            while not self.client.ready:
+                for w in self.workers.processes:
+                    if w.failed_to_start is not None:
+                        raise w.failed_to_start
+                if self._stopped:
+                    raise PoolStoppedError("the pool is stopped")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await self.client.wait_for_ready(0.2)
+
+        await asyncio.wait_for(ready(), timeout)
+
+    def _check(self) -> None:
+        if self._stopped:
+            raise PoolStoppedError("the pool is stopped")
+        if not self.client.ready:
+            failed = [w.failed_to_start for w in self.workers.processes if w.failed_to_start is not None]
+            if failed and len(failed) == len(self.workers.processes):
+                raise failed[0]
+
+    # --- API ----------------------------------------------------------------------------------
+    async def get_model_info(self) -> dict[str, Any]:
+        self._check()
+        if not self.client.ready:
+            await self.wait_for_ready()
+        return {**self.client.info, "devices": list(self.devices)}
+
+    async def stats(self) -> list[dict[str, Any] | None]:
+        """Per worker: running/waiting sequences, free KV blocks, preemptions... (None for a dead one)."""
+        return await self.client.stats()
+
+    async def encode_latents(self, wav: bytes, wav_format: str = "wav", padding: str = "left") -> bytes:
+        """An audio file's bytes -> float32 latents bytes shaped (frames, feat_dim), frames a multiple of the
+        patch size. padding="left" suits a continuation prompt, "right" a reference clip."""
+        if padding not in ("left", "right"):
+            raise RequestError("padding must be 'left' or 'right'")
+        if not isinstance(wav, bytes | bytearray) or not wav:
+            raise RequestError("wav must be non-empty bytes")
+        self._check()
+        latents = await self.client.encode_latents(bytes(wav), wav_format, padding)
+        return latents.tobytes()
+
+    async def add_prompt(self, wav: bytes | None = None, wav_format: str = "wav", prompt_text: str = "", *,
+                         latents: bytes | np.ndarray | None = None) -> str:
+        """Register a voice prompt (audio or latents + its transcript) on every worker; returns its id,
+        derived from the content, so the same prompt registered twice has one id."""
+        if not prompt_text.strip():
+            raise RequestError("prompt_text must not be empty")
+        if (wav is None) == (latents is None):
+            raise RequestError("give exactly one of wav or latents")
+        if wav is not None:
+            raw = await self.encode_latents(wav, wav_format)
+        else:
+            # Checked here: the prompt is replayed to every (restarted) worker, it must be usable there.
+            feat_dim = int((await self.get_model_info())["feat_dim"])
+            if isinstance(latents, np.ndarray):
+                if latents.ndim != 2 or latents.shape[1] != feat_dim or not latents.shape[0]:
+                    raise RequestError(f"latents must be shaped (frames, {feat_dim}), got {latents.shape}")
+                raw = np.ascontiguousarray(latents, dtype=np.float32).tobytes()
+            elif isinstance(latents, bytes | bytearray | memoryview):
+                raw = bytes(latents)
+                if not raw or len(raw) % (4 * feat_dim):
+                    raise RequestError(f"latents: float32 bytes must be a positive multiple of 4 * feat_dim = "
+                                       f"{4 * feat_dim} bytes, got {len(raw)}")
+            else:
+                raise RequestError(f"latents must be float32 bytes or a numpy array, got {type(latents).__name__}")
+        prompt_id = hashlib.blake2b(raw + prompt_text.encode(), digest_size=12).hexdigest()
+        feat_dim = int(self.client.info.get("feat_dim") or (await self.get_model_info())["feat_dim"])
+        self.client.add_prompt(prompt_id, np.frombuffer(raw, np.float32).reshape(-1, feat_dim), prompt_text)
+        return prompt_id
+
+    async def remove_prompt(self, prompt_id: str) -> None:
+        if not self.client.remove_prompt(prompt_id):
+            raise PromptNotFoundError(f"prompt_id {prompt_id!r} is not registered")
+
+    def list_prompts(self) -> list[str]:
+        return list(self.client.prompts)
+
+    def generate(self, target_text: str, prompt_latents: bytes | np.ndarray | torch.Tensor | None = None,
+                 prompt_text: str = "", prompt_id: str | None = None,
+                 ref_audio_latents: bytes | np.ndarray | torch.Tensor | None = None,
+                 max_generate_length: int = 2000, temperature: float = 1.0, cfg_value: float = 2.0,
+                 min_len: int = 2, seed: int | None = None, transform: Transform | None = None) -> GenerationStream:
+        """Stream float32 audio chunks (one per patch) at `get_model_info()["sample_rate"]` (or, with `transform`,
+        what it makes of each (chunk, is_last), run on an encoder thread). Leaving the loop early (break,
+        cancellation, aclose) aborts the request and frees its KV blocks; `finish_reason` says why it ended."""
+        params = p.SamplingParams(max_generate_length=max_generate_length, temperature=temperature,
+                                  cfg_value=cfg_value, min_len=min_len, seed=seed)
+        return self.submit(p.SynthesisRequest(target_text, prompt_text or "", _plain(prompt_latents), prompt_id,
+                                              _plain(ref_audio_latents), params), transform)
+
+    def submit(self, request: p.SynthesisRequest, transform: Transform | None = None) -> GenerationStream:
+        """`generate` for a request built already."""
+        self._check()
+        return self.client.generate(request, transform)
+
+    async def restart(self, timeout: float | None = None) -> None:
+        """Replace dead workers (the prompts registered here are sent to them again) and wait until ready."""
+        if self._stopped:
+            raise PoolStoppedError("the pool is stopped")
+        self.workers.restart_dead()
+        await self.wait_for_ready(timeout)
+
+    def kill_worker(self, index: int) -> None:
+        """Terminate one worker process abruptly (tests and chaos drills)."""
+        self.workers.processes[index].kill()
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Stop every worker (gracefully, then by force); in-flight requests get PoolStoppedError."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await asyncio.to_thread(self.workers.stop, timeout)
+        await self.client.close()
+
+
+def _plain(value: Any) -> Any:
+    """Latents travel to the worker as numpy (tensors may live on a device)."""
+    return value.detach().float().cpu().numpy() if isinstance(value, torch.Tensor) else value
+
+
+class SyncVoxCPMServerPool:
+    """The async pool behind blocking calls, driven from a private event loop thread."""
+
+    def __init__(self, model: str, devices: list[str], config: EngineConfig, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="voxcpm-pool-loop", daemon=True)
+        self._thread.start()
+        self._lock = threading.Lock()
+        self._closed = False  # the loop is stopping or gone: nothing more may be submitted to it
+
+        async def make() -> AsyncVoxCPMServerPool:
+            return AsyncVoxCPMServerPool(model, devices, config, **kwargs)
+
+        self.pool = self._run(make())
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        with self._lock:
+            if self._closed:  # a coroutine handed to a stopped loop would never finish: its caller would hang
+                coro.close()
+                raise PoolStoppedError("the pool is stopped")
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return self._submit(coro).result(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return self.pool.healthy
+
+    @property
+    def ready(self) -> bool:
+        return self.pool.ready
+
+    def wait_for_ready(self, timeout: float | None = None) -> None:
+        self._run(self.pool.wait_for_ready(timeout))
+
+    def get_model_info(self) -> dict[str, Any]:
+        return self._run(self.pool.get_model_info())
+
+    def stats(self) -> list[dict[str, Any] | None]:
+        return self._run(self.pool.stats())
+
+    def snapshot(self) -> list[dict[str, int]]:
+        return self.pool.snapshot()
+
+    def encode_latents(self, wav: bytes, wav_format: str = "wav", padding: str = "left") -> bytes:
+        return self._run(self.pool.encode_latents(wav, wav_format, padding))
+
+    def add_prompt(self, wav: bytes | None = None, wav_format: str = "wav", prompt_text: str = "", *,
+                   latents: bytes | np.ndarray | None = None) -> str:
+        return self._run(self.pool.add_prompt(wav, wav_format, prompt_text, latents=latents))
+
+    def remove_prompt(self, prompt_id: str) -> None:
+        self._run(self.pool.remove_prompt(prompt_id))
+
+    def generate(self, target_text: str, **kwargs: Any) -> SyncStream:
+        """Blocking iterator of float32 chunks; closing it (break + close(), also from another thread
+        while one waits in next()) aborts the request."""
+        async def make() -> GenerationStream:
+            return self.pool.generate(target_text, **kwargs)
+
+        return SyncStream(self, self._run(make()))
+
+    def kill_worker(self, index: int) -> None:
+        self.pool.kill_worker(index)
+
+    def restart(self, timeout: float | None = None) -> None:
+        self._run(self.pool.restart(timeout))
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+        self._run(self.pool.stop())
+        with self._lock:
+            self._closed = True
+        # Let the calls already submitted (other threads' next() on a generate, now failed with
+        # PoolStoppedError) finish before the loop stops, or their threads would wait forever.
+        asyncio.run_coroutine_threadsafe(_settle(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+
+async def _settle(timeout: float = 5.0) -> None:
+    """Wait for the loop's other tasks, then cancel what is left (their callers get CancelledError)."""
+    tasks = asyncio.all_tasks() - {asyncio.current_task()}
+    if tasks:
+        _, left = await asyncio.wait(tasks, timeout=timeout)
+        for t in left:
+            t.cancel()
+        if left:
+            await asyncio.wait(left, timeout=timeout)
+
+
+class SyncStream:
+    """The sync pool's generate iterator. Unlike a generator, it may be closed from another thread while
+    one is blocked in next(): the pending step is cancelled (the request is aborted) and next() ends."""
+
+    def __init__(self, pool: SyncVoxCPMServerPool, stream: GenerationStream) -> None:
+        self._pool, self._stream = pool, stream
+        self._lock = threading.Lock()
+        self._pending: concurrent.futures.Future[np.ndarray] | None = None
+        self._task: asyncio.Task[Any] | None = None  # the loop-side task of the pending next()
+        self._closed = False
+
+    @property
+    def finish_reason(self) -> p.FinishReason | None:
+        return self._stream.finish_reason
+
+    def __iter__(self) -> SyncStream:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        with self._lock:
+            if self._closed:
+                raise StopIteration
+            if self._pending is not None:
+                raise RuntimeError("this generate iterator is already being advanced by another thread")
+            try:
+                fut = self._pending = self._pool._submit(self._step())
+            except BaseException:
+                self._closed = True
+                raise
+        try:
+            return fut.result()
+        except StopAsyncIteration:
+            self._closed = True
+            raise StopIteration from None
+        except concurrent.futures.CancelledError:
+            if self._closed:  # close() from another thread
+                raise StopIteration from None
+            raise
+        except BaseException:
+            self._closed = True  # the stream has ended with this error
+            raise
+        finally:
+            with self._lock:
+                self._pending = None
+
+    async def _step(self) -> np.ndarray:
+        self._task = asyncio.current_task()
+        return await self._stream.__anext__()
+
+    async def _aclose(self) -> None:
+        # A next() in flight is cancelled and waited for first; then the stream is closed (the request aborted).
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task])
+        self._stream.close()
+
+    def close(self) -> None:
+        """Abort the request (no-op once it has ended)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        with contextlib.suppress(PoolStoppedError):
+            fut = self._pool._submit(self._aclose())
+            if threading.current_thread() is not self._pool._thread:  # never wait on the loop from itself
+                fut.result()
+
+    def __enter__(self) -> SyncStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+            self._stream.close()
+
+
+def device_names(devices: list[int | str] | None) -> list[str]:
+    if devices is None:
+        n = torch.cuda.device_count()
+        return [f"cuda:{i}" for i in range(n)] if n else ["cpu"]
+    if not devices:
+        raise ValueError("devices must not be empty")
+    names = []
+    for d in devices:
+        name = f"cuda:{d}" if isinstance(d, int) else str(d)
+        if name.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {d!r} requested but CUDA is not available")
+        names.append(name)
+    return names
+
+
+class VoxCPM:
+    @staticmethod
+    def from_pretrained(model: str, devices: list[int | str] | None = None, max_num_seqs: int = 16,
+                        max_model_len: int = 4096, max_num_batched_tokens: int = 8192,
+                        gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
+                        inference_timesteps: int = 10, block_size: int = 16,
+                        attention_backend: str | None = None, num_kv_blocks: int | None = None,
+                        dtype: str | torch.dtype | None = None, pipeline_decode: bool | None = None,
+                        coalesce_ms: float = 0.0, warmup: bool = False, encoder_lanes: int = 2,
+                        ) -> AsyncVoxCPMServerPool | SyncVoxCPMServerPool:
+        """Start one worker per device (default: every visible GPU, else the CPU). `model` is a checkpoint
+        directory or a hub repo id. Returns at once; `wait_for_ready()` waits for the model to load.
+        pipeline_decode: see EngineConfig (default: on for CUDA devices); coalesce_ms: the engine's window gathering
+        requests that arrive together; warmup: a few generations in each worker before it reports ready;
+        encoder_lanes: threads that run the generate calls' transforms."""
+        config = engine_config(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                               gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                               attention_backend=attention_backend, inference_timesteps=inference_timesteps,
+                               num_kv_blocks=num_kv_blocks, pipeline_decode=pipeline_decode, dtype=dtype,
+                               coalesce_ms=coalesce_ms)
+        names = device_names(devices)
+        model = checked_model_path(model)
+        kwargs = {"warmup": warmup, "encoder_lanes": encoder_lanes}
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return SyncVoxCPMServerPool(model, names, config, **kwargs)
+        return AsyncVoxCPMServerPool(model, names, config, **kwargs)
+
+
+def engine_config(dtype: str | torch.dtype | None = None, **fields: Any) -> EngineConfig:
+    """An EngineConfig, validated (a bad value is a ValueError naming it)."""
+    from engine.config import parse_dtype
+
+    config = EngineConfig(dtype=parse_dtype(dtype) if isinstance(dtype, str) else dtype, **fields)
+    config.validate()
+    return config
+
+
+def checked_model_path(model: str) -> str:
+    """A checkpoint directory (a hub id downloaded once here, not in every worker) that has a config.json."""
+    path = str(resolve_model_path(model))
+    if not (Path(path) / "config.json").is_file():
+        raise CheckpointError(f"{path} has no config.json: not a VoxCPM checkpoint directory")
+    return path

@@ -1,0 +1,483 @@
+"""The engine worker process: one LLMEngine on one device, serving any number of clients.
+
+Clients (a library pool, or each of the service's API processes) connect to the worker's Unix socket and
+exchange the typed messages of `engine.serving.protocol`; a request's events go back to the client that
+sent it, one `StepEvents` message per client per engine step. The process that spawned the worker keeps a
+control pipe to it (start-up outcome, Stop; the pipe closing means the owner is gone and the worker exits).
+
+The loop never blocks while sequences run; with nothing to do it sleeps in `wait`. Sending happens on one
+thread per client (pickling a step's audio and writing it overlaps the next step's GPU work); a client that
+does not read makes its sender's bounded queue fill up and the engine wait, rather than pile audio up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Listener, wait
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.audio import AudioError, decode_audio, encode_latents
+from engine.errors import PromptNotFoundError, RequestError
+from engine.llm_engine import EngineConfig, LLMEngine, StepEvent
+from engine.prompt import PromptError
+from engine.serving import protocol as p
+
+log = logging.getLogger(__name__)
+
+OUTBOX_MESSAGES = 64  # steps of audio a client may fall behind before the engine waits for it
+LOAD_REFRESH_STEPS = 20  # with no events for a client, still refresh its load snapshot this often
+
+
+@dataclass
+class WorkerOptions:
+    """Everything a worker process is started with."""
+
+    model_path: str
+    device: str
+    engine: EngineConfig
+    address: str  # the Unix socket clients connect to
+    authkey: bytes
+    warmup: bool = True
+    log_level: int = logging.INFO
+    torch_threads: int | None = None  # CPU threads for torch ops; default: 1 on a GPU, torch's choice on the CPU
+
+
+class DeviceLostError(RuntimeError):
+    """The worker's device cannot run work any more (a sticky CUDA error): the worker process ends."""
+
+
+def as_tensor(latents: np.ndarray | bytes | None, feat_dim: int, field_name: str) -> torch.Tensor | None:
+    """Latents as float32 bytes or a (frames, feat_dim) array -> float32 tensor (a RequestError naming the field
+    otherwise)."""
+    if latents is None:
+        return None
+    if isinstance(latents, bytes | bytearray | memoryview):
+        raw = bytes(latents)
+        if not raw or len(raw) % (4 * feat_dim):
+            raise RequestError(f"{field_name}: float32 bytes must be a positive multiple of 4 * feat_dim = "
+                               f"{4 * feat_dim} bytes, got {len(raw)}")
+        latents = np.frombuffer(raw, dtype=np.float32).reshape(-1, feat_dim)
+    if not isinstance(latents, np.ndarray) or latents.ndim != 2 or latents.shape[1] != feat_dim or not len(latents):
+        shape = getattr(latents, "shape", type(latents).__name__)
+        raise RequestError(f"{field_name} must be float32 latents shaped (frames, {feat_dim}), got {shape}")
+    return torch.from_numpy(np.array(latents, dtype=np.float32))  # a copy: the message buffer is not ours
+
+
+class ClientLink:
+    """The worker's side of one client connection: its sender thread, and the requests it owns."""
+
+    def __init__(self, conn: Connection, index: int) -> None:
+        self.conn, self.index = conn, index
+        self.requests: dict[str, int] = {}  # request id -> engine seq id
+        self.pending: list[p.AudioEvent] = []  # this step's events, sent together
+        self.steps_since_sent = 0
+        self.gone = False  # its connection broke (the main loop drops it)
+        self._outbox: queue.Queue[Any] = queue.Queue(maxsize=OUTBOX_MESSAGES)
+        self._sender = threading.Thread(target=self._send_loop, name=f"worker-sender-{index}", daemon=True)
+        self._sender.start()
+
+    def send(self, msg: Any) -> None:
+        self._outbox.put(msg)
+
+    def _send_loop(self) -> None:
+        while (msg := self._outbox.get()) is not None:
+            if self.gone:
+                continue  # keep draining, so that a send() waiting on a full queue returns
+            try:
+                self.conn.send(msg)
+            except (EOFError, OSError):
+                self.gone = True
+            except BaseException:  # e.g. a message that cannot be pickled: its callers would wait forever
+                log.critical("worker sender failed, exiting so callers fail and the worker restarts:\n%s",
+                             traceback.format_exc())
+                os._exit(70)
+
+    def close(self) -> None:
+        """Flush what is queued, stop the sender and close the connection."""
+        self._outbox.put(None)
+        self._sender.join(timeout=10)
+        self.conn.close()
+
+
+class Acceptor:
+    """Accepts client connections on a thread (from before the model loads: a client's authentication handshake
+    does not wait for the load) and hands them to the main loop, which watches `wake_fd`."""
+
+    def __init__(self, listener: Listener | None = None) -> None:
+        self._new: queue.SimpleQueue[Connection] = queue.SimpleQueue()
+        self.wake_fd, self._wake_w = os.pipe()
+        os.set_blocking(self.wake_fd, False)
+        if listener is not None:
+            threading.Thread(target=self._accept_loop, args=(listener,), name="worker-accept", daemon=True).start()
+
+    def _accept_loop(self, listener: Listener) -> None:
+        while True:
+            try:
+                conn = listener.accept()
+            except OSError:  # the listener was closed: the worker is stopping
+                return
+            except Exception as e:  # a peer that failed the authentication handshake, and the like
+                log.warning("refused a connection: %s", e)
+                continue
+            self.attach(conn)
+
+    def attach(self, conn: Connection) -> None:
+        """Hand a client connection to the main loop (from any thread)."""
+        self._new.put(conn)
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def take(self) -> list[Connection]:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.read(self.wake_fd, 4096)
+        out = []
+        while True:
+            try:
+                out.append(self._new.get_nowait())
+            except queue.Empty:
+                return out
+
+
+@dataclass
+class RegisteredPrompt:
+    latents: torch.Tensor
+    text: str
+    owners: set[int] = field(default_factory=set)  # client links that registered it (ids are content hashes)
+
+
+class Worker:
+    def __init__(self, engine: LLMEngine, control: Connection | None = None, info: dict[str, Any] | None = None,
+                 acceptor: Acceptor | None = None) -> None:
+        self.engine = engine
+        self.control = control
+        self.info = info or describe(engine)
+        self.acceptor = acceptor or Acceptor()
+        self.links: dict[int, ClientLink] = {}
+        self.owner: dict[int, tuple[ClientLink, str]] = {}  # engine seq id -> (client, request id)
+        self.prompts: dict[str, RegisteredPrompt] = {}
+        self.steps = 0
+        self.step_seconds = 0.0
+        self._link_ids = 0
+
+    # --- connections ------------------------------------------------------------------------------
+    def _take_new_links(self) -> None:
+        for conn in self.acceptor.take():
+            self._link_ids += 1
+            link = self.links[self._link_ids] = ClientLink(conn, self._link_ids)
+            link.send(p.Ready(self.info))
+
+    def drop(self, link: ClientLink) -> None:
+        """A client went away: its requests are aborted (KV blocks and slots freed now), its prompts released."""
+        self.links.pop(link.index, None)
+        for seq_id in link.requests.values():
+            self.owner.pop(seq_id, None)
+            self.engine.abort(seq_id)
+        link.requests.clear()
+        for pid in [pid for pid, pr in self.prompts.items() if link.index in pr.owners]:
+            self._release_prompt(pid, link)
+        link.close()
+
+    def _release_prompt(self, prompt_id: str, link: ClientLink) -> None:
+        pr = self.prompts.get(prompt_id)
+        if pr is not None:
+            pr.owners.discard(link.index)
+            if not pr.owners:
+                del self.prompts[prompt_id]
+
+    # --- requests ---------------------------------------------------------------------------------
+    def _add(self, link: ClientLink, rid: str, req: p.SynthesisRequest) -> None:
+        feat_dim = self.engine.model.config.feat_dim
+        prompt_text = req.prompt_text or ""
+        prompt_latents = as_tensor(req.prompt_latents, feat_dim, "prompt_latents")
+        if req.prompt_id is not None:
+            if prompt_latents is not None:
+                raise RequestError("give prompt_id or prompt_latents, not both")
+            pr = self.prompts.get(req.prompt_id)
+            if pr is None:
+                raise PromptNotFoundError(f"prompt_id {req.prompt_id!r} is not registered")
+            prompt_latents, prompt_text = pr.latents, pr.text
+        ref_latents = as_tensor(req.ref_latents, feat_dim, "ref_audio_latents")
+        try:
+            req.params.validate()
+            seq_id = self.engine.add_request(req.target_text, req.params, prompt_text, prompt_latents, ref_latents)
+        except (ValueError, TypeError, PromptError) as e:
+            raise RequestError(str(e)) from e
+        link.requests[rid] = seq_id
+        self.owner[seq_id] = (link, rid)
+
+    def _encode(self, msg: p.EncodeLatents) -> np.ndarray:
+        m = self.engine.model
+        try:
+            samples, sr = decode_audio(msg.wav, msg.wav_format)
+            lat = encode_latents(m.vae, samples, sr, m.config.patch_size, msg.padding)
+        except (AudioError, ValueError) as e:
+            raise RequestError(str(e)) from e
+        return lat.numpy().astype(np.float32)
+
+    def handle(self, link: ClientLink, msg: Any) -> None:
+        """Act on one client message."""
+        if isinstance(msg, p.Generate):
+            log.debug("generate %s received", msg.request_id)
+            try:
+                self._add(link, msg.request_id, msg.request)
+            except RequestError as e:
+                self._fail_now(link, msg.request_id, p.ErrorInfo(e.kind, str(e)))
+            except Exception as e:  # a bug must fail this request, not the worker
+                log.error("adding request failed:\n%s", traceback.format_exc())
+                self._fail_now(link, msg.request_id, p.ErrorInfo("engine", f"{type(e).__name__}: {e}"))
+        elif isinstance(msg, p.Abort):
+            seq_id = link.requests.pop(msg.request_id, None)
+            if seq_id is not None:
+                self.owner.pop(seq_id, None)
+                self.engine.abort(seq_id)
+        elif isinstance(msg, p.AddPrompt):
+            try:
+                latents = as_tensor(msg.latents, self.engine.model.config.feat_dim, "latents")
+            except RequestError as e:  # the client checks first; never let a bad prompt end the worker
+                log.error("prompt %s not registered: %s", msg.prompt_id, e)
+                return
+            pr = self.prompts.setdefault(msg.prompt_id, RegisteredPrompt(latents, msg.text))
+            pr.owners.add(link.index)
+        elif isinstance(msg, p.RemovePrompt):
+            self._release_prompt(msg.prompt_id, link)
+        elif isinstance(msg, p.EncodeLatents | p.GetStats):
+            try:
+                value = self._encode(msg) if isinstance(msg, p.EncodeLatents) else self.stats()
+                link.send(p.Reply(msg.call_id, value))
+            except RequestError as e:
+                link.send(p.Reply(msg.call_id, error=p.ErrorInfo(e.kind, str(e))))
+            except Exception as e:  # a bug or out of memory (a huge clip) fails this call, not the worker
+                log.error("%s failed:\n%s", type(msg).__name__, traceback.format_exc())
+                link.send(p.Reply(msg.call_id, error=p.ErrorInfo("engine", f"{type(e).__name__}: {e}")))
+        else:
+            log.error("unknown message %r", type(msg).__name__)
+
+    def _fail_now(self, link: ClientLink, rid: str, error: p.ErrorInfo) -> None:
+        link.send(p.StepEvents([p.AudioEvent(rid, None, True, "error", error)], self.load()))
+
+    # --- state --------------------------------------------------------------------------------------
+    def load(self) -> p.WorkerLoad:
+        """The cheap part of stats(), sent with step events."""
+        sched, blocks = self.engine.scheduler, self.engine.blocks
+        return p.WorkerLoad(len(sched.running), len(sched.waiting), blocks.num_free, len(blocks.blocks))
+
+    def stats(self) -> dict[str, Any]:
+        load = self.load()
+        return {
+            "running": load.running, "waiting": load.waiting, "free_blocks": load.free_blocks,
+            "total_blocks": load.total_blocks,
+            "free_slots": len(self.engine.runner.free_slots),
+            "preemptions": self.engine.scheduler.num_preemptions,
+            "prompts": len(self.prompts),
+            "clients": len(self.links),
+            "steps": self.steps,
+            "step_seconds": self.step_seconds,
+        }
+
+    # --- the loop -----------------------------------------------------------------------------------
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            events = self.engine.step()
+        except Exception as error:  # a bug or OOM: fail what is running, keep serving (a lost device: exit)
+            message = traceback.format_exc()
+            log.error("engine step failed:\n%s", message)
+            info = p.ErrorInfo("engine", f"engine step failed: {message.strip().splitlines()[-1]}")
+            for seq_id, (link, rid) in list(self.owner.items()):
+                self.engine.abort(seq_id)
+                link.requests.pop(rid, None)
+                link.pending.append(p.AudioEvent(rid, None, True, "error", info))
+            self.owner.clear()
+            self._flush(force=True)
+            if not self._device_usable():
+                raise DeviceLostError(f"{self.engine.device} no longer runs work") from error
+            return
+        self.steps += 1
+        dt = time.perf_counter() - t0
+        self.step_seconds += dt
+        if log.isEnabledFor(logging.DEBUG):  # the timeline of a burst: arrivals (above), steps, first audio
+            log.debug("step %d: %.1f ms, %d events, %d waiting, %d running", self.steps, 1000 * dt, len(events),
+                      len(self.engine.scheduler.waiting), len(self.engine.scheduler.running))
+        for ev in events:
+            self._route(ev)
+        self._flush()
+
+    def _route(self, ev: StepEvent) -> None:
+        owner = self.owner.get(ev.seq_id)
+        if owner is None:
+            return
+        link, rid = owner
+        if ev.finished:
+            del self.owner[ev.seq_id]
+            link.requests.pop(rid, None)
+        if ev.error is not None:
+            link.pending.append(p.AudioEvent(rid, None, True, "error", p.ErrorInfo("request", ev.error)))
+        else:
+            link.pending.append(p.AudioEvent(rid, ev.audio, ev.finished, ev.finish_reason))
+
+    def _flush(self, force: bool = False) -> None:
+        """One message per client with this step's events (the load snapshot rides along)."""
+        load = None
+        for link in self.links.values():
+            link.steps_since_sent += 1
+            if link.pending or force or link.steps_since_sent >= LOAD_REFRESH_STEPS:
+                load = load or self.load()
+                link.send(p.StepEvents(link.pending, load))
+                link.pending = []
+                link.steps_since_sent = 0
+
+    def _device_usable(self) -> bool:
+        """After a failed step: whether the device still runs work. Out of memory passes; a CUDA error such as an
+        illegal address, or a layer kernel's trap (engine/triton_layer.py), is sticky: every later call would fail,
+        so the worker ends and its owner restarts it on a fresh CUDA context."""
+        device = self.engine.device
+        if device.type != "cuda":
+            return True
+        try:
+            torch.cuda.synchronize(device)
+            return torch.ones(1, device=device).add_(1).item() == 2.0
+        except RuntimeError:
+            return False
+
+    def _read(self, link: ClientLink) -> None:
+        try:
+            while link.conn.poll(0):
+                self.handle(link, link.conn.recv())
+        except (EOFError, OSError):
+            link.gone = True
+        if link.gone:
+            self.drop(link)
+
+    def run(self) -> None:
+        """Serve until Stop arrives or the owner goes away."""
+        self._take_new_links()
+        while True:
+            timeout = 0 if self.engine.has_work() else self.engine.idle_wait()
+            watched: list[Any] = [self.acceptor.wake_fd, *(link.conn for link in self.links.values())]
+            if self.control is not None:
+                watched.append(self.control)
+            by_conn = {link.conn: link for link in self.links.values()}
+            for ready in wait(watched, timeout):
+                if ready is self.control:
+                    try:
+                        msg = self.control.recv()
+                    except (EOFError, OSError):
+                        msg = p.Stop()  # the owner is gone
+                    if isinstance(msg, p.Stop):
+                        return
+                elif ready == self.acceptor.wake_fd:
+                    self._take_new_links()
+                else:
+                    self._read(by_conn[ready])
+            for link in [lk for lk in self.links.values() if lk.gone]:
+                self.drop(link)
+            if self.engine.has_work():
+                self.step()
+
+    def close(self, goodbye: str | None = "the worker is stopping") -> None:
+        """Flush what is queued and close every client connection; with `goodbye`, first tell the clients that the
+        stop is deliberate (their callers get PoolStoppedError rather than WorkerDiedError)."""
+        for link in list(self.links.values()):
+            if goodbye is not None:
+                link.send(p.Goodbye(goodbye))
+            link.close()
+        self.links.clear()
+
+
+def describe(engine: LLMEngine) -> dict[str, Any]:
+    """The model facts a client reads once (GET /info shows them)."""
+    m, cfg = engine.model, engine.config
+    return {
+        "architecture": m.config.architecture,
+        "version": m.config.version,
+        "sample_rate": m.vae.out_sample_rate,
+        "encoder_sample_rate": m.vae.sample_rate,
+        "channels": 1,
+        "feat_dim": m.config.feat_dim,
+        "patch_size": m.config.patch_size,
+        "samples_per_patch": engine.runner.samples_per_patch,
+        "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "device": str(engine.device),
+        "max_num_seqs": cfg.max_num_seqs,
+        "max_model_len": cfg.max_model_len,
+        "inference_timesteps": cfg.inference_timesteps,
+        "coalesce_ms": cfg.coalesce_ms,
+        "attention_backend": engine.runner.backend,
+        "cuda_graphs": len(engine.runner.graphs),
+        "pipelined_decode": engine.pipeline,
+        "kv_blocks": len(engine.blocks.blocks),
+        "block_size": cfg.block_size,
+        "startup_s": engine.startup_s,
+        **engine.startup_phases,
+    }
+
+
+def warm_up(engine: LLMEngine) -> float:
+    """Zero-shot, then a synthetic clip in both roles (HiFi) where the model takes a reference (VoxCPM2): the
+    first requests allocate and compile what later ones reuse, before the worker reports ready."""
+    t0 = time.perf_counter()
+    params = p.SamplingParams(max_generate_length=2, seed=0)
+    engine.generate("Warm-up.", params)
+    m = engine.model
+    sr = m.vae.sample_rate
+    t = np.arange(sr) / sr
+    tone = (0.3 * np.sin(2 * np.pi * 180 * t) * (1 + 0.3 * np.sin(2 * np.pi * 3 * t))).astype(np.float32)
+    prompt = encode_latents(m.vae, tone, sr, m.config.patch_size, "left")
+    ref = encode_latents(m.vae, tone, sr, m.config.patch_size, "right") if m.config.architecture == "voxcpm2" else None
+    engine.generate("Warm-up.", params, prompt_text="A tone.", prompt_latents=prompt, ref_latents=ref)
+    return time.perf_counter() - t0
+
+
+def worker_main(control: Connection, options: WorkerOptions) -> None:
+    """Process entry point (spawned). Listens first, so clients connect while the model loads."""
+    logging.basicConfig(level=max(options.log_level, logging.INFO),  # DEBUG only for our loggers, not torch's
+                        format=f"%(asctime)s worker[{options.device}] %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("engine").setLevel(options.log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # its owner stops it (Ctrl-C reaches the whole process group)
+    gpu = options.device.startswith("cuda")
+    threads = options.torch_threads or (1 if gpu else None)
+    if threads:  # a GPU worker's few host tensor ops gain nothing from a thread pool that spins beside the loop
+        torch.set_num_threads(threads)
+    listener = None
+    try:
+        with contextlib.suppress(FileNotFoundError):  # a socket file left by a worker that died on this address
+            os.unlink(options.address)
+        listener = Listener(options.address, family="AF_UNIX", authkey=options.authkey)
+        acceptor = Acceptor(listener)
+        if gpu:
+            torch.cuda.set_device(torch.device(options.device))
+        engine = LLMEngine(options.model_path, options.engine, options.device)
+        info = describe(engine)
+        if options.warmup:
+            info["warmup_s"] = warm_up(engine)
+        worker = Worker(engine, control, info, acceptor)
+    except BaseException as e:  # report why instead of dying silently
+        log.error("worker failed to start:\n%s", traceback.format_exc())
+        with contextlib.suppress(OSError):
+            control.send(p.Fatal(f"{type(e).__name__}: {e}"))
+        if listener is not None:
+            listener.close()
+        return
+    control.send(p.Started(info))
+    log.info("worker ready on %s, serving clients at %s", options.device, options.address)
+    try:
+        with contextlib.suppress(EOFError, OSError):
+            worker.run()
+    except DeviceLostError:
+        log.critical("worker exiting, its device is lost:\n%s", traceback.format_exc())
+        listener.close()
+        worker.close(goodbye=None)
+        raise SystemExit(75) from None  # clients fail their callers at once; the owner restarts the worker
+    listener.close()
+    worker.close()
