@@ -1,29 +1,36 @@
-"""Audio out: float32 chunks -> MP3 (streaming, one lameenc encoder per stream), WAV, FLAC, Opus, raw PCM.
-Callers run the encoders in a thread (`asyncio.to_thread`): LAME is CPU work that must not stall the loop."""
+"""Audio out: float32 chunks -> MP3 (streaming, one LAME encoder per response), raw 16-bit PCM, WAV, FLAC, Opus,
+and server-sent events around MP3 or PCM.
+
+Each response gets one *encoder*: a callable (chunk, is_last) -> bytes | None that the engine client runs on
+one of its encoder lanes (threads that take a fixed share of the streams, a step's chunks as one job), so the
+CPU work of encoding spreads over cores and never runs on the event loop. LAME releases the GIL while it
+encodes; the numpy conversion to 16-bit does too.
+"""
 
 from __future__ import annotations
 
+import base64
 import io
+import json
+from collections.abc import Callable
 
 import lameenc
 import numpy as np
 import soundfile as sf
 
-from engine.audio import resample
+from engine.audio import pcm16, resample
 
 MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "flac": "audio/flac", "opus": "audio/ogg",
                "pcm": "audio/pcm"}
+STREAMED = ("mp3", "pcm")  # formats sent as they are generated; the others are whole files
 OPUS_RATES = (8000, 12000, 16000, 24000, 48000)  # the only rates Opus encodes
 
-
-def pcm16(samples: np.ndarray) -> bytes:
-    """float32 in [-1, 1] -> little-endian signed 16-bit PCM."""
-    return np.round(np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+Encoder = Callable[[np.ndarray, bool], "bytes | None"]
 
 
-class Mp3Stream:
-    """One MP3 encoder for one response: frames carry no container header, so the bytes are playable from
-    the first frame on and concatenating the outputs gives one valid file."""
+class Mp3Encoder:
+    """One MP3 stream: frames carry no container header, so the bytes are playable from the first frame on and
+    concatenating the outputs gives one valid file."""
 
     def __init__(self, sample_rate: int, bitrate_kbps: int, quality: int) -> None:
         self._enc = lameenc.Encoder()
@@ -32,33 +39,86 @@ class Mp3Stream:
         self._enc.set_channels(1)
         self._enc.set_quality(quality)
 
-    def encode(self, samples: np.ndarray) -> bytes:
-        return bytes(self._enc.encode(pcm16(samples)))
+    def __call__(self, samples: np.ndarray, last: bool) -> bytes | None:
+        out = bytes(self._enc.encode(pcm16(samples))) if len(samples) else b""
+        if last:
+            out += bytes(self._enc.flush())
+        return out or None
 
-    def flush(self) -> bytes:
-        return bytes(self._enc.flush())
+
+def pcm_encoder(samples: np.ndarray, last: bool) -> bytes | None:
+    """Raw little-endian signed 16-bit mono."""
+    return pcm16(samples) or None
 
 
-def encode_whole(samples: np.ndarray, sample_rate: int, fmt: str, bitrate_kbps: int = 192, quality: int = 2) -> bytes:
-    """A whole utterance in one of MEDIA_TYPES' formats."""
-    if fmt == "pcm":
-        return pcm16(samples)
+class FileEncoder:
+    """A whole WAV, FLAC or Opus file, made when the last chunk arrives (16-bit samples gathered until then)."""
+
+    def __init__(self, fmt: str, sample_rate: int) -> None:
+        self.fmt, self.sample_rate = fmt, sample_rate
+        self._parts: list[bytes] = []
+
+    def __call__(self, samples: np.ndarray, last: bool) -> bytes | None:
+        self._parts.append(pcm16(samples))
+        if not last:
+            return None
+        ints = np.frombuffer(b"".join(self._parts), "<i2")
+        self._parts = []
+        return encode_file(ints, self.sample_rate, self.fmt)
+
+
+class SseEncoder:
+    """OpenAI's stream_format=sse: each piece of the inner encoder's output as a `speech.audio.delta` event."""
+
+    def __init__(self, inner: Encoder) -> None:
+        self.inner = inner
+
+    def __call__(self, samples: np.ndarray, last: bool) -> bytes | None:
+        data = self.inner(samples, last)
+        if not data:
+            return None
+        return sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+
+
+def sse_event(payload: dict) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+def make_encoder(fmt: str, sample_rate: int, mp3_bitrate_kbps: int = 192, mp3_quality: int = 2,
+                 sse: bool = False) -> Encoder:
+    """The encoder of one response in `fmt` (one of MEDIA_TYPES)."""
     if fmt == "mp3":
-        enc = Mp3Stream(sample_rate, bitrate_kbps, quality)
-        return enc.encode(samples) + enc.flush()
+        enc: Encoder = Mp3Encoder(sample_rate, mp3_bitrate_kbps, mp3_quality)
+    elif fmt == "pcm":
+        enc = pcm_encoder
+    elif fmt in MEDIA_TYPES:
+        enc = FileEncoder(fmt, sample_rate)
+    else:
+        raise ValueError(f"unknown audio format {fmt!r}")
+    return SseEncoder(enc) if sse else enc
+
+
+def encode_file(ints: np.ndarray, sample_rate: int, fmt: str) -> bytes:
+    """16-bit samples -> a WAV, FLAC or Opus file."""
     buf = io.BytesIO()
-    ints = np.frombuffer(pcm16(samples), "<i2")  # the same 16-bit samples as the pcm format
     if fmt == "wav":
         sf.write(buf, ints, sample_rate, format="WAV", subtype="PCM_16")
     elif fmt == "flac":
         sf.write(buf, ints, sample_rate, format="FLAC", subtype="PCM_16")
     elif fmt == "opus":
+        samples = ints.astype(np.float32) / 32768.0
         if sample_rate not in OPUS_RATES:  # e.g. 44.1 kHz models: Opus needs 48 kHz
             samples, sample_rate = resample(samples, sample_rate, 48000), 48000
         sf.write(buf, samples, sample_rate, format="OGG", subtype="OPUS")
     else:
-        raise ValueError(f"unknown audio format {fmt!r}")
+        raise ValueError(f"unknown file format {fmt!r}")
     return buf.getvalue()
+
+
+def encode_whole(samples: np.ndarray, sample_rate: int, fmt: str, bitrate_kbps: int = 192,
+                 quality: int = 2) -> bytes:
+    """A whole utterance in one of MEDIA_TYPES' formats: what an encoder makes of it given as one chunk."""
+    return make_encoder(fmt, sample_rate, bitrate_kbps, quality)(samples, True) or b""
 
 
 def output_rate(sample_rate: int, fmt: str) -> int:

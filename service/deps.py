@@ -15,8 +15,7 @@ def get_state(request: Request) -> ServiceState:
 
 
 def get_loaded_state(request: Request) -> ServiceState:
-    """For routes that need the model: 503 + Retry-After while it loads (or a worker restarts).
-    Admission control (queue full -> 503) belongs here too."""
+    """For routes that need the model: 503 + Retry-After while it loads (or a worker restarts)."""
     state = get_state(request)
     if not state.loaded:
         raise unavailable(state.failure or "the model is still loading")

@@ -1,11 +1,12 @@
-"""`voxcpm-serve`: the service under uvicorn, configured from NANOVLLM_* environment variables."""
+"""`voxcpm-serve`: the service (the supervisor, its engine workers and API processes), configured from
+NANOVLLM_* environment variables."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 
-import uvicorn
 from pydantic import ValidationError
 
 from service.settings import Settings, describe_error
@@ -18,11 +19,9 @@ def main() -> None:
     except ValidationError as e:
         print(describe_error(e), file=sys.stderr)
         sys.exit(2)
-    from service.app import create_app  # after validation: a config error should not wait for torch
+    from service.supervisor import Supervisor  # after validation: a config error should not wait for imports
 
-    # one process: the pool and the caches live in it (scale with replicas, not uvicorn workers)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
-                timeout_graceful_shutdown=30)
+    sys.exit(asyncio.run(Supervisor(settings).run()))
 
 
 if __name__ == "__main__":

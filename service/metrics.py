@@ -1,13 +1,17 @@
 """Prometheus metrics. One registry per app (tests run several apps in one process). HTTP metrics are
 labelled by route template (`/prompts/{prompt_id}`), never the raw path, so ids cannot explode the series.
-TTFB is measured from the request's arrival to the first audio byte handed to the server."""
+TTFB is measured from the request's arrival to the first audio byte handed to the server.
+
+With several API processes the supervisor sets prometheus_client's multiprocess directory before they start:
+each process writes its values there and any of them answers /metrics with the sum (counters, histograms,
+requests in flight) or the most recent value (the engine's and the voice cache's gauges) over all of them."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
 from service.voice_store import KINDS
 
@@ -16,7 +20,8 @@ TTFB_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10,
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, multiprocess_mode: bool = False) -> None:
+        self.multiprocess_mode = multiprocess_mode  # the supervisor set prometheus_client's directory for us
         r = self.registry = CollectorRegistry()
         self.requests = Counter("voxcpm_http_requests", "HTTP requests by route template and status",
                                 ["method", "route", "status"], registry=r)
@@ -27,25 +32,37 @@ class Metrics:
                               registry=r)
         self.audio_seconds = Counter("voxcpm_audio_generated_seconds", "Seconds of audio generated", ["route"],
                                      registry=r)
-        self.in_flight = Gauge("voxcpm_http_requests_in_flight", "Requests being served", registry=r)
-        self.queue_depth = Gauge("voxcpm_queue_depth", "Requests waiting: coalescing window + engine queues",
-                                 registry=r)
-        self.running = Gauge("voxcpm_running_sequences", "Sequences being decoded", registry=r)
-        self.kv_usage = Gauge("voxcpm_kv_cache_usage_ratio", "Share of KV blocks in use", ["worker"], registry=r)
+        self.finished = Counter("voxcpm_generations_finished", "Generations by route and how they ended (stop head, "
+                                "length cap, aborted, error)", ["route", "reason"], registry=r)
+        self.in_flight = Gauge("voxcpm_http_requests_in_flight", "Requests being served", registry=r,
+                               multiprocess_mode="livesum")
+        latest: dict[str, Any] = {"registry": r, "multiprocess_mode": "mostrecent"}  # engine-wide, any process's scrape
+        self.queue_depth = Gauge("voxcpm_queue_depth", "Requests waiting in the engines' queues (coalescing window "
+                                 "included)", **latest)
+        self.running = Gauge("voxcpm_running_sequences", "Sequences being decoded", **latest)
+        self.kv_usage = Gauge("voxcpm_kv_cache_usage_ratio", "Share of KV blocks in use", ["worker"], **latest)
         self.step_seconds = Gauge("voxcpm_engine_step_seconds", "Mean engine step latency since the last scrape",
-                                  ["worker"], registry=r)
-        self.steps = Gauge("voxcpm_engine_steps", "Engine steps since the worker started", ["worker"], registry=r)
+                                  ["worker"], **latest)
+        self.steps = Gauge("voxcpm_engine_steps", "Engine steps since the worker started", ["worker"], **latest)
         self.preemptions = Gauge("voxcpm_engine_preemptions", "Preemptions since the worker started", ["worker"],
-                                 registry=r)
-        self.workers_up = Gauge("voxcpm_workers_up", "Workers running and loaded", registry=r)
-        self.ready = Gauge("voxcpm_ready", "1 when the service reports ready", registry=r)
-        self.cache_entries = Gauge("voxcpm_voice_cache_entries", "Cached voices", ["kind"], registry=r)
-        self.cache_bytes = Gauge("voxcpm_voice_cache_bytes", "Latent bytes in the voice cache", registry=r)
+                                 **latest)
+        self.workers_up = Gauge("voxcpm_workers_up", "Workers running and loaded", **latest)
+        self.ready = Gauge("voxcpm_ready", "1 when the service reports ready (every API process)", registry=r,
+                           multiprocess_mode="livemin")
+        self.cache_entries = Gauge("voxcpm_voice_cache_entries", "Cached voices", ["kind"], **latest)
+        self.cache_bytes = Gauge("voxcpm_voice_cache_bytes", "Latent bytes in the voice cache", **latest)
         self._last_steps: dict[str, tuple[int, float]] = {}
 
-    def observe_pool(self, stats: list[dict[str, Any] | None], coalescing: int) -> None:
-        waiting = coalescing
-        running = up = 0
+    def exposition(self) -> bytes:
+        """The text format: this app's registry, or every API process's values in multiprocess mode."""
+        if self.multiprocess_mode:
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
+        return generate_latest(self.registry)
+
+    def observe_pool(self, stats: list[dict[str, Any] | None]) -> None:
+        waiting = running = up = 0
         for i, s in enumerate(stats):
             w = str(i)
             if s is None:

@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from engine.serving.protocol import SAMPLING_LIMITS, SamplingParams
+
 # --- voices ---------------------------------------------------------------------------------------
 
 
@@ -83,15 +85,31 @@ class Deleted(BaseModel):
 
 # --- generation -----------------------------------------------------------------------------------
 
-# The engine seeds torch.Generator, which takes at most an unsigned 64-bit value; a larger seed fails the
-# whole engine step (every request running on that worker), so it must be refused here.
-MAX_SEED = 2**64 - 1
+def _limited(name: str, default: float | None) -> object:
+    """A sampling field with the engine's bounds and description (engine.serving.protocol.SAMPLING_LIMITS)."""
+    b = SAMPLING_LIMITS[name]
+    return Field(default, ge=b.low, le=b.high, description=b.doc)
+
+
+class SamplingFields(BaseModel):
+    """The sampling parameters every generation route takes, bounded as the engine bounds them."""
+
+    max_generate_length: int = _limited("max_generate_length", 2000)
+    temperature: float = _limited("temperature", 1.0)
+    cfg_value: float = _limited("cfg_value", 2.0)
+    min_len: int = _limited("min_len", 2)
+    seed: int | None = _limited("seed", None)
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(max_generate_length=self.max_generate_length, temperature=self.temperature,
+                              cfg_value=self.cfg_value, min_len=self.min_len, seed=self.seed)
+
 
 PROMPT_FORMS = "prompt_wav_base64 + prompt_text | prompt_latents_base64 + prompt_text | prompt_id | hifi_id"
 REF_FORMS = "ref_audio_wav_base64 | ref_audio_latents_base64 | ref_audio_id"
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(SamplingFields):
     target_text: str = Field(..., min_length=1, description="Text to speak. '(description)text' = voice design.")
     prompt_wav_base64: str | None = Field(None, description="Continuation prompt: base64 audio file.")
     prompt_wav_format: str = Field("wav", description="Container of prompt_wav_base64.")
@@ -103,10 +121,6 @@ class GenerateRequest(BaseModel):
     ref_audio_wav_format: str = Field("wav", description="Container of ref_audio_wav_base64.")
     ref_audio_latents_base64: str | None = Field(None, description="Reference as float32 latents bytes.")
     ref_audio_id: str | None = Field(None, description="A reference from /add_reference.")
-    max_generate_length: int = Field(2000, ge=1, description="Most patches generated.")
-    temperature: float = Field(1.0, ge=0, description="Scale of the initial CFM noise (0 = deterministic).")
-    cfg_value: float = Field(2.0, ge=0, description="Classifier-free guidance strength.")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Makes the request reproducible.")
     lora_name: str | None = Field(None, description="Per-request LoRA adapter (not supported yet: must be unset).")
     response_format: Literal["mp3", "pcm"] = Field("mp3", description="mp3, or pcm = raw s16le mono.")
 
@@ -135,7 +149,7 @@ class GenerateRequest(BaseModel):
 # --- OpenAI ---------------------------------------------------------------------------------------
 
 
-class SpeechRequest(BaseModel):
+class SpeechRequest(SamplingFields):
     model: str = Field(..., description="Any id from /v1/models (or tts-1, tts-1-hd, gpt-4o-mini-tts).")
     input: str = Field(..., min_length=1, max_length=4096, description="Text to speak.")
     voice: str = Field("default", description="'default' (zero-shot) or a cached hifi/prompt/reference id.")
@@ -144,10 +158,6 @@ class SpeechRequest(BaseModel):
     speed: float = Field(1.0, description="Only 1.0 is supported.")
     stream_format: Literal["audio", "sse"] = Field("audio", description="Raw audio bytes, or server-sent events "
                                                                          "(mp3/pcm only).")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="VoxCPM extra: reproducible output.")
-    cfg_value: float = Field(2.0, ge=0, description="VoxCPM extra: guidance strength.")
-    temperature: float = Field(1.0, ge=0, description="VoxCPM extra: noise scale.")
-    max_generate_length: int = Field(2000, ge=1, description="VoxCPM extra: most patches generated.")
 
     @model_validator(mode="after")
     def _supported(self) -> SpeechRequest:

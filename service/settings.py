@@ -3,6 +3,7 @@ at start-up so a bad value fails fast with the variable named."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -29,7 +30,12 @@ class Settings(BaseSettings):
     mp3_bitrate_kbps: int = Field(192, description="MP3 bitrate (kbit/s).")
     mp3_quality: int = Field(2, ge=0, le=2, description="lameenc quality, 0 best .. 2 fastest (of the 0..2 range).")
     queue_coalesce_ms: float = Field(5.0, ge=0, le=1000, description="Window gathering generation requests that "
-                                                                     "arrive together into one scheduling round.")
+                                                                     "arrive together into one scheduling round "
+                                                                     "(one batched prefill) in each engine worker.")
+    api_processes: int = Field(0, ge=0, le=64, description="HTTP server processes in front of the engine workers "
+                                                           "(each one encodes the audio of its own streams); 0 = "
+                                                           "half the usable CPU cores, at most 16.")
+    encoder_lanes: int = Field(2, ge=1, le=32, description="Audio-encoding threads per HTTP server process.")
     cache_dir: Path = Field(Path("~/.cache/voxcpm-serve"), description="Voice store and demo checkpoint.")
     voice_store: Literal["disk", "memory"] = Field("disk", description="Where cached voices live.")
     voice_cache_max_entries: int = Field(1024, ge=1, description="Most cached voices (all kinds together).")
@@ -70,6 +76,11 @@ class Settings(BaseSettings):
             # Fail loudly rather than silently serving the base model to someone who asked for an adapter.
             raise ValueError("NANOVLLM_LORA_URI is set but LoRA adapters are not supported by this engine yet")
         return self
+
+    def api_process_count(self) -> int:
+        if self.api_processes:
+            return self.api_processes
+        return max(1, min(16, len(os.sched_getaffinity(0)) // 2))
 
     def device_list(self) -> list[int | str] | None:
         if self.serverpool_devices is None:

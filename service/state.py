@@ -1,5 +1,5 @@
-"""What the lifespan owns and the routes share: the pool, the model's metadata, the voice store, the
-coalescer, the metrics, and whether the service is ready (loaded, warm, every worker alive)."""
+"""What the lifespan owns and the routes share: the pool, the model's metadata, the voice store, the metrics,
+and whether the service is ready (loaded, warm, every worker connected)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import AsyncVoxCPMServerPool
-from service.coalesce import Coalescer
 from service.metrics import Metrics
 from service.settings import Settings
 from service.voice_store import VoiceStore
@@ -18,13 +17,12 @@ class ServiceState:
     settings: Settings
     pool: AsyncVoxCPMServerPool
     store: VoiceStore
-    coalescer: Coalescer
     metrics: Metrics
     model_path: str
     model_id: str  # the name /v1/models reports
     demo: bool = False  # serving the embedded random-weight checkpoint
+    owns_workers: bool = True  # False in an API process of the supervisor's: it restarts the workers
     info: dict[str, Any] = field(default_factory=dict)  # pool.get_model_info(), once loaded
-    warm: bool = False  # loaded and warmed up (cleared while a dead worker is restarted)
     failure: str | None = None  # start-up failed for good: liveness reports it
 
     @property
@@ -33,7 +31,8 @@ class ServiceState:
 
     @property
     def ready(self) -> bool:
-        return self.warm and self.pool.ready
+        """Every worker is connected and has reported ready (its model loaded and warmed up)."""
+        return self.loaded and self.pool.ready
 
     @property
     def sample_rate(self) -> int:

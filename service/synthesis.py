@@ -1,141 +1,138 @@
-"""Running one generation: submit (through the coalescing window), pull the first chunk before any
-response starts (request errors become a 4xx, and the first chunk is the true TTFB), then either stream
-the rest or collect it. Whatever ends the response (done, error, client gone) closes the engine request,
-which aborts it and frees its KV blocks."""
+"""Running one generation: submit it with the response's encoder, pull the first encoded bytes before any response
+starts (request errors become a 4xx, and the first bytes are the true TTFB), then either stream the rest or
+collect it. Whatever ends the response (done, error, client gone) closes the engine request, which aborts it
+and frees its KV blocks."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import json
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import numpy as np
 from fastapi import HTTPException, Request
 from starlette.responses import StreamingResponse
 
-from engine import PoolError
-from service.audio import MEDIA_TYPES, Mp3Stream, encode_whole, output_rate, pcm16
+from engine import GenerationStream, PoolError, SamplingParams, SynthesisRequest
+from service.audio import MEDIA_TYPES, make_encoder, output_rate, sse_event
 from service.conditioning import Conditioning
 from service.errors import http_error
 from service.state import ServiceState
 
 T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's "client closed request": recorded in the metrics, never seen by the client
-
-
-@dataclass
-class Params:
-    max_generate_length: int = 2000
-    temperature: float = 1.0
-    cfg_value: float = 2.0
-    seed: int | None = None
+FINISH_HEADER = "X-Finish-Reason"
 
 
 class Generation:
-    """An engine request whose first chunk has arrived."""
+    """An engine request whose first encoded bytes have arrived."""
 
-    def __init__(self, state: ServiceState, route: str, first: np.ndarray | None,
-                 rest: AsyncIterator[np.ndarray]) -> None:
-        self.state, self.route, self.first, self.rest = state, route, first, rest
-        self.samples = 0
+    def __init__(self, state: ServiceState, route: str, stream: GenerationStream, first: bytes | None) -> None:
+        self.state, self.route, self.stream, self.first = state, route, stream, first
+        self._counted = 0  # samples already in the audio-seconds metric
+        self._ended_counted = False
 
-    async def chunks(self) -> AsyncIterator[np.ndarray]:
+    @property
+    def finish_reason(self) -> str | None:
+        return self.stream.finish_reason
+
+    async def chunks(self) -> AsyncIterator[bytes]:
         try:
-            chunk = self.first
-            while chunk is not None:
-                self.samples += len(chunk)
-                yield chunk
-                chunk = await anext(self.rest, None)
+            data = self.first
+            while data is not None:
+                yield data
+                data = await anext(self.stream, None)
         finally:
             await self.close()
 
     async def close(self) -> None:
-        await self.rest.aclose()  # aborts the engine request if it is still running
-        if self.samples:
-            self.state.metrics.audio_seconds.labels(self.route).inc(self.samples / self.state.sample_rate)
-            self.samples = 0
+        """Abort the engine request if it still runs; count the audio made (once)."""
+        self.stream.close()
+        samples = self.stream.samples - self._counted
+        if samples:
+            self._counted += samples
+            self.state.metrics.audio_seconds.labels(self.route).inc(samples / self.state.sample_rate)
+        if self.stream.finish_reason and not self._ended_counted:
+            self._ended_counted = True
+            self.state.metrics.finished.labels(self.route, self.stream.finish_reason).inc()
 
-    async def collect(self) -> np.ndarray:
-        parts = [c async for c in self.chunks()]
-        return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+    async def collect(self) -> bytes:
+        return b"".join([c async for c in self.chunks()])
 
 
-async def start(state: ServiceState, route: str, text: str, cond: Conditioning, params: Params) -> Generation:
-    await state.coalescer.admit()
-    agen = state.pool.generate(target_text=text, prompt_latents=cond.prompt_latents, prompt_text=cond.prompt_text,
-                               ref_audio_latents=cond.ref_latents, max_generate_length=params.max_generate_length,
-                               temperature=params.temperature, cfg_value=params.cfg_value, seed=params.seed)
+async def start(state: ServiceState, route: str, text: str, cond: Conditioning, params: SamplingParams, fmt: str,
+                sse: bool = False) -> Generation:
+    s = state.settings
+    encoder = make_encoder(fmt, state.sample_rate, s.mp3_bitrate_kbps, s.mp3_quality, sse)
+    request = SynthesisRequest(text, cond.prompt_text, cond.prompt_latents, None, cond.ref_latents, params)
+    stream = state.pool.submit(request, encoder)
     try:
-        first = await anext(agen, None)
+        first = await anext(stream, None)
     except PoolError as e:
-        await agen.aclose()
+        stream.close()
         raise http_error(e) from e
     except BaseException:  # cancelled while waiting: the engine request must not outlive us
-        await agen.aclose()
+        stream.close()
         raise
-    return Generation(state, route, first, agen)
+    return Generation(state, route, stream, first)
 
 
-def audio_headers(state: ServiceState, fmt: str) -> dict[str, str]:
+def audio_headers(state: ServiceState, fmt: str, gen: Generation | None = None) -> dict[str, str]:
     encoding = {"pcm": "pcm_s16le"}.get(fmt, fmt)
-    return {"X-Audio-Sample-Rate": str(output_rate(state.sample_rate, fmt)), "X-Audio-Channels": "1",
-            "X-Audio-Encoding": encoding, "Cache-Control": "no-store"}
+    headers = {"X-Audio-Sample-Rate": str(output_rate(state.sample_rate, fmt)), "X-Audio-Channels": "1",
+               "X-Audio-Encoding": encoding, "Cache-Control": "no-store"}
+    if gen is not None:
+        headers["X-Request-Id"] = gen.stream.request_id
+        if gen.finish_reason:  # known once the whole body is made (blocking routes)
+            headers[FINISH_HEADER] = gen.finish_reason
+    return headers
 
 
-class ClosingStreamingResponse(StreamingResponse):
-    """Starlette stops iterating when the client disconnects but does not close the iterator; we do, at
-    once, so the engine request is aborted now rather than whenever the generator is collected."""
+class AudioStreamResponse(StreamingResponse):
+    """Streams a generation's bytes. Starlette stops iterating when the client disconnects but does not close the
+    iterator; we do, at once, so the engine request is aborted now rather than whenever it is collected. Where the
+    server speaks the ASGI trailers extension (HTTP/2), the finish reason follows the body as a trailer."""
+
+    def __init__(self, gen: Generation, media_type: str, headers: dict[str, str],
+                 body: AsyncIterator[bytes] | None = None) -> None:
+        super().__init__(body or gen.chunks(), media_type=media_type, headers=headers)
+        self.gen = gen
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        trailers = "http.response.trailers" in scope.get("extensions", {})
+        if trailers:
+            self.headers["Trailer"] = FINISH_HEADER
+
+        async def send_announcing_trailers(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "trailers": True}
+            await send(message)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_announcing_trailers if trailers else send)
+            if trailers:
+                reason = (self.gen.finish_reason or "aborted").encode()
+                await send({"type": "http.response.trailers", "headers": [(FINISH_HEADER.lower().encode(), reason)],
+                            "more_trailers": False})
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
-async def mp3_bytes(gen: Generation) -> AsyncIterator[bytes]:
-    s = gen.state.settings
-    enc = Mp3Stream(gen.state.sample_rate, s.mp3_bitrate_kbps, s.mp3_quality)
+def stream_response(gen: Generation, fmt: str, sse: bool = False) -> AudioStreamResponse:
+    media = "text/event-stream" if sse else MEDIA_TYPES[fmt]
+    return AudioStreamResponse(gen, media, audio_headers(gen.state, fmt, gen))
+
+
+async def sse_body(gen: Generation, text: str) -> AsyncIterator[bytes]:
+    """OpenAI's stream_format=sse: the delta events, then speech.audio.done (with why the stream ended)."""
     try:
-        async for chunk in gen.chunks():
-            data = await asyncio.to_thread(enc.encode, chunk)
-            if data:
-                yield data
-        yield await asyncio.to_thread(enc.flush)
-    finally:  # closed at a yield (client gone): close the engine request now, not at garbage collection
+        async for data in gen.chunks():
+            yield data
+    finally:  # closed at a yield (client gone): abort the engine request now, not at garbage collection
         await gen.close()
-
-
-async def pcm_bytes(gen: Generation) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in gen.chunks():
-            yield pcm16(chunk)
-    finally:
-        await gen.close()
-
-
-async def sse_events(gen: Generation, fmt: str, text: str) -> AsyncIterator[bytes]:
-    """OpenAI's stream_format=sse: speech.audio.delta events (base64 audio), then speech.audio.done."""
-    source = mp3_bytes(gen) if fmt == "mp3" else pcm_bytes(gen)
-    try:
-        async for data in source:
-            if data:
-                event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}
-                yield f"data: {json.dumps(event)}\n\n".encode()
-    finally:
-        await source.aclose()
     n_in = len(text)
     usage = {"input_tokens": n_in, "output_tokens": 0, "total_tokens": n_in}
-    yield f"data: {json.dumps({'type': 'speech.audio.done', 'usage': usage})}\n\n".encode()
-
-
-def stream_response(gen: Generation, fmt: str) -> ClosingStreamingResponse:
-    body = mp3_bytes(gen) if fmt == "mp3" else pcm_bytes(gen)
-    return ClosingStreamingResponse(body, media_type=MEDIA_TYPES[fmt], headers=audio_headers(gen.state, fmt))
+    yield sse_event({"type": "speech.audio.done", "usage": usage, "finish_reason": gen.finish_reason})
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -163,8 +160,3 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-async def whole_file(gen: Generation, fmt: str) -> bytes:
-    samples = await gen.collect()
-    s = gen.state.settings
-    return await asyncio.to_thread(encode_whole, samples, gen.state.sample_rate, fmt, s.mp3_bitrate_kbps,
-                                   s.mp3_quality)

@@ -2,21 +2,23 @@
 clip). Bounded by count and bytes with least-recently-used eviction; ids are content hashes, so the same
 clip registered twice is one entry.
 
-`VoiceStore` is the interface the routers use (async, so a shared store such as Redis fits behind it);
-`MemoryVoiceStore` is the LRU itself and `DiskVoiceStore` adds persistence under a directory, so a
-restart keeps the voices."""
+`VoiceStore` is the interface the routers use (async, so a store shared across machines, such as Redis, fits
+behind it). `SqliteVoiceStore` keeps the voices in one SQLite database, which every API process of a service
+opens (SQLite's locking makes each put, eviction and delete atomic across them): on disk under the cache dir
+by default, so a restart keeps the voices, or in a file of the service's private temporary directory
+(`NANOVLLM_VOICE_STORE=memory`), gone when it stops.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import logging
-import os
+import sqlite3
+import threading
 import time
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +46,19 @@ class Voice:
         return len(self.prompt_latents or b"") + len(self.ref_latents or b"") + len(self.prompt_text.encode())
 
 
+@dataclass
+class VoiceSummary:
+    """A listing row: a voice without its latents."""
+
+    kind: str
+    id: str
+    prompt_text: str
+    prompt_bytes: int
+    ref_bytes: int
+    nbytes: int
+    created: float
+
+
 def voice_id(kind: str, source: bytes, text: str = "") -> str:
     """Content address of a voice: the kind, the uploaded bytes and the transcript."""
     h = hashlib.blake2b(digest_size=12)
@@ -67,128 +82,145 @@ class VoiceStore(ABC):
         """False if there was no such voice."""
 
     @abstractmethod
-    def list(self, kind: str | None = None) -> list[Voice]:
+    async def list(self, kind: str | None = None) -> list[VoiceSummary]:
         """Voices, least recently used first."""
 
     @abstractmethod
-    def usage(self) -> dict[str, int]:
+    async def usage(self) -> dict[str, int]:
         """entries, bytes and per-kind counts (for /metrics and /info)."""
 
+    @abstractmethod
+    def close(self) -> None:
+        """Release what the store holds open."""
 
-class MemoryVoiceStore(VoiceStore):
-    def __init__(self, max_entries: int, max_bytes: int) -> None:
-        self.max_entries, self.max_bytes = max_entries, max_bytes
-        self._voices: OrderedDict[str, Voice] = OrderedDict()
-        self._bytes = 0
 
-    async def get(self, voice_id: str) -> Voice | None:
-        v = self._voices.get(voice_id)
-        if v is not None:
-            self._voices.move_to_end(voice_id)
-            await self._touched(v)
-        return v
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS voices (
+    id TEXT PRIMARY KEY,
+    kind TEXT NOT NULL,
+    prompt_text TEXT NOT NULL,
+    prompt_latents BLOB,
+    ref_latents BLOB,
+    nbytes INTEGER NOT NULL,
+    created REAL NOT NULL,
+    last_used REAL NOT NULL,
+    parts TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS voices_lru ON voices (last_used);
+"""
 
-    async def put(self, voice: Voice) -> list[str]:
+
+class SqliteVoiceStore(VoiceStore):
+    def __init__(self, path: Path, max_entries: int, max_bytes: int) -> None:
+        self.path, self.max_entries, self.max_bytes = Path(path), max_entries, max_bytes
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._local = threading.local()  # sqlite3 connections belong to the thread that made them
+        self._connections: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        db = self._db()
+        with db:
+            db.executescript(SCHEMA)
+        self._trim()  # bounds lowered since the last start
+
+    def _db(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(self.path, timeout=30, isolation_level=None,  # explicit transactions below
+                                 check_same_thread=False)  # closed by close() from another thread
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            self._local.db = db
+            with self._lock:
+                self._connections.append(db)
+        return db
+
+    # --- blocking implementations (run in a thread) ---------------------------------------------------
+    def _get(self, voice_id: str) -> Voice | None:
+        db = self._db()
+        row = db.execute("SELECT kind, prompt_text, prompt_latents, ref_latents, created, parts "
+                         "FROM voices WHERE id = ?", (voice_id,)).fetchone()
+        if row is None:
+            return None
+        db.execute("UPDATE voices SET last_used = ? WHERE id = ?", (time.time(), voice_id))
+        return Voice(row[0], voice_id, row[1], row[2], row[3], row[4], json.loads(row[5]))
+
+    def _put(self, voice: Voice) -> list[str]:
         if voice.nbytes > self.max_bytes:
             raise VoiceTooLargeError(f"voice of {voice.nbytes} bytes exceeds the cache size {self.max_bytes}")
-        if voice.id in self._voices:
-            await self.get(voice.id)
-            return []
-        evicted = []
-        while voice.id not in self._voices and self._voices and (len(self._voices) >= self.max_entries
-                                                                 or self._bytes + voice.nbytes > self.max_bytes):
-            old_id = next(iter(self._voices))
-            await self.delete(old_id)
-            evicted.append(old_id)
-        if voice.id in self._voices:  # a concurrent put of the same id won while we evicted: keep one
-            return evicted
-        self._voices[voice.id] = voice
-        self._bytes += voice.nbytes
-        await self._stored(voice)
+        db = self._db()
+        now = time.time()
+        db.execute("BEGIN IMMEDIATE")  # one writer at a time across processes: the bounds hold
+        try:
+            if db.execute("UPDATE voices SET last_used = ? WHERE id = ?", (now, voice.id)).rowcount:
+                db.execute("COMMIT")
+                return []
+            evicted = self._evict(db, voice.nbytes)
+            db.execute("INSERT INTO voices VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                       (voice.id, voice.kind, voice.prompt_text, voice.prompt_latents, voice.ref_latents,
+                        voice.nbytes, voice.created, now, json.dumps(voice.parts)))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
         if evicted:
             log.info("voice cache full: evicted %s", ", ".join(evicted))
         return evicted
 
-    async def delete(self, voice_id: str) -> bool:
-        v = self._voices.pop(voice_id, None)
-        if v is None:
-            return False
-        self._bytes -= v.nbytes
-        await self._removed(v)
-        return True
+    def _evict(self, db: sqlite3.Connection, incoming: int) -> list[str]:
+        """Least recently used first, until one more voice of `incoming` bytes fits (inside a write transaction)."""
+        evicted = []
+        count, total = db.execute("SELECT count(*), coalesce(sum(nbytes), 0) FROM voices").fetchone()
+        while count and (count + (incoming >= 0) > self.max_entries or total + max(incoming, 0) > self.max_bytes):
+            old_id, n = db.execute("SELECT id, nbytes FROM voices ORDER BY last_used, rowid LIMIT 1").fetchone()
+            db.execute("DELETE FROM voices WHERE id = ?", (old_id,))
+            evicted.append(old_id)
+            count, total = count - 1, total - n
+        return evicted
 
-    def list(self, kind: str | None = None) -> list[Voice]:
-        return [v for v in self._voices.values() if kind is None or v.kind == kind]
+    def _trim(self) -> None:
+        db = self._db()
+        db.execute("BEGIN IMMEDIATE")
+        evicted = self._evict(db, -1)
+        db.execute("COMMIT")
+        if evicted:
+            log.info("voice cache over its bounds: evicted %d voices", len(evicted))
 
-    def usage(self) -> dict[str, int]:
-        out = {"entries": len(self._voices), "bytes": self._bytes}
-        for k in KINDS:
-            out[k] = sum(1 for v in self._voices.values() if v.kind == k)
+    def _delete(self, voice_id: str) -> bool:
+        return bool(self._db().execute("DELETE FROM voices WHERE id = ?", (voice_id,)).rowcount)
+
+    def _list(self, kind: str | None) -> list[VoiceSummary]:
+        sql = ("SELECT kind, id, prompt_text, length(prompt_latents), length(ref_latents), nbytes, created "
+               "FROM voices {} ORDER BY last_used, rowid")
+        rows = (self._db().execute(sql.format("WHERE kind = ?"), (kind,)) if kind is not None else
+                self._db().execute(sql.format("")))
+        return [VoiceSummary(r[0], r[1], r[2], r[3] or 0, r[4] or 0, r[5], r[6]) for r in rows]
+
+    def _usage(self) -> dict[str, int]:
+        out = {"entries": 0, "bytes": 0, **dict.fromkeys(KINDS, 0)}
+        for kind, count, nbytes in self._db().execute("SELECT kind, count(*), sum(nbytes) FROM voices GROUP BY kind"):
+            out[kind] = count
+            out["entries"] += count
+            out["bytes"] += nbytes
         return out
 
-    # persistence hooks (no-ops in memory)
-    async def _stored(self, voice: Voice) -> None: ...
+    # --- the interface ------------------------------------------------------------------------------
+    async def get(self, voice_id: str) -> Voice | None:
+        return await asyncio.to_thread(self._get, voice_id)
 
-    async def _removed(self, voice: Voice) -> None: ...
+    async def put(self, voice: Voice) -> list[str]:
+        return await asyncio.to_thread(self._put, voice)
 
-    async def _touched(self, voice: Voice) -> None: ...
+    async def delete(self, voice_id: str) -> bool:
+        return await asyncio.to_thread(self._delete, voice_id)
 
+    async def list(self, kind: str | None = None) -> list[VoiceSummary]:
+        return await asyncio.to_thread(self._list, kind)
 
-class DiskVoiceStore(MemoryVoiceStore):
-    """One `<id>.json` (metadata) + `<id>.bin` (latents) per voice; the .json mtime is its last use, so the
-    LRU order survives a restart. Files are written to a temporary name and renamed (no torn entries)."""
+    async def usage(self) -> dict[str, int]:
+        return await asyncio.to_thread(self._usage)
 
-    def __init__(self, directory: Path, max_entries: int, max_bytes: int) -> None:
-        super().__init__(max_entries, max_bytes)
-        self.dir = directory
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._load()
-
-    def _load(self) -> None:
-        metas = sorted(self.dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
-        for path in metas:
-            try:
-                meta = json.loads(path.read_text())
-                blob = path.with_suffix(".bin").read_bytes()
-                n = meta["prompt_bytes"]
-                v = Voice(kind=meta["kind"], id=meta["id"], prompt_text=meta["prompt_text"],
-                          prompt_latents=blob[:n] if n else None, ref_latents=blob[n:] or None,
-                          created=meta["created"], parts=meta.get("parts", {}))
-            except (OSError, ValueError, KeyError) as e:
-                log.warning("skipping unreadable cached voice %s: %s", path.name, e)
-                continue
-            self._voices[v.id] = v
-            self._bytes += v.nbytes
-        while len(self._voices) > self.max_entries or self._bytes > self.max_bytes:  # bounds lowered since
-            old = self._voices.popitem(last=False)[1]
-            self._bytes -= old.nbytes
-            self._unlink(old.id)
-        if self._voices:
-            log.info("voice store %s: %d voices loaded", self.dir, len(self._voices))
-
-    def _write(self, voice: Voice) -> None:
-        meta = {"id": voice.id, "kind": voice.kind, "prompt_text": voice.prompt_text, "created": voice.created,
-                "prompt_bytes": len(voice.prompt_latents or b""), "parts": voice.parts}
-        blob = (voice.prompt_latents or b"") + (voice.ref_latents or b"")
-        for suffix, data in ((".bin", blob), (".json", json.dumps(meta).encode())):  # .json last: it marks complete
-            tmp = self.dir / f".{voice.id}{suffix}.tmp"
-            tmp.write_bytes(data)
-            os.replace(tmp, self.dir / f"{voice.id}{suffix}")
-
-    def _unlink(self, voice_id: str) -> None:
-        for suffix in (".json", ".bin"):
-            with contextlib.suppress(FileNotFoundError):
-                (self.dir / f"{voice_id}{suffix}").unlink()
-
-    def _utime(self, voice_id: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.utime(self.dir / f"{voice_id}.json")
-
-    async def _stored(self, voice: Voice) -> None:
-        await asyncio.to_thread(self._write, voice)
-
-    async def _removed(self, voice: Voice) -> None:
-        await asyncio.to_thread(self._unlink, voice.id)
-
-    async def _touched(self, voice: Voice) -> None:
-        await asyncio.to_thread(self._utime, voice.id)
+    def close(self) -> None:
+        with self._lock:
+            for db in self._connections:
+                db.close()
+            self._connections.clear()

@@ -153,7 +153,7 @@ def test_prompt_vs_reference_http(server, tmp_path):
     assert doc["url"] == server.url and doc["format"] == "pcm" and doc["engine_version"] is None
     assert doc["model_info"]["sample_rate"] == SAMPLE_RATE
     # the voices the tool registered are deleted at its end
-    assert not server.state.store.list("hifi") and not server.state.store.list("prompt")
+    assert not server.call(server.state.store.list("hifi")) and not server.call(server.state.store.list("prompt"))
 
 
 def test_hifi_stream_http_mp3(server, tmp_path):

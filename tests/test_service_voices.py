@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
-from service.voice_store import DiskVoiceStore, MemoryVoiceStore, Voice, VoiceTooLargeError
+from service.voice_store import SqliteVoiceStore, Voice, VoiceTooLargeError
 from tests.service_harness import LiveServer, service_settings, wav_bytes
 
 
@@ -87,21 +87,29 @@ def _voice(i: int, n: int = 100) -> Voice:
 
 def test_store_byte_bound_and_lru_order(tmp_path):
     async def run() -> None:
-        store = MemoryVoiceStore(max_entries=100, max_bytes=250)
+        store = SqliteVoiceStore(tmp_path / "a.db", max_entries=100, max_bytes=250)
         for i in range(3):
             await store.put(_voice(i))
-        assert [v.id for v in store.list()] == ["v1", "v2"]  # 300 bytes > 250: v0 evicted
-        await store.get("v1")
+            await asyncio.sleep(0.01)  # distinct last-use times
+        assert [v.id for v in await store.list()] == ["v1", "v2"]  # 300 bytes > 250: v0 evicted
+        await store.get("v1")  # touched: v2 is now the least recently used
         assert await store.put(_voice(3)) == ["v2"]
         with pytest.raises(VoiceTooLargeError):
             await store.put(_voice(9, n=1000))
+        got = await store.get("v3")
+        assert got is not None and got.ref_latents == bytes(100) and got.kind == "reference"
+        assert await store.delete("v3") and not await store.delete("v3") and await store.get("v3") is None
+        store.close()
 
-        disk = DiskVoiceStore(tmp_path, max_entries=2, max_bytes=10_000)
+        disk = SqliteVoiceStore(tmp_path / "b.db", max_entries=2, max_bytes=10_000)
         for i in range(3):
             await disk.put(_voice(i))
-        assert sorted(p.name for p in tmp_path.glob("*.json")) == ["v1.json", "v2.json"]
-        again = DiskVoiceStore(tmp_path, max_entries=1, max_bytes=10_000)  # lower bound on reload: trimmed
-        assert len(again.list()) == 1 and len(list(tmp_path.glob("*.bin"))) == 1
+            await asyncio.sleep(0.01)
+        assert [v.id for v in await disk.list()] == ["v1", "v2"]
+        disk.close()
+        again = SqliteVoiceStore(tmp_path / "b.db", max_entries=1, max_bytes=10_000)  # lower bound on reopen: trimmed
+        assert [v.id for v in await again.list()] == ["v2"]
+        again.close()
 
     asyncio.run(run())
 
@@ -111,11 +119,47 @@ def test_concurrent_puts_of_one_voice_count_once(tmp_path):
     the entry and its bytes are counted once, or the byte bound would drift for good."""
 
     async def run() -> None:
-        store = DiskVoiceStore(tmp_path, max_entries=2, max_bytes=10_000)  # disk: eviction awaits a thread
+        store = SqliteVoiceStore(tmp_path / "v.db", max_entries=2, max_bytes=10_000)
         for i in range(2):
             await store.put(_voice(i))
         await asyncio.gather(store.put(_voice(7)), store.put(_voice(7)))
-        assert store.usage()["entries"] == len(store.list()) == 2
-        assert store.usage()["bytes"] == sum(v.nbytes for v in store.list())
+        listed = await store.list()
+        assert (await store.usage())["entries"] == len(listed) == 2
+        assert (await store.usage())["bytes"] == sum(v.nbytes for v in listed)
+        store.close()
+
+    asyncio.run(run())
+
+
+def test_store_is_shared_by_processes(tmp_path):
+    """The service's API processes share one voice database: a voice put by one process is found, listed and
+    counted by another, and an eviction made by one is seen by all (the bounds hold across them)."""
+    import multiprocessing
+
+    path = tmp_path / "shared.db"
+    ctx = multiprocessing.get_context("spawn")
+    p = ctx.Process(target=_put_voices, args=(path, [0, 1]))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+
+    async def run() -> None:
+        store = SqliteVoiceStore(path, max_entries=2, max_bytes=10_000)
+        assert {v.id for v in await store.list()} == {"v0", "v1"}
+        assert (await store.get("v1")).ref_latents == bytes(100)
+        assert await store.put(_voice(2)) == ["v0"]  # the least recently used, put by the other process
+        assert (await store.usage())["entries"] == 2
+        store.close()
+
+    asyncio.run(run())
+
+
+def _put_voices(path, ids: list[int]) -> None:
+    async def run() -> None:
+        store = SqliteVoiceStore(path, max_entries=2, max_bytes=10_000)
+        for i in ids:
+            await store.put(_voice(i))
+            await asyncio.sleep(0.01)
+        store.close()
 
     asyncio.run(run())

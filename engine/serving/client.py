@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterable
@@ -56,7 +57,7 @@ class GenerationStream:
 
     def __init__(self, client: EngineClient, request: p.SynthesisRequest, transform: Transform | None) -> None:
         self.client, self.request, self.transform = client, request, transform
-        self.request_id = f"g{next(client.ids)}"
+        self.request_id = f"{client.name}-{next(client.ids)}"
         self.finish_reason: p.FinishReason | None = None
         self.samples = 0  # samples generated so far
         self.lane = 0
@@ -256,6 +257,7 @@ class EngineClient:
         self.lanes = EncoderLanes(max(1, lanes), self.loop)
         self.lane_turns = itertools.cycle(range(max(1, lanes)))
         self.ids = itertools.count()
+        self.name = os.urandom(4).hex()  # request ids are this client's name and a counter: unique across clients
         self.prompts: dict[str, tuple[np.ndarray, str]] = {}
         self.closed = False
         self._tasks = [asyncio.ensure_future(self._keep_connected(link)) for link in self.links]

@@ -13,99 +13,57 @@ import concurrent.futures
 import contextlib
 import hashlib
 import logging
-import os
-import shutil
-import tempfile
 import threading
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
-import torch
 
-from engine import kernel_cache
-from engine.checkpoint import CheckpointError, resolve_model_path
-from engine.errors import PoolStoppedError, PromptNotFoundError, RequestError
-from engine.llm_engine import EngineConfig
+from engine.errors import PoolError, PoolStoppedError, PromptNotFoundError, RequestError
 from engine.serving import protocol as p
 from engine.serving.client import EngineClient, GenerationStream, Transform
-from engine.serving.processes import WorkerProcess, socket_address
-from engine.serving.worker import WorkerOptions
+from engine.serving.processes import WorkerProcess, WorkerSet
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.llm_engine import EngineConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def worker_log_level() -> int:
-    """VOXCPM_LOG_LEVEL (e.g. DEBUG) for the workers, else the parent's root level."""
-    name = os.environ.get("VOXCPM_LOG_LEVEL", "").upper()
-    level = logging.getLevelName(name) if name else logging.getLogger().level
-    return level if isinstance(level, int) else logging.INFO
-
-
-class WorkerSet:
-    """The worker processes of one engine (a library pool's, or the service supervisor's): spawned on sockets in
-    a private directory, authenticated with a fresh key, restarted on the same addresses."""
-
-    def __init__(self, model_path: str, devices: list[str], config: EngineConfig, *, warmup: bool = False,
-                 on_exit: Any = None) -> None:
-        self.model_path, self.devices, self.config, self.warmup = model_path, devices, config, warmup
-        self.directory = tempfile.mkdtemp(prefix="voxcpm-workers-")  # mode 0700: only this user reaches the sockets
-        self.authkey = os.urandom(32)
-        self._on_exit = on_exit
-        self._precompile_early()
-        self.processes = [self._spawn(i) for i in range(len(devices))]
-
-    @property
-    def addresses(self) -> list[str]:
-        return [socket_address(self.directory, i) for i in range(len(self.devices))]
-
-    def _precompile_early(self) -> None:
-        """Start compiling the kernel manifest here, while the workers spawn and import (~6 s before an engine
-        starts on an H100 machine); a worker's engine waits for it before its first kernel. No device: this
-        process never initialises CUDA (the architecture comes from nvidia-smi)."""
-        if any(d.startswith("cuda") for d in self.devices):
-            kernel_cache.Precompiler(self.model_path, self.config.dtype, None, background=True)
-
-    def _spawn(self, index: int) -> WorkerProcess:
-        options = WorkerOptions(model_path=self.model_path, device=self.devices[index], engine=self.config,
-                                address=socket_address(self.directory, index), authkey=self.authkey,
-                                warmup=self.warmup, log_level=worker_log_level())
-        return WorkerProcess(index, options, self._on_exit)
-
-    def restart_dead(self) -> list[int]:
-        """Replace every worker process that has ended; their indices."""
-        dead = [i for i, w in enumerate(self.processes) if not w.alive]
-        for i in dead:
-            self.processes[i].join(1)
-            self.processes[i] = self._spawn(i)
-        return dead
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop every worker (they say Goodbye to their clients first), then remove the socket directory."""
-        for w in self.processes:
-            w.request_stop()
-        for w in self.processes:
-            w.join(timeout)
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-
 class AsyncVoxCPMServerPool:
+    """Spawns its workers (`workers`), or with `connect()` uses workers another process owns (the service's API
+    processes: the supervisor starts and restarts the workers)."""
+
     def __init__(self, model: str, devices: list[str], config: EngineConfig, *, warmup: bool = False,
                  encoder_lanes: int = 2) -> None:
-        self.model_path = str(resolve_model_path(model))
+        self.model_path = checked_model_path(model)
         self.devices = devices
-        self.config = config
         self._stopped = False
-        self.workers = WorkerSet(self.model_path, devices, config, warmup=warmup)
+        self.workers: WorkerSet | None = WorkerSet(self.model_path, devices, config, warmup=warmup)
         self.client = EngineClient(self.workers.addresses, self.workers.authkey, encoder_lanes)
+
+    @classmethod
+    def connect(cls, model_path: str, addresses: list[str], authkey: bytes, encoder_lanes: int = 2
+                ) -> AsyncVoxCPMServerPool:
+        """A pool of workers started elsewhere (reached at `addresses`, authenticated with `authkey`)."""
+        pool = cls.__new__(cls)
+        pool.model_path, pool.devices, pool._stopped, pool.workers = model_path, [], False, None
+        pool.client = EngineClient(addresses, authkey, encoder_lanes)
+        return pool
+
+    @property
+    def processes(self) -> list[WorkerProcess]:
+        return self.workers.processes if self.workers is not None else []
 
     # --- state --------------------------------------------------------------------------------
     @property
     def healthy(self) -> bool:
         """Every worker is running (ready or still loading) and the pool is not stopped."""
-        return not self._stopped and all(w.alive for w in self.workers.processes) and self.client.healthy
+        return not self._stopped and all(w.alive for w in self.processes) and self.client.healthy
 
     @property
     def ready(self) -> bool:
@@ -114,14 +72,14 @@ class AsyncVoxCPMServerPool:
     def snapshot(self) -> list[dict[str, int]]:
         """Per worker, without a round trip: in-flight requests (as routed here) and the load the worker last
         reported with its events (running, waiting, free_blocks, total_blocks)."""
-        return [{**s, "alive": int(s["alive"] and w.alive)}
-                for s, w in zip(self.client.snapshot(), self.workers.processes, strict=True)]
+        alive = [w.alive for w in self.processes] or [True] * len(self.client.links)
+        return [{**s, "alive": int(s["alive"] and up)} for s, up in zip(self.client.snapshot(), alive, strict=True)]
 
     async def wait_for_ready(self, timeout: float | None = None) -> None:
         """Until every worker has loaded the model (raises the first start-up failure)."""
         async def ready() -> None:
             while not self.client.ready:
-                for w in self.workers.processes:
+                for w in self.processes:
                     if w.failed_to_start is not None:
                         raise w.failed_to_start
                 if self._stopped:
@@ -135,8 +93,8 @@ class AsyncVoxCPMServerPool:
         if self._stopped:
             raise PoolStoppedError("the pool is stopped")
         if not self.client.ready:
-            failed = [w.failed_to_start for w in self.workers.processes if w.failed_to_start is not None]
-            if failed and len(failed) == len(self.workers.processes):
+            failed = [w.failed_to_start for w in self.processes if w.failed_to_start is not None]
+            if failed and len(failed) == len(self.processes):
                 raise failed[0]
 
     # --- API ----------------------------------------------------------------------------------
@@ -144,7 +102,8 @@ class AsyncVoxCPMServerPool:
         self._check()
         if not self.client.ready:
             await self.wait_for_ready()
-        return {**self.client.info, "devices": list(self.devices)}
+        devices = list(self.devices) or [link.info.get("device") for link in self.client.links]
+        return {**self.client.info, "devices": devices}
 
     async def stats(self) -> list[dict[str, Any] | None]:
         """Per worker: running/waiting sequences, free KV blocks, preemptions... (None for a dead one)."""
@@ -219,25 +178,29 @@ class AsyncVoxCPMServerPool:
         """Replace dead workers (the prompts registered here are sent to them again) and wait until ready."""
         if self._stopped:
             raise PoolStoppedError("the pool is stopped")
+        if self.workers is None:
+            raise PoolError("this pool's workers belong to another process, which restarts them")
         self.workers.restart_dead()
         await self.wait_for_ready(timeout)
 
     def kill_worker(self, index: int) -> None:
         """Terminate one worker process abruptly (tests and chaos drills)."""
-        self.workers.processes[index].kill()
+        self.processes[index].kill()
 
     async def stop(self, timeout: float = 10.0) -> None:
-        """Stop every worker (gracefully, then by force); in-flight requests get PoolStoppedError."""
+        """Stop every worker (gracefully, then by force; only this pool's own); in-flight requests get
+        PoolStoppedError."""
         if self._stopped:
             return
         self._stopped = True
-        await asyncio.to_thread(self.workers.stop, timeout)
+        if self.workers is not None:
+            await asyncio.to_thread(self.workers.stop, timeout)
         await self.client.close()
 
 
 def _plain(value: Any) -> Any:
-    """Latents travel to the worker as numpy (tensors may live on a device)."""
-    return value.detach().float().cpu().numpy() if isinstance(value, torch.Tensor) else value
+    """Latents travel to the worker as numpy (a torch tensor may live on a device)."""
+    return value.detach().float().cpu().numpy() if type(value).__module__.startswith("torch") else value
 
 
 class SyncVoxCPMServerPool:
@@ -419,6 +382,8 @@ class SyncStream:
 
 
 def device_names(devices: list[int | str] | None) -> list[str]:
+    import torch
+
     if devices is None:
         n = torch.cuda.device_count()
         return [f"cuda:{i}" for i in range(n)] if n else ["cpu"]
@@ -467,6 +432,7 @@ class VoxCPM:
 def engine_config(dtype: str | torch.dtype | None = None, **fields: Any) -> EngineConfig:
     """An EngineConfig, validated (a bad value is a ValueError naming it)."""
     from engine.config import parse_dtype
+    from engine.llm_engine import EngineConfig
 
     config = EngineConfig(dtype=parse_dtype(dtype) if isinstance(dtype, str) else dtype, **fields)
     config.validate()
@@ -475,6 +441,8 @@ def engine_config(dtype: str | torch.dtype | None = None, **fields: Any) -> Engi
 
 def checked_model_path(model: str) -> str:
     """A checkpoint directory (a hub id downloaded once here, not in every worker) that has a config.json."""
+    from engine.checkpoint import CheckpointError, resolve_model_path
+
     path = str(resolve_model_path(model))
     if not (Path(path) / "config.json").is_file():
         raise CheckpointError(f"{path} has no config.json: not a VoxCPM checkpoint directory")

@@ -12,17 +12,44 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import PoolError, WorkerDiedError
 from engine.serving import protocol as p
 
+if TYPE_CHECKING:
+    from engine.llm_engine import EngineConfig
+
 log = logging.getLogger(__name__)
 
 
-def _run_worker(control: Any, options: Any) -> None:
+@dataclass
+class WorkerOptions:
+    """Everything a worker process is started with."""
+
+    model_path: str
+    device: str
+    engine: EngineConfig
+    address: str  # the Unix socket clients connect to
+    authkey: bytes
+    warmup: bool = True
+    log_level: int = logging.INFO
+    torch_threads: int | None = None  # CPU threads for torch ops; default: 1 on a GPU, torch's choice on the CPU
+    name: str = "voxcpm-worker"  # the process name `ps` and `top` show
+
+
+def name_process(name: str) -> None:
+    """Set the name `ps`, `top` and psutil show for this process (Linux; at most 15 characters)."""
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as f:
+        f.write(name[:15])
+
+
+def _run_worker(control: Any, options: WorkerOptions) -> None:
     """The spawned process's entry point (it imports the engine, and torch, only there)."""
     from engine.serving.worker import worker_main
 
@@ -32,7 +59,8 @@ def _run_worker(control: Any, options: Any) -> None:
 class WorkerProcess:
     """One spawned worker: its process, its control pipe, how its start-up ended."""
 
-    def __init__(self, index: int, options: Any, on_exit: Callable[[WorkerProcess], None] | None = None) -> None:
+    def __init__(self, index: int, options: WorkerOptions,
+                 on_exit: Callable[[WorkerProcess], None] | None = None) -> None:
         self.index, self.options = index, options
         self.address: str = options.address
         self.device: str = options.device
@@ -97,3 +125,63 @@ class WorkerProcess:
 
 def socket_address(directory: str, index: int) -> str:
     return os.path.join(directory, f"worker-{index}.sock")
+
+
+def worker_log_level() -> int:
+    """VOXCPM_LOG_LEVEL (e.g. DEBUG) for the workers, else the parent's root level."""
+    name = os.environ.get("VOXCPM_LOG_LEVEL", "").upper()
+    level = logging.getLevelName(name) if name else logging.getLogger().level
+    return level if isinstance(level, int) else logging.INFO
+
+
+class WorkerSet:
+    """The worker processes of one engine (a library pool's, or the service supervisor's): spawned on sockets in
+    a private directory, authenticated with a fresh key, restarted on the same addresses."""
+
+    def __init__(self, model_path: str, devices: list[str], config: EngineConfig, *, warmup: bool = False,
+                 on_exit: Any = None) -> None:
+        self.model_path, self.devices, self.config, self.warmup = model_path, devices, config, warmup
+        self.directory = tempfile.mkdtemp(prefix="voxcpm-workers-")  # mode 0700: only this user reaches the sockets
+        self.authkey = os.urandom(32)
+        self._on_exit = on_exit
+        self._precompile_early()
+        self.processes = [self._spawn(i) for i in range(len(devices))]
+
+    @property
+    def addresses(self) -> list[str]:
+        return [socket_address(self.directory, i) for i in range(len(self.devices))]
+
+    def _precompile_early(self) -> None:
+        """Start compiling the kernel manifest here, while the workers spawn and import (~6 s before an engine
+        starts on an H100 machine); a worker's engine waits for it before its first kernel. No device: this
+        process never initialises CUDA (the architecture comes from nvidia-smi)."""
+        if any(d.startswith("cuda") for d in self.devices):
+            from engine import kernel_cache
+
+            kernel_cache.Precompiler(self.model_path, self.config.dtype, None, background=True)
+
+    def _spawn(self, index: int) -> WorkerProcess:
+        options = WorkerOptions(model_path=self.model_path, device=self.devices[index], engine=self.config,
+                                address=socket_address(self.directory, index), authkey=self.authkey,
+                                warmup=self.warmup, log_level=worker_log_level(), name=f"voxcpm-worker{index}")
+        return WorkerProcess(index, options, self._on_exit)
+
+    def restart(self, index: int) -> None:
+        """Replace worker `index` (ended) by a new process on the same address."""
+        self.processes[index].join(1)
+        self.processes[index] = self._spawn(index)
+
+    def restart_dead(self) -> list[int]:
+        """Replace every worker process that has ended; their indices."""
+        dead = [i for i, w in enumerate(self.processes) if not w.alive]
+        for i in dead:
+            self.restart(i)
+        return dead
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every worker (they say Goodbye to their clients first), then remove the socket directory."""
+        for w in self.processes:
+            w.request_stop()
+        for w in self.processes:
+            w.join(timeout)
+        shutil.rmtree(self.directory, ignore_errors=True)

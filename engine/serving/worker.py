@@ -29,28 +29,15 @@ import torch
 
 from engine.audio import AudioError, decode_audio, encode_latents
 from engine.errors import PromptNotFoundError, RequestError
-from engine.llm_engine import EngineConfig, LLMEngine, StepEvent
+from engine.llm_engine import LLMEngine, StepEvent
 from engine.prompt import PromptError
 from engine.serving import protocol as p
+from engine.serving.processes import WorkerOptions, name_process
 
 log = logging.getLogger(__name__)
 
 OUTBOX_MESSAGES = 64  # steps of audio a client may fall behind before the engine waits for it
 LOAD_REFRESH_STEPS = 20  # with no events for a client, still refresh its load snapshot this often
-
-
-@dataclass
-class WorkerOptions:
-    """Everything a worker process is started with."""
-
-    model_path: str
-    device: str
-    engine: EngineConfig
-    address: str  # the Unix socket clients connect to
-    authkey: bytes
-    warmup: bool = True
-    log_level: int = logging.INFO
-    torch_threads: int | None = None  # CPU threads for torch ops; default: 1 on a GPU, torch's choice on the CPU
 
 
 class DeviceLostError(RuntimeError):
@@ -441,6 +428,7 @@ def warm_up(engine: LLMEngine) -> float:
 
 def worker_main(control: Connection, options: WorkerOptions) -> None:
     """Process entry point (spawned). Listens first, so clients connect while the model loads."""
+    name_process(options.name)
     logging.basicConfig(level=max(options.log_level, logging.INFO),  # DEBUG only for our loggers, not torch's
                         format=f"%(asctime)s worker[{options.device}] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("engine").setLevel(options.log_level)

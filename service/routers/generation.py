@@ -14,14 +14,15 @@ router = APIRouter(tags=["generation"])
 AUDIO = {200: {"content": {"audio/mpeg": {}, "audio/pcm": {}}, "description": "Audio."}}
 
 
-async def _start(state: ServiceState, req: GenerateRequest, route: str) -> synthesis.Generation:
+async def _start(state: ServiceState, req: GenerateRequest, route: str, fmt: str) -> synthesis.Generation:
     cond = await conditioning.resolve(state, req)
-    params = synthesis.Params(req.max_generate_length, req.temperature, req.cfg_value, req.seed)
-    return await synthesis.start(state, route, req.target_text, cond, params)
+    return await synthesis.start(state, route, req.target_text, cond, req.sampling(), fmt)
 
 
-async def _whole(state: ServiceState, req: GenerateRequest, route: str, fmt: str) -> bytes:
-    return await synthesis.whole_file(await _start(state, req, route), fmt)
+async def _whole(state: ServiceState, req: GenerateRequest, route: str, fmt: str) -> Response:
+    gen = await _start(state, req, route, fmt)
+    data = await gen.collect()
+    return Response(data, media_type=MEDIA_TYPES[fmt], headers=synthesis.audio_headers(state, fmt, gen))
 
 
 @router.post("/generate", responses=AUDIO, response_class=Response)
@@ -29,22 +30,20 @@ async def generate(req: GenerateRequest, request: Request, state: LoadedState) -
     """Stream audio as it is generated: MP3 frames (playable from the first bytes) or raw s16le PCM.
     Any error in the request is answered with a 4xx before the stream starts."""
     mark_audio(request)
-    gen = await _start(state, req, "/generate")
+    gen = await _start(state, req, "/generate", req.response_format)
     return synthesis.stream_response(gen, req.response_format)
 
 
 @router.post("/generate_blocking", responses=AUDIO, response_class=Response)
 async def generate_blocking(req: GenerateRequest, request: Request, state: LoadedState) -> Response:
-    """The whole utterance as one MP3 (or PCM) body."""
+    """The whole utterance as one MP3 (or PCM) body; `X-Finish-Reason` says why it ended (stop or length)."""
     mark_audio(request)
-    data = await synthesis.unless_disconnected(request, _whole(state, req, "/generate_blocking", req.response_format))
-    return Response(data, media_type=MEDIA_TYPES[req.response_format],
-                    headers=synthesis.audio_headers(state, req.response_format))
+    return await synthesis.unless_disconnected(request, _whole(state, req, "/generate_blocking",
+                                                               req.response_format))
 
 
 @router.post("/generate_blocking_wav", responses={200: {"content": {"audio/wav": {}}}}, response_class=Response)
 async def generate_blocking_wav(req: GenerateRequest, request: Request, state: LoadedState) -> Response:
     """The whole utterance as one 16-bit WAV file (response_format is ignored)."""
     mark_audio(request)
-    data = await synthesis.unless_disconnected(request, _whole(state, req, "/generate_blocking_wav", "wav"))
-    return Response(data, media_type="audio/wav", headers=synthesis.audio_headers(state, "wav"))
+    return await synthesis.unless_disconnected(request, _whole(state, req, "/generate_blocking_wav", "wav"))

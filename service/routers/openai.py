@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, HTTPException, Request, Response
 
 from service import synthesis
-from service.audio import MEDIA_TYPES
+from service.audio import MEDIA_TYPES, STREAMED
 from service.conditioning import Conditioning
 from service.deps import LoadedState, State, mark_audio
 from service.routers.voices import voice_info
@@ -39,28 +39,27 @@ async def speech(req: SpeechRequest, request: Request, state: LoadedState) -> Re
     mark_audio(request)
     cond = await _voice(state, req.voice)
     text = f"({req.instructions.strip()}){req.input}" if req.instructions and req.instructions.strip() else req.input
-    params = synthesis.Params(req.max_generate_length, req.temperature, req.cfg_value, req.seed)
-    fmt = req.response_format
-    if fmt not in ("mp3", "pcm") and req.stream_format != "sse":  # sent whole: abort if the client leaves
-        data = await synthesis.unless_disconnected(request, _whole(state, text, cond, params, fmt))
-        return Response(data, media_type=MEDIA_TYPES[fmt], headers=synthesis.audio_headers(state, fmt))
-    gen = await synthesis.start(state, "/v1/audio/speech", text, cond, params)
+    fmt, route = req.response_format, "/v1/audio/speech"
     if req.stream_format == "sse":
-        return synthesis.ClosingStreamingResponse(synthesis.sse_events(gen, fmt, req.input),
-                                                  media_type="text/event-stream",
-                                                  headers=synthesis.audio_headers(state, fmt))
-    return synthesis.stream_response(gen, fmt)
+        gen = await synthesis.start(state, route, text, cond, req.sampling(), fmt, sse=True)
+        return synthesis.AudioStreamResponse(gen, "text/event-stream", synthesis.audio_headers(state, fmt, gen),
+                                             body=synthesis.sse_body(gen, req.input))
+    if fmt in STREAMED:
+        return synthesis.stream_response(await synthesis.start(state, route, text, cond, req.sampling(), fmt), fmt)
 
+    async def whole() -> Response:  # sent whole: abort if the client leaves
+        gen = await synthesis.start(state, route, text, cond, req.sampling(), fmt)
+        data = await gen.collect()
+        return Response(data, media_type=MEDIA_TYPES[fmt], headers=synthesis.audio_headers(state, fmt, gen))
 
-async def _whole(state: ServiceState, text: str, cond: Conditioning, params: synthesis.Params, fmt: str) -> bytes:
-    return await synthesis.whole_file(await synthesis.start(state, "/v1/audio/speech", text, cond, params), fmt)
+    return await synthesis.unless_disconnected(request, whole())
 
 
 @router.get("/audio/voices", response_model=VoiceList)
 async def voices(state: State) -> VoiceList:
     """'default' (zero-shot) and every cached voice usable as `voice`."""
     default = {"id": "default", "kind": "hifi", "nbytes": 0, "created": 0.0}
-    cached = [voice_info(state, v) for v in state.store.list()] if state.loaded else []
+    cached = [voice_info(state, v) for v in await state.store.list()] if state.loaded else []
     return VoiceList(voices=[default, *cached])
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine import PoolError
 from service.deps import State
@@ -22,7 +22,7 @@ async def health(state: State) -> JSONResponse:
 
 @router.get("/ready")
 async def ready(state: State) -> JSONResponse:
-    """Readiness: 200 once the model is loaded and warm and every worker is alive."""
+    """Readiness: 200 once every worker has loaded and warmed up the model and this process is connected to it."""
     if state.ready:
         return JSONResponse({"status": "ready"})
     if state.failure:
@@ -32,7 +32,7 @@ async def ready(state: State) -> JSONResponse:
     elif not state.pool.healthy:
         reason = "a worker died; restarting it"
     else:
-        reason = "warming up"
+        reason = "waiting for a restarted worker to warm up"
     return JSONResponse({"status": "not ready", "detail": reason}, status_code=503, headers={"Retry-After": "5"})
 
 
@@ -46,7 +46,8 @@ async def info(state: State) -> dict:
         "lora": {"enabled": False, "uri": s.lora_uri, "id": s.lora_id},
         "mp3": {"bitrate_kbps": s.mp3_bitrate_kbps, "quality": s.mp3_quality},
         "queue_coalesce_ms": s.queue_coalesce_ms,
-        "voice_cache": {**state.store.usage(), "max_entries": s.voice_cache_max_entries,
+        "api_processes": s.api_process_count(),
+        "voice_cache": {**await state.store.usage(), "max_entries": s.voice_cache_max_entries,
                         "max_bytes": s.voice_cache_max_bytes, "backend": s.voice_store},
         "ready": state.ready,
     }
@@ -58,9 +59,9 @@ async def metrics(state: State) -> Response:
     m = state.metrics
     if state.loaded:
         try:
-            m.observe_pool(await state.pool.stats(), state.coalescer.waiting)
+            m.observe_pool(await state.pool.stats())
         except PoolError:  # a worker died during the scrape: the rest of the metrics still matter
             m.workers_up.set(0)
-    m.observe_cache(state.store.usage())
+    m.observe_cache(await state.store.usage())
     m.ready.set(1 if state.ready else 0)
-    return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(m.exposition(), media_type=CONTENT_TYPE_LATEST)

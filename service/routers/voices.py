@@ -25,7 +25,7 @@ from service.schemas import (
     VoiceList,
 )
 from service.state import ServiceState
-from service.voice_store import Voice, voice_id
+from service.voice_store import Voice, VoiceSummary, voice_id
 
 router = APIRouter(tags=["voices"])
 
@@ -34,10 +34,10 @@ def _facts(state: ServiceState) -> dict:
     return {"feat_dim": state.feat_dim, "sample_rate": state.sample_rate, "channels": 1}
 
 
-def voice_info(state: ServiceState, v: Voice) -> VoiceInfo:
+def voice_info(state: ServiceState, v: VoiceSummary) -> VoiceInfo:
     row = 4 * state.feat_dim
-    return VoiceInfo(id=v.id, kind=v.kind, prompt_text=v.prompt_text, prompt_frames=len(v.prompt_latents or b"") // row,
-                     ref_frames=len(v.ref_latents or b"") // row, nbytes=v.nbytes, created=v.created)
+    return VoiceInfo(id=v.id, kind=v.kind, prompt_text=v.prompt_text, prompt_frames=v.prompt_bytes // row,
+                     ref_frames=v.ref_bytes // row, nbytes=v.nbytes, created=v.created)
 
 
 async def _cached(state: ServiceState, vid: str) -> bool:
@@ -115,20 +115,20 @@ async def delete_hifi(hifi_id: str, state: State) -> Deleted:
     return await _delete(state, hifi_id, "hifi", "hifi_id")
 
 
-def _listing(state: ServiceState, kind: str) -> VoiceList:
-    return VoiceList(voices=[voice_info(state, v) for v in state.store.list(kind)])
+async def _listing(state: ServiceState, kind: str) -> VoiceList:
+    return VoiceList(voices=[voice_info(state, v) for v in await state.store.list(kind)])
 
 
 @router.get("/prompts", response_model=VoiceList)
 async def list_prompts(state: LoadedState) -> VoiceList:
-    return _listing(state, "prompt")
+    return await _listing(state, "prompt")
 
 
 @router.get("/references", response_model=VoiceList)
 async def list_references(state: LoadedState) -> VoiceList:
-    return _listing(state, "reference")
+    return await _listing(state, "reference")
 
 
 @router.get("/hifi", response_model=VoiceList)
 async def list_hifi(state: LoadedState) -> VoiceList:
-    return _listing(state, "hifi")
+    return await _listing(state, "hifi")

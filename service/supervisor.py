@@ -1,0 +1,166 @@
+"""`voxcpm-serve`'s main process: one engine worker per device and several API processes in front of them.
+
+Why several: one process's event loop cannot carry every stream of a GPU (delivering 100+ streams' chunks,
+encoding MP3, writing HTTP) without falling behind the engine. Each API process is a whole FastAPI app under
+uvicorn, listening on the same port (SO_REUSEPORT: the kernel spreads connections over them), connected to
+every worker; it encodes the audio of its own streams on its encoder lanes. They share the voice database
+and write their metrics where any of them can sum them up.
+
+The supervisor starts the workers and the API processes, restarts either when it dies, and on SIGTERM or
+SIGINT stops the API processes (uvicorn lets in-flight responses finish) and then the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from service.app import WorkerEndpoint, engine_arguments, model_checkpoint, voice_db_path
+from service.settings import Settings
+
+if TYPE_CHECKING:
+    from engine.serving.processes import WorkerSet
+
+log = logging.getLogger(__name__)
+CHECK_EVERY_S = 0.5
+RESTART_BACKOFF_S = (1.0, 30.0)  # first and longest pause before restarting a worker that died again
+MAX_DEATHS = 5  # a worker dying more often than this in ten minutes stops the service (the orchestrator sees it)
+
+
+def listening_socket(host: str, port: int, listen: bool = True) -> socket.socket:
+    """A TCP socket on host:port with SO_REUSEPORT, so that every API process binds its own and the kernel
+    balances connections over them."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    if listen:
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    return sock
+
+
+def api_process_main(settings: Settings, endpoint: WorkerEndpoint, index: int) -> None:
+    """One API process (spawned): the app under uvicorn on its own SO_REUSEPORT socket."""
+    import uvicorn
+
+    from engine.serving.processes import name_process
+    from service.app import create_app
+
+    name_process(f"voxcpm-api{index}")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s api[{index}] %(levelname)s %(name)s: %(message)s")
+    sock = listening_socket(settings.host, settings.port)
+    config = uvicorn.Config(create_app(settings, endpoint), log_level="info", timeout_graceful_shutdown=30)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+class Supervisor:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.stopping = asyncio.Event()
+        self.ctx = mp.get_context("spawn")
+        self.api: list[mp.process.BaseProcess] = []
+
+    async def run(self) -> int:
+        """Serve until a signal asks to stop (0) or the service cannot run (1)."""
+        from engine.serving.pool import checked_model_path, device_names, engine_config
+        from engine.serving.processes import WorkerSet, name_process
+
+        name_process("voxcpm-serve")
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        try:
+            port_guard = listening_socket(s.host, s.port, listen=False)  # fail fast if the port is taken
+        except OSError as e:
+            log.error("cannot listen on %s:%d: %s", s.host, s.port, e)
+            return 1
+        runtime = Path(tempfile.mkdtemp(prefix="voxcpm-serve-"))
+        metrics_dir = runtime / "metrics"
+        metrics_dir.mkdir()
+        # prometheus_client reads this when an API process imports it: each process writes its values there.
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+        workers = None
+        try:
+            model_path, demo = await asyncio.to_thread(model_checkpoint, s)
+            model_path = await asyncio.to_thread(checked_model_path, model_path)
+            arguments = engine_arguments(s, demo)
+            devices, warmup = device_names(arguments.pop("devices")), arguments.pop("warmup")
+            workers = WorkerSet(model_path, devices, engine_config(**arguments), warmup=warmup)
+            endpoint = WorkerEndpoint(workers.addresses, workers.authkey, model_path, demo,
+                                      voice_db_path(s, model_path, runtime), multiprocess_metrics=True)
+            self.api = [self._spawn_api(endpoint, i) for i in range(s.api_process_count())]
+            log.info("%d engine worker(s) on %s, %d API process(es) on %s:%d", len(devices), ", ".join(devices),
+                     len(self.api), s.host, s.port)
+            return await self._watch(workers, endpoint)
+        finally:
+            await self._shutdown(workers)
+            port_guard.close()
+            shutil.rmtree(runtime, ignore_errors=True)
+
+    def _spawn_api(self, endpoint: WorkerEndpoint, index: int) -> mp.process.BaseProcess:
+        proc = self.ctx.Process(target=api_process_main, args=(self.settings, endpoint, index),
+                                name=f"voxcpm-api-{index}", daemon=False)
+        proc.start()
+        return proc
+
+    async def _watch(self, workers: WorkerSet, endpoint: WorkerEndpoint) -> int:
+        from prometheus_client import multiprocess
+
+        deaths: dict[int, list[float]] = {}  # per worker, when it died (the last ten minutes)
+        restart_at: dict[int, float] = {}
+        while not self.stopping.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), CHECK_EVERY_S)
+            if self.stopping.is_set():
+                break
+            now = time.monotonic()
+            for w in workers.processes:
+                if w.alive or w.index in restart_at:
+                    continue
+                if not deaths.get(w.index) and w.failed_to_start is not None:
+                    log.error("%s; stopping the service", w.failed_to_start)  # the configuration cannot work
+                    return 1
+                deaths[w.index] = [t for t in deaths.get(w.index, []) if now - t < 600] + [now]
+                if not self.settings.restart_dead_workers or len(deaths[w.index]) > MAX_DEATHS:
+                    log.error("worker %d died (exit code %s) %d time(s) in ten minutes; stopping the service",
+                              w.index, w.process.exitcode, len(deaths[w.index]))
+                    return 1
+                pause = min(RESTART_BACKOFF_S[1], RESTART_BACKOFF_S[0] * 2 ** (len(deaths[w.index]) - 1))
+                restart_at[w.index] = now + pause
+                log.error("worker %d died (exit code %s): restarting it in %.0f s", w.index, w.process.exitcode, pause)
+            for index, when in list(restart_at.items()):
+                if now >= when:
+                    del restart_at[index]
+                    workers.restart(index)
+            for i, proc in enumerate(self.api):
+                if not proc.is_alive():
+                    log.error("API process %d exited (code %s): starting it again", i, proc.exitcode)
+                    multiprocess.mark_process_dead(proc.pid)
+                    self.api[i] = self._spawn_api(endpoint, i)
+        log.info("stopping: API processes first (in-flight responses finish), then the workers")
+        return 0
+
+    async def _shutdown(self, workers: WorkerSet | None) -> None:
+        for proc in self.api:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGTERM)
+        for proc in self.api:
+            await asyncio.to_thread(proc.join, 40)
+            if proc.is_alive():
+                proc.kill()
+                await asyncio.to_thread(proc.join, 5)
+        if workers is not None:
+            await asyncio.to_thread(workers.stop)

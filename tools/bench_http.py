@@ -1,0 +1,226 @@
+"""HTTP burst benchmark of a running voxcpm-serve: what its clients see, and what the service burns for it.
+
+    python tools/bench_http.py http://127.0.0.1:8000 --conc 1,8,32,64,128 --procs 8 --format mp3 \
+        --pid SERVICE_PID --out http_mp3.json
+
+The protocol of tools/bench_stream.py (per concurrency: one warm-up burst, then --iters counted bursts of c
+requests at once; TTFB = first audio byte, RTF = wall / audio seconds, underruns for a listener who starts at
+the first byte; throughput = audio seconds / burst wall) from the client's side, over --procs client processes
+that start each burst together: one Python client process cannot drive more than ~32 streams (its own core
+saturates and the numbers become the client's).
+
+Routes: /generate (--route generate), /v1/audio/speech streaming (--route speech); --voice hifi registers one
+synthetic 5 s clip with /add_hifi and sends its hifi_id. Audio seconds come from the bytes: PCM exactly, MP3
+from its frame headers.
+
+With --pid (the service's main process), the CPU time of it and every process under it is read at the start
+and end of each concurrency (warm-up burst included) and reported per role, by process name (the service
+names its processes voxcpm-worker<i> and voxcpm-api<i>): cores used on average, and core-seconds per audio
+second (the capacity-planning figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchlib import (  # noqa: E402
+    CFG_VALUE,
+    CLIP_TEXT,
+    TEMPERATURE,
+    TEXT,
+    Mp3Counter,
+    mean,
+    request_record,
+    request_stats,
+    synthetic_clip_wav,
+    write_json,
+)
+
+
+def body_of(a: argparse.Namespace, hifi_id: str | None) -> tuple[str, dict[str, Any]]:
+    if a.route == "speech":
+        body: dict[str, Any] = {"model": "tts-1", "input": TEXT, "voice": hifi_id or "default",
+                                "response_format": a.format, "max_generate_length": a.patches}
+        return "/v1/audio/speech", body
+    body = {"target_text": TEXT, "max_generate_length": a.patches, "cfg_value": CFG_VALUE,
+            "temperature": TEMPERATURE, "response_format": a.format}
+    if hifi_id:
+        body["hifi_id"] = hifi_id
+    return "/generate", body
+
+
+def counter(fmt: str, sample_rate: int):  # noqa: ANN201 (bytes -> seconds)
+    if fmt == "mp3":
+        return Mp3Counter().feed
+    held = [0]
+
+    def pcm(data: bytes) -> float:  # a network piece may end mid-sample
+        held[0] += len(data)
+        n, held[0] = divmod(held[0], 2)
+        return n / sample_rate
+
+    return pcm
+
+
+async def client_bursts(a: argparse.Namespace, n: int, bursts: int, barrier: Any, hifi_id: str | None,
+                        sample_rate: int) -> list[list[dict[str, Any]]]:
+    import httpx
+
+    path, body = body_of(a, hifi_id)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
+    out = []
+    async with httpx.AsyncClient(base_url=a.url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+        for _ in range(bursts):
+            await asyncio.to_thread(barrier.wait)
+            t0 = time.perf_counter()
+
+            async def one(t0: float = t0) -> dict[str, Any]:
+                count = counter(a.format, sample_rate)
+                arrivals, durations = [], []
+                try:
+                    async with client.stream("POST", path, json=body) as r:
+                        if r.status_code != 200:
+                            return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+                        async for data in r.aiter_raw():
+                            seconds = count(data)
+                            if seconds > 0:
+                                arrivals.append(time.perf_counter() - t0)
+                                durations.append(seconds)
+                    rec = request_record(arrivals, durations)
+                    del rec["arrivals"], rec["durations"]
+                    return rec
+                except Exception as e:  # noqa: BLE001  (a failed request is a result)
+                    return {"error": f"{type(e).__name__}: {e}"}
+
+            out.append(await asyncio.gather(*(one() for _ in range(n))))
+    return out
+
+
+def client_process(a: argparse.Namespace, n: int, bursts: int, barrier: Any, hifi_id: str | None,
+                   sample_rate: int, results: Any) -> None:
+    results.put(asyncio.run(client_bursts(a, n, bursts, barrier, hifi_id, sample_rate)))
+
+
+def role(name: str) -> str:
+    for prefix in ("voxcpm-worker", "voxcpm-api"):
+        if name.startswith(prefix):
+            return prefix.removeprefix("voxcpm-")
+    return "other"
+
+
+def cpu_times(pid: int | None) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of `pid` and every process under it, with its role."""
+    if not pid:
+        return {}
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return {}
+    out = {}
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+            out[proc.pid] = (role(proc.name()), t.user + t.system)
+        except psutil.Error:
+            continue
+    return out
+
+
+def cpu_report(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], wall: float,
+               audio_s: float) -> dict[str, Any]:
+    used: dict[str, float] = {}
+    for pid, (name, t) in after.items():
+        used[name] = used.get(name, 0.0) + t - before.get(pid, (name, 0.0))[1]
+    total = sum(used.values())
+    return {"service_cores_mean": total / wall if wall else None,
+            "service_cores_by_role": {k: v / wall for k, v in sorted(used.items())},
+            "core_s_per_audio_s": total / audio_s if audio_s else None,
+            "core_s_per_audio_s_by_role": {k: v / audio_s for k, v in sorted(used.items())} if audio_s else {}}
+
+
+def run_concurrency(a: argparse.Namespace, c: int, hifi_id: str | None, sample_rate: int) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    procs_n = max(1, min(a.procs, c))
+    shares = [c // procs_n + (1 if i < c % procs_n else 0) for i in range(procs_n)]
+    barrier, results = ctx.Barrier(procs_n), ctx.Queue()
+    procs = [ctx.Process(target=client_process, args=(a, n, a.iters + 1, barrier, hifi_id, sample_rate, results))
+             for n in shares]
+    cpu0, t0 = cpu_times(a.pid), time.perf_counter()
+    for p in procs:
+        p.start()
+    per_proc = [results.get() for _ in procs]
+    for p in procs:
+        p.join()
+    wall = time.perf_counter() - t0
+    cpu1 = cpu_times(a.pid)
+    reqs, errors, bursts, audio_all = [], [], [], 0.0
+    for b in range(a.iters + 1):
+        res = [r for pp in per_proc for r in pp[b]]
+        audio_all += sum(r.get("audio_s", 0.0) for r in res)
+        if b == 0:
+            continue  # the warm-up burst
+        errors += [r["error"] for r in res if "error" in r]
+        ok = [r for r in res if "error" not in r]
+        reqs += ok
+        if ok:
+            bursts.append(sum(r["audio_s"] for r in ok) / max(r["wall"] for r in ok))
+    row = {"concurrency": c, **request_stats(reqs, errors), "throughput_audio_s_per_s": mean(bursts),
+           "client_procs": procs_n}
+    if cpu1:
+        row.update(cpu_report(cpu0, cpu1, wall, audio_all))
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    import httpx
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("url")
+    ap.add_argument("--conc", default="1,8,32")
+    ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--patches", type=int, default=100)
+    ap.add_argument("--procs", type=int, default=8, help="client processes a burst is spread over")
+    ap.add_argument("--route", choices=["generate", "speech"], default="generate")
+    ap.add_argument("--voice", choices=["zeroshot", "hifi"], default="zeroshot")
+    ap.add_argument("--format", choices=["mp3", "pcm"], default="mp3")
+    ap.add_argument("--pid", type=int, help="the service's main process: CPU per role")
+    ap.add_argument("--label", default="", help="a name for this run in the JSON")
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    a.url = a.url.rstrip("/")
+    info = httpx.get(a.url + "/info", timeout=30).json()
+    sample_rate = int(info["model"]["sample_rate"])
+    hifi_id = None
+    if a.voice == "hifi":
+        clip = base64.b64encode(synthetic_clip_wav(5.0)).decode()
+        r = httpx.post(a.url + "/add_hifi", json={"wav_base64": clip, "prompt_text": CLIP_TEXT}, timeout=120)
+        r.raise_for_status()
+        hifi_id = r.json()["hifi_id"]
+    doc: dict[str, Any] = {"tool": "bench_http", "argv": sys.argv if argv is None else argv, "label": a.label,
+                           "url": a.url, "route": a.route, "voice": a.voice, "format": a.format,
+                           "patches": a.patches, "iters": a.iters, "sample_rate": sample_rate,
+                           "service": {k: info.get(k) for k in ("mp3", "queue_coalesce_ms", "api_processes")},
+                           "results": []}
+    for c in [int(x) for x in a.conc.split(",") if x.strip()]:
+        row = run_concurrency(a, c, hifi_id, sample_rate)
+        doc["results"].append(row)
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+               if k in ("concurrency", "failed", "ttfb_p50", "ttfb_p95", "rtf_mean", "throughput_audio_s_per_s",
+                        "streams_with_underrun", "service_cores_mean", "core_s_per_audio_s")}, flush=True)
+        write_json(a.out, doc)
+
+
+if __name__ == "__main__":
+    main()
