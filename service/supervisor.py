@@ -21,6 +21,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -60,9 +61,17 @@ def api_process_main(settings: Settings, endpoint: WorkerEndpoint, index: int) -
 
     name_process(f"voxcpm-api{index}")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s api[{index}] %(levelname)s %(name)s: %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="parent-watch", daemon=True).start()
     sock = listening_socket(settings.host, settings.port)
     config = uvicorn.Config(create_app(settings, endpoint), log_level="info", timeout_graceful_shutdown=30)
     uvicorn.Server(config).run(sockets=[sock])
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A supervisor killed outright cannot stop its API processes: each stops itself (gracefully) instead."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Supervisor:

@@ -12,6 +12,8 @@
 #   PARTS="ours nano" bash tools/device_bench.sh       # both benchmarks + comparison
 #   PARTS="nano" CONC=1,8 bash tools/device_bench.sh   # one peer, fewer concurrencies
 #   PARTS="" OUT=dir-with-both-jsons bash tools/device_bench.sh   # only the comparison
+#   PARTS="ours http encode" CONC=1,8,32,64,128 bash tools/device_bench.sh   # the pool, then the service over HTTP
+#   PARTS="http_base" BASELINE=old ...   # the service of an earlier tree (old/) at HTTP_BASE_CONC, with a profile
 # Rough times: wheels ~10 s; checkpoint 1-3 min (skipped when $CKPT was finished by an earlier call on a
 # machine still warm); nano at 1,8,32,64 ~2.5 min (startup 40-55 s, then 12 bursts of 16 s of audio at
 # 10-125 audio-s/s); ours the same if it matches nano, ~5 min at the eager 164-197 ms/step. Every part
@@ -27,6 +29,12 @@
 # CHECK_ARGS (extra flags for gpu_check.py), PROFILE_BATCH (1,8,64), BASELINE, T_PROFILE, FRESH_KERNELS (1: our
 # benchmark starts on an empty Triton kernel cache, for the cold start of a fresh machine). Files in $OUT:
 # device_bench.log, gpu_check.json, profile.json, profile_before.json, ours.json, nano.json, compare.md.
+# The service parts (http, http_base) start `python3 -m service.main` on the checkpoint with the pool benchmark's
+# engine settings (max_num_seqs = the largest CONC, max_model_len 1024, 0.85 of the GPU memory) on an empty
+# cache dir (its start to /ready is the cold start), then run tools/bench_http.py (8 client processes) for each of
+# HTTP_RUNS (mp3 pcm speech hifi; hifi at HIFI_CONC), py-spy recording every service process during the largest
+# concurrency of the first run. Their files: http_*.json, pyspy_*.txt, service_*.log, encode.json; past 7 files
+# in $OUT everything but the log is packed into results.tgz (a call brings back at most 8 files).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -49,6 +57,11 @@ T_OURS="${T_OURS:-330}"
 T_NANO="${T_NANO:-240}"
 T_PROFILE="${T_PROFILE:-150}"
 PROFILE_BATCH="${PROFILE_BATCH:-1,8,64}"
+HTTP_RUNS="${HTTP_RUNS:-mp3 pcm speech hifi}"
+HIFI_CONC="${HIFI_CONC:-1,5,10}"
+HTTP_BASE_CONC="${HTTP_BASE_CONC:-128}"
+T_HTTP="${T_HTTP:-420}"
+PORT="${PORT:-8123}"
 SITE=/tmp/site
 SHIM="$ROOT/.whl/flash_attn_shim"
 
@@ -151,6 +164,63 @@ bench() {  # bench ENGINE JSON LIMIT [extra PYTHONPATH]
         python3 tools/bench_stream.py "${args[@]}"
 }
 
+
+# --- the service over HTTP ----------------------------------------------------------------------------------
+SVC_PID=""
+start_service() {  # start_service TREE NAME: the service of code tree TREE; sets SVC_PID, logs the cold start
+    local tree=$1 name=$2 maxseqs=${CONC##*,}
+    local cache; cache="$(mktemp -d)"
+    log "starting the service of $tree (cache $cache: empty, a cold start)"
+    local t0; t0=$(date +%s.%N)
+    (cd "$tree" && exec env NANOVLLM_MODEL_PATH="$CKPT" NANOVLLM_CACHE_DIR="$cache" NANOVLLM_PORT="$PORT" \
+        NANOVLLM_HOST=127.0.0.1 NANOVLLM_SERVERPOOL_MAX_NUM_SEQS="$maxseqs" NANOVLLM_SERVERPOOL_MAX_MODEL_LEN=1024 \
+        NANOVLLM_SERVERPOOL_GPU_MEMORY_UTILIZATION=0.85 ${SERVICE_ENV:-} python3 -m service.main) \
+        >"$OUT/service_$name.log" 2>&1 &
+    SVC_PID=$!
+    for _ in $(seq 1 600); do
+        if curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null 2>&1; then
+            log "service $name ready in $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s (pid $SVC_PID)"
+            return 0
+        fi
+        kill -0 "$SVC_PID" 2>/dev/null || { log "service $name exited during start-up"; return 1; }
+        sleep 0.2
+    done
+    log "service $name not ready after 120 s"
+    return 1
+}
+
+stop_service() {
+    [[ -n "$SVC_PID" ]] || return 0
+    kill -TERM "$SVC_PID" 2>/dev/null
+    for _ in $(seq 1 60); do kill -0 "$SVC_PID" 2>/dev/null || break; sleep 0.5; done
+    kill -KILL "$SVC_PID" 2>/dev/null
+    pkill -KILL -f "multiprocessing.spawn" 2>/dev/null  # anything it left (the next service needs the GPU)
+    SVC_PID=""
+    sleep 1
+}
+
+http_bench() {  # http_bench NAME CONC [bench_http.py flags]: one sweep; a py-spy profile of its last level
+    local name=$1 conc=$2
+    shift 2
+    local head=${conc%,*} last=${conc##*,}
+    if [[ "$head" != "$conc" ]]; then
+        run_limited "$T_HTTP" "http-$name" python3 tools/bench_http.py "http://127.0.0.1:$PORT" --conc "$head" \
+            --procs 8 --pid "$SVC_PID" --label "$name" --out "$OUT/http_${name}_a.json" "$@"
+    fi
+    local spy=""
+    if [[ -n "${PYSPY:-}" ]] && command -v py-spy >/dev/null; then
+        py-spy record --pid "$SVC_PID" --subprocesses --nonblocking --rate 67 --duration 12 --format raw \
+            --output "$OUT/pyspy_${name}_c$last.txt" >"$OUT/pyspy_${name}.log" 2>&1 &
+        spy=$!
+        sleep 1
+    fi
+    run_limited "$T_HTTP" "http-$name-c$last" python3 tools/bench_http.py "http://127.0.0.1:$PORT" --conc "$last" \
+        --procs 8 --pid "$SVC_PID" --label "$name" --out "$OUT/http_${name}_b.json" "$@"
+    local rc=$?
+    [[ -n "$spy" ]] && wait "$spy"
+    return $rc
+}
+
 log "parts: $PARTS; conc=$CONC iters=$ITERS mode=$MODE patches=${PATCHES:-default}; budget ${BUDGET_S}s; out=$OUT"
 declare -A RC
 for part in $PARTS; do
@@ -205,8 +275,36 @@ for part in $PARTS; do
             run_limited "$T_PROFILE" profile python3 tools/profile_step.py --model "$CKPT" --batch "$PROFILE_BATCH" \
                 --kernels --out "$OUT/profile.json" || RC[$part]=$?
             ;;
+        encode)
+            setup_wheels || { RC[$part]=setup; continue; }
+            run_limited 120 encode python3 tools/bench_encode.py --out "$OUT/encode.json"
+            RC[$part]=$?
+            ;;
+        http)
+            { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
+            start_service "$ROOT" new || { stop_service; RC[$part]=start; continue; }
+            RC[$part]=0
+            for run in $HTTP_RUNS; do
+                case $run in
+                    mp3) PYSPY=1 http_bench mp3 "$CONC" --format mp3 ;;
+                    pcm) http_bench pcm "$CONC" --format pcm ;;
+                    speech) http_bench speech "$CONC" --route speech --format mp3 ;;
+                    hifi) http_bench hifi "$HIFI_CONC" --voice hifi --format mp3 --patches 40 ;;
+                    *) log "unknown HTTP run $run" ;;
+                esac || RC[$part]=$?
+            done
+            stop_service
+            ;;
+        http_base)
+            { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
+            [[ -d "${BASELINE:-}" ]] || { log "http_base needs BASELINE=dir (an earlier tree)"; RC[$part]=setup; continue; }
+            start_service "$BASELINE" base || { stop_service; RC[$part]=start; continue; }
+            PYSPY=1 http_bench base_mp3 "$HTTP_BASE_CONC" --format mp3
+            RC[$part]=$?
+            stop_service
+            ;;
         *)
-            log "unknown part '$part' (known: test check profile ours nano)"
+            log "unknown part '$part' (known: test check profile ours nano encode http http_base)"
             ;;
     esac
 done
@@ -217,4 +315,8 @@ if [[ -f "$OUT/ours.json" && -f "$OUT/nano.json" ]]; then
 fi
 summary=""
 for part in $PARTS; do summary+=" $part=${RC[$part]:-?}"; done
+if (( $(find "$OUT" -maxdepth 1 -type f | wc -l) > 7 )); then  # a call brings back at most 8 files
+    (cd "$OUT" && tar czf results.tgz --exclude device_bench.log --exclude results.tgz ./* && \
+        find . -maxdepth 1 -type f ! -name device_bench.log ! -name results.tgz -delete)
+fi
 log "done in $((SECONDS - START))s; exit codes:$summary (124 = timed out); files: $(ls "$OUT" | tr '\n' ' ')"

@@ -26,9 +26,19 @@ if [[ "${KEEP:-0}" != 1 ]]; then
 fi
 mkdir -p "$DEST"
 
-# Roots. (a): what engine/ imports beyond the image (engine/audio.py: soundfile, soxr).
-# (b): the benchmark peer. Extra roots from $EXTRA.
-ROOTS="soundfile soxr nano-vllm-voxcpm==2.0.5 ${EXTRA:-}"
+# Roots. (a): what engine/ imports beyond the image (engine/audio.py: soundfile, soxr), and what the service
+# needs (fastapi, uvicorn with uvloop and httptools, pydantic-settings, lameenc), at the versions of uv.lock;
+# py-spy for profiling the service. (b): the benchmark peer. Extra roots from $EXTRA.
+locked() {  # NAME==VERSION as uv.lock pins it
+    local v
+    v=$(grep -A1 "^name = \"$1\"$" uv.lock | sed -n 's/^version = "\(.*\)"/\1/p' | head -1)
+    echo "$1${v:+==$v}"
+}
+SERVICE=""
+for n in fastapi starlette pydantic pydantic-core pydantic-settings uvicorn uvloop httptools lameenc; do
+    SERVICE+="$(locked $n) "
+done
+ROOTS="soundfile soxr $SERVICE py-spy nano-vllm-voxcpm==2.0.5 ${EXTRA:-}"
 
 "$PYTHON" - "$DEST" $ROOTS <<'PY'
 import re

@@ -180,7 +180,8 @@ class AsyncVoxCPMServerPool:
             raise PoolStoppedError("the pool is stopped")
         if self.workers is None:
             raise PoolError("this pool's workers belong to another process, which restarts them")
-        self.workers.restart_dead()
+        lost = [link.index for link in self.client.links if link.down]
+        await asyncio.to_thread(self.workers.restart_dead, lost)
         await self.wait_for_ready(timeout)
 
     def kill_worker(self, index: int) -> None:

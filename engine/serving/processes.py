@@ -171,8 +171,11 @@ class WorkerSet:
         self.processes[index].join(1)
         self.processes[index] = self._spawn(index)
 
-    def restart_dead(self) -> list[int]:
-        """Replace every worker process that has ended; their indices."""
+    def restart_dead(self, lost: list[int] | tuple[int, ...] = ()) -> list[int]:
+        """Replace every worker process that has ended, and those in `lost` (their clients lost them: a killed
+        process may not be reaped yet; one still running after a few seconds is killed); their indices."""
+        for i in lost:
+            self.processes[i].join(5)
         dead = [i for i, w in enumerate(self.processes) if not w.alive]
         for i in dead:
             self.restart(i)
