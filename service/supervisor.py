@@ -145,11 +145,11 @@ class Supervisor:
                 deaths[w.index] = [t for t in deaths.get(w.index, []) if now - t < 600] + [now]
                 if not self.settings.restart_dead_workers or len(deaths[w.index]) > MAX_DEATHS:
                     log.error("worker %d died (exit code %s) %d time(s) in ten minutes; stopping the service",
-                              w.index, w.process.exitcode, len(deaths[w.index]))
+                              w.index, w.exitcode, len(deaths[w.index]))
                     return 1
                 pause = min(RESTART_BACKOFF_S[1], RESTART_BACKOFF_S[0] * 2 ** (len(deaths[w.index]) - 1))
                 restart_at[w.index] = now + pause
-                log.error("worker %d died (exit code %s): restarting it in %.0f s", w.index, w.process.exitcode, pause)
+                log.error("worker %d died (exit code %s): restarting it in %.0f s", w.index, w.exitcode, pause)
             for index, when in list(restart_at.items()):
                 if now >= when:
                     del restart_at[index]

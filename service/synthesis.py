@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -19,6 +20,7 @@ from service.conditioning import Conditioning
 from service.errors import http_error
 from service.state import ServiceState
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's "client closed request": recorded in the metrics, never seen by the client
 FINISH_HEADER = "X-Finish-Reason"
@@ -90,27 +92,42 @@ def audio_headers(state: ServiceState, fmt: str, gen: Generation | None = None) 
 
 class AudioStreamResponse(StreamingResponse):
     """Streams a generation's bytes. Starlette stops iterating when the client disconnects but does not close the
-    iterator; we do, at once, so the engine request is aborted now rather than whenever it is collected. Where the
-    server speaks the ASGI trailers extension (HTTP/2), the finish reason follows the body as a trailer."""
+    iterator; we do, at once, so the engine request is aborted now rather than whenever it is collected. A stream
+    the engine fails midway (its worker died) is left unterminated, so the client sees it cut off rather than a
+    clean end. Where the server speaks the ASGI trailers extension (HTTP/2), the finish reason follows the body as
+    a trailer."""
 
     def __init__(self, gen: Generation, media_type: str, headers: dict[str, str],
                  body: AsyncIterator[bytes] | None = None) -> None:
-        super().__init__(body or gen.chunks(), media_type=media_type, headers=headers)
         self.gen = gen
+        self.failure: PoolError | None = None
+        super().__init__(self._guarded(body or gen.chunks()), media_type=media_type, headers=headers)
+
+    async def _guarded(self, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        try:
+            async for data in body:
+                yield data
+        except PoolError as e:
+            self.failure = e
+            log.warning("stream %s broke off: %s", self.gen.stream.request_id, e)
+        finally:
+            await body.aclose()  # type: ignore[attr-defined]
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         trailers = "http.response.trailers" in scope.get("extensions", {})
         if trailers:
             self.headers["Trailer"] = FINISH_HEADER
 
-        async def send_announcing_trailers(message: dict) -> None:
-            if message["type"] == "http.response.start":
+        async def guarded_send(message: dict) -> None:
+            if message["type"] == "http.response.start" and trailers:
                 message = {**message, "trailers": True}
+            elif message["type"] == "http.response.body" and not message.get("more_body") and self.failure:
+                return  # no terminating chunk: the server closes the connection, the client sees a cut-off stream
             await send(message)
 
         try:
-            await super().__call__(scope, receive, send_announcing_trailers if trailers else send)
-            if trailers:
+            await super().__call__(scope, receive, guarded_send)
+            if trailers and not self.failure:
                 reason = (self.gen.finish_reason or "aborted").encode()
                 await send({"type": "http.response.trailers", "headers": [(FINISH_HEADER.lower().encode(), reason)],
                             "more_trailers": False})

@@ -76,6 +76,7 @@ class WorkerProcess:
         threading.Thread(target=self._watch, name=f"voxcpm-watch-{index}", daemon=True).start()
 
     def _watch(self) -> None:
+        """The only thread that reaps the process (two threads waiting on one child race each other)."""
         while True:
             try:
                 msg = self.control.recv()
@@ -86,7 +87,7 @@ class WorkerProcess:
             elif isinstance(msg, p.Fatal):
                 self.started.set_exception(PoolError(f"worker {self.index} ({self.device}) failed to start: "
                                                      f"{msg.message}"))
-        self.process.join(timeout=10)
+        self.process.join()  # the control pipe closes when the process ends
         if not self.started.done():
             self.started.set_exception(WorkerDiedError(f"worker {self.index} ({self.device}) exited during start-up "
                                                        f"(code {self.process.exitcode})"))
@@ -96,7 +97,12 @@ class WorkerProcess:
 
     @property
     def alive(self) -> bool:
-        return not self.exited.is_set() and self.process.is_alive()
+        """Not yet reaped (a process killed a moment ago still counts until its watcher has seen it end)."""
+        return not self.exited.is_set()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode if self.exited.is_set() else None
 
     @property
     def failed_to_start(self) -> BaseException | None:
@@ -104,7 +110,8 @@ class WorkerProcess:
 
     def kill(self) -> None:
         """Terminate the process abruptly (tests and chaos drills)."""
-        self.process.kill()
+        if not self.exited.is_set():
+            self.process.kill()
 
     def request_stop(self) -> None:
         """Ask the worker to finish: it tells its clients Goodbye and exits."""
@@ -113,12 +120,10 @@ class WorkerProcess:
 
     def join(self, timeout: float) -> None:
         """Wait for the process to end (request_stop first), killing it after `timeout`."""
-        self.process.join(timeout)
-        if self.process.is_alive():
+        if not self.exited.wait(timeout):
             log.warning("worker %d did not stop within %.0f s: killing it", self.index, timeout)
-            self.process.kill()
-            self.process.join(5)
-        self.exited.wait(10)
+            self.kill()
+            self.exited.wait(10)
         with contextlib.suppress(OSError):
             self.control.close()
 
