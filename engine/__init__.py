@@ -11,10 +11,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "CheckpointError": "engine.checkpoint", "LoadedModel": "engine.checkpoint", "load_model": "engine.checkpoint",
+    "CheckpointError": "engine.errors", "LoadedModel": "engine.checkpoint", "load_model": "engine.checkpoint",
     "EngineError": "engine.errors", "PoolError": "engine.errors", "PoolStoppedError": "engine.errors",
     "PromptNotFoundError": "engine.errors", "RequestError": "engine.errors", "WorkerDiedError": "engine.errors",
-    "EngineConfig": "engine.llm_engine", "LLMEngine": "engine.llm_engine", "StepEvent": "engine.llm_engine",
+    "EngineConfig": "engine.engine_config", "LLMEngine": "engine.llm_engine", "StepEvent": "engine.llm_engine",
     "SamplingParams": "engine.serving.protocol", "SynthesisRequest": "engine.serving.protocol",
     "GenerationStream": "engine.serving.client",
     "AsyncVoxCPMServerPool": "engine.serving.pool", "SyncVoxCPMServerPool": "engine.serving.pool",
@@ -26,6 +26,7 @@ __all__ = ["AsyncVoxCPMServerPool", "CheckpointError", "EngineConfig", "EngineEr
 
 if TYPE_CHECKING:
     from engine.checkpoint import CheckpointError, LoadedModel, load_model
+    from engine.engine_config import EngineConfig
     from engine.errors import (
         EngineError,
         PoolError,
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
         RequestError,
         WorkerDiedError,
     )
-    from engine.llm_engine import EngineConfig, LLMEngine, StepEvent
+    from engine.llm_engine import LLMEngine, StepEvent
     from engine.serving.client import GenerationStream
     from engine.serving.pool import AsyncVoxCPMServerPool, SyncVoxCPMServerPool, VoxCPM
     from engine.serving.protocol import SamplingParams, SynthesisRequest

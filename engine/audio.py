@@ -65,5 +65,9 @@ def encode_latents(vae: AudioVAE, samples: np.ndarray, sr: int, patch_size: int,
     pad = -audio.shape[1] % patch_len
     audio = torch.nn.functional.pad(audio, (pad, 0) if padding == "left" else (0, pad))
     device = next(vae.parameters()).device
-    with torch.inference_mode():
+    cudnn = torch.backends.cudnn
+    # Every clip length is a new shape: cuDNN's benchmark mode (on for the decode's fixed shapes) would search
+    # algorithms for each of the encoder's convolutions again, per upload.
+    with torch.inference_mode(), cudnn.flags(enabled=cudnn.enabled, benchmark=False,
+                                             deterministic=cudnn.deterministic, allow_tf32=cudnn.allow_tf32):
         return vae.encode(audio.to(device), vae.sample_rate)[0].T.float().cpu().contiguous()

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from engine.config import ConfigError, VoxCPMConfig
+from engine.errors import CheckpointError  # noqa: F401  (raised here; imported from here by callers)
 from engine.models import build_backbone
 from engine.models.audio_vae import AudioVAE, AudioVAEConfig, fuse_weight_norm
 from engine.models.voxcpm import VoxCPMBackbone
@@ -32,9 +33,6 @@ log = logging.getLogger(__name__)
 
 VAE_PREFIX = "audio_vae."
 
-
-class CheckpointError(ValueError):
-    """The directory is not a loadable VoxCPM checkpoint; the message says what is wrong."""
 
 
 @dataclass

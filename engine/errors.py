@@ -4,6 +4,10 @@ pool raises the class of that kind, so callers can tell their own mistakes from 
 from __future__ import annotations
 
 
+class CheckpointError(ValueError):
+    """The directory is not a loadable VoxCPM checkpoint; the message says what is wrong."""
+
+
 class PoolError(RuntimeError):
     """Base of every error the pool raises."""
 

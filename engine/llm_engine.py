@@ -17,51 +17,13 @@ import torch
 from engine import kernel_cache
 from engine.block_manager import BlockManager
 from engine.checkpoint import LoadedModel, load_model
+from engine.engine_config import EngineConfig
 from engine.model_runner import LaunchedDecode, ModelRunner, PatchResult
 from engine.prompt import build_prompt, max_patches
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence, Status
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineConfig:
-    max_num_seqs: int = 16
-    max_model_len: int = 4096
-    max_num_batched_tokens: int = 8192
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # default: CUDA measures free memory, CPU fits max_num_seqs full sequences
-    gpu_memory_utilization: float = 0.9  # share of the device's memory this engine may end up using
-    enforce_eager: bool = False  # no CUDA graphs
-    attention_backend: str | None = None  # "flash" | "triton" | "torch"; default: the best available
-    inference_timesteps: int = 10
-    dtype: torch.dtype | None = None  # default: the checkpoint's
-    # Launch a decode step before reading the previous one's outputs, so the host's work between steps
-    # overlaps the device's (a sequence that stops computes one patch more, dropped). Default: on for CUDA
-    # (H100, B=64: engine.step() 36.1 -> 24.2 ms), off on CPU where a step is synchronous anyway;
-    # VOXCPM_PIPELINE_DECODE=0/1 overrides.
-    pipeline_decode: bool | None = None
-    # Window gathering requests that arrive together into one scheduling round (one batched prefill): new
-    # requests wait up to this long for others before they are admitted. 0 = admit at once.
-    coalesce_ms: float = 0.0
-
-    def validate(self) -> None:
-        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "inference_timesteps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.block_size & (self.block_size - 1):
-            raise ValueError("block_size must be a power of two")
-        if not 0.05 <= self.gpu_memory_utilization <= 1.0:
-            raise ValueError("gpu_memory_utilization must be in [0.05, 1]")
-        if self.max_num_batched_tokens < self.max_model_len:
-            # A preempted stream is recomputed in one prefill of up to max_model_len tokens.
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                             f"({self.max_model_len})")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError("num_kv_blocks must be >= 1")
-        if not 0.0 <= self.coalesce_ms <= 1000.0:
-            raise ValueError("coalesce_ms must be in [0, 1000]")
 
 
 @dataclass

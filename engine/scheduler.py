@@ -5,9 +5,9 @@ before that, prefills as many waiting sequences as the token budget and free KV 
 blocks run out mid-stream the most recently started sequence is preempted (its KV is dropped and
 recomputed later). A request that can never fit fails instead of waiting forever.
 
-With a coalescing window, a new request at the head of the queue opens it: admissions wait until it has
-waited that long (or the queue could fill every free seat), so requests arriving together are admitted in
-one round, one batched prefill, instead of trickling into successive steps.
+With a coalescing window, a request reaching an idle engine opens it: admissions wait until no request has
+arrived for that long (at most a few windows), so requests arriving together are admitted in one round, one
+batched prefill, instead of the first ones starting alone and the rest waiting for their step to end.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, Status
+
+COALESCE_CAP = 4  # the window closes at most this many windows after the first request it holds
 
 
 @dataclass
@@ -52,13 +54,17 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def window_left(self, now: float | None = None) -> float:
-        """Seconds until the coalescing window of the request at the head of the queue closes (0: admit now)."""
-        if not self.coalesce_s or not self.waiting:
+        """Seconds until the coalescing window closes (0: admit now). It holds only an idle engine (a busy one admits
+        at its next step, which gathers what arrived meanwhile by itself), and closes `coalesce_s` after the latest
+        arrival, at most COALESCE_CAP windows after the first, or at once when the queue would fill every seat."""
+        if not self.coalesce_s or not self.waiting or self.running:
             return 0.0
-        head = self.waiting[0]
-        if head.num_generated or len(self.waiting) >= self.max_num_seqs - len(self.running):
-            return 0.0  # a preempted stream resumes at once; a queue that fills every seat need not wait
-        return max(0.0, head.arrival + self.coalesce_s - (time.monotonic() if now is None else now))
+        if self.waiting[0].num_generated or len(self.waiting) >= self.max_num_seqs:
+            return 0.0  # a preempted stream resumes at once
+        now = time.monotonic() if now is None else now
+        first, latest = self.waiting[0].arrival, self.waiting[-1].arrival
+        closes = min(latest + self.coalesce_s, first + COALESCE_CAP * self.coalesce_s)
+        return max(0.0, closes - now)
 
     @property
     def can_admit(self) -> bool:

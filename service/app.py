@@ -99,7 +99,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
         with tempfile.TemporaryDirectory(prefix="voxcpm-serve-") as scratch:
             if endpoint is None:
                 model_path, demo = await asyncio.to_thread(model_checkpoint, settings)
-                pool = VoxCPM.from_pretrained(model_path, encoder_lanes=settings.encoder_lanes,
+                pool = VoxCPM.from_pretrained(model_path, encoder_threads=settings.encoder_threads,
                                               **engine_arguments(settings, demo))
                 assert isinstance(pool, AsyncVoxCPMServerPool)
                 model_path = pool.model_path  # a hub id resolved to its local directory
@@ -107,7 +107,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
             else:
                 model_path, demo, voice_db = endpoint.model_path, endpoint.demo, endpoint.voice_db
                 pool = AsyncVoxCPMServerPool.connect(model_path, endpoint.addresses, endpoint.authkey,
-                                                     settings.encoder_lanes)
+                                                     settings.encoder_threads)
             store = SqliteVoiceStore(voice_db, settings.voice_cache_max_entries, settings.voice_cache_max_bytes)
             state = ServiceState(settings=settings, pool=pool, store=store, metrics=metrics, model_path=model_path,
                                  model_id=Path(model_path).name, demo=demo, owns_workers=endpoint is None)

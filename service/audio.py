@@ -2,9 +2,9 @@
 and server-sent events around MP3 or PCM.
 
 Each response gets one *encoder*: a callable (chunk, is_last) -> bytes | None that the engine client runs on
-one of its encoder lanes (threads that take a fixed share of the streams, a step's chunks as one job), so the
-CPU work of encoding spreads over cores and never runs on the event loop. LAME releases the GIL while it
-encodes; the numpy conversion to 16-bit does too.
+its encoder threads (a stream's chunks in order, one thread at a time), so the CPU work of encoding spreads
+over cores and never runs on the event loop. LAME releases the GIL while it encodes; numpy's conversion to
+16-bit does too.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ class Settings(BaseSettings):
     api_processes: int = Field(0, ge=0, le=64, description="HTTP server processes in front of the engine workers "
                                                            "(each one encodes the audio of its own streams); 0 = "
                                                            "half the usable CPU cores, at most 16.")
-    encoder_lanes: int = Field(2, ge=1, le=32, description="Audio-encoding threads per HTTP server process.")
+    encoder_threads: int = Field(4, ge=1, le=64, description="Audio-encoding threads per HTTP server process (run at a "
+                                                            "lower CPU priority than the engine workers).")
     cache_dir: Path = Field(Path("~/.cache/voxcpm-serve"), description="Voice store and demo checkpoint.")
     voice_store: Literal["disk", "memory"] = Field("disk", description="Where cached voices live.")
     voice_cache_max_entries: int = Field(1024, ge=1, description="Most cached voices (all kinds together).")

@@ -3,7 +3,7 @@
 Why several: one process's event loop cannot carry every stream of a GPU (delivering 100+ streams' chunks,
 encoding MP3, writing HTTP) without falling behind the engine. Each API process is a whole FastAPI app under
 uvicorn, listening on the same port (SO_REUSEPORT: the kernel spreads connections over them), connected to
-every worker; it encodes the audio of its own streams on its encoder lanes. They share the voice database
+every worker; it encodes the audio of its own streams on its encoder threads. They share the voice database
 and write their metrics where any of them can sum them up.
 
 The supervisor starts the workers and the API processes, restarts either when it dies, and on SIGTERM or

@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import uvicorn
 
-from service.app import create_app
+from service.app import WorkerEndpoint, create_app
 from service.settings import Settings
 
 SAMPLES_PER_PATCH = 7680  # tiny-voxcpm2: 4 latent frames x 1920 samples at 48 kHz
@@ -51,9 +51,11 @@ def service_settings(checkpoint: Path, cache_dir: Path, **overrides: Any) -> Set
 
 
 class LiveServer:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, endpoint: WorkerEndpoint | None = None) -> None:
+        """The app owning its workers (endpoint None) or, like an API process of the supervisor's, connected to
+        workers started elsewhere."""
         self.settings = settings
-        self.app = create_app(settings)
+        self.app = create_app(settings, endpoint)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")

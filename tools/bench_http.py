@@ -107,7 +107,8 @@ async def client_bursts(a: argparse.Namespace, n: int, bursts: int, barrier: Any
 
 def client_process(a: argparse.Namespace, n: int, bursts: int, barrier: Any, hifi_id: str | None,
                    sample_rate: int, results: Any) -> None:
-    results.put(asyncio.run(client_bursts(a, n, bursts, barrier, hifi_id, sample_rate)))
+    out = asyncio.run(client_bursts(a, n, bursts, barrier, hifi_id, sample_rate))
+    results.put((out, time.process_time()))  # the client's own CPU seconds: the box is shared with the service
 
 
 def role(name: str) -> str:
@@ -160,10 +161,12 @@ def run_concurrency(a: argparse.Namespace, c: int, hifi_id: str | None, sample_r
     cpu0, t0 = cpu_times(a.pid), time.perf_counter()
     for p in procs:
         p.start()
-    per_proc = [results.get() for _ in procs]
+    got = [results.get() for _ in procs]
     for p in procs:
         p.join()
     wall = time.perf_counter() - t0
+    per_proc = [out for out, _ in got]
+    client_cpu = sum(cpu for _, cpu in got)
     cpu1 = cpu_times(a.pid)
     reqs, errors, bursts, audio_all = [], [], [], 0.0
     for b in range(a.iters + 1):
@@ -177,7 +180,7 @@ def run_concurrency(a: argparse.Namespace, c: int, hifi_id: str | None, sample_r
         if ok:
             bursts.append(sum(r["audio_s"] for r in ok) / max(r["wall"] for r in ok))
     row = {"concurrency": c, **request_stats(reqs, errors), "throughput_audio_s_per_s": mean(bursts),
-           "client_procs": procs_n}
+           "client_procs": procs_n, "client_cores_mean": client_cpu / wall}
     if cpu1:
         row.update(cpu_report(cpu0, cpu1, wall, audio_all))
     return row
@@ -218,7 +221,8 @@ def main(argv: list[str] | None = None) -> None:
         doc["results"].append(row)
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
                if k in ("concurrency", "failed", "ttfb_p50", "ttfb_p95", "rtf_mean", "throughput_audio_s_per_s",
-                        "streams_with_underrun", "service_cores_mean", "core_s_per_audio_s")}, flush=True)
+                        "streams_with_underrun", "service_cores_mean", "core_s_per_audio_s", "client_cores_mean")},
+              flush=True)
         write_json(a.out, doc)
 
 

@@ -103,8 +103,9 @@ setup_wheels() {
     log "installing $(ls .whl/*.whl | wc -l) wheels to $SITE"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
         .whl/*.whl 2>&1 | tee -a "$LOG" || return 1
-    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"  # py-spy's binary too
     WHEELS_DONE=1
+    { nproc; lscpu | grep -E "^(Model name|Thread|Core|Socket|CPU\(s\)|NUMA)"; } 2>&1 | tee -a "$LOG"
     # The wheels were installed without their dependencies: check that the image satisfies them.
     python3 - <<'PY' 2>&1 | tee -a "$LOG"
 import importlib.metadata as md
@@ -255,6 +256,16 @@ for part in $PARTS; do
             fi
             RC[$part]=$?
             ;;
+        ours_window)  # the pool with the service's coalescing window (the same engine settings as the service)
+            { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
+            OURS_ARGS="${OURS_ARGS:-} --pool-kwargs {\"coalesce_ms\":5}" bench voxcpm-serve "$OUT/pool_window.json" "$T_OURS"
+            RC[$part]=$?
+            ;;
+        ours_hifi)  # the pool in HiFi mode (a 5 s clip as prompt and reference, 40 patches) at HIFI_CONC
+            { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
+            CONC="$HIFI_CONC" MODE=hifi PATCHES=40 bench voxcpm-serve "$OUT/pool_hifi.json" "$T_OURS"
+            RC[$part]=$?
+            ;;
         nano)
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
             [[ -d "$SHIM/flash_attn" ]] || log "WARNING: no $SHIM/flash_attn: nano-vllm-voxcpm will not import"
@@ -304,7 +315,7 @@ for part in $PARTS; do
             stop_service
             ;;
         *)
-            log "unknown part '$part' (known: test check profile ours nano encode http http_base)"
+            log "unknown part '$part' (known: test check profile ours ours_window ours_hifi nano encode http http_base)"
             ;;
     esac
 done

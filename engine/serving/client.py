@@ -2,11 +2,11 @@
 
 A library pool has one client; the service has one in each API process. A client routes each request to the
 least-loaded ready worker and turns the worker's per-step messages into one async stream per request. A
-request may carry a *transform* (the service's audio encoder): it runs on one of the client's encoder lanes,
-threads that each take a fixed share of the streams (so a stream's chunks stay in order) and receive each
-step's chunks as one batch, so encoding spreads over cores instead of serialising on the event loop.
+request may carry a *transform* (the service's audio encoder): it runs on the client's encoder pool, threads
+that take whichever stream has chunks waiting (a stream's chunks stay in order, one thread at a time), so
+encoding spreads over cores instead of serialising on the event loop.
 
-Threads per worker connection: a reader (unpickles messages; hands audio to the loop or the lanes) and a
+Threads per worker connection: a reader (unpickles messages; hands audio to the loop or the encoder pool) and a
 sender. A connection that breaks fails its requests at once (WorkerDiedError, or PoolStoppedError after the
 worker said Goodbye) and is re-established in the background: a restarted worker listens on the same address,
 and the client's registered prompts are sent to it again. Torch-free: API processes import it without torch.
@@ -60,7 +60,10 @@ class GenerationStream:
         self.request_id = f"{client.name}-{next(client.ids)}"
         self.finish_reason: p.FinishReason | None = None
         self.samples = 0  # samples generated so far
-        self.lane = 0
+        self.lock = threading.Lock()  # pending/scheduled/produced belong to the encoder pool's threads
+        self.pending: list[p.AudioEvent] = []  # events waiting for the transform
+        self.scheduled = False  # queued in (or being drained by) the encoder pool
+        self.produced = False  # the transform has run at least once
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._link: _WorkerLink | None = None
         self._ended = False  # the last item was taken, or the stream was closed
@@ -95,7 +98,6 @@ class GenerationStream:
             self._end("error")
             raise
         self._link = link
-        self.lane = next(self.client.lane_turns) if self.transform is not None else 0
         link.streams[self.request_id] = self
         try:
             link.send(p.Generate(self.request_id, self.request))
@@ -116,7 +118,7 @@ class GenerationStream:
             self._queue.put_nowait(item)
 
     def convert(self, ev: p.AudioEvent) -> _Item:
-        """An event -> the queue item (on a lane thread when there is a transform)."""
+        """An event -> the queue item (on an encoder thread when there is a transform)."""
         if ev.error is not None:
             return _Item(None, finished=True, finish_reason="error", error=error_from(ev.error.kind, ev.error.message))
         audio = ev.audio
@@ -197,7 +199,7 @@ class _WorkerLink:
         while True:
             try:
                 msg = conn.recv()
-            except (EOFError, OSError):
+            except (EOFError, OSError, TypeError):  # TypeError: closed by close_connection() while reading
                 break
             try:
                 if isinstance(msg, p.StepEvents):
@@ -216,30 +218,51 @@ class _WorkerLink:
                 self.conn.close()
 
 
-class EncoderLanes:
-    """Threads that run streams' transforms, a fixed lane per stream (its chunks stay in order); each lane takes
-    one step's chunks of its streams as one job and hands the results to the loop in one callback."""
+class EncoderPool:
+    """Threads that run streams' transforms. A stream's chunks are transformed in order, by one thread at a time:
+    a stream with chunks waiting is queued once, and the thread that takes it drains them. Streams that have made
+    nothing yet go first (their first bytes are the client's time to first audio). The threads run at a lower CPU
+    priority (`nice`) than the rest of the process, and than the engine workers: encoding waits, a step does not."""
 
-    def __init__(self, count: int, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(count)]
-        for i, q in enumerate(self.queues):
-            threading.Thread(target=self._run, args=(q,), name=f"voxcpm-encoder-{i}", daemon=True).start()
+    def __init__(self, count: int, loop: asyncio.AbstractEventLoop, nice: int = 5) -> None:
+        self.loop, self.nice = loop, nice
+        self.queue: queue.PriorityQueue[tuple[int, int, Any]] = queue.PriorityQueue()
+        self._order = itertools.count()
+        self.threads = [threading.Thread(target=self._run, name=f"voxcpm-encoder-{i}", daemon=True)
+                        for i in range(count)]
+        for t in self.threads:
+            t.start()
 
-    def submit(self, lane: int, jobs: list[tuple[GenerationStream, p.AudioEvent]]) -> None:
-        self.queues[lane].put(jobs)
+    def submit(self, stream: GenerationStream, ev: p.AudioEvent) -> None:
+        """From the reader thread: a stream's next event."""
+        with stream.lock:
+            stream.pending.append(ev)
+            if stream.scheduled:
+                return  # the thread that has it takes this one too
+            stream.scheduled = True
+        self.queue.put((1 if stream.produced else 0, next(self._order), stream))
 
-    def _run(self, q: queue.SimpleQueue[Any]) -> None:
-        while (jobs := q.get()) is not _END:
-            out = [(stream, stream.convert(ev)) for stream, ev in jobs]
-            try:
-                self.loop.call_soon_threadsafe(_deliver, out)
-            except RuntimeError:  # the loop is closed
-                return
+    def _run(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):  # Linux: a thread id is a process id for setpriority
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+        while (job := self.queue.get())[2] is not _END:
+            stream = job[2]
+            while True:
+                with stream.lock:
+                    events, stream.pending = stream.pending, []
+                    if not events:
+                        stream.scheduled = False
+                        break
+                items = [stream.convert(ev) for ev in events]
+                stream.produced = True
+                try:
+                    self.loop.call_soon_threadsafe(_deliver, [(stream, item) for item in items])
+                except RuntimeError:  # the loop is closed
+                    return
 
     def stop(self) -> None:
-        for q in self.queues:
-            q.put(_END)
+        for _ in self.threads:
+            self.queue.put((2, next(self._order), _END))
 
 
 def _deliver(items: Iterable[tuple[GenerationStream, _Item]]) -> None:
@@ -250,12 +273,11 @@ def _deliver(items: Iterable[tuple[GenerationStream, _Item]]) -> None:
 class EngineClient:
     """Connections from this process to every engine worker (by Unix socket address)."""
 
-    def __init__(self, addresses: list[str], authkey: bytes, lanes: int = 2) -> None:
+    def __init__(self, addresses: list[str], authkey: bytes, encoder_threads: int = 4) -> None:
         self.loop = asyncio.get_running_loop()
         self.authkey = authkey
         self.links = [_WorkerLink(self, i, a) for i, a in enumerate(addresses)]
-        self.lanes = EncoderLanes(max(1, lanes), self.loop)
-        self.lane_turns = itertools.cycle(range(max(1, lanes)))
+        self.encoders = EncoderPool(max(1, encoder_threads), self.loop)
         self.ids = itertools.count()
         self.name = os.urandom(4).hex()  # request ids are this client's name and a counter: unique across clients
         self.prompts: dict[str, tuple[np.ndarray, str]] = {}
@@ -327,9 +349,8 @@ class EngineClient:
 
     # --- events (the reader thread) -----------------------------------------------------------------
     def dispatch(self, link: _WorkerLink, msg: p.StepEvents) -> None:
-        """A step's events: plain streams' chunks go to the loop in one callback, transformed ones to their lanes."""
+        """A step's events: plain streams' chunks go to the loop in one callback, transformed ones to the encoders."""
         plain: list[tuple[GenerationStream, _Item]] = []
-        lanes: dict[int, list[tuple[GenerationStream, p.AudioEvent]]] = {}
         for ev in msg.events:
             stream = link.streams.get(ev.request_id)
             if stream is None:
@@ -337,10 +358,8 @@ class EngineClient:
             if stream.transform is None:
                 plain.append((stream, stream.convert(ev)))
             else:
-                lanes.setdefault(stream.lane, []).append((stream, ev))
+                self.encoders.submit(stream, ev)
         self.loop.call_soon_threadsafe(self._on_step, link, msg.load, plain)
-        for lane, jobs in lanes.items():
-            self.lanes.submit(lane, jobs)
 
     @staticmethod
     def _on_step(link: _WorkerLink, load: p.WorkerLoad, plain: list[tuple[GenerationStream, _Item]]) -> None:
@@ -440,7 +459,7 @@ class EngineClient:
         return True
 
     async def close(self) -> None:
-        """Drop every connection (their requests fail with PoolStoppedError) and stop the lanes."""
+        """Drop every connection (their requests fail with PoolStoppedError) and stop the encoder threads."""
         if self.closed:
             return
         self.closed = True
@@ -451,4 +470,4 @@ class EngineClient:
             link.close_connection()
             if conn is not None:
                 self.on_closed(link, conn)
-        self.lanes.stop()
+        self.encoders.stop()

@@ -13,6 +13,8 @@ import concurrent.futures
 import contextlib
 import hashlib
 import logging
+import os
+import subprocess
 import threading
 from collections.abc import Coroutine
 from pathlib import Path
@@ -28,7 +30,7 @@ from engine.serving.processes import WorkerProcess, WorkerSet
 if TYPE_CHECKING:
     import torch
 
-    from engine.llm_engine import EngineConfig
+    from engine.engine_config import EngineConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,20 +41,20 @@ class AsyncVoxCPMServerPool:
     processes: the supervisor starts and restarts the workers)."""
 
     def __init__(self, model: str, devices: list[str], config: EngineConfig, *, warmup: bool = False,
-                 encoder_lanes: int = 2) -> None:
+                 encoder_threads: int = 4) -> None:
         self.model_path = checked_model_path(model)
         self.devices = devices
         self._stopped = False
         self.workers: WorkerSet | None = WorkerSet(self.model_path, devices, config, warmup=warmup)
-        self.client = EngineClient(self.workers.addresses, self.workers.authkey, encoder_lanes)
+        self.client = EngineClient(self.workers.addresses, self.workers.authkey, encoder_threads)
 
     @classmethod
-    def connect(cls, model_path: str, addresses: list[str], authkey: bytes, encoder_lanes: int = 2
+    def connect(cls, model_path: str, addresses: list[str], authkey: bytes, encoder_threads: int = 4
                 ) -> AsyncVoxCPMServerPool:
         """A pool of workers started elsewhere (reached at `addresses`, authenticated with `authkey`)."""
         pool = cls.__new__(cls)
         pool.model_path, pool.devices, pool._stopped, pool.workers = model_path, [], False, None
-        pool.client = EngineClient(addresses, authkey, encoder_lanes)
+        pool.client = EngineClient(addresses, authkey, encoder_threads)
         return pool
 
     @property
@@ -383,20 +385,34 @@ class SyncStream:
 
 
 def device_names(devices: list[int | str] | None) -> list[str]:
-    import torch
-
+    """The worker devices: those given (GPU indices or device names), or every visible GPU, else the CPU."""
     if devices is None:
-        n = torch.cuda.device_count()
+        n = visible_gpu_count()
         return [f"cuda:{i}" for i in range(n)] if n else ["cpu"]
     if not devices:
         raise ValueError("devices must not be empty")
-    names = []
-    for d in devices:
-        name = f"cuda:{d}" if isinstance(d, int) else str(d)
-        if name.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {d!r} requested but CUDA is not available")
-        names.append(name)
+    names = [f"cuda:{d}" if isinstance(d, int) else str(d) for d in devices]
+    if any(name.startswith("cuda") for name in names) and not visible_gpu_count():
+        raise ValueError(f"devices {devices!r} requested but CUDA is not available")
     return names
+
+
+def visible_gpu_count() -> int:
+    """GPUs this process may use, counted without importing torch where nvidia-smi answers (the service starts its
+    workers before it would have imported torch); CUDA_VISIBLE_DEVICES narrows them as it does for CUDA."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        out = None
+    if out is None or out.returncode:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        n = min(n, len([d for d in visible.split(",") if d.strip() and not d.strip().startswith("-")]))
+    return n
 
 
 class VoxCPM:
@@ -407,13 +423,13 @@ class VoxCPM:
                         inference_timesteps: int = 10, block_size: int = 16,
                         attention_backend: str | None = None, num_kv_blocks: int | None = None,
                         dtype: str | torch.dtype | None = None, pipeline_decode: bool | None = None,
-                        coalesce_ms: float = 0.0, warmup: bool = False, encoder_lanes: int = 2,
+                        coalesce_ms: float = 0.0, warmup: bool = False, encoder_threads: int = 4,
                         ) -> AsyncVoxCPMServerPool | SyncVoxCPMServerPool:
         """Start one worker per device (default: every visible GPU, else the CPU). `model` is a checkpoint
         directory or a hub repo id. Returns at once; `wait_for_ready()` waits for the model to load.
         pipeline_decode: see EngineConfig (default: on for CUDA devices); coalesce_ms: the engine's window gathering
         requests that arrive together; warmup: a few generations in each worker before it reports ready;
-        encoder_lanes: threads that run the generate calls' transforms."""
+        encoder_threads: threads that run the generate calls' transforms."""
         config = engine_config(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                                gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
@@ -422,7 +438,7 @@ class VoxCPM:
                                coalesce_ms=coalesce_ms)
         names = device_names(devices)
         model = checked_model_path(model)
-        kwargs = {"warmup": warmup, "encoder_lanes": encoder_lanes}
+        kwargs = {"warmup": warmup, "encoder_threads": encoder_threads}
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -433,7 +449,7 @@ class VoxCPM:
 def engine_config(dtype: str | torch.dtype | None = None, **fields: Any) -> EngineConfig:
     """An EngineConfig, validated (a bad value is a ValueError naming it)."""
     from engine.config import parse_dtype
-    from engine.llm_engine import EngineConfig
+    from engine.engine_config import EngineConfig
 
     config = EngineConfig(dtype=parse_dtype(dtype) if isinstance(dtype, str) else dtype, **fields)
     config.validate()
@@ -442,9 +458,14 @@ def engine_config(dtype: str | torch.dtype | None = None, **fields: Any) -> Engi
 
 def checked_model_path(model: str) -> str:
     """A checkpoint directory (a hub id downloaded once here, not in every worker) that has a config.json."""
-    from engine.checkpoint import CheckpointError, resolve_model_path
+    from engine.errors import CheckpointError
 
-    path = str(resolve_model_path(model))
+    if Path(model).expanduser().is_dir():
+        path = str(Path(model).expanduser())
+    else:
+        from engine.checkpoint import resolve_model_path
+
+        path = str(resolve_model_path(model))
     if not (Path(path) / "config.json").is_file():
         raise CheckpointError(f"{path} has no config.json: not a VoxCPM checkpoint directory")
     return path

@@ -23,7 +23,7 @@ from engine.errors import PoolError, WorkerDiedError
 from engine.serving import protocol as p
 
 if TYPE_CHECKING:
-    from engine.llm_engine import EngineConfig
+    from engine.engine_config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -149,17 +149,18 @@ class WorkerSet:
         self.directory = tempfile.mkdtemp(prefix="voxcpm-workers-")  # mode 0700: only this user reaches the sockets
         self.authkey = os.urandom(32)
         self._on_exit = on_exit
-        self._precompile_early()
         self.processes = [self._spawn(i) for i in range(len(devices))]
+        self._precompile_early()
 
     @property
     def addresses(self) -> list[str]:
         return [socket_address(self.directory, i) for i in range(len(self.devices))]
 
     def _precompile_early(self) -> None:
-        """Start compiling the kernel manifest here, while the workers spawn and import (~6 s before an engine
-        starts on an H100 machine); a worker's engine waits for it before its first kernel. No device: this
-        process never initialises CUDA (the architecture comes from nvidia-smi)."""
+        """Start compiling the kernel manifest here, while the workers import and load (~6 s before an engine starts
+        on an H100 machine); a worker's engine waits for it before its first kernel (or compiles itself what is
+        left, if it gets there first). No device: this process never initialises CUDA (the architecture comes
+        from nvidia-smi)."""
         if any(d.startswith("cuda") for d in self.devices):
             from engine import kernel_cache
 

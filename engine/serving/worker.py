@@ -410,20 +410,27 @@ def describe(engine: LLMEngine) -> dict[str, Any]:
     }
 
 
-def warm_up(engine: LLMEngine) -> float:
+def warm_up(engine: LLMEngine) -> dict[str, float]:
     """Zero-shot, then a synthetic clip in both roles (HiFi) where the model takes a reference (VoxCPM2): the
-    first requests allocate and compile what later ones reuse, before the worker reports ready."""
+    first requests allocate and compile what later ones reuse, before the worker reports ready. Seconds per part."""
+    times: dict[str, float] = {}
     t0 = time.perf_counter()
     params = p.SamplingParams(max_generate_length=2, seed=0)
     engine.generate("Warm-up.", params)
+    times["warmup_zeroshot_s"] = time.perf_counter() - t0
     m = engine.model
     sr = m.vae.sample_rate
     t = np.arange(sr) / sr
     tone = (0.3 * np.sin(2 * np.pi * 180 * t) * (1 + 0.3 * np.sin(2 * np.pi * 3 * t))).astype(np.float32)
+    t1 = time.perf_counter()
     prompt = encode_latents(m.vae, tone, sr, m.config.patch_size, "left")
     ref = encode_latents(m.vae, tone, sr, m.config.patch_size, "right") if m.config.architecture == "voxcpm2" else None
+    t2 = time.perf_counter()
+    times["warmup_encode_s"] = t2 - t1
     engine.generate("Warm-up.", params, prompt_text="A tone.", prompt_latents=prompt, ref_latents=ref)
-    return time.perf_counter() - t0
+    times["warmup_hifi_s"] = time.perf_counter() - t2
+    times["warmup_s"] = time.perf_counter() - t0
+    return times
 
 
 def worker_main(control: Connection, options: WorkerOptions) -> None:
@@ -448,7 +455,7 @@ def worker_main(control: Connection, options: WorkerOptions) -> None:
         engine = LLMEngine(options.model_path, options.engine, options.device)
         info = describe(engine)
         if options.warmup:
-            info["warmup_s"] = warm_up(engine)
+            info.update(warm_up(engine))
         worker = Worker(engine, control, info, acceptor)
     except BaseException as e:  # report why instead of dying silently
         log.error("worker failed to start:\n%s", traceback.format_exc())
