@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--sample-rate", type=int, default=48000)
     ap.add_argument("--chunk", type=int, default=7680, help="samples per chunk (VoxCPM2: one 160 ms patch)")
-    ap.add_argument("--threads", default="1,2,4,8", help="thread counts for the parallel MP3 check")
+    ap.add_argument("--threads", default="1,2,4,8,16", help="thread counts for the parallel MP3 check")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     sr = a.sample_rate
