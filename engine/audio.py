@@ -43,8 +43,12 @@ def resample(samples: np.ndarray, sr: int, target_sr: int) -> np.ndarray:
 
 
 def pcm16(samples: np.ndarray) -> bytes:
-    """float32 in [-1, 1] -> little-endian signed 16-bit PCM."""
-    return np.round(np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+    """float32 in [-1, 1] -> little-endian signed 16-bit PCM: round(clip(x, -1, 1) * 32767), computed in place on one
+    scaled copy (clipping after the scaling gives the same float32 values; it runs for every chunk of every stream)."""
+    y = np.multiply(samples, 32767.0, dtype=np.float32)
+    np.clip(y, -32767.0, 32767.0, out=y)
+    np.rint(y, out=y)
+    return y.astype("<i2").tobytes()
 
 
 def encode_latents(vae: AudioVAE, samples: np.ndarray, sr: int, patch_size: int,

@@ -25,7 +25,8 @@ async def bring_up(state: ServiceState) -> None:
         state.failure = f"start-up failed: {type(e).__name__}: {e}"
         log.exception("start-up failed; /health and /ready report 503")
         return
-    log.info("ready: %s", {k: state.info.get(k) for k in ("architecture", "sample_rate", "devices", "warmup_s")})
+    log.info("ready: %s", {k: state.info.get(k) for k in ("architecture", "sample_rate", "devices", "process_import_s",
+                                                          "startup_s", "warmup_s", "spawn_to_ready_s")})
     if state.owns_workers:
         await supervise(state)
 

@@ -76,6 +76,7 @@ def _exit_with_parent(parent: int) -> None:
 
 class Supervisor:
     def __init__(self, settings: Settings) -> None:
+        self.t0 = time.monotonic()
         self.settings = settings
         self.stopping = asyncio.Event()
         self.ctx = mp.get_context("spawn")
@@ -107,12 +108,13 @@ class Supervisor:
             model_path = await asyncio.to_thread(checked_model_path, model_path)
             arguments = engine_arguments(s, demo)
             devices, warmup = device_names(arguments.pop("devices")), arguments.pop("warmup")
+            log.info("spawning the workers %.1f s after start", time.monotonic() - self.t0)
             workers = WorkerSet(model_path, devices, engine_config(**arguments), warmup=warmup)
             endpoint = WorkerEndpoint(workers.addresses, workers.authkey, model_path, demo,
                                       voice_db_path(s, model_path, runtime), multiprocess_metrics=True)
             self.api = [self._spawn_api(endpoint, i) for i in range(s.api_process_count())]
-            log.info("%d engine worker(s) on %s, %d API process(es) on %s:%d", len(devices), ", ".join(devices),
-                     len(self.api), s.host, s.port)
+            log.info("%d engine worker(s) on %s, %d API process(es) on %s:%d (%.1f s after start)", len(devices),
+                     ", ".join(devices), len(self.api), s.host, s.port, time.monotonic() - self.t0)
             return await self._watch(workers, endpoint)
         finally:
             await self._shutdown(workers)

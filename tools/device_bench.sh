@@ -301,9 +301,19 @@ for part in $PARTS; do
                     pcm) http_bench pcm "$CONC" --format pcm ;;
                     speech) http_bench speech "$CONC" --route speech --format mp3 ;;
                     hifi) http_bench hifi "$HIFI_CONC" --voice hifi --format mp3 --patches 40 ;;
+                    pcm_p16) http_bench pcm_p16 "${CONC_HIGH:-64,128}" --format pcm --procs 16 ;;
+                    mp3_p16) http_bench mp3_p16 "${CONC_HIGH:-64,128}" --format mp3 --procs 16 ;;
                     *) log "unknown HTTP run $run" ;;
                 esac || RC[$part]=$?
             done
+            stop_service
+            ;;
+        http_api16)  # the service with 16 API processes, at CONC_HIGH
+            { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
+            SERVICE_ENV="NANOVLLM_API_PROCESSES=16" start_service "$ROOT" api16 || { stop_service; RC[$part]=start; continue; }
+            RC[$part]=0
+            http_bench api16_pcm "${CONC_HIGH:-64,128}" --format pcm || RC[$part]=$?
+            http_bench api16_mp3 "${CONC_HIGH:-64,128}" --format mp3 || RC[$part]=$?
             stop_service
             ;;
         http_base)

@@ -224,7 +224,7 @@ class EncoderPool:
     nothing yet go first (their first bytes are the client's time to first audio). The threads run at a lower CPU
     priority (`nice`) than the rest of the process, and than the engine workers: encoding waits, a step does not."""
 
-    def __init__(self, count: int, loop: asyncio.AbstractEventLoop, nice: int = 5) -> None:
+    def __init__(self, count: int, loop: asyncio.AbstractEventLoop, nice: int = 10) -> None:
         self.loop, self.nice = loop, nice
         self.queue: queue.PriorityQueue[tuple[int, int, Any]] = queue.PriorityQueue()
         self._order = itertools.count()

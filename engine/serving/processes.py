@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,7 @@ class WorkerOptions:
     log_level: int = logging.INFO
     torch_threads: int | None = None  # CPU threads for torch ops; default: 1 on a GPU, torch's choice on the CPU
     name: str = "voxcpm-worker"  # the process name `ps` and `top` show
+    spawned_at: float = 0.0  # time.time() when the owner spawned it (start-up phases are reported from it)
 
 
 def name_process(name: str) -> None:
@@ -169,7 +171,8 @@ class WorkerSet:
     def _spawn(self, index: int) -> WorkerProcess:
         options = WorkerOptions(model_path=self.model_path, device=self.devices[index], engine=self.config,
                                 address=socket_address(self.directory, index), authkey=self.authkey,
-                                warmup=self.warmup, log_level=worker_log_level(), name=f"voxcpm-worker{index}")
+                                warmup=self.warmup, log_level=worker_log_level(), name=f"voxcpm-worker{index}",
+                                spawned_at=time.time())
         return WorkerProcess(index, options, self._on_exit)
 
     def restart(self, index: int) -> None:

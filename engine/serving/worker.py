@@ -436,6 +436,7 @@ def warm_up(engine: LLMEngine) -> dict[str, float]:
 def worker_main(control: Connection, options: WorkerOptions) -> None:
     """Process entry point (spawned). Listens first, so clients connect while the model loads."""
     name_process(options.name)
+    imported_s = time.time() - options.spawned_at if options.spawned_at else None  # spawn, Python, torch, engine
     logging.basicConfig(level=max(options.log_level, logging.INFO),  # DEBUG only for our loggers, not torch's
                         format=f"%(asctime)s worker[{options.device}] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("engine").setLevel(options.log_level)
@@ -456,6 +457,9 @@ def worker_main(control: Connection, options: WorkerOptions) -> None:
         info = describe(engine)
         if options.warmup:
             info.update(warm_up(engine))
+        if imported_s is not None:
+            info["process_import_s"] = imported_s
+            info["spawn_to_ready_s"] = time.time() - options.spawned_at
         worker = Worker(engine, control, info, acceptor)
     except BaseException as e:  # report why instead of dying silently
         log.error("worker failed to start:\n%s", traceback.format_exc())
