@@ -34,7 +34,10 @@ class Settings(BaseSettings):
                                                                      "(one batched prefill) in each engine worker.")
     api_processes: int = Field(0, ge=0, le=64, description="HTTP server processes in front of the engine workers "
                                                            "(each one encodes the audio of its own streams); 0 = "
-                                                           "half the usable CPU cores, at most 16.")
+                                                           "one per CPU core left to them, at most 16.")
+    worker_cpus: int = Field(2, ge=0, le=64, description="CPU cores reserved for each engine worker (its host loop "
+                                                         "drives the GPU); the API processes run on the others. 0, "
+                                                         "or too few cores to leave two: no reservation.")
     encoder_threads: int = Field(4, ge=1, le=64, description="Audio-encoding threads per HTTP server process (run at a "
                                                             "lower CPU priority than the engine workers).")
     cache_dir: Path = Field(Path("~/.cache/voxcpm-serve"), description="Voice store and demo checkpoint.")
@@ -78,10 +81,11 @@ class Settings(BaseSettings):
             raise ValueError("NANOVLLM_LORA_URI is set but LoRA adapters are not supported by this engine yet")
         return self
 
-    def api_process_count(self) -> int:
+    def api_process_count(self, cores: int | None = None) -> int:
+        """The API processes to start, given the cores left to them (default: every core of this process)."""
         if self.api_processes:
             return self.api_processes
-        return max(1, min(16, len(os.sched_getaffinity(0)) // 2))
+        return max(1, min(16, cores if cores is not None else len(os.sched_getaffinity(0))))
 
     def device_list(self) -> list[int | str] | None:
         if self.serverpool_devices is None:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from service.app import WorkerEndpoint, engine_arguments, model_checkpoint, voice_db_path
+from service.engine_setup import WorkerEndpoint, engine_arguments, model_checkpoint, voice_db_path
 from service.settings import Settings
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ class Supervisor:
     async def run(self) -> int:
         """Serve until a signal asks to stop (0) or the service cannot run (1)."""
         from engine.serving.pool import checked_model_path, device_names, engine_config
-        from engine.serving.processes import WorkerSet, name_process
+        from engine.serving.processes import WorkerSet, name_process, reserve_cpus
 
         name_process("voxcpm-serve")
         s = self.settings
@@ -108,11 +108,16 @@ class Supervisor:
             model_path = await asyncio.to_thread(checked_model_path, model_path)
             arguments = engine_arguments(s, demo)
             devices, warmup = device_names(arguments.pop("devices")), arguments.pop("warmup")
-            log.info("spawning the workers %.1f s after start", time.monotonic() - self.t0)
-            workers = WorkerSet(model_path, devices, engine_config(**arguments), warmup=warmup)
+            split = reserve_cpus(len(devices), s.worker_cpus)
+            log.info("spawning the workers %.1f s after start (%s)", time.monotonic() - self.t0,
+                     f"cores {split[0]} reserved for them, {split[1]} for the rest" if split else "no cores reserved")
+            workers = WorkerSet(model_path, devices, engine_config(**arguments), warmup=warmup,
+                                cpus=split[0] if split else None)
+            if split:
+                os.sched_setaffinity(0, split[1])  # what this process starts from now on runs on the other cores
             endpoint = WorkerEndpoint(workers.addresses, workers.authkey, model_path, demo,
                                       voice_db_path(s, model_path, runtime), multiprocess_metrics=True)
-            self.api = [self._spawn_api(endpoint, i) for i in range(s.api_process_count())]
+            self.api = [self._spawn_api(endpoint, i) for i in range(s.api_process_count(len(os.sched_getaffinity(0))))]
             log.info("%d engine worker(s) on %s, %d API process(es) on %s:%d (%.1f s after start)", len(devices),
                      ", ".join(devices), len(self.api), s.host, s.port, time.monotonic() - self.t0)
             return await self._watch(workers, endpoint)

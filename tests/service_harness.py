@@ -18,7 +18,8 @@ import httpx
 import numpy as np
 import uvicorn
 
-from service.app import WorkerEndpoint, create_app
+from service.app import create_app
+from service.engine_setup import WorkerEndpoint
 from service.settings import Settings
 
 SAMPLES_PER_PATCH = 7680  # tiny-voxcpm2: 4 latent frames x 1920 samples at 48 kHz

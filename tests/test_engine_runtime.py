@@ -361,3 +361,28 @@ def test_step_inputs_layouts_are_aligned_disjoint_and_padded():
         assert inputs.noise[0].eq(1.0).all() and inputs.noise[1:].eq(0.0).all()
     buf.reset_inputs(4)
     assert buf.step_inputs(4).slot_index.tolist() == [9] * 4
+
+
+def test_coalescing_window_gathers_arrivals_at_an_idle_engine(checkpoint_factory):
+    """A request reaching an idle engine waits out the window; one arriving inside it extends it (up to the cap);
+    once it closes, one step admits them all. A busy engine admits at its next step, without a window."""
+    from engine.scheduler import COALESCE_CAP
+
+    engine = LLMEngine(str(checkpoint_factory("tiny-voxcpm2", stop="never")),
+                       EngineConfig(max_num_seqs=4, max_model_len=256, coalesce_ms=50))
+    sched = engine.scheduler
+    a = engine.sequences[engine.add_request("First.", SamplingParams(seed=1, max_generate_length=3))]
+    assert not engine.has_work() and 0.0 < engine.idle_wait() <= 0.05
+    b = engine.sequences[engine.add_request("Second.", SamplingParams(seed=2, max_generate_length=3))]
+    a.arrival -= 0.04  # a arrived 40 ms ago, b just now: the window runs 50 ms from b
+    assert 0.04 < sched.window_left() <= 0.05
+    a.arrival -= 1.0  # a long-held first arrival: the cap closes the window
+    assert sched.window_left() == 0.0 and engine.has_work()
+    assert a.arrival + COALESCE_CAP * sched.coalesce_s < b.arrival
+    engine.step()
+    assert len(sched.running) == 2 and not sched.waiting  # admitted together
+    c = engine.sequences[engine.add_request("Third.", SamplingParams(seed=3, max_generate_length=3))]
+    assert sched.window_left() == 0.0 and engine.has_work()  # busy: no window
+    while engine.has_unfinished():
+        engine.step()
+    assert c.status.name == "FINISHED" and engine.blocks.num_free == len(engine.blocks.blocks)

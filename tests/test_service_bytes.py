@@ -17,8 +17,8 @@ import soundfile as sf
 
 from engine.serving.pool import engine_config
 from engine.serving.processes import WorkerSet
-from service.app import WorkerEndpoint
 from service.audio import make_encoder
+from service.engine_setup import WorkerEndpoint
 from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, LiveServer, service_settings
 
 TEXT = "The same words, through the pool and over HTTP."

@@ -148,6 +148,9 @@ INVALID = [
     ({"cfg_value": -0.5}, 422, "cfg_value"),
     ({"max_generate_length": 0}, 422, "max_generate_length"),
     ({"seed": 2**64}, 422, "seed"),  # past torch's range it would fail every request on the worker
+    ({"temperature": 10.5}, 422, "temperature"),  # the engine's bound (engine.serving.protocol.SAMPLING_LIMITS)
+    ({"cfg_value": 20.5}, 422, "cfg_value"),
+    ({"min_len": -1}, 422, "min_len"),
     ({"response_format": "ogg"}, 422, "response_format"),
     ({"target_text": ""}, 422, "target_text"),
     ({"prompt_wav_base64": "***", "prompt_text": "t"}, 400, "prompt_wav_base64: not valid base64"),
@@ -169,6 +172,25 @@ def test_invalid_requests_are_4xx_naming_the_field(client, route, body, status, 
     assert r.status_code == status, r.text
     assert r.headers["content-type"] == "application/json"
     assert message in str(r.json()["detail"]), r.json()
+
+
+def test_schema_bounds_are_the_engines():
+    """One table of sampling bounds: every route's schema takes its limits from the engine's."""
+    from engine.serving.protocol import SAMPLING_LIMITS
+    from service.schemas import GenerateRequest, SpeechRequest
+
+    for model in (GenerateRequest, SpeechRequest):
+        for name, bound in SAMPLING_LIMITS.items():
+            meta = {type(m).__name__: m for m in model.model_fields[name].metadata}
+            assert meta["Ge"].ge == bound.low and meta["Le"].le == bound.high, (model.__name__, name)
+
+
+def test_min_len_and_finish_reason(client):
+    """min_len is settable over HTTP; a blocking response says why it ended."""
+    r = client.post("/generate_blocking", json={"target_text": "Short.", "max_generate_length": 3, "min_len": 3,
+                                                "response_format": "pcm", "seed": 1})
+    assert r.status_code == 200 and r.headers["x-finish-reason"] == "length"
+    assert len(r.content) == 3 * SAMPLES_PER_PATCH * 2
 
 
 def test_prompt_id_of_another_kind_is_404(client, ids):

@@ -169,7 +169,7 @@ bench() {  # bench ENGINE JSON LIMIT [extra PYTHONPATH]
 # --- the service over HTTP ----------------------------------------------------------------------------------
 SVC_PID=""
 start_service() {  # start_service TREE NAME: the service of code tree TREE; sets SVC_PID, logs the cold start
-    local tree=$1 name=$2 maxseqs=${CONC##*,}
+    local tree=$1 name=$2 maxseqs=${MAXSEQS:-${CONC##*,}}
     local cache; cache="$(mktemp -d)"
     log "starting the service of $tree (cache $cache: empty, a cold start)"
     local t0; t0=$(date +%s.%N)
@@ -316,6 +316,26 @@ for part in $PARTS; do
             http_bench api16_mp3 "${CONC_HIGH:-64,128}" --format mp3 || RC[$part]=$?
             stop_service
             ;;
+        gpu2)  # one GPU against two: the pool in-process (c=C1 on GPU 0, c=C2 on GPUs 0,1), then the service over HTTP
+            { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
+            RC[$part]=0
+            c1=${C1:-128} c2=${C2:-256}
+            CONC=$c1 BENCH_ARGS="--max-num-seqs ${MAXSEQS:-128} --devices 0" bench voxcpm-serve "$OUT/pool_1gpu.json" \
+                "$T_OURS" || RC[$part]=$?
+            CONC=$c2 BENCH_ARGS="--max-num-seqs ${MAXSEQS:-128} --devices 0,1" bench voxcpm-serve "$OUT/pool_2gpu.json" \
+                "$T_OURS" || RC[$part]=$?
+            for n in 1 2; do
+                devs=$([[ $n == 1 ]] && echo 0 || echo 0,1)
+                c=$([[ $n == 1 ]] && echo "$c1" || echo "$c2")
+                MAXSEQS=${MAXSEQS:-128} SERVICE_ENV="NANOVLLM_SERVERPOOL_DEVICES=$devs" start_service "$ROOT" "gpu$n" \
+                    || { stop_service; RC[$part]=start; continue; }
+                for fmt in ${GPU2_FORMATS:-mp3 pcm}; do
+                    PYSPY=$([[ $n == 2 && $fmt == mp3 ]] && echo 1) http_bench "gpu${n}_$fmt" "$c" --format "$fmt" \
+                        --procs "${GPU2_PROCS:-16}" || RC[$part]=$?
+                done
+                stop_service
+            done
+            ;;
         http_base)
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
             [[ -d "${BASELINE:-}" ]] || { log "http_base needs BASELINE=dir (an earlier tree)"; RC[$part]=setup; continue; }
@@ -325,7 +345,7 @@ for part in $PARTS; do
             stop_service
             ;;
         *)
-            log "unknown part '$part' (known: test check profile ours ours_window ours_hifi nano encode http http_base)"
+            log "unknown part '$part' (known: test check profile ours ours_window ours_hifi nano encode http http_api16 gpu2 http_base)"
             ;;
     esac
 done

@@ -221,11 +221,10 @@ class _WorkerLink:
 class EncoderPool:
     """Threads that run streams' transforms. A stream's chunks are transformed in order, by one thread at a time:
     a stream with chunks waiting is queued once, and the thread that takes it drains them. Streams that have made
-    nothing yet go first (their first bytes are the client's time to first audio). The threads run at a lower CPU
-    priority (`nice`) than the rest of the process, and than the engine workers: encoding waits, a step does not."""
+    nothing yet go first (their first bytes are the client's time to first audio)."""
 
-    def __init__(self, count: int, loop: asyncio.AbstractEventLoop, nice: int = 10) -> None:
-        self.loop, self.nice = loop, nice
+    def __init__(self, count: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
         self.queue: queue.PriorityQueue[tuple[int, int, Any]] = queue.PriorityQueue()
         self._order = itertools.count()
         self.threads = [threading.Thread(target=self._run, name=f"voxcpm-encoder-{i}", daemon=True)
@@ -243,8 +242,6 @@ class EncoderPool:
         self.queue.put((1 if stream.produced else 0, next(self._order), stream))
 
     def _run(self) -> None:
-        with contextlib.suppress(OSError, AttributeError):  # Linux: a thread id is a process id for setpriority
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
         while (job := self.queue.get())[2] is not _END:
             stream = job[2]
             while True:

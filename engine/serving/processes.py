@@ -43,6 +43,7 @@ class WorkerOptions:
     torch_threads: int | None = None  # CPU threads for torch ops; default: 1 on a GPU, torch's choice on the CPU
     name: str = "voxcpm-worker"  # the process name `ps` and `top` show
     spawned_at: float = 0.0  # time.time() when the owner spawned it (start-up phases are reported from it)
+    cpus: list[int] | None = None  # CPU cores it runs on (its own), None = wherever the OS puts it
 
 
 def name_process(name: str) -> None:
@@ -130,6 +131,19 @@ class WorkerProcess:
             self.control.close()
 
 
+def reserve_cpus(workers: int, per_worker: int, keep: int = 2) -> tuple[list[list[int]], list[int]] | None:
+    """Split this process's cores: `per_worker` of them for each engine worker (the last ones) and the rest for
+    everything else, so that no other thread of the service runs on a worker's cores (its host loop drives the
+    GPU: a step waiting for a core is a step every stream waits for). None when that would leave fewer than
+    `keep` cores for the rest, or nothing is to be reserved."""
+    cores = sorted(os.sched_getaffinity(0))
+    reserved = workers * per_worker
+    if not per_worker or len(cores) - reserved < keep:
+        return None
+    rest, own = cores[:len(cores) - reserved], cores[len(cores) - reserved:]
+    return [own[i * per_worker:(i + 1) * per_worker] for i in range(workers)], rest
+
+
 def socket_address(directory: str, index: int) -> str:
     return os.path.join(directory, f"worker-{index}.sock")
 
@@ -146,8 +160,9 @@ class WorkerSet:
     a private directory, authenticated with a fresh key, restarted on the same addresses."""
 
     def __init__(self, model_path: str, devices: list[str], config: EngineConfig, *, warmup: bool = False,
-                 on_exit: Any = None) -> None:
+                 on_exit: Any = None, cpus: list[list[int]] | None = None) -> None:
         self.model_path, self.devices, self.config, self.warmup = model_path, devices, config, warmup
+        self.cpus = cpus  # per worker, the cores reserved for it (None: not pinned)
         self.directory = tempfile.mkdtemp(prefix="voxcpm-workers-")  # mode 0700: only this user reaches the sockets
         self.authkey = os.urandom(32)
         self._on_exit = on_exit
@@ -172,7 +187,7 @@ class WorkerSet:
         options = WorkerOptions(model_path=self.model_path, device=self.devices[index], engine=self.config,
                                 address=socket_address(self.directory, index), authkey=self.authkey,
                                 warmup=self.warmup, log_level=worker_log_level(), name=f"voxcpm-worker{index}",
-                                spawned_at=time.time())
+                                spawned_at=time.time(), cpus=self.cpus[index] if self.cpus else None)
         return WorkerProcess(index, options, self._on_exit)
 
     def restart(self, index: int) -> None:

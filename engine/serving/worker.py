@@ -436,6 +436,8 @@ def warm_up(engine: LLMEngine) -> dict[str, float]:
 def worker_main(control: Connection, options: WorkerOptions) -> None:
     """Process entry point (spawned). Listens first, so clients connect while the model loads."""
     name_process(options.name)
+    if options.cpus:
+        os.sched_setaffinity(0, options.cpus)  # threads started from here on (torch's, the senders) inherit it
     imported_s = time.time() - options.spawned_at if options.spawned_at else None  # spawn, Python, torch, engine
     logging.basicConfig(level=max(options.log_level, logging.INFO),  # DEBUG only for our loggers, not torch's
                         format=f"%(asctime)s worker[{options.device}] %(levelname)s %(name)s: %(message)s")
