@@ -261,9 +261,11 @@ for part in $PARTS; do
             OURS_ARGS="${OURS_ARGS:-} --pool-kwargs {\"coalesce_ms\":5}" bench voxcpm-serve "$OUT/pool_window.json" "$T_OURS"
             RC[$part]=$?
             ;;
-        ours_hifi)  # the pool in HiFi mode (a 5 s clip as prompt and reference, 40 patches) at HIFI_CONC
+        ours_hifi)  # the pool in HiFi mode (a 5 s clip as prompt and reference, 40 patches) at HIFI_CONC, with the
+            # service's coalescing window
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
-            CONC="$HIFI_CONC" MODE=hifi PATCHES=40 bench voxcpm-serve "$OUT/pool_hifi.json" "$T_OURS"
+            CONC="$HIFI_CONC" MODE=hifi PATCHES=40 OURS_ARGS="${OURS_ARGS:-} --pool-kwargs {\"coalesce_ms\":5}" \
+                bench voxcpm-serve "$OUT/pool_hifi.json" "$T_OURS"
             RC[$part]=$?
             ;;
         nano)
