@@ -21,6 +21,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
@@ -60,10 +61,11 @@ class GenerationStream:
         self.request_id = f"{client.name}-{next(client.ids)}"
         self.finish_reason: p.FinishReason | None = None
         self.samples = 0  # samples generated so far
-        self.lock = threading.Lock()  # pending/scheduled/produced belong to the encoder pool's threads
+        self.lock = threading.Lock()  # guards what the encoder pool's threads share below
         self.pending: list[p.AudioEvent] = []  # events waiting for the transform
-        self.scheduled = False  # queued in (or being drained by) the encoder pool
-        self.produced = False  # the transform has run at least once
+        self.scheduled = False  # queued in the encoder pool (for its earliest pending event)
+        self.first_output_at: float | None = None  # monotonic time the transform first gave something to send
+        self.transformed_samples = 0
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._link: _WorkerLink | None = None
         self._ended = False  # the last item was taken, or the stream was closed
@@ -219,47 +221,59 @@ class _WorkerLink:
 
 
 class EncoderPool:
-    """Threads that run streams' transforms. A stream's chunks are transformed in order, by one thread at a time:
-    a stream with chunks waiting is queued once, and the thread that takes it drains them. Streams that have made
-    nothing yet go first (their first bytes are the client's time to first audio)."""
+    """Threads that run streams' transforms, earliest deadline first. A chunk's deadline is when a listener who
+    started at the stream's first output would run out of audio without it (first output time + audio seconds
+    made before it); a stream that has made nothing yet is due at once (its first bytes are the time to first
+    audio). So when encoding falls behind, streams with the least audio in hand go first and a stream seconds
+    ahead waits. A stream's chunks are transformed in order, one at a time: it is queued once, for its next one."""
 
-    def __init__(self, count: int, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: queue.PriorityQueue[tuple[int, int, Any]] = queue.PriorityQueue()
+    def __init__(self, count: int, loop: asyncio.AbstractEventLoop, sample_rate: int = 48000) -> None:
+        self.loop, self.sample_rate = loop, sample_rate
+        self.queue: queue.PriorityQueue[tuple[float, int, Any]] = queue.PriorityQueue()
         self._order = itertools.count()
         self.threads = [threading.Thread(target=self._run, name=f"voxcpm-encoder-{i}", daemon=True)
                         for i in range(count)]
         for t in self.threads:
             t.start()
 
+    def _due(self, stream: GenerationStream) -> float:
+        if stream.first_output_at is None:
+            return float("-inf")
+        return stream.first_output_at + stream.transformed_samples / self.sample_rate
+
     def submit(self, stream: GenerationStream, ev: p.AudioEvent) -> None:
         """From the reader thread: a stream's next event."""
         with stream.lock:
             stream.pending.append(ev)
             if stream.scheduled:
-                return  # the thread that has it takes this one too
+                return  # queued already, for its earliest chunk
             stream.scheduled = True
-        self.queue.put((1 if stream.produced else 0, next(self._order), stream))
+            due = self._due(stream)
+        self.queue.put((due, next(self._order), stream))
 
     def _run(self) -> None:
         while (job := self.queue.get())[2] is not _END:
             stream = job[2]
-            while True:
-                with stream.lock:
-                    events, stream.pending = stream.pending, []
-                    if not events:
-                        stream.scheduled = False
-                        break
-                items = [stream.convert(ev) for ev in events]
-                stream.produced = True
-                try:
-                    self.loop.call_soon_threadsafe(_deliver, [(stream, item) for item in items])
-                except RuntimeError:  # the loop is closed
-                    return
+            with stream.lock:
+                ev = stream.pending.pop(0)
+            item = stream.convert(ev)
+            with stream.lock:
+                if stream.first_output_at is None and item.value is not None:
+                    stream.first_output_at = time.monotonic()
+                stream.transformed_samples += item.samples
+                again = bool(stream.pending)
+                stream.scheduled = again
+                due = self._due(stream)
+            if again:
+                self.queue.put((due, next(self._order), stream))
+            try:
+                self.loop.call_soon_threadsafe(stream.put, item)
+            except RuntimeError:  # the loop is closed
+                return
 
     def stop(self) -> None:
         for _ in self.threads:
-            self.queue.put((2, next(self._order), _END))
+            self.queue.put((float("inf"), next(self._order), _END))
 
 
 def _deliver(items: Iterable[tuple[GenerationStream, _Item]]) -> None:
@@ -308,6 +322,7 @@ class EngineClient:
     def on_message(self, link: _WorkerLink, msg: Any) -> None:
         if isinstance(msg, p.Ready):
             link.info, link.ready, link.down = msg.info, True, False
+            self.encoders.sample_rate = int(msg.info.get("sample_rate") or self.encoders.sample_rate)
             link.ready_event.set()
         elif isinstance(msg, p.Reply):
             fut = link.calls.pop(msg.call_id, None)
