@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 
 from engine import AsyncVoxCPMServerPool, VoxCPM
+from engine.serving.routing import LoadTable
 from service import errors, lifecycle
 from service.engine_setup import WorkerEndpoint, engine_arguments, model_checkpoint, voice_db_path
 from service.metrics import Metrics, MetricsMiddleware
@@ -50,8 +51,10 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
                 voice_db = voice_db_path(settings, model_path, Path(scratch))
             else:
                 model_path, demo, voice_db = endpoint.model_path, endpoint.demo, endpoint.voice_db
+                load = (LoadTable(len(endpoint.addresses), endpoint.load_table, endpoint.row)
+                        if endpoint.load_table else None)
                 pool = AsyncVoxCPMServerPool.connect(model_path, endpoint.addresses, endpoint.authkey,
-                                                     settings.encoder_threads)
+                                                     settings.encoder_threads, load)
             store = SqliteVoiceStore(voice_db, settings.voice_cache_max_entries, settings.voice_cache_max_bytes)
             state = ServiceState(settings=settings, pool=pool, store=store, metrics=metrics, model_path=model_path,
                                  model_id=Path(model_path).name, demo=demo, owns_workers=endpoint is None)

@@ -23,6 +23,8 @@ class WorkerEndpoint:
     demo: bool
     voice_db: Path
     multiprocess_metrics: bool
+    load_table: Path | None = None  # the in-flight table every API process routes by (engine.serving.routing)
+    row: int = 0  # this API process's row in it
 
 
 def model_fingerprint(model_path: str) -> str:

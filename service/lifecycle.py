@@ -27,14 +27,16 @@ async def bring_up(state: ServiceState) -> None:
         return
     log.info("ready: %s", {k: state.info.get(k) for k in ("architecture", "sample_rate", "devices", "process_import_s",
                                                           "startup_s", "warmup_s", "spawn_to_ready_s")})
-    if state.owns_workers:
-        await supervise(state)
+    await supervise(state)
 
 
 async def supervise(state: ServiceState) -> None:
+    """Keep this process's readiness gauge current (with several API processes, /metrics reports the lowest of
+    theirs, so each must refresh its own); restart dead workers where this process owns them."""
     while True:
+        state.metrics.ready.set(1 if state.ready else 0)
         await asyncio.sleep(SUPERVISE_EVERY_S)
-        if state.pool.healthy or not state.settings.restart_dead_workers:
+        if state.pool.healthy or not state.owns_workers or not state.settings.restart_dead_workers:
             continue
         log.error("a worker died: restarting it (not ready until it is warm again)")
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine.serving.routing import LoadTable
 from service.engine_setup import WorkerEndpoint, engine_arguments, model_checkpoint, voice_db_path
 from service.settings import Settings
 
@@ -115,9 +117,12 @@ class Supervisor:
                                 cpus=split[0] if split else None)
             if split:
                 os.sched_setaffinity(0, split[1])  # what this process starts from now on runs on the other cores
+            count = s.api_process_count(len(os.sched_getaffinity(0)))
+            LoadTable.create(runtime / "load", count, len(devices))
             endpoint = WorkerEndpoint(workers.addresses, workers.authkey, model_path, demo,
-                                      voice_db_path(s, model_path, runtime), multiprocess_metrics=True)
-            self.api = [self._spawn_api(endpoint, i) for i in range(s.api_process_count(len(os.sched_getaffinity(0))))]
+                                      voice_db_path(s, model_path, runtime), multiprocess_metrics=True,
+                                      load_table=runtime / "load")
+            self.api = [self._spawn_api(endpoint, i) for i in range(count)]
             log.info("%d engine worker(s) on %s, %d API process(es) on %s:%d (%.1f s after start)", len(devices),
                      ", ".join(devices), len(self.api), s.host, s.port, time.monotonic() - self.t0)
             return await self._watch(workers, endpoint)
@@ -127,6 +132,7 @@ class Supervisor:
             shutil.rmtree(runtime, ignore_errors=True)
 
     def _spawn_api(self, endpoint: WorkerEndpoint, index: int) -> mp.process.BaseProcess:
+        endpoint = dataclasses.replace(endpoint, row=index)
         proc = self.ctx.Process(target=api_process_main, args=(self.settings, endpoint, index),
                                 name=f"voxcpm-api-{index}", daemon=False)
         proc.start()
@@ -165,6 +171,8 @@ class Supervisor:
                 if not proc.is_alive():
                     log.error("API process %d exited (code %s): starting it again", i, proc.exitcode)
                     multiprocess.mark_process_dead(proc.pid)
+                    if endpoint.load_table is not None:
+                        LoadTable.clear_row(endpoint.load_table, i, len(endpoint.addresses))
                     self.api[i] = self._spawn_api(endpoint, i)
         log.info("stopping: API processes first (in-flight responses finish), then the workers")
         return 0

@@ -317,3 +317,36 @@ def test_failed_step_fails_running_requests_and_a_lost_device_ends_the_worker(ch
         assert not worker.owner and not link.requests and not engine.has_unfinished()
     finally:
         worker.close()
+
+
+def test_load_table_is_shared_by_the_processes_that_route(tmp_path):
+    """Routers in different processes see one in-flight count per worker: each writes its own row, all read the
+    column sums; a dead router's row is cleared."""
+    import multiprocessing
+
+    from engine.serving.routing import LoadTable
+
+    path = tmp_path / "load"
+    LoadTable.create(path, rows=2, workers=2)
+    mine = LoadTable(2, path, row=0)
+    mine.add(0, 3)
+    ctx = multiprocessing.get_context("spawn")
+    p = ctx.Process(target=_route_elsewhere, args=(path,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    assert mine.loads().tolist() == [3, 5]  # the other process's 5 requests on worker 1, seen here
+    LoadTable.clear_row(path, 1, 2)  # that process died: its requests are gone
+    assert mine.loads().tolist() == [3, 0]
+    mine.add(0, -3)
+    assert mine.loads().tolist() == [0, 0]
+    mine.close()
+
+
+def _route_elsewhere(path) -> None:
+    from engine.serving.routing import LoadTable
+
+    other = LoadTable(2, path, row=1)
+    assert other.loads().tolist() == [3, 0]
+    other.add(1, 5)
+    other.close()

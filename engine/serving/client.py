@@ -31,6 +31,7 @@ import numpy as np
 
 from engine.errors import PoolError, PoolStoppedError, RequestError, WorkerDiedError, error_from
 from engine.serving import protocol as p
+from engine.serving.routing import LoadTable
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class GenerationStream:
             self._end("error")
             raise
         self._link = link
+        self.client.load.add(link.index, 1)
         link.streams[self.request_id] = self
         try:
             link.send(p.Generate(self.request_id, self.request))
@@ -108,11 +110,14 @@ class GenerationStream:
             raise
 
     def _end(self, reason: p.FinishReason) -> None:
+        if self._ended:
+            return
         self._ended = True
         if self.finish_reason is None:
             self.finish_reason = reason
         if self._link is not None:
             self._link.streams.pop(self.request_id, None)
+            self.client.load.add(self._link.index, -1)
 
     def put(self, item: _Item) -> None:
         """From the event loop: the next item (dropped once the stream is closed)."""
@@ -284,10 +289,12 @@ def _deliver(items: Iterable[tuple[GenerationStream, _Item]]) -> None:
 class EngineClient:
     """Connections from this process to every engine worker (by Unix socket address)."""
 
-    def __init__(self, addresses: list[str], authkey: bytes, encoder_threads: int = 4) -> None:
+    def __init__(self, addresses: list[str], authkey: bytes, encoder_threads: int = 4,
+                 load: LoadTable | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.authkey = authkey
         self.links = [_WorkerLink(self, i, a) for i, a in enumerate(addresses)]
+        self.load = load or LoadTable(len(addresses))  # shared with the other API processes of a service
         self.encoders = EncoderPool(max(1, encoder_threads), self.loop)
         self.ids = itertools.count()
         self.name = os.urandom(4).hex()  # request ids are this client's name and a counter: unique across clients
@@ -419,14 +426,15 @@ class EngineClient:
                 for link in self.links]
 
     async def pick(self) -> _WorkerLink:
-        """The ready worker with the least work (this client's in flight + what it reported); waits while the
+        """The ready worker with the fewest requests in flight (over every process routing to it); waits while the
         workers are still loading."""
         while True:
             if self.closed:
                 raise PoolStoppedError("the pool is stopped")
             ready = [link for link in self.links if link.ready]
             if ready:
-                return min(ready, key=lambda lk: len(lk.streams) + lk.load.running + lk.load.waiting)
+                loads = self.load.loads()
+                return min(ready, key=lambda lk: loads[lk.index])
             if all(link.down for link in self.links):
                 raise WorkerDiedError("no worker is running; restart the pool")
             await self._some_ready(self.links, 0.5)

@@ -26,6 +26,7 @@ from engine.errors import PoolError, PoolStoppedError, PromptNotFoundError, Requ
 from engine.serving import protocol as p
 from engine.serving.client import EngineClient, GenerationStream, Transform
 from engine.serving.processes import WorkerProcess, WorkerSet
+from engine.serving.routing import LoadTable
 
 if TYPE_CHECKING:
     import torch
@@ -49,12 +50,13 @@ class AsyncVoxCPMServerPool:
         self.client = EngineClient(self.workers.addresses, self.workers.authkey, encoder_threads)
 
     @classmethod
-    def connect(cls, model_path: str, addresses: list[str], authkey: bytes, encoder_threads: int = 4
-                ) -> AsyncVoxCPMServerPool:
-        """A pool of workers started elsewhere (reached at `addresses`, authenticated with `authkey`)."""
+    def connect(cls, model_path: str, addresses: list[str], authkey: bytes, encoder_threads: int = 4,
+                load: LoadTable | None = None) -> AsyncVoxCPMServerPool:
+        """A pool of workers started elsewhere (reached at `addresses`, authenticated with `authkey`); `load`: the
+        in-flight table shared with the other processes that route to them."""
         pool = cls.__new__(cls)
         pool.model_path, pool.devices, pool._stopped, pool.workers = model_path, [], False, None
-        pool.client = EngineClient(addresses, authkey, encoder_threads)
+        pool.client = EngineClient(addresses, authkey, encoder_threads, load)
         return pool
 
     @property
