@@ -17,7 +17,9 @@ def summarise(path: str, top: int) -> dict:
     by_process: collections.Counter[str] = collections.Counter()
     by_function: collections.Counter[str] = collections.Counter()
     total = 0
-    for line in open(path):
+    with open(path) as f:
+        lines = f.readlines()
+    for line in lines:
         stack, _, count = line.rstrip("\n").rpartition(" ")
         if not count.isdigit():
             continue
@@ -48,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     for row in doc["by_function"]:
         print(f"  {100 * row['share']:5.1f}%  {row['function']}")
     if a.json:
-        json.dump(doc, open(a.json, "w"), indent=1)
+        with open(a.json, "w") as f:
+            json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":
