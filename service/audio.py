@@ -115,12 +115,6 @@ def encode_file(ints: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     return buf.getvalue()
 
 
-def encode_whole(samples: np.ndarray, sample_rate: int, fmt: str, bitrate_kbps: int = 192,
-                 quality: int = 2) -> bytes:
-    """A whole utterance in one of MEDIA_TYPES' formats: what an encoder makes of it given as one chunk."""
-    return make_encoder(fmt, sample_rate, bitrate_kbps, quality)(samples, True) or b""
-
-
 def output_rate(sample_rate: int, fmt: str) -> int:
     """The sample rate a client finds in the file we send."""
     return 48000 if fmt == "opus" and sample_rate not in OPUS_RATES else sample_rate
