@@ -1,24 +1,61 @@
-"""`voxcpm-serve`: the service (the supervisor, its engine workers and API processes), configured from
-NANOVLLM_* environment variables."""
+"""`voxcpm-serve`: the service (the supervisor, its engine workers and API processes).
+
+Every setting is a NANOVLLM_* environment variable and a flag of the same name (`--serverpool-max-num-seqs`), with a
+few short ones (`--model`, `--devices`); a flag wins over the variable, the variable over the default. `--help` lists
+them all with their variables and defaults; an unknown flag or a bad value exits 2 naming it."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import importlib.metadata
 import logging
 import sys
+from collections.abc import Sequence
 
 from pydantic import ValidationError
 
 from service.settings import Settings, describe_error
 
+SHORT_FLAGS = {"model_path": "--model", "serverpool_devices": "--devices"}  # besides --model-path, --serverpool-devices
 
-def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="voxcpm-serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"voxcpm-serve {version()}")
+    for name, field in Settings.model_fields.items():
+        default = field.default if field.default is not None else "unset"
+        names = [flag(name)] + ([SHORT_FLAGS[name]] if name in SHORT_FLAGS else [])
+        ap.add_argument(*names, dest=name, metavar="VALUE", default=argparse.SUPPRESS,
+                        help=f"{field.description or ''} [env NANOVLLM_{name.upper()}; default {default}]")
+    return ap
+
+
+def version() -> str:
     try:
-        settings = Settings()
+        return importlib.metadata.version("voxcpm-serve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def load_settings(argv: Sequence[str] | None = None) -> Settings:
+    """Flags over NANOVLLM_* variables over defaults; exits 2 naming a bad flag or value (and 0 after --help)."""
+    flags = vars(parser().parse_args(argv))
+    try:
+        return Settings(**flags)
     except ValidationError as e:
-        print(describe_error(e), file=sys.stderr)
+        print(describe_error(e, flags=set(flags)), file=sys.stderr)
         sys.exit(2)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings = load_settings(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from service.supervisor import Supervisor  # after validation: a config error should not wait for imports
 
     sys.exit(asyncio.run(Supervisor(settings).run()))

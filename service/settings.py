@@ -45,13 +45,13 @@ class Settings(BaseSettings):
     voice_cache_max_entries: int = Field(1024, ge=1, description="Most cached voices (all kinds together).")
     voice_cache_max_bytes: int = Field(256 * 2**20, ge=1024, description="Most latent bytes cached.")
     lora_uri: str | None = Field(None, description="LoRA adapter (seed fork); not supported by the engine yet.")
-    lora_id: str | None = None
-    lora_sha256: str | None = None
+    lora_id: str | None = Field(None, description="Name of the LoRA adapter (seed fork).")
+    lora_sha256: str | None = Field(None, description="SHA-256 of the LoRA adapter (seed fork).")
     warmup: bool = Field(True, description="Run warm-up generations before reporting ready.")
     ready_timeout_s: float = Field(900, gt=0, description="Longest model load before start-up fails.")
     restart_dead_workers: bool = Field(True, description="Restart a worker that died (not ready meanwhile).")
-    host: str = "0.0.0.0"
-    port: int = Field(8000, ge=1, le=65535)
+    host: str = Field("0.0.0.0", description="Address to listen on.")
+    port: int = Field(8000, ge=1, le=65535, description="Port to listen on.")
 
     @field_validator("mp3_bitrate_kbps")
     @classmethod
@@ -97,11 +97,16 @@ class Settings(BaseSettings):
         return self.cache_dir.expanduser()
 
 
-def describe_error(err: ValidationError) -> str:
-    """One line per bad variable, named as the operator set it."""
+def describe_error(err: ValidationError, flags: set[str] | None = None) -> str:
+    """One line per bad setting, named as the operator set it: the flag where one was given, else the variable."""
     lines = []
     for e in err.errors():
         field = "_".join(str(p) for p in e["loc"]) if e["loc"] else ""
-        name = f"NANOVLLM_{field.upper()}" if field else "configuration"
+        if not field:
+            name = "configuration"
+        elif flags and field in flags:
+            name = "--" + field.replace("_", "-")
+        else:
+            name = f"NANOVLLM_{field.upper()}"
         lines.append(f"{name}: {e['msg']}")
     return "invalid configuration:\n  " + "\n  ".join(lines)

@@ -106,8 +106,12 @@ class Supervisor:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
         workers = None
         try:
-            model_path, demo = await asyncio.to_thread(model_checkpoint, s)
-            model_path = await asyncio.to_thread(checked_model_path, model_path)
+            try:
+                model_path, demo = await asyncio.to_thread(model_checkpoint, s)
+                model_path = await asyncio.to_thread(checked_model_path, model_path)
+            except ValueError as e:  # CheckpointError: not a checkpoint, not downloadable
+                log.error("cannot serve %s: %s", s.model_path, e)
+                return 1
             arguments = engine_arguments(s, demo)
             devices, warmup = device_names(arguments.pop("devices")), arguments.pop("warmup")
             split = reserve_cpus(len(devices), s.worker_cpus)

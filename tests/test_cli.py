@@ -1,0 +1,64 @@
+"""`voxcpm-serve` on the command line: --help and --version exit 0, every setting is a flag that wins over its
+NANOVLLM_* variable, an unknown flag or a bad value exits 2 naming it, a path that is no checkpoint exits 1."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from service.main import load_settings
+from service.settings import Settings
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "service.main", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_help_lists_every_setting_with_its_variable_and_default():
+    r = cli("--help")
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())  # argparse wraps lines
+    for name in Settings.model_fields:
+        assert f"--{name.replace('_', '-')}" in text
+        assert f"env NANOVLLM_{name.upper()};" in text
+    assert "env NANOVLLM_PORT; default 8000]" in text and "--model VALUE" in text and "--devices VALUE" in text
+
+
+def test_version():
+    r = cli("--version")
+    assert r.returncode == 0 and r.stdout.startswith("voxcpm-serve ")
+
+
+@pytest.mark.parametrize("args, message", [(("--bogus",), "unrecognized arguments: --bogus"),
+                                           (("--port", "x"), "--port: Input should be a valid integer"),
+                                           (("--mp3-quality", "3"), "--mp3-quality: Input should be less than or "
+                                                                    "equal to 2")])
+def test_bad_flags_exit_2_naming_them(args, message):
+    r = cli(*args)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_bad_variable_exits_2_naming_it():
+    r = cli(env={"NANOVLLM_PORT": "0", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2 and "NANOVLLM_PORT: Input should be greater than or equal to 1" in r.stderr, r.stderr
+
+
+def test_flag_over_variable_over_default(monkeypatch):
+    monkeypatch.delenv("NANOVLLM_PORT", raising=False)
+    assert load_settings([]).port == 8000
+    monkeypatch.setenv("NANOVLLM_PORT", "9000")
+    assert load_settings([]).port == 9000
+    assert load_settings(["--port", "9001"]).port == 9001
+    assert load_settings(["--model", "/x", "--devices", "0,1"]).device_list() == [0, 1]
+    assert load_settings(["--model", "/x"]).model_path == "/x"
+
+
+def test_a_path_that_is_no_checkpoint_exits_1(tmp_path):
+    r = cli("--model", str(tmp_path), "--port", "18999", "--cache-dir", str(tmp_path / "cache"))
+    assert r.returncode == 1 and "no config.json" in r.stderr, r.stderr
