@@ -26,6 +26,7 @@ from engine import AsyncVoxCPMServerPool, VoxCPM
 from engine.serving.routing import LoadTable
 from service import errors, lifecycle
 from service.engine_setup import WorkerEndpoint, engine_arguments, model_checkpoint, voice_db_path
+from service.limits import BodyLimitMiddleware
 from service.metrics import Metrics, MetricsMiddleware
 from service.routers import generation, openai, ops, voices
 from service.settings import Settings
@@ -77,5 +78,6 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
     app.add_exception_handler(RequestValidationError, errors.validation_error_handler)
     for exc in errors.HANDLED:
         app.add_exception_handler(exc, errors.pool_error_handler)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: a refused body is a counted 413
     return app

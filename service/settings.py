@@ -47,6 +47,8 @@ class Settings(BaseSettings):
     lora_uri: str | None = Field(None, description="LoRA adapter (seed fork); not supported by the engine yet.")
     lora_id: str | None = Field(None, description="Name of the LoRA adapter (seed fork).")
     lora_sha256: str | None = Field(None, description="SHA-256 of the LoRA adapter (seed fork).")
+    max_request_bytes: int = Field(16 * 2**20, ge=1024, description="Largest request body accepted: 413 beyond it, "
+                                                                    "found while reading, before all of it is in.")
     warmup: bool = Field(True, description="Run warm-up generations before reporting ready.")
     ready_timeout_s: float = Field(900, gt=0, description="Longest model load before start-up fails.")
     restart_dead_workers: bool = Field(True, description="Restart a worker that died (not ready meanwhile).")

@@ -82,3 +82,26 @@ def test_console_command_rejects_bad_config():
     p = subprocess.run([sys.executable, "-c", "from service.main import main; main()"], env=env,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "NANOVLLM_MP3_QUALITY" in p.stderr
+
+
+def test_request_body_over_the_limit_is_413_while_reading(server):
+    """A declared length over NANOVLLM_MAX_REQUEST_BYTES is refused before the body is sent; a chunked body as
+    soon as it passes the limit. The service stays healthy (no 500, nothing held)."""
+    import socket
+
+    limit = server.settings.max_request_bytes
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:  # headers only, no body follows
+        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {limit + 1}\r\n\r\n".encode())
+        reply = sock.recv(65536).decode()
+    assert reply.startswith("HTTP/1.1 413") and "exceeds the limit" in reply and "NANOVLLM_MAX_REQUEST_BYTES" in reply
+
+    def chunks():
+        yield b'{"target_text": "'
+        for _ in range(limit // 2**20 + 1):
+            yield b"x" * 2**20
+
+    r = httpx.post(server.url + "/generate", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413 and "request body" in r.json()["detail"]
+    assert httpx.get(server.url + "/ready").status_code == 200

@@ -1,0 +1,50 @@
+"""The request body's size limit (NANOVLLM_MAX_REQUEST_BYTES), enforced while the body is read: a declared length
+over it is refused before anything is read, and a body that turns out longer (chunked) as soon as it passes it,
+so that no request makes the service hold or parse more than the limit."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.exceptions import HTTPException
+
+
+class BodyLimitMiddleware:
+    """Pure ASGI (streaming responses pass untouched); inside it the app's exception handling turns the
+    HTTPException raised while reading into the 413 response."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(send, int(declared))
+            return
+        received = 0
+
+        async def limited_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:  # FastAPI lets an HTTPException from reading the body through
+                    raise HTTPException(413, self.detail(received))
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def detail(self, size: int) -> str:
+        return (f"request body: {size} bytes or more exceeds the limit of {self.max_bytes} bytes "
+                "(NANOVLLM_MAX_REQUEST_BYTES)")
+
+    async def _refuse(self, send: Any, size: int) -> None:
+        body = json.dumps({"detail": self.detail(size)}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
