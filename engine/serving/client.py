@@ -74,6 +74,11 @@ class GenerationStream:
     def __aiter__(self) -> GenerationStream:
         return self
 
+    @property
+    def closed(self) -> bool:
+        """Ended: its last item was taken, or it was closed (aborted)."""
+        return self._ended
+
     async def __anext__(self) -> Any:
         if self._link is None and not self._ended:
             await self._start()
@@ -260,6 +265,10 @@ class EncoderPool:
         while (job := self.queue.get())[2] is not _END:
             stream = job[2]
             with stream.lock:
+                if stream.closed:  # aborted meanwhile: its chunks are nobody's
+                    stream.pending.clear()
+                    stream.scheduled = False
+                    continue
                 ev = stream.pending.pop(0)
             item = stream.convert(ev)
             with stream.lock:
