@@ -87,6 +87,7 @@ class GenerationStream:
             self.samples += item.samples
             if item.error is not None:
                 self._end("error")
+                self._abort_engine_request()  # an encoder's failure leaves the request running; a worker's, ended
                 raise item.error
             if item.finished:
                 self._end(item.finish_reason or "stop")
@@ -156,6 +157,10 @@ class GenerationStream:
         if self._ended:
             return
         self._end("aborted")
+        self._abort_engine_request()
+
+    def _abort_engine_request(self) -> None:
+        """Tell the worker to drop the request (it ignores one it has finished already)."""
         link = self._link
         if link is not None and link.connected:
             with contextlib.suppress(PoolError):
