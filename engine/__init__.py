@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "CheckpointError": "engine.errors", "LoadedModel": "engine.checkpoint", "load_model": "engine.checkpoint",
-    "EngineError": "engine.errors", "PoolError": "engine.errors", "PoolStoppedError": "engine.errors",
+    "EngineError": "engine.errors", "OverloadedError": "engine.errors", "PoolError": "engine.errors",
+    "PoolStoppedError": "engine.errors",
     "PromptNotFoundError": "engine.errors", "RequestError": "engine.errors", "WorkerDiedError": "engine.errors",
     "EngineConfig": "engine.engine_config", "LLMEngine": "engine.llm_engine", "StepEvent": "engine.llm_engine",
     "SamplingParams": "engine.serving.protocol", "SynthesisRequest": "engine.serving.protocol",
@@ -21,14 +22,16 @@ _EXPORTS = {
     "VoxCPM": "engine.serving.pool",
 }
 __all__ = ["AsyncVoxCPMServerPool", "CheckpointError", "EngineConfig", "EngineError", "GenerationStream", "LLMEngine",
-           "LoadedModel", "PoolError", "PoolStoppedError", "PromptNotFoundError", "RequestError", "SamplingParams",
-           "StepEvent", "SyncVoxCPMServerPool", "SynthesisRequest", "VoxCPM", "WorkerDiedError", "load_model"]
+           "LoadedModel", "OverloadedError", "PoolError", "PoolStoppedError", "PromptNotFoundError", "RequestError",
+           "SamplingParams", "StepEvent", "SyncVoxCPMServerPool", "SynthesisRequest", "VoxCPM", "WorkerDiedError",
+           "load_model"]
 
 if TYPE_CHECKING:
     from engine.checkpoint import CheckpointError, LoadedModel, load_model
     from engine.engine_config import EngineConfig
     from engine.errors import (
         EngineError,
+        OverloadedError,
         PoolError,
         PoolStoppedError,
         PromptNotFoundError,

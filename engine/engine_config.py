@@ -30,6 +30,8 @@ class EngineConfig:
     # Window gathering requests that arrive together into one scheduling round (one batched prefill): new
     # requests wait up to this long for others before they are admitted. 0 = admit at once.
     coalesce_ms: float = 0.0
+    # A request still waiting for a seat this long after it arrived is failed (OverloadedError); None = no limit.
+    queue_timeout_s: float | None = None
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "inference_timesteps"):
@@ -47,3 +49,5 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if not 0.0 <= self.coalesce_ms <= 1000.0:
             raise ValueError("coalesce_ms must be in [0, 1000]")
+        if self.queue_timeout_s is not None and self.queue_timeout_s <= 0:
+            raise ValueError("queue_timeout_s must be > 0")

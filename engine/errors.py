@@ -35,6 +35,13 @@ class EngineError(PoolError):
     kind = "engine"
 
 
+class OverloadedError(PoolError):
+    """Every worker already holds as many requests as it runs plus its queue, or this one waited in the queue
+    longer than its deadline: try again later (the service answers 503 with Retry-After)."""
+
+    kind = "overloaded"
+
+
 class WorkerDiedError(PoolError):
     """The worker process serving the request exited; the pool is unhealthy until restarted."""
 
@@ -49,7 +56,7 @@ class PoolStoppedError(PoolError):
 
 ERROR_KINDS: dict[str, type[PoolError]] = {cls.kind: cls for cls in
                                           (PoolError, RequestError, PromptNotFoundError, EngineError,
-                                           WorkerDiedError, PoolStoppedError)}
+                                           OverloadedError, WorkerDiedError, PoolStoppedError)}
 
 
 def error_from(kind: str, message: str) -> PoolError:

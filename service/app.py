@@ -46,7 +46,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
             if endpoint is None:
                 model_path, demo = await asyncio.to_thread(model_checkpoint, settings)
                 pool = VoxCPM.from_pretrained(model_path, encoder_threads=settings.encoder_threads,
-                                              **engine_arguments(settings, demo))
+                                              queue_bound=settings.queue_bound, **engine_arguments(settings, demo))
                 assert isinstance(pool, AsyncVoxCPMServerPool)
                 model_path = pool.model_path  # a hub id resolved to its local directory
                 voice_db = voice_db_path(settings, model_path, Path(scratch))
@@ -55,7 +55,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
                 load = (LoadTable(len(endpoint.addresses), endpoint.load_table, endpoint.row)
                         if endpoint.load_table else None)
                 pool = AsyncVoxCPMServerPool.connect(model_path, endpoint.addresses, endpoint.authkey,
-                                                     settings.encoder_threads, load)
+                                                     settings.encoder_threads, load, settings.queue_bound)
             store = SqliteVoiceStore(voice_db, settings.voice_cache_max_entries, settings.voice_cache_max_bytes)
             state = ServiceState(settings=settings, pool=pool, store=store, metrics=metrics, model_path=model_path,
                                  model_id=Path(model_path).name, demo=demo, owns_workers=endpoint is None)

@@ -65,4 +65,5 @@ def engine_arguments(settings: Settings, demo: bool) -> dict:
                 gpu_memory_utilization=settings.serverpool_gpu_memory_utilization,
                 enforce_eager=settings.serverpool_enforce_eager,
                 inference_timesteps=settings.serverpool_inference_timesteps,
-                coalesce_ms=settings.queue_coalesce_ms, warmup=settings.warmup)
+                coalesce_ms=settings.queue_coalesce_ms, queue_timeout_s=settings.queue_timeout_s,
+                warmup=settings.warmup)

@@ -7,7 +7,7 @@ from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from engine import PoolError, PoolStoppedError, PromptNotFoundError, RequestError, WorkerDiedError
+from engine import OverloadedError, PoolError, PoolStoppedError, PromptNotFoundError, RequestError, WorkerDiedError
 from service.voice_store import VoiceTooLargeError
 
 RETRY_AFTER_S = "5"
@@ -20,7 +20,7 @@ def status_of(err: Exception) -> int:
         return 400
     if isinstance(err, VoiceTooLargeError):
         return 413
-    if isinstance(err, WorkerDiedError | PoolStoppedError):
+    if isinstance(err, WorkerDiedError | PoolStoppedError | OverloadedError):
         return 503
     return 500  # EngineError and anything unmapped
 

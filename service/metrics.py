@@ -34,6 +34,9 @@ class Metrics:
                                      registry=r)
         self.finished = Counter("voxcpm_generations_finished", "Generations by route and how they ended (stop head, "
                                 "length cap, aborted, error)", ["route", "reason"], registry=r)
+        self.overloaded = Counter("voxcpm_requests_overloaded", "Generation requests refused with 503 because every "
+                                  "worker's queue was full or the request waited past the queue timeout", ["route"],
+                                  registry=r)
         self.in_flight = Gauge("voxcpm_http_requests_in_flight", "Requests being served", registry=r,
                                multiprocess_mode="livesum")
         latest: dict[str, Any] = {"registry": r, "multiprocess_mode": "mostrecent"}  # engine-wide, any process's scrape

@@ -32,6 +32,10 @@ class Settings(BaseSettings):
     queue_coalesce_ms: float = Field(5.0, ge=0, le=1000, description="Window gathering generation requests that "
                                                                      "arrive together into one scheduling round "
                                                                      "(one batched prefill) in each engine worker.")
+    max_queued_requests: int | None = Field(None, ge=0, description="Requests each worker may hold waiting for a seat "
+                                                                     "beyond the max_num_seqs it runs; more: 503 + "
+                                                                     "Retry-After at once. Unset = max_num_seqs.")
+    queue_timeout_s: float = Field(30.0, gt=0, description="Longest a request waits for a seat; then 503.")
     api_processes: int = Field(0, ge=0, le=64, description="HTTP server processes in front of the engine workers "
                                                            "(each one encodes the audio of its own streams); 0 = "
                                                            "one per CPU core left to them, at most 16.")
@@ -88,6 +92,10 @@ class Settings(BaseSettings):
         if self.api_processes:
             return self.api_processes
         return max(1, min(16, cores if cores is not None else len(os.sched_getaffinity(0))))
+
+    @property
+    def queue_bound(self) -> int:
+        return self.serverpool_max_num_seqs if self.max_queued_requests is None else self.max_queued_requests
 
     def device_list(self) -> list[int | str] | None:
         if self.serverpool_devices is None:

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from fastapi import HTTPException, Request
 from starlette.responses import StreamingResponse
 
-from engine import GenerationStream, PoolError, SamplingParams, SynthesisRequest
+from engine import GenerationStream, OverloadedError, PoolError, SamplingParams, SynthesisRequest
 from service.audio import MEDIA_TYPES, make_encoder, output_rate, sse_event
 from service.conditioning import Conditioning
 from service.errors import http_error
@@ -72,6 +72,8 @@ async def start(state: ServiceState, route: str, text: str, cond: Conditioning, 
         first = await anext(stream, None)
     except PoolError as e:
         stream.close()
+        if isinstance(e, OverloadedError):
+            state.metrics.overloaded.labels(route).inc()
         raise http_error(e) from e
     except BaseException:  # cancelled while waiting: the engine request must not outlive us
         stream.close()

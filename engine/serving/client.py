@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import PoolError, PoolStoppedError, RequestError, WorkerDiedError, error_from
+from engine.errors import OverloadedError, PoolError, PoolStoppedError, RequestError, WorkerDiedError, error_from
 from engine.serving import protocol as p
 from engine.serving.routing import LoadTable
 
@@ -304,11 +304,12 @@ class EngineClient:
     """Connections from this process to every engine worker (by Unix socket address)."""
 
     def __init__(self, addresses: list[str], authkey: bytes, encoder_threads: int = 4,
-                 load: LoadTable | None = None) -> None:
+                 load: LoadTable | None = None, queue_bound: int | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.authkey = authkey
         self.links = [_WorkerLink(self, i, a) for i, a in enumerate(addresses)]
         self.load = load or LoadTable(len(addresses))  # shared with the other API processes of a service
+        self.queue_bound = queue_bound  # requests a worker may hold beyond its max_num_seqs (None: no bound)
         self.encoders = EncoderPool(max(1, encoder_threads), self.loop)
         self.ids = itertools.count()
         self.name = os.urandom(4).hex()  # request ids are this client's name and a counter: unique across clients
@@ -448,7 +449,13 @@ class EngineClient:
             ready = [link for link in self.links if link.ready]
             if ready:
                 loads = self.load.loads()
-                return min(ready, key=lambda lk: loads[lk.index])
+                best = min(ready, key=lambda lk: loads[lk.index])
+                if self.queue_bound is not None:
+                    capacity = int(best.info.get("max_num_seqs", 0)) + self.queue_bound
+                    if loads[best.index] >= capacity:
+                        raise OverloadedError(f"every worker holds {capacity} requests ({capacity - self.queue_bound} "
+                                              f"running, {self.queue_bound} waiting): try again shortly")
+                return best
             if all(link.down for link in self.links):
                 raise WorkerDiedError("no worker is running; restart the pool")
             await self._some_ready(self.links, 0.5)

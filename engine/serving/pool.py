@@ -42,21 +42,22 @@ class AsyncVoxCPMServerPool:
     processes: the supervisor starts and restarts the workers)."""
 
     def __init__(self, model: str, devices: list[str], config: EngineConfig, *, warmup: bool = False,
-                 encoder_threads: int = 4) -> None:
+                 encoder_threads: int = 4, queue_bound: int | None = None) -> None:
         self.model_path = checked_model_path(model)
         self.devices = devices
         self._stopped = False
         self.workers: WorkerSet | None = WorkerSet(self.model_path, devices, config, warmup=warmup)
-        self.client = EngineClient(self.workers.addresses, self.workers.authkey, encoder_threads)
+        self.client = EngineClient(self.workers.addresses, self.workers.authkey, encoder_threads,
+                                   queue_bound=queue_bound)
 
     @classmethod
     def connect(cls, model_path: str, addresses: list[str], authkey: bytes, encoder_threads: int = 4,
-                load: LoadTable | None = None) -> AsyncVoxCPMServerPool:
+                load: LoadTable | None = None, queue_bound: int | None = None) -> AsyncVoxCPMServerPool:
         """A pool of workers started elsewhere (reached at `addresses`, authenticated with `authkey`); `load`: the
         in-flight table shared with the other processes that route to them."""
         pool = cls.__new__(cls)
         pool.model_path, pool.devices, pool._stopped, pool.workers = model_path, [], False, None
-        pool.client = EngineClient(addresses, authkey, encoder_threads, load)
+        pool.client = EngineClient(addresses, authkey, encoder_threads, load, queue_bound)
         return pool
 
     @property
@@ -426,21 +427,24 @@ class VoxCPM:
                         attention_backend: str | None = None, num_kv_blocks: int | None = None,
                         dtype: str | torch.dtype | None = None, pipeline_decode: bool | None = None,
                         coalesce_ms: float = 0.0, warmup: bool = False, encoder_threads: int = 4,
+                        queue_bound: int | None = None, queue_timeout_s: float | None = None,
                         ) -> AsyncVoxCPMServerPool | SyncVoxCPMServerPool:
         """Start one worker per device (default: every visible GPU, else the CPU). `model` is a checkpoint
         directory or a hub repo id. Returns at once; `wait_for_ready()` waits for the model to load.
         pipeline_decode: see EngineConfig (default: on for CUDA devices); coalesce_ms: the engine's window gathering
         requests that arrive together; warmup: a few generations in each worker before it reports ready;
-        encoder_threads: threads that run the generate calls' transforms."""
+        encoder_threads: threads that run the generate calls' transforms; queue_bound: requests a worker may hold
+        beyond max_num_seqs before generate raises OverloadedError (None: no bound); queue_timeout_s: the longest a
+        request waits for a seat before it fails with OverloadedError (None: no limit)."""
         config = engine_config(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                                gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                                attention_backend=attention_backend, inference_timesteps=inference_timesteps,
                                num_kv_blocks=num_kv_blocks, pipeline_decode=pipeline_decode, dtype=dtype,
-                               coalesce_ms=coalesce_ms)
+                               coalesce_ms=coalesce_ms, queue_timeout_s=queue_timeout_s)
         names = device_names(devices)
         model = checked_model_path(model)
-        kwargs = {"warmup": warmup, "encoder_threads": encoder_threads}
+        kwargs = {"warmup": warmup, "encoder_threads": encoder_threads, "queue_bound": queue_bound}
         try:
             asyncio.get_running_loop()
         except RuntimeError:

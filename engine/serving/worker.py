@@ -324,6 +324,25 @@ class Worker:
                 link.pending = []
                 link.steps_since_sent = 0
 
+    def expire_waiting(self) -> None:
+        """Fail the requests still waiting for a seat past the engine's queue timeout (their clients answer 503)."""
+        limit = self.engine.config.queue_timeout_s
+        if limit is None or not self.engine.scheduler.waiting:
+            return
+        now = time.monotonic()
+        expired = [s for s in self.engine.scheduler.waiting if not s.num_generated and now - s.arrival > limit]
+        for seq in expired:
+            owner = self.owner.pop(seq.seq_id, None)
+            self.engine.abort(seq.seq_id)
+            if owner is not None:
+                link, rid = owner
+                link.requests.pop(rid, None)
+                link.pending.append(p.AudioEvent(rid, None, True, "error", p.ErrorInfo(
+                    "overloaded", f"waited {now - seq.arrival:.1f} s for a seat (queue timeout {limit:g} s)")))
+        if expired:
+            log.warning("%d request(s) waited past the queue timeout: failed", len(expired))
+            self._flush()
+
     def _device_usable(self) -> bool:
         """After a failed step: whether the device still runs work. Out of memory passes; a CUDA error such as an
         illegal address, or a layer kernel's trap (engine/triton_layer.py), is sticky: every later call would fail,
@@ -369,6 +388,7 @@ class Worker:
                     self._read(by_conn[ready])
             for link in [lk for lk in self.links.values() if lk.gone]:
                 self.drop(link)
+            self.expire_waiting()
             if self.engine.has_work():
                 self.step()
 
