@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from engine import AsyncVoxCPMServerPool, VoxCPM
 from engine.serving.routing import LoadTable
 from service import errors, lifecycle
-from service.engine_setup import WorkerEndpoint, engine_arguments, model_checkpoint, voice_db_path
+from service.engine_setup import DRAIN_SIGNAL, WorkerEndpoint, engine_arguments, model_checkpoint, voice_db_path
 from service.limits import BodyLimitMiddleware
 from service.metrics import Metrics, MetricsMiddleware
 from service.routers import generation, openai, ops, voices
@@ -60,6 +60,8 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
             state = ServiceState(settings=settings, pool=pool, store=store, metrics=metrics, model_path=model_path,
                                  model_id=Path(model_path).name, demo=demo, owns_workers=endpoint is None)
             app.state.service = state
+            if endpoint is not None:  # the supervisor's first word of a shutdown: stop taking work, finish the rest
+                asyncio.get_running_loop().add_signal_handler(DRAIN_SIGNAL, lifecycle.drain, state)
             task = asyncio.create_task(lifecycle.bring_up(state), name="voxcpm-bring-up")
             try:
                 yield

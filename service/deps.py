@@ -17,6 +17,8 @@ def get_state(request: Request) -> ServiceState:
 def get_loaded_state(request: Request) -> ServiceState:
     """For routes that need the model: 503 + Retry-After while it loads (or a worker restarts)."""
     state = get_state(request)
+    if state.draining:
+        raise unavailable("the service is shutting down")
     if not state.loaded:
         raise unavailable(state.failure or "the model is still loading")
     if not state.pool.healthy:

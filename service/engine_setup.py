@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 from service.settings import Settings
+
+# The supervisor's first word to its API processes when it stops: drain (not ready, new generations refused).
+DRAIN_SIGNAL = signal.SIGUSR1
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,15 @@ async def bring_up(state: ServiceState) -> None:
     await supervise(state)
 
 
+def drain(state: ServiceState) -> None:
+    """Shutting down: /ready 503 at once, new generations 503; what is in flight goes on."""
+    if not state.draining:
+        in_flight = sum(s["in_flight"] for s in state.pool.client.snapshot())
+        log.info("draining: not ready, refusing new generations, finishing the %d in flight", in_flight)
+    state.draining = True
+    state.metrics.ready.set(0)
+
+
 async def supervise(state: ServiceState) -> None:
     """Keep this process's readiness gauge current (with several API processes, /metrics reports the lowest of
     theirs, so each must refresh its own); restart dead workers where this process owns them."""

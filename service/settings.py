@@ -36,6 +36,9 @@ class Settings(BaseSettings):
                                                                      "beyond the max_num_seqs it runs; more: 503 + "
                                                                      "Retry-After at once. Unset = max_num_seqs.")
     queue_timeout_s: float = Field(30.0, gt=0, description="Longest a request waits for a seat; then 503.")
+    shutdown_grace_s: float = Field(30.0, ge=0, le=3600, description="On SIGTERM: /ready turns 503 and new requests "
+                                                                       "get 503 at once; responses in flight get this "
+                                                                       "long to finish before the processes stop.")
     api_processes: int = Field(0, ge=0, le=64, description="HTTP server processes in front of the engine workers "
                                                            "(each one encodes the audio of its own streams); 0 = "
                                                            "one per CPU core left to them, at most 16.")

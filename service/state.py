@@ -24,6 +24,7 @@ class ServiceState:
     owns_workers: bool = True  # False in an API process of the supervisor's: it restarts the workers
     info: dict[str, Any] = field(default_factory=dict)  # pool.get_model_info(), once loaded
     failure: str | None = None  # start-up failed for good: liveness reports it
+    draining: bool = False  # shutting down: not ready, new generations refused, responses in flight finish
 
     @property
     def loaded(self) -> bool:
@@ -32,7 +33,7 @@ class ServiceState:
     @property
     def ready(self) -> bool:
         """Every worker is connected and has reported ready (its model loaded and warmed up)."""
-        return self.loaded and self.pool.ready
+        return self.loaded and self.pool.ready and not self.draining
 
     @property
     def sample_rate(self) -> int:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.serving.routing import LoadTable
-from service.engine_setup import WorkerEndpoint, engine_arguments, model_checkpoint, voice_db_path
+from service.engine_setup import DRAIN_SIGNAL, WorkerEndpoint, engine_arguments, model_checkpoint, voice_db_path
 from service.settings import Settings
 
 if TYPE_CHECKING:
@@ -65,7 +65,8 @@ def api_process_main(settings: Settings, endpoint: WorkerEndpoint, index: int) -
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s api[{index}] %(levelname)s %(name)s: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="parent-watch", daemon=True).start()
     sock = listening_socket(settings.host, settings.port)
-    config = uvicorn.Config(create_app(settings, endpoint), log_level="info", timeout_graceful_shutdown=30)
+    # The supervisor drains first (DRAIN_SIGNAL, then waits for what is in flight): uvicorn's own wait is a backstop.
+    config = uvicorn.Config(create_app(settings, endpoint), log_level="info", timeout_graceful_shutdown=10)
     uvicorn.Server(config).run(sockets=[sock])
 
 
@@ -122,7 +123,7 @@ class Supervisor:
             if split:
                 os.sched_setaffinity(0, split[1])  # what this process starts from now on runs on the other cores
             count = s.api_process_count(len(os.sched_getaffinity(0)))
-            LoadTable.create(runtime / "load", count, len(devices))
+            LoadTable.create(runtime / "load", count + 1, len(devices))  # + a row the supervisor reads through
             endpoint = WorkerEndpoint(workers.addresses, workers.authkey, model_path, demo,
                                       voice_db_path(s, model_path, runtime), multiprocess_metrics=True,
                                       load_table=runtime / "load")
@@ -131,7 +132,7 @@ class Supervisor:
                      ", ".join(devices), len(self.api), s.host, s.port, time.monotonic() - self.t0)
             return await self._watch(workers, endpoint)
         finally:
-            await self._shutdown(workers)
+            await self._shutdown(workers, runtime / "load")
             port_guard.close()
             shutil.rmtree(runtime, ignore_errors=True)
 
@@ -181,12 +182,26 @@ class Supervisor:
         log.info("stopping: API processes first (in-flight responses finish), then the workers")
         return 0
 
-    async def _shutdown(self, workers: WorkerSet | None) -> None:
-        for proc in self.api:
-            if proc.is_alive():
-                os.kill(proc.pid, signal.SIGTERM)
-        for proc in self.api:
-            await asyncio.to_thread(proc.join, 40)
+    async def _shutdown(self, workers: WorkerSet | None, load_table: Path | None = None) -> None:
+        """Drain the API processes (not ready, new requests 503) until nothing is in flight or the grace period
+        ends, then stop them (uvicorn closes the connections), then the workers."""
+        live = [proc for proc in self.api if proc.is_alive()]
+        for proc in live:
+            os.kill(proc.pid, DRAIN_SIGNAL)
+        if live and load_table is not None and load_table.exists() and workers is not None:
+            table = LoadTable(len(workers.processes), load_table, row=len(self.api))  # a spare row: read-only here
+            deadline = time.monotonic() + self.settings.shutdown_grace_s
+            while table.loads().sum() > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            left = int(table.loads().sum())
+            table.close()
+            if left:
+                log.warning("%d response(s) still in flight after the %.0f s grace period: stopping anyway", left,
+                            self.settings.shutdown_grace_s)
+        for proc in live:
+            os.kill(proc.pid, signal.SIGTERM)
+        for proc in live:
+            await asyncio.to_thread(proc.join, 15)
             if proc.is_alive():
                 proc.kill()
                 await asyncio.to_thread(proc.join, 5)

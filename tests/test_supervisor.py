@@ -356,6 +356,16 @@ def test_sigterm_stops_everything(service: Service):
         chunks = r.iter_raw()
         received = len(next(chunks))
         service.proc.send_signal(signal.SIGTERM)
+        # draining: every API process turns not-ready and refuses new work at once, while this stream goes on
+        service.wait(lambda: service.ask("GET", "/ready")[0].status_code == 503, "/ready stayed 200 after SIGTERM",
+                     pause=0.0)
+
+        def refused() -> httpx.Response | None:
+            r, _ = service.ask("POST", "/generate", json={**LONG, "max_generate_length": 2})
+            return r if r.status_code == 503 else None
+
+        r503 = service.wait(refused, "new requests were still served after SIGTERM", pause=0.0)
+        assert "shutting down" in r503.json()["detail"] and r503.headers.get("retry-after")
         received += sum(len(data) for data in chunks)
     assert received == patches * PCM_PATCH_BYTES  # the API process let its in-flight response finish
     try:

@@ -25,7 +25,9 @@ async def ready(state: State) -> JSONResponse:
     """Readiness: 200 once every worker has loaded and warmed up the model and this process is connected to it."""
     if state.ready:
         return JSONResponse({"status": "ready"})
-    if state.failure:
+    if state.draining:
+        reason = "shutting down"
+    elif state.failure:
         reason = state.failure
     elif not state.loaded:
         reason = "loading the model"
