@@ -16,6 +16,10 @@ COPY engine ./engine
 COPY service ./service
 COPY tools ./tools
 RUN uv sync --frozen --no-dev
+# Not root: the service needs to write only its cache volume (voices, compiled kernels, the demo checkpoint).
+RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin voxcpm \
+    && mkdir -p /var/cache/voxcpm-serve && chown 10001:10001 /var/cache/voxcpm-serve
+USER 10001
 EXPOSE 8000
 # Liveness: /health; readiness (model loaded and warm): /ready — see deployment/k8s.yaml.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"

@@ -19,12 +19,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 
 from engine import AsyncVoxCPMServerPool, VoxCPM
 from engine.serving.routing import LoadTable
 from service import errors, lifecycle
+from service.deps import require_api_key
 from service.engine_setup import DRAIN_SIGNAL, WorkerEndpoint, engine_arguments, model_checkpoint, voice_db_path
 from service.limits import BodyLimitMiddleware
 from service.metrics import Metrics, MetricsMiddleware
@@ -58,7 +60,8 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
                                                      settings.encoder_threads, load, settings.queue_bound)
             store = SqliteVoiceStore(voice_db, settings.voice_cache_max_entries, settings.voice_cache_max_bytes)
             state = ServiceState(settings=settings, pool=pool, store=store, metrics=metrics, model_path=model_path,
-                                 model_id=Path(model_path).name, demo=demo, owns_workers=endpoint is None)
+                                 model_id=Path(model_path).name, demo=demo, owns_workers=endpoint is None,
+                                 api_keys=[k.encode() for k in settings.api_key_list()])
             app.state.service = state
             if endpoint is not None:  # the supervisor's first word of a shutdown: stop taking work, finish the rest
                 asyncio.get_running_loop().add_signal_handler(DRAIN_SIGNAL, lifecycle.drain, state)
@@ -75,8 +78,15 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
 
     app = FastAPI(title="voxcpm-serve", version="0.1.0", lifespan=lifespan,
                   description="VoxCPM text-to-speech: streaming MP3, voice caches, OpenAI-compatible speech.")
-    for router in (generation.router, voices.router, openai.router, ops.router):
-        app.include_router(router)
+    keyed = [Depends(require_api_key)]
+    for router in (generation.router, voices.router, openai.router):
+        app.include_router(router, dependencies=keyed)
+    app.include_router(ops.router)  # /health, /ready, /metrics open; /info keyed (per route)
+    if settings.cors_origins:
+        origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["X-Audio-Sample-Rate", "X-Audio-Channels", "X-Audio-Encoding",
+                                           "X-Request-Id", "X-Finish-Reason"])
     app.add_exception_handler(RequestValidationError, errors.validation_error_handler)
     for exc in errors.HANDLED:
         app.add_exception_handler(exc, errors.pool_error_handler)

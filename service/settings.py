@@ -59,6 +59,13 @@ class Settings(BaseSettings):
     warmup: bool = Field(True, description="Run warm-up generations before reporting ready.")
     ready_timeout_s: float = Field(900, gt=0, description="Longest model load before start-up fails.")
     restart_dead_workers: bool = Field(True, description="Restart a worker that died (not ready meanwhile).")
+    api_keys: str | None = Field(None, description="Comma-separated API keys: every route but /health, /ready and "
+                                                   "/metrics then needs `Authorization: Bearer <key>` (401 without).")
+    api_keys_file: Path | None = Field(None, description="A file of API keys, one per line (# comments), besides "
+                                                         "NANOVLLM_API_KEYS.")
+    protect_metrics: bool = Field(False, description="/metrics needs an API key too (when keys are set).")
+    cors_origins: str | None = Field(None, description="Comma-separated origins browsers may call from (`*` for "
+                                                       "any); unset = no CORS headers.")
     host: str = Field("0.0.0.0", description="Address to listen on.")
     port: int = Field(8000, ge=1, le=65535, description="Port to listen on.")
 
@@ -67,6 +74,13 @@ class Settings(BaseSettings):
     def _bitrate(cls, v: int) -> int:
         if v not in MP3_BITRATES:
             raise ValueError(f"must be one of {MP3_BITRATES}")
+        return v
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _keys_file(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.expanduser().is_file():
+            raise ValueError(f"{v} is not a readable file")
         return v
 
     @field_validator("serverpool_devices")
@@ -95,6 +109,14 @@ class Settings(BaseSettings):
         if self.api_processes:
             return self.api_processes
         return max(1, min(16, cores if cores is not None else len(os.sched_getaffinity(0))))
+
+    def api_key_list(self) -> list[str]:
+        """The keys from NANOVLLM_API_KEYS and NANOVLLM_API_KEYS_FILE (read once, at start-up)."""
+        keys = [k.strip() for k in (self.api_keys or "").split(",")]
+        if self.api_keys_file is not None:
+            lines = self.api_keys_file.expanduser().read_text().splitlines()
+            keys += [line.strip() for line in lines if not line.strip().startswith("#")]
+        return [k for k in keys if k]
 
     @property
     def queue_bound(self) -> int:

@@ -25,6 +25,7 @@ class ServiceState:
     info: dict[str, Any] = field(default_factory=dict)  # pool.get_model_info(), once loaded
     failure: str | None = None  # start-up failed for good: liveness reports it
     draining: bool = False  # shutting down: not ready, new generations refused, responses in flight finish
+    api_keys: list[bytes] = field(default_factory=list)  # none: no key needed
 
     @property
     def loaded(self) -> bool:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Depends, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine import PoolError
-from service.deps import State
+from service.deps import State, require_api_key, require_metrics_key
 
 router = APIRouter(tags=["ops"])
 
@@ -38,7 +38,7 @@ async def ready(state: State) -> JSONResponse:
     return JSONResponse({"status": "not ready", "detail": reason}, status_code=503, headers={"Retry-After": "5"})
 
 
-@router.get("/info")
+@router.get("/info", dependencies=[Depends(require_api_key)])
 async def info(state: State) -> dict:
     """Model metadata (sample rates, latent shape, limits), MP3 settings, voice cache usage."""
     s = state.settings
@@ -55,7 +55,7 @@ async def info(state: State) -> dict:
     }
 
 
-@router.get("/metrics")
+@router.get("/metrics", dependencies=[Depends(require_metrics_key)])
 async def metrics(state: State) -> Response:
     """Prometheus text format. Engine gauges are read from the workers at scrape time."""
     m = state.metrics
