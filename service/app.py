@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import tempfile
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -63,7 +64,9 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
                                  model_id=Path(model_path).name, demo=demo, owns_workers=endpoint is None,
                                  api_keys=[k.encode() for k in settings.api_key_list()])
             app.state.service = state
-            if endpoint is not None:  # the supervisor's first word of a shutdown: stop taking work, finish the rest
+            if endpoint is not None and threading.current_thread() is threading.main_thread():
+                # the supervisor's first word of a shutdown: stop taking work, finish the rest (an app served from
+                # another thread, as in tests, is not one of its API processes)
                 asyncio.get_running_loop().add_signal_handler(DRAIN_SIGNAL, lifecycle.drain, state)
             task = asyncio.create_task(lifecycle.bring_up(state), name="voxcpm-bring-up")
             try:

@@ -137,9 +137,10 @@ def test_disconnect_frees_the_engine_at_once(server):
             c.stream("POST", "/generate", json={**body("pcm"), "target_text": long_text,
                                                 "max_generate_length": 300}) as r:
         assert r.status_code == 200
-        next(r.iter_raw())
+        chunks = r.iter_raw()  # keep a reference: a discarded httpx iterator closes the connection itself
+        next(chunks)
         busy = server.pool_stats()
-        assert busy["running"] == 1 and busy["free_blocks"] < total and busy["free_slots"] == 3
+        assert busy["running"] == 1 and busy["free_blocks"] < total and busy["free_slots"] == 3, busy
     steps_at_close = busy["steps"]
     deadline = time.monotonic() + 30
     while True:
