@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from fastapi import HTTPException
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from engine.serving.protocol import SAMPLING_LIMITS, SamplingParams
@@ -91,18 +92,32 @@ def _limited(name: str, default: float | None) -> object:
     return Field(default, ge=b.low, le=b.high, description=b.doc)
 
 
+MAX_TEXT_CHARS = 20000  # far past what max_model_len lets through; refused before tokenizing megabytes
+DEFAULT_GENERATE_LENGTH = 2000  # the seed fork's default, capped by the deployment's max_model_len
+
+
 class SamplingFields(BaseModel):
     """The sampling parameters every generation route takes, bounded as the engine bounds them."""
 
-    max_generate_length: int = _limited("max_generate_length", 2000)
+    max_generate_length: int | None = Field(
+        None, ge=SAMPLING_LIMITS["max_generate_length"].low, le=SAMPLING_LIMITS["max_generate_length"].high,
+        description=f"{SAMPLING_LIMITS['max_generate_length'].doc} At most the service's max_model_len (GET /info); "
+                    f"default {DEFAULT_GENERATE_LENGTH} or max_model_len if smaller.")
     temperature: float = _limited("temperature", 1.0)
     cfg_value: float = _limited("cfg_value", 2.0)
     min_len: int = _limited("min_len", 2)
     seed: int | None = _limited("seed", None)
 
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(max_generate_length=self.max_generate_length, temperature=self.temperature,
-                              cfg_value=self.cfg_value, min_len=self.min_len, seed=self.seed)
+    def sampling(self, max_model_len: int) -> SamplingParams:
+        """The engine's parameters; a max_generate_length the model can never reach is the caller's error."""
+        length = self.max_generate_length
+        if length is None:
+            length = min(DEFAULT_GENERATE_LENGTH, max_model_len)
+        elif length > max_model_len:
+            raise HTTPException(422, f"max_generate_length: {length} is more than this service can generate in one "
+                                     f"request (max_model_len = {max_model_len})")
+        return SamplingParams(max_generate_length=length, temperature=self.temperature, cfg_value=self.cfg_value,
+                              min_len=self.min_len, seed=self.seed)
 
 
 PROMPT_FORMS = "prompt_wav_base64 + prompt_text | prompt_latents_base64 + prompt_text | prompt_id | hifi_id"
@@ -110,7 +125,9 @@ REF_FORMS = "ref_audio_wav_base64 | ref_audio_latents_base64 | ref_audio_id"
 
 
 class GenerateRequest(SamplingFields):
-    target_text: str = Field(..., min_length=1, description="Text to speak. '(description)text' = voice design.")
+    target_text: str = Field(..., min_length=1, max_length=MAX_TEXT_CHARS,
+                             description="Text to speak. '(description)text' = voice design. Its tokens must also fit "
+                                         "max_model_len with the audio to generate (400 naming the limit otherwise).")
     prompt_wav_base64: str | None = Field(None, description="Continuation prompt: base64 audio file.")
     prompt_wav_format: str = Field("wav", description="Container of prompt_wav_base64.")
     prompt_text: str | None = Field(None, description="Transcript of the prompt audio (with a prompt form).")

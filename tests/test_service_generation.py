@@ -151,6 +151,9 @@ INVALID = [
     ({"temperature": 10.5}, 422, "temperature"),  # the engine's bound (engine.serving.protocol.SAMPLING_LIMITS)
     ({"cfg_value": 20.5}, 422, "cfg_value"),
     ({"min_len": -1}, 422, "min_len"),
+    ({"max_generate_length": 1_000_000_000}, 422, "max_generate_length: 1000000000 is more than this service can "
+                                                  "generate in one request (max_model_len = 4096)"),
+    ({"target_text": "x" * 20001}, 422, "target_text"),
     ({"response_format": "ogg"}, 422, "response_format"),
     ({"target_text": ""}, 422, "target_text"),
     ({"prompt_wav_base64": "***", "prompt_text": "t"}, 400, "prompt_wav_base64: not valid base64"),
@@ -183,6 +186,15 @@ def test_schema_bounds_are_the_engines():
         for name, bound in SAMPLING_LIMITS.items():
             meta = {type(m).__name__: m for m in model.model_fields[name].metadata}
             assert meta["Ge"].ge == bound.low and meta["Le"].le == bound.high, (model.__name__, name)
+
+
+def test_default_length_fits_the_deployment():
+    """Unset, max_generate_length is the seed fork's 2000, or max_model_len where that is smaller."""
+    from service.schemas import GenerateRequest
+
+    assert GenerateRequest(target_text="x").sampling(4096).max_generate_length == 2000
+    assert GenerateRequest(target_text="x").sampling(512).max_generate_length == 512
+    assert GenerateRequest(target_text="x", max_generate_length=300).sampling(512).max_generate_length == 300
 
 
 def test_min_len_and_finish_reason(client):

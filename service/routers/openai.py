@@ -40,15 +40,16 @@ async def speech(req: SpeechRequest, request: Request, state: LoadedState) -> Re
     cond = await _voice(state, req.voice)
     text = f"({req.instructions.strip()}){req.input}" if req.instructions and req.instructions.strip() else req.input
     fmt, route = req.response_format, "/v1/audio/speech"
+    params = req.sampling(state.info["max_model_len"])
     if req.stream_format == "sse":
-        gen = await synthesis.start(state, route, text, cond, req.sampling(), fmt, sse=True)
+        gen = await synthesis.start(state, route, text, cond, params, fmt, sse=True)
         return synthesis.AudioStreamResponse(gen, "text/event-stream", synthesis.audio_headers(state, fmt, gen),
                                              body=synthesis.sse_body(gen, req.input))
     if fmt in STREAMED:
-        return synthesis.stream_response(await synthesis.start(state, route, text, cond, req.sampling(), fmt), fmt)
+        return synthesis.stream_response(await synthesis.start(state, route, text, cond, params, fmt), fmt)
 
     async def whole() -> Response:  # sent whole: abort if the client leaves
-        gen = await synthesis.start(state, route, text, cond, req.sampling(), fmt)
+        gen = await synthesis.start(state, route, text, cond, params, fmt)
         data = await gen.collect()
         return Response(data, media_type=MEDIA_TYPES[fmt], headers=synthesis.audio_headers(state, fmt, gen))
 
