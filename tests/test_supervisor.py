@@ -38,7 +38,7 @@ SHORT = {"target_text": "Hello.", "max_generate_length": 2, "seed": 1, "response
 # 7 s of streaming on the CPU: long enough to be cut off mid-way.
 LONG_TEXT = "Streaming long enough to be cut off midway, as it should be! " * 2
 LONG_PATCHES = 436
-LONG = {"target_text": LONG_TEXT, "max_generate_length": 2000, "response_format": "pcm"}
+LONG = {"target_text": LONG_TEXT, "response_format": "pcm"}  # max_generate_length unset: max_model_len
 T = TypeVar("T")
 
 
