@@ -24,6 +24,21 @@ class AudioError(ValueError):
     """Audio that cannot be decoded or used; the message says why."""
 
 
+MIN_CLIP_SECONDS = 0.1  # shorter is no voice to follow, only padding
+SILENCE_PEAK_DBFS = -60.0  # a clip whose loudest sample is below this holds no voice (latents of silence)
+
+
+def clip_duration(data: bytes, fmt: str | None = None) -> float:
+    """Seconds of audio in a file, from its header alone (no decoding): checks a limit before the work."""
+    try:
+        info = sf.info(io.BytesIO(data))
+    except Exception as e:  # libsndfile raises several types for corrupt input
+        raise AudioError(f"could not decode audio ({fmt or 'unknown format'}): {e}") from e
+    if info.frames <= 0 or info.samplerate <= 0:
+        raise AudioError("audio is empty")
+    return info.frames / info.samplerate
+
+
 def decode_audio(data: bytes, fmt: str | None = None) -> tuple[np.ndarray, int]:
     """Any container libsndfile reads (wav, flac, ogg, mp3, ...) -> mono float32 samples, sample rate.
     The container is detected from the bytes; `fmt` (the client's claim) only labels errors."""
@@ -33,7 +48,16 @@ def decode_audio(data: bytes, fmt: str | None = None) -> tuple[np.ndarray, int]:
         raise AudioError(f"could not decode audio ({fmt or 'unknown format'}): {e}") from e
     if samples.size == 0:
         raise AudioError("audio is empty")
-    return samples.mean(axis=1).astype(np.float32), int(sr)
+    mono = samples.mean(axis=1).astype(np.float32)
+    if mono.size < MIN_CLIP_SECONDS * sr:
+        raise AudioError(f"audio is {mono.size / sr:.3f} s long; a clip needs at least {MIN_CLIP_SECONDS} s")
+    if not np.isfinite(mono).all():
+        raise AudioError("audio contains NaN or infinite samples")
+    peak = float(np.abs(mono).max())
+    if peak < 10 ** (SILENCE_PEAK_DBFS / 20):
+        level = f"{20 * np.log10(peak):.0f} dBFS" if peak > 0 else "digital silence"
+        raise AudioError(f"audio is silent (peak {level}, below {SILENCE_PEAK_DBFS:.0f} dBFS)")
+    return mono, int(sr)
 
 
 def resample(samples: np.ndarray, sr: int, target_sr: int) -> np.ndarray:

@@ -72,14 +72,19 @@ class Scheduler:
         return bool(self.waiting) and len(self.running) < self.max_num_seqs and not self.window_left()
 
     def never_fits(self, seq: Sequence) -> str | None:
+        """Why the request can never run here, starting with the request field to change, or None."""
         longest = seq.num_prompt_tokens + seq.max_patches
+        if seq.num_prompt_tokens >= self.max_model_len:
+            return (f"target_text: the prompt (text and voice) is {seq.num_prompt_tokens} tokens, which leaves no "
+                    f"room to generate within max_model_len={self.max_model_len}")
         if longest > self.max_model_len:
-            return (f"prompt of {seq.num_prompt_tokens} tokens plus up to {seq.max_patches} patches exceeds "
-                    f"max_model_len={self.max_model_len}")
+            return (f"max_generate_length: a prompt of {seq.num_prompt_tokens} tokens (text and voice) plus up to "
+                    f"{seq.max_patches} patches exceeds max_model_len={self.max_model_len}")
         if self.blocks.blocks_needed(longest) > len(self.blocks.blocks):
-            return f"needs {self.blocks.blocks_needed(longest)} KV blocks, the cache has {len(self.blocks.blocks)}"
+            return (f"max_generate_length: the request needs {self.blocks.blocks_needed(longest)} KV blocks, the "
+                    f"cache has {len(self.blocks.blocks)}")
         if seq.num_tokens > self.max_num_batched_tokens:
-            return (f"prompt of {seq.num_tokens} tokens exceeds max_num_batched_tokens="
+            return (f"target_text: the prompt of {seq.num_tokens} tokens exceeds max_num_batched_tokens="
                     f"{self.max_num_batched_tokens}")
         return None
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from fastapi import Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import AsyncVoxCPMServerPool, VoxCPM
 from engine.serving.routing import LoadTable
@@ -91,6 +92,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
                            expose_headers=["X-Audio-Sample-Rate", "X-Audio-Channels", "X-Audio-Encoding",
                                            "X-Request-Id", "X-Finish-Reason"])
     app.add_exception_handler(RequestValidationError, errors.validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, errors.http_exception_handler)
     for exc in errors.HANDLED:
         app.add_exception_handler(exc, errors.pool_error_handler)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)

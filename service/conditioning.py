@@ -12,6 +12,7 @@ import numpy as np
 from fastapi import HTTPException
 
 from engine import RequestError
+from engine.audio import AudioError, clip_duration
 from service.errors import http_error
 from service.schemas import GenerateRequest
 from service.state import ServiceState
@@ -43,7 +44,22 @@ async def b64decode(value: str, field: str) -> bytes:
     return data
 
 
+async def check_clip(state: ServiceState, data: bytes, fmt: str, field: str) -> None:
+    """Decodable and not too long, from the file's header, before the clip travels to a worker (which decodes it
+    and refuses silent or too short audio)."""
+    try:
+        seconds = await asyncio.to_thread(clip_duration, data, fmt) if len(data) > INLINE_B64_CHARS \
+            else clip_duration(data, fmt)
+    except AudioError as e:
+        raise HTTPException(400, f"{field}: {e}") from e
+    limit = state.settings.max_audio_seconds
+    if seconds > limit:
+        raise HTTPException(413, f"{field}: {seconds:.1f} s of audio is longer than this service takes "
+                                 f"({limit:g} s)")
+
+
 async def encode_clip(state: ServiceState, data: bytes, fmt: str, padding: str, field: str) -> bytes:
+    await check_clip(state, data, fmt, field)
     try:
         return await state.pool.encode_latents(data, fmt, padding=padding)
     except RequestError as e:

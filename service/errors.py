@@ -1,11 +1,13 @@
 """Engine errors -> HTTP status: the caller's mistake is a 4xx, server trouble a 5xx (503 + Retry-After
-when another try, after a worker restart, may succeed)."""
+when another try, after a worker restart, may succeed). Bodies are FastAPI's `{"detail": ...}`, except under /v1/
+where they take OpenAI's shape `{"error": {"message", "type", "param", "code"}}` (what OpenAI clients parse)."""
 
 from __future__ import annotations
 
 from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import OverloadedError, PoolError, PoolStoppedError, PromptNotFoundError, RequestError, WorkerDiedError
 from service.voice_store import VoiceTooLargeError
@@ -37,10 +39,52 @@ def unavailable(detail: str) -> HTTPException:
     return HTTPException(503, detail, headers={"Retry-After": RETRY_AFTER_S})
 
 
+OPENAI_PREFIX = "/v1/"
+OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                429: "rate_limit_error", 503: "service_unavailable"}
+OPENAI_CODES = {401: "invalid_api_key", 404: "not_found", 413: "request_too_large", 503: "overloaded"}
+
+
+def _param_of(message: str) -> str | None:
+    """Our messages start with the field they concern ("voice: unknown voice ..."): OpenAI's `param`."""
+    head, sep, _ = message.partition(":")
+    return head if sep and head.replace("_", "").replace(".", "").isalnum() else None
+
+
+def error_payload(path: str, status: int, detail: object) -> dict:
+    """The error body for a route: `detail` (a message, or FastAPI's list of {loc, msg, type}) as FastAPI sends it,
+    or in OpenAI's shape under /v1/."""
+    if not path.startswith(OPENAI_PREFIX):
+        return {"detail": detail}
+    if isinstance(detail, list):  # validation errors: one message naming each field
+        fields = [".".join(str(p) for p in e["loc"] if p != "body") for e in detail]
+        message = "; ".join(f"{f}: {e['msg']}" if f else e["msg"] for f, e in zip(fields, detail, strict=True))
+        param = (fields[0] or _param_of(detail[0]["msg"])) if detail else None
+    else:
+        message, param = str(detail), _param_of(str(detail))
+    kind = OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": OPENAI_CODES.get(status)}}
+
+
+FASTAPI_BODY_ERROR = "There was an error parsing the body"  # FastAPI's words for a body it cannot decode
+
+
+async def http_exception_handler(request: Request, exc: Exception) -> JSONResponse:
+    """FastAPI's own handling of an HTTPException, with the body shaped for the route (and FastAPI's unparseable
+    body named as such)."""
+    assert isinstance(exc, StarletteHTTPException)
+    detail = exc.detail
+    if exc.status_code == 400 and detail == FASTAPI_BODY_ERROR:
+        detail = "request body: not a JSON object in UTF-8 (send Content-Type: application/json)"
+    return JSONResponse(error_payload(request.url.path, exc.status_code, detail), status_code=exc.status_code,
+                        headers=exc.headers)
+
+
 async def pool_error_handler(request: Request, exc: Exception) -> JSONResponse:
     """Anything a route did not map itself."""
     err = http_error(exc)
-    return JSONResponse({"detail": err.detail}, status_code=err.status_code, headers=err.headers)
+    return JSONResponse(error_payload(request.url.path, err.status_code, err.detail), status_code=err.status_code,
+                        headers=err.headers)
 
 
 HANDLED = (PoolError, VoiceTooLargeError)
@@ -52,4 +96,4 @@ async def validation_error_handler(request: Request, exc: Exception) -> JSONResp
     assert isinstance(exc, RequestValidationError)
     detail = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", "").removeprefix("Value error, "),
                "type": e.get("type", "")} for e in exc.errors()]
-    return JSONResponse({"detail": detail}, status_code=422)
+    return JSONResponse(error_payload(request.url.path, 422, detail), status_code=422)

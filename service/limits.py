@@ -9,6 +9,8 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 
+from service.errors import error_payload
+
 
 class BodyLimitMiddleware:
     """Pure ASGI (streaming responses pass untouched); inside it the app's exception handling turns the
@@ -23,7 +25,7 @@ class BodyLimitMiddleware:
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send, int(declared))
+            await self._refuse(send, scope.get("path", ""), int(declared))
             return
         received = 0
 
@@ -42,8 +44,8 @@ class BodyLimitMiddleware:
         return (f"request body: {size} bytes or more exceeds the limit of {self.max_bytes} bytes "
                 "(NANOVLLM_MAX_REQUEST_BYTES)")
 
-    async def _refuse(self, send: Any, size: int) -> None:
-        body = json.dumps({"detail": self.detail(size)}).encode()
+    async def _refuse(self, send: Any, path: str, size: int) -> None:
+        body = json.dumps(error_payload(path, 413, self.detail(size))).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})

@@ -44,6 +44,11 @@ class Metrics:
                                  "included)", **latest)
         self.running = Gauge("voxcpm_running_sequences", "Sequences being decoded", **latest)
         self.kv_usage = Gauge("voxcpm_kv_cache_usage_ratio", "Share of KV blocks in use", ["worker"], **latest)
+        self.kv_blocks_free = Gauge("voxcpm_kv_blocks_free", "KV cache blocks free (prefix-cached ones included)",
+                                    ["worker"], **latest)
+        self.kv_blocks_total = Gauge("voxcpm_kv_blocks_total", "KV cache blocks", ["worker"], **latest)
+        self.slots_free = Gauge("voxcpm_sequence_slots_free", "Decode slots free (of max_num_seqs)", ["worker"],
+                                **latest)
         self.step_seconds = Gauge("voxcpm_engine_step_seconds", "Mean engine step latency since the last scrape",
                                   ["worker"], **latest)
         self.steps = Gauge("voxcpm_engine_steps", "Engine steps since the worker started", ["worker"], **latest)
@@ -74,6 +79,9 @@ class Metrics:
             running += s["running"]
             waiting += s["waiting"]
             self.kv_usage.labels(w).set(1 - s["free_blocks"] / max(1, s["total_blocks"]))
+            self.kv_blocks_free.labels(w).set(s["free_blocks"])
+            self.kv_blocks_total.labels(w).set(s["total_blocks"])
+            self.slots_free.labels(w).set(s["free_slots"])
             self.steps.labels(w).set(s["steps"])
             self.preemptions.labels(w).set(s["preemptions"])
             n0, t0 = self._last_steps.get(w, (0, 0.0))

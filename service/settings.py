@@ -56,6 +56,8 @@ class Settings(BaseSettings):
     lora_sha256: str | None = Field(None, description="SHA-256 of the LoRA adapter (seed fork).")
     max_request_bytes: int = Field(16 * 2**20, ge=1024, description="Largest request body accepted: 413 beyond it, "
                                                                     "found while reading, before all of it is in.")
+    max_audio_seconds: float = Field(60.0, gt=0, le=3600, description="Longest uploaded clip (prompt or reference "
+                                                                      "audio): 413 beyond it.")
     warmup: bool = Field(True, description="Run warm-up generations before reporting ready.")
     ready_timeout_s: float = Field(900, gt=0, description="Longest model load before start-up fails.")
     restart_dead_workers: bool = Field(True, description="Restart a worker that died (not ready meanwhile).")

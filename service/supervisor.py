@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 CHECK_EVERY_S = 0.5
 RESTART_BACKOFF_S = (1.0, 30.0)  # first and longest pause before restarting a worker that died again
 MAX_DEATHS = 5  # a worker dying more often than this in ten minutes stops the service (the orchestrator sees it)
+MAX_START_FAILURES = 3  # restarts in a row that died before loading: the device or the host is broken, stop
 
 
 def listening_socket(host: str, port: int, listen: bool = True) -> socket.socket:
@@ -147,6 +148,7 @@ class Supervisor:
         from prometheus_client import multiprocess
 
         deaths: dict[int, list[float]] = {}  # per worker, when it died (the last ten minutes)
+        start_failures: dict[int, int] = {}  # per worker, restarts in a row that died before they were ready
         restart_at: dict[int, float] = {}
         while not self.stopping.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
@@ -161,6 +163,11 @@ class Supervisor:
                     log.error("%s; stopping the service", w.failed_to_start)  # the configuration cannot work
                     return 1
                 deaths[w.index] = [t for t in deaths.get(w.index, []) if now - t < 600] + [now]
+                start_failures[w.index] = start_failures.get(w.index, 0) + 1 if w.failed_to_start else 0
+                if start_failures[w.index] >= MAX_START_FAILURES:
+                    log.error("worker %d died while starting %d times in a row (%s); stopping the service", w.index,
+                              start_failures[w.index], w.failed_to_start)
+                    return 1
                 if not self.settings.restart_dead_workers or len(deaths[w.index]) > MAX_DEATHS:
                     log.error("worker %d died (exit code %s) %d time(s) in ten minutes; stopping the service",
                               w.index, w.exitcode, len(deaths[w.index]))

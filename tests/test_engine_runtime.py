@@ -188,6 +188,32 @@ def test_failed_prefill_does_not_poison_the_prefix_cache(model, monkeypatch):
     np.testing.assert_allclose(again, alone, rtol=0, atol=1e-5 * np.abs(alone).max())
 
 
+def test_recycled_prefix_cache_block_never_serves_stale_kv(model):
+    """A freed block keeps its hash (a later identical prompt reuses its KV) only until it is taken for other
+    tokens. A cache that holds one request: a second, different prompt of the same size rewrites every block of
+    the first; the first prompt again must then be computed afresh and sound as it did, not reuse the new KV."""
+    r = _requests(model)[2]  # continuation prompt: several full blocks
+    params = SamplingParams(seed=3, max_generate_length=4)
+    first = dict(prompt_text=r["prompt_text"], prompt_latents=r["prompt_latents"])
+    other = dict(prompt_text="B prompt.", prompt_latents=_clip(model, 3, seed=99))  # differs from the first token
+    probe = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=256, block_size=4))
+    seq = probe.sequences[probe.add_request(r["target_text"], params, **first)]
+    needed = probe.blocks.blocks_needed(seq.num_prompt_tokens + seq.max_patches)
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=256, block_size=4, num_kv_blocks=needed))
+    before = engine.generate(r["target_text"], params, **first)
+    engine.generate(r["target_text"], params, **other)  # takes, and overwrites, every block
+    seq_id = engine.add_request(r["target_text"], params, **first)
+    seq = engine.sequences[seq_id]
+    chunks = [e.audio for e in engine.step() if e.seq_id == seq_id]
+    assert seq.num_cached_tokens == 0, "a block rewritten for another prompt was served from the prefix cache"
+    while engine.has_unfinished():
+        chunks += [e.audio for e in engine.step() if e.seq_id == seq_id]
+    recomputed = np.concatenate(chunks)
+    np.testing.assert_allclose(recomputed, before, rtol=0, atol=1e-5 * np.abs(before).max())
+    again = engine.generate(r["target_text"], params, **first)  # now a legitimate hit on its own blocks
+    np.testing.assert_allclose(again, before, rtol=0, atol=1e-5 * np.abs(before).max())
+
+
 def test_free_list_stays_bounded_under_prefix_cache_hits():
     """Cache hits take blocks from the middle of the free list (lazily); its queue must not grow without
     bound, and every block stays allocatable exactly once."""

@@ -109,10 +109,20 @@ def _fill(body: dict, ids: dict) -> dict:
     return {k: ids[v[1:]] if isinstance(v, str) and v.startswith("@") else v for k, v in body.items()}
 
 
+@pytest.fixture(scope="module")
+def zero_shot(client) -> np.ndarray:
+    return pcm(client, {"target_text": "Conditioned.", "max_generate_length": 2})
+
+
 @pytest.mark.parametrize("name", CONDITIONINGS)
-def test_every_conditioning_path(client, ids, name):
+def test_every_conditioning_path(client, ids, zero_shot, name):
+    """Each voice form reaches the engine: the same text and seed sound different from zero-shot."""
     out = pcm(client, {"target_text": "Conditioned.", "max_generate_length": 2, **_fill(CONDITIONINGS[name], ids)})
     assert len(out) == 2 * SAMPLES_PER_PATCH
+    if name == "zero-shot":
+        assert same_audio(out, zero_shot)  # seeded: the same request, the same audio
+    else:
+        assert not same_audio(out, zero_shot), f"{name} gave the zero-shot audio: its voice was dropped"
 
 
 def same_audio(a: np.ndarray, b: np.ndarray) -> bool:
@@ -128,6 +138,8 @@ def test_cached_paths_equal_inline_paths(client, ids):
     assert same_audio(pcm(client, {**base, "hifi_id": ids["hifi_id"]}), pcm(client, {**base, **inline_hifi}))
     by_latents = {"prompt_latents_base64": ids["prompt_latents_base64"], "prompt_text": "A prompt."}
     assert same_audio(pcm(client, {**base, "prompt_id": ids["prompt_id"]}), pcm(client, {**base, **by_latents}))
+    inline_ref = {"ref_audio_wav_base64": CLIP2}
+    assert same_audio(pcm(client, {**base, "ref_audio_id": ids["ref_audio_id"]}), pcm(client, {**base, **inline_ref}))
     ref_lat = client.post("/encode_latents", json={"wav_base64": CLIP2}).json()["prompt_latents_base64"]
     # /encode_latents pads for a prompt (left); a 1.2 s clip is not a whole number of patches, so the
     # reference (right padding) differs: both must still be accepted
@@ -135,6 +147,16 @@ def test_cached_paths_equal_inline_paths(client, ids):
 
 
 BAD_LATENTS = base64.b64encode(np.zeros(64 * 5, np.float32).tobytes()).decode()
+
+
+def b64_samples(samples: np.ndarray, sr: int = 16000, subtype: str = "PCM_16") -> str:
+    buf = io.BytesIO()
+    sf.write(buf, samples, sr, format="WAV", subtype=subtype)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+NAN_CLIP = np.full(16000, 0.1, np.float32)
+NAN_CLIP[100] = np.nan
 INVALID = [
     ({"prompt_id": "x", "hifi_id": "y"}, 422, "prompt_id and hifi_id are mutually exclusive"),
     ({"prompt_wav_base64": CLIP, "prompt_text": "t", "prompt_id": "x"}, 422, "mutually exclusive"),
@@ -159,6 +181,13 @@ INVALID = [
     ({"prompt_wav_base64": "***", "prompt_text": "t"}, 400, "prompt_wav_base64: not valid base64"),
     ({"ref_audio_wav_base64": base64.b64encode(b"not audio at all").decode()}, 400, "ref_audio_wav_base64: could "
                                                                                     "not decode audio"),
+    ({"ref_audio_wav_base64": b64_samples(np.zeros(16000))}, 400, "ref_audio_wav_base64: audio is silent"),
+    ({"ref_audio_wav_base64": b64_samples(np.zeros(0))}, 400, "ref_audio_wav_base64: audio is empty"),
+    ({"prompt_wav_base64": base64.b64encode(wav_bytes(0.05)).decode(), "prompt_text": "t"}, 400,
+     "prompt_wav_base64: audio is 0.050 s long; a clip needs at least 0.1 s"),
+    ({"ref_audio_wav_base64": base64.b64encode(wav_bytes(61, sr=8000)).decode()}, 413,
+     "ref_audio_wav_base64: 61.0 s of audio is longer than this service takes (60 s)"),
+    ({"ref_audio_wav_base64": b64_samples(NAN_CLIP, subtype="FLOAT")}, 400, "NaN or infinite samples"),
     ({"prompt_latents_base64": BAD_LATENTS, "prompt_text": "t"}, 400, "prompt_latents_base64: 5 frames"),
     ({"ref_audio_latents_base64": base64.b64encode(b"abc").decode()}, 400, "ref_audio_latents_base64: 3 bytes"),
     ({"prompt_id": "nope"}, 404, "prompt_id: no cached prompt"),

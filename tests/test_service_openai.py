@@ -8,6 +8,7 @@ import io
 import json
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import soundfile as sf
@@ -64,21 +65,50 @@ def test_sse_stream(server):
     assert len(pcm) == 2 * N * SAMPLES_PER_PATCH
 
 
+def _pcm(r) -> np.ndarray:
+    return np.frombuffer(r.content, "<i2")
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal up to 2 LSB (a prefix-cache hit reuses KV computed in another batch shape)."""
+    return a.shape == b.shape and int(np.abs(a.astype(int) - b.astype(int)).max()) <= 2
+
+
 def test_cached_voice_and_instructions(client, server):
+    """`voice` and `instructions` reach the engine: each voice sounds like /generate with the same voice and
+    unlike the default; instructions are voice design, '(instructions)input'."""
     clip = base64.b64encode(wav_bytes(1.0)).decode()
     with httpx.Client(base_url=server.url, timeout=60) as c:
         hifi = c.post("/add_hifi", json={"wav_base64": clip, "prompt_text": "A clip."}).json()
         voices = c.get("/v1/audio/voices").json()["voices"]
         models = c.get("/v1/models").json()
+
+        def native(**fields) -> np.ndarray:
+            r = c.post("/generate", json={"response_format": "pcm", **EXTRA, **fields})
+            assert r.status_code == 200, r.text
+            return np.frombuffer(r.content, "<i2")
+
+        forms = {hifi["hifi_id"]: {"hifi_id": hifi["hifi_id"]}, hifi["prompt_id"]: {"prompt_id": hifi["prompt_id"]},
+                 hifi["reference_id"]: {"ref_audio_id": hifi["reference_id"]}}
+        expected = {voice: native(target_text="Cloned.", **form) for voice, form in forms.items()}
+        designed = native(target_text="(A calm, low voice)Designed.")
     assert {"default", hifi["hifi_id"], hifi["prompt_id"], hifi["reference_id"]} <= {v["id"] for v in voices}
     assert "tts-1" in [m["id"] for m in models["data"]]
-    for voice in (hifi["hifi_id"], hifi["prompt_id"], hifi["reference_id"]):
-        r = client.audio.speech.create(model="tts-1", voice=voice, input="Cloned.", response_format="pcm",
-                                       extra_body=EXTRA)
+
+    def speech(voice: str, text: str, **kwargs) -> np.ndarray:
+        r = client.audio.speech.create(model="tts-1", voice=voice, input=text, response_format="pcm",
+                                       extra_body=EXTRA, **kwargs)
         assert len(r.content) == 2 * N * SAMPLES_PER_PATCH
-    r = client.audio.speech.create(model="tts-1", voice="default", input="Designed.", response_format="pcm",
-                                   instructions="A calm, low voice", extra_body=EXTRA)
-    assert len(r.content) == 2 * N * SAMPLES_PER_PATCH
+        return _pcm(r)
+
+    default = speech("default", "Cloned.")
+    for voice, audio in expected.items():
+        got = speech(voice, "Cloned.")
+        assert _same(got, audio), f"voice {voice} is not the voice /generate gives"
+        assert not _same(got, default), f"voice {voice} gave the default voice"
+    with_design = speech("default", "Designed.", instructions="A calm, low voice")
+    assert _same(with_design, designed)
+    assert not _same(with_design, speech("default", "Designed."))
     assert len(client.models.list().data) >= 1
 
 
@@ -95,13 +125,30 @@ def test_rejections_name_the_field(client, kwargs, status, field):
     with pytest.raises(openai.APIStatusError) as e:
         client.audio.speech.create(**args)
     assert e.value.status_code == status
-    assert field in str(e.value.body)
+    err = e.value.body  # the client unwraps OpenAI's {"error": {...}}
+    assert err["param"] == field and err["message"].startswith(field), err
+    assert err["type"] == ("invalid_request_error" if status == 422 else "not_found_error")
 
 
 def test_zero_length_input_rejected(server):
     with httpx.Client(base_url=server.url) as c:
         r = c.post("/v1/audio/speech", json={"model": "tts-1", "input": ""})
-    assert r.status_code == 422 and "input" in str(r.json())
+    assert r.status_code == 422
+    assert r.json()["error"]["param"] == "input" and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_openai_shaped_errors(server):
+    """Under /v1 every error has OpenAI's shape, including the body limit, overload and unknown routes; the
+    service's own routes keep FastAPI's {"detail": ...}."""
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        big = c.post("/v1/audio/speech", content=b"x" * (server.settings.max_request_bytes + 1),
+                     headers={"content-type": "application/json"})
+        missing = c.get("/v1/nothing-here")
+        native = c.post("/generate", json={"target_text": ""})
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    assert "NANOVLLM_MAX_REQUEST_BYTES" in big.json()["error"]["message"]
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    assert native.status_code == 422 and native.json()["detail"][0]["loc"] == ["body", "target_text"]
 
 
 def test_voices_endpoint_lists_default_first(server):

@@ -79,6 +79,11 @@ class GenerationStream:
         """Ended: its last item was taken, or it was closed (aborted)."""
         return self._ended
 
+    @property
+    def worker(self) -> int | None:
+        """The index of the worker it was routed to (None before it started)."""
+        return self._link.index if self._link is not None else None
+
     async def __anext__(self) -> Any:
         if self._link is None and not self._ended:
             await self._start()

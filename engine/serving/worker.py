@@ -265,6 +265,7 @@ class Worker:
             "running": load.running, "waiting": load.waiting, "free_blocks": load.free_blocks,
             "total_blocks": load.total_blocks,
             "free_slots": len(self.engine.runner.free_slots),
+            "total_slots": self.engine.runner.max_num_seqs,
             "preemptions": self.engine.scheduler.num_preemptions,
             "prompts": len(self.prompts),
             "clients": len(self.links),
