@@ -8,6 +8,7 @@ Torch is imported only by `encode_latents`: the service's API processes use the 
 from __future__ import annotations
 
 import io
+import re
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,12 +29,18 @@ MIN_CLIP_SECONDS = 0.1  # shorter is no voice to follow, only padding
 SILENCE_PEAK_DBFS = -60.0  # a clip whose loudest sample is below this holds no voice (latents of silence)
 
 
+def _decode_failure(fmt: str | None, err: Exception) -> AudioError:
+    """libsndfile's reason, without the in-memory file's repr it starts with ("Error opening <_io.BytesIO ...>: ")."""
+    reason = re.sub(r"^Error opening <[^>]*>: ", "", str(err)).strip() or type(err).__name__
+    return AudioError(f"could not decode audio ({fmt or 'unknown format'}): {reason}")
+
+
 def clip_duration(data: bytes, fmt: str | None = None) -> float:
     """Seconds of audio in a file, from its header alone (no decoding): checks a limit before the work."""
     try:
         info = sf.info(io.BytesIO(data))
     except Exception as e:  # libsndfile raises several types for corrupt input
-        raise AudioError(f"could not decode audio ({fmt or 'unknown format'}): {e}") from e
+        raise _decode_failure(fmt, e) from e
     if info.frames <= 0 or info.samplerate <= 0:
         raise AudioError("audio is empty")
     return info.frames / info.samplerate
@@ -45,7 +52,7 @@ def decode_audio(data: bytes, fmt: str | None = None) -> tuple[np.ndarray, int]:
     try:
         samples, sr = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except Exception as e:  # libsndfile raises several types for corrupt input
-        raise AudioError(f"could not decode audio ({fmt or 'unknown format'}): {e}") from e
+        raise _decode_failure(fmt, e) from e
     if samples.size == 0:
         raise AudioError("audio is empty")
     mono = samples.mean(axis=1).astype(np.float32)
@@ -55,8 +62,8 @@ def decode_audio(data: bytes, fmt: str | None = None) -> tuple[np.ndarray, int]:
         raise AudioError("audio contains NaN or infinite samples")
     peak = float(np.abs(mono).max())
     if peak < 10 ** (SILENCE_PEAK_DBFS / 20):
-        level = f"{20 * np.log10(peak):.0f} dBFS" if peak > 0 else "digital silence"
-        raise AudioError(f"audio is silent (peak {level}, below {SILENCE_PEAK_DBFS:.0f} dBFS)")
+        level = f"peak {20 * np.log10(peak):.0f} dBFS" if peak > 0 else "all samples zero"
+        raise AudioError(f"audio is silent ({level}; a voice clip peaks above {SILENCE_PEAK_DBFS:.0f} dBFS)")
     return mono, int(sr)
 
 

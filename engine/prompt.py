@@ -43,12 +43,12 @@ def normalize_text(text: str) -> str:
 def latents_to_patches(latents: torch.Tensor, cfg: VoxCPMConfig, field: str) -> torch.Tensor:
     """(frames, feat_dim) latents -> (frames / P, P, feat_dim) patches."""
     if latents.dim() != 2 or latents.shape[1] != cfg.feat_dim:
-        raise PromptError(f"{field} must have shape (frames, {cfg.feat_dim}), got {tuple(latents.shape)}")
+        raise PromptError(f"{field}: must have shape (frames, {cfg.feat_dim}), got {tuple(latents.shape)}")
     if latents.shape[0] == 0 or latents.shape[0] % cfg.patch_size:
-        raise PromptError(f"{field} must hold a positive multiple of patch_size={cfg.patch_size} frames, "
+        raise PromptError(f"{field}: must hold a positive multiple of patch_size={cfg.patch_size} frames, "
                           f"got {latents.shape[0]}")
     if not torch.isfinite(latents).all():
-        raise PromptError(f"{field} contains NaN or infinite values")
+        raise PromptError(f"{field}: contains NaN or infinite values")
     return latents.float().reshape(-1, cfg.patch_size, cfg.feat_dim)
 
 
@@ -57,11 +57,11 @@ def build_prompt(tokenizer: TextTokenizer, cfg: VoxCPMConfig, target_text: str, 
                  ref_latents: torch.Tensor | None = None) -> Prompt:
     target_text = normalize_text(target_text)
     if not target_text.strip():
-        raise PromptError("target_text must contain non-space characters")
+        raise PromptError("target_text: must contain non-space characters")
     if (prompt_latents is None) != (not prompt_text):
-        raise PromptError("prompt_text and prompt audio/latents must be given together")
+        raise PromptError("prompt_text: the transcript and the prompt audio/latents must be given together")
     if ref_latents is not None and cfg.version < 2:
-        raise PromptError("reference audio is only supported by VoxCPM2 models")
+        raise PromptError("ref_audio: reference audio is only supported by VoxCPM2 models")
     p, d = cfg.patch_size, cfg.feat_dim
     ids: list[int] = []
     feats: list[torch.Tensor] = []

@@ -33,15 +33,17 @@ class EncodeLatentsResponse(AudioFacts):
     latents_dtype: Literal["float32"] = "float32"
 
 
+def not_blank(v: str) -> str:
+    """Text the model speaks or follows: whitespace alone is no text."""
+    if not v.strip():
+        raise ValueError("must contain non-space characters")
+    return v
+
+
 class AddPromptRequest(WavUpload):
     prompt_text: str = Field(..., min_length=1, description="Transcript of the clip (continuation prompt).")
 
-    @field_validator("prompt_text")
-    @classmethod
-    def _not_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("must not be blank (the transcript of the clip)")
-        return v
+    _prompt_text = field_validator("prompt_text")(not_blank)
 
 
 class AddPromptResponse(AudioFacts):
@@ -141,6 +143,8 @@ class GenerateRequest(SamplingFields):
     lora_name: str | None = Field(None, description="Per-request LoRA adapter (not supported yet: must be unset).")
     response_format: Literal["mp3", "pcm"] = Field("mp3", description="mp3, or pcm = raw s16le mono.")
 
+    _target_text = field_validator("target_text")(not_blank)
+
     @model_validator(mode="after")
     def _forms(self) -> GenerateRequest:
         prompts = [n for n in ("prompt_wav_base64", "prompt_latents_base64", "prompt_id", "hifi_id")
@@ -175,6 +179,8 @@ class SpeechRequest(SamplingFields):
     speed: float = Field(1.0, description="Only 1.0 is supported.")
     stream_format: Literal["audio", "sse"] = Field("audio", description="Raw audio bytes, or server-sent events "
                                                                          "(mp3/pcm only).")
+
+    _input = field_validator("input")(not_blank)
 
     @model_validator(mode="after")
     def _supported(self) -> SpeechRequest:

@@ -118,9 +118,9 @@ class AsyncVoxCPMServerPool:
         """An audio file's bytes -> float32 latents bytes shaped (frames, feat_dim), frames a multiple of the
         patch size. padding="left" suits a continuation prompt, "right" a reference clip."""
         if padding not in ("left", "right"):
-            raise RequestError("padding must be 'left' or 'right'")
+            raise RequestError("padding: must be 'left' or 'right'")
         if not isinstance(wav, bytes | bytearray) or not wav:
-            raise RequestError("wav must be non-empty bytes")
+            raise RequestError("wav: must be non-empty bytes")
         self._check()
         latents = await self.client.encode_latents(bytes(wav), wav_format, padding)
         return latents.tobytes()
@@ -130,9 +130,9 @@ class AsyncVoxCPMServerPool:
         """Register a voice prompt (audio or latents + its transcript) on every worker; returns its id,
         derived from the content, so the same prompt registered twice has one id."""
         if not prompt_text.strip():
-            raise RequestError("prompt_text must not be empty")
+            raise RequestError("prompt_text: must not be empty")
         if (wav is None) == (latents is None):
-            raise RequestError("give exactly one of wav or latents")
+            raise RequestError("wav: give exactly one of wav or latents")
         if wav is not None:
             raw = await self.encode_latents(wav, wav_format)
         else:
@@ -140,7 +140,7 @@ class AsyncVoxCPMServerPool:
             feat_dim = int((await self.get_model_info())["feat_dim"])
             if isinstance(latents, np.ndarray):
                 if latents.ndim != 2 or latents.shape[1] != feat_dim or not latents.shape[0]:
-                    raise RequestError(f"latents must be shaped (frames, {feat_dim}), got {latents.shape}")
+                    raise RequestError(f"latents: must be shaped (frames, {feat_dim}), got {latents.shape}")
                 raw = np.ascontiguousarray(latents, dtype=np.float32).tobytes()
             elif isinstance(latents, bytes | bytearray | memoryview):
                 raw = bytes(latents)
@@ -148,7 +148,7 @@ class AsyncVoxCPMServerPool:
                     raise RequestError(f"latents: float32 bytes must be a positive multiple of 4 * feat_dim = "
                                        f"{4 * feat_dim} bytes, got {len(raw)}")
             else:
-                raise RequestError(f"latents must be float32 bytes or a numpy array, got {type(latents).__name__}")
+                raise RequestError(f"latents: must be float32 bytes or a numpy array, got {type(latents).__name__}")
         prompt_id = hashlib.blake2b(raw + prompt_text.encode(), digest_size=12).hexdigest()
         feat_dim = int(self.client.info.get("feat_dim") or (await self.get_model_info())["feat_dim"])
         self.client.add_prompt(prompt_id, np.frombuffer(raw, np.float32).reshape(-1, feat_dim), prompt_text)

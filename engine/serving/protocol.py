@@ -51,10 +51,10 @@ class SamplingParams:
                 continue
             kind = int if f.name in INTEGER_FIELDS else int | float
             if isinstance(value, bool) or not isinstance(value, kind) or value != value:  # NaN != NaN
-                raise ValueError(f"{f.name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+                raise ValueError(f"{f.name}: must be {'an integer' if kind is int else 'a number'}, got {value!r}")
             bound = SAMPLING_LIMITS[f.name]
             if not bound.low <= value <= bound.high:
-                raise ValueError(f"{f.name} must be in [{_num(bound.low)}, {_num(bound.high)}], got {value!r}")
+                raise ValueError(f"{f.name}: must be in [{_num(bound.low)}, {_num(bound.high)}], got {value!r}")
 
 
 def _num(x: float) -> str:

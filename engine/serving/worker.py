@@ -57,7 +57,7 @@ def as_tensor(latents: np.ndarray | bytes | None, feat_dim: int, field_name: str
         latents = np.frombuffer(raw, dtype=np.float32).reshape(-1, feat_dim)
     if not isinstance(latents, np.ndarray) or latents.ndim != 2 or latents.shape[1] != feat_dim or not len(latents):
         shape = getattr(latents, "shape", type(latents).__name__)
-        raise RequestError(f"{field_name} must be float32 latents shaped (frames, {feat_dim}), got {shape}")
+        raise RequestError(f"{field_name}: must be float32 latents shaped (frames, {feat_dim}), got {shape}")
     return torch.from_numpy(np.array(latents, dtype=np.float32))  # a copy: the message buffer is not ours
 
 
@@ -189,7 +189,7 @@ class Worker:
         prompt_latents = as_tensor(req.prompt_latents, feat_dim, "prompt_latents")
         if req.prompt_id is not None:
             if prompt_latents is not None:
-                raise RequestError("give prompt_id or prompt_latents, not both")
+                raise RequestError("prompt_id: give prompt_id or prompt_latents, not both")
             pr = self.prompts.get(req.prompt_id)
             if pr is None:
                 raise PromptNotFoundError(f"prompt_id {req.prompt_id!r} is not registered")
