@@ -15,7 +15,7 @@ _EXPORTS = {
     "EngineError": "engine.errors", "OverloadedError": "engine.errors", "PoolError": "engine.errors",
     "PoolStoppedError": "engine.errors",
     "PromptNotFoundError": "engine.errors", "RequestError": "engine.errors", "WorkerDiedError": "engine.errors",
-    "EngineConfig": "engine.engine_config", "LLMEngine": "engine.llm_engine", "StepEvent": "engine.llm_engine",
+    "EngineConfig": "engine.engine_config", "LLMEngine": "engine.llm_engine", "StepEvent": "engine.sequence",
     "SamplingParams": "engine.serving.protocol", "SynthesisRequest": "engine.serving.protocol",
     "GenerationStream": "engine.serving.client",
     "AsyncVoxCPMServerPool": "engine.serving.pool", "SyncVoxCPMServerPool": "engine.serving.pool",
@@ -38,7 +38,8 @@ if TYPE_CHECKING:
         RequestError,
         WorkerDiedError,
     )
-    from engine.llm_engine import LLMEngine, StepEvent
+    from engine.llm_engine import LLMEngine
+    from engine.sequence import StepEvent
     from engine.serving.client import GenerationStream
     from engine.serving.pool import AsyncVoxCPMServerPool, SyncVoxCPMServerPool, VoxCPM
     from engine.serving.protocol import SamplingParams, SynthesisRequest

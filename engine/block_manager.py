@@ -75,9 +75,6 @@ class BlockManager:
         block.hash, block.ref_count = None, 1
         return block
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        return self.num_free >= self.blocks_needed(seq.num_tokens)
-
     def allocate(self, seq: Sequence) -> None:
         """Blocks for the whole prefill input, reusing cached full blocks of an identical prefix."""
         assert not seq.block_table

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,22 +17,12 @@ from engine import kernel_cache
 from engine.block_manager import BlockManager
 from engine.checkpoint import LoadedModel, load_model
 from engine.engine_config import EngineConfig
-from engine.model_runner import LaunchedDecode, ModelRunner, PatchResult
+from engine.model_runner import LaunchedDecode, ModelRunner
 from engine.prompt import build_prompt, max_patches
 from engine.scheduler import Scheduler
-from engine.sequence import SamplingParams, Sequence, Status
+from engine.sequence import SamplingParams, Sequence, Status, StepEvent
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepEvent:
-    seq_id: int
-    audio: np.ndarray | None  # float32 chunk, None for an error
-    patch: torch.Tensor | None
-    finished: bool
-    finish_reason: str | None = None
-    error: str | None = None
 
 
 class LLMEngine:
@@ -186,10 +175,10 @@ class LLMEngine:
                       1000 * (t1 - t0), len(sched.decode), 1000 * (time.perf_counter() - t1))
         return events
 
-    def _emit(self, r: PatchResult) -> StepEvent:
-        if r.finished:
-            self._finish(r.seq, r.finish_reason or "stop")
-        return StepEvent(r.seq.seq_id, r.audio, r.patch, r.finished, r.finish_reason)
+    def _emit(self, event: StepEvent) -> StepEvent:
+        if event.finished:
+            self._finish(self.sequences[event.seq_id], event.finish_reason or "stop")
+        return event
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -32,7 +31,7 @@ from engine.block_manager import BlockManager
 from engine.checkpoint import LoadedModel
 from engine.models.audio_vae import SlotStates
 from engine.models.minicpm import fuse_projections
-from engine.sequence import Sequence, Status
+from engine.sequence import Sequence, Status, StepEvent
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +42,6 @@ log = logging.getLogger(__name__)
 VAE_FORK = os.environ.get("VOXCPM_VAE_FORK", "encoder")
 if VAE_FORK not in ("encoder", "dit"):
     raise ValueError(f"VOXCPM_VAE_FORK={VAE_FORK!r}: use 'encoder' (default) or 'dit'")
-
-
-@dataclass
-class PatchResult:
-    seq: Sequence
-    patch: torch.Tensor  # (P, D) float32, on CPU
-    audio: np.ndarray  # float32 samples at the output sample rate
-    finished: bool
-    finish_reason: str | None = None
 
 
 @dataclass
@@ -735,8 +725,8 @@ class ModelRunner:
             done.record(stream)
         return LaunchedDecode(seqs, (results[:b], audio[:b]), done)
 
-    def collect_decode(self, step: LaunchedDecode) -> list[PatchResult]:
-        """Wait for a launched step and turn its outputs into results, advancing each sequence; sequences
+    def collect_decode(self, step: LaunchedDecode) -> list[StepEvent]:
+        """Wait for a launched step and turn its outputs into events, advancing each sequence; sequences
         finished (or aborted) since the launch are skipped: their extra patch is dropped."""
         patch_stop, audio_buf = step.outputs
         if step.done is not None:  # pinned buffers, reused by the step after next: copy out
@@ -759,5 +749,5 @@ class ModelRunner:
                 reason = "stop"
             elif seq.num_generated >= seq.max_patches:
                 reason = "length"
-            results.append(PatchResult(seq, patches[i], audio[i], reason is not None, reason))
+            results.append(StepEvent(seq.seq_id, audio[i], patches[i], reason is not None, reason))
         return results

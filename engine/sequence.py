@@ -1,5 +1,6 @@
-"""One generation request as the runtime tracks it: its prompt, sampling parameters, KV blocks and the
-per-step state (last hidden states of both LMs, the previous patch, its noise source)."""
+"""One generation request as the runtime tracks it (its prompt, sampling parameters, KV blocks, noise source and
+generated patches; its hidden states and previous patch live in the model runner's slot buffers), and what one
+engine step gives back for it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.prompt import Prompt
@@ -23,6 +25,18 @@ class Status(enum.Enum):
 _ids = itertools.count()
 
 
+@dataclass
+class StepEvent:
+    """One sequence's output of one engine step: its new audio chunk, or why it ended."""
+
+    seq_id: int
+    audio: np.ndarray | None  # float32 chunk at the model's sample rate, None for an error
+    patch: torch.Tensor | None  # the (P, D) latent patch behind the chunk (parity checks), None for an error
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+
+
 @dataclass(eq=False)
 class Sequence:
     prompt: Prompt
@@ -35,10 +49,6 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     num_generated: int = 0
     finish_reason: str | None = None
-    # Per-step state, set by the model runner after prefill.
-    lm_hidden: torch.Tensor | None = None
-    residual_hidden: torch.Tensor | None = None
-    prev_patch: torch.Tensor | None = None
     noise: torch.Generator | None = None
     injected_noise: list[torch.Tensor] | None = None  # tests: exact noise per step (parity with the official)
     slot: int | None = None  # row of the model runner's per-sequence state buffers while it holds one
@@ -53,10 +63,6 @@ class Sequence:
     def num_tokens(self) -> int:
         """Tokens whose KV is in the cache once prefilled: prompt + fed-back patches."""
         return len(self.prompt) + self.num_generated
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == Status.FINISHED
 
     def prefill_inputs(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """Token ids, features and audio mask of everything to prefill: the prompt and, after a
@@ -74,5 +80,4 @@ class Sequence:
         patches, which rebuilds the same state; the streamed audio and its VAE state are kept."""
         self.block_table = []
         self.num_cached_tokens = 0
-        self.lm_hidden = self.residual_hidden = None
         self.status = Status.WAITING

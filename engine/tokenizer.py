@@ -17,7 +17,7 @@ added/special tokens are re-registered from ``tokenizer_config.json`` (or, witho
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -241,9 +241,6 @@ class TextTokenizer:
         vocab, unk = self._vocab, self._unk_id
         ids = [vocab.get(piece, unk) for piece in pieces]
         return ids if None not in ids else self._to_ids(pieces)  # _to_ids names the missing piece
-
-    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
 
     def _to_ids(self, pieces: list[str]) -> list[int]:
         ids: list[int] = []

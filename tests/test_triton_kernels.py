@@ -446,7 +446,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                 x = rand(n, length, 64, dtype=dtype, seed=33 + length)
                 rope = rotary_table(cfg, length, torch.device(device))
                 with mock.patch.object(fused, "kernels", lambda _: False):
-                    ref = stack(x, rope, dense_attention)
+                    ref = stack.forward_local(x, rope)
                 assert triton_layer.supported(stack, x)
                 stack_rope = rope if stack.uses_rope else None
                 for mode in modes:
@@ -457,7 +457,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                         assert counters.tolist() == [0, 0], f"barrier counters left at {counters.tolist()}"
                 with mock.patch.object(fused, "kernels", triton_kernels.usable), \
                         mock.patch.object(triton_layer, "dense_stack", wraps=triton_layer.dense_stack) as spy:
-                    errs.append(relative_error(stack(x, rope, dense_attention), ref))
+                    errs.append(relative_error(stack.forward_local(x, rope), ref))
                 assert spy.call_count == 1, "MiniCPM.forward did not take the layer kernels"
         return max(errs)
 
@@ -568,7 +568,7 @@ def test_split_k_residual_projections_match_one_gemm_cuda() -> None:
     from engine import fused, triton_kernels
     from engine.config import TransformerConfig
     from engine.models import minicpm
-    from engine.models.minicpm import MiniCPM, dense_attention, fuse_projections, rotary_table
+    from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
 
     cfg = TransformerConfig(hidden_size=256, intermediate_size=4096, num_attention_heads=8, num_key_value_heads=2,
                             num_hidden_layers=2, rms_norm_eps=1e-5, kv_channels=128)
@@ -586,10 +586,10 @@ def test_split_k_residual_projections_match_one_gemm_cuda() -> None:
 
     with torch.inference_mode():
         with mock.patch.object(fused, "SPLIT_K", False):
-            ref = stack(x, rope, dense_attention)
+            ref = stack.forward_local(x, rope)
         with mock.patch.object(minicpm, "residual_linear", recording), \
                 mock.patch.object(triton_kernels, "add_rms_norm", wraps=triton_kernels.add_rms_norm) as kernel:
-            out = stack(x, rope, dense_attention)
+            out = stack.forward_local(x, rope)
     assert shapes == [(2, 4, 24, 256), (4, 4, 24, 256)] * 2, shapes
     assert sum(c.args[1] is not None and c.args[1].dim() == 4 for c in kernel.call_args_list) == 4
     assert relative_error(out, ref) <= BOUNDS[torch.bfloat16]

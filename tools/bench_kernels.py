@@ -40,7 +40,7 @@ import triton.language as tl  # noqa: E402
 
 from engine import triton_kernels, triton_layer  # noqa: E402
 from engine.config import TransformerConfig, VoxCPMConfig  # noqa: E402
-from engine.models.minicpm import MiniCPM, dense_attention, fuse_projections, rotary_table  # noqa: E402
+from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table  # noqa: E402
 from tools.profile_step import graph_ms  # noqa: E402
 
 
@@ -193,8 +193,8 @@ def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype:
             outputs = {}
             for mode in ("off", "phases", "fused"):
                 with mock.patch.object(triton_layer, "MODE", mode), torch.no_grad():
-                    outputs[mode] = stack(x, rope, dense_attention).float()
-                    us = replay_us(partial(stack, x, rope, dense_attention))
+                    outputs[mode] = stack.forward_local(x, rope).float()
+                    us = replay_us(partial(stack.forward_local, x, rope))
                     row[f"{mode}_us_per_layer"] = round(us / len(stack.layers), 2)
             for mode in ("phases", "fused"):
                 ref = outputs["off"]
@@ -202,7 +202,7 @@ def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype:
             with mock.patch.object(triton_layer, "MODE", "phases"), torch.no_grad():
                 row["phase_us"] = [round(replay_us(partial(triton_layer.dense_stack, stack, x, rope, (phase,)))
                                          / len(stack.layers), 2) for phase in range(7)]
-            run = partial(stack, x, rope, dense_attention)
+            run = partial(stack.forward_local, x, rope)
             if b == batches[0] and name == "DiT":  # (K tile, stages, warps, programs per SM) of the fused kernel
                 launches = [(bk, st, 4, 1) for bk in (64, 128, 256) for st in (3, 4, 5, 6, 8)] + [
                     (128, st, 4, 2) for st in (4, 5)]

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from engine import fused, pdl, triton_layer  # noqa: E402
 from engine.config import TransformerConfig, VoxCPMConfig  # noqa: E402
-from engine.models.minicpm import MiniCPM, dense_attention, fuse_projections, rotary_table  # noqa: E402
+from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table  # noqa: E402
 from tools.profile_step import graph_ms  # noqa: E402
 
 # way -> module attributes patched for it: (module, name, value); None for GEMV_MAX_ROWS means "the rows measured"
@@ -120,7 +120,7 @@ def local_stack(cfg: TransformerConfig, seqs_list: list[int], seq_len: int, labe
 
         @torch.inference_mode()
         def run(x0: torch.Tensor = x0) -> torch.Tensor:
-            return stack(x0, rope, dense_attention)
+            return stack.forward_local(x0, rope)
 
         ways = {w: p for w, p in STACK_WAYS.items() if seqs * seq_len <= triton_layer.MAX_ROWS or w != "layer kernel"}
         measure(f"{label} {seqs}x{seq_len}", ways, seqs * seq_len, cfg.num_hidden_layers, run, results)

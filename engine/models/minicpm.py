@@ -230,13 +230,18 @@ class MiniCPM(nn.Module):
         rope = rope if self.uses_rope else None
         if not len(self.layers):
             return self.norm(x)
-        if attend is dense_attention and fused.kernels(x) and triton_layer.supported(self, x):
-            return triton_layer.dense_stack(self, x, rope)  # a few rows of a local module: one kernel launch
         normed = self.layers[0].input_layernorm(x)
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             x, normed = layer(x, normed, rope, attend, i, next_norm)
         return normed
+
+    def forward_local(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+        """A local module's stack (LocEnc, DiT): bidirectional attention within each short sequence of x; where the
+        layer kernel takes these few rows, the whole stack is one kernel launch."""
+        if len(self.layers) and fused.kernels(x) and triton_layer.supported(self, x):
+            return triton_layer.dense_stack(self, x, rope if self.uses_rope else None)
+        return self.forward(x, rope, dense_attention)
 
 
 class DenseAttention:

@@ -20,7 +20,7 @@ from torch import nn
 
 from engine import fused
 from engine.config import TransformerConfig, VoxCPMConfig
-from engine.models.minicpm import AttendFn, MiniCPM, dense_attention, rotary_table
+from engine.models.minicpm import AttendFn, MiniCPM, rotary_table
 
 AUDIO_START_TOKEN = 101
 REF_AUDIO_START_TOKEN = 103
@@ -54,7 +54,7 @@ class LocEnc(nn.Module):
         """patches: (N, P, D) -> (N, hidden)."""
         x = self.in_proj(patches)
         x = torch.cat((self.special_token[0, 0].expand(x.shape[0], 1, -1), x), dim=1)
-        return self.encoder(x, rope, dense_attention)[:, 0]
+        return self.encoder.forward_local(x, rope)[:, 0]
 
 
 def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -131,13 +131,13 @@ class LocDiT(nn.Module):
         copies after `leading` (2B, T, hidden), then `cfg_euler_step` (on CUDA the DiT's input and its output
         projection with the step are one kernel each)."""
         seq = fused.dit_input(x, leading, self.in_proj)
-        h = self.decoder(seq, rope[: seq.shape[1]], dense_attention)
+        h = self.decoder.forward_local(seq, rope[: seq.shape[1]])
         return fused.dit_output_euler(h, leading.shape[1], self.out_proj, x, cfg, dt)
 
     def velocity_after(self, x: torch.Tensor, leading: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         """The velocity of the noisy patch x (N, D, P) after one step's `leading_tokens` (N, T, hidden)."""
         seq = torch.cat((leading, self.in_proj(x.transpose(1, 2))), dim=1)
-        h = self.decoder(seq, rope[: seq.shape[1]], dense_attention)
+        h = self.decoder.forward_local(seq, rope[: seq.shape[1]])
         return self.out_proj(h[:, leading.shape[1]:]).transpose(1, 2)
 
 
