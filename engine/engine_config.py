@@ -1,10 +1,13 @@
-"""EngineConfig: how one engine is sized and run (batch, lengths, memory, graphs, coalescing). Torch-free, so the
-processes that only start workers (the service's supervisor) build one without importing torch."""
+"""EngineConfig: how one engine is sized and run (batch, lengths, memory, graphs, coalescing), with the engine
+switches (`EngineOptions`) it carries to the workers. Torch-free, so the processes that only start workers (the
+service's supervisor) build one without importing torch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from engine.options import EngineOptions
 
 if TYPE_CHECKING:
     import torch
@@ -23,15 +26,16 @@ class EngineConfig:
     inference_timesteps: int = 10
     dtype: torch.dtype | None = None  # default: the checkpoint's
     # Launch a decode step before reading the previous one's outputs, so the host's work between steps
-    # overlaps the device's (a sequence that stops computes one patch more, dropped). Default: on for CUDA
-    # (H100, B=64: engine.step() 36.1 -> 24.2 ms), off on CPU where a step is synchronous anyway;
-    # VOXCPM_PIPELINE_DECODE=0/1 overrides.
+    # overlaps the device's (a sequence that stops computes one patch more, dropped). None: the options' choice,
+    # else on for CUDA, off on the CPU where a step is synchronous anyway.
     pipeline_decode: bool | None = None
     # Window gathering requests that arrive together into one scheduling round (one batched prefill): new
     # requests wait up to this long for others before they are admitted. 0 = admit at once.
     coalesce_ms: float = 0.0
     # A request still waiting for a seat this long after it arrived is failed (OverloadedError); None = no limit.
     queue_timeout_s: float | None = None
+    # The engine switches, read from the VOXCPM_* variables when the config is made (here, not in the workers).
+    options: EngineOptions = field(default_factory=EngineOptions.from_env)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "inference_timesteps"):

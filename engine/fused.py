@@ -16,34 +16,16 @@ parity). Set VOXCPM_FUSE=0 to disable all of it.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from engine import triton_kernels
-
-ENABLED = os.environ.get("VOXCPM_FUSE", "1") != "0"
-# The VAE decoder on CUDA (VOXCPM_VAE_DWCONV): "triton" (default) the deferred-bias path of audio_vae.Decoder, whose
-# residual unit is a Snake kernel, a Triton depthwise conv that
-# reads the carried context in place and applies the second Snake to its output, then the 1x1 conv and the
-# residual add as one GEMM; "torch": the layers one by one (Snake kernel, concat, cuDNN convs, add). H100, B=64
-# step: 28.0 ms (torch) -> 26.1 ms (the conv kernel alone, before the Snake and GEMM fusions).
-VAE_DWCONV = os.environ.get("VOXCPM_VAE_DWCONV", "triton")
-if VAE_DWCONV not in ("triton", "torch"):
-    raise ValueError(f"VOXCPM_VAE_DWCONV={VAE_DWCONV!r}: use 'triton' (default) or 'torch'")
-# The decoder's upsamplers on CUDA (VOXCPM_VAE_UPSAMPLER): "gemm" (default) `causal_conv_transpose`, one cuBLAS GEMM
-# over every stream's frames and an overlap-add kernel; "cudnn": the transposed conv with cuDNN's benchmarked algorithm
-# per batch bucket. H100: VAE at B=1/8/64/128 0.59/1.01/5.49/10.2 ms against cuDNN's 0.81/1.51/6.18/11.6, and
-# start-up 14.2 s against 21.3 (no algorithm search per bucket).
-VAE_UPSAMPLER = os.environ.get("VOXCPM_VAE_UPSAMPLER", "gemm")
-if VAE_UPSAMPLER not in ("cudnn", "gemm"):
-    raise ValueError(f"VOXCPM_VAE_UPSAMPLER={VAE_UPSAMPLER!r}: use 'gemm' (default) or 'cudnn'")
+from engine.options import current
 
 
 def kernels(x: torch.Tensor) -> bool:
     """Whether the Triton kernels serve this tensor (CUDA, triton importable, fusion enabled)."""
-    return ENABLED and x.is_cuda and triton_kernels.usable(x)
+    return current().fuse and x.is_cuda and triton_kernels.usable(x)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -73,15 +55,8 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, scale: float | None, weight: 
     return x, _rms_norm(x, weight, eps)
 
 
-# Split-K for a residual branch's last projection (VOXCPM_SPLIT_K=0: off). Where a GEMM has few output tiles for its
-# length of K (the DiT's o and down projections at a few hundred rows, the LMs' at a decode's few), cuBLAS runs it on
-# a fraction of the SMs. A strided batched GEMM over S slices of K writes fp32 partial products that the add + RMSNorm
-# kernel after it sums. H100, projection + add_rms_norm, us per layer (one GEMM -> split): DiT o at 176 rows 8.3 ->
-# 7.5 (S=2), down 11.0 -> 9.0 (S=4); at 352 rows 10.4 -> 8.2 / 16.3 -> 10.2 (S=2); down at 704 rows 21.6 -> 16.9;
-# LM o / down at 1-8 rows 7.4-8.3 -> 7.0-7.8 / 14.2-14.3 -> 13.5-13.7 (S=2). The rule stops splitting above 360 K
-# outputs for K < 4096 (the DiT's o at ~352 rows; the split measured even at 704) and above 1.1 M for K >= 4096 (its
-# down at ~1100 rows; one GEMM faster at 1408) (docs/benchmarks.md, session 14; `tools/bench_kernels.py --only splitk`).
-SPLIT_K = os.environ.get("VOXCPM_SPLIT_K", "1") != "0"
+# Split-K (EngineOptions.split_k): where a GEMM has few output tiles for its length of K, cuBLAS leaves most SMs
+# idle; a strided batched GEMM over slices of K writes fp32 partials that the add + RMSNorm after it sums.
 
 
 def residual_splits(rows: int, k_dim: int, n: int) -> int:
@@ -112,7 +87,7 @@ def residual_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return triton_kernels.gemv(x, weight)
     k_dim, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k_dim)
-    splits = residual_splits(x2.shape[0], k_dim, n) if SPLIT_K and kernels(x) else 1
+    splits = residual_splits(x2.shape[0], k_dim, n) if current().split_k and kernels(x) else 1
     # Each slice a whole number of 16-byte rows (cuBLAS's aligned kernels), K a multiple of the slice count.
     if (splits == 1 or k_dim % (8 * splits) or x.dtype not in (torch.float16, torch.bfloat16)
             or weight.dtype != x.dtype or not weight.is_contiguous() or torch.is_grad_enabled()):
@@ -156,7 +131,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T without bias: on CUDA up to `engine.pdl.GEMV_MAX_ROWS` rows (one by default) go to the
+    """x @ weight.T without bias: on CUDA up to `gemv_max_rows` (EngineOptions) rows (one by default) go to the
     weight-streaming GEMV kernel chained by PDL (`triton_kernels.gemv`: the LMs' one-row decode chain), the rest to
     cuBLAS."""
     if kernels(x) and triton_kernels.gemv_supported(x, weight):
@@ -246,7 +221,7 @@ def causal_conv_transpose(x: torch.Tensor, state: torch.Tensor | None, weight_ta
     (B, C_in, ctx) or None (zeros, no context kept) -> (output, new context (B, C_in, ctx) or None); with `slots`
     (B,), state is every slot's context (slots, C_in, ctx), rows slots[b] are read and replaced in place by the new
     context (returned: state), as `causal_depthwise_conv` does. None where it does not apply (nothing changed; the
-    caller then runs cuDNN). Not used with VOXCPM_VAE_UPSAMPLER=cudnn."""
+    caller then runs cuDNN). Not used with vae_upsampler='cudnn'."""
     if not (kernels(x) and x.dim() == 3 and weight_taps.dtype == x.dtype):
         return None
     b, c, n = x.shape

@@ -38,12 +38,12 @@ import torch
 from engine.checkpoint import LoadedModel, resolve_model_path
 from engine.config import VoxCPMConfig
 from engine.kernel_compiler import source_and_options
+from engine.options import current
 from engine.triton_attention import HAVE_TRITON
 
 log = logging.getLogger(__name__)
 
 MANIFEST_DIR = Path(__file__).parent / "kernel_manifests"
-ENABLED = os.environ.get("VOXCPM_PRECOMPILE", "1") != "0"
 
 
 def model_digest(cfg: VoxCPMConfig, dtype: torch.dtype) -> str:
@@ -152,8 +152,8 @@ def load_manifests(digest: str, arch: int) -> list[dict[str, Any]]:
     """The records of every manifest for this model shape, architecture and Triton release line (shipped ones,
     VOXCPM_KERNEL_MANIFEST)."""
     paths = sorted(MANIFEST_DIR.glob("*.json"))
-    if os.environ.get("VOXCPM_KERNEL_MANIFEST"):
-        paths.append(Path(os.environ["VOXCPM_KERNEL_MANIFEST"]))
+    if current().kernel_manifest:
+        paths.append(Path(current().kernel_manifest))
     entries: dict[str, dict[str, Any]] = {}
     for path in paths:
         try:
@@ -198,12 +198,10 @@ class CompilerProcesses:
         self.records = len(records)
         self.workdir = Path(tempfile.mkdtemp(prefix="voxcpm-precompile-"))
         (self.workdir / "records.json").write_text(json.dumps(records), encoding="utf-8")
-        env = dict(os.environ)
         root = str(Path(__file__).resolve().parent.parent)  # where `engine` is importable from
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        command = [sys.executable, "-c", "from engine.kernel_compiler import compiler_main; compiler_main()",
-                   str(arch), str(self.workdir)]
-        self.procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+        command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {root!r}); "
+                   "from engine.kernel_compiler import compiler_main; compiler_main()", str(arch), str(self.workdir)]
+        self.procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                       for _ in range(max(1, min(workers, len(records))))]
 
     def collect(self, timeout_s: float = 600.0) -> dict[str, Any]:
@@ -273,7 +271,8 @@ class Precompiler:
         self._compilers: CompilerProcesses | None = None
         self._records: list[dict[str, Any]] = []
         self._lock: int | None = None
-        if not (ENABLED and HAVE_TRITON and torch.version.hip is None and (device is None or device.type == "cuda")):
+        if not (current().precompile and HAVE_TRITON and torch.version.hip is None
+                and (device is None or device.type == "cuda")):
             return
         try:
             self._records = self._manifest_records(model, dtype, device, arch)

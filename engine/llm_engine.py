@@ -6,14 +6,13 @@ Single-threaded and synchronous; the server pool runs one of these per worker pr
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
 import numpy as np
 import torch
 
-from engine import kernel_cache
+from engine import kernel_cache, options
 from engine.block_manager import BlockManager
 from engine.checkpoint import LoadedModel, load_model
 from engine.engine_config import EngineConfig
@@ -30,6 +29,7 @@ class LLMEngine:
                  device: torch.device | str = "cpu") -> None:
         self.config = cfg = config or EngineConfig()
         cfg.validate()
+        options.install(cfg.options)  # this process's kernels follow the config's switches
         self.device = torch.device(device)
         t0 = time.perf_counter()
         if self.device.type == "cuda":
@@ -62,7 +62,9 @@ class LLMEngine:
         self.sequences: dict[int, Sequence] = {}
         pipeline = cfg.pipeline_decode
         if pipeline is None:
-            pipeline = os.environ.get("VOXCPM_PIPELINE_DECODE", "1" if self.device.type == "cuda" else "0") == "1"
+            pipeline = cfg.options.pipeline_decode
+        if pipeline is None:
+            pipeline = self.device.type == "cuda"
         self.pipeline = pipeline
         self.in_flight: LaunchedDecode | None = None  # the launched decode step not yet read (pipelining)
         self.startup_s = time.perf_counter() - t0

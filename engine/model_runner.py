@@ -16,7 +16,6 @@ import contextlib
 import functools
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,23 +24,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine import fused, triton_layer
+from engine import triton_layer
 from engine.attention import AttentionMetadata, PagedKVCache, select_backend
 from engine.block_manager import BlockManager
 from engine.checkpoint import LoadedModel
 from engine.models.audio_vae import SlotStates
 from engine.models.minicpm import fuse_projections
+from engine.options import current
 from engine.sequence import Sequence, Status, StepEvent
 
 log = logging.getLogger(__name__)
 
-# Where a step graph forks its second stream (the stop head and the VAE decode of the new patch, beside the feed-back
-# of the patch through LocEnc and the LMs), VOXCPM_VAE_FORK: "encoder" (default) after LocEnc, beside the LMs' kernel
-# chain; "dit" right after the DiT, beside LocEnc as well, whose layer kernels it slowed (H100 B=1 trace: LocEnc's 12
-# layers ~37 us each beside the VAE against ~29 alone; docs/benchmarks.md, session 17).
-VAE_FORK = os.environ.get("VOXCPM_VAE_FORK", "encoder")
-if VAE_FORK not in ("encoder", "dit"):
-    raise ValueError(f"VOXCPM_VAE_FORK={VAE_FORK!r}: use 'encoder' (default) or 'dit'")
 
 
 @dataclass
@@ -210,32 +203,28 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.inference_timesteps = inference_timesteps
         self.backend = select_backend(device, self.dtype, attention_backend)
-        if device.type == "cuda" and fused.ENABLED:
+        opts = current()
+        if device.type == "cuda" and opts.fuse:
             fuse_projections(model.backbone)
             triton_layer.prepare(device)  # the layer kernels' barrier counters, before any graph capture
         if device.type == "cuda":
             # The VAE's convolutions have fixed shapes per graph bucket: let cuDNN pick the fastest
-            # algorithm once, at warm-up, instead of its heuristic choice (VOXCPM_CUDNN_BENCHMARK=0: heuristic,
-            # for a faster start-up: every bucket's new shapes are benchmarked).
-            torch.backends.cudnn.benchmark = os.environ.get("VOXCPM_CUDNN_BENCHMARK", "1") != "0"
+            # algorithm once, at warm-up, instead of its heuristic choice.
+            torch.backends.cudnn.benchmark = opts.cudnn_benchmark
             # The VAE's 1x1 convolutions run as fp32 GEMMs (fused.pointwise_conv_residual): give them cuDNN's TF32
             # policy, as the convolutions they replace had (process-wide: a worker owns its process). A process on
             # torch's newer fp32_precision API refuses the legacy flags: its own choice then stands.
             with contextlib.suppress(RuntimeError):
                 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32
         self.use_graphs = device.type == "cuda" and not enforce_eager
-        # Second CUDA stream for the VAE decode, overlapped with the LMs (VOXCPM_VAE_STREAM=0: one stream). (Stream
-        # priorities for it or for the step measured no difference on the H100: docs/benchmarks.md, step 9.)
-        self.vae_stream = (torch.cuda.Stream(device) if device.type == "cuda"
-                           and os.environ.get("VOXCPM_VAE_STREAM", "1") != "0" else None)
+        # Second CUDA stream for the VAE decode, overlapped with the LMs.
+        self.vae_stream = torch.cuda.Stream(device) if device.type == "cuda" and opts.vae_stream else None
         # With graphs, the VAE is its own graph on that stream, replayed behind the step that made its patch:
-        # it overlaps the next step's DiT instead of ending its own step (VOXCPM_VAE_OVERLAP=0: joined in-step).
-        self.vae_overlap = (self.vae_stream is not None and self.use_graphs
-                            and os.environ.get("VOXCPM_VAE_OVERLAP", "1") != "0")
-        # Batch buckets below VOXCPM_VAE_OVERLAP_MIN_BATCH keep the VAE inside their step graph (on the second
-        # stream, beside the LMs' feed-back): a small batch's VAE fits there, and its audio is ready with its step
-        # (H100, host step B=1 7.10 -> 7.00 ms, B=8 8.57 -> 8.33; c=8 RTF 0.0553 -> 0.0543 in two A/B pairs).
-        self.vae_overlap_min_batch = int(os.environ.get("VOXCPM_VAE_OVERLAP_MIN_BATCH", "32"))
+        # it overlaps the next step's DiT instead of ending its own step.
+        self.vae_overlap = self.vae_stream is not None and self.use_graphs and opts.vae_overlap
+        # Smaller batch buckets keep the VAE inside their step graph (on the second stream, beside the LMs'
+        # feed-back): a small batch's VAE fits there, and its audio is ready with its step.
+        self.vae_overlap_min_batch = opts.vae_overlap_min_batch
         self.vae_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.vae_inputs_taken: torch.cuda.Event | None = None  # the last VAE launch has copied its inputs
         self.vae_unjoined = False  # a VAE graph was launched behind a step since the last `join_vae`
@@ -546,7 +535,7 @@ class ModelRunner:
                                       inputs.noise, inputs.cfg, self.inference_timesteps)
         # The stop head and the VAE need only the old hidden state and the patch, the LMs only the encoded patch,
         # so on CUDA they run side by side: the stop head and the VAE on a second stream (forked and joined inside
-        # the captured graph), LocEnc and the LMs on this one. The fork comes after LocEnc (VAE_FORK): its layer
+        # the captured graph), LocEnc and the LMs on this one. The fork comes after LocEnc (vae_fork): its layer
         # kernel's grid barriers wait for the slowest program, which the VAE's kernels beside it would slow.
         # `patch` and `lm_hidden` stay referenced until after the join, so their memory is not reused under it.
         side = self.vae_stream if vae else None
@@ -560,10 +549,11 @@ class ModelRunner:
                 if vae:
                     buf.audio[:batch] = self._decode_audio(index, self._latents(patch[:, None]))
 
-        if VAE_FORK == "dit":
+        fork_after_dit = current().vae_fork == "dit"
+        if fork_after_dit:
             fork()
         embed = backbone.encode_patches(patch)
-        if VAE_FORK != "dit":
+        if not fork_after_dit:
             fork()
         lm_next, residual_next = backbone.advance_lms(embed, inputs.positions, self.base_cache.attend_fn(meta),
                                                       self.residual_cache.attend_fn(meta))

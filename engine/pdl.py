@@ -7,7 +7,8 @@ HBM stream stopped at each kernel boundary. With PDL a kernel starts while the o
 registers before it waits (`gdc_wait`) for the activations, so the next projection's weights stream while the
 previous kernel finishes. H100, 28 LM-shaped layers without attention (`tools/bench_pdl_chain.py`): 48.6 us per layer
 on the engine's kernels, 42.3 with the GEMV alone, 36.7 with the GEMV chained by PDL; at 8 rows the GEMV's fp32 FMA
-reduction is slower than the tensor-core kernels (75 against 49 us), so it serves up to `GEMV_MAX_ROWS` rows.
+reduction is slower than the tensor-core kernels (75 against 49 us), so it serves up to `gemv_max_rows` rows
+(EngineOptions).
 
 Which kernel lets the next one start at once (H100, B=1 step, `tools/profile_step.py`): the GEMVs and the add +
 RMSNorm do (the norm without it: 5.73 ms against 5.69); the decode attention does not (with it: 5.73 against 5.68 ms:
@@ -26,20 +27,15 @@ never triggers (cuBLAS, a copy) simply lets the next one start when it ends.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
+
+from engine.options import current
 
 if TYPE_CHECKING:
     import torch
 else:
     from engine.lazy_torch import torch  # the kernel-compiling children never load it
 
-# VOXCPM_PDL=0: plain launches everywhere. VOXCPM_GEMV_MAX_ROWS: activation rows up to which the GEMV kernel serves a
-# projection (0: never; the GEMMs then stay on cuBLAS and the skinny kernel).
-ENABLED = os.environ.get("VOXCPM_PDL", "1") != "0"
-GEMV_MAX_ROWS = int(os.environ.get("VOXCPM_GEMV_MAX_ROWS", "1"))
-if GEMV_MAX_ROWS < 0:
-    raise ValueError(f"VOXCPM_GEMV_MAX_ROWS={GEMV_MAX_ROWS}: use 0 (off) or a positive number of rows")
 _capable: dict[int, bool] = {}
 
 
@@ -54,7 +50,8 @@ def _device_capable(device: torch.device) -> bool:
 def launch(x: torch.Tensor, rows: int) -> bool:
     """Whether a kernel of this call over `rows` activation rows is launched with PDL (its constexpr PDL and the
     launch option): the one-row chain on a GPU that has it, never in the interpreter."""
-    return ENABLED and 0 < rows <= GEMV_MAX_ROWS and x.is_cuda and _device_capable(x.device)
+    o = current()
+    return o.pdl and 0 < rows <= o.gemv_max_rows and x.is_cuda and _device_capable(x.device)
 
 
 def option(chained: bool) -> dict[str, bool]:

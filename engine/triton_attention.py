@@ -24,10 +24,10 @@ is synchronised or allocated from data values. Compile (call once) before captur
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 from engine import pdl
+from engine.options import current
 
 if TYPE_CHECKING:
     import torch
@@ -50,11 +50,8 @@ _LOG2E = 1.4426950408889634
 _BLOCK_N = {2: 128, 4: 64}
 _NUM_WARPS = 4
 _NUM_STAGES = 2
-# Keys per program when the keys are split (VOXCPM_ATTN_SPLIT_KEYS; 0: never split), and the largest number of
-# (token, kv head) rows a call may have for it: more rows already spread over the SMs.
-SPLIT_KEYS = int(os.environ.get("VOXCPM_ATTN_SPLIT_KEYS", "128"))
-if SPLIT_KEYS and (SPLIT_KEYS < 16 or SPLIT_KEYS & (SPLIT_KEYS - 1)):
-    raise ValueError(f"VOXCPM_ATTN_SPLIT_KEYS={SPLIT_KEYS}: use 0 (never split) or a power of two >= 16")
+# The largest number of (token, kv head) rows a call may have for splitting its keys (EngineOptions.attn_split_keys
+# per program): more rows already spread over the SMs.
 SPLIT_MAX_ROWS = 64
 # Per device: the split rows' arrival counters, all 0 between launches. One set per device, so split launches must not
 # run concurrently on two streams of one device (the engine runs its LMs on one stream; the VAE's has no attention).
@@ -276,9 +273,10 @@ def split_keys_for(num_tokens: int, num_kv_heads: int, table_keys: int) -> int:
     """Keys per program of a call with these rows and block tables of `table_keys` slots, 0 for no split. The splits
     cover the longest context the tables can hold (the grid may not depend on the lengths, which live on the device);
     splits past a token's context end at once."""
-    if SPLIT_KEYS <= 0 or table_keys <= SPLIT_KEYS or num_tokens * num_kv_heads > SPLIT_MAX_ROWS:
+    split_keys = current().attn_split_keys
+    if split_keys <= 0 or table_keys <= split_keys or num_tokens * num_kv_heads > SPLIT_MAX_ROWS:
         return 0
-    return SPLIT_KEYS
+    return split_keys
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

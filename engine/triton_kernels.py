@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -41,6 +40,7 @@ else:
     from engine.lazy_torch import torch  # the kernel-compiling children never load it
 
 from engine import pdl
+from engine.options import current
 from engine.triton_attention import HAVE_TRITON, _is_interpreted
 
 if HAVE_TRITON:
@@ -480,21 +480,13 @@ if HAVE_TRITON:
         tl.store(o_ptr + offs, _cfg_euler_math(x, vc, vu, cfg, dt, m, dtype), mask=m)
 
 
-# Snake's sin on CUDA: the hardware approximation (__nv_fast_sinf, abs error ~1e-6 near 0, growing ~|x| * 2^-22)
-# instead of libdevice's exact-range-reduction sin, which made the Snake kernels compute-bound on the wide VAE
-# stages. Far below the TF32 convolutions' error; VOXCPM_FAST_SIN=0 for the exact sin.
-FAST_SIN = os.environ.get("VOXCPM_FAST_SIN", "1") != "0"
-
-
 def fast_sin() -> bool:
-    # fast_sinf is CUDA libdevice's: not in the interpreter, not on ROCm
-    return FAST_SIN and not _is_interpreted() and torch.version.hip is None
+    """Snake's sin as the hardware approximation (EngineOptions.fast_sin; its error is far below the TF32
+    convolutions'): CUDA libdevice's, so not in the interpreter, not on ROCm."""
+    return current().fast_sin and not _is_interpreted() and torch.version.hip is None
 
 
 MAX_DENSE_LEN = 64  # longest sequence `dense_attention` takes (LocEnc: patch + 1, DiT: 2 * patch + 3)
-# Query heads per program of `dense_attention`; 0 (default): by batch size, sharing K/V loads across a GQA
-# group at large batch (H100, B=64: whole step 28.0 -> 26.4 ms against one head per program).
-DENSE_HEADS = int(os.environ.get("VOXCPM_DENSE_HEADS", "0"))
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -545,9 +537,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out.view(gate.shape)
 
 
-# Activation rows up to which `skinny_matmul` serves the gate/up projection (VOXCPM_SKINNY_ROWS; 0: never):
-# below it a decode step's GEMMs read each weight once for a handful of rows and are bound by that read.
-SKINNY_ROWS = min(64, int(os.environ.get("VOXCPM_SKINNY_ROWS", "64")))  # tiles for more rows would not fit in SMEM
+# `skinny_matmul` serves the gate/up projection up to EngineOptions.skinny_rows rows (at most 64: larger tiles would
+# not fit in shared memory): there a decode step's GEMMs read each weight once for a handful of rows.
 
 
 def skinny_supported(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False) -> bool:
@@ -555,7 +546,7 @@ def skinny_supported(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = Fa
     of 16, one dtype, a contiguous weight."""
     rows = x.numel() // max(x.shape[-1], 1)
     k_dim, n = x.shape[-1], weight.shape[0] // (2 if silu_gate else 1)
-    return (0 < rows <= SKINNY_ROWS and weight.dim() == 2 and weight.shape[1] == k_dim and k_dim % 16 == 0
+    return (0 < rows <= current().skinny_rows and weight.dim() == 2 and weight.shape[1] == k_dim and k_dim % 16 == 0
             and n % 16 == 0 and x.dtype == weight.dtype and weight.is_contiguous()
             and x.dtype in (torch.float16, torch.bfloat16, torch.float32))
 
@@ -601,13 +592,13 @@ def gemv_slices(k_dim: int) -> int:
 
 
 def gemv_supported(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False, partials: bool = False) -> bool:
-    """Whether `gemv` takes x (..., K) @ weight (N, K).T: up to `pdl.GEMV_MAX_ROWS` rows (one by default) of a
+    """Whether `gemv` takes x (..., K) @ weight (N, K).T: up to `gemv_max_rows` rows (EngineOptions) of a
     16-bit dtype, a contiguous weight; K in slices only where the caller sums partials."""
     k_dim = x.shape[-1]
     rows = x.numel() // max(k_dim, 1)
     slices = gemv_slices(k_dim)
     block_n = GEMV_BLOCK_N // 2 if silu_gate else GEMV_BLOCK_N
-    return (0 < rows <= pdl.GEMV_MAX_ROWS and slices > 0
+    return (0 < rows <= current().gemv_max_rows and slices > 0
             and (slices == 1 or (partials and not silu_gate)) and weight.dim() == 2 and weight.shape[1] == k_dim
             and weight.shape[0] % ((2 if silu_gate else 1) * block_n) == 0 and x.dtype == weight.dtype
             and x.dtype in (torch.float16, torch.bfloat16) and weight.is_contiguous() and x.stride(-1) == 1)
@@ -708,13 +699,13 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
                     num_warps: int | None = None) -> torch.Tensor:
     """Bidirectional attention within each sequence: q (N, L, Hq, D), k/v (N, L, Hk, D) (unit stride in D),
     rotary rows cos/sin (L, D) fp32 applied to q and k first (None: no rotary) -> (N, L, Hq * D).
-    heads_per_program: query heads sharing one program (and one load of K/V); None: VOXCPM_DENSE_HEADS
+    heads_per_program: query heads sharing one program (and one load of K/V); None: EngineOptions.dense_heads
     (default 0), where 0 means as many of a GQA group as keep >= 256 programs (small batches keep one head
     per program, for parallelism). num_warps: None picks 2 from 256 (sequence, head) pairs on, else 4 (the H100
     sweep of tools/bench_kernels.py: DiT at B=128 33.8 us with 4 warps, 18.1 us with 2; ~5 us either way at B=1)."""
     n, seq_len, hq, dim = q.shape
     group = hq // k.shape[2]
-    heads_per_program = heads_per_program or DENSE_HEADS or None
+    heads_per_program = heads_per_program or current().dense_heads or None
     heads = heads_per_program or 1
     while heads_per_program is None and group % (heads * 2) == 0 and n * hq // (heads * 2) >= 256:
         heads *= 2

@@ -18,7 +18,7 @@ A stack ends with phase 0 alone under its final norm. The whole stack is one lau
 (`MiniCPM.stack_layer_weights`), layer l's at row l, and a barrier replaces the kernel boundary between two layers
 (session 17: the 12 launches of a DiT evaluation left ~0.4 us idle and a new grid's start between them). Each
 program also prefetches into L2 the first weights of its units of the next projection from the phase before it
-(`_prefetch`, `PREFETCH_BYTES`; the next layer's q/k/v during its down projection). Measured (H100,
+(`_prefetch`, `layer_prefetch_mb`; the next layer's q/k/v during its down projection). Measured (H100,
 docs/benchmarks.md, profile steps 12-14): 33.3 us per DiT layer at B=1 (16-column units, 2 programs per SM), 31.75 with
 the prefetch, 30.05 with 32-column units (1 per SM); B=1 step 6.94 -> 6.50 -> 6.19 ms. A barrier costs about what a
 kernel boundary in a CUDA graph costs; the gain is fewer, fuller phases.
@@ -29,7 +29,7 @@ split partials summed in split order first, as cuBLAS's split-K does; the norms,
 variant's registers, shared memory and threads let the SMs hold together (`_programs_per_sm`), and launches of this
 kernel must not overlap (one counter per device, stream-ordered: the engine runs the local modules on one stream;
 kernels of other streams, like the VAE's, only delay programs, they finish on their own). The fused launch is a
-cooperative one (`COOPERATIVE`): the driver then guarantees that co-residency, or refuses the launch where the
+cooperative one (`layer_cooperative`): the driver then guarantees that co-residency, or refuses the launch where the
 process may use fewer SMs than the device reports (an MPS client with an active-thread limit); the grid is then
 halved until it is accepted (`_launch_fused`), instead of spinning into the barrier's trap. Without barriers (Triton's
 interpreter, which runs programs one after another, or mode "phases") each phase is its own launch of the same
@@ -39,10 +39,10 @@ kernel: same arithmetic, kernel boundaries instead of barriers.
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING
 
 from engine import triton_kernels
+from engine.options import current
 from engine.triton_attention import HAVE_TRITON, _is_interpreted
 
 if TYPE_CHECKING:
@@ -271,33 +271,10 @@ if HAVE_TRITON:
                           DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_H, BLOCK_L, PF_O, PF_GATE_UP, PF_DOWN)
 
 
-# Rows (sequences x tokens) up to which a stack runs as layer kernels (VOXCPM_LAYER_MAX_ROWS): the DiT at B=1 (22 rows),
-# the LocEnc up to B=12.
-MAX_ROWS = min(64, int(os.environ.get("VOXCPM_LAYER_MAX_ROWS", "64")))  # more: tiles past the SM's resources
-# VOXCPM_LAYER_KERNEL: "fused" (default) one launch per stack with grid barriers; "phases" a launch per phase (same
-# arithmetic, for comparison); "off" the layer's separate kernels.
-MODE = os.environ.get("VOXCPM_LAYER_KERNEL", "fused")
-if MODE not in ("fused", "phases", "off"):
-    raise ValueError(f"VOXCPM_LAYER_KERNEL={MODE!r}: use 'fused' (default), 'phases' or 'off'")
-# Output columns per unit (VOXCPM_LAYER_BLOCK_N). Every unit reads all the rows' activations along its K range from
-# L2, so wider units read them fewer times over; narrower ones make more units. DiT B=1 on an H100 (tools/
-# bench_kernels.py --only layer, best launch of each): 16 columns 31.65 us per layer, 32: 30.05, 64: 31.07.
-BLOCK_N = int(os.environ.get("VOXCPM_LAYER_BLOCK_N", "32"))
-# (largest K tile, pipeline stages, warps, programs per SM) of the launches: tools/bench_kernels.py --only layer sweeps
-# them. With 32 columns one program per SM streams as fast as two (30.05 / 30.06 us per DiT layer) and leaves fewer
-# programs to meet at each grid barrier; the fused grid is also capped by what the compiled variant's registers and
-# shared memory let reside at once.
-LAUNCH = tuple(int(v) for v in os.environ.get("VOXCPM_LAYER_LAUNCH", "128,4,4,1").split(","))
-if len(LAUNCH) != 4 or min(LAUNCH) < 1:
-    raise ValueError(f"VOXCPM_LAYER_LAUNCH={LAUNCH}: four positive integers (K tile, stages, warps, programs per SM)")
-# Bytes of each projection's weights prefetched into L2 ahead of it in a fused launch (VOXCPM_LAYER_PREFETCH_MB, 0:
-# none): about what HBM delivers in the idle phase before it; more only evicts what is still to be used. DiT B=1 on an
-# H100 (tools/bench_kernels.py --only layer), one launch per layer: 0 MB 33.5 us per layer, 2 MB 31.75, 4 MB 32.1,
-# 8 MB 32.4, 16 MB 33.9; one launch per stack (session 17, two rounds): 2 MB 28.9, 3 MB 28.8, 4 MB 28.5, 5 MB 28.6,
-# 6 MB 28.5-28.8 (LocEnc 27.5-27.7 throughout); B=1 step 5.41 -> 5.37 ms with 4 MB in two A/B pairs.
-PREFETCH_BYTES = int(float(os.environ.get("VOXCPM_LAYER_PREFETCH_MB", "4")) * 2**20)
-# The fused launch as a cooperative launch (VOXCPM_LAYER_COOPERATIVE=0: a plain one, the barrier's trap the only guard).
-COOPERATIVE = os.environ.get("VOXCPM_LAYER_COOPERATIVE", "1") != "0"
+# The launch settings (EngineOptions.layer_*): at most 64 rows (more: tiles past the SM's resources); wider units
+# read the rows' activations from L2 fewer times over, narrower ones make more units; with 32 columns one program
+# per SM streams as fast as two and leaves fewer programs to meet at each grid barrier; the L2 prefetch is about what
+# HBM delivers in the idle phase before a projection (more only evicts what is still to be used).
 _resident: dict[tuple, int] = {}
 _sync: dict[torch.device, torch.Tensor] = {}  # the barrier counter and the exit counter, per device
 _sm_count: dict[torch.device, int] = {}
@@ -390,35 +367,38 @@ def _plan(cfg: TransformerConfig, sms: int) -> tuple[int, int, int] | None:
     """(o splits, down splits, K tile) for this stack's shapes, or None where the tiles do not divide them. The
     projections to `hidden` columns are split along K until their units fill the SMs."""
     h, f, q_width = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim
-    if any(n % BLOCK_N for n in (h, f, q_width, cfg.num_key_value_heads * cfg.head_dim)):
+    block_n, max_k_tile = current().layer_block_n, current().layer_launch[0]
+    if any(n % block_n for n in (h, f, q_width, cfg.num_key_value_heads * cfg.head_dim)):
         return None
-    splits = max(1, min(4, sms // (h // BLOCK_N)))
+    splits = max(1, min(4, sms // (h // block_n)))
     while splits > 1 and (q_width % (splits * 16) or f % (splits * 16)):
         splits -= 1
-    block_k = next((b for b in (512, 256, 128, 64, 32, 16) if b <= LAUNCH[0] and h % b == 0
+    block_k = next((b for b in (512, 256, 128, 64, 32, 16) if b <= max_k_tile and h % b == 0
                     and q_width // splits % b == 0 and f // splits % b == 0), None)
     return None if block_k is None else (splits, splits, block_k)
 
 
 def _prefetch_len(rows: int, k: int, elem_size: int) -> int:
     """How far along K (elements, whole 128-byte lines) a projection's units are prefetched: its first
-    `PREFETCH_BYTES` in all. rows: the weight's rows (gate and up together); k: the K of one split."""
+    `layer_prefetch_mb` (EngineOptions) in all. rows: the weight's rows (gate and up together); k: the K of one
+    split."""
     line = 128 // elem_size
-    return 0 if k % line else min(k, PREFETCH_BYTES // (rows * elem_size)) // line * line
+    return 0 if k % line else min(k, current().layer_prefetch_bytes // (rows * elem_size)) // line * line
 
 
 def supported(stack: torch.nn.Module, x: torch.Tensor) -> bool:
     """Whether `dense_stack` runs this MiniCPM stack on x (N, L, hidden): CUDA (or the interpreter), fused
     projections, layer weights stacked (`MiniCPM.stack_layer_weights`), few rows, shapes the tiles divide."""
-    if MODE == "off" or not (HAVE_TRITON and triton_kernels.usable(x) and x.dim() == 3 and len(stack.layers)):
+    o = current()
+    if o.layer_kernel == "off" or not (HAVE_TRITON and triton_kernels.usable(x) and x.dim() == 3 and len(stack.layers)):
         return False
     cfg, layer = stack.cfg, stack.layers[0]
     d = cfg.head_dim
-    return (x.shape[0] * x.shape[1] <= MAX_ROWS and x.shape[1] <= triton_kernels.MAX_DENSE_LEN
+    return (x.shape[0] * x.shape[1] <= o.layer_max_rows and x.shape[1] <= triton_kernels.MAX_DENSE_LEN
             and layer.self_attn.qkv_weight is not None and layer.mlp.gate_up_weight is not None
             and x.dtype == layer.self_attn.qkv_weight.dtype and x.shape[-1] == cfg.hidden_size
             and d >= 32 and d & (d - 1) == 0 and cfg.num_attention_heads % cfg.num_key_value_heads == 0
-            and _plan(cfg, _sms(x.device) * LAUNCH[3]) is not None and stack.layer_weight_stacks() is not None)
+            and _plan(cfg, _sms(x.device) * o.layer_launch[3]) is not None and stack.layer_weight_stacks() is not None)
 
 
 def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | None,
@@ -433,8 +413,11 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
     hq, hk, d, f = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
     nqkv = (hq + 2 * hk) * d
     sms = _sms(dev)
-    o_splits, down_splits, block_k = _plan(cfg, sms * LAUNCH[3])
-    fused_launch = MODE == "fused" and not _is_interpreted()
+    opts = current()
+    _, stages, warps, programs_per_sm = opts.layer_launch
+    block_n = opts.layer_block_n
+    o_splits, down_splits, block_k = _plan(cfg, sms * programs_per_sm)
+    fused_launch = opts.layer_kernel == "fused" and not _is_interpreted()
     x = x.reshape(rows, h).contiguous()
 
     def buffer(*shape: int, fp32: bool = False) -> torch.Tensor:
@@ -445,7 +428,7 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
     o_part, down_part = buffer(o_splits, rows, h, fp32=True), buffer(down_splits, rows, h, fp32=True)
     prepare(dev)
     cos, sin = (rope[:, 0, :], rope[:, 1, :]) if rope is not None else (x, x)
-    units = (rows, nqkv // BLOCK_N, n * hq, h // BLOCK_N * o_splits, rows, f // BLOCK_N, h // BLOCK_N * down_splits)
+    units = (rows, nqkv // block_n, n * hq, h // block_n * o_splits, rows, f // block_n, h // block_n * down_splits)
     pf_names = ("PF_QKV", "PF_O", "PF_GATE_UP", "PF_DOWN")
     pf_shapes = ((nqkv, h), (h, hq * d // o_splits), (2 * f, h), (h, f // down_splits))
     prefetch = {name: _prefetch_len(n_rows, k, x.element_size()) if fused_launch else 0
@@ -454,9 +437,9 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
     settings = dict(H=h, NQKV=nqkv, HQ=hq, GROUP=hq // hk, HALF=d // 2, F=f, O_SPLITS=o_splits,
                     DOWN_SPLITS=down_splits, HAS_SCALE=scale is not None, ROPE=rope is not None,
                     DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                    BLOCK_M=max(32, triton.next_power_of_2(rows)), BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+                    BLOCK_M=max(32, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
                     BLOCK_H=triton.next_power_of_2(h), BLOCK_L=max(16, triton.next_power_of_2(seq_len)), **prefetch,
-                    num_stages=LAUNCH[1], num_warps=LAUNCH[2])
+                    num_stages=stages, num_warps=warps)
     grids: dict[int, int] = {}  # per phase: the same for every layer
     w = stack.layer_weight_stacks()
     assert w is not None  # `supported` checked it
@@ -468,13 +451,13 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
             len(layers), layer, cos.stride(0), sin.stride(0), cfg.rms_norm_eps, 1.0 if scale is None else scale,
             d ** -0.5)
         kwargs = dict(settings, PHASE=phase)
-        if phase < 0 and COOPERATIVE:  # (a launch option, but also part of the compiled variant's cache key)
+        if phase < 0 and opts.layer_cooperative:  # (a launch option, but also part of the compiled variant's cache key)
             kwargs["launch_cooperative_grid"] = True
         if phase not in grids:
             if phase < 0:  # every program resident at once, or a barrier cannot complete (and traps)
-                grids[phase] = min(sms * min(LAUNCH[3], _programs_per_sm(args, kwargs, seq_len, dev)), max(units))
+                grids[phase] = min(sms * min(programs_per_sm, _programs_per_sm(args, kwargs, seq_len, dev)), max(units))
             else:
-                grids[phase] = min(sms * LAUNCH[3], units[phase])
+                grids[phase] = min(sms * programs_per_sm, units[phase])
         if phase < 0:
             _launch_fused(grids[phase], args, kwargs, dev)
         else:

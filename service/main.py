@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
+from engine.options import EngineOptions
 from service.settings import Settings, describe_error
 
 SHORT_FLAGS = {"model_path": "--model", "serverpool_devices": "--devices"}  # besides --model-path, --serverpool-devices
@@ -47,10 +48,16 @@ def load_settings(argv: Sequence[str] | None = None) -> Settings:
     """Flags over NANOVLLM_* variables over defaults; exits 2 naming a bad flag or value (and 0 after --help)."""
     flags = vars(parser().parse_args(argv))
     try:
-        return Settings(**flags)
+        settings = Settings(**flags)
     except ValidationError as e:
         print(describe_error(e, flags=set(flags)), file=sys.stderr)
         sys.exit(2)
+    try:
+        EngineOptions.from_env()  # the engine switches: checked now, read again where the engine config is made
+    except ValueError as e:
+        print(f"invalid configuration:\n  {e}", file=sys.stderr)
+        sys.exit(2)
+    return settings
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -4,38 +4,24 @@ real engine pool (a spawned worker) on a tiny random checkpoint, on the CPU."""
 from __future__ import annotations
 
 import asyncio
-import io
 import socket
 import threading
 import time
-import wave
 from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import uvicorn
 
 from service.app import create_app
 from service.engine_setup import WorkerEndpoint
 from service.settings import Settings
+from tools.soak import wav_bytes  # noqa: F401 (the tests' clip maker)
 
 SAMPLES_PER_PATCH = 7680  # tiny-voxcpm2: 4 latent frames x 1920 samples at 48 kHz
 SAMPLE_RATE = 48000
-
-
-def wav_bytes(seconds: float, sr: int = 16000, seed: int = 0) -> bytes:
-    t = np.arange(int(seconds * sr)) / sr
-    x = 0.3 * np.sin(2 * np.pi * (150 + 20 * seed) * t) + 0.02 * np.random.default_rng(seed).standard_normal(t.size)
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(sr)
-        w.writeframes((x * 32767).astype(np.int16).tobytes())
-    return buf.getvalue()
 
 
 def free_port() -> int:

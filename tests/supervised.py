@@ -138,6 +138,15 @@ class Service:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
 
+    def exit_code(self, limit_s: float = STOP_GUARD_S) -> int:
+        """The supervisor's exit code once it has exited; one that does not within `limit_s` is killed (whole tree)
+        and fails the test."""
+        try:
+            return self.proc.wait(limit_s)
+        except subprocess.TimeoutExpired:
+            self.kill_tree()
+            pytest.fail(f"voxcpm-serve did not exit within {limit_s:.0f} s{self.log_tail()}")
+
     def stop(self) -> None:
         """SIGTERM and wait; a service that does not stop is killed (whole tree) and fails the test run."""
         self.children()

@@ -47,6 +47,8 @@ def test_bad_flags_exit_2_naming_them(args, message):
 def test_bad_variable_exits_2_naming_it():
     r = cli(env={"NANOVLLM_PORT": "0", "PATH": "/usr/bin:/bin"})
     assert r.returncode == 2 and "NANOVLLM_PORT: Input should be greater than or equal to 1" in r.stderr, r.stderr
+    r = cli(env={"VOXCPM_LAYER_KERNEL": "fast", "PATH": "/usr/bin:/bin"})  # an engine switch
+    assert r.returncode == 2 and "VOXCPM_LAYER_KERNEL='fast': use one of fused, phases, off" in r.stderr, r.stderr
 
 
 def test_flag_over_variable_over_default(monkeypatch):

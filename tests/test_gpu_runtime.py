@@ -10,6 +10,7 @@ import torch
 
 from engine.checkpoint import load_model
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.options import EngineOptions
 from engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -48,7 +49,7 @@ def test_graphs_and_triton_match_eager_torch(checkpoint_factory, monkeypatch):
 
 
 def test_vae_inside_and_behind_the_step_agree_across_the_threshold(checkpoint_factory, monkeypatch):
-    """Buckets below VOXCPM_VAE_OVERLAP_MIN_BATCH decode their VAE inside the step graph, the others behind it. With
+    """Buckets below vae_overlap_min_batch decode their VAE inside the step graph, the others behind it. With
     the threshold at 4 and requests of different lengths, the pipelined batch shrinks from bucket 4 (behind) to 2
     and 1 (inside): the audio must equal the all-inside run's, bit for bit (the same kernels on the same inputs)."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
@@ -58,20 +59,18 @@ def test_vae_inside_and_behind_the_step_agree_across_the_threshold(checkpoint_fa
     config = dict(max_num_seqs=4, max_model_len=256, num_kv_blocks=128, attention_backend="triton",
                   pipeline_decode=True)
     audio = {}
-    for threshold in ("32", "4"):
-        monkeypatch.setenv("VOXCPM_VAE_OVERLAP_MIN_BATCH", threshold)  # read when the runner is made
-        engine = LLMEngine(model, EngineConfig(**config), "cuda")
-        assert bool(engine.runner.vae_graphs) == (threshold == "4")
+    for threshold in (32, 4):
+        engine = LLMEngine(model, EngineConfig(**config, options=EngineOptions(vae_overlap_min_batch=threshold)),
+                           "cuda")
+        assert bool(engine.runner.vae_graphs) == (threshold == 4)
         audio[threshold] = _run(engine, reqs)
-    for inside, mixed in zip(audio["32"], audio["4"], strict=True):
+    for inside, mixed in zip(audio[32], audio[4], strict=True):
         np.testing.assert_array_equal(mixed, inside)
 
 
 def test_second_stream_fork_point_does_not_change_the_audio(checkpoint_factory, monkeypatch):
-    """The stop head and the VAE run on the second stream, forked after the DiT or after LocEnc (VAE_FORK): the same
+    """The stop head and the VAE run on the second stream, forked after the DiT or after LocEnc (vae_fork): the same
     kernels on the same inputs, so the audio and where each request stops must be identical."""
-    from engine import model_runner
-
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     model = load_model(checkpoint_factory("tiny-voxcpm2"), "cuda")  # its stop head may fire
@@ -79,8 +78,7 @@ def test_second_stream_fork_point_does_not_change_the_audio(checkpoint_factory, 
     config = dict(max_num_seqs=4, max_model_len=256, num_kv_blocks=128, attention_backend="triton")
     audio = {}
     for fork in ("dit", "encoder"):
-        monkeypatch.setattr(model_runner, "VAE_FORK", fork)
-        audio[fork] = _run(LLMEngine(model, EngineConfig(**config), "cuda"), reqs)
+        audio[fork] = _run(LLMEngine(model, EngineConfig(**config, options=EngineOptions(vae_fork=fork)), "cuda"), reqs)
     for a, b in zip(audio["dit"], audio["encoder"], strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -89,10 +87,11 @@ def test_kv_sizing_dry_steps_then_generation(checkpoint_factory, monkeypatch):
     """Without num_kv_blocks the engine sizes its KV cache from dry steps of its largest bucket and, when that bucket's
     VAE runs behind the step, of its largest bucket with the VAE inside; each dry step runs on its own layout of the
     step inputs (layouts of different sizes share bytes). The engine then generates what a sized-by-hand one does."""
-    monkeypatch.setenv("VOXCPM_VAE_OVERLAP_MIN_BATCH", "4")  # buckets 4 and 8 behind, 1 and 2 inside
     model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"), "cuda")
     reqs = [dict(text=f"Sized {i}.", params=SamplingParams(seed=i, max_generate_length=4)) for i in range(2)]
-    config = dict(max_num_seqs=8, max_model_len=256, attention_backend="triton")
+    # buckets 4 and 8 behind, 1 and 2 inside
+    config = dict(max_num_seqs=8, max_model_len=256, attention_backend="triton",
+                  options=EngineOptions(vae_overlap_min_batch=4))
     sized = LLMEngine(model, EngineConfig(**config, gpu_memory_utilization=0.5), "cuda")
     assert sized.runner.vae_graphs and len(sized.blocks.blocks) > 16
     by_hand = LLMEngine(model, EngineConfig(**config, num_kv_blocks=64), "cuda")

@@ -39,6 +39,14 @@ def _jit_record() -> str:
                                          options, "jit-key")
 
 
+def _use_manifest_option(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's engine options with `kernel_manifest` set (restored after the test)."""
+    import dataclasses
+
+    from engine import options
+    monkeypatch.setattr(options, "_current", dataclasses.replace(options.current(), kernel_manifest=str(path)))
+
+
 def _use_only_manifest(path: Path, digest: str, entries: list[dict], monkeypatch: pytest.MonkeyPatch,
                        triton: str | None = None) -> None:
     """Write a manifest for `digest` on sm_90 and make it the only one the precompiler reads."""
@@ -46,7 +54,7 @@ def _use_only_manifest(path: Path, digest: str, entries: list[dict], monkeypatch
     path.write_text(json.dumps({"model": digest, "arch": 90, "triton": triton or kernel_cache.triton_version(),
                                 "entries": entries}))
     monkeypatch.setattr(kernel_cache, "MANIFEST_DIR", path.parent / "shipped")
-    monkeypatch.setenv("VOXCPM_KERNEL_MANIFEST", str(path))
+    _use_manifest_option(path, monkeypatch)
 
 
 def test_manifest_round_trip_and_compile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,7 +82,7 @@ def test_manifest_round_trip_and_compile(tmp_path: Path, monkeypatch: pytest.Mon
     path = tmp_path / "m.json"
     path.write_text(json.dumps(manifest))
     monkeypatch.setattr(kernel_cache, "MANIFEST_DIR", tmp_path / "shipped")  # only this one (the shipped match)
-    monkeypatch.setenv("VOXCPM_KERNEL_MANIFEST", str(path))
+    _use_manifest_option(path, monkeypatch)
     assert kernel_cache.load_manifests(digest, 90) == [entry]
     assert kernel_cache.load_manifests(digest, 80) == []  # another architecture
     assert kernel_cache.load_manifests("0" * 16, 90) == []  # another model shape

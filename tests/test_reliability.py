@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -123,12 +122,7 @@ def test_sigterm_during_16_live_streams(service: Service):
         t.join(STOP_GUARD_S)
     assert not errors, errors
     assert received == [patches * SAMPLES_PER_PATCH * 2] * SLOTS  # all 16 finished whole
-    try:
-        code = service.proc.wait(STOP_GUARD_S)
-    except subprocess.TimeoutExpired:
-        service.kill_tree()
-        pytest.fail(f"voxcpm-serve did not exit after SIGTERM{service.log_tail()}")
-    assert code == 0, service.log_tail()
+    assert service.exit_code() == 0, service.log_tail()
 
 
 def test_a_worker_dying_while_starting_ends_the_service(checkpoint_factory, tmp_path):
@@ -146,8 +140,7 @@ def test_a_worker_dying_while_starting_ends_the_service(checkpoint_factory, tmp_
                         w.kill()
                     killed.add(w.pid)
             time.sleep(0.01)
-        code = svc.proc.wait(GUARD_S)
-        assert code == 1, svc.log_tail()
+        assert svc.exit_code(GUARD_S) == 1, svc.log_tail()
         assert len(killed) == 4  # the ready worker, then three replacements while they started
         assert "died while starting 3 times in a row" in svc.log()
     finally:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 
@@ -20,7 +19,7 @@ import psutil
 import pytest
 
 from tests.service_harness import SAMPLES_PER_PATCH, wav_bytes
-from tests.supervised import GUARD_S, REQUEST_TIMEOUT, STOP_GUARD_S, Service, metric
+from tests.supervised import GUARD_S, REQUEST_TIMEOUT, Service, metric
 
 API_PROCESSES = 2
 PCM_PATCH_BYTES = SAMPLES_PER_PATCH * 2  # s16le
@@ -252,12 +251,7 @@ def test_sigterm_stops_everything(service: Service):
         assert "shutting down" in r503.json()["detail"] and r503.headers.get("retry-after")
         received += sum(len(data) for data in chunks)
     assert received == patches * PCM_PATCH_BYTES  # the API process let its in-flight response finish
-    try:
-        code = service.proc.wait(STOP_GUARD_S)
-    except subprocess.TimeoutExpired:
-        service.kill_tree()
-        pytest.fail(f"voxcpm-serve did not exit within {STOP_GUARD_S} s of SIGTERM{service.log_tail()}")
-    assert code == 0, service.log_tail()
+    assert service.exit_code() == 0, service.log_tail()
     _, alive = psutil.wait_procs(children, timeout=GUARD_S)
     assert not alive, f"left running after the supervisor exited: {alive}{service.log_tail()}"
     assert "stopping: API processes first" in service.log()

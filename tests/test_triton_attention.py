@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine import options
 from engine.triton_attention import HAVE_TRITON
 from tests.conftest import relative_error
 
@@ -256,7 +257,7 @@ def _interpreter_main() -> None:
 
     assert ta._is_interpreted(), "the kernel was compiled, not interpreted"
     default_block_n = dict(ta._BLOCK_N)
-    default_split = ta.SPLIT_KEYS
+    default_split = options.current().attn_split_keys
     for name in INTERPRETER_CASES:
         dtype, (h, kv, d, bs), mode = _parse_case(name)
         ta._BLOCK_N = dict.fromkeys(default_block_n, 16) if name.endswith("tile16") else default_block_n
@@ -266,14 +267,13 @@ def _interpreter_main() -> None:
             ref = reference_attention(*case.args())
             result = {"case": name}
             # the keys split across programs (the default for so few rows; 16: many splits per row) and not split
-            for split_keys in (ta.SPLIT_KEYS, 16, 0):
-                ta.SPLIT_KEYS = split_keys
-                out = ta.paged_attention(*case.args())
+            for split_keys in (default_split, 16, 0):
+                with options.override(attn_split_keys=split_keys):
+                    out = ta.paged_attention(*case.args())
                 result[f"split{split_keys}"] = {
                     "err": relative_error(out, ref), "padding_zero": bool((out[case.context_lens == 0] == 0).all()),
                     "dtype_ok": out.dtype == dtype, "counters_zero": all(
                         bool((c == 0).all()) for c in ta._counters.values())}
-            ta.SPLIT_KEYS = default_split
         except Exception as e:  # report, and keep checking the other cases
             result = {"case": name, "error": f"{type(e).__name__}: {e}"}
         print(json.dumps(result), flush=True)
@@ -336,10 +336,13 @@ def test_split_applies_to_decode_sized_calls() -> None:
         pytest.skip("triton not importable")
     import engine.triton_attention as ta
 
-    assert ta.split_keys_for(num_tokens=1, num_kv_heads=2, table_keys=1024) == ta.SPLIT_KEYS > 0
-    assert ta.split_keys_for(num_tokens=32, num_kv_heads=2, table_keys=1024) == ta.SPLIT_KEYS
+    split = options.current().attn_split_keys
+    assert ta.split_keys_for(num_tokens=1, num_kv_heads=2, table_keys=1024) == split > 0
+    assert ta.split_keys_for(num_tokens=32, num_kv_heads=2, table_keys=1024) == split
     assert ta.split_keys_for(num_tokens=33, num_kv_heads=2, table_keys=1024) == 0  # enough programs already
-    assert ta.split_keys_for(num_tokens=1, num_kv_heads=2, table_keys=ta.SPLIT_KEYS) == 0  # one split: nothing to split
+    assert ta.split_keys_for(num_tokens=1, num_kv_heads=2, table_keys=split) == 0  # one split: nothing to split
+    with options.override(attn_split_keys=0):
+        assert ta.split_keys_for(num_tokens=1, num_kv_heads=2, table_keys=1024) == 0  # off
 
 
 def test_reference_matches_sdpa() -> None:

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine import options
 from engine.triton_attention import HAVE_TRITON
 from tests.conftest import relative_error
 
@@ -91,11 +92,10 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         """The one-row GEMV (engine/pdl.py) through the dispatch that serves it: `fused.linear` (a strided row, two
         rows), the SiLU-gated gate/up, and the o/down projections' `residual_linear`, whose K cut into slices comes
         back as fp32 partials that `add_rms_norm` sums. fp32 rows stay on F.linear (the GEMV holds 16-bit weights)."""
-        from engine import pdl
 
         errs = []
         with mock.patch.object(fused, "kernels", triton_kernels.usable), \
-                mock.patch.object(pdl, "GEMV_MAX_ROWS", 2), \
+                options.override(gemv_max_rows=2), \
                 mock.patch.object(triton_kernels, "gemv", wraps=triton_kernels.gemv) as spy:
             for rows, k_dim, n in ((1, 64, 48), (2, 128, 32)):
                 x = rand(rows, k_dim + 32, dtype=dtype, seed=140 + rows)[:, 16:16 + k_dim]  # rows of a wider tensor
@@ -273,7 +273,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                 buffers = rand(4, c_in, conv.context, dtype=dtype, seed=115 + seed)
                 buffers[slots] = states_ref[0]
                 untouched = buffers[1:3].clone()
-                with torch.no_grad(), mock.patch.object(fused, "VAE_UPSAMPLER", "gemm"), \
+                with torch.no_grad(), options.override(vae_upsampler="gemm"), \
                         mock.patch.object(triton_kernels, "overlap_add", wraps=triton_kernels.overlap_add) as spy:
                     for n in (1, 3, 7):
                         x = rand(2, c_in, n + 2, dtype=dtype, seed=120 + n)[..., 1:n + 1]  # a strided view
@@ -309,7 +309,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         errs = []
         with exact_fp32_on_cuda():
             for upsampler in ("cudnn", "gemm"):
-                with torch.no_grad(), mock.patch.object(fused, "VAE_UPSAMPLER", upsampler):
+                with torch.no_grad(), options.override(vae_upsampler=upsampler):
                     ref, ours = vae.streaming_decoder(2), vae.streaming_decoder(2)
                     # and as the runner keeps them: every slot's state in buffers, the two streams at slots 2 and 0
                     slots = torch.tensor([2, 0], device=device)
@@ -401,7 +401,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                 kernels = triton_kernels.usable if backend == "triton" else fused.kernels  # the torch one: eager ops
                 fused_write = triton_kernels.rotary_store_kv
                 with mock.patch.object(fused, "kernels", kernels), \
-                        mock.patch.object(triton_attention, "SPLIT_KEYS", split_keys), \
+                        options.override(attn_split_keys=split_keys), \
                         mock.patch.object(triton_kernels, "rotary_store_kv", wraps=fused_write) as spy:
                     out[backend, split_keys] = (cache.attend_fn(meta)(0, q, k, v, rope), cache.k.clone(),
                                                 cache.v.clone())
@@ -450,7 +450,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                 assert triton_layer.supported(stack, x)
                 stack_rope = rope if stack.uses_rope else None
                 for mode in modes:
-                    with mock.patch.object(triton_layer, "MODE", mode):
+                    with options.override(layer_kernel=mode):
                         errs.append(relative_error(triton_layer.dense_stack(stack, x, stack_rope), ref))
                     if mode == "fused":
                         counters = triton_layer._sync[triton_layer._device(x.device)]
@@ -536,7 +536,7 @@ def test_refused_cooperative_grid_is_halved_cuda() -> None:
     x = torch.randn(2, 11, 64, device="cuda")
     rope = rotary_table(cfg, 11, torch.device("cuda"))
     assert triton_layer.supported(stack, x)
-    with mock.patch.object(triton_layer, "MODE", "phases"):
+    with options.override(layer_kernel="phases"):
         ref = triton_layer.dense_stack(stack, x, rope)
     dev = triton_layer._device(x.device)
     real_launch = triton_layer._launch_fused
@@ -544,7 +544,7 @@ def test_refused_cooperative_grid_is_halved_cuda() -> None:
     def oversized(grid: int, args: tuple, kwargs: dict, device: torch.device) -> None:
         real_launch(grid * 64, args, kwargs, device)  # far more programs than the SMs hold at once
 
-    with mock.patch.object(triton_layer, "MODE", "fused"), mock.patch.object(triton_layer, "COOPERATIVE", True), \
+    with options.override(layer_kernel="fused"), options.override(layer_cooperative=True), \
             mock.patch.object(triton_layer, "_launch_fused", oversized), \
             mock.patch.dict(triton_layer._grid_cap, clear=True), \
             mock.patch.object(triton_layer, "_plain_launch", set()):
@@ -585,7 +585,7 @@ def test_split_k_residual_projections_match_one_gemm_cuda() -> None:
         return out
 
     with torch.inference_mode():
-        with mock.patch.object(fused, "SPLIT_K", False):
+        with options.override(split_k=False):
             ref = stack.forward_local(x, rope)
         with mock.patch.object(minicpm, "residual_linear", recording), \
                 mock.patch.object(triton_kernels, "add_rms_norm", wraps=triton_kernels.add_rms_norm) as kernel:
@@ -623,7 +623,7 @@ def test_pdl_chain_matches_plain_launches_cuda() -> None:
         return normed
 
     with mock.patch.object(triton_kernels, "GEMV_SLICE", 512):  # the down projection's K in 3 slices: partials
-        with mock.patch.object(pdl, "ENABLED", False):
+        with options.override(pdl=False):
             plain = chain()
         with mock.patch.object(pdl, "option", wraps=pdl.option) as spy:
             chained = chain()
@@ -634,7 +634,7 @@ def test_pdl_chain_matches_plain_launches_cuda() -> None:
             out = chain()
         for i in range(10):
             x_in.copy_(torch.randn(1, hidden, device="cuda").bfloat16())
-            with mock.patch.object(pdl, "ENABLED", False):
+            with options.override(pdl=False):
                 ref = chain()
             graph.replay()
             torch.cuda.synchronize()

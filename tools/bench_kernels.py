@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from engine import triton_kernels, triton_layer  # noqa: E402
+from engine import options, triton_kernels, triton_layer  # noqa: E402
 from engine.config import TransformerConfig, VoxCPMConfig  # noqa: E402
 from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table  # noqa: E402
 from tools.profile_step import graph_ms  # noqa: E402
@@ -91,7 +91,7 @@ def bench_gemm(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: 
         weights = weight_copies(weight)  # once per projection, for every call below
         for b in batches:
             m = b * per_request
-            if m > triton_kernels.SKINNY_ROWS:
+            if m > options.current().skinny_rows:
                 continue
             x = torch.randn(m, k_dim, device=dev, dtype=dtype)
 
@@ -156,13 +156,13 @@ def bench_splitk(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype
 
 
 def sweep_us(run: Callable[[], object], layers: int, setting: str, values: dict[str, object]) -> dict[str, float | str]:
-    """us per layer of a fused layer-kernel stack with `engine.triton_layer.<setting>` at each value (by label; a value
+    """us per layer of a fused layer-kernel stack with the engine option `setting` at each value (by label; a value
     that does not compile or launch, e.g. out of shared memory, is reported by its exception's name). A dict value
-    sets several settings at once (`setting` then only names the sweep)."""
+    sets several options at once (`setting` then only names the sweep)."""
     out: dict[str, float | str] = {}
     for label, value in values.items():
         settings = value if isinstance(value, dict) else {setting: value}
-        with mock.patch.multiple(triton_layer, **settings), torch.no_grad():
+        with options.override(**settings), torch.no_grad():
             try:
                 out[label] = round(replay_us(run) / layers, 2)
             except Exception as e:
@@ -192,30 +192,30 @@ def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype:
             row: dict = {"module": name, "batch": b, "rows": x.shape[0] * seq_len, "layers": len(stack.layers)}
             outputs = {}
             for mode in ("off", "phases", "fused"):
-                with mock.patch.object(triton_layer, "MODE", mode), torch.no_grad():
+                with options.override(layer_kernel=mode), torch.no_grad():
                     outputs[mode] = stack.forward_local(x, rope).float()
                     us = replay_us(partial(stack.forward_local, x, rope))
                     row[f"{mode}_us_per_layer"] = round(us / len(stack.layers), 2)
             for mode in ("phases", "fused"):
                 ref = outputs["off"]
                 row[f"{mode}_rel_err"] = float((outputs[mode] - ref).abs().max() / ref.abs().max())
-            with mock.patch.object(triton_layer, "MODE", "phases"), torch.no_grad():
+            with options.override(layer_kernel="phases"), torch.no_grad():
                 row["phase_us"] = [round(replay_us(partial(triton_layer.dense_stack, stack, x, rope, (phase,)))
                                          / len(stack.layers), 2) for phase in range(7)]
             run = partial(stack.forward_local, x, rope)
             if b == batches[0] and name == "DiT":  # (K tile, stages, warps, programs per SM) of the fused kernel
                 launches = [(bk, st, 4, 1) for bk in (64, 128, 256) for st in (3, 4, 5, 6, 8)] + [
                     (128, st, 4, 2) for st in (4, 5)]
-                row["fused_sweep_us_per_layer"] = sweep_us(run, len(stack.layers), "LAUNCH",
+                row["fused_sweep_us_per_layer"] = sweep_us(run, len(stack.layers), "layer_launch",
                                                            {str(v): v for v in launches})
             if b == batches[0]:  # output columns per unit, with (K tile, stages, warps, programs per SM)
-                row["block_n_sweep_us_per_layer"] = sweep_us(run, len(stack.layers), "BLOCK_N", {
-                    f"{bn} {launch}": {"BLOCK_N": bn, "LAUNCH": launch}
+                row["block_n_sweep_us_per_layer"] = sweep_us(run, len(stack.layers), "layer_block_n", {
+                    f"{bn} {launch}": {"layer_block_n": bn, "layer_launch": launch}
                     for bn in (16, 32, 64) for launch in ((128, 4, 4, 2), (128, 4, 4, 1), (128, 6, 4, 1),
                                                           (64, 6, 4, 1), (256, 3, 4, 1))})
             if b == batches[0]:  # MB per projection prefetched into L2
-                row["prefetch_sweep_us_per_layer"] = sweep_us(run, len(stack.layers), "PREFETCH_BYTES",
-                                                              {str(mb): mb * 2**20 for mb in (0, 2, 4, 8, 16, 32)})
+                row["prefetch_sweep_us_per_layer"] = sweep_us(run, len(stack.layers), "layer_prefetch_mb",
+                                                              {str(mb): float(mb) for mb in (0, 2, 4, 8, 16, 32)})
             out.append(row)
             print(f"{name} B={b} ({row['rows']} rows): us per layer: separate kernels {row['off_us_per_layer']}, "
                   f"phases {row['phases_us_per_layer']}, fused {row['fused_us_per_layer']}; rel err phases "

@@ -25,36 +25,33 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engine import fused, pdl, triton_layer  # noqa: E402
+from engine import fused, options  # noqa: E402
 from engine.config import TransformerConfig, VoxCPMConfig  # noqa: E402
 from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table  # noqa: E402
 from tools.profile_step import graph_ms  # noqa: E402
 
-# way -> module attributes patched for it: (module, name, value); None for GEMV_MAX_ROWS means "the rows measured"
-LM_WAYS: dict[str, list[tuple[object, str, object]]] = {
-    "cublas+skinny": [(pdl, "ENABLED", True), (pdl, "GEMV_MAX_ROWS", 0)],
-    "gemv": [(pdl, "ENABLED", False), (pdl, "GEMV_MAX_ROWS", None)],
-    "gemv+pdl": [(pdl, "ENABLED", True), (pdl, "GEMV_MAX_ROWS", None)],
+# way -> the engine options set for it; None for gemv_max_rows means "the rows measured"
+LM_WAYS: dict[str, dict[str, object]] = {
+    "cublas+skinny": {"pdl": True, "gemv_max_rows": 0},
+    "gemv": {"pdl": False, "gemv_max_rows": None},
+    "gemv+pdl": {"pdl": True, "gemv_max_rows": None},
 }
-STACK_WAYS: dict[str, list[tuple[object, str, object]]] = {
-    "layer kernel": [],
-    "separate kernels": [(triton_layer, "MODE", "off")],
+STACK_WAYS: dict[str, dict[str, object]] = {
+    "layer kernel": {},
+    "separate kernels": {"layer_kernel": "off"},
 }
 # a chained way and the same kernels launched plainly: their outputs must be equal
 PLAIN_OF = {"gemv+pdl": "gemv"}
 
 
 @contextlib.contextmanager
-def patched(way: list[tuple[object, str, object]], rows: int) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        for module, name, value in way:
-            stack.enter_context(mock.patch.object(module, name, rows if value is None else value))
+def patched(way: dict[str, object], rows: int) -> Iterator[None]:
+    with options.override(**{name: rows if value is None else value for name, value in way.items()}):
         yield
 
 
@@ -122,7 +119,8 @@ def local_stack(cfg: TransformerConfig, seqs_list: list[int], seq_len: int, labe
         def run(x0: torch.Tensor = x0) -> torch.Tensor:
             return stack.forward_local(x0, rope)
 
-        ways = {w: p for w, p in STACK_WAYS.items() if seqs * seq_len <= triton_layer.MAX_ROWS or w != "layer kernel"}
+        fits = seqs * seq_len <= options.current().layer_max_rows
+        ways = {w: p for w, p in STACK_WAYS.items() if fits or w != "layer kernel"}
         measure(f"{label} {seqs}x{seq_len}", ways, seqs * seq_len, cfg.num_hidden_layers, run, results)
 
 

@@ -11,9 +11,9 @@ from the kernels: rel err = max |a - b| / max |b| over the whole waveforms.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
-import os
 import sys
 import tempfile
 import time
@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from engine import EngineConfig, LLMEngine, LoadedModel, SamplingParams, load_model  # noqa: E402
+from engine.options import EngineOptions  # noqa: E402
 from engine.random_checkpoint import make_random_checkpoint  # noqa: E402
 
 TEXT = "Streaming speech synthesis has to start talking almost at once and keep ahead of the listener."
@@ -66,25 +67,18 @@ def variants(model: LoadedModel, device: str, reqs: list[dict], max_model_len: i
         # behind, 1 and 2 inside: finishing requests move the batch across (VAE states handed over in order)
         runs.append(("graph triton, pipelined, VAE behind the step", "triton", False, True, "1"))
         runs.append(("graph triton, pipelined, VAE behind from bucket 4", "triton", False, True, "4"))
-    saved = os.environ.get("VOXCPM_VAE_OVERLAP_MIN_BATCH")
-    try:
-        for run_args in runs:
-            out.update(_variant(model, device, reqs, max_model_len, *run_args))
-    finally:
-        if saved is None:
-            os.environ.pop("VOXCPM_VAE_OVERLAP_MIN_BATCH", None)
-        else:
-            os.environ["VOXCPM_VAE_OVERLAP_MIN_BATCH"] = saved
+    for run_args in runs:
+        out.update(_variant(model, device, reqs, max_model_len, *run_args))
     return out
 
 
 def _variant(model: LoadedModel, device: str, reqs: list[dict], max_model_len: int, name: str, backend: str,
              eager: bool, pipeline: bool, overlap_min_batch: str) -> dict[str, list[np.ndarray]]:
     out = {}
-    os.environ["VOXCPM_VAE_OVERLAP_MIN_BATCH"] = overlap_min_batch  # read when the runner is made
+    opts = dataclasses.replace(EngineOptions.from_env(), vae_overlap_min_batch=int(overlap_min_batch))
     eng = LLMEngine(model, EngineConfig(max_num_seqs=8, max_model_len=max_model_len, num_kv_blocks=512,
                                         enforce_eager=eager, attention_backend=backend,
-                                        pipeline_decode=pipeline), device=device)
+                                        pipeline_decode=pipeline, options=opts), device=device)
     out[name] = run(eng, reqs)
     if name == "graph triton":  # each request alone in the same graph engine: batching must not matter
         out["graph triton, alone"] = [run(eng, [r])[0] for r in reqs]

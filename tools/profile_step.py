@@ -8,8 +8,8 @@ and a new request's time to first audio (prefill + first step) in-process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -149,7 +149,7 @@ def main() -> None:
     res: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "command": " ".join(sys.argv),
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "startup_s": engine.startup_s,
                  "startup_phases": engine.startup_phases, "capture_times": engine.runner.capture_times,
-                 "env": {k: v for k, v in os.environ.items() if k.startswith("VOXCPM_")}, "batches": {}}
+                 "options": dataclasses.asdict(engine.config.options), "batches": {}}
     for b in batches:
         step_ms, first_ms = host_step_ms(engine, b)
         comp = components(engine, b)

@@ -47,18 +47,21 @@ class SoakResult:
         return self.outcomes.get("hung", 0)
 
 
-def clip(seconds: float = 1.0, sr: int = 16000) -> str:
-    """A voice-like test clip (a tone with a wobble and some noise), base64 WAV."""
+def wav_bytes(seconds: float, sr: int = 16000, seed: int = 0) -> bytes:
+    """A voice-like test clip (a tone and some noise, pitch by seed) as a 16-bit mono WAV file (the tests use it)."""
     t = np.arange(int(seconds * sr)) / sr
-    x = 0.3 * np.sin(2 * np.pi * 170 * t) * (1 + 0.3 * np.sin(2 * np.pi * 3 * t))
-    x += 0.02 * np.random.default_rng(0).standard_normal(t.size)
+    x = 0.3 * np.sin(2 * np.pi * (150 + 20 * seed) * t) + 0.02 * np.random.default_rng(seed).standard_normal(t.size)
     buf = io.BytesIO()
     with wave.open(buf, "wb") as w:
         w.setnchannels(1)
         w.setsampwidth(2)
         w.setframerate(sr)
         w.writeframes((x * 32767).astype(np.int16).tobytes())
-    return base64.b64encode(buf.getvalue()).decode()
+    return buf.getvalue()
+
+
+def clip(seconds: float = 1.0) -> str:
+    return base64.b64encode(wav_bytes(seconds, seed=5)).decode()
 
 
 async def register_voices(client: httpx.AsyncClient) -> dict[str, str]:

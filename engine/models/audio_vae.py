@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from engine import fused
 from engine.fused import snake
 from engine.models.minicpm import embedding
+from engine.options import current
 
 
 class SlotStates:
@@ -233,7 +234,7 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
     def forward(self, x: Tensor, states: StreamStates | None = None) -> Tensor:  # type: ignore[override]
         stride = self.stride[0]
         streaming = states is not None and self.state_slot is not None
-        if fused.kernels(x) and fused.VAE_DWCONV == "triton" and fused.VAE_UPSAMPLER == "gemm":
+        if fused.kernels(x) and current().vae_dwconv == "triton" and current().vae_upsampler == "gemm":
             state, slots = layer_context(states, self.state_slot)
             out = fused.causal_conv_transpose(x, state, self.tap_weight(), self.bias, stride, self.kernel_size[0],
                                               slots)
@@ -292,7 +293,7 @@ class ResidualUnit(nn.Module):
                         and conv.padding == (0,) and conv.left_pad == (conv.kernel_size[0] - 1) * conv.dilation[0])
 
     def forward(self, x: Tensor, states: StreamStates | None = None) -> Tensor:
-        if self.fusable and fused.kernels(x) and fused.VAE_DWCONV == "triton":
+        if self.fusable and fused.kernels(x) and current().vae_dwconv == "triton":
             y = self.forward_deferred(x, states)
             if y is not None:
                 out, bias = y
@@ -514,7 +515,7 @@ class Decoder(nn.Module):
             raise ValueError("sample-rate conditioned decoder needs sr_idx")
         conds = list(self.sr_cond_model) if self.sr_cond_model is not None else [None] * len(self.model)
         if (self.deferrable and not isinstance(sr_idx, Tensor) and fused.kernels(x)
-                and fused.VAE_DWCONV == "triton"):
+                and current().vae_dwconv == "triton"):
             return self._forward_deferred(x, sr_idx, states, conds)
         for layer, cond in zip(self.model, conds, strict=True):
             if cond is not None:

@@ -13,7 +13,6 @@ import concurrent.futures
 import contextlib
 import hashlib
 import logging
-import os
 import subprocess
 import threading
 from collections.abc import Coroutine
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from engine.errors import PoolError, PoolStoppedError, PromptNotFoundError, RequestError
+from engine.options import cuda_visible_devices
 from engine.serving import protocol as p
 from engine.serving.client import EngineClient, GenerationStream, Transform
 from engine.serving.processes import WorkerProcess, WorkerSet
@@ -412,7 +412,7 @@ def visible_gpu_count() -> int:
 
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     n = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = cuda_visible_devices()
     if visible is not None:
         n = min(n, len([d for d in visible.split(",") if d.strip() and not d.strip().startswith("-")]))
     return n

@@ -25,6 +25,7 @@ from engine.serving import protocol as p
 
 if TYPE_CHECKING:
     from engine.engine_config import EngineConfig
+    from engine.options import EngineOptions
 
 log = logging.getLogger(__name__)
 
@@ -148,9 +149,9 @@ def socket_address(directory: str, index: int) -> str:
     return os.path.join(directory, f"worker-{index}.sock")
 
 
-def worker_log_level() -> int:
-    """VOXCPM_LOG_LEVEL (e.g. DEBUG) for the workers, else the parent's root level."""
-    name = os.environ.get("VOXCPM_LOG_LEVEL", "").upper()
+def worker_log_level(options: EngineOptions) -> int:
+    """The options' log level (VOXCPM_LOG_LEVEL, e.g. DEBUG) for the workers, else the parent's root level."""
+    name = options.log_level
     level = logging.getLevelName(name) if name else logging.getLogger().level
     return level if isinstance(level, int) else logging.INFO
 
@@ -186,7 +187,8 @@ class WorkerSet:
     def _spawn(self, index: int) -> WorkerProcess:
         options = WorkerOptions(model_path=self.model_path, device=self.devices[index], engine=self.config,
                                 address=socket_address(self.directory, index), authkey=self.authkey,
-                                warmup=self.warmup, log_level=worker_log_level(), name=f"voxcpm-worker{index}",
+                                warmup=self.warmup, log_level=worker_log_level(self.config.options),
+                                name=f"voxcpm-worker{index}",
                                 spawned_at=time.time(), cpus=self.cpus[index] if self.cpus else None)
         return WorkerProcess(index, options, self._on_exit)
 

@@ -1,0 +1,170 @@
+"""Every engine switch in one frozen, typed, documented object, each registered once with its `VOXCPM_*` variable
+(the way vLLM's `envs.py` does it). The variables are read here and nowhere else: `EngineOptions.from_env()` when an
+`EngineConfig` is made; the config carries the options to the worker processes, and each worker (or an in-process
+`LLMEngine`) installs them as the process's options. Kernel modules read `current()` when they launch; tests build
+options (`override(...)`) instead of patching module globals.
+
+Defaults are the fastest measured configuration; most switches exist to measure the other side (numbers in
+docs/benchmarks.md, keyed by the variable). What an operator may need is in the README's table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _flag(value: str) -> bool:
+    return value.strip() != "0"
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(value: str) -> str:
+        if value not in allowed:
+            raise ValueError(f"use one of {', '.join(allowed)}")
+        return value
+
+    return parse
+
+
+def _launch(value: str) -> tuple[int, int, int, int]:
+    parts = tuple(int(v) for v in value.split(","))
+    if len(parts) != 4 or min(parts) < 1:
+        raise ValueError("four positive integers: K tile, pipeline stages, warps, programs per SM")
+    return parts  # type: ignore[return-value]
+
+
+def _rows(value: str) -> int:
+    rows = int(value)
+    if rows < 0:
+        raise ValueError("use 0 (off) or a positive number of rows")
+    return rows
+
+
+def _split_keys(value: str) -> int:
+    keys = int(value)
+    if keys and (keys < 16 or keys & (keys - 1)):
+        raise ValueError("use 0 (never split) or a power of two >= 16")
+    return keys
+
+
+def _option(env: str, default: Any, parse: Callable[[str], Any], doc: str) -> Any:
+    return field(default=default, metadata={"env": env, "parse": parse, "doc": doc})
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    # --- kernels ----------------------------------------------------------------------------------------------
+    fuse: bool = _option("VOXCPM_FUSE", True, _flag, "Triton kernels (element-wise, local attention, VAE "
+                         "residual unit, CFG step); off: eager torch ops on CUDA too.")
+    split_k: bool = _option("VOXCPM_SPLIT_K", True, _flag, "The o and down projections as split-K GEMMs where one "
+                            "GEMM leaves most SMs idle, the partials summed by the add + RMSNorm after them.")
+    skinny_rows: int = _option("VOXCPM_SKINNY_ROWS", 64, lambda v: min(64, _rows(v)), "Rows up to which the gate/up "
+                               "projection runs as the Triton GEMM with the SiLU gate fused (0: cuBLAS + SiLU).")
+    gemv_max_rows: int = _option("VOXCPM_GEMV_MAX_ROWS", 1, _rows, "Activation rows up to which a bias-free "
+                                 "projection runs on the weight-streaming GEMV kernel (0: cuBLAS / skinny).")
+    pdl: bool = _option("VOXCPM_PDL", True, _flag, "Programmatic dependent launch for the one-row LM chain.")
+    dense_heads: int = _option("VOXCPM_DENSE_HEADS", 0, int, "Query heads per program in the local attention "
+                               "kernel; 0: by batch size.")
+    attn_split_keys: int = _option("VOXCPM_ATTN_SPLIT_KEYS", 128, _split_keys, "Keys per program when the paged "
+                                   "attention splits a token's context across programs; 0: never split.")
+    fast_sin: bool = _option("VOXCPM_FAST_SIN", True, _flag, "The hardware sin approximation in the Snake kernels.")
+    # --- the local modules' layer kernel -------------------------------------------------------------------------
+    layer_kernel: str = _option("VOXCPM_LAYER_KERNEL", "fused", _choice("fused", "phases", "off"),
+                                "The DiT / LocEnc stacks as one persistent kernel launch (fused), one launch per "
+                                "phase (phases), or the layers' separate kernels (off).")
+    layer_max_rows: int = _option("VOXCPM_LAYER_MAX_ROWS", 64, lambda v: min(64, int(v)), "Rows (sequences x "
+                                  "tokens, at most 64) up to which the layer kernel runs.")
+    layer_block_n: int = _option("VOXCPM_LAYER_BLOCK_N", 32, int, "The layer kernel's output columns per unit.")
+    layer_launch: tuple[int, int, int, int] = _option("VOXCPM_LAYER_LAUNCH", (128, 4, 4, 1), _launch,
+                                                      "The layer kernel's K tile, pipeline stages, warps and "
+                                                      "programs per SM at most.")
+    layer_prefetch_mb: float = _option("VOXCPM_LAYER_PREFETCH_MB", 4.0, float, "MB of each projection's first "
+                                       "weights the layer kernel prefetches into L2 from the phase before it.")
+    layer_cooperative: bool = _option("VOXCPM_LAYER_COOPERATIVE", True, _flag, "The fused layer kernel as a "
+                                      "cooperative launch (co-residency of its grid guaranteed by the driver).")
+    # --- the VAE ---------------------------------------------------------------------------------------------------
+    vae_dwconv: str = _option("VOXCPM_VAE_DWCONV", "triton", _choice("triton", "torch"), "The VAE decoder's "
+                              "residual units as Triton kernels, or layer by layer in torch.")
+    vae_upsampler: str = _option("VOXCPM_VAE_UPSAMPLER", "gemm", _choice("gemm", "cudnn"), "The VAE upsamplers as "
+                                 "GEMM + overlap-add, or cuDNN transposed convolutions.")
+    vae_stream: bool = _option("VOXCPM_VAE_STREAM", True, _flag, "The VAE decode on a second stream beside the LMs.")
+    vae_fork: str = _option("VOXCPM_VAE_FORK", "encoder", _choice("encoder", "dit"), "Where the step graph forks "
+                            "its second stream: after LocEnc (encoder) or right after the DiT (dit).")
+    vae_overlap: bool = _option("VOXCPM_VAE_OVERLAP", True, _flag, "The VAE as its own graph replayed behind the "
+                                "step (from vae_overlap_min_batch on), instead of joined inside the step graph.")
+    vae_overlap_min_batch: int = _option("VOXCPM_VAE_OVERLAP_MIN_BATCH", 32, int, "Batch buckets from which the "
+                                         "VAE graph runs behind the step.")
+    # --- the runtime ---------------------------------------------------------------------------------------------
+    pipeline_decode: bool | None = _option("VOXCPM_PIPELINE_DECODE", None, _flag, "Launch the next decode step "
+                                           "before reading the previous one; unset: on CUDA yes, on the CPU no.")
+    cudnn_benchmark: bool = _option("VOXCPM_CUDNN_BENCHMARK", True, _flag, "cuDNN's algorithm search for the VAE "
+                                    "decode's convolutions (off: start-up faster, large batches slower).")
+    precompile: bool = _option("VOXCPM_PRECOMPILE", True, _flag, "Compile the kernel manifest's variants missing "
+                               "from the kernel cache ahead of time, in parallel, during start-up.")
+    kernel_manifest: str | None = _option("VOXCPM_KERNEL_MANIFEST", None, str, "A kernel manifest file used beside "
+                                          "the shipped ones (another GPU architecture or model shape).")
+    log_level: str | None = _option("VOXCPM_LOG_LEVEL", None, lambda v: v.strip().upper() or None, "The workers' "
+                                    "log level (DEBUG: each step's timeline); unset: the parent's.")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> EngineOptions:
+        """The options the VOXCPM_* variables set (defaults for the others); a bad value raises, naming it."""
+        environ = os.environ if environ is None else environ
+        values = {}
+        for f in dataclasses.fields(cls):
+            raw = environ.get(f.metadata["env"])
+            if raw is None or raw == "":
+                continue
+            try:
+                values[f.name] = f.metadata["parse"](raw)
+            except ValueError as e:
+                raise ValueError(f"{f.metadata['env']}={raw!r}: {e}") from e
+        return cls(**values)
+
+    @property
+    def layer_prefetch_bytes(self) -> int:
+        return int(self.layer_prefetch_mb * 2**20)
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(variable, default, meaning) of every option, for the documentation."""
+    return [(f.metadata["env"], str(f.default), f.metadata["doc"]) for f in dataclasses.fields(EngineOptions)]
+
+
+def cuda_visible_devices() -> str | None:
+    """CUDA_VISIBLE_DEVICES, which limits the GPUs a pool may count without initialising CUDA."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+_current: EngineOptions | None = None
+
+
+def current() -> EngineOptions:
+    """This process's options: those installed, else the environment's (a script using the kernels directly)."""
+    global _current
+    if _current is None:
+        _current = EngineOptions.from_env()
+    return _current
+
+
+def install(options: EngineOptions) -> None:
+    """Make `options` this process's (a worker, with the options its config carries)."""
+    global _current
+    _current = options
+
+
+@contextlib.contextmanager
+def override(**changes: Any) -> Iterator[EngineOptions]:
+    """This process's options with some changed, for the duration of the block (tests, benchmark sweeps)."""
+    global _current
+    before = current()
+    _current = dataclasses.replace(before, **changes)
+    try:
+        yield _current
+    finally:
+        _current = before

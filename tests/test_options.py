@@ -1,0 +1,73 @@
+"""The engine's switches: one typed options object, read from the VOXCPM_* variables in one place, carried by the
+engine config into the engine (and the workers), documented in the README."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from engine import options
+from engine.engine_config import EngineConfig
+from engine.options import EngineOptions
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_variables_parse_into_typed_fields():
+    o = EngineOptions.from_env({"VOXCPM_FUSE": "0", "VOXCPM_LAYER_KERNEL": "phases", "VOXCPM_LAYER_LAUNCH": "64,3,4,2",
+                                "VOXCPM_LAYER_PREFETCH_MB": "2.5", "VOXCPM_SKINNY_ROWS": "128",
+                                "VOXCPM_PIPELINE_DECODE": "1", "VOXCPM_LOG_LEVEL": "debug", "VOXCPM_UNRELATED": "x"})
+    assert (o.fuse, o.layer_kernel, o.layer_launch, o.layer_prefetch_bytes) == (False, "phases", (64, 3, 4, 2),
+                                                                              int(2.5 * 2**20))
+    assert o.skinny_rows == 64  # capped: larger tiles do not fit in shared memory
+    assert o.pipeline_decode is True and o.log_level == "DEBUG"
+    assert EngineOptions.from_env({}) == EngineOptions()  # unset: the defaults
+
+
+@pytest.mark.parametrize("variable,value,rule", [
+    ("VOXCPM_LAYER_KERNEL", "fast", "use one of fused, phases, off"),
+    ("VOXCPM_ATTN_SPLIT_KEYS", "100", "power of two"),
+    ("VOXCPM_GEMV_MAX_ROWS", "-1", "0 (off) or a positive number"),
+    ("VOXCPM_LAYER_LAUNCH", "128,4", "four positive integers"),
+    ("VOXCPM_VAE_OVERLAP_MIN_BATCH", "many", "invalid literal"),
+])
+def test_a_bad_value_names_its_variable(variable, value, rule):
+    with pytest.raises(ValueError, match=rf"^{variable}='{value}': .*{re.escape(rule)}"):
+        EngineOptions.from_env({variable: value})
+
+
+def test_the_config_carries_them_and_the_engine_installs_them(checkpoint_factory, monkeypatch):
+    from engine.checkpoint import load_model
+    from engine.llm_engine import LLMEngine
+
+    monkeypatch.setenv("VOXCPM_PIPELINE_DECODE", "1")
+    carried = EngineConfig(max_num_seqs=2, max_model_len=128)  # the variables are read here, once
+    monkeypatch.delenv("VOXCPM_PIPELINE_DECODE")
+    assert carried.options.pipeline_decode is True
+    model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
+    engine = LLMEngine(model, carried)
+    assert engine.pipeline and options.current() is carried.options
+    plain = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=128, options=EngineOptions(fuse=False)))
+    assert not plain.pipeline and options.current().fuse is False
+
+
+def test_override_is_scoped():
+    before = options.current()
+    with options.override(layer_kernel="off", split_k=False) as inside:
+        assert options.current() is inside and (inside.layer_kernel, inside.split_k) == ("off", False)
+    assert options.current() is before
+
+
+def test_only_the_options_module_reads_the_environment():
+    readers = [str(p.relative_to(ROOT)) for p in (ROOT / "engine").rglob("*.py")
+               if p.name != "options.py" and re.search(r"os\.environ|getenv\(", p.read_text())]
+    assert readers == []
+
+
+def test_every_variable_is_documented_in_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    missing = [f.metadata["env"] for f in dataclasses.fields(EngineOptions) if f"`{f.metadata['env']}`" not in readme]
+    assert missing == []
