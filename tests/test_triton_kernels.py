@@ -469,13 +469,15 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             "dense_layer_stack": dense_layer_stack}
 
 
-def _interpreter_main() -> None:
-    """Entry point of the subprocess (TRITON_INTERPRET=1): one JSON line per case and dtype."""
+def _interpreter_main(shard: int = 0, shards: int = 1) -> None:
+    """Entry point of a subprocess (TRITON_INTERPRET=1): one JSON line per case and dtype, of this shard's cases."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
     from tests.test_triton_attention import _patch_interpreter
 
     _patch_interpreter()  # the paged attention kernel (in the dispatch case) needs it under triton 3.6
-    for name, case in _cases("cpu").items():
+    for i, (name, case) in enumerate(_cases("cpu").items()):
+        if i % shards != shard:
+            continue
         for dtype_name in INTERPRETED:
             dtype = DTYPES[dtype_name]
             print(json.dumps({"case": f"{name}-{dtype_name}", "err": case(dtype)}), flush=True)
@@ -486,11 +488,15 @@ def interpreter_results() -> dict[str, float]:
     if not HAVE_TRITON:
         pytest.skip("triton is not importable")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = "from tests.test_triton_kernels import _interpreter_main; _interpreter_main()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    shards = max(1, min(4, len(os.sched_getaffinity(0))))  # the interpreter is slow: one process per core
+    procs = [subprocess.Popen([sys.executable, "-c", "from tests.test_triton_kernels import _interpreter_main; "
+                               f"_interpreter_main({i}, {shards})"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(shards)]
+    rows = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err[-4000:]
+        rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return {r["case"]: r["err"] for r in rows}
 
 
