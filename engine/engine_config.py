@@ -34,6 +34,9 @@ class EngineConfig:
     coalesce_ms: float = 0.0
     # A request still waiting for a seat this long after it arrived is failed (OverloadedError); None = no limit.
     queue_timeout_s: float | None = None
+    # A LoRA adapter (official format: its directory or weights file) merged into the weights at load (a model
+    # passed to LLMEngine already loaded is changed in place).
+    lora_path: str | None = None
     # The engine switches, read from the VOXCPM_* variables when the config is made (here, not in the workers).
     options: EngineOptions = field(default_factory=EngineOptions.from_env)
 

@@ -16,6 +16,7 @@ from engine import kernel_cache, options
 from engine.block_manager import BlockManager
 from engine.checkpoint import LoadedModel, load_model
 from engine.engine_config import EngineConfig
+from engine.lora import merge_adapter, read_adapter
 from engine.model_runner import LaunchedDecode, ModelRunner
 from engine.prompt import build_prompt, max_patches
 from engine.scheduler import Scheduler
@@ -42,6 +43,8 @@ class LLMEngine:
         except BaseException:
             precompiler.close()  # its children and its lock must not outlive a failed start-up
             raise
+        if cfg.lora_path:
+            merge_adapter(self.model.backbone, read_adapter(cfg.lora_path), self.model.config.architecture)
         load_s = time.perf_counter() - t0
         kernel_stats = precompiler.wait()
         wait_s = time.perf_counter() - t0 - load_s  # for kernels still compiling when the model is in
