@@ -43,8 +43,10 @@ class LLMEngine:
         except BaseException:
             precompiler.close()  # its children and its lock must not outlive a failed start-up
             raise
+        self.lora_layers = 0  # layers a merged LoRA adapter changed
         if cfg.lora_path:
-            merge_adapter(self.model.backbone, read_adapter(cfg.lora_path), self.model.config.architecture)
+            self.lora_layers = merge_adapter(self.model.backbone, read_adapter(cfg.lora_path),
+                                             self.model.config.architecture)
         load_s = time.perf_counter() - t0
         kernel_stats = precompiler.wait()
         wait_s = time.perf_counter() - t0 - load_s  # for kernels still compiling when the model is in

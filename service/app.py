@@ -29,7 +29,14 @@ from engine import AsyncVoxCPMServerPool, VoxCPM
 from engine.serving.routing import LoadTable
 from service import errors, lifecycle
 from service.deps import require_api_key
-from service.engine_setup import DRAIN_SIGNAL, WorkerEndpoint, engine_arguments, model_checkpoint, voice_db_path
+from service.engine_setup import (
+    DRAIN_SIGNAL,
+    WorkerEndpoint,
+    adapter_path,
+    engine_arguments,
+    model_checkpoint,
+    voice_db_path,
+)
 from service.limits import BodyLimitMiddleware
 from service.metrics import Metrics, MetricsMiddleware
 from service.routers import generation, openai, ops, voices
@@ -49,8 +56,10 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
         with tempfile.TemporaryDirectory(prefix="voxcpm-serve-") as scratch:
             if endpoint is None:
                 model_path, demo = await asyncio.to_thread(model_checkpoint, settings)
+                lora_path = await asyncio.to_thread(adapter_path, settings)
                 pool = VoxCPM.from_pretrained(model_path, encoder_threads=settings.encoder_threads,
-                                              queue_bound=settings.queue_bound, **engine_arguments(settings, demo))
+                                              queue_bound=settings.queue_bound,
+                                              **engine_arguments(settings, demo, lora_path))
                 assert isinstance(pool, AsyncVoxCPMServerPool)
                 model_path = pool.model_path  # a hub id resolved to its local directory
                 voice_db = voice_db_path(settings, model_path, Path(scratch))

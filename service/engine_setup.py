@@ -53,7 +53,16 @@ def model_checkpoint(settings: Settings) -> tuple[str, bool]:
     return str(demo_checkpoint(settings.cache_path)), True
 
 
-def engine_arguments(settings: Settings, demo: bool) -> dict:
+def adapter_path(settings: Settings) -> str | None:
+    """The start-up LoRA adapter as a local path (downloaded and checked first), or None without one. Blocking."""
+    if not settings.lora_uri:
+        return None
+    from service.lora_source import fetch_adapter
+
+    return str(fetch_adapter(settings.lora_uri, settings.cache_path, settings.lora_sha256))
+
+
+def engine_arguments(settings: Settings, demo: bool, lora_path: str | None = None) -> dict:
     """`VoxCPM.from_pretrained` keywords from the settings (the supervisor builds its workers from the same)."""
     # Compiled Triton kernels persist in the cache dir: a restart on the same volume skips recompiling them. So does
     # the CUDA driver's JIT cache (a few PTX-only library kernels compiled at the first KV sizing: H100, KV sizing
@@ -70,4 +79,4 @@ def engine_arguments(settings: Settings, demo: bool) -> dict:
                 enforce_eager=settings.serverpool_enforce_eager,
                 inference_timesteps=settings.serverpool_inference_timesteps,
                 coalesce_ms=settings.queue_coalesce_ms, queue_timeout_s=settings.queue_timeout_s,
-                warmup=settings.warmup)
+                warmup=settings.warmup, lora_path=lora_path)

@@ -51,9 +51,15 @@ class Settings(BaseSettings):
     voice_store: Literal["disk", "memory"] = Field("disk", description="Where cached voices live.")
     voice_cache_max_entries: int = Field(1024, ge=1, description="Most cached voices (all kinds together).")
     voice_cache_max_bytes: int = Field(256 * 2**20, ge=1024, description="Most latent bytes cached.")
-    lora_uri: str | None = Field(None, description="LoRA adapter (seed fork); not supported by the engine yet.")
-    lora_id: str | None = Field(None, description="Name of the LoRA adapter (seed fork).")
-    lora_sha256: str | None = Field(None, description="SHA-256 of the LoRA adapter (seed fork).")
+    lora_uri: str | None = Field(None, description="A LoRA adapter (official format) served by every request: a path "
+                                                   "or file:// (its directory or weights file), or an https:// URL of "
+                                                   "its weights file (lora_config.json fetched beside it; cached "
+                                                   "under the cache dir).")
+    lora_id: str | None = Field(None, description="The adapter's name (in /info).")
+    lora_sha256: str | None = Field(None, description="SHA-256 of the adapter's weights file: start-up fails, naming "
+                                                      "both digests, when it differs.")
+    lora_merge: bool = Field(False, description="Merge the adapter into the weights at load (no per-step cost); "
+                                                "required with NANOVLLM_LORA_URI for now.")
     max_request_bytes: int = Field(16 * 2**20, ge=1024, description="Largest request body accepted: 413 beyond it, "
                                                                     "found while reading, before all of it is in.")
     max_audio_seconds: float = Field(60.0, gt=0, le=3600, description="Longest uploaded clip (prompt or reference "
@@ -99,11 +105,23 @@ class Settings(BaseSettings):
                              "(a preempted stream is recomputed in one prefill)")
         return self
 
+    @field_validator("lora_sha256")
+    @classmethod
+    def _sha256(cls, v: str | None) -> str | None:
+        if v is not None and (len(v) != 64 or any(c not in "0123456789abcdefABCDEF" for c in v)):
+            raise ValueError("must be 64 hexadecimal digits")
+        return v
+
     @model_validator(mode="after")
     def _lora(self) -> Settings:
-        if self.lora_uri:
+        if self.lora_uri and not self.lora_merge:
             # Fail loudly rather than silently serving the base model to someone who asked for an adapter.
-            raise ValueError("NANOVLLM_LORA_URI is set but LoRA adapters are not supported by this engine yet")
+            raise ValueError("NANOVLLM_LORA_URI: adapters applied per step are not supported yet; set "
+                             "NANOVLLM_LORA_MERGE=true to merge it into the weights at load")
+        if self.lora_uri:
+            scheme = self.lora_uri.split("://", 1)[0] if "://" in self.lora_uri else "file"
+            if scheme not in ("file", "https", "http"):
+                raise ValueError(f"NANOVLLM_LORA_URI: {scheme}:// is not supported (use file://, a path or https://)")
         return self
 
     def api_process_count(self, cores: int | None = None) -> int:

@@ -28,7 +28,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.serving.routing import LoadTable
-from service.engine_setup import DRAIN_SIGNAL, WorkerEndpoint, engine_arguments, model_checkpoint, voice_db_path
+from service.engine_setup import (
+    DRAIN_SIGNAL,
+    WorkerEndpoint,
+    adapter_path,
+    engine_arguments,
+    model_checkpoint,
+    voice_db_path,
+)
 from service.settings import Settings
 
 if TYPE_CHECKING:
@@ -114,7 +121,12 @@ class Supervisor:
             except ValueError as e:  # CheckpointError: not a checkpoint, not downloadable
                 log.error("cannot serve %s: %s", s.model_path, e)
                 return 1
-            arguments = engine_arguments(s, demo)
+            try:
+                lora_path = await asyncio.to_thread(adapter_path, s)
+            except ValueError as e:  # not fetchable, or not the adapter the digest names
+                log.error("cannot load the LoRA adapter: %s", e)
+                return 1
+            arguments = engine_arguments(s, demo, lora_path)
             devices, warmup = device_names(arguments.pop("devices")), arguments.pop("warmup")
             split = reserve_cpus(len(devices), s.worker_cpus)
             log.info("spawning the workers %.1f s after start (%s)", time.monotonic() - self.t0,

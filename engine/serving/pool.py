@@ -428,20 +428,21 @@ class VoxCPM:
                         dtype: str | torch.dtype | None = None, pipeline_decode: bool | None = None,
                         coalesce_ms: float = 0.0, warmup: bool = False, encoder_threads: int = 4,
                         queue_bound: int | None = None, queue_timeout_s: float | None = None,
-                        ) -> AsyncVoxCPMServerPool | SyncVoxCPMServerPool:
+                        lora_path: str | None = None) -> AsyncVoxCPMServerPool | SyncVoxCPMServerPool:
         """Start one worker per device (default: every visible GPU, else the CPU). `model` is a checkpoint
         directory or a hub repo id. Returns at once; `wait_for_ready()` waits for the model to load.
         pipeline_decode: see EngineConfig (default: on for CUDA devices); coalesce_ms: the engine's window gathering
         requests that arrive together; warmup: a few generations in each worker before it reports ready;
         encoder_threads: threads that run the generate calls' transforms; queue_bound: requests a worker may hold
         beyond max_num_seqs before generate raises OverloadedError (None: no bound); queue_timeout_s: the longest a
-        request waits for a seat before it fails with OverloadedError (None: no limit)."""
+        request waits for a seat before it fails with OverloadedError (None: no limit); lora_path: a LoRA adapter
+        (official format, its directory or weights file) merged into the weights at load."""
         config = engine_config(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                                gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                                attention_backend=attention_backend, inference_timesteps=inference_timesteps,
                                num_kv_blocks=num_kv_blocks, pipeline_decode=pipeline_decode, dtype=dtype,
-                               coalesce_ms=coalesce_ms, queue_timeout_s=queue_timeout_s)
+                               coalesce_ms=coalesce_ms, queue_timeout_s=queue_timeout_s, lora_path=lora_path)
         names = device_names(devices)
         model = checked_model_path(model)
         kwargs = {"warmup": warmup, "encoder_threads": encoder_threads, "queue_bound": queue_bound}

@@ -424,6 +424,7 @@ def describe(engine: LLMEngine) -> dict[str, Any]:
         "attention_backend": engine.runner.backend,
         "cuda_graphs": len(engine.runner.graphs),
         "pipelined_decode": engine.pipeline,
+        "lora_merged_layers": engine.lora_layers,
         "kv_blocks": len(engine.blocks.blocks),
         "block_size": cfg.block_size,
         "startup_s": engine.startup_s,

@@ -45,7 +45,9 @@ async def info(state: State) -> dict:
     model = {**state.info, "model_path": state.model_path, "model_id": state.model_id, "random_weights": state.demo}
     return {
         "model": model,
-        "lora": {"enabled": False, "uri": s.lora_uri, "id": s.lora_id},
+        "lora": {"enabled": bool(state.info.get("lora_merged_layers")), "uri": s.lora_uri, "id": s.lora_id,
+                 "sha256": s.lora_sha256, "merged": s.lora_merge,
+                 "merged_layers": state.info.get("lora_merged_layers", 0)},
         "mp3": {"bitrate_kbps": s.mp3_bitrate_kbps, "quality": s.mp3_quality},
         "queue_coalesce_ms": s.queue_coalesce_ms,
         "api_processes": s.api_process_count(),
