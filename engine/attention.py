@@ -93,10 +93,8 @@ class PagedKVCache:
             k_cache, v_cache = self.k[layer], self.v[layer]
             # A decode step (one new token per sequence) of few sequences: rotary and cache write inside the attention.
             if backend == "triton" and not meta.is_prefill:
-                from engine.triton_attention import decode_attention
-
-                out = decode_attention(q, k, v, rope, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
-                                       meta.row_index, meta.token_context_lens)
+                out = fused.decode_attention(q, k, v, rope, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
+                                             meta.row_index, meta.token_context_lens)
                 if out is not None:
                     return out.flatten(-2)
             # The Triton attention reads K/V from the cache only: there rotary and cache write are one kernel.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine import triton_kernels
+from engine import triton_attention, triton_kernels
 from engine.options import current
 
 
@@ -110,6 +110,21 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     if kernels(q) and triton_kernels.rotary_supported(q, k, cos, sin):
         return triton_kernels.rotary_qk(q, k, cos, sin)
     return _rotary(q, cos, sin), _rotary(k, cos, sin)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor | None,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     block_tables: torch.Tensor, row_index: torch.Tensor,
+                     context_lens: torch.Tensor) -> torch.Tensor | None:
+    """A decode step's attention with the new tokens' rotary embedding and K/V cache write inside the split kernel
+    (`engine.triton_attention.decode_attention`), where the layouts are those the separate rotary + K/V write kernel
+    takes; None otherwise (the caller then rotates and stores first)."""
+    if not triton_kernels.rotary_store_supported(q, k, v, k_cache, v_cache, slot_mapping):
+        return None
+    if rope is not None and not triton_kernels.rotary_supported(q, k, rope[..., 0, :], rope[..., 1, :]):
+        return None
+    return triton_attention.decode_attention(q, k, v, rope, k_cache, v_cache, slot_mapping, block_tables, row_index,
+                                             context_lens)
 
 
 def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor | None,

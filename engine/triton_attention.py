@@ -373,13 +373,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: to
     hk, block_size = k_cache.shape[-2], k_cache.shape[1]
     if not split_keys_for(t, hk, block_tables.shape[1] * block_size):
         return None
-    from engine import triton_kernels  # it imports this module: not at the top
-
-    # the layouts the separate rotary + K/V write kernel takes, and those of this kernel's q
-    if not (triton_kernels.rotary_store_supported(q, k, v, k_cache, v_cache, slot_mapping)
-            and q.dtype == k_cache.dtype and dim >= 16 and q.shape[1] % hk == 0):
-        return None
-    if rope is not None and not triton_kernels.rotary_supported(q, k, rope[..., 0, :], rope[..., 1, :]):
+    # this kernel's q layouts (the caller, `engine.fused.decode_attention`, checks the rotary and K/V write layouts)
+    if not (q.dtype == k_cache.dtype and dim >= 16 and q.shape[1] % hk == 0):
         return None
     return paged_attention(q, k_cache, v_cache, block_tables, row_index, context_lens, new_kv=(k, v, slot_mapping),
                            rope=rope)

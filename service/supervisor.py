@@ -66,7 +66,7 @@ def api_process_main(settings: Settings, endpoint: WorkerEndpoint, index: int) -
     """One API process (spawned): the app under uvicorn on its own SO_REUSEPORT socket."""
     import uvicorn
 
-    from engine.serving.processes import name_process
+    from engine.serving.protocol import name_process
     from service.app import create_app
 
     name_process(f"voxcpm-api{index}")
@@ -96,7 +96,8 @@ class Supervisor:
     async def run(self) -> int:
         """Serve until a signal asks to stop (0) or the service cannot run (1)."""
         from engine.serving.pool import checked_model_path, device_names, engine_config
-        from engine.serving.processes import WorkerSet, name_process, reserve_cpus
+        from engine.serving.processes import WorkerSet, reserve_cpus
+        from engine.serving.protocol import name_process
 
         name_process("voxcpm-serve")
         s = self.settings

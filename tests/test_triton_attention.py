@@ -254,6 +254,7 @@ def _interpreter_main() -> None:
     torch.set_num_threads(1)
     _patch_interpreter()
     import engine.triton_attention as ta
+    from engine import fused
 
     assert ta._is_interpreted(), "the kernel was compiled, not interpreted"
     default_block_n = dict(ta._BLOCK_N)
@@ -279,7 +280,7 @@ def _interpreter_main() -> None:
         print(json.dumps(result), flush=True)
     for name in FUSED_CASES:
         try:
-            result = fused_decode_check(name, ta.decode_attention, zlib.crc32(name.encode()))
+            result = fused_decode_check(name, fused.decode_attention, zlib.crc32(name.encode()))
         except Exception as e:
             result = {"case": name, "error": f"{type(e).__name__}: {e}"}
         print(json.dumps(result), flush=True)
@@ -427,8 +428,9 @@ def test_cuda_matches_reference(dtype: torch.dtype, mode: str) -> None:
 @pytest.mark.parametrize("name", FUSED_CASES)
 def test_cuda_decode_attention(name: str) -> None:
     import engine.triton_attention as ta
+    from engine import fused
 
-    result = fused_decode_check(name, ta.decode_attention, zlib.crc32(name.encode()), device="cuda")
+    result = fused_decode_check(name, fused.decode_attention, zlib.crc32(name.encode()), device="cuda")
     assert "error" not in result, result
     _assert_fused(result, DTYPE_NAMES[name.split("-")[0]], name)
     assert all(bool((c == 0).all()) for c in ta._counters.values())

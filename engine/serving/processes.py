@@ -17,7 +17,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import PoolError, WorkerDiedError
@@ -30,30 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class WorkerOptions:
-    """Everything a worker process is started with."""
-
-    model_path: str
-    device: str
-    engine: EngineConfig
-    address: str  # the Unix socket clients connect to
-    authkey: bytes
-    warmup: bool = True
-    log_level: int = logging.INFO
-    torch_threads: int | None = None  # CPU threads for torch ops; default: 1 on a GPU, torch's choice on the CPU
-    name: str = "voxcpm-worker"  # the process name `ps` and `top` show
-    spawned_at: float = 0.0  # time.time() when the owner spawned it (start-up phases are reported from it)
-    cpus: list[int] | None = None  # CPU cores it runs on (its own), None = wherever the OS puts it
-
-
-def name_process(name: str) -> None:
-    """Set the name `ps`, `top` and psutil show for this process (Linux; at most 15 characters)."""
-    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as f:
-        f.write(name[:15])
-
-
-def _run_worker(control: Any, options: WorkerOptions) -> None:
+def _run_worker(control: Any, options: p.WorkerOptions) -> None:
     """The spawned process's entry point (it imports the engine, and torch, only there)."""
     from engine.serving.worker import worker_main
 
@@ -63,7 +39,7 @@ def _run_worker(control: Any, options: WorkerOptions) -> None:
 class WorkerProcess:
     """One spawned worker: its process, its control pipe, how its start-up ended."""
 
-    def __init__(self, index: int, options: WorkerOptions,
+    def __init__(self, index: int, options: p.WorkerOptions,
                  on_exit: Callable[[WorkerProcess], None] | None = None) -> None:
         self.index, self.options = index, options
         self.address: str = options.address
@@ -185,7 +161,7 @@ class WorkerSet:
             kernel_cache.Precompiler(self.model_path, self.config.dtype, None, background=True)
 
     def _spawn(self, index: int) -> WorkerProcess:
-        options = WorkerOptions(model_path=self.model_path, device=self.devices[index], engine=self.config,
+        options = p.WorkerOptions(model_path=self.model_path, device=self.devices[index], engine=self.config,
                                 address=socket_address(self.directory, index), authkey=self.authkey,
                                 warmup=self.warmup, log_level=worker_log_level(self.config.options),
                                 name=f"voxcpm-worker{index}",

@@ -1,5 +1,6 @@
-"""The typed messages between a pool's clients and an engine worker process, and the one definition of a
-request's sampling parameters and their bounds (the HTTP schemas derive theirs from `SAMPLING_LIMITS`).
+"""The typed messages between a pool's clients and an engine worker process (and what a worker is started with),
+and the one definition of a request's sampling parameters and their bounds (the HTTP schemas derive theirs from
+`SAMPLING_LIMITS`).
 
 Torch-free on purpose: the service's API processes import it (and the client) without loading torch.
 Every message is a dataclass pickled over a `multiprocessing.connection` socket; arrays travel as numpy.
@@ -7,10 +8,15 @@ Every message is a dataclass pickled over a `multiprocessing.connection` socket;
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from engine.engine_config import EngineConfig
 
 FinishReason = Literal["stop", "length", "aborted", "error"]
 
@@ -186,3 +192,26 @@ class Fatal:
 @dataclass
 class Stop:
     pass
+
+
+@dataclass
+class WorkerOptions:
+    """Everything a worker process is started with."""
+
+    model_path: str
+    device: str
+    engine: EngineConfig
+    address: str  # the Unix socket clients connect to
+    authkey: bytes
+    warmup: bool = True
+    log_level: int = logging.INFO
+    torch_threads: int | None = None  # CPU threads for torch ops; default: 1 on a GPU, torch's choice on the CPU
+    name: str = "voxcpm-worker"  # the process name `ps` and `top` show
+    spawned_at: float = 0.0  # time.time() when the owner spawned it (start-up phases are reported from it)
+    cpus: list[int] | None = None  # CPU cores it runs on (its own), None = wherever the OS puts it
+
+
+def name_process(name: str) -> None:
+    """Set the name `ps`, `top` and psutil show for this process (Linux; at most 15 characters)."""
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as f:
+        f.write(name[:15])

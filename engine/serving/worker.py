@@ -32,7 +32,7 @@ from engine.errors import PromptNotFoundError, RequestError
 from engine.llm_engine import LLMEngine, StepEvent
 from engine.prompt import PromptError
 from engine.serving import protocol as p
-from engine.serving.processes import WorkerOptions, name_process
+from engine.serving.protocol import WorkerOptions, name_process
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,52 @@
+"""The engine's layout rules, checked on the source: no import cycles between engine modules, and one module that
+reads the environment."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE = ROOT / "engine"
+
+
+def engine_imports() -> dict[str, set[str]]:
+    """Each engine module and the engine modules it imports (anywhere in it, deferred imports included)."""
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in ENGINE.rglob("*.py")}
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            edges[name] |= {t for t in targets if t in modules and t not in (name, "engine")}
+    return edges
+
+
+def test_no_engine_module_imports_one_that_imports_it_back():
+    edges = engine_imports()
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            m = todo.pop()
+            if m == goal:
+                return True
+            if m not in seen:
+                seen.add(m)
+                todo += edges[m]
+        return False
+
+    cycles = sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets if reaches(b, a))
+    assert cycles == []
+
+
+def test_only_the_options_module_reads_the_environment():
+    readers = [str(p.relative_to(ROOT)) for p in ENGINE.rglob("*.py")
+               if p.name != "options.py" and re.search(r"os\.environ|getenv\(", p.read_text())]
+    assert readers == []
