@@ -3,7 +3,10 @@ package as the parity oracle, and a report of measured parity errors printed aft
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,3 +70,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.gpu)
+
+
+def interpreter_rows(module: str, timeout_s: float = 900) -> list[dict]:
+    """Run `module._interpreter_main(shard, shards)` under TRITON_INTERPRET=1 in one subprocess per core (the
+    interpreter is slow and single-threaded), and collect the JSON lines they print."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    shards = max(1, min(4, len(os.sched_getaffinity(0))))
+    root = Path(__file__).resolve().parent.parent
+    procs = [subprocess.Popen([sys.executable, "-c", f"from {module} import _interpreter_main; "
+                               f"_interpreter_main({i}, {shards})"], cwd=root, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(shards)]
+    rows = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout_s)
+        assert proc.returncode == 0, f"interpreter subprocess failed:\n{out[-2000:]}\n{err[-4000:]}"
+        rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return rows

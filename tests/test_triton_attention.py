@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import zlib
 from collections.abc import Callable
@@ -21,7 +20,7 @@ import torch
 
 from engine import options
 from engine.triton_attention import HAVE_TRITON
-from tests.conftest import relative_error
+from tests.conftest import interpreter_rows, relative_error
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # max relative error
@@ -248,8 +247,8 @@ def _patch_interpreter() -> None:
         builder.create_dot = patched_dot
 
 
-def _interpreter_main() -> None:
-    """Entry point of the subprocess (TRITON_INTERPRET=1): one JSON line per case."""
+def _interpreter_main(shard: int = 0, shards: int = 1) -> None:
+    """Entry point of a subprocess (TRITON_INTERPRET=1): one JSON line per case of this shard's."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     torch.set_num_threads(1)
     _patch_interpreter()
@@ -259,7 +258,8 @@ def _interpreter_main() -> None:
     assert ta._is_interpreted(), "the kernel was compiled, not interpreted"
     default_block_n = dict(ta._BLOCK_N)
     default_split = options.current().attn_split_keys
-    for name in INTERPRETER_CASES:
+    mine = {name for i, name in enumerate([*INTERPRETER_CASES, *FUSED_CASES]) if i % shards == shard}
+    for name in (n for n in INTERPRETER_CASES if n in mine):
         dtype, (h, kv, d, bs), mode = _parse_case(name)
         ta._BLOCK_N = dict.fromkeys(default_block_n, 16) if name.endswith("tile16") else default_block_n
         case = make_case(h, kv, d, bs, INTERPRETER_LENS[mode], mode, dtype, seed=zlib.crc32(name.encode()),
@@ -278,7 +278,7 @@ def _interpreter_main() -> None:
         except Exception as e:  # report, and keep checking the other cases
             result = {"case": name, "error": f"{type(e).__name__}: {e}"}
         print(json.dumps(result), flush=True)
-    for name in FUSED_CASES:
+    for name in (n for n in FUSED_CASES if n in mine):
         try:
             result = fused_decode_check(name, fused.decode_attention, zlib.crc32(name.encode()))
         except Exception as e:
@@ -288,13 +288,7 @@ def _interpreter_main() -> None:
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, dict]:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = "from tests.test_triton_attention import _interpreter_main; _interpreter_main()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, f"interpreter subprocess failed:\n{proc.stdout}\n{proc.stderr}"
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {r["case"]: r for r in results}
+    return {r["case"]: r for r in interpreter_rows("tests.test_triton_attention")}
 
 
 def _interpreted(results: dict[str, dict], name: str) -> dict:

@@ -12,8 +12,6 @@ import contextlib
 import copy
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from unittest import mock
@@ -24,7 +22,7 @@ import torch.nn.functional as F
 
 from engine import options
 from engine.triton_attention import HAVE_TRITON
-from tests.conftest import relative_error
+from tests.conftest import interpreter_rows, relative_error
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1.6e-2}  # max relative error (a few ulps)
@@ -487,17 +485,7 @@ def _interpreter_main(shard: int = 0, shards: int = 1) -> None:
 def interpreter_results() -> dict[str, float]:
     if not HAVE_TRITON:
         pytest.skip("triton is not importable")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    shards = max(1, min(4, len(os.sched_getaffinity(0))))  # the interpreter is slow: one process per core
-    procs = [subprocess.Popen([sys.executable, "-c", "from tests.test_triton_kernels import _interpreter_main; "
-                               f"_interpreter_main({i}, {shards})"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(shards)]
-    rows = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=900)
-        assert proc.returncode == 0, err[-4000:]
-        rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    return {r["case"]: r["err"] for r in rows}
+    return {r["case"]: r["err"] for r in interpreter_rows("tests.test_triton_kernels")}
 
 
 CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "skinny_matmul", "gemv", "rotary_qk",
