@@ -13,15 +13,19 @@ weight and CUDA graph as they are: they read the merged weights.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+else:
+    from engine.lazy_torch import torch  # the supervisor fetches and hashes adapters before it spawns the workers
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +71,6 @@ class LoRAAdapter:
     config: LoRAConfig
     pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module path -> (A [r, in], B [out, r]), float32
     source: str = ""
-
-    @property
-    def scale(self) -> float:
-        return self.config.scale
 
 
 def _normalise(key: str) -> str:
@@ -165,7 +165,7 @@ def targets(adapter: LoRAAdapter, backbone: nn.Module, family: str) -> dict[str,
         except AttributeError:
             raise LoRAError(f"{module}.lora_A: this {family} model has no layer {module!r} (an adapter for another "
                             f"model family or size?)") from None
-        if not isinstance(layer, nn.Linear):
+        if not isinstance(layer, torch.nn.Linear):
             raise LoRAError(f"{module}.lora_A: {module!r} is a {type(layer).__name__}, not a linear layer")
         if a.shape[1] != layer.in_features or b.shape[0] != layer.out_features:
             raise LoRAError(f"{module}.lora_A / lora_B: shapes {tuple(a.shape)} / {tuple(b.shape)} do not fit the "
@@ -174,24 +174,21 @@ def targets(adapter: LoRAAdapter, backbone: nn.Module, family: str) -> dict[str,
     return out
 
 
-@torch.no_grad()
 def merge_adapter(backbone: nn.Module, adapter: LoRAAdapter, family: str) -> int:
     """W += B A * alpha / r in every adapted layer (computed in fp32, stored in the layer's dtype); the layers
     merged. Call before the runner fuses projections (their fused weights are views of these)."""
     layers = targets(adapter, backbone, family)
-    for module, layer in layers.items():
-        a, b = adapter.pairs[module]
-        w = layer.weight
-        merged = w.float() + (b.to(w.device) @ a.to(w.device)) * adapter.scale
-        w.copy_(merged.to(w.dtype))
+    with torch.no_grad():
+        for module, layer in layers.items():
+            a, b = adapter.pairs[module]
+            w = layer.weight
+            w.copy_((w.float() + (b.to(w.device) @ a.to(w.device)) * adapter.config.scale).to(w.dtype))
     log.info("merged LoRA adapter %s into %d layers (r=%d, alpha=%g)", adapter.source, len(layers),
              adapter.config.r, adapter.config.alpha)
     return len(layers)
 
 
 def sha256_of(file: Path) -> str:
-    import hashlib
-
     h = hashlib.sha256()
     with open(file, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -207,7 +204,7 @@ def random_adapter(backbone: nn.Module, out: Path, config: LoRAConfig, seed: int
     g = torch.Generator().manual_seed(seed)
     state = {}
     for name, module in backbone.named_modules():
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, torch.nn.Linear):
             continue
         short = name.rsplit(".", 1)[-1]
         lm = config.enable_lm and name.startswith(("base_lm.", "residual_lm.")) and short in config.target_modules_lm
@@ -220,7 +217,5 @@ def random_adapter(backbone: nn.Module, out: Path, config: LoRAConfig, seed: int
             state[f"{name}.lora_B"] = torch.randn(module.out_features, config.r, generator=g) * std
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / WEIGHT_FILES[0]))
-    (out / CONFIG_FILE).write_text(json.dumps({"base_model": "random", "lora_config": {
-        **dataclasses.asdict(config), **{k: list(v) for k, v in dataclasses.asdict(config).items()
-                                         if isinstance(v, tuple)}}}))
+    (out / CONFIG_FILE).write_text(json.dumps({"base_model": "random", "lora_config": dataclasses.asdict(config)}))
     return out

@@ -131,11 +131,6 @@ class EngineOptions:
         return int(self.layer_prefetch_mb * 2**20)
 
 
-def describe() -> list[tuple[str, str, str]]:
-    """(variable, default, meaning) of every option, for the documentation."""
-    return [(f.metadata["env"], str(f.default), f.metadata["doc"]) for f in dataclasses.fields(EngineOptions)]
-
-
 def cuda_visible_devices() -> str | None:
     """CUDA_VISIBLE_DEVICES, which limits the GPUs a pool may count without initialising CUDA."""
     return os.environ.get("CUDA_VISIBLE_DEVICES")

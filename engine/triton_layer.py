@@ -367,7 +367,8 @@ def _plan(cfg: TransformerConfig, sms: int) -> tuple[int, int, int] | None:
     """(o splits, down splits, K tile) for this stack's shapes, or None where the tiles do not divide them. The
     projections to `hidden` columns are split along K until their units fill the SMs."""
     h, f, q_width = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim
-    block_n, max_k_tile = current().layer_block_n, current().layer_launch[0]
+    opts = current()
+    block_n, max_k_tile = opts.layer_block_n, opts.layer_launch[0]
     if any(n % block_n for n in (h, f, q_width, cfg.num_key_value_heads * cfg.head_dim)):
         return None
     splits = max(1, min(4, sms // (h // block_n)))

@@ -15,7 +15,7 @@ import httpx
 from engine.lora import CONFIG_FILE, sha256_of, weights_file
 
 log = logging.getLogger(__name__)
-SCHEMES = ("file", "https", "http")  # http: for a server inside the cluster (and the tests)
+SCHEMES = ("file", "https", "http")  # http: for a server inside the cluster (and the tests); settings check it too
 DOWNLOAD_TIMEOUT = httpx.Timeout(30.0, read=300.0)
 
 
@@ -40,12 +40,20 @@ def _download(url: str, target: Path) -> None:
         part.unlink(missing_ok=True)
 
 
+def uri_scheme(uri: str) -> str:
+    return urlparse(uri).scheme or "file"
+
+
+def unsupported_scheme(scheme: str) -> str:
+    return f"NANOVLLM_LORA_URI: {scheme}:// is not supported (use file://, a path or https://)"
+
+
 def fetch_adapter(uri: str, cache_dir: Path, sha256: str | None = None) -> Path:
     """A local path to the adapter `uri` names (its directory or weights file), its weights' SHA-256 checked."""
     parsed = urlparse(uri)
-    scheme = parsed.scheme or "file"
+    scheme = uri_scheme(uri)
     if scheme not in SCHEMES:
-        raise AdapterSourceError(f"NANOVLLM_LORA_URI: {scheme}:// is not supported (use file://, a path or https://)")
+        raise AdapterSourceError(unsupported_scheme(scheme))
     if scheme == "file":
         local = Path(unquote(parsed.path) if parsed.scheme else uri).expanduser()
         try:
@@ -60,8 +68,10 @@ def fetch_adapter(uri: str, cache_dir: Path, sha256: str | None = None) -> Path:
         local = cache_dir / "lora" / hashlib.sha256(uri.encode()).hexdigest()[:16]
         local.mkdir(parents=True, exist_ok=True)
         file = local / name
-        if file.exists() and sha256 and sha256_of(file) != sha256.lower():
-            file.unlink()  # a stale or corrupted copy: fetch it again
+        if file.exists() and sha256:
+            if sha256_of(file) == sha256.lower():
+                return local  # the cached copy, already checked
+            file.unlink()  # a stale or damaged copy: fetch it again
         if not file.exists():
             log.info("downloading the LoRA adapter %s", uri)
             _download(uri, file)

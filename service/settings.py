@@ -119,9 +119,10 @@ class Settings(BaseSettings):
             raise ValueError("NANOVLLM_LORA_URI: adapters applied per step are not supported yet; set "
                              "NANOVLLM_LORA_MERGE=true to merge it into the weights at load")
         if self.lora_uri:
-            scheme = self.lora_uri.split("://", 1)[0] if "://" in self.lora_uri else "file"
-            if scheme not in ("file", "https", "http"):
-                raise ValueError(f"NANOVLLM_LORA_URI: {scheme}:// is not supported (use file://, a path or https://)")
+            from service.lora_source import SCHEMES, unsupported_scheme, uri_scheme
+
+            if uri_scheme(self.lora_uri) not in SCHEMES:
+                raise ValueError(unsupported_scheme(uri_scheme(self.lora_uri)))
         return self
 
     def api_process_count(self, cores: int | None = None) -> int:
