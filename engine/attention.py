@@ -6,7 +6,7 @@ the per-layer function the transformer calls. Three backends, chosen once at sta
 
 - "flash": flash-attn's varlen kernel for prefills without a cached prefix (its paged kernels need
   256-token pages, too coarse for reusing voice prompts), the Triton kernel for everything else;
-- "triton": `engine.triton_attention.paged_attention` for prefill and decode (CUDA);
+- "triton": `engine.ops.paged_attention` for prefill and decode (CUDA);
 - "torch": SDPA over gathered blocks, any device (the CPU path, and the reference the others are
   checked against).
 
@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import fused
-from engine.fused import rotary_qk
 from engine.models.minicpm import AttendFn
+from engine.ops import paged_attention as paged
+from engine.ops.platform import HAVE_TRITON
+from engine.ops.rotary import rotary_qk, rotary_store_kv
 
 BACKENDS = ("flash", "triton", "torch")
 
@@ -49,8 +50,6 @@ class AttentionMetadata:
 
 def select_backend(device: torch.device, dtype: torch.dtype, requested: str | None = None) -> str:
     """The best backend this process can run, or the requested one if it can run it."""
-    from engine.triton_attention import HAVE_TRITON
-
     usable = ["torch"]
     if device.type == "cuda" and HAVE_TRITON:
         usable.insert(0, "triton")
@@ -93,21 +92,19 @@ class PagedKVCache:
             k_cache, v_cache = self.k[layer], self.v[layer]
             # A decode step (one new token per sequence) of few sequences: rotary and cache write inside the attention.
             if backend == "triton" and not meta.is_prefill:
-                out = fused.decode_attention(q, k, v, rope, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
+                out = paged.decode_attention(q, k, v, rope, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
                                              meta.row_index, meta.token_context_lens)
                 if out is not None:
                     return out.flatten(-2)
             # The Triton attention reads K/V from the cache only: there rotary and cache write are one kernel.
-            q_rot = fused.rotary_store_kv(q, k, v, rope, k_cache, v_cache, meta.slot_mapping) \
+            q_rot = rotary_store_kv(q, k, v, rope, k_cache, v_cache, meta.slot_mapping) \
                 if backend == "triton" else None
             if q_rot is None:
                 q, k = rotate_and_store(q, k, v, rope, k_cache, v_cache, meta.slot_mapping)
             else:
                 q = q_rot
             if backend == "triton":
-                from engine.triton_attention import paged_attention
-
-                return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.row_index,
+                return paged.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.row_index,
                                        meta.token_context_lens).flatten(-2)
             if backend == "flash":
                 return flash_prefill_attention(q, k, v, meta)

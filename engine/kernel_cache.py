@@ -38,8 +38,8 @@ import torch
 from engine.checkpoint import LoadedModel, resolve_model_path
 from engine.config import VoxCPMConfig
 from engine.kernel_compiler import source_and_options
+from engine.ops.platform import HAVE_TRITON
 from engine.options import current
-from engine.triton_attention import HAVE_TRITON
 
 log = logging.getLogger(__name__)
 

@@ -24,12 +24,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine import triton_layer
 from engine.attention import AttentionMetadata, PagedKVCache, select_backend
 from engine.block_manager import BlockManager
 from engine.checkpoint import LoadedModel
 from engine.models.audio_vae import SlotStates
 from engine.models.minicpm import fuse_projections
+from engine.ops import layer_stack
 from engine.options import current
 from engine.sequence import Sequence, Status, StepEvent
 
@@ -206,12 +206,12 @@ class ModelRunner:
         opts = current()
         if device.type == "cuda" and opts.fuse:
             fuse_projections(model.backbone)
-            triton_layer.prepare(device)  # the layer kernels' barrier counters, before any graph capture
+            layer_stack.prepare(device)  # the layer kernels' barrier counters, before any graph capture
         if device.type == "cuda":
             # The VAE's convolutions have fixed shapes per graph bucket: let cuDNN pick the fastest
             # algorithm once, at warm-up, instead of its heuristic choice.
             torch.backends.cudnn.benchmark = opts.cudnn_benchmark
-            # The VAE's 1x1 convolutions run as fp32 GEMMs (fused.pointwise_conv_residual): give them cuDNN's TF32
+            # The VAE's 1x1 convolutions run as fp32 GEMMs (vae_conv.pointwise_conv_residual): give them cuDNN's TF32
             # policy, as the convolutions they replace had (process-wide: a worker owns its process). A process on
             # torch's newer fp32_precision API refuses the legacy flags: its own choice then stands.
             with contextlib.suppress(RuntimeError):

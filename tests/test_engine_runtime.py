@@ -333,17 +333,17 @@ def test_failed_pipelined_step_ends_what_was_running(model, monkeypatch):
 def test_residual_split_rule_and_eager_partials() -> None:
     """The split-K rule splits only measured-faster shapes; the eager add + norm sums partials like the kernel (in split
     order, rounded to the stream's dtype before the add); the slices' views multiply to the whole product."""
-    from engine import fused
+    from engine.ops import linear, norm
 
-    assert fused.residual_splits(176, 512, 1024) == 1  # short K
-    assert fused.residual_splits(176, 2048, 1024) == 2 and fused.residual_splits(176, 4096, 1024) == 4
-    assert fused.residual_splits(8, 6144, 2048) == 2  # an LM decode's down projection: wide output, 2 slices
-    assert fused.residual_splits(704, 4096, 1024) == 2 and fused.residual_splits(704, 2048, 1024) == 1
-    assert fused.residual_splits(1408, 4096, 1024) == 1 and fused.residual_splits(4096, 2048, 2048) == 1
+    assert linear.residual_splits(176, 512, 1024) == 1  # short K
+    assert linear.residual_splits(176, 2048, 1024) == 2 and linear.residual_splits(176, 4096, 1024) == 4
+    assert linear.residual_splits(8, 6144, 2048) == 2  # an LM decode's down projection: wide output, 2 slices
+    assert linear.residual_splits(704, 4096, 1024) == 2 and linear.residual_splits(704, 2048, 1024) == 1
+    assert linear.residual_splits(1408, 4096, 1024) == 1 and linear.residual_splits(4096, 2048, 2048) == 1
     x = torch.randn(3, 5, 32, dtype=torch.bfloat16)
     parts = torch.randn(2, 3, 5, 32)
     w = torch.rand(32, dtype=torch.bfloat16) + 0.5
-    stream, normed = fused.add_rms_norm(x, parts, 0.5, w, 1e-5)
+    stream, normed = norm.add_rms_norm(x, parts, 0.5, w, 1e-5)
     want = x + (parts[0] + parts[1]).to(torch.bfloat16) * 0.5
     assert torch.equal(stream, want)
     variance = want.float().pow(2).mean(-1, keepdim=True)
@@ -352,7 +352,7 @@ def test_residual_split_rule_and_eager_partials() -> None:
     for rows, k_dim, n, splits in ((40, 64, 32, 2), (3, 128, 48, 4), (1, 96, 16, 3)):
         x = torch.randn(rows, 2 * k_dim, generator=g)[:, ::2]  # a strided activation, made contiguous first
         weight = torch.randn(n, k_dim, generator=g)
-        x_slices, w_slices = fused.split_k_views(x.contiguous(), weight, splits)
+        x_slices, w_slices = linear.split_k_views(x.contiguous(), weight, splits)
         assert x_slices.shape == (splits, rows, k_dim // splits) and w_slices.shape == (splits, k_dim // splits, n)
         assert torch.allclose(torch.bmm(x_slices, w_slices).sum(0), x @ weight.T, atol=1e-5, rtol=1e-5)
 

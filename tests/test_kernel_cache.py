@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.triton_attention import HAVE_TRITON
+from engine.ops.platform import HAVE_TRITON
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -29,12 +29,12 @@ def _jit_record() -> str:
     from triton.compiler.compiler import make_backend
     from triton.runtime.jit import serialize_specialization_data
 
-    from engine import triton_kernels
+    from engine.ops import silu_mul
     options = make_backend(GPUTarget("cuda", 90, 32)).parse_options({"num_warps": 4, "debug": False})
     signature = {"g_ptr": "*bf16", "u_ptr": "*bf16", "o_ptr": "*bf16", "n_cols": "i32", "stride_g": "i32",
                  "stride_u": "i32", "BLOCK": "constexpr"}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
-    fn = triton_kernels._silu_mul_kernel
+    fn = silu_mul._silu_mul_kernel
     return serialize_specialization_data(f"{fn.__module__}.{fn.__qualname__}", signature, {(6,): 1024}, attrs,
                                          options, "jit-key")
 
@@ -77,7 +77,7 @@ def test_manifest_round_trip_and_compile(tmp_path: Path, monkeypatch: pytest.Mon
     (entry,) = manifest["entries"]
     # launch options reduced to the non-defaults: none here (4 warps is Triton's default); no library paths
     assert entry["options"] == {} and "key" not in entry
-    assert entry["name"] == "engine.triton_kernels._silu_mul_kernel"
+    assert entry["name"] == "engine.ops.silu_mul._silu_mul_kernel"
 
     path = tmp_path / "m.json"
     path.write_text(json.dumps(manifest))
@@ -89,7 +89,7 @@ def test_manifest_round_trip_and_compile(tmp_path: Path, monkeypatch: pytest.Mon
 
     assert not kernel_cache.is_cached(entry, 90)
     # compiled in a child process, as the engine's precompiler does (no GPU needed); a broken record fails alone
-    broken = {**entry, "name": "engine.triton_kernels._no_such_kernel"}
+    broken = {**entry, "name": "engine.ops.silu_mul._no_such_kernel"}
     result = kernel_cache.CompilerProcesses([entry, broken, entry], 90, workers=2).collect()
     assert (result["precompiled"], result["precompile_failed"]) == (2, 1)  # each record compiled once, by one child
     assert kernel_cache.is_cached(entry, 90)
@@ -125,7 +125,7 @@ def test_a_record_that_no_longer_fits_its_kernel_is_skipped(tmp_path: Path, monk
     cfg = VoxCPMConfig.from_dir(ckpt)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     entry = json.loads(_jit_record())
-    broken = {**entry, "name": "engine.triton_kernels._no_such_kernel"}
+    broken = {**entry, "name": "engine.ops.silu_mul._no_such_kernel"}
     _use_only_manifest(tmp_path / "m.json", kernel_cache.model_digest(cfg, cfg.dtype), [broken, entry], monkeypatch)
     stats = kernel_cache.Precompiler(ckpt, None, None, arch=90).wait()
     assert (stats["missing"], stats["precompiled"], stats["precompile_failed"]) == (1, 1, 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import zlib
 from collections.abc import Callable
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from engine import options
-from engine.triton_attention import HAVE_TRITON
+from engine.ops.platform import HAVE_TRITON
 from tests.conftest import interpreter_rows, relative_error
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -252,10 +253,9 @@ def _interpreter_main(shard: int = 0, shards: int = 1) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     torch.set_num_threads(1)
     _patch_interpreter()
-    import engine.triton_attention as ta
-    from engine import fused
+    import engine.ops.paged_attention as ta
 
-    assert ta._is_interpreted(), "the kernel was compiled, not interpreted"
+    assert ta.interpreted(), "the kernel was compiled, not interpreted"
     default_block_n = dict(ta._BLOCK_N)
     default_split = options.current().attn_split_keys
     mine = {name for i, name in enumerate([*INTERPRETER_CASES, *FUSED_CASES]) if i % shards == shard}
@@ -280,7 +280,7 @@ def _interpreter_main(shard: int = 0, shards: int = 1) -> None:
         print(json.dumps(result), flush=True)
     for name in (n for n in FUSED_CASES if n in mine):
         try:
-            result = fused_decode_check(name, fused.decode_attention, zlib.crc32(name.encode()))
+            result = fused_decode_check(name, ta.decode_attention, zlib.crc32(name.encode()))
         except Exception as e:
             result = {"case": name, "error": f"{type(e).__name__}: {e}"}
         print(json.dumps(result), flush=True)
@@ -329,7 +329,7 @@ def test_split_applies_to_decode_sized_calls() -> None:
     """Which calls split their keys: few (token, kv head) rows and tables holding more than one split's keys."""
     if not HAVE_TRITON:
         pytest.skip("triton not importable")
-    import engine.triton_attention as ta
+    import engine.ops.paged_attention as ta
 
     split = options.current().attn_split_keys
     assert ta.split_keys_for(num_tokens=1, num_kv_heads=2, table_keys=1024) == split > 0
@@ -354,30 +354,41 @@ def test_reference_matches_sdpa() -> None:
 def test_cpu_without_interpreter_raises() -> None:
     if not HAVE_TRITON:
         pytest.skip("triton not importable")
-    from engine.triton_attention import _is_interpreted, paged_attention
+    from engine.ops.paged_attention import paged_attention
+    from engine.ops.platform import interpreted
 
-    if _is_interpreted():
+    if interpreted():
         pytest.skip("interpreter mode: CPU tensors are allowed")
     case = make_case(4, 4, 32, 16, [5], "decode", torch.float32)
     with pytest.raises(RuntimeError, match="CUDA"):
         paged_attention(*case.args())
 
 
-def test_imports_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fresh copy of the module with triton unimportable (as on macOS): imports, and the wrapper says why not."""
-    import importlib.util
-
-    for name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
-    spec = importlib.util.spec_from_file_location("_triton_attention_no_triton",
-                                                  REPO_ROOT / "engine" / "triton_attention.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.HAVE_TRITON is False
-    case = make_case(4, 4, 32, 16, [5], "decode", torch.float32)
-    with pytest.raises(RuntimeError, match="triton"):
-        module.paged_attention(*case.args())
+def test_imports_without_triton() -> None:
+    """With triton unimportable (as on macOS) every op module imports, and the paged attention says why it cannot
+    run (a fresh interpreter: the modules of this one were imported with triton)."""
+    code = (
+        "import sys, pkgutil, importlib\n"
+        "sys.modules['triton'] = None\n"
+        "import engine.ops\n"
+        "for m in pkgutil.iter_modules(engine.ops.__path__):\n"
+        "    importlib.import_module('engine.ops.' + m.name)\n"
+        "from engine.ops import paged_attention, platform\n"
+        "assert platform.HAVE_TRITON is False\n"
+        "import torch\n"
+        "q = torch.zeros(1, 4, 32)\n"
+        "cache = torch.zeros(2, 16, 4, 32)\n"
+        "one = torch.zeros(1, dtype=torch.int32)\n"
+        "try:\n"
+        "    paged_attention.paged_attention(q, cache, cache, one.view(1, 1), one, one + 1)\n"
+        "except RuntimeError as e:\n"
+        "    assert 'triton' in str(e), e\n"
+        "    print('refused:', e)\n"
+        "else:\n"
+        "    raise SystemExit('paged_attention ran without triton')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "refused:" in r.stdout, r.stdout + r.stderr
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -399,7 +410,7 @@ def _cuda_lens(num_seqs: int, seed: int) -> list[int]:
 @pytest.mark.parametrize("mode", ["decode", "decode-split", "prefill", "prefix"])
 def test_cuda_matches_reference(dtype: torch.dtype, mode: str) -> None:
     """decode-split: few enough rows (12 sequences + 5 padding rows, 2 kv heads) that the keys are split."""
-    import engine.triton_attention as ta
+    import engine.ops.paged_attention as ta
 
     num_seqs = {"decode": 64, "decode-split": 12, "prefill": 12, "prefix": 64}[mode]  # prefill: every position a query
     mode = mode.removesuffix("-split")
@@ -421,10 +432,9 @@ def test_cuda_matches_reference(dtype: torch.dtype, mode: str) -> None:
 @needs_cuda
 @pytest.mark.parametrize("name", FUSED_CASES)
 def test_cuda_decode_attention(name: str) -> None:
-    import engine.triton_attention as ta
-    from engine import fused
+    import engine.ops.paged_attention as ta
 
-    result = fused_decode_check(name, fused.decode_attention, zlib.crc32(name.encode()), device="cuda")
+    result = fused_decode_check(name, ta.decode_attention, zlib.crc32(name.encode()), device="cuda")
     assert "error" not in result, result
     _assert_fused(result, DTYPE_NAMES[name.split("-")[0]], name)
     assert all(bool((c == 0).all()) for c in ta._counters.values())
@@ -437,7 +447,7 @@ def test_cuda_decode_attention_repeated_and_graphed() -> None:
     without, back to back), and captured in a CUDA graph replayed over new inputs: every output and new cache slot
     right and the arrival counters back at 0 after every launch (a race between the splits, or a counter left set,
     shows here, not in the interpreter, which runs the programs one after another)."""
-    import engine.triton_attention as ta
+    import engine.ops.paged_attention as ta
 
     g = torch.Generator().manual_seed(7)
     for i in range(12):
@@ -477,7 +487,7 @@ def test_cuda_decode_attention_repeated_and_graphed() -> None:
 def test_cuda_graph_replay(dtype: torch.dtype, num_seqs: int) -> None:
     """Capture one decode step, rewrite every input in place (new queries, tables, lengths), replay, compare; 24
     sequences + 4 padding rows: the keys split (the arrival counters must come back to 0 after every replay)."""
-    import engine.triton_attention as ta
+    import engine.ops.paged_attention as ta
     paged_attention = ta.paged_attention
 
     first = make_case(16, 2, 128, 16, _cuda_lens(num_seqs, seed=3), "decode", dtype, device="cuda", seed=4,

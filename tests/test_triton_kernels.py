@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import options
-from engine.triton_attention import HAVE_TRITON
+from engine.ops.platform import HAVE_TRITON
 from tests.conftest import interpreter_rows, relative_error
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -43,8 +43,33 @@ def exact_fp32_on_cuda() -> Iterator[None]:
 
 def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
     """Each case: dtype -> max relative error of the kernel against the eager expression (same inputs)."""
-    from engine import fused, triton_kernels
-    from engine.models.minicpm import dense_attention
+    from engine.models.minicpm import dense_attention as dense_attend
+    from engine.ops import (
+        cfg_euler as cfg_euler_ops,
+    )
+    from engine.ops import (
+        dense_attention as dense_attention_ops,
+    )
+    from engine.ops import (
+        gemv as gemv_ops,
+    )
+    from engine.ops import (
+        layer_stack,
+        linear,
+        norm,
+        paged_attention,
+        platform,
+        rotary,
+        skinny_gemm,
+        upsampler,
+        vae_conv,
+    )
+    from engine.ops import (
+        silu_mul as silu_mul_ops,
+    )
+    from engine.ops import (
+        snake as snake_ops,
+    )
 
     def rand(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
         return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
@@ -55,65 +80,65 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         errs = []
         for scale in (None, 0.37):
             xs_ref = x + h if scale is None else x + h * scale
-            xs, y = triton_kernels.add_rms_norm(x, h, scale, w, 1e-5)
-            errs += [relative_error(xs, xs_ref), relative_error(y, fused._rms_norm(xs_ref, w, 1e-5))]
-        _, y = triton_kernels.add_rms_norm(x, None, None, w, 1e-6)
-        errs.append(relative_error(y, fused._rms_norm(x, w, 1e-6)))
+            xs, y = norm.add_rms_norm_triton(x, h, scale, w, 1e-5)
+            errs += [relative_error(xs, xs_ref), relative_error(y, norm.rms_norm_eager(xs_ref, w, 1e-5))]
+        _, y = norm.add_rms_norm_triton(x, None, None, w, 1e-6)
+        errs.append(relative_error(y, norm.rms_norm_eager(x, w, 1e-6)))
         for splits in (1, 2, 4):  # h as a split-K GEMM's fp32 partials: summed, rounded to the dtype, then added
             parts = rand(splits, 3, 7, 96, dtype=torch.float32, seed=20 + splits)
             h_sum = parts.sum(0).to(dtype)
             for scale in (None, 0.37):
                 xs_ref = x + h_sum if scale is None else x + h_sum * scale
-                xs, y = triton_kernels.add_rms_norm(x, parts, scale, w, 1e-5)
-                errs += [relative_error(xs, xs_ref), relative_error(y, fused._rms_norm(xs_ref, w, 1e-5))]
+                xs, y = norm.add_rms_norm_triton(x, parts, scale, w, 1e-5)
+                errs += [relative_error(xs, xs_ref), relative_error(y, norm.rms_norm_eager(xs_ref, w, 1e-5))]
         return max(errs)
 
     def silu_mul(dtype: torch.dtype) -> float:
         gate, up = rand(2, 5, 160, dtype=dtype, seed=4).chunk(2, dim=-1)  # strided halves, as in the MLP
-        return relative_error(triton_kernels.silu_mul(gate, up), F.silu(gate) * up)
+        return relative_error(silu_mul_ops.silu_mul_triton(gate, up), F.silu(gate) * up)
 
     def skinny_matmul(dtype: torch.dtype) -> float:
         errs = []
         for rows, k_dim, n in ((1, 64, 48), (5, 96, 32), (22, 32, 64), (40, 48, 16)):
             x = rand(rows, k_dim, dtype=dtype, seed=90 + rows)
             w = rand(n, k_dim, dtype=dtype, seed=91 + rows) * k_dim ** -0.5
-            errs.append(relative_error(triton_kernels.skinny_matmul(x, w), F.linear(x, w)))
+            errs.append(relative_error(skinny_gemm.skinny_matmul(x, w), F.linear(x, w)))
             gate, up = F.linear(x, torch.cat([w, w.flip(0)])).chunk(2, dim=-1)
-            errs.append(relative_error(triton_kernels.skinny_matmul(x, torch.cat([w, w.flip(0)]), silu_gate=True),
+            errs.append(relative_error(skinny_gemm.skinny_matmul(x, torch.cat([w, w.flip(0)]), silu_gate=True),
                                        F.silu(gate) * up))
         x = rand(2, 3, 64, dtype=dtype, seed=99)  # leading dims kept; another tile configuration
         w = rand(32, 64, dtype=dtype, seed=98)
-        errs.append(relative_error(triton_kernels.skinny_matmul(x, w, config=(16, 32, 32, 2, 4)), F.linear(x, w)))
+        errs.append(relative_error(skinny_gemm.skinny_matmul(x, w, config=(16, 32, 32, 2, 4)), F.linear(x, w)))
         return max(errs)
 
     def gemv(dtype: torch.dtype) -> float:
-        """The one-row GEMV (engine/pdl.py) through the dispatch that serves it: `fused.linear` (a strided row, two
+        """The one-row GEMV (engine/pdl.py) through the dispatch that serves it: `linear.linear` (a strided row, two
         rows), the SiLU-gated gate/up, and the o/down projections' `residual_linear`, whose K cut into slices comes
         back as fp32 partials that `add_rms_norm` sums. fp32 rows stay on F.linear (the GEMV holds 16-bit weights)."""
 
         errs = []
-        with mock.patch.object(fused, "kernels", triton_kernels.usable), \
+        with mock.patch.object(platform, "kernels", platform.usable), \
                 options.override(gemv_max_rows=2), \
-                mock.patch.object(triton_kernels, "gemv", wraps=triton_kernels.gemv) as spy:
+                mock.patch.object(gemv_ops, "gemv", wraps=gemv_ops.gemv) as spy:
             for rows, k_dim, n in ((1, 64, 48), (2, 128, 32)):
                 x = rand(rows, k_dim + 32, dtype=dtype, seed=140 + rows)[:, 16:16 + k_dim]  # rows of a wider tensor
                 w = rand(n, k_dim, dtype=dtype, seed=141 + rows) * k_dim ** -0.5
-                errs.append(relative_error(fused.linear(x, w), F.linear(x, w)))
+                errs.append(relative_error(linear.linear(x, w), F.linear(x, w)))
             x = rand(1, 64, dtype=dtype, seed=143)
             w = rand(48, 64, dtype=dtype, seed=144) * 0.125
             gate, up = F.linear(x, w).chunk(2, dim=-1)
-            errs.append(relative_error(fused.silu_gate_linear(x, w), F.silu(gate) * up))
-            with mock.patch.object(triton_kernels, "GEMV_SLICE", 32):
+            errs.append(relative_error(linear.silu_gate_linear(x, w), F.silu(gate) * up))
+            with mock.patch.object(gemv_ops, "GEMV_SLICE", 32):
                 x, res = rand(1, 96, dtype=dtype, seed=145), rand(1, 16, dtype=dtype, seed=146)
                 w = rand(16, 96, dtype=dtype, seed=147) * 0.1
-                parts = fused.residual_linear(x, w)
+                parts = linear.residual_linear(x, w)
                 if dtype != torch.float32:
                     assert parts.shape == (3, 1, 16) and parts.dtype == torch.float32, (parts.shape, parts.dtype)
                     errs.append(relative_error(parts.sum(0).to(dtype), F.linear(x, w)))
                 norm_w = rand(16, dtype=dtype, seed=148)
                 h_ref = parts.sum(0).to(dtype) if parts.dim() == 3 else F.linear(x, w)
-                errs.append(relative_error(fused.add_rms_norm(res, parts, None, norm_w, 1e-5)[1],
-                                           fused._rms_norm(res + h_ref, norm_w, 1e-5)))
+                errs.append(relative_error(norm.add_rms_norm(res, parts, None, norm_w, 1e-5)[1],
+                                           norm.rms_norm_eager(res + h_ref, norm_w, 1e-5)))
         expected = 0 if dtype == torch.float32 else 4
         assert spy.call_count == expected, f"the GEMV served {spy.call_count} of the {expected} projections"
         return max(errs)
@@ -123,8 +148,9 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         q, k = q.view(6, 4, 32), k.view(6, 2, 32)
         rope = rand(6, 2, 32, dtype=torch.float32, seed=6)
         cos, sin = rope[:, 0], rope[:, 1]
-        qo, ko = triton_kernels.rotary_qk(q, k, cos, sin)
-        return max(relative_error(qo, fused._rotary(q, cos, sin)), relative_error(ko, fused._rotary(k, cos, sin)))
+        qo, ko = rotary.rotary_qk_triton(q, k, cos, sin)
+        return max(relative_error(qo, rotary.rotary_eager(q, cos, sin)),
+                   relative_error(ko, rotary.rotary_eager(k, cos, sin)))
 
     def rotary_store_kv(dtype: torch.dtype) -> float:
         """Rotary + paged-cache write: q rotated out, k rotated and v copied into their slots, other slots kept."""
@@ -139,10 +165,10 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             v_cache = rand(3, 4, hk, dim, dtype=dtype, seed=16)
             k_ref, v_ref = k_cache.clone().view(-1, hk, dim), v_cache.clone().view(-1, hk, dim)
             cos, sin = (r[:, 0], r[:, 1]) if r is not None else (None, None)
-            q_ref = fused._rotary(q, cos, sin) if r is not None else q
-            k_ref[slots] = fused._rotary(k, cos, sin) if r is not None else k
+            q_ref = rotary.rotary_eager(q, cos, sin) if r is not None else q
+            k_ref[slots] = rotary.rotary_eager(k, cos, sin) if r is not None else k
             v_ref[slots] = v
-            q_out = triton_kernels.rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
+            q_out = rotary.rotary_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots)
             errs += [relative_error(q_out, q_ref), relative_error(k_cache.view(-1, hk, dim), k_ref),
                      relative_error(v_cache.view(-1, hk, dim), v_ref)]
         return max(errs)
@@ -155,9 +181,10 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             rope = rand(length, 2, 32, dtype=torch.float32, seed=8)
             for r in (rope, None):
                 cos, sin = (r[:, 0], r[:, 1]) if r is not None else (None, None)
-                ref = dense_attention(0, q, k, v, r)  # off CUDA: rotary + SDPA
+                ref = dense_attend(0, q, k, v, r)  # off CUDA: rotary + SDPA
                 for heads in (None, 2, 4):  # one query head per program, or 2 / 4 of the GQA group of 4
-                    errs.append(relative_error(triton_kernels.dense_attention(q, k, v, cos, sin, heads), ref))
+                    out = dense_attention_ops.dense_attention_triton(q, k, v, cos, sin, heads)
+                    errs.append(relative_error(out, ref))
         return max(errs)
 
     def snake(dtype: torch.dtype) -> float:
@@ -169,9 +196,9 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         ref_affine = xa + (alpha + 1e-9).reciprocal() * torch.sin(alpha * xa).pow(2)
         xs = x + shift[:, None]
         ref_shift = xs + (alpha + 1e-9).reciprocal() * torch.sin(alpha * xs).pow(2)
-        return max(relative_error(triton_kernels.snake(x, alpha), ref),
-                   relative_error(triton_kernels.snake(x, alpha, scale, shift), ref_affine),
-                   relative_error(triton_kernels.snake(x, alpha, None, shift), ref_shift))
+        return max(relative_error(snake_ops.snake_triton(x, alpha), ref),
+                   relative_error(snake_ops.snake_triton(x, alpha, scale, shift), ref_affine),
+                   relative_error(snake_ops.snake_triton(x, alpha, None, shift), ref_shift))
 
     def dwconv_snake(dtype: torch.dtype) -> float:
         errs = []
@@ -187,35 +214,35 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             xcat = torch.cat([state if streaming else x.new_zeros(2, channels, pad), x], dim=-1)
             y_ref = F.conv1d(xcat.float(), weight.float(), None if bias is None else bias.float(),
                              dilation=dilation, groups=channels).to(dtype)  # fp32 accumulation, as cuDNN
-            y, new_state = triton_kernels.causal_depthwise_conv(x, state, weight, bias, dilation)
+            y, new_state = vae_conv.causal_depthwise_conv_triton(x, state, weight, bias, dilation)
             errs += [relative_error(y, y_ref), relative_error(new_state, xcat[..., length:])]
             s_ref = y_ref + (alpha + 1e-9).reciprocal() * torch.sin(alpha * y_ref).pow(2)  # Snake after the conv
-            y, new_state = triton_kernels.causal_depthwise_conv(x, state, weight, bias, dilation, alpha)
+            y, new_state = vae_conv.causal_depthwise_conv_triton(x, state, weight, bias, dilation, alpha)
             errs += [relative_error(y, s_ref), relative_error(new_state, xcat[..., length:])]
             if streaming:  # the contexts in per-slot buffers (rows 3 and 0 of 4), read and replaced in place
                 slots = torch.tensor([3, 0], device=device)
                 buffers = rand(4, channels, pad, dtype=dtype, seed=70 + seed)
                 buffers[slots] = state
                 untouched = buffers[1:3].clone()
-                y, returned = triton_kernels.causal_depthwise_conv(x, buffers, weight, bias, dilation, alpha, slots)
+                y, returned = vae_conv.causal_depthwise_conv_triton(x, buffers, weight, bias, dilation, alpha, slots)
                 assert returned is buffers and torch.equal(buffers[1:3], untouched), "rows of other slots changed"
                 errs += [relative_error(y, s_ref), relative_error(buffers[slots], xcat[..., length:])]
             # the Snake before the conv on load (with a per-channel shift, and without): against the Snake kernel's
             # output fed to the conv; the context holds Snake outputs
             in_alpha = rand(1, channels, 1, dtype=dtype, seed=80 + seed).abs() + 0.2
             for shift in (rand(channels, dtype=dtype, seed=90 + seed), None):
-                xs = triton_kernels.snake(x, in_alpha, None, shift)
+                xs = snake_ops.snake_triton(x, in_alpha, None, shift)
                 xs_cat = torch.cat([state if streaming else x.new_zeros(2, channels, pad), xs], dim=-1)
                 ys_ref = F.conv1d(xs_cat.float(), weight.float(), None if bias is None else bias.float(),
                                   dilation=dilation, groups=channels).to(dtype)
                 ys_ref = ys_ref + (alpha + 1e-9).reciprocal() * torch.sin(alpha * ys_ref).pow(2)
-                y, new_state = triton_kernels.causal_depthwise_conv(x, state, weight, bias, dilation, alpha,
+                y, new_state = vae_conv.causal_depthwise_conv_triton(x, state, weight, bias, dilation, alpha,
                                                                     in_alpha=in_alpha, in_shift=shift)
                 errs += [relative_error(y, ys_ref), relative_error(new_state, xs_cat[..., length:])]
                 if streaming:
                     buffers = rand(4, channels, pad, dtype=dtype, seed=75 + seed)
                     buffers[slots] = state
-                    y, _ = triton_kernels.causal_depthwise_conv(x, buffers, weight, bias, dilation, alpha, slots,
+                    y, _ = vae_conv.causal_depthwise_conv_triton(x, buffers, weight, bias, dilation, alpha, slots,
                                                                 in_alpha, shift)
                     errs += [relative_error(y, ys_ref), relative_error(buffers[slots], xs_cat[..., length:])]
         return max(errs)
@@ -232,8 +259,8 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         unit.block[1].state_slot = 0
         chunks = [rand(2, 8, n, dtype=dtype, seed=71 + n) for n in (4, 9, 30)]
         errs = []
-        with exact_fp32_on_cuda(), torch.no_grad(), mock.patch.object(fused, "kernels", triton_kernels.usable), \
-                mock.patch.object(fused, "pointwise_conv_residual", wraps=fused.pointwise_conv_residual) as spy:
+        with exact_fp32_on_cuda(), torch.no_grad(), mock.patch.object(platform, "kernels", platform.usable), \
+                mock.patch.object(vae_conv, "pointwise_conv_residual", wraps=vae_conv.pointwise_conv_residual) as spy:
             states_ref, states = [torch.zeros(2, 8, 18, dtype=dtype, device=device)], [None]
             states[0] = states_ref[0].clone()
             for x in chunks:
@@ -272,20 +299,20 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                 buffers[slots] = states_ref[0]
                 untouched = buffers[1:3].clone()
                 with torch.no_grad(), options.override(vae_upsampler="gemm"), \
-                        mock.patch.object(triton_kernels, "overlap_add", wraps=triton_kernels.overlap_add) as spy:
+                        mock.patch.object(upsampler, "overlap_add", wraps=upsampler.overlap_add) as spy:
                     for n in (1, 3, 7):
                         x = rand(2, c_in, n + 2, dtype=dtype, seed=120 + n)[..., 1:n + 1]  # a strided view
-                        with mock.patch.object(fused, "kernels", lambda x: False):
+                        with mock.patch.object(platform, "kernels", lambda x: False):
                             ref = conv(x, states_ref)
-                        with mock.patch.object(fused, "kernels", triton_kernels.usable):
+                        with mock.patch.object(platform, "kernels", platform.usable):
                             errs += [relative_error(conv(x, states), ref), relative_error(states[0], states_ref[0]),
                                      relative_error(conv(x, SlotStates([buffers], slots)), ref),
                                      relative_error(buffers[slots], states_ref[0])]
                     assert torch.equal(buffers[1:3], untouched), "rows of other slots changed"
                     x = rand(2, c_in, 9, dtype=dtype, seed=130)
-                    with mock.patch.object(fused, "kernels", lambda x: False):
+                    with mock.patch.object(platform, "kernels", lambda x: False):
                         ref = conv(x)
-                    with mock.patch.object(fused, "kernels", triton_kernels.usable):
+                    with mock.patch.object(platform, "kernels", platform.usable):
                         errs.append(relative_error(conv(x), ref))
                     assert spy.call_count == 7, "the upsampler did not take its kernel path"
         return max(errs)
@@ -315,9 +342,9 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                     with mock.patch.object(Decoder, "_forward_deferred", wraps=vae.decoder._forward_deferred) as spy:
                         for seed, n in enumerate((1, 3, 2)):
                             z = rand(2, 8, n, dtype=dtype, seed=91 + seed)
-                            with mock.patch.object(fused, "kernels", lambda x: False):  # the layers one by one
+                            with mock.patch.object(platform, "kernels", lambda x: False):  # the layers one by one
                                 expected = ref.decode_chunk(z)
-                            with mock.patch.object(fused, "kernels", triton_kernels.usable):
+                            with mock.patch.object(platform, "kernels", platform.usable):
                                 errs.append(relative_error(ours.decode_chunk(z), expected))
                                 in_slots = vae.decoder(z, ours.sr_idx, SlotStates(buffers, slots))
                             errs.append(relative_error(in_slots, expected))
@@ -333,13 +360,14 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         errs = []
         # v contiguous, and transposed as the DiT returns it ((2B, P, D) memory viewed as (2B, D, P))
         for v in (rand(6, 64, 4, dtype=dtype, seed=81), rand(6, 4, 64, dtype=dtype, seed=81).transpose(1, 2)):
-            ref = fused.cfg_euler_step(x.cpu(), v.cpu(), cfg.cpu(), 0.0917).to(device)  # eager (CPU tensors)
-            errs.append(relative_error(triton_kernels.cfg_euler_step(x, v, cfg.reshape(3), 0.0917), ref))
+            ref = cfg_euler_ops.cfg_euler_step(x.cpu(), v.cpu(), cfg.cpu(), 0.0917).to(device)  # eager (CPU tensors)
+            errs.append(relative_error(cfg_euler_ops.cfg_euler_step_triton(x, v, cfg.reshape(3), 0.0917), ref))
             # and the sampler's call (cfg (B, 1, 1), v as the DiT returns it) takes the kernel, not the eager ops
-            with mock.patch.object(fused, "kernels", triton_kernels.usable), \
-                    mock.patch.object(triton_kernels, "cfg_euler_step", wraps=triton_kernels.cfg_euler_step) as spy:
-                errs.append(relative_error(fused.cfg_euler_step(x, v, cfg, 0.0917), ref))
-            assert spy.call_count == 1, "fused.cfg_euler_step fell back to the eager ops"
+            with mock.patch.object(platform, "kernels", platform.usable), \
+                    mock.patch.object(cfg_euler_ops, "cfg_euler_step_triton",
+                                      wraps=cfg_euler_ops.cfg_euler_step_triton) as spy:
+                errs.append(relative_error(cfg_euler_ops.cfg_euler_step(x, v, cfg, 0.0917), ref))
+            assert spy.call_count == 1, "cfg_euler_ops.cfg_euler_step fell back to the eager ops"
         return max(errs)
 
     def dit_step(dtype: torch.dtype) -> float:
@@ -357,17 +385,19 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                 lin.bias.copy_(rand(*lin.bias.shape, dtype=dtype, seed=89 + i) * 0.1)
             cpu_in, cpu_out = copy.deepcopy(in_proj).cpu(), copy.deepcopy(out_proj).cpu()
             seq_ref = torch.cat((leading.cpu(), cpu_in(torch.cat((x, x)).cpu().transpose(1, 2))), dim=1).to(device)
-            step_ref = fused.cfg_euler_step(x.cpu(), cpu_out(hidden.cpu()[:, t:]).transpose(1, 2), cfg.cpu(),
+            step_ref = cfg_euler_ops.cfg_euler_step(x.cpu(), cpu_out(hidden.cpu()[:, t:]).transpose(1, 2), cfg.cpu(),
                                             0.0917).to(device)
-            errs = [relative_error(triton_kernels.dit_input(x, leading, in_proj.weight, in_proj.bias), seq_ref),
-                    relative_error(triton_kernels.dit_output_euler(hidden, t, out_proj.weight, out_proj.bias, x,
-                                                                   cfg.reshape(b), 0.0917), step_ref)]
-            with mock.patch.object(fused, "kernels", triton_kernels.usable), \
-                    mock.patch.object(triton_kernels, "dit_input", wraps=triton_kernels.dit_input) as spy_in, \
-                    mock.patch.object(triton_kernels, "dit_output_euler",
-                                      wraps=triton_kernels.dit_output_euler) as spy_out:
-                errs += [relative_error(fused.dit_input(x, leading, in_proj), seq_ref),
-                         relative_error(fused.dit_output_euler(hidden, t, out_proj, x, cfg, 0.0917), step_ref)]
+            seq = cfg_euler_ops.dit_input_triton(x, leading, in_proj.weight, in_proj.bias)
+            step = cfg_euler_ops.dit_output_euler_triton(hidden, t, out_proj.weight, out_proj.bias, x, cfg.reshape(b),
+                                                         0.0917)
+            errs = [relative_error(seq, seq_ref), relative_error(step, step_ref)]
+            with mock.patch.object(platform, "kernels", platform.usable), \
+                    mock.patch.object(cfg_euler_ops, "dit_input_triton",
+                                      wraps=cfg_euler_ops.dit_input_triton) as spy_in, \
+                    mock.patch.object(cfg_euler_ops, "dit_output_euler_triton",
+                                      wraps=cfg_euler_ops.dit_output_euler_triton) as spy_out:
+                errs += [relative_error(cfg_euler_ops.dit_input(x, leading, in_proj), seq_ref),
+                         relative_error(cfg_euler_ops.dit_output_euler(hidden, t, out_proj, x, cfg, 0.0917), step_ref)]
             assert spy_in.call_count == spy_out.call_count == 1, "the sampler's calls fell back to the eager ops"
         return max(errs)
 
@@ -376,8 +406,13 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         backend's, as rotary + cache write in one kernel then the paged kernel, and (16-key splits: the third
         sequence's context is split) as the split decode kernel doing the rotary and the cache write itself; and the
         MLP's gated projection."""
-        from engine import triton_attention
         from engine.attention import AttentionMetadata, PagedKVCache
+        from engine.ops import (
+            linear,
+            platform,
+            rotary,
+            skinny_gemm,
+        )
 
         hq, hk, dim, bs = 4, 2, 32, 4
         lens = [5, 1, 19]  # context per sequence, the new token included
@@ -396,35 +431,37 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                 cache = PagedKVCache(1, 8, bs, hk, dim, dtype, device, backend=backend)
                 cache.k.copy_(rand(*cache.k.shape, dtype=dtype, seed=21))
                 cache.v.copy_(rand(*cache.v.shape, dtype=dtype, seed=22))
-                kernels = triton_kernels.usable if backend == "triton" else fused.kernels  # the torch one: eager ops
-                fused_write = triton_kernels.rotary_store_kv
-                with mock.patch.object(fused, "kernels", kernels), \
+                kernels = platform.usable if backend == "triton" else platform.kernels  # the torch one: eager ops
+                fused_write = rotary.rotary_store_kv_triton
+                with mock.patch.object(platform, "kernels", kernels), \
                         options.override(attn_split_keys=split_keys), \
-                        mock.patch.object(triton_kernels, "rotary_store_kv", wraps=fused_write) as spy:
+                        mock.patch.object(rotary, "rotary_store_kv_triton", wraps=fused_write) as spy:
                     out[backend, split_keys] = (cache.attend_fn(meta)(0, q, k, v, rope), cache.k.clone(),
                                                 cache.v.clone())
                 assert spy.call_count == (backend == "triton" and not split_keys), \
                     f"{backend} split {split_keys}: separate rotary + K/V write used {spy.call_count}x"
-                assert all(bool((c == 0).all()) for c in triton_attention._counters.values())
+                assert all(bool((c == 0).all()) for c in paged_attention._counters.values())
             for ours in (out["triton", 0], out["triton", 16]):
                 errs += [relative_error(a, b) for a, b in zip(ours, out["torch", 0], strict=True)]
         x = rand(5, 64, dtype=dtype, seed=23)
         w = rand(96, 64, dtype=dtype, seed=24) * 0.125
         gate, up = F.linear(x, w).chunk(2, dim=-1)
-        with mock.patch.object(fused, "kernels", triton_kernels.usable), \
-                mock.patch.object(triton_kernels, "skinny_matmul", wraps=triton_kernels.skinny_matmul) as spy:
-            errs.append(relative_error(fused.silu_gate_linear(x, w), F.silu(gate) * up))
-        assert spy.call_count == 1, "fused.silu_gate_linear did not take the skinny kernel"
+        with mock.patch.object(platform, "kernels", platform.usable), \
+                mock.patch.object(skinny_gemm, "skinny_matmul", wraps=skinny_gemm.skinny_matmul) as spy:
+            errs.append(relative_error(linear.silu_gate_linear(x, w), F.silu(gate) * up))
+        assert spy.call_count == 1, "linear.silu_gate_linear did not take the skinny kernel"
         return max(errs)
 
     def dense_layer_stack(dtype: torch.dtype) -> float:
-        """A local module's stack as layer kernels (`engine.triton_layer`) against its eager layers: with and without
+        """A local module's stack as layer kernels (`engine.ops.layer_stack`) against its eager layers: with and without
         rotary and muP scale, 1-2 sequences, and taken by MiniCPM.forward where the kernels serve the tensor. On CUDA
         also fused (grid barriers), with a wide MLP whose units outnumber the resident programs (each program takes
         several), and the barrier counters back at zero after every launch."""
-        from engine import triton_layer
         from engine.config import TransformerConfig
         from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
+        from engine.ops import (
+            platform,
+        )
 
         errs = []
         modes = ["phases"] + (["fused"] if device == "cuda" else [])  # the interpreter cannot run grid barriers
@@ -443,18 +480,18 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             for n, length in ((2, 11), (1, 5)):
                 x = rand(n, length, 64, dtype=dtype, seed=33 + length)
                 rope = rotary_table(cfg, length, torch.device(device))
-                with mock.patch.object(fused, "kernels", lambda _: False):
+                with mock.patch.object(platform, "kernels", lambda _: False):
                     ref = stack.forward_local(x, rope)
-                assert triton_layer.supported(stack, x)
+                assert layer_stack.supported(stack, x)
                 stack_rope = rope if stack.uses_rope else None
                 for mode in modes:
                     with options.override(layer_kernel=mode):
-                        errs.append(relative_error(triton_layer.dense_stack(stack, x, stack_rope), ref))
+                        errs.append(relative_error(layer_stack.dense_stack(stack, x, stack_rope), ref))
                     if mode == "fused":
-                        counters = triton_layer._sync[triton_layer._device(x.device)]
+                        counters = layer_stack._sync[layer_stack._device(x.device)]
                         assert counters.tolist() == [0, 0], f"barrier counters left at {counters.tolist()}"
-                with mock.patch.object(fused, "kernels", triton_kernels.usable), \
-                        mock.patch.object(triton_layer, "dense_stack", wraps=triton_layer.dense_stack) as spy:
+                with mock.patch.object(platform, "kernels", platform.usable), \
+                        mock.patch.object(layer_stack, "dense_stack", wraps=layer_stack.dense_stack) as spy:
                     errs.append(relative_error(stack.forward_local(x, rope), ref))
                 assert spy.call_count == 1, "MiniCPM.forward did not take the layer kernels"
         return max(errs)
@@ -518,9 +555,11 @@ def test_refused_cooperative_grid_is_halved_cuda() -> None:
     """A fused layer-kernel grid larger than the GPU can hold at once (what an MPS client with an SM limit meets) is
     refused by the driver as a cooperative launch; the launch halves it until accepted, keeps that size as the
     device's cap (a later launch is not refused again), and computes what the per-phase launches compute."""
-    from engine import triton_layer
     from engine.config import TransformerConfig
     from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
+    from engine.ops import (
+        layer_stack,
+    )
 
     cfg = TransformerConfig(hidden_size=64, intermediate_size=8192, num_attention_heads=4, num_key_value_heads=2,
                             num_hidden_layers=2, rms_norm_eps=1e-5, kv_channels=32)
@@ -529,29 +568,29 @@ def test_refused_cooperative_grid_is_halved_cuda() -> None:
     fuse_projections(stack)
     x = torch.randn(2, 11, 64, device="cuda")
     rope = rotary_table(cfg, 11, torch.device("cuda"))
-    assert triton_layer.supported(stack, x)
+    assert layer_stack.supported(stack, x)
     with options.override(layer_kernel="phases"):
-        ref = triton_layer.dense_stack(stack, x, rope)
-    dev = triton_layer._device(x.device)
-    real_launch = triton_layer._launch_fused
+        ref = layer_stack.dense_stack(stack, x, rope)
+    dev = layer_stack._device(x.device)
+    real_launch = layer_stack._launch_fused
 
     def oversized(grid: int, args: tuple, kwargs: dict, device: torch.device) -> None:
         real_launch(grid * 64, args, kwargs, device)  # far more programs than the SMs hold at once
 
     with options.override(layer_kernel="fused"), options.override(layer_cooperative=True), \
-            mock.patch.object(triton_layer, "_launch_fused", oversized), \
-            mock.patch.dict(triton_layer._grid_cap, clear=True), \
-            mock.patch.object(triton_layer, "_plain_launch", set()):
-        out = triton_layer.dense_stack(stack, x, rope)
-        cap = triton_layer._grid_cap.get(dev)
-        with mock.patch.object(triton_layer, "log") as log:
-            again = triton_layer.dense_stack(stack, x, rope)  # starts from the remembered cap
+            mock.patch.object(layer_stack, "_launch_fused", oversized), \
+            mock.patch.dict(layer_stack._grid_cap, clear=True), \
+            mock.patch.object(layer_stack, "_plain_launch", set()):
+        out = layer_stack.dense_stack(stack, x, rope)
+        cap = layer_stack._grid_cap.get(dev)
+        with mock.patch.object(layer_stack, "log") as log:
+            again = layer_stack.dense_stack(stack, x, rope)  # starts from the remembered cap
         assert cap is not None, "the oversized cooperative grid was not refused"
-        assert triton_layer._grid_cap[dev] == cap and not log.warning.called, "a later launch was refused again"
-        assert not triton_layer._plain_launch
+        assert layer_stack._grid_cap[dev] == cap and not log.warning.called, "a later launch was refused again"
+        assert not layer_stack._plain_launch
     assert relative_error(out, ref) <= BOUNDS[torch.float32]
     assert torch.equal(again, out)
-    assert triton_layer._sync[dev].tolist() == [0, 0], "barrier counters left set"
+    assert layer_stack._sync[dev].tolist() == [0, 0], "barrier counters left set"
 
 
 @pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
@@ -559,10 +598,13 @@ def test_split_k_residual_projections_match_one_gemm_cuda() -> None:
     """Where `residual_splits` splits (K >= 1024, few outputs), a decoder stack's o and down projections come back as
     fp32 partials that the add + RMSNorm kernel sums: the stack's output matches the one-GEMM path's within bf16
     rounding, and the split path really ran (o: K 1024, 2 slices; down: K 4096, 4 slices; the kernel got them)."""
-    from engine import fused, triton_kernels
     from engine.config import TransformerConfig
     from engine.models import minicpm
     from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
+    from engine.ops import (
+        linear,
+        norm,
+    )
 
     cfg = TransformerConfig(hidden_size=256, intermediate_size=4096, num_attention_heads=8, num_key_value_heads=2,
                             num_hidden_layers=2, rms_norm_eps=1e-5, kv_channels=128)
@@ -574,7 +616,7 @@ def test_split_k_residual_projections_match_one_gemm_cuda() -> None:
     shapes: list[tuple[int, ...]] = []
 
     def recording(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        out = fused.residual_linear(a, w)
+        out = linear.residual_linear(a, w)
         shapes.append(tuple(out.shape))
         return out
 
@@ -582,7 +624,7 @@ def test_split_k_residual_projections_match_one_gemm_cuda() -> None:
         with options.override(split_k=False):
             ref = stack.forward_local(x, rope)
         with mock.patch.object(minicpm, "residual_linear", recording), \
-                mock.patch.object(triton_kernels, "add_rms_norm", wraps=triton_kernels.add_rms_norm) as kernel:
+                mock.patch.object(norm, "add_rms_norm_triton", wraps=norm.add_rms_norm_triton) as kernel:
             out = stack.forward_local(x, rope)
     assert shapes == [(2, 4, 24, 256), (4, 4, 24, 256)] * 2, shapes
     assert sum(c.args[1] is not None and c.args[1].dim() == 4 for c in kernel.call_args_list) == 4
@@ -594,7 +636,12 @@ def test_pdl_chain_matches_plain_launches_cuda() -> None:
     """The one-row chain of GEMV and add + RMSNorm kernels launched with PDL (engine/pdl.py) computes exactly what
     plain launches of the same kernels compute, eager and replayed in a CUDA graph over new inputs: a kernel that read
     its predecessor's output before that was written would differ. Also checks the launches were PDL ones."""
-    from engine import fused, pdl, triton_kernels
+    from engine.ops import (
+        gemv,
+        linear,
+        norm,
+        pdl,
+    )
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90 or newer")
@@ -608,15 +655,15 @@ def test_pdl_chain_matches_plain_launches_cuda() -> None:
     x_in = torch.randn(1, hidden, device="cuda").bfloat16()
 
     def chain() -> torch.Tensor:
-        x, normed = x_in, fused.rms_norm(x_in, weights[0]["norm"], 1e-5)
+        x, normed = x_in, norm.rms_norm(x_in, weights[0]["norm"], 1e-5)
         for w in weights:
-            qkv = fused.linear(normed, w["qkv"])
-            x, normed = fused.add_rms_norm(x, fused.residual_linear(qkv[:, :hidden], w["o"]), None, w["norm"], 1e-5)
-            gated = fused.silu_gate_linear(normed, w["gate_up"])
-            x, normed = fused.add_rms_norm(x, fused.residual_linear(gated, w["down"]), None, w["norm"], 1e-5)
+            qkv = linear.linear(normed, w["qkv"])
+            x, normed = norm.add_rms_norm(x, linear.residual_linear(qkv[:, :hidden], w["o"]), None, w["norm"], 1e-5)
+            gated = linear.silu_gate_linear(normed, w["gate_up"])
+            x, normed = norm.add_rms_norm(x, linear.residual_linear(gated, w["down"]), None, w["norm"], 1e-5)
         return normed
 
-    with mock.patch.object(triton_kernels, "GEMV_SLICE", 512):  # the down projection's K in 3 slices: partials
+    with mock.patch.object(gemv, "GEMV_SLICE", 512):  # the down projection's K in 3 slices: partials
         with options.override(pdl=False):
             plain = chain()
         with mock.patch.object(pdl, "option", wraps=pdl.option) as spy:

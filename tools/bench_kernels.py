@@ -4,9 +4,9 @@
 - gemm: every bias-free projection of the four transformer stacks (q/k/v, o, gate/up with the SiLU gate, down)
   at few rows, cuBLAS (F.linear, + silu_mul for gate/up) against `skinny_matmul` with its default
   configuration, and a sweep of its tile configurations at the rows of a B=1 step;
-- layer: the DiT's and LocEnc's stacks as separate kernels per layer against the layer kernel (engine/triton_layer.py);
+- layer: the DiT's and LocEnc's stacks as separate kernels per layer against the layer kernel (engine/layer_stack.py);
 - splitk: the o and down projections with the residual add + RMSNorm after them, one cuBLAS GEMM against the
-  split-K partials of `fused.residual_linear` (2 and 4 slices of K) and what `fused.residual_splits` picks;
+  split-K partials of `linear.residual_linear` (2 and 4 slices of K) and what `linear.residual_splits` picks;
 - barrier: what one of the layer kernel's grid barriers costs (a grid of one or two programs per SM through 84
   barriers, with and without a store and a load of another program's data between them), against a kernel boundary
   in a CUDA graph (84 dependent launches of the same grid).
@@ -38,9 +38,10 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from engine import options, triton_kernels, triton_layer  # noqa: E402
+from engine import options  # noqa: E402
 from engine.config import TransformerConfig, VoxCPMConfig  # noqa: E402
 from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table  # noqa: E402
+from engine.ops import dense_attention, layer_stack, linear, norm, silu_mul, skinny_gemm  # noqa: E402
 from tools.profile_step import graph_ms  # noqa: E402
 
 
@@ -97,21 +98,21 @@ def bench_gemm(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: 
 
             def cublas(w: torch.Tensor, x: torch.Tensor = x, gated: bool = gated) -> torch.Tensor:
                 y = torch.nn.functional.linear(x, w)
-                return triton_kernels.silu_mul(*y.chunk(2, dim=-1)) if gated else y
+                return silu_mul.silu_mul_triton(*y.chunk(2, dim=-1)) if gated else y
 
             base = gemm_us(cublas, weights)
-            ours = gemm_us(lambda w, x=x, g=gated: triton_kernels.skinny_matmul(x, w, silu_gate=g), weights)
+            ours = gemm_us(lambda w, x=x, g=gated: skinny_gemm.skinny_matmul(x, w, silu_gate=g), weights)
             gbytes = weight.numel() * weight.element_size() / 1e3  # per us -> GB/s
             row = {"projection": name, "batch": b, "rows": m, "n": n_rows, "k": k_dim, "cublas_us": round(base, 2),
-                   "skinny_us": round(ours, 2), "skinny_config": list(triton_kernels.skinny_config(m, k_dim, n_rows)),
+                   "skinny_us": round(ours, 2), "skinny_config": list(skinny_gemm.skinny_config(m, k_dim, n_rows)),
                    "skinny_GBps": round(gbytes / ours), "cublas_GBps": round(gbytes / base)}
             if b == batches[0]:
                 best = None
                 for bn, bk, stages, warps in sweep:
-                    config = (triton_kernels.skinny_config(m, k_dim, n_rows)[0], bn, bk, stages, warps)
+                    config = (skinny_gemm.skinny_config(m, k_dim, n_rows)[0], bn, bk, stages, warps)
                     if (n_rows // (2 if gated else 1)) % bn or k_dim % bk or bk * config[0] > 16384:
                         continue
-                    us = gemm_us(lambda w, x=x, c=config, g=gated: triton_kernels.skinny_matmul(x, w, g, c), weights)
+                    us = gemm_us(lambda w, x=x, c=config, g=gated: skinny_gemm.skinny_matmul(x, w, g, c), weights)
                     if best is None or us < best[0]:
                         best = (us, config)
                 if best is not None:
@@ -124,9 +125,8 @@ def bench_gemm(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: 
 
 def bench_splitk(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: torch.dtype) -> list[dict]:
     """Each stack's o and down projection followed by the residual add + RMSNorm, as `DecoderLayer` runs them: one
-    cuBLAS GEMM against `fused.residual_linear`'s split-K partials over 2 and 4 slices of K (the kernel summing
-    them), and what `fused.residual_splits` picks, at the rows of each batch size (LM: one per request)."""
-    from engine import fused
+    cuBLAS GEMM against `linear.residual_linear`'s split-K partials over 2 and 4 slices of K (the kernel summing
+    them), and what `linear.residual_splits` picks, at the rows of each batch size (LM: one per request)."""
 
     rows = []
     for stack, tcfg, per_request in (("LM", cfg.lm, 1), ("DiT", cfg.dit, dit_rows(cfg)),
@@ -140,14 +140,14 @@ def bench_splitk(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype
                 x = torch.randn(m, k_dim, device=dev, dtype=dtype)
                 resid = torch.randn(m, n, device=dev, dtype=dtype)
                 row = {"projection": f"{stack} {name}", "batch": b, "rows": m, "n": n, "k": k_dim,
-                       "picked_splits": fused.residual_splits(m, k_dim, n)}
+                       "picked_splits": linear.residual_splits(m, k_dim, n)}
                 for splits in (1, 2, 4):
-                    with mock.patch.object(fused, "residual_splits", lambda *_, s=splits: s):
-                        if splits > 1 and fused.residual_linear(x, weight).dim() == 2:
+                    with mock.patch.object(linear, "residual_splits", lambda *_, s=splits: s):
+                        if splits > 1 and linear.residual_linear(x, weight).dim() == 2:
                             row[f"splits{splits}_us"] = None  # not split here (VOXCPM_SPLIT_K=0, or K / S unaligned)
                             continue
-                        us = gemm_us(lambda w, x=x, r=resid, g=norm_w: fused.add_rms_norm(
-                            r, fused.residual_linear(x, w), None, g, 1e-5), weights)
+                        us = gemm_us(lambda w, x=x, r=resid, g=norm_w: norm.add_rms_norm(
+                            r, linear.residual_linear(x, w), None, g, 1e-5), weights)
                     row[f"splits{splits}_us"] = round(us, 2)
                 rows.append(row)
                 print(f"{stack} {name} rows={m}: one GEMM {row['splits1_us']} us, 2 slices {row['splits2_us']},"
@@ -173,7 +173,7 @@ def sweep_us(run: Callable[[], object], layers: int, setting: str, values: dict[
 
 def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: torch.dtype) -> list[dict]:
     """The DiT's and LocEnc's whole stacks (every layer its own random weights, read from HBM) at a decode step's
-    rows: the layers' separate kernels against the layer kernel (`engine.triton_layer`) as one launch per stack
+    rows: the layers' separate kernels against the layer kernel (`engine.ops.layer_stack`) as one launch per stack
     (grid barriers) and as one launch per phase; the outputs' relative error against the separate kernels'."""
     out = []
     for name, tcfg, seq_len, per_request in (("DiT", cfg.dit, dit_rows(cfg) // 2, 2),
@@ -187,7 +187,7 @@ def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype:
         rope = rotary_table(tcfg, seq_len, dev)
         for b in batches:
             x = torch.randn(b * per_request, seq_len, tcfg.hidden_size, device=dev, dtype=dtype)
-            if not triton_layer.supported(stack, x):
+            if not layer_stack.supported(stack, x):
                 continue
             row: dict = {"module": name, "batch": b, "rows": x.shape[0] * seq_len, "layers": len(stack.layers)}
             outputs = {}
@@ -200,7 +200,7 @@ def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype:
                 ref = outputs["off"]
                 row[f"{mode}_rel_err"] = float((outputs[mode] - ref).abs().max() / ref.abs().max())
             with options.override(layer_kernel="phases"), torch.no_grad():
-                row["phase_us"] = [round(replay_us(partial(triton_layer.dense_stack, stack, x, rope, (phase,)))
+                row["phase_us"] = [round(replay_us(partial(layer_stack.dense_stack, stack, x, rope, (phase,)))
                                          / len(stack.layers), 2) for phase in range(7)]
             run = partial(stack.forward_local, x, rope)
             if b == batches[0] and name == "DiT":  # (K tile, stages, warps, programs per SM) of the fused kernel
@@ -234,7 +234,7 @@ def _barrier_chain(sync_ptr, data_ptr, n, EXCHANGE: tl.constexpr):
     for i in range(n):
         if EXCHANGE:
             tl.store(data_ptr + pid * 128 + offs, acc + i)
-        triton_layer._grid_sync(sync_ptr, (i + 1) * nprog, True)
+        layer_stack._grid_sync(sync_ptr, (i + 1) * nprog, True)
         if EXCHANGE:
             acc += tl.load(data_ptr + ((pid + 1) % nprog) * 128 + offs, cache_modifier=".cg")
     tl.store(data_ptr + pid * 128 + offs, acc)
@@ -303,7 +303,7 @@ def main() -> None:
             q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
             q, k, v = q.view(n, seq_len, hq, d), k.view(n, seq_len, hk, d), v.view(n, seq_len, hk, d)
             group = hq // hk
-            attend = partial(triton_kernels.dense_attention, q, k, v, rope[:, 0], rope[:, 1])
+            attend = partial(dense_attention.dense_attention_triton, q, k, v, rope[:, 0], rope[:, 1])
             for heads in (h for h in (1, 2, 4, 8, 16) if group % h == 0):
                 for warps in (1, 2, 4, 8):
                     us = replay_us(partial(attend, heads_per_program=heads, num_warps=warps))
@@ -314,7 +314,7 @@ def main() -> None:
             print(f"{name} B={b}: default {auto:.1f} us, best {best['us']:.1f} us at heads={best['heads_per_program']} "
                   f"warps={best['num_warps']}", flush=True)
             rows.append({"module": name, "batch": b, "sequences": n, "seq_len": seq_len, "heads_per_program": "default",
-                         "num_warps": triton_kernels.dense_attention_warps(n, hq), "us": round(auto, 2)})
+                         "num_warps": dense_attention.dense_attention_warps(n, hq), "us": round(auto, 2)})
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows, "gemm": gemm_rows,
               "layer": layer_rows, "barrier": barrier, "splitk": splitk_rows}

@@ -2,7 +2,7 @@
 
 `--stack lm` (default): the LMs' layers without attention, LM shapes of the checkpoint's config, every layer its own
 weights (they stream from HBM, as in a step): q/k/v -> o (of the normed rows) -> add + RMSNorm -> gate/up + SiLU ->
-down -> add + RMSNorm, through `engine.fused` exactly as `MiniCPM`'s layers call it. Ways: cuBLAS and the skinny
+down -> add + RMSNorm, through `engine.ops` exactly as `MiniCPM`'s layers call it. Ways: cuBLAS and the skinny
 gate/up kernel (the engine before session 15), and at one row the GEMV with plain launches and chained by PDL.
 
 `--stack dit` / `--stack locenc`: the real local stack (`MiniCPM` with random weights of the config's shapes, its
@@ -30,9 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engine import fused, options  # noqa: E402
+from engine import options  # noqa: E402
 from engine.config import TransformerConfig, VoxCPMConfig  # noqa: E402
 from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table  # noqa: E402
+from engine.ops import linear, norm  # noqa: E402
 from tools.profile_step import graph_ms  # noqa: E402
 
 # way -> the engine options set for it; None for gemv_max_rows means "the rows measured"
@@ -91,12 +92,12 @@ def lm_chain(cfg: TransformerConfig, rows_list: list[int], layers_n: int, result
 
         def chain(x0: torch.Tensor = x0) -> torch.Tensor:
             x = x0
-            normed = fused.rms_norm(x, layers[0]["norm1"], 1e-5)
+            normed = norm.rms_norm(x, layers[0]["norm1"], 1e-5)
             for lw in layers:
-                fused.linear(normed, lw["qkv"])
-                x, normed = fused.add_rms_norm(x, fused.residual_linear(normed, lw["o"]), None, lw["norm2"], 1e-5)
-                gated = fused.silu_gate_linear(normed, lw["gate_up"])
-                x, normed = fused.add_rms_norm(x, fused.residual_linear(gated, lw["down"]), None, lw["norm1"], 1e-5)
+                linear.linear(normed, lw["qkv"])
+                x, normed = norm.add_rms_norm(x, linear.residual_linear(normed, lw["o"]), None, lw["norm2"], 1e-5)
+                gated = linear.silu_gate_linear(normed, lw["gate_up"])
+                x, normed = norm.add_rms_norm(x, linear.residual_linear(gated, lw["down"]), None, lw["norm1"], 1e-5)
             return normed
 
         ways = {w: p for w, p in LM_WAYS.items() if rows == 1 or not w.startswith("gemv")}

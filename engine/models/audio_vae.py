@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine import fused
-from engine.fused import snake
 from engine.models.minicpm import embedding
+from engine.ops import platform, upsampler, vae_conv
+from engine.ops.snake import snake
 from engine.options import current
 
 
@@ -221,7 +221,7 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
         return (self.in_channels, self.context) if self.context > 0 else None
 
     def tap_weight(self) -> Tensor:
-        """The weight as (K * C_out, C_in), rows ordered (tap, channel), for `fused.causal_conv_transpose`; made
+        """The weight as (K * C_out, C_in), rows ordered (tap, channel), for `upsampler.causal_conv_transpose`; made
         once per weight version (VoxCPM2's fp32 upsamplers: ~165 MB beside their own ~165 MB)."""
         key = (self.weight.data_ptr(), self.weight._version)
         cached = getattr(self, "_tap_weight", None)
@@ -234,9 +234,9 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
     def forward(self, x: Tensor, states: StreamStates | None = None) -> Tensor:  # type: ignore[override]
         stride = self.stride[0]
         streaming = states is not None and self.state_slot is not None
-        if fused.kernels(x) and current().vae_dwconv == "triton" and current().vae_upsampler == "gemm":
+        if platform.kernels(x) and current().vae_dwconv == "triton" and current().vae_upsampler == "gemm":
             state, slots = layer_context(states, self.state_slot)
-            out = fused.causal_conv_transpose(x, state, self.tap_weight(), self.bias, stride, self.kernel_size[0],
+            out = upsampler.causal_conv_transpose(x, state, self.tap_weight(), self.bias, stride, self.kernel_size[0],
                                               slots)
             if out is not None:
                 y, new_state = out
@@ -293,7 +293,7 @@ class ResidualUnit(nn.Module):
                         and conv.padding == (0,) and conv.left_pad == (conv.kernel_size[0] - 1) * conv.dilation[0])
 
     def forward(self, x: Tensor, states: StreamStates | None = None) -> Tensor:
-        if self.fusable and fused.kernels(x) and current().vae_dwconv == "triton":
+        if self.fusable and platform.kernels(x) and current().vae_dwconv == "triton":
             y = self.forward_deferred(x, states)
             if y is not None:
                 out, bias = y
@@ -309,13 +309,13 @@ class ResidualUnit(nn.Module):
         snake1, conv, snake2, pointwise = self.block
         streaming = states is not None and conv.state_slot is not None
         state, slots = layer_context(states, conv.state_slot)
-        if not fused.depthwise_conv_supported(x, state, conv.weight, conv.bias, conv.dilation[0], slots):
+        if not vae_conv.depthwise_conv_supported(x, state, conv.weight, conv.bias, conv.dilation[0], slots):
             return None
-        h, new_state = fused.causal_depthwise_conv(x, state, conv.weight, conv.bias, conv.dilation[0], snake2.alpha,
+        h, new_state = vae_conv.causal_depthwise_conv(x, state, conv.weight, conv.bias, conv.dilation[0], snake2.alpha,
                                                    slots, in_alpha=snake1.alpha, in_shift=pending)
         if streaming and slots is None:
             states[conv.state_slot] = new_state
-        out = fused.pointwise_conv_residual(h, pointwise.weight, None, x)
+        out = vae_conv.pointwise_conv_residual(h, pointwise.weight, None, x)
         bias = pointwise.bias
         return out, (bias if pending is None else pending if bias is None else pending + bias)
 
@@ -390,8 +390,8 @@ class DecoderBlock(nn.Module):
                          shift: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """The block of the input x * scale + shift (per-channel, each optional, applied inside the Snake kernel)
         with the residual units' biases left out: (y, bias) with output = y + bias (see ResidualUnit)."""
-        snake, upsample, *units = self.block
-        x = upsample(fused.snake(x, snake.alpha, scale, shift), states)
+        activation, upsample, *units = self.block
+        x = upsample(snake(x, activation.alpha, scale, shift), states)
         pending = None
         for unit in units:
             y = unit.forward_deferred(x, states, pending)
@@ -514,7 +514,7 @@ class Decoder(nn.Module):
         if self.sr_cond_model is not None and sr_idx is None:
             raise ValueError("sample-rate conditioned decoder needs sr_idx")
         conds = list(self.sr_cond_model) if self.sr_cond_model is not None else [None] * len(self.model)
-        if (self.deferrable and not isinstance(sr_idx, Tensor) and fused.kernels(x)
+        if (self.deferrable and not isinstance(sr_idx, Tensor) and platform.kernels(x)
                 and current().vae_dwconv == "triton"):
             return self._forward_deferred(x, sr_idx, states, conds)
         for layer, cond in zip(self.model, conds, strict=True):
@@ -536,7 +536,7 @@ class Decoder(nn.Module):
                     shift = (pending if scale is None else pending * scale) + (0 if shift is None else shift)
                 x, pending = layer.forward_deferred(x, states, scale, shift)
             elif isinstance(layer, Snake1d) and pending is not None:
-                x, pending = fused.snake(x, layer.alpha, shift=pending), None
+                x, pending = snake(x, layer.alpha, shift=pending), None
             else:
                 if pending is not None:
                     x, pending = x + pending[:, None], None

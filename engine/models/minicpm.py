@@ -12,12 +12,14 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine import fused, triton_layer
 from engine.config import TransformerConfig
-from engine.fused import add_rms_norm, residual_linear, rms_norm, rotary_qk, silu_mul
+from engine.ops import layer_stack, linear, platform
+from engine.ops.dense_attention import dense_attention as dense_attention_op
+from engine.ops.linear import residual_linear
+from engine.ops.norm import add_rms_norm, rms_norm
+from engine.ops.silu_mul import silu_mul
 
 # attend(layer_index, q, k, v, rope) -> output with q's leading shape and heads*head_dim last; rope: rotary rows
 # (L, 2, head_dim) that the attention applies to q and k first (inside its kernels where it can), or None.
@@ -99,10 +101,10 @@ class Attention(nn.Module):
             self.qkv_weight = _fuse_rows(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None, attend: AttendFn, layer: int) -> torch.Tensor:
-        """The attention branch's output, or its split-K partials (`fused.residual_linear`) for `add_rms_norm`."""
+        """The attention branch's output, or its split-K partials (`linear.residual_linear`) for `add_rms_norm`."""
         lead = x.shape[:-1]
         if self.qkv_weight is not None:
-            q, k, v = fused.linear(x, self.qkv_weight).split(
+            q, k, v = linear.linear(x, self.qkv_weight).split(
                 [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                  self.num_kv_heads * self.head_dim], dim=-1)
         else:
@@ -126,9 +128,9 @@ class MLP(nn.Module):
             self.gate_up_weight = _fuse_rows(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The MLP branch's output, or its split-K partials (`fused.residual_linear`) for `add_rms_norm`."""
+        """The MLP branch's output, or its split-K partials (`linear.residual_linear`) for `add_rms_norm`."""
         if self.gate_up_weight is not None:
-            gated = fused.silu_gate_linear(x, self.gate_up_weight)
+            gated = linear.silu_gate_linear(x, self.gate_up_weight)
         else:
             gated = silu_mul(self.gate_proj(x), self.up_proj(x))
         return residual_linear(gated, self.down_proj.weight)
@@ -193,7 +195,7 @@ class MiniCPM(nn.Module):
     def stack_layer_weights(self) -> None:
         """Each kind of layer weight (fused q/k/v, o, fused gate/up, down, the post-attention norms, and the input
         norms followed by the final norm) as one contiguous (layers, ...) tensor whose rows the layers' weights are
-        views of: the layer kernel (`engine.triton_layer`) then runs the whole stack in one launch, addressing a
+        views of: the layer kernel (`engine.ops.layer_stack`) then runs the whole stack in one launch, addressing a
         layer's weights at a fixed stride. No extra memory; the named parameters stay valid. After
         `fuse_projections`; idempotent."""
         weights = self._layer_weights()
@@ -239,28 +241,19 @@ class MiniCPM(nn.Module):
     def forward_local(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         """A local module's stack (LocEnc, DiT): bidirectional attention within each short sequence of x; where the
         layer kernel takes these few rows, the whole stack is one kernel launch."""
-        if len(self.layers) and fused.kernels(x) and triton_layer.supported(self, x):
-            return triton_layer.dense_stack(self, x, rope if self.uses_rope else None)
+        if len(self.layers) and platform.kernels(x) and layer_stack.supported(self, x):
+            return layer_stack.dense_stack(self, x, rope if self.uses_rope else None)
         return self.forward(x, rope, dense_attention)
 
 
 class DenseAttention:
-    """Bidirectional attention within each short sequence (LocEnc, DiT): q (N, L, Hq, D), k/v (N, L, Hkv, D),
-    rotary rows `rope` (L, 2, D) applied to q and k first. On CUDA one Triton kernel does both."""
+    """The local modules' `AttendFn`: bidirectional attention within each short sequence (`engine.ops.dense_attention`;
+    the layer index is not used, there is no cache)."""
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  rope: torch.Tensor | None = None) -> torch.Tensor:
         del layer
-        out = fused.dense_attention(q, k, v, rope)
-        if out is not None:
-            return out
-        if rope is not None:
-            q, k = rotary_qk(q, k, rope[..., 0, :], rope[..., 1, :])
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if not q.is_cuda:  # the CPU kernels' summation order (exact parity) is that of contiguous inputs
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        return o.transpose(1, 2).flatten(-2)
+        return dense_attention_op(q, k, v, rope)
 
 
 dense_attention = DenseAttention()

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import fused
 from engine.config import TransformerConfig, VoxCPMConfig
 from engine.models.minicpm import AttendFn, MiniCPM, rotary_table
+from engine.ops import cfg_euler
 
 AUDIO_START_TOKEN = 101
 REF_AUDIO_START_TOKEN = 103
@@ -130,9 +130,9 @@ class LocDiT(nn.Module):
         """One guided Euler step of the noisy patch x (B, D, P): the velocities of its conditional and unconditional
         copies after `leading` (2B, T, hidden), then `cfg_euler_step` (on CUDA the DiT's input and its output
         projection with the step are one kernel each)."""
-        seq = fused.dit_input(x, leading, self.in_proj)
+        seq = cfg_euler.dit_input(x, leading, self.in_proj)
         h = self.decoder.forward_local(seq, rope[: seq.shape[1]])
-        return fused.dit_output_euler(h, leading.shape[1], self.out_proj, x, cfg, dt)
+        return cfg_euler.dit_output_euler(h, leading.shape[1], self.out_proj, x, cfg, dt)
 
     def velocity_after(self, x: torch.Tensor, leading: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         """The velocity of the noisy patch x (N, D, P) after one step's `leading_tokens` (N, T, hidden)."""

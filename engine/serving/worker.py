@@ -346,7 +346,7 @@ class Worker:
 
     def _device_usable(self) -> bool:
         """After a failed step: whether the device still runs work. Out of memory passes; a CUDA error such as an
-        illegal address, or a layer kernel's trap (engine/triton_layer.py), is sticky: every later call would fail,
+        illegal address, or a layer kernel's trap (engine/ops/layer_stack.py), is sticky: every later call would fail,
         so the worker ends and its owner restarts it on a fresh CUDA context."""
         device = self.engine.device
         if device.type != "cuda":

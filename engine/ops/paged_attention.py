@@ -26,22 +26,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine import pdl
+from engine.ops import pdl, rotary
+from engine.ops.platform import HAVE_TRITON, interpreted
 from engine.options import current
 
 if TYPE_CHECKING:
     import torch
 else:
     from engine.lazy_torch import torch  # the kernel-compiling children never load it
-
-try:  # triton is absent on e.g. macOS; the module must still import there
-    import triton
-    import triton.language as tl
-    from triton.language.extra.cuda import gdc_wait
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - depends on the platform
-    HAVE_TRITON = False
 
 _LOG2E = 1.4426950408889634
 # Keys per tile, by element size. Measured on an H200 (16 heads / 2 kv heads / head_dim 128, 4 warps, 2 stages):
@@ -58,18 +50,11 @@ SPLIT_MAX_ROWS = 64
 _counters: dict[object, torch.Tensor] = {}
 
 if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_wait
 
-    @triton.jit
-    def _rotate_row(src, dst, cos_row, sin_row, HALF: tl.constexpr):
-        """One head's rotary embedding in fp32 (x * cos + rotate_half(x) * sin), rounded to the input dtype."""
-        d = tl.arange(0, HALF)
-        c1, c2 = tl.load(cos_row + d), tl.load(cos_row + HALF + d)
-        s1, s2 = tl.load(sin_row + d), tl.load(sin_row + HALF + d)
-        x1 = tl.load(src + d)
-        x2 = tl.load(src + HALF + d)
-        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-        tl.store(dst + d, (x1f * c1 - x2f * s1).to(x1.dtype))
-        tl.store(dst + HALF + d, (x2f * c2 + x1f * s2).to(x1.dtype))
+    from engine.ops.rotary import rotate_row
 
     @triton.jit
     def _paged_attention_kernel(
@@ -95,7 +80,7 @@ if HAVE_TRITON:
         # PDL chain, so they may be read before its wait; q/k/v (the kernel before's output) only after it.
         row = tl.load(row_index_ptr + t).to(tl.int64)
         ctx = tl.load(context_lens_ptr + t)
-        if PDL:  # engine/pdl.py. No early start for the next kernel: its weight stream would delay these loads.
+        if PDL:  # engine/ops/pdl.py. No early start for the next kernel: its weight stream would delay these loads.
             if SPLIT_KEYS > 0:  # this split's first tile of cached keys and values into L2 while waiting
                 _prefetch_tile(k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
                                block_tables_ptr + row * stride_bt, tl.program_id(2) * SPLIT_KEYS, ctx - 1, stride_kb,
@@ -160,7 +145,7 @@ if HAVE_TRITON:
         for g in tl.static_range(G):
             src = q_ptr + t * stride_qt + (kv_head * G + g) * stride_qh
             if ROPE:
-                _rotate_row(src, q_rot + g * HEAD_DIM, cos_row, sin_row, HALF)
+                rotate_row(src, q_rot + g * HEAD_DIM, cos_row, sin_row, HALF)
             else:
                 tl.store(q_rot + g * HEAD_DIM + e, tl.load(src + e).to(tl.float32))
         if split == active - 1:
@@ -169,7 +154,7 @@ if HAVE_TRITON:
             k_dst = k_ptr + block * stride_kb + offset * stride_ks + kv_head * stride_kh
             k_src = new_k_ptr + t * stride_nkt + kv_head * stride_nkh
             if ROPE:
-                _rotate_row(k_src, k_dst, cos_row, sin_row, HALF)
+                rotate_row(k_src, k_dst, cos_row, sin_row, HALF)
             else:
                 tl.store(k_dst + e, tl.load(k_src + e))
             tl.store(v_ptr + block * stride_vb + offset * stride_vs + kv_head * stride_vh + e,
@@ -265,10 +250,6 @@ if HAVE_TRITON:
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
-def _is_interpreted() -> bool:
-    return type(_paged_attention_kernel).__name__ == "InterpretedFunction"
-
-
 def split_keys_for(num_tokens: int, num_kv_heads: int, table_keys: int) -> int:
     """Keys per program of a call with these rows and block tables of `table_keys` slots, 0 for no split. The splits
     cover the longest context the tables can hold (the grid may not depend on the lengths, which live on the device);
@@ -293,7 +274,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     `decode_attention` (q then not yet rotated, the new K/V not yet in the cache)."""
     if not HAVE_TRITON:
         raise RuntimeError("paged_attention needs triton, which is not importable here; use the torch attention path")
-    if not q.is_cuda and not _is_interpreted():
+    if not q.is_cuda and not interpreted():
         raise RuntimeError("paged_attention runs on CUDA tensors (CPU only with TRITON_INTERPRET=1 set before import)")
 
     num_tokens, num_heads, head_dim = q.shape
@@ -364,16 +345,19 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: to
     K/V cache write inside the split kernel: q (T, Hq, D), k/v (T, Hk, D) the token's projections (unit stride in D),
     one new token per row at position context_lens - 1 (a decode step: no other row of the call may read that
     position, so several tokens of one sequence in one call are not allowed), slot_mapping (T,) int64 its flat cache
-    slot. None where it
-    does not apply (keys not split for this call, or layouts it does not take): the caller then rotates and stores
-    first (`engine.fused.rotary_store_kv`) and calls `paged_attention`."""
-    if not (HAVE_TRITON and (q.is_cuda or _is_interpreted())):
+    slot. None where it does not apply (keys not split for this call, or layouts it does not take: those of the
+    separate rotary + K/V write kernel, and this kernel's q layouts): the caller then rotates and stores first
+    (`rotary.rotary_store_kv`) and calls `paged_attention`."""
+    if not (HAVE_TRITON and (q.is_cuda or interpreted())):
+        return None
+    if not rotary.rotary_store_supported(q, k, v, k_cache, v_cache, slot_mapping):
+        return None
+    if rope is not None and not rotary.rotary_supported(q, k, rope[..., 0, :], rope[..., 1, :]):
         return None
     t, _, dim = q.shape
     hk, block_size = k_cache.shape[-2], k_cache.shape[1]
     if not split_keys_for(t, hk, block_tables.shape[1] * block_size):
         return None
-    # this kernel's q layouts (the caller, `engine.fused.decode_attention`, checks the rotary and K/V write layouts)
     if not (q.dtype == k_cache.dtype and dim >= 16 and q.shape[1] % hk == 0):
         return None
     return paged_attention(q, k_cache, v_cache, block_tables, row_index, context_lens, new_kv=(k, v, slot_mapping),

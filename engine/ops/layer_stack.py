@@ -1,10 +1,9 @@
 """The decoder stack of a local module (LocEnc, DiT) as one persistent Triton kernel, for a few rows.
 
-Why: at B=1 a decode step runs the DiT's 12 layers 9 times (and the LocEnc's 12 once), and each layer was 8 kernels
-of 2-10 us, mostly fixed latency (launch, the first DRAM round trips, the tail): 34.3 us per layer on an H100 where
-its 35 MB of weights take 11.5 us at HBM rate. Here one grid (as many programs as fit on the SMs at once, up to 4 per
-SM; one per SM by default) runs the layer's phases back to back, separated by grid-wide barriers
-(an atomic counter) instead of kernel boundaries:
+Why: at B=1 a decode step runs the DiT's 12 layers 9 times (and the LocEnc's 12 once), and as separate kernels each
+layer is 8 launches of mostly fixed latency (launch, the first DRAM round trips, the tail). Here one grid (as many
+programs as fit on the SMs at once; one per SM by default) runs the layer's phases back to back, separated by
+grid-wide barriers (an atomic counter) instead of kernel boundaries:
 
   0  x = x_prev + the previous layer's down projection (fp32 partials, summed and rounded here); RMSNorm(x) (rows)
   1  q/k/v projection of the normed rows                                                    (BLOCK_N-column tiles)
@@ -15,25 +14,20 @@ SM; one per SM by default) runs the layer's phases back to back, separated by gr
   6  down projection, split along K into fp32 partials, summed by the next layer's phase 0              (tiles x splits)
 
 A stack ends with phase 0 alone under its final norm. The whole stack is one launch: the layers' weights are stacks
-(`MiniCPM.stack_layer_weights`), layer l's at row l, and a barrier replaces the kernel boundary between two layers
-(session 17: the 12 launches of a DiT evaluation left ~0.4 us idle and a new grid's start between them). Each
-program also prefetches into L2 the first weights of its units of the next projection from the phase before it
-(`_prefetch`, `layer_prefetch_mb`; the next layer's q/k/v during its down projection). Measured (H100,
-docs/benchmarks.md, profile steps 12-14): 33.3 us per DiT layer at B=1 (16-column units, 2 programs per SM), 31.75 with
-the prefetch, 30.05 with 32-column units (1 per SM); B=1 step 6.94 -> 6.50 -> 6.19 ms. A barrier costs about what a
-kernel boundary in a CUDA graph costs; the gain is fewer, fuller phases.
+(`MiniCPM.stack_layer_weights`), layer l's at row l. Each program also prefetches into L2 the first weights of its
+units of the next projection during the phase before it (`_prefetch`, EngineOptions.layer_prefetch_mb).
 
 The rounding points are the eager layer's (each projection's output rounded to the dtype after fp32 accumulation,
 split partials summed in split order first, as cuBLAS's split-K does; the norms, attention and SiLU gate as in
-`engine.triton_kernels`). The barriers need every program resident at once: the grid never exceeds what the compiled
+their own ops). The barriers need every program resident at once: the grid never exceeds what the compiled
 variant's registers, shared memory and threads let the SMs hold together (`_programs_per_sm`), and launches of this
 kernel must not overlap (one counter per device, stream-ordered: the engine runs the local modules on one stream;
 kernels of other streams, like the VAE's, only delay programs, they finish on their own). The fused launch is a
-cooperative one (`layer_cooperative`): the driver then guarantees that co-residency, or refuses the launch where the
-process may use fewer SMs than the device reports (an MPS client with an active-thread limit); the grid is then
-halved until it is accepted (`_launch_fused`), instead of spinning into the barrier's trap. Without barriers (Triton's
-interpreter, which runs programs one after another, or mode "phases") each phase is its own launch of the same
-kernel: same arithmetic, kernel boundaries instead of barriers.
+cooperative one (EngineOptions.layer_cooperative): the driver then guarantees that co-residency, or refuses the
+launch where the process may use fewer SMs than the device reports (an MPS client with an active-thread limit); the
+grid is then halved until it is accepted (`_launch_fused`), instead of spinning into the barrier's trap. Without
+barriers (Triton's interpreter, which runs programs one after another, or mode "phases") each phase is its own
+launch of the same kernel: same arithmetic, kernel boundaries instead of barriers.
 """
 
 from __future__ import annotations
@@ -41,9 +35,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from engine import triton_kernels
+from engine.ops.dense_attention import MAX_DENSE_LEN
+from engine.ops.platform import HAVE_TRITON, interpreted, usable
 from engine.options import current
-from engine.triton_attention import HAVE_TRITON, _is_interpreted
 
 if TYPE_CHECKING:
     import torch
@@ -58,8 +52,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from engine.triton_attention import prefetch_l2
-    from engine.triton_kernels import attend_heads
+    from engine.ops.dense_attention import attend_heads
+    from engine.ops.paged_attention import prefetch_l2
 
     @triton.jit
     def _grid_sync(sync_ptr, target, ACTIVE: tl.constexpr):
@@ -302,7 +296,7 @@ def prepare(device: torch.device) -> None:
     device = _device(torch.device(device))
     if device not in _sync:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("triton_layer.prepare(device) must run before a CUDA graph capture")
+            raise RuntimeError("layer_stack.prepare(device) must run before a CUDA graph capture")
         _sync[device] = torch.zeros(2, device=device, dtype=torch.int32)
 
 
@@ -391,11 +385,11 @@ def supported(stack: torch.nn.Module, x: torch.Tensor) -> bool:
     """Whether `dense_stack` runs this MiniCPM stack on x (N, L, hidden): CUDA (or the interpreter), fused
     projections, layer weights stacked (`MiniCPM.stack_layer_weights`), few rows, shapes the tiles divide."""
     o = current()
-    if o.layer_kernel == "off" or not (HAVE_TRITON and triton_kernels.usable(x) and x.dim() == 3 and len(stack.layers)):
+    if o.layer_kernel == "off" or not (HAVE_TRITON and usable(x) and x.dim() == 3 and len(stack.layers)):
         return False
     cfg, layer = stack.cfg, stack.layers[0]
     d = cfg.head_dim
-    return (x.shape[0] * x.shape[1] <= o.layer_max_rows and x.shape[1] <= triton_kernels.MAX_DENSE_LEN
+    return (x.shape[0] * x.shape[1] <= o.layer_max_rows and x.shape[1] <= MAX_DENSE_LEN
             and layer.self_attn.qkv_weight is not None and layer.mlp.gate_up_weight is not None
             and x.dtype == layer.self_attn.qkv_weight.dtype and x.shape[-1] == cfg.hidden_size
             and d >= 32 and d & (d - 1) == 0 and cfg.num_attention_heads % cfg.num_key_value_heads == 0
@@ -418,7 +412,7 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
     _, stages, warps, programs_per_sm = opts.layer_launch
     block_n = opts.layer_block_n
     o_splits, down_splits, block_k = _plan(cfg, sms * programs_per_sm)
-    fused_launch = opts.layer_kernel == "fused" and not _is_interpreted()
+    fused_launch = opts.layer_kernel == "fused" and not interpreted()
     x = x.reshape(rows, h).contiguous()
 
     def buffer(*shape: int, fp32: bool = False) -> torch.Tensor:

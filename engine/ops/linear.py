@@ -1,0 +1,75 @@
+"""Which kernel multiplies a projection: the one-row GEMV, the skinny gate/up kernel, split-K partials or cuBLAS.
+
+Every bias-free projection of the transformers goes through here, so what multiplies, say, a one-row o_proj is
+decided in one place. Split-K (EngineOptions.split_k): where a GEMM has few output tiles for its length of K, cuBLAS
+leaves most SMs idle; a strided batched GEMM over slices of K writes fp32 partials that the add + RMSNorm after it
+sums (`norm.add_rms_norm`). The eager path is `F.linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.ops import gemv, platform, silu_mul, skinny_gemm
+from engine.options import current
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T without bias: on CUDA up to `gemv_max_rows` (EngineOptions) rows (one by default) go to the
+    weight-streaming GEMV kernel chained by PDL (`gemv.gemv`: the LMs' one-row decode chain), the rest to
+    cuBLAS."""
+    if platform.kernels(x) and gemv.gemv_supported(x, weight):
+        return gemv.gemv(x, weight)
+    return F.linear(x, weight)
+
+
+def silu_gate_linear(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for the fused [gate; up] weight (2I, K): for a few rows on CUDA one
+    weight-streaming kernel with the gated product in its epilogue (H100, B=1 step: DiT 10.3 -> 8.6 us, LM
+    21.2 -> 20.0 us against cuBLAS + silu_mul; the other projections stay on cuBLAS, which the same kernel did
+    not beat there), else the GEMM and `silu_mul`."""
+    if platform.kernels(x) and gemv.gemv_supported(x, gate_up_weight, silu_gate=True):
+        return gemv.gemv(x, gate_up_weight, silu_gate=True)
+    if platform.kernels(x) and skinny_gemm.skinny_supported(x, gate_up_weight, silu_gate=True):
+        return skinny_gemm.skinny_matmul(x, gate_up_weight, silu_gate=True)
+    gate, up = F.linear(x, gate_up_weight).chunk(2, dim=-1)
+    return silu_mul.silu_mul(gate, up)
+
+
+def residual_splits(rows: int, k_dim: int, n: int) -> int:
+    """How many K slices `residual_linear` uses for (rows, K) @ (K, n): 1 (one GEMM) where splitting measured no
+    faster on the H100 (`bench_kernels --only splitk`: many outputs, or a short K)."""
+    outputs = rows * n
+    if k_dim < 1024 or outputs > (1100 << 10 if k_dim >= 4096 else 360 << 10):
+        return 1
+    return 4 if k_dim >= 4096 and n <= 1024 and outputs <= 180 << 10 else 2
+
+
+def split_k_views(x2: torch.Tensor, weight: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views for a batched GEMM over `splits` slices of K (no copies): x2 (rows, K) contiguous -> (S, rows, K/S) with
+    strides (K/S, K, 1); weight (N, K) contiguous -> (S, K/S, N), column-major slices that cuBLAS reads as they are.
+    bmm of the two, summed over S, is x2 @ weight.T."""
+    rows, k_dim = x2.shape
+    part = k_dim // splits
+    return (x2.view(rows, splits, part).transpose(0, 1),
+            weight.view(weight.shape[0], splits, part).permute(1, 2, 0))
+
+
+def residual_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T for the last projection of a residual branch, which `add_rms_norm` adds to the stream: the output,
+    or on CUDA where `residual_splits` says so, its S partial products over slices of K, (S, *x.shape[:-1], N)
+    fp32 (fp32 accumulation throughout; only the summation order differs from one GEMM's). One-row calls go to the
+    GEMV kernel (`linear`), which returns partials where it cuts K into slices."""
+    if platform.kernels(x) and gemv.gemv_supported(x, weight, partials=True):
+        return gemv.gemv(x, weight)
+    k_dim, n = x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, k_dim)
+    splits = residual_splits(x2.shape[0], k_dim, n) if current().split_k and platform.kernels(x) else 1
+    # Each slice a whole number of 16-byte rows (cuBLAS's aligned kernels), K a multiple of the slice count.
+    if (splits == 1 or k_dim % (8 * splits) or x.dtype not in (torch.float16, torch.bfloat16)
+            or weight.dtype != x.dtype or not weight.is_contiguous() or torch.is_grad_enabled()):
+        return F.linear(x, weight)
+    x_slices, w_slices = split_k_views(x2.contiguous(), weight, splits)
+    return torch.bmm(x_slices, w_slices, out_dtype=torch.float32).view(splits, *x.shape[:-1], n)
+

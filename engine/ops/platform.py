@@ -1,0 +1,56 @@
+"""Where the Triton kernels can run: triton importable, a CUDA tensor (or Triton's CPU interpreter, for tests), and
+fusion enabled; plus the launch helpers several kernels share."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.options import current
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from engine.lazy_torch import torch  # the kernel-compiling children never load it
+
+try:  # triton is absent on e.g. macOS; the package must still import there
+    import triton
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - depends on the platform
+    HAVE_TRITON = False
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _probe() -> None:
+        """Never launched: its type says whether `triton.jit` is the interpreter's (TRITON_INTERPRET=1)."""
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 set before triton was imported)."""
+    return HAVE_TRITON and type(_probe).__name__ == "InterpretedFunction"
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the kernels can run on this tensor's device."""
+    return HAVE_TRITON and (x.is_cuda or interpreted())
+
+
+def kernels(x: torch.Tensor) -> bool:
+    """Whether the fused ops take their Triton path for this tensor: CUDA, triton importable, EngineOptions.fuse."""
+    return current().fuse and x.is_cuda and usable(x)
+
+
+def fast_sin() -> bool:
+    """Snake's sin as the hardware approximation (EngineOptions.fast_sin; its error is far below the TF32
+    convolutions'): CUDA libdevice's, so not in the interpreter, not on ROCm."""
+    return current().fast_sin and not interpreted() and torch.version.hip is None
+
+
+def time_block(length: int) -> int:
+    """Samples per program along time for the VAE kernels: <= 1024, but few enough blocks for grid axis 1
+    (< 65536)."""
+    block = min(1024, triton.next_power_of_2(max(length, 1)))
+    while triton.cdiv(length, block) > 65535:
+        block *= 2
+    return block

@@ -1,0 +1,190 @@
+"""The VAE residual unit's convolutions: the dilated depthwise causal conv with its Snakes, and the 1x1 conv.
+
+A residual unit is Snake -> dilated depthwise causal conv -> Snake -> 1x1 conv -> + x. The depthwise kernel reads the
+carried context of every stream in place (no concatenation copy) and applies both Snakes; the 1x1 conv and the
+residual add are one batched GEMM (`pointwise_conv_residual`). The eager path is the module's own (audio_vae).
+`context_args` / `context_fits` are shared with the upsampler (`engine.ops.upsampler`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.ops import platform
+from engine.ops.platform import HAVE_TRITON, fast_sin, time_block
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from engine.lazy_torch import torch  # the kernel-compiling children never load it
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from engine.ops.snake import snake_math
+
+    @triton.jit
+    def cat_load(x_row, s_row, idx, mask, pad, stride_xt, stride_st, in_alpha, in_shift, HAS_STATE: tl.constexpr,
+                  IN_SNAKE: tl.constexpr, IN_SHIFT: tl.constexpr, FAST_SIN: tl.constexpr):
+        """cat(state, x')[idx] along time (idx in [0, pad + length)) in fp32, x' = x or, with IN_SNAKE,
+        Snake(x [+ in_shift]) rounded to x's dtype (the separate Snake kernel's output; the state holds earlier x');
+        without state the zero left-padding of a full-sequence pass."""
+        in_x = idx >= pad
+        v = tl.load(x_row + (idx - pad) * stride_xt, mask=mask & in_x, other=0.0)
+        if IN_SNAKE:
+            vf = v.to(tl.float32)
+            if IN_SHIFT:
+                vf = vf + in_shift
+            v = snake_math(vf, in_alpha, FAST_SIN).to(v.dtype)
+        v = v.to(tl.float32)
+        if HAS_STATE:
+            old = tl.load(s_row + idx * stride_st, mask=mask & (idx < pad), other=0.0).to(tl.float32)
+            v = tl.where(in_x, v, old)
+        elif IN_SNAKE:  # the zero padding stays zero (Snake(0 + shift) is not)
+            v = tl.where(in_x, v, 0.0)
+        return v
+
+    @triton.jit
+    def store_context(x_row, s_row, new_row, length, pad, stride_xt, stride_st, in_alpha, in_shift,
+                       HAS_STATE: tl.constexpr, HAS_SLOTS: tl.constexpr, IN_SNAKE: tl.constexpr,
+                       IN_SHIFT: tl.constexpr, FAST_SIN: tl.constexpr, BLOCK_P: tl.constexpr):
+        """A row's new carried context, the last `pad` frames of cat(state, x') (see `cat_load`): with HAS_SLOTS in
+        place of the old one at s_row, once every thread of the program has read that (the caller is the row's
+        only program that reads it; rows sharing a slot, the runner's padding rows on its scratch slot, race there
+        harmlessly: their outputs are discarded), else to new_row (contiguous)."""
+        i = tl.arange(0, BLOCK_P)
+        pmask = i < pad
+        tail = cat_load(x_row, s_row, length + i, pmask, pad, stride_xt, stride_st, in_alpha, in_shift, HAS_STATE,
+                         IN_SNAKE, IN_SHIFT, FAST_SIN)
+        if HAS_SLOTS:
+            tl.debug_barrier()
+            tl.store(s_row + i * stride_st, tail.to(s_row.dtype.element_ty), mask=pmask)
+        else:
+            tl.store(new_row + i, tail.to(new_row.dtype.element_ty), mask=pmask)
+
+    @triton.jit
+    def _dwconv_kernel(x_ptr, state_ptr, slot_ptr, w_ptr, bias_ptr, alpha_ptr, in_alpha_ptr, in_shift_ptr, y_ptr,
+                       new_state_ptr, channels, length, pad, dilation, stride_xb, stride_xc, stride_xt, stride_sb,
+                       stride_sc, stride_st, K: tl.constexpr, HAS_STATE: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, IN_SNAKE: tl.constexpr, IN_SHIFT: tl.constexpr,
+                       OUT_SNAKE: tl.constexpr, FAST_SIN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+        # HAS_SLOTS: state holds every slot's context; row b's is slot_ptr[b]'s, replaced in place at the end.
+        # IN_SNAKE: the residual unit's first Snake applied to x on load (each sample once per tap: recomputing is
+        # cheaper than the separate kernel's pass over the activations), the context holds its outputs.
+        bc = tl.program_id(0).to(tl.int64)
+        b, c = bc // channels, bc % channels
+        x_row = x_ptr + b * stride_xb + c * stride_xc
+        s_b = tl.load(slot_ptr + b).to(tl.int64) if HAS_SLOTS else b
+        s_row = state_ptr + s_b * stride_sb + c * stride_sc
+        in_alpha = tl.load(in_alpha_ptr + c).to(tl.float32) if IN_SNAKE else 0.0
+        in_shift = tl.load(in_shift_ptr + c).to(tl.float32) if IN_SHIFT else 0.0
+        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = t < length
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for j in tl.static_range(K):
+            acc += tl.load(w_ptr + c * K + j).to(tl.float32) * cat_load(
+                x_row, s_row, t + j * dilation, mask, pad, stride_xt, stride_st, in_alpha, in_shift, HAS_STATE,
+                IN_SNAKE, IN_SHIFT, FAST_SIN)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + c).to(tl.float32)
+        if OUT_SNAKE:  # the Snake after the conv, on the conv's output rounded to its dtype (the eager order)
+            acc = snake_math(acc.to(y_ptr.dtype.element_ty).to(tl.float32), tl.load(alpha_ptr + c).to(tl.float32),
+                         FAST_SIN)
+        tl.store(y_ptr + bc * length + t, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        if tl.program_id(1) == 0:  # only this program of the row reads the old context (one time block, or >= pad)
+            store_context(x_row, s_row, new_state_ptr + bc * pad, length, pad, stride_xt, stride_st, in_alpha,
+                           in_shift, HAS_STATE, HAS_SLOTS, IN_SNAKE, IN_SHIFT, FAST_SIN, BLOCK_P)
+
+
+def context_args(x: torch.Tensor, state: torch.Tensor | None,
+                  slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
+    """A VAE kernel's carried-context arguments: the tensor it reads (x, never read, without a state), the slots when
+    the context is read and replaced in place (else None), and its (batch, channel, time) strides (zeros without)."""
+    if state is None:
+        return x, None, (0, 0, 0)
+    return state, slots, tuple(state.stride())
+
+
+def context_fits(state: torch.Tensor | None, slots: torch.Tensor | None, x: torch.Tensor, width: int) -> bool:
+    """Whether a kernel can take `state` as the carried context (width frames) of x's (B, C, T) streams: (B, C,
+    width) or None; with `slots` (B,), every slot's contexts (slots, C, width) read and replaced at rows slots[b]."""
+    b, c = x.shape[:2]
+    if slots is not None:
+        return (state is not None and state.dim() == 3 and state.shape[1:] == (c, width) and state.dtype == x.dtype
+                and slots.shape == (b,) and slots.dtype in (torch.int32, torch.int64) and slots.is_contiguous()
+                and slots.device == x.device)
+    return state is None or (state.shape == (b, c, width) and state.dtype == x.dtype)
+
+
+def depthwise_conv_supported(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor,
+                             bias: torch.Tensor | None, dilation: int, slots: torch.Tensor | None = None) -> bool:
+    """Whether `causal_depthwise_conv` runs its kernel for these arguments."""
+    if not (platform.kernels(x) and x.dim() == 3 and weight.dim() == 3):
+        return False
+    c = x.shape[1]
+    pad = (weight.shape[-1] - 1) * dilation
+    if weight.shape[:2] != (c, 1) or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        return False
+    return context_fits(state, slots, x, pad)
+
+
+def causal_depthwise_conv_triton(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor,
+                                 bias: torch.Tensor | None, dilation: int, out_alpha: torch.Tensor | None = None,
+                                 slots: torch.Tensor | None = None, in_alpha: torch.Tensor | None = None,
+                                 in_shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The carried context `state` (B, C, P) prepended to x' (None: zeros), then the depthwise conv with weight
+    (C, 1, K), P = (K - 1) * dilation -> (y (B, C, T), the new context (B, C, P)), both contiguous in x's
+    dtype. x' is x, or with `in_alpha` (1, C, 1) `snake(x, in_alpha, shift=in_shift)` (in_shift (C,) or None),
+    computed on load: the context holds x' as it would after a separate Snake. With `out_alpha` (1, C, 1), y is
+    Snake of the conv's output. x and state may have any strides. No copy of the concatenation is made. With
+    `slots` (B,): state is (slots, C, P), row b's context is state[slots[b]], and it is replaced there in place
+    (returned: state)."""
+    b, c, t = x.shape
+    k = weight.shape[-1]
+    pad = (k - 1) * dilation
+    y = torch.empty((b, c, t), dtype=x.dtype, device=x.device)
+    source, slots, state_strides = context_args(x, state, slots)
+    in_place = slots is not None
+    new_state = source if in_place else torch.empty((b, c, pad), dtype=x.dtype, device=x.device)
+    if b and c:
+        block = time_block(t)
+        # in place, only the first time block may read the old context: it must cover it, or be the only block
+        assert not in_place or block >= pad or triton.cdiv(t, block) == 1, (t, block, pad)
+        w = weight.reshape(c, k).contiguous()
+        _dwconv_kernel[(b * c, max(1, triton.cdiv(t, block)))](
+            x, source, slots if in_place else w, w, bias if bias is not None else w,
+            out_alpha.reshape(-1) if out_alpha is not None else w, in_alpha.reshape(-1) if in_alpha is not None else w,
+            in_shift if in_shift is not None else w, y, new_state, c, t, pad, dilation, *x.stride(), *state_strides,
+            K=k, HAS_STATE=state is not None, HAS_SLOTS=in_place,
+            HAS_BIAS=bias is not None, IN_SNAKE=in_alpha is not None, IN_SHIFT=in_shift is not None,
+            OUT_SNAKE=out_alpha is not None, FAST_SIN=fast_sin(), BLOCK=block,
+            BLOCK_P=triton.next_power_of_2(max(pad, 1)), num_warps=4)
+    return y, new_state
+
+
+def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
+                          dilation: int, out_alpha: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                          in_alpha: torch.Tensor | None = None,
+                          in_shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual unit's [Snake with `in_alpha` of x + `in_shift`] -> cat(carried context, that) -> dilated
+    depthwise causal conv (stride 1) [-> Snake with `out_alpha`] as one kernel: (output, new context). state
+    (B, C, (K - 1) * dilation) or None for a full-sequence pass; with `slots` (B,), state holds every slot's
+    context, rows slots[b] are read and replaced in place (the new context returned is state itself). Only where
+    `depthwise_conv_supported` (the caller checks)."""
+    return causal_depthwise_conv_triton(x, state, weight, bias, dilation, out_alpha, slots, in_alpha, in_shift)
+
+
+def pointwise_conv_residual(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            residual: torch.Tensor) -> torch.Tensor:
+    """residual + conv1d(h, weight (O, C, 1), bias) as one batched GEMM that adds the residual in its
+    epilogue (no layout copies around a cuDNN conv, no separate add). Without autograd a contiguous `residual`
+    is consumed: the GEMM accumulates into it in place (out of place, the GEMM would first copy it). fp32
+    GEMMs follow the process's matmul TF32 setting, which the CUDA model runner aligns with cuDNN's."""
+    w = weight[:, :, 0].expand(h.shape[0], -1, -1)  # stride 0 over the batch: no copy
+    if residual.is_contiguous() and not torch.is_grad_enabled():
+        out = residual.baddbmm_(w, h)
+    else:
+        out = torch.baddbmm(residual, w, h)
+    return out if bias is None else out.add_(bias[:, None])
+
