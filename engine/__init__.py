@@ -3,7 +3,7 @@ batching over a paged KV cache, CUDA graphs and a multi-process server pool. The
 package is never imported here.
 
 The public names load on first use (PEP 562): importing one submodule, as the start-up's kernel-compiling child
-processes do (`engine.kernel_compiler`), does not import the whole engine and torch with it."""
+processes do (`engine.startup.kernel_compiler`), does not import the whole engine and torch with it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "CheckpointError": "engine.errors", "LoadedModel": "engine.checkpoint", "load_model": "engine.checkpoint",
+    "CheckpointError": "engine.errors", "LoadedModel": "engine.io.checkpoint", "load_model": "engine.io.checkpoint",
     "EngineError": "engine.errors", "OverloadedError": "engine.errors", "PoolError": "engine.errors",
     "PoolStoppedError": "engine.errors",
     "PromptNotFoundError": "engine.errors", "RequestError": "engine.errors", "WorkerDiedError": "engine.errors",
@@ -27,7 +27,6 @@ __all__ = ["AsyncVoxCPMServerPool", "CheckpointError", "EngineConfig", "EngineEr
            "load_model"]
 
 if TYPE_CHECKING:
-    from engine.checkpoint import CheckpointError, LoadedModel, load_model
     from engine.engine_config import EngineConfig
     from engine.errors import (
         EngineError,
@@ -38,6 +37,7 @@ if TYPE_CHECKING:
         RequestError,
         WorkerDiedError,
     )
+    from engine.io.checkpoint import CheckpointError, LoadedModel, load_model
     from engine.llm_engine import LLMEngine
     from engine.sequence import StepEvent
     from engine.serving.client import GenerationStream

@@ -1,9 +1,9 @@
 """`torch`, imported on first use, for the Triton kernel modules.
 
 They import torch only for their Python wrappers. The start-up's kernel-compiling child processes
-(`engine.kernel_compiler`) import those modules for the kernels alone, fifteen at once while the workers start, and
-torch's import was ~2 s of each child's start. In the engine's processes torch is already imported: the first
-attribute access binds it; each access costs one Python-level `__getattr__` call.
+(`engine.startup.kernel_compiler`) import those modules for the kernels alone, many at once while the workers
+start, and torch's import would be most of each child's start. In the engine's processes torch is already
+imported: the first attribute access binds it; each access costs one Python-level `__getattr__` call.
 """
 
 from __future__ import annotations

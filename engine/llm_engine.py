@@ -12,15 +12,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine import kernel_cache, options
+from engine import options
 from engine.block_manager import BlockManager
-from engine.checkpoint import LoadedModel, load_model
 from engine.engine_config import EngineConfig
-from engine.lora import merge_adapter, read_adapter
-from engine.model_runner import LaunchedDecode, ModelRunner
+from engine.io.checkpoint import LoadedModel, load_model
+from engine.io.lora import merge_adapter, read_adapter
 from engine.prompt import build_prompt, max_patches
+from engine.runner.model_runner import LaunchedDecode, ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence, Status, StepEvent
+from engine.startup import kernel_cache
 
 log = logging.getLogger(__name__)
 

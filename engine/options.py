@@ -68,8 +68,6 @@ class EngineOptions:
     gemv_max_rows: int = _option("VOXCPM_GEMV_MAX_ROWS", 1, _rows, "Activation rows up to which a bias-free "
                                  "projection runs on the weight-streaming GEMV kernel (0: cuBLAS / skinny).")
     pdl: bool = _option("VOXCPM_PDL", True, _flag, "Programmatic dependent launch for the one-row LM chain.")
-    dense_heads: int = _option("VOXCPM_DENSE_HEADS", 0, int, "Query heads per program in the local attention "
-                               "kernel; 0: by batch size.")
     attn_split_keys: int = _option("VOXCPM_ATTN_SPLIT_KEYS", 128, _split_keys, "Keys per program when the paged "
                                    "attention splits a token's context across programs; 0: never split.")
     fast_sin: bool = _option("VOXCPM_FAST_SIN", True, _flag, "The hardware sin approximation in the Snake kernels.")
@@ -88,13 +86,7 @@ class EngineOptions:
     layer_cooperative: bool = _option("VOXCPM_LAYER_COOPERATIVE", True, _flag, "The fused layer kernel as a "
                                       "cooperative launch (co-residency of its grid guaranteed by the driver).")
     # --- the VAE ---------------------------------------------------------------------------------------------------
-    vae_dwconv: str = _option("VOXCPM_VAE_DWCONV", "triton", _choice("triton", "torch"), "The VAE decoder's "
-                              "residual units as Triton kernels, or layer by layer in torch.")
-    vae_upsampler: str = _option("VOXCPM_VAE_UPSAMPLER", "gemm", _choice("gemm", "cudnn"), "The VAE upsamplers as "
-                                 "GEMM + overlap-add, or cuDNN transposed convolutions.")
     vae_stream: bool = _option("VOXCPM_VAE_STREAM", True, _flag, "The VAE decode on a second stream beside the LMs.")
-    vae_fork: str = _option("VOXCPM_VAE_FORK", "encoder", _choice("encoder", "dit"), "Where the step graph forks "
-                            "its second stream: after LocEnc (encoder) or right after the DiT (dit).")
     vae_overlap: bool = _option("VOXCPM_VAE_OVERLAP", True, _flag, "The VAE as its own graph replayed behind the "
                                 "step (from vae_overlap_min_batch on), instead of joined inside the step graph.")
     vae_overlap_min_batch: int = _option("VOXCPM_VAE_OVERLAP_MIN_BATCH", 32, int, "Batch buckets from which the "

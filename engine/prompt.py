@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import VoxCPMConfig
+from engine.io.tokenizer import TextTokenizer
 from engine.models.voxcpm import AUDIO_START_TOKEN, REF_AUDIO_END_TOKEN, REF_AUDIO_START_TOKEN
-from engine.tokenizer import TextTokenizer
 
 
 class PromptError(ValueError):

@@ -18,7 +18,7 @@ import lameenc
 import numpy as np
 import soundfile as sf
 
-from engine.audio import pcm16, resample
+from engine.io.audio import pcm16, resample
 
 MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "flac": "audio/flac", "opus": "audio/ogg",
                "pcm": "audio/pcm"}

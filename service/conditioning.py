@@ -12,7 +12,7 @@ import numpy as np
 from fastapi import HTTPException
 
 from engine import RequestError
-from engine.audio import AudioError, clip_duration
+from engine.io.audio import AudioError, clip_duration
 from service.errors import http_error
 from service.schemas import GenerateRequest
 from service.state import ServiceState

@@ -8,7 +8,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from engine.random_checkpoint import make_random_checkpoint
+from engine.io.random_checkpoint import make_random_checkpoint
 
 log = logging.getLogger(__name__)
 PRESET = "tiny-voxcpm2"

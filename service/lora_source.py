@@ -12,7 +12,7 @@ from urllib.parse import unquote, urlparse
 
 import httpx
 
-from engine.lora import CONFIG_FILE, sha256_of, weights_file
+from engine.io.lora import CONFIG_FILE, sha256_of, weights_file
 
 log = logging.getLogger(__name__)
 SCHEMES = ("file", "https", "http")  # http: for a server inside the cluster (and the tests); settings check it too

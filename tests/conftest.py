@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.random_checkpoint import make_random_checkpoint
+from engine.io.random_checkpoint import make_random_checkpoint
 
 TINY_PRESETS = ("tiny-voxcpm2", "tiny-voxcpm1.5", "tiny-voxcpm0.5b")
 PARITY_FIGURES: list[tuple[str, float, float]] = []  # (what, measured max relative error, bound)

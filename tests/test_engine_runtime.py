@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoint import load_model
+from engine.io.checkpoint import load_model
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sequence import SamplingParams
 
@@ -361,7 +361,7 @@ def test_step_inputs_layouts_are_aligned_disjoint_and_padded():
     """A decode step's inputs are views of one byte buffer, laid out per row count: every input 16-byte aligned (the
     kernels reading them compile to the same variants as for separate tensors), no two overlapping, all inside the
     buffer; padding rows point at the scratch rows."""
-    from engine.model_runner import DecodeBuffers
+    from engine.runner.buffers import DecodeBuffers
 
     buf = DecodeBuffers(rows=9, table_width=5, feat_dim=6, patch=3, samples=10, scratch_seq_slot=9,
                         scratch_kv_slot=77, dtype=torch.float32, device=torch.device("cpu"))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoint import load_model
+from engine.io.checkpoint import load_model
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.options import EngineOptions
 from engine.sequence import SamplingParams
@@ -62,25 +62,10 @@ def test_vae_inside_and_behind_the_step_agree_across_the_threshold(checkpoint_fa
     for threshold in (32, 4):
         engine = LLMEngine(model, EngineConfig(**config, options=EngineOptions(vae_overlap_min_batch=threshold)),
                            "cuda")
-        assert bool(engine.runner.vae_graphs) == (threshold == 4)
+        assert bool(engine.runner.vae_stream.graphs) == (threshold == 4)
         audio[threshold] = _run(engine, reqs)
     for inside, mixed in zip(audio[32], audio[4], strict=True):
         np.testing.assert_array_equal(mixed, inside)
-
-
-def test_second_stream_fork_point_does_not_change_the_audio(checkpoint_factory, monkeypatch):
-    """The stop head and the VAE run on the second stream, forked after the DiT or after LocEnc (vae_fork): the same
-    kernels on the same inputs, so the audio and where each request stops must be identical."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    model = load_model(checkpoint_factory("tiny-voxcpm2"), "cuda")  # its stop head may fire
-    reqs = [dict(text=f"Fork point {i}.", params=SamplingParams(seed=i, max_generate_length=12)) for i in range(3)]
-    config = dict(max_num_seqs=4, max_model_len=256, num_kv_blocks=128, attention_backend="triton")
-    audio = {}
-    for fork in ("dit", "encoder"):
-        audio[fork] = _run(LLMEngine(model, EngineConfig(**config, options=EngineOptions(vae_fork=fork)), "cuda"), reqs)
-    for a, b in zip(audio["dit"], audio["encoder"], strict=True):
-        np.testing.assert_array_equal(a, b)
 
 
 def test_kv_sizing_dry_steps_then_generation(checkpoint_factory, monkeypatch):
@@ -93,7 +78,7 @@ def test_kv_sizing_dry_steps_then_generation(checkpoint_factory, monkeypatch):
     config = dict(max_num_seqs=8, max_model_len=256, attention_backend="triton",
                   options=EngineOptions(vae_overlap_min_batch=4))
     sized = LLMEngine(model, EngineConfig(**config, gpu_memory_utilization=0.5), "cuda")
-    assert sized.runner.vae_graphs and len(sized.blocks.blocks) > 16
+    assert sized.runner.vae_stream.graphs and len(sized.blocks.blocks) > 16
     by_hand = LLMEngine(model, EngineConfig(**config, num_kv_blocks=64), "cuda")
     for a, b in zip(_run(sized, reqs), _run(by_hand, reqs), strict=True):
         np.testing.assert_array_equal(a, b)

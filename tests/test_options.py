@@ -40,7 +40,7 @@ def test_a_bad_value_names_its_variable(variable, value, rule):
 
 
 def test_the_config_carries_them_and_the_engine_installs_them(checkpoint_factory, monkeypatch):
-    from engine.checkpoint import load_model
+    from engine.io.checkpoint import load_model
     from engine.llm_engine import LLMEngine
 
     monkeypatch.setenv("VOXCPM_PIPELINE_DECODE", "1")

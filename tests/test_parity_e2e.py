@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoint import load_model
+from engine.io.checkpoint import load_model
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sequence import SamplingParams
 from tests.conftest import TINY_PRESETS, check_parity

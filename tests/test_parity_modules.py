@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, PagedKVCache
-from engine.checkpoint import load_model
+from engine.io.checkpoint import load_model
+from engine.runner.attention import AttentionMetadata, PagedKVCache
 from tests.conftest import TINY_PRESETS, check_parity
 from tests.official import injected_noise, load_official, make_noise
 

@@ -13,8 +13,8 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from engine.checkpoint import load_model
-from engine.lora import LoRAConfig, random_adapter, sha256_of
+from engine.io.checkpoint import load_model
+from engine.io.lora import LoRAConfig, random_adapter, sha256_of
 from service.lora_source import AdapterSourceError, fetch_adapter
 from tests.service_harness import LiveServer, service_settings
 

@@ -127,7 +127,8 @@ def local_stack(cfg: TransformerConfig, seqs_list: list[int], seq_len: int, labe
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True, help="checkpoint directory or preset JSON (engine/presets); config only")
+    ap.add_argument("--model", required=True, help="checkpoint directory or preset JSON "
+                    "(engine/io/presets); config only")
     ap.add_argument("--stack", choices=("lm", "dit", "locenc"), default="lm")
     ap.add_argument("--rows", default="1", help="lm: activation rows")
     ap.add_argument("--layers", type=int, default=28, help="lm: layers")

@@ -14,6 +14,7 @@
 #   PARTS="" OUT=dir-with-both-jsons bash tools/device_bench.sh   # only the comparison
 #   PARTS="ours http encode" CONC=1,8,32,64,128 bash tools/device_bench.sh   # the pool, then the service over HTTP
 #   PARTS="http_base" BASELINE=old ...   # the service of an earlier tree (old/) at HTTP_BASE_CONC, with a profile
+#   PARTS="ours ours_base cold" BASELINE=old CONC=1,8,128 ...   # this tree against an earlier one: the pool, cold starts
 # Rough times: wheels ~10 s; checkpoint 1-3 min (skipped when $CKPT was finished by an earlier call on a
 # machine still warm); nano at 1,8,32,64 ~2.5 min (startup 40-55 s, then 12 bursts of 16 s of audio at
 # 10-125 audio-s/s); ours the same if it matches nano, ~5 min at the eager 164-197 ms/step. Every part
@@ -338,6 +339,26 @@ for part in $PARTS; do
                 stop_service
             done
             ;;
+        ours_base)  # the pool benchmark of an earlier tree (BASELINE=dir, e.g. `git archive <commit> engine service
+            # tools pyproject.toml | tar -x -C old`), with that tree's own tools/bench_stream.py, into ours_base.json
+            { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
+            [[ -d "${BASELINE:-}" ]] || { log "ours_base needs BASELINE=dir (an earlier tree)"; RC[$part]=setup; continue; }
+            pushd "$BASELINE" >/dev/null && bench voxcpm-serve "$OUT/ours_base.json" "$T_OURS"
+            RC[$part]=$?
+            popd >/dev/null
+            ;;
+        cold)  # cold start to /ready of the service (empty cache dir), BASELINE's tree and this one alternately,
+            # COLD_ROUNDS times each; the times are the log's "service NAME ready in X s" lines
+            { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
+            RC[$part]=0
+            for round in $(seq 1 "${COLD_ROUNDS:-2}"); do
+                for tree in ${BASELINE:+"$BASELINE"} "$ROOT"; do
+                    name="cold_$([[ $tree == "$ROOT" ]] && echo new || echo base)_$round"
+                    start_service "$tree" "$name" || RC[$part]=start
+                    stop_service
+                done
+            done
+            ;;
         http_base)
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
             [[ -d "${BASELINE:-}" ]] || { log "http_base needs BASELINE=dir (an earlier tree)"; RC[$part]=setup; continue; }
@@ -347,7 +368,7 @@ for part in $PARTS; do
             stop_service
             ;;
         *)
-            log "unknown part '$part' (known: test check profile ours ours_window ours_hifi nano encode http http_api16 gpu2 http_base)"
+            log "unknown part '$part' (known: test check profile ours ours_base cold ours_window ours_hifi nano encode http http_api16 gpu2 http_base)"
             ;;
     esac
 done

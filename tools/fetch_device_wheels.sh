@@ -26,7 +26,7 @@ if [[ "${KEEP:-0}" != 1 ]]; then
 fi
 mkdir -p "$DEST"
 
-# Roots. (a): what engine/ imports beyond the image (engine/audio.py: soundfile, soxr), and what the service
+# Roots. (a): what engine/ imports beyond the image (engine/io/audio.py: soundfile, soxr), and what the service
 # needs (fastapi, uvicorn with uvloop and httptools, pydantic-settings, lameenc), at the versions of uv.lock;
 # py-spy for profiling the service. (b): the benchmark peer. Extra roots from $EXTRA.
 locked() {  # NAME==VERSION as uv.lock pins it

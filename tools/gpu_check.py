@@ -25,8 +25,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from engine import EngineConfig, LLMEngine, LoadedModel, SamplingParams, load_model  # noqa: E402
+from engine.io.random_checkpoint import make_random_checkpoint  # noqa: E402
 from engine.options import EngineOptions  # noqa: E402
-from engine.random_checkpoint import make_random_checkpoint  # noqa: E402
 
 TEXT = "Streaming speech synthesis has to start talking almost at once and keep ahead of the listener."
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.random_checkpoint import PRESETS, make_random_checkpoint  # noqa: E402
+from engine.io.random_checkpoint import PRESETS, make_random_checkpoint  # noqa: E402
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from engine.attention import AttentionMetadata  # noqa: E402
+from engine.runner.attention import AttentionMetadata  # noqa: E402
 from tools.gpu_check import TEXT, step_ms  # noqa: E402
 
 CONTEXT = 150  # tokens before the new one in `components` (the benchmark text's prompt is ~130, then one per patch)
@@ -80,9 +80,10 @@ def components(engine: LLMEngine, b: int) -> dict[str, float]:
         "VAE decode (streaming, fp32)": graph_ms(lambda: r._decode_audio(idx, latents)),
         # From VOXCPM_VAE_OVERLAP_MIN_BATCH on (32) the step graph stops at the LMs and the VAE graph runs behind it;
         # below, the VAE is inside the step graph.
-        "whole step (one graph)" if b not in r.vae_graphs else "step graph without the VAE":
+        "whole step (one graph)" if b not in r.vae_stream.graphs else "step graph without the VAE":
             graph_ms(r.graphs[b]) if b in r.graphs else float("nan"),
-        **({"VAE graph (overlaps the next step)": graph_ms(r.vae_graphs[b])} if b in r.vae_graphs else {}),
+        **({"VAE graph (overlaps the next step)": graph_ms(r.vae_stream.graphs[b])}
+           if b in r.vae_stream.graphs else {}),
     }
 
 
@@ -159,7 +160,7 @@ def main() -> None:
         print(f"\nB={b}")
         for k, v in comp.items():
             print(f"  {k:55s} {v:8.2f} ms")
-        graphs = {"kernels": engine.runner.graphs, "kernels_vae": engine.runner.vae_graphs} if a.kernels else {}
+        graphs = {"kernels": engine.runner.graphs, "kernels_vae": engine.runner.vae_stream.graphs} if a.kernels else {}
         for key, graph_of in graphs.items():
             if b not in graph_of:
                 continue

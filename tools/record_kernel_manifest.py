@@ -1,13 +1,13 @@
 """Record the Triton kernel variants an engine compiles for a model on this GPU, as a kernel manifest
-(engine/kernel_cache.py): start-up, then requests of the kinds a service sees (zero-shot at one and at full
+(engine/startup/kernel_cache.py): start-up, then requests of the kinds a service sees (zero-shot at one and at full
 concurrency, a long text, reference clips of several lengths through the VAE encoder), so that a later start-up
 on an empty kernel cache compiles all of them ahead, in parallel, and the first requests meet no JIT compile.
 
     TRITON_CACHE_DIR=$(mktemp -d) python tools/record_kernel_manifest.py --model /tmp/full --max-num-seqs 128 \
-        --out engine/kernel_manifests/voxcpm2-sm90.json
+        --out engine/startup/kernel_manifests/voxcpm2-sm90.json
 
 The manifest is valid for every checkpoint of the same shape (real weights included) on GPUs of the same
-architecture; the file name is free (all manifests in engine/kernel_manifests/ are read, matched by content).
+architecture; the file name is free (all manifests in engine/startup/kernel_manifests/ are read, matched by content).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ os.environ["VOXCPM_PRECOMPILE"] = "0"
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from engine import kernel_cache  # noqa: E402
-from engine.audio import encode_latents  # noqa: E402
+from engine.io.audio import encode_latents  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.sequence import SamplingParams  # noqa: E402
+from engine.startup import kernel_cache  # noqa: E402
 
 
 def main() -> None:

@@ -26,7 +26,6 @@ from torch import Tensor, nn
 from engine.models.minicpm import embedding
 from engine.ops import platform, upsampler, vae_conv
 from engine.ops.snake import snake
-from engine.options import current
 
 
 class SlotStates:
@@ -234,7 +233,7 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
     def forward(self, x: Tensor, states: StreamStates | None = None) -> Tensor:  # type: ignore[override]
         stride = self.stride[0]
         streaming = states is not None and self.state_slot is not None
-        if platform.kernels(x) and current().vae_dwconv == "triton" and current().vae_upsampler == "gemm":
+        if platform.kernels(x):
             state, slots = layer_context(states, self.state_slot)
             out = upsampler.causal_conv_transpose(x, state, self.tap_weight(), self.bias, stride, self.kernel_size[0],
                                               slots)
@@ -293,7 +292,7 @@ class ResidualUnit(nn.Module):
                         and conv.padding == (0,) and conv.left_pad == (conv.kernel_size[0] - 1) * conv.dilation[0])
 
     def forward(self, x: Tensor, states: StreamStates | None = None) -> Tensor:
-        if self.fusable and platform.kernels(x) and current().vae_dwconv == "triton":
+        if self.fusable and platform.kernels(x):
             y = self.forward_deferred(x, states)
             if y is not None:
                 out, bias = y
@@ -514,8 +513,7 @@ class Decoder(nn.Module):
         if self.sr_cond_model is not None and sr_idx is None:
             raise ValueError("sample-rate conditioned decoder needs sr_idx")
         conds = list(self.sr_cond_model) if self.sr_cond_model is not None else [None] * len(self.model)
-        if (self.deferrable and not isinstance(sr_idx, Tensor) and platform.kernels(x)
-                and current().vae_dwconv == "triton"):
+        if self.deferrable and not isinstance(sr_idx, Tensor) and platform.kernels(x):
             return self._forward_deferred(x, sr_idx, states, conds)
         for layer, cond in zip(self.model, conds, strict=True):
             if cond is not None:

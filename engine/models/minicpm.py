@@ -1,7 +1,7 @@
 """MiniCPM4 transformer blocks shared by every VoxCPM family and every stack in it.
 
 The same stack serves four roles: the causal base LM and residual LM (paged KV cache, attention
-through `engine.attention`), and the non-causal local encoder and local DiT (short dense sequences).
+through `engine.runner.attention`), and the non-causal local encoder and local DiT (short dense sequences).
 Numerics follow the official package: RMSNorm variance in fp32, rotary embedding applied in fp32,
 LongRoPE factors, optional muP residual scaling.
 """

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 from engine.ops import platform
 from engine.ops.platform import HAVE_TRITON
 from engine.ops.rotary import rotary_qk
-from engine.options import current
 
 if TYPE_CHECKING:
     import torch
@@ -106,13 +105,11 @@ def dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
                            num_warps: int | None = None) -> torch.Tensor:
     """Bidirectional attention within each sequence: q (N, L, Hq, D), k/v (N, L, Hk, D) (unit stride in D),
     rotary rows cos/sin (L, D) fp32 applied to q and k first (None: no rotary) -> (N, L, Hq * D).
-    heads_per_program: query heads sharing one program (and one load of K/V); None: EngineOptions.dense_heads
-    (default 0), where 0 means as many of a GQA group as keep >= 256 programs (small batches keep one head
-    per program, for parallelism). num_warps: None picks 2 from 256 (sequence, head) pairs on, else 4 (the H100
-    sweep of tools/bench_kernels.py: DiT at B=128 33.8 us with 4 warps, 18.1 us with 2; ~5 us either way at B=1)."""
+    heads_per_program: query heads sharing one program (and one load of K/V); None: as many of a GQA group as keep
+    >= 256 programs (small batches keep one head per program, for parallelism). num_warps: None picks 2 from 256
+    (sequence, head) pairs on, else 4 (tools/bench_kernels.py sweeps both)."""
     n, seq_len, hq, dim = q.shape
     group = hq // k.shape[2]
-    heads_per_program = heads_per_program or current().dense_heads or None
     heads = heads_per_program or 1
     while heads_per_program is None and group % (heads * 2) == 0 and n * hq // (heads * 2) >= 256:
         heads *= 2

@@ -118,7 +118,7 @@ def causal_conv_transpose(x: torch.Tensor, state: torch.Tensor | None, weight_ta
     (B, C_in, ctx) or None (zeros, no context kept) -> (output, new context (B, C_in, ctx) or None); with `slots`
     (B,), state is every slot's context (slots, C_in, ctx), rows slots[b] are read and replaced in place by the new
     context (returned: state), as `causal_depthwise_conv` does. None where it does not apply (nothing changed; the
-    caller then runs cuDNN). Not used with vae_upsampler='cudnn'."""
+    caller then runs cuDNN)."""
     if not (platform.kernels(x) and x.dim() == 3 and weight_taps.dtype == x.dtype):
         return None
     b, c, n = x.shape

@@ -470,7 +470,7 @@ def checked_model_path(model: str) -> str:
     if Path(model).expanduser().is_dir():
         path = str(Path(model).expanduser())
     else:
-        from engine.checkpoint import resolve_model_path
+        from engine.io.checkpoint import resolve_model_path
 
         path = str(resolve_model_path(model))
     if not (Path(path) / "config.json").is_file():

@@ -156,7 +156,7 @@ class WorkerSet:
         left, if it gets there first). No device: this process never initialises CUDA (the architecture comes
         from nvidia-smi)."""
         if any(d.startswith("cuda") for d in self.devices):
-            from engine import kernel_cache
+            from engine.startup import kernel_cache
 
             kernel_cache.Precompiler(self.model_path, self.config.dtype, None, background=True)
 

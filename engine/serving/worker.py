@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.audio import AudioError, decode_audio, encode_latents
 from engine.errors import PromptNotFoundError, RequestError
+from engine.io.audio import AudioError, decode_audio, encode_latents
 from engine.llm_engine import LLMEngine, StepEvent
 from engine.prompt import PromptError
 from engine.serving import protocol as p

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.checkpoint import load_model
+from engine.io.checkpoint import load_model
+from engine.io.lora import LoRAConfig, LoRAError, merge_adapter, random_adapter, read_adapter
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.lora import LoRAConfig, LoRAError, merge_adapter, random_adapter, read_adapter
 from engine.sequence import SamplingParams
 from tests.conftest import check_parity
 from tests.official import injected_noise, make_noise

@@ -13,9 +13,7 @@ tokens that read nothing and write to a scratch KV block; larger prefills run ea
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,17 +22,24 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, PagedKVCache, select_backend
 from engine.block_manager import BlockManager
-from engine.checkpoint import LoadedModel
+from engine.io.checkpoint import LoadedModel
 from engine.models.audio_vae import SlotStates
 from engine.models.minicpm import fuse_projections
 from engine.ops import layer_stack
 from engine.options import current
+from engine.runner.attention import AttentionMetadata, PagedKVCache, select_backend
+from engine.runner.buffers import (
+    DecodeBuffers,
+    PrefillBuffers,
+    PrefillInputs,
+    graph_buckets,
+    prefill_buckets,
+)
+from engine.runner.vae_stream import VaeStream
 from engine.sequence import Sequence, Status, StepEvent
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -46,149 +51,6 @@ class LaunchedDecode:
     outputs: tuple[torch.Tensor, torch.Tensor]  # results (B, P * D + 1) float32 (`DecodeBuffers`), audio (B, S)
     done: torch.cuda.Event | None
     prefilled: list[Sequence] = field(default_factory=list)  # prefilled in the same step (pipelined engine)
-
-
-def graph_buckets(max_batch: int) -> list[int]:
-    """Batch sizes with a captured graph; a batch runs in the smallest bucket that holds it."""
-    small = [b for b in (1, 2, 4, 8) if b < max_batch]
-    return small + list(range(16, max_batch, 16)) + [max_batch]
-
-
-def prefill_buckets(max_tokens: int) -> list[int]:
-    """Token counts with a captured prefill graph: powers of two from 16 up to max_tokens (capped at
-    2048: longer prefills are rare and cost more than their launches)."""
-    top = min(max_tokens, 2048)
-    out, t = [], 16
-    while t < top:
-        out.append(t)
-        t *= 2
-    return [*out, top]
-
-
-@dataclass
-class PrefillInputs:
-    """The host-side inputs of one prefill: the uncached tokens of several sequences, flattened."""
-
-    token_ids: torch.Tensor  # (T,) long
-    feats: torch.Tensor  # (T, P, D) float32
-    audio_mask: torch.Tensor  # (T,) bool
-    positions: torch.Tensor  # (T,) long
-    slot_mapping: torch.Tensor  # (T,) long
-    row_index: torch.Tensor  # (T,) int32: which sequence
-    block_tables: torch.Tensor  # (B, width) int32
-    last_rows: torch.Tensor  # (B,) long
-    query_lens: list[int]
-    key_lens: list[int]
-
-
-class PrefillBuffers:
-    """Static inputs/outputs of a graphed prefill, sized for the largest token bucket."""
-
-    def __init__(self, tokens: int, rows: int, table_width: int, patch: int, feat_dim: int, hidden: int,
-                 scratch_kv_slot: int, dtype: torch.dtype, device: torch.device) -> None:
-        z = functools.partial(torch.zeros, device=device)
-        self.token_ids = z(tokens, dtype=torch.long)
-        self.feats = z(tokens, patch, feat_dim, dtype=dtype)
-        self.audio_mask = z(tokens, dtype=torch.bool)
-        self.positions = z(tokens, dtype=torch.long)
-        self.slot_mapping = torch.full((tokens,), scratch_kv_slot, dtype=torch.long, device=device)
-        self.row_index = z(tokens, dtype=torch.int32)
-        self.context_lens = z(tokens, dtype=torch.int32)  # 0 on padding tokens: they read nothing
-        self.block_tables = z(rows, table_width, dtype=torch.int32)
-        self.last_rows = z(rows, dtype=torch.long)
-        self.lm_hidden = z(rows, hidden, dtype=dtype)
-        self.residual_hidden = z(rows, hidden, dtype=dtype)
-        self.scratch_kv_slot = scratch_kv_slot
-
-
-@dataclass
-class StepInputs:
-    """The per-step inputs of a decode step for `rows` rows: views of one byte buffer (see `DecodeBuffers`)."""
-
-    slot_index: torch.Tensor  # (rows,) long: each row's slot (state row)
-    positions: torch.Tensor  # (rows,) long
-    slot_mapping: torch.Tensor  # (rows,) long: KV slot of the new token
-    context_lens: torch.Tensor  # (rows,) int32
-    cfg: torch.Tensor  # (rows,) float32
-    block_tables: torch.Tensor  # (rows, table width) int32
-    noise: torch.Tensor  # (rows, D, P) float32
-
-    def fill_padding(self, scratch_seq_slot: int, scratch_kv_slot: int, start: int = 0) -> None:
-        """Rows from `start` on as padding: they read nothing and write only scratch rows."""
-        self.slot_index[start:] = scratch_seq_slot
-        self.positions[start:] = 0
-        self.slot_mapping[start:] = scratch_kv_slot
-        self.context_lens[start:] = 1
-        self.cfg[start:] = 0.0
-        self.block_tables[start:] = 0
-        self.noise[start:] = 0.0
-
-
-class DecodeBuffers:
-    """Static inputs and outputs of one decode step, sized for the largest batch (graph-addressable).
-
-    A step's inputs are one byte buffer, laid out per row count (`step_inputs`): the graph of a batch bucket reads
-    its layout's views, and the host fills the same layout in pinned memory and moves it in one copy. (Seven small
-    copies, one per input, left the device ~25 us idle between two B=1 steps on an H100: session 17's trace.)"""
-
-    FIELDS: tuple[tuple[str, torch.dtype], ...] = (
-        ("slot_index", torch.long), ("positions", torch.long), ("slot_mapping", torch.long),
-        ("context_lens", torch.int32), ("cfg", torch.float32), ("block_tables", torch.int32),
-        ("noise", torch.float32))
-
-    def __init__(self, rows: int, table_width: int, feat_dim: int, patch: int, samples: int, scratch_seq_slot: int,
-                 scratch_kv_slot: int, dtype: torch.dtype, device: torch.device) -> None:
-        z = functools.partial(torch.zeros, device=device)
-        self.table_width, self.feat_dim, self.patch_size = table_width, feat_dim, patch
-        self.scratch_seq_slot, self.scratch_kv_slot = scratch_seq_slot, scratch_kv_slot
-        self.inputs = z(self.input_bytes(rows), dtype=torch.uint8)
-        self._layouts: dict[tuple[int, int], StepInputs] = {}
-        self.row_index = torch.arange(rows, dtype=torch.int32, device=device)
-        # Each row's patch (P * D, float32) and stop flag (1.0 / 0.0) side by side: one copy to the host per step
-        # (with the patch already in float32: no conversion kernel before it).
-        self.results = z(rows, patch * feat_dim + 1, dtype=torch.float32)
-        self.audio = z(rows, samples, dtype=torch.float32)
-        # The VAE's own copies of its inputs when it runs behind the next step (ModelRunner.overlaps).
-        self.vae_index = torch.full((rows,), scratch_seq_slot, dtype=torch.long, device=device)
-        self.vae_patch = z(rows, patch, feat_dim, dtype=dtype)
-
-    def patch(self, rows: int) -> torch.Tensor:
-        """(rows, P, D) float32 view of the results: each row's new patch."""
-        return self.results[:rows, :-1].view(rows, self.patch_size, self.feat_dim)
-
-    def stop(self, rows: int) -> torch.Tensor:
-        """(rows,) float32 view of the results: 1.0 where the stop head fired."""
-        return self.results[:rows, -1]
-
-    def _shapes(self, rows: int) -> list[tuple[int, ...]]:
-        return [(rows,)] * 5 + [(rows, self.table_width), (rows, self.feat_dim, self.patch_size)]
-
-    def input_bytes(self, rows: int) -> int:
-        """Bytes of the inputs of `rows` rows; each input starts 16-byte aligned (as a torch allocation is, so the
-        kernels reading them compile to the same variants)."""
-        total = 0
-        for (_, dtype), shape in zip(self.FIELDS, self._shapes(rows), strict=True):
-            total = -(-total // 16) * 16 + math.prod(shape) * dtype.itemsize
-        return -(-total // 16) * 16
-
-    def step_inputs(self, rows: int, packed: torch.Tensor | None = None) -> StepInputs:
-        """The inputs of a `rows`-row step as views of `packed` (default: the device buffer)."""
-        packed = self.inputs if packed is None else packed
-        key = (rows, packed.data_ptr())  # the device buffer and the runner's pinned ones live as long as this
-        if key not in self._layouts:
-            views, offset = {}, 0
-            for (name, dtype), shape in zip(self.FIELDS, self._shapes(rows), strict=True):
-                offset = -(-offset // 16) * 16
-                n = math.prod(shape) * dtype.itemsize
-                views[name] = packed[offset:offset + n].view(dtype).view(shape)
-                offset += n
-            self._layouts[key] = StepInputs(**views)
-        return self._layouts[key]
-
-    def reset_inputs(self, rows: int) -> None:
-        """All `rows` rows of that layout as padding, right before a warm-up or dry run runs the step on them (the
-        layouts of different row counts overlap: resetting one garbles the others)."""
-        self.step_inputs(rows).fill_padding(self.scratch_seq_slot, self.scratch_kv_slot)
 
 
 class ModelRunner:
@@ -217,17 +79,7 @@ class ModelRunner:
             with contextlib.suppress(RuntimeError):
                 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32
         self.use_graphs = device.type == "cuda" and not enforce_eager
-        # Second CUDA stream for the VAE decode, overlapped with the LMs.
-        self.vae_stream = torch.cuda.Stream(device) if device.type == "cuda" and opts.vae_stream else None
-        # With graphs, the VAE is its own graph on that stream, replayed behind the step that made its patch:
-        # it overlaps the next step's DiT instead of ending its own step.
-        self.vae_overlap = self.vae_stream is not None and self.use_graphs and opts.vae_overlap
-        # Smaller batch buckets keep the VAE inside their step graph (on the second stream, beside the LMs'
-        # feed-back): a small batch's VAE fits there, and its audio is ready with its step.
-        self.vae_overlap_min_batch = opts.vae_overlap_min_batch
-        self.vae_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.vae_inputs_taken: torch.cuda.Event | None = None  # the last VAE launch has copied its inputs
-        self.vae_unjoined = False  # a VAE graph was launched behind a step since the last `join_vae`
+        self.vae_stream = VaeStream(device, self.use_graphs)
         p, d = self.cfg.patch_size, self.cfg.feat_dim
         self.samples_per_patch = p * model.vae.decode_chunk_size
         self.table_width = (max_model_len + block_size - 1) // block_size
@@ -276,9 +128,7 @@ class ModelRunner:
                                               self.table_width, p, d, self.cfg.lm.hidden_size,
                                               self.base_cache.scratch_slot, self.dtype, self.device)
         self.graphs.clear()
-        self.vae_graphs.clear()
-        self.vae_inputs_taken = None
-        self.vae_unjoined = False
+        self.vae_stream.reset()
         self.prefill_graphs.clear()
         self.host_out = []
         self.host_in = []
@@ -305,13 +155,13 @@ class ModelRunner:
 
         def prefill_and_step() -> None:
             self._dry_prefill(lens)
-            dry_step(largest, not self.overlaps(largest))
+            dry_step(largest, not self.vae_stream.overlaps(largest))
 
         peak_extra = self._working_memory(prefill_and_step)
-        in_step = [b for b in graph_buckets(largest) if not self.overlaps(b)]
-        if in_step and self.overlaps(largest):  # a smaller bucket's step with its VAE inside may need more
+        in_step = [b for b in graph_buckets(largest) if not self.vae_stream.overlaps(b)]
+        if in_step and self.vae_stream.overlaps(largest):  # a smaller bucket's step with its VAE inside may need more
             peak_extra = max(peak_extra, self._working_memory(lambda: dry_step(max(in_step), True)))
-        if self.overlaps(largest):  # the VAE graphs' own pool is held beside the step's: its peak counts again
+        if self.vae_stream.overlaps(largest):  # the VAE graphs' own pool is held beside the step's: its peak counts
             peak_extra += self._working_memory(lambda: self._vae_forward(largest))
         self.base_cache = self.residual_cache = self.buffers = None
         torch.cuda.empty_cache()
@@ -358,7 +208,7 @@ class ModelRunner:
         (one op per state buffer, one VAE pass per context length), so a burst of new requests costs a
         few dozen launches, not dozens per request."""
         if seqs:
-            self.join_vae()
+            self.vae_stream.join()
         for seq in seqs:
             seq.slot = self.free_slots.pop()
         fresh = [s for s in seqs if s.saved_vae_state is None]
@@ -396,7 +246,7 @@ class ModelRunner:
         if seq.slot is None:
             return
         if keep_state:
-            self.join_vae()
+            self.vae_stream.join()
             seq.saved_vae_state = [buf[seq.slot].clone() for buf in self.vae_states]
         self.free_slots.append(seq.slot)
         seq.slot = None
@@ -496,19 +346,6 @@ class ModelRunner:
         # The previous patch of the first decode step: the last input row's features.
         self.prev_patch[index] = x.feats[x.last_rows].to(dev, self.dtype)
 
-    def overlaps(self, batch: int) -> bool:
-        """Whether this batch bucket's VAE decode is its own graph, replayed behind the step (else inside it)."""
-        return self.vae_overlap and batch >= self.vae_overlap_min_batch
-
-    # --- decode -------------------------------------------------------------------------------
-    def join_vae(self) -> None:
-        """Order this stream's next work after every VAE graph launched behind a step so far (before touching VAE
-        states or the audio buffer)."""
-        if self.vae_unjoined:
-            assert self.vae_stream is not None
-            torch.cuda.current_stream(self.device).wait_stream(self.vae_stream)
-            self.vae_unjoined = False
-
     def _latents(self, patches: torch.Tensor) -> torch.Tensor:
         """(B, N, P, D) patches -> (B, D, N * P) VAE input."""
         vae_dtype = self.vae_states[0].dtype if self.vae_states else torch.float32
@@ -535,26 +372,19 @@ class ModelRunner:
                                       inputs.noise, inputs.cfg, self.inference_timesteps)
         # The stop head and the VAE need only the old hidden state and the patch, the LMs only the encoded patch,
         # so on CUDA they run side by side: the stop head and the VAE on a second stream (forked and joined inside
-        # the captured graph), LocEnc and the LMs on this one. The fork comes after LocEnc (vae_fork): its layer
-        # kernel's grid barriers wait for the slowest program, which the VAE's kernels beside it would slow.
+        # the captured graph), LocEnc and the LMs on this one. The fork comes after LocEnc: its layer kernel's grid
+        # barriers wait for the slowest program, which the VAE's kernels beside it would slow.
         # `patch` and `lm_hidden` stay referenced until after the join, so their memory is not reused under it.
-        side = self.vae_stream if vae else None
+        side = self.vae_stream.stream if vae else None
         main = torch.cuda.current_stream(self.device) if side is not None else None
 
-        def fork() -> None:
-            if side is not None:
-                side.wait_stream(main)
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                buf.stop(batch).copy_(backbone.stop_flags(lm_hidden))
-                if vae:
-                    buf.audio[:batch] = self._decode_audio(index, self._latents(patch[:, None]))
-
-        fork_after_dit = current().vae_fork == "dit"
-        if fork_after_dit:
-            fork()
         embed = backbone.encode_patches(patch)
-        if not fork_after_dit:
-            fork()
+        if side is not None:
+            side.wait_stream(main)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            buf.stop(batch).copy_(backbone.stop_flags(lm_hidden))
+            if vae:
+                buf.audio[:batch] = self._decode_audio(index, self._latents(patch[:, None]))
         lm_next, residual_next = backbone.advance_lms(embed, inputs.positions, self.base_cache.attend_fn(meta),
                                                       self.residual_cache.attend_fn(meta))
         self.lm_hidden[index] = lm_next
@@ -583,11 +413,11 @@ class ModelRunner:
             # The warm-up runs the step on this layout's inputs: padding, not bytes of another layout (they share them).
             self.buffers.reset_inputs(batch)
             self.graphs[batch] = graph = self._capture(f"decode B={batch}", self._decode_forward, batch,
-                                                       self.table_width, not self.overlaps(batch), pool=pool)
+                                                       self.table_width, not self.vae_stream.overlaps(batch), pool=pool)
             pool = graph.pool()
-            if self.overlaps(batch):
-                self.vae_graphs[batch] = vae_graph = self._capture(f"vae B={batch}", self._vae_forward, batch,
-                                                                   pool=vae_pool, stream=self.vae_stream)
+            if self.vae_stream.overlaps(batch):
+                self.vae_stream.graphs[batch] = vae_graph = self._capture(
+                    f"vae B={batch}", self._vae_forward, batch, pool=vae_pool, stream=self.vae_stream.stream)
                 vae_pool = vae_graph.pool()
         if self.backend != "torch":  # graphed prefill needs the per-token (Triton) attention path
             for tokens in reversed(self.prefill_bucket_sizes):
@@ -660,15 +490,14 @@ class ModelRunner:
         pad = rows - b
         assert self.base_cache is not None
         scratch_kv = self.base_cache.scratch_slot
-        overlap = graph_batch in self.vae_graphs
+        overlap = graph_batch in self.vae_stream.graphs
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        if self.vae_inputs_taken is not None:
-            assert stream is not None
-            stream.wait_event(self.vae_inputs_taken)  # the last VAE launch has read slot_index and patch
+        if stream is not None:
+            self.vae_stream.wait_inputs_taken(stream)
         if not overlap:
             # This step decodes its audio itself (a bucket below VOXCPM_VAE_OVERLAP_MIN_BATCH, or eager): after the
             # VAE graph of a previous, larger step is done with the VAE states, the audio buffer and its copy.
-            self.join_vae()
+            self.vae_stream.join()
         # The inputs, in the layout of `rows` rows: on CUDA written to pinned memory and moved in one copy; on the
         # CPU written in place.
         packed = self._host_inputs() if stream is not None else buf.inputs
@@ -696,19 +525,9 @@ class ModelRunner:
         results, audio = self._host_outputs()
         results[:b].copy_(buf.results[:b], non_blocking=True)
         if overlap:
-            # The VAE behind this step, on its stream: it takes copies of its inputs (the next step overwrites
-            # them after `vae_inputs_taken`) and decodes while the next step's graph runs.
-            side = self.vae_stream
-            assert side is not None and graph_batch is not None
-            side.wait_stream(stream)
-            with torch.cuda.stream(side):
-                buf.vae_index[:rows].copy_(buf.step_inputs(rows).slot_index)
-                buf.vae_patch[:rows].copy_(buf.patch(rows))
-                self.vae_inputs_taken = torch.cuda.Event()
-                self.vae_inputs_taken.record(side)
-                self.vae_graphs[graph_batch].replay()
-            self.vae_unjoined = True
-            stream = side  # the audio copy and `done` then come after everything of this step
+            assert graph_batch is not None
+            # the audio copy and `done` then come after everything of this step, the VAE included
+            stream = self.vae_stream.launch_behind(stream, graph_batch, rows, buf)
         done = torch.cuda.Event()
         with torch.cuda.stream(stream):
             audio[:b].copy_(buf.audio[:b], non_blocking=True)

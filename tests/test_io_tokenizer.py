@@ -1,4 +1,4 @@
-"""Parity of engine.tokenizer.TextTokenizer with the official VoxCPM text tokenization.
+"""Parity of engine.io.tokenizer.TextTokenizer with the official VoxCPM text tokenization.
 
 The oracle is ``voxcpm.model.utils.mask_multichar_chinese_tokens`` wrapped around
 ``transformers.LlamaTokenizerFast.from_pretrained`` -- exactly what ``voxcpm`` does when it loads a model.
@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from engine.tokenizer import TextTokenizer
-from engine.tokenizer_builder import build_tokenizer
+from engine.io.tokenizer import TextTokenizer
+from engine.io.tokenizer_builder import build_tokenizer
 
 transformers = pytest.importorskip("transformers")
 voxcpm_utils = pytest.importorskip("voxcpm.model.utils")

@@ -288,7 +288,7 @@ def _interpreter_main(shard: int = 0, shards: int = 1) -> None:
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, dict]:
-    return {r["case"]: r for r in interpreter_rows("tests.test_triton_attention")}
+    return {r["case"]: r for r in interpreter_rows("tests.test_ops_paged_attention")}
 
 
 def _interpreted(results: dict[str, dict], name: str) -> dict:

@@ -7,12 +7,12 @@ attributes, launch options), for one model shape on one GPU architecture. `Preco
 the cache (and each signature's launcher stub) in child processes — started by the server pool's parent while its
 workers spawn, one precompile per cache at a time — and the engine waits for it before its first kernel; the JIT
 then finds every variant in the cache (H100: 12-18 s to ready on an empty cache, 33 s without the precompile). The
-children run `engine.kernel_compiler`, which imports no torch (a child starts in 0.2 s, not 2.4). A record names
+children run `engine.startup.kernel_compiler`, which imports no torch (a child starts in 0.2 s, not 2.4). A record names
 its kernel by module and name, so it survives edits of the kernel's code; a record that no longer fits the kernel is
 skipped, and the JIT compiles whatever a manifest missed, as before.
 
-Manifests ship in engine/kernel_manifests/ (recorded on the GPU by tools/record_kernel_manifest.py), or come from
-VOXCPM_KERNEL_MANIFEST (a file). Every engine records what it compiles (`Recorder`), so a manifest for another
+Manifests ship in engine/startup/kernel_manifests/ (recorded on the GPU by tools/record_kernel_manifest.py), or come
+from VOXCPM_KERNEL_MANIFEST (a file). Every engine records what it compiles (`Recorder`), so a manifest for another
 GPU or model is one run of that tool. VOXCPM_PRECOMPILE=0 turns the precompile off.
 """
 
@@ -35,11 +35,11 @@ from typing import Any
 
 import torch
 
-from engine.checkpoint import LoadedModel, resolve_model_path
 from engine.config import VoxCPMConfig
-from engine.kernel_compiler import source_and_options
+from engine.io.checkpoint import LoadedModel, resolve_model_path
 from engine.ops.platform import HAVE_TRITON
 from engine.options import current
+from engine.startup.kernel_compiler import source_and_options
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,8 @@ class CompilerProcesses:
         (self.workdir / "records.json").write_text(json.dumps(records), encoding="utf-8")
         root = str(Path(__file__).resolve().parent.parent)  # where `engine` is importable from
         command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {root!r}); "
-                   "from engine.kernel_compiler import compiler_main; compiler_main()", str(arch), str(self.workdir)]
+                   "from engine.startup.kernel_compiler import compiler_main; compiler_main()", str(arch),
+                   str(self.workdir)]
         self.procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                       for _ in range(max(1, min(workers, len(records))))]
 

@@ -24,10 +24,10 @@ from torch import nn
 
 from engine.config import ConfigError, VoxCPMConfig
 from engine.errors import CheckpointError  # noqa: F401  (raised here; imported from here by callers)
+from engine.io.tokenizer import TextTokenizer
 from engine.models import build_backbone
 from engine.models.audio_vae import AudioVAE, AudioVAEConfig, fuse_weight_norm
 from engine.models.voxcpm import VoxCPMBackbone
-from engine.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""Kernel manifests (engine/kernel_cache.py): a record as Triton's JIT writes it is reduced to a portable manifest,
-found again by model shape and architecture, and compiled for sm_90 in a child process (no GPU needed: Triton
+"""Kernel manifests (engine/startup/kernel_cache.py): a record as Triton's JIT writes it is reduced to a portable
+manifest, found again by model shape and architecture, and compiled for sm_90 in a child process (no GPU needed: Triton
 compiles for a named target) into the kernel cache, where the cache lookup then finds it. On CUDA: a start-up on an
 empty cache with the manifest of an earlier start-up compiles nothing itself."""
 
@@ -50,7 +50,7 @@ def _use_manifest_option(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def _use_only_manifest(path: Path, digest: str, entries: list[dict], monkeypatch: pytest.MonkeyPatch,
                        triton: str | None = None) -> None:
     """Write a manifest for `digest` on sm_90 and make it the only one the precompiler reads."""
-    from engine import kernel_cache
+    from engine.startup import kernel_cache
     path.write_text(json.dumps({"model": digest, "arch": 90, "triton": triton or kernel_cache.triton_version(),
                                 "entries": entries}))
     monkeypatch.setattr(kernel_cache, "MANIFEST_DIR", path.parent / "shipped")
@@ -58,8 +58,8 @@ def _use_only_manifest(path: Path, digest: str, entries: list[dict], monkeypatch
 
 
 def test_manifest_round_trip_and_compile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine import kernel_cache
     from engine.config import VoxCPMConfig
+    from engine.startup import kernel_cache
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     recorder = kernel_cache.Recorder()
@@ -70,7 +70,7 @@ def test_manifest_round_trip_and_compile(tmp_path: Path, monkeypatch: pytest.Mon
     recorder._on_compile(cache_hit=True)
     assert recorder.since((0, 0)) == {"jit_compiled": 1, "jit_compiled_names": ["?"], "jit_from_cache": 1}
 
-    cfg = VoxCPMConfig.from_dict(json.loads((REPO_ROOT / "engine/presets/voxcpm2.json").read_text()))
+    cfg = VoxCPMConfig.from_dict(json.loads((REPO_ROOT / "engine/io/presets/voxcpm2.json").read_text()))
     digest = kernel_cache.model_digest(cfg, torch.bfloat16)
     assert digest != kernel_cache.model_digest(cfg, torch.float16)
     manifest = recorder.manifest(digest, 90)
@@ -100,12 +100,12 @@ def test_a_compiler_child_never_imports_torch(tmp_path: Path) -> None:
     """The precompile's children import the kernel modules for their Triton functions only: torch (seconds of each
     child's start, fifteen at once) stays unimported through the compile, for sm_90, of the shipped manifest's
     largest record (the layer kernel with its grid barriers) and of a small one."""
-    manifest = json.loads((REPO_ROOT / "engine/kernel_manifests/voxcpm2-sm90.json").read_text())
+    manifest = json.loads((REPO_ROOT / "engine/startup/kernel_manifests/voxcpm2-sm90.json").read_text())
     layer = max((e for e in manifest["entries"] if e["name"].endswith("._dense_layer_kernel")),
                 key=lambda e: e["compile_s"])
     records = [layer, json.loads(_jit_record())]
     code = ("import json, sys\n"
-            "from engine.kernel_compiler import compile_record\n"
+            "from engine.startup.kernel_compiler import compile_record\n"
             f"for record in json.loads({json.dumps(json.dumps(records))}):\n"
             "    compile_record(record, 90)\n"
             "print('torch imported:', 'torch' in sys.modules)\n")
@@ -119,8 +119,8 @@ def test_a_compiler_child_never_imports_torch(tmp_path: Path) -> None:
 def test_a_record_that_no_longer_fits_its_kernel_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                             checkpoint_factory) -> None:
     """A record naming a kernel that is gone counts as failed; the others still compile."""
-    from engine import kernel_cache
     from engine.config import VoxCPMConfig
+    from engine.startup import kernel_cache
     ckpt = checkpoint_factory("tiny-voxcpm2")
     cfg = VoxCPMConfig.from_dir(ckpt)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
@@ -135,8 +135,8 @@ def test_one_precompile_per_cache_at_a_time(tmp_path: Path, monkeypatch: pytest.
                                             checkpoint_factory) -> None:
     """Two precompilers of one cache (the pool's parent and a worker's engine): the first takes the lock and
     compiles; the second defers to `wait()`, blocks until the first is done, then finds nothing missing."""
-    from engine import kernel_cache
     from engine.config import VoxCPMConfig
+    from engine.startup import kernel_cache
     ckpt = checkpoint_factory("tiny-voxcpm2")
     cfg = VoxCPMConfig.from_dir(ckpt)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
@@ -170,8 +170,8 @@ def test_precompile_trouble_never_fails_a_start(tmp_path: Path, monkeypatch: pyt
                                                  checkpoint_factory) -> None:
     """An unusable cache dir turns the precompile off (the engine's JIT compiles as before); close() kills the
     children and removes their work folder."""
-    from engine import kernel_cache
     from engine.config import VoxCPMConfig
+    from engine.startup import kernel_cache
     ckpt = checkpoint_factory("tiny-voxcpm2")
     cfg = VoxCPMConfig.from_dir(ckpt)
     entry = json.loads(_jit_record())
@@ -189,7 +189,7 @@ def test_precompile_trouble_never_fails_a_start(tmp_path: Path, monkeypatch: pyt
 
 
 def test_precompiler_is_off_without_cuda() -> None:
-    from engine import kernel_cache
+    from engine.startup import kernel_cache
     stats = kernel_cache.Precompiler("/nonexistent", None, torch.device("cpu")).wait()
     assert stats["precompiled"] == 0 and "manifest_records" not in stats
 
@@ -198,7 +198,7 @@ def test_precompiler_is_off_without_cuda() -> None:
 def test_start_on_empty_cache_with_manifest_compiles_nothing_itself(tmp_path: Path) -> None:
     """Start-up 1 (cache A) records a manifest; start-up 2 on an empty cache B with that manifest precompiles it
     in the pool, and its JIT then finds every kernel in the cache (0 compiled in-process)."""
-    from engine.random_checkpoint import make_random_checkpoint
+    from engine.io.random_checkpoint import make_random_checkpoint
     ckpt = tmp_path / "ckpt"
     make_random_checkpoint(ckpt, "tiny-voxcpm2", seed=0)
     script = (

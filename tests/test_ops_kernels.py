@@ -298,7 +298,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                 buffers = rand(4, c_in, conv.context, dtype=dtype, seed=115 + seed)
                 buffers[slots] = states_ref[0]
                 untouched = buffers[1:3].clone()
-                with torch.no_grad(), options.override(vae_upsampler="gemm"), \
+                with torch.no_grad(), \
                         mock.patch.object(upsampler, "overlap_add", wraps=upsampler.overlap_add) as spy:
                     for n in (1, 3, 7):
                         x = rand(2, c_in, n + 2, dtype=dtype, seed=120 + n)[..., 1:n + 1]  # a strided view
@@ -332,26 +332,24 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             elif name.endswith("bias") or "embed" in name:
                 param.data.uniform_(-0.5, 0.5)  # biases that matter: they are what the kernel path defers
         errs = []
-        with exact_fp32_on_cuda():
-            for upsampler in ("cudnn", "gemm"):
-                with torch.no_grad(), options.override(vae_upsampler=upsampler):
-                    ref, ours = vae.streaming_decoder(2), vae.streaming_decoder(2)
-                    # and as the runner keeps them: every slot's state in buffers, the two streams at slots 2 and 0
-                    slots = torch.tensor([2, 0], device=device)
-                    buffers = [torch.zeros(3, *state.shape[1:], device=device, dtype=dtype) for state in ours.states]
-                    with mock.patch.object(Decoder, "_forward_deferred", wraps=vae.decoder._forward_deferred) as spy:
-                        for seed, n in enumerate((1, 3, 2)):
-                            z = rand(2, 8, n, dtype=dtype, seed=91 + seed)
-                            with mock.patch.object(platform, "kernels", lambda x: False):  # the layers one by one
-                                expected = ref.decode_chunk(z)
-                            with mock.patch.object(platform, "kernels", platform.usable):
-                                errs.append(relative_error(ours.decode_chunk(z), expected))
-                                in_slots = vae.decoder(z, ours.sr_idx, SlotStates(buffers, slots))
-                            errs.append(relative_error(in_slots, expected))
-                            errs += [relative_error(a, b) for a, b in zip(ours.states, ref.states, strict=True)]
-                            errs += [relative_error(buf[slots], b) for buf, b in zip(buffers, ref.states, strict=True)]
-                            assert all(not buf[1].any() for buf in buffers), "a third slot's state changed"
-                    assert spy.call_count == 6, "the decoder did not take its kernel path"
+        with exact_fp32_on_cuda(), torch.no_grad():
+            ref, ours = vae.streaming_decoder(2), vae.streaming_decoder(2)
+            # and as the runner keeps them: every slot's state in buffers, the two streams at slots 2 and 0
+            slots = torch.tensor([2, 0], device=device)
+            buffers = [torch.zeros(3, *state.shape[1:], device=device, dtype=dtype) for state in ours.states]
+            with mock.patch.object(Decoder, "_forward_deferred", wraps=vae.decoder._forward_deferred) as spy:
+                for seed, n in enumerate((1, 3, 2)):
+                    z = rand(2, 8, n, dtype=dtype, seed=91 + seed)
+                    with mock.patch.object(platform, "kernels", lambda x: False):  # the layers one by one
+                        expected = ref.decode_chunk(z)
+                    with mock.patch.object(platform, "kernels", platform.usable):
+                        errs.append(relative_error(ours.decode_chunk(z), expected))
+                        in_slots = vae.decoder(z, ours.sr_idx, SlotStates(buffers, slots))
+                    errs.append(relative_error(in_slots, expected))
+                    errs += [relative_error(a, b) for a, b in zip(ours.states, ref.states, strict=True)]
+                    errs += [relative_error(buf[slots], b) for buf, b in zip(buffers, ref.states, strict=True)]
+                    assert all(not buf[1].any() for buf in buffers), "a third slot's state changed"
+            assert spy.call_count == 6, "the decoder did not take its kernel path"
         return max(errs)
 
     def cfg_euler(dtype: torch.dtype) -> float:
@@ -406,13 +404,13 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         backend's, as rotary + cache write in one kernel then the paged kernel, and (16-key splits: the third
         sequence's context is split) as the split decode kernel doing the rotary and the cache write itself; and the
         MLP's gated projection."""
-        from engine.attention import AttentionMetadata, PagedKVCache
         from engine.ops import (
             linear,
             platform,
             rotary,
             skinny_gemm,
         )
+        from engine.runner.attention import AttentionMetadata, PagedKVCache
 
         hq, hk, dim, bs = 4, 2, 32, 4
         lens = [5, 1, 19]  # context per sequence, the new token included
@@ -507,7 +505,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
 def _interpreter_main(shard: int = 0, shards: int = 1) -> None:
     """Entry point of a subprocess (TRITON_INTERPRET=1): one JSON line per case and dtype, of this shard's cases."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    from tests.test_triton_attention import _patch_interpreter
+    from tests.test_ops_paged_attention import _patch_interpreter
 
     _patch_interpreter()  # the paged attention kernel (in the dispatch case) needs it under triton 3.6
     for i, (name, case) in enumerate(_cases("cpu").items()):
@@ -522,7 +520,7 @@ def _interpreter_main(shard: int = 0, shards: int = 1) -> None:
 def interpreter_results() -> dict[str, float]:
     if not HAVE_TRITON:
         pytest.skip("triton is not importable")
-    return {r["case"]: r["err"] for r in interpreter_rows("tests.test_triton_kernels")}
+    return {r["case"]: r["err"] for r in interpreter_rows("tests.test_ops_kernels")}
 
 
 CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "skinny_matmul", "gemv", "rotary_qk",

@@ -1,6 +1,6 @@
-"""The kernel-compiling child process of the start-up precompile (`engine.kernel_cache.CompilerProcesses`).
+"""The kernel-compiling child process of the start-up precompile (`engine.startup.kernel_cache.CompilerProcesses`).
 
-Kept apart from `engine.kernel_cache` and free of torch: fifteen of these start at once while the workers import
+Kept apart from `engine.startup.kernel_cache` and free of torch: fifteen of these start at once while the workers import
 and load, and torch's import (~2 s alone, more with fifteen at once) was most of a child's start. The kernel
 modules import torch on first use only (`engine.lazy_torch`), which compiling a record never makes.
 """

@@ -1,6 +1,6 @@
 """Attention backends on the CPU: backend selection, and the flash-attn prefill path's wiring (cu_seqlens,
 layout) checked against the torch path through a stand-in `flash_attn` module written here (flash-attn
-itself needs CUDA). The Triton kernel has its own tests (test_triton_attention.py)."""
+itself needs CUDA). The Triton kernel has its own tests (test_ops_paged_attention.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, PagedKVCache, flash_prefill_attention, select_backend
+from engine.runner.attention import AttentionMetadata, PagedKVCache, flash_prefill_attention, select_backend
 
 
 def _varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, causal=False, **_):

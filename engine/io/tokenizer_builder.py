@@ -17,7 +17,7 @@ Layout of the produced vocabulary (ids are what the model's embedding table is i
 The pipeline written to ``tokenizer.json`` (no normalizer, ``Metaspace("▁", prepend_scheme="first",
 split=False)``, BPE with ``byte_fallback`` and ``fuse_unk``) is exactly what transformers 5's
 ``LlamaTokenizer`` rebuilds when it loads a checkpoint, so transformers 4, transformers 5 and
-``engine.tokenizer.TextTokenizer`` all tokenize a generated checkpoint identically.
+``engine.io.tokenizer.TextTokenizer`` all tokenize a generated checkpoint identically.
 
 Vocabulary size: the result has at most ``vocab_size`` entries. A few-KB corpus cannot supply tens of
 thousands of merges, so for large sizes (the full-size preset uses 73448) the tokenizer is smaller than

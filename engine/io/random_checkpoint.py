@@ -3,7 +3,7 @@
 The tensor names and shapes come from the project's own model code (built on the meta device); the
 VAE is written the way released checkpoints store it (audiovae.pth wrapping a state dict, weight norm
 as weight_g / weight_v) unless safetensors is asked for. The official package loads what this writes
-with no missing or unexpected keys (tests/test_checkpoint.py checks it).
+with no missing or unexpected keys (tests/test_io_checkpoint.py checks it).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import save_file
 
 from engine.config import VoxCPMConfig
+from engine.io.tokenizer_builder import build_tokenizer
 from engine.models import build_backbone
 from engine.models.audio_vae import AudioVAE, AudioVAEConfig
-from engine.tokenizer_builder import build_tokenizer
 
 PRESET_DIR = Path(__file__).parent / "presets"
 

@@ -1,0 +1,154 @@
+"""The persistent device buffers a step reads and writes, so that a captured CUDA graph can replay it: the decode
+step's inputs as one packed byte buffer with a view per field, its outputs side by side for one copy to the host, and
+the graphed prefill's static inputs; plus the batch and token buckets that graphs are captured for."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    """Batch sizes with a captured graph; a batch runs in the smallest bucket that holds it."""
+    small = [b for b in (1, 2, 4, 8) if b < max_batch]
+    return small + list(range(16, max_batch, 16)) + [max_batch]
+
+
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """Token counts with a captured prefill graph: powers of two from 16 up to max_tokens (capped at
+    2048: longer prefills are rare and cost more than their launches)."""
+    top = min(max_tokens, 2048)
+    out, t = [], 16
+    while t < top:
+        out.append(t)
+        t *= 2
+    return [*out, top]
+
+
+@dataclass
+class PrefillInputs:
+    """The host-side inputs of one prefill: the uncached tokens of several sequences, flattened."""
+
+    token_ids: torch.Tensor  # (T,) long
+    feats: torch.Tensor  # (T, P, D) float32
+    audio_mask: torch.Tensor  # (T,) bool
+    positions: torch.Tensor  # (T,) long
+    slot_mapping: torch.Tensor  # (T,) long
+    row_index: torch.Tensor  # (T,) int32: which sequence
+    block_tables: torch.Tensor  # (B, width) int32
+    last_rows: torch.Tensor  # (B,) long
+    query_lens: list[int]
+    key_lens: list[int]
+
+
+class PrefillBuffers:
+    """Static inputs/outputs of a graphed prefill, sized for the largest token bucket."""
+
+    def __init__(self, tokens: int, rows: int, table_width: int, patch: int, feat_dim: int, hidden: int,
+                 scratch_kv_slot: int, dtype: torch.dtype, device: torch.device) -> None:
+        z = functools.partial(torch.zeros, device=device)
+        self.token_ids = z(tokens, dtype=torch.long)
+        self.feats = z(tokens, patch, feat_dim, dtype=dtype)
+        self.audio_mask = z(tokens, dtype=torch.bool)
+        self.positions = z(tokens, dtype=torch.long)
+        self.slot_mapping = torch.full((tokens,), scratch_kv_slot, dtype=torch.long, device=device)
+        self.row_index = z(tokens, dtype=torch.int32)
+        self.context_lens = z(tokens, dtype=torch.int32)  # 0 on padding tokens: they read nothing
+        self.block_tables = z(rows, table_width, dtype=torch.int32)
+        self.last_rows = z(rows, dtype=torch.long)
+        self.lm_hidden = z(rows, hidden, dtype=dtype)
+        self.residual_hidden = z(rows, hidden, dtype=dtype)
+        self.scratch_kv_slot = scratch_kv_slot
+
+
+@dataclass
+class StepInputs:
+    """The per-step inputs of a decode step for `rows` rows: views of one byte buffer (see `DecodeBuffers`)."""
+
+    slot_index: torch.Tensor  # (rows,) long: each row's slot (state row)
+    positions: torch.Tensor  # (rows,) long
+    slot_mapping: torch.Tensor  # (rows,) long: KV slot of the new token
+    context_lens: torch.Tensor  # (rows,) int32
+    cfg: torch.Tensor  # (rows,) float32
+    block_tables: torch.Tensor  # (rows, table width) int32
+    noise: torch.Tensor  # (rows, D, P) float32
+
+    def fill_padding(self, scratch_seq_slot: int, scratch_kv_slot: int, start: int = 0) -> None:
+        """Rows from `start` on as padding: they read nothing and write only scratch rows."""
+        self.slot_index[start:] = scratch_seq_slot
+        self.positions[start:] = 0
+        self.slot_mapping[start:] = scratch_kv_slot
+        self.context_lens[start:] = 1
+        self.cfg[start:] = 0.0
+        self.block_tables[start:] = 0
+        self.noise[start:] = 0.0
+
+
+class DecodeBuffers:
+    """Static inputs and outputs of one decode step, sized for the largest batch (graph-addressable).
+
+    A step's inputs are one byte buffer, laid out per row count (`step_inputs`): the graph of a batch bucket reads
+    its layout's views, and the host fills the same layout in pinned memory and moves it in one copy.
+    (One copy instead of one per input: the small copies left the device idle between two B=1 steps.)"""
+
+    FIELDS: tuple[tuple[str, torch.dtype], ...] = (
+        ("slot_index", torch.long), ("positions", torch.long), ("slot_mapping", torch.long),
+        ("context_lens", torch.int32), ("cfg", torch.float32), ("block_tables", torch.int32),
+        ("noise", torch.float32))
+
+    def __init__(self, rows: int, table_width: int, feat_dim: int, patch: int, samples: int, scratch_seq_slot: int,
+                 scratch_kv_slot: int, dtype: torch.dtype, device: torch.device) -> None:
+        z = functools.partial(torch.zeros, device=device)
+        self.table_width, self.feat_dim, self.patch_size = table_width, feat_dim, patch
+        self.scratch_seq_slot, self.scratch_kv_slot = scratch_seq_slot, scratch_kv_slot
+        self.inputs = z(self.input_bytes(rows), dtype=torch.uint8)
+        self._layouts: dict[tuple[int, int], StepInputs] = {}
+        self.row_index = torch.arange(rows, dtype=torch.int32, device=device)
+        # Each row's patch (P * D, float32) and stop flag (1.0 / 0.0) side by side: one copy to the host per step
+        # (with the patch already in float32: no conversion kernel before it).
+        self.results = z(rows, patch * feat_dim + 1, dtype=torch.float32)
+        self.audio = z(rows, samples, dtype=torch.float32)
+        # The VAE's own copies of its inputs when it runs behind the next step (ModelRunner.overlaps).
+        self.vae_index = torch.full((rows,), scratch_seq_slot, dtype=torch.long, device=device)
+        self.vae_patch = z(rows, patch, feat_dim, dtype=dtype)
+
+    def patch(self, rows: int) -> torch.Tensor:
+        """(rows, P, D) float32 view of the results: each row's new patch."""
+        return self.results[:rows, :-1].view(rows, self.patch_size, self.feat_dim)
+
+    def stop(self, rows: int) -> torch.Tensor:
+        """(rows,) float32 view of the results: 1.0 where the stop head fired."""
+        return self.results[:rows, -1]
+
+    def _shapes(self, rows: int) -> list[tuple[int, ...]]:
+        return [(rows,)] * 5 + [(rows, self.table_width), (rows, self.feat_dim, self.patch_size)]
+
+    def input_bytes(self, rows: int) -> int:
+        """Bytes of the inputs of `rows` rows; each input starts 16-byte aligned (as a torch allocation is, so the
+        kernels reading them compile to the same variants)."""
+        total = 0
+        for (_, dtype), shape in zip(self.FIELDS, self._shapes(rows), strict=True):
+            total = -(-total // 16) * 16 + math.prod(shape) * dtype.itemsize
+        return -(-total // 16) * 16
+
+    def step_inputs(self, rows: int, packed: torch.Tensor | None = None) -> StepInputs:
+        """The inputs of a `rows`-row step as views of `packed` (default: the device buffer)."""
+        packed = self.inputs if packed is None else packed
+        key = (rows, packed.data_ptr())  # the device buffer and the runner's pinned ones live as long as this
+        if key not in self._layouts:
+            views, offset = {}, 0
+            for (name, dtype), shape in zip(self.FIELDS, self._shapes(rows), strict=True):
+                offset = -(-offset // 16) * 16
+                n = math.prod(shape) * dtype.itemsize
+                views[name] = packed[offset:offset + n].view(dtype).view(shape)
+                offset += n
+            self._layouts[key] = StepInputs(**views)
+        return self._layouts[key]
+
+    def reset_inputs(self, rows: int) -> None:
+        """All `rows` rows of that layout as padding, right before a warm-up or dry run runs the step on them (the
+        layouts of different row counts overlap: resetting one garbles the others)."""
+        self.step_inputs(rows).fill_padding(self.scratch_seq_slot, self.scratch_kv_slot)
