@@ -48,6 +48,15 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 _made: dict[tuple, Path] = {}
 
 
+@pytest.fixture(autouse=True)
+def _restore_tf32_flags():
+    """A CUDA model runner sets the process's TF32 flags (a worker owns its process); in the test process they would
+    leak into later tests' fp32 references, so every test gets them back as it found them."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 @pytest.fixture(scope="session")
 def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory):
     """make(preset, dtype="float32", stop="random", vae_format="pth", seed=0) -> checkpoint dir (cached)."""

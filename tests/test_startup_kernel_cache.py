@@ -203,7 +203,7 @@ def test_start_on_empty_cache_with_manifest_compiles_nothing_itself(tmp_path: Pa
     make_random_checkpoint(ckpt, "tiny-voxcpm2", seed=0)
     script = (
         "import json, sys\n"
-        "from engine import kernel_cache\n"
+        "from engine.startup import kernel_cache\n"
         "from engine.llm_engine import EngineConfig, LLMEngine\n"
         "e = LLMEngine(sys.argv[1], EngineConfig(max_num_seqs=4), device='cuda')\n"
         "m = kernel_cache.RECORDER.manifest_of(e.model)\n"
