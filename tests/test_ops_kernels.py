@@ -44,15 +44,9 @@ def exact_fp32_on_cuda() -> Iterator[None]:
 def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
     """Each case: dtype -> max relative error of the kernel against the eager expression (same inputs)."""
     from engine.models.minicpm import dense_attention as dense_attend
-    from engine.ops import (
-        cfg_euler as cfg_euler_ops,
-    )
-    from engine.ops import (
-        dense_attention as dense_attention_ops,
-    )
-    from engine.ops import (
-        gemv as gemv_ops,
-    )
+    from engine.ops import cfg_euler as cfg_euler_ops
+    from engine.ops import dense_attention as dense_attention_ops
+    from engine.ops import gemv as gemv_ops
     from engine.ops import (
         layer_stack,
         linear,
@@ -64,12 +58,8 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         upsampler,
         vae_conv,
     )
-    from engine.ops import (
-        silu_mul as silu_mul_ops,
-    )
-    from engine.ops import (
-        snake as snake_ops,
-    )
+    from engine.ops import silu_mul as silu_mul_ops
+    from engine.ops import snake as snake_ops
 
     def rand(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
         return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
@@ -404,12 +394,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         backend's, as rotary + cache write in one kernel then the paged kernel, and (16-key splits: the third
         sequence's context is split) as the split decode kernel doing the rotary and the cache write itself; and the
         MLP's gated projection."""
-        from engine.ops import (
-            linear,
-            platform,
-            rotary,
-            skinny_gemm,
-        )
+        from engine.ops import linear, platform, rotary, skinny_gemm
         from engine.runner.attention import AttentionMetadata, PagedKVCache
 
         hq, hk, dim, bs = 4, 2, 32, 4
@@ -457,9 +442,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         several), and the barrier counters back at zero after every launch."""
         from engine.config import TransformerConfig
         from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
-        from engine.ops import (
-            platform,
-        )
+        from engine.ops import platform
 
         errs = []
         modes = ["phases"] + (["fused"] if device == "cuda" else [])  # the interpreter cannot run grid barriers
@@ -555,9 +538,7 @@ def test_refused_cooperative_grid_is_halved_cuda() -> None:
     device's cap (a later launch is not refused again), and computes what the per-phase launches compute."""
     from engine.config import TransformerConfig
     from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
-    from engine.ops import (
-        layer_stack,
-    )
+    from engine.ops import layer_stack
 
     cfg = TransformerConfig(hidden_size=64, intermediate_size=8192, num_attention_heads=4, num_key_value_heads=2,
                             num_hidden_layers=2, rms_norm_eps=1e-5, kv_channels=32)
@@ -599,10 +580,7 @@ def test_split_k_residual_projections_match_one_gemm_cuda() -> None:
     from engine.config import TransformerConfig
     from engine.models import minicpm
     from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
-    from engine.ops import (
-        linear,
-        norm,
-    )
+    from engine.ops import linear, norm
 
     cfg = TransformerConfig(hidden_size=256, intermediate_size=4096, num_attention_heads=8, num_key_value_heads=2,
                             num_hidden_layers=2, rms_norm_eps=1e-5, kv_channels=128)
@@ -634,12 +612,7 @@ def test_pdl_chain_matches_plain_launches_cuda() -> None:
     """The one-row chain of GEMV and add + RMSNorm kernels launched with PDL (engine/pdl.py) computes exactly what
     plain launches of the same kernels compute, eager and replayed in a CUDA graph over new inputs: a kernel that read
     its predecessor's output before that was written would differ. Also checks the launches were PDL ones."""
-    from engine.ops import (
-        gemv,
-        linear,
-        norm,
-        pdl,
-    )
+    from engine.ops import gemv, linear, norm, pdl
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90 or newer")
