@@ -51,7 +51,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free block ids, least recently freed first (so cached blocks live longest). A cache hit takes a
         # block from the middle: it leaves the set at once and its stale queue entry is skipped later
-        # (removing it from the deque would scan ~190k entries on an H200).
+        # (removing it from the deque would scan the whole free list: ~190k entries on a large GPU).
         self.free_queue: deque[int] = deque(range(num_blocks))
         self.free_ids: set[int] = set(range(num_blocks))
         self.cached: dict[bytes, int] = {}  # hash -> block id (block may be free but still holds the data)

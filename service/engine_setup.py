@@ -65,8 +65,8 @@ def adapter_path(settings: Settings) -> str | None:
 def engine_arguments(settings: Settings, demo: bool, lora_path: str | None = None) -> dict:
     """`VoxCPM.from_pretrained` keywords from the settings (the supervisor builds its workers from the same)."""
     # Compiled Triton kernels persist in the cache dir: a restart on the same volume skips recompiling them. So does
-    # the CUDA driver's JIT cache (a few PTX-only library kernels compiled at the first KV sizing: H100, KV sizing
-    # 3.3-3.7 s on an empty one, 2.1 s on a filled one). Set before the workers are spawned (they inherit it).
+    # the CUDA driver's JIT cache (a few PTX-only library kernels compiled at the first KV sizing). Set before the
+    # workers are spawned (they inherit it).
     os.environ.setdefault("TRITON_CACHE_DIR", str(settings.cache_path / "kernels" / "triton"))
     os.environ.setdefault("CUDA_CACHE_PATH", str(settings.cache_path / "kernels" / "cuda"))
     devices = settings.device_list()

@@ -90,7 +90,7 @@ def read_safetensors_chunked(file: Path, device: str) -> dict[str, torch.Tensor]
     the next read) into one buffer on `device` that is then cut into tensors, each with its own storage (a converted
     or fused weight frees its original), on the device of `device` whatever device is current. Peak device memory
     while cutting: twice the file. safetensors' loader copies tensor by tensor out of a memory map (page faults,
-    pageable copies); this reads the 4.6 GB VoxCPM2 file onto an H100 in 1.3 s."""
+    pageable copies), several times slower for a multi-GB file."""
     cuda = torch.device(device).type == "cuda"
     with open(file, "rb") as f, torch.cuda.device(device) if cuda else contextlib.nullcontext():
         header_len = int.from_bytes(f.read(8), "little")

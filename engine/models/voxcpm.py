@@ -174,10 +174,10 @@ class FlowSampler(nn.Module):
 
     def time_tokens(self, n_timesteps: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """(S, hidden) time tokens of the schedule's S non-zero steps. They depend on the schedule and the time MLPs'
-        weights only, so they are computed once, not in every step: in a B=1 decode step on an H100 their ~25 small
-        kernels (fills, sinusoids, four GEMMs) took ~85 us. Recomputed when a time MLP weight is replaced or changed
-        in place (its version counter moves); never stored from inside a CUDA graph capture, whose memory is the
-        graph's (the engine's warm-up runs every shape eagerly first)."""
+        weights only, so they are computed once, not in every step, where their ~25 small kernels (fills, sinusoids,
+        four GEMMs) would cost a B=1 step more than many of its layers. Recomputed when a time MLP weight is replaced
+        or changed in place (its version counter moves); never stored from inside a CUDA graph capture, whose memory is
+        the graph's (the engine's warm-up runs every shape eagerly first)."""
         weights = [p for mlp in (self.estimator.time_mlp, self.estimator.delta_time_mlp) for p in mlp.parameters()]
         version = tuple(v for p in weights for v in (id(p), p.data_ptr(), _version(p)))
         key = (n_timesteps, dtype, device)

@@ -26,9 +26,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def silu_gate_linear(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for the fused [gate; up] weight (2I, K): for a few rows on CUDA one
-    weight-streaming kernel with the gated product in its epilogue (H100, B=1 step: DiT 10.3 -> 8.6 us, LM
-    21.2 -> 20.0 us against cuBLAS + silu_mul; the other projections stay on cuBLAS, which the same kernel did
-    not beat there), else the GEMM and `silu_mul`."""
+    weight-streaming kernel with the gated product in its epilogue (where it beats cuBLAS + `silu_mul`; the other
+    projections stay on cuBLAS, which the same kernel did not beat), else the GEMM and `silu_mul`."""
     if platform.kernels(x) and gemv.gemv_supported(x, gate_up_weight, silu_gate=True):
         return gemv.gemv(x, gate_up_weight, silu_gate=True)
     if platform.kernels(x) and skinny_gemm.skinny_supported(x, gate_up_weight, silu_gate=True):
@@ -39,7 +38,7 @@ def silu_gate_linear(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Ten
 
 def residual_splits(rows: int, k_dim: int, n: int) -> int:
     """How many K slices `residual_linear` uses for (rows, K) @ (K, n): 1 (one GEMM) where splitting measured no
-    faster on the H100 (`bench_kernels --only splitk`: many outputs, or a short K)."""
+    faster (many outputs, or a short K: docs/benchmarks.md, `VOXCPM_SPLIT_K`)."""
     outputs = rows * n
     if k_dim < 1024 or outputs > (1100 << 10 if k_dim >= 4096 else 360 << 10):
         return 1

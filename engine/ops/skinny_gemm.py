@@ -2,7 +2,7 @@
 
 For a handful of rows a GEMM reads each weight once; one program per 16 output columns streams its weight rows and
 needs no split-K or reduction kernel. It serves the gate/up projection (`linear.silu_gate_linear`), the one place
-it beat cuBLAS on the H100, up to EngineOptions.skinny_rows rows.
+it beat cuBLAS, up to EngineOptions.skinny_rows rows.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def skinny_supported(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = Fa
 def skinny_config(rows: int, k_dim: int, n: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) of `skinny_matmul` for this shape."""
     block_m = max(16, triton.next_power_of_2(rows))
-    block_k = next(b for b in (128, 64, 32, 16) if k_dim % b == 0)  # the H100 sweep's best for the gated GEMMs
+    block_k = next(b for b in (128, 64, 32, 16) if k_dim % b == 0)  # tools/bench_kernels.py's best for the gated GEMMs
     return block_m, 16, block_k, 4, 4
 
 

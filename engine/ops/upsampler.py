@@ -126,8 +126,8 @@ def causal_conv_transpose(x: torch.Tensor, state: torch.Tensor | None, weight_ta
     if not context_fits(state, slots, x, ctx):
         return None
     # One GEMM over every stream's frames: the input laid out (C_in, B, F), F = ctx + n padded to a multiple of 4
-    # (cuBLAS's fast kernels need 16-byte aligned rows). A GEMM per stream (B, C_in, F) was 6.5 of the VAE's
-    # 15.5 ms at B=128 on the H100: a handful of frames per stream is far too narrow for a GEMM.
+    # (cuBLAS's fast kernels need 16-byte aligned rows): a handful of frames per stream is far too narrow for a
+    # GEMM of its own.
     frames = ctx + n + (-(ctx + n) % 4)
     xin, new_state = upsampler_input(x, state, ctx, frames, slots)
     g = torch.mm(weight_taps, xin.view(c, b * frames)).view(-1, b, frames).transpose(0, 1)

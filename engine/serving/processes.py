@@ -151,8 +151,8 @@ class WorkerSet:
         return [socket_address(self.directory, i) for i in range(len(self.devices))]
 
     def _precompile_early(self) -> None:
-        """Start compiling the kernel manifest here, while the workers import and load (~6 s before an engine starts
-        on an H100 machine); a worker's engine waits for it before its first kernel (or compiles itself what is
+        """Start compiling the kernel manifest here, while the workers import and load (seconds before an engine
+        starts); a worker's engine waits for it before its first kernel (or compiles itself what is
         left, if it gets there first). No device: this process never initialises CUDA (the architecture comes
         from nvidia-smi)."""
         if any(d.startswith("cuda") for d in self.devices):

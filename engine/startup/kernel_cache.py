@@ -1,15 +1,15 @@
 """Triton kernels compiled ahead, in parallel, for a start-up on an empty kernel cache.
 
 A fresh machine or pod has no compiled kernels: its first start-up JIT-compiles ~50 kernel variants one after
-another inside warm-up and graph capture (H100: 33.4 s to ready instead of 12.3 s). A *manifest* lists the
+another inside warm-up and graph capture, the longest part of such a start. A *manifest* lists the
 variants one start-up compiled, as Triton's own specialization records (kernel, signature, constexprs, alignment
 attributes, launch options), for one model shape on one GPU architecture. `Precompiler` compiles those not yet in
 the cache (and each signature's launcher stub) in child processes — started by the server pool's parent while its
 workers spawn, one precompile per cache at a time — and the engine waits for it before its first kernel; the JIT
-then finds every variant in the cache (H100: 12-18 s to ready on an empty cache, 33 s without the precompile). The
-children run `engine.startup.kernel_compiler`, which imports no torch (a child starts in 0.2 s, not 2.4). A record names
-its kernel by module and name, so it survives edits of the kernel's code; a record that no longer fits the kernel is
-skipped, and the JIT compiles whatever a manifest missed, as before.
+then finds every variant in the cache (docs/benchmarks.md, `VOXCPM_PRECOMPILE`). The children run
+`engine.startup.kernel_compiler`, which imports no torch, so that they start at once. A record names its kernel by
+module and name, so it survives edits of the kernel's code; a record that no longer fits the kernel is skipped,
+and the JIT compiles whatever a manifest missed, as before.
 
 Manifests ship in engine/startup/kernel_manifests/ (recorded on the GPU by tools/record_kernel_manifest.py), or come
 from VOXCPM_KERNEL_MANIFEST (a file). Every engine records what it compiles (`Recorder`), so a manifest for another
