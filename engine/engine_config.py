@@ -9,6 +9,10 @@ from typing import TYPE_CHECKING
 
 from engine.options import EngineOptions
 
+# The dtype names an EngineConfig takes (engine.config.DTYPES maps them to torch dtypes, in the processes that run
+# the engine): a config names its dtype, so that building and pickling one for the workers needs no torch.
+DTYPE_NAMES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
+
 if TYPE_CHECKING:
     import torch
 
@@ -24,7 +28,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     attention_backend: str | None = None  # "flash" | "triton" | "torch"; default: the best available
     inference_timesteps: int = 10
-    dtype: torch.dtype | None = None  # default: the checkpoint's
+    dtype: str | torch.dtype | None = None  # a name of DTYPE_NAMES (or a torch dtype); default: the checkpoint's
     # Launch a decode step before reading the previous one's outputs, so the host's work between steps
     # overlaps the device's (a sequence that stops computes one patch more, dropped). None: the options' choice,
     # else on for CUDA, off on the CPU where a step is synchronous anyway.
@@ -58,3 +62,5 @@ class EngineConfig:
             raise ValueError("coalesce_ms must be in [0, 1000]")
         if self.queue_timeout_s is not None and self.queue_timeout_s <= 0:
             raise ValueError("queue_timeout_s must be > 0")
+        if isinstance(self.dtype, str) and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_NAMES)}")

@@ -14,6 +14,7 @@ import torch
 
 from engine import options
 from engine.block_manager import BlockManager
+from engine.config import parse_dtype
 from engine.engine_config import EngineConfig
 from engine.io.checkpoint import LoadedModel, load_model
 from engine.io.lora import merge_adapter, read_adapter
@@ -37,10 +38,11 @@ class LLMEngine:
         if self.device.type == "cuda":
             kernel_cache.RECORDER.install()  # which kernels compile, from cache or not (the manifest tool reads it)
         kernels_mark = kernel_cache.RECORDER.mark()
-        precompiler = kernel_cache.Precompiler(model, cfg.dtype, self.device)  # in parallel with the load
+        dtype = parse_dtype(cfg.dtype) if cfg.dtype is not None else None
+        precompiler = kernel_cache.Precompiler(model, dtype, self.device)  # in parallel with the load
         try:
             self.model = model if isinstance(model, LoadedModel) else load_model(
-                model, self.device, cfg.dtype, max_positions=cfg.max_model_len)
+                model, self.device, dtype, max_positions=cfg.max_model_len)
         except BaseException:
             precompiler.close()  # its children and its lock must not outlive a failed start-up
             raise

@@ -50,3 +50,22 @@ def test_only_the_options_module_reads_the_environment():
     readers = [str(p.relative_to(ROOT)) for p in ENGINE.rglob("*.py")
                if p.name != "options.py" and re.search(r"\benviron\b|getenv\(", p.read_text())]
     assert readers == []
+
+
+def test_the_supervisor_starts_its_workers_without_torch():
+    """Building the workers' engine config and options (what the service's supervisor pickles to spawn them) imports
+    no torch: the supervisor spawns its workers first, and torch's import there would delay their start (a fresh
+    interpreter: this one has torch)."""
+    import subprocess
+    import sys
+
+    code = ("import pickle, sys\n"
+            "from engine.serving.pool import engine_config\n"
+            "from engine.serving.processes import WorkerSet, reserve_cpus\n"
+            "from engine.serving.protocol import WorkerOptions\n"
+            "config = engine_config(dtype='bfloat16', max_num_seqs=8)\n"
+            "pickle.dumps(WorkerOptions(model_path='m', device='cuda:0', engine=config, address='a', authkey=b'k'))\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", f"torch imported: {r.stdout.strip()[:300]}"

@@ -455,10 +455,9 @@ class VoxCPM:
 
 def engine_config(dtype: str | torch.dtype | None = None, **fields: Any) -> EngineConfig:
     """An EngineConfig, validated (a bad value is a ValueError naming it)."""
-    from engine.config import parse_dtype
     from engine.engine_config import EngineConfig
 
-    config = EngineConfig(dtype=parse_dtype(dtype) if isinstance(dtype, str) else dtype, **fields)
+    config = EngineConfig(dtype=dtype, **fields)  # a dtype name stays a name: no torch import here
     config.validate()
     return config
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from engine.config import VoxCPMConfig
+from engine.config import VoxCPMConfig, parse_dtype
 from engine.io.checkpoint import LoadedModel, resolve_model_path
 from engine.ops.platform import HAVE_TRITON
 from engine.options import current
@@ -262,7 +262,7 @@ class Precompiler:
     compiles only what is still missing. `background` (the pool's parent): a thread waits and releases the lock.
     Any trouble here (no Triton, an unwritable cache dir) only turns the precompile off: the JIT compiles as before."""
 
-    def __init__(self, model: LoadedModel | str | os.PathLike, dtype: torch.dtype | None,
+    def __init__(self, model: LoadedModel | str | os.PathLike, dtype: str | torch.dtype | None,
                  device: torch.device | None, arch: int | None = None, background: bool = False) -> None:
         """model: the engine's (loaded, or the checkpoint to load); dtype: the engine's runtime dtype when set;
         device: the engine's, or None in a process that must not initialise CUDA (the pool's parent): then `arch`,
@@ -289,7 +289,7 @@ class Precompiler:
             log.warning("kernel precompile off: %s: %s", type(e).__name__, e)
             self.close()
 
-    def _manifest_records(self, model: LoadedModel | str | os.PathLike, dtype: torch.dtype | None,
+    def _manifest_records(self, model: LoadedModel | str | os.PathLike, dtype: str | torch.dtype | None,
                           device: torch.device | None, arch: int | None) -> list[dict[str, Any]]:
         if isinstance(model, LoadedModel):
             digest = loaded_model_digest(model)
@@ -299,7 +299,7 @@ class Precompiler:
             except Exception as e:  # the loader reports a bad checkpoint properly, right after
                 log.info("no kernel precompile: %s", e)
                 return []
-            digest = model_digest(cfg, dtype or cfg.dtype)
+            digest = model_digest(cfg, parse_dtype(dtype) if dtype is not None else cfg.dtype)
         if arch is None:
             arch = cuda_arch(device) if device is not None else gpu_arch_from_nvidia_smi()
             if arch is None:
