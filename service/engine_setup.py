@@ -57,9 +57,11 @@ def adapter_path(settings: Settings) -> str | None:
     """The start-up LoRA adapter as a local path (downloaded and checked first), or None without one. Blocking."""
     if not settings.lora_uri:
         return None
-    from service.lora_source import fetch_adapter
+    from service.lora_source import Endpoints, fetch_adapter
 
-    return str(fetch_adapter(settings.lora_uri, settings.cache_path, settings.lora_sha256))
+    token = settings.hf_token.get_secret_value() if settings.hf_token else None
+    endpoints = Endpoints(settings.s3_endpoint_url, settings.hf_endpoint, token)
+    return str(fetch_adapter(settings.lora_uri, settings.cache_path, settings.lora_sha256, endpoints))
 
 
 def engine_arguments(settings: Settings, demo: bool, lora_path: str | None = None) -> dict:

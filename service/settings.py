@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # lameenc accepts only the MPEG-1/2 layer III bitrates
@@ -52,9 +52,16 @@ class Settings(BaseSettings):
     voice_cache_max_entries: int = Field(1024, ge=1, description="Most cached voices (all kinds together).")
     voice_cache_max_bytes: int = Field(256 * 2**20, ge=1024, description="Most latent bytes cached.")
     lora_uri: str | None = Field(None, description="A LoRA adapter (official format) served by every request: a path "
-                                                   "or file:// (its directory or weights file), or an https:// URL of "
-                                                   "its weights file (lora_config.json fetched beside it; cached "
-                                                   "under the cache dir).")
+                                                   "or file:// (its directory or weights file); https:// or "
+                                                   "s3://bucket/key of its weights file (lora_config.json fetched "
+                                                   "beside it); hf://owner/repo@revision?path=dir-or-file. Downloads "
+                                                   "are cached under the cache dir.")
+    s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint for s3:// URIs (MinIO, Ceph, ...); "
+                                                          "default AWS. Credentials: boto3's chain (AWS_* variables, "
+                                                          "profile, instance role).")
+    hf_endpoint: str | None = Field(None, description="Hub endpoint for hf:// URIs (a mirror or private hub); default "
+                                                      "huggingface.co.")
+    hf_token: SecretStr | None = Field(None, description="Token for private hf:// repositories.")
     lora_id: str | None = Field(None, description="The adapter's name (in /info).")
     lora_sha256: str | None = Field(None, description="SHA-256 of the adapter's weights file: start-up fails, naming "
                                                       "both digests, when it differs.")

@@ -1,12 +1,14 @@
-"""The start-up LoRA adapter through the service: fetched from a real HTTP server into the cache dir, its SHA-256
-checked, merged into every worker's weights; the audio changes with it, and a path to the same adapter gives the
-same audio. A digest that does not match, an unsupported scheme or an adapter without merging stop start-up."""
+"""The start-up LoRA adapter through the service: fetched from a real HTTP server, S3-compatible server (moto) or
+hub-compatible server into the cache dir, its SHA-256 checked, merged into every worker's weights; the audio changes
+with it, and a path to the same adapter gives the same audio. A digest that does not match, an unsupported scheme or
+an adapter without merging stop start-up."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import threading
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -15,6 +17,7 @@ from pydantic import ValidationError
 
 from engine.io.checkpoint import load_model
 from engine.io.lora import LoRAConfig, random_adapter, sha256_of
+from service.engine_setup import adapter_path
 from service.lora_source import AdapterSourceError, fetch_adapter
 from tests.service_harness import LiveServer, service_settings
 
@@ -82,10 +85,124 @@ def test_a_digest_that_does_not_match_stops_start_up(adapter, file_server, tmp_p
 
 
 @pytest.mark.parametrize("fields,message", [
-    ({"lora_uri": "s3://bucket/adapter/lora_weights.safetensors", "lora_merge": True}, "s3:// is not supported"),
+    ({"lora_uri": "gs://bucket/adapter/lora_weights.safetensors", "lora_merge": True}, "gs:// is not supported"),
     ({"lora_uri": "/adapters/voice"}, "set NANOVLLM_LORA_MERGE=true"),
     ({"lora_uri": "/adapters/voice", "lora_merge": True, "lora_sha256": "abc"}, "64 hexadecimal digits"),
 ])
 def test_bad_adapter_settings_are_refused(fields, message, tmp_path):
     with pytest.raises(ValidationError, match=message):
         service_settings(tmp_path, tmp_path, **fields)
+
+
+def serve(handler: type[BaseHTTPRequestHandler]):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_adapter_from_an_s3_compatible_server(adapter, tmp_path, monkeypatch):
+    """s3://bucket/key through boto3 against moto's S3 server on loopback (the endpoint from the settings), the
+    config fetched from beside the weights; a key that is not there is refused naming it."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    for name, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test"),
+                        ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(name, value)  # moto takes any credentials; boto3 wants some
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        s3 = boto3.client("s3", endpoint_url=endpoint)
+        s3.create_bucket(Bucket="adapters")
+        for name in ("lora_weights.safetensors", "lora_config.json"):
+            s3.upload_file(str(adapter / name), "adapters", f"voices/step_0000100/{name}")
+        digest = sha256_of(adapter / "lora_weights.safetensors")
+        settings = service_settings(tmp_path, tmp_path / "cache", lora_merge=True, lora_sha256=digest,
+                                    lora_uri="s3://adapters/voices/step_0000100/lora_weights.safetensors",
+                                    s3_endpoint_url=endpoint)
+        local = Path(adapter_path(settings))
+        assert sha256_of(local / "lora_weights.safetensors") == digest
+        assert (local / "lora_config.json").read_bytes() == (adapter / "lora_config.json").read_bytes()
+        with pytest.raises(AdapterSourceError, match="s3://adapters/voices/nothing/lora_weights.safetensors does not"):
+            fetch_adapter("s3://adapters/voices/nothing/lora_weights.safetensors", tmp_path / "c2",
+                          endpoints=_endpoints(s3=endpoint))
+    finally:
+        server.stop()
+
+
+def _endpoints(s3: str | None = None, hf: str | None = None):
+    from service.lora_source import Endpoints
+
+    return Endpoints(s3_endpoint_url=s3, hf_endpoint=hf)
+
+
+def hub_handler(root: Path, commit: str) -> type[BaseHTTPRequestHandler]:
+    """The hub's file API as huggingface_hub calls it: HEAD and GET /{owner}/{repo}/resolve/{revision}/{path} over the
+    repositories under `root`, with the commit and ETag headers it requires; a missing file answers 404 with the
+    hub's EntryNotFound code."""
+
+    class Hub(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _file(self) -> Path | None:
+            parts = self.path.split("?")[0].strip("/").split("/")
+            if len(parts) < 5 or parts[2] != "resolve":
+                return None
+            file = root / parts[0] / parts[1] / "/".join(parts[4:])
+            return file if file.is_file() else None
+
+        def _head(self) -> bytes | None:
+            file = self._file()
+            if file is None:
+                self.send_response(404)
+                self.send_header("X-Error-Code", "EntryNotFound")
+                self.send_header("X-Error-Message", "Entry not found")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return None
+            body = file.read_bytes()
+            self.send_response(200)
+            self.send_header("X-Repo-Commit", commit)
+            self.send_header("ETag", f'"{hashlib.sha256(body).hexdigest()}"')
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            return body
+
+        def do_HEAD(self) -> None:  # noqa: N802 (http.server's naming)
+            self._head()
+
+        def do_GET(self) -> None:  # noqa: N802
+            body = self._head()
+            if body is not None:
+                self.wfile.write(body)
+
+    return Hub
+
+
+def test_adapter_from_a_hub_compatible_server(adapter, tmp_path):
+    """hf://owner/repo@revision?path=step-directory against a hub-compatible server on loopback (the endpoint from the
+    settings): the weights and config of that directory; a file path works too; a directory without weights is
+    refused naming it."""
+    root = tmp_path / "hub"
+    step = root / "acme" / "voices" / "step_0000100"
+    step.mkdir(parents=True)
+    for name in ("lora_weights.safetensors", "lora_config.json"):
+        (step / name).write_bytes((adapter / name).read_bytes())
+    server, endpoint = serve(hub_handler(root, "a" * 40))
+    try:
+        digest = sha256_of(adapter / "lora_weights.safetensors")
+        settings = service_settings(tmp_path, tmp_path / "cache", lora_merge=True, lora_sha256=digest,
+                                    lora_uri="hf://acme/voices@main?path=step_0000100", hf_endpoint=endpoint)
+        local = Path(adapter_path(settings))
+        assert sha256_of(local / "lora_weights.safetensors") == digest
+        assert (local / "lora_config.json").read_bytes() == (adapter / "lora_config.json").read_bytes()
+        as_file = fetch_adapter("hf://acme/voices?path=step_0000100/lora_weights.safetensors", tmp_path / "c2",
+                                digest, _endpoints(hf=endpoint))
+        assert sha256_of(as_file / "lora_weights.safetensors") == digest
+        with pytest.raises(AdapterSourceError, match="has no step_0000200/lora_weights.ckpt"):
+            fetch_adapter("hf://acme/voices@main?path=step_0000200", tmp_path / "c3", endpoints=_endpoints(hf=endpoint))
+    finally:
+        server.shutdown()
