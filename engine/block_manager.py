@@ -25,14 +25,15 @@ class Block:
     hash: bytes | None = None
 
 
-def block_hashes(token_ids: list[int], feats: torch.Tensor, audio_mask: torch.Tensor, block_size: int) -> list[bytes]:
+def block_hashes(token_ids: list[int], feats: torch.Tensor, audio_mask: torch.Tensor, block_size: int,
+                 salt: bytes = b"") -> list[bytes]:
     """Chained hashes of each full block of a prefill input (a block's token ids; with audio rows, also
-    the mask and those rows' features)."""
+    the mask and those rows' features), the chain started from `salt` (what else the KV depends on: an adapter)."""
     n = len(token_ids) // block_size * block_size
     ids = np.asarray(token_ids[:n], dtype=np.int64).reshape(-1, block_size)
     mask = audio_mask[:n].numpy().reshape(-1, block_size)
     has_audio = mask.any(axis=1)
-    hashes, prev = [], b""
+    hashes, prev = [], salt
     for i in range(len(ids)):
         h = hashlib.blake2b(prev, digest_size=16)
         h.update(ids[i].tobytes())
@@ -79,7 +80,7 @@ class BlockManager:
         """Blocks for the whole prefill input, reusing cached full blocks of an identical prefix."""
         assert not seq.block_table
         ids, feats, mask = seq.prefill_inputs()
-        hashes = block_hashes(ids, feats, mask, self.block_size)
+        hashes = block_hashes(ids, feats, mask, self.block_size, seq.cache_salt)
         cached_tokens = 0
         for i in range(self.blocks_needed(len(ids))):
             h = hashes[i] if i < len(hashes) else None

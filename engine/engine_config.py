@@ -41,6 +41,10 @@ class EngineConfig:
     # A LoRA adapter (official format: its directory or weights file) merged into the weights at load (a model
     # passed to LLMEngine already loaded is changed in place).
     lora_path: str | None = None
+    # Runtime LoRA adapters (registered by name, chosen per request): how many may be resident on the device at once
+    # (0: none, no per-step cost) and the largest rank they may have (their slots are sized for it).
+    max_loras: int = 0
+    max_lora_rank: int = 32
     # The engine switches, read from the VOXCPM_* variables when the config is made (here, not in the workers).
     options: EngineOptions = field(default_factory=EngineOptions.from_env)
 
@@ -62,5 +66,9 @@ class EngineConfig:
             raise ValueError("coalesce_ms must be in [0, 1000]")
         if self.queue_timeout_s is not None and self.queue_timeout_s <= 0:
             raise ValueError("queue_timeout_s must be > 0")
+        if not 0 <= self.max_loras <= 64:
+            raise ValueError("max_loras must be in [0, 64]")
+        if not 1 <= self.max_lora_rank <= 256:
+            raise ValueError("max_lora_rank must be in [1, 256]")
         if isinstance(self.dtype, str) and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_NAMES)}")

@@ -16,9 +16,11 @@ from engine import options
 from engine.block_manager import BlockManager
 from engine.config import parse_dtype
 from engine.engine_config import EngineConfig
+from engine.errors import RequestError
 from engine.io.checkpoint import LoadedModel, load_model
 from engine.io.lora import merge_adapter, read_adapter
 from engine.prompt import build_prompt, max_patches
+from engine.runner.lora import LoRASlots
 from engine.runner.model_runner import LaunchedDecode, ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence, Status, StepEvent
@@ -55,7 +57,7 @@ class LLMEngine:
         wait_s = time.perf_counter() - t0 - load_s  # for kernels still compiling when the model is in
         self.runner = ModelRunner(self.model, cfg.block_size, cfg.max_num_seqs, cfg.max_model_len,
                                   cfg.inference_timesteps, self.device, cfg.enforce_eager, cfg.attention_backend,
-                                  cfg.max_num_batched_tokens)
+                                  cfg.max_num_batched_tokens, cfg.max_loras, cfg.max_lora_rank)
         num_blocks = cfg.num_kv_blocks
         if num_blocks is None and self.device.type == "cuda":
             num_blocks = self.runner.profile_num_blocks(cfg.gpu_memory_utilization, cfg.max_model_len)
@@ -90,9 +92,27 @@ class LLMEngine:
     def sample_rate(self) -> int:
         return self.model.vae.out_sample_rate
 
+    # --- runtime LoRA adapters ----------------------------------------------------------------------------------
+    def _lora_slots(self, what: str) -> LoRASlots:
+        if self.runner.lora is None:
+            raise RequestError(f"{what}: this engine serves no runtime LoRA adapters (max_loras=0)")
+        return self.runner.lora
+
+    def register_lora(self, name: str, path: str) -> dict:
+        """Register the adapter at `path` (official format: its directory or weights file) as `name`; it becomes
+        resident when a request names it. A bad adapter raises LoRAError naming the key."""
+        return self._lora_slots("lora_name").register(name, read_adapter(path))
+
+    def unregister_lora(self, name: str) -> None:
+        """Forget adapter `name`; the requests using it finish with it."""
+        self._lora_slots("lora_name").unregister(name)
+
+    def list_loras(self) -> list[dict]:
+        return self.runner.lora.list() if self.runner.lora is not None else []
+
     def add_request(self, target_text: str, params: SamplingParams | None = None, prompt_text: str = "",
                     prompt_latents: torch.Tensor | None = None, ref_latents: torch.Tensor | None = None,
-                    injected_noise: list[torch.Tensor] | None = None) -> int:
+                    injected_noise: list[torch.Tensor] | None = None, lora_name: str | None = None) -> int:
         params = params or SamplingParams()
         params.validate()
         prompt = build_prompt(self.model.tokenizer, self.model.config, target_text, prompt_text,
@@ -102,6 +122,9 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         seq.noise = torch.Generator().manual_seed(seed)
         seq.injected_noise = injected_noise
+        if lora_name is not None:  # last: nothing after it may fail, or the hold would leak
+            seq.lora_slot, seq.cache_salt = self._lora_slots("lora_name").acquire(lora_name)
+            seq.lora_name = lora_name
         self.sequences[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
@@ -193,6 +216,9 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         self.runner.release_slot(seq)
+        if seq.lora_name is not None and self.runner.lora is not None:
+            self.runner.lora.release(seq.lora_name)
+            seq.lora_name, seq.lora_slot = None, -1
         self.sequences.pop(seq.seq_id, None)
 
     def _fail(self, seq: Sequence, reason: str) -> StepEvent:

@@ -54,6 +54,9 @@ class Sequence:
     slot: int | None = None  # row of the model runner's per-sequence state buffers while it holds one
     saved_vae_state: list[torch.Tensor] | None = None  # streaming VAE context parked during a preemption
     generated: list[torch.Tensor] = field(default_factory=list)  # (P, D) patches, kept for recompute
+    lora_name: str | None = None  # its runtime LoRA adapter, held (resident) from admission to its end
+    lora_slot: int = -1  # that adapter's slot in the runner's stacked LoRA weights, -1 for none
+    cache_salt: bytes = b""  # mixed into its prompt blocks' prefix-cache hashes (another adapter: other KV)
 
     @property
     def num_prompt_tokens(self) -> int:

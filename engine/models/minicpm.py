@@ -18,6 +18,7 @@ from engine.config import TransformerConfig
 from engine.ops import layer_stack, linear, platform
 from engine.ops.dense_attention import dense_attention as dense_attention_op
 from engine.ops.linear import residual_linear
+from engine.ops.lora import LoRAContext, add_lora
 from engine.ops.norm import add_rms_norm, rms_norm
 from engine.ops.silu_mul import silu_mul
 
@@ -109,10 +110,12 @@ class Attention(nn.Module):
                  self.num_kv_heads * self.head_dim], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = add_lora(self.q_proj, x, q), add_lora(self.k_proj, x, k), add_lora(self.v_proj, x, v)
         q = q.view(*lead, self.num_heads, self.head_dim)
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
-        return residual_linear(attend(layer, q, k, v, rope), self.o_proj.weight)
+        attended = attend(layer, q, k, v, rope)
+        return add_lora(self.o_proj, attended, residual_linear(attended, self.o_proj.weight))
 
 
 class MLP(nn.Module):
@@ -171,6 +174,8 @@ def fuse_projections(module: nn.Module) -> None:
 
 class MiniCPM(nn.Module):
     """A stack of decoder layers plus final norm (and token embedding for the base LM)."""
+
+    lora_context: LoRAContext | None = None  # set where runtime LoRA adapters may adapt its layers
 
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
@@ -241,7 +246,8 @@ class MiniCPM(nn.Module):
     def forward_local(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         """A local module's stack (LocEnc, DiT): bidirectional attention within each short sequence of x; where the
         layer kernel takes these few rows, the whole stack is one kernel launch."""
-        if len(self.layers) and platform.kernels(x) and layer_stack.supported(self, x):
+        lora = self.lora_context is not None and self.lora_context.mask is not None  # the kernel reads base weights
+        if len(self.layers) and not lora and platform.kernels(x) and layer_stack.supported(self, x):
             return layer_stack.dense_stack(self, x, rope if self.uses_rope else None)
         return self.forward(x, rope, dense_attention)
 

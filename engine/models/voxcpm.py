@@ -11,7 +11,9 @@ Module and parameter names equal the official checkpoint's keys.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from functools import lru_cache
 
 import torch
@@ -21,6 +23,7 @@ from torch import nn
 from engine.config import TransformerConfig, VoxCPMConfig
 from engine.models.minicpm import AttendFn, MiniCPM, rotary_table
 from engine.ops import cfg_euler
+from engine.ops.lora import LoRAContext
 
 AUDIO_START_TOKEN = 101
 REF_AUDIO_START_TOKEN = 103
@@ -218,6 +221,7 @@ class FlowSampler(nn.Module):
 
 class VoxCPMBackbone(nn.Module):
     condition_tokens = 1  # DiT condition tokens; VoxCPM2 uses 2
+    lora_context: LoRAContext | None = None  # set by the runner's LoRA slots when runtime adapters are enabled
 
     def __init__(self, cfg: VoxCPMConfig) -> None:
         super().__init__()
@@ -253,44 +257,68 @@ class VoxCPMBackbone(nn.Module):
             "dit": rotary_table(self.cfg.dit, p * 2 + 3).to(device),  # sliced to the family's length
         }
 
+    @contextlib.contextmanager
+    def lora_rows(self, slots: torch.Tensor | None) -> Iterator[None]:
+        """Within it, the adapted layers' rows use the LoRA slots `slots` (one per leading row of their input, -1:
+        none); without runtime adapters (or slots) nothing changes."""
+        ctx = self.lora_context
+        if ctx is None or slots is None:
+            yield
+            return
+        before, ctx.mask = ctx.mask, ctx.rows(slots, self.stop_head.weight.dtype)
+        try:
+            yield
+        finally:
+            ctx.mask = before
+
     # --- pieces -------------------------------------------------------------------------------
-    def encode_patches(self, patches: torch.Tensor) -> torch.Tensor:
-        """(N, P, D) latent patches -> (N, H) LM input embeddings."""
-        return self.enc_to_lm_proj(self.feat_encoder(patches.to(self.stop_head.weight.dtype), self.rope_tables["enc"]))
+    def encode_patches(self, patches: torch.Tensor, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, P, D) latent patches -> (N, H) LM input embeddings (lora_slots: (N,) each patch's adapter slot)."""
+        with self.lora_rows(lora_slots):
+            return self.enc_to_lm_proj(self.feat_encoder(patches.to(self.stop_head.weight.dtype),
+                                                         self.rope_tables["enc"]))
 
     def stop_logits(self, lm_hidden: torch.Tensor) -> torch.Tensor:
         return self.stop_head(F.silu(self.stop_proj(lm_hidden)))
 
     def sample_patch(self, lm_hidden: torch.Tensor, residual_hidden: torch.Tensor, prev_patch: torch.Tensor,
-                     noise: torch.Tensor, cfg_value: torch.Tensor, n_timesteps: int) -> torch.Tensor:
-        """One CFM solve: (B, P, D) patch conditioned on both LMs and the previous patch."""
-        mu = self.dit_condition(lm_hidden, residual_hidden)
+                     noise: torch.Tensor, cfg_value: torch.Tensor, n_timesteps: int,
+                     lora_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """One CFM solve: (B, P, D) patch conditioned on both LMs and the previous patch (lora_slots: (B,))."""
+        with self.lora_rows(lora_slots):
+            mu = self.dit_condition(lm_hidden, residual_hidden)
         cond = prev_patch.to(mu.dtype).transpose(1, 2)
-        x = self.feat_decoder(mu, cond, noise.to(mu.dtype), cfg_value, n_timesteps, self.rope_tables["dit"])
+        halves = torch.cat((lora_slots, lora_slots)) if lora_slots is not None else None  # CFG's two halves
+        with self.lora_rows(halves):
+            x = self.feat_decoder(mu, cond, noise.to(mu.dtype), cfg_value, n_timesteps, self.rope_tables["dit"])
         return x.transpose(1, 2)
 
     # --- runtime entry points -----------------------------------------------------------------
     def prefill(self, token_ids: torch.Tensor, feats: torch.Tensor, audio_mask: torch.Tensor,
                 positions: torch.Tensor, last_rows: torch.Tensor, base_attend: AttendFn,
-                residual_attend: AttendFn, static_shapes: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                residual_attend: AttendFn, static_shapes: bool = False,
+                lora_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the prompt tokens of several sequences (flattened, T rows) through both LMs, filling
         their KV caches. token_ids (T,), feats (T, P, D), audio_mask (T,) bool, positions (T,),
         last_rows (B,) index of each sequence's last token. Returns lm and residual hidden (B, H).
-        static_shapes: encode every row's patch (no data-dependent indexing), as a CUDA graph needs."""
+        static_shapes: encode every row's patch (no data-dependent indexing), as a CUDA graph needs. lora_slots (T,):
+        each row's adapter slot."""
         dtype = self.stop_head.weight.dtype
         embeds = self.base_lm.embed_tokens(token_ids) * self.cfg.scale_emb
         if static_shapes:
-            audio_embed = torch.where(audio_mask[:, None], self.encode_patches(feats).to(dtype), 0.0)
+            audio_embed = torch.where(audio_mask[:, None], self.encode_patches(feats, lora_slots).to(dtype), 0.0)
         else:
             audio_embed = torch.zeros_like(embeds)
             audio_rows = audio_mask.nonzero().squeeze(1)
             if audio_rows.numel():
-                audio_embed[audio_rows] = self.encode_patches(feats[audio_rows]).to(dtype)
+                audio_embed[audio_rows] = self.encode_patches(
+                    feats[audio_rows], lora_slots[audio_rows] if lora_slots is not None else None).to(dtype)
         embeds = torch.where(audio_mask[:, None], audio_embed, embeds)
         rope = self.rope_tables["lm"][positions]
-        lm_out = self.base_lm(embeds, rope, base_attend)
-        lm_out = torch.where(audio_mask[:, None], self.fsq_layer(lm_out), lm_out)
-        residual_out = self.residual_lm(self.residual_input(lm_out, audio_embed), rope, residual_attend)
+        with self.lora_rows(lora_slots):
+            lm_out = self.base_lm(embeds, rope, base_attend)
+            lm_out = torch.where(audio_mask[:, None], self.fsq_layer(lm_out), lm_out)
+            residual_out = self.residual_lm(self.residual_input(lm_out, audio_embed), rope, residual_attend)
         return lm_out[last_rows], residual_out[last_rows]
 
     def stop_flags(self, lm_hidden: torch.Tensor) -> torch.Tensor:
@@ -298,9 +326,11 @@ class VoxCPMBackbone(nn.Module):
         return self.stop_logits(lm_hidden).argmax(-1) == 1
 
     def advance_lms(self, embed: torch.Tensor, positions: torch.Tensor, base_attend: AttendFn,
-                    residual_attend: AttendFn) -> tuple[torch.Tensor, torch.Tensor]:
+                    residual_attend: AttendFn,
+                    lora_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The new patches' LM embeddings (B, H, from `encode_patches`) through both LMs at `positions`: their next
-        hidden states."""
+        hidden states (lora_slots: (B,))."""
         rope = self.rope_tables["lm"][positions]
-        lm_next = self.fsq_layer(self.base_lm(embed, rope, base_attend))
-        return lm_next, self.residual_lm(self.residual_input(lm_next, embed), rope, residual_attend)
+        with self.lora_rows(lora_slots):
+            lm_next = self.fsq_layer(self.base_lm(embed, rope, base_attend))
+            return lm_next, self.residual_lm(self.residual_input(lm_next, embed), rope, residual_attend)

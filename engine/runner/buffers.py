@@ -42,6 +42,7 @@ class PrefillInputs:
     last_rows: torch.Tensor  # (B,) long
     query_lens: list[int]
     key_lens: list[int]
+    lora_slots: torch.Tensor  # (T,) long: each token's runtime LoRA slot, -1 for none
 
 
 class PrefillBuffers:
@@ -57,6 +58,7 @@ class PrefillBuffers:
         self.slot_mapping = torch.full((tokens,), scratch_kv_slot, dtype=torch.long, device=device)
         self.row_index = z(tokens, dtype=torch.int32)
         self.context_lens = z(tokens, dtype=torch.int32)  # 0 on padding tokens: they read nothing
+        self.lora_slots = torch.full((tokens,), -1, dtype=torch.long, device=device)
         self.block_tables = z(rows, table_width, dtype=torch.int32)
         self.last_rows = z(rows, dtype=torch.long)
         self.lm_hidden = z(rows, hidden, dtype=dtype)
@@ -75,6 +77,7 @@ class StepInputs:
     cfg: torch.Tensor  # (rows,) float32
     block_tables: torch.Tensor  # (rows, table width) int32
     noise: torch.Tensor  # (rows, D, P) float32
+    lora_slots: torch.Tensor  # (rows,) long: each row's runtime LoRA slot, -1 for none
 
     def fill_padding(self, scratch_seq_slot: int, scratch_kv_slot: int, start: int = 0) -> None:
         """Rows from `start` on as padding: they read nothing and write only scratch rows."""
@@ -85,6 +88,7 @@ class StepInputs:
         self.cfg[start:] = 0.0
         self.block_tables[start:] = 0
         self.noise[start:] = 0.0
+        self.lora_slots[start:] = -1
 
 
 class DecodeBuffers:
@@ -97,7 +101,7 @@ class DecodeBuffers:
     FIELDS: tuple[tuple[str, torch.dtype], ...] = (
         ("slot_index", torch.long), ("positions", torch.long), ("slot_mapping", torch.long),
         ("context_lens", torch.int32), ("cfg", torch.float32), ("block_tables", torch.int32),
-        ("noise", torch.float32))
+        ("noise", torch.float32), ("lora_slots", torch.long))
 
     def __init__(self, rows: int, table_width: int, feat_dim: int, patch: int, samples: int, scratch_seq_slot: int,
                  scratch_kv_slot: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -124,7 +128,7 @@ class DecodeBuffers:
         return self.results[:rows, -1]
 
     def _shapes(self, rows: int) -> list[tuple[int, ...]]:
-        return [(rows,)] * 5 + [(rows, self.table_width), (rows, self.feat_dim, self.patch_size)]
+        return [(rows,)] * 5 + [(rows, self.table_width), (rows, self.feat_dim, self.patch_size), (rows,)]
 
     def input_bytes(self, rows: int) -> int:
         """Bytes of the inputs of `rows` rows; each input starts 16-byte aligned (as a torch allocation is, so the

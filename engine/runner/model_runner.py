@@ -36,6 +36,7 @@ from engine.runner.buffers import (
     graph_buckets,
     prefill_buckets,
 )
+from engine.runner.lora import LoRASlots
 from engine.runner.vae_stream import VaeStream
 from engine.sequence import Sequence, Status, StepEvent
 
@@ -56,7 +57,8 @@ class LaunchedDecode:
 class ModelRunner:
     def __init__(self, model: LoadedModel, block_size: int, max_num_seqs: int, max_model_len: int,
                  inference_timesteps: int, device: torch.device, enforce_eager: bool = False,
-                 attention_backend: str | None = None, max_num_batched_tokens: int = 8192) -> None:
+                 attention_backend: str | None = None, max_num_batched_tokens: int = 8192, max_loras: int = 0,
+                 max_lora_rank: int = 16) -> None:
         self.model = model
         self.cfg = model.config
         self.device = device
@@ -69,6 +71,9 @@ class ModelRunner:
         if device.type == "cuda" and opts.fuse:
             fuse_projections(model.backbone)
             layer_stack.prepare(device)  # the layer kernels' barrier counters, before any graph capture
+        # Runtime LoRA adapters: their slots exist before KV sizing and graph capture, which then include them.
+        self.lora = LoRASlots(model.backbone, model.config.architecture, max_loras, max_lora_rank, device,
+                              self.dtype) if max_loras else None
         if device.type == "cuda":
             # The VAE's convolutions have fixed shapes per graph bucket: let cuDNN pick the fastest
             # algorithm once, at warm-up, instead of its heuristic choice.
@@ -192,7 +197,8 @@ class ModelRunner:
         self.model.backbone.prefill(torch.zeros(n, dtype=torch.long, device=dev),
                                     torch.zeros(n, p, d, dtype=self.dtype, device=dev), mask, positions,
                                     torch.tensor([n - 1], device=dev), self.base_cache.attend_fn(meta),
-                                    self.residual_cache.attend_fn(meta))
+                                    self.residual_cache.attend_fn(meta),
+                                    lora_slots=torch.full((n,), -1, device=dev) if self.lora is not None else None)
 
     def _working_memory(self, body: Callable[[], None]) -> int:
         """Peak bytes `body` allocates on the device beyond what stays allocated after it."""
@@ -260,6 +266,7 @@ class ModelRunner:
 
     def prefill_inputs(self, seqs: list[Sequence]) -> PrefillInputs:
         ids, feats, mask, positions, slots, rows, last_rows, qlens, klens = [], [], [], [], [], [], [], [], []
+        loras: list[int] = []
         for i, seq in enumerate(seqs):
             seq_ids, seq_feats, seq_mask = seq.prefill_inputs()
             start, n = seq.num_cached_tokens, len(seq_ids)
@@ -270,6 +277,7 @@ class ModelRunner:
             slots += [seq.block_table[j // self.block_size] * self.block_size + j % self.block_size
                       for j in range(start, n)]
             rows += [i] * (n - start)
+            loras += [seq.lora_slot] * (n - start)
             qlens.append(n - start)
             klens.append(n)
             last_rows.append(sum(qlens) - 1)
@@ -278,7 +286,8 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.long), slot_mapping=torch.tensor(slots, dtype=torch.long),
             row_index=torch.tensor(rows, dtype=torch.int32),
             block_tables=self._tables(seqs, max(len(s.block_table) for s in seqs)),
-            last_rows=torch.tensor(last_rows, dtype=torch.long), query_lens=qlens, key_lens=klens)
+            last_rows=torch.tensor(last_rows, dtype=torch.long), query_lens=qlens, key_lens=klens,
+            lora_slots=torch.tensor(loras, dtype=torch.long))
 
     def prefill_eager(self, x: PrefillInputs) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.device
@@ -288,7 +297,8 @@ class ModelRunner:
         assert self.base_cache is not None and self.residual_cache is not None
         return self.model.backbone.prefill(
             x.token_ids.to(dev), x.feats.to(dev), x.audio_mask.to(dev), pos, x.last_rows.to(dev),
-            self.base_cache.attend_fn(meta), self.residual_cache.attend_fn(meta))
+            self.base_cache.attend_fn(meta), self.residual_cache.attend_fn(meta),
+            lora_slots=x.lora_slots.to(dev) if self.lora is not None else None)
 
     def _prefill_forward(self, tokens: int) -> None:
         """A prefill over the first `tokens` rows of the static buffers (graph body): no host-side lengths."""
@@ -298,7 +308,8 @@ class ModelRunner:
                                  b.context_lens[:tokens])
         lm_h, res_h = self.model.backbone.prefill(
             b.token_ids[:tokens], b.feats[:tokens], b.audio_mask[:tokens], b.positions[:tokens], b.last_rows,
-            self.base_cache.attend_fn(meta), self.residual_cache.attend_fn(meta), static_shapes=True)
+            self.base_cache.attend_fn(meta), self.residual_cache.attend_fn(meta), static_shapes=True,
+            lora_slots=b.lora_slots[:tokens] if self.lora is not None else None)
         b.lm_hidden.copy_(lm_h)
         b.residual_hidden.copy_(res_h)
 
@@ -316,6 +327,7 @@ class ModelRunner:
         b.positions[:bucket].copy_(F.pad(x.positions, (0, pad)), non_blocking=True)
         b.slot_mapping[:bucket].copy_(F.pad(x.slot_mapping, (0, pad), value=b.scratch_kv_slot), non_blocking=True)
         b.row_index[:bucket].copy_(F.pad(x.row_index, (0, pad)), non_blocking=True)
+        b.lora_slots[:bucket].copy_(F.pad(x.lora_slots, (0, pad), value=-1), non_blocking=True)
         b.context_lens[:bucket].copy_(F.pad((x.positions + 1).to(torch.int32), (0, pad)), non_blocking=True)
         b.block_tables.zero_()
         b.block_tables[:rows, :x.block_tables.shape[1]].copy_(x.block_tables, non_blocking=True)
@@ -368,8 +380,9 @@ class ModelRunner:
                                  inputs.context_lens)
         backbone = self.model.backbone
         lm_hidden = self.lm_hidden[index]
+        lora = inputs.lora_slots if self.lora is not None else None
         patch = backbone.sample_patch(lm_hidden, self.residual_hidden[index], self.prev_patch[index],
-                                      inputs.noise, inputs.cfg, self.inference_timesteps)
+                                      inputs.noise, inputs.cfg, self.inference_timesteps, lora)
         # The stop head and the VAE need only the old hidden state and the patch, the LMs only the encoded patch,
         # so on CUDA they run side by side: the stop head and the VAE on a second stream (forked and joined inside
         # the captured graph), LocEnc and the LMs on this one. The fork comes after LocEnc: its layer kernel's grid
@@ -378,7 +391,7 @@ class ModelRunner:
         side = self.vae_stream.stream if vae else None
         main = torch.cuda.current_stream(self.device) if side is not None else None
 
-        embed = backbone.encode_patches(patch)
+        embed = backbone.encode_patches(patch, lora)
         if side is not None:
             side.wait_stream(main)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
@@ -386,7 +399,7 @@ class ModelRunner:
             if vae:
                 buf.audio[:batch] = self._decode_audio(index, self._latents(patch[:, None]))
         lm_next, residual_next = backbone.advance_lms(embed, inputs.positions, self.base_cache.attend_fn(meta),
-                                                      self.residual_cache.attend_fn(meta))
+                                                      self.residual_cache.attend_fn(meta), lora)
         self.lm_hidden[index] = lm_next
         self.residual_hidden[index] = residual_next
         self.prev_patch[index] = patch
@@ -509,6 +522,7 @@ class ModelRunner:
         inputs.cfg[:b] = torch.tensor([s.params.cfg_value for s in seqs])
         inputs.block_tables[:b, :width] = self._tables(seqs, width)
         inputs.noise[:b] = torch.stack([self._noise(s, ahead) for s in seqs])
+        inputs.lora_slots[:b] = torch.tensor([s.lora_slot for s in seqs])
         if pad:
             inputs.fill_padding(self.scratch_slot, scratch_kv, start=b)
         if stream is not None:

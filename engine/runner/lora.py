@@ -1,0 +1,188 @@
+"""Runtime LoRA adapters: registered by name, resident in a bounded number of device slots, applied per request.
+
+Every layer a runtime adapter may adapt (q/k/v/o of the base LM, the residual LM and the DiT's layers, and the four
+projections between the modules: the official training's targets, minus the MLPs) gets one stacked pair of
+`max_loras` slots of rank `max_lora_rank` (`engine.ops.lora`). A request names its adapter; admission makes it
+resident (a free slot, else the least recently used slot no running request holds) and the request carries the slot
+index, like its KV slots: the step's rows then select their own adapter, different adapters and none in one batch,
+inside the CUDA graphs captured once at start-up. The LoRA context holds the mask of the rows the next layers see;
+the backbone sets it around each module it calls (`VoxCPMBackbone.lora_rows`).
+
+Registered adapters stay in host memory; a slot is (re)written on the engine's stream, so a step already queued
+still reads what it was launched with. Unregistering a name lets the requests holding it finish; its slot is freed
+after the last. A layer kernel that reads base weights only (the local modules' stack kernel) is not used while
+runtime adapters are enabled (the per-layer path is); merging an adapter at load (`EngineConfig.lora_path`) keeps
+every fused kernel.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from engine.errors import OverloadedError, RequestError
+from engine.io.lora import LoRAAdapter, LoRAError, targets
+from engine.ops.lora import LoRAContext, LoRAStack, add_lora
+
+log = logging.getLogger(__name__)
+
+LAYER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+LAYER_STACKS = ("base_lm.layers.", "residual_lm.layers.", "feat_decoder.estimator.decoder.layers.")
+PROJECTIONS = ("enc_to_lm_proj", "lm_to_dit_proj", "res_to_dit_proj", "fusion_concat_proj")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _projection_hook(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
+    return add_lora(module, args[0], out)
+
+
+def adaptable_layers(backbone: nn.Module) -> dict[str, nn.Linear]:
+    """The layers runtime adapters may adapt, by their path in the backbone (the adapters' key names)."""
+    out = {}
+    for name, module in backbone.named_modules():
+        if isinstance(module, nn.Linear) and ((name.startswith(LAYER_STACKS) and name.rsplit(".", 1)[-1] in
+                                               LAYER_TARGETS) or name in PROJECTIONS):
+            out[name] = module
+    return out
+
+
+@dataclass
+class Registered:
+    name: str
+    source: str
+    rank: int
+    generation: int  # a name registered again is another adapter: its prompts' KV is never shared with the old one's
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer -> (A [r, in], B * alpha / r [out, r]), host
+
+
+@dataclass
+class Resident:
+    slot: int
+    refs: int = 0  # requests holding it
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class LoRASlots:
+    def __init__(self, backbone: nn.Module, family: str, max_loras: int, max_rank: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.backbone, self.family = backbone, family
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.context = LoRAContext(torch.arange(max_loras, device=device).repeat_interleave(max_rank))
+        self.layers = adaptable_layers(backbone)
+        columns = max_loras * max_rank
+        for name, layer in self.layers.items():
+            layer.lora = LoRAStack(torch.zeros(columns, layer.in_features, dtype=dtype, device=device),
+                                   torch.zeros(layer.out_features, columns, dtype=dtype, device=device), self.context)
+            if name in PROJECTIONS:
+                layer.register_forward_hook(_projection_hook)
+        backbone.lora_context = self.context
+        for stack in (backbone.base_lm, backbone.residual_lm, backbone.feat_decoder.estimator.decoder):
+            stack.lora_context = self.context  # the stack kernel then steps aside for the per-layer path
+        self.registered: dict[str, Registered] = {}
+        self.resident: dict[str, Resident] = {}
+        self.free_slots = list(range(max_loras - 1, -1, -1))
+        self.retiring: set[str] = set()  # unregistered while requests hold them
+        self._generations = itertools.count(1)
+        mib = sum(s.a.numel() + s.b.numel() for s in (lay.lora for lay in self.layers.values())) * \
+            torch.empty((), dtype=dtype).element_size() / 2**20
+        log.info("runtime LoRA: %d slots of rank <= %d over %d layers (%.0f MiB)", max_loras, max_rank,
+                 len(self.layers), mib)
+
+    # --- registry -----------------------------------------------------------------------------------------------
+    def register(self, name: str, adapter: LoRAAdapter) -> dict:
+        if not NAME.fullmatch(name):
+            raise LoRAError(f"lora_name: {name!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a "
+                            "letter or digit")
+        if name in self.registered:
+            raise LoRAError(f"lora_name: an adapter named {name!r} is registered already (unregister it first)")
+        targets(adapter, self.backbone, self.family)  # every module exists here, with the adapter's shapes
+        for module in adapter.pairs:
+            if module not in self.layers:
+                raise LoRAError(f"{module}.lora_A: runtime adapters adapt q/k/v/o of the LMs and the DiT and the "
+                                f"projections between the modules, not {module!r} (merge this adapter at start-up "
+                                "instead: NANOVLLM_LORA_MERGE)")
+        if adapter.config.r > self.max_rank:
+            raise LoRAError(f"lora_config.r: {adapter.config.r} is above this engine's max_lora_rank "
+                            f"{self.max_rank}")
+        scale = adapter.config.scale
+        pairs = {m: (a.contiguous(), (b * scale).contiguous()) for m, (a, b) in adapter.pairs.items()}
+        self.registered[name] = Registered(name, adapter.source, adapter.config.r, next(self._generations), pairs)
+        log.info("registered LoRA adapter %r (%s): r=%d, %d layers", name, adapter.source, adapter.config.r,
+                 len(pairs))
+        return self.describe(name)
+
+    def unregister(self, name: str) -> None:
+        if name not in self.registered:
+            raise LoRAError(f"lora_name: no adapter named {name!r} (registered: {sorted(self.registered)})")
+        del self.registered[name]
+        held = self.resident.get(name)
+        if held is not None and held.refs == 0:
+            self._evict(name)
+        elif held is not None:
+            self.retiring.add(name)
+
+    def describe(self, name: str) -> dict:
+        reg, held = self.registered[name], self.resident.get(name)
+        return {"name": name, "source": reg.source, "rank": reg.rank, "layers": len(reg.pairs),
+                "resident": held is not None, "slot": held.slot if held else None, "requests": held.refs if held else 0}
+
+    def list(self) -> list[dict]:
+        return [self.describe(n) for n in sorted(self.registered)]
+
+    # --- requests -----------------------------------------------------------------------------------------------
+    def acquire(self, name: str) -> tuple[int, bytes]:
+        """A request's hold on adapter `name`: its slot (loaded now if it is not resident) and the salt of its
+        prompts' prefix-cache hashes."""
+        reg = self.registered.get(name)
+        if reg is None:
+            raise RequestError(f"lora_name: no adapter named {name!r} (registered: {sorted(self.registered)})")
+        held = self.resident.get(name)
+        if held is None:
+            slot = self._free_slot()
+            self._load(reg, slot)
+            held = self.resident[name] = Resident(slot)
+        held.refs += 1
+        held.last_used = time.monotonic()
+        return held.slot, f"lora:{name}:{reg.generation}".encode()
+
+    def release(self, name: str) -> None:
+        held = self.resident.get(name)
+        if held is None:
+            return
+        held.refs -= 1
+        if held.refs == 0 and name in self.retiring:
+            self.retiring.discard(name)
+            self._evict(name)
+
+    def _free_slot(self) -> int:
+        """A slot for a new resident: a free one, else the least recently used one no request holds."""
+        if not self.free_slots:
+            idle = [(h.last_used, n) for n, h in self.resident.items() if h.refs == 0]
+            if not idle:
+                raise OverloadedError(f"lora_name: all {self.max_loras} adapter slots hold adapters of running "
+                                      "requests (max_loras); retry when one finishes")
+            self._evict(min(idle)[1])
+        return self.free_slots.pop()
+
+    def _evict(self, name: str) -> None:
+        self.free_slots.append(self.resident.pop(name).slot)
+
+    @torch.no_grad()
+    def _load(self, reg: Registered, slot: int) -> None:
+        cols = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        live = slice(slot * self.max_rank, slot * self.max_rank + reg.rank)
+        for name, layer in self.layers.items():
+            stack: LoRAStack = layer.lora
+            stack.a[cols].zero_()
+            stack.b[:, cols].zero_()
+            pair = reg.pairs.get(name)
+            if pair is not None:
+                stack.a[live].copy_(pair[0], non_blocking=True)
+                stack.b[:, live].copy_(pair[1], non_blocking=True)
+        log.info("LoRA adapter %r resident in slot %d", reg.name, slot)

@@ -1,0 +1,146 @@
+"""Runtime LoRA adapters (`engine/runner/lora.py`): registered by name, chosen per request, resident in a bounded
+number of slots. The runtime path equals the official package running the same adapter (unmerged); requests with
+different adapters, ranks and none in one batch each equal their solo output; slots are reused least recently used
+first; unregistering lets running requests finish; an adapter's prompts never share KV with another's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine.errors import OverloadedError, RequestError
+from engine.io.checkpoint import load_model
+from engine.io.lora import LoRAConfig, LoRAError, random_adapter
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sequence import SamplingParams
+from tests.conftest import check_parity
+from tests.official import injected_noise, make_noise
+from tests.test_io_lora import EVERY_GROUP, PATCHES, official_with_adapter
+
+TEXT = "An adapted voice speaks."
+LONG = ("An adapted voice reads a longer passage, long enough that its prompt fills several key-value blocks, "
+        "which the prefix cache then keeps and finds again for the next request with the same text.")
+
+
+def patches_of(engine: LLMEngine, requests: list[dict]) -> list[torch.Tensor]:
+    """Run requests (add_request keywords) together; each one's patches, stacked."""
+    ids = [engine.add_request(**r) for r in requests]
+    out: dict[int, list[torch.Tensor]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for e in engine.step():
+            if e.seq_id in out:
+                assert e.error is None, e.error
+                out[e.seq_id].append(e.patch)
+    return [torch.stack(out[i]) for i in ids]
+
+
+def adapter_for(model, path, seed: int, **config):
+    targets = LoRAConfig(**{**EVERY_GROUP, **config})
+    if model.config.architecture != "voxcpm2":  # no fusion projection in VoxCPM1
+        targets = dataclasses.replace(targets, target_proj_modules=targets.target_proj_modules[:3])
+    return random_adapter(model.backbone, path, targets, seed=seed)
+
+
+@pytest.mark.parametrize("preset", ["tiny-voxcpm2", "tiny-voxcpm1.5", "tiny-voxcpm0.5b"])
+def test_runtime_adapter_equals_the_official_lora(preset, checkpoint_factory, tmp_path):
+    ckpt = checkpoint_factory(preset, stop="never")
+    model = load_model(ckpt)
+    adapter_dir = adapter_for(model, tmp_path / "adapter", seed=3, alpha=6)  # scale 1.5: not a power of two
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=256, max_loras=2, max_lora_rank=8))
+    engine.register_lora("voice", str(adapter_dir))
+    noises = make_noise(PATCHES, model.config.feat_dim, model.config.patch_size, seed=5)
+    params = SamplingParams(max_generate_length=PATCHES, min_len=2, seed=0)
+    [ours] = patches_of(engine, [dict(target_text=TEXT, params=params, injected_noise=noises, lora_name="voice")])
+    off = official_with_adapter(ckpt, adapter_dir, model.config.architecture)
+    with injected_noise(noises):
+        _, _, ref = off.generate_with_prompt_cache(target_text=TEXT, prompt_cache=None, min_len=2, max_len=PATCHES,
+                                                   inference_timesteps=10, cfg_value=2.0, retry_badcase=False)
+    check_parity(f"{preset} runtime LoRA (every target group) latents", ours, ref[-len(ours):], 1e-4)
+
+
+def test_mixed_batch_each_equals_its_solo_output(checkpoint_factory, tmp_path):
+    """Two adapters of different ranks and no adapter, in one batch, all with the same prompt text, in an engine whose
+    prefix cache holds that prompt's blocks from an earlier request of the first adapter: each request's patches
+    equal those of the same request alone in a fresh engine (they would not if one adapter's request reused another's
+    cached KV)."""
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    model = load_model(ckpt)
+    adapters = {"a": adapter_for(model, tmp_path / "a", seed=11, r=4, alpha=8),
+                "b": adapter_for(model, tmp_path / "b", seed=12, r=8, alpha=4)}
+    config = EngineConfig(max_num_seqs=4, max_model_len=256, max_loras=2, max_lora_rank=8)
+
+    def engine() -> LLMEngine:
+        e = LLMEngine(load_model(ckpt), config)
+        for name, path in adapters.items():
+            e.register_lora(name, str(path))
+        return e
+
+    noises = [make_noise(PATCHES, model.config.feat_dim, model.config.patch_size, seed=s) for s in (1, 2, 3)]
+    requests = [dict(target_text=LONG, params=SamplingParams(max_generate_length=PATCHES, seed=i),
+                     injected_noise=noises[i], lora_name=name) for i, name in enumerate(("a", None, "b"))]
+    solo = [patches_of(engine(), [r])[0] for r in requests]
+    shared = engine()
+    patches_of(shared, [{**requests[0], "params": SamplingParams(max_generate_length=2, seed=9),
+                         "injected_noise": None}])
+    assert len(shared.blocks.cached) >= 2, "the prompt left no full blocks in the prefix cache"
+    together = patches_of(shared, requests)
+    for name, alone, mixed in zip(("a", "none", "b"), solo, together, strict=True):
+        check_parity(f"adapter {name}: in a mixed batch vs alone", mixed, alone, 1e-5)
+    assert (solo[0] - solo[1]).abs().max() > 1e-3 and (solo[2] - solo[1]).abs().max() > 1e-3
+    assert (solo[0] - solo[2]).abs().max() > 1e-3
+
+
+def test_slots_reused_least_recently_used_and_unregister_waits(checkpoint_factory, tmp_path):
+    model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=256, max_loras=2, max_lora_rank=8))
+    for i, name in enumerate(("a", "b", "c")):
+        engine.register_lora(name, str(adapter_for(model, tmp_path / name, seed=20 + i)))
+    params = SamplingParams(max_generate_length=2, seed=0)
+    patches_of(engine, [dict(target_text=TEXT, params=params, lora_name="a")])
+    patches_of(engine, [dict(target_text=TEXT, params=params, lora_name="b")])
+    patches_of(engine, [dict(target_text=TEXT, params=params, lora_name="a")])  # a used after b
+    patches_of(engine, [dict(target_text=TEXT, params=params, lora_name="c")])  # evicts b, the least recent
+    resident = {d["name"]: d["resident"] for d in engine.list_loras()}
+    assert resident == {"a": True, "b": False, "c": True}
+
+    # both slots held by running requests: a third adapter has to wait (503 upstream)
+    held = [engine.add_request(TEXT, params, lora_name=n) for n in ("a", "c")]
+    with pytest.raises(OverloadedError, match="lora_name: all 2 adapter slots"):
+        engine.add_request(TEXT, params, lora_name="b")
+    # unregistering a held adapter lets its request finish; its slot frees after it
+    engine.unregister_lora("a")
+    assert [d["name"] for d in engine.list_loras()] == ["b", "c"]
+    with pytest.raises(RequestError, match="lora_name: no adapter named 'a'"):
+        engine.add_request(TEXT, params, lora_name="a")
+    while engine.has_unfinished():
+        engine.step()
+    assert all(i not in engine.sequences for i in held)
+    assert len(engine.runner.lora.free_slots) == 1 and not engine.runner.lora.retiring  # a's slot is free again
+    patches_of(engine, [dict(target_text=TEXT, params=params, lora_name="b")])  # and b takes it
+
+
+def test_bad_names_and_adapters_are_refused(checkpoint_factory, tmp_path):
+    model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
+    plain = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=256))
+    with pytest.raises(RequestError, match=r"lora_name: this engine serves no runtime LoRA adapters \(max_loras=0\)"):
+        plain.add_request(TEXT, lora_name="voice")
+    engine = LLMEngine(load_model(checkpoint_factory("tiny-voxcpm2", stop="never")),
+                       EngineConfig(max_num_seqs=2, max_model_len=256, max_loras=1, max_lora_rank=4))
+    ok = adapter_for(model, tmp_path / "ok", seed=1)
+    with pytest.raises(LoRAError, match="must be 1-64 letters"):
+        engine.register_lora("../etc", str(ok))
+    wide = adapter_for(model, tmp_path / "wide", seed=2, r=8)
+    with pytest.raises(LoRAError, match="lora_config.r: 8 is above this engine's max_lora_rank 4"):
+        engine.register_lora("wide", str(wide))
+    mlp = random_adapter(model.backbone, tmp_path / "mlp", LoRAConfig(enable_lm=True, r=4, alpha=8,
+                                                                   target_modules_lm=["gate_proj"]), seed=3)
+    with pytest.raises(LoRAError, match="runtime adapters adapt q/k/v/o.*merge this adapter at start-up"):
+        engine.register_lora("mlp", str(mlp))
+    engine.register_lora("ok", str(ok))
+    with pytest.raises(LoRAError, match="'ok' is registered already"):
+        engine.register_lora("ok", str(ok))
+    with pytest.raises(RequestError, match=r"lora_name: no adapter named 'other' \(registered: \['ok'\]\)"):
+        engine.add_request(TEXT, lora_name="other")
+    assert not engine.sequences and not engine.has_unfinished()  # nothing half-added
