@@ -15,21 +15,23 @@ _EXPORTS = {
     "EngineError": "engine.errors", "OverloadedError": "engine.errors", "PoolError": "engine.errors",
     "PoolStoppedError": "engine.errors",
     "PromptNotFoundError": "engine.errors", "RequestError": "engine.errors", "WorkerDiedError": "engine.errors",
+    "LoRANotFoundError": "engine.errors",
     "EngineConfig": "engine.engine_config", "LLMEngine": "engine.llm_engine", "StepEvent": "engine.sequence",
     "SamplingParams": "engine.serving.protocol", "SynthesisRequest": "engine.serving.protocol",
     "GenerationStream": "engine.serving.client",
     "AsyncVoxCPMServerPool": "engine.serving.pool", "SyncVoxCPMServerPool": "engine.serving.pool",
     "VoxCPM": "engine.serving.pool",
 }
-__all__ = ["AsyncVoxCPMServerPool", "CheckpointError", "EngineConfig", "EngineError", "GenerationStream", "LLMEngine",
-           "LoadedModel", "OverloadedError", "PoolError", "PoolStoppedError", "PromptNotFoundError", "RequestError",
-           "SamplingParams", "StepEvent", "SyncVoxCPMServerPool", "SynthesisRequest", "VoxCPM", "WorkerDiedError",
-           "load_model"]
+__all__ = ["AsyncVoxCPMServerPool", "CheckpointError", "EngineConfig", "EngineError", "GenerationStream",
+           "LLMEngine", "LoRANotFoundError", "LoadedModel", "OverloadedError", "PoolError", "PoolStoppedError",
+           "PromptNotFoundError", "RequestError", "SamplingParams", "StepEvent", "SyncVoxCPMServerPool",
+           "SynthesisRequest", "VoxCPM", "WorkerDiedError", "load_model"]
 
 if TYPE_CHECKING:
     from engine.engine_config import EngineConfig
     from engine.errors import (
         EngineError,
+        LoRANotFoundError,
         OverloadedError,
         PoolError,
         PoolStoppedError,

@@ -29,6 +29,15 @@ class PromptNotFoundError(RequestError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class LoRANotFoundError(RequestError, KeyError):
+    """A request or call named a LoRA adapter that is not registered."""
+
+    kind = "lora_not_found"
+
+    def __str__(self) -> str:  # KeyError's repr-quoting off
+        return str(self.args[0]) if self.args else ""
+
+
 class EngineError(PoolError):
     """The engine failed while running the request (a bug or out of memory); the worker keeps serving."""
 
@@ -55,7 +64,7 @@ class PoolStoppedError(PoolError):
 
 
 ERROR_KINDS: dict[str, type[PoolError]] = {cls.kind: cls for cls in
-                                          (PoolError, RequestError, PromptNotFoundError, EngineError,
+                                          (PoolError, RequestError, PromptNotFoundError, LoRANotFoundError, EngineError,
                                            OverloadedError, WorkerDiedError, PoolStoppedError)}
 
 

@@ -39,7 +39,7 @@ from service.engine_setup import (
 )
 from service.limits import BodyLimitMiddleware
 from service.metrics import Metrics, MetricsMiddleware
-from service.routers import generation, openai, ops, voices
+from service.routers import generation, loras, openai, ops, voices
 from service.settings import Settings
 from service.state import ServiceState
 from service.voice_store import SqliteVoiceStore
@@ -92,7 +92,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
     app = FastAPI(title="voxcpm-serve", version="0.1.0", lifespan=lifespan,
                   description="VoxCPM text-to-speech: streaming MP3, voice caches, OpenAI-compatible speech.")
     keyed = [Depends(require_api_key)]
-    for router in (generation.router, voices.router, openai.router):
+    for router in (generation.router, voices.router, loras.router, openai.router):
         app.include_router(router, dependencies=keyed)
     app.include_router(ops.router)  # /health, /ready, /metrics open; /info keyed (per route)
     if settings.cors_origins:

@@ -9,8 +9,12 @@ import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from service.settings import Settings
+
+if TYPE_CHECKING:
+    from service.lora_source import Endpoints
 
 # The supervisor's first word to its API processes when it stops: drain (not ready, new generations refused).
 DRAIN_SIGNAL = signal.SIGUSR1
@@ -57,11 +61,17 @@ def adapter_path(settings: Settings) -> str | None:
     """The start-up LoRA adapter as a local path (downloaded and checked first), or None without one. Blocking."""
     if not settings.lora_uri:
         return None
-    from service.lora_source import Endpoints, fetch_adapter
+    from service.lora_source import fetch_adapter
+
+    return str(fetch_adapter(settings.lora_uri, settings.cache_path, settings.lora_sha256, source_endpoints(settings)))
+
+
+def source_endpoints(settings: Settings) -> Endpoints:
+    """Where s3:// and hf:// adapter URIs are fetched from."""
+    from service.lora_source import Endpoints
 
     token = settings.hf_token.get_secret_value() if settings.hf_token else None
-    endpoints = Endpoints(settings.s3_endpoint_url, settings.hf_endpoint, token)
-    return str(fetch_adapter(settings.lora_uri, settings.cache_path, settings.lora_sha256, endpoints))
+    return Endpoints(settings.s3_endpoint_url, settings.hf_endpoint, token)
 
 
 def engine_arguments(settings: Settings, demo: bool, lora_path: str | None = None) -> dict:
@@ -81,4 +91,5 @@ def engine_arguments(settings: Settings, demo: bool, lora_path: str | None = Non
                 enforce_eager=settings.serverpool_enforce_eager,
                 inference_timesteps=settings.serverpool_inference_timesteps,
                 coalesce_ms=settings.queue_coalesce_ms, queue_timeout_s=settings.queue_timeout_s,
-                warmup=settings.warmup, lora_path=lora_path)
+                warmup=settings.warmup, lora_path=lora_path, max_loras=settings.max_loras,
+                max_lora_rank=settings.max_lora_rank)

@@ -9,14 +9,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import OverloadedError, PoolError, PoolStoppedError, PromptNotFoundError, RequestError, WorkerDiedError
+from engine import (
+    LoRANotFoundError,
+    OverloadedError,
+    PoolError,
+    PoolStoppedError,
+    PromptNotFoundError,
+    RequestError,
+    WorkerDiedError,
+)
 from service.voice_store import VoiceTooLargeError
 
 RETRY_AFTER_S = "5"
 
 
 def status_of(err: Exception) -> int:
-    if isinstance(err, PromptNotFoundError):
+    if isinstance(err, PromptNotFoundError | LoRANotFoundError):
         return 404
     if isinstance(err, RequestError):
         return 400

@@ -86,6 +86,37 @@ class Deleted(BaseModel):
     deleted: str = Field(..., description="The id removed.")
 
 
+# --- LoRA adapters --------------------------------------------------------------------------------
+
+LORA_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class RegisterLoRARequest(BaseModel):
+    lora_name: str = Field(..., pattern=LORA_NAME, description="The adapter's name, as requests give it (lora_name, "
+                                                               "or the OpenAI route's model).")
+    lora_uri: str = Field(..., min_length=1, max_length=2048,
+                          description="Its weights (official format): https:// or s3://bucket/key of "
+                                      "lora_weights.safetensors (lora_config.json beside it), "
+                                      "hf://owner/repo@revision?path=..., or a path / file:// inside "
+                                      "NANOVLLM_LORA_DIR.")
+    sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$", description="SHA-256 of the weights file: "
+                                                                               "refused (400) when it differs.")
+
+
+class LoRAInfo(BaseModel):
+    name: str
+    source: str = Field(..., description="The weights file the workers read.")
+    rank: int
+    layers: int = Field(..., description="Layers it adapts.")
+    resident: bool = Field(..., description="In a GPU slot now (else loaded on its next request).")
+    slot: int | None = None
+    requests: int = Field(0, description="Requests using it now.")
+
+
+class LoRAList(BaseModel):
+    loras: list[LoRAInfo]
+
+
 # --- generation -----------------------------------------------------------------------------------
 
 def _limited(name: str, default: float | None) -> object:
@@ -140,7 +171,8 @@ class GenerateRequest(SamplingFields):
     ref_audio_wav_format: str = Field("wav", description="Container of ref_audio_wav_base64.")
     ref_audio_latents_base64: str | None = Field(None, description="Reference as float32 latents bytes.")
     ref_audio_id: str | None = Field(None, description="A reference from /add_reference.")
-    lora_name: str | None = Field(None, description="Per-request LoRA adapter (not supported yet: must be unset).")
+    lora_name: str | None = Field(None, description="A runtime LoRA adapter registered with POST /loras (404 if "
+                                                    "unknown; 503 while every adapter slot is held).")
     response_format: Literal["mp3", "pcm"] = Field("mp3", description="mp3, or pcm = raw s16le mono.")
 
     _target_text = field_validator("target_text")(not_blank)
@@ -162,8 +194,6 @@ class GenerateRequest(SamplingFields):
             raise ValueError(f"prompt_text is required with {prompts[0]} (the transcript of the prompt audio)")
         if (self.prompt_text or "").strip() and not needs_text:
             raise ValueError("prompt_text is only valid with prompt_wav_base64 or prompt_latents_base64")
-        if self.lora_name is not None:
-            raise ValueError("lora_name: per-request LoRA adapters are not supported yet")
         return self
 
 

@@ -67,6 +67,13 @@ class Settings(BaseSettings):
                                                       "both digests, when it differs.")
     lora_merge: bool = Field(False, description="Merge the adapter into the weights at load (no per-step cost); "
                                                 "required with NANOVLLM_LORA_URI for now.")
+    max_loras: int = Field(0, ge=0, le=64, description="Runtime LoRA adapters (POST /loras, lora_name per request) "
+                                                      "resident on each GPU at once; the least recently used idle "
+                                                      "one makes room. 0: runtime adapters off (no per-step cost).")
+    max_lora_rank: int = Field(32, ge=1, le=256, description="Largest rank a runtime adapter may have (its slots "
+                                                             "are sized for it).")
+    lora_dir: Path | None = Field(None, description="POST /loras may name local adapters (a path or file://) only "
+                                                    "inside this directory; unset: remote URIs only.")
     max_request_bytes: int = Field(16 * 2**20, ge=1024, description="Largest request body accepted: 413 beyond it, "
                                                                     "found while reading, before all of it is in.")
     max_audio_seconds: float = Field(60.0, gt=0, le=3600, description="Longest uploaded clip (prompt or reference "

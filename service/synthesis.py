@@ -63,10 +63,10 @@ class Generation:
 
 
 async def start(state: ServiceState, route: str, text: str, cond: Conditioning, params: SamplingParams, fmt: str,
-                sse: bool = False) -> Generation:
+                sse: bool = False, lora_name: str | None = None) -> Generation:
     s = state.settings
     encoder = make_encoder(fmt, state.sample_rate, s.mp3_bitrate_kbps, s.mp3_quality, sse)
-    request = SynthesisRequest(text, cond.prompt_text, cond.prompt_latents, None, cond.ref_latents, params)
+    request = SynthesisRequest(text, cond.prompt_text, cond.prompt_latents, None, cond.ref_latents, params, lora_name)
     stream = state.pool.submit(request, encoder)
     try:
         first = await anext(stream, None)

@@ -144,3 +144,48 @@ def test_bad_names_and_adapters_are_refused(checkpoint_factory, tmp_path):
     with pytest.raises(RequestError, match=r"lora_name: no adapter named 'other' \(registered: \['ok'\]\)"):
         engine.add_request(TEXT, lora_name="other")
     assert not engine.sequences and not engine.has_unfinished()  # nothing half-added
+
+
+def test_pool_adapters_survive_a_worker_restart(checkpoint_factory, tmp_path):
+    """Through the server pool: an adapter registered on the workers serves requests that name it, a restarted worker
+    gets it again (the client replays its registrations), and unregistering it everywhere makes its name unknown."""
+    import asyncio
+
+    import numpy as np
+
+    from engine import VoxCPM
+    from engine.errors import LoRANotFoundError
+
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    adapter = adapter_for(load_model(ckpt), tmp_path / "voice", seed=5)
+
+    async def scenario() -> None:
+        pool = VoxCPM.from_pretrained(str(ckpt), max_num_seqs=2, max_model_len=256, max_loras=2, max_lora_rank=8)
+        try:
+            await pool.wait_for_ready(timeout=120)
+            assert (await pool.register_lora("voice", str(adapter)))["name"] == "voice"
+
+            async def audio(lora_name: str | None) -> np.ndarray:
+                return np.concatenate([c async for c in pool.generate(TEXT, max_generate_length=3, seed=2,
+                                                                      lora_name=lora_name)])
+
+            before, plain = await audio("voice"), await audio(None)
+            assert np.abs(before - plain).max() > 1e-3
+            pool.kill_worker(0)
+            async def noticed() -> None:
+                while pool.healthy:
+                    await asyncio.sleep(0.02)
+
+            await asyncio.wait_for(noticed(), 10)  # a hang guard: the client notices the death at once
+            await pool.restart(timeout=120)
+            assert [d["name"] for d in await pool.list_loras()] == ["voice"]
+            np.testing.assert_allclose(await audio("voice"), before, atol=1e-5)
+            await pool.unregister_lora("voice")
+            with pytest.raises(LoRANotFoundError, match="lora_name: no adapter named 'voice'"):
+                await audio("voice")
+            with pytest.raises(LoRANotFoundError):
+                await pool.unregister_lora("voice")
+        finally:
+            await pool.stop()
+
+    asyncio.run(scenario())

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
@@ -206,3 +208,76 @@ def test_adapter_from_a_hub_compatible_server(adapter, tmp_path):
             fetch_adapter("hf://acme/voices@main?path=step_0000200", tmp_path / "c3", endpoints=_endpoints(hf=endpoint))
     finally:
         server.shutdown()
+
+
+def test_runtime_adapters_over_http(adapter, file_server, checkpoint_factory, tmp_path):
+    """POST /loras (a file inside NANOVLLM_LORA_DIR, or an https:// URL), GET /loras, lora_name on /generate and the
+    OpenAI model field, DELETE; every refusal names its field; /loras needs the API key."""
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    settings = service_settings(ckpt, tmp_path / "cache", max_loras=2, max_lora_rank=8, lora_dir=adapter.parent,
+                                api_keys="k1")
+    server = LiveServer(settings).start()
+    auth = {"Authorization": "Bearer k1"}
+    try:
+        with httpx.Client(base_url=server.url, timeout=120, headers=auth) as c:
+            assert httpx.get(f"{server.url}/loras").status_code == 401
+            r = c.post("/loras", json={"lora_name": "voice", "lora_uri": f"file://{adapter}"})
+            assert r.status_code == 200 and r.json()["name"] == "voice" and r.json()["layers"] > 0, r.text
+            url = f"{file_server}/{adapter.name}/lora_weights.safetensors"
+            digest = sha256_of(adapter / "lora_weights.safetensors")
+            r = c.post("/loras", json={"lora_name": "voice.http", "lora_uri": url, "sha256": digest})
+            assert r.status_code == 200, r.text
+            assert {d["name"] for d in c.get("/loras").json()["loras"]} == {"voice", "voice.http"}
+
+            adapted = c.post("/generate", json={**BODY, "lora_name": "voice"})
+            again = c.post("/generate", json={**BODY, "lora_name": "voice.http"})  # the same weights
+            plain = c.post("/generate", json=BODY)
+            assert adapted.status_code == again.status_code == plain.status_code == 200
+            pcm = {k: np.frombuffer(r.content, np.int16).astype(int) for k, r in
+                   (("adapted", adapted), ("again", again), ("plain", plain))}
+            # the same weights in another slot: the same audio up to float summation order (an LSB or two)
+            assert np.abs(pcm["adapted"] - pcm["again"]).max() <= 4
+            assert np.abs(pcm["adapted"] - pcm["plain"]).max() > 100
+            speech = c.post("/v1/audio/speech", json={"model": "voice", "input": BODY["target_text"], "seed": 4,
+                                                      "max_generate_length": 3, "response_format": "pcm"})
+            assert speech.status_code == 200, speech.text
+            assert np.abs(np.frombuffer(speech.content, np.int16).astype(int) - pcm["adapted"]).max() <= 4
+            assert "voice" in [m["id"] for m in c.get("/v1/models").json()["data"]]
+            info = c.get("/info").json()["lora"]["runtime"]
+            assert info["max_loras"] == 2 and {a["name"] for a in info["adapters"]} == {"voice", "voice.http"}
+
+            outside = tmp_path / "elsewhere"
+            outside.mkdir()
+            for body, status, message in [
+                ({"lora_name": "x", "lora_uri": str(outside)}, 400, "lora_uri: .* is outside NANOVLLM_LORA_DIR"),
+                ({"lora_name": "../x", "lora_uri": url}, 422, "lora_name"),
+                ({"lora_name": "x", "lora_uri": url, "sha256": "0" * 64}, 400, f"sha256: .* has SHA-256 {digest}"),
+                ({"lora_name": "voice", "lora_uri": f"{file_server}/missing/lora_weights.safetensors"}, 400,
+                 "lora_uri: .* answered 404"),
+            ]:
+                r = c.post("/loras", json=body)
+                assert r.status_code == status and re.search(message, r.text), (body, r.status_code, r.text)
+            r = c.post("/generate", json={**BODY, "lora_name": "nobody"})
+            assert r.status_code == 404 and "lora_name: no adapter named 'nobody'" in r.text, r.text
+            r = c.post("/v1/audio/speech", json={"model": "nobody", "input": "Hi."})
+            assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
+
+            assert c.delete("/loras/voice").json() == {"deleted": "voice"}
+            r = c.post("/generate", json={**BODY, "lora_name": "voice"})
+            assert r.status_code == 404 and "lora_name: no adapter named 'voice'" in r.text
+            assert c.delete("/loras/voice").status_code == 404
+    finally:
+        server.stop()
+
+
+def test_loras_refused_without_runtime_slots(adapter, checkpoint_factory, tmp_path):
+    server = LiveServer(service_settings(checkpoint_factory("tiny-voxcpm2", stop="never"), tmp_path,
+                                         lora_dir=adapter.parent)).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            r = c.post("/loras", json={"lora_name": "voice", "lora_uri": str(adapter)})
+            assert r.status_code == 400 and "NANOVLLM_MAX_LORAS=0" in r.text
+            r = c.post("/generate", json={**BODY, "lora_name": "voice"})
+            assert r.status_code == 400 and "lora_name: this engine serves no runtime LoRA adapters" in r.text
+    finally:
+        server.stop()

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine.errors import OverloadedError, RequestError
+from engine.errors import LoRANotFoundError, OverloadedError
 from engine.io.lora import LoRAAdapter, LoRAError, targets
 from engine.ops.lora import LoRAContext, LoRAStack, add_lora
 
@@ -119,7 +119,7 @@ class LoRASlots:
 
     def unregister(self, name: str) -> None:
         if name not in self.registered:
-            raise LoRAError(f"lora_name: no adapter named {name!r} (registered: {sorted(self.registered)})")
+            raise LoRANotFoundError(f"lora_name: no adapter named {name!r} (registered: {sorted(self.registered)})")
         del self.registered[name]
         held = self.resident.get(name)
         if held is not None and held.refs == 0:
@@ -141,7 +141,7 @@ class LoRASlots:
         prompts' prefix-cache hashes."""
         reg = self.registered.get(name)
         if reg is None:
-            raise RequestError(f"lora_name: no adapter named {name!r} (registered: {sorted(self.registered)})")
+            raise LoRANotFoundError(f"lora_name: no adapter named {name!r} (registered: {sorted(self.registered)})")
         held = self.resident.get(name)
         if held is None:
             slot = self._free_slot()

@@ -29,7 +29,15 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import OverloadedError, PoolError, PoolStoppedError, RequestError, WorkerDiedError, error_from
+from engine.errors import (
+    LoRANotFoundError,
+    OverloadedError,
+    PoolError,
+    PoolStoppedError,
+    RequestError,
+    WorkerDiedError,
+    error_from,
+)
 from engine.serving import protocol as p
 from engine.serving.routing import LoadTable
 
@@ -38,6 +46,7 @@ log = logging.getLogger(__name__)
 # A stream's transform: (chunk, is_last) -> what the stream yields for it (None: nothing for this chunk).
 Transform = Callable[[np.ndarray, bool], Any]
 RECONNECT_S = (0.05, 0.5)  # first and longest pause between connection attempts
+REPLAY = "replay:"  # call ids of registrations sent again to a (re)connected worker, answered to nobody
 _END = object()
 
 
@@ -319,6 +328,7 @@ class EngineClient:
         self.ids = itertools.count()
         self.name = os.urandom(4).hex()  # request ids are this client's name and a counter: unique across clients
         self.prompts: dict[str, tuple[np.ndarray, str]] = {}
+        self.loras: dict[str, str] = {}  # runtime LoRA adapters registered through this client: name -> path
         self.closed = False
         self._tasks = [asyncio.ensure_future(self._keep_connected(link)) for link in self.links]
 
@@ -344,6 +354,8 @@ class EngineClient:
             closed = link.attach(conn)
             for prompt_id, (latents, text) in self.prompts.items():  # a restarted worker learns them again
                 link.send(p.AddPrompt(prompt_id, latents, text))
+            for name, path in self.loras.items():  # and the adapters (answered as replays: only errors are logged)
+                link.send(p.RegisterLoRA(f"{REPLAY}{name}", name, path))
             await closed.wait()
 
     def on_message(self, link: _WorkerLink, msg: Any) -> None:
@@ -352,6 +364,11 @@ class EngineClient:
             self.encoders.sample_rate = int(msg.info.get("sample_rate") or self.encoders.sample_rate)
             link.ready_event.set()
         elif isinstance(msg, p.Reply):
+            if msg.call_id.startswith(REPLAY):
+                if msg.error is not None:
+                    log.error("worker %d did not take adapter %s again: %s", link.index,
+                              msg.call_id.removeprefix(REPLAY), msg.error.message)
+                return
             fut = link.calls.pop(msg.call_id, None)
             if fut is not None and not fut.done():
                 if msg.error is not None:
@@ -489,6 +506,45 @@ class EngineClient:
         for link in self.links:
             out.append(await self.call(link, p.GetStats) if link.ready else None)
         return out
+
+    async def register_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Register an adapter on every worker (a worker still loading, or restarted later, gets it when it connects);
+        undone everywhere if one refuses it. Its description on the first worker."""
+        done: list[_WorkerLink] = []
+        try:
+            for link in self.links:
+                if link.ready:
+                    done.append(link)
+                    described = await self.call(link, lambda cid: p.RegisterLoRA(cid, name, path))
+        except PoolError:
+            for link in done[:-1]:
+                with contextlib.suppress(PoolError):
+                    await self.call(link, lambda cid: p.UnregisterLoRA(cid, name))
+            raise
+        if not done:
+            raise WorkerDiedError("no worker is ready to take the adapter; retry when the pool is ready")
+        self.loras[name] = path
+        for link in self.links:
+            if link.connected and not link.ready:
+                link.send(p.RegisterLoRA(f"{REPLAY}{name}", name, path))
+        return described
+
+    async def unregister_lora(self, name: str) -> None:
+        """Unregister an adapter on every worker (requests using it finish with it)."""
+        known = self.loras.pop(name, None) is not None
+        missing = 0
+        ready = [link for link in self.links if link.ready]
+        for link in ready:
+            try:
+                await self.call(link, lambda cid: p.UnregisterLoRA(cid, name))
+            except LoRANotFoundError:
+                missing += 1
+        if not known and ready and missing == len(ready):
+            raise LoRANotFoundError(f"lora_name: no adapter named {name!r}")
+
+    async def list_loras(self) -> list[dict[str, Any]]:
+        """The adapters a worker holds (every worker holds the same ones)."""
+        return await self.call(await self.pick(), p.ListLoRAs)
 
     def add_prompt(self, prompt_id: str, latents: np.ndarray, text: str) -> None:
         self.prompts[prompt_id] = (latents, text)

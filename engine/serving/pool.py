@@ -161,18 +161,37 @@ class AsyncVoxCPMServerPool:
     def list_prompts(self) -> list[str]:
         return list(self.client.prompts)
 
+    async def register_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Register a LoRA adapter (official format: its directory or weights file, a path on this machine) on every
+        worker, for requests that name it (`lora_name`); restarted workers get it again. Needs max_loras > 0."""
+        self._check()
+        if not self.client.ready:
+            await self.wait_for_ready()
+        return await self.client.register_lora(name, str(path))
+
+    async def unregister_lora(self, name: str) -> None:
+        """Unregister adapter `name`; the requests using it finish with it."""
+        self._check()
+        await self.client.unregister_lora(name)
+
+    async def list_loras(self) -> list[dict[str, Any]]:
+        """The registered adapters: name, source, rank, layers, whether resident (and in which slot), requests."""
+        self._check()
+        return await self.client.list_loras()
+
     def generate(self, target_text: str, prompt_latents: bytes | np.ndarray | torch.Tensor | None = None,
                  prompt_text: str = "", prompt_id: str | None = None,
                  ref_audio_latents: bytes | np.ndarray | torch.Tensor | None = None,
                  max_generate_length: int = 2000, temperature: float = 1.0, cfg_value: float = 2.0,
-                 min_len: int = 2, seed: int | None = None, transform: Transform | None = None) -> GenerationStream:
+                 min_len: int = 2, seed: int | None = None, transform: Transform | None = None,
+                 lora_name: str | None = None) -> GenerationStream:
         """Stream float32 audio chunks (one per patch) at `get_model_info()["sample_rate"]` (or, with `transform`,
         what it makes of each (chunk, is_last), run on an encoder thread). Leaving the loop early (break,
         cancellation, aclose) aborts the request and frees its KV blocks; `finish_reason` says why it ended."""
         params = p.SamplingParams(max_generate_length=max_generate_length, temperature=temperature,
                                   cfg_value=cfg_value, min_len=min_len, seed=seed)
         return self.submit(p.SynthesisRequest(target_text, prompt_text or "", _plain(prompt_latents), prompt_id,
-                                              _plain(ref_audio_latents), params), transform)
+                                              _plain(ref_audio_latents), params, lora_name), transform)
 
     def submit(self, request: p.SynthesisRequest, transform: Transform | None = None) -> GenerationStream:
         """`generate` for a request built already."""
@@ -263,6 +282,15 @@ class SyncVoxCPMServerPool:
 
     def remove_prompt(self, prompt_id: str) -> None:
         self._run(self.pool.remove_prompt(prompt_id))
+
+    def register_lora(self, name: str, path: str) -> dict[str, Any]:
+        return self._run(self.pool.register_lora(name, path))
+
+    def unregister_lora(self, name: str) -> None:
+        self._run(self.pool.unregister_lora(name))
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        return self._run(self.pool.list_loras())
 
     def generate(self, target_text: str, **kwargs: Any) -> SyncStream:
         """Blocking iterator of float32 chunks; closing it (break + close(), also from another thread
@@ -428,7 +456,8 @@ class VoxCPM:
                         dtype: str | torch.dtype | None = None, pipeline_decode: bool | None = None,
                         coalesce_ms: float = 0.0, warmup: bool = False, encoder_threads: int = 4,
                         queue_bound: int | None = None, queue_timeout_s: float | None = None,
-                        lora_path: str | None = None) -> AsyncVoxCPMServerPool | SyncVoxCPMServerPool:
+                        lora_path: str | None = None, max_loras: int = 0,
+                        max_lora_rank: int = 32) -> AsyncVoxCPMServerPool | SyncVoxCPMServerPool:
         """Start one worker per device (default: every visible GPU, else the CPU). `model` is a checkpoint
         directory or a hub repo id. Returns at once; `wait_for_ready()` waits for the model to load.
         pipeline_decode: see EngineConfig (default: on for CUDA devices); coalesce_ms: the engine's window gathering
@@ -436,13 +465,15 @@ class VoxCPM:
         encoder_threads: threads that run the generate calls' transforms; queue_bound: requests a worker may hold
         beyond max_num_seqs before generate raises OverloadedError (None: no bound); queue_timeout_s: the longest a
         request waits for a seat before it fails with OverloadedError (None: no limit); lora_path: a LoRA adapter
-        (official format, its directory or weights file) merged into the weights at load."""
+        (official format, its directory or weights file) merged into the weights at load; max_loras / max_lora_rank:
+        runtime adapters (`register_lora`, `lora_name` per request) resident at once, and their largest rank."""
         config = engine_config(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                                gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                                attention_backend=attention_backend, inference_timesteps=inference_timesteps,
                                num_kv_blocks=num_kv_blocks, pipeline_decode=pipeline_decode, dtype=dtype,
-                               coalesce_ms=coalesce_ms, queue_timeout_s=queue_timeout_s, lora_path=lora_path)
+                               coalesce_ms=coalesce_ms, queue_timeout_s=queue_timeout_s, lora_path=lora_path,
+                               max_loras=max_loras, max_lora_rank=max_lora_rank)
         names = device_names(devices)
         model = checked_model_path(model)
         kwargs = {"warmup": warmup, "encoder_threads": encoder_threads, "queue_bound": queue_bound}

@@ -78,6 +78,7 @@ class SynthesisRequest:
     prompt_id: str | None = None  # a prompt registered with AddPrompt (instead of prompt_latents)
     ref_latents: np.ndarray | bytes | None = None  # reference-audio condition (VoxCPM2)
     params: SamplingParams = field(default_factory=SamplingParams)
+    lora_name: str | None = None  # a runtime LoRA adapter registered with RegisterLoRA
 
 
 # --- client -> worker -------------------------------------------------------------------------------
@@ -112,6 +113,27 @@ class AddPrompt:
 @dataclass
 class RemovePrompt:
     prompt_id: str
+
+
+@dataclass
+class RegisterLoRA:
+    """Register a LoRA adapter (official format; a path on the worker's machine) under `name`. Registering a name
+    again with the same weights file answers as the first time (a restarted worker gets every adapter again)."""
+
+    call_id: str
+    name: str
+    path: str
+
+
+@dataclass
+class UnregisterLoRA:
+    call_id: str
+    name: str
+
+
+@dataclass
+class ListLoRAs:
+    call_id: str
 
 
 @dataclass

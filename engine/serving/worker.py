@@ -27,8 +27,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.errors import PromptNotFoundError, RequestError
+from engine.errors import PoolError, PromptNotFoundError, RequestError
 from engine.io.audio import AudioError, decode_audio, encode_latents
+from engine.io.lora import weights_file
 from engine.llm_engine import LLMEngine, StepEvent
 from engine.prompt import PromptError
 from engine.serving import protocol as p
@@ -197,7 +198,10 @@ class Worker:
         ref_latents = as_tensor(req.ref_latents, feat_dim, "ref_audio_latents")
         try:
             req.params.validate()
-            seq_id = self.engine.add_request(req.target_text, req.params, prompt_text, prompt_latents, ref_latents)
+            seq_id = self.engine.add_request(req.target_text, req.params, prompt_text, prompt_latents, ref_latents,
+                                             lora_name=req.lora_name)
+        except PoolError:
+            raise  # a kind of its own: an unknown adapter (404), every adapter slot held (503)
         except (ValueError, TypeError, PromptError) as e:
             raise RequestError(str(e)) from e
         link.requests[rid] = seq_id
@@ -218,7 +222,7 @@ class Worker:
             log.debug("generate %s received", msg.request_id)
             try:
                 self._add(link, msg.request_id, msg.request)
-            except RequestError as e:
+            except PoolError as e:
                 self._fail_now(link, msg.request_id, p.ErrorInfo(e.kind, str(e)))
             except Exception as e:  # a bug must fail this request, not the worker
                 log.error("adding request failed:\n%s", traceback.format_exc())
@@ -238,17 +242,37 @@ class Worker:
             pr.owners.add(link.index)
         elif isinstance(msg, p.RemovePrompt):
             self._release_prompt(msg.prompt_id, link)
-        elif isinstance(msg, p.EncodeLatents | p.GetStats):
+        elif isinstance(msg, p.EncodeLatents | p.GetStats | p.RegisterLoRA | p.UnregisterLoRA | p.ListLoRAs):
             try:
-                value = self._encode(msg) if isinstance(msg, p.EncodeLatents) else self.stats()
-                link.send(p.Reply(msg.call_id, value))
-            except RequestError as e:
+                link.send(p.Reply(msg.call_id, self._call(msg)))
+            except PoolError as e:
                 link.send(p.Reply(msg.call_id, error=p.ErrorInfo(e.kind, str(e))))
             except Exception as e:  # a bug or out of memory (a huge clip) fails this call, not the worker
                 log.error("%s failed:\n%s", type(msg).__name__, traceback.format_exc())
                 link.send(p.Reply(msg.call_id, error=p.ErrorInfo("engine", f"{type(e).__name__}: {e}")))
         else:
             log.error("unknown message %r", type(msg).__name__)
+
+    def _call(self, msg: Any) -> Any:
+        """The value a call message asks for."""
+        if isinstance(msg, p.EncodeLatents):
+            return self._encode(msg)
+        if isinstance(msg, p.GetStats):
+            return self.stats()
+        if isinstance(msg, p.ListLoRAs):
+            return self.engine.list_loras()
+        try:
+            if isinstance(msg, p.UnregisterLoRA):
+                self.engine.unregister_lora(msg.name)
+                return None
+            known = {d["name"]: d for d in self.engine.list_loras()}.get(msg.name)
+            if known is not None and known["source"] == str(weights_file(msg.path)):
+                return known  # the same adapter again (a client's replay): already there
+            return self.engine.register_lora(msg.name, msg.path)
+        except PoolError:
+            raise
+        except ValueError as e:  # LoRAError: the adapter or its name, the message names which
+            raise RequestError(str(e)) from e
 
     def _fail_now(self, link: ClientLink, rid: str, error: p.ErrorInfo) -> None:
         link.send(p.StepEvents([p.AudioEvent(rid, None, True, "error", error)], self.load()))
@@ -268,6 +292,7 @@ class Worker:
             "total_slots": self.engine.runner.max_num_seqs,
             "preemptions": self.engine.scheduler.num_preemptions,
             "prompts": len(self.prompts),
+            "loras": self.engine.list_loras(),
             "clients": len(self.links),
             "steps": self.steps,
             "step_seconds": self.step_seconds,
@@ -425,6 +450,8 @@ def describe(engine: LLMEngine) -> dict[str, Any]:
         "cuda_graphs": len(engine.runner.graphs),
         "pipelined_decode": engine.pipeline,
         "lora_merged_layers": engine.lora_layers,
+        "max_loras": cfg.max_loras,
+        "max_lora_rank": cfg.max_lora_rank,
         "kv_blocks": len(engine.blocks.blocks),
         "block_size": cfg.block_size,
         "startup_s": engine.startup_s,

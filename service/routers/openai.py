@@ -5,16 +5,28 @@ from __future__ import annotations
 
 from fastapi import APIRouter, HTTPException, Request, Response
 
+from engine import PoolError
 from service import synthesis
 from service.audio import MEDIA_TYPES, STREAMED
 from service.conditioning import Conditioning
 from service.deps import LoadedState, State, mark_audio
+from service.errors import http_error
 from service.routers.voices import voice_info
 from service.schemas import ModelCard, ModelList, SpeechRequest, VoiceList
 from service.state import ServiceState
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # what OpenAI examples send: served by our model
+
+
+async def adapter_ids(state: ServiceState) -> list[str]:
+    """The runtime LoRA adapters, each a model id of its own (none before the model is loaded)."""
+    if not (state.loaded and state.info.get("max_loras")):
+        return []
+    try:
+        return [d["name"] for d in await state.pool.list_loras()]
+    except PoolError as e:
+        raise http_error(e) from e
 
 
 def model_ids(state: ServiceState) -> list[str]:
@@ -34,22 +46,26 @@ async def _voice(state: ServiceState, voice: str) -> Conditioning:
              responses={200: {"content": {t: {} for t in (*MEDIA_TYPES.values(), "text/event-stream")}}})
 async def speech(req: SpeechRequest, request: Request, state: LoadedState) -> Response:
     """mp3 and pcm stream as they are generated; wav, flac and opus are sent whole."""
+    lora_name = None
     if req.model not in model_ids(state):
-        raise HTTPException(404, f"model: unknown model {req.model!r}; GET /v1/models lists them")
+        if req.model not in await adapter_ids(state):
+            raise HTTPException(404, f"model: unknown model {req.model!r}; GET /v1/models lists them")
+        lora_name = req.model  # a runtime LoRA adapter of our model
     mark_audio(request)
     cond = await _voice(state, req.voice)
     text = f"({req.instructions.strip()}){req.input}" if req.instructions and req.instructions.strip() else req.input
     fmt, route = req.response_format, "/v1/audio/speech"
     params = req.sampling(state.info["max_model_len"])
     if req.stream_format == "sse":
-        gen = await synthesis.start(state, route, text, cond, params, fmt, sse=True)
+        gen = await synthesis.start(state, route, text, cond, params, fmt, sse=True, lora_name=lora_name)
         return synthesis.AudioStreamResponse(gen, "text/event-stream", synthesis.audio_headers(state, fmt, gen),
                                              body=synthesis.sse_body(gen, req.input))
     if fmt in STREAMED:
-        return synthesis.stream_response(await synthesis.start(state, route, text, cond, params, fmt), fmt)
+        return synthesis.stream_response(
+            await synthesis.start(state, route, text, cond, params, fmt, lora_name=lora_name), fmt)
 
     async def whole() -> Response:  # sent whole: abort if the client leaves
-        gen = await synthesis.start(state, route, text, cond, params, fmt)
+        gen = await synthesis.start(state, route, text, cond, params, fmt, lora_name=lora_name)
         data = await gen.collect()
         return Response(data, media_type=MEDIA_TYPES[fmt], headers=synthesis.audio_headers(state, fmt, gen))
 
@@ -66,4 +82,4 @@ async def voices(state: State) -> VoiceList:
 
 @router.get("/models", response_model=ModelList)
 async def models(state: State) -> ModelList:
-    return ModelList(data=[ModelCard(id=m) for m in model_ids(state)])
+    return ModelList(data=[ModelCard(id=m) for m in (*model_ids(state), *await adapter_ids(state))])

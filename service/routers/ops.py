@@ -8,6 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine import PoolError
 from service.deps import State, require_api_key, require_metrics_key
+from service.state import ServiceState
 
 router = APIRouter(tags=["ops"])
 
@@ -38,6 +39,16 @@ async def ready(state: State) -> JSONResponse:
     return JSONResponse({"status": "not ready", "detail": reason}, status_code=503, headers={"Retry-After": "5"})
 
 
+async def _adapters(state: ServiceState) -> list[dict] | None:
+    """The runtime adapters a worker holds (None while no worker answers)."""
+    if not (state.loaded and state.settings.max_loras):
+        return []
+    try:
+        return await state.pool.list_loras()
+    except PoolError:
+        return None
+
+
 @router.get("/info", dependencies=[Depends(require_api_key)])
 async def info(state: State) -> dict:
     """Model metadata (sample rates, latent shape, limits), MP3 settings, voice cache usage."""
@@ -47,7 +58,9 @@ async def info(state: State) -> dict:
         "model": model,
         "lora": {"enabled": bool(state.info.get("lora_merged_layers")), "uri": s.lora_uri, "id": s.lora_id,
                  "sha256": s.lora_sha256, "merged": s.lora_merge,
-                 "merged_layers": state.info.get("lora_merged_layers", 0)},
+                 "merged_layers": state.info.get("lora_merged_layers", 0),
+                 "runtime": {"max_loras": s.max_loras, "max_lora_rank": s.max_lora_rank,
+                             "adapters": await _adapters(state)}},
         "mp3": {"bitrate_kbps": s.mp3_bitrate_kbps, "quality": s.mp3_quality},
         "queue_coalesce_ms": s.queue_coalesce_ms,
         "api_processes": s.api_process_count(),
