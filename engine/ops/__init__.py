@@ -8,5 +8,6 @@ the kernel where `platform.kernels(x)` and the op's own check allow, the eager e
 - `silu_mul`: the MLP's gate;                          - `paged_attention`: causal attention over the paged cache;
 - `dense_attention`: the local modules' attention;     - `layer_stack`: a local module's whole stack in one kernel;
 - `snake`, `vae_conv`, `upsampler`: the VAE decoder;   - `cfg_euler`: the flow sampler's guided Euler step;
-- `pdl`: when kernels are chained by programmatic dependent launch; `platform`: where the kernels can run.
+- `lora`: a batch's per-row LoRA term (eager); `pdl`: when kernels are chained by programmatic dependent launch;
+- `platform`: where the kernels can run.
 """

@@ -71,6 +71,8 @@ class Resident:
 class LoRASlots:
     def __init__(self, backbone: nn.Module, family: str, max_loras: int, max_rank: int, device: torch.device,
                  dtype: torch.dtype) -> None:
+        if getattr(backbone, "lora_context", None) is not None:
+            raise ValueError("this model carries another engine's LoRA slots: load it again for a new engine")
         self.backbone, self.family = backbone, family
         self.max_loras, self.max_rank = max_loras, max_rank
         self.context = LoRAContext(torch.arange(max_loras, device=device).repeat_interleave(max_rank))
