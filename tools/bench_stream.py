@@ -21,6 +21,7 @@ import asyncio
 import datetime as dt
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--devices", default="auto", help="comma-separated GPU indices for the pool; voxcpm-serve also "
                     "takes device names (cpu). auto: GPU 0 if nvidia-smi sees one, else cpu")
     ap.add_argument("--pool-kwargs", default="{}", help="extra JSON keyword arguments for from_pretrained")
+    ap.add_argument("--loras", type=int, default=0, help="voxcpm-serve: this many random runtime LoRA adapters "
+                    "(the official VoxCPM2 recipe: LM and DiT, --lora-rank, alpha = rank) registered, the requests "
+                    "using them in turn (max_loras defaults to it)")
+    ap.add_argument("--lora-rank", type=int, default=32)
     ap.add_argument("--out", help="write the results JSON here")
     a = ap.parse_args(argv)
     a.conc = [int(x) for x in a.conc.split(",") if x.strip()]
@@ -86,7 +91,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.patches = a.patches or (40 if a.mode == "hifi" else 100)
     a.max_num_seqs = a.max_num_seqs or max(a.conc)
     a.pool_kwargs = json.loads(a.pool_kwargs)
+    if a.loras:
+        if a.engine != "voxcpm-serve":
+            ap.error("--loras: runtime adapters are voxcpm-serve's")
+        a.pool_kwargs.setdefault("max_loras", a.loras)
+        a.pool_kwargs.setdefault("max_lora_rank", a.lora_rank)
     return a
+
+
+def random_adapters(model: str, count: int, rank: int, out: Path) -> list[Path]:
+    """`count` random adapters for the checkpoint in the official format (LM and DiT targets, alpha = rank)."""
+    from engine.io.checkpoint import load_model
+    from engine.io.lora import LoRAConfig, random_adapter
+
+    backbone = load_model(model, "cpu").backbone
+    config = LoRAConfig(enable_lm=True, enable_dit=True, r=rank, alpha=rank)
+    return [random_adapter(backbone, out / f"bench{i}", config, seed=i) for i in range(count)]
 
 
 def print_table(doc: dict[str, Any]) -> None:
@@ -119,6 +139,8 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
                  "inference_timesteps": a.inference_timesteps, "devices": a.devices, **a.pool_kwargs},
         **torch_facts(dev0, touch_cuda=False), "complete": False, "results": [],
     }
+    adapters = random_adapters(a.model, a.loras, a.lora_rank, Path(tempfile.mkdtemp())) if a.loras else []
+    doc["loras"] = {"count": a.loras, "rank": a.lora_rank} if a.loras else None
     t = time.perf_counter()
     target = PoolTarget(a)
     try:
@@ -138,10 +160,19 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
                 ref = await pool.encode_latents(wav, "wav", padding="right")
             cond = {"prompt_latents": lat, "prompt_text": CLIP_TEXT, "ref_audio_latents": ref}
 
+        names = [f"bench{i}" for i in range(len(adapters))]
+        for name, path in zip(names, adapters, strict=True):
+            await pool.register_lora(name, str(path))
+            async for _ in pool.generate(TEXT, max_generate_length=1, lora_name=name):  # resident before the bursts
+                pass
+
+        def lora_of(i: int) -> dict[str, str]:
+            return {"lora_name": names[i % len(names)]} if names else {}
+
         with tqdm(total=len(a.conc) * (a.iters + 1), desc="bursts", unit="burst", file=sys.stderr) as bar:
             for c in a.conc:
-                row = await bursts(target, lambda it, n: [Req(TEXT, a.patches, cond) for _ in range(n)], c, a.iters,
-                                   bar)
+                row = await bursts(target, lambda it, n: [Req(TEXT, a.patches, {**cond, **lora_of(it * n + i)})
+                                                          for i in range(n)], c, a.iters, bar)
                 del row["label"]  # the anchor files' rows have none
                 doc["results"].append(row)
                 tqdm.write(json.dumps({k: row[k] for k in ("concurrency", "ttfb_p50", "ttfb_p95", "rtf_mean",

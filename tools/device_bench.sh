@@ -15,6 +15,7 @@
 #   PARTS="ours http encode" CONC=1,8,32,64,128 bash tools/device_bench.sh   # the pool, then the service over HTTP
 #   PARTS="http_base" BASELINE=old ...   # the service of an earlier tree (old/) at HTTP_BASE_CONC, with a profile
 #   PARTS="ours ours_base cold" BASELINE=old CONC=1,8,128 ...   # this tree against an earlier one: the pool, cold starts
+#   PARTS="lora" CONC=1,64 LORAS=4 LORA_RANK=32 ...   # runtime LoRA adapters vs the base model vs a merged adapter
 # Rough times: wheels ~10 s; checkpoint 1-3 min (skipped when $CKPT was finished by an earlier call on a
 # machine still warm); nano at 1,8,32,64 ~2.5 min (startup 40-55 s, then 12 bursts of 16 s of audio at
 # 10-125 audio-s/s); ours the same if it matches nano, ~5 min at the eager 164-197 ms/step. Every part
@@ -345,6 +346,19 @@ for part in $PARTS; do
                 stop_service
             done
             ;;
+        lora)  # runtime LoRA adapters (LORAS of rank LORA_RANK, every request using one) against the base model and a
+            # merged start-up adapter, the pool at CONC: lora_base.json, lora_runtime.json, lora_merged.json
+            { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
+            RC[$part]=0
+            bench voxcpm-serve "$OUT/lora_base.json" "$T_OURS" || RC[$part]=$?
+            BENCH_ARGS="${BENCH_ARGS:-} --loras ${LORAS:-4} --lora-rank ${LORA_RANK:-32}" \
+                bench voxcpm-serve "$OUT/lora_runtime.json" "$T_OURS" || RC[$part]=$?
+            python3 -c "import sys; sys.path.insert(0, 'tools'); from pathlib import Path; \
+from bench_stream import random_adapters; random_adapters('$CKPT', 1, ${LORA_RANK:-32}, Path('/tmp/lora_merged'))" \
+                2>&1 | tail -2 | tee -a "$LOG"
+            OURS_ARGS="${OURS_ARGS:-} --pool-kwargs {\"lora_path\":\"/tmp/lora_merged/bench0\"}" \
+                bench voxcpm-serve "$OUT/lora_merged.json" "$T_OURS" || RC[$part]=$?
+            ;;
         ours_base)  # the pool benchmark of an earlier tree (BASELINE=dir, e.g. `git archive <commit> engine service
             # tools pyproject.toml | tar -x -C old`), with that tree's own tools/bench_stream.py, into ours_base.json
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
@@ -374,7 +388,7 @@ for part in $PARTS; do
             stop_service
             ;;
         *)
-            log "unknown part '$part' (known: test check profile ours ours_base cold ours_window ours_hifi nano encode http http_api16 gpu2 http_base)"
+            log "unknown part '$part' (known: test check profile ours ours_base cold lora ours_window ours_hifi nano encode http http_api16 gpu2 http_base)"
             ;;
     esac
 done
