@@ -55,6 +55,12 @@ class Metrics:
         self.preemptions = Gauge("voxcpm_engine_preemptions", "Preemptions since the worker started", ["worker"],
                                  **latest)
         self.workers_up = Gauge("voxcpm_workers_up", "Workers running and loaded", **latest)
+        self.loras_registered = Gauge("voxcpm_lora_adapters_registered", "Runtime LoRA adapters registered",
+                                      ["worker"], **latest)
+        self.loras_resident = Gauge("voxcpm_lora_adapters_resident", "Runtime LoRA adapters in a GPU slot now",
+                                    ["worker"], **latest)
+        self.lora_requests = Gauge("voxcpm_lora_requests", "Requests using a runtime LoRA adapter now", ["worker"],
+                                   **latest)
         self.ready = Gauge("voxcpm_ready", "1 when the service reports ready (every API process)", registry=r,
                            multiprocess_mode="livemin")
         self.cache_entries = Gauge("voxcpm_voice_cache_entries", "Cached voices", ["kind"], **latest)
@@ -84,6 +90,10 @@ class Metrics:
             self.slots_free.labels(w).set(s["free_slots"])
             self.steps.labels(w).set(s["steps"])
             self.preemptions.labels(w).set(s["preemptions"])
+            loras = s.get("loras") or []
+            self.loras_registered.labels(w).set(len(loras))
+            self.loras_resident.labels(w).set(sum(a["resident"] for a in loras))
+            self.lora_requests.labels(w).set(sum(a["requests"] for a in loras))
             n0, t0 = self._last_steps.get(w, (0, 0.0))
             if s["steps"] < n0:  # the worker restarted
                 n0, t0 = 0, 0.0

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from engine.io.checkpoint import load_model
@@ -22,6 +23,7 @@ from engine.io.lora import LoRAConfig, random_adapter, sha256_of
 from service.engine_setup import adapter_path
 from service.lora_source import AdapterSourceError, fetch_adapter
 from tests.service_harness import LiveServer, service_settings
+from tests.supervised import metric
 
 BODY = {"target_text": "An adapted voice.", "max_generate_length": 3, "seed": 4, "response_format": "pcm"}
 
@@ -245,6 +247,11 @@ def test_runtime_adapters_over_http(adapter, file_server, checkpoint_factory, tm
             assert "voice" in [m["id"] for m in c.get("/v1/models").json()["data"]]
             info = c.get("/info").json()["lora"]["runtime"]
             assert info["max_loras"] == 2 and {a["name"] for a in info["adapters"]} == {"voice", "voice.http"}
+            metrics = {(m.name, tuple(sorted(m.labels.items()))): m.value
+                       for f in text_string_to_metric_families(c.get("/metrics").text) for m in f.samples}
+            assert metric(metrics, "voxcpm_lora_adapters_registered") == 2
+            assert metric(metrics, "voxcpm_lora_adapters_resident") == 2  # both used, each in a slot
+            assert metric(metrics, "voxcpm_lora_requests") == 0
 
             outside = tmp_path / "elsewhere"
             outside.mkdir()

@@ -93,7 +93,8 @@ class LoRASlots:
         self._generations = itertools.count(1)
         mib = sum(s.a.numel() + s.b.numel() for s in (lay.lora for lay in self.layers.values())) * \
             torch.empty((), dtype=dtype).element_size() / 2**20
-        log.info("runtime LoRA: %d slots of rank <= %d over %d layers (%.0f MiB)", max_loras, max_rank,
+        log.info("runtime LoRA: %d slots of rank <= %d over %d layers (%.0f MiB); the DiT's single-kernel stack is "
+                 "off while they are enabled (the per-layer path adds the adapters' terms)", max_loras, max_rank,
                  len(self.layers), mib)
 
     # --- registry -----------------------------------------------------------------------------------------------
