@@ -9,28 +9,20 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import (
-    LoRANotFoundError,
-    OverloadedError,
-    PoolError,
-    PoolStoppedError,
-    PromptNotFoundError,
-    RequestError,
-    WorkerDiedError,
-)
+from engine import errors as engine_errors
 from service.voice_store import VoiceTooLargeError
 
 RETRY_AFTER_S = "5"
 
 
 def status_of(err: Exception) -> int:
-    if isinstance(err, PromptNotFoundError | LoRANotFoundError):
+    if isinstance(err, engine_errors.PromptNotFoundError | engine_errors.LoRANotFoundError):
         return 404
-    if isinstance(err, RequestError):
+    if isinstance(err, engine_errors.RequestError):
         return 400
     if isinstance(err, VoiceTooLargeError):
         return 413
-    if isinstance(err, WorkerDiedError | PoolStoppedError | OverloadedError):
+    if isinstance(err, engine_errors.WorkerDiedError | engine_errors.PoolStoppedError | engine_errors.OverloadedError):
         return 503
     return 500  # EngineError and anything unmapped
 
@@ -95,7 +87,7 @@ async def pool_error_handler(request: Request, exc: Exception) -> JSONResponse:
                         headers=err.headers)
 
 
-HANDLED = (PoolError, VoiceTooLargeError)
+HANDLED = (engine_errors.PoolError, VoiceTooLargeError)
 
 
 async def validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
