@@ -217,7 +217,7 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         self.runner.release_slot(seq)
         if seq.lora_name is not None and self.runner.lora is not None:
-            self.runner.lora.release(seq.lora_name)
+            self.runner.lora.release(seq.lora_name, seq.lora_slot)
             seq.lora_name, seq.lora_slot = None, -1
         self.sequences.pop(seq.seq_id, None)
 

@@ -14,6 +14,7 @@ from engine.errors import OverloadedError, RequestError
 from engine.io.checkpoint import load_model
 from engine.io.lora import LoRAConfig, LoRAError, random_adapter
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.models.minicpm import fuse_projections
 from engine.sequence import SamplingParams
 from tests.conftest import check_parity
 from tests.official import injected_noise, make_noise
@@ -88,12 +89,18 @@ def test_mixed_batch_each_equals_its_solo_output(checkpoint_factory, tmp_path):
     together = patches_of(shared, requests)
     for name, alone, mixed in zip(("a", "none", "b"), solo, together, strict=True):
         check_parity(f"adapter {name}: in a mixed batch vs alone", mixed, alone, 1e-5)
+    # the CUDA layout of the projections (q/k/v as one fused weight, the LoRA term added to its output), on the CPU
+    fused = engine()
+    fuse_projections(fused.model.backbone)
+    for name, alone, got in zip(("a", "none", "b"), solo, patches_of(fused, requests), strict=True):
+        check_parity(f"adapter {name}: fused q/k/v projection vs alone", got, alone, 1e-5)
     assert (solo[0] - solo[1]).abs().max() > 1e-3 and (solo[2] - solo[1]).abs().max() > 1e-3
     assert (solo[0] - solo[2]).abs().max() > 1e-3
 
 
 def test_slots_reused_least_recently_used_and_unregister_waits(checkpoint_factory, tmp_path):
-    model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    model = load_model(ckpt)
     engine = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=256, max_loras=2, max_lora_rank=8))
     for i, name in enumerate(("a", "b", "c")):
         engine.register_lora(name, str(adapter_for(model, tmp_path / name, seed=20 + i)))
@@ -109,16 +116,25 @@ def test_slots_reused_least_recently_used_and_unregister_waits(checkpoint_factor
     held = [engine.add_request(TEXT, params, lora_name=n) for n in ("a", "c")]
     with pytest.raises(OverloadedError, match="lora_name: all 2 adapter slots"):
         engine.add_request(TEXT, params, lora_name="b")
-    # unregistering a held adapter lets its request finish; its slot frees after it
+    # unregistering a held adapter lets its request finish; its slot frees after it, and the name is free at once:
+    # registered again it is another adapter (it needs a slot of its own)
     engine.unregister_lora("a")
     assert [d["name"] for d in engine.list_loras()] == ["b", "c"]
     with pytest.raises(RequestError, match="lora_name: no adapter named 'a'"):
         engine.add_request(TEXT, params, lora_name="a")
+    new_a = adapter_for(model, tmp_path / "a2", seed=30)
+    engine.register_lora("a", str(new_a))
+    with pytest.raises(OverloadedError, match="all 2 adapter slots"):
+        engine.add_request(TEXT, params, lora_name="a")  # the old a's slot is still held
     while engine.has_unfinished():
         engine.step()
     assert all(i not in engine.sequences for i in held)
-    assert len(engine.runner.lora.free_slots) == 1 and not engine.runner.lora.retiring  # a's slot is free again
-    patches_of(engine, [dict(target_text=TEXT, params=params, lora_name="b")])  # and b takes it
+    assert len(engine.runner.lora.free_slots) == 1 and not engine.runner.lora.retiring  # the old a's slot is free
+    request = dict(target_text=TEXT, params=params, lora_name="a")
+    fresh = LLMEngine(load_model(ckpt), EngineConfig(max_num_seqs=4, max_model_len=256, max_loras=2, max_lora_rank=8))
+    fresh.register_lora("a", str(new_a))
+    check_parity("adapter a registered again vs in a fresh engine", patches_of(engine, [request])[0],
+                 patches_of(fresh, [request])[0], 1e-5)
 
 
 def test_bad_names_and_adapters_are_refused(checkpoint_factory, tmp_path):

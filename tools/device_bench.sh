@@ -239,7 +239,8 @@ for part in $PARTS; do
             for mod in tests/test_*.py; do
                 grep -q "CUDA" "$mod" || ignore+=(--ignore "$mod")
             done
-            run_limited "$T_TEST" pytest python3 -m pytest -p no:cacheprovider -q -m gpu "${ignore[@]}" tests/
+            run_limited "$T_TEST" pytest python3 -m pytest -p no:cacheprovider -q -m gpu "${ignore[@]}" \
+                ${TEST_K:+-k "$TEST_K"} tests/
             RC[$part]=$?
             ;;
         check)

@@ -18,7 +18,7 @@ from engine.config import TransformerConfig
 from engine.ops import layer_stack, linear, platform
 from engine.ops.dense_attention import dense_attention as dense_attention_op
 from engine.ops.linear import residual_linear
-from engine.ops.lora import LoRAContext, add_lora
+from engine.ops.lora import LoRAContext, add_lora, add_lora_qkv
 from engine.ops.norm import add_rms_norm, rms_norm
 from engine.ops.silu_mul import silu_mul
 
@@ -104,13 +104,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None, attend: AttendFn, layer: int) -> torch.Tensor:
         """The attention branch's output, or its split-K partials (`linear.residual_linear`) for `add_rms_norm`."""
         lead = x.shape[:-1]
+        widths = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim]
         if self.qkv_weight is not None:
-            q, k, v = linear.linear(x, self.qkv_weight).split(
-                [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                 self.num_kv_heads * self.head_dim], dim=-1)
+            q, k, v = add_lora_qkv(self, x, linear.linear(x, self.qkv_weight)).split(widths, dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q, k, v = add_lora(self.q_proj, x, q), add_lora(self.k_proj, x, k), add_lora(self.v_proj, x, v)
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1) \
+                if getattr(self, "qkv_lora", None) is not None else None
+            if qkv is not None:  # runtime LoRA without the fused weight (CPU): its q/k/v term as on CUDA
+                q, k, v = add_lora_qkv(self, x, qkv).split(widths, dim=-1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(*lead, self.num_heads, self.head_dim)
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)

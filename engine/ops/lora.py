@@ -38,6 +38,7 @@ class LoRAContext:
 
     column_slots: torch.Tensor
     mask: torch.Tensor | None = None
+    mask3: torch.Tensor | None = None  # the mask three times over: the q/k/v terms as one (`add_lora_qkv`)
 
     def rows(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return slot_mask(slots, self.column_slots, dtype)
@@ -63,3 +64,13 @@ def add_lora(layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tens
         out[0] += delta.float()
         return out
     return out + delta
+
+
+def add_lora_qkv(attention: nn.Module, x: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+    """The fused q/k/v projection's output `qkv` (.., q | k | v) plus each row's q, k and v terms, as one term: the
+    three layers' A stacked, their B block-diagonal (`LoRASlots` keeps each layer's slots views of these)."""
+    stack: LoRAStack | None = getattr(attention, "qkv_lora", None)
+    if stack is None or stack.context.mask3 is None:
+        return qkv
+    return qkv + lora_delta(x, stack.a, stack.b, stack.context.mask3)
+

@@ -78,21 +78,40 @@ class LoRASlots:
         self.context = LoRAContext(torch.arange(max_loras, device=device).repeat_interleave(max_rank))
         self.layers = adaptable_layers(backbone)
         columns = max_loras * max_rank
+        elements = 0
         for name, layer in self.layers.items():
+            if name.endswith(LAYER_TARGETS[:3]):
+                continue  # below: q, k and v together
             layer.lora = LoRAStack(torch.zeros(columns, layer.in_features, dtype=dtype, device=device),
                                    torch.zeros(layer.out_features, columns, dtype=dtype, device=device), self.context)
+            elements += columns * (layer.in_features + layer.out_features)
             if name in PROJECTIONS:
                 layer.register_forward_hook(_projection_hook)
+        for name, attention in backbone.named_modules():
+            if not (name.startswith(LAYER_STACKS) and name.endswith(".self_attn")):
+                continue
+            # One term for q, k and v (`add_lora_qkv`): their A stacked, their B block-diagonal; each layer's
+            # own slots are views of these (the off-diagonal blocks stay zero).
+            qkv = [attention.q_proj, attention.k_proj, attention.v_proj]
+            outs = [lin.out_features for lin in qkv]
+            a = torch.zeros(3 * columns, qkv[0].in_features, dtype=dtype, device=device)
+            b = torch.zeros(sum(outs), 3 * columns, dtype=dtype, device=device)
+            attention.qkv_lora = LoRAStack(a, b, self.context)
+            elements += a.numel() + b.numel()
+            for i, lin in enumerate(qkv):
+                start = sum(outs[:i])
+                lin.lora = LoRAStack(a[i * columns:(i + 1) * columns],
+                                     b[start:start + outs[i], i * columns:(i + 1) * columns], self.context)
         backbone.lora_context = self.context
         for stack in (backbone.base_lm, backbone.residual_lm, backbone.feat_decoder.estimator.decoder):
             stack.lora_context = self.context  # the stack kernel then steps aside for the per-layer path
         self.registered: dict[str, Registered] = {}
         self.resident: dict[str, Resident] = {}
         self.free_slots = list(range(max_loras - 1, -1, -1))
-        self.retiring: set[str] = set()  # unregistered while requests hold them
+        # Slots of adapters unregistered while requests held them: freed after the last (the name is free at once).
+        self.retiring: dict[int, Resident] = {}
         self._generations = itertools.count(1)
-        mib = sum(s.a.numel() + s.b.numel() for s in (lay.lora for lay in self.layers.values())) * \
-            torch.empty((), dtype=dtype).element_size() / 2**20
+        mib = elements * torch.empty((), dtype=dtype).element_size() / 2**20
         log.info("runtime LoRA: %d slots of rank <= %d over %d layers (%.0f MiB); the DiT's single-kernel stack is "
                  "off while they are enabled (the per-layer path adds the adapters' terms)", max_loras, max_rank,
                  len(self.layers), mib)
@@ -124,11 +143,11 @@ class LoRASlots:
         if name not in self.registered:
             raise LoRANotFoundError(f"lora_name: no adapter named {name!r} (registered: {sorted(self.registered)})")
         del self.registered[name]
-        held = self.resident.get(name)
+        held = self.resident.pop(name, None)
         if held is not None and held.refs == 0:
-            self._evict(name)
+            self.free_slots.append(held.slot)
         elif held is not None:
-            self.retiring.add(name)
+            self.retiring[held.slot] = held
 
     def describe(self, name: str) -> dict:
         reg, held = self.registered[name], self.resident.get(name)
@@ -154,14 +173,19 @@ class LoRASlots:
         held.last_used = time.monotonic()
         return held.slot, f"lora:{name}:{reg.generation}".encode()
 
-    def release(self, name: str) -> None:
+    def release(self, name: str, slot: int) -> None:
+        """The end of a request's hold on adapter `name` in `slot` (the slot says which: a name unregistered and
+        registered again while the request ran is another adapter in another slot)."""
         held = self.resident.get(name)
-        if held is None:
+        if held is not None and held.slot == slot:
+            held.refs -= 1
             return
-        held.refs -= 1
-        if held.refs == 0 and name in self.retiring:
-            self.retiring.discard(name)
-            self._evict(name)
+        retired = self.retiring.get(slot)
+        if retired is not None:
+            retired.refs -= 1
+            if retired.refs == 0:
+                del self.retiring[slot]
+                self.free_slots.append(slot)
 
     def _free_slot(self) -> int:
         """A slot for a new resident: a free one, else the least recently used one no request holds."""
