@@ -171,8 +171,9 @@ class GenerateRequest(SamplingFields):
     ref_audio_wav_format: str = Field("wav", description="Container of ref_audio_wav_base64.")
     ref_audio_latents_base64: str | None = Field(None, description="Reference as float32 latents bytes.")
     ref_audio_id: str | None = Field(None, description="A reference from /add_reference.")
-    lora_name: str | None = Field(None, description="A runtime LoRA adapter registered with POST /loras (404 if "
-                                                    "unknown; 503 while every adapter slot is held).")
+    lora_name: str | None = Field(None, pattern=LORA_NAME, description="A runtime LoRA adapter registered with POST "
+                                                                       "/loras (404 if unknown; 503 while every "
+                                                                       "adapter slot is held).")
     response_format: Literal["mp3", "pcm"] = Field("mp3", description="mp3, or pcm = raw s16le mono.")
 
     _target_text = field_validator("target_text")(not_blank)
