@@ -41,6 +41,10 @@ class EngineConfig:
     # A LoRA adapter (official format: its directory or weights file) merged into the weights at load (a model
     # passed to LLMEngine already loaded is changed in place).
     lora_path: str | None = None
+    # False: serve that adapter as a runtime adapter named `lora_name`, the one of every request that names none
+    # (other runtime adapters then apply to the base weights, as they were trained; needs max_loras >= 1).
+    lora_merge: bool = True
+    lora_name: str = "default"
     # Runtime LoRA adapters (registered by name, chosen per request): how many may be resident on the device at once
     # (0: none, no per-step cost) and the largest rank they may have (their slots are sized for it).
     max_loras: int = 0
@@ -66,6 +70,9 @@ class EngineConfig:
             raise ValueError("coalesce_ms must be in [0, 1000]")
         if self.queue_timeout_s is not None and self.queue_timeout_s <= 0:
             raise ValueError("queue_timeout_s must be > 0")
+        if self.lora_path and not self.lora_merge and self.max_loras < 1:
+            raise ValueError("lora_merge=False serves the start-up adapter as a runtime adapter: max_loras must be "
+                             ">= 1")
         if not 0 <= self.max_loras <= 64:
             raise ValueError("max_loras must be in [0, 64]")
         if not 1 <= self.max_lora_rank <= 256:

@@ -49,7 +49,7 @@ class LLMEngine:
             precompiler.close()  # its children and its lock must not outlive a failed start-up
             raise
         self.lora_layers = 0  # layers a merged LoRA adapter changed
-        if cfg.lora_path:
+        if cfg.lora_path and cfg.lora_merge:
             self.lora_layers = merge_adapter(self.model.backbone, read_adapter(cfg.lora_path),
                                              self.model.config.architecture)
         load_s = time.perf_counter() - t0
@@ -68,6 +68,11 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
                                    cfg.coalesce_ms / 1000.0)
+        self.default_lora: str | None = None  # the adapter of the requests that name none
+        if cfg.lora_path and not cfg.lora_merge:
+            assert self.runner.lora is not None  # validate(): max_loras >= 1
+            self.runner.lora.register(cfg.lora_name, read_adapter(cfg.lora_path))
+            self.default_lora = cfg.lora_name
         graph_s = self.runner.capture_graphs()
         self.sequences: dict[int, Sequence] = {}
         pipeline = cfg.pipeline_decode
@@ -105,6 +110,9 @@ class LLMEngine:
 
     def unregister_lora(self, name: str) -> None:
         """Forget adapter `name`; the requests using it finish with it."""
+        if name == self.default_lora:
+            raise RequestError(f"lora_name: {name!r} is the start-up adapter, which every request without a "
+                               "lora_name uses; it cannot be unregistered")
         self._lora_slots("lora_name").unregister(name)
 
     def list_loras(self) -> list[dict]:
@@ -122,6 +130,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         seq.noise = torch.Generator().manual_seed(seed)
         seq.injected_noise = injected_noise
+        lora_name = lora_name if lora_name is not None else self.default_lora
         if lora_name is not None:  # last: nothing after it may fail, or the hold would leak
             seq.lora_slot, seq.cache_salt = self._lora_slots("lora_name").acquire(lora_name)
             seq.lora_name = lora_name

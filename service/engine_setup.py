@@ -91,5 +91,6 @@ def engine_arguments(settings: Settings, demo: bool, lora_path: str | None = Non
                 enforce_eager=settings.serverpool_enforce_eager,
                 inference_timesteps=settings.serverpool_inference_timesteps,
                 coalesce_ms=settings.queue_coalesce_ms, queue_timeout_s=settings.queue_timeout_s,
-                warmup=settings.warmup, lora_path=lora_path, max_loras=settings.max_loras,
+                warmup=settings.warmup, lora_path=lora_path, lora_merge=settings.lora_merge,
+                lora_name=settings.lora_id or "default", max_loras=settings.max_loras,
                 max_lora_rank=settings.max_lora_rank)

@@ -90,7 +90,8 @@ def test_a_digest_that_does_not_match_stops_start_up(adapter, file_server, tmp_p
 
 @pytest.mark.parametrize("fields,message", [
     ({"lora_uri": "gs://bucket/adapter/lora_weights.safetensors", "lora_merge": True}, "gs:// is not supported"),
-    ({"lora_uri": "/adapters/voice"}, "set NANOVLLM_LORA_MERGE=true"),
+    ({"lora_uri": "/adapters/voice"}, "set NANOVLLM_MAX_LORAS >= 1"),
+    ({"lora_uri": "/adapters/voice", "lora_merge": True, "lora_id": "a b"}, "lora_id"),
     ({"lora_uri": "/adapters/voice", "lora_merge": True, "lora_sha256": "abc"}, "64 hexadecimal digits"),
 ])
 def test_bad_adapter_settings_are_refused(fields, message, tmp_path):
@@ -288,3 +289,26 @@ def test_loras_refused_without_runtime_slots(adapter, checkpoint_factory, tmp_pa
             assert r.status_code == 400 and "lora_name: this engine serves no runtime LoRA adapters" in r.text
     finally:
         server.stop()
+
+
+def test_start_up_adapter_served_at_run_time(adapter, checkpoint_factory, tmp_path):
+    """NANOVLLM_LORA_URI without merging: the start-up adapter is the runtime adapter NANOVLLM_LORA_ID of every
+    request that names none (the same audio as naming it), listed by /loras, not removable; the base model's audio
+    differs."""
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    server = LiveServer(service_settings(ckpt, tmp_path / "a", lora_uri=str(adapter), lora_id="house",
+                                         max_loras=2, max_lora_rank=8)).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            default = c.post("/generate", json=BODY)
+            named = c.post("/generate", json={**BODY, "lora_name": "house"})
+            assert default.status_code == named.status_code == 200 and default.content == named.content
+            assert [d["name"] for d in c.get("/loras").json()["loras"]] == ["house"]
+            info = c.get("/info").json()["lora"]
+            assert info["enabled"] and not info["merged"] and info["merged_layers"] == 0
+            r = c.delete("/loras/house")
+            assert r.status_code == 400 and "lora_name: 'house' is the start-up adapter" in r.text
+    finally:
+        server.stop()
+    plain, _ = generate(ckpt, tmp_path / "b")
+    assert plain != default.content

@@ -456,8 +456,8 @@ class VoxCPM:
                         dtype: str | torch.dtype | None = None, pipeline_decode: bool | None = None,
                         coalesce_ms: float = 0.0, warmup: bool = False, encoder_threads: int = 4,
                         queue_bound: int | None = None, queue_timeout_s: float | None = None,
-                        lora_path: str | None = None, max_loras: int = 0,
-                        max_lora_rank: int = 32) -> AsyncVoxCPMServerPool | SyncVoxCPMServerPool:
+                        lora_path: str | None = None, lora_merge: bool = True, lora_name: str = "default",
+                        max_loras: int = 0, max_lora_rank: int = 32) -> AsyncVoxCPMServerPool | SyncVoxCPMServerPool:
         """Start one worker per device (default: every visible GPU, else the CPU). `model` is a checkpoint
         directory or a hub repo id. Returns at once; `wait_for_ready()` waits for the model to load.
         pipeline_decode: see EngineConfig (default: on for CUDA devices); coalesce_ms: the engine's window gathering
@@ -465,7 +465,8 @@ class VoxCPM:
         encoder_threads: threads that run the generate calls' transforms; queue_bound: requests a worker may hold
         beyond max_num_seqs before generate raises OverloadedError (None: no bound); queue_timeout_s: the longest a
         request waits for a seat before it fails with OverloadedError (None: no limit); lora_path: a LoRA adapter
-        (official format, its directory or weights file) merged into the weights at load; max_loras / max_lora_rank:
+        (official format, its directory or weights file) merged into the weights at load, or with lora_merge=False
+        served as the runtime adapter `lora_name` of every request that names none; max_loras / max_lora_rank:
         runtime adapters (`register_lora`, `lora_name` per request) resident at once, and their largest rank."""
         config = engine_config(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
@@ -473,7 +474,8 @@ class VoxCPM:
                                attention_backend=attention_backend, inference_timesteps=inference_timesteps,
                                num_kv_blocks=num_kv_blocks, pipeline_decode=pipeline_decode, dtype=dtype,
                                coalesce_ms=coalesce_ms, queue_timeout_s=queue_timeout_s, lora_path=lora_path,
-                               max_loras=max_loras, max_lora_rank=max_lora_rank)
+                               lora_merge=lora_merge, lora_name=lora_name, max_loras=max_loras,
+                               max_lora_rank=max_lora_rank)
         names = device_names(devices)
         model = checked_model_path(model)
         kwargs = {"warmup": warmup, "encoder_threads": encoder_threads, "queue_bound": queue_bound}

@@ -56,7 +56,7 @@ async def info(state: State) -> dict:
     model = {**state.info, "model_path": state.model_path, "model_id": state.model_id, "random_weights": state.demo}
     return {
         "model": model,
-        "lora": {"enabled": bool(state.info.get("lora_merged_layers")), "uri": s.lora_uri, "id": s.lora_id,
+        "lora": {"enabled": bool(s.lora_uri), "uri": s.lora_uri, "id": s.lora_id,
                  "sha256": s.lora_sha256, "merged": s.lora_merge,
                  "merged_layers": state.info.get("lora_merged_layers", 0),
                  "runtime": {"max_loras": s.max_loras, "max_lora_rank": s.max_lora_rank,
