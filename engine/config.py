@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from engine.engine_config import DTYPE_NAMES
+
 
 class ConfigError(ValueError):
     """config.json is missing, unreadable or lacks a required field."""
@@ -27,8 +29,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                 "max_length": 8192, "decode_context_patches": 3},
 }
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+DTYPES = {name: getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

@@ -8,7 +8,7 @@ from typing import Literal
 from fastapi import HTTPException
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from engine.serving.protocol import SAMPLING_LIMITS, SamplingParams
+from engine.serving.protocol import LORA_NAME_PATTERN, SAMPLING_LIMITS, SamplingParams
 
 # --- voices ---------------------------------------------------------------------------------------
 
@@ -88,7 +88,7 @@ class Deleted(BaseModel):
 
 # --- LoRA adapters --------------------------------------------------------------------------------
 
-LORA_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+LORA_NAME = LORA_NAME_PATTERN
 
 
 class RegisterLoRARequest(BaseModel):

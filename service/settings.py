@@ -10,6 +10,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from engine.serving.protocol import LORA_NAME_PATTERN
+
 # lameenc accepts only the MPEG-1/2 layer III bitrates
 MP3_BITRATES = (32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320)
 
@@ -62,7 +64,7 @@ class Settings(BaseSettings):
     hf_endpoint: str | None = Field(None, description="Hub endpoint for hf:// URIs (a mirror or private hub); default "
                                                       "huggingface.co.")
     hf_token: SecretStr | None = Field(None, description="Token for private hf:// repositories.")
-    lora_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+    lora_id: str | None = Field(None, pattern=LORA_NAME_PATTERN,
                                 description="The adapter's name (in /info; without merging, the runtime adapter's "
                                             "name, default 'default').")
     lora_sha256: str | None = Field(None, description="SHA-256 of the adapter's weights file: start-up fails, naming "

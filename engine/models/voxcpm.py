@@ -265,13 +265,11 @@ class VoxCPMBackbone(nn.Module):
         if ctx is None or slots is None:
             yield
             return
-        before = ctx.mask, ctx.mask3
-        ctx.mask = ctx.rows(slots, self.stop_head.weight.dtype)
-        ctx.mask3 = ctx.mask.repeat(1, 3)
+        before, ctx.mask = ctx.mask, ctx.rows(slots, self.stop_head.weight.dtype)
         try:
             yield
         finally:
-            ctx.mask, ctx.mask3 = before
+            ctx.mask = before
 
     # --- pieces -------------------------------------------------------------------------------
     def encode_patches(self, patches: torch.Tensor, lora_slots: torch.Tensor | None = None) -> torch.Tensor:

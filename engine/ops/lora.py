@@ -25,10 +25,12 @@ def slot_mask(slots: torch.Tensor, column_slots: torch.Tensor, dtype: torch.dtyp
 
 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """x (N, ..., in) -> (N, ..., out): each leading row's adapter term; mask (N, S * r) per leading row."""
+    """x (N, ..., in) -> (N, ..., out): each leading row's adapter term; mask (N, S * r) per leading row. `a` may
+    stack several layers' slots (G * S * r rows: q, k and v): the mask then applies to each group."""
     t = F.linear(x, a)
-    t = t * mask.view(mask.shape[0], *([1] * (x.dim() - 2)), mask.shape[1])
-    return F.linear(t, b)
+    groups, columns = t.shape[-1] // mask.shape[1], mask.shape[1]
+    masked = t.view(*t.shape[:-1], groups, columns) * mask.view(mask.shape[0], *([1] * (x.dim() - 1)), columns)
+    return F.linear(masked.view(t.shape), b)
 
 
 @dataclass
@@ -38,7 +40,6 @@ class LoRAContext:
 
     column_slots: torch.Tensor
     mask: torch.Tensor | None = None
-    mask3: torch.Tensor | None = None  # the mask three times over: the q/k/v terms as one (`add_lora_qkv`)
 
     def rows(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return slot_mask(slots, self.column_slots, dtype)
@@ -70,7 +71,7 @@ def add_lora_qkv(attention: nn.Module, x: torch.Tensor, qkv: torch.Tensor) -> to
     """The fused q/k/v projection's output `qkv` (.., q | k | v) plus each row's q, k and v terms, as one term: the
     three layers' A stacked, their B block-diagonal (`LoRASlots` keeps each layer's slots views of these)."""
     stack: LoRAStack | None = getattr(attention, "qkv_lora", None)
-    if stack is None or stack.context.mask3 is None:
+    if stack is None or stack.context.mask is None:
         return qkv
-    return qkv + lora_delta(x, stack.a, stack.b, stack.context.mask3)
+    return qkv + lora_delta(x, stack.a, stack.b, stack.context.mask)
 

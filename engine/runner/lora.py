@@ -29,13 +29,14 @@ from torch import nn
 from engine.errors import LoRANotFoundError, OverloadedError
 from engine.io.lora import LoRAAdapter, LoRAError, targets
 from engine.ops.lora import LoRAContext, LoRAStack, add_lora
+from engine.serving.protocol import LORA_NAME_PATTERN
 
 log = logging.getLogger(__name__)
 
 LAYER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 LAYER_STACKS = ("base_lm.layers.", "residual_lm.layers.", "feat_decoder.estimator.decoder.layers.")
 PROJECTIONS = ("enc_to_lm_proj", "lm_to_dit_proj", "res_to_dit_proj", "fusion_concat_proj")
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+NAME = re.compile(LORA_NAME_PATTERN)
 
 
 def _projection_hook(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:

@@ -67,6 +67,10 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
+# What a runtime LoRA adapter may be called (the engine, the service's schemas and settings check the same).
+LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
 @dataclass
 class SynthesisRequest:
     """One generation: the text, its conditioning (latents: float32 (frames, feat_dim) arrays or their bytes) and
