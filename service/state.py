@@ -36,6 +36,13 @@ class ServiceState:
         """Every worker is connected and has reported ready (its model loaded and warmed up)."""
         return self.loaded and self.pool.ready and not self.draining
 
+    async def runtime_adapters(self) -> list[dict[str, Any]]:
+        """The runtime LoRA adapters the workers hold (none before the model is loaded, or with none enabled);
+        PoolError while no worker answers."""
+        if not (self.loaded and self.info.get("max_loras")):
+            return []
+        return await self.pool.list_loras()
+
     @property
     def sample_rate(self) -> int:
         return int(self.info["sample_rate"])

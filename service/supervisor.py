@@ -28,14 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.serving.routing import LoadTable
-from service.engine_setup import (
-    DRAIN_SIGNAL,
-    WorkerEndpoint,
-    adapter_path,
-    engine_arguments,
-    model_checkpoint,
-    voice_db_path,
-)
+from service import engine_setup
 from service.settings import Settings
 
 if TYPE_CHECKING:
@@ -62,7 +55,7 @@ def listening_socket(host: str, port: int, listen: bool = True) -> socket.socket
     return sock
 
 
-def api_process_main(settings: Settings, endpoint: WorkerEndpoint, index: int) -> None:
+def api_process_main(settings: Settings, endpoint: engine_setup.WorkerEndpoint, index: int) -> None:
     """One API process (spawned): the app under uvicorn on its own SO_REUSEPORT socket."""
     import uvicorn
 
@@ -117,17 +110,17 @@ class Supervisor:
         workers = None
         try:
             try:
-                model_path, demo = await asyncio.to_thread(model_checkpoint, s)
+                model_path, demo = await asyncio.to_thread(engine_setup.model_checkpoint, s)
                 model_path = await asyncio.to_thread(checked_model_path, model_path)
             except ValueError as e:  # CheckpointError: not a checkpoint, not downloadable
                 log.error("cannot serve %s: %s", s.model_path, e)
                 return 1
             try:
-                lora_path = await asyncio.to_thread(adapter_path, s)
+                lora_path = await asyncio.to_thread(engine_setup.adapter_path, s)
             except ValueError as e:  # not fetchable, or not the adapter the digest names
                 log.error("cannot load the LoRA adapter: %s", e)
                 return 1
-            arguments = engine_arguments(s, demo, lora_path)
+            arguments = engine_setup.engine_arguments(s, demo, lora_path)
             devices, warmup = device_names(arguments.pop("devices")), arguments.pop("warmup")
             split = reserve_cpus(len(devices), s.worker_cpus)
             log.info("spawning the workers %.1f s after start (%s)", time.monotonic() - self.t0,
@@ -138,9 +131,10 @@ class Supervisor:
                 os.sched_setaffinity(0, split[1])  # what this process starts from now on runs on the other cores
             count = s.api_process_count(len(os.sched_getaffinity(0)))
             LoadTable.create(runtime / "load", count + 1, len(devices))  # + a row the supervisor reads through
-            endpoint = WorkerEndpoint(workers.addresses, workers.authkey, model_path, demo,
-                                      voice_db_path(s, model_path, runtime), multiprocess_metrics=True,
-                                      load_table=runtime / "load")
+            endpoint = engine_setup.WorkerEndpoint(workers.addresses, workers.authkey, model_path, demo,
+                                                   engine_setup.voice_db_path(s, model_path, runtime),
+                                                   multiprocess_metrics=True,
+                                                   load_table=runtime / "load")
             self.api = [self._spawn_api(endpoint, i) for i in range(count)]
             log.info("%d engine worker(s) on %s, %d API process(es) on %s:%d (%.1f s after start)", len(devices),
                      ", ".join(devices), len(self.api), s.host, s.port, time.monotonic() - self.t0)
@@ -150,14 +144,14 @@ class Supervisor:
             port_guard.close()
             shutil.rmtree(runtime, ignore_errors=True)
 
-    def _spawn_api(self, endpoint: WorkerEndpoint, index: int) -> mp.process.BaseProcess:
+    def _spawn_api(self, endpoint: engine_setup.WorkerEndpoint, index: int) -> mp.process.BaseProcess:
         endpoint = dataclasses.replace(endpoint, row=index)
         proc = self.ctx.Process(target=api_process_main, args=(self.settings, endpoint, index),
                                 name=f"voxcpm-api-{index}", daemon=False)
         proc.start()
         return proc
 
-    async def _watch(self, workers: WorkerSet, endpoint: WorkerEndpoint) -> int:
+    async def _watch(self, workers: WorkerSet, endpoint: engine_setup.WorkerEndpoint) -> int:
         from prometheus_client import multiprocess
 
         deaths: dict[int, list[float]] = {}  # per worker, when it died (the last ten minutes)
@@ -207,7 +201,7 @@ class Supervisor:
         ends, then stop them (uvicorn closes the connections), then the workers."""
         live = [proc for proc in self.api if proc.is_alive()]
         for proc in live:
-            os.kill(proc.pid, DRAIN_SIGNAL)
+            os.kill(proc.pid, engine_setup.DRAIN_SIGNAL)
         if live and load_table is not None and load_table.exists() and workers is not None:
             table = LoadTable(len(workers.processes), load_table, row=len(self.api))  # a spare row: read-only here
             deadline = time.monotonic() + self.settings.shutdown_grace_s

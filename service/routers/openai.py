@@ -20,11 +20,9 @@ OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # what OpenAI exa
 
 
 async def adapter_ids(state: ServiceState) -> list[str]:
-    """The runtime LoRA adapters, each a model id of its own (none before the model is loaded)."""
-    if not (state.loaded and state.info.get("max_loras")):
-        return []
+    """The runtime LoRA adapters, each a model id of its own."""
     try:
-        return [d["name"] for d in await state.pool.list_loras()]
+        return [d["name"] for d in await state.runtime_adapters()]
     except PoolError as e:
         raise http_error(e) from e
 

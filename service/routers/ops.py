@@ -40,11 +40,9 @@ async def ready(state: State) -> JSONResponse:
 
 
 async def _adapters(state: ServiceState) -> list[dict] | None:
-    """The runtime adapters a worker holds (None while no worker answers)."""
-    if not (state.loaded and state.settings.max_loras):
-        return []
+    """The runtime adapters the workers hold (None while no worker answers)."""
     try:
-        return await state.pool.list_loras()
+        return await state.runtime_adapters()
     except PoolError:
         return None
 
