@@ -33,7 +33,21 @@ DOWNLOAD_TIMEOUT = httpx.Timeout(30.0, read=300.0)
 
 
 class AdapterSourceError(ValueError):
-    """The adapter cannot be fetched or is not the one expected; the message says which and why."""
+    """The adapter cannot be fetched or is not the one expected: `detail` says which and why, about the adapter's
+    URI (`field` "uri") or its digest ("sha256"); str() names them as the start-up settings do, `for_fields` as
+    another caller names them (POST /loras: lora_uri, sha256)."""
+
+    SETTINGS = {"uri": "NANOVLLM_LORA_URI", "sha256": "NANOVLLM_LORA_SHA256"}
+
+    def __init__(self, detail: str, field: str = "uri") -> None:
+        super().__init__(detail)
+        self.detail, self.field = detail, field
+
+    def for_fields(self, names: dict[str, str]) -> str:
+        return f"{names[self.field]}: {self.detail}"
+
+    def __str__(self) -> str:
+        return self.for_fields(self.SETTINGS)
 
 
 class NotThere(AdapterSourceError):
@@ -54,7 +68,8 @@ def uri_scheme(uri: str) -> str:
 
 
 def unsupported_scheme(scheme: str) -> str:
-    return f"NANOVLLM_LORA_URI: {scheme}:// is not supported (use a path, file://, https://, s3:// or hf://)"
+    """Why a URI of this scheme cannot be fetched (without the field's name)."""
+    return f"{scheme}:// is not supported (use a path, file://, https://, s3:// or hf://)"
 
 
 def _atomic(target: Path, write: Callable[[Path], None]) -> None:
@@ -72,14 +87,14 @@ def _http_get(url: str, target: Path) -> None:
         try:
             with httpx.stream("GET", url, timeout=DOWNLOAD_TIMEOUT, follow_redirects=True) as r:
                 if r.status_code == 404:
-                    raise NotThere(f"NANOVLLM_LORA_URI: {url} answered 404")
+                    raise NotThere(f"{url} answered 404")
                 if r.status_code != 200:
-                    raise AdapterSourceError(f"NANOVLLM_LORA_URI: {url} answered {r.status_code}")
+                    raise AdapterSourceError(f"{url} answered {r.status_code}")
                 with open(part, "wb") as f:
                     for chunk in r.iter_bytes(1 << 20):
                         f.write(chunk)
         except httpx.HTTPError as e:
-            raise AdapterSourceError(f"NANOVLLM_LORA_URI: could not download {url}: {e}") from e
+            raise AdapterSourceError(f"could not download {url}: {e}") from e
 
     _atomic(target, write)
 
@@ -96,10 +111,10 @@ def _s3_get(bucket: str, key: str, target: Path, endpoints: Endpoints) -> None:
         except botocore.exceptions.ClientError as e:
             code = e.response.get("Error", {}).get("Code", "")
             if code in ("404", "NoSuchKey", "NotFound"):
-                raise NotThere(f"NANOVLLM_LORA_URI: s3://{bucket}/{key} does not exist") from e
-            raise AdapterSourceError(f"NANOVLLM_LORA_URI: could not download s3://{bucket}/{key}: {e}") from e
+                raise NotThere(f"s3://{bucket}/{key} does not exist") from e
+            raise AdapterSourceError(f"could not download s3://{bucket}/{key}: {e}") from e
         except botocore.exceptions.BotoCoreError as e:  # no credentials, endpoint unreachable, ...
-            raise AdapterSourceError(f"NANOVLLM_LORA_URI: could not download s3://{bucket}/{key}: {e}") from e
+            raise AdapterSourceError(f"could not download s3://{bucket}/{key}: {e}") from e
 
     _atomic(target, write)
 
@@ -114,9 +129,9 @@ def _hf_get(repo: str, revision: str, filename: str, target: Path, endpoints: En
             got = hf_hub_download(repo, filename, revision=revision, endpoint=endpoints.hf_endpoint,
                                   token=endpoints.hf_token, cache_dir=target.parent / "hub")
         except EntryNotFoundError as e:
-            raise NotThere(f"NANOVLLM_LORA_URI: hf://{repo}@{revision} has no {filename}") from e
+            raise NotThere(f"hf://{repo}@{revision} has no {filename}") from e
         except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
-            raise AdapterSourceError(f"NANOVLLM_LORA_URI: could not download {filename} of hf://{repo}@{revision}: "
+            raise AdapterSourceError(f"could not download {filename} of hf://{repo}@{revision}: "
                                      f"{type(e).__name__}: {e}") from e
         shutil.copyfile(got, part)
 
@@ -131,12 +146,12 @@ def _remote(uri: str, endpoints: Endpoints) -> tuple[list[str], Callable[[str, P
         path = unquote(parsed.path)
         name = Path(path).name
         if not name.endswith((".safetensors", ".ckpt", ".pth")):
-            raise AdapterSourceError(f"NANOVLLM_LORA_URI: {uri} should name the adapter's weights file "
+            raise AdapterSourceError(f"{uri} should name the adapter's weights file "
                                      "(lora_weights.safetensors or .ckpt); its lora_config.json is fetched beside it")
         base = path.rsplit("/", 1)[0]
         if scheme == "s3":
             if not parsed.netloc or not path.strip("/"):
-                raise AdapterSourceError(f"NANOVLLM_LORA_URI: {uri} is not s3://bucket/key")
+                raise AdapterSourceError(f"{uri} is not s3://bucket/key")
             return [name], lambda n, t: _s3_get(parsed.netloc, f"{base}/{n}".lstrip("/"), t, endpoints)
         root = f"{parsed.scheme}://{parsed.netloc}{base}"
         return [name], lambda n, t: _http_get(f"{root}/{n}", t)
@@ -145,7 +160,7 @@ def _remote(uri: str, endpoints: Endpoints) -> tuple[list[str], Callable[[str, P
     revision = revision or "main"
     inner = parse_qs(parsed.query).get("path", [""])[0].strip("/")
     if repo.count("/") != 1 or not all(repo.split("/")):
-        raise AdapterSourceError(f"NANOVLLM_LORA_URI: {uri} is not hf://owner/repo[@revision][?path=...]")
+        raise AdapterSourceError(f"{uri} is not hf://owner/repo[@revision][?path=...]")
     if inner.endswith((".safetensors", ".ckpt", ".pth")):
         names, base = [Path(inner).name], inner.rsplit("/", 1)[0] if "/" in inner else ""
     else:
@@ -165,7 +180,7 @@ def fetch_adapter(uri: str, cache_dir: Path, sha256: str | None = None, endpoint
         try:
             file = weights_file(local)
         except ValueError as e:
-            raise AdapterSourceError(f"NANOVLLM_LORA_URI: {e}") from e
+            raise AdapterSourceError(f"{e}") from e
     else:
         names, fetch = _remote(uri, endpoints)
         local = cache_dir / "lora" / hashlib.sha256(uri.encode()).hexdigest()[:16]
@@ -193,5 +208,5 @@ def fetch_adapter(uri: str, cache_dir: Path, sha256: str | None = None, endpoint
     if sha256:
         got = sha256_of(file)
         if got != sha256.lower():
-            raise AdapterSourceError(f"NANOVLLM_LORA_SHA256: {file} has SHA-256 {got}, expected {sha256.lower()}")
+            raise AdapterSourceError(f"{file} has SHA-256 {got}, expected {sha256.lower()}", "sha256")
     return local if local.is_dir() else file

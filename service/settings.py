@@ -142,7 +142,7 @@ class Settings(BaseSettings):
             from service.lora_source import SCHEMES, unsupported_scheme, uri_scheme
 
             if uri_scheme(self.lora_uri) not in SCHEMES:
-                raise ValueError(unsupported_scheme(uri_scheme(self.lora_uri)))
+                raise ValueError(f"NANOVLLM_LORA_URI: {unsupported_scheme(uri_scheme(self.lora_uri))}")
         return self
 
     def api_process_count(self, cores: int | None = None) -> int:

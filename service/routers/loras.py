@@ -43,8 +43,7 @@ async def register_lora(req: RegisterLoRARequest, state: LoadedState) -> LoRAInf
     try:
         local = await asyncio.to_thread(fetch_adapter, req.lora_uri, s.cache_path, req.sha256, source_endpoints(s))
     except AdapterSourceError as e:
-        raise HTTPException(400, str(e).replace("NANOVLLM_LORA_URI", "lora_uri").replace("NANOVLLM_LORA_SHA256",
-                                                                                         "sha256")) from e
+        raise HTTPException(400, e.for_fields({"uri": "lora_uri", "sha256": "sha256"})) from e
     try:
         return LoRAInfo(**await state.pool.register_lora(req.lora_name, str(local)))
     except PoolError as e:
