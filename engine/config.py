@@ -10,11 +10,12 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine.engine_config import DTYPE_NAMES
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ConfigError(ValueError):
@@ -29,15 +30,20 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                 "max_length": 8192, "decode_context_patches": 3},
 }
 
-DTYPES = {name: getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
+def dtype_name(name: str) -> str:
+    """The torch attribute a dtype name of DTYPE_NAMES stands for ("bf16" -> "bfloat16"); no torch needed (the
+    service's supervisor parses configs before it ever imports torch)."""
+    if name not in DTYPE_NAMES:
+        raise ConfigError(f"dtype {name!r} is not one of {sorted(DTYPE_NAMES)}")
+    return DTYPE_NAMES[name]
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
-    if name not in DTYPES:
-        raise ConfigError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
-    return DTYPES[name]
+    return getattr(torch, dtype_name(name))
 
 
 @dataclass
@@ -83,7 +89,7 @@ class VoxCPMConfig:
     fsq_scale: int
     dit_mean_mode: bool
     max_length: int
-    dtype: torch.dtype
+    dtype: str  # the torch attribute of the weights' dtype ("bfloat16"); parse_dtype makes it a torch dtype
     decode_context_patches: int  # prompt patches decoded as VAE left context in continuation mode
     audio_vae: dict[str, Any] | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -125,7 +131,7 @@ class VoxCPMConfig:
             fsq_scale=int(d.get("scalar_quantization_scale", 9)),
             dit_mean_mode=mean_mode,
             max_length=int(get("max_length")),
-            dtype=parse_dtype(d.get("dtype", "bfloat16")),
+            dtype=dtype_name(str(d.get("dtype", "bfloat16"))),
             decode_context_patches=int(defaults["decode_context_patches"]),
             audio_vae=d.get("audio_vae_config"),
             raw=d,

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 from engine.options import EngineOptions
 
-# The dtype names an EngineConfig takes (engine.config.DTYPES maps them to torch dtypes, in the processes that run
-# the engine): a config names its dtype, so that building and pickling one for the workers needs no torch.
+# The dtype names an EngineConfig takes (engine.config.parse_dtype makes them torch dtypes, in the processes that
+# run the engine): a config names its dtype, so that building and pickling one for the workers needs no torch.
 DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
                "float32": "float32", "fp32": "float32"}  # name -> torch attribute
 

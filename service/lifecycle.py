@@ -14,6 +14,12 @@ log = logging.getLogger(__name__)
 SUPERVISE_EVERY_S = 1.0
 
 
+# What the ready line reports: the model, then where the cold start went (the worker's phases, in order).
+STARTUP_KEYS = ("architecture", "sample_rate", "devices", "process_import_s", "load_s", "precompile_wait_s", "kv_s",
+                "graph_warmup_s", "graph_capture_s", "startup_s", "warmup_zeroshot_s", "warmup_encode_s",
+                "warmup_hifi_s", "warmup_s", "spawn_to_ready_s")
+
+
 async def bring_up(state: ServiceState) -> None:
     s = state.settings
     try:
@@ -25,8 +31,8 @@ async def bring_up(state: ServiceState) -> None:
         state.failure = f"start-up failed: {type(e).__name__}: {e}"
         log.exception("start-up failed; /health and /ready report 503")
         return
-    log.info("ready: %s", {k: state.info.get(k) for k in ("architecture", "sample_rate", "devices", "process_import_s",
-                                                          "startup_s", "warmup_s", "spawn_to_ready_s")})
+    log.info("ready: %s", {k: round(v, 2) if isinstance(v, float) else v for k in STARTUP_KEYS
+                           if (v := state.info.get(k)) is not None})
     await supervise(state)
 
 

@@ -116,6 +116,41 @@ def test_a_compiler_child_never_imports_torch(tmp_path: Path) -> None:
     assert proc.stdout.strip().endswith("torch imported: False"), proc.stdout
 
 
+def test_the_shipped_manifests_match_the_presets_digests() -> None:
+    """Each shipped manifest is found by the digest of its model's configuration: a change of the digest's formula
+    or of the parsed configuration's fields (which would silently turn the shipped manifests off) fails here."""
+    from engine.config import VoxCPMConfig
+    from engine.startup import kernel_cache
+
+    for preset, manifest in (("voxcpm2", "voxcpm2-sm90"), ("voxcpm0.5b", "voxcpm0.5b-sm90")):
+        cfg = VoxCPMConfig.from_dict(json.loads((REPO_ROOT / f"engine/io/presets/{preset}.json").read_text()))
+        shipped = json.loads((REPO_ROOT / f"engine/startup/kernel_manifests/{manifest}.json").read_text())
+        assert kernel_cache.model_digest(cfg, cfg.dtype) == shipped["model"], preset
+        assert kernel_cache.model_digest(cfg, torch.bfloat16) == shipped["model"], preset  # a dtype or its name
+
+
+def test_the_precompile_starts_without_torch(tmp_path: Path) -> None:
+    """The service's supervisor starts the precompile of the shipped VoxCPM2 manifest (sm_90, empty kernel cache)
+    from the checkpoint's config alone, with no torch imported (a fresh interpreter: this one has torch): it then
+    starts at once beside the workers instead of after torch's import."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt/config.json").write_text((REPO_ROOT / "engine/io/presets/voxcpm2.json").read_text())
+    code = ("import sys\n"
+            "from engine.startup import kernel_cache\n"
+            f"p = kernel_cache.Precompiler({str(tmp_path / 'ckpt')!r}, 'bfloat16', None, arch=90)\n"
+            "print(p.stats['manifest_records'], p.stats['missing'])\n"
+            "p.close()\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts, imported = proc.stdout.strip().splitlines()
+    shipped = json.loads((REPO_ROOT / "engine/startup/kernel_manifests/voxcpm2-sm90.json").read_text())
+    assert counts == f"{len(shipped['entries'])} {len(shipped['entries'])}"
+    assert imported == "[]", f"torch imported: {imported[:300]}"
+
+
 def test_a_record_that_no_longer_fits_its_kernel_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                             checkpoint_factory) -> None:
     """A record naming a kernel that is gone counts as failed; the others still compile."""

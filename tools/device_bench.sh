@@ -15,6 +15,7 @@
 #   PARTS="ours http encode" CONC=1,8,32,64,128 bash tools/device_bench.sh   # the pool, then the service over HTTP
 #   PARTS="http_base" BASELINE=old ...   # the service of an earlier tree (old/) at HTTP_BASE_CONC, with a profile
 #   PARTS="ours ours_base cold" BASELINE=old CONC=1,8,128 ...   # this tree against an earlier one: the pool, cold starts
+#   PARTS="cold" BASELINE=old COLD_ROUNDS=3 COLD_PYSPY=1 ...   # cold starts, then one more under py-spy (pyspy_start_*)
 #   PARTS="lora" CONC=1,64 LORAS=4 LORA_RANK=32 ...   # runtime LoRA adapters vs the base model vs a merged adapter
 # Rough times: wheels ~10 s; checkpoint 1-3 min (skipped when $CKPT was finished by an earlier call on a
 # machine still warm); nano at 1,8,32,64 ~2.5 min (startup 40-55 s, then 12 bursts of 16 s of audio at
@@ -180,6 +181,10 @@ start_service() {  # start_service TREE NAME: the service of code tree TREE; set
         NANOVLLM_SERVERPOOL_GPU_MEMORY_UTILIZATION=0.85 ${SERVICE_ENV:-} python3 -m service.main) \
         >"$OUT/service_$name.log" 2>&1 &
     SVC_PID=$!
+    if [[ -n "${PYSPY_START:-}" ]] && command -v py-spy >/dev/null; then  # where the start-up's time goes
+        py-spy record --pid "$SVC_PID" --subprocesses --idle --nonblocking --rate 100 --duration 30 --format raw \
+            --output "$OUT/pyspy_start_$name.txt" >"$OUT/pyspy_start_$name.log" 2>&1 &
+    fi
     for _ in $(seq 1 600); do
         if curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null 2>&1; then
             log "service $name ready in $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s (pid $SVC_PID)"
@@ -379,6 +384,11 @@ from bench_stream import random_adapters; random_adapters('$CKPT', 1, ${LORA_RAN
                     stop_service
                 done
             done
+            if [[ -n "${COLD_PYSPY:-}" ]]; then  # one more start of this tree under py-spy (not counted: slower)
+                PYSPY_START=1 start_service "$ROOT" cold_pyspy || RC[$part]=start
+                stop_service
+                sleep 3  # py-spy writes its file when the processes it follows end
+            fi
             ;;
         http_base)
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }

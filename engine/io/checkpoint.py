@@ -22,8 +22,9 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from engine.config import ConfigError, VoxCPMConfig
+from engine.config import ConfigError, VoxCPMConfig, parse_dtype
 from engine.errors import CheckpointError  # noqa: F401  (raised here; imported from here by callers)
+from engine.io.model_path import resolve_model_path
 from engine.io.tokenizer import TextTokenizer
 from engine.models import build_backbone
 from engine.models.audio_vae import AudioVAE, AudioVAEConfig, fuse_weight_norm
@@ -42,23 +43,6 @@ class LoadedModel:
     backbone: VoxCPMBackbone
     vae: AudioVAE
     tokenizer: TextTokenizer
-
-
-def resolve_model_path(model: str | os.PathLike) -> Path:
-    """A local directory as is; otherwise a hub repo id, downloaded with huggingface_hub."""
-    p = Path(model).expanduser()
-    if p.is_dir():
-        return p
-    text = str(model)
-    if p.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
-        raise CheckpointError(f"model {text!r} is neither a checkpoint directory nor a hub repo id (org/name)")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(repo_id=text))
-    except Exception as e:  # network, auth, missing repo: all mean the same to the caller
-        raise CheckpointError(f"could not download {text!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
-                              "pass a local checkpoint directory instead") from e
 
 
 def _torch_load(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -210,7 +194,7 @@ def load_model(model: str | os.PathLike, device: torch.device | str = "cpu", dty
     except ConfigError as e:
         raise CheckpointError(str(e)) from e
     tokenizer = TextTokenizer.from_dir(path)
-    dtype = dtype or cfg.dtype
+    dtype = dtype or parse_dtype(cfg.dtype)
     where = str(torch.device(device))
     t0 = time.perf_counter()
     main = read_main_weights(path, where)

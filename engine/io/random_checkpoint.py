@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from engine.config import VoxCPMConfig
+from engine.config import VoxCPMConfig, parse_dtype
 from engine.io.tokenizer_builder import build_tokenizer
 from engine.models import build_backbone
 from engine.models.audio_vae import AudioVAE, AudioVAEConfig
@@ -173,7 +173,7 @@ def make_random_checkpoint(out_dir: str | Path, preset: str = "tiny-voxcpm2", se
         raw[key] = value
     cfg = VoxCPMConfig.from_dict(raw)
     build_tokenizer(out, vocab_size=min(cfg.lm.vocab_size, 4096), seed=seed)
-    state = random_backbone_state(cfg, seed, stop, cfg.dtype, progress)
+    state = random_backbone_state(cfg, seed, stop, parse_dtype(cfg.dtype), progress)
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     vae_cfg = AudioVAEConfig.from_dict(cfg.audio_vae, version=cfg.version)
     vae_state = random_vae_state(vae_cfg, cfg.version, seed)

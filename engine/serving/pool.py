@@ -498,13 +498,9 @@ def engine_config(dtype: str | torch.dtype | None = None, **fields: Any) -> Engi
 def checked_model_path(model: str) -> str:
     """A checkpoint directory (a hub id downloaded once here, not in every worker) that has a config.json."""
     from engine.errors import CheckpointError
+    from engine.io.model_path import resolve_model_path
 
-    if Path(model).expanduser().is_dir():
-        path = str(Path(model).expanduser())
-    else:
-        from engine.io.checkpoint import resolve_model_path
-
-        path = str(resolve_model_path(model))
+    path = str(resolve_model_path(model))
     if not (Path(path) / "config.json").is_file():
         raise CheckpointError(f"{path} has no config.json: not a VoxCPM checkpoint directory")
     return path

@@ -31,26 +31,34 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from engine.config import VoxCPMConfig, parse_dtype
-from engine.io.checkpoint import LoadedModel, resolve_model_path
+from engine.config import VoxCPMConfig, dtype_name
+from engine.io.model_path import resolve_model_path
 from engine.ops.platform import HAVE_TRITON
 from engine.options import current
 from engine.startup.kernel_compiler import source_and_options
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.io.checkpoint import LoadedModel
 
 log = logging.getLogger(__name__)
 
 MANIFEST_DIR = Path(__file__).parent / "kernel_manifests"
 
 
-def model_digest(cfg: VoxCPMConfig, dtype: torch.dtype) -> str:
+def model_digest(cfg: VoxCPMConfig, dtype: str | torch.dtype) -> str:
     """What a kernel's shapes depend on: the parsed model configuration (not the raw file, whose extra keys vary
-    between copies of one model) and the activation dtype."""
+    between copies of one model) and the activation dtype. Needs no torch (the service's supervisor starts the
+    precompile before it imports torch)."""
+    def spelled(d: str | torch.dtype) -> str:  # as torch prints a dtype: the shipped manifests were digested so
+        return f"torch.{dtype_name(d)}" if isinstance(d, str) else str(d)
+
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "raw"}
-    text = json.dumps({"config": fields, "dtype": str(dtype)}, sort_keys=True, default=str)
+    fields["dtype"] = spelled(cfg.dtype)
+    text = json.dumps({"config": fields, "dtype": spelled(dtype)}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -61,6 +69,8 @@ def loaded_model_digest(model: LoadedModel) -> str:
 
 def cuda_arch(device: torch.device | str | None = None) -> int:
     """The compute capability of a CUDA device as Triton names architectures (H100: 90)."""
+    import torch
+
     major, minor = torch.cuda.get_device_capability(device)
     return major * 10 + minor
 
@@ -254,6 +264,12 @@ def gpu_arch_from_nvidia_smi() -> int | None:
     return caps.pop() if len(caps) == 1 else None
 
 
+def _is_nvidia(device: torch.device) -> bool:
+    import torch
+
+    return device.type == "cuda" and torch.version.hip is None
+
+
 class Precompiler:
     """Compiles a manifest's records missing from the kernel cache in child processes, started before the model
     loads; `wait()` before the first kernel launch (or `close()` when start-up fails). One precompile per cache at a
@@ -272,8 +288,7 @@ class Precompiler:
         self._compilers: CompilerProcesses | None = None
         self._records: list[dict[str, Any]] = []
         self._lock: int | None = None
-        if not (current().precompile and HAVE_TRITON and torch.version.hip is None
-                and (device is None or device.type == "cuda")):
+        if not (current().precompile and HAVE_TRITON and (device is None or _is_nvidia(device))):
             return
         try:
             self._records = self._manifest_records(model, dtype, device, arch)
@@ -291,7 +306,7 @@ class Precompiler:
 
     def _manifest_records(self, model: LoadedModel | str | os.PathLike, dtype: str | torch.dtype | None,
                           device: torch.device | None, arch: int | None) -> list[dict[str, Any]]:
-        if isinstance(model, LoadedModel):
+        if not isinstance(model, (str, os.PathLike)):
             digest = loaded_model_digest(model)
         else:
             try:
@@ -299,7 +314,7 @@ class Precompiler:
             except Exception as e:  # the loader reports a bad checkpoint properly, right after
                 log.info("no kernel precompile: %s", e)
                 return []
-            digest = model_digest(cfg, parse_dtype(dtype) if dtype is not None else cfg.dtype)
+            digest = model_digest(cfg, dtype if dtype is not None else cfg.dtype)
         if arch is None:
             arch = cuda_arch(device) if device is not None else gpu_arch_from_nvidia_smi()
             if arch is None:
