@@ -94,8 +94,9 @@ class EngineOptions:
     # --- the runtime ---------------------------------------------------------------------------------------------
     pipeline_decode: bool | None = _option("VOXCPM_PIPELINE_DECODE", None, _flag, "Launch the next decode step "
                                            "before reading the previous one; unset: on CUDA yes, on the CPU no.")
-    cudnn_benchmark: bool = _option("VOXCPM_CUDNN_BENCHMARK", True, _flag, "cuDNN's algorithm search for the VAE "
-                                    "decode's convolutions (off: start-up faster, large batches slower).")
+    cudnn_benchmark: bool = _option("VOXCPM_CUDNN_BENCHMARK", False, _flag, "cuDNN's algorithm search for the "
+                                    "VAE decode's remaining cuDNN convolutions (on: start-up slower, B=128 steps "
+                                    "slightly faster).")
     precompile: bool = _option("VOXCPM_PRECOMPILE", True, _flag, "Compile the kernel manifest's variants missing "
                                "from the kernel cache ahead of time, in parallel, during start-up.")
     kernel_manifest: str | None = _option("VOXCPM_KERNEL_MANIFEST", None, str, "A kernel manifest file used beside "

@@ -16,6 +16,7 @@
 #   PARTS="http_base" BASELINE=old ...   # the service of an earlier tree (old/) at HTTP_BASE_CONC, with a profile
 #   PARTS="ours ours_base cold" BASELINE=old CONC=1,8,128 ...   # this tree against an earlier one: the pool, cold starts
 #   PARTS="cold" BASELINE=old COLD_ROUNDS=3 COLD_PYSPY=1 ...   # cold starts, then one more under py-spy (pyspy_start_*)
+#   PARTS="manifest cold" COLD_VARIANTS="-;VOXCPM_CUDNN_BENCHMARK=0" ...   # re-record the kernel manifest, then starts
 #   PARTS="lora" CONC=1,64 LORAS=4 LORA_RANK=32 ...   # runtime LoRA adapters vs the base model vs a merged adapter
 # Rough times: wheels ~10 s; checkpoint 1-3 min (skipped when $CKPT was finished by an earlier call on a
 # machine still warm); nano at 1,8,32,64 ~2.5 min (startup 40-55 s, then 12 bursts of 16 s of audio at
@@ -373,14 +374,30 @@ from bench_stream import random_adapters; random_adapters('$CKPT', 1, ${LORA_RAN
             RC[$part]=$?
             popd >/dev/null
             ;;
+        manifest)  # re-record this tree's kernel manifest (MANIFEST_NAME) on an empty kernel cache; a copy in $OUT
+            { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
+            target="engine/startup/kernel_manifests/${MANIFEST_NAME:-voxcpm2-sm90}.json"
+            TRITON_CACHE_DIR="$(mktemp -d)" run_limited "${T_MANIFEST:-300}" manifest python3 \
+                tools/record_kernel_manifest.py --model "$CKPT" --max-num-seqs "${MAXSEQS:-128}" --out "$target"
+            RC[$part]=$?
+            cp "$target" "$OUT/" 2>/dev/null
+            ;;
         cold)  # cold start to /ready of the service (empty cache dir), BASELINE's tree and this one alternately,
-            # COLD_ROUNDS times each; the times are the log's "service NAME ready in X s" lines
+            # COLD_ROUNDS times each (this tree once per ';'-separated COLD_VARIANTS entry: its environment, e.g.
+            # "-;VOXCPM_CUDNN_BENCHMARK=0", '-' for none); the times are the log's "service NAME ready in X s" lines
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
             RC[$part]=0
+            IFS=';' read -r -a variants <<< "${COLD_VARIANTS:--}"
             for round in $(seq 1 "${COLD_ROUNDS:-2}"); do
-                for tree in ${BASELINE:+"$BASELINE"} "$ROOT"; do
-                    name="cold_$([[ $tree == "$ROOT" ]] && echo new || echo base)_$round"
-                    start_service "$tree" "$name" || RC[$part]=start
+                if [[ -n "${BASELINE:-}" ]]; then
+                    start_service "$BASELINE" "cold_base_$round" || RC[$part]=start
+                    stop_service
+                fi
+                for v in "${!variants[@]}"; do
+                    env_v="${variants[$v]}"; [[ $env_v == - ]] && env_v=""
+                    name="cold_new_$round"; (( ${#variants[@]} > 1 )) && name="cold_new${v}_$round"
+                    log "variant $name: ${env_v:-default environment}"
+                    SERVICE_ENV="$env_v" start_service "$ROOT" "$name" || RC[$part]=start
                     stop_service
                 done
             done
@@ -399,7 +416,7 @@ from bench_stream import random_adapters; random_adapters('$CKPT', 1, ${LORA_RAN
             stop_service
             ;;
         *)
-            log "unknown part '$part' (known: test check profile ours ours_base cold lora ours_window ours_hifi nano encode http http_api16 gpu2 http_base)"
+            log "unknown part '$part' (known: test check profile ours ours_base manifest cold lora ours_window ours_hifi nano encode http http_api16 gpu2 http_base)"
             ;;
     esac
 done

@@ -1,6 +1,7 @@
 """Record the Triton kernel variants an engine compiles for a model on this GPU, as a kernel manifest
-(engine/startup/kernel_cache.py): start-up, then requests of the kinds a service sees (zero-shot at one and at full
-concurrency, a long text, reference clips of several lengths through the VAE encoder), so that a later start-up
+(engine/startup/kernel_cache.py): start-up and the service worker's own warm-up, then requests of the kinds a service
+sees (zero-shot at one and at full concurrency, a long text, reference clips of several lengths through the VAE
+encoder), so that a later start-up
 on an empty kernel cache compiles all of them ahead, in parallel, and the first requests meet no JIT compile.
 
     TRITON_CACHE_DIR=$(mktemp -d) python tools/record_kernel_manifest.py --model /tmp/full --max-num-seqs 128 \
@@ -31,6 +32,7 @@ import torch  # noqa: E402
 from engine.io.audio import encode_latents  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.sequence import SamplingParams  # noqa: E402
+from engine.serving.worker import warm_up  # noqa: E402
 from engine.startup import kernel_cache  # noqa: E402
 
 
@@ -46,6 +48,7 @@ def main() -> None:
     t0 = time.perf_counter()
     engine = LLMEngine(a.model, EngineConfig(max_num_seqs=a.max_num_seqs), device="cuda")
     print(f"engine ready in {engine.startup_s:.1f} s; kernels: {engine.startup_phases['kernels']}", flush=True)
+    print(f"warm-up: {warm_up(engine)}", flush=True)  # what a worker runs before it reports ready
     params = SamplingParams(max_generate_length=a.patches, min_len=a.patches, seed=0)
     vae, patch = engine.model.vae, engine.model.config.patch_size
     rng = np.random.default_rng(0)

@@ -75,8 +75,8 @@ class ModelRunner:
         self.lora = LoRASlots(model.backbone, model.config.architecture, max_loras, max_lora_rank, device,
                               self.dtype) if max_loras else None
         if device.type == "cuda":
-            # The VAE's convolutions have fixed shapes per graph bucket: let cuDNN pick the fastest
-            # algorithm once, at warm-up, instead of its heuristic choice.
+            # cuDNN's algorithm search (per conv shape, so per graph bucket) costs seconds of start-up for the few
+            # VAE convolutions not in our kernels; off by default (docs/benchmarks.md, VOXCPM_CUDNN_BENCHMARK).
             torch.backends.cudnn.benchmark = opts.cudnn_benchmark
             # The VAE's 1x1 convolutions run as fp32 GEMMs (vae_conv.pointwise_conv_residual): give them cuDNN's TF32
             # policy, as the convolutions they replace had (process-wide: a worker owns its process). A process on
