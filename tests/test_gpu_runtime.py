@@ -86,9 +86,20 @@ def test_kv_sizing_dry_steps_then_generation(checkpoint_factory, monkeypatch):
 
 def test_runtime_lora_in_graphs_matches_eager(checkpoint_factory, monkeypatch, tmp_path):
     """Runtime LoRA adapters on the CUDA paths (graphed prefill and decode, Triton attention, the fused projections
-    and their split-K / GEMV partials; the stack kernel steps aside): a batch of two adapters of different ranks and
-    none equals the eager torch path, and the adapters change the audio."""
+    and their split-K / GEMV partials, the one-kernel LoRA term of a few rows; the stack kernel steps aside): a batch
+    of two adapters of different ranks and none equals the eager torch path (no fused kernel at all), and the
+    adapters change the audio."""
     from engine.io.lora import LoRAConfig, random_adapter
+    from engine.ops import lora as lora_ops
+
+    monkeypatch.setattr(lora_ops, "KERNEL_MAX_LEAD", 8)  # the DiT's rows of three requests (CFG: 6) take it too
+    original, calls = lora_ops.add_lora_kernel, []
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(lora_ops, "add_lora_kernel", counted)
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
@@ -106,8 +117,10 @@ def test_runtime_lora_in_graphs_matches_eager(checkpoint_factory, monkeypatch, t
             engine.register_lora(name, str(path))
         return engine, _run(engine, reqs)
 
-    _, eager = run(enforce_eager=True, attention_backend="torch")
+    _, eager = run(enforce_eager=True, attention_backend="torch", options=EngineOptions(fuse=False))
+    assert not calls
     graphed_engine, graphed = run(attention_backend="triton")
+    assert calls  # the kernel served the decode steps' terms
     assert graphed_engine.runner.graphs and graphed_engine.runner.prefill_graphs
     for g, e in zip(graphed, eager, strict=True):
         np.testing.assert_allclose(g, e, rtol=0, atol=1e-4 * np.abs(e).max())

@@ -133,6 +133,42 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         assert spy.call_count == expected, f"the GEMV served {spy.call_count} of the {expected} projections"
         return max(errs)
 
+    def lora(dtype: torch.dtype) -> float:
+        """The one-kernel LoRA term (engine/ops/lora.py) against the eager masked GEMMs over every slot: rows of two
+        adapters and none, a slot of a lower rank (zero-padded), leading rows with inner rows (the DiT's tokens),
+        q/k/v as one term (A stacked, B block-diagonal), and an fp32 split-K partial as the output."""
+        from engine.ops import lora as lora_ops
+
+        slots_n, rank, k_dim = 2, 8, 96
+        column_slots = torch.arange(slots_n, device=device).repeat_interleave(rank)
+        errs = []
+        for lead, inner, outs, partial in ((3, 1, (40,), False), (2, 5, (40,), False), (2, 5, (48, 16, 16), False),
+                                           (1, 1, (48, 16, 16), False), (3, 1, (40,), True)):
+            groups = len(outs)
+            a = rand(groups * slots_n * rank, k_dim, dtype=dtype, seed=300 + lead) * k_dim ** -0.5
+            b = torch.zeros(sum(outs), groups * slots_n * rank, dtype=dtype, device=device)
+            for g, (start, width) in enumerate(zip((0, outs[0], outs[0] + (outs[1] if groups > 1 else 0)), outs,
+                                                   strict=False)):
+                cols = slice(g * slots_n * rank, (g + 1) * slots_n * rank)
+                b[start:start + width, cols] = rand(width, slots_n * rank, dtype=dtype, seed=310 + g) * 0.5
+            a[rank + 5:2 * rank], b[:, rank + 5:2 * rank] = 0, 0  # slot 1 holds a rank-5 adapter
+            slots = torch.tensor([1, -1, 0][:lead], device=device)
+            x = rand(lead, inner, k_dim, dtype=dtype, seed=320 + inner).squeeze(1)
+            mask = lora_ops.slot_mask(slots, column_slots, dtype)
+            delta = lora_ops.lora_delta(x, a, b, mask)
+            ends = (outs[0], outs[0] + outs[1]) if groups > 1 else None
+            if partial:
+                out = rand(2, *x.shape[:-1], sum(outs), dtype=torch.float32, seed=330)
+                ref = out.clone()
+                ref[0] += delta.float()
+                lora_ops.add_lora_kernel(x, out[0], a, b, slots, rank, ends)
+            else:
+                out = rand(*x.shape[:-1], sum(outs), dtype=dtype, seed=330)
+                ref = out + delta
+                lora_ops.add_lora_kernel(x, out, a, b, slots, rank, ends)
+            errs.append(relative_error(out, ref))
+        return max(errs)
+
     def rotary_qk(dtype: torch.dtype) -> float:
         q, k, _ = rand(6, 8 * 32, dtype=dtype, seed=5).split([4 * 32, 2 * 32, 2 * 32], dim=-1)
         q, k = q.view(6, 4, 32), k.view(6, 2, 32)
@@ -482,7 +518,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             "rotary_store_kv": rotary_store_kv, "dispatch": dispatch, "dense_attention": dense,
             "snake": snake, "dwconv_snake": dwconv_snake, "residual_unit": residual_unit,
             "conv_transpose": conv_transpose, "vae_decoder": vae_decoder, "cfg_euler": cfg_euler, "dit_step": dit_step,
-            "dense_layer_stack": dense_layer_stack}
+            "dense_layer_stack": dense_layer_stack, "lora": lora}
 
 
 def _interpreter_main(shard: int = 0, shards: int = 1) -> None:

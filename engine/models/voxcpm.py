@@ -265,11 +265,12 @@ class VoxCPMBackbone(nn.Module):
         if ctx is None or slots is None:
             yield
             return
-        before, ctx.mask = ctx.mask, ctx.rows(slots, self.stop_head.weight.dtype)
+        before = ctx.mask, ctx.slots
+        ctx.mask, ctx.slots = ctx.rows(slots, self.stop_head.weight.dtype), slots
         try:
             yield
         finally:
-            ctx.mask = before
+            ctx.mask, ctx.slots = before
 
     # --- pieces -------------------------------------------------------------------------------
     def encode_patches(self, patches: torch.Tensor, lora_slots: torch.Tensor | None = None) -> torch.Tensor:

@@ -76,7 +76,7 @@ class LoRASlots:
             raise ValueError("this model carries another engine's LoRA slots: load it again for a new engine")
         self.backbone, self.family = backbone, family
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.context = LoRAContext(torch.arange(max_loras, device=device).repeat_interleave(max_rank))
+        self.context = LoRAContext(torch.arange(max_loras, device=device).repeat_interleave(max_rank), max_rank)
         self.layers = adaptable_layers(backbone)
         columns = max_loras * max_rank
         elements = 0
