@@ -57,6 +57,15 @@ def _use_only_manifest(path: Path, digest: str, entries: list[dict], monkeypatch
     _use_manifest_option(path, monkeypatch)
 
 
+def _run_fresh(code: str, cache: Path, timeout_s: float) -> str:
+    """Run `code` in a fresh interpreter (this one has torch imported) on the kernel cache `cache`: its stdout."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 def test_manifest_round_trip_and_compile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.config import VoxCPMConfig
     from engine.startup import kernel_cache
@@ -109,11 +118,8 @@ def test_a_compiler_child_never_imports_torch(tmp_path: Path) -> None:
             f"for record in json.loads({json.dumps(json.dumps(records))}):\n"
             "    compile_record(record, 90)\n"
             "print('torch imported:', 'torch' in sys.modules)\n")
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("torch imported: False"), proc.stdout
+    out = _run_fresh(code, tmp_path / "cache", timeout_s=300)
+    assert out.strip().endswith("torch imported: False"), out
 
 
 def test_the_shipped_manifests_match_the_presets_digests() -> None:
@@ -141,11 +147,7 @@ def test_the_precompile_starts_without_torch(tmp_path: Path) -> None:
             "print(p.stats['manifest_records'], p.stats['missing'])\n"
             "p.close()\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    counts, imported = proc.stdout.strip().splitlines()
+    counts, imported = _run_fresh(code, tmp_path / "cache", timeout_s=120).strip().splitlines()
     shipped = json.loads((REPO_ROOT / "engine/startup/kernel_manifests/voxcpm2-sm90.json").read_text())
     assert counts == f"{len(shipped['entries'])} {len(shipped['entries'])}"
     assert imported == "[]", f"torch imported: {imported[:300]}"
