@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -147,16 +148,16 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             groups = len(outs)
             a = rand(groups * slots_n * rank, k_dim, dtype=dtype, seed=300 + lead) * k_dim ** -0.5
             b = torch.zeros(sum(outs), groups * slots_n * rank, dtype=dtype, device=device)
-            for g, (start, width) in enumerate(zip((0, outs[0], outs[0] + (outs[1] if groups > 1 else 0)), outs,
-                                                   strict=False)):
+            starts = [0, *itertools.accumulate(outs)]  # each group's first output column (B is block-diagonal)
+            for g, width in enumerate(outs):
                 cols = slice(g * slots_n * rank, (g + 1) * slots_n * rank)
-                b[start:start + width, cols] = rand(width, slots_n * rank, dtype=dtype, seed=310 + g) * 0.5
+                b[starts[g]:starts[g] + width, cols] = rand(width, slots_n * rank, dtype=dtype, seed=310 + g) * 0.5
             a[rank + 5:2 * rank], b[:, rank + 5:2 * rank] = 0, 0  # slot 1 holds a rank-5 adapter
             slots = torch.tensor([1, -1, 0][:lead], device=device)
             x = rand(lead, inner, k_dim, dtype=dtype, seed=320 + inner).squeeze(1)
             mask = lora_ops.slot_mask(slots, column_slots, dtype)
             delta = lora_ops.lora_delta(x, a, b, mask)
-            ends = (outs[0], outs[0] + outs[1]) if groups > 1 else None
+            ends = (starts[1], starts[2]) if groups > 1 else None
             if partial:
                 out = rand(2, *x.shape[:-1], sum(outs), dtype=torch.float32, seed=330)
                 ref = out.clone()

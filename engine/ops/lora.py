@@ -115,12 +115,16 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Te
     return linear(masked.view(t.shape), b)
 
 
+def _inner_rows(x: torch.Tensor) -> int:
+    """Rows of x per leading row (x (N, ..., in))."""
+    return x.numel() // (x.shape[0] * x.shape[-1])
+
+
 def kernel_fits(x: torch.Tensor, out: torch.Tensor, slots: torch.Tensor | None) -> bool:
     """Whether `add_lora_kernel` serves this term: the kernel path, a few leading rows, x and out row-major."""
     if slots is None or not platform.kernels(x) or x.dim() < 2 or not 0 < x.shape[0] <= KERNEL_MAX_LEAD:
         return False
-    return (x.numel() // (x.shape[0] * x.shape[-1]) <= KERNEL_MAX_INNER and x.is_contiguous()
-            and out.is_contiguous())
+    return _inner_rows(x) <= KERNEL_MAX_INNER and x.is_contiguous() and out.is_contiguous()
 
 
 def add_lora_kernel(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
@@ -129,7 +133,7 @@ def add_lora_kernel(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
     row (-1: none), `rank` the slots' width (max_lora_rank); group_ends (q_end, k_end): a and b stack q, k and v
     (`add_lora_qkv`). out may be fp32 (a split-K partial)."""
     n_lead, in_features, out_features = x.shape[0], x.shape[-1], out.shape[-1]
-    inner = x.numel() // (n_lead * in_features)
+    inner = _inner_rows(x)
     groups = 1 if group_ends is None else 3
     q_end, k_end = group_ends or (out_features, out_features)
     block_n = 64
@@ -174,12 +178,13 @@ def add_lora(layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tens
         return out
     ctx = stack.context
     partials = out.dim() == x.dim() + 1
-    if kernel_fits(x, out[0] if partials else out, ctx.slots):
-        add_lora_kernel(x, out[0] if partials else out, stack.a, stack.b, ctx.slots, ctx.rank)
+    target = out[0] if partials else out  # where the term goes
+    if kernel_fits(x, target, ctx.slots):
+        add_lora_kernel(x, target, stack.a, stack.b, ctx.slots, ctx.rank)
         return out
     delta = lora_delta(x, stack.a, stack.b, ctx.mask)
     if partials:
-        out[0] += delta.float()
+        target += delta.float()
         return out
     return out + delta
 
