@@ -4,10 +4,12 @@
         --pid SERVICE_PID --out http_mp3.json
 
 The protocol of tools/bench_stream.py (per concurrency: one warm-up burst, then --iters counted bursts of c
-requests at once; TTFB = first audio byte, RTF = wall / audio seconds, underruns for a listener who starts at
-the first byte; throughput = audio seconds / burst wall) from the client's side, over --procs client processes
-that start each burst together: one Python client process cannot drive more than ~32 streams (its own core
-saturates and the numbers become the client's).
+requests at once; TTFB = first audio byte after the burst began, RTF = wall / audio seconds, underruns for a
+listener who starts at the first byte; throughput = audio seconds / burst wall) from the client's side, over
+--procs client processes that start each burst together: one Python client process cannot drive more than ~32
+streams (its own core saturates and the numbers become the client's). Each request's send is timed too (httpcore's
+trace: when its body was on the wire, when the response headers came): `sent_*` is the client's own delay within a
+burst, `ttfb_after_send_*` the part of TTFB that is the service's.
 
 Routes: /generate (--route generate), /v1/audio/speech streaming (--route speech); --voice hifi registers one
 synthetic 5 s clip with /add_hifi and sends its hifi_id. Audio seconds come from the bytes: PCM exactly, MP3
@@ -39,6 +41,7 @@ from benchlib import (  # noqa: E402
     TEXT,
     Mp3Counter,
     mean,
+    percentile,
     request_record,
     request_stats,
     synthetic_clip_wav,
@@ -86,8 +89,14 @@ async def client_bursts(a: argparse.Namespace, n: int, bursts: int, barrier: Any
             async def one(t0: float = t0) -> dict[str, Any]:
                 count = counter(a.format, sample_rate)
                 arrivals, durations = [], []
+                marks: dict[str, float] = {}
+
+                async def trace(event: str, info: dict[str, Any]) -> None:  # httpcore's progress of this request
+                    if event in (SENT, HEADERS):
+                        marks[event] = time.perf_counter() - t0
+
                 try:
-                    async with client.stream("POST", path, json=body) as r:
+                    async with client.stream("POST", path, json=body, extensions={"trace": trace}) as r:
                         if r.status_code != 200:
                             return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
                         async for data in r.aiter_raw():
@@ -97,12 +106,30 @@ async def client_bursts(a: argparse.Namespace, n: int, bursts: int, barrier: Any
                                 durations.append(seconds)
                     rec = request_record(arrivals, durations)
                     del rec["arrivals"], rec["durations"]
+                    rec["sent"], rec["headers"] = marks.get(SENT), marks.get(HEADERS)
                     return rec
                 except Exception as e:  # noqa: BLE001  (a failed request is a result)
                     return {"error": f"{type(e).__name__}: {e}"}
 
             out.append(await asyncio.gather(*(one() for _ in range(n))))
     return out
+
+
+SENT = "http11.send_request_body.complete"  # the request is on the wire: what came before is the client's
+HEADERS = "http11.receive_response_headers.complete"  # the service accepted it (a stream's headers go out at once)
+
+
+def send_stats(reqs: list[dict[str, Any]]) -> dict[str, Any]:
+    """When the client got each request onto the wire after the burst began, when the response headers came, and
+    TTFB counted from the request's own send (the part that is the service's): p50 / p95 seconds."""
+    timed = [r for r in reqs if r.get("sent") is not None]
+    if not timed:
+        return {}
+    sent, since_sent = [r["sent"] for r in timed], [r["ttfb"] - r["sent"] for r in timed]
+    headers = [r["headers"] - r["sent"] for r in timed if r.get("headers") is not None]
+    return {"sent_p50": percentile(sent, 50), "sent_p95": percentile(sent, 95),
+            "headers_after_send_p50": percentile(headers, 50), "headers_after_send_p95": percentile(headers, 95),
+            "ttfb_after_send_p50": percentile(since_sent, 50), "ttfb_after_send_p95": percentile(since_sent, 95)}
 
 
 def client_process(a: argparse.Namespace, n: int, bursts: int, barrier: Any, hifi_id: str | None,
@@ -179,8 +206,8 @@ def run_concurrency(a: argparse.Namespace, c: int, hifi_id: str | None, sample_r
         reqs += ok
         if ok:
             bursts.append(sum(r["audio_s"] for r in ok) / max(r["wall"] for r in ok))
-    row = {"concurrency": c, **request_stats(reqs, errors), "throughput_audio_s_per_s": mean(bursts),
-           "client_procs": procs_n, "client_cores_mean": client_cpu / wall}
+    row = {"concurrency": c, **request_stats(reqs, errors), **send_stats(reqs),
+           "throughput_audio_s_per_s": mean(bursts), "client_procs": procs_n, "client_cores_mean": client_cpu / wall}
     if cpu1:
         row.update(cpu_report(cpu0, cpu1, wall, audio_all))
     return row
@@ -220,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
         row = run_concurrency(a, c, hifi_id, sample_rate)
         doc["results"].append(row)
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-               if k in ("concurrency", "failed", "ttfb_p50", "ttfb_p95", "rtf_mean", "throughput_audio_s_per_s",
+               if k in ("concurrency", "failed", "ttfb_p50", "ttfb_p95", "sent_p95", "ttfb_after_send_p95", "rtf_mean",
+                        "throughput_audio_s_per_s",
                         "streams_with_underrun", "service_cores_mean", "core_s_per_audio_s", "client_cores_mean")},
               flush=True)
         write_json(a.out, doc)
