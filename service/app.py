@@ -72,6 +72,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
             store = SqliteVoiceStore(voice_db, settings.voice_cache_max_entries, settings.voice_cache_max_bytes)
             state = ServiceState(settings=settings, pool=pool, store=store, metrics=metrics, model_path=model_path,
                                  model_id=Path(model_path).name, demo=demo, owns_workers=endpoint is None,
+                                 reports_startup=endpoint is None or endpoint.row == 0,
                                  api_keys=[k.encode() for k in settings.api_key_list()])
             app.state.service = state
             if endpoint is not None and threading.current_thread() is threading.main_thread():

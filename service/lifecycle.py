@@ -31,8 +31,9 @@ async def bring_up(state: ServiceState) -> None:
         state.failure = f"start-up failed: {type(e).__name__}: {e}"
         log.exception("start-up failed; /health and /ready report 503")
         return
-    log.info("ready: %s", {k: round(v, 2) if isinstance(v, float) else v for k in STARTUP_KEYS
-                           if (v := state.info.get(k)) is not None})
+    phases = {k: round(v, 2) if isinstance(v, float) else v
+              for k in STARTUP_KEYS if (v := state.info.get(k)) is not None}
+    log.log(logging.INFO if state.reports_startup else logging.DEBUG, "ready: %s", phases)
     await supervise(state)
 
 

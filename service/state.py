@@ -22,6 +22,7 @@ class ServiceState:
     model_id: str  # the name /v1/models reports
     demo: bool = False  # serving the embedded random-weight checkpoint
     owns_workers: bool = True  # False in an API process of the supervisor's: it restarts the workers
+    reports_startup: bool = True  # logs the start-up's phases when ready (of the supervisor's API processes, the first)
     info: dict[str, Any] = field(default_factory=dict)  # pool.get_model_info(), once loaded
     failure: str | None = None  # start-up failed for good: liveness reports it
     draining: bool = False  # shutting down: not ready, new generations refused, responses in flight finish
