@@ -90,7 +90,7 @@ class LLMEngine:
                                "kernels": {**kernel_stats, **kernel_cache.RECORDER.since(kernels_mark)}}
         log.info("engine ready on %s in %.1f s (load %.1f s, KV sizing %.1f s, %s): %d KV blocks of %d tokens, "
                  "attention %s", self.device, self.startup_s, load_s, kv_s,
-                 f"{len(self.runner.graphs) + len(self.runner.prefill_graphs)} CUDA graphs in {graph_s:.1f} s"
+                 f"{len(self.runner.capture_times)} CUDA graphs in {graph_s:.1f} s"
                  if self.runner.graphs else "eager", num_blocks, cfg.block_size, self.runner.backend)
 
     @property

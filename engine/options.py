@@ -92,6 +92,11 @@ class EngineOptions:
     vae_overlap_min_batch: int = _option("VOXCPM_VAE_OVERLAP_MIN_BATCH", 32, int, "Batch buckets from which the "
                                          "VAE graph runs behind the step.")
     # --- the runtime ---------------------------------------------------------------------------------------------
+    lora_merged_steps: bool = _option("VOXCPM_LORA_MERGED_STEPS", True, _flag, "A step whose rows all use one "
+                                      "runtime LoRA adapter (or none) runs on the weights with that adapter merged, "
+                                      "with every fused kernel; the adapted weights are rewritten from a base copy "
+                                      "kept on the device when the step's adapter changes. Off: every step of an "
+                                      "engine with runtime adapters adds their terms.")
     pipeline_decode: bool | None = _option("VOXCPM_PIPELINE_DECODE", None, _flag, "Launch the next decode step "
                                            "before reading the previous one; unset: on CUDA yes, on the CPU no.")
     cudnn_benchmark: bool = _option("VOXCPM_CUDNN_BENCHMARK", False, _flag, "cuDNN's algorithm search for the "

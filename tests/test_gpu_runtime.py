@@ -93,13 +93,13 @@ def test_runtime_lora_in_graphs_matches_eager(checkpoint_factory, monkeypatch, t
     from engine.ops import lora as lora_ops
 
     monkeypatch.setattr(lora_ops, "KERNEL_MAX_LEAD", 8)  # the DiT's rows of three requests (CFG: 6) take it too
-    original, calls = lora_ops.add_lora_kernel, []
+    calls: dict[str, int] = {"add_lora_kernel": 0, "add_lora_expand": 0}
+    for name in calls:
+        def counted(*args: object, _original=getattr(lora_ops, name), _name=name, **kwargs: object) -> torch.Tensor:
+            calls[_name] += 1
+            return _original(*args, **kwargs)
 
-    def counted(*args: object, **kwargs: object) -> torch.Tensor:
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(lora_ops, "add_lora_kernel", counted)
+        monkeypatch.setattr(lora_ops, name, counted)
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
@@ -118,10 +118,17 @@ def test_runtime_lora_in_graphs_matches_eager(checkpoint_factory, monkeypatch, t
         return engine, _run(engine, reqs)
 
     _, eager = run(enforce_eager=True, attention_backend="torch", options=EngineOptions(fuse=False))
-    assert not calls
+    assert not any(calls.values())
     graphed_engine, graphed = run(attention_backend="triton")
-    assert calls  # the kernel served the decode steps' terms
+    assert all(calls.values()), calls  # the few-row kernel served the decode steps' terms, the expand the prefill's
     assert graphed_engine.runner.graphs and graphed_engine.runner.prefill_graphs
     for g, e in zip(graphed, eager, strict=True):
         np.testing.assert_allclose(g, e, rtol=0, atol=1e-4 * np.abs(e).max())
     assert np.abs(graphed[0] - graphed[1]).max() > 1e-3 and np.abs(graphed[2] - graphed[1]).max() > 1e-3
+    # Alone, each request runs the plain graphs (stack kernel, GEMV chain) on the weights with its adapter merged.
+    lora = graphed_engine.runner.lora
+    for req, e in zip(reqs, eager, strict=True):
+        rewrites = lora.rewrites
+        [alone] = _run(graphed_engine, [req])
+        assert lora.rewrites == rewrites + 1 and (lora.merged == -1) == (req["kw"]["lora_name"] is None)
+        np.testing.assert_allclose(alone, e, rtol=0, atol=1e-4 * np.abs(e).max())

@@ -135,16 +135,18 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         return max(errs)
 
     def lora(dtype: torch.dtype) -> float:
-        """The one-kernel LoRA term (engine/ops/lora.py) against the eager masked GEMMs over every slot: rows of two
-        adapters and none, a slot of a lower rank (zero-padded), leading rows with inner rows (the DiT's tokens),
-        q/k/v as one term (A stacked, B block-diagonal), and an fp32 split-K partial as the output."""
+        """Both kernel paths of the LoRA term (engine/ops/lora.py: the one kernel of a few rows, the shrink GEMM and
+        the expand kernel of many) against the eager masked GEMMs over every slot: rows of two adapters and none, a
+        slot of a lower rank (zero-padded), leading rows with inner rows (the DiT's tokens), q/k/v as one term (A
+        stacked, B block-diagonal), an fp32 split-K partial as the output, and more rows than one expand program's."""
         from engine.ops import lora as lora_ops
 
         slots_n, rank, k_dim = 2, 8, 96
         column_slots = torch.arange(slots_n, device=device).repeat_interleave(rank)
         errs = []
         for lead, inner, outs, partial in ((3, 1, (40,), False), (2, 5, (40,), False), (2, 5, (48, 16, 16), False),
-                                           (1, 1, (48, 16, 16), False), (3, 1, (40,), True)):
+                                           (1, 1, (48, 16, 16), False), (3, 1, (40,), True),
+                                           (13, 7, (48, 16, 16), False), (9, 1, (72,), True)):
             groups = len(outs)
             a = rand(groups * slots_n * rank, k_dim, dtype=dtype, seed=300 + lead) * k_dim ** -0.5
             b = torch.zeros(sum(outs), groups * slots_n * rank, dtype=dtype, device=device)
@@ -153,21 +155,27 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                 cols = slice(g * slots_n * rank, (g + 1) * slots_n * rank)
                 b[starts[g]:starts[g] + width, cols] = rand(width, slots_n * rank, dtype=dtype, seed=310 + g) * 0.5
             a[rank + 5:2 * rank], b[:, rank + 5:2 * rank] = 0, 0  # slot 1 holds a rank-5 adapter
-            slots = torch.tensor([1, -1, 0][:lead], device=device)
+            slots = torch.tensor([1, -1, 0] * 5, device=device)[:lead]
             x = rand(lead, inner, k_dim, dtype=dtype, seed=320 + inner).squeeze(1)
             mask = lora_ops.slot_mask(slots, column_slots, dtype)
             delta = lora_ops.lora_delta(x, a, b, mask)
             ends = (starts[1], starts[2]) if groups > 1 else None
-            if partial:
-                out = rand(2, *x.shape[:-1], sum(outs), dtype=torch.float32, seed=330)
-                ref = out.clone()
-                ref[0] += delta.float()
-                lora_ops.add_lora_kernel(x, out[0], a, b, slots, rank, ends)
-            else:
-                out = rand(*x.shape[:-1], sum(outs), dtype=dtype, seed=330)
-                ref = out + delta
-                lora_ops.add_lora_kernel(x, out, a, b, slots, rank, ends)
-            errs.append(relative_error(out, ref))
+            paths = [lambda y, x=x, a=a, b=b, slots=slots: lora_ops.add_lora_expand(x, y, a, b, slots, rank,
+                                                                                    slots_n * rank)]
+            if lead <= lora_ops.KERNEL_MAX_LEAD:
+                paths.append(lambda y, x=x, a=a, b=b, slots=slots, ends=ends:
+                             lora_ops.add_lora_kernel(x, y, a, b, slots, rank, ends))
+            for add_term in paths:
+                if partial:
+                    out = rand(2, *x.shape[:-1], sum(outs), dtype=torch.float32, seed=330)
+                    ref = out.clone()
+                    ref[0] += delta.float()
+                    add_term(out[0])
+                else:
+                    out = rand(*x.shape[:-1], sum(outs), dtype=dtype, seed=330)
+                    ref = out + delta
+                    add_term(out)
+                errs.append(relative_error(out, ref))
         return max(errs)
 
     def rotary_qk(dtype: torch.dtype) -> float:
@@ -548,7 +556,7 @@ CASE_NAMES = [f"{c}-{d}" for c in ("add_rms_norm", "silu_mul", "skinny_matmul", 
                                     "dispatch", "dense_attention", "snake",
                                     "dwconv_snake", "residual_unit", "conv_transpose", "vae_decoder", "cfg_euler",
                                     "dit_step",
-                                    "dense_layer_stack")
+                                    "dense_layer_stack", "lora")
               for d in INTERPRETED]
 
 

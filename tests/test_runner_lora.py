@@ -15,6 +15,7 @@ from engine.io.checkpoint import load_model
 from engine.io.lora import LoRAConfig, LoRAError, random_adapter
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.models.minicpm import fuse_projections
+from engine.options import EngineOptions
 from engine.sequence import SamplingParams
 from tests.conftest import check_parity
 from tests.official import injected_noise, make_noise
@@ -49,16 +50,53 @@ def test_runtime_adapter_equals_the_official_lora(preset, checkpoint_factory, tm
     ckpt = checkpoint_factory(preset, stop="never")
     model = load_model(ckpt)
     adapter_dir = adapter_for(model, tmp_path / "adapter", seed=3, alpha=6)  # scale 1.5: not a power of two
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=256, max_loras=2, max_lora_rank=8))
-    engine.register_lora("voice", str(adapter_dir))
     noises = make_noise(PATCHES, model.config.feat_dim, model.config.patch_size, seed=5)
     params = SamplingParams(max_generate_length=PATCHES, min_len=2, seed=0)
-    [ours] = patches_of(engine, [dict(target_text=TEXT, params=params, injected_noise=noises, lora_name="voice")])
     off = official_with_adapter(ckpt, adapter_dir, model.config.architecture)
     with injected_noise(noises):
         _, _, ref = off.generate_with_prompt_cache(target_text=TEXT, prompt_cache=None, min_len=2, max_len=PATCHES,
                                                    inference_timesteps=10, cfg_value=2.0, retry_badcase=False)
-    check_parity(f"{preset} runtime LoRA (every target group) latents", ours, ref[-len(ours):], 1e-4)
+    # A request alone runs on the weights with its adapter merged; with merged steps off, the terms are added.
+    for merged_steps in (True, False):
+        engine = LLMEngine(load_model(ckpt), EngineConfig(max_num_seqs=2, max_model_len=256, max_loras=2,
+                                                          max_lora_rank=8,
+                                                          options=EngineOptions(lora_merged_steps=merged_steps)))
+        engine.register_lora("voice", str(adapter_dir))
+        [ours] = patches_of(engine, [dict(target_text=TEXT, params=params, injected_noise=noises, lora_name="voice")])
+        path = "merged steps" if merged_steps else "terms"
+        check_parity(f"{preset} runtime LoRA (every target group, {path}) latents", ours, ref[-len(ours):], 1e-4)
+        assert engine.runner.lora.rewrites == (1 if merged_steps else 0)
+
+
+def test_merged_steps_follow_the_slots_and_restore_the_base(checkpoint_factory, tmp_path):
+    """One slot, two adapters in turn, then none: each request alone runs on the weights with its adapter merged,
+    equal to the same request with the terms added (merged steps off); loading another adapter into the merged slot
+    makes the next step rewrite the weights; afterwards the weights are the base ones bit for bit."""
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    model = load_model(ckpt)
+    paths = {n: adapter_for(model, tmp_path / n, seed=40 + i, r=4, alpha=8) for i, n in enumerate(("a", "c"))}
+
+    def engine(merged_steps: bool) -> LLMEngine:
+        e = LLMEngine(load_model(ckpt), EngineConfig(max_num_seqs=2, max_model_len=256, max_loras=1,
+                                                     max_lora_rank=4,
+                                                     options=EngineOptions(lora_merged_steps=merged_steps)))
+        for name, path in paths.items():
+            e.register_lora(name, str(path))
+        return e
+
+    merged, terms = engine(True), engine(False)
+    base = {n: layer.weight.detach().clone() for n, layer in merged.runner.lora.layers.items()}
+    noises = make_noise(PATCHES, model.config.feat_dim, model.config.patch_size, seed=8)
+    for name in ("a", "c", None, "a"):  # c evicts a from the one slot merged with a; a evicts c again
+        request = dict(target_text=TEXT, params=SamplingParams(max_generate_length=PATCHES, seed=1),
+                       injected_noise=noises, lora_name=name)
+        check_parity(f"adapter {name}: merged steps vs terms", patches_of(merged, [request])[0],
+                     patches_of(terms, [request])[0], 1e-5)
+        assert merged.runner.lora.merged == (-1 if name is None else 0)
+    assert merged.runner.lora.rewrites == 4 and terms.runner.lora.rewrites == 0
+    merged.runner.lora.merge(-1)
+    for n, layer in merged.runner.lora.layers.items():
+        assert torch.equal(layer.weight, base[n]), n
 
 
 def test_mixed_batch_each_equals_its_solo_output(checkpoint_factory, tmp_path):

@@ -7,12 +7,13 @@ Every resident adapter of a layer sits in one stacked pair: `a` (S * r, in) hold
     delta = ((x a^T) * mask) b^T
 
 is each row's own x A^T B^T * alpha / r, with fixed shapes whatever the mix of adapters: a CUDA graph captured once
-serves every batch. That is the eager expression, and the path of large batches (two GEMMs over every slot).
+serves every batch. That is the eager expression (the CPU's path).
 
-A few rows (a decode step of one or two requests) instead take one kernel per term (`_lora_kernel`): each leading
-row's own slot only, its shrink and expand in one launch, added into the projection's output in place. At B=1 a step
-applies ~290 such terms, and four small kernels per term (shrink, mask, expand, add) were most of what runtime
-adapters cost there.
+On the kernel path a step applies ~290 terms (q/k/v as one term), and four or five small kernels per term (shrink,
+mask, expand, add, a cast) were most of what runtime adapters cost. A few rows (a decode step of one or two requests)
+take one kernel per term (`_lora_kernel`): each leading row's own slot only, shrink and expand in one launch, added
+into the projection's output in place. More rows take two: the shrink as one GEMM over every slot, then
+`_lora_expand_kernel`, which masks each row's slot, expands and adds in place.
 """
 
 from __future__ import annotations
@@ -100,6 +101,34 @@ if HAVE_TRITON:
             tl.store(ptrs, (o.to(tl.float32) + delta).to(o.dtype), mask=omask)
 
 
+    @triton.jit
+    def _lora_expand_kernel(t_ptr, slot_ptr, b_ptr, out_ptr, rows, inner, width, out_features, stride_out,
+                            RANK: tl.constexpr, GROUP_COLUMNS: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        # out (rows, N) += (t masked to each row's slot) @ b^T for BLOCK_M rows and BLOCK_N columns: t = x a^T
+        # (rows, width), width = groups * GROUP_COLUMNS; column c of t is slot (c % GROUP_COLUMNS) // RANK's. Row r's
+        # slot is its leading row's, r // inner.
+        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mmask = m < rows
+        slot = tl.load(slot_ptr + m // inner, mask=mmask, other=-1)
+        m64 = m.to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < out_features
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, width, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < width
+            own = mmask[:, None] & kmask[None, :] & (((k % GROUP_COLUMNS) // RANK)[None, :] == slot[:, None])
+            t = tl.load(t_ptr + m64[:, None] * width + k[None, :], mask=own, other=0.0)
+            bt = tl.load(b_ptr + cols[None, :].to(tl.int64) * width + k[:, None],
+                         mask=kmask[:, None] & cmask[None, :], other=0.0)
+            acc = tl.dot(t, bt, acc, input_precision=DOT_PRECISION)
+        ptrs = out_ptr + m64[:, None] * stride_out + cols[None, :]
+        omask = mmask[:, None] & cmask[None, :]
+        o = tl.load(ptrs, mask=omask, other=0.0)
+        tl.store(ptrs, (o.to(tl.float32) + acc).to(o.dtype), mask=omask)
+
+
 def slot_mask(slots: torch.Tensor, column_slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(N,) slot per row (-1: no adapter) -> (N, S * r) mask, given each column's slot `column_slots` (S * r,)."""
     return (column_slots[None, :] == slots[:, None]).to(dtype)
@@ -122,9 +151,14 @@ def _inner_rows(x: torch.Tensor) -> int:
 
 def kernel_fits(x: torch.Tensor, out: torch.Tensor, slots: torch.Tensor | None) -> bool:
     """Whether `add_lora_kernel` serves this term: the kernel path, a few leading rows, x and out row-major."""
-    if slots is None or not platform.kernels(x) or x.dim() < 2 or not 0 < x.shape[0] <= KERNEL_MAX_LEAD:
+    if not expand_fits(x, out, slots) or not 0 < x.shape[0] <= KERNEL_MAX_LEAD:
         return False
-    return _inner_rows(x) <= KERNEL_MAX_INNER and x.is_contiguous() and out.is_contiguous()
+    return _inner_rows(x) <= KERNEL_MAX_INNER and x.is_contiguous()
+
+
+def expand_fits(x: torch.Tensor, out: torch.Tensor, slots: torch.Tensor | None) -> bool:
+    """Whether `add_lora_expand` serves this term: the kernel path, out row-major."""
+    return slots is not None and platform.kernels(x) and x.dim() >= 2 and out.is_contiguous() and x.numel() > 0
 
 
 def add_lora_kernel(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
@@ -144,6 +178,24 @@ def add_lora_kernel(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
         # Wide K tiles: a program walks all of `in` alone, so few long loads in flight beat many short round trips.
         BLOCK_K=min(256, max(16, triton.next_power_of_2(in_features))), BLOCK_N=block_n,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=8)
+    return out
+
+
+def add_lora_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+                    rank: int, slot_columns: int) -> torch.Tensor:
+    """out (x's leading shape, out) += each leading row's term, in place: the shrink over every slot as one GEMM,
+    then `_lora_expand_kernel` (mask, expand, add). slots (N,) per leading row (-1: none), `slot_columns` the
+    columns of every slot (S * r); `a` may stack q, k and v (G * S * r rows, b block-diagonal), as in `lora_delta`.
+    out may be fp32 (a split-K partial)."""
+    t = torch.nn.functional.linear(x, a)  # in the weights' dtype, as the eager shrink's output
+    width, out_features = t.shape[-1], out.shape[-1]
+    rows = t.numel() // width
+    block_m, block_n = 64, 64
+    _lora_expand_kernel[(triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n))](
+        t, slots, b, out, rows, _inner_rows(x), width, out_features, out_features, RANK=rank,
+        GROUP_COLUMNS=slot_columns, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=min(64, max(16, triton.next_power_of_2(width))),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
     return out
 
 
@@ -182,6 +234,9 @@ def add_lora(layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tens
     if kernel_fits(x, target, ctx.slots):
         add_lora_kernel(x, target, stack.a, stack.b, ctx.slots, ctx.rank)
         return out
+    if expand_fits(x, target, ctx.slots):
+        add_lora_expand(x, target, stack.a, stack.b, ctx.slots, ctx.rank, ctx.column_slots.numel())
+        return out
     delta = lora_delta(x, stack.a, stack.b, ctx.mask)
     if partials:
         target += delta.float()
@@ -200,4 +255,6 @@ def add_lora_qkv(attention: nn.Module, x: torch.Tensor, qkv: torch.Tensor) -> to
         q_end = attention.num_heads * attention.head_dim
         return add_lora_kernel(x, qkv, stack.a, stack.b, ctx.slots, ctx.rank,
                                (q_end, q_end + attention.num_kv_heads * attention.head_dim))
+    if expand_fits(x, qkv, ctx.slots):
+        return add_lora_expand(x, qkv, stack.a, stack.b, ctx.slots, ctx.rank, ctx.column_slots.numel())
     return qkv + lora_delta(x, stack.a, stack.b, ctx.mask)

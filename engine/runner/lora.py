@@ -10,9 +10,13 @@ the backbone sets it around each module it calls (`VoxCPMBackbone.lora_rows`).
 
 Registered adapters stay in host memory; a slot is (re)written on the engine's stream, so a step already queued
 still reads what it was launched with. Unregistering a name lets the requests holding it finish; its slot is freed
-after the last. A layer kernel that reads base weights only (the local modules' stack kernel) is not used while
-runtime adapters are enabled (the per-layer path is); merging an adapter at load (`EngineConfig.lora_path`) keeps
-every fused kernel.
+after the last. A step whose rows carry terms does not use the layer kernel that reads the weights only (the local
+modules' stack kernel; the per-layer path adds the terms).
+
+A step whose rows all use one adapter (or none) needs no terms: `merge` rewrites the adapted weights as base + that
+adapter (from base copies kept on the device, so nothing drifts however often it switches), and the step runs the
+plain graphs with every fused kernel, at the base model's speed. The rewrite is queued on the engine's stream between
+steps, so a step always reads the weights it was launched with.
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ class Resident:
 
 class LoRASlots:
     def __init__(self, backbone: nn.Module, family: str, max_loras: int, max_rank: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, merged_steps: bool = True) -> None:
         if getattr(backbone, "lora_context", None) is not None:
             raise ValueError("this model carries another engine's LoRA slots: load it again for a new engine")
         self.backbone, self.family = backbone, family
@@ -112,10 +116,40 @@ class LoRASlots:
         # Slots of adapters unregistered while requests held them: freed after the last (the name is free at once).
         self.retiring: dict[int, Resident] = {}
         self._generations = itertools.count(1)
-        mib = elements * torch.empty((), dtype=dtype).element_size() / 2**20
-        log.info("runtime LoRA: %d slots of rank <= %d over %d layers (%.0f MiB); the DiT's single-kernel stack is "
-                 "off while they are enabled (the per-layer path adds the adapters' terms)", max_loras, max_rank,
-                 len(self.layers), mib)
+        # `merge`: the base weights of the adapted layers, and the slot merged into the live ones (-1: none; None:
+        # unknown, after that slot was loaded again).
+        self.base_weights = {n: layer.weight.detach().clone() for n, layer in self.layers.items()} \
+            if merged_steps else None
+        self.merged: int | None = -1
+        self.rewrites = 0  # merges that rewrote the weights (info, metrics, tests)
+        size = torch.empty((), dtype=dtype).element_size()
+        base = sum(w.numel() for w in self.base_weights.values()) if self.base_weights is not None else 0
+        log.info("runtime LoRA: %d slots of rank <= %d over %d layers (%.0f MiB), base copies for merged steps "
+                 "(%.0f MiB); a step of mixed adapters adds their terms on the per-layer path", max_loras, max_rank,
+                 len(self.layers), elements * size / 2**20, base * size / 2**20)
+
+    # --- merged steps -------------------------------------------------------------------------------------------
+    @property
+    def merges(self) -> bool:
+        return self.base_weights is not None
+
+    @torch.no_grad()
+    def merge(self, slot: int) -> None:
+        """Make the adapted layers' live weights base + the adapter in `slot` (-1: the base weights), queued on the
+        current stream. Every fused copy reads them: the fused q/k/v, the stacks and the GEMVs are views of them."""
+        if slot == self.merged:
+            return
+        if self.base_weights is None:  # never merged: the live weights stay the base (self.merged -1)
+            raise RuntimeError("merged steps are off (VOXCPM_LORA_MERGED_STEPS=0)")
+        cols = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        for name, layer in self.layers.items():
+            base, stack = self.base_weights[name], layer.lora
+            if slot < 0:
+                layer.weight.data.copy_(base)
+            else:  # one pass: base + B A, rounded once
+                torch.addmm(base, stack.b[:, cols], stack.a[cols], out=layer.weight.data)
+        self.merged = slot
+        self.rewrites += 1
 
     # --- registry -----------------------------------------------------------------------------------------------
     def register(self, name: str, adapter: LoRAAdapter) -> dict:
@@ -203,6 +237,8 @@ class LoRASlots:
 
     @torch.no_grad()
     def _load(self, reg: Registered, slot: int) -> None:
+        if slot == self.merged:
+            self.merged = None  # the live weights hold the slot's previous adapter: the next `merge` rewrites them
         cols = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
         live = slice(slot * self.max_rank, slot * self.max_rank + reg.rank)
         for name, layer in self.layers.items():

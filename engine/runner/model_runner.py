@@ -73,7 +73,8 @@ class ModelRunner:
             layer_stack.prepare(device)  # the layer kernels' barrier counters, before any graph capture
         # Runtime LoRA adapters: their slots exist before KV sizing and graph capture, which then include them.
         self.lora = LoRASlots(model.backbone, model.config.architecture, max_loras, max_lora_rank, device,
-                              self.dtype) if max_loras else None
+                              self.dtype, opts.lora_merged_steps) if max_loras else None
+        self.lora_mixed = False  # whether the last decode step added terms (rows of different adapters)
         if device.type == "cuda":
             # cuDNN's algorithm search (per conv shape, so per graph bucket) costs seconds of start-up for the few
             # VAE convolutions not in our kernels; off by default (docs/benchmarks.md, VOXCPM_CUDNN_BENCHMARK).
@@ -105,6 +106,9 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_buffers: PrefillBuffers | None = None
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # With runtime LoRA adapters, the same buckets once more with their terms (steps of mixed adapters).
+        self.term_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.prefill_term_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_times: dict[str, tuple[float, float]] = {}  # graph -> (warm-up s, capture s): start-up cost
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_bucket_sizes = prefill_buckets(max_num_batched_tokens)
@@ -132,9 +136,9 @@ class ModelRunner:
         self.prefill_buffers = PrefillBuffers(self.prefill_bucket_sizes[-1], self.max_num_seqs,
                                               self.table_width, p, d, self.cfg.lm.hidden_size,
                                               self.base_cache.scratch_slot, self.dtype, self.device)
-        self.graphs.clear()
+        for graphs in (self.graphs, self.prefill_graphs, self.term_graphs, self.prefill_term_graphs):
+            graphs.clear()
         self.vae_stream.reset()
-        self.prefill_graphs.clear()
         self.host_out = []
         self.host_in = []
 
@@ -289,7 +293,9 @@ class ModelRunner:
             last_rows=torch.tensor(last_rows, dtype=torch.long), query_lens=qlens, key_lens=klens,
             lora_slots=torch.tensor(loras, dtype=torch.long))
 
-    def prefill_eager(self, x: PrefillInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill_eager(self, x: PrefillInputs, terms: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill, eagerly; `terms`: add the rows' runtime adapters' terms (default: when adapters are on)."""
+        terms = self.lora is not None if terms is None else terms
         dev = self.device
         pos = x.positions.to(dev)
         meta = AttentionMetadata(True, x.slot_mapping.to(dev), x.block_tables.to(dev), x.row_index.to(dev),
@@ -298,9 +304,9 @@ class ModelRunner:
         return self.model.backbone.prefill(
             x.token_ids.to(dev), x.feats.to(dev), x.audio_mask.to(dev), pos, x.last_rows.to(dev),
             self.base_cache.attend_fn(meta), self.residual_cache.attend_fn(meta),
-            lora_slots=x.lora_slots.to(dev) if self.lora is not None else None)
+            lora_slots=x.lora_slots.to(dev) if terms else None)
 
-    def _prefill_forward(self, tokens: int) -> None:
+    def _prefill_forward(self, tokens: int, terms: bool = False) -> None:
         """A prefill over the first `tokens` rows of the static buffers (graph body): no host-side lengths."""
         b = self.prefill_buffers
         assert b is not None and self.base_cache is not None and self.residual_cache is not None
@@ -309,13 +315,14 @@ class ModelRunner:
         lm_h, res_h = self.model.backbone.prefill(
             b.token_ids[:tokens], b.feats[:tokens], b.audio_mask[:tokens], b.positions[:tokens], b.last_rows,
             self.base_cache.attend_fn(meta), self.residual_cache.attend_fn(meta), static_shapes=True,
-            lora_slots=b.lora_slots[:tokens] if self.lora is not None else None)
+            lora_slots=b.lora_slots[:tokens] if terms else None)
         b.lm_hidden.copy_(lm_h)
         b.residual_hidden.copy_(res_h)
 
-    def prefill_buffered(self, x: PrefillInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill_buffered(self, x: PrefillInputs, terms: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefill through the static buffers, padded to a token bucket: a graph replay when one is
-        captured (same function eagerly otherwise, e.g. to test it on the CPU)."""
+        captured (same function eagerly otherwise, e.g. to test it on the CPU); `terms` as in `prefill_eager`."""
+        terms = self.lora is not None if terms is None else terms
         b = self.prefill_buffers
         assert b is not None
         n, rows = len(x.token_ids), len(x.last_rows)
@@ -333,15 +340,17 @@ class ModelRunner:
         b.block_tables[:rows, :x.block_tables.shape[1]].copy_(x.block_tables, non_blocking=True)
         b.last_rows.zero_()
         b.last_rows[:rows].copy_(x.last_rows, non_blocking=True)
-        if bucket in self.prefill_graphs:
-            self.prefill_graphs[bucket].replay()
+        graphs = self.prefill_term_graphs if terms else self.prefill_graphs
+        if bucket in graphs:
+            graphs[bucket].replay()
         else:
-            self._prefill_forward(bucket)
+            self._prefill_forward(bucket, terms)
         return b.lm_hidden[:rows], b.residual_hidden[:rows]
 
-    def _can_graph_prefill(self, x: PrefillInputs) -> bool:
+    def _can_graph_prefill(self, x: PrefillInputs, terms: bool = False) -> bool:
         b = self.prefill_buffers
-        return (bool(self.prefill_graphs) and b is not None and len(x.token_ids) <= len(b.token_ids)
+        graphs = self.prefill_term_graphs if terms else self.prefill_graphs
+        return (bool(graphs) and b is not None and len(x.token_ids) <= len(b.token_ids)
                 and len(x.last_rows) <= len(b.last_rows) and x.block_tables.shape[1] <= self.table_width)
 
     @torch.inference_mode()
@@ -350,7 +359,9 @@ class ModelRunner:
         leave its slot ready for its first decode step."""
         self.assign_slots([s for s in seqs if s.slot is None])
         x = self.prefill_inputs(seqs)
-        lm_h, res_h = self.prefill_buffered(x) if self._can_graph_prefill(x) else self.prefill_eager(x)
+        terms = self._lora_terms([s.lora_slot for s in seqs], decode=False)
+        lm_h, res_h = (self.prefill_buffered(x, terms) if self._can_graph_prefill(x, terms)
+                       else self.prefill_eager(x, terms))
         dev = self.device
         index = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
         self.lm_hidden[index] = lm_h
@@ -369,9 +380,11 @@ class ModelRunner:
         audio = self.model.vae.decoder(latents, self.vae_sr_idx, SlotStates(self.vae_states, index))
         return audio.flatten(1)
 
-    def _decode_forward(self, batch: int, width: int, vae: bool = True) -> None:
+    def _decode_forward(self, batch: int, width: int, vae: bool = True, terms: bool | None = None) -> None:
         """One decode step over the first `batch` rows of the static buffers (graph body); without `vae`, the
-        patch is left for `_vae_forward`."""
+        patch is left for `_vae_forward`; `terms`: add the rows' runtime adapters' terms (default: when adapters
+        are on)."""
+        terms = self.lora is not None if terms is None else terms
         buf = self.buffers
         assert buf is not None and self.base_cache is not None and self.residual_cache is not None
         inputs = buf.step_inputs(batch)
@@ -380,7 +393,7 @@ class ModelRunner:
                                  inputs.context_lens)
         backbone = self.model.backbone
         lm_hidden = self.lm_hidden[index]
-        lora = inputs.lora_slots if self.lora is not None else None
+        lora = inputs.lora_slots if terms else None
         patch = backbone.sample_patch(lm_hidden, self.residual_hidden[index], self.prev_patch[index],
                                       inputs.noise, inputs.cfg, self.inference_timesteps, lora)
         # The stop head and the VAE need only the old hidden state and the patch, the LMs only the encoded patch,
@@ -422,20 +435,27 @@ class ModelRunner:
         pool = None
         vae_pool = None  # its own pool: a VAE graph runs while the next step's graph does
         assert self.buffers is not None
+        modes = (False, True) if self.lora is not None else (False,)  # with runtime adapters: without and with terms
         for batch in reversed(graph_buckets(self.max_num_seqs)):
             # The warm-up runs the step on this layout's inputs: padding, not bytes of another layout (they share them).
             self.buffers.reset_inputs(batch)
-            self.graphs[batch] = graph = self._capture(f"decode B={batch}", self._decode_forward, batch,
-                                                       self.table_width, not self.vae_stream.overlaps(batch), pool=pool)
-            pool = graph.pool()
+            for terms in modes:
+                graphs, name = (self.term_graphs, "decode+lora") if terms else (self.graphs, "decode")
+                graphs[batch] = graph = self._capture(f"{name} B={batch}", self._decode_forward, batch,
+                                                      self.table_width, not self.vae_stream.overlaps(batch), terms,
+                                                      pool=pool)
+                pool = graph.pool()
             if self.vae_stream.overlaps(batch):
                 self.vae_stream.graphs[batch] = vae_graph = self._capture(
                     f"vae B={batch}", self._vae_forward, batch, pool=vae_pool, stream=self.vae_stream.stream)
                 vae_pool = vae_graph.pool()
         if self.backend != "torch":  # graphed prefill needs the per-token (Triton) attention path
             for tokens in reversed(self.prefill_bucket_sizes):
-                self.prefill_graphs[tokens] = self._capture(f"prefill T={tokens}", self._prefill_forward, tokens,
-                                                            pool=pool)
+                for terms in modes:
+                    graphs, name = (self.prefill_term_graphs, "prefill+lora") if terms else (self.prefill_graphs,
+                                                                                              "prefill")
+                    graphs[tokens] = self._capture(f"{name} T={tokens}", self._prefill_forward, tokens, terms,
+                                                   pool=pool)
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
@@ -488,6 +508,24 @@ class ModelRunner:
             copied.synchronize()  # long done: the copy was queued two launches ago
         return self.host_in[self.host_in_turn]
 
+    def _lora_terms(self, slots: list[int], decode: bool) -> bool:
+        """Whether a step over rows of these LoRA slots (-1: none) adds the adapters' terms; otherwise it runs on the
+        weights with its one adapter merged (`LoRASlots.merge`, queued here before the step). A decode step of one
+        adapter merges it; a prefill merges its adapter unless the running batch mixes adapters (it then keeps the
+        base weights the next decode step needs: one rewrite fewer each way)."""
+        lora = self.lora
+        if lora is None:
+            return False
+        one = slots[0] if all(s == slots[0] for s in slots) else None
+        if one is not None and one != -1 and not lora.merges:
+            one = None
+        if one is not None and not decode and one not in (-1, lora.merged) and self.lora_mixed:
+            one = None
+        lora.merge(-1 if one is None else one)
+        if decode:
+            self.lora_mixed = one is None
+        return one is None
+
     @torch.inference_mode()
     def launch_decode(self, seqs: list[Sequence], blocks: BlockManager, ahead: int = 0) -> LaunchedDecode:
         """Start one decode step (a patch for each sequence, fed back into both LMs in the same step) and
@@ -523,6 +561,7 @@ class ModelRunner:
         inputs.block_tables[:b, :width] = self._tables(seqs, width)
         inputs.noise[:b] = torch.stack([self._noise(s, ahead) for s in seqs])
         inputs.lora_slots[:b] = torch.tensor([s.lora_slot for s in seqs])
+        terms = self._lora_terms([s.lora_slot for s in seqs], decode=True)
         if pad:
             inputs.fill_padding(self.scratch_slot, scratch_kv, start=b)
         if stream is not None:
@@ -531,9 +570,9 @@ class ModelRunner:
             self.host_in_copied[self.host_in_turn] = copied = torch.cuda.Event()
             copied.record(stream)
         if graph_batch:
-            self.graphs[graph_batch].replay()
+            (self.term_graphs if terms else self.graphs)[graph_batch].replay()
         else:
-            self._decode_forward(b, width)
+            self._decode_forward(b, width, terms=terms)
         if stream is None:  # CPU: synchronous anyway; copies, because .cpu() would alias the buffers
             return LaunchedDecode(seqs, (buf.results[:b].clone(), buf.audio[:b].clone()), None)
         results, audio = self._host_outputs()
