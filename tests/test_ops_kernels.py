@@ -160,8 +160,8 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             mask = lora_ops.slot_mask(slots, column_slots, dtype)
             delta = lora_ops.lora_delta(x, a, b, mask)
             ends = (starts[1], starts[2]) if groups > 1 else None
-            paths = [lambda y, x=x, a=a, b=b, slots=slots: lora_ops.add_lora_expand(x, y, a, b, slots, rank,
-                                                                                    slots_n * rank)]
+            paths = [lambda y, x=x, a=a, b=b, slots=slots, ends=ends: lora_ops.add_lora_expand(
+                x, y, a, b, slots, rank, slots_n * rank, ends)]
             if lead <= lora_ops.KERNEL_MAX_LEAD:
                 paths.append(lambda y, x=x, a=a, b=b, slots=slots, ends=ends:
                              lora_ops.add_lora_kernel(x, y, a, b, slots, rank, ends))

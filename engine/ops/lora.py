@@ -102,20 +102,25 @@ if HAVE_TRITON:
 
 
     @triton.jit
-    def _lora_expand_kernel(t_ptr, slot_ptr, b_ptr, out_ptr, rows, inner, width, out_features, stride_out,
-                            RANK: tl.constexpr, GROUP_COLUMNS: tl.constexpr, BLOCK_M: tl.constexpr,
+    def _lora_expand_kernel(t_ptr, slot_ptr, b_ptr, out_ptr, rows, inner, width, out_features, q_end, k_end,
+                            stride_out, RANK: tl.constexpr, GROUP_COLUMNS: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
         # out (rows, N) += (t masked to each row's slot) @ b^T for BLOCK_M rows and BLOCK_N columns: t = x a^T
         # (rows, width), width = groups * GROUP_COLUMNS; column c of t is slot (c % GROUP_COLUMNS) // RANK's. Row r's
-        # slot is its leading row's, r // inner.
+        # slot is its leading row's, r // inner. q/k/v as one term (b block-diagonal): output columns below q_end
+        # read group 0's columns of t only, below k_end group 1's, the rest group 2's.
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         mmask = m < rows
         slot = tl.load(slot_ptr + m // inner, mask=mmask, other=-1)
         m64 = m.to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        first = tl.program_id(1) * BLOCK_N
+        cols = first + tl.arange(0, BLOCK_N)
         cmask = cols < out_features
+        last = tl.minimum(first + BLOCK_N, out_features) - 1
+        group_lo = (first >= q_end).to(tl.int32) + (first >= k_end).to(tl.int32)
+        group_hi = (last >= q_end).to(tl.int32) + (last >= k_end).to(tl.int32)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, width, BLOCK_K):
+        for k0 in range(group_lo * GROUP_COLUMNS, (group_hi + 1) * GROUP_COLUMNS, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < width
             own = mmask[:, None] & kmask[None, :] & (((k % GROUP_COLUMNS) // RANK)[None, :] == slot[:, None])
@@ -182,17 +187,18 @@ def add_lora_kernel(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
 
 
 def add_lora_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-                    rank: int, slot_columns: int) -> torch.Tensor:
+                    rank: int, slot_columns: int, group_ends: tuple[int, int] | None = None) -> torch.Tensor:
     """out (x's leading shape, out) += each leading row's term, in place: the shrink over every slot as one GEMM,
     then `_lora_expand_kernel` (mask, expand, add). slots (N,) per leading row (-1: none), `slot_columns` the
-    columns of every slot (S * r); `a` may stack q, k and v (G * S * r rows, b block-diagonal), as in `lora_delta`.
-    out may be fp32 (a split-K partial)."""
+    columns of every slot (S * r); group_ends (q_end, k_end): a and b stack q, k and v (3 * S * r rows of a, b
+    block-diagonal, `add_lora_qkv`). out may be fp32 (a split-K partial)."""
     t = torch.nn.functional.linear(x, a)  # in the weights' dtype, as the eager shrink's output
     width, out_features = t.shape[-1], out.shape[-1]
     rows = t.numel() // width
+    q_end, k_end = group_ends or (out_features, out_features)
     block_m, block_n = 64, 64
     _lora_expand_kernel[(triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n))](
-        t, slots, b, out, rows, _inner_rows(x), width, out_features, out_features, RANK=rank,
+        t, slots, b, out, rows, _inner_rows(x), width, out_features, q_end, k_end, out_features, RANK=rank,
         GROUP_COLUMNS=slot_columns, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=min(64, max(16, triton.next_power_of_2(width))),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
@@ -251,10 +257,10 @@ def add_lora_qkv(attention: nn.Module, x: torch.Tensor, qkv: torch.Tensor) -> to
     if stack is None or stack.context.mask is None:
         return qkv
     ctx = stack.context
+    q_end = attention.num_heads * attention.head_dim
+    ends = (q_end, q_end + attention.num_kv_heads * attention.head_dim)
     if kernel_fits(x, qkv, ctx.slots):
-        q_end = attention.num_heads * attention.head_dim
-        return add_lora_kernel(x, qkv, stack.a, stack.b, ctx.slots, ctx.rank,
-                               (q_end, q_end + attention.num_kv_heads * attention.head_dim))
+        return add_lora_kernel(x, qkv, stack.a, stack.b, ctx.slots, ctx.rank, ends)
     if expand_fits(x, qkv, ctx.slots):
-        return add_lora_expand(x, qkv, stack.a, stack.b, ctx.slots, ctx.rank, ctx.column_slots.numel())
+        return add_lora_expand(x, qkv, stack.a, stack.b, ctx.slots, ctx.rank, ctx.column_slots.numel(), ends)
     return qkv + lora_delta(x, stack.a, stack.b, ctx.mask)

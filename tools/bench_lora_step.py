@@ -1,0 +1,103 @@
+"""What runtime LoRA adapters cost a decode step, on a GPU: the captured step at each batch B without terms (the plain
+graph, which a step of one adapter runs on the weights with it merged) and with them (rows using the adapters in
+turn), each graph's kernels summed by name (torch.profiler), and what switching the merged adapter costs
+(`LoRASlots.merge`: host and device ms).
+
+    python tools/bench_lora_step.py --model /tmp/full --loras 4 --rank 32 --batch 1,64 --out lora_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from engine import EngineConfig, LLMEngine  # noqa: E402
+from engine.io.checkpoint import load_model  # noqa: E402
+from tools.bench_stream import random_adapters  # noqa: E402
+from tools.profile_step import CONTEXT, graph_ms, kernel_table  # noqa: E402
+
+
+def merge_ms(engine: LLMEngine, slots: int, reps: int = 12) -> dict[str, float]:
+    """Host and device milliseconds of one switch of the merged adapter, cycling through the slots and the base."""
+    lora = engine.runner.lora
+    assert lora is not None
+    host, device = [], []
+    for i in range(reps):
+        target = i % (slots + 1) - 1  # -1 (the base), 0, 1, ...
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        t0 = time.perf_counter()
+        lora.merge(target)
+        host.append(1000 * (time.perf_counter() - t0))
+        end.record()
+        torch.cuda.synchronize()
+        device.append(start.elapsed_time(end))
+    lora.merge(-1)
+    torch.cuda.synchronize()
+    return {"host_ms_median": sorted(host)[len(host) // 2], "device_ms_median": sorted(device)[len(device) // 2],
+            "rewrites": lora.rewrites}
+
+
+@torch.inference_mode()
+def step_graphs(engine: LLMEngine, b: int, slots: int) -> dict[str, object]:
+    """The plain and the term graph of bucket b, replayed on b rows at CONTEXT tokens, rows using the slots in turn."""
+    r = engine.runner
+    assert r.buffers is not None and r.base_cache is not None and b in r.graphs and b in r.term_graphs
+    inputs = r.buffers.step_inputs(b)
+    inputs.fill_padding(r.scratch_slot, r.base_cache.scratch_slot)
+    inputs.slot_index.copy_(torch.arange(b))
+    inputs.positions.fill_(CONTEXT)
+    inputs.context_lens.fill_(CONTEXT + 1)
+    inputs.lora_slots.copy_(torch.arange(b) % slots)
+    assert r.lora is not None
+    r.lora.merge(-1)  # the term graph adds the terms to the base weights
+    plain, terms = graph_ms(r.graphs[b]), graph_ms(r.term_graphs[b])
+    return {"plain_ms": plain, "terms_ms": terms, "ratio": terms / plain,
+            "plain_kernels": kernel_table(r.graphs[b]), "terms_kernels": kernel_table(r.term_graphs[b], top=25)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--loras", type=int, default=4)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--batch", default="1,64", help="batch buckets (comma-separated)")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    batches = [int(b) for b in a.batch.split(",")]
+    engine = LLMEngine(load_model(a.model, "cuda"), EngineConfig(max_num_seqs=max(batches), max_model_len=1024,
+                                                                  max_loras=a.loras, max_lora_rank=a.rank), "cuda")
+    lora = engine.runner.lora
+    assert lora is not None
+    for i, path in enumerate(random_adapters(a.model, a.loras, a.rank, Path(tempfile.mkdtemp()))):
+        engine.register_lora(f"bench{i}", str(path))
+        slot, _ = lora.acquire(f"bench{i}")  # resident
+        lora.release(f"bench{i}", slot)
+    doc: dict[str, object] = {"model": a.model, "loras": a.loras, "rank": a.rank, "gpu": torch.cuda.get_device_name(),
+                              "merge": merge_ms(engine, a.loras)}
+    print(json.dumps({"merge": doc["merge"]}), flush=True)
+    for b in batches:
+        row = step_graphs(engine, b, a.loras)
+        doc[f"B={b}"] = row
+        print(json.dumps({"batch": b, **{k: row[k] for k in ("plain_ms", "terms_ms", "ratio")}}), flush=True)
+        for name in ("plain_kernels", "terms_kernels"):
+            table = row[name]
+            assert isinstance(table, dict)
+            print(f"  {name}: {table['kernels_per_step']:.0f} kernels, {table['kernel_ms_per_step']:.3f} ms")
+            for k in table["top"]:
+                print(f"    {k['ms_per_step']:7.3f} ms {k['calls_per_step']:6.0f}x  {k['name']}")
+    if a.out:
+        a.out.write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
