@@ -48,6 +48,62 @@ def merge_ms(engine: LLMEngine, slots: int, reps: int = 12) -> dict[str, float]:
 
 
 @torch.inference_mode()
+def terms(engine: LLMEngine, batches: list[int], slots: int) -> list[dict[str, object]]:
+    """Each kind of term of a step at each batch (the first layer of each stack, q/k/v as one and o), its rows using
+    the slots in turn: microseconds of the eager masked GEMMs and of the kernel path (`add_lora` / `add_lora_qkv`),
+    each captured in a graph, and the kernel path's error against the eager one."""
+    from engine.ops import lora as lora_ops
+
+    bb = engine.runner.model.backbone
+    stacks = {"base_lm": (bb.base_lm, 1), "residual_lm": (bb.residual_lm, 1),
+              "dit": (bb.feat_decoder.estimator.decoder, bb.condition_tokens + 1 + engine.runner.cfg.patch_size)}
+    ctx = bb.lora_context
+    rows = []
+    for b in batches:
+        for name, (stack, inner) in stacks.items():
+            attention = stack.layers[0].self_attn
+            lead = 2 * b if name == "dit" else b  # the DiT's CFG halves
+            gen = torch.Generator(device="cuda").manual_seed(b)
+            slot_of_row = torch.arange(lead, device="cuda") % slots
+            for kind, width in (("qkv", attention.qkv_weight.shape[1]), ("o", attention.o_proj.in_features)):
+                shape = (lead, inner, width) if name == "dit" else (lead, width)
+                x = torch.randn(shape, generator=gen, device="cuda", dtype=attention.qkv_weight.dtype)
+                weight = attention.qkv_weight if kind == "qkv" else attention.o_proj.weight
+                out = torch.nn.functional.linear(x, weight)
+
+                def add(x: torch.Tensor = x, out: torch.Tensor = out, attention: torch.nn.Module = attention,
+                        kind: str = kind) -> torch.Tensor:
+                    if kind == "qkv":
+                        return lora_ops.add_lora_qkv(attention, x, out.clone())
+                    return lora_ops.add_lora(attention.o_proj, x, out.clone())
+
+                before = ctx.mask, ctx.slots
+                ctx.mask, ctx.slots = ctx.rows(slot_of_row, x.dtype), slot_of_row
+                try:
+                    with_kernels = add()
+                    kernel_us = 1000 * graph_ms(add)
+                    with mock_kernels_off():
+                        eager = add()
+                        eager_us = 1000 * graph_ms(add)
+                finally:
+                    ctx.mask, ctx.slots = before
+                err = ((with_kernels.float() - eager.float()).abs().max() / eager.float().abs().max()).item()
+                rows.append({"batch": b, "stack": name, "term": kind, "x": list(x.shape), "kernel_us": kernel_us,
+                             "eager_us": eager_us, "rel_err": err})
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def mock_kernels_off() -> object:
+    """The eager masked GEMMs for the LoRA terms (the kernel paths' fit checks say no)."""
+    from unittest import mock
+
+    from engine.ops import lora as lora_ops
+
+    return mock.patch.multiple(lora_ops, kernel_fits=lambda *a: False, expand_fits=lambda *a: False)
+
+
+@torch.inference_mode()
 def step_graphs(engine: LLMEngine, b: int, slots: int) -> dict[str, object]:
     """The plain and the term graph of bucket b, replayed on b rows at CONTEXT tokens, rows using the slots in turn."""
     r = engine.runner
@@ -85,6 +141,7 @@ def main() -> None:
     doc: dict[str, object] = {"model": a.model, "loras": a.loras, "rank": a.rank, "gpu": torch.cuda.get_device_name(),
                               "merge": merge_ms(engine, a.loras)}
     print(json.dumps({"merge": doc["merge"]}), flush=True)
+    doc["terms"] = terms(engine, batches, a.loras)
     for b in batches:
         row = step_graphs(engine, b, a.loras)
         doc[f"B={b}"] = row

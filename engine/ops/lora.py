@@ -200,7 +200,7 @@ def add_lora_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
     _lora_expand_kernel[(triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n))](
         t, slots, b, out, rows, _inner_rows(x), width, out_features, q_end, k_end, out_features, RANK=rank,
         GROUP_COLUMNS=slot_columns, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=min(64, max(16, triton.next_power_of_2(width))),
+        BLOCK_K=min(64, max(16, triton.next_power_of_2(slot_columns))),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
     return out
 
