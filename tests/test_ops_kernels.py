@@ -146,7 +146,8 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         errs = []
         for lead, inner, outs, partial in ((3, 1, (40,), False), (2, 5, (40,), False), (2, 5, (48, 16, 16), False),
                                            (1, 1, (48, 16, 16), False), (3, 1, (40,), True),
-                                           (13, 7, (48, 16, 16), False), (9, 1, (72,), True)):
+                                           (13, 7, (48, 16, 16), False), (9, 1, (72,), True),
+                                           (40, 7, (48, 16, 16), False)):
             groups = len(outs)
             a = rand(groups * slots_n * rank, k_dim, dtype=dtype, seed=300 + lead) * k_dim ** -0.5
             b = torch.zeros(sum(outs), groups * slots_n * rank, dtype=dtype, device=device)
@@ -155,7 +156,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                 cols = slice(g * slots_n * rank, (g + 1) * slots_n * rank)
                 b[starts[g]:starts[g] + width, cols] = rand(width, slots_n * rank, dtype=dtype, seed=310 + g) * 0.5
             a[rank + 5:2 * rank], b[:, rank + 5:2 * rank] = 0, 0  # slot 1 holds a rank-5 adapter
-            slots = torch.tensor([1, -1, 0] * 5, device=device)[:lead]
+            slots = torch.tensor([1, -1, 0] * 14, device=device)[:lead]
             x = rand(lead, inner, k_dim, dtype=dtype, seed=320 + inner).squeeze(1)
             mask = lora_ops.slot_mask(slots, column_slots, dtype)
             delta = lora_ops.lora_delta(x, a, b, mask)

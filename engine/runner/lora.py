@@ -122,6 +122,7 @@ class LoRASlots:
             if merged_steps else None
         self.merged: int | None = -1
         self.rewrites = 0  # merges that rewrote the weights (info, metrics, tests)
+        self.merge_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # slot -> its rewrite captured (`capture_merges`)
         size = torch.empty((), dtype=dtype).element_size()
         base = sum(w.numel() for w in self.base_weights.values()) if self.base_weights is not None else 0
         log.info("runtime LoRA: %d slots of rank <= %d over %d layers (%.0f MiB), base copies for merged steps "
@@ -141,15 +142,36 @@ class LoRASlots:
             return
         if self.base_weights is None:  # never merged: the live weights stay the base (self.merged -1)
             raise RuntimeError("merged steps are off (VOXCPM_LORA_MERGED_STEPS=0)")
+        graph = self.merge_graphs.get(slot)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._rewrite(slot)
+        self.merged = slot
+        self.rewrites += 1
+
+    def _rewrite(self, slot: int) -> None:
+        assert self.base_weights is not None
         cols = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
         for name, layer in self.layers.items():
             base, stack = self.base_weights[name], layer.lora
             if slot < 0:
                 layer.weight.data.copy_(base)
-            else:  # one pass: base + B A, rounded once
+            else:  # base + B A, rounded once
                 torch.addmm(base, stack.b[:, cols], stack.a[cols], out=layer.weight.data)
-        self.merged = slot
-        self.rewrites += 1
+
+    @torch.no_grad()
+    def capture_merges(self) -> None:
+        """Each slot's rewrite (and the base's) as a CUDA graph: ~200 small GEMMs launched from the host cost more
+        than they take on the device (docs/benchmarks.md, merged steps). The graphs read the slots' and the base
+        copies' memory when replayed, so an adapter loaded later into a slot is what its graph merges."""
+        if self.base_weights is None:
+            return
+        for slot in range(-1, self.max_loras):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # records only: the live weights stay as they are
+                self._rewrite(slot)
+            self.merge_graphs[slot] = graph
 
     # --- registry -----------------------------------------------------------------------------------------------
     def register(self, name: str, adapter: LoRAAdapter) -> dict:

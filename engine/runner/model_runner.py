@@ -449,6 +449,8 @@ class ModelRunner:
                 self.vae_stream.graphs[batch] = vae_graph = self._capture(
                     f"vae B={batch}", self._vae_forward, batch, pool=vae_pool, stream=self.vae_stream.stream)
                 vae_pool = vae_graph.pool()
+        if self.lora is not None:
+            self.lora.capture_merges()
         if self.backend != "torch":  # graphed prefill needs the per-token (Triton) attention path
             for tokens in reversed(self.prefill_bucket_sizes):
                 for terms in modes:
