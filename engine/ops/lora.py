@@ -196,14 +196,12 @@ def add_lora_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
     width, out_features = t.shape[-1], out.shape[-1]
     rows = t.numel() // width
     q_end, k_end = group_ends or (out_features, out_features)
-    # Wide tiles for many rows: each program reads its rows' t and its columns' B once, so fewer programs read less
-    # of them again (at the DiT's 896 rows, as many bytes as the output's own read and write with 64 x 64 tiles).
-    block_m, block_n = (64, 64) if rows <= 256 else (128, 128)
+    block_m, block_n = 64, 64  # 128 x 128 past 256 rows measured the same (docs/benchmarks.md, LoRA)
     _lora_expand_kernel[(triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n))](
         t, slots, b, out, rows, _inner_rows(x), width, out_features, q_end, k_end, out_features, RANK=rank,
         GROUP_COLUMNS=slot_columns, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=min(64, max(16, triton.next_power_of_2(slot_columns))),
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4 if block_m == 64 else 8)
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
     return out
 
 

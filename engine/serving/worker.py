@@ -450,6 +450,7 @@ def describe(engine: LLMEngine) -> dict[str, Any]:
         "cuda_graphs": len(engine.runner.graphs),
         "pipelined_decode": engine.pipeline,
         "lora_merged_layers": engine.lora_layers,
+        "lora_merged_steps": engine.runner.lora is not None and engine.runner.lora.merges,
         "max_loras": cfg.max_loras,
         "max_lora_rank": cfg.max_lora_rank,
         "kv_blocks": len(engine.blocks.blocks),

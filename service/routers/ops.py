@@ -58,6 +58,7 @@ async def info(state: State) -> dict:
                  "sha256": s.lora_sha256, "merged": s.lora_merge,
                  "merged_layers": state.info.get("lora_merged_layers", 0),
                  "runtime": {"max_loras": s.max_loras, "max_lora_rank": s.max_lora_rank,
+                             "merged_steps": state.info.get("lora_merged_steps", False),
                              "adapters": await _adapters(state)}},
         "mp3": {"bitrate_kbps": s.mp3_bitrate_kbps, "quality": s.mp3_quality},
         "queue_coalesce_ms": s.queue_coalesce_ms,
