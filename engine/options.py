@@ -92,6 +92,10 @@ class EngineOptions:
     vae_overlap_min_batch: int = _option("VOXCPM_VAE_OVERLAP_MIN_BATCH", 32, int, "Batch buckets from which the "
                                          "VAE graph runs behind the step.")
     # --- the runtime ---------------------------------------------------------------------------------------------
+    lora_kernel: str = _option("VOXCPM_LORA_KERNEL", "fused", _choice("fused", "expand", "off"), "The LoRA term "
+                               "of many rows (steps of mixed runtime adapters): one kernel per term (fused), the "
+                               "shrink as a GEMM then a mask-expand-add kernel (expand), or the eager masked GEMMs "
+                               "(off; a few rows then too).")
     lora_merged_steps: bool = _option("VOXCPM_LORA_MERGED_STEPS", True, _flag, "A step whose rows all use one "
                                       "runtime LoRA adapter (or none) runs on the weights with that adapter merged, "
                                       "with every fused kernel; the adapted weights are rewritten from a base copy "

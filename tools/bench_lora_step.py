@@ -50,8 +50,10 @@ def merge_ms(engine: LLMEngine, slots: int, reps: int = 12) -> dict[str, float]:
 @torch.inference_mode()
 def terms(engine: LLMEngine, batches: list[int], slots: int) -> list[dict[str, object]]:
     """Each kind of term of a step at each batch (the first layer of each stack, q/k/v as one and o), its rows using
-    the slots in turn: microseconds of the eager masked GEMMs and of the kernel path (`add_lora` / `add_lora_qkv`),
-    each captured in a graph, and the kernel path's error against the eager one."""
+    the slots in turn: microseconds of `add_lora` / `add_lora_qkv` with each `EngineOptions.lora_kernel` (off: the eager
+    masked GEMMs; a few rows take the one-row-group kernel unless off), each captured in a graph, and the kernel
+    paths' error against the eager one."""
+    from engine import options
     from engine.ops import lora as lora_ops
 
     bb = engine.runner.model.backbone
@@ -79,28 +81,21 @@ def terms(engine: LLMEngine, batches: list[int], slots: int) -> list[dict[str, o
 
                 before = ctx.mask, ctx.slots
                 ctx.mask, ctx.slots = ctx.rows(slot_of_row, x.dtype), slot_of_row
+                row: dict[str, object] = {"batch": b, "stack": name, "term": kind, "x": list(x.shape)}
                 try:
-                    with_kernels = add()
-                    kernel_us = 1000 * graph_ms(add)
-                    with mock_kernels_off():
-                        eager = add()
-                        eager_us = 1000 * graph_ms(add)
+                    results = {}
+                    for variant in ("off", "expand", "fused"):  # EngineOptions.lora_kernel
+                        with options.override(lora_kernel=variant):
+                            results[variant] = add().float()
+                            row[f"{variant}_us"] = 1000 * graph_ms(add)
                 finally:
                     ctx.mask, ctx.slots = before
-                err = ((with_kernels.float() - eager.float()).abs().max() / eager.float().abs().max()).item()
-                rows.append({"batch": b, "stack": name, "term": kind, "x": list(x.shape), "kernel_us": kernel_us,
-                             "eager_us": eager_us, "rel_err": err})
+                scale = results["off"].abs().max()
+                for variant in ("expand", "fused"):
+                    row[f"{variant}_rel_err"] = ((results[variant] - results["off"]).abs().max() / scale).item()
+                rows.append(row)
                 print(json.dumps(rows[-1]), flush=True)
     return rows
-
-
-def mock_kernels_off() -> object:
-    """The eager masked GEMMs for the LoRA terms (the kernel paths' fit checks say no)."""
-    from unittest import mock
-
-    from engine.ops import lora as lora_ops
-
-    return mock.patch.multiple(lora_ops, kernel_fits=lambda *a: False, expand_fits=lambda *a: False)
 
 
 @torch.inference_mode()
