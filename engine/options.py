@@ -92,10 +92,9 @@ class EngineOptions:
     vae_overlap_min_batch: int = _option("VOXCPM_VAE_OVERLAP_MIN_BATCH", 32, int, "Batch buckets from which the "
                                          "VAE graph runs behind the step.")
     # --- the runtime ---------------------------------------------------------------------------------------------
-    lora_kernel: str = _option("VOXCPM_LORA_KERNEL", "fused", _choice("fused", "expand", "off"), "The LoRA term "
-                               "of many rows (steps of mixed runtime adapters): one kernel per term (fused), the "
-                               "shrink as a GEMM then a mask-expand-add kernel (expand), or the eager masked GEMMs "
-                               "(off; a few rows then too).")
+    lora_kernel: bool = _option("VOXCPM_LORA_KERNEL", True, _flag, "The LoRA terms of steps of mixed runtime "
+                                "adapters by the Triton kernels (a few rows: one kernel per term; more: the shrink "
+                                "as one GEMM, then a mask-expand-add kernel); 0: the eager masked GEMMs.")
     lora_merged_steps: bool = _option("VOXCPM_LORA_MERGED_STEPS", True, _flag, "A step whose rows all use one "
                                       "runtime LoRA adapter (or none) runs on the weights with that adapter merged, "
                                       "with every fused kernel; the adapted weights are rewritten from a base copy "

@@ -135,8 +135,8 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         return max(errs)
 
     def lora(dtype: torch.dtype) -> float:
-        """The kernel paths of the LoRA term (engine/ops/lora.py: the one kernel of a few rows; for many, the one
-        kernel of row blocks, and the shrink GEMM with the expand kernel) against the eager masked GEMMs over every
+        """Both kernel paths of the LoRA term (engine/ops/lora.py: the one kernel of a few rows; for many, the shrink
+        GEMM and the expand kernel) against the eager masked GEMMs over every
         slot: rows of two adapters and none, a slot of a lower rank (zero-padded), leading rows with inner rows (the
         DiT's tokens), q/k/v as one term (A stacked, B block-diagonal), an fp32 split-K partial as the output, and more
         rows than one program's."""
@@ -162,9 +162,8 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             mask = lora_ops.slot_mask(slots, column_slots, dtype)
             delta = lora_ops.lora_delta(x, a, b, mask)
             ends = (starts[1], starts[2]) if groups > 1 else None
-            paths = [lambda y, x=x, a=a, b=b, slots=slots, ends=ends, add=add: add(
-                x, y, a, b, slots, rank, slots_n * rank, ends) for add in (lora_ops.add_lora_expand,
-                                                                         lora_ops.add_lora_rows)]
+            paths = [lambda y, x=x, a=a, b=b, slots=slots, ends=ends: lora_ops.add_lora_expand(
+                x, y, a, b, slots, rank, slots_n * rank, ends)]
             if lead <= lora_ops.KERNEL_MAX_LEAD:
                 paths.append(lambda y, x=x, a=a, b=b, slots=slots, ends=ends:
                              lora_ops.add_lora_kernel(x, y, a, b, slots, rank, ends))

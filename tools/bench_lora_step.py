@@ -50,9 +50,8 @@ def merge_ms(engine: LLMEngine, slots: int, reps: int = 12) -> dict[str, float]:
 @torch.inference_mode()
 def terms(engine: LLMEngine, batches: list[int], slots: int) -> list[dict[str, object]]:
     """Each kind of term of a step at each batch (the first layer of each stack, q/k/v as one and o), its rows using
-    the slots in turn: microseconds of `add_lora` / `add_lora_qkv` with each `EngineOptions.lora_kernel` (off: the eager
-    masked GEMMs; a few rows take the one-row-group kernel unless off), each captured in a graph, and the kernel
-    paths' error against the eager one."""
+    the slots in turn: microseconds of `add_lora` / `add_lora_qkv` on the kernel path and on the eager masked GEMMs
+    (`EngineOptions.lora_kernel` off), each captured in a graph, and the kernel path's error against the eager one."""
     from engine import options
     from engine.ops import lora as lora_ops
 
@@ -84,14 +83,14 @@ def terms(engine: LLMEngine, batches: list[int], slots: int) -> list[dict[str, o
                 row: dict[str, object] = {"batch": b, "stack": name, "term": kind, "x": list(x.shape)}
                 try:
                     results = {}
-                    for variant in ("off", "expand", "fused"):  # EngineOptions.lora_kernel
-                        with options.override(lora_kernel=variant):
+                    for variant in ("off", "kernels"):  # EngineOptions.lora_kernel
+                        with options.override(lora_kernel=variant == "kernels"):
                             results[variant] = add().float()
                             row[f"{variant}_us"] = 1000 * graph_ms(add)
                 finally:
                     ctx.mask, ctx.slots = before
                 scale = results["off"].abs().max()
-                for variant in ("expand", "fused"):
+                for variant in ("kernels",):
                     row[f"{variant}_rel_err"] = ((results[variant] - results["off"]).abs().max() / scale).item()
                 rows.append(row)
                 print(json.dumps(rows[-1]), flush=True)

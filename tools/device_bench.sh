@@ -355,8 +355,7 @@ for part in $PARTS; do
             ;;
         lora)  # runtime LoRA adapters (LORAS of rank LORA_RANK, every request using one) against the base model and a
             # merged start-up adapter, the pool at CONC: lora_base.json, lora_runtime.json, lora_merged.json; and the
-            # runtime adapters with merged steps off (every step adds the terms): lora_runtime_terms.json; and with the
-            # many-row terms as a GEMM and a kernel (VOXCPM_LORA_KERNEL=expand): lora_runtime_expand.json
+            # runtime adapters with merged steps off (every step adds the terms): lora_runtime_terms.json
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
             RC[$part]=0
             bench voxcpm-serve "$OUT/lora_base.json" "$T_OURS" || RC[$part]=$?
@@ -364,8 +363,6 @@ for part in $PARTS; do
                 bench voxcpm-serve "$OUT/lora_runtime.json" "$T_OURS" || RC[$part]=$?
             VOXCPM_LORA_MERGED_STEPS=0 BENCH_ARGS="${BENCH_ARGS:-} --loras ${LORAS:-4} --lora-rank ${LORA_RANK:-32}" \
                 bench voxcpm-serve "$OUT/lora_runtime_terms.json" "$T_OURS" || RC[$part]=$?
-            VOXCPM_LORA_KERNEL=expand BENCH_ARGS="${BENCH_ARGS:-} --loras ${LORAS:-4} --lora-rank ${LORA_RANK:-32}" \
-                bench voxcpm-serve "$OUT/lora_runtime_expand.json" "$T_OURS" || RC[$part]=$?
             python3 -c "import sys; sys.path.insert(0, 'tools'); from pathlib import Path; \
 from bench_stream import random_adapters; random_adapters('$CKPT', 1, ${LORA_RANK:-32}, Path('/tmp/lora_merged'))" \
                 2>&1 | tail -2 | tee -a "$LOG"

@@ -135,50 +135,6 @@ if HAVE_TRITON:
         tl.store(ptrs, (o.to(tl.float32) + acc).to(o.dtype), mask=omask)
 
 
-    @triton.jit
-    def _lora_rows_kernel(x_ptr, slot_ptr, a_ptr, b_ptr, out_ptr, rows, inner, in_features, out_features, q_end,
-                          k_end, b_width, stride_x, stride_out, RANK: tl.constexpr, GROUP_COLUMNS: tl.constexpr,
-                          BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr):
-        # out (rows, N) += each row's term for BLOCK_M rows and BLOCK_N columns, shrink and expand in one program:
-        # t = x A_g^T over every slot's columns of the columns' group g (GROUP_COLUMNS = S * r of them), masked to
-        # each row's slot (r // inner's), then t B_g^T. q/k/v as one term: columns below q_end are group 0's, below
-        # k_end group 1's, the rest group 2's; a tile across groups takes each group's in turn.
-        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        mmask = m < rows
-        slot = tl.load(slot_ptr + m // inner, mask=mmask, other=-1)
-        m64 = m.to(tl.int64)
-        first = tl.program_id(1) * BLOCK_N
-        cols = first + tl.arange(0, BLOCK_N)
-        cmask = cols < out_features
-        last = tl.minimum(first + BLOCK_N, out_features) - 1
-        group_lo = (first >= q_end).to(tl.int32) + (first >= k_end).to(tl.int32)
-        group_hi = (last >= q_end).to(tl.int32) + (last >= k_end).to(tl.int32)
-        c = tl.arange(0, BLOCK_C)
-        c_ok = c < GROUP_COLUMNS
-        own = c_ok[None, :] & ((c // RANK)[None, :] == slot[:, None])
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for g in range(group_lo, group_hi + 1):
-            a_rows = (g * GROUP_COLUMNS + c).to(tl.int64)
-            t = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
-            for k0 in range(0, in_features, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                kmask = k < in_features
-                x = tl.load(x_ptr + m64[:, None] * stride_x + k[None, :], mask=mmask[:, None] & kmask[None, :],
-                            other=0.0)
-                a = tl.load(a_ptr + a_rows[None, :] * in_features + k[:, None], mask=kmask[:, None] & c_ok[None, :],
-                            other=0.0)
-                t = tl.dot(x, a, t, input_precision=DOT_PRECISION)
-            bt = tl.load(b_ptr + cols[None, :].to(tl.int64) * b_width + a_rows[:, None],
-                         mask=c_ok[:, None] & cmask[None, :], other=0.0)
-            t = tl.where(own, t, 0.0).to(bt.dtype)  # rounded to the weights' dtype, as the eager shrink's output
-            acc = tl.dot(t, bt, acc, input_precision=DOT_PRECISION)
-        ptrs = out_ptr + m64[:, None] * stride_out + cols[None, :]
-        omask = mmask[:, None] & cmask[None, :]
-        o = tl.load(ptrs, mask=omask, other=0.0)
-        tl.store(ptrs, (o.to(tl.float32) + acc).to(o.dtype), mask=omask)
-
-
 def slot_mask(slots: torch.Tensor, column_slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(N,) slot per row (-1: no adapter) -> (N, S * r) mask, given each column's slot `column_slots` (S * r,)."""
     return (column_slots[None, :] == slots[:, None]).to(dtype)
@@ -207,9 +163,9 @@ def kernel_fits(x: torch.Tensor, out: torch.Tensor, slots: torch.Tensor | None) 
 
 
 def expand_fits(x: torch.Tensor, out: torch.Tensor, slots: torch.Tensor | None) -> bool:
-    """Whether `add_many_rows` serves this term: the kernel path (`EngineOptions.lora_kernel` not off), out
+    """Whether `add_lora_expand` serves this term: the kernel path (and `EngineOptions.lora_kernel`), out
     row-major."""
-    return (slots is not None and platform.kernels(x) and current().lora_kernel != "off" and x.dim() >= 2
+    return (slots is not None and platform.kernels(x) and current().lora_kernel and x.dim() >= 2
             and out.is_contiguous() and x.numel() > 0)
 
 
@@ -252,36 +208,6 @@ def add_lora_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
     return out
 
 
-def add_lora_rows(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-                  rank: int, slot_columns: int, group_ends: tuple[int, int] | None = None) -> torch.Tensor:
-    """As `add_lora_expand`, in one launch (`_lora_rows_kernel`: each program shrinks its rows over its columns'
-    group's slots, then expands): no t in memory, one kernel per term instead of a GEMM and a kernel."""
-    in_features, out_features = x.shape[-1], out.shape[-1]
-    x2 = x.reshape(-1, in_features)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    rows = x2.shape[0]
-    q_end, k_end = group_ends or (out_features, out_features)
-    block_m = 64 if rows > 32 else max(16, triton.next_power_of_2(rows))
-    # Wide column tiles where rows are many: each program computes its rows' t again, so fewer programs per row
-    # block shrink less twice; few rows keep narrow tiles, for programs enough to fill the GPU.
-    block_n = 256 if rows > 256 else 64
-    _lora_rows_kernel[(triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n))](
-        x2, slots, a, b, out, rows, _inner_rows(x), in_features, out_features, q_end, k_end, b.shape[1],
-        x2.stride(0), out_features, RANK=rank, GROUP_COLUMNS=slot_columns,
-        BLOCK_C=max(16, triton.next_power_of_2(slot_columns)), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=min(128, max(16, triton.next_power_of_2(in_features))),
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=8 if block_n == 256 else 4)
-    return out
-
-
-def add_many_rows(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-                  rank: int, slot_columns: int, group_ends: tuple[int, int] | None = None) -> torch.Tensor:
-    """The kernel path of a term of many rows (`EngineOptions.lora_kernel`: one kernel, or a GEMM and a kernel)."""
-    add = add_lora_expand if current().lora_kernel == "expand" else add_lora_rows
-    return add(x, out, a, b, slots, rank, slot_columns, group_ends)
-
-
 @dataclass
 class LoRAContext:
     """The slot of each column of the stacked weights (`rank` columns per slot), and the rows the next layers see:
@@ -318,7 +244,7 @@ def add_lora(layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tens
         add_lora_kernel(x, target, stack.a, stack.b, ctx.slots, ctx.rank)
         return out
     if expand_fits(x, target, ctx.slots):
-        add_many_rows(x, target, stack.a, stack.b, ctx.slots, ctx.rank, ctx.column_slots.numel())
+        add_lora_expand(x, target, stack.a, stack.b, ctx.slots, ctx.rank, ctx.column_slots.numel())
         return out
     delta = lora_delta(x, stack.a, stack.b, ctx.mask)
     if partials:
@@ -339,5 +265,5 @@ def add_lora_qkv(attention: nn.Module, x: torch.Tensor, qkv: torch.Tensor) -> to
     if kernel_fits(x, qkv, ctx.slots):
         return add_lora_kernel(x, qkv, stack.a, stack.b, ctx.slots, ctx.rank, ends)
     if expand_fits(x, qkv, ctx.slots):
-        return add_many_rows(x, qkv, stack.a, stack.b, ctx.slots, ctx.rank, ctx.column_slots.numel(), ends)
+        return add_lora_expand(x, qkv, stack.a, stack.b, ctx.slots, ctx.rank, ctx.column_slots.numel(), ends)
     return qkv + lora_delta(x, stack.a, stack.b, ctx.mask)
