@@ -76,7 +76,6 @@ class GenerationStream:
         self.scheduled = False  # queued in the encoder pool (for its earliest pending event)
         self.first_output_at: float | None = None  # monotonic time the transform first gave something to send
         self.transformed_samples = 0
-        self.first_tail: p.AudioEvent | None = None  # the rest of a first chunk sent in two pieces (EncoderPool)
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._link: _WorkerLink | None = None
         self._ended = False  # the last item was taken, or the stream was closed
@@ -260,8 +259,7 @@ class EncoderPool:
     A transform with a `first_piece` (samples; the MP3 encoder's) gets a new stream's first chunk in two pieces, that
     many samples first: when a burst of new streams lands at once, each one's first bytes then wait for the heads of
     the others only, not for their whole first chunks (the same bytes: LAME's output does not depend on how its
-    input is cut). The rest of the first chunk is due at once too, so every first chunk is done no later than
-    without the cut, before any stream's second."""
+    input is cut)."""
 
     def __init__(self, count: int, loop: asyncio.AbstractEventLoop, sample_rate: int = 48000) -> None:
         self.loop, self.sample_rate = loop, sample_rate
@@ -273,7 +271,7 @@ class EncoderPool:
             t.start()
 
     def _due(self, stream: GenerationStream) -> float:
-        if stream.first_output_at is None or (stream.pending and stream.pending[0] is stream.first_tail):
+        if stream.first_output_at is None:
             return float("-inf")
         return stream.first_output_at + stream.transformed_samples / self.sample_rate
 
@@ -284,7 +282,7 @@ class EncoderPool:
             if (head and stream.first_output_at is None and not stream.transformed_samples and not stream.pending
                     and ev.audio is not None and ev.error is None and len(ev.audio) > 2 * head):
                 stream.pending.append(p.AudioEvent(ev.request_id, ev.audio[:head]))
-                ev = stream.first_tail = p.AudioEvent(ev.request_id, ev.audio[head:], ev.finished, ev.finish_reason)
+                ev = p.AudioEvent(ev.request_id, ev.audio[head:], ev.finished, ev.finish_reason)
             stream.pending.append(ev)
             if stream.scheduled:
                 return  # queued already, for its earliest chunk
