@@ -33,9 +33,6 @@ class Mp3Encoder:
     concatenating the outputs gives one valid file."""
 
     def __init__(self, sample_rate: int, bitrate_kbps: int, quality: int) -> None:
-        # A new stream's first chunk is encoded in two pieces, this many samples first (the engine client's encoder
-        # pool): three MPEG frames, which LAME turns into two whole frames at once (48 ms at 48 kHz).
-        self.first_piece = 3 * (1152 if sample_rate >= 32000 else 576)
         self._enc = lameenc.Encoder()
         self._enc.set_bit_rate(bitrate_kbps)
         self._enc.set_in_sample_rate(sample_rate)

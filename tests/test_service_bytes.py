@@ -90,23 +90,6 @@ def test_streams_are_the_pools_chunks_encoded(server, reference, fmt):
         assert corr > 0.9, corr
 
 
-def test_a_new_mp3_streams_first_bytes_are_its_first_pieces(server, reference):
-    """The encoder pool sends a new MP3 stream's first chunk in two pieces, the head first; together, the same
-    bytes as the whole chunk encoded at once."""
-    async def run() -> tuple[bytes, int, bytes]:
-        stream = server.state.pool.generate(TEXT, max_generate_length=PATCHES, seed=SEED,
-                                            transform=make_encoder("mp3", SAMPLE_RATE))
-        first = await anext(stream)
-        head = stream.samples
-        return first, head, first + b"".join([c async for c in stream])
-
-    first, head, data = server.call(run())
-    piece = make_encoder("mp3", SAMPLE_RATE).first_piece
-    assert head == piece < SAMPLES_PER_PATCH // 2
-    assert first == make_encoder("mp3", SAMPLE_RATE)(reference[0][:piece], False)
-    assert data == encoded(reference, "mp3")
-
-
 @pytest.mark.parametrize("route, fmt", [("/generate_blocking", "mp3"), ("/generate_blocking", "pcm"),
                                         ("/generate_blocking_wav", "wav")])
 def test_blocking_routes_are_the_pools_chunks_encoded(server, reference, route, fmt):

@@ -44,7 +44,7 @@ from engine.serving.routing import LoadTable
 log = logging.getLogger(__name__)
 
 # A stream's transform: (chunk, is_last) -> what the stream yields for it (None: nothing for this chunk).
-Transform = Callable[[np.ndarray, bool], Any]  # may carry `first_piece` (samples): see EncoderPool.submit
+Transform = Callable[[np.ndarray, bool], Any]
 RECONNECT_S = (0.05, 0.5)  # first and longest pause between connection attempts
 REPLAY = "replay:"  # call ids of registrations sent again to a (re)connected worker, answered to nobody
 _END = object()
@@ -254,12 +254,7 @@ class EncoderPool:
     started at the stream's first output would run out of audio without it (first output time + audio seconds
     made before it); a stream that has made nothing yet is due at once (its first bytes are the time to first
     audio). So when encoding falls behind, streams with the least audio in hand go first and a stream seconds
-    ahead waits. A stream's chunks are transformed in order, one at a time: it is queued once, for its next one.
-
-    A transform with a `first_piece` (samples; the MP3 encoder's) gets a new stream's first chunk in two pieces, that
-    many samples first: when a burst of new streams lands at once, each one's first bytes then wait for the heads of
-    the others only, not for their whole first chunks (the same bytes: LAME's output does not depend on how its
-    input is cut)."""
+    ahead waits. A stream's chunks are transformed in order, one at a time: it is queued once, for its next one."""
 
     def __init__(self, count: int, loop: asyncio.AbstractEventLoop, sample_rate: int = 48000) -> None:
         self.loop, self.sample_rate = loop, sample_rate
@@ -277,12 +272,7 @@ class EncoderPool:
 
     def submit(self, stream: GenerationStream, ev: p.AudioEvent) -> None:
         """From the reader thread: a stream's next event."""
-        head = getattr(stream.transform, "first_piece", 0)
         with stream.lock:
-            if (head and stream.first_output_at is None and not stream.transformed_samples and not stream.pending
-                    and ev.audio is not None and ev.error is None and len(ev.audio) > 2 * head):
-                stream.pending.append(p.AudioEvent(ev.request_id, ev.audio[:head]))
-                ev = p.AudioEvent(ev.request_id, ev.audio[head:], ev.finished, ev.finish_reason)
             stream.pending.append(ev)
             if stream.scheduled:
                 return  # queued already, for its earliest chunk
