@@ -26,6 +26,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import AsyncVoxCPMServerPool, VoxCPM
+from engine.serving.pool import checked_model_path
 from engine.serving.routing import LoadTable
 from service import errors, lifecycle
 from service.deps import require_api_key
@@ -38,6 +39,7 @@ from service.engine_setup import (
     voice_db_path,
 )
 from service.limits import BodyLimitMiddleware
+from service.lora_registry import LoRARegistrations
 from service.metrics import Metrics, MetricsMiddleware
 from service.routers import generation, loras, openai, ops, voices
 from service.settings import Settings
@@ -56,19 +58,22 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
         with tempfile.TemporaryDirectory(prefix="voxcpm-serve-") as scratch:
             if endpoint is None:
                 model_path, demo = await asyncio.to_thread(model_checkpoint, settings)
+                model_path = await asyncio.to_thread(checked_model_path, model_path)  # a hub id: its local directory
                 lora_path = await asyncio.to_thread(adapter_path, settings)
+                voice_db = voice_db_path(settings, model_path, Path(scratch))
+                registrations = LoRARegistrations(voice_db.with_name("loras.db"))
                 pool = VoxCPM.from_pretrained(model_path, encoder_threads=settings.encoder_threads,
-                                              queue_bound=settings.queue_bound,
+                                              queue_bound=settings.queue_bound, loras=registrations,
                                               **engine_arguments(settings, demo, lora_path))
                 assert isinstance(pool, AsyncVoxCPMServerPool)
-                model_path = pool.model_path  # a hub id resolved to its local directory
-                voice_db = voice_db_path(settings, model_path, Path(scratch))
             else:
                 model_path, demo, voice_db = endpoint.model_path, endpoint.demo, endpoint.voice_db
                 load = (LoadTable(len(endpoint.addresses), endpoint.load_table, endpoint.row)
                         if endpoint.load_table else None)
+                registrations = LoRARegistrations(voice_db.with_name("loras.db"))
                 pool = AsyncVoxCPMServerPool.connect(model_path, endpoint.addresses, endpoint.authkey,
-                                                     settings.encoder_threads, load, settings.queue_bound)
+                                                     settings.encoder_threads, load, settings.queue_bound,
+                                                     registrations)
             store = SqliteVoiceStore(voice_db, settings.voice_cache_max_entries, settings.voice_cache_max_bytes)
             state = ServiceState(settings=settings, pool=pool, store=store, metrics=metrics, model_path=model_path,
                                  model_id=Path(model_path).name, demo=demo, owns_workers=endpoint is None,
@@ -88,6 +93,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
                     await task
                 await pool.stop()
                 store.close()
+                registrations.close()
                 log.info("engine pool %s", "stopped" if endpoint is None else "disconnected")
 
     app = FastAPI(title="voxcpm-serve", version="0.1.0", lifespan=lifespan,

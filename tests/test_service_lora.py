@@ -9,6 +9,7 @@ import functools
 import hashlib
 import re
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -277,6 +278,42 @@ def test_runtime_adapters_over_http(adapter, file_server, checkpoint_factory, tm
             assert c.delete("/loras/voice").status_code == 404
     finally:
         server.stop()
+
+
+def test_runtime_adapters_survive_a_restart_of_the_service(adapter, checkpoint_factory, tmp_path):
+    """Registrations are kept beside the voice cache: the service started again on the same cache dir (new workers,
+    a new API process) serves the adapter registered before, with the same audio; one unregistered stays gone."""
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    settings = service_settings(ckpt, tmp_path / "cache", max_loras=2, max_lora_rank=8, lora_dir=adapter.parent)
+
+    def served(calls: Callable[[httpx.Client], bytes]) -> bytes:
+        server = LiveServer(settings).start()
+        try:
+            with httpx.Client(base_url=server.url, timeout=120) as c:
+                return calls(c)
+        finally:
+            server.stop()
+
+    def register(c: httpx.Client) -> bytes:
+        for name in ("voice", "gone"):
+            r = c.post("/loras", json={"lora_name": name, "lora_uri": f"file://{adapter}"})
+            assert r.status_code == 200, r.text
+        assert c.delete("/loras/gone").status_code == 200
+        r = c.post("/generate", json={**BODY, "lora_name": "voice"})
+        assert r.status_code == 200, r.text
+        return r.content
+
+    def after_restart(c: httpx.Client) -> bytes:
+        assert [d["name"] for d in c.get("/loras").json()["loras"]] == ["voice"]
+        r = c.post("/generate", json={**BODY, "lora_name": "gone"})
+        assert r.status_code == 404 and "no adapter named 'gone'" in r.text
+        r = c.post("/generate", json={**BODY, "lora_name": "voice"})
+        assert r.status_code == 200, r.text
+        return r.content
+
+    before = served(register)
+    assert served(after_restart) == before
+    assert before != served(lambda c: c.post("/generate", json=BODY).content)  # the adapter changes the audio
 
 
 def test_loras_refused_without_runtime_slots(adapter, checkpoint_factory, tmp_path):

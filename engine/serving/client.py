@@ -22,7 +22,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
 from typing import Any
@@ -318,7 +318,8 @@ class EngineClient:
     """Connections from this process to every engine worker (by Unix socket address)."""
 
     def __init__(self, addresses: list[str], authkey: bytes, encoder_threads: int = 4,
-                 load: LoadTable | None = None, queue_bound: int | None = None) -> None:
+                 load: LoadTable | None = None, queue_bound: int | None = None,
+                 loras: MutableMapping[str, str] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.authkey = authkey
         self.links = [_WorkerLink(self, i, a) for i, a in enumerate(addresses)]
@@ -328,7 +329,10 @@ class EngineClient:
         self.ids = itertools.count()
         self.name = os.urandom(4).hex()  # request ids are this client's name and a counter: unique across clients
         self.prompts: dict[str, tuple[np.ndarray, str]] = {}
-        self.loras: dict[str, str] = {}  # runtime LoRA adapters registered through this client: name -> path
+        # Runtime LoRA adapters to register again on a (re)connected worker: name -> path. Those registered through
+        # this client, or a mapping shared with other clients of the same workers and kept across restarts (the
+        # service's `LoRARegistrations`).
+        self.loras: MutableMapping[str, str] = loras if loras is not None else {}
         self.closed = False
         self._tasks = [asyncio.ensure_future(self._keep_connected(link)) for link in self.links]
 

@@ -15,7 +15,7 @@ import hashlib
 import logging
 import subprocess
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -42,22 +42,25 @@ class AsyncVoxCPMServerPool:
     processes: the supervisor starts and restarts the workers)."""
 
     def __init__(self, model: str, devices: list[str], config: EngineConfig, *, warmup: bool = False,
-                 encoder_threads: int = 4, queue_bound: int | None = None) -> None:
+                 encoder_threads: int = 4, queue_bound: int | None = None,
+                 loras: MutableMapping[str, str] | None = None) -> None:
         self.model_path = checked_model_path(model)
         self.devices = devices
         self._stopped = False
         self.workers: WorkerSet | None = WorkerSet(self.model_path, devices, config, warmup=warmup)
         self.client = EngineClient(self.workers.addresses, self.workers.authkey, encoder_threads,
-                                   queue_bound=queue_bound)
+                                   queue_bound=queue_bound, loras=loras)
 
     @classmethod
     def connect(cls, model_path: str, addresses: list[str], authkey: bytes, encoder_threads: int = 4,
-                load: LoadTable | None = None, queue_bound: int | None = None) -> AsyncVoxCPMServerPool:
+                load: LoadTable | None = None, queue_bound: int | None = None,
+                loras: MutableMapping[str, str] | None = None) -> AsyncVoxCPMServerPool:
         """A pool of workers started elsewhere (reached at `addresses`, authenticated with `authkey`); `load`: the
-        in-flight table shared with the other processes that route to them."""
+        in-flight table shared with the other processes that route to them; `loras`: the runtime adapters every
+        (re)connected worker is given (`EngineClient`), which `register_lora` and `unregister_lora` keep."""
         pool = cls.__new__(cls)
         pool.model_path, pool.devices, pool._stopped, pool.workers = model_path, [], False, None
-        pool.client = EngineClient(addresses, authkey, encoder_threads, load, queue_bound)
+        pool.client = EngineClient(addresses, authkey, encoder_threads, load, queue_bound, loras)
         return pool
 
     @property
@@ -457,7 +460,8 @@ class VoxCPM:
                         coalesce_ms: float = 0.0, warmup: bool = False, encoder_threads: int = 4,
                         queue_bound: int | None = None, queue_timeout_s: float | None = None,
                         lora_path: str | None = None, lora_merge: bool = True, lora_name: str = "default",
-                        max_loras: int = 0, max_lora_rank: int = 32) -> AsyncVoxCPMServerPool | SyncVoxCPMServerPool:
+                        max_loras: int = 0, max_lora_rank: int = 32,
+                        loras: MutableMapping[str, str] | None = None) -> AsyncVoxCPMServerPool | SyncVoxCPMServerPool:
         """Start one worker per device (default: every visible GPU, else the CPU). `model` is a checkpoint
         directory or a hub repo id. Returns at once; `wait_for_ready()` waits for the model to load.
         pipeline_decode: see EngineConfig (default: on for CUDA devices); coalesce_ms: the engine's window gathering
@@ -467,7 +471,9 @@ class VoxCPM:
         request waits for a seat before it fails with OverloadedError (None: no limit); lora_path: a LoRA adapter
         (official format, its directory or weights file) merged into the weights at load, or with lora_merge=False
         served as the runtime adapter `lora_name` of every request that names none; max_loras / max_lora_rank:
-        runtime adapters (`register_lora`, `lora_name` per request) resident at once, and their largest rank."""
+        runtime adapters (`register_lora`, `lora_name` per request) resident at once, and their largest rank; loras:
+        where the registered runtime adapters are kept (name -> path; default a dict of this pool's), each
+        (re)started worker given them all."""
         config = engine_config(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                                gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
@@ -478,7 +484,7 @@ class VoxCPM:
                                max_lora_rank=max_lora_rank)
         names = device_names(devices)
         model = checked_model_path(model)
-        kwargs = {"warmup": warmup, "encoder_threads": encoder_threads, "queue_bound": queue_bound}
+        kwargs = {"warmup": warmup, "encoder_threads": encoder_threads, "queue_bound": queue_bound, "loras": loras}
         try:
             asyncio.get_running_loop()
         except RuntimeError:
