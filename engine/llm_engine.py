@@ -16,13 +16,13 @@ from engine import options
 from engine.block_manager import BlockManager
 from engine.config import parse_dtype
 from engine.engine_config import EngineConfig
-from engine.errors import RequestError
+from engine.errors import LoRANotFoundError, OverloadedError, RequestError
 from engine.io.checkpoint import LoadedModel, load_model
 from engine.io.lora import merge_adapter, read_adapter
 from engine.prompt import build_prompt, max_patches
 from engine.runner.lora import LoRASlots
 from engine.runner.model_runner import LaunchedDecode, ModelRunner
-from engine.scheduler import Scheduler
+from engine.scheduler import Rejected, Scheduler
 from engine.sequence import SamplingParams, Sequence, Status, StepEvent
 from engine.startup import kernel_cache
 
@@ -67,7 +67,7 @@ class LLMEngine:
         kv_s = time.perf_counter() - t0 - load_s - wait_s
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
-                                   cfg.coalesce_ms / 1000.0)
+                                   cfg.coalesce_ms / 1000.0, self._admit)
         self.default_lora: str | None = None  # the adapter of the requests that name none
         if cfg.lora_path and not cfg.lora_merge:
             assert self.runner.lora is not None  # validate(): max_loras >= 1
@@ -131,8 +131,8 @@ class LLMEngine:
         seq.noise = torch.Generator().manual_seed(seed)
         seq.injected_noise = injected_noise
         lora_name = lora_name if lora_name is not None else self.default_lora
-        if lora_name is not None:  # last: nothing after it may fail, or the hold would leak
-            seq.lora_slot, seq.cache_salt = self._lora_slots("lora_name").acquire(lora_name)
+        if lora_name is not None:  # its slot is taken at admission (`_admit`)
+            self._lora_slots("lora_name").check(lora_name)
             seq.lora_name = lora_name
         self.sequences[seq.seq_id] = seq
         self.scheduler.add(seq)
@@ -222,12 +222,28 @@ class LLMEngine:
             self._finish(self.sequences[event.seq_id], event.finish_reason or "stop")
         return event
 
+    def _admit(self, seq: Sequence) -> bool:
+        """The scheduler's admission check: a request of a runtime adapter takes its slot now (loading it if it is
+        not resident), or waits while every slot holds the adapters of running requests; one whose adapter was
+        unregistered meanwhile fails."""
+        if seq.lora_name is None or seq.lora_slot >= 0:  # none, or held since before a preemption
+            return True
+        assert self.runner.lora is not None
+        try:
+            seq.lora_slot, seq.cache_salt = self.runner.lora.acquire(seq.lora_name)
+        except OverloadedError:
+            return False
+        except LoRANotFoundError as e:
+            raise Rejected(str(e)) from e
+        return True
+
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         self.runner.release_slot(seq)
-        if seq.lora_name is not None and self.runner.lora is not None:
+        if seq.lora_slot >= 0 and self.runner.lora is not None:
+            assert seq.lora_name is not None
             self.runner.lora.release(seq.lora_name, seq.lora_slot)
-            seq.lora_name, seq.lora_slot = None, -1
+        seq.lora_name, seq.lora_slot = None, -1
         self.sequences.pop(seq.seq_id, None)
 
     def _fail(self, seq: Sequence, reason: str) -> StepEvent:

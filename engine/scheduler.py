@@ -5,6 +5,9 @@ before that, prefills as many waiting sequences as the token budget and free KV 
 blocks run out mid-stream the most recently started sequence is preempted (its KV is dropped and
 recomputed later). A request that can never fit fails instead of waiting forever.
 
+A request may also wait for what only it needs (`Admission`: its runtime LoRA adapter's slot, while every slot holds
+the adapters of running requests): it keeps its place in the queue while the requests behind it go ahead.
+
 With a coalescing window, a request reaching an idle engine opens it: admissions wait until no request has
 arrived for that long (at most a few windows), so requests arriving together are admitted in one round, one
 batched prefill, instead of the first ones starting alone and the rest waiting for their step to end.
@@ -14,12 +17,21 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, Status
 
 COALESCE_CAP = 4  # the window closes at most this many windows after the first request it holds
+
+
+class Rejected(Exception):
+    """From an `Admission`: the waiting request can never start now; the message (naming its field) says why."""
+
+
+# Whether a waiting request that fits may start now (taking what it needs), or waits; raises Rejected.
+Admission = Callable[[Sequence], bool]
 
 
 @dataclass
@@ -36,12 +48,13 @@ class Schedule:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, coalesce_s: float = 0.0) -> None:
+                 max_model_len: int, coalesce_s: float = 0.0, admit: Admission | None = None) -> None:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.coalesce_s = coalesce_s
+        self.admit = admit
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -95,6 +108,7 @@ class Scheduler:
             out.preempted.append(self.running[-1])
             self._preempt(self.running[-1])
         budget = self.max_num_batched_tokens
+        held: list[Sequence] = []  # waiting for what only they need: back at the head, in order, afterwards
         while self.can_admit:
             seq = self.waiting[0]
             reason = self.never_fits(seq)
@@ -111,12 +125,23 @@ class Scheduler:
                 need = self.blocks.blocks_needed(seq.num_tokens + 1)
             if seq.num_tokens > budget or self.blocks.num_free < need:
                 break
+            if self.admit is not None:
+                try:
+                    ready = self.admit(seq)
+                except Rejected as e:
+                    self.waiting.popleft()
+                    out.rejected.append((seq, str(e)))
+                    continue
+                if not ready:
+                    held.append(self.waiting.popleft())
+                    continue
             self.waiting.popleft()
             self.blocks.allocate(seq)
             budget -= seq.num_tokens - seq.num_cached_tokens
             seq.status = Status.RUNNING
             self.running.append(seq)
             out.prefill.append(seq)
+        self.waiting.extendleft(reversed(held))
         out.decode = list(self.running)
         return out
 

@@ -10,13 +10,13 @@ import dataclasses
 import pytest
 import torch
 
-from engine.errors import OverloadedError, RequestError
+from engine.errors import RequestError
 from engine.io.checkpoint import load_model
 from engine.io.lora import LoRAConfig, LoRAError, random_adapter
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.models.minicpm import fuse_projections
 from engine.options import EngineOptions
-from engine.sequence import SamplingParams
+from engine.sequence import SamplingParams, Status
 from tests.conftest import check_parity
 from tests.official import injected_noise, make_noise
 from tests.test_io_lora import EVERY_GROUP, PATCHES, official_with_adapter
@@ -150,26 +150,44 @@ def test_slots_reused_least_recently_used_and_unregister_waits(checkpoint_factor
     resident = {d["name"]: d["resident"] for d in engine.list_loras()}
     assert resident == {"a": True, "b": False, "c": True}
 
-    # both slots held by running requests: a third adapter has to wait (503 upstream)
+    # both slots held by running requests: a request of a third adapter waits in the queue, and starts when a slot
+    # frees; a request of an adapter unregistered while it waits fails, naming the field
+    def fresh_engine() -> LLMEngine:
+        return LLMEngine(load_model(ckpt), EngineConfig(max_num_seqs=4, max_model_len=256, max_loras=2,
+                                                        max_lora_rank=8))
+
     held = [engine.add_request(TEXT, params, lora_name=n) for n in ("a", "c")]
-    with pytest.raises(OverloadedError, match="lora_name: all 2 adapter slots"):
-        engine.add_request(TEXT, params, lora_name="b")
+    engine.step()
+    waiting = engine.add_request(TEXT, SamplingParams(max_generate_length=3, seed=5), lora_name="b")
+    engine.register_lora("d", str(adapter_for(model, tmp_path / "d", seed=24)))
+    doomed = engine.add_request(TEXT, params, lora_name="d")
+    engine.unregister_lora("d")
+    events: dict[int, list] = {}
+    for e in engine.step():
+        events.setdefault(e.seq_id, []).append(e)
+    assert engine.sequences[waiting].lora_slot == -1 and engine.sequences[waiting].status == Status.WAITING
+    assert events[doomed][-1].finish_reason == "error" and "lora_name: no adapter named 'd'" in events[doomed][-1].error
     # unregistering a held adapter lets its request finish; its slot frees after it, and the name is free at once:
-    # registered again it is another adapter (it needs a slot of its own)
+    # registered again it is another adapter (it needs a slot of its own: its request waits for the old one's)
     engine.unregister_lora("a")
     assert [d["name"] for d in engine.list_loras()] == ["b", "c"]
     with pytest.raises(RequestError, match="lora_name: no adapter named 'a'"):
         engine.add_request(TEXT, params, lora_name="a")
     new_a = adapter_for(model, tmp_path / "a2", seed=30)
     engine.register_lora("a", str(new_a))
-    with pytest.raises(OverloadedError, match="all 2 adapter slots"):
-        engine.add_request(TEXT, params, lora_name="a")  # the old a's slot is still held
     while engine.has_unfinished():
-        engine.step()
+        for e in engine.step():
+            events.setdefault(e.seq_id, []).append(e)
+            assert e.error is None, e.error
     assert all(i not in engine.sequences for i in held)
-    assert len(engine.runner.lora.free_slots) == 1 and not engine.runner.lora.retiring  # the old a's slot is free
+    late = torch.stack([e.patch for e in events[waiting]])
+    alone = fresh_engine()
+    alone.register_lora("b", str(tmp_path / "b"))
+    check_parity("adapter b after waiting for a slot vs alone", late, patches_of(alone, [dict(
+        target_text=TEXT, params=SamplingParams(max_generate_length=3, seed=5), lora_name="b")])[0], 1e-5)
+    assert not engine.runner.lora.retiring  # the old a's slot is free again
     request = dict(target_text=TEXT, params=params, lora_name="a")
-    fresh = LLMEngine(load_model(ckpt), EngineConfig(max_num_seqs=4, max_model_len=256, max_loras=2, max_lora_rank=8))
+    fresh = fresh_engine()
     fresh.register_lora("a", str(new_a))
     check_parity("adapter a registered again vs in a fresh engine", patches_of(engine, [request])[0],
                  patches_of(fresh, [request])[0], 1e-5)

@@ -215,12 +215,16 @@ class LoRASlots:
         return [self.describe(n) for n in sorted(self.registered)]
 
     # --- requests -----------------------------------------------------------------------------------------------
+    def check(self, name: str) -> None:
+        """That adapter `name` is registered (a request naming it is taken; its slot comes at admission)."""
+        if name not in self.registered:
+            raise LoRANotFoundError(f"lora_name: no adapter named {name!r} (registered: {sorted(self.registered)})")
+
     def acquire(self, name: str) -> tuple[int, bytes]:
         """A request's hold on adapter `name`: its slot (loaded now if it is not resident) and the salt of its
         prompts' prefix-cache hashes."""
-        reg = self.registered.get(name)
-        if reg is None:
-            raise LoRANotFoundError(f"lora_name: no adapter named {name!r} (registered: {sorted(self.registered)})")
+        self.check(name)
+        reg = self.registered[name]
         held = self.resident.get(name)
         if held is None:
             slot = self._free_slot()
@@ -250,7 +254,7 @@ class LoRASlots:
             idle = [(h.last_used, n) for n, h in self.resident.items() if h.refs == 0]
             if not idle:
                 raise OverloadedError(f"lora_name: all {self.max_loras} adapter slots hold adapters of running "
-                                      "requests (max_loras); retry when one finishes")
+                                      "requests (max_loras)")
             self._evict(min(idle)[1])
         return self.free_slots.pop()
 
