@@ -350,3 +350,21 @@ def test_start_up_adapter_served_at_run_time(adapter, checkpoint_factory, tmp_pa
         server.stop()
     plain, _ = generate(ckpt, tmp_path / "b")
     assert plain != default.content
+
+
+def test_lora_registrations_are_shared_by_processes(tmp_path):
+    """Two API processes' views of the registrations file: what one adds the other replays, a name removed by both
+    at once is removed once, and the file keeps them for the next start."""
+    from service.lora_registry import LoRARegistrations
+
+    first, second = (LoRARegistrations(tmp_path / "loras.db") for _ in range(2))
+    first["voice"] = "/cache/lora/a"
+    second["other"] = "/cache/lora/b"
+    first["voice"] = "/cache/lora/c"  # registered again: the new path, the same name
+    assert dict(second.items()) == {"other": "/cache/lora/b", "voice": "/cache/lora/c"}
+    assert first.pop("other", None) == "/cache/lora/b" and second.pop("other", None) is None
+    with pytest.raises(KeyError):
+        del second["other"]
+    first.close()
+    second.close()
+    assert dict(LoRARegistrations(tmp_path / "loras.db").items()) == {"voice": "/cache/lora/c"}
