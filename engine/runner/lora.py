@@ -4,8 +4,9 @@ Every layer a runtime adapter may adapt (q/k/v/o of the base LM, the residual LM
 projections between the modules: the official training's targets, minus the MLPs) gets one stacked pair of
 `max_loras` slots of rank `max_lora_rank` (`engine.ops.lora`). A request names its adapter; admission makes it
 resident (a free slot, else the least recently used slot no running request holds; with none, the request waits in
-the scheduler's queue: `LLMEngine._admit`) and the request carries the slot index, like its KV slots: the step's rows then select their own adapter, different adapters and none in one batch,
-inside the CUDA graphs captured once at start-up. The LoRA context holds the mask of the rows the next layers see;
+the scheduler's queue: `LLMEngine._admit`) and the request carries the slot index, like its KV slots: the step's
+rows then select their own adapter, different adapters and none in one batch, inside the CUDA graphs captured once
+at start-up. The LoRA context holds the mask of the rows the next layers see;
 the backbone sets it around each module it calls (`VoxCPMBackbone.lora_rows`).
 
 Registered adapters stay in host memory; a slot is (re)written on the engine's stream, so a step already queued
