@@ -120,7 +120,9 @@ def test_runtime_lora_in_graphs_matches_eager(checkpoint_factory, monkeypatch, t
     _, eager = run(enforce_eager=True, attention_backend="torch", options=EngineOptions(fuse=False))
     assert not any(calls.values())
     graphed_engine, graphed = run(attention_backend="triton")
-    assert all(calls.values()), calls  # the few-row kernel served the decode steps' terms, the expand the prefill's
+    # Graph replays call no Python: these count what the term graphs were captured with (the few-row kernel in the
+    # decode buckets, the expand kernel in the prefill buckets), which the replays then ran.
+    assert all(calls.values()), calls
     assert graphed_engine.runner.graphs and graphed_engine.runner.prefill_graphs
     for g, e in zip(graphed, eager, strict=True):
         np.testing.assert_allclose(g, e, rtol=0, atol=1e-4 * np.abs(e).max())

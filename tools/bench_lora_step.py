@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.io.checkpoint import load_model  # noqa: E402
 from tools.bench_stream import random_adapters  # noqa: E402
-from tools.profile_step import CONTEXT, graph_ms, kernel_table  # noqa: E402
+from tools.profile_step import graph_ms, kernel_table, step_inputs_at_context  # noqa: E402
 
 
 def merge_ms(engine: LLMEngine, slots: int, reps: int = 12) -> dict[str, float]:
@@ -99,15 +99,11 @@ def terms(engine: LLMEngine, batches: list[int], slots: int) -> list[dict[str, o
 
 @torch.inference_mode()
 def step_graphs(engine: LLMEngine, b: int, slots: int) -> dict[str, object]:
-    """The plain and the term graph of bucket b, replayed on b rows at CONTEXT tokens, rows using the slots in turn."""
+    """The plain and the term graph of bucket b, replayed on b rows (`step_inputs_at_context`), rows using the slots
+    in turn."""
     r = engine.runner
-    assert r.buffers is not None and r.base_cache is not None and b in r.graphs and b in r.term_graphs
-    inputs = r.buffers.step_inputs(b)
-    inputs.fill_padding(r.scratch_slot, r.base_cache.scratch_slot)
-    inputs.slot_index.copy_(torch.arange(b))
-    inputs.positions.fill_(CONTEXT)
-    inputs.context_lens.fill_(CONTEXT + 1)
-    inputs.lora_slots.copy_(torch.arange(b) % slots)
+    assert b in r.graphs and b in r.term_graphs
+    step_inputs_at_context(engine, b).lora_slots.copy_(torch.arange(b) % slots)
     assert r.lora is not None
     r.lora.merge(-1)  # the term graph adds the terms to the base weights
     plain, terms = graph_ms(r.graphs[b]), graph_ms(r.term_graphs[b])

@@ -21,6 +21,7 @@ import torch  # noqa: E402
 
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.runner.attention import AttentionMetadata  # noqa: E402
+from engine.runner.buffers import StepInputs  # noqa: E402
 from tools.gpu_check import TEXT, step_ms  # noqa: E402
 
 CONTEXT = 150  # tokens before the new one in `components` (the benchmark text's prompt is ~130, then one per patch)
@@ -46,19 +47,27 @@ def graph_ms(fn: Callable[[], object] | torch.cuda.CUDAGraph, reps: int = 20) ->
     return start.elapsed_time(end) / reps
 
 
+def step_inputs_at_context(engine: LLMEngine, b: int) -> StepInputs:
+    """The inputs of a b-row step, written in the decode buffers (the engine's last step may have used another row
+    count, whose layout shares these bytes): the first b slots, a context of CONTEXT tokens read from block 0, new
+    keys to scratch."""
+    r = engine.runner
+    assert r.buffers is not None and r.base_cache is not None
+    inputs = r.buffers.step_inputs(b)
+    inputs.fill_padding(r.scratch_slot, r.base_cache.scratch_slot)
+    inputs.slot_index.copy_(torch.arange(b))
+    inputs.positions.fill_(CONTEXT)
+    inputs.context_lens.fill_(CONTEXT + 1)
+    return inputs
+
+
 @torch.inference_mode()
 def components(engine: LLMEngine, b: int) -> dict[str, float]:
     r = engine.runner
     bb = r.model.backbone
     buf = r.buffers
     assert buf is not None and r.base_cache is not None and r.residual_cache is not None
-    # The inputs of a b-row step, written here (the engine's last step may have used another row count, whose layout
-    # shares these bytes): the first b slots, a context of CONTEXT tokens read from block 0, new keys to scratch.
-    inputs = buf.step_inputs(b)
-    inputs.fill_padding(r.scratch_slot, r.base_cache.scratch_slot)
-    inputs.slot_index.copy_(torch.arange(b))
-    inputs.positions.fill_(CONTEXT)
-    inputs.context_lens.fill_(CONTEXT + 1)
+    inputs = step_inputs_at_context(engine, b)
     idx = inputs.slot_index
     lm_h, res_h, prev = r.lm_hidden[idx], r.residual_hidden[idx], r.prev_patch[idx]
     noise, cfg, pos = inputs.noise, inputs.cfg, inputs.positions

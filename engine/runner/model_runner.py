@@ -295,7 +295,7 @@ class ModelRunner:
 
     def prefill_eager(self, x: PrefillInputs, terms: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefill, eagerly; `terms`: add the rows' runtime adapters' terms (default: when adapters are on)."""
-        terms = self.lora is not None if terms is None else terms
+        terms = self._terms(terms)
         dev = self.device
         pos = x.positions.to(dev)
         meta = AttentionMetadata(True, x.slot_mapping.to(dev), x.block_tables.to(dev), x.row_index.to(dev),
@@ -322,7 +322,7 @@ class ModelRunner:
     def prefill_buffered(self, x: PrefillInputs, terms: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefill through the static buffers, padded to a token bucket: a graph replay when one is
         captured (same function eagerly otherwise, e.g. to test it on the CPU); `terms` as in `prefill_eager`."""
-        terms = self.lora is not None if terms is None else terms
+        terms = self._terms(terms)
         b = self.prefill_buffers
         assert b is not None
         n, rows = len(x.token_ids), len(x.last_rows)
@@ -384,7 +384,7 @@ class ModelRunner:
         """One decode step over the first `batch` rows of the static buffers (graph body); without `vae`, the
         patch is left for `_vae_forward`; `terms`: add the rows' runtime adapters' terms (default: when adapters
         are on)."""
-        terms = self.lora is not None if terms is None else terms
+        terms = self._terms(terms)
         buf = self.buffers
         assert buf is not None and self.base_cache is not None and self.residual_cache is not None
         inputs = buf.step_inputs(batch)
@@ -509,6 +509,11 @@ class ModelRunner:
         if copied is not None:
             copied.synchronize()  # long done: the copy was queued two launches ago
         return self.host_in[self.host_in_turn]
+
+    def _terms(self, terms: bool | None) -> bool:
+        """A forward's `terms` argument: given, or by default whether runtime adapters are on (their worst case, as
+        KV sizing's dry runs and the tests of one path against another want)."""
+        return self.lora is not None if terms is None else terms
 
     def _lora_terms(self, slots: list[int], decode: bool) -> bool:
         """Whether a step over rows of these LoRA slots (-1: none) adds the adapters' terms; otherwise it runs on the
