@@ -4,7 +4,8 @@ and server-sent events around MP3 or PCM.
 Each response gets one *encoder*: a callable (chunk, is_last) -> bytes | None that the engine client runs on
 its encoder threads (a stream's chunks in order, one thread at a time), so the CPU work of encoding spreads
 over cores and never runs on the event loop. LAME releases the GIL while it encodes; numpy's conversion to
-16-bit does too.
+16-bit does too. An encoder with set-up work has a `prepare()`, which the client runs on an encoder thread
+when the request is sent, so that work is done while the engine prefills, not on the way to the first audio.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ class Mp3Encoder:
         self._enc.set_channels(1)
         self._enc.set_quality(quality)
 
+    def prepare(self) -> None:
+        """LAME's set-up (lame_init_params, ~1 ms a stream): lameenc runs it on the first encode, so encoding
+        nothing runs it now (the output is the same; a test checks it)."""
+        self._enc.encode(b"")
+
     def __call__(self, samples: np.ndarray, last: bool) -> bytes | None:
         out = bytes(self._enc.encode(pcm16(samples))) if len(samples) else b""
         if last:
@@ -72,6 +78,8 @@ class SseEncoder:
 
     def __init__(self, inner: Encoder) -> None:
         self.inner = inner
+        if hasattr(inner, "prepare"):
+            self.prepare = inner.prepare
 
     def __call__(self, samples: np.ndarray, last: bool) -> bytes | None:
         data = self.inner(samples, last)

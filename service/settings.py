@@ -47,8 +47,8 @@ class Settings(BaseSettings):
     worker_cpus: int = Field(2, ge=0, le=64, description="CPU cores reserved for each engine worker (its host loop "
                                                          "drives the GPU); the API processes run on the others. 0, "
                                                          "or too few cores to leave two: no reservation.")
-    encoder_threads: int = Field(4, ge=1, le=64, description="Audio-encoding threads per HTTP server process (run at a "
-                                                            "lower CPU priority than the engine workers).")
+    encoder_threads: int = Field(4, ge=1, le=64, description="Audio-encoding threads per HTTP server process (on the "
+                                                            "cores not reserved for the engine workers).")
     cache_dir: Path = Field(Path("~/.cache/voxcpm-serve"), description="Voice store and demo checkpoint.")
     voice_store: Literal["disk", "memory"] = Field("disk", description="Where cached voices live.")
     voice_cache_max_entries: int = Field(1024, ge=1, description="Most cached voices (all kinds together).")

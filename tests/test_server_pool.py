@@ -398,3 +398,37 @@ def _route_elsewhere(path) -> None:
     assert other.loads().tolist() == [3, 0]
     other.add(1, 5)
     other.close()
+
+
+class _PreparedTransform:
+    """A transform with set-up work: records what ran on which thread, in order."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.calls = fail, []
+
+    def prepare(self) -> None:
+        self.calls.append(("prepare", threading.current_thread().name))
+        if self.fail:
+            raise RuntimeError("no encoder today")
+
+    def __call__(self, chunk: np.ndarray, last: bool) -> int:
+        self.calls.append(("chunk", threading.current_thread().name))
+        return len(chunk)
+
+
+def test_a_transforms_prepare_runs_once_on_an_encoder_thread_before_its_first_chunk(pool):
+    async def run(transform: _PreparedTransform) -> list[int]:
+        return [n async for n in pool.pool.generate("Prepared first.", max_generate_length=5, seed=2,
+                                                    transform=transform)]
+
+    ok = _PreparedTransform()
+    sizes = asyncio.run_coroutine_threadsafe(run(ok), pool._loop).result(120)
+    assert sizes and all(n > 0 for n in sizes)
+    assert [kind for kind, _ in ok.calls] == ["prepare"] + ["chunk"] * len(sizes)
+    assert all(thread.startswith("voxcpm-encoder-") for _, thread in ok.calls)
+
+    failing = _PreparedTransform(fail=True)  # fails the stream as an encoding failure, frees the engine
+    with pytest.raises(Exception, match="encoding the audio failed: RuntimeError: no encoder today"):
+        asyncio.run_coroutine_threadsafe(run(failing), pool._loop).result(120)
+    assert failing.calls[0][0] == "prepare"
+    _free_blocks_restored(pool)

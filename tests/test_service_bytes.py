@@ -65,6 +65,16 @@ def encoded(chunks: list[np.ndarray], fmt: str) -> bytes:
     return b"".join(enc(c, i == len(chunks) - 1) or b"" for i, c in enumerate(chunks))
 
 
+def test_a_prepared_mp3_encoder_makes_the_same_bytes(reference):
+    """The service prepares each MP3 encoder (LAME's set-up) before the first chunk: the output must not change."""
+    prepared = make_encoder("mp3", SAMPLE_RATE)
+    prepared.prepare()
+    assert b"".join(prepared(c, i == len(reference) - 1) or b"" for i, c in enumerate(reference)) \
+        == encoded(reference, "mp3")
+    sse = make_encoder("mp3", SAMPLE_RATE, sse=True)
+    assert sse.prepare.__self__ is sse.inner  # SSE around MP3 prepares the MP3 encoder
+
+
 def body(fmt: str = "mp3") -> dict:
     return {"target_text": TEXT, "max_generate_length": PATCHES, "seed": SEED, "response_format": fmt}
 

@@ -18,6 +18,8 @@
 #   PARTS="cold" BASELINE=old COLD_ROUNDS=3 COLD_PYSPY=1 ...   # cold starts, then one more under py-spy (pyspy_start_*)
 #   PARTS="manifest cold" COLD_VARIANTS="-;VOXCPM_CUDNN_BENCHMARK=0" ...   # re-record the kernel manifest, then starts
 #   PARTS="lora" CONC=1,64 LORAS=4 LORA_RANK=32 ...   # runtime LoRA adapters vs the base model vs a merged adapter
+#   PARTS="http_env" HTTP_VARIANTS="NANOVLLM_WORKER_CPUS=1;NANOVLLM_ENCODER_THREADS=2" CONC=64,128 ...   # this
+#       tree's service once per ';'-separated environment, MP3 at CONC each: http_env<i>_mp3_{a,b}.json
 # Rough times: wheels ~10 s; checkpoint 1-3 min (skipped when $CKPT was finished by an earlier call on a
 # machine still warm); nano at 1,8,32,64 ~2.5 min (startup 40-55 s, then 12 bursts of 16 s of audio at
 # 10-125 audio-s/s); ours the same if it matches nano, ~5 min at the eager 164-197 ms/step. Every part
@@ -305,7 +307,8 @@ for part in $PARTS; do
             ;;
         encode)
             setup_wheels || { RC[$part]=setup; continue; }
-            run_limited 120 encode python3 tools/bench_encode.py --out "$OUT/encode.json"
+            # shellcheck disable=SC2086  # ENCODE_ARGS: extra flags, e.g. "--threads 1,14,28,56"
+            run_limited 120 encode python3 tools/bench_encode.py --out "$OUT/encode.json" ${ENCODE_ARGS:-}
             RC[$part]=$?
             ;;
         http)
@@ -324,6 +327,17 @@ for part in $PARTS; do
                 esac || RC[$part]=$?
             done
             stop_service
+            ;;
+        http_env)  # this tree's service in each of HTTP_VARIANTS (';'-separated environments), MP3 at CONC
+            { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
+            RC[$part]=0
+            IFS=';' read -r -a variants <<< "${HTTP_VARIANTS:-}"
+            for v in "${!variants[@]}"; do
+                log "variant http_env$v: ${variants[$v]}"
+                SERVICE_ENV="${variants[$v]}" start_service "$ROOT" "env$v" || { stop_service; RC[$part]=start; continue; }
+                http_bench "env${v}_mp3" "$CONC" --format mp3 || RC[$part]=$?
+                stop_service
+            done
             ;;
         http_api16)  # the service with 16 API processes, at CONC_HIGH
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
@@ -419,7 +433,7 @@ from bench_stream import random_adapters; random_adapters('$CKPT', 1, ${LORA_RAN
             stop_service
             ;;
         *)
-            log "unknown part '$part' (known: test check profile ours ours_base manifest cold lora ours_window ours_hifi nano encode http http_api16 gpu2 http_base)"
+            log "unknown part '$part' (known: test check profile ours ours_base manifest cold lora ours_window ours_hifi nano encode http http_env http_api16 gpu2 http_base)"
             ;;
     esac
 done

@@ -43,11 +43,13 @@ from engine.serving.routing import LoadTable
 
 log = logging.getLogger(__name__)
 
-# A stream's transform: (chunk, is_last) -> what the stream yields for it (None: nothing for this chunk).
+# A stream's transform: (chunk, is_last) -> what the stream yields for it (None: nothing for this chunk). One with a
+# `prepare()` method has it run on an encoder thread when the request is sent, before its first chunk.
 Transform = Callable[[np.ndarray, bool], Any]
 RECONNECT_S = (0.05, 0.5)  # first and longest pause between connection attempts
 REPLAY = "replay:"  # call ids of registrations sent again to a (re)connected worker, answered to nobody
 _END = object()
+_PREPARE = object()  # the pending "event" that runs a transform's prepare()
 
 
 @dataclass
@@ -128,6 +130,8 @@ class GenerationStream:
         except BaseException:
             self._end("error")
             raise
+        if hasattr(self.transform, "prepare"):
+            self.client.encoders.prepare(self)
 
     def _end(self, reason: p.FinishReason) -> None:
         if self._ended:
@@ -162,6 +166,16 @@ class GenerationStream:
                 return _Item(None, finished=True, finish_reason="error",
                              error=PoolError(f"encoding the audio failed: {type(e).__name__}: {e}"))
         return _Item(value, len(audio), ev.finished, ev.finish_reason)
+
+    def prepare(self) -> _Item | None:
+        """Run the transform's prepare() (on an encoder thread); its failure fails the stream as an encoding one."""
+        try:
+            self.transform.prepare()  # type: ignore[union-attr]
+        except Exception as e:
+            log.exception("preparing the transform of %s failed", self.request_id)
+            return _Item(None, finished=True, finish_reason="error",
+                         error=PoolError(f"encoding the audio failed: {type(e).__name__}: {e}"))
+        return None
 
     async def aclose(self) -> None:
         self.close()
@@ -270,8 +284,8 @@ class EncoderPool:
             return float("-inf")
         return stream.first_output_at + stream.transformed_samples / self.sample_rate
 
-    def submit(self, stream: GenerationStream, ev: p.AudioEvent) -> None:
-        """From the reader thread: a stream's next event."""
+    def submit(self, stream: GenerationStream, ev: p.AudioEvent | object) -> None:
+        """From the reader thread: a stream's next event (or, from the loop, _PREPARE before any)."""
         with stream.lock:
             stream.pending.append(ev)
             if stream.scheduled:
@@ -279,6 +293,10 @@ class EncoderPool:
             stream.scheduled = True
             due = self._due(stream)
         self.queue.put((due, next(self._order), stream))
+
+    def prepare(self, stream: GenerationStream) -> None:
+        """Run the stream's transform's prepare() ahead of its chunks (due at once, as a first chunk is)."""
+        self.submit(stream, _PREPARE)
 
     def _run(self) -> None:
         while (job := self.queue.get())[2] is not _END:
@@ -289,16 +307,18 @@ class EncoderPool:
                     stream.scheduled = False
                     continue
                 ev = stream.pending.pop(0)
-            item = stream.convert(ev)
+            item = stream.prepare() if ev is _PREPARE else stream.convert(ev)
             with stream.lock:
-                if stream.first_output_at is None and item.value is not None:
+                if stream.first_output_at is None and item is not None and item.value is not None:
                     stream.first_output_at = time.monotonic()
-                stream.transformed_samples += item.samples
+                stream.transformed_samples += item.samples if item is not None else 0
                 again = bool(stream.pending)
                 stream.scheduled = again
                 due = self._due(stream)
             if again:
                 self.queue.put((due, next(self._order), stream))
+            if item is None:
+                continue
             try:
                 self.loop.call_soon_threadsafe(stream.put, item)
             except RuntimeError:  # the loop is closed
