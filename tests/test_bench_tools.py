@@ -177,6 +177,21 @@ def test_hifi_blocking_http(server, tmp_path):
         assert r["ttfb_p50"] <= r["wall_mean"] * 1.000001 and r["streams_with_underrun"] == 0
 
 
+@pytest.mark.parametrize("client", ["httpx", "raw"])
+def test_http_bursts_over_client_processes(server, tmp_path, client):
+    """tools/bench_http.py with either client: every request's audio counted exactly, its send timed."""
+    out = tmp_path / f"http_{client}.json"
+    tool("http").main([server.url, "--conc", "3", "--iters", "2", "--patches", str(PATCHES), "--procs", "2",
+                       "--format", "pcm", "--client", client, "--label", client, "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["client"] == client and doc["format"] == "pcm" and len(doc["results"]) == 1
+    r = doc["results"][0]
+    assert r["failed"] == 0 and r["errors"] == [] and r["requests"] == 6 and r["client_procs"] == 2
+    assert r["audio_s_mean"] == pytest.approx(PATCHES * PATCH_S, abs=1e-9) and r["chunks_mean"] >= 1
+    assert 0 <= r["sent_p50"] <= r["sent_p95"] <= r["ttfb_p95"]
+    assert 0 < r["ttfb_after_send_p50"] <= r["ttfb_after_send_p95"] and r["throughput_audio_s_per_s"] > 0
+
+
 # ---------------------------------------------------------------- measurement helpers
 
 

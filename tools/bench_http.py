@@ -11,6 +11,12 @@ streams (its own core saturates and the numbers become the client's). Each reque
 trace: when its body was on the wire, when the response headers came): `sent_*` is the client's own delay within a
 burst, `ttfb_after_send_*` the part of TTFB that is the service's.
 
+--client raw replaces httpx with a lean HTTP/1.1 client (h11 on asyncio streams): each stream's keep-alive
+connection is opened before the first burst and its request bytes are made before each burst's start, so a
+process puts all its requests on the wire within a millisecond (httpx takes 2-3 ms a request: at c=128 the
+last requests of a burst left 40-50 ms after it began, and TTFB counted from the burst's start included that).
+The responses are read and timed the same way.
+
 Routes: /generate (--route generate), /v1/audio/speech streaming (--route speech); --voice hifi registers one
 synthetic 5 s clip with /add_hifi and sends its hifi_id. Audio seconds come from the bytes: PCM exactly, MP3
 from its frame headers.
@@ -26,9 +32,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import json
 import multiprocessing as mp
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +123,73 @@ async def client_bursts(a: argparse.Namespace, n: int, bursts: int, barrier: Any
     return out
 
 
+async def raw_bursts(a: argparse.Namespace, n: int, bursts: int, barrier: Any, hifi_id: str | None,
+                     sample_rate: int) -> list[list[dict[str, Any]]]:
+    """client_bursts on h11 and asyncio streams: connections opened and requests made before a burst starts."""
+    import h11
+
+    url = urllib.parse.urlsplit(a.url)
+    host, port = url.hostname or "127.0.0.1", url.port or 80
+    path, body = body_of(a, hifi_id)
+    payload = json.dumps(body).encode()
+    headers = [("Host", url.netloc), ("Content-Type", "application/json"), ("Content-Length", str(len(payload)))]
+
+    async def connect() -> tuple[asyncio.StreamReader, asyncio.StreamWriter, h11.Connection]:
+        reader, writer = await asyncio.open_connection(host, port)
+        return reader, writer, h11.Connection(h11.CLIENT)
+
+    async def one(link: tuple[asyncio.StreamReader, asyncio.StreamWriter, h11.Connection], t0: float,
+                  sent: float) -> dict[str, Any]:
+        reader, _, conn = link
+        count = counter(a.format, sample_rate)
+        arrivals, durations, status, headers_at, error = [], [], 0, None, b""
+        try:
+            while True:
+                ev = conn.next_event()
+                if ev is h11.NEED_DATA:
+                    conn.receive_data(await reader.read(1 << 16))
+                elif isinstance(ev, h11.Response):
+                    status, headers_at = ev.status_code, time.perf_counter() - t0
+                elif isinstance(ev, h11.Data):
+                    if status != 200:
+                        error += ev.data
+                    elif (seconds := count(ev.data)) > 0:
+                        arrivals.append(time.perf_counter() - t0)
+                        durations.append(seconds)
+                elif isinstance(ev, h11.EndOfMessage | h11.ConnectionClosed):
+                    break
+            if status != 200:
+                return {"error": f"HTTP {status}: {error[:200]!r}"}
+            rec = request_record(arrivals, durations)
+            del rec["arrivals"], rec["durations"]
+            rec["sent"], rec["headers"] = sent, headers_at
+            return rec
+        except Exception as e:  # noqa: BLE001  (a failed request is a result)
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    links = [await connect() for _ in range(n)]
+    out = []
+    for _ in range(bursts):
+        wires = [conn.send(h11.Request(method="POST", target=path, headers=headers)) + conn.send(h11.Data(data=payload))
+                 + conn.send(h11.EndOfMessage()) for _, _, conn in links]
+        await asyncio.to_thread(barrier.wait)
+        t0 = time.perf_counter()
+        sent = []
+        for (_, writer, _), wire in zip(links, wires, strict=True):
+            writer.write(wire)  # straight into the socket: asyncio writes at once when the buffer is empty
+            sent.append(time.perf_counter() - t0)
+        out.append(await asyncio.gather(*(one(link, t0, s) for link, s in zip(links, sent, strict=True))))
+        for i, (_, writer, conn) in enumerate(links):  # the next request on the same connection, or a new one
+            if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+                conn.start_next_cycle()
+            else:
+                writer.close()
+                links[i] = await connect()
+    for _, writer, _ in links:
+        writer.close()
+    return out
+
+
 SENT = "http11.send_request_body.complete"  # the request is on the wire: what came before is the client's
 HEADERS = "http11.receive_response_headers.complete"  # the service accepted it (a stream's headers go out at once)
 
@@ -134,7 +209,8 @@ def send_stats(reqs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def client_process(a: argparse.Namespace, n: int, bursts: int, barrier: Any, hifi_id: str | None,
                    sample_rate: int, results: Any) -> None:
-    out = asyncio.run(client_bursts(a, n, bursts, barrier, hifi_id, sample_rate))
+    bursts_of = raw_bursts if a.client == "raw" else client_bursts
+    out = asyncio.run(bursts_of(a, n, bursts, barrier, hifi_id, sample_rate))
     results.put((out, time.process_time()))  # the client's own CPU seconds: the box is shared with the service
 
 
@@ -225,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--route", choices=["generate", "speech"], default="generate")
     ap.add_argument("--voice", choices=["zeroshot", "hifi"], default="zeroshot")
     ap.add_argument("--format", choices=["mp3", "pcm"], default="mp3")
+    ap.add_argument("--client", choices=["httpx", "raw"], default="httpx",
+                    help="httpx, or a lean h11 client that puts a burst's requests on the wire at once")
     ap.add_argument("--pid", type=int, help="the service's main process: CPU per role")
     ap.add_argument("--label", default="", help="a name for this run in the JSON")
     ap.add_argument("--out")
@@ -239,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
         r.raise_for_status()
         hifi_id = r.json()["hifi_id"]
     doc: dict[str, Any] = {"tool": "bench_http", "argv": sys.argv if argv is None else argv, "label": a.label,
-                           "url": a.url, "route": a.route, "voice": a.voice, "format": a.format,
+                           "url": a.url, "client": a.client, "route": a.route, "voice": a.voice, "format": a.format,
                            "patches": a.patches, "iters": a.iters, "sample_rate": sample_rate,
                            "service": {k: info.get(k) for k in ("mp3", "queue_coalesce_ms", "api_processes")},
                            "results": []}

@@ -18,8 +18,8 @@
 #   PARTS="cold" BASELINE=old COLD_ROUNDS=3 COLD_PYSPY=1 ...   # cold starts, then one more under py-spy (pyspy_start_*)
 #   PARTS="manifest cold" COLD_VARIANTS="-;VOXCPM_CUDNN_BENCHMARK=0" ...   # re-record the kernel manifest, then starts
 #   PARTS="lora" CONC=1,64 LORAS=4 LORA_RANK=32 ...   # runtime LoRA adapters vs the base model vs a merged adapter
-#   PARTS="http_env" HTTP_VARIANTS="NANOVLLM_WORKER_CPUS=1;NANOVLLM_ENCODER_THREADS=2" CONC=64,128 ...   # this
-#       tree's service once per ';'-separated environment, MP3 at CONC each: http_env<i>_mp3_{a,b}.json
+#   PARTS="http_env" BASELINE=old HTTP_ROUNDS=3 HTTP_VARIANTS="-;NANOVLLM_WORKER_CPUS=1" CONC=64,128 ...   # rounds
+#       of the old service and this tree's in each environment, alternating, MP3 at CONC (tools/http_rounds_report.py)
 # Rough times: wheels ~10 s; checkpoint 1-3 min (skipped when $CKPT was finished by an earlier call on a
 # machine still warm); nano at 1,8,32,64 ~2.5 min (startup 40-55 s, then 12 bursts of 16 s of audio at
 # 10-125 audio-s/s); ours the same if it matches nano, ~5 min at the eager 164-197 ms/step. Every part
@@ -29,7 +29,7 @@
 # `python tools/bench_compare.py ours.json nano.json`. The comparison runs at the end of a call whenever
 # $OUT holds both.
 #
-# Knobs (environment): PARTS, CONC (1,8,32,64), ITERS (2), PATCHES (100), MODE (zeroshot|hifi),
+# Knobs (environment): HTTP_ARGS (extra tools/bench_http.py flags for every sweep, e.g. "--client raw"), PARTS, CONC (1,8,32,64), ITERS (2), PATCHES (100), MODE (zeroshot|hifi),
 # PRESET (full-voxcpm2), CKPT (/tmp/full), BUDGET_S (total seconds this call may use, 580), T_CHECK / T_OURS / T_NANO (per-part
 # time limits, seconds; T_TEST for the CUDA tests), BENCH_ARGS (extra flags for both benchmarks), OURS_ARGS / NANO_ARGS (per engine),
 # CHECK_ARGS (extra flags for gpu_check.py), PROFILE_BATCH (1,8,64), BASELINE, T_PROFILE, FRESH_KERNELS (1: our
@@ -215,8 +215,9 @@ http_bench() {  # http_bench NAME CONC [bench_http.py flags]: one sweep; a py-sp
     shift 2
     local head=${conc%,*} last=${conc##*,}
     if [[ "$head" != "$conc" ]]; then
+        # shellcheck disable=SC2086  # HTTP_ARGS: extra flags for every sweep, e.g. "--client raw"
         run_limited "$T_HTTP" "http-$name" python3 tools/bench_http.py "http://127.0.0.1:$PORT" --conc "$head" \
-            --procs 8 --pid "$SVC_PID" --label "$name" --out "$OUT/http_${name}_a.json" "$@"
+            --procs 8 --pid "$SVC_PID" --label "$name" --out "$OUT/http_${name}_a.json" ${HTTP_ARGS:-} "$@"
     fi
     local spy=""
     if [[ -n "${PYSPY:-}" ]] && command -v py-spy >/dev/null; then
@@ -225,8 +226,9 @@ http_bench() {  # http_bench NAME CONC [bench_http.py flags]: one sweep; a py-sp
         spy=$!
         sleep 1
     fi
+    # shellcheck disable=SC2086
     run_limited "$T_HTTP" "http-$name-c$last" python3 tools/bench_http.py "http://127.0.0.1:$PORT" --conc "$last" \
-        --procs 8 --pid "$SVC_PID" --label "$name" --out "$OUT/http_${name}_b.json" "$@"
+        --procs 8 --pid "$SVC_PID" --label "$name" --out "$OUT/http_${name}_b.json" ${HTTP_ARGS:-} "$@"
     local rc=$?
     [[ -n "$spy" ]] && wait "$spy"
     return $rc
@@ -323,20 +325,38 @@ for part in $PARTS; do
                     hifi) http_bench hifi "$HIFI_CONC" --voice hifi --format mp3 --patches 40 ;;
                     pcm_p16) http_bench pcm_p16 "${CONC_HIGH:-64,128}" --format pcm --procs 16 ;;
                     mp3_p16) http_bench mp3_p16 "${CONC_HIGH:-64,128}" --format mp3 --procs 16 ;;
+                    mp3_httpx) http_bench mp3_httpx "${CONC_HIGH:-64,128}" --format mp3 --client httpx ;;
+                    pcm_httpx) http_bench pcm_httpx "${CONC_HIGH:-64,128}" --format pcm --client httpx ;;
                     *) log "unknown HTTP run $run" ;;
                 esac || RC[$part]=$?
             done
             stop_service
             ;;
-        http_env)  # this tree's service in each of HTTP_VARIANTS (';'-separated environments), MP3 at CONC
+        http_env)  # HTTP_ROUNDS rounds of: BASELINE's service (when set), then this tree's in each of HTTP_VARIANTS
+            # (';'-separated environments, '-' for none), MP3 at CONC each, no profiler:
+            # http_r<round>_base_mp3_{a,b}.json, http_r<round>_env<i>_mp3_{a,b}.json (tools/http_rounds_report.py)
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
             RC[$part]=0
-            IFS=';' read -r -a variants <<< "${HTTP_VARIANTS:-}"
-            for v in "${!variants[@]}"; do
-                log "variant http_env$v: ${variants[$v]}"
-                SERVICE_ENV="${variants[$v]}" start_service "$ROOT" "env$v" || { stop_service; RC[$part]=start; continue; }
-                http_bench "env${v}_mp3" "$CONC" --format mp3 || RC[$part]=$?
-                stop_service
+            IFS=';' read -r -a variants <<< "${HTTP_VARIANTS:--}"
+            for round in $(seq 1 "${HTTP_ROUNDS:-1}"); do
+                if [[ -n "${BASELINE:-}" ]]; then
+                    if start_service "$BASELINE" "r${round}_base"; then
+                        http_bench "r${round}_base_mp3" "$CONC" --format mp3 || RC[$part]=$?
+                    else
+                        RC[$part]=start
+                    fi
+                    stop_service
+                fi
+                for v in "${!variants[@]}"; do
+                    env_v="${variants[$v]}"; [[ $env_v == - ]] && env_v=""
+                    log "variant env$v: ${env_v:-default environment}"
+                    if SERVICE_ENV="$env_v" start_service "$ROOT" "r${round}_env$v"; then
+                        http_bench "r${round}_env${v}_mp3" "$CONC" --format mp3 || RC[$part]=$?
+                    else
+                        RC[$part]=start
+                    fi
+                    stop_service
+                done
             done
             ;;
         http_api16)  # the service with 16 API processes, at CONC_HIGH

@@ -4,13 +4,18 @@ http, encode): each HTTP sweep beside the in-process pool measured in the same c
     python tools/serving_report.py docs/results/serving_2026-11-26/run7 [--reference pool_window.json]
 
 The reference pool is the one with the service's engine settings (its coalescing window) unless --reference
-names another file; HiFi rows use pool_hifi.json.
+names another file; HiFi rows use pool_hifi.json. A call of the http_env part (rounds of services compared,
+files http_r<round>_<variant>_mp3_*.json) gets one row per variant and concurrency: the mean over the rounds,
+and each round's value.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import statistics
+from collections import defaultdict
 from pathlib import Path
 
 
@@ -37,6 +42,30 @@ def table(run: Path, name: str, pool: dict[int, dict]) -> list[str]:
     return out
 
 
+def rounds_table(run: Path, pool: dict[int, dict]) -> list[str]:
+    """Rounds of the http_env part: per variant and concurrency, the mean over rounds (each round's in brackets)."""
+    runs: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    for path in sorted(run.glob("http_r*_mp3_a.json")):
+        m = re.fullmatch(r"http_r(\d+)_(\w+?)_mp3_a\.json", path.name)
+        if m:
+            for c, h in http_rows(run, f"r{m[1]}_{m[2]}_mp3").items():
+                runs[m[2], c].append(h)
+    out = ["| variant | c | rounds | pool audio-s/s | HTTP audio-s/s: mean share (each) | HTTP TTFB p95 excess: mean "
+           "(each) | streams that underran (each) | service cores |", "|---|---|---|---|---|---|---|---|"]
+    for (name, c), hs in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        p = pool.get(c)
+        if p is None:
+            continue
+        shares = [100 * h["throughput_audio_s_per_s"] / p["throughput_audio_s_per_s"] for h in hs]
+        excess = [1000 * (h["ttfb_p95"] - p["ttfb_p95"]) for h in hs]
+        out.append(f"| {name} | {c} | {len(hs)} | {p['throughput_audio_s_per_s']:.1f} | "
+                   f"{statistics.mean(shares):.1f}% ({', '.join(f'{x:.1f}' for x in shares)}) | "
+                   f"{statistics.mean(excess):+.0f} ms ({', '.join(f'{x:+.0f}' for x in excess)}) | "
+                   f"{', '.join(str(h['streams_with_underrun']) for h in hs)} | "
+                   f"{statistics.mean(h.get('service_cores_mean', 0) for h in hs):.1f} |")
+    return out if len(out) > 2 else []
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", type=Path)
@@ -46,9 +75,12 @@ def main(argv: list[str] | None = None) -> None:
     print("| route | c | pool audio-s/s | HTTP audio-s/s (share) | pool TTFB p95 | HTTP TTFB p95 (excess) | "
           "RTF HTTP/pool | streams that underran | service cores | client cores |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for name in ("mp3", "pcm", "speech"):
-        print("\n".join(table(a.run, name, pool)))
-    print("\n".join(table(a.run, "hifi", hifi)))
+    names = ("mp3", "pcm", "speech", "mp3_httpx", "pcm_httpx")
+    for lines in [table(a.run, name, pool) for name in names] + [table(a.run, "hifi", hifi)]:
+        if lines:
+            print("\n".join(lines))
+    if rounds := rounds_table(a.run, pool):
+        print("\n" + "\n".join(rounds))
 
 
 if __name__ == "__main__":
