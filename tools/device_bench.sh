@@ -29,7 +29,8 @@
 # `python tools/bench_compare.py ours.json nano.json`. The comparison runs at the end of a call whenever
 # $OUT holds both.
 #
-# Knobs (environment): HTTP_ARGS (extra tools/bench_http.py flags for every sweep, e.g. "--client raw"), PARTS, CONC (1,8,32,64), ITERS (2), PATCHES (100), MODE (zeroshot|hifi),
+# Knobs (environment): HTTP_ARGS (extra tools/bench_http.py flags for every sweep, e.g. "--client raw"), HTTP_PYSPY
+# (empty: no py-spy profile during the MP3 sweep's last level, which costs the host CPU), PARTS, CONC (1,8,32,64), ITERS (2), PATCHES (100), MODE (zeroshot|hifi),
 # PRESET (full-voxcpm2), CKPT (/tmp/full), BUDGET_S (total seconds this call may use, 580), T_CHECK / T_OURS / T_NANO (per-part
 # time limits, seconds; T_TEST for the CUDA tests), BENCH_ARGS (extra flags for both benchmarks), OURS_ARGS / NANO_ARGS (per engine),
 # CHECK_ARGS (extra flags for gpu_check.py), PROFILE_BATCH (1,8,64), BASELINE, T_PROFILE, FRESH_KERNELS (1: our
@@ -319,7 +320,7 @@ for part in $PARTS; do
             RC[$part]=0
             for run in $HTTP_RUNS; do
                 case $run in
-                    mp3) PYSPY=1 http_bench mp3 "$CONC" --format mp3 ;;
+                    mp3) PYSPY=${HTTP_PYSPY-1} http_bench mp3 "$CONC" --format mp3 ;;
                     pcm) http_bench pcm "$CONC" --format pcm ;;
                     speech) http_bench speech "$CONC" --route speech --format mp3 ;;
                     hifi) http_bench hifi "$HIFI_CONC" --voice hifi --format mp3 --patches 40 ;;
@@ -381,7 +382,7 @@ for part in $PARTS; do
                 MAXSEQS=${MAXSEQS:-128} SERVICE_ENV="NANOVLLM_SERVERPOOL_DEVICES=$devs" start_service "$ROOT" "gpu$n" \
                     || { stop_service; RC[$part]=start; continue; }
                 for fmt in ${GPU2_FORMATS:-mp3 pcm}; do
-                    PYSPY=$([[ $n == 2 && $fmt == mp3 ]] && echo 1) http_bench "gpu${n}_$fmt" "$c" --format "$fmt" \
+                    PYSPY=$([[ $n == 2 && $fmt == mp3 ]] && echo "${HTTP_PYSPY-1}") http_bench "gpu${n}_$fmt" "$c" --format "$fmt" \
                         --procs "${GPU2_PROCS:-16}" || RC[$part]=$?
                 done
                 stop_service
