@@ -17,6 +17,7 @@
 #   PARTS="ours ours_base cold" BASELINE=old CONC=1,8,128 ...   # this tree against an earlier one: the pool, cold starts
 #   PARTS="cold" BASELINE=old COLD_ROUNDS=3 COLD_PYSPY=1 ...   # cold starts, then one more under py-spy (pyspy_start_*)
 #   PARTS="manifest cold" COLD_VARIANTS="-;VOXCPM_CUDNN_BENCHMARK=0" ...   # re-record the kernel manifest, then starts
+#   PARTS="gpu2" GPU2_ENV="NANOVLLM_API_PROCESSES=28" ...   # one GPU against two, the services in that environment
 #   PARTS="lora" CONC=1,64 LORAS=4 LORA_RANK=32 ...   # runtime LoRA adapters vs the base model vs a merged adapter
 #   PARTS="http_env" BASELINE=old HTTP_ROUNDS=3 HTTP_VARIANTS="-;NANOVLLM_WORKER_CPUS=1" CONC=64,128 ...   # rounds
 #       of the old service and this tree's in each environment, alternating, MP3 at CONC (tools/http_rounds_report.py)
@@ -379,7 +380,7 @@ for part in $PARTS; do
             for n in 1 2; do
                 devs=$([[ $n == 1 ]] && echo 0 || echo 0,1)
                 c=$([[ $n == 1 ]] && echo "$c1" || echo "$c2")
-                MAXSEQS=${MAXSEQS:-128} SERVICE_ENV="NANOVLLM_SERVERPOOL_DEVICES=$devs" start_service "$ROOT" "gpu$n" \
+                MAXSEQS=${MAXSEQS:-128} SERVICE_ENV="NANOVLLM_SERVERPOOL_DEVICES=$devs ${GPU2_ENV:-}" start_service "$ROOT" "gpu$n" \
                     || { stop_service; RC[$part]=start; continue; }
                 for fmt in ${GPU2_FORMATS:-mp3 pcm}; do
                     PYSPY=$([[ $n == 2 && $fmt == mp3 ]] && echo "${HTTP_PYSPY-1}") http_bench "gpu${n}_$fmt" "$c" --format "$fmt" \
