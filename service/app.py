@@ -26,7 +26,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import AsyncVoxCPMServerPool, VoxCPM
-from engine.serving.pool import checked_model_path
+from engine.serving.pool import checked_model_path, device_names
 from engine.serving.routing import LoadTable
 from service import errors, lifecycle
 from service.deps import require_api_key
@@ -62,9 +62,10 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
                 lora_path = await asyncio.to_thread(adapter_path, settings)
                 voice_db = voice_db_path(settings, model_path, Path(scratch))
                 registrations = LoRARegistrations(voice_db.with_name("loras.db"))
-                pool = VoxCPM.from_pretrained(model_path, encoder_threads=settings.encoder_threads,
-                                              queue_bound=settings.queue_bound, loras=registrations,
-                                              **engine_arguments(settings, demo, lora_path))
+                arguments = engine_arguments(settings, demo, lora_path)
+                threads = settings.encoder_thread_count(1, len(device_names(arguments["devices"])))
+                pool = VoxCPM.from_pretrained(model_path, encoder_threads=threads, queue_bound=settings.queue_bound,
+                                              loras=registrations, **arguments)
                 assert isinstance(pool, AsyncVoxCPMServerPool)
             else:
                 model_path, demo, voice_db = endpoint.model_path, endpoint.demo, endpoint.voice_db
@@ -72,7 +73,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
                         if endpoint.load_table else None)
                 registrations = LoRARegistrations(voice_db.with_name("loras.db"))
                 pool = AsyncVoxCPMServerPool.connect(model_path, endpoint.addresses, endpoint.authkey,
-                                                     settings.encoder_threads, load, settings.queue_bound,
+                                                     endpoint.encoder_threads, load, settings.queue_bound,
                                                      registrations)
             store = SqliteVoiceStore(voice_db, settings.voice_cache_max_entries, settings.voice_cache_max_bytes)
             state = ServiceState(settings=settings, pool=pool, store=store, metrics=metrics, model_path=model_path,

@@ -33,6 +33,7 @@ class WorkerEndpoint:
     multiprocess_metrics: bool
     load_table: Path | None = None  # the in-flight table every API process routes by (engine.serving.routing)
     row: int = 0  # this API process's row in it
+    encoder_threads: int = 4  # each API process's (Settings.encoder_thread_count, decided by the supervisor)
 
 
 def model_fingerprint(model_path: str) -> str:

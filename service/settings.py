@@ -47,8 +47,10 @@ class Settings(BaseSettings):
     worker_cpus: int = Field(2, ge=0, le=64, description="CPU cores reserved for each engine worker (its host loop "
                                                          "drives the GPU); the API processes run on the others. 0, "
                                                          "or too few cores to leave two: no reservation.")
-    encoder_threads: int = Field(4, ge=1, le=64, description="Audio-encoding threads per HTTP server process (on the "
-                                                            "cores not reserved for the engine workers).")
+    encoder_threads: int = Field(0, ge=0, le=64, description="Audio-encoding threads per HTTP server process (on the "
+                                                            "cores not reserved for the engine workers). 0 = one per "
+                                                            "two seats the process serves on average (the engine "
+                                                            "seats over the API processes), from 2 to 16.")
     cache_dir: Path = Field(Path("~/.cache/voxcpm-serve"), description="Voice store and demo checkpoint.")
     voice_store: Literal["disk", "memory"] = Field("disk", description="Where cached voices live.")
     voice_cache_max_entries: int = Field(1024, ge=1, description="Most cached voices (all kinds together).")
@@ -150,6 +152,16 @@ class Settings(BaseSettings):
         if self.api_processes:
             return self.api_processes
         return max(1, min(16, cores if cores is not None else len(os.sched_getaffinity(0))))
+
+    def encoder_thread_count(self, api_processes: int, workers: int) -> int:
+        """Encoder threads per API process. Connections spread over the processes unevenly (the kernel hashes them),
+        so a process may serve ~1.5x its share of streams; too few threads leave its streams behind while other
+        processes idle, too many on a host that is short of cores cost more CPU per audio second (measured in
+        docs/benchmarks.md, serving item 17)."""
+        if self.encoder_threads:
+            return self.encoder_threads
+        seats = self.serverpool_max_num_seqs * max(1, workers)
+        return max(2, min(16, seats // (2 * max(1, api_processes))))
 
     def api_key_list(self) -> list[str]:
         """The keys from NANOVLLM_API_KEYS and NANOVLLM_API_KEYS_FILE (read once, at start-up)."""

@@ -134,10 +134,12 @@ class Supervisor:
             endpoint = engine_setup.WorkerEndpoint(workers.addresses, workers.authkey, model_path, demo,
                                                    engine_setup.voice_db_path(s, model_path, runtime),
                                                    multiprocess_metrics=True,
-                                                   load_table=runtime / "load")
+                                                   load_table=runtime / "load",
+                                                   encoder_threads=s.encoder_thread_count(count, len(devices)))
             self.api = [self._spawn_api(endpoint, i) for i in range(count)]
-            log.info("%d engine worker(s) on %s, %d API process(es) on %s:%d (%.1f s after start)", len(devices),
-                     ", ".join(devices), len(self.api), s.host, s.port, time.monotonic() - self.t0)
+            log.info("%d engine worker(s) on %s, %d API process(es) with %d encoder threads each on %s:%d (%.1f s "
+                     "after start)", len(devices), ", ".join(devices), len(self.api), endpoint.encoder_threads, s.host,
+                     s.port, time.monotonic() - self.t0)
             return await self._watch(workers, endpoint)
         finally:
             await self._shutdown(workers, runtime / "load")

@@ -77,6 +77,15 @@ def test_settings_validation(monkeypatch):
         Settings()
 
 
+def test_encoder_threads_follow_the_seats_each_api_process_serves():
+    """Auto: one thread per two seats an API process serves on average, 2..16 (one GPU of 128 seats over 14
+    processes: 4, the old fixed default; two such GPUs over 16 processes: 8, as measured on two H100s)."""
+    s = Settings(serverpool_max_num_seqs=128)
+    assert s.encoder_thread_count(14, 1) == 4 and s.encoder_thread_count(16, 2) == 8
+    assert s.encoder_thread_count(1, 1) == 16 and Settings().encoder_thread_count(16, 1) == 2
+    assert Settings(encoder_threads=3, serverpool_max_num_seqs=128).encoder_thread_count(16, 2) == 3
+
+
 def test_console_command_rejects_bad_config():
     env = {**os.environ, "NANOVLLM_MP3_QUALITY": "9"}
     p = subprocess.run([sys.executable, "-c", "from service.main import main; main()"], env=env,
