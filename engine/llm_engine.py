@@ -114,6 +114,7 @@ class LLMEngine:
             raise RequestError(f"lora_name: {name!r} is the start-up adapter, which every request without a "
                                "lora_name uses; it cannot be unregistered")
         self._lora_slots("lora_name").unregister(name)
+        self.scheduler.changed()  # a request waiting for its slot now fails at the next admission round
 
     def list_loras(self) -> list[dict]:
         return self.runner.lora.list() if self.runner.lora is not None else []

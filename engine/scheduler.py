@@ -58,9 +58,20 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # An admission round that left requests waiting for KV blocks or an adapter slot while others run records
+        # (changes, free blocks): until a request is added, finished or preempted, an adapter unregistered, or
+        # blocks freed, the next round would stop at the same place, so can_admit says no (and a pipelined engine
+        # launches its next decode ahead instead of re-trying the admission every step).
+        self.changes = 0
+        self._stalled: tuple[int, int] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.changed()
+
+    def changed(self) -> None:
+        """What admission depends on may have changed: the next round looks at the queue again."""
+        self.changes += 1
 
     @property
     def num_unfinished(self) -> int:
@@ -82,7 +93,10 @@ class Scheduler:
     @property
     def can_admit(self) -> bool:
         """Whether the next schedule() would look at the waiting queue."""
-        return bool(self.waiting) and len(self.running) < self.max_num_seqs and not self.window_left()
+        if not self.waiting or len(self.running) >= self.max_num_seqs or self.window_left():
+            return False
+        stalled = self._stalled
+        return stalled is None or stalled[0] != self.changes or self.blocks.num_free > stalled[1]
 
     def never_fits(self, seq: Sequence) -> str | None:
         """Why the request can never run here, starting with the request field to change, or None."""
@@ -109,6 +123,8 @@ class Scheduler:
             self._preempt(self.running[-1])
         budget = self.max_num_batched_tokens
         held: list[Sequence] = []  # waiting for what only they need: back at the head, in order, afterwards
+        self._stalled = None
+        stalled = False  # the round stopped for blocks or adapter slots (not for this step's token budget)
         while self.can_admit:
             seq = self.waiting[0]
             reason = self.never_fits(seq)
@@ -124,6 +140,7 @@ class Scheduler:
             else:
                 need = self.blocks.blocks_needed(seq.num_tokens + 1)
             if seq.num_tokens > budget or self.blocks.num_free < need:
+                stalled = seq.num_tokens <= budget
                 break
             if self.admit is not None:
                 try:
@@ -142,11 +159,14 @@ class Scheduler:
             self.running.append(seq)
             out.prefill.append(seq)
         self.waiting.extendleft(reversed(held))
+        if (stalled or held) and self.waiting and self.running and len(self.running) < self.max_num_seqs:
+            self._stalled = (self.changes, self.blocks.num_free)
         out.decode = list(self.running)
         return out
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
+        self.changed()
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.reset_for_recompute()
@@ -161,4 +181,5 @@ class Scheduler:
         if seq.block_table:
             self.blocks.free(seq)
         seq.status = Status.FINISHED
+        self.changed()
         seq.finish_reason = reason

@@ -412,3 +412,38 @@ def test_coalescing_window_gathers_arrivals_at_an_idle_engine(checkpoint_factory
     while engine.has_unfinished():
         engine.step()
     assert c.status.name == "FINISHED" and engine.blocks.num_free == len(engine.blocks.blocks)
+
+
+def test_a_request_waiting_for_kv_blocks_does_not_stop_the_pipeline(model):
+    """While a request waits for KV blocks that only a finishing stream frees, the engine does not re-try its
+    admission every step: the scheduler says nothing can be admitted, so the pipelined engine keeps launching the
+    next decode ahead. It is admitted once a stream finishes, and every request's audio is what it is alone."""
+    reqs = [dict(target_text=f"Stream {i} speaks.", params=SamplingParams(seed=20 + i, max_generate_length=n))
+            for i, n in enumerate((4, 10, 6))]
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=3, max_model_len=64, block_size=4, num_kv_blocks=10,
+                                           pipeline_decode=True))
+    launch, aheads = engine.runner.launch_decode, []
+
+    def counting_launch(seqs, blocks, ahead=0):
+        aheads.append((ahead, len(engine.scheduler.waiting)))
+        return launch(seqs, blocks, ahead)
+
+    engine.runner.launch_decode = counting_launch
+    ids = [engine.add_request(**r) for r in reqs]
+    chunks: dict[int, list[np.ndarray]] = {i: [] for i in ids}
+    stalled_steps = 0
+    while engine.has_unfinished():
+        for ev in engine.step():
+            chunks[ev.seq_id].append(ev.audio)
+        s = engine.scheduler
+        if s.waiting and s.running and not s.can_admit:  # nothing changed since the round that left it waiting
+            stalled_steps += 1
+    assert stalled_steps >= 3, "no step left the third request waiting, nothing to admit (or the cache is too big)"
+    assert any(ahead == 1 and waiting for ahead, waiting in aheads)  # launched ahead while it waited
+    engine.step()
+    assert engine.in_flight is None and engine.blocks.num_free == 10 and engine.scheduler.num_preemptions == 0
+    for i, r in zip(ids, reqs, strict=True):
+        alone = _run_all(LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=64, block_size=4)), [r])[0]
+        got = np.concatenate(chunks[i])
+        assert got.shape == alone.shape
+        np.testing.assert_allclose(got, alone, rtol=0, atol=1e-4 * np.abs(alone).max())
