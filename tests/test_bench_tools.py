@@ -192,6 +192,27 @@ def test_http_bursts_over_client_processes(server, tmp_path, client):
     assert 0 < r["ttfb_after_send_p50"] <= r["ttfb_after_send_p95"] and r["throughput_audio_s_per_s"] > 0
 
 
+def test_encode_costs_and_the_client_path(tmp_path):
+    """tools/bench_encode.py: every format's cost, MP3 on threads, and the engine client's own path, whose streams
+    carry exactly what the service's encoders make of the played worker's chunks."""
+    out = tmp_path / "encode.json"
+    doc = tool("encode").main(["--seconds", "1", "--threads", "1,2", "--client-path", "3", "--step-ms", "5",
+                               "--encoder-threads", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
+    assert {r["format"] for r in doc["formats"]} >= {"mp3 192 kbps q2", "pcm s16le", "wav", "flac", "opus"}
+    assert all(r["core_s_per_audio_s"] > 0 and r["bytes"] > 0 for r in doc["formats"])
+    assert [r["threads"] for r in doc["mp3_threads"]] == [1, 2]
+    encode = tool("encode")
+    steps, chunk = round(SAMPLE_RATE / 7680), 7680
+    audio = encode.speech_like(8.0, SAMPLE_RATE)
+    chunks = [audio[i * chunk:(i + 1) * chunk] for i in range(steps)]
+    for row in doc["client_path"]:
+        enc = encode.make_encoder(row["format"], SAMPLE_RATE)
+        one = b"".join(enc(c, i == steps - 1) or b"" for i, c in enumerate(chunks))
+        assert row["bytes"] == 3 * len(one) and row["core_s_per_audio_s"] > 0
+    assert [r["format"] for r in doc["client_path"]] == ["pcm", "mp3"]
+
+
 # ---------------------------------------------------------------- measurement helpers
 
 

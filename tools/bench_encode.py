@@ -6,16 +6,24 @@ Each format is encoded by the service's own encoders (service/audio.py), fed 160
 audio the way a stream is (whole files too: they gather the chunks and encode at the last one), on one thread;
 core-s per audio-s = CPU seconds / audio seconds (the inverse is "x real time" per core). MP3 is also run on
 several threads at once, to check that LAME's encoding scales over cores (it releases the GIL).
+
+--client-path STREAMS measures the same encoders on the API process's own path, without HTTP: a spawned process
+plays an engine worker, sending a step's chunks for STREAMS streams every --step-ms over a real connection to a real
+EngineClient (its reader thread, encoder pool of --encoder-threads and event loop, which takes each stream's
+output); the CPU of this process per audio second is then set beside the encoder's cost alone, per format.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import multiprocessing as mp
 import os
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -49,18 +57,78 @@ def encode_all(audio: np.ndarray, chunk: int, fmt: str, sr: int, options: dict) 
     return n
 
 
-def main(argv: list[str] | None = None) -> None:
+def _play_worker(conn: Any, request_ids: list[str], step_s: float, steps: int, chunk: int, sr: int) -> None:
+    """The worker's side of --client-path (a spawned process): each step's chunks, every step_s."""
+    from engine.serving import protocol as p
+
+    audio = speech_like(8.0, sr)
+    chunks = [audio[i:i + chunk] for i in range(0, len(audio) - chunk, chunk)]
+    due = time.perf_counter()
+    for k in range(steps):
+        last = k == steps - 1
+        conn.send(p.StepEvents([p.AudioEvent(rid, chunks[k % len(chunks)], finished=last,
+                                             finish_reason="length" if last else None) for rid in request_ids],
+                               p.WorkerLoad()))
+        due += step_s
+        time.sleep(max(0.0, due - time.perf_counter()))
+    conn.recv()  # until the client has read everything
+
+
+async def client_path(fmt: str, streams: int, step_s: float, steps: int, threads: int, chunk: int,
+                      sr: int) -> dict[str, Any]:
+    """CPU of this process per audio second while a real EngineClient turns a worker's steps into encoded streams."""
+    from engine.serving import protocol as p
+    from engine.serving.client import EngineClient, GenerationStream, _WorkerLink
+    from engine.serving.routing import LoadTable
+
+    client = EngineClient([], b"bench", encoder_threads=threads, load=LoadTable(1))
+    link = _WorkerLink(client, 0, "played by a process of this benchmark")
+    ours, theirs = mp.Pipe()
+    request = p.SynthesisRequest("", "", None, None, None, p.SamplingParams(), None)
+    runs = []
+    for _ in range(streams):
+        stream = GenerationStream(client, request, make_encoder(fmt, sr))
+        stream._link = link  # routed to the played worker, as _start does
+        link.streams[stream.request_id] = stream
+        if hasattr(stream.transform, "prepare"):
+            client.encoders.prepare(stream)
+        runs.append(stream)
+    worker = mp.get_context("spawn").Process(target=_play_worker, args=(
+        theirs, [s.request_id for s in runs], step_s, steps, chunk, sr))
+    c0, w0 = time.process_time(), time.perf_counter()
+    link.attach(ours)
+    worker.start()
+
+    async def drain(stream: GenerationStream) -> int:
+        return sum([len(b or b"") async for b in stream])
+
+    nbytes = sum(await asyncio.gather(*(drain(s) for s in runs)))
+    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+    client.closed = True  # the played worker's exit is no lost connection
+    ours.send("done")
+    worker.join()
+    client.encoders.stop()
+    audio_s = streams * steps * chunk / sr
+    return {"format": fmt, "streams": streams, "step_ms": 1000 * step_s, "encoder_threads": threads,
+            "core_s_per_audio_s": cpu / audio_s, "cores": cpu / wall, "bytes": nbytes}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--sample-rate", type=int, default=48000)
     ap.add_argument("--chunk", type=int, default=7680, help="samples per chunk (VoxCPM2: one 160 ms patch)")
     ap.add_argument("--threads", default="1,2,4,8,16", help="thread counts for the parallel MP3 check")
+    ap.add_argument("--client-path", type=int, default=0, metavar="STREAMS",
+                    help="also measure the engine client's path with this many streams (0: not)")
+    ap.add_argument("--step-ms", type=float, default=37.0, help="--client-path: a step's period (c=128 on one H100)")
+    ap.add_argument("--encoder-threads", type=int, default=4, help="--client-path: the client's encoder threads")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     sr = a.sample_rate
     audio = speech_like(a.seconds, sr)
     doc = {"tool": "bench_encode", "seconds": a.seconds, "sample_rate": sr, "chunk": a.chunk,
-           "cpus": len(os.sched_getaffinity(0)), "formats": [], "mp3_threads": []}
+           "cpus": len(os.sched_getaffinity(0)), "formats": [], "mp3_threads": [], "client_path": []}
     for fmt, options, label in CASES:
         encode_all(audio[: sr], a.chunk, fmt, sr, options)  # warm-up
         c0, w0 = time.process_time(), time.perf_counter()
@@ -81,7 +149,14 @@ def main(argv: list[str] | None = None) -> None:
         wall = time.perf_counter() - w0
         doc["mp3_threads"].append({"threads": n, "audio_s_per_s": n * a.seconds / wall})
         print(f"mp3 q2 on {n} threads: {n * a.seconds / wall:.0f} audio-s/s", flush=True)
+    steps = max(1, round(a.seconds * sr / a.chunk))
+    for fmt in ("pcm", "mp3") if a.client_path else ():
+        row = asyncio.run(client_path(fmt, a.client_path, a.step_ms / 1000, steps, a.encoder_threads, a.chunk, sr))
+        doc["client_path"].append(row)
+        print(f"client path, {fmt}, {a.client_path} streams: {row['core_s_per_audio_s']:.5f} core-s per audio-s "
+              f"({row['cores']:.2f} cores)", flush=True)
     write_json(a.out, doc)
+    return doc
 
 
 if __name__ == "__main__":
