@@ -123,9 +123,9 @@ class Scheduler:
             self._preempt(self.running[-1])
         budget = self.max_num_batched_tokens
         held: list[Sequence] = []  # waiting for what only they need: back at the head, in order, afterwards
-        self._stalled = None
-        stalled = False  # the round stopped for blocks or adapter slots (not for this step's token budget)
+        tried = stalled = False  # stalled: the round stopped for blocks or adapter slots (not this step's budget)
         while self.can_admit:
+            tried = True
             seq = self.waiting[0]
             reason = self.never_fits(seq)
             if reason is not None:
@@ -159,8 +159,9 @@ class Scheduler:
             self.running.append(seq)
             out.prefill.append(seq)
         self.waiting.extendleft(reversed(held))
-        if (stalled or held) and self.waiting and self.running and len(self.running) < self.max_num_seqs:
-            self._stalled = (self.changes, self.blocks.num_free)
+        if tried:  # else the last round's record stands: nothing it depends on has changed
+            stuck = (stalled or held) and self.waiting and self.running and len(self.running) < self.max_num_seqs
+            self._stalled = (self.changes, self.blocks.num_free) if stuck else None
         out.decode = list(self.running)
         return out
 
