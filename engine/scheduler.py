@@ -59,11 +59,11 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # An admission round that left requests waiting for KV blocks or an adapter slot while others run records
-        # (changes, free blocks): until a request is added, finished or preempted, an adapter unregistered, or
-        # blocks freed, the next round would stop at the same place, so can_admit says no (and a pipelined engine
-        # launches its next decode ahead instead of re-trying the admission every step).
+        # the count of changes: until a request is added, finished or preempted (the only ways blocks and slots are
+        # freed) or an adapter unregistered, the next round would stop at the same place, so can_admit says no (and
+        # a pipelined engine launches its next decode ahead instead of re-trying the admission every step).
         self.changes = 0
-        self._stalled: tuple[int, int] | None = None
+        self._stalled_at: int | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -95,8 +95,7 @@ class Scheduler:
         """Whether the next schedule() would look at the waiting queue."""
         if not self.waiting or len(self.running) >= self.max_num_seqs or self.window_left():
             return False
-        stalled = self._stalled
-        return stalled is None or stalled[0] != self.changes or self.blocks.num_free > stalled[1]
+        return self._stalled_at != self.changes
 
     def never_fits(self, seq: Sequence) -> str | None:
         """Why the request can never run here, starting with the request field to change, or None."""
@@ -161,7 +160,7 @@ class Scheduler:
         self.waiting.extendleft(reversed(held))
         if tried:  # else the last round's record stands: nothing it depends on has changed
             stuck = (stalled or held) and self.waiting and self.running and len(self.running) < self.max_num_seqs
-            self._stalled = (self.changes, self.blocks.num_free) if stuck else None
+            self._stalled_at = self.changes if stuck else None
         out.decode = list(self.running)
         return out
 

@@ -88,10 +88,7 @@ async def client_path(fmt: str, streams: int, step_s: float, steps: int, threads
     runs = []
     for _ in range(streams):
         stream = GenerationStream(client, request, make_encoder(fmt, sr))
-        stream._link = link  # routed to the played worker, as _start does
-        link.streams[stream.request_id] = stream
-        if hasattr(stream.transform, "prepare"):
-            client.encoders.prepare(stream)
+        stream.attach(link)  # routed to the played worker (nothing is sent: it plays the request's steps)
         runs.append(stream)
     worker = mp.get_context("spawn").Process(target=_play_worker, args=(
         theirs, [s.request_id for s in runs], step_s, steps, chunk, sr))

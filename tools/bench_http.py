@@ -82,6 +82,15 @@ def counter(fmt: str, sample_rate: int):  # noqa: ANN201 (bytes -> seconds)
     return pcm
 
 
+def timed_record(arrivals: list[float], durations: list[float], sent: float | None,
+                 headers: float | None) -> dict[str, Any]:
+    """One request's record (without its per-piece lists) and when its send and its response headers happened."""
+    rec = request_record(arrivals, durations)
+    del rec["arrivals"], rec["durations"]
+    rec["sent"], rec["headers"] = sent, headers
+    return rec
+
+
 async def client_bursts(a: argparse.Namespace, n: int, bursts: int, barrier: Any, hifi_id: str | None,
                         sample_rate: int) -> list[list[dict[str, Any]]]:
     import httpx
@@ -112,10 +121,7 @@ async def client_bursts(a: argparse.Namespace, n: int, bursts: int, barrier: Any
                             if seconds > 0:
                                 arrivals.append(time.perf_counter() - t0)
                                 durations.append(seconds)
-                    rec = request_record(arrivals, durations)
-                    del rec["arrivals"], rec["durations"]
-                    rec["sent"], rec["headers"] = marks.get(SENT), marks.get(HEADERS)
-                    return rec
+                    return timed_record(arrivals, durations, marks.get(SENT), marks.get(HEADERS))
                 except Exception as e:  # noqa: BLE001  (a failed request is a result)
                     return {"error": f"{type(e).__name__}: {e}"}
 
@@ -160,10 +166,7 @@ async def raw_bursts(a: argparse.Namespace, n: int, bursts: int, barrier: Any, h
                     break
             if status != 200:
                 return {"error": f"HTTP {status}: {error[:200]!r}"}
-            rec = request_record(arrivals, durations)
-            del rec["arrivals"], rec["durations"]
-            rec["sent"], rec["headers"] = sent, headers_at
-            return rec
+            return timed_record(arrivals, durations, sent, headers_at)
         except Exception as e:  # noqa: BLE001  (a failed request is a result)
             return {"error": f"{type(e).__name__}: {e}"}
 

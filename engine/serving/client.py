@@ -122,14 +122,19 @@ class GenerationStream:
         except BaseException:
             self._end("error")
             raise
-        self._link = link
-        self.client.load.add(link.index, 1)
-        link.streams[self.request_id] = self
+        self.attach(link)
         try:
             link.send(p.Generate(self.request_id, self.request))
         except BaseException:
             self._end("error")
             raise
+
+    def attach(self, link: _WorkerLink) -> None:
+        """Route to `link`'s worker: its events reach this stream, it counts in the load, and the transform's
+        prepare() (if any) is queued ahead of the first chunk."""
+        self._link = link
+        self.client.load.add(link.index, 1)
+        link.streams[self.request_id] = self
         if hasattr(self.transform, "prepare"):
             self.client.encoders.prepare(self)
 
