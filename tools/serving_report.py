@@ -4,9 +4,11 @@ http, encode): each HTTP sweep beside the in-process pool measured in the same c
     python tools/serving_report.py docs/results/serving_2026-11-26/run7 [--reference pool_window.json]
 
 The reference pool is the one with the service's engine settings (its coalescing window) unless --reference
-names another file; HiFi rows use pool_hifi.json. A call of the http_env part (rounds of services compared,
-files http_r<round>_<variant>_mp3_*.json) gets one row per variant and concurrency: the mean over the rounds,
-and each round's value.
+names another file; HiFi rows use pool_hifi.json. With the call's encode.json (tools/bench_encode.py), a last line
+says what the host's LAME can do: MP3 throughput over HTTP cannot pass LAME's rate on the cores the API processes
+have, so a host whose LAME on its cores runs near the pool's rate is CPU-bound there, not the serving path.
+A call of the http_env part (rounds of services compared, files http_r<round>_<variant>_mp3_*.json) gets one
+row per variant and concurrency: the mean over the rounds, and each round's value.
 """
 
 from __future__ import annotations
@@ -66,6 +68,23 @@ def rounds_table(run: Path, pool: dict[int, dict]) -> list[str]:
     return out if len(out) > 2 else []
 
 
+def host_lame(run: Path) -> str:
+    """MP3 q2 on this host (encode.json): one thread's rate, and the rate per thread with every thread measured busy."""
+    path = run / "encode.json"
+    if not path.exists():
+        return ""
+    doc = json.loads(path.read_text())
+    threads = {r["threads"]: r["audio_s_per_s"] for r in doc.get("mp3_threads", [])}
+    if not threads:
+        return ""
+    most = max(threads)
+    line = (f"Host LAME (192 kbps q2, {doc.get('cpus', '?')} vCPUs): 1 thread {threads.get(1, float('nan')):.1f} "
+            f"audio-s/s; {most} threads {threads[most]:.1f} audio-s/s ({threads[most] / most:.1f} per thread busy)")
+    for row in doc.get("client_path", []):
+        line += f"; the client path, {row['format']}: {row['core_s_per_audio_s']:.4f} core-s per audio-s"
+    return line
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", type=Path)
@@ -81,6 +100,8 @@ def main(argv: list[str] | None = None) -> None:
             print("\n".join(lines))
     if rounds := rounds_table(a.run, pool):
         print("\n" + "\n".join(rounds))
+    if lame := host_lame(a.run):
+        print("\n" + lame)
 
 
 if __name__ == "__main__":
