@@ -193,11 +193,12 @@ def test_http_bursts_over_client_processes(server, tmp_path, client):
 
 
 def test_encode_costs_and_the_client_path(tmp_path):
-    """tools/bench_encode.py: every format's cost, MP3 on threads, and the engine client's own path, whose streams
-    carry exactly what the service's encoders make of the played worker's chunks."""
+    """tools/bench_encode.py: every format's cost, MP3 on threads, the engine client's own path, whose streams
+    carry exactly what the service's encoders make of the played worker's chunks, and a burst of first chunks."""
     out = tmp_path / "encode.json"
     doc = tool("encode").main(["--seconds", "1", "--threads", "1,2", "--client-path", "3", "--step-ms", "5",
-                               "--encoder-threads", "2", "--out", str(out)])
+                               "--encoder-threads", "2", "--burst", "4", "--burst-threads", "1,2",
+                               "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
     assert {r["format"] for r in doc["formats"]} >= {"mp3 192 kbps q2", "pcm s16le", "wav", "flac", "opus"}
     assert all(r["core_s_per_audio_s"] > 0 and r["bytes"] > 0 for r in doc["formats"])
@@ -211,6 +212,8 @@ def test_encode_costs_and_the_client_path(tmp_path):
         one = b"".join(enc(c, i == steps - 1) or b"" for i, c in enumerate(chunks))
         assert row["bytes"] == 3 * len(one) and row["core_s_per_audio_s"] > 0
     assert [r["format"] for r in doc["client_path"]] == ["pcm", "mp3"]
+    assert [(r["streams"], r["threads"]) for r in doc["burst"]] == [(4, 1), (4, 2)]
+    assert all(r["last_ms"] >= r["median_ms"] > 0 for r in doc["burst"])
 
 
 # ---------------------------------------------------------------- measurement helpers

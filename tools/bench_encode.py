@@ -11,6 +11,11 @@ several threads at once, to check that LAME's encoding scales over cores (it rel
 plays an engine worker, sending a step's chunks for STREAMS streams every --step-ms over a real connection to a real
 EngineClient (its reader thread, encoder pool of --encoder-threads and event loop, which takes each stream's
 output); the CPU of this process per audio second is then set beside the encoder's cost alone, per format.
+
+--burst STREAMS measures the floor under a burst's time to first audio: STREAMS new MP3 streams (encoders made and
+prepared) each encode their first chunk at the same moment on each of --burst-threads thread counts (the cores the
+API processes have); the time until the last first chunk is encoded is what a burst of that size adds to the
+slowest streams' first bytes at the least, whatever the serving path does (median of 5 bursts).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +116,27 @@ async def client_path(fmt: str, streams: int, step_s: float, steps: int, threads
             "core_s_per_audio_s": cpu / audio_s, "cores": cpu / wall, "bytes": nbytes}
 
 
+def first_chunk_burst(audio: np.ndarray, chunk: int, sr: int, streams: int, threads: int,
+                      repeats: int = 5) -> dict[str, Any]:
+    """`streams` prepared MP3 encoders encode a first chunk each at once on `threads` threads: the wall time to the
+    last one (and the median one), the median over `repeats` bursts."""
+    lasts, middles = [], []
+    with ThreadPoolExecutor(threads) as pool:
+        for r in range(repeats):
+            encoders = [make_encoder("mp3", sr) for _ in range(streams)]
+            for enc in encoders:
+                enc.prepare()  # type: ignore[attr-defined]  # as the service does while the engine prefills
+            pieces = [audio[(i * chunk + r * 997) % (len(audio) - chunk):][:chunk] for i in range(streams)]
+            w0 = time.perf_counter()
+            done = list(pool.map(lambda job: (job[0](job[1], False), time.perf_counter())[1],
+                                 zip(encoders, pieces, strict=True)))
+            ends = sorted(t - w0 for t in done)
+            lasts.append(ends[-1])
+            middles.append(ends[len(ends) // 2])
+    return {"streams": streams, "threads": threads, "last_ms": 1000 * float(np.median(lasts)),
+            "median_ms": 1000 * float(np.median(middles))}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=30.0)
@@ -120,12 +147,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="also measure the engine client's path with this many streams (0: not)")
     ap.add_argument("--step-ms", type=float, default=37.0, help="--client-path: a step's period (c=128 on one H100)")
     ap.add_argument("--encoder-threads", type=int, default=4, help="--client-path: the client's encoder threads")
+    ap.add_argument("--burst", type=int, default=0, metavar="STREAMS",
+                    help="also time a burst of this many new MP3 streams' first chunks (0: not)")
+    ap.add_argument("--burst-threads", default="14", help="--burst: thread counts (the API processes' cores)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     sr = a.sample_rate
     audio = speech_like(a.seconds, sr)
     doc = {"tool": "bench_encode", "seconds": a.seconds, "sample_rate": sr, "chunk": a.chunk,
-           "cpus": len(os.sched_getaffinity(0)), "formats": [], "mp3_threads": [], "client_path": []}
+           "cpus": len(os.sched_getaffinity(0)), "formats": [], "mp3_threads": [], "client_path": [], "burst": []}
     for fmt, options, label in CASES:
         encode_all(audio[: sr], a.chunk, fmt, sr, options)  # warm-up
         c0, w0 = time.process_time(), time.perf_counter()
@@ -152,6 +182,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         doc["client_path"].append(row)
         print(f"client path, {fmt}, {a.client_path} streams: {row['core_s_per_audio_s']:.5f} core-s per audio-s "
               f"({row['cores']:.2f} cores)", flush=True)
+    for n in [int(x) for x in a.burst_threads.split(",") if x.strip()] if a.burst else ():
+        row = first_chunk_burst(audio, a.chunk, sr, a.burst, n)
+        doc["burst"].append(row)
+        print(f"burst of {a.burst} first MP3 chunks on {n} threads: the last encoded after {row['last_ms']:.1f} ms, "
+              f"the median after {row['median_ms']:.1f} ms", flush=True)
     write_json(a.out, doc)
     return doc
 

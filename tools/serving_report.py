@@ -82,6 +82,9 @@ def host_lame(run: Path) -> str:
             f"audio-s/s; {most} threads {threads[most]:.1f} audio-s/s ({threads[most] / most:.1f} per thread busy)")
     for row in doc.get("client_path", []):
         line += f"; the client path, {row['format']}: {row['core_s_per_audio_s']:.4f} core-s per audio-s"
+    for row in doc.get("burst", []):
+        line += (f"; {row['streams']} first chunks at once on {row['threads']} threads: the last encoded after "
+                 f"{row['last_ms']:.1f} ms")
     return line
 
 
