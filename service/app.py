@@ -75,6 +75,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
                 pool = AsyncVoxCPMServerPool.connect(model_path, endpoint.addresses, endpoint.authkey,
                                                      endpoint.encoder_threads, load, settings.queue_bound,
                                                      registrations)
+            pool.client.encoders.observer = metrics.observe_encoding
             store = SqliteVoiceStore(voice_db, settings.voice_cache_max_entries, settings.voice_cache_max_bytes)
             state = ServiceState(settings=settings, pool=pool, store=store, metrics=metrics, model_path=model_path,
                                  model_id=Path(model_path).name, demo=demo, owns_workers=endpoint is None,

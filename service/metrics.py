@@ -17,6 +17,7 @@ from service.voice_store import KINDS
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TTFB_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30)
+ENCODER_WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class Metrics:
@@ -37,6 +38,12 @@ class Metrics:
         self.overloaded = Counter("voxcpm_requests_overloaded", "Generation requests refused with 503 because every "
                                   "worker's queue was full or the request waited past the queue timeout", ["route"],
                                   registry=r)
+        self.encoder_wait = Histogram("voxcpm_encoder_wait_seconds", "Time an audio chunk waited for an encoder thread "
+                                      "after it reached its API process (chunk: a stream's first, or a later one); "
+                                      "growing waits mean the host is short of cores for encoding",
+                                      ["chunk"], buckets=ENCODER_WAIT_BUCKETS, registry=r)
+        self.encoder_busy = Counter("voxcpm_encoder_busy_seconds", "Seconds encoder threads spent encoding audio "
+                                    "(its rate is the cores encoding takes)", registry=r)
         self.in_flight = Gauge("voxcpm_http_requests_in_flight", "Requests being served", registry=r,
                                multiprocess_mode="livesum")
         latest: dict[str, Any] = {"registry": r, "multiprocess_mode": "mostrecent"}  # engine-wide, any process's scrape
@@ -103,6 +110,11 @@ class Metrics:
         self.running.set(running)
         self.queue_depth.set(waiting)
         self.workers_up.set(up)
+
+    def observe_encoding(self, first: bool, wait_s: float, encode_s: float) -> None:
+        """One chunk through the engine client's encoder pool (called on its threads)."""
+        self.encoder_wait.labels("first" if first else "next").observe(wait_s)
+        self.encoder_busy.inc(encode_s)
 
     def observe_cache(self, usage: dict[str, int]) -> None:
         self.cache_bytes.set(usage["bytes"])

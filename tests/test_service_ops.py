@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -39,6 +40,11 @@ def test_metrics(server):
     assert "some-id" not in text  # route templates, never raw paths
     assert 'voxcpm_time_to_first_audio_byte_seconds_count{route="/generate"} 1.0' in text
     assert 'voxcpm_audio_generated_seconds_total{route="/generate"} 0.32' in text  # 2 patches x 160 ms
+    # the MP3 stream's chunks through the encoder pool: its first chunk and the later one(s), and the time they took
+    assert 'voxcpm_encoder_wait_seconds_count{chunk="first"} 1.0' in text
+    later = re.search(r'^voxcpm_encoder_wait_seconds_count\{chunk="next"\} (\S+)$', text, re.M)
+    busy = re.search(r"^voxcpm_encoder_busy_seconds_total (\S+)$", text, re.M)
+    assert later is not None and float(later[1]) >= 1 and busy is not None and float(busy[1]) > 0
     for name in ("voxcpm_queue_depth", "voxcpm_running_sequences", 'voxcpm_kv_cache_usage_ratio{worker="0"}',
                  'voxcpm_engine_step_seconds{worker="0"}', 'voxcpm_voice_cache_entries{kind="hifi"}',
                  "voxcpm_voice_cache_bytes", "voxcpm_ready 1.0"):

@@ -97,6 +97,7 @@ def test_requests_spread_over_api_processes_and_share_voices(service: Service, h
     assert len(api) == API_PROCESSES
     before, _ = service.scrape()
     ok_before = metric(before, "voxcpm_http_requests_total", route="/generate_blocking", status="200")
+    first_before = metric(before, "voxcpm_encoder_wait_seconds_count", chunk="first")
 
     clients: dict[str, set[int | None]] = {}  # engine client name -> API processes whose responses carried it
     audio = None
@@ -129,6 +130,8 @@ def test_requests_spread_over_api_processes_and_share_voices(service: Service, h
     assert metric(samples, "voxcpm_generations_finished_total", route="/generate_blocking", reason="length") == n
     assert metric(samples, "voxcpm_audio_generated_seconds_total", route="/generate_blocking") == pytest.approx(
         n * 2 * SAMPLES_PER_PATCH / 48000)
+    # each response's first chunk went through its API process's encoder pool once, counted in the sum
+    assert metric(samples, "voxcpm_encoder_wait_seconds_count", chunk="first") == first_before + n
 
     # the voice store is shared: both API processes list the voice
     listed_by: set[int] = set()

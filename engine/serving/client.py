@@ -74,7 +74,7 @@ class GenerationStream:
         self.finish_reason: p.FinishReason | None = None
         self.samples = 0  # samples generated so far
         self.lock = threading.Lock()  # guards what the encoder pool's threads share below
-        self.pending: list[p.AudioEvent] = []  # events waiting for the transform
+        self.pending: list[tuple[Any, float]] = []  # events waiting for the transform, with when each came
         self.scheduled = False  # queued in the encoder pool (for its earliest pending event)
         self.first_output_at: float | None = None  # monotonic time the transform first gave something to send
         self.transformed_samples = 0
@@ -273,10 +273,15 @@ class EncoderPool:
     started at the stream's first output would run out of audio without it (first output time + audio seconds
     made before it); a stream that has made nothing yet is due at once (its first bytes are the time to first
     audio). So when encoding falls behind, streams with the least audio in hand go first and a stream seconds
-    ahead waits. A stream's chunks are transformed in order, one at a time: it is queued once, for its next one."""
+    ahead waits. A stream's chunks are transformed in order, one at a time: it is queued once, for its next one.
+
+    `observer` (the service's metrics), when set, is told of each event transformed: whether it was its stream's first,
+    how long it waited for a thread and how long the transform took (a wait that grows says the host is short of
+    cores for its encoding)."""
 
     def __init__(self, count: int, loop: asyncio.AbstractEventLoop, sample_rate: int = 48000) -> None:
         self.loop, self.sample_rate = loop, sample_rate
+        self.observer: Callable[[bool, float, float], None] | None = None
         self.queue: queue.PriorityQueue[tuple[float, int, Any]] = queue.PriorityQueue()
         self._order = itertools.count()
         self.threads = [threading.Thread(target=self._run, name=f"voxcpm-encoder-{i}", daemon=True)
@@ -292,7 +297,7 @@ class EncoderPool:
     def submit(self, stream: GenerationStream, ev: p.AudioEvent | object) -> None:
         """From the reader thread: a stream's next event (or, from the loop, _PREPARE before any)."""
         with stream.lock:
-            stream.pending.append(ev)
+            stream.pending.append((ev, time.monotonic()))
             if stream.scheduled:
                 return  # queued already, for its earliest chunk
             stream.scheduled = True
@@ -311,8 +316,15 @@ class EncoderPool:
                     stream.pending.clear()
                     stream.scheduled = False
                     continue
-                ev = stream.pending.pop(0)
+                ev, came = stream.pending.pop(0)
+                first = stream.transformed_samples == 0  # its first chunk (a file encoder outputs at the last)
+            began = time.monotonic()
             item = stream.prepare() if ev is _PREPARE else stream.convert(ev)
+            if self.observer is not None and ev is not _PREPARE:
+                try:
+                    self.observer(first, began - came, time.monotonic() - began)
+                except Exception:  # a metrics bug must not stop this thread (its streams would hang)
+                    log.exception("the encoder pool's observer failed")
             with stream.lock:
                 if stream.first_output_at is None and item is not None and item.value is not None:
                     stream.first_output_at = time.monotonic()
