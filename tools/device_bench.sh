@@ -41,7 +41,8 @@
 # engine settings (max_num_seqs = the largest CONC, max_model_len 1024, 0.85 of the GPU memory) on an empty
 # cache dir (its start to /ready is the cold start), then run tools/bench_http.py (8 client processes) for each of
 # HTTP_RUNS (mp3 pcm speech hifi; hifi at HIFI_CONC), py-spy recording every service process during the largest
-# concurrency of the first run. Their files: http_*.json, pyspy_*.txt, service_*.log, encode.json; past 7 files
+# concurrency of the first run. Their files: http_*.json, pyspy_*.txt, service_*.log, encode.json, metrics_after_*.txt
+# (the service's encoder and TTFB metrics after each run, cumulative); past 7 files
 # in $OUT everything but the log is packed into results.tgz (a call brings back at most 8 files).
 set -uo pipefail
 
@@ -331,6 +332,9 @@ for part in $PARTS; do
                     pcm_httpx) http_bench pcm_httpx "${CONC_HIGH:-64,128}" --format pcm --client httpx ;;
                     *) log "unknown HTTP run $run" ;;
                 esac || RC[$part]=$?
+                # the service's metrics after each run (cumulative: the encoder pool's waits, TTFB, ...)
+                curl -sf "http://127.0.0.1:$PORT/metrics" | grep -E "^voxcpm_(encoder|time_to_first)" \
+                    >"$OUT/metrics_after_$run.txt" 2>/dev/null
             done
             stop_service
             ;;
