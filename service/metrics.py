@@ -42,7 +42,7 @@ class Metrics:
                                       "after it reached its API process (chunk: a stream's first, or a later one); "
                                       "growing waits mean the host is short of cores for encoding",
                                       ["chunk"], buckets=ENCODER_WAIT_BUCKETS, registry=r)
-        self.encoder_busy = Counter("voxcpm_encoder_busy_seconds", "Seconds encoder threads spent encoding audio "
+        self.encoder_busy = Counter("voxcpm_encoder_busy_seconds", "CPU seconds encoder threads spent encoding audio "
                                     "(its rate is the cores encoding takes)", registry=r)
         self.in_flight = Gauge("voxcpm_http_requests_in_flight", "Requests being served", registry=r,
                                multiprocess_mode="livesum")
@@ -111,10 +111,10 @@ class Metrics:
         self.queue_depth.set(waiting)
         self.workers_up.set(up)
 
-    def observe_encoding(self, first: bool, wait_s: float, encode_s: float) -> None:
+    def observe_encoding(self, first: bool, wait_s: float, cpu_s: float) -> None:
         """One chunk through the engine client's encoder pool (called on its threads)."""
         self.encoder_wait.labels("first" if first else "next").observe(wait_s)
-        self.encoder_busy.inc(encode_s)
+        self.encoder_busy.inc(cpu_s)
 
     def observe_cache(self, usage: dict[str, int]) -> None:
         self.cache_bytes.set(usage["bytes"])

@@ -276,8 +276,10 @@ class EncoderPool:
     ahead waits. A stream's chunks are transformed in order, one at a time: it is queued once, for its next one.
 
     `observer` (the service's metrics), when set, is told of each event transformed: whether it was its stream's first,
-    how long it waited for a thread and how long the transform took (a wait that grows says the host is short of
-    cores for its encoding)."""
+    how long it waited for a thread and the CPU time the transform took on it (its wall time is longer where more
+    threads than cores are encoding). First chunks that wait say what encoding adds to the time to first audio;
+    later chunks wait while their streams are ahead of their listeners, so long waits there mean the encoders run
+    behind the engine, not that listeners starve."""
 
     def __init__(self, count: int, loop: asyncio.AbstractEventLoop, sample_rate: int = 48000) -> None:
         self.loop, self.sample_rate = loop, sample_rate
@@ -318,11 +320,11 @@ class EncoderPool:
                     continue
                 ev, came = stream.pending.pop(0)
                 first = stream.transformed_samples == 0  # its first chunk (a file encoder outputs at the last)
-            began = time.monotonic()
+            began, cpu = time.monotonic(), time.thread_time()
             item = stream.prepare() if ev is _PREPARE else stream.convert(ev)
             if self.observer is not None and ev is not _PREPARE:
                 try:
-                    self.observer(first, began - came, time.monotonic() - began)
+                    self.observer(first, began - came, time.thread_time() - cpu)
                 except Exception:  # a metrics bug must not stop this thread (its streams would hang)
                     log.exception("the encoder pool's observer failed")
             with stream.lock:
