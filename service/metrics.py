@@ -39,9 +39,9 @@ class Metrics:
                                   "worker's queue was full or the request waited past the queue timeout", ["route"],
                                   registry=r)
         self.encoder_wait = Histogram("voxcpm_encoder_wait_seconds", "Time an audio chunk waited for an encoder thread "
-                                      "after it reached its API process (chunk: a stream's first, or a later one); "
-                                      "growing waits mean the host is short of cores for encoding",
-                                      ["chunk"], buckets=ENCODER_WAIT_BUCKETS, registry=r)
+                                      "after it reached its API process (chunk: a stream's first, whose wait adds to "
+                                      "the time to first audio, or a later one, which waits while its stream is ahead "
+                                      "of its listener)", ["chunk"], buckets=ENCODER_WAIT_BUCKETS, registry=r)
         self.encoder_busy = Counter("voxcpm_encoder_busy_seconds", "CPU seconds encoder threads spent encoding audio "
                                     "(its rate is the cores encoding takes)", registry=r)
         self.in_flight = Gauge("voxcpm_http_requests_in_flight", "Requests being served", registry=r,
