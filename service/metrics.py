@@ -38,10 +38,12 @@ class Metrics:
         self.overloaded = Counter("voxcpm_requests_overloaded", "Generation requests refused with 503 because every "
                                   "worker's queue was full or the request waited past the queue timeout", ["route"],
                                   registry=r)
-        self.encoder_wait = Histogram("voxcpm_encoder_wait_seconds", "Time an audio chunk waited for an encoder thread "
-                                      "after it reached its API process (chunk: a stream's first, whose wait adds to "
-                                      "the time to first audio, or a later one, which waits while its stream is ahead "
-                                      "of its listener)", ["chunk"], buckets=ENCODER_WAIT_BUCKETS, registry=r)
+        self.encoder_wait = Histogram("voxcpm_encoder_wait_seconds", "Time an audio chunk waited in its API process "
+                                      "before an encoder thread took it (chunk=first: the one that made its stream's "
+                                      "first bytes, a part of the time to first audio; next: a later one, which "
+                                      "usually waits while its stream is ahead of its listener)", ["chunk"],
+                                      buckets=ENCODER_WAIT_BUCKETS, registry=r)
+        self._encoder_wait_first, self._encoder_wait_next = (self.encoder_wait.labels(c) for c in ("first", "next"))
         self.encoder_busy = Counter("voxcpm_encoder_busy_seconds", "CPU seconds encoder threads spent encoding audio "
                                     "(its rate is the cores encoding takes)", registry=r)
         self.in_flight = Gauge("voxcpm_http_requests_in_flight", "Requests being served", registry=r,
@@ -113,7 +115,7 @@ class Metrics:
 
     def observe_encoding(self, first: bool, wait_s: float, cpu_s: float) -> None:
         """One chunk through the engine client's encoder pool (called on its threads)."""
-        self.encoder_wait.labels("first" if first else "next").observe(wait_s)
+        (self._encoder_wait_first if first else self._encoder_wait_next).observe(wait_s)
         self.encoder_busy.inc(cpu_s)
 
     def observe_cache(self, usage: dict[str, int]) -> None:

@@ -432,3 +432,43 @@ def test_a_transforms_prepare_runs_once_on_an_encoder_thread_before_its_first_ch
         asyncio.run_coroutine_threadsafe(run(failing), pool._loop).result(120)
     assert failing.calls[0][0] == "prepare"
     _free_blocks_restored(pool)
+
+
+class _WholeFile:
+    """A transform that, like a whole-file encoder, gives something only at the last chunk (the samples seen)."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+
+    def __call__(self, chunk: np.ndarray, last: bool) -> int | None:
+        self.samples += len(chunk)
+        return self.samples if last else None
+
+
+def test_the_encoder_pools_observer_sees_each_chunk_and_the_one_that_made_the_first_bytes(pool):
+    encoders = pool.pool.client.encoders
+    seen: list[tuple[bool, float, float]] = []
+
+    async def run(transform: object) -> list[int]:
+        return [n async for n in pool.pool.generate("Observed.", max_generate_length=4, seed=3,
+                                                    transform=transform)]
+
+    def broken(first: bool, wait_s: float, cpu_s: float) -> None:
+        raise RuntimeError("metrics down")
+
+    try:
+        encoders.observer = lambda first, wait_s, cpu_s: seen.append((first, wait_s, cpu_s))
+        whole = asyncio.run_coroutine_threadsafe(run(_WholeFile()), pool._loop).result(120)
+        assert len(whole) == 1 and whole[0] > 0  # one value, made by the last chunk
+        assert len(seen) >= 2 and all(wait >= 0 and cpu >= 0 for _, wait, cpu in seen)
+        assert [first for first, _, _ in seen] == [False] * (len(seen) - 1) + [True]
+        seen.clear()
+        streamed = asyncio.run_coroutine_threadsafe(run(_PreparedTransform()), pool._loop).result(120)
+        assert [first for first, _, _ in seen] == [True] + [False] * (len(seen) - 1) and len(seen) == len(streamed)
+        # an observer that fails is told once and switched off; the stream is not affected
+        encoders.observer = broken
+        again = asyncio.run_coroutine_threadsafe(run(_PreparedTransform()), pool._loop).result(120)
+        assert again == streamed and encoders.observer is None
+    finally:
+        encoders.observer = None
+    _free_blocks_restored(pool)

@@ -122,6 +122,7 @@ def first_chunk_burst(audio: np.ndarray, chunk: int, sr: int, streams: int, thre
     last one (and the median one), the median over `repeats` bursts."""
     lasts, middles = [], []
     with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(time.sleep, [0.01] * threads))  # its threads exist before the first timed burst
         for r in range(repeats):
             encoders = [make_encoder("mp3", sr) for _ in range(streams)]
             for enc in encoders:

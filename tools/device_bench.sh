@@ -333,7 +333,7 @@ for part in $PARTS; do
                     *) log "unknown HTTP run $run" ;;
                 esac || RC[$part]=$?
                 # the service's metrics after each run (cumulative: the encoder pool's waits, TTFB, ...)
-                curl -sf "http://127.0.0.1:$PORT/metrics" | grep -E "^voxcpm_(encoder|time_to_first)" \
+                curl -sf -m 10 "http://127.0.0.1:$PORT/metrics" | grep -E "^voxcpm_(encoder|time_to_first)" \
                     >"$OUT/metrics_after_$run.txt" 2>/dev/null
             done
             stop_service

@@ -74,17 +74,20 @@ def host_lame(run: Path) -> str:
     if not path.exists():
         return ""
     doc = json.loads(path.read_text())
-    threads = {r["threads"]: r["audio_s_per_s"] for r in doc.get("mp3_threads", [])}
+    threads = {r.get("threads"): r.get("audio_s_per_s") for r in doc.get("mp3_threads", [])}
+    threads = {n: rate for n, rate in threads.items() if n and rate}
     if not threads:
         return ""
-    most = max(threads)
+    best = max(threads, key=lambda n: threads[n])
     line = (f"Host LAME (192 kbps q2, {doc.get('cpus', '?')} vCPUs): 1 thread {threads.get(1, float('nan')):.1f} "
-            f"audio-s/s; {most} threads {threads[most]:.1f} audio-s/s ({threads[most] / most:.1f} per thread busy)")
+            f"audio-s/s; at most {threads[best]:.1f} audio-s/s, on {best} threads ({threads[best] / best:.1f} per "
+            f"thread busy; threads measured: {', '.join(str(n) for n in sorted(threads))})")
     for row in doc.get("client_path", []):
-        line += f"; the client path, {row['format']}: {row['core_s_per_audio_s']:.4f} core-s per audio-s"
+        cost = row.get("core_s_per_audio_s", float("nan"))
+        line += f"; the client path, {row.get('format')}: {cost:.4f} core-s per audio-s"
     for row in doc.get("burst", []):
-        line += (f"; {row['streams']} first chunks at once on {row['threads']} threads: the last encoded after "
-                 f"{row['last_ms']:.1f} ms")
+        line += (f"; {row.get('streams')} first chunks at once on {row.get('threads')} threads: the last encoded "
+                 f"after {row.get('last_ms', float('nan')):.1f} ms")
     return line
 
 

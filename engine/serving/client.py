@@ -275,11 +275,11 @@ class EncoderPool:
     audio). So when encoding falls behind, streams with the least audio in hand go first and a stream seconds
     ahead waits. A stream's chunks are transformed in order, one at a time: it is queued once, for its next one.
 
-    `observer` (the service's metrics), when set, is told of each event transformed: whether it was its stream's first,
-    how long it waited for a thread and the CPU time the transform took on it (its wall time is longer where more
-    threads than cores are encoding). First chunks that wait say what encoding adds to the time to first audio;
-    later chunks wait while their streams are ahead of their listeners, so long waits there mean the encoders run
-    behind the engine, not that listeners starve."""
+    `observer` (the service's metrics), when set, is told of each event transformed: whether it made its stream's
+    first bytes, how long it waited after it came (for a thread, or behind its stream's previous event) and the CPU
+    time the transform took (its wall time is longer where more threads than cores are encoding). The first bytes'
+    wait is part of the time to first audio; later chunks usually wait while their streams are ahead of their
+    listeners, so long waits there mean the encoders run behind the engine."""
 
     def __init__(self, count: int, loop: asyncio.AbstractEventLoop, sample_rate: int = 48000) -> None:
         self.loop, self.sample_rate = loop, sample_rate
@@ -319,16 +319,12 @@ class EncoderPool:
                     stream.scheduled = False
                     continue
                 ev, came = stream.pending.pop(0)
-                first = stream.transformed_samples == 0  # its first chunk (a file encoder outputs at the last)
             began, cpu = time.monotonic(), time.thread_time()
             item = stream.prepare() if ev is _PREPARE else stream.convert(ev)
-            if self.observer is not None and ev is not _PREPARE:
-                try:
-                    self.observer(first, began - came, time.thread_time() - cpu)
-                except Exception:  # a metrics bug must not stop this thread (its streams would hang)
-                    log.exception("the encoder pool's observer failed")
+            cpu = time.thread_time() - cpu
             with stream.lock:
-                if stream.first_output_at is None and item is not None and item.value is not None:
+                first = stream.first_output_at is None and item is not None and item.value is not None
+                if first:  # this event made the stream's first bytes (a whole-file encoder's is its last chunk)
                     stream.first_output_at = time.monotonic()
                 stream.transformed_samples += item.samples if item is not None else 0
                 again = bool(stream.pending)
@@ -336,12 +332,24 @@ class EncoderPool:
                 due = self._due(stream)
             if again:
                 self.queue.put((due, next(self._order), stream))
+            if ev is not _PREPARE:
+                self._observe(first, began - came, cpu)  # before the item is delivered: counted before it is sent
             if item is None:
                 continue
             try:
                 self.loop.call_soon_threadsafe(stream.put, item)
             except RuntimeError:  # the loop is closed
                 return
+
+    def _observe(self, first: bool, wait_s: float, cpu_s: float) -> None:
+        observer = self.observer
+        if observer is None:
+            return
+        try:
+            observer(first, wait_s, cpu_s)
+        except Exception:  # a metrics bug must not stop this thread (its streams would hang): told once, then off
+            log.exception("the encoder pool's observer failed; it is not called again")
+            self.observer = None
 
     def stop(self) -> None:
         for _ in self.threads:
