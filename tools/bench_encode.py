@@ -128,10 +128,17 @@ def first_chunk_burst(audio: np.ndarray, chunk: int, sr: int, streams: int, thre
             for enc in encoders:
                 enc.prepare()  # type: ignore[attr-defined]  # as the service does while the engine prefills
             pieces = [audio[(i * chunk + r * 997) % (len(audio) - chunk):][:chunk] for i in range(streams)]
+            go = threading.Event()  # every job is handed to the pool before the clock starts
+
+            def encode(enc: Any, piece: np.ndarray, go: threading.Event = go) -> float:
+                go.wait()
+                enc(piece, False)
+                return time.perf_counter()
+
+            jobs = [pool.submit(encode, enc, piece) for enc, piece in zip(encoders, pieces, strict=True)]
             w0 = time.perf_counter()
-            done = list(pool.map(lambda job: (job[0](job[1], False), time.perf_counter())[1],
-                                 zip(encoders, pieces, strict=True)))
-            ends = sorted(t - w0 for t in done)
+            go.set()
+            ends = sorted(job.result() - w0 for job in jobs)
             lasts.append(ends[-1])
             middles.append(ends[len(ends) // 2])
     return {"streams": streams, "threads": threads, "last_ms": 1000 * float(np.median(lasts)),
