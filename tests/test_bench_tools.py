@@ -214,6 +214,8 @@ def test_encode_costs_and_the_client_path(tmp_path):
     assert [r["format"] for r in doc["client_path"]] == ["pcm", "mp3"]
     assert [(r["streams"], r["threads"]) for r in doc["burst"]] == [(4, 1), (4, 2)]
     assert all(r["last_ms"] >= r["median_ms"] > 0 for r in doc["burst"])
+    # each stream's first chunk was really encoded: at least one whole 192 kbps frame (576 bytes at 48 kHz) each
+    assert all(r["bytes"] >= 4 * 576 for r in doc["burst"])
     # tools/serving_report.py's line on the host's LAME reads this file
     line = importlib.import_module("serving_report").host_lame(tmp_path)
     assert f"at most {max(r['audio_s_per_s'] for r in doc['mp3_threads']):.1f} audio-s/s" in line

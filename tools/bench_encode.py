@@ -119,8 +119,8 @@ async def client_path(fmt: str, streams: int, step_s: float, steps: int, threads
 def first_chunk_burst(audio: np.ndarray, chunk: int, sr: int, streams: int, threads: int,
                       repeats: int = 5) -> dict[str, Any]:
     """`streams` prepared MP3 encoders encode a first chunk each at once on `threads` threads: the wall time to the
-    last one (and the median one), the median over `repeats` bursts."""
-    lasts, middles = [], []
+    last one (and the median one), the median over `repeats` bursts; and the MP3 bytes the last burst made."""
+    lasts, middles, nbytes = [], [], 0
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(time.sleep, [0.01] * threads))  # its threads exist before the first timed burst
         for r in range(repeats):
@@ -130,19 +130,21 @@ def first_chunk_burst(audio: np.ndarray, chunk: int, sr: int, streams: int, thre
             pieces = [audio[(i * chunk + r * 997) % (len(audio) - chunk):][:chunk] for i in range(streams)]
             go = threading.Event()  # every job is handed to the pool before the clock starts
 
-            def encode(enc: Any, piece: np.ndarray, go: threading.Event = go) -> float:
+            def encode(enc: Any, piece: np.ndarray, go: threading.Event = go) -> tuple[float, int]:
                 go.wait()
-                enc(piece, False)
-                return time.perf_counter()
+                out = enc(piece, False)
+                return time.perf_counter(), len(out or b"")
 
             jobs = [pool.submit(encode, enc, piece) for enc, piece in zip(encoders, pieces, strict=True)]
             w0 = time.perf_counter()
             go.set()
-            ends = sorted(job.result() - w0 for job in jobs)
+            done = [job.result() for job in jobs]
+            ends = sorted(t - w0 for t, _ in done)
+            nbytes = sum(n for _, n in done)
             lasts.append(ends[-1])
             middles.append(ends[len(ends) // 2])
     return {"streams": streams, "threads": threads, "last_ms": 1000 * float(np.median(lasts)),
-            "median_ms": 1000 * float(np.median(middles))}
+            "median_ms": 1000 * float(np.median(middles)), "bytes": nbytes}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

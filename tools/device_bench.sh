@@ -20,7 +20,7 @@
 #   PARTS="gpu2" GPU2_ENV="NANOVLLM_API_PROCESSES=28" ...   # one GPU against two, the services in that environment
 #   PARTS="lora" CONC=1,64 LORAS=4 LORA_RANK=32 ...   # runtime LoRA adapters vs the base model vs a merged adapter
 #   PARTS="http_env" BASELINE=old HTTP_ROUNDS=3 HTTP_VARIANTS="-;NANOVLLM_WORKER_CPUS=1" CONC=64,128 ...   # rounds
-#       of the old service and this tree's in each environment, alternating, MP3 at CONC (tools/http_rounds_report.py)
+#       of the old service and this tree's in each environment, alternating, MP3 at CONC (tools/serving_report.py)
 # Rough times: wheels ~10 s; checkpoint 1-3 min (skipped when $CKPT was finished by an earlier call on a
 # machine still warm); nano at 1,8,32,64 ~2.5 min (startup 40-55 s, then 12 bursts of 16 s of audio at
 # 10-125 audio-s/s); ours the same if it matches nano, ~5 min at the eager 164-197 ms/step. Every part
@@ -340,7 +340,7 @@ for part in $PARTS; do
             ;;
         http_env)  # HTTP_ROUNDS rounds of: BASELINE's service (when set), then this tree's in each of HTTP_VARIANTS
             # (';'-separated environments, '-' for none), MP3 at CONC each, no profiler:
-            # http_r<round>_base_mp3_{a,b}.json, http_r<round>_env<i>_mp3_{a,b}.json (tools/http_rounds_report.py)
+            # http_r<round>_base_mp3_{a,b}.json, http_r<round>_env<i>_mp3_{a,b}.json (tools/serving_report.py)
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
             RC[$part]=0
             IFS=';' read -r -a variants <<< "${HTTP_VARIANTS:--}"

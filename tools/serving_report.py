@@ -29,16 +29,22 @@ def http_rows(run: Path, name: str) -> dict[int, dict]:
     return {**rows(run / f"http_{name}_a.json"), **rows(run / f"http_{name}_b.json")}
 
 
+def versus(h: dict, p: dict) -> tuple[float, float]:
+    """An HTTP row against the pool's at the same concurrency: throughput share (%) and TTFB p95 excess (ms)."""
+    return (100 * h["throughput_audio_s_per_s"] / p["throughput_audio_s_per_s"],
+            1000 * (h["ttfb_p95"] - p["ttfb_p95"]))
+
+
 def table(run: Path, name: str, pool: dict[int, dict]) -> list[str]:
     out = []
     for c, h in sorted(http_rows(run, name).items()):
         p = pool.get(c)
         if p is None:
             continue
-        share = h["throughput_audio_s_per_s"] / p["throughput_audio_s_per_s"]
+        share, excess = versus(h, p)
         out.append(f"| {name} | {c} | {p['throughput_audio_s_per_s']:.1f} | {h['throughput_audio_s_per_s']:.1f} "
-                   f"({100 * share:.1f}%) | {p['ttfb_p95']:.3f} | {h['ttfb_p95']:.3f} "
-                   f"({1000 * (h['ttfb_p95'] - p['ttfb_p95']):+.0f} ms) | {h['rtf_mean'] / p['rtf_mean']:.2f}x | "
+                   f"({share:.1f}%) | {p['ttfb_p95']:.3f} | {h['ttfb_p95']:.3f} "
+                   f"({excess:+.0f} ms) | {h['rtf_mean'] / p['rtf_mean']:.2f}x | "
                    f"{h['streams_with_underrun']} | {h.get('service_cores_mean', 0):.1f} | "
                    f"{h.get('client_cores_mean', 0):.1f} |")
     return out
@@ -58,8 +64,7 @@ def rounds_table(run: Path, pool: dict[int, dict]) -> list[str]:
         p = pool.get(c)
         if p is None:
             continue
-        shares = [100 * h["throughput_audio_s_per_s"] / p["throughput_audio_s_per_s"] for h in hs]
-        excess = [1000 * (h["ttfb_p95"] - p["ttfb_p95"]) for h in hs]
+        shares, excess = (list(x) for x in zip(*(versus(h, p) for h in hs), strict=True))
         out.append(f"| {name} | {c} | {len(hs)} | {p['throughput_audio_s_per_s']:.1f} | "
                    f"{statistics.mean(shares):.1f}% ({', '.join(f'{x:.1f}' for x in shares)}) | "
                    f"{statistics.mean(excess):+.0f} ms ({', '.join(f'{x:+.0f}' for x in excess)}) | "
@@ -69,7 +74,8 @@ def rounds_table(run: Path, pool: dict[int, dict]) -> list[str]:
 
 
 def host_lame(run: Path) -> str:
-    """MP3 q2 on this host (encode.json): one thread's rate, and the rate per thread with every thread measured busy."""
+    """MP3 q2 on this host (encode.json): one thread's rate, the best rate over the thread counts measured (and per
+    thread there), the client path's cost and the burst floor, where the file has them."""
     path = run / "encode.json"
     if not path.exists():
         return ""

@@ -167,9 +167,7 @@ class GenerationStream:
             try:
                 value = self.transform(audio, ev.finished)
             except Exception as e:  # an encoder bug fails this stream only
-                log.exception("transform of %s failed", self.request_id)
-                return _Item(None, finished=True, finish_reason="error",
-                             error=PoolError(f"encoding the audio failed: {type(e).__name__}: {e}"))
+                return self._encoding_failed("transform", e)
         return _Item(value, len(audio), ev.finished, ev.finish_reason)
 
     def prepare(self) -> _Item | None:
@@ -177,10 +175,13 @@ class GenerationStream:
         try:
             self.transform.prepare()  # type: ignore[union-attr]
         except Exception as e:
-            log.exception("preparing the transform of %s failed", self.request_id)
-            return _Item(None, finished=True, finish_reason="error",
-                         error=PoolError(f"encoding the audio failed: {type(e).__name__}: {e}"))
+            return self._encoding_failed("preparing the transform", e)
         return None
+
+    def _encoding_failed(self, what: str, e: Exception) -> _Item:
+        log.exception("%s of %s failed", what, self.request_id)
+        return _Item(None, finished=True, finish_reason="error",
+                     error=PoolError(f"encoding the audio failed: {type(e).__name__}: {e}"))
 
     async def aclose(self) -> None:
         self.close()
@@ -319,9 +320,9 @@ class EncoderPool:
                     stream.scheduled = False
                     continue
                 ev, came = stream.pending.pop(0)
-            began, cpu = time.monotonic(), time.thread_time()
+            observed = self.observer is not None and ev is not _PREPARE
+            began, cpu = (time.monotonic(), time.thread_time()) if observed else (0.0, 0.0)
             item = stream.prepare() if ev is _PREPARE else stream.convert(ev)
-            cpu = time.thread_time() - cpu
             with stream.lock:
                 first = stream.first_output_at is None and item is not None and item.value is not None
                 if first:  # this event made the stream's first bytes (a whole-file encoder's is its last chunk)
@@ -332,8 +333,8 @@ class EncoderPool:
                 due = self._due(stream)
             if again:
                 self.queue.put((due, next(self._order), stream))
-            if ev is not _PREPARE:
-                self._observe(first, began - came, cpu)  # before the item is delivered: counted before it is sent
+            if observed:  # before the item is delivered: counted before its bytes are sent
+                self._observe(first, began - came, time.thread_time() - cpu)
             if item is None:
                 continue
             try:
