@@ -472,3 +472,59 @@ def test_the_encoder_pools_observer_sees_each_chunk_and_the_one_that_made_the_fi
     finally:
         encoders.observer = None
     _free_blocks_restored(pool)
+
+
+class _Recorded:
+    """A transform with a first piece that logs (name, samples) of each call; `gate`, when given, holds the thread."""
+
+    def __init__(self, name: str, log: list[tuple[str, int]], first_piece: int = 0,
+                 gate: tuple[threading.Event, threading.Event] | None = None) -> None:
+        self.name, self.log, self.first_piece, self.gate = name, log, first_piece, gate
+
+    def __call__(self, chunk: np.ndarray, last: bool) -> bytes:
+        if self.gate is not None:
+            started, release = self.gate
+            started.set()
+            assert release.wait(HANG_GUARD_S)
+        self.log.append((self.name, len(chunk)))
+        return bytes(len(chunk))
+
+
+def test_a_bursts_first_pieces_are_all_encoded_before_any_first_chunks_rest():
+    """One encoder thread, held while three streams' first chunks arrive together: each chunk is cut at its
+    transform's first piece, the three pieces go first (each stream's first bytes), then the rests in the order the
+    pieces' audio runs out; every stream yields its piece and its rest, and ends with all its samples."""
+    from engine.serving import protocol as p
+    from engine.serving.client import EngineClient, GenerationStream, _WorkerLink
+    from engine.serving.routing import LoadTable
+
+    async def burst() -> tuple[list[tuple[str, int]], dict[str, list[bytes]], list[GenerationStream]]:
+        client = EngineClient([], b"test", encoder_threads=1, load=LoadTable(1))
+        link = _WorkerLink(client, 0, "played by this test")
+        request = p.SynthesisRequest("", "", None, None, None, p.SamplingParams(), None)
+        log: list[tuple[str, int]] = []
+        started, release = threading.Event(), threading.Event()
+        gate = GenerationStream(client, request, _Recorded("gate", log, gate=(started, release)))
+        streams = [GenerationStream(client, request, _Recorded(name, log, first_piece=2880)) for name in "ABC"]
+        for s in [gate, *streams]:
+            s.attach(link)
+        try:
+            client.encoders.submit(gate, p.AudioEvent(gate.request_id, np.zeros(100, np.float32), True, "stop"))
+            assert await asyncio.to_thread(started.wait, HANG_GUARD_S)  # the one thread is busy
+            for s in streams:  # one step's first chunks, ending the streams
+                client.encoders.submit(s, p.AudioEvent(s.request_id, np.ones(7680, np.float32), True, "length"))
+            release.set()
+
+            async def drain(s: GenerationStream) -> list[bytes]:
+                return [b async for b in s]
+
+            outs = await asyncio.wait_for(asyncio.gather(*(drain(s) for s in [gate, *streams])), HANG_GUARD_S)
+            return log, dict(zip(["gate", *"ABC"], outs, strict=True)), streams
+        finally:
+            client.closed = True
+            client.encoders.stop()
+
+    log, outs, streams = asyncio.run(burst())
+    assert log == [("gate", 100), ("A", 2880), ("B", 2880), ("C", 2880), ("A", 4800), ("B", 4800), ("C", 4800)]
+    assert all(outs[name] == [bytes(2880), bytes(4800)] for name in "ABC")
+    assert all(s.finish_reason == "length" and s.samples == 7680 for s in streams)
