@@ -31,15 +31,9 @@ Encoder = Callable[[np.ndarray, bool], "bytes | None"]
 
 class Mp3Encoder:
     """One MP3 stream: frames carry no container header, so the bytes are playable from the first frame on and
-    concatenating the outputs gives one valid file.
+    concatenating the outputs gives one valid file."""
 
-    `first_piece` (samples, 0 = none): the engine client encodes the first chunk's first `first_piece` samples on
-    their own and sends what they make before it encodes the rest of that chunk (LAME makes the same bytes however
-    its input is cut). In a burst, where every stream's first chunk comes in the same step, the streams' first
-    frames then all go out before any stream's rest: the first audio waits for a third of the LAME work."""
-
-    def __init__(self, sample_rate: int, bitrate_kbps: int, quality: int, first_piece_ms: float = 0.0) -> None:
-        self.first_piece = round(sample_rate * first_piece_ms / 1000)
+    def __init__(self, sample_rate: int, bitrate_kbps: int, quality: int) -> None:
         self._enc = lameenc.Encoder()
         self._enc.set_bit_rate(bitrate_kbps)
         self._enc.set_in_sample_rate(sample_rate)
@@ -86,7 +80,6 @@ class SseEncoder:
         self.inner = inner
         if hasattr(inner, "prepare"):
             self.prepare = inner.prepare
-        self.first_piece: int = getattr(inner, "first_piece", 0)
 
     def __call__(self, samples: np.ndarray, last: bool) -> bytes | None:
         data = self.inner(samples, last)
@@ -100,10 +93,10 @@ def sse_event(payload: dict) -> bytes:
 
 
 def make_encoder(fmt: str, sample_rate: int, mp3_bitrate_kbps: int = 192, mp3_quality: int = 2,
-                 sse: bool = False, mp3_first_piece_ms: float = 0.0) -> Encoder:
+                 sse: bool = False) -> Encoder:
     """The encoder of one response in `fmt` (one of MEDIA_TYPES)."""
     if fmt == "mp3":
-        enc: Encoder = Mp3Encoder(sample_rate, mp3_bitrate_kbps, mp3_quality, mp3_first_piece_ms)
+        enc: Encoder = Mp3Encoder(sample_rate, mp3_bitrate_kbps, mp3_quality)
     elif fmt == "pcm":
         enc = pcm_encoder
     elif fmt in MEDIA_TYPES:

@@ -31,12 +31,6 @@ class Settings(BaseSettings):
     serverpool_inference_timesteps: int = Field(10, ge=1, le=100, description="CFM Euler steps per patch.")
     mp3_bitrate_kbps: int = Field(192, description="MP3 bitrate (kbit/s).")
     mp3_quality: int = Field(2, ge=0, le=2, description="lameenc quality, 0 best .. 2 fastest (of the 0..2 range).")
-    mp3_first_piece_ms: float = Field(60.0, ge=0, le=1000, description="A stream's first this-many ms of audio are "
-                                                                       "MP3-encoded and sent before the rest of its "
-                                                                       "first chunk (60 ms: the first ~45 ms of MP3 "
-                                                                       "at 48 kHz), so a burst's first audio does "
-                                                                       "not wait for all its first chunks' LAME "
-                                                                       "work; the bytes are the same. 0 = off.")
     queue_coalesce_ms: float = Field(5.0, ge=0, le=1000, description="Window gathering generation requests that "
                                                                      "arrive together into one scheduling round "
                                                                      "(one batched prefill) in each engine worker.")

@@ -65,7 +65,7 @@ class Generation:
 async def start(state: ServiceState, route: str, text: str, cond: Conditioning, params: SamplingParams, fmt: str,
                 sse: bool = False, lora_name: str | None = None) -> Generation:
     s = state.settings
-    encoder = make_encoder(fmt, state.sample_rate, s.mp3_bitrate_kbps, s.mp3_quality, sse, s.mp3_first_piece_ms)
+    encoder = make_encoder(fmt, state.sample_rate, s.mp3_bitrate_kbps, s.mp3_quality, sse)
     request = SynthesisRequest(text, cond.prompt_text, cond.prompt_latents, None, cond.ref_latents, params, lora_name)
     stream = state.pool.submit(request, encoder)
     try:

@@ -212,8 +212,7 @@ def test_encode_costs_and_the_client_path(tmp_path):
         one = b"".join(enc(c, i == steps - 1) or b"" for i, c in enumerate(chunks))
         assert row["bytes"] == 3 * len(one) and row["core_s_per_audio_s"] > 0
     assert [r["format"] for r in doc["client_path"]] == ["pcm", "mp3"]
-    assert [(r["streams"], r["threads"], r["samples"]) for r in doc["burst"]] == \
-        [(4, 1, 7680), (4, 1, 2880), (4, 2, 7680), (4, 2, 2880)]  # first chunks, and their first 60 ms
+    assert [(r["streams"], r["threads"]) for r in doc["burst"]] == [(4, 1), (4, 2)]
     assert all(r["last_ms"] >= r["median_ms"] > 0 for r in doc["burst"])
     # each stream's first chunk was really encoded: at least one whole 192 kbps frame (576 bytes at 48 kHz) each
     assert all(r["bytes"] >= 4 * 576 for r in doc["burst"])
@@ -221,7 +220,6 @@ def test_encode_costs_and_the_client_path(tmp_path):
     line = importlib.import_module("serving_report").host_lame(tmp_path)
     assert f"at most {max(r['audio_s_per_s'] for r in doc['mp3_threads']):.1f} audio-s/s" in line
     assert "the client path, mp3" in line and "4 first chunks at once on 2 threads" in line
-    assert "4 first pieces of 2880 samples at once on 2 threads" in line
 
 
 # ---------------------------------------------------------------- measurement helpers

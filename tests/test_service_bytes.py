@@ -9,7 +9,6 @@ import io
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
@@ -74,26 +73,6 @@ def test_a_prepared_mp3_encoder_makes_the_same_bytes(reference):
         == encoded(reference, "mp3")
     sse = make_encoder("mp3", SAMPLE_RATE, sse=True)
     assert sse.prepare.__self__ is sse.inner  # SSE around MP3 prepares the MP3 encoder
-
-
-def test_an_mp3_streams_first_piece_comes_alone_and_the_bytes_are_the_same(server, reference):
-    """With a first piece (the service's setting), the engine client sends the MP3 of the first chunk's first 60 ms
-    before encoding the rest of it: one more item, the first being exactly what LAME makes of the piece alone, and the
-    stream's bytes unchanged."""
-
-    async def items(encoder: Any) -> list[bytes]:
-        stream = server.state.pool.generate(TEXT, max_generate_length=PATCHES, seed=SEED, transform=encoder)
-        return [b async for b in stream]
-
-    piece = make_encoder("mp3", SAMPLE_RATE, mp3_first_piece_ms=60)
-    assert piece.first_piece == 2880  # type: ignore[attr-defined]
-    out = server.call(items(piece))
-    alone = make_encoder("mp3", SAMPLE_RATE)
-    assert out[0] == alone(reference[0][:2880], False) and len(out[0]) >= 417  # a whole MP3 frame at least
-    assert len(out) == PATCHES + 1 and b"".join(out) == encoded(reference, "mp3")
-    sse = make_encoder("mp3", SAMPLE_RATE, sse=True, mp3_first_piece_ms=60)
-    assert sse.first_piece == 2880  # type: ignore[attr-defined]
-    assert len(server.call(items(make_encoder("mp3", SAMPLE_RATE)))) == PATCHES  # no piece: a chunk, an item
 
 
 def body(fmt: str = "mp3") -> dict:

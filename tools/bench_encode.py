@@ -15,9 +15,7 @@ output); the CPU of this process per audio second is then set beside the encoder
 --burst STREAMS measures the floor under a burst's time to first audio: STREAMS new MP3 streams (encoders made and
 prepared) each encode their first chunk at the same moment on each of --burst-threads thread counts (the cores the
 API processes have); the time until the last first chunk is encoded is what a burst of that size adds to the
-slowest streams' first bytes at the least, whatever the serving path does (median of 5 bursts). With
---burst-piece-ms (default: the service's NANOVLLM_MP3_FIRST_PIECE_MS) the same burst is timed again encoding only
-each first chunk's first piece: the floor when the service sends the pieces' MP3 first.
+slowest streams' first bytes at the least, whatever the serving path does (median of 5 bursts).
 """
 
 from __future__ import annotations
@@ -40,7 +38,6 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from benchlib import write_json  # noqa: E402
 
 from service.audio import make_encoder  # noqa: E402
-from service.settings import Settings  # noqa: E402
 
 CASES = [("mp3", {"mp3_bitrate_kbps": 192, "mp3_quality": q}, f"mp3 192 kbps q{q}") for q in (0, 1, 2)] + [
     ("mp3", {"mp3_bitrate_kbps": 128, "mp3_quality": 2}, "mp3 128 kbps q2"),
@@ -119,12 +116,10 @@ async def client_path(fmt: str, streams: int, step_s: float, steps: int, threads
             "core_s_per_audio_s": cpu / audio_s, "cores": cpu / wall, "bytes": nbytes}
 
 
-def first_chunk_burst(audio: np.ndarray, chunk: int, sr: int, streams: int, threads: int, samples: int = 0,
+def first_chunk_burst(audio: np.ndarray, chunk: int, sr: int, streams: int, threads: int,
                       repeats: int = 5) -> dict[str, Any]:
-    """`streams` prepared MP3 encoders encode a first chunk each (its first `samples`, when given) at once on
-    `threads` threads: the wall time to the last one (and the median one), the median over `repeats` bursts; and the
-    MP3 bytes the last burst made."""
-    samples = samples or chunk
+    """`streams` prepared MP3 encoders encode a first chunk each at once on `threads` threads: the wall time to the
+    last one (and the median one), the median over `repeats` bursts; and the MP3 bytes the last burst made."""
     lasts, middles, nbytes = [], [], 0
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(time.sleep, [0.01] * threads))  # its threads exist before the first timed burst
@@ -132,7 +127,7 @@ def first_chunk_burst(audio: np.ndarray, chunk: int, sr: int, streams: int, thre
             encoders = [make_encoder("mp3", sr) for _ in range(streams)]
             for enc in encoders:
                 enc.prepare()  # type: ignore[attr-defined]  # as the service does while the engine prefills
-            pieces = [audio[(i * chunk + r * 997) % (len(audio) - chunk):][:samples] for i in range(streams)]
+            pieces = [audio[(i * chunk + r * 997) % (len(audio) - chunk):][:chunk] for i in range(streams)]
             go = threading.Event()  # every job is handed to the pool before the clock starts
 
             def encode(enc: Any, piece: np.ndarray, go: threading.Event = go) -> tuple[float, int]:
@@ -148,7 +143,7 @@ def first_chunk_burst(audio: np.ndarray, chunk: int, sr: int, streams: int, thre
             nbytes = sum(n for _, n in done)
             lasts.append(ends[-1])
             middles.append(ends[len(ends) // 2])
-    return {"streams": streams, "threads": threads, "samples": samples, "last_ms": 1000 * float(np.median(lasts)),
+    return {"streams": streams, "threads": threads, "last_ms": 1000 * float(np.median(lasts)),
             "median_ms": 1000 * float(np.median(middles)), "bytes": nbytes}
 
 
@@ -165,8 +160,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--burst", type=int, default=0, metavar="STREAMS",
                     help="also time a burst of this many new MP3 streams' first chunks (0: not)")
     ap.add_argument("--burst-threads", default="14", help="--burst: thread counts (the API processes' cores)")
-    ap.add_argument("--burst-piece-ms", type=float, default=Settings.model_fields["mp3_first_piece_ms"].default,
-                    help="--burst: also time the bursts of these first pieces (0: not)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     sr = a.sample_rate
@@ -199,14 +192,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         doc["client_path"].append(row)
         print(f"client path, {fmt}, {a.client_path} streams: {row['core_s_per_audio_s']:.5f} core-s per audio-s "
               f"({row['cores']:.2f} cores)", flush=True)
-    piece = round(sr * a.burst_piece_ms / 1000)
     for n in [int(x) for x in a.burst_threads.split(",") if x.strip()] if a.burst else ():
-        for samples in [a.chunk] + ([piece] if 0 < piece < a.chunk else []):
-            row = first_chunk_burst(audio, a.chunk, sr, a.burst, n, samples)
-            doc["burst"].append(row)
-            what = "chunks" if samples == a.chunk else f"pieces ({samples} samples)"
-            print(f"burst of {a.burst} first MP3 {what} on {n} threads: the last encoded after {row['last_ms']:.1f} "
-                  f"ms, the median after {row['median_ms']:.1f} ms", flush=True)
+        row = first_chunk_burst(audio, a.chunk, sr, a.burst, n)
+        doc["burst"].append(row)
+        print(f"burst of {a.burst} first MP3 chunks on {n} threads: the last encoded after {row['last_ms']:.1f} ms, "
+              f"the median after {row['median_ms']:.1f} ms", flush=True)
     write_json(a.out, doc)
     return doc
 

@@ -92,9 +92,7 @@ def host_lame(run: Path) -> str:
         cost = row.get("core_s_per_audio_s", float("nan"))
         line += f"; the client path, {row.get('format')}: {cost:.4f} core-s per audio-s"
     for row in doc.get("burst", []):
-        what = "first chunks" if row.get("samples", doc.get("chunk")) == doc.get("chunk") else \
-            f"first pieces of {row['samples']} samples"
-        line += (f"; {row.get('streams')} {what} at once on {row.get('threads')} threads: the last encoded "
+        line += (f"; {row.get('streams')} first chunks at once on {row.get('threads')} threads: the last encoded "
                  f"after {row.get('last_ms', float('nan')):.1f} ms")
     return line
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import os
@@ -45,8 +44,7 @@ from engine.serving.routing import LoadTable
 log = logging.getLogger(__name__)
 
 # A stream's transform: (chunk, is_last) -> what the stream yields for it (None: nothing for this chunk). One with a
-# `prepare()` method has it run on an encoder thread when the request is sent, before its first chunk; one with a
-# `first_piece` (samples) has its first chunk cut there, each part transformed on its own (GenerationStream.pieces).
+# `prepare()` method has it run on an encoder thread when the request is sent, before its first chunk.
 Transform = Callable[[np.ndarray, bool], Any]
 RECONNECT_S = (0.05, 0.5)  # first and longest pause between connection attempts
 REPLAY = "replay:"  # call ids of registrations sent again to a (re)connected worker, answered to nobody
@@ -80,7 +78,6 @@ class GenerationStream:
         self.scheduled = False  # queued in the encoder pool (for its earliest pending event)
         self.first_output_at: float | None = None  # monotonic time the transform first gave something to send
         self.transformed_samples = 0
-        self.first_piece: int = getattr(transform, "first_piece", 0) or 0  # where the first chunk is cut; 0: not
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._link: _WorkerLink | None = None
         self._ended = False  # the last item was taken, or the stream was closed
@@ -172,19 +169,6 @@ class GenerationStream:
             except Exception as e:  # an encoder bug fails this stream only
                 return self._encoding_failed("transform", e)
         return _Item(value, len(audio), ev.finished, ev.finish_reason)
-
-    def pieces(self, ev: p.AudioEvent | object) -> list[p.AudioEvent | object]:
-        """What the encoder pool queues for `ev`: the stream's first chunk cut at the transform's `first_piece`, the
-        rest as it comes. The piece is transformed and sent on its own, and the rest of the chunk is then due when
-        the piece's audio runs out (earliest deadline first): in a burst every stream's first bytes come before any
-        stream's rest, so the first audio waits for the pieces' work, not every first chunk's."""
-        if not self.first_piece or not isinstance(ev, p.AudioEvent):
-            return [ev]
-        n, self.first_piece = self.first_piece, 0
-        if ev.audio is None or len(ev.audio) <= n:
-            return [ev]
-        return [dataclasses.replace(ev, audio=ev.audio[:n], finished=False, finish_reason=None),
-                dataclasses.replace(ev, audio=ev.audio[n:])]
 
     def prepare(self) -> _Item | None:
         """Run the transform's prepare() (on an encoder thread); its failure fails the stream as an encoding one."""
@@ -315,9 +299,8 @@ class EncoderPool:
 
     def submit(self, stream: GenerationStream, ev: p.AudioEvent | object) -> None:
         """From the reader thread: a stream's next event (or, from the loop, _PREPARE before any)."""
-        now = time.monotonic()
         with stream.lock:
-            stream.pending.extend((piece, now) for piece in stream.pieces(ev))
+            stream.pending.append((ev, time.monotonic()))
             if stream.scheduled:
                 return  # queued already, for its earliest chunk
             stream.scheduled = True
