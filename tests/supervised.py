@@ -36,8 +36,10 @@ T = TypeVar("T")
 class Service:
     """The `voxcpm-serve` process tree, its log, and requests that know which API process answered them."""
 
-    def __init__(self, checkpoint: Path, tmp: Path, api_processes: int = 2, **settings: str) -> None:
-        """`settings`: more NANOVLLM_* variables, named without the prefix (max_queued_requests="16")."""
+    def __init__(self, checkpoint: Path, tmp: Path, api_processes: int = 2, engine_env: dict[str, str] | None = None,
+                 **settings: str) -> None:
+        """`settings`: more NANOVLLM_* variables, named without the prefix (max_queued_requests="16");
+        `engine_env`: VOXCPM_* engine options (VOXCPM_LOG_LEVEL="DEBUG")."""
         self.api_processes = api_processes
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -48,7 +50,7 @@ class Service:
                    NANOVLLM_HOST="127.0.0.1", NANOVLLM_PORT=str(self.port),
                    NANOVLLM_API_PROCESSES=str(api_processes), NANOVLLM_SERVERPOOL_MAX_NUM_SEQS="4",
                    NANOVLLM_SERVERPOOL_MAX_MODEL_LEN="512", NANOVLLM_SERVERPOOL_MAX_NUM_BATCHED_TOKENS="2048")
-        env.update({f"NANOVLLM_{k.upper()}": v for k, v in settings.items()})
+        env.update({f"NANOVLLM_{k.upper()}": v for k, v in settings.items()}, **(engine_env or {}))
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "service.main"], cwd=ROOT, env=env, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)

@@ -272,3 +272,18 @@ def test_tune_coalesce_runs_each_window_against_its_own_service(checkpoint_facto
         assert len(rows) == 1 and rows[0]["failed"] == 0 and rows[0]["requests"] == rows[0]["arrivals"] >= 1
         log = (tmp_path / w["service_log"]).read_text()
         assert w["open_loop"]["service"]["queue_coalesce_ms"] == w["window_ms"], log[-2000:]
+
+
+def test_serving_reports_rounds_table_has_a_row_per_variant_format_and_concurrency(tmp_path):
+    """tools/serving_report.py's rounds table: MP3 rows named by their variant, PCM rows by variant and format, each
+    the mean of its rounds against the pool at the same concurrency."""
+    def result(c: int, rate: float, p95: float, underran: int = 0) -> dict[str, Any]:
+        return {"concurrency": c, "throughput_audio_s_per_s": rate, "ttfb_p95": p95, "streams_with_underrun": underran,
+                "service_cores_mean": 2.0}
+
+    for name, rate, p95 in (("r1_env0_mp3", 90.0, 0.13), ("r2_env0_mp3", 100.0, 0.11),
+                            ("r1_env0_pcm", 100.0, 0.10), ("r2_env0_pcm", 98.0, 0.12)):
+        (tmp_path / f"http_{name}_a.json").write_text(json.dumps({"results": [result(128, rate, p95, 1)]}))
+    lines = importlib.import_module("serving_report").rounds_table(tmp_path, {128: result(128, 100.0, 0.10)})
+    assert lines[2] == "| env0 | 128 | 2 | 100.0 | 95.0% (90.0, 100.0) | +20 ms (+30, +10) | 1, 1 | 2.0 |"
+    assert lines[3] == "| env0 pcm | 128 | 2 | 100.0 | 99.0% (100.0, 98.0) | +10 ms (+0, +20) | 1, 1 | 2.0 |"

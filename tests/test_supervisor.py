@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from tests.service_harness import SAMPLES_PER_PATCH, wav_bytes
-from tests.supervised import GUARD_S, REQUEST_TIMEOUT, Service, metric
+from tests.supervised import GUARD_S, REQUEST_TIMEOUT, ROOT, Service, metric
 
 API_PROCESSES = 2
 PCM_PATCH_BYTES = SAMPLES_PER_PATCH * 2  # s16le
@@ -34,7 +34,7 @@ LONG = {"target_text": LONG_TEXT, "response_format": "pcm"}  # max_generate_leng
 @pytest.fixture(scope="module")
 def service(checkpoint_factory, tmp_path_factory) -> Iterator[Service]:
     svc = Service(checkpoint_factory("tiny-voxcpm2", stop="never"), tmp_path_factory.mktemp("supervisor"),
-                  API_PROCESSES)
+                  API_PROCESSES, engine_env={"VOXCPM_LOG_LEVEL": "DEBUG"})  # the worker's timeline in the log
     try:
         svc.wait_all_ready()
         yield svc
@@ -229,6 +229,25 @@ def test_logs_hold_no_audio_latents_or_keys(service: Service, hifi_id: str):
     log = service.log()
     for needle in (secret, clip[100:160], clip[-460:-400], latents[:60]):
         assert needle not in log, f"the log holds request data: {needle[:20]}..."
+
+
+def test_a_bursts_arrivals_and_admission_rounds_from_the_workers_debug_log(service: Service):
+    """tools/burst_timeline.py reads what the worker logs at DEBUG: a burst of three requests at an idle worker is
+    found with its three arrivals, and the rounds that admitted them add up to three."""
+    import importlib
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    timeline = importlib.import_module("burst_timeline").timeline
+    before = len(timeline(service.log().splitlines()))
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda _: service.ask("POST", "/generate_blocking", json=SHORT)[0], range(3)))
+    assert [r.status_code for r in answers] == [200] * 3
+    bursts = timeline(service.log().splitlines())[before:]
+    assert sum(b["requests"] for b in bursts) == 3  # one burst, or more if the three came apart
+    assert all(sum(r["seqs"] for r in b["rounds"]) == b["requests"] for b in bursts)
+    assert all(0 <= b["half_ms"] <= b["spread_ms"] and b["first_step_ms"] is not None for b in bursts)
 
 
 def test_sigterm_stops_everything(service: Service):

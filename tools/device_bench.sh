@@ -339,8 +339,9 @@ for part in $PARTS; do
             stop_service
             ;;
         http_env)  # HTTP_ROUNDS rounds of: BASELINE's service (when set), then this tree's in each of HTTP_VARIANTS
-            # (';'-separated environments, '-' for none), MP3 at CONC each, no profiler:
-            # http_r<round>_base_mp3_{a,b}.json, http_r<round>_env<i>_mp3_{a,b}.json (tools/serving_report.py)
+            # (';'-separated environments, '-' for none), MP3 at CONC each (this tree's: each of HTTP_ENV_FORMATS,
+            # "mp3" unless set), no profiler: http_r<round>_base_mp3_{a,b}.json, http_r<round>_env<i>_<format>_{a,b}.json
+            # (tools/serving_report.py)
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
             RC[$part]=0
             IFS=';' read -r -a variants <<< "${HTTP_VARIANTS:--}"
@@ -357,7 +358,9 @@ for part in $PARTS; do
                     env_v="${variants[$v]}"; [[ $env_v == - ]] && env_v=""
                     log "variant env$v: ${env_v:-default environment}"
                     if SERVICE_ENV="$env_v" start_service "$ROOT" "r${round}_env$v"; then
-                        http_bench "r${round}_env${v}_mp3" "$CONC" --format mp3 || RC[$part]=$?
+                        for fmt in ${HTTP_ENV_FORMATS:-mp3}; do
+                            http_bench "r${round}_env${v}_$fmt" "$CONC" --format "$fmt" || RC[$part]=$?
+                        done
                     else
                         RC[$part]=start
                     fi

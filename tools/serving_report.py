@@ -7,8 +7,8 @@ The reference pool is the one with the service's engine settings (its coalescing
 names another file; HiFi rows use pool_hifi.json. With the call's encode.json (tools/bench_encode.py), a last line
 says what the host's LAME can do: MP3 throughput over HTTP cannot pass LAME's rate on the cores the API processes
 have, so a host whose LAME on its cores runs near the pool's rate is CPU-bound there, not the serving path.
-A call of the http_env part (rounds of services compared, files http_r<round>_<variant>_mp3_*.json) gets one
-row per variant and concurrency: the mean over the rounds, and each round's value.
+A call of the http_env part (rounds of services compared, files http_r<round>_<variant>_<mp3|pcm>_*.json) gets
+one row per variant (and format, when not MP3) and concurrency: the mean over the rounds, and each round's value.
 """
 
 from __future__ import annotations
@@ -51,13 +51,14 @@ def table(run: Path, name: str, pool: dict[int, dict]) -> list[str]:
 
 
 def rounds_table(run: Path, pool: dict[int, dict]) -> list[str]:
-    """Rounds of the http_env part: per variant and concurrency, the mean over rounds (each round's in brackets)."""
+    """Rounds of the http_env part: per variant (and format) and concurrency, the mean over rounds (each round's in
+    brackets)."""
     runs: dict[tuple[str, int], list[dict]] = defaultdict(list)
-    for path in sorted(run.glob("http_r*_mp3_a.json")):
-        m = re.fullmatch(r"http_r(\d+)_(\w+?)_mp3_a\.json", path.name)
+    for path in sorted(run.glob("http_r*_a.json")):
+        m = re.fullmatch(r"http_r(\d+)_(\w+?)_(mp3|pcm)_a\.json", path.name)
         if m:
-            for c, h in http_rows(run, f"r{m[1]}_{m[2]}_mp3").items():
-                runs[m[2], c].append(h)
+            for c, h in http_rows(run, f"r{m[1]}_{m[2]}_{m[3]}").items():
+                runs[m[2] if m[3] == "mp3" else f"{m[2]} {m[3]}", c].append(h)
     out = ["| variant | c | rounds | pool audio-s/s | HTTP audio-s/s: mean share (each) | HTTP TTFB p95 excess: mean "
            "(each) | streams that underran (each) | service cores |", "|---|---|---|---|---|---|---|---|"]
     for (name, c), hs in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
