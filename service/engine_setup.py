@@ -5,6 +5,7 @@ and what an API process is given to reach workers started elsewhere."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import signal
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ class WorkerEndpoint:
     load_table: Path | None = None  # the in-flight table every API process routes by (engine.serving.routing)
     row: int = 0  # this API process's row in it
     encoder_threads: int = 4  # each API process's (Settings.encoder_thread_count, decided by the supervisor)
+    engine_log_level: int = logging.INFO  # the engine client's, as the workers' (VOXCPM_LOG_LEVEL)
 
 
 def model_fingerprint(model_path: str) -> str:

@@ -64,6 +64,7 @@ def api_process_main(settings: Settings, endpoint: engine_setup.WorkerEndpoint, 
 
     name_process(f"voxcpm-api{index}")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s api[{index}] %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("engine").setLevel(endpoint.engine_log_level)  # DEBUG: when each request goes to its worker
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="parent-watch", daemon=True).start()
     sock = listening_socket(settings.host, settings.port)
     # The supervisor drains first (DRAIN_SIGNAL, then waits for what is in flight): uvicorn's own wait is a backstop.
@@ -89,7 +90,7 @@ class Supervisor:
     async def run(self) -> int:
         """Serve until a signal asks to stop (0) or the service cannot run (1)."""
         from engine.serving.pool import checked_model_path, device_names, engine_config
-        from engine.serving.processes import WorkerSet, reserve_cpus
+        from engine.serving.processes import WorkerSet, reserve_cpus, worker_log_level
         from engine.serving.protocol import name_process
 
         name_process("voxcpm-serve")
@@ -135,7 +136,8 @@ class Supervisor:
                                                    engine_setup.voice_db_path(s, model_path, runtime),
                                                    multiprocess_metrics=True,
                                                    load_table=runtime / "load",
-                                                   encoder_threads=s.encoder_thread_count(count, len(devices)))
+                                                   encoder_threads=s.encoder_thread_count(count, len(devices)),
+                                                   engine_log_level=worker_log_level(workers.config.options))
             self.api = [self._spawn_api(endpoint, i) for i in range(count)]
             log.info("%d engine worker(s) on %s, %d API process(es) with %d encoder threads each on %s:%d (%.1f s "
                      "after start)", len(devices), ", ".join(devices), len(self.api), endpoint.encoder_threads, s.host,

@@ -232,8 +232,9 @@ def test_logs_hold_no_audio_latents_or_keys(service: Service, hifi_id: str):
 
 
 def test_a_bursts_arrivals_and_admission_rounds_from_the_workers_debug_log(service: Service):
-    """tools/burst_timeline.py reads what the worker logs at DEBUG: a burst of three requests at an idle worker is
-    found with its three arrivals, and the rounds that admitted them add up to three."""
+    """tools/burst_timeline.py reads what the worker and the API processes log at DEBUG: a burst of three requests
+    at an idle worker is found with its three arrivals, each one's hand-off and write in its API process, and the
+    rounds that admitted them add up to three."""
     import importlib
     import sys
     from concurrent.futures import ThreadPoolExecutor
@@ -248,6 +249,8 @@ def test_a_bursts_arrivals_and_admission_rounds_from_the_workers_debug_log(servi
     assert sum(b["requests"] for b in bursts) == 3  # one burst, or more if the three came apart
     assert all(sum(r["seqs"] for r in b["rounds"]) == b["requests"] for b in bursts)
     assert all(0 <= b["half_ms"] <= b["spread_ms"] and b["first_step_ms"] is not None for b in bursts)
+    # the API processes' engine clients log at the workers' level too: each request's hand-off and write are found
+    assert all(b["api"]["requests"] == b["requests"] and b["api"]["sender_max_ms"] >= 0 for b in bursts)
 
 
 def test_sigterm_stops_everything(service: Service):

@@ -4,10 +4,14 @@
     python tools/burst_timeline.py service.log [--out timeline.json]
 
 A worker at DEBUG logs each request's arrival ("generate ID received"), each step ("step N: ... W waiting, R
-running") and each admission round ("step: prefill K seqs ..."). A burst here is the arrivals at an idle worker
-(nothing running or waiting) and what follows until it is idle again. Per burst: how many requests arrived, over
-how long (first to last, and to the half), and each admission round's size and time after the first arrival: a
-burst the in-process pool admits in one round but HTTP in two has its late round's requests wait one step more.
+running") and each admission round ("step: prefill K seqs ..."); an API process's engine client at DEBUG (the
+service sets it from the same VOXCPM_LOG_LEVEL) logs when its event loop hands a request to the sender thread
+("generate ID to worker N") and when the sender has written it ("generate ID sent"). A burst here is the arrivals
+at an idle worker (nothing running or waiting) and what follows until it is idle again. Per burst: how many requests
+arrived, over how long (first to last, and to the half), and each admission round's size and time after the first
+arrival (a burst the in-process pool admits in one round but HTTP in two has its late round's requests wait one
+step more); with the API processes' lines, where the arrivals' spread comes from: the API processes handing the
+requests over (spread from the first), the sender threads (hand-off to written) and the worker (written to read).
 Times are the log's (millisecond resolution). Prints one line per burst; --out writes them as JSON.
 """
 
@@ -22,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 _LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) worker\[(?P<worker>[^\]]+)\] DEBUG \S+: (?P<msg>.*)$")
+_API_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) api\[\d+\] DEBUG \S+: generate (\S+) (to worker|sent)")
 _ARRIVAL = re.compile(r"generate (\S+) received")
 _ROUND = re.compile(r"step: prefill (\d+) seqs")
 _STEP = re.compile(r"step (\d+): [\d.]+ ms, \d+ events, (\d+) waiting, (\d+) running")
@@ -31,23 +36,34 @@ def _ms(stamp: str) -> float:
     return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp() * 1000.0
 
 
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
 def timeline(lines: list[str]) -> list[dict[str, Any]]:
     """The bursts of every worker in the log, in the order they began."""
     bursts: list[dict[str, Any]] = []
     current: dict[str, dict[str, Any]] = {}  # worker -> its burst in progress
     arrivals: dict[str, list[float]] = {}
+    api: dict[str, dict[str, float]] = {}  # request id -> {"to worker": t, "sent": t}
+    received: dict[int, list[tuple[str, float]]] = {}  # id(burst) -> (request id, time read by the worker)
     for line in lines:
+        if a := _API_LINE.match(line):
+            api.setdefault(a[2], {})[a[3]] = _ms(a[1])
+            continue
         m = _LINE.match(line.rstrip("\n"))
         if m is None:
             continue
         worker, msg, t = m["worker"], m["msg"], _ms(m[1])
         burst = current.get(worker)
-        if _ARRIVAL.match(msg):
+        if arrival := _ARRIVAL.match(msg):
             if burst is None:
                 burst = current[worker] = {"worker": worker, "start": t, "rounds": [], "first_step_ms": None}
                 arrivals[worker] = []
                 bursts.append(burst)
             arrivals[worker].append(t - burst["start"])
+            received.setdefault(id(burst), []).append((arrival[1], t))
         elif burst is not None and (r := _ROUND.match(msg)):
             burst["rounds"].append({"seqs": int(r[1]), "at_ms": t - burst["start"]})
         elif burst is not None and (s := _STEP.match(msg)):
@@ -60,14 +76,30 @@ def timeline(lines: list[str]) -> list[dict[str, Any]]:
             burst.update(requests=len(got), spread_ms=got[-1] if got else 0.0,
                          half_ms=sorted(got)[(len(got) - 1) // 2] if got else 0.0)
     for b in bursts:
+        paths = [(api[rid], t) for rid, t in received.get(id(b), [])
+                 if {"to worker", "sent"} <= api.get(rid, {}).keys()]
+        if paths:  # the API processes' side of this burst
+            first = min(x["to worker"] for x, _ in paths)
+            handed = [x["to worker"] - first for x, _ in paths]
+            sender = [x["sent"] - x["to worker"] for x, _ in paths]
+            pipe = [t - x["sent"] for x, t in paths]
+            b["api"] = {"requests": len(paths), "handed_spread_ms": max(handed), "handed_half_ms": _pct(handed, 0.5),
+                        "sender_p50_ms": _pct(sender, 0.5), "sender_max_ms": max(sender),
+                        "worker_read_p50_ms": _pct(pipe, 0.5), "worker_read_max_ms": max(pipe),
+                        "first_handed_before_first_read_ms": b["start"] - first}
         b.pop("start")
     return bursts
 
 
 def describe(b: dict[str, Any]) -> str:
     rounds = ", ".join(f"{r['seqs']} at {r['at_ms']:.0f} ms" for r in b["rounds"]) or "none"
-    return (f"worker {b['worker']}: {b['requests']} requests over {b['spread_ms']:.0f} ms (half by "
+    line = (f"worker {b['worker']}: {b['requests']} requests over {b['spread_ms']:.0f} ms (half by "
             f"{b['half_ms']:.0f} ms); admitted in {len(b['rounds'])} round(s): {rounds}")
+    if a := b.get("api"):
+        line += (f"; API processes handed them over in {a['handed_spread_ms']:.0f} ms (half by "
+                 f"{a['handed_half_ms']:.0f}), sender threads {a['sender_p50_ms']:.1f} / {a['sender_max_ms']:.1f} ms "
+                 f"(p50 / max), worker read {a['worker_read_p50_ms']:.1f} / {a['worker_read_max_ms']:.1f} ms")
+    return line
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

@@ -123,6 +123,8 @@ class GenerationStream:
             self._end("error")
             raise
         self.attach(link)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("generate %s to worker %d", self.request_id, link.index)
         try:
             link.send(p.Generate(self.request_id, self.request))
         except BaseException:
@@ -244,6 +246,8 @@ class _WorkerLink:
                 conn.send(msg)
             except (OSError, ValueError):
                 return  # the reader sees the connection close
+            if isinstance(msg, p.Generate) and log.isEnabledFor(logging.DEBUG):  # a burst's timeline, with the worker's
+                log.debug("generate %s sent", msg.request_id)
 
     def _read(self, conn: Connection) -> None:
         loop, client = self.client.loop, self.client
