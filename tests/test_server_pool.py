@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any
 
 import numpy as np
 import pytest
@@ -473,48 +472,3 @@ def test_the_encoder_pools_observer_sees_each_chunk_and_the_one_that_made_the_fi
     finally:
         encoders.observer = None
     _free_blocks_restored(pool)
-
-
-def test_requests_that_reach_an_idle_worker_while_it_reads_a_burst_are_admitted_with_it(checkpoint, monkeypatch):
-    """A burst over two connections: one request is readable when the loop wakes, two more reach the other
-    connection while the worker reads the first, and the reading outlasts the coalescing window's cap. The worker
-    reads what has arrived before the idle engine admits anything: one round of three (without that: 1, then 2)."""
-    import multiprocessing
-
-    from engine.scheduler import COALESCE_CAP
-    from engine.serving import protocol as msgs
-    from engine.serving.worker import Worker
-
-    engine = LLMEngine(str(checkpoint), EngineConfig(max_num_seqs=4, max_model_len=256, coalesce_ms=5))
-    control, control_end = multiprocessing.Pipe()
-    worker = Worker(engine, control_end)
-    (a, a_end), (b, b_end) = multiprocessing.Pipe(), multiprocessing.Pipe()
-    worker.acceptor.attach(a_end)
-    worker.acceptor.attach(b_end)
-    request = msgs.SynthesisRequest("A burst.", params=SamplingParams(max_generate_length=50))
-    handle, step, rounds = worker.handle, worker.step, []
-
-    def handle_slowly(link: Any, msg: Any) -> None:
-        handle(link, msg)
-        if isinstance(msg, msgs.Generate) and msg.request_id == "a-0":  # the others come while this is read
-            b.send(msgs.Generate("b-0", request))
-            b.send(msgs.Generate("b-1", request))
-            time.sleep(COALESCE_CAP * engine.scheduler.coalesce_s + 0.02)  # past the window's cap
-
-    def step_and_count() -> None:
-        running = len(engine.scheduler.running)
-        step()
-        if len(engine.scheduler.running) > running:
-            rounds.append(len(engine.scheduler.running) - running)
-        if sum(rounds) == 3:
-            control.send(msgs.Stop())
-
-    monkeypatch.setattr(worker, "handle", handle_slowly)
-    monkeypatch.setattr(worker, "step", step_and_count)
-    a.send(msgs.Generate("a-0", request))
-    loop = threading.Thread(target=worker.run, daemon=True)
-    loop.start()
-    loop.join(HANG_GUARD_S * 6)
-    assert not loop.is_alive()
-    worker.close()
-    assert rounds == [3]

@@ -339,17 +339,16 @@ for part in $PARTS; do
             stop_service
             ;;
         http_env)  # HTTP_ROUNDS rounds of: BASELINE's service (when set), then this tree's in each of HTTP_VARIANTS
-            # (';'-separated environments, '-' for none), at CONC in each of HTTP_ENV_FORMATS ("mp3" unless set), no
-            # profiler: http_r<round>_{base,env<i>}_<format>_{a,b}.json (tools/serving_report.py)
+            # (';'-separated environments, '-' for none), MP3 at CONC each (this tree's: each of HTTP_ENV_FORMATS,
+            # "mp3" unless set), no profiler: http_r<round>_base_mp3_{a,b}.json, http_r<round>_env<i>_<format>_{a,b}.json
+            # (tools/serving_report.py)
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
             RC[$part]=0
             IFS=';' read -r -a variants <<< "${HTTP_VARIANTS:--}"
             for round in $(seq 1 "${HTTP_ROUNDS:-1}"); do
                 if [[ -n "${BASELINE:-}" ]]; then
                     if start_service "$BASELINE" "r${round}_base"; then
-                        for fmt in ${HTTP_ENV_FORMATS:-mp3}; do
-                            http_bench "r${round}_base_$fmt" "$CONC" --format "$fmt" || RC[$part]=$?
-                        done
+                        http_bench "r${round}_base_mp3" "$CONC" --format mp3 || RC[$part]=$?
                     else
                         RC[$part]=start
                     fi

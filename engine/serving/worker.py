@@ -391,22 +391,6 @@ class Worker:
         if link.gone:
             self.drop(link)
 
-    def _read_arrived(self) -> None:
-        """Before an idle engine admits what waits: read every request that has reached the worker meanwhile. A
-        burst comes over many connections (one per API process) within a few ms, and reading one costs the loop
-        ~0.3 ms, so the reads outlast the coalescing window; without this the window closes mid-burst and the rest
-        is admitted a whole step later (docs/benchmarks.md, serving path item 24). A busy engine admits at its
-        next step anyway; seats all taken, more reading gains nothing."""
-        sched = self.engine.scheduler
-        while (sched.waiting and not sched.running and self.engine.in_flight is None
-               and len(sched.waiting) < sched.max_num_seqs):
-            by_conn = {link.conn: link for link in self.links.values() if not link.gone}
-            ready = wait(list(by_conn), 0)
-            if not ready:
-                return
-            for conn in ready:
-                self._read(by_conn[conn])
-
     def run(self) -> None:
         """Serve until Stop arrives or the owner goes away."""
         self._take_new_links()
@@ -428,7 +412,6 @@ class Worker:
                     self._take_new_links()
                 else:
                     self._read(by_conn[ready])
-            self._read_arrived()
             for link in [lk for lk in self.links.values() if lk.gone]:
                 self.drop(link)
             self.expire_waiting()
