@@ -110,7 +110,8 @@ class EngineOptions:
     kernel_manifest: str | None = _option("VOXCPM_KERNEL_MANIFEST", None, str, "A kernel manifest file used beside "
                                           "the shipped ones (another GPU architecture or model shape).")
     log_level: str | None = _option("VOXCPM_LOG_LEVEL", None, lambda v: v.strip().upper() or None, "The workers' "
-                                    "log level (DEBUG: each step's timeline); unset: the parent's.")
+                                    "log level (DEBUG: each step's timeline), and the engine client's in the service's "
+                                    "API processes (DEBUG: each request's hand-off); unset: the parent's.")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> EngineOptions:
