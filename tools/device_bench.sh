@@ -20,7 +20,8 @@
 #   PARTS="gpu2" GPU2_ENV="NANOVLLM_API_PROCESSES=28" ...   # one GPU against two, the services in that environment
 #   PARTS="lora" CONC=1,64 LORAS=4 LORA_RANK=32 ...   # runtime LoRA adapters vs the base model vs a merged adapter
 #   PARTS="http_env" BASELINE=old HTTP_ROUNDS=3 HTTP_VARIANTS="-;NANOVLLM_WORKER_CPUS=1" CONC=64,128 ...   # rounds
-#       of the old service and this tree's in each environment, alternating, MP3 at CONC (tools/serving_report.py)
+#       of the old service and this tree's in each environment, alternating, MP3 at CONC (HTTP_ENV_FORMATS="pcm mp3":
+#       both; tools/serving_report.py)
 # Rough times: wheels ~10 s; checkpoint 1-3 min (skipped when $CKPT was finished by an earlier call on a
 # machine still warm); nano at 1,8,32,64 ~2.5 min (startup 40-55 s, then 12 bursts of 16 s of audio at
 # 10-125 audio-s/s); ours the same if it matches nano, ~5 min at the eager 164-197 ms/step. Every part
@@ -339,16 +340,17 @@ for part in $PARTS; do
             stop_service
             ;;
         http_env)  # HTTP_ROUNDS rounds of: BASELINE's service (when set), then this tree's in each of HTTP_VARIANTS
-            # (';'-separated environments, '-' for none), MP3 at CONC each (this tree's: each of HTTP_ENV_FORMATS,
-            # "mp3" unless set), no profiler: http_r<round>_base_mp3_{a,b}.json, http_r<round>_env<i>_<format>_{a,b}.json
-            # (tools/serving_report.py)
+            # (';'-separated environments, '-' for none), at CONC in each of HTTP_ENV_FORMATS ("mp3" unless set), no
+            # profiler: http_r<round>_{base,env<i>}_<format>_{a,b}.json (tools/serving_report.py)
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
             RC[$part]=0
             IFS=';' read -r -a variants <<< "${HTTP_VARIANTS:--}"
             for round in $(seq 1 "${HTTP_ROUNDS:-1}"); do
                 if [[ -n "${BASELINE:-}" ]]; then
                     if start_service "$BASELINE" "r${round}_base"; then
-                        http_bench "r${round}_base_mp3" "$CONC" --format mp3 || RC[$part]=$?
+                        for fmt in ${HTTP_ENV_FORMATS:-mp3}; do
+                            http_bench "r${round}_base_$fmt" "$CONC" --format "$fmt" || RC[$part]=$?
+                        done
                     else
                         RC[$part]=start
                     fi
