@@ -24,6 +24,7 @@ from engine.runner.lora import LoRASlots
 from engine.runner.model_runner import LaunchedDecode, ModelRunner
 from engine.scheduler import Rejected, Scheduler
 from engine.sequence import SamplingParams, Sequence, Status, StepEvent
+from engine.serving.protocol import TextIds
 from engine.startup import kernel_cache
 
 log = logging.getLogger(__name__)
@@ -121,11 +122,12 @@ class LLMEngine:
 
     def add_request(self, target_text: str, params: SamplingParams | None = None, prompt_text: str = "",
                     prompt_latents: torch.Tensor | None = None, ref_latents: torch.Tensor | None = None,
-                    injected_noise: list[torch.Tensor] | None = None, lora_name: str | None = None) -> int:
+                    injected_noise: list[torch.Tensor] | None = None, lora_name: str | None = None,
+                    text_ids: TextIds | None = None) -> int:
         params = params or SamplingParams()
         params.validate()
         prompt = build_prompt(self.model.tokenizer, self.model.config, target_text, prompt_text,
-                              prompt_latents, ref_latents)
+                              prompt_latents, ref_latents, text_ids)
         seq = Sequence(prompt=prompt, params=params, max_patches=max_patches(prompt, params.max_generate_length))
         # The request's own noise source, made here so that a bad seed fails this request, not a step.
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())

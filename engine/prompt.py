@@ -9,14 +9,14 @@ Audio positions carry token id 0 and a latent patch; the others carry text ids a
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 
 from engine.config import VoxCPMConfig
-from engine.io.tokenizer import TextTokenizer
+from engine.io.tokenizer import TextTokenizer, normalize_text
 from engine.models.voxcpm import AUDIO_START_TOKEN, REF_AUDIO_END_TOKEN, REF_AUDIO_START_TOKEN
+from engine.serving.protocol import TextIds
 
 
 class PromptError(ValueError):
@@ -35,11 +35,6 @@ class Prompt:
         return len(self.token_ids)
 
 
-def normalize_text(text: str) -> str:
-    """Line breaks and runs of white space become one space, as the official front end does."""
-    return re.sub(r"\s+", " ", text.replace("\n", " "))
-
-
 def latents_to_patches(latents: torch.Tensor, cfg: VoxCPMConfig, field: str) -> torch.Tensor:
     """(frames, feat_dim) latents -> (frames / P, P, feat_dim) patches."""
     if latents.dim() != 2 or latents.shape[1] != cfg.feat_dim:
@@ -54,8 +49,11 @@ def latents_to_patches(latents: torch.Tensor, cfg: VoxCPMConfig, field: str) -> 
 
 def build_prompt(tokenizer: TextTokenizer, cfg: VoxCPMConfig, target_text: str, prompt_text: str = "",
                  prompt_latents: torch.Tensor | None = None,
-                 ref_latents: torch.Tensor | None = None) -> Prompt:
-    target_text = normalize_text(target_text)
+                 ref_latents: torch.Tensor | None = None, text_ids: TextIds | None = None) -> Prompt:
+    """The model's input for one request. `text_ids`: the text already tokenized by the client (the same ids, checked
+    against the vocabulary); otherwise it is tokenized here."""
+    if text_ids is None:
+        target_text = normalize_text(target_text)
     if not target_text.strip():
         raise PromptError("target_text: must contain non-space characters")
     if (prompt_latents is None) != (not prompt_text):
@@ -81,9 +79,16 @@ def build_prompt(tokenizer: TextTokenizer, cfg: VoxCPMConfig, target_text: str, 
         add_text([REF_AUDIO_START_TOKEN])
         add_audio(latents_to_patches(ref_latents, cfg, "ref_audio_latents"))
         add_text([REF_AUDIO_END_TOKEN])
-    target_ids = tokenizer.encode(target_text)
-    text_ids = tokenizer.encode(prompt_text + target_text) if prompt_latents is not None else target_ids
-    add_text(text_ids + [AUDIO_START_TOKEN])
+    if text_ids is None:
+        target_ids = tokenizer.encode(target_text)
+        ids_read = tokenizer.encode(prompt_text + target_text) if prompt_latents is not None else target_ids
+    else:
+        target_ids = text_ids.target
+        ids_read = text_ids.text if text_ids.text is not None else target_ids
+        if (prompt_latents is not None) != (text_ids.text is not None) or not target_ids or not all(
+                0 <= i < cfg.lm.vocab_size for i in ids_read):
+            raise PromptError("text_ids: not this request's text tokenized for this model")
+    add_text(ids_read + [AUDIO_START_TOKEN])
     context = torch.zeros(0, p, d)
     if prompt_latents is not None:
         patches = latents_to_patches(prompt_latents, cfg, "prompt_latents")

@@ -26,6 +26,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import AsyncVoxCPMServerPool, VoxCPM
+from engine.io.tokenizer import TextTokenizer
 from engine.serving.pool import checked_model_path, device_names
 from engine.serving.routing import LoadTable
 from service import errors, lifecycle
@@ -76,6 +77,9 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
                                                      endpoint.encoder_threads, load, settings.queue_bound,
                                                      registrations)
             pool.client.encoders.observer = metrics.observe_encoding
+            # Requests are tokenized here, beside the other API processes, not one after another in the engine worker
+            # that a burst's requests all wait for (docs/benchmarks.md, serving path item 25).
+            pool.client.tokenizer = await asyncio.to_thread(TextTokenizer.from_dir, model_path)
             store = SqliteVoiceStore(voice_db, settings.voice_cache_max_entries, settings.voice_cache_max_bytes)
             state = ServiceState(settings=settings, pool=pool, store=store, metrics=metrics, model_path=model_path,
                                  model_id=Path(model_path).name, demo=demo, owns_workers=endpoint is None,

@@ -24,6 +24,7 @@ from engine import (
     WorkerDiedError,
     load_model,
 )
+from engine.io.tokenizer import TextTokenizer
 from tests.service_harness import wav_bytes
 
 HANG_GUARD_S = 10  # a killed worker's callers fail at once; this only catches a hang
@@ -66,8 +67,10 @@ def test_model_info(pool):
     assert info["attention_backend"] == "torch" and info["cuda_graphs"] == 0 and info["devices"] == ["cpu"]
 
 
-def test_concurrent_mixed_modes_equal_alone(pool, checkpoint):
-    """Requests of every mode at once through the pool give exactly the audio each gives alone."""
+@pytest.mark.parametrize("client_tokenizes", [False, True], ids=["worker-tokenizes", "client-tokenizes"])
+def test_concurrent_mixed_modes_equal_alone(pool, checkpoint, client_tokenizes):
+    """Requests of every mode at once through the pool give exactly the audio each gives alone, whether the worker
+    tokenizes their text or the client does (as the service's API processes do: TextIds sent with the request)."""
     lat = pool.encode_latents(wav_bytes(1.0), "wav")
     ref = pool.encode_latents(wav_bytes(1.2, seed=1), "wav", padding="right")
     prompt_id = pool.add_prompt(wav_bytes(1.0), "wav", "A stored prompt.")
@@ -80,15 +83,26 @@ def test_concurrent_mixed_modes_equal_alone(pool, checkpoint):
         dict(target_text="Continue.", prompt_id=prompt_id, seed=3, max_generate_length=4),
     ]
 
+    sent: list[object] = []  # each request as it went to the worker: with the client's TextIds or without
+
     async def run_all() -> list[np.ndarray]:
         inner: AsyncVoxCPMServerPool = pool.pool
 
         async def one(r: dict) -> np.ndarray:
-            return np.concatenate([c async for c in inner.generate(**r)])
+            stream = inner.generate(**r)
+            audio = np.concatenate([c async for c in stream])
+            sent.append(stream.request)
+            return audio
 
         return await asyncio.gather(*(one(r) for r in reqs))
 
-    together = asyncio.run_coroutine_threadsafe(run_all(), pool._loop).result(120)
+    pool.pool.client.tokenizer = TextTokenizer.from_dir(checkpoint) if client_tokenizes else None
+    try:
+        together = asyncio.run_coroutine_threadsafe(run_all(), pool._loop).result(120)
+    finally:
+        pool.pool.client.tokenizer = None
+    # the client tokenized every request but the registered prompt's (its transcript is the worker's)
+    assert [r.text_ids is not None for r in sent] == [client_tokenizes and r.prompt_id is None for r in sent]
     # The stored prompt is the same clip and text as the inline latents: same audio (up to summation
     # order: the second one reuses the first one's prompt blocks from the prefix cache).
     np.testing.assert_allclose(together[2], together[4], rtol=0, atol=1e-5 * np.abs(together[2]).max())
@@ -471,4 +485,37 @@ def test_the_encoder_pools_observer_sees_each_chunk_and_the_one_that_made_the_fi
         assert again == streamed and encoders.observer is None
     finally:
         encoders.observer = None
+    _free_blocks_restored(pool)
+
+
+def test_text_ids_are_the_workers_own_tokens_and_bad_ones_fail_the_request_alone(pool, checkpoint):
+    """The client's tokenization (engine.serving.client.text_ids) gives the prompt the worker builds from the text, for
+    zero-shot and continuation requests; a registered prompt's transcript is left to the worker. Ids that are not
+    this model's fail that request as a request error, and the worker keeps serving."""
+    from engine.prompt import build_prompt
+    from engine.serving import protocol as msgs
+    from engine.serving.client import text_ids
+
+    model = load_model(checkpoint)
+    tok, cfg = model.tokenizer, model.config
+    latents = torch.zeros(2 * cfg.patch_size, cfg.feat_dim)
+    for text, prompt_text, prompt in (("Tokenized  by\nthe client.", "", None), ("Continue.", "A prompt.", latents)):
+        request = msgs.SynthesisRequest(text, prompt_text, None if prompt is None else prompt.numpy())
+        ids = text_ids(tok, request)
+        assert ids is not None and (ids.text is None) == (prompt is None)
+        worker_side = build_prompt(tok, cfg, text, prompt_text, prompt)
+        client_side = build_prompt(tok, cfg, text, prompt_text, prompt, text_ids=ids)
+        assert client_side.token_ids == worker_side.token_ids and client_side.target_tokens == worker_side.target_tokens
+        assert torch.equal(client_side.feats, worker_side.feats)
+        assert torch.equal(client_side.audio_mask, worker_side.audio_mask)
+    assert text_ids(tok, msgs.SynthesisRequest("Stored.", prompt_id="p1")) is None
+
+    async def bad(ids: msgs.TextIds) -> None:
+        request = msgs.SynthesisRequest("Not these ids.", params=SamplingParams(max_generate_length=2), text_ids=ids)
+        [_ async for _ in pool.pool.client.generate(request)]
+
+    for ids in (msgs.TextIds([cfg.lm.vocab_size + 5]), msgs.TextIds([1, 2], [3])):  # out of range; a prompt's ids
+        with pytest.raises(RequestError, match="text_ids: not this request's text"):
+            asyncio.run_coroutine_threadsafe(bad(ids), pool._loop).result(60)
+    assert list(pool.generate("Still serving.", max_generate_length=2, seed=1))
     _free_blocks_restored(pool)

@@ -45,15 +45,22 @@ def server(checkpoint_factory, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(server) -> list[np.ndarray]:
-    """The pool's float32 chunks for TEXT and SEED (through the same workers, no transform)."""
+    """The pool's float32 chunks for TEXT and SEED (through the same workers, no transform), the text tokenized by
+    the worker: the service's API process tokenizes what it sends, so the routes below check that too."""
+    client = server.state.pool.client
+    assert client.tokenizer is not None  # the service tokenizes in its API processes
 
     async def chunks() -> list[np.ndarray]:
         stream = server.state.pool.generate(TEXT, max_generate_length=PATCHES, seed=SEED)
         out = [c async for c in stream]
-        assert stream.finish_reason == "length"
+        assert stream.finish_reason == "length" and stream.request.text_ids is None
         return out
 
-    out = server.call(chunks())
+    tokenizer, client.tokenizer = client.tokenizer, None
+    try:
+        out = server.call(chunks())
+    finally:
+        client.tokenizer = tokenizer
     assert len(out) == PATCHES and all(len(c) == SAMPLES_PER_PATCH for c in out)
     assert float(np.abs(np.concatenate(out)).max()) > 1e-3  # audio, not silence
     return out

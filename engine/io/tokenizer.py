@@ -17,6 +17,7 @@ added/special tokens are re-registered from ``tokenizer_config.json`` (or, witho
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,11 @@ _NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_toke
 # LlamaTokenizer's constructor defaults.
 _LLAMA_DEFAULTS = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
 _ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
+
+
+def normalize_text(text: str) -> str:
+    """Line breaks and runs of white space become one space, as the official front end does."""
+    return re.sub(r"\s+", " ", text.replace("\n", " "))
 
 
 def _is_cjk_multichar(piece: str) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -38,6 +39,7 @@ from engine.errors import (
     WorkerDiedError,
     error_from,
 )
+from engine.io.tokenizer import TextTokenizer, normalize_text
 from engine.serving import protocol as p
 from engine.serving.routing import LoadTable
 
@@ -122,6 +124,9 @@ class GenerationStream:
         except BaseException:
             self._end("error")
             raise
+        tokenizer = self.client.tokenizer
+        if tokenizer is not None and self.request.text_ids is None:
+            self.request = dataclasses.replace(self.request, text_ids=text_ids(tokenizer, self.request))
         self.attach(link)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("generate %s to worker %d", self.request_id, link.index)
@@ -361,6 +366,19 @@ class EncoderPool:
             self.queue.put((float("inf"), next(self._order), _END))
 
 
+def text_ids(tokenizer: TextTokenizer, request: p.SynthesisRequest) -> p.TextIds | None:
+    """The request's text as the worker would tokenize it (engine.prompt.build_prompt), or None where the client
+    cannot: a registered prompt's transcript is the worker's, and a text that fails is left to the worker to refuse."""
+    if request.prompt_id is not None or not isinstance(request.target_text, str):
+        return None
+    target = normalize_text(request.target_text)
+    if not target.strip():
+        return None
+    ids = tokenizer.encode(target)
+    both = tokenizer.encode(request.prompt_text + target) if request.prompt_latents is not None else None
+    return p.TextIds(ids, both)
+
+
 def _deliver(items: Iterable[tuple[GenerationStream, _Item]]) -> None:
     for stream, item in items:
         stream.put(item)
@@ -385,6 +403,9 @@ class EngineClient:
         # this client, or a mapping shared with other clients of the same workers and kept across restarts (the
         # service's `LoRARegistrations`).
         self.loras: MutableMapping[str, str] = loras if loras is not None else {}
+        # The checkpoint's tokenizer, when the owner sets it (the service's API processes do): requests are then
+        # tokenized here, beside the other API processes, instead of one after another in the worker.
+        self.tokenizer: TextTokenizer | None = None
         self.closed = False
         self._tasks = [asyncio.ensure_future(self._keep_connected(link)) for link in self.links]
 

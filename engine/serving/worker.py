@@ -199,7 +199,8 @@ class Worker:
         try:
             req.params.validate()
             seq_id = self.engine.add_request(req.target_text, req.params, prompt_text, prompt_latents, ref_latents,
-                                             lora_name=req.lora_name)
+                                             lora_name=req.lora_name,
+                                             text_ids=req.text_ids if req.prompt_id is None else None)
         except PoolError:
             raise  # a kind of its own: an unknown adapter (404), every adapter slot held (503)
         except (ValueError, TypeError, PromptError) as e:
