@@ -50,8 +50,8 @@ def latents_to_patches(latents: torch.Tensor, cfg: VoxCPMConfig, field: str) -> 
 def build_prompt(tokenizer: TextTokenizer, cfg: VoxCPMConfig, target_text: str, prompt_text: str = "",
                  prompt_latents: torch.Tensor | None = None,
                  ref_latents: torch.Tensor | None = None, text_ids: TextIds | None = None) -> Prompt:
-    """The model's input for one request. `text_ids`: the text already tokenized by the client (the same ids, checked
-    against the vocabulary); otherwise it is tokenized here."""
+    """The model's input for one request. `text_ids`: the text already tokenized by the client (taken as its ids;
+    checked to be ids of this vocabulary, present where the request needs them); otherwise it is tokenized here."""
     if text_ids is None:
         target_text = normalize_text(target_text)
     if not target_text.strip():
@@ -85,8 +85,9 @@ def build_prompt(tokenizer: TextTokenizer, cfg: VoxCPMConfig, target_text: str, 
     else:
         target_ids = text_ids.target
         ids_read = text_ids.text if text_ids.text is not None else target_ids
+        vocab = cfg.lm.vocab_size
         if (prompt_latents is not None) != (text_ids.text is not None) or not target_ids or not all(
-                0 <= i < cfg.lm.vocab_size for i in ids_read):
+                type(i) is int and 0 <= i < vocab for i in (*ids_read, *target_ids)):
             raise PromptError("text_ids: not this request's text tokenized for this model")
     add_text(ids_read + [AUDIO_START_TOKEN])
     context = torch.zeros(0, p, d)

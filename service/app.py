@@ -60,6 +60,13 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
             if endpoint is None:
                 model_path, demo = await asyncio.to_thread(model_checkpoint, settings)
                 model_path = await asyncio.to_thread(checked_model_path, model_path)  # a hub id: its local directory
+            else:
+                model_path = endpoint.model_path
+            # Requests are tokenized here, beside the other API processes, not one after another in the engine worker
+            # that a burst's requests all wait for (docs/benchmarks.md, serving path item 25); loaded before any
+            # worker starts, so that a checkpoint without a usable tokenizer leaves nothing running.
+            tokenizer = await asyncio.to_thread(TextTokenizer.from_dir, model_path)
+            if endpoint is None:
                 lora_path = await asyncio.to_thread(adapter_path, settings)
                 voice_db = voice_db_path(settings, model_path, Path(scratch))
                 registrations = LoRARegistrations(voice_db.with_name("loras.db"))
@@ -69,7 +76,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
                                               loras=registrations, **arguments)
                 assert isinstance(pool, AsyncVoxCPMServerPool)
             else:
-                model_path, demo, voice_db = endpoint.model_path, endpoint.demo, endpoint.voice_db
+                demo, voice_db = endpoint.demo, endpoint.voice_db
                 load = (LoadTable(len(endpoint.addresses), endpoint.load_table, endpoint.row)
                         if endpoint.load_table else None)
                 registrations = LoRARegistrations(voice_db.with_name("loras.db"))
@@ -77,9 +84,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
                                                      endpoint.encoder_threads, load, settings.queue_bound,
                                                      registrations)
             pool.client.encoders.observer = metrics.observe_encoding
-            # Requests are tokenized here, beside the other API processes, not one after another in the engine worker
-            # that a burst's requests all wait for (docs/benchmarks.md, serving path item 25).
-            pool.client.tokenizer = await asyncio.to_thread(TextTokenizer.from_dir, model_path)
+            pool.client.tokenizer = tokenizer
             store = SqliteVoiceStore(voice_db, settings.voice_cache_max_entries, settings.voice_cache_max_bytes)
             state = ServiceState(settings=settings, pool=pool, store=store, metrics=metrics, model_path=model_path,
                                  model_id=Path(model_path).name, demo=demo, owns_workers=endpoint is None,

@@ -287,3 +287,22 @@ def test_serving_reports_rounds_table_has_a_row_per_variant_format_and_concurren
     lines = importlib.import_module("serving_report").rounds_table(tmp_path, {128: result(128, 100.0, 0.10)})
     assert lines[2] == "| env0 | 128 | 2 | 100.0 | 95.0% (90.0, 100.0) | +20 ms (+30, +10) | 1, 1 | 2.0 |"
     assert lines[3] == "| env0 pcm | 128 | 2 | 100.0 | 99.0% (100.0, 98.0) | +10 ms (+0, +20) | 1, 1 | 2.0 |"
+
+
+def test_burst_timeline_begins_a_burst_after_requests_refused_before_any_step():
+    """tools/burst_timeline.py: a burst ends when its worker is idle again; requests refused at intake log no step,
+    so an arrival more than a second after them begins the next burst instead of stretching theirs."""
+    timeline = importlib.import_module("burst_timeline").timeline
+
+    def line(t: str, msg: str) -> str:
+        return f"2026-11-27 10:00:{t} worker[cuda:0] DEBUG engine.serving.worker: {msg}"
+
+    lines = [line("00,000", "generate a-0 received"),  # refused at intake: no step follows
+             line("05,000", "generate b-0 received"), line("05,002", "generate b-1 received"),
+             line("05,039", "step: prefill 2 seqs 3.0 ms (host), decode 2 seqs 1.0 ms"),
+             line("05,040", "step 1: 30.0 ms, 0 events, 0 waiting, 2 running"),
+             line("05,200", "step 2: 30.0 ms, 2 events, 0 waiting, 0 running"),
+             line("05,300", "generate c-0 received")]
+    bursts = timeline(lines)
+    assert [(b["requests"], len(b["rounds"])) for b in bursts] == [(1, 0), (2, 1), (1, 0)]
+    assert bursts[1]["spread_ms"] == pytest.approx(2.0) and bursts[1]["rounds"][0]["seqs"] == 2

@@ -69,3 +69,17 @@ def test_the_supervisor_starts_its_workers_without_torch():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]", f"torch imported: {r.stdout.strip()[:300]}"
+
+
+def test_the_api_processes_import_no_torch():
+    """An API process (the app, the engine client with its tokenizer) imports no torch: 14-16 of them share a host's
+    memory and start beside the workers (a fresh interpreter: this one has torch)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import service.app, service.supervisor, engine.serving.client, engine.io.tokenizer\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", f"torch imported: {r.stdout.strip()[:300]}"

@@ -509,12 +509,16 @@ def test_text_ids_are_the_workers_own_tokens_and_bad_ones_fail_the_request_alone
         assert torch.equal(client_side.feats, worker_side.feats)
         assert torch.equal(client_side.audio_mask, worker_side.audio_mask)
     assert text_ids(tok, msgs.SynthesisRequest("Stored.", prompt_id="p1")) is None
+    # what the client cannot tokenize is left to the worker, which refuses it as it always did
+    assert text_ids(tok, msgs.SynthesisRequest(" \n ")) is None
+    assert text_ids(tok, msgs.SynthesisRequest("Continue.", None, latents.numpy())) is None  # type: ignore[arg-type]
 
     async def bad(ids: msgs.TextIds) -> None:
         request = msgs.SynthesisRequest("Not these ids.", params=SamplingParams(max_generate_length=2), text_ids=ids)
         [_ async for _ in pool.pool.client.generate(request)]
 
-    for ids in (msgs.TextIds([cfg.lm.vocab_size + 5]), msgs.TextIds([1, 2], [3])):  # out of range; a prompt's ids
+    for ids in (msgs.TextIds([cfg.lm.vocab_size + 5]), msgs.TextIds([-1]), msgs.TextIds([1.5]),  # type: ignore[list-item]
+                msgs.TextIds([1, 2], [3])):  # out of range, negative, not an int; a prompt's ids without a prompt
         with pytest.raises(RequestError, match="text_ids: not this request's text"):
             asyncio.run_coroutine_threadsafe(bad(ids), pool._loop).result(60)
     assert list(pool.generate("Still serving.", max_generate_length=2, seed=1))

@@ -231,15 +231,14 @@ def test_logs_hold_no_audio_latents_or_keys(service: Service, hifi_id: str):
         assert needle not in log, f"the log holds request data: {needle[:20]}..."
 
 
-def test_a_bursts_arrivals_and_admission_rounds_from_the_workers_debug_log(service: Service):
+def test_a_bursts_arrivals_and_admission_rounds_from_the_workers_debug_log(service: Service, monkeypatch):
     """tools/burst_timeline.py reads what the worker and the API processes log at DEBUG: a burst of three requests
     at an idle worker is found with its three arrivals, each one's hand-off and write in its API process, and the
     rounds that admitted them add up to three."""
     import importlib
-    import sys
     from concurrent.futures import ThreadPoolExecutor
 
-    sys.path.insert(0, str(ROOT / "tools"))
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
     timeline = importlib.import_module("burst_timeline").timeline
     before = len(timeline(service.log().splitlines()))
     with ThreadPoolExecutor(3) as pool:

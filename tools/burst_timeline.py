@@ -7,7 +7,8 @@ A worker at DEBUG logs each request's arrival ("generate ID received"), each ste
 running") and each admission round ("step: prefill K seqs ..."); an API process's engine client at DEBUG (the
 service sets it from the same VOXCPM_LOG_LEVEL) logs when its event loop hands a request to the sender thread
 ("generate ID to worker N") and when the sender has written it ("generate ID sent"). A burst here is the arrivals
-at an idle worker (nothing running or waiting) and what follows until it is idle again. Per burst: how many requests
+at an idle worker (nothing running or waiting) and what follows until it is idle again (or, for requests refused
+before any step, until an arrival more than a second after the last). Per burst: how many requests
 arrived, over how long (first to last, and to the half), and each admission round's size and time after the first
 arrival (a burst the in-process pool admits in one round but HTTP in two has its late round's requests wait one
 step more); with the API processes' lines, where the arrivals' spread comes from: the API processes handing the
@@ -29,6 +30,7 @@ _LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) worker\[(?P<worker>
 _API_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) api\[\d+\] DEBUG \S+: generate (\S+) (to worker|sent)")
 _ARRIVAL = re.compile(r"generate (\S+) received")
 _ROUND = re.compile(r"step: prefill (\d+) seqs")
+IDLE_GAP_MS = 1000.0  # an arrival this long after the last, with no step between them, begins another burst
 _STEP = re.compile(r"step (\d+): [\d.]+ ms, \d+ events, (\d+) waiting, (\d+) running")
 
 
@@ -58,6 +60,9 @@ def timeline(lines: list[str]) -> list[dict[str, Any]]:
         worker, msg, t = m["worker"], m["msg"], _ms(m[1])
         burst = current.get(worker)
         if arrival := _ARRIVAL.match(msg):
+            if burst is not None and burst["first_step_ms"] is None and arrivals[worker] and \
+                    t - burst["start"] - arrivals[worker][-1] > IDLE_GAP_MS:
+                burst = None  # its requests were refused before any step: this arrival begins the next burst
             if burst is None:
                 burst = current[worker] = {"worker": worker, "start": t, "rounds": [], "first_step_ms": None}
                 arrivals[worker] = []

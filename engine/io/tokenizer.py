@@ -24,7 +24,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-__all__ = ["TextTokenizer"]
+__all__ = ["TextTokenizer", "normalize_text"]
 
 _TOKENIZER_FILE = "tokenizer.json"
 _CONFIG_FILE = "tokenizer_config.json"
