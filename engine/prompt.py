@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import VoxCPMConfig
-from engine.io.tokenizer import TextTokenizer, normalize_text
+from engine.io.tokenizer import TextTokenizer, text_tokens
 from engine.models.voxcpm import AUDIO_START_TOKEN, REF_AUDIO_END_TOKEN, REF_AUDIO_START_TOKEN
 from engine.serving.protocol import TextIds
 
@@ -52,8 +52,6 @@ def build_prompt(tokenizer: TextTokenizer, cfg: VoxCPMConfig, target_text: str, 
                  ref_latents: torch.Tensor | None = None, text_ids: TextIds | None = None) -> Prompt:
     """The model's input for one request. `text_ids`: the text already tokenized by the client (taken as its ids;
     checked to be ids of this vocabulary, present where the request needs them); otherwise it is tokenized here."""
-    if text_ids is None:
-        target_text = normalize_text(target_text)
     if not target_text.strip():
         raise PromptError("target_text: must contain non-space characters")
     if (prompt_latents is None) != (not prompt_text):
@@ -80,16 +78,14 @@ def build_prompt(tokenizer: TextTokenizer, cfg: VoxCPMConfig, target_text: str, 
         add_audio(latents_to_patches(ref_latents, cfg, "ref_audio_latents"))
         add_text([REF_AUDIO_END_TOKEN])
     if text_ids is None:
-        target_ids = tokenizer.encode(target_text)
-        ids_read = tokenizer.encode(prompt_text + target_text) if prompt_latents is not None else target_ids
+        target_ids, both = text_tokens(tokenizer, target_text, prompt_text, prompt_latents is not None)
     else:
-        target_ids = text_ids.target
-        ids_read = text_ids.text if text_ids.text is not None else target_ids
+        target_ids, both = text_ids.target, text_ids.text
         vocab = cfg.lm.vocab_size
-        if (prompt_latents is not None) != (text_ids.text is not None) or not target_ids or not all(
-                type(i) is int and 0 <= i < vocab for i in (*ids_read, *target_ids)):
+        if (prompt_latents is not None) != (both is not None) or not target_ids or not all(
+                type(i) is int and 0 <= i < vocab for i in (*target_ids, *(both or ()))):
             raise PromptError("text_ids: not this request's text tokenized for this model")
-    add_text(ids_read + [AUDIO_START_TOKEN])
+    add_text((both if both is not None else target_ids) + [AUDIO_START_TOKEN])
     context = torch.zeros(0, p, d)
     if prompt_latents is not None:
         patches = latents_to_patches(prompt_latents, cfg, "prompt_latents")

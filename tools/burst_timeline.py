@@ -47,9 +47,7 @@ def timeline(lines: list[str]) -> list[dict[str, Any]]:
     """The bursts of every worker in the log, in the order they began."""
     bursts: list[dict[str, Any]] = []
     current: dict[str, dict[str, Any]] = {}  # worker -> its burst in progress
-    arrivals: dict[str, list[float]] = {}
     api: dict[str, dict[str, float]] = {}  # request id -> {"to worker": t, "sent": t}
-    received: dict[int, list[tuple[str, float]]] = {}  # id(burst) -> (request id, time read by the worker)
     for line in lines:
         if a := _API_LINE.match(line):
             api.setdefault(a[2], {})[a[3]] = _ms(a[1])
@@ -60,15 +58,13 @@ def timeline(lines: list[str]) -> list[dict[str, Any]]:
         worker, msg, t = m["worker"], m["msg"], _ms(m[1])
         burst = current.get(worker)
         if arrival := _ARRIVAL.match(msg):
-            if burst is not None and burst["first_step_ms"] is None and arrivals[worker] and \
-                    t - burst["start"] - arrivals[worker][-1] > IDLE_GAP_MS:
+            if burst is not None and burst["first_step_ms"] is None and t - burst["read"][-1][1] > IDLE_GAP_MS:
                 burst = None  # its requests were refused before any step: this arrival begins the next burst
             if burst is None:
-                burst = current[worker] = {"worker": worker, "start": t, "rounds": [], "first_step_ms": None}
-                arrivals[worker] = []
+                burst = current[worker] = {"worker": worker, "start": t, "rounds": [], "first_step_ms": None,
+                                           "read": []}
                 bursts.append(burst)
-            arrivals[worker].append(t - burst["start"])
-            received.setdefault(id(burst), []).append((arrival[1], t))
+            burst["read"].append((arrival[1], t))  # (request id, when the worker read it)
         elif burst is not None and (r := _ROUND.match(msg)):
             burst["rounds"].append({"seqs": int(r[1]), "at_ms": t - burst["start"]})
         elif burst is not None and (s := _STEP.match(msg)):
@@ -76,13 +72,11 @@ def timeline(lines: list[str]) -> list[dict[str, Any]]:
                 burst["first_step_ms"] = t - burst["start"]
             if s[2] == "0" and s[3] == "0":  # idle again: the burst is over
                 del current[worker]
-        if burst is not None:
-            got = arrivals[worker]
-            burst.update(requests=len(got), spread_ms=got[-1] if got else 0.0,
-                         half_ms=sorted(got)[(len(got) - 1) // 2] if got else 0.0)
     for b in bursts:
-        paths = [(api[rid], t) for rid, t in received.get(id(b), [])
-                 if {"to worker", "sent"} <= api.get(rid, {}).keys()]
+        start, read = b.pop("start"), b.pop("read")
+        after = [t - start for _, t in read]
+        b.update(requests=len(read), spread_ms=after[-1], half_ms=_pct(after, 0.5))
+        paths = [(api[rid], t) for rid, t in read if {"to worker", "sent"} <= api.get(rid, {}).keys()]
         if paths:  # the API processes' side of this burst
             first = min(x["to worker"] for x, _ in paths)
             handed = [x["to worker"] - first for x, _ in paths]
@@ -91,8 +85,7 @@ def timeline(lines: list[str]) -> list[dict[str, Any]]:
             b["api"] = {"requests": len(paths), "handed_spread_ms": max(handed), "handed_half_ms": _pct(handed, 0.5),
                         "sender_p50_ms": _pct(sender, 0.5), "sender_max_ms": max(sender),
                         "worker_read_p50_ms": _pct(pipe, 0.5), "worker_read_max_ms": max(pipe),
-                        "first_handed_before_first_read_ms": b["start"] - first}
-        b.pop("start")
+                        "first_handed_before_first_read_ms": start - first}
     return bursts
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-__all__ = ["TextTokenizer", "normalize_text"]
+__all__ = ["TextTokenizer", "normalize_text", "text_tokens"]
 
 _TOKENIZER_FILE = "tokenizer.json"
 _CONFIG_FILE = "tokenizer_config.json"
@@ -40,6 +40,15 @@ _ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized
 def normalize_text(text: str) -> str:
     """Line breaks and runs of white space become one space, as the official front end does."""
     return re.sub(r"\s+", " ", text.replace("\n", " "))
+
+
+def text_tokens(tokenizer: TextTokenizer, target_text: str, prompt_text: str,
+                continuation: bool) -> tuple[list[int], list[int] | None]:
+    """A request's text ids as the official front end makes them: the normalised target text's (whose count caps the
+    generation) and, for a continuation prompt, the transcript's and the target's together (what the model reads)."""
+    target = normalize_text(target_text)
+    ids = tokenizer.encode(target)
+    return ids, tokenizer.encode(prompt_text + target) if continuation else None
 
 
 def _is_cjk_multichar(piece: str) -> bool:

@@ -39,7 +39,7 @@ from engine.errors import (
     WorkerDiedError,
     error_from,
 )
-from engine.io.tokenizer import TextTokenizer, normalize_text
+from engine.io.tokenizer import TextTokenizer, text_tokens
 from engine.serving import protocol as p
 from engine.serving.routing import LoadTable
 
@@ -369,17 +369,13 @@ class EncoderPool:
 def text_ids(tokenizer: TextTokenizer, request: p.SynthesisRequest) -> p.TextIds | None:
     """The request's text as the worker would tokenize it (engine.prompt.build_prompt), or None where the client
     cannot: a registered prompt's transcript is the worker's, and a text that fails is left to the worker to refuse."""
-    if request.prompt_id is not None or not isinstance(request.target_text, str):
-        return None
-    target = normalize_text(request.target_text)
-    if not target.strip():
+    if request.prompt_id is not None or not isinstance(request.target_text, str) or not request.target_text.strip():
         return None
     try:
-        ids = tokenizer.encode(target)
-        both = tokenizer.encode(request.prompt_text + target) if request.prompt_latents is not None else None
+        return p.TextIds(*text_tokens(tokenizer, request.target_text, request.prompt_text,
+                                      request.prompt_latents is not None))
     except (TypeError, ValueError):  # e.g. a prompt_text that is not a string, a piece with no id: the worker says
         return None
-    return p.TextIds(ids, both)
 
 
 def _deliver(items: Iterable[tuple[GenerationStream, _Item]]) -> None:
