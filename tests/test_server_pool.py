@@ -488,13 +488,13 @@ def test_the_encoder_pools_observer_sees_each_chunk_and_the_one_that_made_the_fi
     _free_blocks_restored(pool)
 
 
-def test_text_ids_are_the_workers_own_tokens_and_bad_ones_fail_the_request_alone(pool, checkpoint):
+def test_text_ids_are_the_workers_own_tokens_and_bad_ones_fail_the_request_alone(pool, checkpoint, monkeypatch):
     """The client's tokenization (engine.serving.client.text_ids) gives the prompt the worker builds from the text, for
     zero-shot and continuation requests; a registered prompt's transcript is left to the worker. Ids that are not
     this model's fail that request as a request error, and the worker keeps serving."""
     from engine.prompt import build_prompt
     from engine.serving import protocol as msgs
-    from engine.serving.client import text_ids
+    from engine.serving.client import TOKENIZE_INLINE_CHARS, text_ids, tokenized
 
     model = load_model(checkpoint)
     tok, cfg = model.tokenizer, model.config
@@ -509,6 +509,22 @@ def test_text_ids_are_the_workers_own_tokens_and_bad_ones_fail_the_request_alone
         assert torch.equal(client_side.feats, worker_side.feats)
         assert torch.equal(client_side.audio_mask, worker_side.audio_mask)
     assert text_ids(tok, msgs.SynthesisRequest("Stored.", prompt_id="p1")) is None
+    # a long text is tokenized on another thread (the loop's other streams go on), to the same ids
+    threads: list[threading.Thread] = []
+    encode = tok.encode
+
+    def recording_encode(text: str) -> list[int]:
+        threads.append(threading.current_thread())
+        return encode(text)
+
+    for chars in (TOKENIZE_INLINE_CHARS, TOKENIZE_INLINE_CHARS + 1):
+        request = msgs.SynthesisRequest(("Long text. " * 400)[:chars])
+        expected = text_ids(tok, request)
+        threads.clear()
+        monkeypatch.setattr(tok, "encode", recording_encode)
+        assert asyncio.run(tokenized(tok, request)) == expected and len(threads) == 1
+        monkeypatch.undo()
+        assert (threads[0] is threading.main_thread()) == (chars == TOKENIZE_INLINE_CHARS)
     # what the client cannot tokenize is left to the worker, which refuses it as it always did
     assert text_ids(tok, msgs.SynthesisRequest(" \n ")) is None
     assert text_ids(tok, msgs.SynthesisRequest("Continue.", None, latents.numpy())) is None  # type: ignore[arg-type]
