@@ -8,6 +8,7 @@ import hashlib
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +17,8 @@ from service.settings import Settings
 
 if TYPE_CHECKING:
     from service.lora_source import Endpoints
+
+log = logging.getLogger(__name__)
 
 # The supervisor's first word to its API processes when it stops: drain (not ready, new generations refused).
 DRAIN_SIGNAL = signal.SIGUSR1
@@ -77,13 +80,23 @@ def source_endpoints(settings: Settings) -> Endpoints:
     return Endpoints(settings.s3_endpoint_url, settings.hf_endpoint, token)
 
 
-def engine_arguments(settings: Settings, demo: bool, lora_path: str | None = None) -> dict:
-    """`VoxCPM.from_pretrained` keywords from the settings (the supervisor builds its workers from the same)."""
-    # Compiled Triton kernels persist in the cache dir: a restart on the same volume skips recompiling them. So does
-    # the CUDA driver's JIT cache (a few PTX-only library kernels compiled at the first KV sizing). Set before the
-    # workers are spawned (they inherit it).
+def prepare_kernel_cache(settings: Settings) -> None:
+    """Compiled Triton kernels persist in the cache dir: a restart on the same volume skips recompiling them. So does
+    the CUDA driver's JIT cache (a few PTX-only library kernels compiled at the first KV sizing). Set, and seeded with
+    the prebuilt kernels, before the workers are spawned (they inherit the variables)."""
     os.environ.setdefault("TRITON_CACHE_DIR", str(settings.cache_path / "kernels" / "triton"))
     os.environ.setdefault("CUDA_CACHE_PATH", str(settings.cache_path / "kernels" / "cuda"))
+    if settings.prebuilt_kernels_dir is not None:
+        from engine.startup.prebuilt import seed
+
+        t0 = time.perf_counter()
+        copied = seed(settings.prebuilt_kernels_dir.expanduser(), Path(os.environ["TRITON_CACHE_DIR"]))
+        log.info("kernel cache seeded with %d prebuilt entries in %.2f s", copied, time.perf_counter() - t0)
+
+
+def engine_arguments(settings: Settings, demo: bool, lora_path: str | None = None) -> dict:
+    """`VoxCPM.from_pretrained` keywords from the settings (the supervisor builds its workers from the same)."""
+    prepare_kernel_cache(settings)
     devices = settings.device_list()
     if demo and devices is None:
         devices = ["cpu"]  # the demo checkpoint is tiny: no GPU needed

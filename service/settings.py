@@ -52,6 +52,11 @@ class Settings(BaseSettings):
                                                             "two seats the process serves on average (the engine "
                                                             "seats over the API processes), from 2 to 16.")
     cache_dir: Path = Field(Path("~/.cache/voxcpm-serve"), description="Voice store and demo checkpoint.")
+    prebuilt_kernels_dir: Path | None = Field(None, description="GPU kernels compiled ahead (`python -m "
+                                                                "engine.startup.prebuilt --out DIR`, as the image "
+                                                                "does): copied into the cache dir's kernel cache at "
+                                                                "start where it lacks them, so a start on an empty "
+                                                                "volume compiles none.")
     voice_store: Literal["disk", "memory"] = Field("disk", description="Where cached voices live.")
     voice_cache_max_entries: int = Field(1024, ge=1, description="Most cached voices (all kinds together).")
     voice_cache_max_bytes: int = Field(256 * 2**20, ge=1024, description="Most latent bytes cached.")

@@ -225,6 +225,59 @@ def test_precompile_trouble_never_fails_a_start(tmp_path: Path, monkeypatch: pyt
     assert all(proc.poll() is not None for proc in compilers.procs) and not compilers.workdir.exists()
 
 
+def test_prebuilt_kernels_fill_a_cache_that_a_start_then_finds_complete(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                       checkpoint_factory) -> None:
+    """The image's build step (`python -m engine.startup.prebuilt`, no GPU, no driver here) compiles the shipped
+    manifests' records, their launchers and Triton's driver module, linking the C modules against a libcuda stub; the
+    service seeds its empty kernel cache from there (NANOVLLM_PREBUILT_KERNELS_DIR), and the start-up's precompile then
+    finds nothing missing. A record that does not compile fails the build."""
+    from engine.config import VoxCPMConfig
+    from engine.startup import kernel_cache, prebuilt
+    from service.engine_setup import prepare_kernel_cache
+    from service.settings import Settings
+
+    ckpt = checkpoint_factory("tiny-voxcpm2")
+    cfg = VoxCPMConfig.from_dir(ckpt)
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    entries = [json.loads(_jit_record()),
+               min(json.loads((REPO_ROOT / "engine/startup/kernel_manifests/voxcpm2-sm90.json").read_text())["entries"],
+                   key=lambda e: e["compile_s"])]
+    manifest = {"model": kernel_cache.model_digest(cfg, cfg.dtype), "arch": 90, "triton": kernel_cache.triton_version(),
+                "entries": entries}
+    (shipped / "m.json").write_text(json.dumps(manifest))
+    monkeypatch.setattr(kernel_cache, "MANIFEST_DIR", shipped)
+    out = tmp_path / "prebuilt"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "elsewhere"))  # main() points this process at --out
+    assert prebuilt.main(["--out", str(out), "--workers", "2"]) == 0
+    assert os.environ["TRITON_CACHE_DIR"] == str(out.resolve())
+    assert all(kernel_cache.is_cached(e, 90) for e in entries)
+    modules = sorted(p.name.split(".")[0] for p in out.glob("*/*.so"))
+    assert modules == ["__triton_launcher", "__triton_launcher", "cuda_utils"]  # one launcher per signature
+    if not prebuilt.driver_found():  # linked against the stub: they name the driver that supplies their symbols
+        for so in out.glob("*/*.so"):
+            needed = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True, check=True).stdout
+            assert "[libcuda.so.1]" in needed, so
+    assert prebuilt.prebuild(out, 2)["sm_90"] == {"records": 2, "missing": 0, "unusable": 0,
+                                                "seconds": pytest.approx(0, abs=30)}
+
+    settings = Settings(cache_dir=tmp_path / "volume", prebuilt_kernels_dir=out)
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    monkeypatch.delenv("CUDA_CACHE_PATH", raising=False)
+    prepare_kernel_cache(settings)
+    cache = tmp_path / "volume" / "kernels" / "triton"
+    assert os.environ["TRITON_CACHE_DIR"] == str(cache)
+    assert sorted(p.name for p in cache.iterdir()) == sorted(p.name for p in out.iterdir())
+    assert prebuilt.seed(out, cache) == 0  # what the cache has is kept
+    start = kernel_cache.Precompiler(ckpt, None, None, arch=90)
+    assert (start.stats["manifest_records"], start.stats["missing"]) == (2, 0)
+    start.close()
+
+    broken = {**entries[0], "name": "engine.ops.silu_mul._no_such_kernel"}
+    (shipped / "m.json").write_text(json.dumps({**manifest, "entries": [broken]}))
+    assert prebuilt.main(["--out", str(out)]) == 1
+
+
 def test_precompiler_is_off_without_cuda() -> None:
     from engine.startup import kernel_cache
     stats = kernel_cache.Precompiler("/nonexistent", None, torch.device("cpu")).wait()

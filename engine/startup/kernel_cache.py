@@ -158,28 +158,47 @@ def _same_minor_version(a: str, b: str) -> bool:
     return a.split(".")[:2] == b.split(".")[:2]
 
 
-def load_manifests(digest: str, arch: int) -> list[dict[str, Any]]:
-    """The records of every manifest for this model shape, architecture and Triton release line (shipped ones,
-    VOXCPM_KERNEL_MANIFEST)."""
-    paths = sorted(MANIFEST_DIR.glob("*.json"))
-    if current().kernel_manifest:
-        paths.append(Path(current().kernel_manifest))
-    entries: dict[str, dict[str, Any]] = {}
+def _manifests(paths: list[Path]) -> list[dict[str, Any]]:
+    """The readable manifests among `paths` that were recorded with this Triton release line."""
+    manifests = []
     for path in paths:
         try:
             m = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as e:
             log.warning("kernel manifest %s unreadable: %s", path, e)
             continue
-        if m.get("model") != digest or m.get("arch") != arch:
-            continue
         if not _same_minor_version(m.get("triton", ""), triton_version()):
             log.info("kernel manifest %s is for triton %s, this is %s: not used", path, m.get("triton"),
                      triton_version())
             continue
+        manifests.append(m)
+    return manifests
+
+
+def _entries(manifests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Their records, each variant once (records differing only in their compile time are one)."""
+    entries: dict[str, dict[str, Any]] = {}
+    for m in manifests:
         for e in m.get("entries", []):
             entries[json.dumps({k: v for k, v in e.items() if k != "compile_s"}, sort_keys=True)] = e
     return list(entries.values())
+
+
+def load_manifests(digest: str, arch: int) -> list[dict[str, Any]]:
+    """The records of every manifest for this model shape, architecture and Triton release line (shipped ones,
+    VOXCPM_KERNEL_MANIFEST)."""
+    paths = sorted(MANIFEST_DIR.glob("*.json"))
+    if current().kernel_manifest:
+        paths.append(Path(current().kernel_manifest))
+    return _entries([m for m in _manifests(paths) if m.get("model") == digest and m.get("arch") == arch])
+
+
+def shipped_records() -> dict[int, list[dict[str, Any]]]:
+    """The records of every shipped manifest of this Triton release line, whatever the model, by architecture."""
+    by_arch: dict[int, list[dict[str, Any]]] = {}
+    for m in _manifests(sorted(MANIFEST_DIR.glob("*.json"))):
+        by_arch.setdefault(int(m["arch"]), []).append(m)
+    return {arch: _entries(manifests) for arch, manifests in sorted(by_arch.items())}
 
 
 def is_cached(record: dict[str, Any], arch: int) -> bool:
@@ -204,7 +223,9 @@ class CompilerProcesses:
     than multiprocessing: the engine runs in a daemonic process, which may not start multiprocessing children; and
     none of them may touch the parent's CUDA state."""
 
-    def __init__(self, records: list[dict[str, Any]], arch: int, workers: int) -> None:
+    def __init__(self, records: list[dict[str, Any]], arch: int, workers: int,
+                 env: dict[str, str] | None = None) -> None:
+        """env: the children's environment (default: this process's)."""
         self.records = len(records)
         self.workdir = Path(tempfile.mkdtemp(prefix="voxcpm-precompile-"))
         (self.workdir / "records.json").write_text(json.dumps(records), encoding="utf-8")
@@ -212,7 +233,7 @@ class CompilerProcesses:
         command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {root!r}); "
                    "from engine.startup.kernel_compiler import compiler_main; compiler_main()", str(arch),
                    str(self.workdir)]
-        self.procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
                       for _ in range(max(1, min(workers, len(records))))]
 
     def collect(self, timeout_s: float = 600.0) -> dict[str, Any]:
@@ -235,12 +256,14 @@ class CompilerProcesses:
             if proc.returncode != 0:
                 log.warning("kernel compiler process exited with %s: %s", proc.returncode, err[-2000:])
         self.close()
-        ok = [r for r in results if isinstance(r, dict) and r.get("ok")]
-        for r in results:
-            if isinstance(r, dict) and not r.get("ok"):
+        records = [r for r in results if isinstance(r, dict) and "ok" in r]
+        ok = [r for r in records if r["ok"]]
+        for r in records:
+            if not r["ok"]:
                 log.info("precompiling %s failed (the JIT will compile it): %s", r.get("name"), r.get("error"))
         return {"precompiled": len(ok), "precompile_failed": self.records - len(ok),
                 "launchers_ready": sum(bool(r.get("launcher")) for r in ok),
+                "driver_utils_ready": any(isinstance(r, dict) and r.get("driver_utils") for r in results),
                 "slowest_record_s": max((r.get("s", 0.0) for r in ok), default=0.0)}
 
     def close(self) -> None:

@@ -57,17 +57,39 @@ def compile_record(record: dict[str, Any], arch: int) -> tuple[float, bool]:
     return time.perf_counter() - t0, launcher
 
 
+def build_driver_utils() -> bool:
+    """Build Triton's CUDA driver module (a C module like the launchers, built once per cache on first use) into the
+    kernel cache: whether this machine could."""
+    try:
+        from triton.backends.nvidia.driver import CudaUtils
+        CudaUtils()
+        return True
+    except Exception:  # no libcuda or no C compiler here: the engine builds it on first use, as before
+        return False
+
+
+def _claim(path: Path) -> bool:
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:  # another child has it
+        return False
+
+
 def compiler_main() -> None:
     """A child of `CompilerProcesses` (argv: arch, the work folder with records.json): claims records until none is
-    left; one JSON line out per record it claimed."""
+    left; one JSON line out per record it claimed. The first child to claim it also builds the driver module."""
     arch, workdir = int(sys.argv[1]), Path(sys.argv[2])
     # Behind the worker it races: on an empty cache the worker's imports are the start-up's critical path, and the
     # compiles have slack (docs/benchmarks.md, cold start).
     os.nice(COMPILER_NICENESS)
+    # The C modules built here are loaded only to be cached, and never call the driver: binding its symbols lazily
+    # lets them load against the symbol-less libcuda stub of a machine without a GPU (engine/startup/prebuilt.py).
+    sys.setdlopenflags(os.RTLD_LAZY)
+    if _claim(workdir / "driver.claim"):
+        print(json.dumps({"driver_utils": build_driver_utils()}), flush=True)
     for i, record in enumerate(json.loads((workdir / "records.json").read_text(encoding="utf-8"))):
-        try:
-            os.close(os.open(workdir / f"{i}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:  # another child has it
+        if not _claim(workdir / f"{i}.claim"):
             continue
         try:
             seconds, launcher = compile_record(record, arch)
