@@ -84,13 +84,17 @@ def prepare_kernel_cache(settings: Settings) -> None:
     """Compiled Triton kernels persist in the cache dir: a restart on the same volume skips recompiling them. So does
     the CUDA driver's JIT cache (a few PTX-only library kernels compiled at the first KV sizing). Set, and seeded with
     the prebuilt kernels, before the workers are spawned (they inherit the variables)."""
-    os.environ.setdefault("TRITON_CACHE_DIR", str(settings.cache_path / "kernels" / "triton"))
+    kernels = os.environ.setdefault("TRITON_CACHE_DIR", str(settings.cache_path / "kernels" / "triton"))
     os.environ.setdefault("CUDA_CACHE_PATH", str(settings.cache_path / "kernels" / "cuda"))
     if settings.prebuilt_kernels_dir is not None:
         from engine.startup.prebuilt import seed
 
         t0 = time.perf_counter()
-        copied = seed(settings.prebuilt_kernels_dir.expanduser(), Path(os.environ["TRITON_CACHE_DIR"]))
+        try:
+            copied = seed(settings.prebuilt_kernels_dir.expanduser(), Path(kernels))
+        except OSError as e:  # never fail a start over an optimisation: the kernels compile as on any empty cache
+            log.warning("kernel cache not seeded from %s: %s", settings.prebuilt_kernels_dir, e)
+            return
         log.info("kernel cache seeded with %d prebuilt entries in %.2f s", copied, time.perf_counter() - t0)
 
 

@@ -52,8 +52,8 @@ class Settings(BaseSettings):
                                                             "two seats the process serves on average (the engine "
                                                             "seats over the API processes), from 2 to 16.")
     cache_dir: Path = Field(Path("~/.cache/voxcpm-serve"), description="Voice store and demo checkpoint.")
-    prebuilt_kernels_dir: Path | None = Field(None, description="GPU kernels compiled ahead (`python -m "
-                                                                "engine.startup.prebuilt --out DIR`, as the image "
+    prebuilt_kernels_dir: Path | None = Field(None, description="GPU kernels compiled ahead (`python "
+                                                                "tools/prebuild_kernels.py --out DIR`, as the image "
                                                                 "does): copied into the cache dir's kernel cache at "
                                                                 "start where it lacks them, so a start on an empty "
                                                                 "volume compiles none.")

@@ -521,9 +521,9 @@ def test_text_ids_are_the_workers_own_tokens_and_bad_ones_fail_the_request_alone
         request = msgs.SynthesisRequest(("Long text. " * 400)[:chars])
         expected = text_ids(tok, request)
         threads.clear()
-        monkeypatch.setattr(tok, "encode", recording_encode)
-        assert asyncio.run(tokenized(tok, request)) == expected and len(threads) == 1
-        monkeypatch.undo()
+        with monkeypatch.context() as patch:
+            patch.setattr(tok, "encode", recording_encode)
+            assert asyncio.run(tokenized(tok, request)) == expected and len(threads) == 1
         assert (threads[0] is threading.main_thread()) == (chars == TOKENIZE_INLINE_CHARS)
     # what the client cannot tokenize is left to the worker, which refuses it as it always did
     assert text_ids(tok, msgs.SynthesisRequest(" \n ")) is None

@@ -227,15 +227,21 @@ def test_precompile_trouble_never_fails_a_start(tmp_path: Path, monkeypatch: pyt
 
 def test_prebuilt_kernels_fill_a_cache_that_a_start_then_finds_complete(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                        checkpoint_factory) -> None:
-    """The image's build step (`python -m engine.startup.prebuilt`, no GPU, no driver here) compiles the shipped
-    manifests' records, their launchers and Triton's driver module, linking the C modules against a libcuda stub; the
-    service seeds its empty kernel cache from there (NANOVLLM_PREBUILT_KERNELS_DIR), and the start-up's precompile then
-    finds nothing missing. A record that does not compile fails the build."""
+    """The image's build step (tools/prebuild_kernels.py, no GPU) compiles the shipped manifests' records, their
+    launchers and Triton's driver module, linking the C modules against a libcuda stub that they still name; the service
+    seeds its empty kernel cache from there (NANOVLLM_PREBUILT_KERNELS_DIR), and the start-up's precompile then finds
+    nothing missing, also once the prebuilt folder is gone. A manifest with an unusable record, or none of this Triton
+    release line, fails the build."""
+    import importlib
+    import shutil
+
     from engine.config import VoxCPMConfig
     from engine.startup import kernel_cache, prebuilt
     from service.engine_setup import prepare_kernel_cache
     from service.settings import Settings
 
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "tools"))
+    build = importlib.import_module("prebuild_kernels").main
     ckpt = checkpoint_factory("tiny-voxcpm2")
     cfg = VoxCPMConfig.from_dir(ckpt)
     shipped = tmp_path / "shipped"
@@ -248,34 +254,39 @@ def test_prebuilt_kernels_fill_a_cache_that_a_start_then_finds_complete(tmp_path
     (shipped / "m.json").write_text(json.dumps(manifest))
     monkeypatch.setattr(kernel_cache, "MANIFEST_DIR", shipped)
     out = tmp_path / "prebuilt"
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "elsewhere"))  # main() points this process at --out
-    assert prebuilt.main(["--out", str(out), "--workers", "2"]) == 0
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "elsewhere"))  # the tool points this process at --out
+    assert build(["--out", str(out), "--workers", "2", "--link-stub"]) == 0
     assert os.environ["TRITON_CACHE_DIR"] == str(out.resolve())
     assert all(kernel_cache.is_cached(e, 90) for e in entries)
     modules = sorted(p.name.split(".")[0] for p in out.glob("*/*.so"))
     assert modules == ["__triton_launcher", "__triton_launcher", "cuda_utils"]  # one launcher per signature
-    if not prebuilt.driver_found():  # linked against the stub: they name the driver that supplies their symbols
-        for so in out.glob("*/*.so"):
-            needed = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True, check=True).stdout
-            assert "[libcuda.so.1]" in needed, so
-    assert prebuilt.prebuild(out, 2)["sm_90"] == {"records": 2, "missing": 0, "unusable": 0,
-                                                "seconds": pytest.approx(0, abs=30)}
+    for so in out.glob("*/*.so"):  # linked against the stub, they name the driver that supplies their symbols
+        needed = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True, check=True).stdout
+        assert "[libcuda.so.1]" in needed, so
+    assert build(["--out", str(out)]) == 0  # again: nothing missing, nothing to do
+    again = prebuilt.prebuild(dict(os.environ), 2)["sm_90"]
+    assert (again["records"], again["missing"], again["unusable"]) == (2, 0, 0)
 
     settings = Settings(cache_dir=tmp_path / "volume", prebuilt_kernels_dir=out)
     monkeypatch.delenv("TRITON_CACHE_DIR")
-    monkeypatch.delenv("CUDA_CACHE_PATH", raising=False)
-    prepare_kernel_cache(settings)
+    monkeypatch.setenv("CUDA_CACHE_PATH", "restored-after-the-test")
+    monkeypatch.delenv("CUDA_CACHE_PATH")
     cache = tmp_path / "volume" / "kernels" / "triton"
+    (cache / next(out.iterdir()).name).mkdir(parents=True)  # an empty folder, as a cache lookup leaves: seeded too
+    prepare_kernel_cache(settings)
     assert os.environ["TRITON_CACHE_DIR"] == str(cache)
     assert sorted(p.name for p in cache.iterdir()) == sorted(p.name for p in out.iterdir())
     assert prebuilt.seed(out, cache) == 0  # what the cache has is kept
+    shutil.rmtree(out)  # the copies stand alone (Triton's group files name their members by path)
     start = kernel_cache.Precompiler(ckpt, None, None, arch=90)
     assert (start.stats["manifest_records"], start.stats["missing"]) == (2, 0)
     start.close()
 
     broken = {**entries[0], "name": "engine.ops.silu_mul._no_such_kernel"}
     (shipped / "m.json").write_text(json.dumps({**manifest, "entries": [broken]}))
-    assert prebuilt.main(["--out", str(out)]) == 1
+    assert build(["--out", str(tmp_path / "broken")]) == 1
+    (shipped / "m.json").write_text(json.dumps({**manifest, "triton": "2.0.0"}))  # another release line: no records
+    assert build(["--out", str(tmp_path / "none")]) == 1
 
 
 def test_precompiler_is_off_without_cuda() -> None:

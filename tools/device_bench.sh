@@ -18,7 +18,8 @@
 #   PARTS="cold" BASELINE=old COLD_ROUNDS=3 COLD_PYSPY=1 ...   # cold starts, then one more under py-spy (pyspy_start_*)
 #   PARTS="manifest cold" COLD_VARIANTS="-;VOXCPM_CUDNN_BENCHMARK=0" ...   # re-record the kernel manifest, then starts
 #   PARTS="cold" COLD_PREBUILT=/tmp/kernels COLD_VARIANTS="-;NANOVLLM_PREBUILT_KERNELS_DIR=/tmp/kernels"   # the image's
-#       kernels built first (engine.startup.prebuilt), then starts on an empty cache without them and seeded with them
+#       kernels built first (tools/prebuild_kernels.py; COLD_PREBUILT_ARGS=--link-stub links as an image build does),
+#       then starts on an empty cache without them and seeded with them
 #   PARTS="gpu2" GPU2_ENV="NANOVLLM_API_PROCESSES=28" ...   # one GPU against two, the services in that environment
 #   PARTS="lora" CONC=1,64 LORAS=4 LORA_RANK=32 ...   # runtime LoRA adapters vs the base model vs a merged adapter
 #   PARTS="http_env" BASELINE=old HTTP_ROUNDS=3 HTTP_VARIANTS="-;NANOVLLM_WORKER_CPUS=1" CONC=64,128 ...   # rounds
@@ -439,7 +440,7 @@ from bench_stream import random_adapters; random_adapters('$CKPT', 1, ${LORA_RAN
             RC[$part]=0
             if [[ -n "${COLD_PREBUILT:-}" ]]; then  # the image's kernels, for a variant naming this folder as
                 # NANOVLLM_PREBUILT_KERNELS_DIR (the GPU idle: the build step of an image needs none)
-                run_limited 300 prebuilt python3 -m engine.startup.prebuilt --out "$COLD_PREBUILT" || RC[$part]=prebuilt
+                run_limited 300 prebuilt python3 tools/prebuild_kernels.py --out "$COLD_PREBUILT" ${COLD_PREBUILT_ARGS:-} || RC[$part]=prebuilt
             fi
             IFS=';' read -r -a variants <<< "${COLD_VARIANTS:--}"
             for round in $(seq 1 "${COLD_ROUNDS:-2}"); do

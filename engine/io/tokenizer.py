@@ -250,7 +250,8 @@ class TextTokenizer:
         """Official VoxCPM text ids for ``text`` (no BOS/EOS)."""
         if not isinstance(text, str):
             raise TypeError(f"expected str, got {type(text).__name__}")
-        pieces = self._backend.encode(text, add_special_tokens=False).tokens
+        # encode_batch lets go of the GIL and encode does not: a long text tokenized on a thread leaves the loop running
+        pieces = self._backend.encode_batch([text], add_special_tokens=False)[0].tokens
         if not self._split_pieces.isdisjoint(pieces):
             return self._to_ids(self._split(pieces))
         vocab, unk = self._vocab, self._unk_id

@@ -214,6 +214,26 @@ def is_cached(record: dict[str, Any], arch: int) -> bool:
     return (manager.get_group(name) or {}).get(name) is not None
 
 
+def missing_records(records: list[dict[str, Any]], arch: int) -> tuple[list[dict[str, Any]], int]:
+    """The records not in the kernel cache, the longest to compile first (the last to finish are then short), and how
+    many no longer fit their kernel (the JIT compiles what is needed)."""
+    missing, unusable = [], 0
+    for record in records:
+        try:
+            if not is_cached(record, arch):
+                missing.append(record)
+        except Exception as e:
+            log.info("kernel manifest record for %s skipped: %s", record.get("name"), e)
+            unusable += 1
+    missing.sort(key=lambda r: -r.get("compile_s", 0.0))
+    return missing, unusable
+
+
+def compiler_count(records: int) -> int:
+    """Compiler processes for this many records: one per core but one, at most 16 (each holds a compiler's memory)."""
+    return max(1, min(records, len(os.sched_getaffinity(0)) - 1, 16))
+
+
 RECORDER = Recorder()  # one per process: Triton's hooks are global
 
 
@@ -363,18 +383,11 @@ class Precompiler:
                 time.sleep(0.05)
 
     def _start(self) -> None:
-        missing = []
-        for record in self._records:
-            try:
-                if not is_cached(record, self.arch):
-                    missing.append(record)
-            except Exception as e:  # a record that no longer fits its kernel: the JIT compiles what is needed
-                log.info("kernel manifest record for %s skipped: %s", record.get("name"), e)
-                self.stats["precompile_failed"] += 1
+        missing, unusable = missing_records(self._records, self.arch)
+        self.stats["precompile_failed"] += unusable
         self.stats["missing"] = len(missing)
         if missing:
-            workers = max(1, min(len(missing), len(os.sched_getaffinity(0)) - 1, 16))
-            missing.sort(key=lambda r: -r.get("compile_s", 0.0))  # longest first: the last to finish are short
+            workers = compiler_count(len(missing))
             self._compilers = CompilerProcesses(missing, self.arch, workers)
             self.stats["workers"] = workers
 
