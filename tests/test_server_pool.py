@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -538,4 +539,22 @@ def test_text_ids_are_the_workers_own_tokens_and_bad_ones_fail_the_request_alone
         with pytest.raises(RequestError, match="text_ids: not this request's text"):
             asyncio.run_coroutine_threadsafe(bad(ids), pool._loop).result(60)
     assert list(pool.generate("Still serving.", max_generate_length=2, seed=1))
+
+    async def cancelled_while_tokenizing() -> tuple[str | None, list[int]]:
+        """A long text's stream whose caller goes away while a thread tokenizes it: aborted, never sent."""
+        client = pool.pool.client
+        client.tokenizer = tok
+        try:
+            stream = client.generate(msgs.SynthesisRequest("Gone before it is sent. " * 200))
+            first = asyncio.ensure_future(anext(stream))
+            await asyncio.sleep(0)  # the stream starts and awaits its tokenizing thread
+            first.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+            return stream.finish_reason, client.load.loads().tolist()
+        finally:
+            client.tokenizer = None
+
+    reason, loads = asyncio.run_coroutine_threadsafe(cancelled_while_tokenizing(), pool._loop).result(60)
+    assert reason == "aborted" and loads == [0]  # the worker never counted it
     _free_blocks_restored(pool)

@@ -126,6 +126,9 @@ class GenerationStream:
             if tokenizer is not None and self.request.text_ids is None:
                 self.request = dataclasses.replace(self.request, text_ids=await tokenized(tokenizer, self.request))
             link = await self.client.pick()
+        except asyncio.CancelledError:  # its caller went away (a client's disconnect) before it was sent
+            self._end("aborted")
+            raise
         except BaseException:
             self._end("error")
             raise
