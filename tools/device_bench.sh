@@ -20,6 +20,7 @@
 #   PARTS="cold" COLD_PREBUILT=/tmp/kernels COLD_VARIANTS="-;NANOVLLM_PREBUILT_KERNELS_DIR=/tmp/kernels"   # the image's
 #       kernels built first (tools/prebuild_kernels.py; COLD_PREBUILT_ARGS=--link-stub links as an image build does),
 #       then starts on an empty cache without them and seeded with them
+#   PARTS="cold" COLD_DROP_CACHES=1 ...   # each start after dropping the page cache (root): checkpoint and libraries cold
 #   PARTS="gpu2" GPU2_ENV="NANOVLLM_API_PROCESSES=28" ...   # one GPU against two, the services in that environment
 #   PARTS="lora" CONC=1,64 LORAS=4 LORA_RANK=32 ...   # runtime LoRA adapters vs the base model vs a merged adapter
 #   PARTS="http_env" BASELINE=old HTTP_ROUNDS=3 HTTP_VARIANTS="-;NANOVLLM_WORKER_CPUS=1" CONC=64,128 ...   # rounds
@@ -205,6 +206,11 @@ start_service() {  # start_service TREE NAME: the service of code tree TREE; set
     done
     log "service $name not ready after 120 s"
     return 1
+}
+
+drop_caches() {  # COLD_DROP_CACHES=1: a fresh node's start, the checkpoint and the libraries read from disk again
+    [[ -n "${COLD_DROP_CACHES:-}" ]] || return 0
+    sync && { echo 3 > /proc/sys/vm/drop_caches; } 2>/dev/null && log "page cache dropped" || log "page cache NOT dropped"
 }
 
 stop_service() {
@@ -445,6 +451,7 @@ from bench_stream import random_adapters; random_adapters('$CKPT', 1, ${LORA_RAN
             IFS=';' read -r -a variants <<< "${COLD_VARIANTS:--}"
             for round in $(seq 1 "${COLD_ROUNDS:-2}"); do
                 if [[ -n "${BASELINE:-}" ]]; then
+                    drop_caches
                     start_service "$BASELINE" "cold_base_$round" || RC[$part]=start
                     stop_service
                 fi
@@ -452,6 +459,7 @@ from bench_stream import random_adapters; random_adapters('$CKPT', 1, ${LORA_RAN
                     env_v="${variants[$v]}"; [[ $env_v == - ]] && env_v=""
                     name="cold_new_$round"; (( ${#variants[@]} > 1 )) && name="cold_new${v}_$round"
                     log "variant $name: ${env_v:-default environment}"
+                    drop_caches
                     SERVICE_ENV="$env_v" start_service "$ROOT" "$name" || RC[$part]=start
                     stop_service
                 done
