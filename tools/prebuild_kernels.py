@@ -45,9 +45,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                    env.get("LD_LIBRARY_PATH")) if p)
             env.update(added)
             linked = "a libcuda stub"
-        stats = {"linked_against": linked, **prebuilt.prebuild(env, args.workers)}
-    print(json.dumps(stats))
-    return 0 if prebuilt.complete(stats) else 1
+        built = prebuilt.prebuild(env, args.workers)
+    print(json.dumps({"linked_against": linked, **built}))
+    return 0 if prebuilt.complete(built) else 1
 
 
 if __name__ == "__main__":

@@ -55,11 +55,11 @@ def link_stub(directory: Path, cc: str) -> dict[str, str]:
     return {"CC": str(wrapper), "TRITON_LIBCUDA_PATH": str(directory), "LD_LIBRARY_PATH": str(directory)}
 
 
-def prebuild(env: dict[str, str], workers: int) -> dict[str, Any]:
+def prebuild(env: dict[str, str], workers: int) -> dict[str, dict[str, Any]]:
     """Compile every shipped record missing from the kernel cache, in compiler processes of environment `env` (its
     TRITON_CACHE_DIR names the cache, as this process's must), at most `workers` at once: what was compiled, by
     architecture."""
-    stats: dict[str, Any] = {}
+    stats: dict[str, dict[str, Any]] = {}
     for arch, records in shipped_records().items():
         t0 = time.perf_counter()
         missing, unusable = missing_records(records, arch)
@@ -72,13 +72,16 @@ def prebuild(env: dict[str, str], workers: int) -> dict[str, Any]:
     return stats
 
 
-def complete(stats: dict[str, Any]) -> bool:
-    """Whether a prebuild left nothing for a start-up to compile: some records, every one compiled with its launcher,
-    and the driver module (an incomplete image would compile them at every pod's start)."""
-    per_arch = [v for v in stats.values() if isinstance(v, dict)]
-    return bool(per_arch) and all(v["records"] and not v["unusable"] and (not v["missing"] or (
-        not v["precompile_failed"] and v["launchers_ready"] == v["precompiled"] and v["driver_utils_ready"]))
-        for v in per_arch)
+def complete(stats: dict[str, dict[str, Any]]) -> bool:
+    """Whether a prebuild (`prebuild`'s stats) left nothing for a start-up to compile: some records, every one compiled
+    with its launcher, and the driver module (an incomplete image would compile them at every pod's start)."""
+    def arch_complete(v: dict[str, Any]) -> bool:
+        if not v["records"] or v["unusable"]:
+            return False
+        return not v["missing"] or (not v["precompile_failed"] and v["launchers_ready"] == v["precompiled"]
+                                    and v["driver_utils_ready"])
+
+    return bool(stats) and all(arch_complete(v) for v in stats.values())
 
 
 def seed(prebuilt: Path, cache: Path) -> int:
