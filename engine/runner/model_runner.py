@@ -13,6 +13,7 @@ tokens that read nothing and write to a scratch KV block; larger prefills run ea
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import time
 from collections.abc import Callable
@@ -41,6 +42,18 @@ from engine.runner.vae_stream import VaeStream
 from engine.sequence import Sequence, Status, StepEvent
 
 log = logging.getLogger(__name__)
+CUDA_LOADS_IN_CAPTURE = 12030  # the driver version (12.3) from which a kernel first launched inside a capture loads
+
+
+def driver_loads_in_capture() -> bool:
+    """Whether this CUDA driver loads a kernel's module when the kernel is first launched inside a stream capture
+    (12.3 on; an older one fails the capture): then a graph's buckets need no eager run each, one per kind does."""
+    try:
+        version = ctypes.c_int()
+        found = ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) == 0
+    except OSError:  # no NVIDIA driver (ROCm)
+        return False
+    return found and version.value >= CUDA_LOADS_IN_CAPTURE
 
 
 @dataclass
@@ -435,45 +448,53 @@ class ModelRunner:
         pool = None
         vae_pool = None  # its own pool: a VAE graph runs while the next step's graph does
         assert self.buffers is not None
+        # Kinds of graph whose body has run eagerly once (None: every bucket's body runs once before its capture).
+        warmed: set[str] | None = set() if driver_loads_in_capture() else None
         modes = (False, True) if self.lora is not None else (False,)  # with runtime adapters: without and with terms
         for batch in reversed(graph_buckets(self.max_num_seqs)):
             # The warm-up runs the step on this layout's inputs: padding, not bytes of another layout (they share them).
             self.buffers.reset_inputs(batch)
+            vae_inside = not self.vae_stream.overlaps(batch)
             for terms in modes:
-                graphs, name = (self.term_graphs, "decode+lora") if terms else (self.graphs, "decode")
-                graphs[batch] = graph = self._capture(f"{name} B={batch}", self._decode_forward, batch,
-                                                      self.table_width, not self.vae_stream.overlaps(batch), terms,
-                                                      pool=pool)
+                graphs, kind = (self.term_graphs, "decode+lora") if terms else (self.graphs, "decode")
+                graphs[batch] = graph = self._capture(kind + "+vae" * vae_inside, f"B={batch}", self._decode_forward,
+                                                      batch, self.table_width, vae_inside, terms, pool=pool,
+                                                      warmed=warmed)
                 pool = graph.pool()
-            if self.vae_stream.overlaps(batch):
+            if not vae_inside:
                 self.vae_stream.graphs[batch] = vae_graph = self._capture(
-                    f"vae B={batch}", self._vae_forward, batch, pool=vae_pool, stream=self.vae_stream.stream)
+                    "vae", f"B={batch}", self._vae_forward, batch, pool=vae_pool, stream=self.vae_stream.stream,
+                    warmed=warmed)
                 vae_pool = vae_graph.pool()
         if self.lora is not None:
             self.lora.capture_merges()
         if self.backend != "torch":  # graphed prefill needs the per-token (Triton) attention path
             for tokens in reversed(self.prefill_bucket_sizes):
                 for terms in modes:
-                    graphs, name = (self.prefill_term_graphs, "prefill+lora") if terms else (self.prefill_graphs,
+                    graphs, kind = (self.prefill_term_graphs, "prefill+lora") if terms else (self.prefill_graphs,
                                                                                               "prefill")
-                    graphs[tokens] = self._capture(f"{name} T={tokens}", self._prefill_forward, tokens, terms,
-                                                   pool=pool)
+                    graphs[tokens] = self._capture(kind, f"T={tokens}", self._prefill_forward, tokens, terms,
+                                                   pool=pool, warmed=warmed)
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
-    def _capture(self, name: str, body: Callable[..., None], *args: int | bool, pool: Any,
-                 stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:
-        """Warm `body` up (kernels compiled, allocator primed) and capture it (on `stream` when given, where it is
-        then replayed); both times go to capture_times."""
+    def _capture(self, kind: str, label: str, body: Callable[..., None], *args: int | bool, pool: Any,
+                 stream: torch.cuda.Stream | None = None, warmed: set[str] | None = None) -> torch.cuda.CUDAGraph:
+        """Capture `body` (on `stream` when given, where it is then replayed), after running it once eagerly unless
+        a graph of its `kind` has (`warmed`): what cannot happen inside a capture (a library's first use, the
+        allocator's first blocks) happens then. Both times go to capture_times."""
         t0 = time.perf_counter()
-        body(*args)
-        torch.cuda.synchronize(self.device)
+        if warmed is None or kind not in warmed:
+            body(*args)
+            torch.cuda.synchronize(self.device)
+            if warmed is not None:
+                warmed.add(kind)
         t1 = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             body(*args)
         torch.cuda.synchronize(self.device)
-        self.capture_times[name] = (t1 - t0, time.perf_counter() - t1)
+        self.capture_times[f"{kind} {label}"] = (t1 - t0, time.perf_counter() - t1)
         return graph
 
     def _noise(self, seq: Sequence, ahead: int) -> torch.Tensor:
