@@ -482,11 +482,13 @@ class ModelRunner:
                  stream: torch.cuda.Stream | None = None, warmed: set[str] | None = None) -> torch.cuda.CUDAGraph:
         """Capture `body` (on `stream` when given, where it is then replayed), after running it once eagerly unless
         a graph of its `kind` has (`warmed`): what cannot happen inside a capture (a library's first use, the
-        allocator's first blocks) happens then. Both times go to capture_times."""
-        t0 = time.perf_counter()
+        allocator's first blocks) happens then. Both times go to capture_times (0 s: no eager run)."""
+        warm_s = 0.0
         if warmed is None or kind not in warmed:
+            t0 = time.perf_counter()
             body(*args)
             torch.cuda.synchronize(self.device)
+            warm_s = time.perf_counter() - t0
             if warmed is not None:
                 warmed.add(kind)
         t1 = time.perf_counter()
@@ -494,7 +496,7 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             body(*args)
         torch.cuda.synchronize(self.device)
-        self.capture_times[f"{kind} {label}"] = (t1 - t0, time.perf_counter() - t1)
+        self.capture_times[f"{kind} {label}"] = (warm_s, time.perf_counter() - t1)
         return graph
 
     def _noise(self, seq: Sequence, ahead: int) -> torch.Tensor:
