@@ -32,36 +32,28 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth")
-READ_AHEAD_CHUNK = 16 << 20
-
-
-def weight_files(path: Path) -> list[Path]:
-    """The checkpoint directory's weight files (not its config or tokenizer)."""
-    return sorted(p for p in Path(path).iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
-
-
-def read_into_page_cache(files: list[Path]) -> int:
-    """Read the files through once and drop the bytes: the kernel keeps them in its page cache. (posix_fadvise's
-    WILLNEED reads only a readahead window, a few MB, of each file.) Returns the bytes read; an unreadable file is
-    skipped (the worker reports it when it loads)."""
-    total = 0
-    buffer = bytearray(READ_AHEAD_CHUNK)
-    for file in files:
-        with contextlib.suppress(OSError), open(file, "rb", buffering=0) as f:
-            while n := f.readinto(buffer):
-                total += n
-    return total
 
 
 def prefetch_weights(path: Path) -> threading.Thread | None:
-    """Read the checkpoint's weight files into the page cache on a thread of its own: on a fresh node the disk then
-    reads them while a worker imports torch (seconds), not after. Files already cached cost a copy (~0.5 s of one
-    core for 4.6 GB); files larger than a quarter of the memory are left alone (they would not stay cached)."""
-    files = weight_files(path)
-    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if not files or sum(p.stat().st_size for p in files) > memory // 4:
+    """Ask the kernel to read the checkpoint's weight files into the page cache, on a thread of its own: on a fresh
+    node the disk then reads them while a worker imports torch (seconds), not after. Warm files cost nothing; a
+    platform without posix_fadvise, or an unreadable file, is skipped (the worker reads them anyway)."""
+    if not hasattr(os, "posix_fadvise"):
         return None
-    thread = threading.Thread(target=read_into_page_cache, args=(files,), name="voxcpm-prefetch-weights",
-                              daemon=True)
+    files = sorted(p for p in Path(path).iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if not files or sum(p.stat().st_size for p in files) > memory // 4:  # what would not stay cached: not worth it
+        return None
+
+    def advise() -> None:
+        for file in files:
+            with contextlib.suppress(OSError):
+                fd = os.open(file, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
+
+    thread = threading.Thread(target=advise, name="voxcpm-prefetch-weights", daemon=True)
     thread.start()
     return thread
