@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -193,29 +192,3 @@ def test_wav_to_latents_matches_official_encoder(sr, checkpoint_factory, tmp_pat
 def test_undecodable_audio_is_a_clear_error():
     with pytest.raises(AudioError, match="could not decode audio"):
         decode_audio(b"this is not audio", "wav")
-
-
-def test_prefetch_asks_the_kernel_to_read_every_weight_file_and_nothing_else(checkpoint_factory, monkeypatch,
-                                                                            tmp_path):
-    """The supervisor's read-ahead of a fresh node: each weight file of the checkpoint (not its config or tokenizer)
-    advised WILLNEED over its whole length, on a thread that ends; a directory without weights starts none."""
-    from engine.io.model_path import prefetch_weights
-
-    path = checkpoint_factory("tiny-voxcpm2")
-    advised: list[tuple[str, int, int, int]] = []
-    real = os.posix_fadvise
-
-    def recorded(fd: int, offset: int, length: int, advice: int) -> None:
-        advised.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length, advice))
-        real(fd, offset, length, advice)
-
-    monkeypatch.setattr(os, "posix_fadvise", recorded)
-    thread = prefetch_weights(path)
-    assert thread is not None
-    thread.join(30)
-    assert not thread.is_alive()
-    weights = sorted(str(p.resolve()) for p in path.iterdir() if p.suffix in (".safetensors", ".pth", ".bin"))
-    assert weights and sorted(a[0] for a in advised) == weights
-    assert {a[1:] for a in advised} == {(0, 0, os.POSIX_FADV_WILLNEED)}
-    (tmp_path / "config.json").write_text("{}")
-    assert prefetch_weights(tmp_path) is None

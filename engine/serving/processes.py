@@ -17,11 +17,9 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import PoolError, WorkerDiedError
-from engine.io.model_path import prefetch_weights
 from engine.serving import protocol as p
 
 if TYPE_CHECKING:
@@ -145,7 +143,6 @@ class WorkerSet:
         self.directory = tempfile.mkdtemp(prefix="voxcpm-workers-")  # mode 0700: only this user reaches the sockets
         self.authkey = os.urandom(32)
         self._on_exit = on_exit
-        prefetch_weights(Path(model_path))  # read from disk while the workers import torch
         self.processes = [self._spawn(i) for i in range(len(devices))]
         self._precompile_early()
 
