@@ -306,3 +306,26 @@ def test_burst_timeline_begins_a_burst_after_requests_refused_before_any_step():
     bursts = timeline(lines)
     assert [(b["requests"], len(b["rounds"])) for b in bursts] == [(1, 0), (2, 1), (1, 0)]
     assert bursts[1]["spread_ms"] == pytest.approx(2.0) and bursts[1]["rounds"][0]["seqs"] == 2
+
+
+def test_pyspy_start_phases_attribute_the_worker_main_thread_by_its_outermost_phase(tmp_path):
+    """tools/pyspy_summary.py --phases: only stacks under the worker's entry point count; a stack is in the first
+    phase whose function it holds (graph capture inside the engine's constructor is "graphs", not "engine_other");
+    one under the entry point but not yet in worker_main is the imports."""
+    head = 'process 7:"python -m service.main";thread (0x1);_run_worker (engine/serving/processes.py:36)'
+    engine = f"{head};worker_main (engine/serving/worker.py:515);__init__ (engine/llm_engine.py:60)"
+    raw = tmp_path / "start.txt"
+    raw.write_text("\n".join([
+        f"{head};_find_and_load (<frozen importlib._bootstrap>:1360) 40",
+        f"{engine};capture_graphs (engine/runner/model_runner.py:450);synchronize (torch/cuda/__init__.py:1) 25",
+        f"{engine};profile_num_blocks (engine/runner/model_runner.py:160);forward (x.py:1) 20",
+        f"{engine};_build (engine/llm_engine.py:70) 5",
+        'process 8:"voxcpm-api0";thread (0x2);run (uvicorn/server.py:1) 99',
+    ]) + "\n")
+    doc = importlib.import_module("pyspy_summary").start_phases(str(raw), 5)
+    assert doc["worker_samples"] == 90
+    by_phase = {row["phase"]: row for row in doc["phases"]}
+    assert {name: row["samples"] for name, row in by_phase.items()} == {"imports": 40, "graphs": 25, "kv_sizing": 20,
+                                                                        "engine_other": 5}
+    assert by_phase["graphs"]["top"] == [{"function": "synchronize (torch/cuda/__init__.py:1)", "samples": 25}]
+    assert math.isclose(by_phase["imports"]["share"], 40 / 90)

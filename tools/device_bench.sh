@@ -468,6 +468,11 @@ from bench_stream import random_adapters; random_adapters('$CKPT', 1, ${LORA_RAN
                 PYSPY_START=1 start_service "$ROOT" cold_pyspy || RC[$part]=start
                 stop_service
                 sleep 3  # py-spy writes its file when the processes it follows end
+                if [[ -s "$OUT/pyspy_start_cold_pyspy.txt" ]]; then  # the worker's start by phase; the raw record kept gzipped
+                    python3 tools/pyspy_summary.py "$OUT/pyspy_start_cold_pyspy.txt" --phases \
+                        --json "$OUT/pyspy_start_summary.json" 2>&1 | tee -a "$LOG"
+                    gzip -f "$OUT/pyspy_start_cold_pyspy.txt"
+                fi
             fi
             ;;
         http_base)
