@@ -5,7 +5,6 @@ Single-threaded and synchronous; the server pool runs one of these per worker pr
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import time
 from typing import Any
@@ -43,17 +42,13 @@ class LLMEngine:
             kernel_cache.RECORDER.install()  # which kernels compile, from cache or not (the manifest tool reads it)
         kernels_mark = kernel_cache.RECORDER.mark()
         dtype = parse_dtype(cfg.dtype) if cfg.dtype is not None else None
-        # The manifest's cache lookup (it hashes Triton's own library first: ~0.4 s) runs beside the load, and so do
-        # the compiles it starts.
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="voxcpm-precompile") as lookup:
-            started = lookup.submit(kernel_cache.Precompiler, model, dtype, self.device)
-            try:
-                self.model = model if isinstance(model, LoadedModel) else load_model(
-                    model, self.device, dtype, max_positions=cfg.max_model_len)
-            except BaseException:
-                started.result().close()  # its children and its lock must not outlive a failed start-up
-                raise
-            precompiler = started.result()
+        precompiler = kernel_cache.Precompiler(model, dtype, self.device)  # in parallel with the load
+        try:
+            self.model = model if isinstance(model, LoadedModel) else load_model(
+                model, self.device, dtype, max_positions=cfg.max_model_len)
+        except BaseException:
+            precompiler.close()  # its children and its lock must not outlive a failed start-up
+            raise
         self.lora_layers = 0  # layers a merged LoRA adapter changed
         if cfg.lora_path and cfg.lora_merge:
             self.lora_layers = merge_adapter(self.model.backbone, read_adapter(cfg.lora_path),
