@@ -46,7 +46,7 @@ START_PHASES = (
     ("kv_sizing", "profile_num_blocks ("),
     ("graphs", "capture_graphs ("),
     ("warm_up", "warm_up ("),
-    ("precompile_wait", "kernel_cache.py"),
+    ("kernel_cache", "kernel_cache.py"),  # the manifest lookup before the load, and any wait for the precompile
     ("cuda_init", "set_device ("),
     ("engine_other", "llm_engine.py"),
     ("worker_other", "worker_main ("),
