@@ -40,7 +40,7 @@ def summarise(path: str, top: int) -> dict:
 
 
 # The worker's start-up phases, by a function on the stack (the first that matches, in this order); a stack under the
-# worker's entry point with none of them is still importing (before worker_main) or "other".
+# worker's entry point that matches none has not reached worker_main yet: the imports.
 START_PHASES = (
     ("load", "load_model ("),
     ("kv_sizing", "profile_num_blocks ("),

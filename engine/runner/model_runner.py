@@ -481,8 +481,8 @@ class ModelRunner:
     def _capture(self, kind: str, label: str, body: Callable[..., None], *args: int | bool, pool: Any,
                  stream: torch.cuda.Stream | None = None, warmed: set[str] | None = None) -> torch.cuda.CUDAGraph:
         """Capture `body` (on `stream` when given, where it is then replayed), after running it once eagerly unless
-        a graph of its `kind` has (`warmed`): what cannot happen inside a capture (a library's first use, the
-        allocator's first blocks) happens then. Both times go to capture_times (0 s: no eager run)."""
+        a graph of its `kind` has (`warmed`): what cannot happen inside a capture (a library's first use; before CUDA
+        12.3, a kernel's first launch) happens then. Both times go to capture_times (0 s: no eager run)."""
         warm_s = 0.0
         if warmed is None or kind not in warmed:
             t0 = time.perf_counter()
