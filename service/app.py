@@ -37,6 +37,7 @@ from service.engine_setup import (
     adapter_path,
     engine_arguments,
     model_checkpoint,
+    prepare_kernel_cache,
     voice_db_path,
 )
 from service.limits import BodyLimitMiddleware
@@ -70,6 +71,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
                 lora_path = await asyncio.to_thread(adapter_path, settings)
                 voice_db = voice_db_path(settings, model_path, Path(scratch))
                 registrations = LoRARegistrations(voice_db.with_name("loras.db"))
+                prepare_kernel_cache(settings)  # before the workers start, which read it
                 arguments = engine_arguments(settings, demo, lora_path)
                 threads = settings.encoder_thread_count(1, len(device_names(arguments["devices"])))
                 pool = VoxCPM.from_pretrained(model_path, encoder_threads=threads, queue_bound=settings.queue_bound,

@@ -100,7 +100,6 @@ def prepare_kernel_cache(settings: Settings) -> None:
 
 def engine_arguments(settings: Settings, demo: bool, lora_path: str | None = None) -> dict:
     """`VoxCPM.from_pretrained` keywords from the settings (the supervisor builds its workers from the same)."""
-    prepare_kernel_cache(settings)
     devices = settings.device_list()
     if demo and devices is None:
         devices = ["cpu"]  # the demo checkpoint is tiny: no GPU needed

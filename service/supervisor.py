@@ -121,6 +121,7 @@ class Supervisor:
             except ValueError as e:  # not fetchable, or not the adapter the digest names
                 log.error("cannot load the LoRA adapter: %s", e)
                 return 1
+            engine_setup.prepare_kernel_cache(s)  # before the precompile and the workers, which read it
             arguments = engine_setup.engine_arguments(s, demo, lora_path)
             devices, warmup = device_names(arguments.pop("devices")), arguments.pop("warmup")
             split = reserve_cpus(len(devices), s.worker_cpus)
