@@ -5,6 +5,7 @@ Single-threaded and synchronous; the server pool runs one of these per worker pr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -19,6 +20,7 @@ from engine.engine_config import EngineConfig
 from engine.errors import LoRANotFoundError, OverloadedError, RequestError
 from engine.io.checkpoint import LoadedModel, load_model
 from engine.io.lora import merge_adapter, read_adapter
+from engine.ops.batch_invariant import BatchInvariantMode, batch_invariant
 from engine.prompt import build_prompt, max_patches
 from engine.runner.lora import LoRASlots
 from engine.runner.model_runner import LaunchedDecode, ModelRunner
@@ -35,8 +37,12 @@ class LLMEngine:
                  device: torch.device | str = "cpu") -> None:
         self.config = cfg = config or EngineConfig()
         cfg.validate()
-        options.install(cfg.options)  # this process's kernels follow the config's switches
         self.device = torch.device(device)
+        if cfg.options.batch_invariant and self.device.type != "cpu":
+            raise ValueError("VOXCPM_BATCH_INVARIANT=1: batch-invariant steps run on the CPU only (CUDA has no "
+                             "batch-invariant kernels yet)")
+        options.install(cfg.options)  # this process's kernels follow the config's switches
+        self.invariance = BatchInvariantMode if batch_invariant(self.device) else contextlib.nullcontext
         t0 = time.perf_counter()
         if self.device.type == "cuda":
             kernel_cache.RECORDER.install()  # which kernels compile, from cache or not (the manifest tool reads it)
@@ -164,10 +170,11 @@ class LLMEngine:
         of the same running sequences first and then reads the one in flight (launched by the step before)."""
         in_flight, self.in_flight = self.in_flight, None
         try:
-            if in_flight is not None:
-                self.in_flight = self._launch_ahead(in_flight)
-                return [self._emit(r) for r in self.runner.collect_decode(in_flight)]
-            return self._scheduled_step()
+            with self.invariance():
+                if in_flight is not None:
+                    self.in_flight = self._launch_ahead(in_flight)
+                    return [self._emit(r) for r in self.runner.collect_decode(in_flight)]
+                return self._scheduled_step()
         except BaseException:
             # A launched step may have moved a sequence's device state (hidden states, VAE context, KV)
             # past what the host counted: nothing that was running can be continued. Prompt blocks of a

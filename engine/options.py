@@ -102,6 +102,10 @@ class EngineOptions:
                                       "engine with runtime adapters adds their terms.")
     pipeline_decode: bool | None = _option("VOXCPM_PIPELINE_DECODE", None, _flag, "Launch the next decode step "
                                            "before reading the previous one; unset: on CUDA yes, on the CPU no.")
+    batch_invariant: bool | None = _option("VOXCPM_BATCH_INVARIANT", None, _flag, "Batch-invariant steps: a "
+                                           "request's audio for its seed does not depend on what else is batched "
+                                           "or on what its prompt found in the prefix cache (`ops.batch_invariant`"
+                                           "); unset: on the CPU yes; CUDA has no batch-invariant kernels yet.")
     cudnn_benchmark: bool = _option("VOXCPM_CUDNN_BENCHMARK", False, _flag, "cuDNN's algorithm search for the "
                                     "VAE decode's remaining cuDNN convolutions (on: start-up slower, B=128 steps "
                                     "slightly faster).")

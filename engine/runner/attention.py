@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from engine.models.minicpm import AttendFn
 from engine.ops import paged_attention as paged
+from engine.ops.batch_invariant import batch_invariant
 from engine.ops.platform import HAVE_TRITON
 from engine.ops.rotary import rotary_qk, rotary_store_kv
 
@@ -86,6 +87,7 @@ class PagedKVCache:
         if backend == "flash" and not (meta.is_prefill and meta.query_lens is not None
                                        and meta.query_lens == meta.key_lens):
             backend = "triton"
+        invariant = backend == "torch" and batch_invariant(meta.slot_mapping.device)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    rope: torch.Tensor | None = None) -> torch.Tensor:
@@ -108,6 +110,8 @@ class PagedKVCache:
                                        meta.token_context_lens).flatten(-2)
             if backend == "flash":
                 return flash_prefill_attention(q, k, v, meta)
+            if invariant:
+                return invariant_attention(q, k_cache, v_cache, meta)
             if meta.is_prefill and meta.query_lens is not None:
                 return torch_prefill_attention(q, k, v, k_cache, v_cache, meta)
             return torch_paged_attention(q, k_cache, v_cache, meta)
@@ -169,6 +173,24 @@ def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     mask = (positions[None, :] < meta.token_context_lens[:, None]).view(b, 1, 1, -1)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True)
     return o.squeeze(2).flatten(-2)
+
+
+def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor:
+    """Each token's attention computed by itself over exactly its own cached context (contiguous, unpadded): a
+    function of its query and those keys alone, whatever else the step holds and whether its prompt's first blocks
+    came from the prefix cache (EngineOptions.batch_invariant; host-side lengths: the CPU path)."""
+    rows, lens = meta.row_index.tolist(), meta.token_context_lens.tolist()
+    longest: dict[int, int] = {}
+    for r, n in zip(rows, lens, strict=True):
+        longest[r] = max(longest.get(r, 0), n)
+    context = {r: (_gather(k_cache, meta.block_tables[r], n).transpose(0, 1),
+                   _gather(v_cache, meta.block_tables[r], n).transpose(0, 1)) for r, n in longest.items()}
+    out = torch.empty_like(q)
+    for t, (r, n) in enumerate(zip(rows, lens, strict=True)):
+        keys, values = (c[:, :n].contiguous().unsqueeze(0) for c in context[r])
+        out[t] = F.scaled_dot_product_attention(q[t, :, None].unsqueeze(0), keys, values, enable_gqa=True)[0, :, 0]
+    return out.flatten(-2)
 
 
 def flash_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

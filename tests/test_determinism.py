@@ -1,0 +1,153 @@
+"""The README's determinism promise, exactly: on the CPU, the same request with the same seed gives the same audio
+bytes whatever else is batched with it, whatever the prefix cache holds for its prompt and whether it was preempted
+and recomputed. The whole module runs again under each lower CPU capability torch, oneDNN and MKL can be forced to
+(`test_exact_under_each_cpu_capability`), so one machine shows what another CPU's kernels would do."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.io.checkpoint import load_model
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sequence import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+FORCED = "VOXCPM_TEST_FORCED_CAPABILITY"  # set in the child runs: the capability they must be running under
+# Each capability as the three libraries spell it: torch's own kernels, oneDNN (convolutions), MKL (GEMMs).
+CAPABILITIES = {
+    "default": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+}
+ORDER = list(CAPABILITIES)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint_factory):
+    return load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
+
+
+def _clip(model, patches: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    n = model.vae.chunk_size * model.config.patch_size * patches
+    with torch.inference_mode():
+        return model.vae.encode(0.2 * torch.randn(1, n, generator=g), model.vae.sample_rate)[0].T.contiguous()
+
+
+def _requests(model) -> list[dict]:
+    """One request per conditioning mode, with prompts long enough to span several 4-token blocks."""
+    clip = _clip(model, 3, seed=1)
+    return [
+        dict(target_text="Zero shot, the same words again and again.", params=SamplingParams(seed=1,
+                                                                                              max_generate_length=5)),
+        dict(target_text="Continue this sentence.", prompt_text="A prompt.", prompt_latents=clip,
+             params=SamplingParams(seed=3, max_generate_length=6, cfg_value=1.5)),
+        dict(target_text="Reference voice.", ref_latents=clip,
+             params=SamplingParams(seed=4, max_generate_length=4, temperature=0.7)),
+        dict(target_text="Both, the HiFi way.", prompt_text="A prompt.", prompt_latents=clip, ref_latents=clip,
+             params=SamplingParams(seed=5, max_generate_length=5)),
+    ]
+
+
+def _engine(model, **config) -> LLMEngine:
+    return LLMEngine(model, EngineConfig(**{"max_num_seqs": 4, "max_model_len": 256, "block_size": 4, **config}))
+
+
+def _alone(model, request: dict) -> np.ndarray:
+    return _engine(model, max_num_seqs=1).generate_all([request])[0]
+
+
+def _equal_bytes(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    assert a.shape == b.shape, what
+    assert a.tobytes() == b.tobytes(), f"{what}: differs by up to {np.abs(a - b).max():.3e}"
+
+
+def test_running_under_the_forced_capability():
+    forced = os.environ.get(FORCED)
+    if forced is None:
+        pytest.skip("only in the forced-capability runs")
+    assert torch.backends.cpu.get_cpu_capability().lower() == ("default" if forced == "default" else forced)
+
+
+def test_batched_requests_are_the_bytes_of_each_alone(model):
+    reqs = _requests(model)
+    together = _engine(model).generate_all(reqs)
+    for n, r in enumerate(reqs):
+        _equal_bytes(together[n], _alone(model, r), f"request {n} batched")
+
+
+def test_prefix_cached_prompt_is_the_bytes_of_a_fresh_one(model):
+    """The same request again on one engine: its prompt's full blocks come from the prefix cache (all but the block
+    holding its last token, which is computed: also when the prompt is a whole number of blocks)."""
+    engine = _engine(model)
+    whole_blocks = 0
+    for n, r in enumerate(_requests(model)):
+        first = engine.generate_all([r])[0]
+        seq_id = engine.add_request(**r)
+        seq = engine.sequences[seq_id]
+        engine.step()  # admits and prefills it from the cache
+        assert 0 < seq.num_cached_tokens < seq.num_prompt_tokens
+        assert seq.num_cached_tokens >= seq.num_prompt_tokens - engine.config.block_size
+        whole_blocks += seq.num_prompt_tokens % engine.config.block_size == 0
+        while engine.has_unfinished():
+            engine.step()
+        again = engine.generate_all([r])[0]
+        _equal_bytes(again, first, f"request {n} from the prefix cache")
+    # A prompt of a whole number of blocks too: the cache must leave its last block (its last token) computed.
+    text = next(t for t in (f"Whole blocks {'x' * i}." for i in range(12))
+                if _prompt_tokens(engine, t) % engine.config.block_size == 0)
+    request = dict(target_text=text, params=SamplingParams(seed=9, max_generate_length=4))
+    first = engine.generate_all([request])[0]
+    seq_id = engine.add_request(**request)
+    seq = engine.sequences[seq_id]
+    engine.step()
+    assert seq.num_cached_tokens == seq.num_prompt_tokens - engine.config.block_size
+    while engine.has_unfinished():
+        engine.step()
+    _equal_bytes(engine.generate_all([request])[0], first, "a whole-blocks prompt from the prefix cache")
+    assert engine.blocks.num_free == len(engine.blocks.blocks)
+
+
+def _prompt_tokens(engine: LLMEngine, text: str) -> int:
+    seq_id = engine.add_request(text, SamplingParams(max_generate_length=1))
+    n = engine.sequences[seq_id].num_prompt_tokens
+    engine.abort(seq_id)
+    return n
+
+
+def test_preempted_and_recomputed_requests_are_the_bytes_of_each_alone(model):
+    reqs = [dict(target_text=f"Stream number {i} speaks.", params=SamplingParams(seed=10 + i, max_generate_length=12))
+            for i in range(3)]
+    small = _engine(model, max_num_seqs=3, max_model_len=64, num_kv_blocks=12)
+    together = small.generate_all(reqs)
+    assert small.scheduler.num_preemptions > 0
+    for n, r in enumerate(reqs):
+        _equal_bytes(together[n], _alone(model, r), f"request {n} preempted")
+
+
+@pytest.mark.parametrize("capability", ORDER)
+def test_exact_under_each_cpu_capability(capability):
+    """This module again in a child process whose torch, oneDNN and MKL kernels are forced down to `capability`
+    (a CPU is forced only down from what it has: higher ones are skipped)."""
+    if os.environ.get(FORCED) is not None:
+        pytest.skip("already a forced run")
+    have = torch.backends.cpu.get_cpu_capability().lower()
+    have = "avx512" if have.startswith("avx512") else have
+    if have not in ORDER or ORDER.index(capability) > ORDER.index(have):
+        pytest.skip(f"this CPU's capability is {have}")
+    if capability == have:
+        pytest.skip("this process runs under it: the tests above")
+    env = {**os.environ, **CAPABILITIES[capability], FORCED: capability}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                          "-k", "not test_exact_under_each_cpu_capability"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-2000:]
