@@ -103,11 +103,12 @@ CREATE TABLE IF NOT EXISTS voices (
     ref_latents BLOB,
     nbytes INTEGER NOT NULL,
     created REAL NOT NULL,
-    last_used REAL NOT NULL,
+    last_used REAL NOT NULL,  -- a use counter (max + 1 at each use): an exact LRU order, no clock ties
     parts TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS voices_lru ON voices (last_used);
 """
+NEXT_USE = "(SELECT coalesce(max(last_used), 0) + 1 FROM voices)"  # one statement: atomic across processes
 
 
 class SqliteVoiceStore(VoiceStore):
@@ -141,23 +142,22 @@ class SqliteVoiceStore(VoiceStore):
                          "FROM voices WHERE id = ?", (voice_id,)).fetchone()
         if row is None:
             return None
-        db.execute("UPDATE voices SET last_used = ? WHERE id = ?", (time.time(), voice_id))
+        db.execute(f"UPDATE voices SET last_used = {NEXT_USE} WHERE id = ?", (voice_id,))
         return Voice(row[0], voice_id, row[1], row[2], row[3], row[4], json.loads(row[5]))
 
     def _put(self, voice: Voice) -> list[str]:
         if voice.nbytes > self.max_bytes:
             raise VoiceTooLargeError(f"voice of {voice.nbytes} bytes exceeds the cache size {self.max_bytes}")
         db = self._db()
-        now = time.time()
         db.execute("BEGIN IMMEDIATE")  # one writer at a time across processes: the bounds hold
         try:
-            if db.execute("UPDATE voices SET last_used = ? WHERE id = ?", (now, voice.id)).rowcount:
+            if db.execute(f"UPDATE voices SET last_used = {NEXT_USE} WHERE id = ?", (voice.id,)).rowcount:
                 db.execute("COMMIT")
                 return []
             evicted = self._evict(db, voice.nbytes)
-            db.execute("INSERT INTO voices VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            db.execute(f"INSERT INTO voices VALUES (?, ?, ?, ?, ?, ?, ?, {NEXT_USE}, ?)",
                        (voice.id, voice.kind, voice.prompt_text, voice.prompt_latents, voice.ref_latents,
-                        voice.nbytes, voice.created, now, json.dumps(voice.parts)))
+                        voice.nbytes, voice.created, json.dumps(voice.parts)))
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")

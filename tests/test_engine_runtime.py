@@ -94,6 +94,28 @@ def test_request_that_never_fits_is_rejected_with_reason(model):
     assert engine.blocks.num_free == len(engine.blocks.blocks)
 
 
+def test_request_exactly_filling_max_model_len_is_admitted(model):
+    """A prompt plus max_generate_length that fills max_model_len exactly fits (and runs to its length); one patch
+    more never fits and is refused naming the field."""
+    text = "Fills the context, with words enough to let it run on."
+    probe = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=64, block_size=4))
+    seq = probe.sequences[probe.add_request(text, SamplingParams(max_generate_length=1))]
+    room = 64 - seq.num_prompt_tokens
+    assert 0 < room <= seq.prompt.target_tokens * 6  # the official cap does not shorten it below the room
+    probe.abort(seq.seq_id)
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=64, block_size=4))
+    fits = engine.add_request(text, SamplingParams(seed=1, max_generate_length=room))
+    over = engine.add_request(text, SamplingParams(seed=1, max_generate_length=room + 1))
+    events = []
+    while engine.has_unfinished():
+        events += engine.step()
+    ends = {e.seq_id: e for e in events if e.finished}
+    assert ends[fits].error is None and ends[fits].finish_reason == "length"
+    assert sum(1 for e in events if e.seq_id == fits) == room
+    assert ends[over].error is not None and ends[over].error.startswith("max_generate_length:")
+    assert engine.blocks.num_free == len(engine.blocks.blocks)
+
+
 def test_preemption_recomputes_and_keeps_audio_identical(model):
     """A KV cache too small for all streams at once: streams get preempted and recomputed from
     prompt + generated patches; each still produces the audio it produces alone (same seed)."""
@@ -395,14 +417,15 @@ def test_coalescing_window_gathers_arrivals_at_an_idle_engine(checkpoint_factory
     from engine.scheduler import COALESCE_CAP
 
     engine = LLMEngine(str(checkpoint_factory("tiny-voxcpm2", stop="never")),
-                       EngineConfig(max_num_seqs=4, max_model_len=256, coalesce_ms=50))
+                       EngineConfig(max_num_seqs=4, max_model_len=256, coalesce_ms=1000))  # a second: no race
     sched = engine.scheduler
     a = engine.sequences[engine.add_request("First.", SamplingParams(seed=1, max_generate_length=3))]
-    assert not engine.has_work() and 0.0 < engine.idle_wait() <= 0.05
+    assert sched.window_left(now=a.arrival) == pytest.approx(1.0)
+    assert not engine.has_work() and 0.0 < engine.idle_wait() <= 1.0
     b = engine.sequences[engine.add_request("Second.", SamplingParams(seed=2, max_generate_length=3))]
-    a.arrival -= 0.04  # a arrived 40 ms ago, b just now: the window runs 50 ms from b
-    assert 0.04 < sched.window_left() <= 0.05
-    a.arrival -= 1.0  # a long-held first arrival: the cap closes the window
+    a.arrival = b.arrival - 0.8  # a arrived 0.8 s before b: the window runs 1 s from b
+    assert sched.window_left(now=b.arrival + 0.25) == pytest.approx(0.75)
+    a.arrival -= 100.0  # a long-held first arrival: the cap closes the window
     assert sched.window_left() == 0.0 and engine.has_work()
     assert a.arrival + COALESCE_CAP * sched.coalesce_s < b.arrival
     engine.step()

@@ -24,7 +24,8 @@ def server(checkpoint_factory, tmp_path_factory):
     ("POST", "/generate", {"target_text": "Keyed.", "max_generate_length": 1, "response_format": "pcm"}),
     ("POST", "/v1/audio/speech", {"model": "tts-1", "input": "Keyed.", "max_generate_length": 1,
                                   "response_format": "pcm"}),
-    ("GET", "/prompts", None), ("GET", "/v1/models", None), ("GET", "/info", None), ("GET", "/metrics", None)])
+    ("GET", "/prompts", None), ("GET", "/loras", None), ("GET", "/v1/models", None), ("GET", "/info", None),
+    ("GET", "/metrics", None)])
 def test_keyed_routes(server, method, path, body):
     def call(headers: dict) -> httpx.Response:
         return httpx.request(method, server.url + path, json=body, headers=headers, timeout=60)

@@ -123,3 +123,23 @@ def test_request_body_over_the_limit_is_413_while_reading(server):
                    timeout=60)
     assert r.status_code == 413 and "request body" in r.json()["detail"]
     assert httpx.get(server.url + "/ready").status_code == 200
+
+
+def test_request_body_of_exactly_the_limit_is_accepted(server):
+    """NANOVLLM_MAX_REQUEST_BYTES is the largest body accepted: one of exactly that size is served, declared by its
+    Content-Length or sent chunked (JSON padded with trailing white space)."""
+    limit = server.settings.max_request_bytes
+    head = b'{"target_text": "Exactly at the limit.", "max_generate_length": 1, "response_format": "pcm"}'
+    body = head + b" " * (limit - len(head))
+    assert len(body) == limit
+    r = httpx.post(server.url + "/generate", content=body, headers={"content-type": "application/json"}, timeout=120)
+    assert r.status_code == 200, r.text[:300]
+
+    def chunks():
+        for i in range(0, limit, 2**20):
+            yield body[i:i + 2**20]
+
+    r = httpx.post(server.url + "/generate", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=120)
+    assert r.status_code == 200, r.text[:300]
+

@@ -90,7 +90,6 @@ def test_store_byte_bound_and_lru_order(tmp_path):
         store = SqliteVoiceStore(tmp_path / "a.db", max_entries=100, max_bytes=250)
         for i in range(3):
             await store.put(_voice(i))
-            await asyncio.sleep(0.01)  # distinct last-use times
         assert [v.id for v in await store.list()] == ["v1", "v2"]  # 300 bytes > 250: v0 evicted
         await store.get("v1")  # touched: v2 is now the least recently used
         assert await store.put(_voice(3)) == ["v2"]
@@ -104,7 +103,6 @@ def test_store_byte_bound_and_lru_order(tmp_path):
         disk = SqliteVoiceStore(tmp_path / "b.db", max_entries=2, max_bytes=10_000)
         for i in range(3):
             await disk.put(_voice(i))
-            await asyncio.sleep(0.01)
         assert [v.id for v in await disk.list()] == ["v1", "v2"]
         disk.close()
         again = SqliteVoiceStore(tmp_path / "b.db", max_entries=1, max_bytes=10_000)  # lower bound on reopen: trimmed
@@ -159,7 +157,6 @@ def _put_voices(path, ids: list[int]) -> None:
         store = SqliteVoiceStore(path, max_entries=2, max_bytes=10_000)
         for i in ids:
             await store.put(_voice(i))
-            await asyncio.sleep(0.01)
         store.close()
 
     asyncio.run(run())
