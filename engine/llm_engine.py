@@ -20,7 +20,7 @@ from engine.engine_config import EngineConfig
 from engine.errors import LoRANotFoundError, OverloadedError, RequestError
 from engine.io.checkpoint import LoadedModel, load_model
 from engine.io.lora import merge_adapter, read_adapter
-from engine.ops.batch_invariant import BatchInvariantMode, batch_invariant
+from engine.ops.batch_invariant import BatchInvariantMode
 from engine.prompt import build_prompt, max_patches
 from engine.runner.lora import LoRASlots
 from engine.runner.model_runner import LaunchedDecode, ModelRunner
@@ -38,11 +38,11 @@ class LLMEngine:
         self.config = cfg = config or EngineConfig()
         cfg.validate()
         self.device = torch.device(device)
-        if cfg.options.batch_invariant and self.device.type != "cpu":
-            raise ValueError("VOXCPM_BATCH_INVARIANT=1: batch-invariant steps run on the CPU only (CUDA has no "
-                             "batch-invariant kernels yet)")
-        options.install(cfg.options)  # this process's kernels follow the config's switches
-        self.invariance = BatchInvariantMode if batch_invariant(self.device) else contextlib.nullcontext
+        invariant = options.batch_invariant(self.device.type, cfg.options)
+        # This process's kernels follow the config's switches (on a GPU in exact mode, less those chosen by the batch).
+        options.install(cfg.options.batch_invariant_kernels() if invariant and self.device.type == "cuda"
+                        else cfg.options)
+        self.invariance = BatchInvariantMode if invariant else contextlib.nullcontext
         t0 = time.perf_counter()
         if self.device.type == "cuda":
             kernel_cache.RECORDER.install()  # which kernels compile, from cache or not (the manifest tool reads it)
@@ -67,7 +67,8 @@ class LLMEngine:
                                   cfg.max_num_batched_tokens, cfg.max_loras, cfg.max_lora_rank)
         num_blocks = cfg.num_kv_blocks
         if num_blocks is None and self.device.type == "cuda":
-            num_blocks = self.runner.profile_num_blocks(cfg.gpu_memory_utilization, cfg.max_model_len)
+            with self.invariance():  # the profiled step's peak is the real step's
+                num_blocks = self.runner.profile_num_blocks(cfg.gpu_memory_utilization, cfg.max_model_len)
         elif num_blocks is None:
             num_blocks = self.runner.table_width * cfg.max_num_seqs
         self.runner.allocate_kv_cache(num_blocks)
@@ -80,7 +81,8 @@ class LLMEngine:
             assert self.runner.lora is not None  # validate(): max_loras >= 1
             self.runner.lora.register(cfg.lora_name, read_adapter(cfg.lora_path))
             self.default_lora = cfg.lora_name
-        graph_s = self.runner.capture_graphs()
+        with self.invariance():  # the graphs hold the kernels the mode launches
+            graph_s = self.runner.capture_graphs()
         self.sequences: dict[int, Sequence] = {}
         pipeline = cfg.pipeline_decode
         if pipeline is None:

@@ -105,7 +105,8 @@ class EngineOptions:
     batch_invariant: bool | None = _option("VOXCPM_BATCH_INVARIANT", None, _flag, "Batch-invariant steps: a "
                                            "request's audio for its seed does not depend on what else is batched "
                                            "or on what its prompt found in the prefix cache (`ops.batch_invariant`"
-                                           "); unset: on the CPU yes; CUDA has no batch-invariant kernels yet.")
+                                           "); unset: on the CPU yes, on CUDA no (there it turns off the kernels that "
+                                           "choose by the batch: `batch_invariant_kernels`).")
     cudnn_benchmark: bool = _option("VOXCPM_CUDNN_BENCHMARK", False, _flag, "cuDNN's algorithm search for the "
                                     "VAE decode's remaining cuDNN convolutions (on: start-up slower, B=128 steps "
                                     "slightly faster).")
@@ -132,6 +133,15 @@ class EngineOptions:
                 raise ValueError(f"{f.metadata['env']}={raw!r}: {e}") from e
         return cls(**values)
 
+    def batch_invariant_kernels(self) -> EngineOptions:
+        """These options with every CUDA kernel choice made by the batch turned off (batch_invariant on a GPU): the
+        one-row GEMV and the skinny GEMM (projections run as fixed-shape tiles instead), split-K partials, the paged
+        attention's key splits (and the decode kernel's rotary and K/V write that come with them), the local modules'
+        layer kernel (taken up to a row count), the LoRA kernels (one kernel for a few rows, another for more) and
+        merged-adapter steps (merged or not by the batch's adapters)."""
+        return dataclasses.replace(self, gemv_max_rows=0, skinny_rows=0, split_k=False, attn_split_keys=0,
+                                   layer_kernel="off", lora_kernel=False, lora_merged_steps=False)
+
     @property
     def layer_prefetch_bytes(self) -> int:
         return int(self.layer_prefetch_mb * 2**20)
@@ -151,6 +161,13 @@ def current() -> EngineOptions:
     if _current is None:
         _current = EngineOptions.from_env()
     return _current
+
+
+def batch_invariant(device_type: str, options: EngineOptions | None = None) -> bool:
+    """Whether steps on a device of this type ("cpu", "cuda") run batch-invariantly: EngineOptions.batch_invariant of
+    this process (or `options`), unset meaning on the CPU."""
+    chosen = (options or current()).batch_invariant
+    return device_type == "cpu" if chosen is None else chosen
 
 
 def install(options: EngineOptions) -> None:

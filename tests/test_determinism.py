@@ -38,8 +38,10 @@ def model(checkpoint_factory):
 def _clip(model, patches: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     n = model.vae.chunk_size * model.config.patch_size * patches
+    device = next(model.vae.parameters()).device
     with torch.inference_mode():
-        return model.vae.encode(0.2 * torch.randn(1, n, generator=g), model.vae.sample_rate)[0].T.contiguous()
+        audio = (0.2 * torch.randn(1, n, generator=g)).to(device)
+        return model.vae.encode(audio, model.vae.sample_rate)[0].T.float().cpu().contiguous()
 
 
 def _requests(model) -> list[dict]:
@@ -151,3 +153,25 @@ def test_exact_under_each_cpu_capability(capability):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-2000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_exact_mode_on_cuda_gives_the_same_bytes(checkpoint_factory):
+    """VOXCPM_BATCH_INVARIANT=1 on a GPU (bf16, CUDA graphs, pipelined decode): the same request alone, from the
+    prefix cache and batched with others in a larger graph bucket gives the same bytes."""
+    from engine.options import EngineOptions
+
+    model = load_model(checkpoint_factory("tiny-voxcpm2", dtype="bfloat16", stop="never"), "cuda")
+    reqs = _requests(model)
+    config = EngineConfig(max_num_seqs=8, max_model_len=256, block_size=4, num_kv_blocks=512,
+                          options=EngineOptions(batch_invariant=True))
+    engine = LLMEngine(model, config, "cuda")
+    assert engine.runner.graphs and engine.pipeline
+    for n, r in enumerate(reqs):
+        alone = engine.generate_all([r])[0]
+        _equal_bytes(engine.generate_all([r])[0], alone, f"request {n} from the prefix cache")
+        others = [dict(target_text=f"Another one, number {i}.", params=SamplingParams(seed=50 + i,
+                                                                                      max_generate_length=8))
+                  for i in range(4)]
+        _equal_bytes(engine.generate_all([*others[:2], r, *others[2:]])[2], alone, f"request {n} batched")
+    assert engine.blocks.num_free == len(engine.blocks.blocks)

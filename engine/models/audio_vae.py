@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from engine.models.minicpm import embedding
 from engine.ops import platform, upsampler, vae_conv
 from engine.ops.snake import snake
+from engine.options import batch_invariant
 
 
 class SlotStates:
@@ -233,7 +234,8 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
     def forward(self, x: Tensor, states: StreamStates | None = None) -> Tensor:  # type: ignore[override]
         stride = self.stride[0]
         streaming = states is not None and self.state_slot is not None
-        if platform.kernels(x):
+        # The kernel path's GEMM carries the batch in its columns: in batch-invariant mode the conv runs per sample.
+        if platform.kernels(x) and not batch_invariant(x.device.type):
             state, slots = layer_context(states, self.state_slot)
             out = upsampler.causal_conv_transpose(x, state, self.tap_weight(), self.bias, stride, self.kernel_size[0],
                                               slots)

@@ -1,19 +1,24 @@
-"""Batch-invariant execution on the CPU: what a request's row computes never depends on the rows beside it.
+"""Batch-invariant execution: what a request's row computes never depends on the rows beside it.
 
-A BLAS GEMM rounds a row differently with the number of rows it is given and the row's position among them (MKL's
-kernels treat the last rows of a call apart: a row of a 5-row call differs in the last bit from the same row in a
-16-row call), and a convolution or an attention call may do the same with its batch. So a request's audio would
-change with what else is batched and with how much of its prompt came from the prefix cache. Inside
-`BatchInvariantMode` every operation that mixes rows runs as calls of one fixed shape:
+A GEMM library rounds a row differently with the number of rows it is given and the row's position among them (MKL
+treats the last rows of a call apart: a row of a 5-row call differs in the last bit from the same row in a 16-row
+call; cuBLAS picks its kernel, tiles and split-K by the shape), and a convolution or an attention call may do the
+same with its batch. So a request's audio would change with what else is batched and with how much of its prompt
+came from the prefix cache. Inside `BatchInvariantMode` every operation that mixes rows runs as calls of one fixed
+shape:
 
-- a projection (`aten.linear`) as one batched GEMM over tiles of `TILE_ROWS` rows (the last tile zero-padded):
-  every tile is the same (TILE_ROWS, K) x (K, N) problem, whose rows MKL computes alike at every position;
-- a convolution, a GEMM of another form and SDPA one sample (batch entry) at a time.
+- a projection (`aten.linear`) in tiles of `TILE_ROWS` rows (the last tile zero-padded): every tile the same
+  (TILE_ROWS, K) x (K, N) problem, whose rows the library computes alike at every position (on the CPU one batched
+  GEMM of 8-row tiles; on CUDA one cuBLAS call per 64-row tile, since a batched call's kernel depends on the count);
+- another GEMM by its rows likewise (a batched one entry by entry), a convolution and SDPA one sample at a time.
 
-Everything else the engine runs is per row (element-wise, or reduced over the last dimension) already. The LMs'
-attention over the paged cache is made invariant where it is computed (`runner.attention.invariant_attention`:
-each token over exactly its own context). The mode is a `TorchDispatchMode`, entered around an engine step; it sees
-the ops before they are decomposed, and the calls it makes run below it (not intercepted again).
+The rest must be per row already: element-wise ops, and reductions over the last dimension by the CPU's kernels or by
+the Triton kernels that give each row its own program (torch's CUDA reductions split a row across threads by the
+row count: not invariant). The engine turns off the CUDA kernels that choose by the batch
+(`EngineOptions.batch_invariant_kernels`), and the LMs' attention is made invariant where it is computed
+(`runner.attention`: on the CPU each token over exactly its own context; on CUDA the Triton kernel, one program per
+token, without key splits). The mode is a `TorchDispatchMode`, entered around an engine step and a graph capture; it
+sees the ops before they are decomposed, and the calls it makes run below it (not intercepted again).
 """
 
 from __future__ import annotations
@@ -25,43 +30,48 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.options import current
-
-TILE_ROWS = 8
+TILE_ROWS = {"cpu": 8, "cuda": 64}
 aten = torch.ops.aten
 
 
-def batch_invariant(device: torch.device) -> bool:
-    """Whether steps on `device` run batch-invariantly: EngineOptions.batch_invariant, unset meaning on the CPU."""
-    chosen = current().batch_invariant
-    return device.type == "cpu" if chosen is None else chosen
+def _padded_rows(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, int, int]:
+    """x (..., K) as (tiles * tile, K) rows, zero-padded (a fresh tensor); its row count and tile count."""
+    rows = x.reshape(-1, x.shape[-1])
+    count = rows.shape[0]
+    tiles = -(-count // tile) or 1
+    return F.pad(rows, (0, 0, 0, tiles * tile - count)), count, tiles
 
 
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) with every row computed in a (TILE_ROWS, K) tile of one batched GEMM."""
+    """x @ weight.T (+ bias) with every row computed in a (TILE_ROWS, K) tile of the same shape."""
     k_dim, n = x.shape[-1], weight.shape[0]
-    rows = x.reshape(-1, k_dim)
-    count = rows.shape[0]
-    tiles = -(-count // TILE_ROWS) or 1
-    padded = F.pad(rows, (0, 0, 0, tiles * TILE_ROWS - count))
-    out = torch.bmm(padded.view(tiles, TILE_ROWS, k_dim), weight.t().expand(tiles, k_dim, n))
-    out = out.view(tiles * TILE_ROWS, n)[:count]
+    tile = TILE_ROWS[x.device.type]
+    padded, count, tiles = _padded_rows(x, tile)
+    if x.device.type == "cpu":
+        out = torch.bmm(padded.view(tiles, tile, k_dim), weight.t().expand(tiles, k_dim, n)).view(-1, n)
+    else:
+        out = torch.cat([F.linear(padded[i * tile:(i + 1) * tile], weight) for i in range(tiles)])
+    out = out[:count]
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], n)
 
 
 def tiled_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a (M, K) @ b (K, N), both sides tiled (either may carry the batch): every output tile one
-    (TILE_ROWS, K) x (K, TILE_ROWS) problem."""
+    """a (M, K) @ b (K, N): on the CPU both sides tiled (either may carry the batch), every output tile one
+    (8, K) x (K, 8) problem; on CUDA a's rows in 64-row tiles (in the engine's exact mode no CUDA GEMM carries the
+    batch in its columns: the VAE upsampler's column GEMM is off there)."""
+    if a.device.type != "cpu":
+        return tiled_linear(a, b.t())
+    tile = TILE_ROWS["cpu"]
     m, k_dim = a.shape
     n = b.shape[1]
-    tm, tn = -(-m // TILE_ROWS) or 1, -(-n // TILE_ROWS) or 1
-    a_t = F.pad(a, (0, 0, 0, tm * TILE_ROWS - m)).view(tm, 1, TILE_ROWS, k_dim).expand(tm, tn, TILE_ROWS, k_dim)
-    b_t = F.pad(b, (0, tn * TILE_ROWS - n)).view(k_dim, tn, TILE_ROWS).permute(1, 0, 2)
-    b_t = b_t.unsqueeze(0).expand(tm, tn, k_dim, TILE_ROWS)
-    out = torch.bmm(a_t.reshape(-1, TILE_ROWS, k_dim), b_t.reshape(-1, k_dim, TILE_ROWS))
-    return out.view(tm, tn, TILE_ROWS, TILE_ROWS).transpose(1, 2).reshape(tm * TILE_ROWS, tn * TILE_ROWS)[:m, :n]
+    tm, tn = -(-m // tile) or 1, -(-n // tile) or 1
+    a_t = F.pad(a, (0, 0, 0, tm * tile - m)).view(tm, 1, tile, k_dim).expand(tm, tn, tile, k_dim)
+    b_t = F.pad(b, (0, tn * tile - n)).view(k_dim, tn, tile).permute(1, 0, 2)
+    b_t = b_t.unsqueeze(0).expand(tm, tn, k_dim, tile)
+    out = torch.bmm(a_t.reshape(-1, tile, k_dim), b_t.reshape(-1, k_dim, tile))
+    return out.view(tm, tn, tile, tile).transpose(1, 2).reshape(tm * tile, tn * tile)[:m, :n]
 
 
 def _per_sample(func: Callable[..., torch.Tensor], x: torch.Tensor, *rest: Any, **kwargs: Any) -> torch.Tensor:
@@ -85,7 +95,22 @@ def _sdpa(func: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.stack([tiled_mm(a[i], b[i]) for i in range(a.shape[0])])
+    """Entry by entry: on the CPU each tiled; on CUDA each a plain GEMM of the entries' one shape (a batched call's
+    kernel depends on the count)."""
+    if a.device.type == "cpu":
+        return torch.stack([tiled_mm(a[i], b[i]) for i in range(a.shape[0])])
+    return torch.stack([torch.mm(a[i], b[i]) for i in range(a.shape[0])])
+
+
+def _baddbmm_(func: Callable[..., torch.Tensor], c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 1,
+              alpha: float = 1) -> torch.Tensor:
+    """In place, entry by entry (the VAE's pointwise conv + residual on CUDA)."""
+    for i in range(a.shape[0]):
+        if a.device.type == "cpu":
+            c[i].mul_(beta).add_(tiled_mm(a[i], b[i]), alpha=alpha)
+        else:
+            c[i].addmm_(a[i], b[i], beta=beta, alpha=alpha)
+    return c
 
 
 HANDLERS: dict[Any, Callable[..., torch.Tensor]] = {
@@ -94,6 +119,7 @@ HANDLERS: dict[Any, Callable[..., torch.Tensor]] = {
     aten.addmm.default: lambda func, c, a, b, beta=1, alpha=1: beta * c + alpha * tiled_mm(a, b),
     aten.bmm.default: lambda func, a, b: _bmm(a, b),
     aten.baddbmm.default: lambda func, c, a, b, beta=1, alpha=1: beta * c + alpha * _bmm(a, b),
+    aten.baddbmm_.default: _baddbmm_,
     aten.conv1d.default: _per_sample,
     aten.conv_transpose1d.default: _per_sample,
     aten.scaled_dot_product_attention.default: _sdpa,
@@ -101,11 +127,11 @@ HANDLERS: dict[Any, Callable[..., torch.Tensor]] = {
 
 
 class BatchInvariantMode(TorchDispatchMode):
-    """Inside it, the CPU ops that mix rows run batch-invariantly (module docstring); ops on other devices pass."""
+    """Inside it, the CPU and CUDA ops that mix rows run batch-invariantly (module docstring)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         handler = HANDLERS.get(func)
-        if handler is None or not (isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu"):
+        if handler is None or not (isinstance(args[0], torch.Tensor) and args[0].device.type in TILE_ROWS):
             return func(*args, **kwargs)
         return handler(func, *args, **kwargs)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from engine.ops import platform
 from engine.ops.platform import HAVE_TRITON
 from engine.ops.rotary import rotary_qk
+from engine.options import batch_invariant
 
 if TYPE_CHECKING:
     import torch
@@ -147,5 +148,6 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: tor
     (L, 2, D) applied to q and k first -> (N, L, Hq * D). On CUDA one kernel does both, where it takes the shapes."""
     if platform.kernels(q) and dense_attention_supported(q, k):
         cos, sin = (rope[:, 0, :], rope[:, 1, :]) if rope is not None else (None, None)
-        return dense_attention_triton(q, k, v, cos, sin)
+        # Batch-invariant: one head per program and fixed warps (by default both follow the batch's size).
+        return dense_attention_triton(q, k, v, cos, sin, *((1, 4) if batch_invariant(q.device.type) else ()))
     return dense_attention_eager(q, k, v, rope)

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 from engine.models.minicpm import AttendFn
 from engine.ops import paged_attention as paged
-from engine.ops.batch_invariant import batch_invariant
 from engine.ops.platform import HAVE_TRITON
 from engine.ops.rotary import rotary_qk, rotary_store_kv
+from engine.options import batch_invariant
 
 BACKENDS = ("flash", "triton", "torch")
 
@@ -84,10 +84,12 @@ class PagedKVCache:
 
     def attend_fn(self, meta: AttentionMetadata) -> AttendFn:
         backend = self.backend
-        if backend == "flash" and not (meta.is_prefill and meta.query_lens is not None
-                                       and meta.query_lens == meta.key_lens):
+        exact = batch_invariant(meta.slot_mapping.device.type)
+        # Flash-attn for a prefill without a cached prefix only; in exact mode never (one kernel for every token).
+        if backend == "flash" and (exact or not (meta.is_prefill and meta.query_lens is not None
+                                                 and meta.query_lens == meta.key_lens)):
             backend = "triton"
-        invariant = backend == "torch" and batch_invariant(meta.slot_mapping.device)
+        invariant = backend == "torch" and exact
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    rope: torch.Tensor | None = None) -> torch.Tensor:
