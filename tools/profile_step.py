@@ -162,7 +162,8 @@ def main() -> None:
                  "options": dataclasses.asdict(engine.config.options), "batches": {}}
     for b in batches:
         step_ms, first_ms = host_step_ms(engine, b)
-        comp = components(engine, b)
+        with engine.invariance():  # the components as the step runs them (VOXCPM_BATCH_INVARIANT=1: in the mode)
+            comp = components(engine, b)
         comp["engine.step() as the host sees it"] = step_ms
         comp["new request alone: add -> first audio (prefill + step)"] = first_ms
         res["batches"][str(b)] = comp

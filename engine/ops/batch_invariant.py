@@ -7,9 +7,10 @@ same with its batch. So a request's audio would change with what else is batched
 came from the prefix cache. Inside `BatchInvariantMode` every operation that mixes rows runs as calls of one fixed
 shape:
 
-- a projection (`aten.linear`) in tiles of `TILE_ROWS` rows (the last tile zero-padded): every tile the same
-  (TILE_ROWS, K) x (K, N) problem, whose rows the library computes alike at every position (on the CPU one batched
-  GEMM of 8-row tiles; on CUDA one cuBLAS call per 64-row tile, since a batched call's kernel depends on the count);
+- a projection (`aten.linear`) in tiles of a fixed number of rows (the last tile zero-padded): every tile the same
+  (rows, K) x (K, N) problem, whose rows the library computes alike at every position (on the CPU one batched GEMM of
+  8-row tiles; on CUDA one cuBLAS call per tile of `tile_rows` rows, since a batched call's kernel depends on the
+  count);
 - another GEMM by its rows likewise (a batched one entry by entry), a convolution and SDPA one sample at a time.
 
 The rest must be per row already: element-wise ops, and reductions over the last dimension by the CPU's kernels or by
@@ -30,8 +31,20 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-TILE_ROWS = {"cpu": 8, "cuda": 64}
+TILE_ROWS = {"cpu": 8, "cuda": 64}  # the CPU's tile; CUDA's smallest (`tile_rows`)
+TILE_MACS = 2**29  # CUDA: a tile of about this many multiply-adds (~1.4 us at an H100/H200's bf16 rate)
 aten = torch.ops.aten
+
+
+def tile_rows(device_type: str, k_dim: int, n: int) -> int:
+    """Rows per tile of an (M, K) x (K, N) GEMM. On CUDA a function of the weight's shape alone (never of the batch):
+    about TILE_MACS multiply-adds, a power of two from 64 to 4096, so that a small weight (the DiT's: ~1,400 rows at a
+    batch of 64) takes few launches while a one-row step's tile of a large one (the LMs') still costs about what
+    reading the weight does."""
+    if device_type == "cpu":
+        return TILE_ROWS["cpu"]
+    rows = 1 << max(0, (TILE_MACS // max(1, k_dim * n)).bit_length() - 1)
+    return min(4096, max(TILE_ROWS["cuda"], rows))
 
 
 def _padded_rows(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, int, int]:
@@ -45,7 +58,7 @@ def _padded_rows(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, int, int]:
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) with every row computed in a (TILE_ROWS, K) tile of the same shape."""
     k_dim, n = x.shape[-1], weight.shape[0]
-    tile = TILE_ROWS[x.device.type]
+    tile = tile_rows(x.device.type, k_dim, n)
     padded, count, tiles = _padded_rows(x, tile)
     if x.device.type == "cpu":
         out = torch.bmm(padded.view(tiles, tile, k_dim), weight.t().expand(tiles, k_dim, n)).view(-1, n)
@@ -59,8 +72,8 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def tiled_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a (M, K) @ b (K, N): on the CPU both sides tiled (either may carry the batch), every output tile one
-    (8, K) x (K, 8) problem; on CUDA a's rows in 64-row tiles (in the engine's exact mode no CUDA GEMM carries the
-    batch in its columns: the VAE upsampler's column GEMM is off there)."""
+    (8, K) x (K, 8) problem; on CUDA a's rows tiled as a projection's (in the engine's exact mode no CUDA GEMM carries
+    the batch in its columns: the VAE upsampler's column GEMM is off there)."""
     if a.device.type != "cpu":
         return tiled_linear(a, b.t())
     tile = TILE_ROWS["cpu"]
