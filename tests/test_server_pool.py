@@ -562,3 +562,21 @@ def test_text_ids_are_the_workers_own_tokens_and_bad_ones_fail_the_request_alone
     reason, loads = asyncio.run_coroutine_threadsafe(cancelled_while_tokenizing(), pool._loop).result(60)
     assert reason == "aborted" and loads == [0]  # the worker never counted it
     _free_blocks_restored(pool)
+
+
+def test_a_worker_stopped_during_its_start_up_exits_at_once(checkpoint, capfd, caplog):
+    """Start-up takes seconds (imports, load, graphs, warm-up), longer on a busy machine: a Stop that arrives meanwhile
+    interrupts it (the worker used to finish starting first, and a stop past the owner's timeout killed it). Sent at
+    once here, the Stop is in the pipe before the worker's start-up begins."""
+    from engine.options import EngineOptions
+    from engine.serving.pool import engine_config
+    from engine.serving.processes import WorkerSet
+
+    config = engine_config(max_num_seqs=2, max_model_len=256, options=EngineOptions(log_level="INFO"))
+    workers = WorkerSet(str(checkpoint), ["cpu"], config, warmup=True)
+    worker = workers.processes[0]
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="engine.serving.processes"):
+        workers.stop(timeout=60)  # a hang guard: the worker exits by itself
+    assert worker.exitcode == 0 and "did not stop" not in caplog.text
+    assert "stopped during start-up" in capfd.readouterr().err, f"took {time.monotonic() - t0:.1f} s"

@@ -484,6 +484,30 @@ def warm_up(engine: LLMEngine) -> dict[str, float]:
     return times
 
 
+class StoppedWhileStarting(BaseException):
+    """The owner asked the worker to stop (or went away) before it was ready."""
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    raise StoppedWhileStarting
+
+
+def watch_control_while_starting(control: Connection, ready: threading.Event) -> None:
+    """Start-up takes seconds (load, kernels, graphs, warm-up) and the main loop reads the control pipe only after it:
+    a Stop (or the owner gone) meanwhile interrupts the start-up in the main thread (SIGUSR1 -> StoppedWhileStarting),
+    so the owner's stop does not wait for it, nor kill the worker after its timeout."""
+    while not ready.is_set():
+        try:
+            if not control.poll(0.1):
+                continue
+            msg = control.recv()
+        except (EOFError, OSError):
+            msg = p.Stop()
+        if isinstance(msg, p.Stop):
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)  # interrupts a blocking call too
+            return
+
+
 def worker_main(control: Connection, options: WorkerOptions) -> None:
     """Process entry point (spawned). Listens first, so clients connect while the model loads."""
     name_process(options.name)
@@ -503,7 +527,12 @@ def worker_main(control: Connection, options: WorkerOptions) -> None:
     if threads:  # a GPU worker's few host tensor ops gain nothing from a thread pool that spins beside the loop
         torch.set_num_threads(threads)
     listener = None
+    ready = threading.Event()
+    watcher = threading.Thread(target=watch_control_while_starting, args=(control, ready), name="worker-start-stop",
+                               daemon=True)
     try:
+        signal.signal(signal.SIGUSR1, _raise_stopped)
+        watcher.start()
         with contextlib.suppress(FileNotFoundError):  # a socket file left by a worker that died on this address
             os.unlink(options.address)
         listener = Listener(options.address, family="AF_UNIX", authkey=options.authkey)
@@ -518,6 +547,14 @@ def worker_main(control: Connection, options: WorkerOptions) -> None:
             info["process_import_s"] = imported_s
             info["spawn_to_ready_s"] = time.time() - options.spawned_at
         worker = Worker(engine, control, info, acceptor)
+        ready.set()
+        watcher.join()  # from here on the main loop reads the control pipe; a Stop the watcher took raises here
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    except StoppedWhileStarting:
+        log.info("stopped during start-up")
+        if listener is not None:
+            listener.close()
+        return
     except BaseException as e:  # report why instead of dying silently
         log.error("worker failed to start:\n%s", traceback.format_exc())
         with contextlib.suppress(OSError):
