@@ -76,10 +76,11 @@ class Settings(BaseSettings):
                                             "name, default 'default').")
     lora_sha256: str | None = Field(None, description="SHA-256 of the adapter's weights file: start-up fails, naming "
                                                       "both digests, when it differs.")
-    lora_merge: bool = Field(False, description="Merge the adapter into the weights at load (no per-step cost; "
-                                                "runtime adapters would then apply on top of it). False: serve it "
-                                                "as the runtime adapter NANOVLLM_LORA_ID (default 'default') of every "
-                                                "request that names none (needs NANOVLLM_MAX_LORAS >= 1).")
+    lora_merge: bool = Field(True, description="Merge the adapter into the weights at load (the seed's "
+                                               "instance-level adapter: no per-step cost; runtime adapters would "
+                                               "then apply on top of it). False: serve it as the runtime adapter "
+                                               "NANOVLLM_LORA_ID (default 'default') of every request that names "
+                                               "none (needs NANOVLLM_MAX_LORAS >= 1).")
     max_loras: int = Field(0, ge=0, le=64, description="Runtime LoRA adapters (POST /loras, lora_name per request) "
                                                       "resident on each GPU at once; the least recently used idle "
                                                       "one makes room. 0: runtime adapters off (no per-step cost).")
@@ -142,9 +143,9 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _lora(self) -> Settings:
         if self.lora_uri and not self.lora_merge and self.max_loras < 1:
-            raise ValueError("NANOVLLM_LORA_URI without NANOVLLM_LORA_MERGE is served as a runtime adapter (every "
-                             "request that names none uses it): set NANOVLLM_MAX_LORAS >= 1, or "
-                             "NANOVLLM_LORA_MERGE=true to merge it into the weights")
+            raise ValueError("NANOVLLM_LORA_URI with NANOVLLM_LORA_MERGE=false is served as a runtime adapter "
+                             "(every request that names none uses it): set NANOVLLM_MAX_LORAS >= 1, or leave "
+                             "NANOVLLM_LORA_MERGE unset to merge it into the weights")
         if self.lora_uri:
             from service.lora_source import SCHEMES, unsupported_scheme, uri_scheme
 

@@ -91,7 +91,7 @@ def test_a_digest_that_does_not_match_stops_start_up(adapter, file_server, tmp_p
 
 @pytest.mark.parametrize("fields,message", [
     ({"lora_uri": "gs://bucket/adapter/lora_weights.safetensors", "lora_merge": True}, "gs:// is not supported"),
-    ({"lora_uri": "/adapters/voice"}, "set NANOVLLM_MAX_LORAS >= 1"),
+    ({"lora_uri": "/adapters/voice", "lora_merge": False}, "set NANOVLLM_MAX_LORAS >= 1"),
     ({"lora_uri": "/adapters/voice", "lora_merge": True, "lora_id": "a b"}, "lora_id"),
     ({"lora_uri": "/adapters/voice", "lora_merge": True, "lora_sha256": "abc"}, "64 hexadecimal digits"),
 ])
@@ -329,13 +329,36 @@ def test_loras_refused_without_runtime_slots(adapter, checkpoint_factory, tmp_pa
         server.stop()
 
 
+def test_the_seeds_adapter_variables_alone_serve_it_merged(adapter, checkpoint_factory, tmp_path):
+    """Exactly the seed's adapter configuration (NANOVLLM_LORA_URI, NANOVLLM_LORA_ID, NANOVLLM_LORA_SHA256; nothing
+    else about adapters) starts `voxcpm-serve` and serves the adapter, merged, to every request: the audio is the
+    merged adapter's, bit for bit."""
+    from tests.supervised import Service
+
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    digest = sha256_of(adapter / "lora_weights.safetensors")
+    service = Service(ckpt, tmp_path, api_processes=1, lora_uri=str(adapter), lora_id="house",
+                      lora_sha256=digest)
+    try:
+        service.wait_all_ready()
+        r, _ = service.ask("POST", "/generate", json=BODY)
+        assert r.status_code == 200, r.text
+        info = service.ask("GET", "/info")[0].json()["lora"]
+        assert info["enabled"] and info["merged"] and info["merged_layers"] > 0 and info["id"] == "house"
+        assert info["sha256"] == digest
+    finally:
+        service.stop()
+    merged, _ = generate(ckpt, tmp_path / "in-process", lora_uri=str(adapter), lora_merge=True)
+    assert r.content == merged
+
+
 def test_start_up_adapter_served_at_run_time(adapter, checkpoint_factory, tmp_path):
-    """NANOVLLM_LORA_URI without merging: the start-up adapter is the runtime adapter NANOVLLM_LORA_ID of every
-    request that names none (the same audio as naming it), listed by /loras, not removable; the base model's audio
-    differs."""
+    """NANOVLLM_LORA_URI with NANOVLLM_LORA_MERGE=false: the start-up adapter is the runtime adapter NANOVLLM_LORA_ID
+    of every request that names none (the same audio as naming it), listed by /loras, not removable; the base model's
+    audio differs."""
     ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
     server = LiveServer(service_settings(ckpt, tmp_path / "a", lora_uri=str(adapter), lora_id="house",
-                                         max_loras=2, max_lora_rank=8)).start()
+                                         lora_merge=False, max_loras=2, max_lora_rank=8)).start()
     try:
         with httpx.Client(base_url=server.url, timeout=120) as c:
             default = c.post("/generate", json=BODY)
