@@ -44,7 +44,8 @@ if TYPE_CHECKING:
     from engine.sequence import StepEvent
     from engine.serving.client import GenerationStream
     from engine.serving.pool import AsyncVoxCPMServerPool, SyncVoxCPMServerPool, VoxCPM
-    from engine.serving.protocol import SamplingParams, SynthesisRequest
+    from engine.serving.protocol import SynthesisRequest
+    from engine.vocabulary import SamplingParams
 
 
 def __getattr__(name: str) -> Any:

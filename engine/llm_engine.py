@@ -25,9 +25,9 @@ from engine.prompt import build_prompt, max_patches
 from engine.runner.lora import LoRASlots
 from engine.runner.model_runner import LaunchedDecode, ModelRunner
 from engine.scheduler import Rejected, Scheduler
-from engine.sequence import SamplingParams, Sequence, Status, StepEvent
-from engine.serving.protocol import TextIds
+from engine.sequence import Sequence, Status, StepEvent
 from engine.startup import kernel_cache
+from engine.vocabulary import SamplingParams, TextIds
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import torch
 from engine.config import VoxCPMConfig
 from engine.io.tokenizer import TextTokenizer, text_tokens
 from engine.models.voxcpm import AUDIO_START_TOKEN, REF_AUDIO_END_TOKEN, REF_AUDIO_START_TOKEN
-from engine.serving.protocol import TextIds
+from engine.vocabulary import TextIds
 
 
 class PromptError(ValueError):

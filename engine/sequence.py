@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from engine.prompt import Prompt
-from engine.serving.protocol import SamplingParams
+from engine.vocabulary import SamplingParams
 
 
 class Status(enum.Enum):

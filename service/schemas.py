@@ -8,7 +8,7 @@ from typing import Literal
 from fastapi import HTTPException
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from engine.serving.protocol import LORA_NAME_PATTERN, SAMPLING_LIMITS, SamplingParams
+from engine.vocabulary import LORA_NAME_PATTERN, SAMPLING_LIMITS, SamplingParams
 
 # --- voices ---------------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine.serving.protocol import LORA_NAME_PATTERN
+from engine.vocabulary import LORA_NAME_PATTERN
 
 # lameenc accepts only the MPEG-1/2 layer III bitrates
 MP3_BITRATES = (32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320)

@@ -46,6 +46,14 @@ def test_no_engine_module_imports_one_that_imports_it_back():
     assert cycles == []
 
 
+def test_no_engine_module_below_serving_imports_it():
+    """The runtime (engine, scheduler, runner, models, ops, io) never imports the serving layer above it: the words
+    both use are `engine.vocabulary`'s. Only the package's lazy exports (engine/__init__.py) name serving modules."""
+    upward = sorted(f"{m} -> {t}" for m, targets in engine_imports().items() for t in targets
+                    if t.startswith("engine.serving") and not m.startswith("engine.serving") and m != "engine")
+    assert upward == []
+
+
 def test_only_the_options_module_reads_the_environment():
     readers = [str(p.relative_to(ROOT)) for p in ENGINE.rglob("*.py")
                if p.name != "options.py" and re.search(r"\benviron\b|getenv\(", p.read_text())]

@@ -209,7 +209,7 @@ def test_invalid_requests_are_4xx_naming_the_field(client, route, body, status, 
 
 def test_schema_bounds_are_the_engines():
     """One table of sampling bounds: every route's schema takes its limits from the engine's."""
-    from engine.serving.protocol import SAMPLING_LIMITS
+    from engine.vocabulary import SAMPLING_LIMITS
     from service.schemas import GenerateRequest, SpeechRequest
 
     for model in (GenerateRequest, SpeechRequest):

@@ -86,11 +86,12 @@ async def client_path(fmt: str, streams: int, step_s: float, steps: int, threads
     from engine.serving import protocol as p
     from engine.serving.client import EngineClient, GenerationStream, _WorkerLink
     from engine.serving.routing import LoadTable
+    from engine.vocabulary import SamplingParams
 
     client = EngineClient([], b"bench", encoder_threads=threads, load=LoadTable(1))
     link = _WorkerLink(client, 0, "played by a process of this benchmark")
     ours, theirs = mp.Pipe()
-    request = p.SynthesisRequest("", "", None, None, None, p.SamplingParams(), None)
+    request = p.SynthesisRequest("", "", None, None, None, SamplingParams(), None)
     runs = []
     for _ in range(streams):
         stream = GenerationStream(client, request, make_encoder(fmt, sr))

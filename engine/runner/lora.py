@@ -34,7 +34,7 @@ from torch import nn
 from engine.errors import LoRANotFoundError, OverloadedError
 from engine.io.lora import LoRAAdapter, LoRAError, targets
 from engine.ops.lora import LoRAContext, LoRAStack, add_lora
-from engine.serving.protocol import LORA_NAME_PATTERN
+from engine.vocabulary import LORA_NAME_PATTERN
 
 log = logging.getLogger(__name__)
 

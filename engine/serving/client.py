@@ -42,6 +42,7 @@ from engine.errors import (
 from engine.io.tokenizer import TextTokenizer, text_tokens
 from engine.serving import protocol as p
 from engine.serving.routing import LoadTable
+from engine.vocabulary import FinishReason, TextIds
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class _Item:
     value: Any
     samples: int = 0
     finished: bool = False
-    finish_reason: p.FinishReason | None = None
+    finish_reason: FinishReason | None = None
     error: BaseException | None = None
 
 
@@ -75,7 +76,7 @@ class GenerationStream:
     def __init__(self, client: EngineClient, request: p.SynthesisRequest, transform: Transform | None) -> None:
         self.client, self.request, self.transform = client, request, transform
         self.request_id = f"{client.name}-{next(client.ids)}"
-        self.finish_reason: p.FinishReason | None = None
+        self.finish_reason: FinishReason | None = None
         self.samples = 0  # samples generated so far
         self.lock = threading.Lock()  # guards what the encoder pool's threads share below
         self.pending: list[tuple[Any, float]] = []  # events waiting for the transform, with when each came
@@ -150,7 +151,7 @@ class GenerationStream:
         if hasattr(self.transform, "prepare"):
             self.client.encoders.prepare(self)
 
-    def _end(self, reason: p.FinishReason) -> None:
+    def _end(self, reason: FinishReason) -> None:
         if self._ended:
             return
         self._ended = True
@@ -371,7 +372,7 @@ class EncoderPool:
             self.queue.put((float("inf"), next(self._order), _END))
 
 
-async def tokenized(tokenizer: TextTokenizer, request: p.SynthesisRequest) -> p.TextIds | None:
+async def tokenized(tokenizer: TextTokenizer, request: p.SynthesisRequest) -> TextIds | None:
     """text_ids(), on a thread for a long text: the loop's other streams must not wait for it."""
     chars = sum(len(t) for t in (request.target_text, request.prompt_text) if isinstance(t, str))
     if chars <= TOKENIZE_INLINE_CHARS:  # ~0.3 ms for 470 characters: less than a thread hop's latency under load
@@ -379,13 +380,13 @@ async def tokenized(tokenizer: TextTokenizer, request: p.SynthesisRequest) -> p.
     return await asyncio.to_thread(text_ids, tokenizer, request)
 
 
-def text_ids(tokenizer: TextTokenizer, request: p.SynthesisRequest) -> p.TextIds | None:
+def text_ids(tokenizer: TextTokenizer, request: p.SynthesisRequest) -> TextIds | None:
     """The request's text as the worker would tokenize it (engine.prompt.build_prompt), or None where the client
     cannot: a registered prompt's transcript is the worker's, and a text that fails is left to the worker to refuse."""
     if request.prompt_id is not None or not isinstance(request.target_text, str) or not request.target_text.strip():
         return None
     try:
-        return p.TextIds(*text_tokens(tokenizer, request.target_text, request.prompt_text,
+        return TextIds(*text_tokens(tokenizer, request.target_text, request.prompt_text,
                                       request.prompt_latents is not None))
     except (TypeError, ValueError):  # e.g. a prompt_text that is not a string, a piece with no id: the worker says
         return None

@@ -27,6 +27,7 @@ from engine.serving import protocol as p
 from engine.serving.client import EngineClient, GenerationStream, Transform
 from engine.serving.processes import WorkerProcess, WorkerSet
 from engine.serving.routing import LoadTable
+from engine.vocabulary import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -191,7 +192,7 @@ class AsyncVoxCPMServerPool:
         """Stream float32 audio chunks (one per patch) at `get_model_info()["sample_rate"]` (or, with `transform`,
         what it makes of each (chunk, is_last), run on an encoder thread). Leaving the loop early (break,
         cancellation, aclose) aborts the request and frees its KV blocks; `finish_reason` says why it ended."""
-        params = p.SamplingParams(max_generate_length=max_generate_length, temperature=temperature,
+        params = SamplingParams(max_generate_length=max_generate_length, temperature=temperature,
                                   cfg_value=cfg_value, min_len=min_len, seed=seed)
         return self.submit(p.SynthesisRequest(target_text, prompt_text or "", _plain(prompt_latents), prompt_id,
                                               _plain(ref_audio_latents), params, lora_name), transform)
@@ -347,7 +348,7 @@ class SyncStream:
         self._closed = False
 
     @property
-    def finish_reason(self) -> p.FinishReason | None:
+    def finish_reason(self) -> FinishReason | None:
         return self._stream.finish_reason
 
     def __iter__(self) -> SyncStream:

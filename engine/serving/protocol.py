@@ -1,6 +1,5 @@
-"""The typed messages between a pool's clients and an engine worker process (and what a worker is started with),
-and the one definition of a request's sampling parameters and their bounds (the HTTP schemas derive theirs from
-`SAMPLING_LIMITS`).
+"""The typed messages between a pool's clients and an engine worker process (and what a worker is started with).
+The words they carry that every layer shares (sampling parameters, text ids, finish reasons) are `engine.vocabulary`'s.
 
 Torch-free on purpose: the service's API processes import it (and the client) without loading torch.
 Every message is a dataclass pickled over a `multiprocessing.connection` socket; arrays travel as numpy.
@@ -10,75 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from engine.vocabulary import FinishReason, SamplingParams, TextIds
+
 if TYPE_CHECKING:
     from engine.engine_config import EngineConfig
-
-FinishReason = Literal["stop", "length", "aborted", "error"]
-
-
-@dataclass(frozen=True)
-class Bound:
-    low: float
-    high: float
-    doc: str
-
-
-# Every numeric sampling field's accepted range, checked by the engine and, with the same numbers, by the
-# HTTP schemas. max_generate_length's upper bound is the deployment's max_model_len (checked by the engine).
-SAMPLING_LIMITS: dict[str, Bound] = {
-    "max_generate_length": Bound(1, 2**31 - 1, "Most patches generated (each patch is one chunk of audio)."),
-    "temperature": Bound(0.0, 10.0, "Scale of the initial CFM noise; 0 = deterministic."),
-    "cfg_value": Bound(0.0, 20.0, "Classifier-free guidance strength."),
-    "min_len": Bound(0, 2**31 - 1, "The stop head is honoured only after this many patches."),
-    "seed": Bound(0, 2**64 - 1, "Makes the request reproducible (same seed, same audio)."),
-}
-INTEGER_FIELDS = frozenset({"max_generate_length", "min_len", "seed"})
-
-
-@dataclass
-class SamplingParams:
-    """Per-request generation parameters (names as in nano-vllm-voxcpm)."""
-
-    max_generate_length: int = 2000
-    temperature: float = 1.0  # multiplies the CFM start noise; 0 = deterministic
-    cfg_value: float = 2.0
-    min_len: int = 2  # the stop head is honoured only after this many patches
-    seed: int | None = None
-
-    def validate(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is None and f.name == "seed":
-                continue
-            kind = int if f.name in INTEGER_FIELDS else int | float
-            if isinstance(value, bool) or not isinstance(value, kind) or value != value:  # NaN != NaN
-                raise ValueError(f"{f.name}: must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-            bound = SAMPLING_LIMITS[f.name]
-            if not bound.low <= value <= bound.high:
-                raise ValueError(f"{f.name}: must be in [{_num(bound.low)}, {_num(bound.high)}], got {value!r}")
-
-
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else str(x)
-
-
-# What a runtime LoRA adapter may be called (the engine, the service's schemas and settings check the same).
-LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
-
-
-@dataclass
-class TextIds:
-    """A request's text as token ids, made by the client (`engine.serving.client.text_ids`) so that the worker, which
-    takes a burst's requests one at a time, does not tokenize them: ~0.3 ms of a 470-character text each."""
-
-    target: list[int]  # the target text's (its length caps the generation)
-    text: list[int] | None = None  # the prompt transcript's and the target's together (a continuation prompt)
-
 
 @dataclass
 class SynthesisRequest:

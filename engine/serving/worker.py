@@ -34,6 +34,7 @@ from engine.llm_engine import LLMEngine, StepEvent
 from engine.prompt import PromptError
 from engine.serving import protocol as p
 from engine.serving.protocol import WorkerOptions, name_process
+from engine.vocabulary import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -466,7 +467,7 @@ def warm_up(engine: LLMEngine) -> dict[str, float]:
     first requests allocate and compile what later ones reuse, before the worker reports ready. Seconds per part."""
     times: dict[str, float] = {}
     t0 = time.perf_counter()
-    params = p.SamplingParams(max_generate_length=2, seed=0)
+    params = SamplingParams(max_generate_length=2, seed=0)
     engine.generate("Warm-up.", params)
     times["warmup_zeroshot_s"] = time.perf_counter() - t0
     m = engine.model
