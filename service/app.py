@@ -64,8 +64,8 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
             else:
                 model_path = endpoint.model_path
             # Requests are tokenized here, beside the other API processes, not one after another in the engine worker
-            # that a burst's requests all wait for (docs/benchmarks.md, serving path item 25); loaded before any
-            # worker starts, so that a checkpoint without a usable tokenizer leaves nothing running.
+            # that a burst's requests all wait for; loaded before any worker starts, so that a checkpoint without a
+            # usable tokenizer leaves nothing running.
             tokenizer = await asyncio.to_thread(TextTokenizer.from_dir, model_path)
             if endpoint is None:
                 lora_path = await asyncio.to_thread(adapter_path, settings)

@@ -162,8 +162,8 @@ class Settings(BaseSettings):
     def encoder_thread_count(self, api_processes: int, workers: int) -> int:
         """Encoder threads per API process. Connections spread over the processes unevenly (the kernel hashes them),
         so a process may serve ~1.5x its share of streams; too few threads leave its streams behind while other
-        processes idle, too many on a host that is short of cores cost more CPU per audio second (measured in
-        docs/benchmarks.md, serving item 17)."""
+        processes idle, too many on a host that is short of cores cost more CPU per audio second (measured:
+        docs/history/serving.md, "Encoder threads by the seats")."""
         if self.encoder_threads:
             return self.encoder_threads
         seats = self.serverpool_max_num_seqs * max(1, workers)

@@ -91,3 +91,30 @@ def test_the_api_processes_import_no_torch():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]", f"torch imported: {r.stdout.strip()[:300]}"
+
+
+# The docs are a report, not a log: a new result replaces the row it supersedes, and the history lives in
+# docs/history/ and the commit log.
+DOC_LINE_LIMITS = {"docs/benchmarks.md": 400, "README.md": 250}
+RESULT_FILES_LIMIT = 60
+# Runs and changes are named by date, commit and hardware, never by work counters or machine-kind labels.
+COUNTER = re.compile(r"\b(?:sessions?|items?|runs?|profile steps?|calls?)\s+[0-9]+\b"
+                     r"|\bnvidia-h[0-9]+|\bdevice (?:call|tool)s?\b", re.IGNORECASE)
+
+
+def test_the_docs_stay_short():
+    for name, limit in DOC_LINE_LIMITS.items():
+        lines = len((ROOT / name).read_text().splitlines())
+        assert lines <= limit, f"{name}: {lines} lines, at most {limit}"
+    files = [p for p in (ROOT / "docs" / "results").rglob("*") if p.is_file()]
+    assert len(files) <= RESULT_FILES_LIMIT, f"docs/results holds {len(files)} files, at most {RESULT_FILES_LIMIT}"
+
+
+def test_no_work_counters_in_the_docs_or_the_code():
+    paths = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *(ROOT / "docs").glob("*.md"),
+             *(ROOT / "docs" / "history").glob("*.md")]
+    paths += [p for d in ("engine", "service", "tools") for p in (ROOT / d).rglob("*")
+              if p.suffix in (".py", ".sh", ".md")]
+    found = [f"{p.relative_to(ROOT)}:{n}: {m.group(0)}" for p in paths
+             for n, line in enumerate(p.read_text().splitlines(), 1) for m in COUNTER.finditer(line)]
+    assert found == []

@@ -10,7 +10,7 @@
 - barrier: what one of the layer kernel's grid barriers costs (a grid of one or two programs per SM through 84
   barriers, with and without a store and a load of another program's data between them), against a kernel boundary
   in a CUDA graph (84 dependent launches of the same grid).
-(Tried and removed, H100 (docs/benchmarks.md, profile steps 10 and 11): the DiT's GEMM weights read into L2 by a
+(Tried and removed on the H100 (docs/benchmarks.md, "Refuted"): the DiT's GEMM weights read into L2 by a
 side branch while the GEMM before runs, 2-16x slower (d3fa620); programmatic dependent launch of the DiT's kernels,
 with and without an L2 prefetch of each GEMM's weights before it waits, never faster than plain launches (f5283e3);
 a split-K Triton GEMM with a deterministic last-arrival reduction at the DiT's 88-352 rows, 6-60% slower than cuBLAS

@@ -3,7 +3,8 @@
 `--stack lm` (default): the LMs' layers without attention, LM shapes of the checkpoint's config, every layer its own
 weights (they stream from HBM, as in a step): q/k/v -> o (of the normed rows) -> add + RMSNorm -> gate/up + SiLU ->
 down -> add + RMSNorm, through `engine.ops` exactly as `MiniCPM`'s layers call it. Ways: cuBLAS and the skinny
-gate/up kernel (the engine before session 15), and at one row the GEMV with plain launches and chained by PDL.
+gate/up kernel (the engine before the GEMV chain of `bc6e1e7`), and at one row the GEMV with plain launches and
+chained by PDL.
 
 `--stack dit` / `--stack locenc`: the real local stack (`MiniCPM` with random weights of the config's shapes, its
 dense attention with the rotary embedding), `--seqs` sequences of `--seq-len` tokens (the DiT at B=1: 2 x 11, at B=8

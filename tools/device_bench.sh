@@ -4,9 +4,9 @@
 # tools/bench_stream.py under one protocol, and print the ratio table (tools/bench_compare.py).
 #
 # Here, once:    bash tools/fetch_device_wheels.sh          (fills .whl/, ~5 MiB)
-# Device call:   command "bash tools/device_bench.sh", carry [".whl"]
+# On the GPU machine: bash tools/device_bench.sh, with .whl/ copied beside the tree
 #
-# Each device command may run 10 minutes, so pick parts per call with PARTS (default "check ours nano"):
+# A GPU session may be limited to ~10 minutes, so pick the parts of each run with PARTS (default "check ours nano"):
 #   PARTS="test check" bash tools/device_bench.sh      # the CUDA tests (~2-4 min, mostly JIT), then gpu_check
 #   PARTS="profile" BASELINE=old bash tools/device_bench.sh   # step profile, of the tree in old/ too
 #   PARTS="ours nano" bash tools/device_bench.sh       # both benchmarks + comparison
@@ -26,18 +26,18 @@
 #   PARTS="http_env" BASELINE=old HTTP_ROUNDS=3 HTTP_VARIANTS="-;NANOVLLM_WORKER_CPUS=1" CONC=64,128 ...   # rounds
 #       of the old service and this tree's in each environment, alternating, MP3 at CONC (HTTP_ENV_FORMATS="pcm mp3":
 #       both; tools/serving_report.py)
-# Rough times: wheels ~10 s; checkpoint 1-3 min (skipped when $CKPT was finished by an earlier call on a
+# Rough times: wheels ~10 s; checkpoint 1-3 min (skipped when $CKPT was finished by an earlier run on a
 # machine still warm); nano at 1,8,32,64 ~2.5 min (startup 40-55 s, then 12 bursts of 16 s of audio at
 # 10-125 audio-s/s); ours the same if it matches nano, ~5 min at the eager 164-197 ms/step. Every part
 # runs under its own limit, capped by what is left of BUDGET_S, and the benchmark JSON is rewritten after
-# each concurrency, so a part cut off still returns its finished rows. $OUT is emptied before each device
-# command: when ours and nano run in separate calls, compare the two fetched files here with
-# `python tools/bench_compare.py ours.json nano.json`. The comparison runs at the end of a call whenever
+# each concurrency, so a part cut off still returns its finished rows. $OUT is emptied before each
+# run: when ours and nano run separately, compare the two fetched files here with
+# `python tools/bench_compare.py ours.json nano.json`. The comparison runs at the end of a run whenever
 # $OUT holds both.
 #
 # Knobs (environment): HTTP_ARGS (extra tools/bench_http.py flags for every sweep, e.g. "--client raw"), HTTP_PYSPY
 # (empty: no py-spy profile during the MP3 sweep's last level, which costs the host CPU), PARTS, CONC (1,8,32,64), ITERS (2), PATCHES (100), MODE (zeroshot|hifi),
-# PRESET (full-voxcpm2), CKPT (/tmp/full), BUDGET_S (total seconds this call may use, 580), T_CHECK / T_OURS / T_NANO (per-part
+# PRESET (full-voxcpm2), CKPT (/tmp/full), BUDGET_S (total seconds this run may use, 580), T_CHECK / T_OURS / T_NANO (per-part
 # time limits, seconds; T_TEST for the CUDA tests), BENCH_ARGS (extra flags for both benchmarks), OURS_ARGS / NANO_ARGS (per engine),
 # CHECK_ARGS (extra flags for gpu_check.py), PROFILE_BATCH (1,8,64), BASELINE, T_PROFILE, FRESH_KERNELS (1: our
 # benchmark starts on an empty Triton kernel cache, for the cold start of a fresh machine). Files in $OUT:
@@ -48,7 +48,7 @@
 # HTTP_RUNS (mp3 pcm speech hifi; hifi at HIFI_CONC), py-spy recording every service process during the largest
 # concurrency of the first run. Their files: http_*.json, pyspy_*.txt, service_*.log, encode.json, metrics_after_*.txt
 # (the service's encoder and TTFB metrics after each run, cumulative); past 7 files
-# in $OUT everything but the log is packed into results.tgz (a call brings back at most 8 files).
+# in $OUT everything but the log is packed into results.tgz (the GPU machine returns at most 8 files).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -495,7 +495,7 @@ if [[ -f "$OUT/ours.json" && -f "$OUT/nano.json" ]]; then
 fi
 summary=""
 for part in $PARTS; do summary+=" $part=${RC[$part]:-?}"; done
-if (( $(find "$OUT" -maxdepth 1 -type f | wc -l) > 7 )); then  # a call brings back at most 8 files
+if (( $(find "$OUT" -maxdepth 1 -type f | wc -l) > 7 )); then  # the GPU machine returns at most 8 files
     (cd "$OUT" && tar czf results.tgz --exclude device_bench.log --exclude results.tgz ./* && \
         find . -maxdepth 1 -type f ! -name device_bench.log ! -name results.tgz -delete)
 fi

@@ -1,13 +1,13 @@
-"""The serving-path table from one device call's files (tools/device_bench.sh parts ours, ours_window, ours_hifi,
-http, encode): each HTTP sweep beside the in-process pool measured in the same call, with the targets' ratios.
+"""The serving-path table from one tools/device_bench.sh output folder (parts ours, ours_window, ours_hifi, http,
+encode): each HTTP sweep beside the in-process pool measured back to back with it, with the targets' ratios.
 
-    python tools/serving_report.py docs/results/serving_2026-11-26/run7 [--reference pool_window.json]
+    python tools/serving_report.py docs/results/serving_2026-11-27/h100_16vcpu_bda0af5 [--reference pool_window.json]
 
 The reference pool is the one with the service's engine settings (its coalescing window) unless --reference
-names another file; HiFi rows use pool_hifi.json. With the call's encode.json (tools/bench_encode.py), a last line
+names another file; HiFi rows use pool_hifi.json. With the folder's encode.json (tools/bench_encode.py), a last line
 says what the host's LAME can do: MP3 throughput over HTTP cannot pass LAME's rate on the cores the API processes
 have, so a host whose LAME on its cores runs near the pool's rate is CPU-bound there, not the serving path.
-A call of the http_env part (rounds of services compared, files http_r<round>_<variant>_<mp3|pcm>_*.json) gets
+A run of the http_env part (rounds of services compared, files http_r<round>_<variant>_<mp3|pcm>_*.json) gets
 one row per variant (and format, when not MP3) and concurrency: the mean over the rounds, and each round's value.
 """
 

@@ -199,7 +199,7 @@ def add_lora_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
     width, out_features = t.shape[-1], out.shape[-1]
     rows = t.numel() // width
     q_end, k_end = group_ends or (out_features, out_features)
-    block_m, block_n = 64, 64  # 128 x 128 past 256 rows measured the same (docs/benchmarks.md, LoRA)
+    block_m, block_n = 64, 64  # 128 x 128 past 256 rows measured the same (docs/benchmarks.md, Refuted)
     _lora_expand_kernel[(triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n))](
         t, slots, b, out, rows, _inner_rows(x), width, out_features, q_end, k_end, out_features, RANK=rank,
         GROUP_COLUMNS=slot_columns, BLOCK_M=block_m, BLOCK_N=block_n,

@@ -164,7 +164,7 @@ class LoRASlots:
     @torch.no_grad()
     def capture_merges(self) -> None:
         """Each slot's rewrite (and the base's) as a CUDA graph: ~200 small GEMMs launched from the host cost more
-        than they take on the device (docs/benchmarks.md, merged steps). The graphs read the slots' and the base
+        than they take on the device (docs/history/lora.md, merged steps). The graphs read the slots' and the base
         copies' memory when replayed, so an adapter loaded later into a slot is what its graph merges."""
         if self.base_weights is None:
             return

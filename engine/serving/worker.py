@@ -516,7 +516,7 @@ def worker_main(control: Connection, options: WorkerOptions) -> None:
         os.sched_setaffinity(0, options.cpus)  # threads started from here on (torch's, the senders) inherit it
     elif not options.device.startswith("cuda"):
         # A CPU engine on cores it shares with the HTTP processes yields to them: probes, refusals (503) and the
-        # encoding of what it made stay prompt while it computes (docs/benchmarks.md, "Reliability").
+        # encoding of what it made stay prompt while it computes (docs/benchmarks.md, "Overload on the CPU demo").
         os.nice(5)
     imported_s = time.time() - options.spawned_at if options.spawned_at else None  # spawn, Python, torch, engine
     logging.basicConfig(level=max(options.log_level, logging.INFO),  # DEBUG only for our loggers, not torch's
