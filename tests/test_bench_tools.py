@@ -111,7 +111,7 @@ def test_hifi_blocking_pool(checkpoint_factory, tmp_path):
 
 def test_closed_loop_pool(checkpoint_factory, tmp_path):
     doc = run_pool(checkpoint_factory, tmp_path / "closed.json", "closed_loop",
-                   ["--conc", "2", "--duration", "4", "--warmup", "0"], rows=1)  # from 0: its first requests count, however slow
+                   ["--conc", "2", "--duration", "4", "--warmup", "0"], rows=1)  # from 0: the first ones count
     r = doc["results"][0]
     assert r["concurrency"] == 2 and r["started"] == r["requests"] and r["duration_s"] == 4
     assert r["achieved_rps"] == pytest.approx(r["requests"] / 4)
