@@ -180,7 +180,7 @@ class WorkerOptions:
     authkey: bytes
     warmup: bool = True
     log_level: int = logging.INFO
-    torch_threads: int | None = None  # CPU threads for torch ops; default: 1 on a GPU, torch's choice on the CPU
+    torch_threads: int | None = None  # torch's threads; default 1 on a GPU, on the CPU its cores less one if shared
     name: str = "voxcpm-worker"  # the process name `ps` and `top` show
     spawned_at: float = 0.0  # time.time() when the owner spawned it (start-up phases are reported from it)
     cpus: list[int] | None = None  # CPU cores it runs on (its own), None = wherever the OS puts it

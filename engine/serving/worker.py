@@ -524,9 +524,12 @@ def worker_main(control: Connection, options: WorkerOptions) -> None:
     logging.getLogger("engine").setLevel(options.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # its owner stops it (Ctrl-C reaches the whole process group)
     gpu = options.device.startswith("cuda")
-    threads = options.torch_threads or (1 if gpu else None)
-    if threads:  # a GPU worker's few host tensor ops gain nothing from a thread pool that spins beside the loop
-        torch.set_num_threads(threads)
+    # A GPU worker's few host tensor ops gain nothing from a thread pool that spins beside the loop. A CPU worker on
+    # cores it shares leaves one to the rest: every op waits at its thread pool's barrier for the slowest thread, so
+    # with a thread on each core, one core busy elsewhere (an API process, a neighbour) slows every op to that
+    # thread's share of it. On cores reserved for it (options.cpus) it takes them all.
+    threads = options.torch_threads or (1 if gpu else len(os.sched_getaffinity(0)) - (0 if options.cpus else 1))
+    torch.set_num_threads(max(1, threads))
     listener = None
     ready = threading.Event()
     watcher = threading.Thread(target=watch_control_while_starting, args=(control, ready), name="worker-start-stop",
