@@ -1,7 +1,8 @@
 """The README's determinism promise, exactly: on the CPU, the same request with the same seed gives the same audio
-bytes whatever else is batched with it, whatever the prefix cache holds for its prompt and whether it was preempted
-and recomputed. The whole module runs again under each lower CPU capability torch, oneDNN and MKL can be forced to
-(`test_exact_under_each_cpu_capability`), so one machine shows what another CPU's kernels would do."""
+bytes whatever else is batched with it, whatever the prefix cache holds for its prompt, whether it was preempted
+and recomputed, and however many threads torch runs on. The whole module runs again under each lower CPU capability
+torch, oneDNN and MKL can be forced to (`test_exact_under_each_cpu_capability`), so one machine shows what another
+CPU's kernels would do."""
 
 from __future__ import annotations
 
@@ -133,6 +134,20 @@ def test_preempted_and_recomputed_requests_are_the_bytes_of_each_alone(model):
     assert small.scheduler.num_preemptions > 0
     for n, r in enumerate(reqs):
         _equal_bytes(together[n], _alone(model, r), f"request {n} preempted")
+
+
+def test_the_thread_count_does_not_change_the_bytes(model):
+    """A worker runs torch on its cores less one, a test process on two: the bytes are the same on one thread."""
+    reqs = _requests(model)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _engine(model).generate_all(reqs)
+    finally:
+        torch.set_num_threads(threads)
+    assert threads > 1 or os.cpu_count() == 1
+    for n, audio in enumerate(_engine(model).generate_all(reqs)):
+        _equal_bytes(one[n], audio, f"request {n} on one thread")
 
 
 @pytest.mark.parametrize("capability", ORDER)

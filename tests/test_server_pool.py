@@ -226,7 +226,7 @@ def test_two_workers_route_by_load_and_survive_one_dying(checkpoint):
     """Two CPU workers: concurrent streams spread over both; one killed fails only its own streams, the other
     keeps serving; the restarted one gets the registered prompts again and gives the same audio for them."""
     async def scenario() -> None:
-        pool = VoxCPM.from_pretrained(str(checkpoint), devices=["cpu", "cpu"], max_num_seqs=2, max_model_len=256)
+        pool = VoxCPM.from_pretrained(str(checkpoint), devices=["cpu", "cpu"], max_num_seqs=2, max_model_len=2048)
         assert isinstance(pool, AsyncVoxCPMServerPool)
         await pool.wait_for_ready(timeout=120)
         prompt_id = await pool.add_prompt(wav_bytes(0.8, seed=3), "wav", "A prompt.")
@@ -237,9 +237,11 @@ def test_two_workers_route_by_load_and_survive_one_dying(checkpoint):
             return gen.worker, audio
 
         _, before = await voiced()
-        first = pool.generate("First long stream.", max_generate_length=500, seed=1)
+        # Long enough (hundreds of patches: the official cap is 6 per text token) to run on while the test looks.
+        long_text = "A long stream of words that keeps its worker busy while the test looks at it. " * 12
+        first = pool.generate("First. " + long_text, max_generate_length=1500, seed=1)
         await first.__anext__()
-        second = pool.generate("Second long stream.", max_generate_length=500, seed=2)
+        second = pool.generate("Second. " + long_text, max_generate_length=1500, seed=2)
         await second.__anext__()
         assert {first.worker, second.worker} == {0, 1}  # the least-loaded worker takes the next stream
         assert [s["running"] for s in await pool.stats()] == [1, 1]

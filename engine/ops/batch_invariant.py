@@ -11,7 +11,8 @@ shape:
   (rows, K) x (K, N) problem, whose rows the library computes alike at every position (on the CPU one batched GEMM of
   8-row tiles; on CUDA one cuBLAS call per tile of `tile_rows` rows, since a batched call's kernel depends on the
   count);
-- another GEMM by its rows likewise (a batched one entry by entry), a convolution and SDPA one sample at a time.
+- another GEMM by its rows likewise (a batched one entry by entry), a convolution and SDPA one sample at a time, on
+  the CPU on one thread (those kernels split a call across threads: the bytes would depend on the core count).
 
 The rest must be per row already: element-wise ops, and reductions over the last dimension by the CPU's kernels or by
 the Triton kernels that give each row its own program (torch's CUDA reductions split a row across threads by the
@@ -24,7 +25,8 @@ sees the ops before they are decomposed, and the calls it makes run below it (no
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -87,24 +89,41 @@ def tiled_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out.view(tm, tn, tile, tile).transpose(1, 2).reshape(tm * tile, tn * tile)[:m, :n]
 
 
+@contextlib.contextmanager
+def one_thread(device_type: str = "cpu") -> Iterator[None]:
+    """On the CPU, torch on one thread for the block: a convolution or attention call splits its work across the
+    threads, and how it rounds then depends on their count (the engine's bytes would depend on the machine's cores)."""
+    threads = torch.get_num_threads()
+    if device_type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _per_sample(func: Callable[..., torch.Tensor], x: torch.Tensor, *rest: Any, **kwargs: Any) -> torch.Tensor:
-    """func over a batched input (N, ...) one sample at a time."""
-    if x.dim() < 3 or x.shape[0] <= 1:
-        return func(x, *rest, **kwargs)
-    return torch.cat([func(x[i:i + 1], *rest, **kwargs) for i in range(x.shape[0])])
+    """func over a batched input (N, ...) one sample at a time (on the CPU on one thread)."""
+    with one_thread(x.device.type):
+        if x.dim() < 3 or x.shape[0] <= 1:
+            return func(x, *rest, **kwargs)
+        return torch.cat([func(x[i:i + 1], *rest, **kwargs) for i in range(x.shape[0])])
 
 
 def _sdpa(func: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
           attn_mask: torch.Tensor | None = None, *rest: Any, **kwargs: Any) -> torch.Tensor:
-    if q.dim() < 4 or q.shape[0] <= 1:
-        return func(q, k, v, attn_mask, *rest, **kwargs)
-    out = []
-    for i in range(q.shape[0]):
-        mask = attn_mask
-        if mask is not None and mask.dim() == 4 and mask.shape[0] > 1:
-            mask = mask[i:i + 1]
-        out.append(func(q[i:i + 1], k[i:i + 1], v[i:i + 1], mask, *rest, **kwargs))
-    return torch.cat(out)
+    with one_thread(q.device.type):
+        if q.dim() < 4 or q.shape[0] <= 1:
+            return func(q, k, v, attn_mask, *rest, **kwargs)
+        out = []
+        for i in range(q.shape[0]):
+            mask = attn_mask
+            if mask is not None and mask.dim() == 4 and mask.shape[0] > 1:
+                mask = mask[i:i + 1]
+            out.append(func(q[i:i + 1], k[i:i + 1], v[i:i + 1], mask, *rest, **kwargs))
+        return torch.cat(out)
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from engine.models.minicpm import AttendFn
 from engine.ops import paged_attention as paged
+from engine.ops.batch_invariant import one_thread
 from engine.ops.platform import HAVE_TRITON
 from engine.ops.rotary import rotary_qk, rotary_store_kv
 from engine.options import batch_invariant
@@ -189,9 +190,11 @@ def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     context = {r: (_gather(k_cache, meta.block_tables[r], n).transpose(0, 1),
                    _gather(v_cache, meta.block_tables[r], n).transpose(0, 1)) for r, n in longest.items()}
     out = torch.empty_like(q)
-    for t, (r, n) in enumerate(zip(rows, lens, strict=True)):
-        keys, values = (c[:, :n].contiguous().unsqueeze(0) for c in context[r])
-        out[t] = F.scaled_dot_product_attention(q[t, :, None].unsqueeze(0), keys, values, enable_gqa=True)[0, :, 0]
+    with one_thread():  # the CPU kernel splits a one-query context across its threads: their count would show
+        for t, (r, n) in enumerate(zip(rows, lens, strict=True)):
+            keys, values = (c[:, :n].contiguous().unsqueeze(0) for c in context[r])
+            out[t] = F.scaled_dot_product_attention(q[t, :, None].unsqueeze(0), keys, values,
+                                                    enable_gqa=True)[0, :, 0]
     return out.flatten(-2)
 
 
