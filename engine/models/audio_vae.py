@@ -234,8 +234,9 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
     def forward(self, x: Tensor, states: StreamStates | None = None) -> Tensor:  # type: ignore[override]
         stride = self.stride[0]
         streaming = states is not None and self.state_slot is not None
-        # The kernel path's GEMM carries the batch in its columns: in batch-invariant mode the conv runs per sample.
-        if platform.kernels(x) and not batch_invariant(x.device.type):
+        # The kernel path's GEMM carries the batch in its columns: in CUDA's batch-invariant mode the conv runs per
+        # sample instead.
+        if platform.kernels(x) and not (x.is_cuda and batch_invariant("cuda")):
             state, slots = layer_context(states, self.state_slot)
             out = upsampler.causal_conv_transpose(x, state, self.tap_weight(), self.bias, stride, self.kernel_size[0],
                                               slots)

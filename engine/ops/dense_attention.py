@@ -149,5 +149,5 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: tor
     if platform.kernels(q) and dense_attention_supported(q, k):
         cos, sin = (rope[:, 0, :], rope[:, 1, :]) if rope is not None else (None, None)
         # Batch-invariant: one head per program and fixed warps (by default both follow the batch's size).
-        return dense_attention_triton(q, k, v, cos, sin, *((1, 4) if batch_invariant(q.device.type) else ()))
+        return dense_attention_triton(q, k, v, cos, sin, *((1, 4) if q.is_cuda and batch_invariant("cuda") else ()))
     return dense_attention_eager(q, k, v, rope)
