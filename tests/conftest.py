@@ -45,6 +45,17 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(f"{what:<60} {err:.2e} / {bound:.0e}")
 
 
+def clip_latents(model, patches: int, seed: int) -> torch.Tensor:
+    """A seeded noise clip of `patches` patches through the model's VAE encoder (on the model's device), as the
+    float32 CPU latents (frames, feat_dim) a request carries."""
+    g = torch.Generator().manual_seed(seed)
+    n = model.vae.chunk_size * model.config.patch_size * patches
+    device = next(model.vae.parameters()).device
+    with torch.inference_mode():
+        audio = (0.2 * torch.randn(1, n, generator=g)).to(device)
+        return model.vae.encode(audio, model.vae.sample_rate)[0].T.float().cpu().contiguous()
+
+
 _made: dict[tuple, Path] = {}
 
 

@@ -18,6 +18,7 @@ import torch
 from engine.io.checkpoint import load_model
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sequence import SamplingParams
+from tests.conftest import clip_latents
 
 ROOT = Path(__file__).resolve().parents[1]
 FORCED = "VOXCPM_TEST_FORCED_CAPABILITY"  # set in the child runs: the capability they must be running under
@@ -36,18 +37,9 @@ def model(checkpoint_factory):
     return load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
 
 
-def _clip(model, patches: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    n = model.vae.chunk_size * model.config.patch_size * patches
-    device = next(model.vae.parameters()).device
-    with torch.inference_mode():
-        audio = (0.2 * torch.randn(1, n, generator=g)).to(device)
-        return model.vae.encode(audio, model.vae.sample_rate)[0].T.float().cpu().contiguous()
-
-
 def _requests(model) -> list[dict]:
     """One request per conditioning mode, with prompts long enough to span several 4-token blocks."""
-    clip = _clip(model, 3, seed=1)
+    clip = clip_latents(model, 3, seed=1)
     return [
         dict(target_text="Zero shot, the same words again and again.", params=SamplingParams(seed=1,
                                                                                               max_generate_length=5)),

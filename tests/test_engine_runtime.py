@@ -10,6 +10,7 @@ import torch
 from engine.io.checkpoint import load_model
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.sequence import SamplingParams
+from tests.conftest import clip_latents
 
 
 @pytest.fixture(scope="module")
@@ -17,15 +18,8 @@ def model(checkpoint_factory):
     return load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
 
 
-def _clip(model, patches: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    n = model.vae.chunk_size * model.config.patch_size * patches
-    with torch.inference_mode():
-        return model.vae.encode(0.2 * torch.randn(1, n, generator=g), model.vae.sample_rate)[0].T.contiguous()
-
-
 def _requests(model):
-    clip = _clip(model, 3, seed=1)
+    clip = clip_latents(model, 3, seed=1)
     return [
         dict(target_text="Zero shot request.", params=SamplingParams(seed=1, max_generate_length=5)),
         dict(target_text="(whispering) Designed voice.", params=SamplingParams(seed=2, max_generate_length=7)),
@@ -53,8 +47,9 @@ def test_concurrent_mixed_modes_equal_alone(model):
 
 def test_continuations_admitted_together_equal_alone(model):
     """Prompt contexts of one length are decoded into the new VAE streams in one batched pass."""
-    reqs = [dict(target_text=f"Continue number {i}.", prompt_text="A prompt.", prompt_latents=_clip(model, 3, seed=i),
-                 params=SamplingParams(seed=i, max_generate_length=4)) for i in range(3)]
+    reqs = [dict(target_text=f"Continue number {i}.", prompt_text="A prompt.",
+                 prompt_latents=clip_latents(model, 3, seed=i), params=SamplingParams(seed=i, max_generate_length=4))
+            for i in range(3)]
     # max_num_seqs 12, 3-patch contexts: one chunk of 3 padded to 4 rows (the padding row decodes into the scratch slot)
     together = _run_all(LLMEngine(model, EngineConfig(max_num_seqs=12, max_model_len=256, block_size=4)), reqs)
     for n, r in enumerate(reqs):
@@ -217,7 +212,8 @@ def test_recycled_prefix_cache_block_never_serves_stale_kv(model):
     r = _requests(model)[2]  # continuation prompt: several full blocks
     params = SamplingParams(seed=3, max_generate_length=4)
     first = dict(prompt_text=r["prompt_text"], prompt_latents=r["prompt_latents"])
-    other = dict(prompt_text="B prompt.", prompt_latents=_clip(model, 3, seed=99))  # differs from the first token
+    other = dict(prompt_text="B prompt.",
+                 prompt_latents=clip_latents(model, 3, seed=99))  # differs from the first token
     probe = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=256, block_size=4))
     seq = probe.sequences[probe.add_request(r["target_text"], params, **first)]
     needed = probe.blocks.blocks_needed(seq.num_prompt_tokens + seq.max_patches)
