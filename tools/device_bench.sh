@@ -7,7 +7,7 @@
 # On the GPU machine: bash tools/device_bench.sh, with .whl/ copied beside the tree
 #
 # A GPU session may be limited to ~10 minutes, so pick the parts of each run with PARTS (default "check ours nano"):
-#   PARTS="test check" bash tools/device_bench.sh      # the CUDA tests (~2-4 min, mostly JIT), then gpu_check
+#   PARTS="test check" bash tools/device_bench.sh      # the CUDA tests (~5-6 min, mostly JIT), then gpu_check
 #   PARTS="profile" BASELINE=old bash tools/device_bench.sh   # step profile, of the tree in old/ too
 #   PARTS="ours nano" bash tools/device_bench.sh       # both benchmarks + comparison
 #   PARTS="nano" CONC=1,8 bash tools/device_bench.sh   # one peer, fewer concurrencies
@@ -66,7 +66,7 @@ PRESET="${PRESET:-full-voxcpm2}"   # full-voxcpm0.5b for the VoxCPM-0.5B-size ta
 CKPT="${CKPT:-/tmp/full}"
 BUDGET_S="${BUDGET_S:-580}"
 T_CHECK="${T_CHECK:-240}"
-T_TEST="${T_TEST:-300}"
+T_TEST="${T_TEST:-420}"
 T_OURS="${T_OURS:-330}"
 T_NANO="${T_NANO:-240}"
 T_PROFILE="${T_PROFILE:-150}"

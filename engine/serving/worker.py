@@ -499,7 +499,7 @@ def watch_control_while_starting(control: Connection, ready: threading.Event) ->
     so the owner's stop does not wait for it, nor kill the worker after its timeout."""
     while not ready.is_set():
         try:
-            if not control.poll(0.1):
+            if not control.poll(0.01):  # the start-up's end waits for this poll (joined before the main loop)
                 continue
             msg = control.recv()
         except (EOFError, OSError):
