@@ -62,9 +62,7 @@ class LLMEngine:
         load_s = time.perf_counter() - t0
         kernel_stats = precompiler.wait()
         wait_s = time.perf_counter() - t0 - load_s  # for kernels still compiling when the model is in
-        self.runner = ModelRunner(self.model, cfg.block_size, cfg.max_num_seqs, cfg.max_model_len,
-                                  cfg.inference_timesteps, self.device, cfg.enforce_eager, cfg.attention_backend,
-                                  cfg.max_num_batched_tokens, cfg.max_loras, cfg.max_lora_rank)
+        self.runner = ModelRunner(self.model, cfg, self.device)
         num_blocks = cfg.num_kv_blocks
         if num_blocks is None and self.device.type == "cuda":
             with self.invariance():  # the profiled step's peak is the real step's

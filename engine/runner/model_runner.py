@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.block_manager import BlockManager
+from engine.engine_config import EngineConfig
 from engine.io.checkpoint import LoadedModel
 from engine.models.audio_vae import SlotStates
 from engine.models.minicpm import fuse_projections
@@ -68,25 +69,25 @@ class LaunchedDecode:
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, block_size: int, max_num_seqs: int, max_model_len: int,
-                 inference_timesteps: int, device: torch.device, enforce_eager: bool = False,
-                 attention_backend: str | None = None, max_num_batched_tokens: int = 8192, max_loras: int = 0,
-                 max_lora_rank: int = 16) -> None:
+    def __init__(self, model: LoadedModel, config: EngineConfig, device: torch.device) -> None:
         self.model = model
         self.cfg = model.config
         self.device = device
         self.dtype = next(model.backbone.parameters()).dtype
+        self.config = config
+        block_size, max_num_seqs = config.block_size, config.max_num_seqs
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
-        self.inference_timesteps = inference_timesteps
-        self.backend = select_backend(device, self.dtype, attention_backend)
+        self.inference_timesteps = config.inference_timesteps
+        self.backend = select_backend(device, self.dtype, config.attention_backend)
         opts = current()
         if device.type == "cuda" and opts.fuse:
             fuse_projections(model.backbone)
             layer_stack.prepare(device)  # the layer kernels' barrier counters, before any graph capture
         # Runtime LoRA adapters: their slots exist before KV sizing and graph capture, which then include them.
-        self.lora = LoRASlots(model.backbone, model.config.architecture, max_loras, max_lora_rank, device,
-                              self.dtype, opts.lora_merged_steps) if max_loras else None
+        self.lora = LoRASlots(model.backbone, model.config.architecture, config.max_loras,
+                              config.max_lora_rank, device, self.dtype,
+                              opts.lora_merged_steps) if config.max_loras else None
         self.lora_mixed = False  # whether the last decode step added terms (rows of different adapters)
         if device.type == "cuda":
             # cuDNN's algorithm search (per conv shape, so per graph bucket) costs seconds of start-up for the few
@@ -97,11 +98,11 @@ class ModelRunner:
             # torch's newer fp32_precision API refuses the legacy flags: its own choice then stands.
             with contextlib.suppress(RuntimeError):
                 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32
-        self.use_graphs = device.type == "cuda" and not enforce_eager
+        self.use_graphs = device.type == "cuda" and not config.enforce_eager
         self.vae_stream = VaeStream(device, self.use_graphs)
         p, d = self.cfg.patch_size, self.cfg.feat_dim
         self.samples_per_patch = p * model.vae.decode_chunk_size
-        self.table_width = (max_model_len + block_size - 1) // block_size
+        self.table_width = (config.max_model_len + block_size - 1) // block_size
         # Slot state: one row per running sequence plus a scratch row that padding rows read and write.
         rows, h = max_num_seqs + 1, self.cfg.lm.hidden_size
         self.scratch_slot = max_num_seqs
@@ -123,8 +124,8 @@ class ModelRunner:
         self.term_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_term_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_times: dict[str, tuple[float, float]] = {}  # graph -> (warm-up s, capture s): start-up cost
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.prefill_bucket_sizes = prefill_buckets(max_num_batched_tokens)
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.prefill_bucket_sizes = prefill_buckets(config.max_num_batched_tokens)
         self.host_out: list[tuple[torch.Tensor, torch.Tensor]] = []  # see _host_outputs
         self.host_turn = 0
         self.host_in: list[torch.Tensor] = []  # see _host_inputs
