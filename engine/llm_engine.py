@@ -27,7 +27,7 @@ from engine.runner.model_runner import LaunchedDecode, ModelRunner
 from engine.scheduler import Rejected, Scheduler
 from engine.sequence import Sequence, Status, StepEvent
 from engine.startup import kernel_cache
-from engine.vocabulary import SamplingParams, TextIds
+from engine.vocabulary import AdapterInfo, SamplingParams, TextIds
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class LLMEngine:
             raise RequestError(f"{what}: this engine serves no runtime LoRA adapters (max_loras=0)")
         return self.runner.lora
 
-    def register_lora(self, name: str, path: str) -> dict:
+    def register_lora(self, name: str, path: str) -> AdapterInfo:
         """Register the adapter at `path` (official format: its directory or weights file) as `name`; it becomes
         resident when a request names it. A bad adapter raises LoRAError naming the key."""
         return self._lora_slots("lora_name").register(name, read_adapter(path))
@@ -123,7 +123,7 @@ class LLMEngine:
         self._lora_slots("lora_name").unregister(name)
         self.scheduler.changed()  # a request waiting for its slot now fails at the next admission round
 
-    def list_loras(self) -> list[dict]:
+    def list_loras(self) -> list[AdapterInfo]:
         return self.runner.lora.list() if self.runner.lora is not None else []
 
     def add_request(self, target_text: str, params: SamplingParams | None = None, prompt_text: str = "",

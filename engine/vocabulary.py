@@ -1,6 +1,6 @@
 """The words every layer of the engine and the service shares, defined once at the bottom: a request's sampling
 parameters and their bounds (the HTTP schemas derive theirs from `SAMPLING_LIMITS`), its text as token ids, why a
-stream ended, and what a runtime LoRA adapter may be called.
+stream ended, what a runtime LoRA adapter may be called and how one is described.
 
 Torch-free: the service's API processes import it without loading torch.
 """
@@ -61,6 +61,19 @@ def _num(x: float) -> str:
 
 # What a runtime LoRA adapter may be called (the engine, the service's schemas and settings check the same).
 LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+@dataclass
+class AdapterInfo:
+    """A registered runtime LoRA adapter, as the engine describes it (and the service's /loras shows it)."""
+
+    name: str
+    source: str  # the weights file the worker read
+    rank: int
+    layers: int  # layers it adapts
+    resident: bool  # in a device slot now (else loaded on its next request)
+    slot: int | None = None
+    requests: int = 0  # requests using it now
 
 
 @dataclass

@@ -24,15 +24,15 @@ async def bring_up(state: ServiceState) -> None:
     s = state.settings
     try:
         await state.pool.wait_for_ready(s.ready_timeout_s)
-        state.info = await state.pool.get_model_info()
+        state.info = await state.pool.model_info()
     except asyncio.CancelledError:
         raise
     except Exception as e:
         state.failure = f"start-up failed: {type(e).__name__}: {e}"
         log.exception("start-up failed; /health and /ready report 503")
         return
-    phases = {k: round(v, 2) if isinstance(v, float) else v
-              for k in STARTUP_KEYS if (v := state.info.get(k)) is not None}
+    facts = {**state.info.as_dict(), "devices": state.pool.worker_devices}
+    phases = {k: round(v, 2) if isinstance(v, float) else v for k in STARTUP_KEYS if (v := facts.get(k)) is not None}
     log.log(logging.INFO if state.reports_startup else logging.DEBUG, "ready: %s", phases)
     await supervise(state)
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
+from engine.serving.reports import WorkerStats
 from service.voice_store import KINDS
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -84,31 +85,30 @@ class Metrics:
             return generate_latest(registry)
         return generate_latest(self.registry)
 
-    def observe_pool(self, stats: list[dict[str, Any] | None]) -> None:
+    def observe_pool(self, stats: list[WorkerStats | None]) -> None:
         waiting = running = up = 0
         for i, s in enumerate(stats):
             w = str(i)
             if s is None:
                 continue
             up += 1
-            running += s["running"]
-            waiting += s["waiting"]
-            self.kv_usage.labels(w).set(1 - s["free_blocks"] / max(1, s["total_blocks"]))
-            self.kv_blocks_free.labels(w).set(s["free_blocks"])
-            self.kv_blocks_total.labels(w).set(s["total_blocks"])
-            self.slots_free.labels(w).set(s["free_slots"])
-            self.steps.labels(w).set(s["steps"])
-            self.preemptions.labels(w).set(s["preemptions"])
-            loras = s.get("loras") or []
-            self.loras_registered.labels(w).set(len(loras))
-            self.loras_resident.labels(w).set(sum(a["resident"] for a in loras))
-            self.lora_requests.labels(w).set(sum(a["requests"] for a in loras))
+            running += s.running
+            waiting += s.waiting
+            self.kv_usage.labels(w).set(1 - s.free_blocks / max(1, s.total_blocks))
+            self.kv_blocks_free.labels(w).set(s.free_blocks)
+            self.kv_blocks_total.labels(w).set(s.total_blocks)
+            self.slots_free.labels(w).set(s.free_slots)
+            self.steps.labels(w).set(s.steps)
+            self.preemptions.labels(w).set(s.preemptions)
+            self.loras_registered.labels(w).set(len(s.loras))
+            self.loras_resident.labels(w).set(sum(a.resident for a in s.loras))
+            self.lora_requests.labels(w).set(sum(a.requests for a in s.loras))
             n0, t0 = self._last_steps.get(w, (0, 0.0))
-            if s["steps"] < n0:  # the worker restarted
+            if s.steps < n0:  # the worker restarted
                 n0, t0 = 0, 0.0
-            if s["steps"] > n0:
-                self.step_seconds.labels(w).set((s["step_seconds"] - t0) / (s["steps"] - n0))
-            self._last_steps[w] = (s["steps"], s["step_seconds"])
+            if s.steps > n0:
+                self.step_seconds.labels(w).set((s.step_seconds - t0) / (s.steps - n0))
+            self._last_steps[w] = (s.steps, s.step_seconds)
         self.running.set(running)
         self.queue_depth.set(waiting)
         self.workers_up.set(up)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Literal
 
 from fastapi import HTTPException
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.vocabulary import LORA_NAME_PATTERN, SAMPLING_LIMITS, SamplingParams
 
@@ -104,6 +104,8 @@ class RegisterLoRARequest(BaseModel):
 
 
 class LoRAInfo(BaseModel):
+    model_config = ConfigDict(from_attributes=True)  # made from the engine's AdapterInfo
+
     name: str
     source: str = Field(..., description="The weights file the workers read.")
     rank: int

@@ -4,9 +4,10 @@ and whether the service is ready (loaded, warm, every worker connected)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from engine import AsyncVoxCPMServerPool
+from engine.serving.reports import WorkerInfo
+from engine.vocabulary import AdapterInfo
 from service.metrics import Metrics
 from service.settings import Settings
 from service.voice_store import VoiceStore
@@ -23,31 +24,38 @@ class ServiceState:
     demo: bool = False  # serving the embedded random-weight checkpoint
     owns_workers: bool = True  # False in an API process of the supervisor's: it restarts the workers
     reports_startup: bool = True  # logs the start-up's phases when ready (of the supervisor's API processes, the first)
-    info: dict[str, Any] = field(default_factory=dict)  # pool.get_model_info(), once loaded
+    info: WorkerInfo | None = None  # pool.model_info(), once loaded
     failure: str | None = None  # start-up failed for good: liveness reports it
     draining: bool = False  # shutting down: not ready, new generations refused, responses in flight finish
     api_keys: list[bytes] = field(default_factory=list)  # none: no key needed
 
     @property
     def loaded(self) -> bool:
-        return bool(self.info)
+        return self.info is not None
+
+    @property
+    def model(self) -> WorkerInfo:
+        """The model facts, for routes that depend on `LoadedState` (the model is loaded by then)."""
+        if self.info is None:
+            raise RuntimeError("the model is not loaded yet")
+        return self.info
 
     @property
     def ready(self) -> bool:
         """Every worker is connected and has reported ready (its model loaded and warmed up)."""
         return self.loaded and self.pool.ready and not self.draining
 
-    async def runtime_adapters(self) -> list[dict[str, Any]]:
+    async def runtime_adapters(self) -> list[AdapterInfo]:
         """The runtime LoRA adapters the workers hold (none before the model is loaded, or with none enabled);
         PoolError while no worker answers."""
-        if not (self.loaded and self.info.get("max_loras")):
+        if self.info is None or not self.info.max_loras:
             return []
         return await self.pool.list_loras()
 
     @property
     def sample_rate(self) -> int:
-        return int(self.info["sample_rate"])
+        return self.model.sample_rate
 
     @property
     def feat_dim(self) -> int:
-        return int(self.info["feat_dim"])
+        return self.model.feat_dim

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import uvicorn
 
+from engine.serving.reports import WorkerStats
 from service.app import create_app
 from service.engine_setup import WorkerEndpoint
 from service.settings import Settings
@@ -80,7 +81,7 @@ class LiveServer:
         assert self.loop is not None
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
 
-    def pool_stats(self) -> dict[str, Any]:
+    def pool_stats(self) -> WorkerStats:
         return self.call(self.state.pool.stats())[0]
 
     @staticmethod

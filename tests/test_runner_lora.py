@@ -147,7 +147,7 @@ def test_slots_reused_least_recently_used_and_unregister_waits(checkpoint_factor
     patches_of(engine, [dict(target_text=TEXT, params=params, lora_name="b")])
     patches_of(engine, [dict(target_text=TEXT, params=params, lora_name="a")])  # a used after b
     patches_of(engine, [dict(target_text=TEXT, params=params, lora_name="c")])  # evicts b, the least recent
-    resident = {d["name"]: d["resident"] for d in engine.list_loras()}
+    resident = {d.name: d.resident for d in engine.list_loras()}
     assert resident == {"a": True, "b": False, "c": True}
 
     # both slots held by running requests: a request of a third adapter waits in the queue, and starts when a slot
@@ -170,7 +170,7 @@ def test_slots_reused_least_recently_used_and_unregister_waits(checkpoint_factor
     # unregistering a held adapter lets its request finish; its slot frees after it, and the name is free at once:
     # registered again it is another adapter (it needs a slot of its own: its request waits for the old one's)
     engine.unregister_lora("a")
-    assert [d["name"] for d in engine.list_loras()] == ["b", "c"]
+    assert [d.name for d in engine.list_loras()] == ["b", "c"]
     with pytest.raises(RequestError, match="lora_name: no adapter named 'a'"):
         engine.add_request(TEXT, params, lora_name="a")
     new_a = adapter_for(model, tmp_path / "a2", seed=30)
@@ -235,7 +235,7 @@ def test_pool_adapters_survive_a_worker_restart(checkpoint_factory, tmp_path):
         pool = VoxCPM.from_pretrained(str(ckpt), max_num_seqs=2, max_model_len=256, max_loras=2, max_lora_rank=8)
         try:
             await pool.wait_for_ready(timeout=120)
-            assert (await pool.register_lora("voice", str(adapter)))["name"] == "voice"
+            assert (await pool.register_lora("voice", str(adapter))).name == "voice"
 
             async def audio(lora_name: str | None) -> np.ndarray:
                 return np.concatenate([c async for c in pool.generate(TEXT, max_generate_length=3, seed=2,
@@ -250,7 +250,7 @@ def test_pool_adapters_survive_a_worker_restart(checkpoint_factory, tmp_path):
 
             await asyncio.wait_for(noticed(), 10)  # a hang guard: the client notices the death at once
             await pool.restart(timeout=120)
-            assert [d["name"] for d in await pool.list_loras()] == ["voice"]
+            assert [d.name for d in await pool.list_loras()] == ["voice"]
             np.testing.assert_allclose(await audio("voice"), before, atol=1e-5)
             await pool.unregister_lora("voice")
             with pytest.raises(LoRANotFoundError, match="lora_name: no adapter named 'voice'"):

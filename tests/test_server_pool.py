@@ -52,10 +52,10 @@ def _free_blocks_restored(pool) -> None:
     deadline = time.monotonic() + 30  # a hang guard: freeing is immediate
     while True:
         s = pool.stats()[0]
-        if s["free_blocks"] == s["total_blocks"] and s["running"] == s["waiting"] == 0:
-            assert s["free_slots"] == 4
+        if s.free_blocks == s.total_blocks and s.running == s.waiting == 0:
+            assert s.free_slots == 4
             snap = pool.snapshot()[0]  # what the worker last reported with its events, no round trip
-            assert snap["alive"] == 1 and snap["total_blocks"] == s["total_blocks"]
+            assert snap["alive"] == 1 and snap["total_blocks"] == s.total_blocks
             return
         assert time.monotonic() < deadline, f"blocks not freed: {s}"
         time.sleep(0.05)
@@ -134,10 +134,10 @@ def test_breaking_out_cancels_and_frees_blocks(pool):
         assert chunk.dtype == np.float32 and chunk.ndim == 1
         if i == 2:
             break
-    steps_at_break = pool.stats()[0]["steps"]
+    steps_at_break = pool.stats()[0].steps
     it.close()
     _free_blocks_restored(pool)
-    assert pool.stats()[0]["steps"] - steps_at_break < 100
+    assert pool.stats()[0].steps - steps_at_break < 100
 
 
 def test_bad_requests_fail_alone_and_the_worker_keeps_serving(pool):
@@ -244,7 +244,7 @@ def test_two_workers_route_by_load_and_survive_one_dying(checkpoint):
         second = pool.generate("Second. " + long_text, max_generate_length=1500, seed=2)
         await second.__anext__()
         assert {first.worker, second.worker} == {0, 1}  # the least-loaded worker takes the next stream
-        assert [s["running"] for s in await pool.stats()] == [1, 1]
+        assert [s.running for s in await pool.stats()] == [1, 1]
 
         pool.kill_worker(first.worker)
         t0 = time.monotonic()

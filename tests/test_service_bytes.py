@@ -148,7 +148,7 @@ def test_sse_deltas_are_the_pools_chunks_encoded(server, reference, fmt):
 def test_disconnect_frees_the_engine_at_once(server):
     """A client that leaves mid-stream: its request is aborted and its KV blocks and slot are free again before
     the engine could have finished it (a generous hang guard, not a timing assertion)."""
-    total = server.pool_stats()["total_blocks"]
+    total = server.pool_stats().total_blocks
     long_text = "A longer sentence, so the stream could run a few hundred patches. " * 2  # ~200 patches
     with httpx.Client(base_url=server.url, timeout=120) as c, \
             c.stream("POST", "/generate", json={**body("pcm"), "target_text": long_text,
@@ -157,13 +157,13 @@ def test_disconnect_frees_the_engine_at_once(server):
         chunks = r.iter_raw()  # keep a reference: a discarded httpx iterator closes the connection itself
         next(chunks)
         busy = server.pool_stats()
-        assert busy["running"] == 1 and busy["free_blocks"] < total and busy["free_slots"] == 3, busy
-    steps_at_close = busy["steps"]
+        assert busy.running == 1 and busy.free_blocks < total and busy.free_slots == 3, busy
+    steps_at_close = busy.steps
     deadline = time.monotonic() + 30
     while True:
         s = server.pool_stats()
-        if s["running"] == s["waiting"] == 0 and s["free_blocks"] == total and s["free_slots"] == 4:
+        if s.running == s.waiting == 0 and s.free_blocks == total and s.free_slots == 4:
             break
         assert time.monotonic() < deadline, f"engine not freed: {s}"
         time.sleep(0.02)
-    assert s["steps"] - steps_at_close < 150  # aborted, not run to its end
+    assert s.steps - steps_at_close < 150  # aborted, not run to its end

@@ -251,14 +251,14 @@ def test_client_disconnect_aborts_the_engine_request(server):
         chunks = r.iter_raw()  # keep a reference: a discarded httpx iterator closes the connection itself
         next(chunks)
         mid = server.pool_stats()
-        assert mid["running"] == 1 and mid["free_blocks"] < mid["total_blocks"], f"{before} {mid}"
+        assert mid.running == 1 and mid.free_blocks < mid.total_blocks, f"{before} {mid}"
     # leaving the block closed the connection mid-stream
-    LiveServer.wait(lambda: (s := server.pool_stats())["running"] == s["waiting"] == 0
-                    and s["free_blocks"] == s["total_blocks"], "KV blocks not freed after the disconnect")
+    LiveServer.wait(lambda: (s := server.pool_stats()).running == s.waiting == 0
+                    and s.free_blocks == s.total_blocks, "KV blocks not freed after the disconnect")
     after = server.pool_stats()
-    assert after["free_slots"] == before["free_slots"]
+    assert after.free_slots == before.free_slots
     # left alone it would run 2000 steps; the abort stops it after a handful
-    assert after["steps"] - before["steps"] < 1000, (before, after)
+    assert after.steps - before.steps < 1000, (before, after)
 
 
 @pytest.mark.parametrize("route", ["/generate_blocking", "/generate_blocking_wav"])
@@ -271,9 +271,9 @@ def test_client_disconnect_aborts_a_blocking_request(server, route):
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(f"POST {route} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        LiveServer.wait(lambda: server.pool_stats()["running"] == 1, "the request never started")
-    LiveServer.wait(lambda: (s := server.pool_stats())["running"] == s["waiting"] == 0
-                    and s["free_blocks"] == s["total_blocks"], "KV blocks not freed after the disconnect")
+        LiveServer.wait(lambda: server.pool_stats().running == 1, "the request never started")
+    LiveServer.wait(lambda: (s := server.pool_stats()).running == s.waiting == 0
+                    and s.free_blocks == s.total_blocks, "KV blocks not freed after the disconnect")
     after = server.pool_stats()
-    assert after["free_slots"] == before["free_slots"]
-    assert after["steps"] - before["steps"] < 1000, (before, after)
+    assert after.free_slots == before.free_slots
+    assert after.steps - before.steps < 1000, (before, after)

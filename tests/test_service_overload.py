@@ -8,6 +8,7 @@ import asyncio
 
 import httpx
 
+from engine.serving.reports import WorkerStats
 from tests.service_harness import LiveServer, live_server
 
 BURST = 40  # ten times what the workers hold (running + queued)
@@ -38,14 +39,14 @@ def test_excess_requests_are_503_at_once_and_the_admitted_complete(checkpoint_fa
             limits = httpx.Limits(max_connections=BURST + 4)
             async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client:
                 holders = [asyncio.create_task(one(client, i, HOLD, HOLD_PATCHES)) for i in range(4)]
-                while (s := await server_stats())["running"] + s["waiting"] < 4:
+                while (s := await server_stats()).running + s.waiting < 4:
                     assert not any(h.done() for h in holders), [h.result() for h in holders if h.done()]
                     await asyncio.sleep(0.05)
                 burst = await asyncio.gather(*(one(client, 100 + i, LONG, 40) for i in range(BURST - 4)))
                 assert not any(h.done() for h in holders), "a holder ended before the burst was answered"
                 return list(await asyncio.gather(*holders)), list(burst)
 
-        async def server_stats() -> dict:
+        async def server_stats() -> WorkerStats:
             stats = asyncio.run_coroutine_threadsafe(server.state.pool.stats(), server.loop)
             return (await asyncio.wrap_future(stats))[0]
 
@@ -53,8 +54,8 @@ def test_excess_requests_are_503_at_once_and_the_admitted_complete(checkpoint_fa
         assert all(status == 503 and retry is not None for status, retry, _ in burst), burst
         assert all(status == 200 and n == HOLD_PATCHES * 7680 * 2 for status, _, n in held), held
         assert _overloads(server) == BURST - 4
-        LiveServer.wait(lambda: (s := server.pool_stats())["running"] == s["waiting"] == 0
-                        and s["free_blocks"] == s["total_blocks"], "requests left in flight")
+        LiveServer.wait(lambda: (s := server.pool_stats()).running == s.waiting == 0
+                        and s.free_blocks == s.total_blocks, "requests left in flight")
 
 
 def test_a_request_waiting_past_the_queue_timeout_is_503(checkpoint_factory, tmp_path):

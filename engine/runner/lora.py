@@ -34,7 +34,7 @@ from torch import nn
 from engine.errors import LoRANotFoundError, OverloadedError
 from engine.io.lora import LoRAAdapter, LoRAError, targets
 from engine.ops.lora import LoRAContext, LoRAStack, add_lora
-from engine.vocabulary import LORA_NAME_PATTERN
+from engine.vocabulary import LORA_NAME_PATTERN, AdapterInfo
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class LoRASlots:
             self.merge_graphs[slot] = graph
 
     # --- registry -----------------------------------------------------------------------------------------------
-    def register(self, name: str, adapter: LoRAAdapter) -> dict:
+    def register(self, name: str, adapter: LoRAAdapter) -> AdapterInfo:
         if not NAME.fullmatch(name):
             raise LoRAError(f"lora_name: {name!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a "
                             "letter or digit")
@@ -207,12 +207,12 @@ class LoRASlots:
         elif held is not None:
             self.retiring[held.slot] = held
 
-    def describe(self, name: str) -> dict:
+    def describe(self, name: str) -> AdapterInfo:
         reg, held = self.registered[name], self.resident.get(name)
-        return {"name": name, "source": reg.source, "rank": reg.rank, "layers": len(reg.pairs),
-                "resident": held is not None, "slot": held.slot if held else None, "requests": held.refs if held else 0}
+        return AdapterInfo(name, reg.source, reg.rank, len(reg.pairs), held is not None, held.slot if held else None,
+                           held.refs if held else 0)
 
-    def list(self) -> list[dict]:
+    def list(self) -> list[AdapterInfo]:
         return [self.describe(n) for n in sorted(self.registered)]
 
     # --- requests -----------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -41,14 +41,16 @@ from engine.errors import (
 )
 from engine.io.tokenizer import TextTokenizer, text_tokens
 from engine.serving import protocol as p
+from engine.serving.reports import WorkerInfo, WorkerLoad, WorkerStats
 from engine.serving.routing import LoadTable
-from engine.vocabulary import FinishReason, TextIds
+from engine.vocabulary import AdapterInfo, FinishReason, TextIds
 
 log = logging.getLogger(__name__)
 
 # A stream's transform: (chunk, is_last) -> what the stream yields for it (None: nothing for this chunk). One with a
 # `prepare()` method has it run on an encoder thread when the request is sent, before its first chunk.
 Transform = Callable[[np.ndarray, bool], Any]
+R = TypeVar("R")
 RECONNECT_S = (0.05, 0.5)  # first and longest pause between connection attempts
 REPLAY = "replay:"  # call ids of registrations sent again to a (re)connected worker, answered to nobody
 # Longer texts are tokenized on a thread: 20,000 characters take ~10 ms, which this loop's other streams would wait.
@@ -227,8 +229,8 @@ class _WorkerLink:
         self.connected = False  # the connection is up (not necessarily ready)
         self.ready = False  # Ready received on the current connection
         self.down = False  # a connection broke and has not been re-established yet
-        self.info: dict[str, Any] = {}
-        self.load = p.WorkerLoad()
+        self.info: WorkerInfo | None = None  # from its Ready (kept after it goes down: its device names it)
+        self.load = WorkerLoad()
         self.streams: dict[str, GenerationStream] = {}
         self.calls: dict[str, asyncio.Future[Any]] = {}
         self.ready_event = asyncio.Event()
@@ -451,7 +453,7 @@ class EngineClient:
     def on_message(self, link: _WorkerLink, msg: Any) -> None:
         if isinstance(msg, p.Ready):
             link.info, link.ready, link.down = msg.info, True, False
-            self.encoders.sample_rate = int(msg.info.get("sample_rate") or self.encoders.sample_rate)
+            self.encoders.sample_rate = msg.info.sample_rate
             link.ready_event.set()
         elif isinstance(msg, p.Reply):
             if msg.call_id.startswith(REPLAY):
@@ -482,7 +484,7 @@ class EngineClient:
         if self.closed or link.stopped_reason:
             err: PoolError = PoolStoppedError(f"worker {link.index} stopped: {link.stopped_reason or 'pool closed'}")
         else:
-            err = WorkerDiedError(f"worker {link.index} ({link.info.get('device', link.address)}) exited")
+            err = WorkerDiedError(f"worker {link.index} ({link.info.device if link.info else link.address}) exited")
             log.error("lost the connection to worker %d: its requests failed", link.index)
         for stream in list(link.streams.values()):
             stream.put(_Item(None, finished=True, finish_reason="error", error=err))
@@ -508,7 +510,7 @@ class EngineClient:
         self.loop.call_soon_threadsafe(self._on_step, link, msg.load, plain)
 
     @staticmethod
-    def _on_step(link: _WorkerLink, load: p.WorkerLoad, plain: list[tuple[GenerationStream, _Item]]) -> None:
+    def _on_step(link: _WorkerLink, load: WorkerLoad, plain: list[tuple[GenerationStream, _Item]]) -> None:
         link.load = load
         _deliver(plain)
 
@@ -523,9 +525,9 @@ class EngineClient:
         return not self.closed and all(link.ready for link in self.links)
 
     @property
-    def info(self) -> dict[str, Any]:
-        """The model facts of the first ready worker ({} before any)."""
-        return next((link.info for link in self.links if link.ready), {})
+    def info(self) -> WorkerInfo | None:
+        """The model facts of the first ready worker (None before any)."""
+        return next((link.info for link in self.links if link.ready), None)
 
     async def wait_for_ready(self, timeout: float | None = None) -> None:
         async def all_ready() -> None:
@@ -563,7 +565,7 @@ class EngineClient:
                 loads = self.load.loads()
                 best = min(ready, key=lambda lk: loads[lk.index])
                 if self.queue_bound is not None:
-                    capacity = int(best.info.get("max_num_seqs", 0)) + self.queue_bound
+                    capacity = (best.info.max_num_seqs if best.info else 0) + self.queue_bound
                     if loads[best.index] >= capacity:
                         raise OverloadedError(f"every worker holds {capacity} requests ({capacity - self.queue_bound} "
                                               f"running, {self.queue_bound} waiting): try again shortly")
@@ -577,9 +579,10 @@ class EngineClient:
         """The request's stream (it is sent to a worker on the first `anext`)."""
         return GenerationStream(self, request, transform)
 
-    async def call(self, link: _WorkerLink, make: Callable[[str], Any]) -> Any:
+    async def call(self, link: _WorkerLink, make: Callable[[str], p.Call[R]]) -> R:
+        """Ask `link`'s worker the call `make(call_id)` builds; its typed answer, or the error it sent raised."""
         call_id = f"c{next(self.ids)}"
-        fut: asyncio.Future[Any] = self.loop.create_future()
+        fut: asyncio.Future[R] = self.loop.create_future()
         link.calls[call_id] = fut
         try:
             link.send(make(call_id))
@@ -590,14 +593,14 @@ class EngineClient:
     async def encode_latents(self, wav: bytes, wav_format: str | None, padding: str) -> np.ndarray:
         return await self.call(await self.pick(), lambda cid: p.EncodeLatents(cid, wav, wav_format, padding))
 
-    async def stats(self) -> list[dict[str, Any] | None]:
+    async def stats(self) -> list[WorkerStats | None]:
         """Per worker: running/waiting sequences, free KV blocks, preemptions... (None for one not ready)."""
-        out: list[dict[str, Any] | None] = []
+        out: list[WorkerStats | None] = []
         for link in self.links:
             out.append(await self.call(link, p.GetStats) if link.ready else None)
         return out
 
-    async def register_lora(self, name: str, path: str) -> dict[str, Any]:
+    async def register_lora(self, name: str, path: str) -> AdapterInfo:
         """Register an adapter on every worker (a worker still loading, or restarted later, gets it when it connects);
         undone everywhere if one refuses it. Its description on the first worker."""
         done: list[_WorkerLink] = []
@@ -632,7 +635,7 @@ class EngineClient:
         if not known and ready and missing == len(ready):
             raise LoRANotFoundError(f"lora_name: no adapter named {name!r}")
 
-    async def list_loras(self) -> list[dict[str, Any]]:
+    async def list_loras(self) -> list[AdapterInfo]:
         """The adapters a worker holds (every worker holds the same ones)."""
         return await self.call(await self.pick(), p.ListLoRAs)
 

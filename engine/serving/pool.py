@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
+import inspect
 import logging
 import subprocess
 import threading
@@ -21,13 +23,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from engine.errors import PoolError, PoolStoppedError, PromptNotFoundError, RequestError
+from engine.errors import PoolError, PoolStoppedError, PromptNotFoundError, RequestError, WorkerDiedError
 from engine.options import cuda_visible_devices
 from engine.serving import protocol as p
 from engine.serving.client import EngineClient, GenerationStream, Transform
 from engine.serving.processes import WorkerProcess, WorkerSet
+from engine.serving.reports import WorkerInfo, WorkerStats
 from engine.serving.routing import LoadTable
-from engine.vocabulary import FinishReason, SamplingParams
+from engine.vocabulary import AdapterInfo, FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -107,14 +110,26 @@ class AsyncVoxCPMServerPool:
                 raise failed[0]
 
     # --- API ----------------------------------------------------------------------------------
-    async def get_model_info(self) -> dict[str, Any]:
+    async def model_info(self) -> WorkerInfo:
+        """The model facts and start-up of the first ready worker (waits for the pool to be ready)."""
         self._check()
         if not self.client.ready:
             await self.wait_for_ready()
-        devices = list(self.devices) or [link.info.get("device") for link in self.client.links]
-        return {**self.client.info, "devices": devices}
+        info = self.client.info
+        if info is None:  # a worker went down between ready and here
+            raise WorkerDiedError("no worker is ready")
+        return info
 
-    async def stats(self) -> list[dict[str, Any] | None]:
+    @property
+    def worker_devices(self) -> list[str]:
+        """The workers' devices (those of workers started elsewhere as they reported them)."""
+        return list(self.devices) or [link.info.device if link.info else "?" for link in self.client.links]
+
+    async def get_model_info(self) -> dict[str, Any]:
+        """`model_info()` as one flat mapping with the workers' devices (nano-vllm-voxcpm's shape)."""
+        return {**(await self.model_info()).as_dict(), "devices": self.worker_devices}
+
+    async def stats(self) -> list[WorkerStats | None]:
         """Per worker: running/waiting sequences, free KV blocks, preemptions... (None for a dead one)."""
         return await self.client.stats()
 
@@ -141,7 +156,7 @@ class AsyncVoxCPMServerPool:
             raw = await self.encode_latents(wav, wav_format)
         else:
             # Checked here: the prompt is replayed to every (restarted) worker, it must be usable there.
-            feat_dim = int((await self.get_model_info())["feat_dim"])
+            feat_dim = (await self.model_info()).feat_dim
             if isinstance(latents, np.ndarray):
                 if latents.ndim != 2 or latents.shape[1] != feat_dim or not latents.shape[0]:
                     raise RequestError(f"latents: must be shaped (frames, {feat_dim}), got {latents.shape}")
@@ -154,7 +169,7 @@ class AsyncVoxCPMServerPool:
             else:
                 raise RequestError(f"latents: must be float32 bytes or a numpy array, got {type(latents).__name__}")
         prompt_id = hashlib.blake2b(raw + prompt_text.encode(), digest_size=12).hexdigest()
-        feat_dim = int(self.client.info.get("feat_dim") or (await self.get_model_info())["feat_dim"])
+        feat_dim = (await self.model_info()).feat_dim
         self.client.add_prompt(prompt_id, np.frombuffer(raw, np.float32).reshape(-1, feat_dim), prompt_text)
         return prompt_id
 
@@ -165,7 +180,7 @@ class AsyncVoxCPMServerPool:
     def list_prompts(self) -> list[str]:
         return list(self.client.prompts)
 
-    async def register_lora(self, name: str, path: str) -> dict[str, Any]:
+    async def register_lora(self, name: str, path: str) -> AdapterInfo:
         """Register a LoRA adapter (official format: its directory or weights file, a path on this machine) on every
         worker, for requests that name it (`lora_name`); restarted workers get it again. Needs max_loras > 0."""
         self._check()
@@ -178,7 +193,7 @@ class AsyncVoxCPMServerPool:
         self._check()
         await self.client.unregister_lora(name)
 
-    async def list_loras(self) -> list[dict[str, Any]]:
+    async def list_loras(self) -> list[AdapterInfo]:
         """The registered adapters: name, source, rank, layers, whether resident (and in which slot), requests."""
         self._check()
         return await self.client.list_loras()
@@ -257,44 +272,23 @@ class SyncVoxCPMServerPool:
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return self._submit(coro).result(timeout)
 
-    @property
-    def healthy(self) -> bool:
-        return self.pool.healthy
+    def __getattr__(self, name: str) -> Any:
+        """The async pool's attribute `name`; its coroutine methods become blocking ones run on the pool's loop (a
+        property, or a plain method like `snapshot`, is read or called from the caller's thread)."""
+        if name.startswith("_") or name == "pool":
+            raise AttributeError(name)
+        attr = getattr(self.pool, name)
+        if not inspect.iscoroutinefunction(attr):
+            return attr
 
-    @property
-    def ready(self) -> bool:
-        return self.pool.ready
+        @functools.wraps(attr)
+        def blocking(*args: Any, **kwargs: Any) -> Any:
+            return self._run(attr(*args, **kwargs))
 
-    def wait_for_ready(self, timeout: float | None = None) -> None:
-        self._run(self.pool.wait_for_ready(timeout))
+        return blocking
 
-    def get_model_info(self) -> dict[str, Any]:
-        return self._run(self.pool.get_model_info())
-
-    def stats(self) -> list[dict[str, Any] | None]:
-        return self._run(self.pool.stats())
-
-    def snapshot(self) -> list[dict[str, int]]:
-        return self.pool.snapshot()
-
-    def encode_latents(self, wav: bytes, wav_format: str = "wav", padding: str = "left") -> bytes:
-        return self._run(self.pool.encode_latents(wav, wav_format, padding))
-
-    def add_prompt(self, wav: bytes | None = None, wav_format: str = "wav", prompt_text: str = "", *,
-                   latents: bytes | np.ndarray | None = None) -> str:
-        return self._run(self.pool.add_prompt(wav, wav_format, prompt_text, latents=latents))
-
-    def remove_prompt(self, prompt_id: str) -> None:
-        self._run(self.pool.remove_prompt(prompt_id))
-
-    def register_lora(self, name: str, path: str) -> dict[str, Any]:
-        return self._run(self.pool.register_lora(name, path))
-
-    def unregister_lora(self, name: str) -> None:
-        self._run(self.pool.unregister_lora(name))
-
-    def list_loras(self) -> list[dict[str, Any]]:
-        return self._run(self.pool.list_loras())
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | {n for n in dir(self.pool) if not n.startswith("_")})
 
     def generate(self, target_text: str, **kwargs: Any) -> SyncStream:
         """Blocking iterator of float32 chunks; closing it (break + close(), also from another thread
@@ -303,12 +297,6 @@ class SyncVoxCPMServerPool:
             return self.pool.generate(target_text, **kwargs)
 
         return SyncStream(self, self._run(make()))
-
-    def kill_worker(self, index: int) -> None:
-        self.pool.kill_worker(index)
-
-    def restart(self, timeout: float | None = None) -> None:
-        self._run(self.pool.restart(timeout))
 
     def stop(self) -> None:
         with self._lock:

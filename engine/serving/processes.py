@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.errors import PoolError, WorkerDiedError
 from engine.serving import protocol as p
+from engine.serving.reports import WorkerInfo
 
 if TYPE_CHECKING:
     from engine.engine_config import EngineConfig
@@ -50,7 +51,7 @@ class WorkerProcess:
                                    daemon=True)
         self.process.start()
         child.close()  # our copy: the pipe must close when the child exits
-        self.started: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        self.started: concurrent.futures.Future[WorkerInfo] = concurrent.futures.Future()
         self.exited = threading.Event()
         self._on_exit = on_exit
         threading.Thread(target=self._watch, name=f"voxcpm-watch-{index}", daemon=True).start()

@@ -1,5 +1,6 @@
 """The typed messages between a pool's clients and an engine worker process (and what a worker is started with).
-The words they carry that every layer shares (sampling parameters, text ids, finish reasons) are `engine.vocabulary`'s.
+The words they carry that every layer shares (sampling parameters, text ids, finish reasons) are `engine.vocabulary`'s,
+what a worker reports about itself `engine.serving.reports`'.
 
 Torch-free on purpose: the service's API processes import it (and the client) without loading torch.
 Every message is a dataclass pickled over a `multiprocessing.connection` socket; arrays travel as numpy.
@@ -10,14 +11,17 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, ClassVar, Generic, Literal, TypeVar
 
 import numpy as np
 
-from engine.vocabulary import FinishReason, SamplingParams, TextIds
+from engine.serving.reports import WorkerInfo, WorkerLoad, WorkerStats
+from engine.vocabulary import AdapterInfo, FinishReason, SamplingParams, TextIds
 
 if TYPE_CHECKING:
     from engine.engine_config import EngineConfig
+
+R = TypeVar("R")
 
 @dataclass
 class SynthesisRequest:
@@ -49,11 +53,48 @@ class Abort:
 
 
 @dataclass
-class EncodeLatents:
+class Call(Generic[R]):
+    """A question the worker answers with one `Reply` carrying an `R` (or an error). `method` names the worker's
+    method that answers it, called with the message (dispatch by name, as vLLM v1's utility calls)."""
+
     call_id: str
+    method: ClassVar[str]
+
+
+@dataclass
+class EncodeLatents(Call[np.ndarray]):
+    """A clip's latents, float32 (frames, feat_dim)."""
+
+    method: ClassVar[str] = "encode_latents"
     wav: bytes
     wav_format: str | None
     padding: Literal["left", "right"]
+
+
+@dataclass
+class RegisterLoRA(Call[AdapterInfo]):
+    """Register a LoRA adapter (official format; a path on the worker's machine) under `name`. Registering a name
+    again with the same weights file answers as the first time (a restarted worker gets every adapter again)."""
+
+    method: ClassVar[str] = "register_lora"
+    name: str
+    path: str
+
+
+@dataclass
+class UnregisterLoRA(Call[None]):
+    method: ClassVar[str] = "unregister_lora"
+    name: str
+
+
+@dataclass
+class ListLoRAs(Call[list[AdapterInfo]]):
+    method: ClassVar[str] = "list_loras"
+
+
+@dataclass
+class GetStats(Call[WorkerStats]):
+    method: ClassVar[str] = "stats"
 
 
 @dataclass
@@ -68,32 +109,6 @@ class RemovePrompt:
     prompt_id: str
 
 
-@dataclass
-class RegisterLoRA:
-    """Register a LoRA adapter (official format; a path on the worker's machine) under `name`. Registering a name
-    again with the same weights file answers as the first time (a restarted worker gets every adapter again)."""
-
-    call_id: str
-    name: str
-    path: str
-
-
-@dataclass
-class UnregisterLoRA:
-    call_id: str
-    name: str
-
-
-@dataclass
-class ListLoRAs:
-    call_id: str
-
-
-@dataclass
-class GetStats:
-    call_id: str
-
-
 # --- worker -> client -------------------------------------------------------------------------------
 
 
@@ -101,7 +116,7 @@ class GetStats:
 class Ready:
     """Sent once the model is loaded and warm (to a client connecting later: at once)."""
 
-    info: dict[str, Any]
+    info: WorkerInfo
 
 
 @dataclass
@@ -122,14 +137,6 @@ class AudioEvent:
 
 
 @dataclass
-class WorkerLoad:
-    running: int = 0
-    waiting: int = 0
-    free_blocks: int = 0
-    total_blocks: int = 0
-
-
-@dataclass
 class StepEvents:
     """Everything one engine step produced for one client, with the worker's load after it."""
 
@@ -138,9 +145,11 @@ class StepEvents:
 
 
 @dataclass
-class Reply:
+class Reply(Generic[R]):
+    """The answer to the `Call[R]` of the same id: its value, or why there is none."""
+
     call_id: str
-    value: Any = None
+    value: R | None = None
     error: ErrorInfo | None = None
 
 
@@ -156,7 +165,7 @@ class Goodbye:
 
 @dataclass
 class Started:
-    info: dict[str, Any]
+    info: WorkerInfo
 
 
 @dataclass

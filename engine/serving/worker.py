@@ -13,6 +13,7 @@ does not read makes its sender's bounded queue fill up and the engine wait, rath
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -20,6 +21,7 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any
@@ -34,7 +36,8 @@ from engine.llm_engine import LLMEngine, StepEvent
 from engine.prompt import PromptError
 from engine.serving import protocol as p
 from engine.serving.protocol import WorkerOptions, name_process
-from engine.vocabulary import SamplingParams
+from engine.serving.reports import StartupTimes, WorkerInfo, WorkerStats
+from engine.vocabulary import AdapterInfo, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +149,7 @@ class RegisteredPrompt:
 
 
 class Worker:
-    def __init__(self, engine: LLMEngine, control: Connection | None = None, info: dict[str, Any] | None = None,
+    def __init__(self, engine: LLMEngine, control: Connection | None = None, info: WorkerInfo | None = None,
                  acceptor: Acceptor | None = None) -> None:
         self.engine = engine
         self.control = control
@@ -209,15 +212,6 @@ class Worker:
         link.requests[rid] = seq_id
         self.owner[seq_id] = (link, rid)
 
-    def _encode(self, msg: p.EncodeLatents) -> np.ndarray:
-        m = self.engine.model
-        try:
-            samples, sr = decode_audio(msg.wav, msg.wav_format)
-            lat = encode_latents(m.vae, samples, sr, m.config.patch_size, msg.padding)
-        except (AudioError, ValueError) as e:
-            raise RequestError(str(e)) from e
-        return lat.numpy().astype(np.float32)
-
     def handle(self, link: ClientLink, msg: Any) -> None:
         """Act on one client message."""
         if isinstance(msg, p.Generate):
@@ -244,9 +238,9 @@ class Worker:
             pr.owners.add(link.index)
         elif isinstance(msg, p.RemovePrompt):
             self._release_prompt(msg.prompt_id, link)
-        elif isinstance(msg, p.EncodeLatents | p.GetStats | p.RegisterLoRA | p.UnregisterLoRA | p.ListLoRAs):
+        elif isinstance(msg, p.Call):
             try:
-                link.send(p.Reply(msg.call_id, self._call(msg)))
+                link.send(p.Reply(msg.call_id, getattr(self, msg.method)(msg)))
             except PoolError as e:
                 link.send(p.Reply(msg.call_id, error=p.ErrorInfo(e.kind, str(e))))
             except Exception as e:  # a bug or out of memory (a huge clip) fails this call, not the worker
@@ -255,26 +249,29 @@ class Worker:
         else:
             log.error("unknown message %r", type(msg).__name__)
 
-    def _call(self, msg: Any) -> Any:
-        """The value a call message asks for."""
-        if isinstance(msg, p.EncodeLatents):
-            return self._encode(msg)
-        if isinstance(msg, p.GetStats):
-            return self.stats()
-        if isinstance(msg, p.ListLoRAs):
-            return self.engine.list_loras()
+    # --- calls (p.Call.method names them; each answers its message with the value its Call type declares) ----------
+    def encode_latents(self, msg: p.EncodeLatents) -> np.ndarray:
+        m = self.engine.model
         try:
-            if isinstance(msg, p.UnregisterLoRA):
-                self.engine.unregister_lora(msg.name)
-                return None
-            known = {d["name"]: d for d in self.engine.list_loras()}.get(msg.name)
-            if known is not None and known["source"] == str(weights_file(msg.path)):
+            samples, sr = decode_audio(msg.wav, msg.wav_format)
+            lat = encode_latents(m.vae, samples, sr, m.config.patch_size, msg.padding)
+        except (AudioError, ValueError) as e:
+            raise RequestError(str(e)) from e
+        return lat.numpy().astype(np.float32)
+
+    def list_loras(self, msg: p.ListLoRAs) -> list[AdapterInfo]:
+        return self.engine.list_loras()
+
+    def unregister_lora(self, msg: p.UnregisterLoRA) -> None:
+        with adapter_errors():
+            self.engine.unregister_lora(msg.name)
+
+    def register_lora(self, msg: p.RegisterLoRA) -> AdapterInfo:
+        with adapter_errors():
+            known = {a.name: a for a in self.engine.list_loras()}.get(msg.name)
+            if known is not None and known.source == str(weights_file(msg.path)):
                 return known  # the same adapter again (a client's replay): already there
             return self.engine.register_lora(msg.name, msg.path)
-        except PoolError:
-            raise
-        except ValueError as e:  # LoRAError: the adapter or its name, the message names which
-            raise RequestError(str(e)) from e
 
     def _fail_now(self, link: ClientLink, rid: str, error: p.ErrorInfo) -> None:
         link.send(p.StepEvents([p.AudioEvent(rid, None, True, "error", error)], self.load()))
@@ -285,20 +282,12 @@ class Worker:
         sched, blocks = self.engine.scheduler, self.engine.blocks
         return p.WorkerLoad(len(sched.running), len(sched.waiting), blocks.num_free, len(blocks.blocks))
 
-    def stats(self) -> dict[str, Any]:
-        load = self.load()
-        return {
-            "running": load.running, "waiting": load.waiting, "free_blocks": load.free_blocks,
-            "total_blocks": load.total_blocks,
-            "free_slots": len(self.engine.runner.free_slots),
-            "total_slots": self.engine.runner.max_num_seqs,
-            "preemptions": self.engine.scheduler.num_preemptions,
-            "prompts": len(self.prompts),
-            "loras": self.engine.list_loras(),
-            "clients": len(self.links),
-            "steps": self.steps,
-            "step_seconds": self.step_seconds,
-        }
+    def stats(self, msg: p.GetStats | None = None) -> WorkerStats:
+        return WorkerStats(**vars(self.load()), free_slots=len(self.engine.runner.free_slots),
+                           total_slots=self.engine.runner.max_num_seqs,
+                           preemptions=self.engine.scheduler.num_preemptions, prompts=len(self.prompts),
+                           clients=len(self.links), steps=self.steps, step_seconds=self.step_seconds,
+                           loras=self.engine.list_loras())
 
     # --- the loop -----------------------------------------------------------------------------------
     def step(self) -> None:
@@ -430,36 +419,20 @@ class Worker:
         self.links.clear()
 
 
-def describe(engine: LLMEngine) -> dict[str, Any]:
+def describe(engine: LLMEngine) -> WorkerInfo:
     """The model facts a client reads once (GET /info shows them)."""
     m, cfg = engine.model, engine.config
-    return {
-        "architecture": m.config.architecture,
-        "version": m.config.version,
-        "sample_rate": m.vae.out_sample_rate,
-        "encoder_sample_rate": m.vae.sample_rate,
-        "channels": 1,
-        "feat_dim": m.config.feat_dim,
-        "patch_size": m.config.patch_size,
-        "samples_per_patch": engine.runner.samples_per_patch,
-        "dtype": str(engine.runner.dtype).removeprefix("torch."),
-        "device": str(engine.device),
-        "max_num_seqs": cfg.max_num_seqs,
-        "max_model_len": cfg.max_model_len,
-        "inference_timesteps": cfg.inference_timesteps,
-        "coalesce_ms": cfg.coalesce_ms,
-        "attention_backend": engine.runner.backend,
-        "cuda_graphs": len(engine.runner.graphs),
-        "pipelined_decode": engine.pipeline,
-        "lora_merged_layers": engine.lora_layers,
-        "lora_merged_steps": engine.runner.lora is not None and engine.runner.lora.merges,
-        "max_loras": cfg.max_loras,
-        "max_lora_rank": cfg.max_lora_rank,
-        "kv_blocks": len(engine.blocks.blocks),
-        "block_size": cfg.block_size,
-        "startup_s": engine.startup_s,
-        **engine.startup_phases,
-    }
+    return WorkerInfo(
+        architecture=m.config.architecture, version=m.config.version, sample_rate=m.vae.out_sample_rate,
+        encoder_sample_rate=m.vae.sample_rate, feat_dim=m.config.feat_dim, patch_size=m.config.patch_size,
+        samples_per_patch=engine.runner.samples_per_patch, dtype=str(engine.runner.dtype).removeprefix("torch."),
+        device=str(engine.device), max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
+        inference_timesteps=cfg.inference_timesteps, coalesce_ms=cfg.coalesce_ms,
+        attention_backend=engine.runner.backend, cuda_graphs=len(engine.runner.graphs),
+        pipelined_decode=engine.pipeline, lora_merged_layers=engine.lora_layers,
+        lora_merged_steps=engine.runner.lora is not None and engine.runner.lora.merges, max_loras=cfg.max_loras,
+        max_lora_rank=cfg.max_lora_rank, kv_blocks=len(engine.blocks.blocks), block_size=cfg.block_size,
+        startup=StartupTimes(startup_s=engine.startup_s, **engine.startup_phases))
 
 
 def warm_up(engine: LLMEngine) -> dict[str, float]:
@@ -483,6 +456,17 @@ def warm_up(engine: LLMEngine) -> dict[str, float]:
     times["warmup_hifi_s"] = time.perf_counter() - t2
     times["warmup_s"] = time.perf_counter() - t0
     return times
+
+
+@contextlib.contextmanager
+def adapter_errors() -> Iterator[None]:
+    """A LoRAError (a ValueError naming the adapter or its name) is the caller's: a RequestError; PoolErrors pass."""
+    try:
+        yield
+    except PoolError:
+        raise
+    except ValueError as e:
+        raise RequestError(str(e)) from e
 
 
 class StoppedWhileStarting(BaseException):
@@ -546,10 +530,10 @@ def worker_main(control: Connection, options: WorkerOptions) -> None:
         engine = LLMEngine(options.model_path, options.engine, options.device)
         info = describe(engine)
         if options.warmup:
-            info.update(warm_up(engine))
+            info.startup = dataclasses.replace(info.startup, **warm_up(engine))
         if imported_s is not None:
-            info["process_import_s"] = imported_s
-            info["spawn_to_ready_s"] = time.time() - options.spawned_at
+            info.startup.process_import_s = imported_s
+            info.startup.spawn_to_ready_s = time.time() - options.spawned_at
         worker = Worker(engine, control, info, acceptor)
         ready.set()
         watcher.join()  # from here on the main loop reads the control pipe; a Stop the watcher took raises here

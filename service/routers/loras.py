@@ -36,7 +36,7 @@ def _local_allowed(settings: Settings, uri: str) -> None:
 @router.post("/loras", response_model=LoRAInfo)
 async def register_lora(req: RegisterLoRARequest, state: LoadedState) -> LoRAInfo:
     s = state.settings
-    if not state.info.get("max_loras"):
+    if not state.model.max_loras:
         raise HTTPException(400, "lora_name: this service runs no runtime LoRA adapters (NANOVLLM_MAX_LORAS=0)")
     if uri_scheme(req.lora_uri) == "file":
         _local_allowed(s, req.lora_uri)
@@ -45,7 +45,7 @@ async def register_lora(req: RegisterLoRARequest, state: LoadedState) -> LoRAInf
     except AdapterSourceError as e:
         raise HTTPException(400, e.for_fields({"uri": "lora_uri", "sha256": "sha256"})) from e
     try:
-        return LoRAInfo(**await state.pool.register_lora(req.lora_name, str(local)))
+        return LoRAInfo.model_validate(await state.pool.register_lora(req.lora_name, str(local)))
     except PoolError as e:
         raise http_error(e) from e
 
@@ -53,7 +53,7 @@ async def register_lora(req: RegisterLoRARequest, state: LoadedState) -> LoRAInf
 @router.get("/loras", response_model=LoRAList)
 async def list_loras(state: LoadedState) -> LoRAList:
     try:
-        return LoRAList(loras=[LoRAInfo(**d) for d in await state.pool.list_loras()])
+        return LoRAList(loras=[LoRAInfo.model_validate(a) for a in await state.pool.list_loras()])
     except PoolError as e:
         raise http_error(e) from e
 

@@ -22,7 +22,7 @@ OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # what OpenAI exa
 async def adapter_ids(state: ServiceState) -> list[str]:
     """The runtime LoRA adapters, each a model id of its own."""
     try:
-        return [d["name"] for d in await state.runtime_adapters()]
+        return [a.name for a in await state.runtime_adapters()]
     except PoolError as e:
         raise http_error(e) from e
 
@@ -53,7 +53,7 @@ async def speech(req: SpeechRequest, request: Request, state: LoadedState) -> Re
     cond = await _voice(state, req.voice)
     text = f"({req.instructions.strip()}){req.input}" if req.instructions and req.instructions.strip() else req.input
     fmt, route = req.response_format, "/v1/audio/speech"
-    params = req.sampling(state.info["max_model_len"])
+    params = req.sampling(state.model.max_model_len)
     if req.stream_format == "sse":
         gen = await synthesis.start(state, route, text, cond, params, fmt, sse=True, lora_name=lora_name)
         return synthesis.AudioStreamResponse(gen, "text/event-stream", synthesis.audio_headers(state, fmt, gen),

@@ -7,6 +7,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine import PoolError
+from engine.vocabulary import AdapterInfo
 from service.deps import State, require_api_key, require_metrics_key
 from service.state import ServiceState
 
@@ -39,7 +40,7 @@ async def ready(state: State) -> JSONResponse:
     return JSONResponse({"status": "not ready", "detail": reason}, status_code=503, headers={"Retry-After": "5"})
 
 
-async def _adapters(state: ServiceState) -> list[dict] | None:
+async def _adapters(state: ServiceState) -> list[AdapterInfo] | None:
     """The runtime adapters the workers hold (None while no worker answers)."""
     try:
         return await state.runtime_adapters()
@@ -51,14 +52,16 @@ async def _adapters(state: ServiceState) -> list[dict] | None:
 async def info(state: State) -> dict:
     """Model metadata (sample rates, latent shape, limits), MP3 settings, voice cache usage."""
     s = state.settings
-    model = {**state.info, "model_path": state.model_path, "model_id": state.model_id, "random_weights": state.demo}
+    facts = state.info.as_dict() if state.info is not None else {}
+    model = {**facts, "devices": state.pool.worker_devices, "model_path": state.model_path, "model_id": state.model_id,
+             "random_weights": state.demo}
     return {
         "model": model,
         "lora": {"enabled": bool(s.lora_uri), "uri": s.lora_uri, "id": s.lora_id,
                  "sha256": s.lora_sha256, "merged": s.lora_merge,
-                 "merged_layers": state.info.get("lora_merged_layers", 0),
+                 "merged_layers": state.info.lora_merged_layers if state.info else 0,
                  "runtime": {"max_loras": s.max_loras, "max_lora_rank": s.max_lora_rank,
-                             "merged_steps": state.info.get("lora_merged_steps", False),
+                             "merged_steps": state.info.lora_merged_steps if state.info else False,
                              "adapters": await _adapters(state)}},
         "mp3": {"bitrate_kbps": s.mp3_bitrate_kbps, "quality": s.mp3_quality},
         "queue_coalesce_ms": s.queue_coalesce_ms,

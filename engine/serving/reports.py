@@ -1,0 +1,93 @@
+"""What a worker reports about itself, typed: its model facts and start-up (`WorkerInfo`, once, with `Ready`), its
+load with every step's events (`WorkerLoad`) and its counters on request (`WorkerStats`). Shapes after vLLM v1's
+`SchedulerStats` riding on `EngineCoreOutputs`: fields a reader names, never string keys.
+
+Torch-free: the service's API processes read them without loading torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.vocabulary import AdapterInfo
+
+
+@dataclass
+class StartupTimes:
+    """Where a worker's cold start went, in seconds (None: the phase did not run)."""
+
+    load_s: float = 0.0  # weights read and placed
+    precompile_wait_s: float = 0.0  # kernels still compiling when the weights were in
+    kv_s: float = 0.0  # KV cache sizing and allocation
+    graphs_s: float = 0.0  # CUDA graphs, warm-up and capture together
+    graph_warmup_s: float = 0.0
+    graph_capture_s: float = 0.0
+    startup_s: float = 0.0  # the engine's whole construction
+    kernels: dict[str, Any] = field(default_factory=dict)  # what the kernel cache and the JIT did
+    warmup_zeroshot_s: float | None = None
+    warmup_encode_s: float | None = None
+    warmup_hifi_s: float | None = None
+    warmup_s: float | None = None
+    process_import_s: float | None = None  # spawn, Python, torch and the engine's imports
+    spawn_to_ready_s: float | None = None
+
+
+@dataclass
+class WorkerInfo:
+    """The model facts a client reads once (GET /info shows them)."""
+
+    architecture: str
+    version: int
+    sample_rate: int  # of the audio it streams
+    encoder_sample_rate: int  # of the clips it encodes
+    feat_dim: int
+    patch_size: int
+    samples_per_patch: int
+    dtype: str
+    device: str
+    max_num_seqs: int
+    max_model_len: int
+    inference_timesteps: int
+    coalesce_ms: float
+    attention_backend: str
+    cuda_graphs: int
+    pipelined_decode: bool
+    lora_merged_layers: int  # layers the start-up adapter changed when merged
+    lora_merged_steps: bool  # a step of one runtime adapter runs on merged weights
+    max_loras: int
+    max_lora_rank: int
+    kv_blocks: int
+    block_size: int
+    startup: StartupTimes = field(default_factory=StartupTimes)
+    channels: int = 1
+
+    def as_dict(self) -> dict[str, Any]:
+        """One flat mapping, the start-up phases beside the facts (the library's `get_model_info()` and /info)."""
+        facts = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "startup"}
+        return {**facts, **dataclasses.asdict(self.startup)}
+
+
+@dataclass
+class WorkerLoad:
+    """What a worker holds now; sent with every step's events, so routing needs no round trip."""
+
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+
+
+@dataclass
+class WorkerStats(WorkerLoad):
+    """A worker's counters (GetStats): its load, its slots, and what it has done since it started."""
+
+    free_slots: int = 0
+    total_slots: int = 0
+    preemptions: int = 0
+    prompts: int = 0  # continuation prompts registered with it
+    clients: int = 0  # connected clients
+    steps: int = 0
+    step_seconds: float = 0.0  # summed over the steps
+    loras: list[AdapterInfo] = field(default_factory=list)
