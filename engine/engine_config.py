@@ -1,82 +1,105 @@
-"""EngineConfig: how one engine is sized and run (batch, lengths, memory, graphs, coalescing), with the engine
-switches (`EngineOptions`) it carries to the workers. Torch-free, so the processes that only start workers (the
-service's supervisor) build one without importing torch."""
+"""EngineConfig: how one engine is sized and run (batch, lengths, memory, graphs, coalescing, adapters), with the
+engine switches (`EngineOptions`) it carries to the workers. The one definition of each engine field: its default,
+its bounds and its doc (`VoxCPM.from_pretrained` takes the fields as keywords, `ModelRunner` the config whole, and the
+service's settings derive theirs from here). Torch-free, so the processes that only start workers (the service's
+supervisor) build one without importing torch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+import re
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 from engine.options import EngineOptions
+from engine.vocabulary import LORA_NAME_PATTERN
 
 # The dtype names an EngineConfig takes (engine.config.parse_dtype makes them torch dtypes, in the processes that
 # run the engine): a config names its dtype, so that building and pickling one for the workers needs no torch.
 DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
                "float32": "float32", "fp32": "float32"}  # name -> torch attribute
 
+ATTENTION_BACKENDS = ("flash", "triton", "torch")
+
 if TYPE_CHECKING:
     import torch
 
 
+def setting(default: Any, doc: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+            choices: tuple[str, ...] | None = None, pattern: str | None = None) -> Any:
+    """One engine field: its default, bounds and doc, defined here once. `validate()` checks the bounds; the
+    service's settings take the default, bounds and doc from here (`service.settings.engine_setting`)."""
+    return field(default=default, metadata={"doc": doc, "ge": ge, "gt": gt, "le": le, "choices": choices,
+                                                   "pattern": pattern})
+
+
 @dataclass
 class EngineConfig:
-    max_num_seqs: int = 16
-    max_model_len: int = 4096
-    max_num_batched_tokens: int = 8192
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # default: CUDA measures free memory, CPU fits max_num_seqs full sequences
-    gpu_memory_utilization: float = 0.9  # share of the device's memory this engine may end up using
-    enforce_eager: bool = False  # no CUDA graphs
-    attention_backend: str | None = None  # "flash" | "triton" | "torch"; default: the best available
-    inference_timesteps: int = 10
-    dtype: str | torch.dtype | None = None  # a name of DTYPE_NAMES (or a torch dtype); default: the checkpoint's
-    # Launch a decode step before reading the previous one's outputs, so the host's work between steps
-    # overlaps the device's (a sequence that stops computes one patch more, dropped). None: the options' choice,
-    # else on for CUDA, off on the CPU where a step is synchronous anyway.
-    pipeline_decode: bool | None = None
-    # Window gathering requests that arrive together into one scheduling round (one batched prefill): new
-    # requests wait up to this long for others before they are admitted. 0 = admit at once.
-    coalesce_ms: float = 0.0
-    # A request still waiting for a seat this long after it arrived is failed (OverloadedError); None = no limit.
-    queue_timeout_s: float | None = None
-    # A LoRA adapter (official format: its directory or weights file) merged into the weights at load (a model
-    # passed to LLMEngine already loaded is changed in place).
-    lora_path: str | None = None
-    # False: serve that adapter as a runtime adapter named `lora_name`, the one of every request that names none
-    # (other runtime adapters then apply to the base weights, as they were trained; needs max_loras >= 1).
-    lora_merge: bool = True
-    lora_name: str = "default"
-    # Runtime LoRA adapters (registered by name, chosen per request): how many may be resident on the device at once
-    # (0: none, no per-step cost) and the largest rank they may have (their slots are sized for it).
-    max_loras: int = 0
-    max_lora_rank: int = 32
+    max_num_seqs: int = setting(16, "Sequences decoded together per step.", ge=1)
+    max_model_len: int = setting(4096, "Longest sequence (prompt + generated).", ge=16)
+    max_num_batched_tokens: int = setting(8192, "Prefill token budget per step (>= max_model_len: a preempted "
+                                                "stream is recomputed in one prefill).", ge=1)
+    block_size: int = setting(16, "Tokens per KV block (a power of two).", ge=1)
+    num_kv_blocks: int | None = setting(None, "KV blocks; unset: CUDA measures free memory, the CPU fits "
+                                              "max_num_seqs full sequences.", ge=1)
+    gpu_memory_utilization: float = setting(0.9, "Share of the device's memory this engine may end up using.",
+                                            ge=0.05, le=1.0)
+    enforce_eager: bool = setting(False, "No CUDA graphs.")
+    attention_backend: str | None = setting(None, "The paged attention's kernels; unset: the best available.",
+                                            choices=ATTENTION_BACKENDS)
+    inference_timesteps: int = setting(10, "CFM Euler steps per patch.", ge=1, le=100)
+    dtype: str | torch.dtype | None = setting(None, "The weights' dtype, a name of DTYPE_NAMES (or a torch dtype); "
+                                                    "unset: the checkpoint's.", choices=tuple(DTYPE_NAMES))
+    pipeline_decode: bool | None = setting(None, "Launch a decode step before reading the previous one's outputs, so "
+                                                 "the host's work between steps overlaps the device's (a sequence "
+                                                 "that stops computes one patch more, dropped). Unset: on for CUDA, "
+                                                 "off on the CPU where a step is synchronous anyway.")
+    coalesce_ms: float = setting(0.0, "Window gathering generation requests that arrive together into one "
+                                      "scheduling round (one batched prefill): new requests wait up to this long "
+                                      "for others before they are admitted; 0: admit at once.", ge=0.0, le=1000.0)
+    queue_timeout_s: float | None = setting(None, "Longest a request waits for a seat, then it fails "
+                                                  "(OverloadedError); unset: no limit.", gt=0.0)
+    lora_path: str | None = setting(None, "A LoRA adapter (official format: its directory or weights file) merged "
+                                          "into the weights at load (a model passed to LLMEngine already loaded is "
+                                          "changed in place).")
+    lora_merge: bool = setting(True, "Merge the start-up adapter into the weights at load (the seed's "
+                                     "instance-level adapter: no per-step cost; runtime adapters then apply on top "
+                                     "of it). False: serve it as the runtime adapter `lora_name` of every request "
+                                     "that names none (needs max_loras >= 1).")
+    lora_name: str = setting("default", "The start-up adapter's name when it is served as a runtime adapter.",
+                             pattern=LORA_NAME_PATTERN)
+    max_loras: int = setting(0, "Runtime LoRA adapters (registered by name, chosen per request) resident on the "
+                                "device at once; the least recently used idle one makes room. 0: runtime adapters "
+                                "off (no per-step cost).", ge=0, le=64)
+    max_lora_rank: int = setting(32, "Largest rank a runtime adapter may have (its slots are sized for it).",
+                                 ge=1, le=256)
     # The engine switches, read from the VOXCPM_* variables when the config is made (here, not in the workers).
     options: EngineOptions = field(default_factory=EngineOptions.from_env)
 
     def validate(self) -> None:
-        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "inference_timesteps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
+        """Each field against its bounds, then the rules between fields (a ValueError naming the field)."""
+        for f in fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            if value is None or not meta or isinstance(value, bool):
+                continue
+            if meta["pattern"] is not None and isinstance(value, str) and not re.fullmatch(meta["pattern"], value):
+                raise ValueError(f"{f.name}: {value!r} does not match {meta['pattern']}")
+            if meta["choices"] is not None and isinstance(value, str) and value not in meta["choices"]:
+                raise ValueError(f"{f.name}: {value!r} is not one of {sorted(meta['choices'])}")
+            if meta["ge"] is not None and not value >= meta["ge"]:
+                raise ValueError(f"{f.name} must be >= {meta['ge']:g}, got {value!r}")
+            if meta["gt"] is not None and not value > meta["gt"]:
+                raise ValueError(f"{f.name} must be > {meta['gt']:g}, got {value!r}")
+            if meta["le"] is not None and not value <= meta["le"]:
+                raise ValueError(f"{f.name} must be <= {meta['le']:g}, got {value!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
-        if not 0.05 <= self.gpu_memory_utilization <= 1.0:
-            raise ValueError("gpu_memory_utilization must be in [0.05, 1]")
         if self.max_num_batched_tokens < self.max_model_len:
             # A preempted stream is recomputed in one prefill of up to max_model_len tokens.
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                              f"({self.max_model_len})")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError("num_kv_blocks must be >= 1")
-        if not 0.0 <= self.coalesce_ms <= 1000.0:
-            raise ValueError("coalesce_ms must be in [0, 1000]")
-        if self.queue_timeout_s is not None and self.queue_timeout_s <= 0:
-            raise ValueError("queue_timeout_s must be > 0")
         if self.lora_path and not self.lora_merge and self.max_loras < 1:
             raise ValueError("lora_merge=False serves the start-up adapter as a runtime adapter: max_loras must be "
                              ">= 1")
-        if not 0 <= self.max_loras <= 64:
-            raise ValueError("max_loras must be in [0, 64]")
-        if not 1 <= self.max_lora_rank <= 256:
-            raise ValueError("max_lora_rank must be in [1, 256]")
-        if isinstance(self.dtype, str) and self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_NAMES)}")
+
+
+ENGINE_FIELDS = frozenset(f.name for f in fields(EngineConfig) if f.name != "options")

@@ -31,6 +31,7 @@ from engine.serving.pool import checked_model_path, device_names
 from engine.serving.routing import LoadTable
 from service import errors, lifecycle
 from service.deps import require_api_key
+from service.encoder_pool import EncoderPool
 from service.engine_setup import (
     DRAIN_SIGNAL,
     WorkerEndpoint,
@@ -75,7 +76,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
                 arguments = engine_arguments(settings, demo, lora_path)
                 threads = settings.encoder_thread_count(1, len(device_names(arguments["devices"])))
                 pool = VoxCPM.from_pretrained(model_path, encoder_threads=threads, queue_bound=settings.queue_bound,
-                                              loras=registrations, **arguments)
+                                              loras=registrations, transform_threads=EncoderPool, **arguments)
                 assert isinstance(pool, AsyncVoxCPMServerPool)
             else:
                 demo, voice_db = endpoint.demo, endpoint.voice_db
@@ -84,7 +85,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
                 registrations = LoRARegistrations(voice_db.with_name("loras.db"))
                 pool = AsyncVoxCPMServerPool.connect(model_path, endpoint.addresses, endpoint.authkey,
                                                      endpoint.encoder_threads, load, settings.queue_bound,
-                                                     registrations)
+                                                     registrations, EncoderPool)
             pool.client.encoders.observer = metrics.observe_encoding
             pool.client.tokenizer = tokenizer
             store = SqliteVoiceStore(voice_db, settings.voice_cache_max_entries, settings.voice_cache_max_bytes)

@@ -103,13 +103,4 @@ def engine_arguments(settings: Settings, demo: bool, lora_path: str | None = Non
     devices = settings.device_list()
     if demo and devices is None:
         devices = ["cpu"]  # the demo checkpoint is tiny: no GPU needed
-    return dict(devices=devices, max_num_seqs=settings.serverpool_max_num_seqs,
-                max_model_len=settings.serverpool_max_model_len,
-                max_num_batched_tokens=settings.serverpool_max_num_batched_tokens,
-                gpu_memory_utilization=settings.serverpool_gpu_memory_utilization,
-                enforce_eager=settings.serverpool_enforce_eager,
-                inference_timesteps=settings.serverpool_inference_timesteps,
-                coalesce_ms=settings.queue_coalesce_ms, queue_timeout_s=settings.queue_timeout_s,
-                warmup=settings.warmup, lora_path=lora_path, lora_merge=settings.lora_merge,
-                lora_name=settings.lora_id or "default", max_loras=settings.max_loras,
-                max_lora_rank=settings.max_lora_rank)
+    return dict(devices=devices, warmup=settings.warmup, lora_path=lora_path, **settings.engine_fields())

@@ -3,41 +3,67 @@ at start-up so a bad value fails fast with the variable named."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import operator
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, create_model, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine.vocabulary import LORA_NAME_PATTERN
+from engine.engine_config import EngineConfig
 
 # lameenc accepts only the MPEG-1/2 layer III bitrates
 MP3_BITRATES = (32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320)
 
 
-class Settings(BaseSettings):
+# The engine's settings: NANOVLLM_<SETTING> sets EngineConfig's <field>, whose default, bounds and doc are the
+# setting's (defined there once). The names are the seed's, its public contract: SERVERPOOL_ and the field for the
+# pool's sizing, and the two it spelled otherwise (QUEUE_COALESCE_MS, LORA_ID).
+ENGINE_SETTINGS: dict[str, str] = {
+    "serverpool_max_num_seqs": "max_num_seqs",
+    "serverpool_max_num_batched_tokens": "max_num_batched_tokens",
+    "serverpool_max_model_len": "max_model_len",
+    "serverpool_gpu_memory_utilization": "gpu_memory_utilization",
+    "serverpool_enforce_eager": "enforce_eager",
+    "serverpool_inference_timesteps": "inference_timesteps",
+    "queue_coalesce_ms": "coalesce_ms",
+    "queue_timeout_s": "queue_timeout_s",
+    "lora_id": "lora_name",
+    "lora_merge": "lora_merge",
+    "max_loras": "max_loras",
+    "max_lora_rank": "max_lora_rank",
+}
+# Where the service's default is not the library's, and why.
+SERVICE_DEFAULTS: dict[str, Any] = {
+    # Requests arriving together share one scheduling round (one batched prefill): docs/benchmarks.md, coalescing.
+    "coalesce_ms": 5.0,
+    # A request never waits for a seat longer than an HTTP client would: 503 + Retry-After instead.
+    "queue_timeout_s": 30.0,
+    # Unset: /info says no adapter id was given; the engine then names a runtime start-up adapter "default".
+    "lora_name": None,
+}
+
+
+ANNOTATIONS = {"int": int, "float": float, "bool": bool, "str": str, "None": type(None)}  # of the engine settings
+
+
+class BaseServiceSettings(BaseSettings):
+    """The service's own settings; `Settings` adds the engine's (ENGINE_SETTINGS)."""
+
     model_config = SettingsConfigDict(env_prefix="NANOVLLM_", extra="ignore")
 
     model_path: str | None = Field(None, description="Checkpoint directory or hub repo id; unset = embedded tiny "
                                                      "demo checkpoint with RANDOM weights (CPU).")
-    serverpool_max_num_seqs: int = Field(16, ge=1, description="Sequences decoded together per step.")
-    serverpool_max_num_batched_tokens: int = Field(8192, ge=1, description="Prefill token budget per step.")
-    serverpool_max_model_len: int = Field(4096, ge=16, description="Longest sequence (prompt + generated).")
-    serverpool_gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Share of GPU memory to use.")
-    serverpool_enforce_eager: bool = Field(False, description="Disable CUDA graphs.")
     serverpool_devices: str | None = Field(None, description="Comma list of GPU indices or device names; unset = "
                                                              "every GPU, else the CPU.")
-    serverpool_inference_timesteps: int = Field(10, ge=1, le=100, description="CFM Euler steps per patch.")
     mp3_bitrate_kbps: int = Field(192, description="MP3 bitrate (kbit/s).")
     mp3_quality: int = Field(2, ge=0, le=2, description="lameenc quality, 0 best .. 2 fastest (of the 0..2 range).")
-    queue_coalesce_ms: float = Field(5.0, ge=0, le=1000, description="Window gathering generation requests that "
-                                                                     "arrive together into one scheduling round "
-                                                                     "(one batched prefill) in each engine worker.")
     max_queued_requests: int | None = Field(None, ge=0, description="Requests each worker may hold waiting for a seat "
                                                                      "beyond the max_num_seqs it runs; more: 503 + "
                                                                      "Retry-After at once. Unset = max_num_seqs.")
-    queue_timeout_s: float = Field(30.0, gt=0, description="Longest a request waits for a seat; then 503.")
     shutdown_grace_s: float = Field(30.0, ge=0, le=3600, description="On SIGTERM: /ready turns 503 and new requests "
                                                                        "get 503 at once; responses in flight get this "
                                                                        "long to finish before the processes stop.")
@@ -52,8 +78,8 @@ class Settings(BaseSettings):
                                                             "two seats the process serves on average (the engine "
                                                             "seats over the API processes), from 2 to 16.")
     cache_dir: Path = Field(Path("~/.cache/voxcpm-serve"), description="Voice store and demo checkpoint.")
-    prebuilt_kernels_dir: Path | None = Field(None, description="GPU kernels compiled ahead (`python "
-                                                                "tools/prebuild_kernels.py --out DIR`, as the image "
+    prebuilt_kernels_dir: Path | None = Field(None, description="GPU kernels compiled ahead (`python -m "
+                                                                "engine.startup.prebuild --out DIR`, as the image "
                                                                 "does): copied into the cache dir's kernel cache at "
                                                                 "start where it lacks them, so a start on an empty "
                                                                 "volume compiles none.")
@@ -71,21 +97,8 @@ class Settings(BaseSettings):
     hf_endpoint: str | None = Field(None, description="Hub endpoint for hf:// URIs (a mirror or private hub); default "
                                                       "huggingface.co.")
     hf_token: SecretStr | None = Field(None, description="Token for private hf:// repositories.")
-    lora_id: str | None = Field(None, pattern=LORA_NAME_PATTERN,
-                                description="The adapter's name (in /info; without merging, the runtime adapter's "
-                                            "name, default 'default').")
     lora_sha256: str | None = Field(None, description="SHA-256 of the adapter's weights file: start-up fails, naming "
                                                       "both digests, when it differs.")
-    lora_merge: bool = Field(True, description="Merge the adapter into the weights at load (the seed's "
-                                               "instance-level adapter: no per-step cost; runtime adapters would "
-                                               "then apply on top of it). False: serve it as the runtime adapter "
-                                               "NANOVLLM_LORA_ID (default 'default') of every request that names "
-                                               "none (needs NANOVLLM_MAX_LORAS >= 1).")
-    max_loras: int = Field(0, ge=0, le=64, description="Runtime LoRA adapters (POST /loras, lora_name per request) "
-                                                      "resident on each GPU at once; the least recently used idle "
-                                                      "one makes room. 0: runtime adapters off (no per-step cost).")
-    max_lora_rank: int = Field(32, ge=1, le=256, description="Largest rank a runtime adapter may have (its slots "
-                                                             "are sized for it).")
     lora_dir: Path | None = Field(None, description="POST /loras may name local adapters (a path or file://) only "
                                                     "inside this directory; unset: remote URIs only.")
     max_request_bytes: int = Field(16 * 2**20, ge=1024, description="Largest request body accepted: 413 beyond it, "
@@ -127,7 +140,7 @@ class Settings(BaseSettings):
         return v
 
     @model_validator(mode="after")
-    def _token_budget(self) -> Settings:
+    def _token_budget(self) -> BaseServiceSettings:
         if self.serverpool_max_num_batched_tokens < self.serverpool_max_model_len:
             raise ValueError("NANOVLLM_SERVERPOOL_MAX_NUM_BATCHED_TOKENS must be >= NANOVLLM_SERVERPOOL_MAX_MODEL_LEN "
                              "(a preempted stream is recomputed in one prefill)")
@@ -141,7 +154,7 @@ class Settings(BaseSettings):
         return v
 
     @model_validator(mode="after")
-    def _lora(self) -> Settings:
+    def _lora(self) -> BaseServiceSettings:
         if self.lora_uri and not self.lora_merge and self.max_loras < 1:
             raise ValueError("NANOVLLM_LORA_URI with NANOVLLM_LORA_MERGE=false is served as a runtime adapter "
                              "(every request that names none uses it): set NANOVLLM_MAX_LORAS >= 1, or leave "
@@ -189,6 +202,28 @@ class Settings(BaseSettings):
     @property
     def cache_path(self) -> Path:
         return self.cache_dir.expanduser()
+
+    def engine_fields(self) -> dict[str, Any]:
+        """The EngineConfig fields these settings set (an unset one: the config's default)."""
+        values = {field: getattr(self, name) for name, field in ENGINE_SETTINGS.items()}
+        return {field: value for field, value in values.items() if value is not None}
+
+
+def engine_setting(field_name: str) -> tuple[Any, Any]:
+    """The (type, pydantic Field) of the setting that sets EngineConfig's `field_name`: its type, bounds and doc are
+    the config's, its default the config's unless SERVICE_DEFAULTS says otherwise."""
+    f = next(f for f in dataclasses.fields(EngineConfig) if f.name == field_name)
+    meta = f.metadata
+    kind = functools.reduce(operator.or_, (ANNOTATIONS[t] for t in f.type.split(" | ")))  # "float | None"
+    default = SERVICE_DEFAULTS.get(field_name, f.default)
+    if default is None:
+        kind = kind | None
+    bounds = {k: meta[k] for k in ("ge", "gt", "le", "pattern") if meta[k] is not None}
+    return kind, Field(default, description=meta["doc"], **bounds)
+
+
+Settings = create_model("Settings", __base__=BaseServiceSettings, __doc__="Every NANOVLLM_* setting of the service.",
+                        **{name: engine_setting(field) for name, field in ENGINE_SETTINGS.items()})
 
 
 def describe_error(err: ValidationError, flags: set[str] | None = None) -> str:

@@ -118,3 +118,56 @@ def test_no_work_counters_in_the_docs_or_the_code():
     found = [f"{p.relative_to(ROOT)}:{n}: {m.group(0)}" for p in paths
              for n, line in enumerate(p.read_text().splitlines(), 1) for m in COUNTER.finditer(line)]
     assert found == []
+
+
+def test_each_engine_field_has_one_default():
+    """EngineConfig defines each engine field's default once: no engine or service function repeats one as a
+    parameter default (None, "not given", is no default), `from_pretrained` takes the fields as keywords,
+    `ModelRunner` the config whole, and the service's engine settings carry the config's defaults, bounds and docs
+    (their own default only where the one SERVICE_DEFAULTS table says so)."""
+    import dataclasses
+    import inspect
+
+    from engine.engine_config import ENGINE_FIELDS, EngineConfig
+    from engine.runner.model_runner import ModelRunner
+    from engine.serving.pool import VoxCPM
+    from service.settings import ENGINE_SETTINGS, SERVICE_DEFAULTS, Settings
+
+    repeated = []
+    for path in [*ENGINE.rglob("*.py"), *(ROOT / "service").rglob("*.py")]:
+        if path.name == "engine_config.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                args = node.args.args + node.args.kwonlyargs
+                defaults = [None] * (len(node.args.args) - len(node.args.defaults)) + node.args.defaults
+                defaults += node.args.kw_defaults
+                repeated += [f"{path.relative_to(ROOT)}:{node.lineno} {node.name}({a.arg}=...)"
+                             for a, d in zip(args, defaults, strict=True)
+                             if a.arg in ENGINE_FIELDS and d is not None and ast.unparse(d) != "None"]
+    assert repeated == []
+    assert list(inspect.signature(VoxCPM.from_pretrained).parameters) == ["model", "devices", "options"]
+    assert list(inspect.signature(ModelRunner.__init__).parameters) == ["self", "model", "config", "device"]
+    config = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    assert set(ENGINE_SETTINGS.values()) <= ENGINE_FIELDS and set(SERVICE_DEFAULTS) <= set(ENGINE_SETTINGS.values())
+    for name, field in ENGINE_SETTINGS.items():
+        setting = Settings.model_fields[name]
+        assert setting.default == SERVICE_DEFAULTS.get(field, config[field].default), name
+        assert setting.description == config[field].metadata["doc"], name
+
+
+def test_the_process_boundary_is_typed():
+    """What crosses between a worker and its clients is typed: no message or report field is `Any` or a string-keyed
+    dict of anything, and every call names the worker method that answers it."""
+    from engine.serving import protocol, reports, worker
+
+    loose = []
+    for module in (protocol, reports):
+        tree = ast.parse(Path(module.__file__).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.AnnAssign) and re.search(r"\bAny\b|dict\[str, Any\]", ast.unparse(node.annotation)):
+                loose.append(f"{module.__name__}:{node.lineno} {ast.unparse(node)}")
+    assert loose == []
+    calls = [c for c in vars(protocol).values() if isinstance(c, type) and issubclass(c, protocol.Call)
+             and c is not protocol.Call]
+    assert calls and all(callable(getattr(worker.Worker, c.method, None)) for c in calls)

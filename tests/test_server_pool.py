@@ -273,6 +273,10 @@ def test_two_workers_route_by_load_and_survive_one_dying(checkpoint):
 def test_bad_configuration_is_refused_before_starting(tmp_path):
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         VoxCPM.from_pretrained("unused", gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="lora_name"):
+        VoxCPM.from_pretrained("unused", lora_name="../up")
+    with pytest.raises(TypeError, match="max_num_seq\\b"):  # a misspelt field is named, never dropped
+        VoxCPM.from_pretrained("unused", max_num_seq=8)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             VoxCPM.from_pretrained("unused", devices=[0])

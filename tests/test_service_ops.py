@@ -143,3 +143,31 @@ def test_request_body_of_exactly_the_limit_is_accepted(server):
                    timeout=120)
     assert r.status_code == 200, r.text[:300]
 
+
+
+def test_the_encoder_pool_serves_the_listener_who_runs_out_first():
+    """The service's encoders take streams earliest deadline first: a stream with nothing sent yet at once, then the
+    one whose listener has the least audio in hand (first output + audio made), whatever order they came in; the
+    library's transform threads take them as they came."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from engine.serving.transforms import TransformThreads
+    from service.encoder_pool import EncoderPool
+
+    def stream(first_output_at: float | None, seconds: float) -> SimpleNamespace:
+        return SimpleNamespace(lock=threading.Lock(), pending=[], scheduled=False, first_output_at=first_output_at,
+                               transformed_samples=int(seconds * 48000))
+
+    loop = asyncio.new_event_loop()
+    try:
+        ahead, behind, new = stream(100.0, 5.0), stream(100.0, 1.0), stream(None, 0.0)
+        for runner, expected in ((EncoderPool(0, loop), [new, behind, ahead]),
+                                 (TransformThreads(0, loop), [ahead, behind, new])):
+            for s in (ahead, behind, new):
+                s.scheduled, s.pending = False, []
+                runner.submit(s, object())
+            assert [runner.queue.get_nowait()[2] for _ in range(3)] == expected
+    finally:
+        loop.close()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.engine_config import ATTENTION_BACKENDS
 from engine.models.minicpm import AttendFn
 from engine.ops import paged_attention as paged
 from engine.ops.batch_invariant import one_thread
@@ -29,7 +30,7 @@ from engine.ops.platform import HAVE_TRITON
 from engine.ops.rotary import rotary_qk, rotary_store_kv
 from engine.options import batch_invariant
 
-BACKENDS = ("flash", "triton", "torch")
+BACKENDS = ATTENTION_BACKENDS
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 A library pool has one client; the service has one in each API process. A client routes each request to the
 least-loaded ready worker and turns the worker's per-step messages into one async stream per request. A
-request may carry a *transform* (the service's audio encoder): it runs on the client's encoder pool, threads
-that take whichever stream has chunks waiting (a stream's chunks stay in order, one thread at a time), so
+request may carry a *transform* (the service's audio encoder): it runs on the client's transform threads
+(`engine.serving.transforms`; the service's are its deadline-ordered `service.encoder_pool.EncoderPool`), so
 encoding spreads over cores instead of serialising on the event loop.
 
 Threads per worker connection: a reader (unpickles messages; hands audio to the loop or the encoder pool) and a
@@ -22,7 +22,6 @@ import logging
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
@@ -43,6 +42,7 @@ from engine.io.tokenizer import TextTokenizer, text_tokens
 from engine.serving import protocol as p
 from engine.serving.reports import WorkerInfo, WorkerLoad, WorkerStats
 from engine.serving.routing import LoadTable
+from engine.serving.transforms import TransformThreads
 from engine.vocabulary import AdapterInfo, FinishReason, TextIds
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,6 @@ REPLAY = "replay:"  # call ids of registrations sent again to a (re)connected wo
 # Longer texts are tokenized on a thread: 20,000 characters take ~10 ms, which this loop's other streams would wait.
 TOKENIZE_INLINE_CHARS = 2000
 _END = object()
-_PREPARE = object()  # the pending "event" that runs a transform's prepare()
 
 
 @dataclass
@@ -286,94 +285,6 @@ class _WorkerLink:
                 self.conn.close()
 
 
-class EncoderPool:
-    """Threads that run streams' transforms, earliest deadline first. A chunk's deadline is when a listener who
-    started at the stream's first output would run out of audio without it (first output time + audio seconds
-    made before it); a stream that has made nothing yet is due at once (its first bytes are the time to first
-    audio). So when encoding falls behind, streams with the least audio in hand go first and a stream seconds
-    ahead waits. A stream's chunks are transformed in order, one at a time: it is queued once, for its next one.
-
-    `observer` (the service's metrics), when set, is told of each event transformed: whether it made its stream's
-    first bytes, how long it waited after it came (for a thread, or behind its stream's previous event) and the CPU
-    time the transform took (its wall time is longer where more threads than cores are encoding). The first bytes'
-    wait is part of the time to first audio; later chunks usually wait while their streams are ahead of their
-    listeners, so long waits there mean the encoders run behind the engine."""
-
-    def __init__(self, count: int, loop: asyncio.AbstractEventLoop, sample_rate: int = 48000) -> None:
-        self.loop, self.sample_rate = loop, sample_rate
-        self.observer: Callable[[bool, float, float], None] | None = None
-        self.queue: queue.PriorityQueue[tuple[float, int, Any]] = queue.PriorityQueue()
-        self._order = itertools.count()
-        self.threads = [threading.Thread(target=self._run, name=f"voxcpm-encoder-{i}", daemon=True)
-                        for i in range(count)]
-        for t in self.threads:
-            t.start()
-
-    def _due(self, stream: GenerationStream) -> float:
-        if stream.first_output_at is None:
-            return float("-inf")
-        return stream.first_output_at + stream.transformed_samples / self.sample_rate
-
-    def submit(self, stream: GenerationStream, ev: p.AudioEvent | object) -> None:
-        """From the reader thread: a stream's next event (or, from the loop, _PREPARE before any)."""
-        with stream.lock:
-            stream.pending.append((ev, time.monotonic()))
-            if stream.scheduled:
-                return  # queued already, for its earliest chunk
-            stream.scheduled = True
-            due = self._due(stream)
-        self.queue.put((due, next(self._order), stream))
-
-    def prepare(self, stream: GenerationStream) -> None:
-        """Run the stream's transform's prepare() ahead of its chunks (due at once, as a first chunk is)."""
-        self.submit(stream, _PREPARE)
-
-    def _run(self) -> None:
-        while (job := self.queue.get())[2] is not _END:
-            stream = job[2]
-            with stream.lock:
-                if stream.closed:  # aborted meanwhile: its chunks are nobody's
-                    stream.pending.clear()
-                    stream.scheduled = False
-                    continue
-                ev, came = stream.pending.pop(0)
-            observed = self.observer is not None and ev is not _PREPARE
-            began, cpu = (time.monotonic(), time.thread_time()) if observed else (0.0, 0.0)
-            item = stream.prepare() if ev is _PREPARE else stream.convert(ev)
-            with stream.lock:
-                first = stream.first_output_at is None and item is not None and item.value is not None
-                if first:  # this event made the stream's first bytes (a whole-file encoder's is its last chunk)
-                    stream.first_output_at = time.monotonic()
-                stream.transformed_samples += item.samples if item is not None else 0
-                again = bool(stream.pending)
-                stream.scheduled = again
-                due = self._due(stream)
-            if again:
-                self.queue.put((due, next(self._order), stream))
-            if observed:  # before the item is delivered: counted before its bytes are sent
-                self._observe(first, began - came, time.thread_time() - cpu)
-            if item is None:
-                continue
-            try:
-                self.loop.call_soon_threadsafe(stream.put, item)
-            except RuntimeError:  # the loop is closed
-                return
-
-    def _observe(self, first: bool, wait_s: float, cpu_s: float) -> None:
-        observer = self.observer
-        if observer is None:
-            return
-        try:
-            observer(first, wait_s, cpu_s)
-        except Exception:  # a metrics bug must not stop this thread (its streams would hang): told once, then off
-            log.exception("the encoder pool's observer failed; it is not called again")
-            self.observer = None
-
-    def stop(self) -> None:
-        for _ in self.threads:
-            self.queue.put((float("inf"), next(self._order), _END))
-
-
 async def tokenized(tokenizer: TextTokenizer, request: p.SynthesisRequest) -> TextIds | None:
     """text_ids(), on a thread for a long text: the loop's other streams must not wait for it."""
     chars = sum(len(t) for t in (request.target_text, request.prompt_text) if isinstance(t, str))
@@ -404,13 +315,14 @@ class EngineClient:
 
     def __init__(self, addresses: list[str], authkey: bytes, encoder_threads: int = 4,
                  load: LoadTable | None = None, queue_bound: int | None = None,
-                 loras: MutableMapping[str, str] | None = None) -> None:
+                 loras: MutableMapping[str, str] | None = None,
+                 transform_threads: type[TransformThreads] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.authkey = authkey
         self.links = [_WorkerLink(self, i, a) for i, a in enumerate(addresses)]
         self.load = load or LoadTable(len(addresses))  # shared with the other API processes of a service
         self.queue_bound = queue_bound  # requests a worker may hold beyond its max_num_seqs (None: no bound)
-        self.encoders = EncoderPool(max(1, encoder_threads), self.loop)
+        self.encoders = (transform_threads or TransformThreads)(max(1, encoder_threads), self.loop)
         self.ids = itertools.count()
         self.name = os.urandom(4).hex()  # request ids are this client's name and a counter: unique across clients
         self.prompts: dict[str, tuple[np.ndarray, str]] = {}

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from engine.engine_config import ENGINE_FIELDS, EngineConfig
 from engine.errors import PoolError, PoolStoppedError, PromptNotFoundError, RequestError, WorkerDiedError
 from engine.options import cuda_visible_devices
 from engine.serving import protocol as p
@@ -30,12 +31,11 @@ from engine.serving.client import EngineClient, GenerationStream, Transform
 from engine.serving.processes import WorkerProcess, WorkerSet
 from engine.serving.reports import WorkerInfo, WorkerStats
 from engine.serving.routing import LoadTable
+from engine.serving.transforms import TransformThreads
 from engine.vocabulary import AdapterInfo, FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     import torch
-
-    from engine.engine_config import EngineConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,24 +47,27 @@ class AsyncVoxCPMServerPool:
 
     def __init__(self, model: str, devices: list[str], config: EngineConfig, *, warmup: bool = False,
                  encoder_threads: int = 4, queue_bound: int | None = None,
-                 loras: MutableMapping[str, str] | None = None) -> None:
+                 loras: MutableMapping[str, str] | None = None,
+                 transform_threads: type[TransformThreads] | None = None) -> None:
         self.model_path = checked_model_path(model)
         self.devices = devices
         self._stopped = False
         self.workers: WorkerSet | None = WorkerSet(self.model_path, devices, config, warmup=warmup)
         self.client = EngineClient(self.workers.addresses, self.workers.authkey, encoder_threads,
-                                   queue_bound=queue_bound, loras=loras)
+                                   queue_bound=queue_bound, loras=loras, transform_threads=transform_threads)
 
     @classmethod
     def connect(cls, model_path: str, addresses: list[str], authkey: bytes, encoder_threads: int = 4,
                 load: LoadTable | None = None, queue_bound: int | None = None,
-                loras: MutableMapping[str, str] | None = None) -> AsyncVoxCPMServerPool:
+                loras: MutableMapping[str, str] | None = None,
+                transform_threads: type[TransformThreads] | None = None) -> AsyncVoxCPMServerPool:
         """A pool of workers started elsewhere (reached at `addresses`, authenticated with `authkey`); `load`: the
         in-flight table shared with the other processes that route to them; `loras`: the runtime adapters every
-        (re)connected worker is given (`EngineClient`), which `register_lora` and `unregister_lora` keep."""
+        (re)connected worker is given (`EngineClient`), which `register_lora` and `unregister_lora` keep;
+        `transform_threads`: the class of the threads that run the streams' transforms (default first come first)."""
         pool = cls.__new__(cls)
         pool.model_path, pool.devices, pool._stopped, pool.workers = model_path, [], False, None
-        pool.client = EngineClient(addresses, authkey, encoder_threads, load, queue_bound, loras)
+        pool.client = EngineClient(addresses, authkey, encoder_threads, load, queue_bound, loras, transform_threads)
         return pool
 
     @property
@@ -438,42 +441,32 @@ def visible_gpu_count() -> int:
     return n
 
 
+# The pool's own keywords of `VoxCPM.from_pretrained`, beside EngineConfig's fields.
+POOL_KEYWORDS = frozenset({"warmup", "encoder_threads", "queue_bound", "loras", "transform_threads"})
+
+
 class VoxCPM:
     @staticmethod
-    def from_pretrained(model: str, devices: list[int | str] | None = None, max_num_seqs: int = 16,
-                        max_model_len: int = 4096, max_num_batched_tokens: int = 8192,
-                        gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
-                        inference_timesteps: int = 10, block_size: int = 16,
-                        attention_backend: str | None = None, num_kv_blocks: int | None = None,
-                        dtype: str | torch.dtype | None = None, pipeline_decode: bool | None = None,
-                        coalesce_ms: float = 0.0, warmup: bool = False, encoder_threads: int = 4,
-                        queue_bound: int | None = None, queue_timeout_s: float | None = None,
-                        lora_path: str | None = None, lora_merge: bool = True, lora_name: str = "default",
-                        max_loras: int = 0, max_lora_rank: int = 32,
-                        loras: MutableMapping[str, str] | None = None) -> AsyncVoxCPMServerPool | SyncVoxCPMServerPool:
+    def from_pretrained(model: str, devices: list[int | str] | None = None,
+                        **options: Any) -> AsyncVoxCPMServerPool | SyncVoxCPMServerPool:
         """Start one worker per device (default: every visible GPU, else the CPU). `model` is a checkpoint
         directory or a hub repo id. Returns at once; `wait_for_ready()` waits for the model to load.
-        pipeline_decode: see EngineConfig (default: on for CUDA devices); coalesce_ms: the engine's window gathering
-        requests that arrive together; warmup: a few generations in each worker before it reports ready;
-        encoder_threads: threads that run the generate calls' transforms; queue_bound: requests a worker may hold
-        beyond max_num_seqs before generate raises OverloadedError (None: no bound); queue_timeout_s: the longest a
-        request waits for a seat before it fails with OverloadedError (None: no limit); lora_path: a LoRA adapter
-        (official format, its directory or weights file) merged into the weights at load, or with lora_merge=False
-        served as the runtime adapter `lora_name` of every request that names none; max_loras / max_lora_rank:
-        runtime adapters (`register_lora`, `lora_name` per request) resident at once, and their largest rank; loras:
-        where the registered runtime adapters are kept (name -> path; default a dict of this pool's), each
-        (re)started worker given them all."""
-        config = engine_config(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                               gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                               attention_backend=attention_backend, inference_timesteps=inference_timesteps,
-                               num_kv_blocks=num_kv_blocks, pipeline_decode=pipeline_decode, dtype=dtype,
-                               coalesce_ms=coalesce_ms, queue_timeout_s=queue_timeout_s, lora_path=lora_path,
-                               lora_merge=lora_merge, lora_name=lora_name, max_loras=max_loras,
-                               max_lora_rank=max_lora_rank)
+
+        Keywords: every field of `engine.EngineConfig` (max_num_seqs, max_model_len, inference_timesteps,
+        coalesce_ms, lora_path, max_loras, ...: defaults, bounds and docs there), and the pool's own: warmup (a few
+        generations in each worker before it reports ready; default False), encoder_threads (threads that run the
+        generate calls' transforms; default 4), queue_bound (requests a worker may hold beyond max_num_seqs before
+        generate raises OverloadedError; default None, no bound), loras (where the registered runtime adapters are
+        kept, name -> path, each (re)started worker given them all; default a dict of this pool's),
+        transform_threads (the class running the transforms; default first come first served). An unknown keyword
+        is a TypeError, a bad value a ValueError naming it."""
+        unknown = set(options) - ENGINE_FIELDS - POOL_KEYWORDS
+        if unknown:
+            raise TypeError(f"from_pretrained() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
+        config = engine_config(**{k: v for k, v in options.items() if k in ENGINE_FIELDS})
+        kwargs = {k: v for k, v in options.items() if k in POOL_KEYWORDS}
         names = device_names(devices)
         model = checked_model_path(model)
-        kwargs = {"warmup": warmup, "encoder_threads": encoder_threads, "queue_bound": queue_bound, "loras": loras}
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -481,11 +474,9 @@ class VoxCPM:
         return AsyncVoxCPMServerPool(model, names, config, **kwargs)
 
 
-def engine_config(dtype: str | torch.dtype | None = None, **fields: Any) -> EngineConfig:
-    """An EngineConfig, validated (a bad value is a ValueError naming it)."""
-    from engine.engine_config import EngineConfig
-
-    config = EngineConfig(dtype=dtype, **fields)  # a dtype name stays a name: no torch import here
+def engine_config(**fields: Any) -> EngineConfig:
+    """An EngineConfig, validated (a bad value is a ValueError naming it); a dtype name stays a name (no torch)."""
+    config = EngineConfig(**fields)
     config.validate()
     return config
 

@@ -13,6 +13,8 @@ from typing import Any
 
 from engine.vocabulary import AdapterInfo
 
+KernelStat = int | float | str | list[str]  # a count, seconds, or the kernels' names
+
 
 @dataclass
 class StartupTimes:
@@ -25,7 +27,7 @@ class StartupTimes:
     graph_warmup_s: float = 0.0
     graph_capture_s: float = 0.0
     startup_s: float = 0.0  # the engine's whole construction
-    kernels: dict[str, Any] = field(default_factory=dict)  # what the kernel cache and the JIT did
+    kernels: dict[str, KernelStat] = field(default_factory=dict)  # what the kernel cache and the JIT did
     warmup_zeroshot_s: float | None = None
     warmup_encode_s: float | None = None
     warmup_hifi_s: float | None = None
