@@ -124,3 +124,25 @@ def test_no_work_counters_in_the_docs_or_the_code():
     found = [f"{p.relative_to(ROOT)}:{n}: {m.group(0)}" for p in paths
              for n, line in enumerate(p.read_text().splitlines(), 1) for m in COUNTER.finditer(line)]
     assert found == []
+
+
+def test_tools_are_entry_points_over_packages():
+    """tools/ is a toolbox: the benchmarks are subcommands of tools/bench.py (no bench_*.py beside it), the profilers of
+    tools/profiler.py, each module of their packages reached by a subcommand; the scripts that stage and run work on a
+    GPU host are in tools/gpu_host/; what the image and the systemd unit run lives with production code, not in
+    tools/."""
+    import importlib
+
+    from tools import bench, profiler
+
+    tools = ROOT / "tools"
+    assert sorted(p.name for p in tools.glob("bench_*.py")) == []
+    assert sorted(str(p.relative_to(ROOT)) for p in tools.rglob("*.sh") if p.parent != tools / "gpu_host") == []
+    for package, entry in (("benchmarks", bench), ("profiling", profiler)):
+        modules = {p.stem for p in (tools / package).glob("*.py")} - {"__init__", "harness"}
+        targets = [target.split(":") for target, _ in entry.SUBCOMMANDS.values()]
+        assert modules == {module for module, _ in targets}, package
+        for module, function in targets:
+            assert callable(getattr(importlib.import_module(f"tools.{package}.{module}"), function))
+    for name in ("Dockerfile", "deployment/voxcpm-serve.service", "deployment/k8s.yaml", "deployment/compose.yaml"):
+        assert not re.search(r"\btools\b", (ROOT / name).read_text()), f"{name} runs something in tools/"
