@@ -315,7 +315,8 @@ for part in $PARTS; do
             RC[$part]=0
             if [[ -n "${BASELINE:-}" ]]; then
                 # today's profiler (and the harness and check it imports), old engine
-                cp -r tools/profiler.py tools/gpu_check.py tools/profiling tools/benchmarks "$BASELINE/tools/"
+                cp -r tools/profiler.py tools/subcommands.py tools/gpu_check.py tools/profiling tools/benchmarks \
+                    "$BASELINE/tools/"
                 run_limited "$T_PROFILE" profile-baseline python3 "$BASELINE/tools/profiler.py" step --model "$CKPT" \
                     --batch "$PROFILE_BATCH" --kernels --out "$OUT/profile_before.json" || RC[$part]=$?
             fi
