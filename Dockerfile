@@ -14,11 +14,10 @@ COPY pyproject.toml uv.lock README.md ./
 RUN uv sync --frozen --no-dev --no-install-project
 COPY engine ./engine
 COPY service ./service
-COPY tools ./tools
 RUN uv sync --frozen --no-dev
 # The GPU kernels the shipped manifests name, compiled now (no GPU needed: the C modules are linked against a stub
 # of the driver): a pod starting on an empty cache volume copies them into its kernel cache and compiles none.
-RUN .venv/bin/python tools/prebuild_kernels.py --out /app/kernels
+RUN .venv/bin/python -m engine.startup.prebuild --out /app/kernels
 ENV NANOVLLM_PREBUILT_KERNELS_DIR=/app/kernels
 # Not root: the service needs to write only its cache volume (voices, compiled kernels, the demo checkpoint).
 RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin voxcpm \

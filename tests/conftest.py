@@ -86,7 +86,7 @@ def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory):
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test that skips without CUDA is marked `gpu`, so that the GPU routine (`pytest -m gpu`,
-    tools/device_bench.sh PARTS=test) runs each of them and none is forgotten by a hand-kept selection."""
+    tools/gpu_host/bench.sh PARTS=test) runs each of them and none is forgotten by a hand-kept selection."""
     for item in items:
         if any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.gpu)

@@ -1,15 +1,14 @@
-"""The benchmark tools (tools/bench_*.py over tools/benchlib.py), run in process on a tiny CPU checkpoint:
-each script's main() against the engine pool, three of them over HTTP against a live service. Assertions are
+"""The benchmarks (the subcommands of tools/bench.py, over tools/benchmarks/harness.py), run in process on a tiny CPU
+checkpoint: each workload through the entry point against the engine pool, three of them over HTTP against a live
+service. Assertions are
 on the JSON's structure and on values that do not depend on speed (request counts, audio seconds = patches x
 patch duration, no failures, ordered percentiles), never on timings."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +17,9 @@ import numpy as np
 import pytest
 
 from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, free_port, live_server
-
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
-sys.path.insert(0, str(TOOLS))
-
-import benchlib  # noqa: E402
+from tools import bench
+from tools.benchmarks import encode, harness, serving_report, tune_coalesce
+from tools.profiling import pyspy, timeline
 
 PATCH_S = SAMPLES_PER_PATCH / SAMPLE_RATE  # 0.16 s
 PATCHES = 3
@@ -34,15 +31,11 @@ DOC_KEYS = {"tool", "target", "command", "argv", "date_utc", "engine_version", "
             "complete", "results", "startup_s", "sample_rate", "channels", "gpu_mem_used_mib_after_startup"}
 
 
-def tool(name: str) -> Any:
-    return importlib.import_module(f"bench_{name}")
-
-
-def check_doc(doc: dict[str, Any], out: Path, name: str, target: str, rows: int) -> None:
+def check_doc(doc: dict[str, Any], out: Path, command: str, target: str, rows: int) -> None:
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc))  # the file is the returned document
     assert doc.keys() >= DOC_KEYS, DOC_KEYS - doc.keys()
-    assert doc["tool"] == name and doc["target"] == target and doc["complete"] is True
-    assert doc["command"].startswith(f"python tools/bench_{name}.py") and doc["date_utc"]
+    assert doc["tool"] == command.replace("-", "_") and doc["target"] == target and doc["complete"] is True
+    assert doc["command"].startswith(f"python tools/bench.py {command} ") and doc["date_utc"]
     assert doc["torch"] and doc["sample_rate"] == SAMPLE_RATE and doc["channels"] == 1 and doc["startup_s"] > 0
     assert doc["patches"] == PATCHES and len(doc["results"]) == rows
     for r in doc["results"]:
@@ -61,12 +54,12 @@ def exact_audio(doc: dict[str, Any]) -> None:
         assert r["audio_s_mean"] == pytest.approx(PATCHES * PATCH_S, abs=1e-9)  # never-stop: exactly N patches
 
 
-def run_pool(checkpoint_factory, out: Path, name: str, args: list[str], rows: int) -> dict[str, Any]:
-    """Run tools/bench_<name>.py against the engine pool on the never-stopping tiny checkpoint; check the
+def run_pool(checkpoint_factory, out: Path, command: str, args: list[str], rows: int) -> dict[str, Any]:
+    """Run `tools/bench.py COMMAND` against the engine pool on the never-stopping tiny checkpoint; check the
     document's structure and that every request produced exactly PATCHES patches."""
     ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
-    doc = tool(name).main(["--model", str(ckpt), *POOL, *args, "--patches", str(PATCHES), "--out", str(out)])
-    check_doc(doc, out, name, "pool", rows=rows)
+    doc = bench.main([command, "--model", str(ckpt), *POOL, *args, "--patches", str(PATCHES), "--out", str(out)])
+    check_doc(doc, out, command, "pool", rows=rows)
     exact_audio(doc)
     return doc
 
@@ -80,27 +73,27 @@ def test_latents_pool(checkpoint_factory, tmp_path):
 
 
 def test_prompt_vs_reference_pool(checkpoint_factory, tmp_path):
-    doc = run_pool(checkpoint_factory, tmp_path / "pvr.json", "prompt_vs_reference",
+    doc = run_pool(checkpoint_factory, tmp_path / "pvr.json", "prompt-vs-reference",
                    ["--conc", "1,2", "--iters", "1", "--modes", "zeroshot,prompt,reference,hifi"], rows=8)
     assert [(r["mode"], r["concurrency"]) for r in doc["results"]] == [
         (m, c) for c in (1, 2) for m in ("zeroshot", "prompt", "reference", "hifi")]
 
 
 def test_prompt_family_pool(checkpoint_factory, tmp_path):
-    doc = run_pool(checkpoint_factory, tmp_path / "family.json", "prompt_family", ["--conc", "2", "--iters", "1"],
+    doc = run_pool(checkpoint_factory, tmp_path / "family.json", "prompt-family", ["--conc", "2", "--iters", "1"],
                    rows=3)
     assert [r["mode"] for r in doc["results"]] == ["shared-same", "shared-varied", "distinct"]
     assert all(r["requests"] == 2 for r in doc["results"])
 
 
 def test_hifi_stream_pool(checkpoint_factory, tmp_path):
-    doc = run_pool(checkpoint_factory, tmp_path / "hifi_stream.json", "hifi_stream", ["--conc", "2", "--iters", "2"],
+    doc = run_pool(checkpoint_factory, tmp_path / "hifi_stream.json", "hifi-stream", ["--conc", "2", "--iters", "2"],
                    rows=1)
     assert doc["results"][0]["requests"] == 4 and len(doc["results"][0]["burst_walls"]) == 2
 
 
 def test_hifi_blocking_pool(checkpoint_factory, tmp_path):
-    doc = run_pool(checkpoint_factory, tmp_path / "hifi_blocking.json", "hifi_blocking",
+    doc = run_pool(checkpoint_factory, tmp_path / "hifi_blocking.json", "hifi-blocking",
                    ["--conc", "1,2", "--iters", "1"], rows=2)
     assert [r["requests"] for r in doc["results"]] == [1, 2]
     for r in doc["results"]:  # one piece per request: the whole utterance, available at the end
@@ -110,7 +103,7 @@ def test_hifi_blocking_pool(checkpoint_factory, tmp_path):
 
 
 def test_closed_loop_pool(checkpoint_factory, tmp_path):
-    doc = run_pool(checkpoint_factory, tmp_path / "closed.json", "closed_loop",
+    doc = run_pool(checkpoint_factory, tmp_path / "closed.json", "closed-loop",
                    ["--conc", "2", "--duration", "4", "--warmup", "0"], rows=1)  # from 0: the first ones count
     r = doc["results"][0]
     assert r["concurrency"] == 2 and r["started"] == r["requests"] and r["duration_s"] == 4
@@ -121,7 +114,7 @@ def test_closed_loop_pool(checkpoint_factory, tmp_path):
 
 def test_open_loop_pool(checkpoint_factory, tmp_path):
     rate, duration, seed = 4.0, 1.5, 3
-    doc = run_pool(checkpoint_factory, tmp_path / "open.json", "open_loop",
+    doc = run_pool(checkpoint_factory, tmp_path / "open.json", "open-loop",
                    ["--rate", str(rate), "--duration", str(duration), "--seed", str(seed)], rows=1)
     # the arrival times are a seeded Poisson process: the same count as the generator gives
     rng, t, expected = np.random.default_rng(seed), 0.0, 0
@@ -145,10 +138,10 @@ def server(checkpoint_factory, tmp_path_factory):
 
 def test_prompt_vs_reference_http(server, tmp_path):
     out = tmp_path / "pvr_http.json"
-    doc = tool("prompt_vs_reference").main(["--target", "http", "--url", server.url, "--conc", "1,2", "--iters",
+    doc = bench.main(["prompt-vs-reference", "--target", "http", "--url", server.url, "--conc", "1,2", "--iters",
                                             "1", "--patches", str(PATCHES), "--modes", "latents,prompt,reference,hifi",
                                             "--clip-seconds", "1.5", "--out", str(out)])
-    check_doc(doc, out, "prompt_vs_reference", "http", rows=8)
+    check_doc(doc, out, "prompt-vs-reference", "http", rows=8)
     exact_audio(doc)  # raw PCM: whole samples counted across network pieces
     assert doc["url"] == server.url and doc["format"] == "pcm" and doc["engine_version"] is None
     assert doc["model_info"]["sample_rate"] == SAMPLE_RATE
@@ -158,10 +151,10 @@ def test_prompt_vs_reference_http(server, tmp_path):
 
 def test_hifi_stream_http_mp3(server, tmp_path):
     out = tmp_path / "hifi_http.json"
-    doc = tool("hifi_stream").main(["--target", "http", "--url", server.url, "--format", "mp3", "--conc", "2",
+    doc = bench.main(["hifi-stream", "--target", "http", "--url", server.url, "--format", "mp3", "--conc", "2",
                                     "--iters", "1", "--patches", str(PATCHES), "--clip-seconds", "1.5", "--out",
                                     str(out)])
-    check_doc(doc, out, "hifi_stream", "http", rows=1)
+    check_doc(doc, out, "hifi-stream", "http", rows=1)
     # MP3 durations come from the frame headers: whole 1152-sample frames, the encoder's delay and padding
     r = doc["results"][0]
     assert r["requests"] == 2 and abs(r["audio_s_mean"] - PATCHES * PATCH_S) <= 3 * 1152 / SAMPLE_RATE
@@ -169,9 +162,9 @@ def test_hifi_stream_http_mp3(server, tmp_path):
 
 def test_hifi_blocking_http(server, tmp_path):
     out = tmp_path / "hifi_blocking_http.json"
-    doc = tool("hifi_blocking").main(["--target", "http", "--url", server.url, "--conc", "1,2", "--iters", "1",
+    doc = bench.main(["hifi-blocking", "--target", "http", "--url", server.url, "--conc", "1,2", "--iters", "1",
                                       "--patches", str(PATCHES), "--clip-seconds", "1.5", "--out", str(out)])
-    check_doc(doc, out, "hifi_blocking", "http", rows=2)
+    check_doc(doc, out, "hifi-blocking", "http", rows=2)
     exact_audio(doc)
     for r in doc["results"]:
         assert r["ttfb_p50"] <= r["wall_mean"] * 1.000001 and r["streams_with_underrun"] == 0
@@ -179,9 +172,9 @@ def test_hifi_blocking_http(server, tmp_path):
 
 @pytest.mark.parametrize("client", ["httpx", "raw"])
 def test_http_bursts_over_client_processes(server, tmp_path, client):
-    """tools/bench_http.py with either client: every request's audio counted exactly, its send timed."""
+    """`bench.py http` with either client: every request's audio counted exactly, its send timed."""
     out = tmp_path / f"http_{client}.json"
-    tool("http").main([server.url, "--conc", "3", "--iters", "2", "--patches", str(PATCHES), "--procs", "2",
+    bench.main(["http", server.url, "--conc", "3", "--iters", "2", "--patches", str(PATCHES), "--procs", "2",
                        "--format", "pcm", "--client", client, "--label", client, "--out", str(out)])
     doc = json.loads(out.read_text())
     assert doc["client"] == client and doc["format"] == "pcm" and len(doc["results"]) == 1
@@ -193,17 +186,16 @@ def test_http_bursts_over_client_processes(server, tmp_path, client):
 
 
 def test_encode_costs_and_the_client_path(tmp_path):
-    """tools/bench_encode.py: every format's cost, MP3 on threads, the engine client's own path, whose streams
+    """`bench.py encode`: every format's cost, MP3 on threads, the engine client's own path, whose streams
     carry exactly what the service's encoders make of the played worker's chunks, and a burst of first chunks."""
     out = tmp_path / "encode.json"
-    doc = tool("encode").main(["--seconds", "1", "--threads", "1,2", "--client-path", "3", "--step-ms", "5",
+    doc = bench.main(["encode", "--seconds", "1", "--threads", "1,2", "--client-path", "3", "--step-ms", "5",
                                "--encoder-threads", "2", "--burst", "4", "--burst-threads", "1,2",
                                "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
     assert {r["format"] for r in doc["formats"]} >= {"mp3 192 kbps q2", "pcm s16le", "wav", "flac", "opus"}
     assert all(r["core_s_per_audio_s"] > 0 and r["bytes"] > 0 for r in doc["formats"])
     assert [r["threads"] for r in doc["mp3_threads"]] == [1, 2]
-    encode = tool("encode")
     steps, chunk = round(SAMPLE_RATE / 7680), 7680
     audio = encode.speech_like(8.0, SAMPLE_RATE)
     chunks = [audio[i * chunk:(i + 1) * chunk] for i in range(steps)]
@@ -216,8 +208,8 @@ def test_encode_costs_and_the_client_path(tmp_path):
     assert all(r["last_ms"] >= r["median_ms"] > 0 for r in doc["burst"])
     # each stream's first chunk was really encoded: at least one whole 192 kbps frame (576 bytes at 48 kHz) each
     assert all(r["bytes"] >= 4 * 576 for r in doc["burst"])
-    # tools/serving_report.py's line on the host's LAME reads this file
-    line = importlib.import_module("serving_report").host_lame(tmp_path)
+    # `bench.py serving-report`'s line on the host's LAME reads this file
+    line = serving_report.host_lame(tmp_path)
     assert f"at most {max(r['audio_s_per_s'] for r in doc['mp3_threads']):.1f} audio-s/s" in line
     assert "the client path, mp3" in line and "4 first chunks at once on 2 threads" in line
 
@@ -227,13 +219,13 @@ def test_encode_costs_and_the_client_path(tmp_path):
 
 def test_underruns_and_pcm_pieces():
     # chunks of 1 s: the second arrives in time, the third 0.5 s after the buffer ran out
-    assert benchlib.count_underruns([0.0, 0.9, 2.5], [1.0, 1.0, 1.0]) == (1, pytest.approx(0.5))
-    assert benchlib.count_underruns([], []) == (0, 0.0)
-    rec = benchlib.request_record([1.2, 1.4], [0.16, 0.16], start=1.0)
+    assert harness.count_underruns([0.0, 0.9, 2.5], [1.0, 1.0, 1.0]) == (1, pytest.approx(0.5))
+    assert harness.count_underruns([], []) == (0, 0.0)
+    rec = harness.request_record([1.2, 1.4], [0.16, 0.16], start=1.0)
     assert rec["ttfb"] == pytest.approx(0.2) and rec["wall"] == pytest.approx(0.4)
     assert rec["rtf"] == pytest.approx(0.4 / 0.32)
     with pytest.raises(RuntimeError):
-        benchlib.request_record([], [])
+        harness.request_record([], [])
 
 
 def test_mp3_counter_reads_frame_headers():
@@ -245,25 +237,24 @@ def test_mp3_counter_reads_frame_headers():
     enc.set_quality(2)
     pcm = (0.2 * np.sin(2 * np.pi * 220 * np.arange(n) / sr) * 32767).astype("<i2").tobytes()
     data = bytes(enc.encode(pcm)) + bytes(enc.flush())
-    whole = benchlib.Mp3Counter().feed(data)
-    counter = benchlib.Mp3Counter()  # fed in odd-sized pieces: frames split across pieces still count once
+    whole = harness.Mp3Counter().feed(data)
+    counter = harness.Mp3Counter()  # fed in odd-sized pieces: frames split across pieces still count once
     pieces = sum(counter.feed(data[i:i + 777]) for i in range(0, len(data), 777))
     assert whole == pytest.approx(pieces)
     assert 1.0 <= whole <= 1.0 + 3 * 1152 / sr
     assert math.isclose(whole * sr / 1152, round(whole * sr / 1152))  # whole MPEG-1 layer III frames
-    assert benchlib.mp3_frame(b"\x00\x00\x00\x00") is None
+    assert harness.mp3_frame(b"\x00\x00\x00\x00") is None
 
 
 def test_tune_coalesce_runs_each_window_against_its_own_service(checkpoint_factory, tmp_path, monkeypatch):
-    """tools/tune_coalesce.py starts the real service per window (a subprocess on the tiny checkpoint, CPU)
+    """`bench.py tune-coalesce` starts the real service per window (a subprocess on the tiny checkpoint, CPU)
     and runs the open-loop benchmark against it over HTTP; each window's service really used its window."""
     ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
     monkeypatch.setenv("NANOVLLM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("NANOVLLM_DEVICES", "cpu")
-    tune = importlib.import_module("tune_coalesce")
     out = tmp_path / "tune.json"
-    doc = tune.main(["--model", str(ckpt), "--windows", "0,7", "--rate", "3", "--duration", "1", "--patches", "2",
-                     "--max-num-seqs", "4", "--port", str(free_port()), "--out", str(out)])
+    doc = tune_coalesce.tune(["--model", str(ckpt), "--windows", "0,7", "--rate", "3", "--duration", "1", "--patches",
+                              "2", "--max-num-seqs", "4", "--port", str(free_port()), "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
     assert [w["window_ms"] for w in doc["windows"]] == [0.0, 7.0]
     for w in doc["windows"]:
@@ -275,7 +266,7 @@ def test_tune_coalesce_runs_each_window_against_its_own_service(checkpoint_facto
 
 
 def test_serving_reports_rounds_table_has_a_row_per_variant_format_and_concurrency(tmp_path):
-    """tools/serving_report.py's rounds table: MP3 rows named by their variant, PCM rows by variant and format, each
+    """`bench.py serving-report`'s rounds table: MP3 rows named by their variant, PCM rows by variant and format, each
     the mean of its rounds against the pool at the same concurrency."""
     def result(c: int, rate: float, p95: float, underran: int = 0) -> dict[str, Any]:
         return {"concurrency": c, "throughput_audio_s_per_s": rate, "ttfb_p95": p95, "streams_with_underrun": underran,
@@ -284,15 +275,14 @@ def test_serving_reports_rounds_table_has_a_row_per_variant_format_and_concurren
     for name, rate, p95 in (("r1_env0_mp3", 90.0, 0.13), ("r2_env0_mp3", 100.0, 0.11),
                             ("r1_env0_pcm", 100.0, 0.10), ("r2_env0_pcm", 98.0, 0.12)):
         (tmp_path / f"http_{name}_a.json").write_text(json.dumps({"results": [result(128, rate, p95, 1)]}))
-    lines = importlib.import_module("serving_report").rounds_table(tmp_path, {128: result(128, 100.0, 0.10)})
+    lines = serving_report.rounds_table(tmp_path, {128: result(128, 100.0, 0.10)})
     assert lines[2] == "| env0 | 128 | 2 | 100.0 | 95.0% (90.0, 100.0) | +20 ms (+30, +10) | 1, 1 | 2.0 |"
     assert lines[3] == "| env0 pcm | 128 | 2 | 100.0 | 99.0% (100.0, 98.0) | +10 ms (+0, +20) | 1, 1 | 2.0 |"
 
 
 def test_burst_timeline_begins_a_burst_after_requests_refused_before_any_step():
-    """tools/burst_timeline.py: a burst ends when its worker is idle again; requests refused at intake log no step,
+    """`profiler.py timeline`: a burst ends when its worker is idle again; requests refused at intake log no step,
     so an arrival more than a second after them begins the next burst instead of stretching theirs."""
-    timeline = importlib.import_module("burst_timeline").timeline
 
     def line(t: str, msg: str) -> str:
         return f"2026-11-27 10:00:{t} worker[cuda:0] DEBUG engine.serving.worker: {msg}"
@@ -303,13 +293,13 @@ def test_burst_timeline_begins_a_burst_after_requests_refused_before_any_step():
              line("05,040", "step 1: 30.0 ms, 0 events, 0 waiting, 2 running"),
              line("05,200", "step 2: 30.0 ms, 2 events, 0 waiting, 0 running"),
              line("05,300", "generate c-0 received")]
-    bursts = timeline(lines)
+    bursts = timeline.timeline(lines)
     assert [(b["requests"], len(b["rounds"])) for b in bursts] == [(1, 0), (2, 1), (1, 0)]
     assert bursts[1]["spread_ms"] == pytest.approx(2.0) and bursts[1]["rounds"][0]["seqs"] == 2
 
 
 def test_pyspy_start_phases_attribute_the_worker_main_thread_by_its_outermost_phase(tmp_path):
-    """tools/pyspy_summary.py --phases: only stacks under the worker's entry point count; a stack is in the first
+    """`profiler.py pyspy --phases`: only stacks under the worker's entry point count; a stack is in the first
     phase whose function it holds (graph capture inside the engine's constructor is "graphs", not "engine_other");
     one under the entry point but not yet in worker_main is the imports."""
     head = 'process 7:"python -m service.main";thread (0x1);_run_worker (engine/serving/processes.py:36)'
@@ -322,7 +312,7 @@ def test_pyspy_start_phases_attribute_the_worker_main_thread_by_its_outermost_ph
         f"{engine};_build (engine/llm_engine.py:70) 5",
         'process 8:"voxcpm-api0";thread (0x2);run (uvicorn/server.py:1) 99',
     ]) + "\n")
-    doc = importlib.import_module("pyspy_summary").start_phases(str(raw), 5)
+    doc = pyspy.start_phases(str(raw), 5)
     assert doc["worker_samples"] == 90
     by_phase = {row["phase"]: row for row in doc["phases"]}
     assert {name: row["samples"] for name, row in by_phase.items()} == {"imports": 40, "graphs": 25, "kv_sizing": 20,

@@ -54,9 +54,15 @@ def test_no_engine_module_below_serving_imports_it():
     assert upward == []
 
 
+# The image's build step (`python -m engine.startup.prebuild`) is a program, not the engine's runtime: it points its own
+# Triton cache and its compilers' at --out, and hands its environment to them.
+ENVIRONMENT_READERS = {"engine/options.py", "engine/startup/prebuild.py"}
+
+
 def test_only_the_options_module_reads_the_environment():
-    readers = [str(p.relative_to(ROOT)) for p in ENGINE.rglob("*.py")
-               if p.name != "options.py" and re.search(r"\benviron\b|getenv\(", p.read_text())]
+    modules = {str(p.relative_to(ROOT)): p for p in ENGINE.rglob("*.py")}
+    readers = [name for name, p in modules.items()
+               if name not in ENVIRONMENT_READERS and re.search(r"\benviron\b|getenv\(", p.read_text())]
     assert readers == []
 
 
@@ -171,3 +177,25 @@ def test_the_process_boundary_is_typed():
     calls = [c for c in vars(protocol).values() if isinstance(c, type) and issubclass(c, protocol.Call)
              and c is not protocol.Call]
     assert calls and all(callable(getattr(worker.Worker, c.method, None)) for c in calls)
+
+
+def test_tools_are_entry_points_over_packages():
+    """tools/ is a toolbox: the benchmarks are subcommands of tools/bench.py (no bench_*.py beside it), the profilers of
+    tools/profiler.py, each module of their packages reached by a subcommand; the scripts that stage and run work on a
+    GPU host are in tools/gpu_host/; what the image and the systemd unit run lives with production code, not in
+    tools/."""
+    import importlib
+
+    from tools import bench, profiler
+
+    tools = ROOT / "tools"
+    assert sorted(p.name for p in tools.glob("bench_*.py")) == []
+    assert sorted(str(p.relative_to(ROOT)) for p in tools.rglob("*.sh") if p.parent != tools / "gpu_host") == []
+    for package, entry in (("benchmarks", bench), ("profiling", profiler)):
+        modules = {p.stem for p in (tools / package).glob("*.py")} - {"__init__", "harness"}
+        targets = [target.split(":") for target, _ in entry.SUBCOMMANDS.values()]
+        assert modules == {module for module, _ in targets}, package
+        for module, function in targets:
+            assert callable(getattr(importlib.import_module(f"tools.{package}.{module}"), function))
+    for name in ("Dockerfile", "deployment/voxcpm-serve.service", "deployment/k8s.yaml", "deployment/compose.yaml"):
+        assert not re.search(r"\btools\b", (ROOT / name).read_text()), f"{name} runs something in tools/"

@@ -227,21 +227,19 @@ def test_precompile_trouble_never_fails_a_start(tmp_path: Path, monkeypatch: pyt
 
 def test_prebuilt_kernels_fill_a_cache_that_a_start_then_finds_complete(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                        checkpoint_factory) -> None:
-    """The image's build step (tools/prebuild_kernels.py, no GPU) compiles the shipped manifests' records, their
-    launchers and Triton's driver module, linking the C modules against a libcuda stub that they still name; the service
-    seeds its empty kernel cache from there (NANOVLLM_PREBUILT_KERNELS_DIR), and the start-up's precompile then finds
-    nothing missing, also once the prebuilt folder is gone. A manifest with an unusable record, or none of this Triton
-    release line, fails the build."""
-    import importlib
+    """The image's build step (`python -m engine.startup.prebuild`, no GPU) compiles the shipped manifests' records,
+    their launchers and Triton's driver module, linking the C modules against a libcuda stub that they still name; the
+    service seeds its empty kernel cache from there (NANOVLLM_PREBUILT_KERNELS_DIR), and the start-up's precompile then
+    finds nothing missing, also once the prebuilt folder is gone. A manifest with an unusable record, or none of this
+    Triton release line, fails the build."""
     import shutil
 
     from engine.config import VoxCPMConfig
     from engine.startup import kernel_cache, prebuilt
+    from engine.startup.prebuild import main as build
     from service.engine_setup import prepare_kernel_cache
     from service.settings import Settings
 
-    monkeypatch.syspath_prepend(str(REPO_ROOT / "tools"))
-    build = importlib.import_module("prebuild_kernels").main
     ckpt = checkpoint_factory("tiny-voxcpm2")
     cfg = VoxCPMConfig.from_dir(ckpt)
     shipped = tmp_path / "shipped"

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from tests.service_harness import SAMPLES_PER_PATCH, wav_bytes
-from tests.supervised import GUARD_S, REQUEST_TIMEOUT, ROOT, Service, metric
+from tests.supervised import GUARD_S, REQUEST_TIMEOUT, Service, metric
 
 API_PROCESSES = 2
 PCM_PATCH_BYTES = SAMPLES_PER_PATCH * 2  # s16le
@@ -231,15 +231,14 @@ def test_logs_hold_no_audio_latents_or_keys(service: Service, hifi_id: str):
         assert needle not in log, f"the log holds request data: {needle[:20]}..."
 
 
-def test_a_bursts_arrivals_and_admission_rounds_from_the_workers_debug_log(service: Service, monkeypatch):
-    """tools/burst_timeline.py reads what the worker and the API processes log at DEBUG: a burst of three requests
+def test_a_bursts_arrivals_and_admission_rounds_from_the_workers_debug_log(service: Service):
+    """`tools/profiler.py timeline` reads what the worker and the API processes log at DEBUG: a burst of three requests
     at an idle worker is found with its three arrivals, each one's hand-off and write in its API process, and the
     rounds that admitted them add up to three."""
-    import importlib
     from concurrent.futures import ThreadPoolExecutor
 
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    timeline = importlib.import_module("burst_timeline").timeline
+    from tools.profiling.timeline import timeline
+
     before = len(timeline(service.log().splitlines()))
     with ThreadPoolExecutor(3) as pool:
         answers = list(pool.map(lambda _: service.ask("POST", "/generate_blocking", json=SHORT)[0], range(3)))

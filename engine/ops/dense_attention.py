@@ -108,7 +108,7 @@ def dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
     rotary rows cos/sin (L, D) fp32 applied to q and k first (None: no rotary) -> (N, L, Hq * D).
     heads_per_program: query heads sharing one program (and one load of K/V); None: as many of a GQA group as keep
     >= 256 programs (small batches keep one head per program, for parallelism). num_warps: None picks 2 from 256
-    (sequence, head) pairs on, else 4 (tools/bench_kernels.py sweeps both)."""
+    (sequence, head) pairs on, else 4 (`tools/bench.py kernels` sweeps both)."""
     n, seq_len, hq, dim = q.shape
     group = hq // k.shape[2]
     heads = heads_per_program or 1

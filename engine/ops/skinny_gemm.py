@@ -65,7 +65,7 @@ def skinny_supported(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = Fa
 def skinny_config(rows: int, k_dim: int, n: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) of `skinny_matmul` for this shape."""
     block_m = max(16, triton.next_power_of_2(rows))
-    block_k = next(b for b in (128, 64, 32, 16) if k_dim % b == 0)  # tools/bench_kernels.py's best for the gated GEMMs
+    block_k = next(b for b in (128, 64, 32, 16) if k_dim % b == 0)  # `tools/bench.py kernels`' best for the gated GEMMs
     return block_m, 16, block_k, 4, 4
 
 
@@ -74,7 +74,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False
     """x (..., K) @ weight.T for a few rows (`skinny_supported`): one program per 16 output columns streams
     their weight rows once (no split-K, no reduction kernel). silu_gate: weight is [gate; up] (2N, K) and
     the result silu(x @ gate.T) * (x @ up.T), as the gate/up GEMM then `silu_mul` round it. config: as
-    `skinny_config` returns (default), for tools/bench_kernels.py's sweep."""
+    `skinny_config` returns (default), for `tools/bench.py kernels`' sweep."""
     k_dim = x.shape[-1]
     x2 = x.reshape(-1, k_dim)
     if x2.stride(-1) != 1:

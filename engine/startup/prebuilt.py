@@ -1,9 +1,9 @@
 """Kernels compiled when the image is built, so that a pod on an empty cache volume compiles none.
 
-`tools/prebuild_kernels.py --out DIR` (the Dockerfile runs it) compiles, on a machine with no GPU, every record of the
-shipped kernel manifests for each architecture they were recorded on, each signature's launcher and Triton's CUDA
-driver module, into a Triton kernel cache at DIR (`prebuild`). A service started with
-`NANOVLLM_PREBUILT_KERNELS_DIR=DIR` copies what its own kernel cache lacks from there before its workers start
+`python -m engine.startup.prebuild --out DIR` (engine/startup/prebuild.py; the Dockerfile runs it) compiles, on a
+machine with no GPU, every record of the shipped kernel manifests for each architecture they were recorded on, each
+signature's launcher and Triton's CUDA driver module, into a Triton kernel cache at DIR (`prebuild`). A service started
+with `NANOVLLM_PREBUILT_KERNELS_DIR=DIR` copies what its own kernel cache lacks from there before its workers start
 (`seed`): the start-up's precompile then finds every record cached and starts no compiler, and its workers build no C
 module. Without a driver the C modules are linked against a symbol-less libcuda.so.1 made here (`link_stub`, what the
 CUDA toolkit's link stubs are for): they name the library, and the real driver supplies its symbols where they run.

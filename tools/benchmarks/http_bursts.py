@@ -1,9 +1,9 @@
 """HTTP burst benchmark of a running voxcpm-serve: what its clients see, and what the service burns for it.
 
-    python tools/bench_http.py http://127.0.0.1:8000 --conc 1,8,32,64,128 --procs 8 --format mp3 \
+    python tools/bench.py http http://127.0.0.1:8000 --conc 1,8,32,64,128 --procs 8 --format mp3 \
         --pid SERVICE_PID --out http_mp3.json
 
-The protocol of tools/bench_stream.py (per concurrency: one warm-up burst, then --iters counted bursts of c
+The protocol of `bench.py stream` (per concurrency: one warm-up burst, then --iters counted bursts of c
 requests at once; TTFB = first audio byte after the burst began, RTF = wall / audio seconds, underruns for a
 listener who starts at the first byte; throughput = audio seconds / burst wall) from the client's side, over
 --procs client processes that start each burst together: one Python client process cannot drive more than ~32
@@ -34,24 +34,22 @@ import asyncio
 import base64
 import json
 import multiprocessing as mp
-import sys
 import time
 import urllib.parse
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchlib import (  # noqa: E402
+from tools.benchmarks.harness import (
     CFG_VALUE,
     CLIP_TEXT,
     TEMPERATURE,
     TEXT,
     Mp3Counter,
+    command_line,
     mean,
     percentile,
     request_record,
     request_stats,
+    subcommand_parser,
     synthetic_clip_wav,
     write_json,
 )
@@ -292,10 +290,10 @@ def run_concurrency(a: argparse.Namespace, c: int, hifi_id: str | None, sample_r
     return row
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str]) -> None:
     import httpx
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = subcommand_parser("http", __doc__)
     ap.add_argument("url")
     ap.add_argument("--conc", default="1,8,32")
     ap.add_argument("--iters", type=int, default=2)
@@ -319,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
         r = httpx.post(a.url + "/add_hifi", json={"wav_base64": clip, "prompt_text": CLIP_TEXT}, timeout=120)
         r.raise_for_status()
         hifi_id = r.json()["hifi_id"]
-    doc: dict[str, Any] = {"tool": "bench_http", "argv": sys.argv if argv is None else argv, "label": a.label,
+    doc: dict[str, Any] = {"tool": "bench_http", "argv": command_line("http", argv), "label": a.label,
                            "url": a.url, "client": a.client, "route": a.route, "voice": a.voice, "format": a.format,
                            "patches": a.patches, "iters": a.iters, "sample_rate": sample_rate,
                            "service": {k: info.get(k) for k in ("mp3", "queue_coalesce_ms", "api_processes")},
@@ -333,7 +331,3 @@ def main(argv: list[str] | None = None) -> None:
                         "streams_with_underrun", "service_cores_mean", "core_s_per_audio_s", "client_cores_mean")},
               flush=True)
         write_json(a.out, doc)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,5 @@
-"""Shared parts of the benchmark tools: targets, measurement, workloads, environment facts, output.
+"""The benchmarks' shared harness (the subcommands of tools/bench.py): targets, measurement, workloads,
+environment facts, output.
 
 Two targets with one interface:
 - PoolTarget: the engine pool in this process (`engine.VoxCPM.from_pretrained`, or nano-vllm-voxcpm's);
@@ -22,6 +23,7 @@ import base64
 import contextlib
 import datetime as dt
 import importlib.metadata
+import inspect
 import io
 import json
 import math
@@ -38,12 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import numpy as np
+from tqdm import tqdm
 
-import numpy as np  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
+BENCH = "tools/bench.py"  # the entry point, as a result's "command" names it
 
 # The protocol's text: ~80 English words, long enough for 100 patches (16 s at 48 kHz).
 TEXT = (
@@ -107,7 +108,7 @@ def request_record(arrivals: list[float], durations: list[float], start: float =
 
 
 def request_stats(reqs: list[dict[str, Any]], errors: list[str]) -> dict[str, Any]:
-    """The per-request part of a result row (the keys of tools/bench_stream.py's rows, in its order)."""
+    """The per-request part of a result row (the keys of the stream benchmark's rows, in its order)."""
     ttfb = [r["ttfb"] for r in reqs]
     rtf = [r["rtf"] for r in reqs if r["rtf"] is not None]
     return {
@@ -769,10 +770,21 @@ def parse_choices(ap: argparse.ArgumentParser, flag: str, value: str, choices: t
     return items
 
 
-def parser(doc: str | None, conc: str | None = "1,8", patches: int = 100, iters: int | None = 2,
+def command_line(command: str, argv: list[str]) -> list[str]:
+    """A benchmark's command as it would be typed: the entry point, the subcommand, its flags."""
+    return [BENCH, command, *argv]
+
+
+def subcommand_parser(command: str, doc: str | None) -> argparse.ArgumentParser:
+    """The parser of one subcommand of tools/bench.py, its description the benchmark's docstring."""
+    return argparse.ArgumentParser(prog=f"bench.py {command}", description=inspect.cleandoc(doc or ""),
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def parser(doc: str | None, command: str, conc: str | None = "1,8", patches: int = 100, iters: int | None = 2,
            duration: float | None = None) -> argparse.ArgumentParser:
-    """The flags every tool shares. conc/iters/duration None: the tool has no such flag."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The flags every workload shares. conc/iters/duration None: the workload has no such flag."""
+    ap = subcommand_parser(command, doc)
     g = ap.add_argument_group("target")
     g.add_argument("--target", choices=["pool", "http"], default="pool",
                    help="pool: the engine in this process; http: a running voxcpm-serve at --url")
@@ -811,10 +823,10 @@ def parser(doc: str | None, conc: str | None = "1,8", patches: int = 100, iters:
     return ap
 
 
-def finish_args(ap: argparse.ArgumentParser, a: argparse.Namespace, max_conc: int, argv: list[str] | None,
-                tool_file: str) -> argparse.Namespace:
+def finish_args(ap: argparse.ArgumentParser, a: argparse.Namespace, max_conc: int, argv: list[str],
+                command: str) -> argparse.Namespace:
     """Validate and complete the shared flags; a.argv = the command as it would be typed."""
-    a.argv = list(sys.argv) if argv is None else [f"tools/{Path(tool_file).name}", *argv]
+    a.argv = command_line(command, argv)
     if a.target == "pool" and not a.model:
         ap.error("--model is required with --target pool")
     # nvidia-smi (asked once, and only when needed) keeps CUDA out of this process

@@ -1,6 +1,6 @@
-"""Side-by-side table of two tools/bench_stream.py result files (ours vs theirs), with ours/theirs ratios.
+"""Side-by-side table of two `bench.py stream` result files (ours vs theirs), with ours/theirs ratios.
 
-    python tools/bench_compare.py ours.json nano.json --md compare.md
+    python tools/bench.py compare ours.json nano.json --md compare.md
 
 Also reads the anchor files of shared/bench/results (same keys). Ratios: for TTFB and RTF below 1 means
 ours is faster; for throughput above 1 means ours serves more audio per second.
@@ -8,10 +8,11 @@ ours is faster; for throughput above 1 means ours serves more audio per second.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
+
+from tools.benchmarks.harness import subcommand_parser
 
 
 def load(path: str) -> dict[str, Any]:
@@ -81,8 +82,8 @@ def compare(ours: dict[str, Any], theirs: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> None:
+    ap = subcommand_parser("compare", __doc__)
     ap.add_argument("ours")
     ap.add_argument("theirs")
     ap.add_argument("--md", help="also write the table here (markdown)")
@@ -91,7 +92,3 @@ def main(argv: list[str] | None = None) -> None:
     print(text, end="")
     if a.md:
         Path(a.md).write_text(f"# {Path(a.ours).name} vs {Path(a.theirs).name}\n\n{text}")
-
-
-if __name__ == "__main__":
-    main()

@@ -3,26 +3,23 @@ graph, which a step of one adapter runs on the weights with it merged) and with 
 turn), each graph's kernels summed by name (torch.profiler), and what switching the merged adapter costs
 (`LoRASlots.merge`: host and device ms).
 
-    python tools/bench_lora_step.py --model /tmp/full --loras 4 --rank 32 --batch 1,64 --out lora_step.json
+    python tools/bench.py lora-step --model /tmp/full --loras 4 --rank 32 --batch 1,64 --out lora_step.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from engine import EngineConfig, LLMEngine  # noqa: E402
-from engine.io.checkpoint import load_model  # noqa: E402
-from tools.bench_stream import random_adapters  # noqa: E402
-from tools.profile_step import graph_ms, kernel_table, step_inputs_at_context  # noqa: E402
+from engine import EngineConfig, LLMEngine
+from engine.io.checkpoint import load_model
+from tools.benchmarks.harness import subcommand_parser
+from tools.benchmarks.stream import random_adapters
+from tools.profiling.step import graph_ms, kernel_table, step_inputs_at_context
 
 
 def merge_ms(engine: LLMEngine, slots: int, reps: int = 12) -> dict[str, float]:
@@ -111,14 +108,14 @@ def step_graphs(engine: LLMEngine, b: int, slots: int) -> dict[str, object]:
             "plain_kernels": kernel_table(r.graphs[b]), "terms_kernels": kernel_table(r.term_graphs[b], top=25)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> None:
+    ap = subcommand_parser("lora-step", __doc__)
     ap.add_argument("--model", required=True)
     ap.add_argument("--loras", type=int, default=4)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--batch", default="1,64", help="batch buckets (comma-separated)")
     ap.add_argument("--out", type=Path)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     batches = [int(b) for b in a.batch.split(",")]
     engine = LLMEngine(load_model(a.model, "cuda"), EngineConfig(max_num_seqs=max(batches), max_model_len=1024,
                                                                   max_loras=a.loras, max_lora_rank=a.rank), "cuda")
@@ -144,7 +141,3 @@ def main() -> None:
                 print(f"    {k['ms_per_step']:7.3f} ms {k['calls_per_step']:6.0f}x  {k['name']}")
     if a.out:
         a.out.write_text(json.dumps(doc, indent=1))
-
-
-if __name__ == "__main__":
-    main()

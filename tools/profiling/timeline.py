@@ -1,7 +1,7 @@
 """How each burst reached an engine worker and how the worker admitted it, from the service's log at DEBUG.
 
     VOXCPM_LOG_LEVEL=DEBUG voxcpm-serve ... > service.log 2>&1      # the workers log each arrival and step
-    python tools/burst_timeline.py service.log [--out timeline.json]
+    python tools/profiler.py timeline service.log [--out timeline.json]
 
 A worker at DEBUG logs each request's arrival ("generate ID received"), each step ("step N: ... W waiting, R
 running") and each admission round ("step: prefill K seqs ..."); an API process's engine client at DEBUG (the
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -100,8 +99,9 @@ def describe(b: dict[str, Any]) -> str:
     return line
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(prog="profiler.py timeline", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("log", type=Path)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
@@ -112,6 +112,3 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         a.out.write_text(json.dumps(bursts, indent=1))
     return bursts
 
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -1,7 +1,7 @@
 """Burst streaming benchmark: voxcpm-serve or nano-vllm-voxcpm, measured with one protocol.
 
-    python tools/bench_stream.py --engine voxcpm-serve --model CKPT --conc 1,8,32,64 --out ours.json
-    python tools/bench_stream.py --engine nanovllm --model CKPT --out nano.json   # flash_attn shim on PYTHONPATH
+    python tools/bench.py stream --engine voxcpm-serve --model CKPT --conc 1,8,32,64 --out ours.json
+    python tools/bench.py stream --engine nanovllm --model CKPT --out nano.json   # flash_attn shim on PYTHONPATH
 
 Protocol (the one the anchors in shared/bench were measured with):
 - for each concurrency c: one warm-up burst, then --iters counted bursts of c requests submitted at once;
@@ -10,7 +10,7 @@ Protocol (the one the anchors in shared/bench were measured with):
   chunk arrives more than 1 ms after the buffered audio ran out);
 - per burst: throughput = audio seconds generated / burst wall seconds.
 The JSON keeps the anchor files' keys (results[].ttfb_p50, rtf_mean, throughput_audio_s_per_s, ...) so
-tools/bench_compare.py reads ours, theirs and the anchors alike. It is rewritten after every concurrency,
+`bench.py compare` reads ours, theirs and the anchors alike. It is rewritten after every concurrency,
 so a run cut off by a time limit still leaves the finished rows ("complete": false).
 """
 
@@ -26,40 +26,31 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tqdm import tqdm
 
-# The measurement helpers, the protocol's text and the environment facts are shared with the other tools.
-from benchlib import (  # noqa: E402, F401  (re-exported: older scripts import them from here)
-    CFG_VALUE,
+# The measurement helpers, the protocol's text and the environment facts are shared with the other benchmarks.
+from tools.benchmarks.harness import (
     CLIP_TEXT,
-    GAP_TOLERANCE_S,
-    TEMPERATURE,
     TEXT,
     PoolTarget,
     Req,
     bursts,
-    chunk_samples,
-    count_underruns,
+    command_line,
     engine_version,
     gpu_index,
     gpu_mem_used_mib,
-    mean,
     nvidia_smi,
-    percentile,
-    request_stats,
+    subcommand_parser,
     synthetic_clip_wav,
     torch_facts,
     write_json,
 )
-from tqdm import tqdm  # noqa: E402
 
 # ---------------------------------------------------------------- driver
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = subcommand_parser("stream", __doc__)
     ap.add_argument("--engine", choices=["voxcpm-serve", "nanovllm"], required=True)
     ap.add_argument("--model", required=True, help="checkpoint directory (official VoxCPM layout)")
     ap.add_argument("--conc", default="1,8,32,64", help="comma-separated concurrencies")
@@ -82,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lora-rank", type=int, default=32)
     ap.add_argument("--out", help="write the results JSON here")
     a = ap.parse_args(argv)
+    a.argv = command_line("stream", argv)
     a.conc = [int(x) for x in a.conc.split(",") if x.strip()]
     if not a.conc or min(a.conc) < 1:
         ap.error("--conc needs positive integers")
@@ -130,7 +122,7 @@ def print_table(doc: dict[str, Any]) -> None:
 async def bench(a: argparse.Namespace) -> dict[str, Any]:
     dev0 = gpu_index(a.devices)
     doc: dict[str, Any] = {
-        "engine": a.engine, "engine_version": engine_version(a.engine), "argv": sys.argv,
+        "engine": a.engine, "engine_version": engine_version(a.engine), "argv": a.argv,
         "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "mode": a.mode, "patches": a.patches, "iters": a.iters, "text_words": len(TEXT.split()),
         "pool": {"max_num_seqs": a.max_num_seqs, "max_model_len": a.max_model_len,
@@ -185,13 +177,9 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
     return doc
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str]) -> None:
     a = parse_args(argv)
     doc = asyncio.run(bench(a))
     doc.update(torch_facts(gpu_index(a.devices), touch_cuda=True))
     write_json(a.out, doc)
     print_table(doc)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,10 +1,11 @@
-"""The serving-path table from one tools/device_bench.sh output folder (parts ours, ours_window, ours_hifi, http,
+"""The serving-path table from one tools/gpu_host/bench.sh output folder (parts ours, ours_window, ours_hifi, http,
 encode): each HTTP sweep beside the in-process pool measured back to back with it, with the targets' ratios.
 
-    python tools/serving_report.py docs/results/serving_2026-11-27/h100_16vcpu_bda0af5 [--reference pool_window.json]
+    python tools/bench.py serving-report docs/results/serving_2026-11-27/h100_16vcpu_bda0af5 \
+        [--reference pool_window.json]
 
 The reference pool is the one with the service's engine settings (its coalescing window) unless --reference
-names another file; HiFi rows use pool_hifi.json. With the folder's encode.json (tools/bench_encode.py), a last line
+names another file; HiFi rows use pool_hifi.json. With the folder's encode.json (`bench.py encode`), a last line
 says what the host's LAME can do: MP3 throughput over HTTP cannot pass LAME's rate on the cores the API processes
 have, so a host whose LAME on its cores runs near the pool's rate is CPU-bound there, not the serving path.
 A run of the http_env part (rounds of services compared, files http_r<round>_<variant>_<mp3|pcm>_*.json) gets
@@ -13,12 +14,13 @@ one row per variant (and format, when not MP3) and concurrency: the mean over th
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
+
+from tools.benchmarks.harness import subcommand_parser
 
 
 def rows(path: Path) -> dict[int, dict]:
@@ -98,8 +100,8 @@ def host_lame(run: Path) -> str:
     return line
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> None:
+    ap = subcommand_parser("serving-report", __doc__)
     ap.add_argument("run", type=Path)
     ap.add_argument("--reference", default="pool_window.json")
     a = ap.parse_args(argv)
@@ -115,7 +117,3 @@ def main(argv: list[str] | None = None) -> None:
         print("\n" + "\n".join(rounds))
     if lame := host_lame(a.run):
         print("\n" + lame)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# Download into .whl/ the wheels the GPU machine lacks (Python 3.12, x86-64, the 'cuda' image), for
+# Download into .whl/ the wheels a GPU host without network needs beyond its image (Python 3.12, x86-64, a CUDA
+# image with torch), for
 #  (a) voxcpm-serve's engine (soundfile, soxr and what they need) and
 #  (b) nano-vllm-voxcpm==2.0.5 with its runtime needs (pydantic, librosa, ...),
 # following Requires-Dist recursively and skipping what the image already has. flash-attn is skipped:
-# ../shared/bench/flash_attn_shim replaces it and is copied to .whl/flash_attn_shim so it travels with
-# carry [".whl"]. On the GPU machine: see tools/device_bench.sh (it installs these to /tmp/site).
+# ../shared/bench/flash_attn_shim replaces it and is copied to .whl/flash_attn_shim so it travels with .whl/.
+# On the GPU host: see tools/gpu_host/bench.sh (it installs these to /tmp/site).
 #
-#   bash tools/fetch_device_wheels.sh            # fresh .whl/ (old wheels removed first)
-#   KEEP=1 bash tools/fetch_device_wheels.sh     # keep what is there, add what is missing
-#   EXTRA="pkg==1.2" bash tools/fetch_device_wheels.sh   # more roots (space-separated requirements)
+#   bash tools/gpu_host/fetch_wheels.sh            # fresh .whl/ (old wheels removed first)
+#   KEEP=1 bash tools/gpu_host/fetch_wheels.sh     # keep what is there, add what is missing
+#   EXTRA="pkg==1.2" bash tools/gpu_host/fetch_wheels.sh   # more roots (space-separated requirements)
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 PYTHON="${PYTHON:-python3}"   # any local Python with pip; it only downloads, never installs
 SHIM_SRC="${SHIM_SRC:-$ROOT/../shared/bench/flash_attn_shim}"
@@ -22,7 +23,7 @@ EXCLUDE="$(git rev-parse --git-path info/exclude)"
 grep -qxF '/.whl/' "$EXCLUDE" 2>/dev/null || echo '/.whl/' >>"$EXCLUDE"
 
 if [[ "${KEEP:-0}" != 1 ]]; then
-    rm -rf "$DEST"   # one version of each package, or the --no-deps install on the device stops
+    rm -rf "$DEST"   # one version of each package, or the --no-deps install on the GPU host stops
 fi
 mkdir -p "$DEST"
 
@@ -57,16 +58,16 @@ except ImportError:  # pip always carries a copy
 dest = Path(sys.argv[1])
 roots = sys.argv[2:]
 
-# The pip download form from the device README (platform tags for the GPU machine's Python 3.12).
+# pip download for the GPU host's platform (CPython 3.12, manylinux x86-64), whatever this machine's Python is.
 PIP = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
        "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_27_x86_64",
        "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64", "--platform",
        "manylinux1_x86_64", "-q", "-d", str(dest)]
-# Marker environment of the GPU machine (python3 there is CPython 3.12.3 on Linux x86-64), no extras.
+# Marker environment of the GPU host (python3 there is CPython 3.12.3 on Linux x86-64), no extras.
 ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "implementation_name": "cpython",
        "platform_python_implementation": "CPython", "sys_platform": "linux", "platform_system": "Linux",
        "platform_machine": "x86_64", "os_name": "posix", "extra": ""}
-# Installed in the device image ('cuda'), per /work/.library/device/KINDS.md (read 2026-11-17).
+# Installed in the GPU host's image, as its package list read on 2026-11-17.
 IMAGE = set("""absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
 certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
 cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock
@@ -156,7 +157,7 @@ while queue:
         why.setdefault(dn, f"needed by {name}")
         queue.append(d)
 
-print("\nleft to the image (tools/device_bench.sh checks the versions there):", " ".join(sorted(from_image)))
+print("\nleft to the image (tools/gpu_host/bench.sh checks the versions there):", " ".join(sorted(from_image)))
 print("\nwheels in .whl/:")
 for n, (v, p) in sorted(have().items()):
     print(f"  {p.stat().st_size / 2**20:7.2f} MiB  {n}=={v}  ({why.get(n, 'kept')})")
@@ -169,12 +170,12 @@ if [[ -d "$SHIM_SRC/flash_attn" ]]; then
     find "$DEST/flash_attn_shim" -name __pycache__ -prune -exec rm -rf {} +
     echo "copied flash_attn shim -> $DEST/flash_attn_shim (PYTHONPATH entry for nano-vllm-voxcpm)"
 else
-    echo "WARNING: no flash_attn shim at $SHIM_SRC: nano-vllm-voxcpm will not import on the device" >&2
+    echo "WARNING: no flash_attn shim at $SHIM_SRC: nano-vllm-voxcpm will not import on the GPU host" >&2
 fi
 
 bytes=$(du -sb "$DEST" | cut -f1)
 mib=$(awk -v b="$bytes" 'BEGIN { printf "%.1f", b / 1048576 }')
-echo "total .whl/: $mib MiB ($bytes bytes; carry limit 64 MiB for the whole tree)"
+echo "total .whl/: $mib MiB ($bytes bytes; copied to the GPU host with the tree, 64 MiB in all at most)"
 if (( bytes > 50 * 1048576 )); then
-    echo "WARNING: over 50 MiB; the working tree plus .whl may not fit the 64 MiB carry limit" >&2
+    echo "WARNING: over 50 MiB; the working tree plus .whl/ may pass the 64 MiB a copy to the GPU host may hold" >&2
 fi

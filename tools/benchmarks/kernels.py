@@ -18,12 +18,11 @@ at every shape (9842888).)
 Times come from CUDA events over CUDA-graph replays (launch cost excluded, as inside the captured step); the
 GEMMs cycle through enough weight copies that each call reads its weight from HBM, not from L2.
 
-    python tools/bench_kernels.py --model /tmp/full --batch 1,8,64,128 --out kernels.json
+    python tools/bench.py kernels --model /tmp/full --batch 1,8,64,128 --out kernels.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -32,17 +31,16 @@ from functools import partial
 from pathlib import Path
 from unittest import mock
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import triton
+import triton.language as tl
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from engine import options  # noqa: E402
-from engine.config import TransformerConfig, VoxCPMConfig  # noqa: E402
-from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table  # noqa: E402
-from engine.ops import dense_attention, layer_stack, linear, norm, silu_mul, skinny_gemm  # noqa: E402
-from tools.profile_step import graph_ms  # noqa: E402
+from engine import options
+from engine.config import TransformerConfig, VoxCPMConfig
+from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
+from engine.ops import dense_attention, layer_stack, linear, norm, silu_mul, skinny_gemm
+from tools.benchmarks.harness import subcommand_parser
+from tools.profiling.step import graph_ms
 
 
 def replay_us(fn: Callable[[], object]) -> float:
@@ -274,14 +272,14 @@ def bench_barrier(dev: torch.device, n: int = 84) -> dict[str, float]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str]) -> None:
+    ap = subcommand_parser("kernels", __doc__)
     ap.add_argument("--model", required=True, help="checkpoint directory (only its config is read)")
     ap.add_argument("--batch", default="1,8,64,128")
     ap.add_argument("--only", default="attention,gemm,layer",
                     help="which benchmarks: attention, gemm, layer, barrier, splitk")
     ap.add_argument("--out")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     cfg = VoxCPMConfig.from_dir(a.model)
     dev, dtype = torch.device("cuda"), torch.bfloat16
     batches = [int(x) for x in a.batch.split(",")]
@@ -320,7 +318,3 @@ def main() -> None:
               "layer": layer_rows, "barrier": barrier, "splitk": splitk_rows}
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
-
-
-if __name__ == "__main__":
-    main()

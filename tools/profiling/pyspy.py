@@ -1,9 +1,9 @@
 """Summarise a `py-spy record --format raw --subprocesses` file: where the samples went, by process and by the
 innermost Python function (a sample of a thread waiting for the GIL counts where it waits). With `--phases`, a
-start-up record (`--idle`, as device_bench's COLD_PYSPY takes it): the engine worker's main thread by start-up phase,
-each with its innermost functions (with --idle a sample is wall time, waits included).
+start-up record (`--idle`, as tools/gpu_host/bench.sh's COLD_PYSPY takes it): the engine worker's main thread by
+start-up phase, each with its innermost functions (with --idle a sample is wall time, waits included).
 
-    python tools/pyspy_summary.py pyspy.txt [--top 25] [--json out.json] [--phases]
+    python tools/profiler.py pyspy pyspy.txt [--top 25] [--json out.json] [--phases]
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import argparse
 import collections
 import json
 import re
-import sys
 
 
 def summarise(path: str, top: int) -> dict:
@@ -75,8 +74,9 @@ def start_phases(path: str, top: int) -> dict:
                        for name, n in phases.most_common()]}
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="profiler.py pyspy", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("raw")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json")
@@ -99,6 +99,3 @@ def main(argv: list[str] | None = None) -> None:
         with open(a.json, "w") as f:
             json.dump(doc, f, indent=1)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

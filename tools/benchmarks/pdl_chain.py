@@ -14,28 +14,25 @@ kernels (cuBLAS GEMMs, the Triton attention and element-wise kernels).
 Microseconds per layer from CUDA-graph replays; every way's output is compared with the first one's (bf16 rounding
 and summation order differ between them) and, for the chained way, with the same kernels' plain launches (equal).
 
-    python tools/bench_pdl_chain.py --model /tmp/full --rows 1,2,8 --out pdl_chain.json
-    python tools/bench_pdl_chain.py --model /tmp/full --stack dit --seqs 2,16,32 --seq-len 11
+    python tools/bench.py pdl-chain --model /tmp/full --rows 1,2,8 --out pdl_chain.json
+    python tools/bench.py pdl-chain --model /tmp/full --stack dit --seqs 2,16,32 --seq-len 11
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from engine import options  # noqa: E402
-from engine.config import TransformerConfig, VoxCPMConfig  # noqa: E402
-from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table  # noqa: E402
-from engine.ops import linear, norm  # noqa: E402
-from tools.profile_step import graph_ms  # noqa: E402
+from engine import options
+from engine.config import TransformerConfig, VoxCPMConfig
+from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
+from engine.ops import linear, norm
+from tools.benchmarks.harness import subcommand_parser
+from tools.profiling.step import graph_ms
 
 # way -> the engine options set for it; None for gemv_max_rows means "the rows measured"
 LM_WAYS: dict[str, dict[str, object]] = {
@@ -126,8 +123,8 @@ def local_stack(cfg: TransformerConfig, seqs_list: list[int], seq_len: int, labe
         measure(f"{label} {seqs}x{seq_len}", ways, seqs * seq_len, cfg.num_hidden_layers, run, results)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str]) -> None:
+    ap = subcommand_parser("pdl-chain", __doc__)
     ap.add_argument("--model", required=True, help="checkpoint directory or preset JSON "
                     "(engine/io/presets); config only")
     ap.add_argument("--stack", choices=("lm", "dit", "locenc"), default="lm")
@@ -136,7 +133,7 @@ def main() -> None:
     ap.add_argument("--seqs", default="2", help="dit/locenc: sequences (the DiT has two per request: CFG)")
     ap.add_argument("--seq-len", type=int, default=11, help="dit/locenc: tokens per sequence")
     ap.add_argument("--out")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     src = Path(args.model)
     cfg = VoxCPMConfig.from_dir(src) if src.is_dir() else VoxCPMConfig.from_dict(json.loads(src.read_text()))
     torch.manual_seed(0)
@@ -149,7 +146,3 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                                                   stack=args.stack, results=results), indent=1))
-
-
-if __name__ == "__main__":
-    main()

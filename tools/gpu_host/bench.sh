@@ -1,61 +1,61 @@
 #!/usr/bin/env bash
-# One script for the GPU machine: install the carried wheels, make the full-size random VoxCPM2
+# One script for a GPU host: install the wheels it lacks (from .whl/), make the full-size random VoxCPM2
 # checkpoint, run tools/gpu_check.py, benchmark voxcpm-serve and nano-vllm-voxcpm with
-# tools/bench_stream.py under one protocol, and print the ratio table (tools/bench_compare.py).
+# `tools/bench.py stream` under one protocol, and print the ratio table (`tools/bench.py compare`).
 #
-# Here, once:    bash tools/fetch_device_wheels.sh          (fills .whl/, ~5 MiB)
-# On the GPU machine: bash tools/device_bench.sh, with .whl/ copied beside the tree
+# On a machine with network, once:   bash tools/gpu_host/fetch_wheels.sh      (fills .whl/, ~5 MiB)
+# On the GPU host:                   bash tools/gpu_host/bench.sh, with .whl/ copied beside the tree
 #
-# A GPU session may be limited to ~10 minutes, so pick the parts of each run with PARTS (default "check ours nano"):
-#   PARTS="test check" bash tools/device_bench.sh      # the CUDA tests (~5-6 min, mostly JIT), then gpu_check
-#   PARTS="profile" BASELINE=old bash tools/device_bench.sh   # step profile, of the tree in old/ too
-#   PARTS="ours nano" bash tools/device_bench.sh       # both benchmarks + comparison
-#   PARTS="nano" CONC=1,8 bash tools/device_bench.sh   # one peer, fewer concurrencies
-#   PARTS="" OUT=dir-with-both-jsons bash tools/device_bench.sh   # only the comparison
-#   PARTS="ours http encode" CONC=1,8,32,64,128 bash tools/device_bench.sh   # the pool, then the service over HTTP
+# The time a GPU host is lent for may be short, so pick the parts of each run with PARTS (default "check ours nano"):
+#   PARTS="test check" bash tools/gpu_host/bench.sh      # the CUDA tests (~5-6 min, mostly JIT), then gpu_check
+#   PARTS="profile" BASELINE=old bash tools/gpu_host/bench.sh   # step profile, of the tree in old/ too
+#   PARTS="ours nano" bash tools/gpu_host/bench.sh       # both benchmarks + comparison
+#   PARTS="nano" CONC=1,8 bash tools/gpu_host/bench.sh   # one peer, fewer concurrencies
+#   PARTS="" OUT=dir-with-both-jsons bash tools/gpu_host/bench.sh   # only the comparison
+#   PARTS="ours http encode" CONC=1,8,32,64,128 bash tools/gpu_host/bench.sh   # the pool, then the service over HTTP
 #   PARTS="http_base" BASELINE=old ...   # the service of an earlier tree (old/) at HTTP_BASE_CONC, with a profile
 #   PARTS="ours ours_base cold" BASELINE=old CONC=1,8,128 ...   # this tree against an earlier one: the pool, cold starts
 #   PARTS="cold" BASELINE=old COLD_ROUNDS=3 COLD_PYSPY=1 ...   # cold starts, then one more under py-spy (pyspy_start_*)
 #   PARTS="manifest cold" COLD_VARIANTS="-;VOXCPM_CUDNN_BENCHMARK=0" ...   # re-record the kernel manifest, then starts
 #   PARTS="cold" COLD_PREBUILT=/tmp/kernels COLD_VARIANTS="-;NANOVLLM_PREBUILT_KERNELS_DIR=/tmp/kernels"   # the image's
-#       kernels built first (tools/prebuild_kernels.py; COLD_PREBUILT_ARGS=--link-stub links as an image build does),
+#       kernels built first (python -m engine.startup.prebuild; COLD_PREBUILT_ARGS=--link-stub links as an image build does),
 #       then starts on an empty cache without them and seeded with them
 #   PARTS="cold" COLD_DROP_CACHES=1 ...   # each start after dropping the page cache (root): checkpoint and libraries cold
 #   PARTS="gpu2" GPU2_ENV="NANOVLLM_API_PROCESSES=28" ...   # one GPU against two, the services in that environment
 #   PARTS="lora" CONC=1,64 LORAS=4 LORA_RANK=32 ...   # runtime LoRA adapters vs the base model vs a merged adapter
 #   PARTS="http_env" BASELINE=old HTTP_ROUNDS=3 HTTP_VARIANTS="-;NANOVLLM_WORKER_CPUS=1" CONC=64,128 ...   # rounds
 #       of the old service and this tree's in each environment, alternating, MP3 at CONC (HTTP_ENV_FORMATS="pcm mp3":
-#       both; tools/serving_report.py)
+#       both; `tools/bench.py serving-report`)
 # Rough times: wheels ~10 s; checkpoint 1-3 min (skipped when $CKPT was finished by an earlier run on a
-# machine still warm); nano at 1,8,32,64 ~2.5 min (startup 40-55 s, then 12 bursts of 16 s of audio at
+# host not yet handed back); nano at 1,8,32,64 ~2.5 min (startup 40-55 s, then 12 bursts of 16 s of audio at
 # 10-125 audio-s/s); ours the same if it matches nano, ~5 min at the eager 164-197 ms/step. Every part
 # runs under its own limit, capped by what is left of BUDGET_S, and the benchmark JSON is rewritten after
 # each concurrency, so a part cut off still returns its finished rows. $OUT is emptied before each
 # run: when ours and nano run separately, compare the two fetched files here with
-# `python tools/bench_compare.py ours.json nano.json`. The comparison runs at the end of a run whenever
+# `python tools/bench.py compare ours.json nano.json`. The comparison runs at the end of a run whenever
 # $OUT holds both.
 #
-# Knobs (environment): HTTP_ARGS (extra tools/bench_http.py flags for every sweep, e.g. "--client raw"), HTTP_PYSPY
+# Knobs (environment): HTTP_ARGS (extra `tools/bench.py http` flags for every sweep, e.g. "--client raw"), HTTP_PYSPY
 # (empty: no py-spy profile during the MP3 sweep's last level, which costs the host CPU), PARTS, CONC (1,8,32,64), ITERS (2), PATCHES (100), MODE (zeroshot|hifi),
 # PRESET (full-voxcpm2), CKPT (/tmp/full), BUDGET_S (total seconds this run may use, 580), T_CHECK / T_OURS / T_NANO (per-part
 # time limits, seconds; T_TEST for the CUDA tests), BENCH_ARGS (extra flags for both benchmarks), OURS_ARGS / NANO_ARGS (per engine),
 # CHECK_ARGS (extra flags for gpu_check.py), PROFILE_BATCH (1,8,64), BASELINE, T_PROFILE, FRESH_KERNELS (1: our
-# benchmark starts on an empty Triton kernel cache, for the cold start of a fresh machine). Files in $OUT:
-# device_bench.log, gpu_check.json, profile.json, profile_before.json, ours.json, nano.json, compare.md.
+# benchmark starts on an empty Triton kernel cache, for the cold start of a fresh GPU host). Files in $OUT:
+# bench.log, gpu_check.json, profile.json, profile_before.json, ours.json, nano.json, compare.md.
 # The service parts (http, http_base) start `python3 -m service.main` on the checkpoint with the pool benchmark's
 # engine settings (max_num_seqs = the largest CONC, max_model_len 1024, 0.85 of the GPU memory) on an empty
-# cache dir (its start to /ready is the cold start), then run tools/bench_http.py (8 client processes) for each of
+# cache dir (its start to /ready is the cold start), then run `tools/bench.py http` (8 client processes) for each of
 # HTTP_RUNS (mp3 pcm speech hifi; hifi at HIFI_CONC), py-spy recording every service process during the largest
 # concurrency of the first run. Their files: http_*.json, pyspy_*.txt, service_*.log, encode.json, metrics_after_*.txt
 # (the service's encoder and TTFB metrics after each run, cumulative); past 7 files
-# in $OUT everything but the log is packed into results.tgz (the GPU machine returns at most 8 files).
+# in $OUT everything but the log is packed into results.tgz (fewer files to copy back from the GPU host).
 set -uo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
-OUT="${OUT:-/tmp/device_bench_out}"
+OUT="${OUT:-/tmp/gpu_host_bench}"
 mkdir -p "$OUT"
-LOG="$OUT/device_bench.log"
+LOG="$OUT/bench.log"
 
 PARTS="${PARTS-check ours nano}"   # empty: only the comparison of JSONs already in $OUT
 CONC="${CONC:-1,8,32,64}"
@@ -83,7 +83,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export TQDM_MININTERVAL=5   # fewer progress-bar redraws in the log
 START=$SECONDS
 
-log() { echo "[device_bench +$((SECONDS - START))s] $*" | tee -a "$LOG"; }
+log() { echo "[gpu_host/bench +$((SECONDS - START))s] $*" | tee -a "$LOG"; }
 left() { echo $((BUDGET_S - (SECONDS - START))); }
 
 # Run "$@" under a time limit (seconds, $1) capped by what is left of BUDGET_S; output to the log.
@@ -111,7 +111,7 @@ gpu_mem() { nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null
 setup_wheels() {
     [[ -n "${WHEELS_DONE:-}" ]] && return 0
     if ! ls .whl/*.whl >/dev/null 2>&1; then
-        log "ERROR: no .whl/*.whl (run tools/fetch_device_wheels.sh here and carry [\".whl\"])"
+        log "ERROR: no .whl/*.whl (run tools/gpu_host/fetch_wheels.sh where there is network; copy .whl/ with the tree)"
         return 1
     fi
     log "installing $(ls .whl/*.whl | wc -l) wheels to $SITE"
@@ -156,7 +156,7 @@ PY
 setup_checkpoint() {
     # The marker (beside the folder) is written only after a finished run, so a checkpoint cut off by a time limit is not reused.
     if [[ -f "$CKPT.complete" ]]; then
-        log "checkpoint $CKPT already there (machine still warm): reused"
+        log "checkpoint $CKPT already there (from an earlier run on this host): reused"
         return 0
     fi
     rm -rf "$CKPT"
@@ -175,8 +175,9 @@ bench() {  # bench ENGINE JSON LIMIT [extra PYTHONPATH]
     # shellcheck disable=SC2206  # word splitting of the extra flags is intended
     args+=($more)
     log "GPU memory before $engine: $(gpu_mem)"
-    PYTHONPATH="${extra_path:+$extra_path:}${PYTHONPATH:-}" run_limited "$lim" "bench-$engine" \
-        python3 tools/bench_stream.py "${args[@]}"
+    local cmd=(python3 tools/bench.py stream)
+    [[ -f tools/bench.py ]] || cmd=(python3 tools/bench_stream.py)  # an earlier tree (ours_base) has its own script
+    PYTHONPATH="${extra_path:+$extra_path:}${PYTHONPATH:-}" run_limited "$lim" "bench-$engine" "${cmd[@]}" "${args[@]}"
 }
 
 
@@ -223,13 +224,13 @@ stop_service() {
     sleep 1
 }
 
-http_bench() {  # http_bench NAME CONC [bench_http.py flags]: one sweep; a py-spy profile of its last level
+http_bench() {  # http_bench NAME CONC [`tools/bench.py http` flags]: one sweep; a py-spy profile of its last level
     local name=$1 conc=$2
     shift 2
     local head=${conc%,*} last=${conc##*,}
     if [[ "$head" != "$conc" ]]; then
         # shellcheck disable=SC2086  # HTTP_ARGS: extra flags for every sweep, e.g. "--client raw"
-        run_limited "$T_HTTP" "http-$name" python3 tools/bench_http.py "http://127.0.0.1:$PORT" --conc "$head" \
+        run_limited "$T_HTTP" "http-$name" python3 tools/bench.py http "http://127.0.0.1:$PORT" --conc "$head" \
             --procs 8 --pid "$SVC_PID" --label "$name" --out "$OUT/http_${name}_a.json" ${HTTP_ARGS:-} "$@"
     fi
     local spy=""
@@ -240,7 +241,7 @@ http_bench() {  # http_bench NAME CONC [bench_http.py flags]: one sweep; a py-sp
         sleep 1
     fi
     # shellcheck disable=SC2086
-    run_limited "$T_HTTP" "http-$name-c$last" python3 tools/bench_http.py "http://127.0.0.1:$PORT" --conc "$last" \
+    run_limited "$T_HTTP" "http-$name-c$last" python3 tools/bench.py http "http://127.0.0.1:$PORT" --conc "$last" \
         --procs 8 --pid "$SVC_PID" --label "$name" --out "$OUT/http_${name}_b.json" ${HTTP_ARGS:-} "$@"
     local rc=$?
     [[ -n "$spy" ]] && wait "$spy"
@@ -255,7 +256,7 @@ for part in $PARTS; do
             # The CUDA tests (kernels vs eager, graphs vs eager, paged attention); no checkpoint needed.
             setup_wheels || { RC[$part]=setup; continue; }
             # Every test that skips without CUDA (tests/conftest.py marks them `gpu`); the interpreter cases of the
-            # same files are CPU CI's (minutes of this machine's CPU): not here.
+            # same files are CPU CI's (minutes of this host's CPU): not here.
             # Only modules that can skip for want of CUDA are collected (tests/conftest.py marks by the skip reason): the
             # others' test-only dependencies (schemathesis, openai: CPU CI's) are not in the image.
             ignore=()
@@ -307,23 +308,25 @@ for part in $PARTS; do
             RC[$part]=$?
             ;;
         profile)
-            # Per-component profile of a step (tools/profile_step.py) at PROFILE_BATCH; with BASELINE=dir (a
+            # Per-component profile of a step (`tools/profiler.py step`) at PROFILE_BATCH; with BASELINE=dir (a
             # copy of an earlier tree, e.g. `git archive <commit> engine tools | tar -x -C dir`) the same
-            # profiler also runs that tree's engine first, for a before/after on one machine.
+            # profiler also runs that tree's engine first, for a before/after on one host.
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
             RC[$part]=0
             if [[ -n "${BASELINE:-}" ]]; then
-                cp tools/profile_step.py tools/gpu_check.py "$BASELINE/tools/"  # today's profiler, old engine
-                run_limited "$T_PROFILE" profile-baseline python3 "$BASELINE/tools/profile_step.py" --model "$CKPT" \
+                # today's profiler (and the harness and check it imports), old engine
+                cp -r tools/profiler.py tools/subcommands.py tools/gpu_check.py tools/profiling tools/benchmarks \
+                    "$BASELINE/tools/"
+                run_limited "$T_PROFILE" profile-baseline python3 "$BASELINE/tools/profiler.py" step --model "$CKPT" \
                     --batch "$PROFILE_BATCH" --kernels --out "$OUT/profile_before.json" || RC[$part]=$?
             fi
-            run_limited "$T_PROFILE" profile python3 tools/profile_step.py --model "$CKPT" --batch "$PROFILE_BATCH" \
+            run_limited "$T_PROFILE" profile python3 tools/profiler.py step --model "$CKPT" --batch "$PROFILE_BATCH" \
                 --kernels --out "$OUT/profile.json" || RC[$part]=$?
             ;;
         encode)
             setup_wheels || { RC[$part]=setup; continue; }
             # shellcheck disable=SC2086  # ENCODE_ARGS: extra flags, e.g. "--threads 1,14,28,56"
-            run_limited 120 encode python3 tools/bench_encode.py --out "$OUT/encode.json" ${ENCODE_ARGS:-}
+            run_limited 120 encode python3 tools/bench.py encode --out "$OUT/encode.json" ${ENCODE_ARGS:-}
             RC[$part]=$?
             ;;
         http)
@@ -350,7 +353,7 @@ for part in $PARTS; do
             ;;
         http_env)  # HTTP_ROUNDS rounds of: BASELINE's service (when set), then this tree's in each of HTTP_VARIANTS
             # (';'-separated environments, '-' for none), at CONC in each of HTTP_ENV_FORMATS ("mp3" unless set), no
-            # profiler: http_r<round>_{base,env<i>}_<format>_{a,b}.json (tools/serving_report.py)
+            # profiler: http_r<round>_{base,env<i>}_<format>_{a,b}.json (`tools/bench.py serving-report`)
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
             RC[$part]=0
             IFS=';' read -r -a variants <<< "${HTTP_VARIANTS:--}"
@@ -417,14 +420,14 @@ for part in $PARTS; do
                 bench voxcpm-serve "$OUT/lora_runtime.json" "$T_OURS" || RC[$part]=$?
             VOXCPM_LORA_MERGED_STEPS=0 BENCH_ARGS="${BENCH_ARGS:-} --loras ${LORAS:-4} --lora-rank ${LORA_RANK:-32}" \
                 bench voxcpm-serve "$OUT/lora_runtime_terms.json" "$T_OURS" || RC[$part]=$?
-            python3 -c "import sys; sys.path.insert(0, 'tools'); from pathlib import Path; \
-from bench_stream import random_adapters; random_adapters('$CKPT', 1, ${LORA_RANK:-32}, Path('/tmp/lora_merged'))" \
+            python3 -c "from pathlib import Path; from tools.benchmarks.stream import random_adapters; \
+random_adapters('$CKPT', 1, ${LORA_RANK:-32}, Path('/tmp/lora_merged'))" \
                 2>&1 | tail -2 | tee -a "$LOG"
             OURS_ARGS="${OURS_ARGS:-} --pool-kwargs {\"lora_path\":\"/tmp/lora_merged/bench0\"}" \
                 bench voxcpm-serve "$OUT/lora_merged.json" "$T_OURS" || RC[$part]=$?
             ;;
         ours_base)  # the pool benchmark of an earlier tree (BASELINE=dir, e.g. `git archive <commit> engine service
-            # tools pyproject.toml | tar -x -C old`), with that tree's own tools/bench_stream.py, into ours_base.json
+            # tools pyproject.toml | tar -x -C old`), with that tree's own stream benchmark, into ours_base.json
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
             [[ -d "${BASELINE:-}" ]] || { log "ours_base needs BASELINE=dir (an earlier tree)"; RC[$part]=setup; continue; }
             pushd "$BASELINE" >/dev/null && bench voxcpm-serve "$OUT/ours_base.json" "$T_OURS"
@@ -446,7 +449,7 @@ from bench_stream import random_adapters; random_adapters('$CKPT', 1, ${LORA_RAN
             RC[$part]=0
             if [[ -n "${COLD_PREBUILT:-}" ]]; then  # the image's kernels, for a variant naming this folder as
                 # NANOVLLM_PREBUILT_KERNELS_DIR (the GPU idle: the build step of an image needs none)
-                run_limited 300 prebuilt python3 tools/prebuild_kernels.py --out "$COLD_PREBUILT" ${COLD_PREBUILT_ARGS:-} || RC[$part]=prebuilt
+                run_limited 300 prebuilt python3 -m engine.startup.prebuild --out "$COLD_PREBUILT" ${COLD_PREBUILT_ARGS:-} || RC[$part]=prebuilt
             fi
             IFS=';' read -r -a variants <<< "${COLD_VARIANTS:--}"
             for round in $(seq 1 "${COLD_ROUNDS:-2}"); do
@@ -469,7 +472,7 @@ from bench_stream import random_adapters; random_adapters('$CKPT', 1, ${LORA_RAN
                 stop_service
                 sleep 3  # py-spy writes its file when the processes it follows end
                 if [[ -s "$OUT/pyspy_start_cold_pyspy.txt" ]]; then  # the worker's start by phase; the raw record kept gzipped
-                    python3 tools/pyspy_summary.py "$OUT/pyspy_start_cold_pyspy.txt" --phases \
+                    python3 tools/profiler.py pyspy "$OUT/pyspy_start_cold_pyspy.txt" --phases \
                         --json "$OUT/pyspy_start_summary.json" 2>&1 | tee -a "$LOG"
                     gzip -f "$OUT/pyspy_start_cold_pyspy.txt"
                 fi
@@ -491,12 +494,12 @@ done
 
 if [[ -f "$OUT/ours.json" && -f "$OUT/nano.json" ]]; then
     log "comparison (ours / nano-vllm-voxcpm):"
-    python3 tools/bench_compare.py "$OUT/ours.json" "$OUT/nano.json" --md "$OUT/compare.md" 2>&1 | tee -a "$LOG"
+    python3 tools/bench.py compare "$OUT/ours.json" "$OUT/nano.json" --md "$OUT/compare.md" 2>&1 | tee -a "$LOG"
 fi
 summary=""
 for part in $PARTS; do summary+=" $part=${RC[$part]:-?}"; done
-if (( $(find "$OUT" -maxdepth 1 -type f | wc -l) > 7 )); then  # the GPU machine returns at most 8 files
-    (cd "$OUT" && tar czf results.tgz --exclude device_bench.log --exclude results.tgz ./* && \
-        find . -maxdepth 1 -type f ! -name device_bench.log ! -name results.tgz -delete)
+if (( $(find "$OUT" -maxdepth 1 -type f | wc -l) > 7 )); then  # fewer files to copy back from the GPU host
+    (cd "$OUT" && tar czf results.tgz --exclude bench.log --exclude results.tgz ./* && \
+        find . -maxdepth 1 -type f ! -name bench.log ! -name results.tgz -delete)
 fi
 log "done in $((SECONDS - START))s; exit codes:$summary (124 = timed out); files: $(ls "$OUT" | tr '\n' ' ')"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Post-start warm-up for a voxcpm-serve instance: waits for /health, then runs a zero-shot and a HiFi
 # warm-up (add_hifi, generate with it, delete it) once /ready says the model is loaded. Exits non-zero if any step fails.
-# Usage: tools/post_start_warmup.sh [BASE_URL]   (default http://127.0.0.1:8000; WAIT_S=600)
+# Usage: deployment/post_start_warmup.sh [BASE_URL]   (default http://127.0.0.1:8000; WAIT_S=600)
 set -euo pipefail
 BASE="${1:-${VOXCPM_URL:-http://127.0.0.1:8000}}"
 WAIT_S="${WAIT_S:-600}"

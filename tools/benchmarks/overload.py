@@ -3,12 +3,11 @@ how fast the excess is refused (503 + Retry-After), seen by the client and by th
 histogram from /metrics, which also holds the admitted requests: compare it before and after), and whether the
 admitted ones complete.
 
-    uv run python tools/bench_overload.py --url http://127.0.0.1:8000 --bursts 40,160,320 --patches 40 --out o.json
+    uv run python tools/bench.py overload --url http://127.0.0.1:8000 --bursts 40,160,320 --patches 40 --out o.json
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from tools.benchmarks.harness import subcommand_parser
 
 TEXT = "A long enough sentence for a stream of audio. " * 2
 
@@ -52,13 +53,13 @@ def percentile(values: list[float], q: float) -> float:
     return sorted(values)[max(0, int(q * len(values)) - 1)]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> None:
+    ap = subcommand_parser("overload", __doc__)
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--bursts", default="40,160,320", help="concurrent requests per burst")
     ap.add_argument("--patches", type=int, default=40, help="max_generate_length of each request")
     ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows = []
     for n in (int(b) for b in args.bursts.split(",")):
         before = generate_buckets(args.url)
@@ -77,7 +78,3 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     if args.out:
         args.out.write_text(json.dumps({"url": args.url, "patches": args.patches, "rows": rows}, indent=2) + "\n")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,9 @@
 """Tune the queue-coalescing window (NANOVLLM_QUEUE_COALESCE_MS) on this machine: for each window, start the
 service (`python -m service.main`, a fresh process) on the checkpoint, run the open-loop arrival benchmark
-(tools/bench_open_loop.py) against it over HTTP, stop it; then print one table over all windows and write
+(`bench.py open-loop`) against it over HTTP, stop it; then print one table over all windows and write
 one JSON (each window's full open-loop document included).
 
-    python tools/tune_coalesce.py --model CKPT --windows 0,2,5,10 --rate 10,30 --duration 20 --out tune.json
+    python tools/bench.py tune-coalesce --model CKPT --windows 0,2,5,10 --rate 10,30 --duration 20 --out tune.json
 
 The window holds the first request of a quiet period for up to that long, so that requests arriving
 together are prefilled in one engine step: it costs up to the window in TTFB and can save prefill steps
@@ -27,10 +27,8 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_open_loop  # noqa: E402
-import benchlib as bl  # noqa: E402
+from tools.benchmarks import harness as bl
+from tools.benchmarks.workloads import open_loop
 
 METRICS = ("ttfb_p50", "ttfb_p95", "rtf_mean", "throughput_audio_s_per_s", "streams_with_underrun", "failed")
 
@@ -42,8 +40,8 @@ def windows_ms(text: str) -> list[float]:
     return out
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = bl.subcommand_parser("tune-coalesce", __doc__)
     ap.add_argument("--model", required=True, help="checkpoint directory")
     ap.add_argument("--windows", type=windows_ms, default=windows_ms("0,2,5,10"),
                     help="comma-separated windows to try, milliseconds (0: off)")
@@ -114,12 +112,13 @@ def stop_service(proc: subprocess.Popen) -> None:
             time.sleep(0.2)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def tune(argv: list[str]) -> dict[str, Any]:
+    """Each window's service and open-loop run, then the summary table; returns the results document."""
     a = parse_args(argv)
     url = f"http://127.0.0.1:{a.port}"
     out_dir = Path(a.out).resolve().parent if a.out else Path.cwd()
     out_dir.mkdir(parents=True, exist_ok=True)
-    doc: dict[str, Any] = {"tool": "tune_coalesce", "argv": sys.argv if argv is None else argv,
+    doc: dict[str, Any] = {"tool": "tune_coalesce", "argv": bl.command_line("tune-coalesce", argv),
                            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                            "engine_version": bl.engine_version("voxcpm-serve"), "windows": []}
     for window in a.windows:
@@ -128,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         entry: dict[str, Any] = {"window_ms": window, "service_log": log_path.name}
         try:
             entry["ready_s"] = wait_ready(url, proc, a.ready_timeout)
-            entry["open_loop"] = doc_window = bench_open_loop.main([
+            entry["open_loop"] = doc_window = open_loop([
                 "--target", "http", "--url", url, "--rate", a.rate, "--duration", str(a.duration),
                 "--patches", str(a.patches)])
             served = (doc_window.get("service") or {}).get("queue_coalesce_ms")
@@ -160,7 +159,7 @@ def print_summary(doc: dict[str, Any]) -> None:
             print(f"{entry['window_ms']:>5g}ms {row.get('label', ''):>12} {cells}")
 
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> None:
     # A SIGTERM (e.g. from `timeout`) must still stop the running service: turn it into an exception.
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    print(json.dumps({"windows_tried": len(main()["windows"])}))
+    print(json.dumps({"windows_tried": len(tune(argv)["windows"])}))

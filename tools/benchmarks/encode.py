@@ -1,6 +1,6 @@
 """What encoding costs the host: core-seconds per audio-second for each response format, on this machine.
 
-    python tools/bench_encode.py --seconds 30 --out encode.json
+    python tools/bench.py encode --seconds 30 --out encode.json
 
 Each format is encoded by the service's own encoders (service/audio.py), fed 160 ms chunks of 48 kHz noise-like
 audio the way a stream is (whole files too: they gather the chunks and encode at the last one), on one thread;
@@ -20,24 +20,18 @@ slowest streams' first bytes at the least, whatever the serving path does (media
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import multiprocessing as mp
 import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-
-from benchlib import write_json  # noqa: E402
-
-from service.audio import make_encoder  # noqa: E402
+from service.audio import make_encoder
+from tools.benchmarks.harness import subcommand_parser, write_json
 
 CASES = [("mp3", {"mp3_bitrate_kbps": 192, "mp3_quality": q}, f"mp3 192 kbps q{q}") for q in (0, 1, 2)] + [
     ("mp3", {"mp3_bitrate_kbps": 128, "mp3_quality": 2}, "mp3 128 kbps q2"),
@@ -87,8 +81,9 @@ async def client_path(fmt: str, streams: int, step_s: float, steps: int, threads
     from engine.serving.client import EngineClient, GenerationStream, _WorkerLink
     from engine.serving.routing import LoadTable
     from engine.vocabulary import SamplingParams
+    from service.encoder_pool import EncoderPool
 
-    client = EngineClient([], b"bench", encoder_threads=threads, load=LoadTable(1))
+    client = EngineClient([], b"bench", encoder_threads=threads, load=LoadTable(1), transform_threads=EncoderPool)
     link = _WorkerLink(client, 0, "played by a process of this benchmark")
     ours, theirs = mp.Pipe()
     request = p.SynthesisRequest("", "", None, None, None, SamplingParams(), None)
@@ -148,8 +143,8 @@ def first_chunk_burst(audio: np.ndarray, chunk: int, sr: int, streams: int, thre
             "median_ms": 1000 * float(np.median(middles)), "bytes": nbytes}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> dict[str, Any]:
+    ap = subcommand_parser("encode", __doc__)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--sample-rate", type=int, default=48000)
     ap.add_argument("--chunk", type=int, default=7680, help="samples per chunk (VoxCPM2: one 160 ms patch)")
@@ -200,7 +195,3 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"the median after {row['median_ms']:.1f} ms", flush=True)
     write_json(a.out, doc)
     return doc
-
-
-if __name__ == "__main__":
-    main()

@@ -1,10 +1,10 @@
 """Compile the GPU kernels of the shipped kernel manifests into a Triton kernel cache, on a machine with or without a
 GPU (engine/startup/prebuilt.py): what the Dockerfile runs, so that a pod seeded from it compiles nothing.
 
-    python tools/prebuild_kernels.py --out /app/kernels        # then NANOVLLM_PREBUILT_KERNELS_DIR=/app/kernels
+    python -m engine.startup.prebuild --out /app/kernels        # then NANOVLLM_PREBUILT_KERNELS_DIR=/app/kernels
 
 Exits 1 when anything a start-up needs did not build (a record, a launcher, the driver module, or no manifest of this
-Triton release line at all).
+Triton release line at all). Imports no torch, as engine/startup/prebuilt.py.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv: list[str] | None = None) -> int:
