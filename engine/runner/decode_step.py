@@ -14,7 +14,7 @@ import contextlib
 import torch
 
 from engine.io.checkpoint import LoadedModel
-from engine.models.audio_vae import SlotStates
+from engine.models.vae_layers import SlotStates
 from engine.runner.attention import AttentionMetadata, PagedKVCache
 from engine.runner.buffers import DecodeBuffers
 from engine.runner.vae_stream import VaeStream
