@@ -123,7 +123,7 @@ class DecodeBuffers:
         # (with the patch already in float32: no conversion kernel before it).
         self.results = z(rows, patch * feat_dim + 1, dtype=torch.float32)
         self.audio = z(rows, samples, dtype=torch.float32)
-        # The VAE's own copies of its inputs when it runs behind the next step (ModelRunner.overlaps).
+        # The VAE's own copies of its inputs when it runs behind the next step (VaeStream.overlaps).
         self.vae_index = torch.full((rows,), scratch_seq_slot, dtype=torch.long, device=device)
         self.vae_patch = z(rows, patch, feat_dim, dtype=dtype)
 
