@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -147,6 +147,68 @@ class VoxCPMConfig:
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"{p} is not valid JSON: {e}") from e
         return cls.from_dict(d)
+
+
+# The audio VAE's official defaults per version (v1: VoxCPM-0.5B / VoxCPM1.5, v2: VoxCPM2).
+_V1_DEFAULTS: dict[str, Any] = {
+    "encoder_dim": 128,
+    "encoder_rates": [2, 5, 8, 8],
+    "latent_dim": 64,
+    "decoder_dim": 1536,
+    "decoder_rates": [8, 8, 5, 2],
+    "depthwise": True,
+    "sample_rate": 16000,
+    "out_sample_rate": None,
+    "use_noise_block": False,
+    "sr_bin_boundaries": None,
+    "cond_type": "scale_bias",
+    "cond_dim": 128,
+    "cond_out_layer": False,
+}
+_V2_DEFAULTS: dict[str, Any] = {
+    **_V1_DEFAULTS,
+    "decoder_dim": 2048,
+    "decoder_rates": [8, 6, 5, 2, 2, 2],
+    "out_sample_rate": 48000,
+    "sr_bin_boundaries": [20000, 30000, 40000],
+}
+# The official v1 config has no such fields, so a v1 config.json carrying them is ignored there too.
+_V2_ONLY = ("out_sample_rate", "sr_bin_boundaries", "cond_type", "cond_dim", "cond_out_layer")
+
+
+@dataclass
+class AudioVAEConfig:
+    """The audio VAE's `audio_vae_config` (`VoxCPMConfig.audio_vae`), with the official defaults of its version."""
+
+    encoder_dim: int = 128
+    encoder_rates: list[int] = field(default_factory=lambda: [2, 5, 8, 8])
+    latent_dim: int | None = 64  # None -> encoder_dim * 2**len(encoder_rates), as officially
+    decoder_dim: int = 1536
+    decoder_rates: list[int] = field(default_factory=lambda: [8, 8, 5, 2])
+    depthwise: bool = True
+    sample_rate: int = 16000
+    out_sample_rate: int | None = None
+    use_noise_block: bool = False
+    sr_bin_boundaries: list[int] | None = None
+    cond_type: str = "scale_bias"
+    cond_dim: int = 128
+    cond_out_layer: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None, version: int) -> AudioVAEConfig:
+        """Official defaults of `version` (1 or 2), overridden by the known keys of `d`."""
+        if version not in (1, 2):
+            raise ValueError(f"unknown audio VAE version {version}")
+        values = dict(_V1_DEFAULTS if version == 1 else _V2_DEFAULTS)
+        known = {f.name for f in fields(cls)}
+        for key, val in (d or {}).items():
+            if key in known and not (version == 1 and key in _V2_ONLY):
+                values[key] = val
+        for key in ("encoder_rates", "decoder_rates"):
+            values[key] = [int(r) for r in values[key]]
+        if values["sr_bin_boundaries"] is not None:
+            values["sr_bin_boundaries"] = [int(b) for b in values["sr_bin_boundaries"]]
+        return cls(**values)
 
 
 _REQUIRED_LM = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",

@@ -11,7 +11,7 @@ import torch
 from engine.io.checkpoint import load_model
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.options import EngineOptions
-from engine.runner.model_runner import driver_loads_in_capture
+from engine.runner.cuda_graphs import driver_loads_in_capture
 from engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -14,11 +14,10 @@ import soundfile as sf
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import VoxCPMConfig
+from engine.config import AudioVAEConfig, VoxCPMConfig
 from engine.io import checkpoint
 from engine.io.audio import AudioError, decode_audio, encode_latents
 from engine.io.checkpoint import CheckpointError, load_model, read_safetensors_chunked
-from engine.models.audio_vae import AudioVAEConfig
 from tests.conftest import TINY_PRESETS, check_parity
 from tests.official import load_official
 

@@ -1,5 +1,5 @@
-"""The engine's layout rules, checked on the source: no import cycles between engine modules, and one module that
-reads the environment."""
+"""The engine's layout rules, checked on the source: no import cycles between engine modules, one module that reads
+the environment, and no engine file over a few hundred lines without a stated reason."""
 
 from __future__ import annotations
 
@@ -97,6 +97,25 @@ def test_the_api_processes_import_no_torch():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]", f"torch imported: {r.stdout.strip()[:300]}"
+
+
+# A module of the engine is one idea of at most a few hundred lines; a longer one says in its docstring why it is one
+# file ("One file because ...").
+ENGINE_FILE_LINES = 450
+LONG_FILE_REASON = "One file because"
+# Being split by job: these leave the list as they are.
+LONG_FILES_BEING_SPLIT = {"engine/serving/worker.py", "engine/serving/pool.py", "engine/serving/client.py"}
+
+
+def test_no_long_engine_file_without_a_reason():
+    long = []
+    for path in sorted(ENGINE.rglob("*.py")):
+        name, text = str(path.relative_to(ROOT)), path.read_text()
+        lines = len(text.splitlines())
+        if lines > ENGINE_FILE_LINES and name not in LONG_FILES_BEING_SPLIT \
+                and LONG_FILE_REASON not in (ast.get_docstring(ast.parse(text)) or ""):
+            long.append(f"{name}: {lines} lines")
+    assert long == [], f"over {ENGINE_FILE_LINES} lines without '{LONG_FILE_REASON} ...' in the docstring: {long}"
 
 
 # The docs are a report, not a log: a new result replaces the row it supersedes, and the history lives in

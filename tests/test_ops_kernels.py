@@ -287,7 +287,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
     def residual_unit(dtype: torch.dtype) -> float:
         """The VAE residual unit's kernel path (Snake, conv + Snake, GEMM + residual) against its layers, over
         three streamed chunks and a full-sequence pass (exact fp32 GEMMs/convs on both sides)."""
-        from engine.models.audio_vae import ResidualUnit
+        from engine.models.vae_layers import ResidualUnit
 
         torch.manual_seed(70)
         unit = ResidualUnit(8, dilation=3, groups=8).to(device, dtype)
@@ -319,7 +319,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         cuDNN path, over streamed chunks of 1, 3 and 7 frames (strided views) and a full-sequence pass, with the new
         context. The shipped geometry (kernel 2 x stride) carries one frame of context; a kernel of 3 x stride
         carries two, so a chunk of one frame is shorter than its context (the new context then spans both)."""
-        from engine.models.audio_vae import CausalConvTranspose1d, SlotStates
+        from engine.models.vae_layers import CausalConvTranspose1d, SlotStates
 
         errs = []
         with exact_fp32_on_cuda():
@@ -357,7 +357,10 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
     def vae_decoder(dtype: torch.dtype) -> float:
         """The streaming VAE decoder's kernel path (biases and the sample-rate condition carried into the next
         Snake kernel) against its layers one by one, over three streamed chunks."""
-        from engine.models.audio_vae import AudioVAE, AudioVAEConfig, Decoder, SlotStates
+        from engine.config import AudioVAEConfig
+        from engine.models.audio_vae import AudioVAE
+        from engine.models.vae_decoder import Decoder
+        from engine.models.vae_layers import SlotStates
 
         torch.manual_seed(90)
         cfg = AudioVAEConfig.from_dict({"encoder_dim": 4, "encoder_rates": [2, 2], "latent_dim": 8, "decoder_dim": 32,

@@ -10,7 +10,8 @@ import warnings
 import pytest
 import torch
 
-from engine.models.audio_vae import AudioVAE, AudioVAEConfig, fuse_weight_norm
+from engine.config import AudioVAEConfig
+from engine.models.audio_vae import AudioVAE, fuse_weight_norm
 
 official = pytest.importorskip("voxcpm.modules.audiovae")
 

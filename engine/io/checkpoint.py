@@ -22,12 +22,12 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from engine.config import ConfigError, VoxCPMConfig, parse_dtype
+from engine.config import AudioVAEConfig, ConfigError, VoxCPMConfig, parse_dtype
 from engine.errors import CheckpointError  # noqa: F401  (raised here; imported from here by callers)
 from engine.io.model_path import resolve_model_path
 from engine.io.tokenizer import TextTokenizer
 from engine.models import build_backbone
-from engine.models.audio_vae import AudioVAE, AudioVAEConfig, fuse_weight_norm
+from engine.models.audio_vae import AudioVAE, fuse_weight_norm
 from engine.models.voxcpm import VoxCPMBackbone
 
 log = logging.getLogger(__name__)

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from engine.config import VoxCPMConfig, parse_dtype
+from engine.config import AudioVAEConfig, VoxCPMConfig, parse_dtype
 from engine.io.tokenizer_builder import build_tokenizer
 from engine.models import build_backbone
-from engine.models.audio_vae import AudioVAE, AudioVAEConfig
+from engine.models.audio_vae import AudioVAE
 
 PRESET_DIR = Path(__file__).parent / "presets"
 

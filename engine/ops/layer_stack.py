@@ -28,6 +28,9 @@ launch where the process may use fewer SMs than the device reports (an MPS clien
 grid is then halved until it is accepted (`_launch_fused`), instead of spinning into the barrier's trap. Without
 barriers (Triton's interpreter, which runs programs one after another, or mode "phases") each phase is its own
 launch of the same kernel: same arithmetic, kernel boundaries instead of barriers.
+
+One file because the kernel and its launcher are one contract, as in every op module: the grid the launcher sizes is
+what the kernel's barriers count on, and the settings it picks are the variant the kernel compiles.
 """
 
 from __future__ import annotations

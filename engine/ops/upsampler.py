@@ -2,7 +2,7 @@
 
 cuDNN searches an algorithm per batch size at start-up and a GEMM per stream is far too narrow for a few frames; one
 GEMM over every stream's context and new frames, then an overlap-add writing only the kept outputs, avoids both.
-The eager path is the module's own cuDNN conv (audio_vae).
+The eager path is the module's own cuDNN conv (vae_layers).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def overlap_add(g: torch.Tensor, bias: torch.Tensor | None, stride: int, kernel:
 def causal_conv_transpose(x: torch.Tensor, state: torch.Tensor | None, weight_taps: torch.Tensor,
                           bias: torch.Tensor | None, stride: int, kernel: int,
                           slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The VAE's streaming upsampler (audio_vae.CausalConvTranspose1d) as one GEMM of every tap over the context
+    """The VAE's streaming upsampler (vae_layers.CausalConvTranspose1d) as one GEMM of every tap over the context
     and the new frames of all streams (cuBLAS, under the matmul TF32 policy that the runner aligns with cuDNN's)
     and one Triton overlap-add writing only the kept outputs, contiguous: no cuDNN algorithm search per batch size
     at start-up, no trimmed view. weight_taps: (kernel * C_out, C_in), rows ordered (tap, channel). state

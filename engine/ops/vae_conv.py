@@ -2,7 +2,7 @@
 
 A residual unit is Snake -> dilated depthwise causal conv -> Snake -> 1x1 conv -> + x. The depthwise kernel reads the
 carried context of every stream in place (no concatenation copy) and applies both Snakes; the 1x1 conv and the
-residual add are one batched GEMM (`pointwise_conv_residual`). The eager path is the module's own (audio_vae).
+residual add are one batched GEMM (`pointwise_conv_residual`). The eager path is the module's own (vae_layers).
 `context_args` / `context_fits` are shared with the upsampler (`engine.ops.upsampler`).
 """
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sequence import Sequence
+
 
 def graph_buckets(max_batch: int) -> list[int]:
     """Batch sizes with a captured graph; a batch runs in the smallest bucket that holds it."""
@@ -26,6 +28,12 @@ def prefill_buckets(max_tokens: int) -> list[int]:
         out.append(t)
         t *= 2
     return [*out, top]
+
+
+def host_block_tables(seqs: list[Sequence], width: int, pad_rows: int = 0) -> torch.Tensor:
+    """Block tables padded with block 0 (never read past a sequence's length), on the host."""
+    rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs] + [[0] * width] * pad_rows
+    return torch.tensor(rows, dtype=torch.int32)
 
 
 @dataclass
@@ -115,7 +123,7 @@ class DecodeBuffers:
         # (with the patch already in float32: no conversion kernel before it).
         self.results = z(rows, patch * feat_dim + 1, dtype=torch.float32)
         self.audio = z(rows, samples, dtype=torch.float32)
-        # The VAE's own copies of its inputs when it runs behind the next step (ModelRunner.overlaps).
+        # The VAE's own copies of its inputs when it runs behind the next step (VaeStream.overlaps).
         self.vae_index = torch.full((rows,), scratch_seq_slot, dtype=torch.long, device=device)
         self.vae_patch = z(rows, patch, feat_dim, dtype=dtype)
 

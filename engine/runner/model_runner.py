@@ -1,60 +1,46 @@
-"""Runs scheduled batches through the model on one device.
+"""Runs scheduled batches through the model on one device: the one object the engine talks to.
 
-Per-sequence step state (both LMs' last hidden states, the previous patch, the streaming VAE's
-conv context) lives in device buffers indexed by a *slot*, one per running sequence, so a decode step
-is a pure function of a few small index tensors: gather the batch's states, sample the patch (all
-Euler steps with CFG), decide stop, feed the patch back through both LMs, decode it to audio, scatter
-the states back. On CUDA that whole step is captured once per batch bucket as a CUDA graph and
-replayed with no host synchronisation inside it; on CPU (or with `enforce_eager`) the same function
-runs eagerly. On CUDA the prefill is captured too, per token bucket, over static buffers padded with
-tokens that read nothing and write to a scratch KV block; larger prefills run eagerly.
+It owns the device state: per-sequence step state in slot buffers (one row per running sequence, plus a scratch row
+for padding rows), the paged KV caches (sized by a dry run of the largest steps), the static step buffers. A step
+itself is elsewhere: its body in `decode_step` / `prefill_step`, its CUDA graphs per bucket in `cuda_graphs`, the
+pinned host buffers of its inputs and outputs in `host_io`. Here: slots given and taken back, which runtime LoRA
+adapter a step merges, a decode step launched without waiting (`launch_decode`) and its outputs read later
+(`collect_decode`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from engine.block_manager import BlockManager
 from engine.engine_config import EngineConfig
 from engine.io.checkpoint import LoadedModel
-from engine.models.audio_vae import SlotStates
 from engine.models.minicpm import fuse_projections
 from engine.ops import layer_stack
 from engine.options import current
-from engine.runner.attention import AttentionMetadata, PagedKVCache, select_backend
+from engine.runner.attention import PagedKVCache, select_backend
 from engine.runner.buffers import (
     DecodeBuffers,
     PrefillBuffers,
     PrefillInputs,
     graph_buckets,
+    host_block_tables,
     prefill_buckets,
 )
+from engine.runner.cuda_graphs import StepGraphs
+from engine.runner.decode_step import DecodeStep
+from engine.runner.host_io import HostStepBuffers
 from engine.runner.lora import LoRASlots
+from engine.runner.prefill_step import PrefillStep
 from engine.runner.vae_stream import VaeStream
 from engine.sequence import Sequence, Status, StepEvent
 
 log = logging.getLogger(__name__)
-CUDA_LOADS_IN_CAPTURE = 12030  # the driver version (12.3) from which a kernel first launched inside a capture loads
-
-
-def driver_loads_in_capture() -> bool:
-    """Whether this CUDA driver loads a kernel's module when the kernel is first launched inside a stream capture
-    (12.3 on; an older one fails the capture): then a graph's buckets need no eager run each, one per kind does."""
-    try:
-        version = ctypes.c_int()
-        found = ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) == 0
-    except OSError:  # no NVIDIA driver (ROCm)
-        return False
-    return found and version.value >= CUDA_LOADS_IN_CAPTURE
 
 
 @dataclass
@@ -113,24 +99,22 @@ class ModelRunner:
         vae_param = next(model.vae.decoder.parameters())
         self.vae_states = [torch.zeros(rows, c, n, dtype=vae_param.dtype, device=device)
                            for c, n in model.vae.decoder.state_shapes]
-        self.vae_sr_idx = model.vae._sr_idx(None)
+        self.decode_step = DecodeStep(model, self.lm_hidden, self.residual_hidden, self.prev_patch, self.vae_states,
+                                      self.inference_timesteps, self.vae_stream, device)
         self.base_cache: PagedKVCache | None = None
         self.residual_cache: PagedKVCache | None = None
         self.buffers: DecodeBuffers | None = None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_buffers: PrefillBuffers | None = None
-        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # With runtime LoRA adapters, the same buckets once more with their terms (steps of mixed adapters).
-        self.term_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.prefill_term_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.capture_times: dict[str, tuple[float, float]] = {}  # graph -> (warm-up s, capture s): start-up cost
+        self.step_graphs = StepGraphs(device)
+        # Its graphs and timings by the names the engine and the tools read (the same dicts: they are cleared, never
+        # replaced).
+        self.graphs, self.term_graphs = self.step_graphs.decode, self.step_graphs.decode_terms
+        self.prefill_graphs, self.prefill_term_graphs = self.step_graphs.prefill, self.step_graphs.prefill_terms
+        self.capture_times = self.step_graphs.capture_times
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.prefill_bucket_sizes = prefill_buckets(config.max_num_batched_tokens)
-        self.host_out: list[tuple[torch.Tensor, torch.Tensor]] = []  # see _host_outputs
-        self.host_turn = 0
-        self.host_in: list[torch.Tensor] = []  # see _host_inputs
-        self.host_in_copied: list[torch.cuda.Event | None] = [None, None]
-        self.host_in_turn = 0
+        self.host = HostStepBuffers()
+        self.prefill_step = PrefillStep(model, block_size, self.dtype, device)
 
     # --- KV cache -----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -150,11 +134,9 @@ class ModelRunner:
         self.prefill_buffers = PrefillBuffers(self.prefill_bucket_sizes[-1], self.max_num_seqs,
                                               self.table_width, p, d, self.cfg.lm.hidden_size,
                                               self.base_cache.scratch_slot, self.dtype, self.device)
-        for graphs in (self.graphs, self.prefill_graphs, self.term_graphs, self.prefill_term_graphs):
-            graphs.clear()
+        self.step_graphs.clear()
         self.vae_stream.reset()
-        self.host_out = []
-        self.host_in = []
+        self.host.reset()
 
     @torch.inference_mode()
     def profile_num_blocks(self, gpu_memory_utilization: float, max_model_len: int) -> int:
@@ -177,7 +159,9 @@ class ModelRunner:
             self._decode_forward(rows, self.table_width, vae)
 
         def prefill_and_step() -> None:
-            self._dry_prefill(lens)
+            assert self.base_cache is not None and self.residual_cache is not None
+            self.prefill_step.dry_run(lens, self.table_width, self.base_cache, self.residual_cache,
+                                      self.lora is not None)
             dry_step(largest, not self.vae_stream.overlaps(largest))
 
         peak_extra = self._working_memory(prefill_and_step)
@@ -199,24 +183,6 @@ class ModelRunner:
             raise RuntimeError(f"gpu_memory_utilization={gpu_memory_utilization} leaves room for {num_blocks} KV "
                                f"blocks; one max_model_len sequence needs {self.table_width}")
         return num_blocks
-
-    def _dry_prefill(self, lens: list[int]) -> None:
-        """A prefill of sequences of these lengths on dummy inputs (all pointing at the same blocks)."""
-        n, p, d = sum(lens), self.cfg.patch_size, self.cfg.feat_dim
-        dev = self.device
-        positions = torch.cat([torch.arange(k, device=dev) for k in lens])
-        mask = torch.zeros(n, dtype=torch.bool, device=dev)
-        mask[: n // 2] = True  # half audio positions: LocEnc runs too
-        slots = positions % (self.table_width * self.block_size)
-        table = torch.arange(self.table_width, dtype=torch.int32, device=dev).expand(len(lens), -1)
-        row_index = torch.cat([torch.full((k,), i, dtype=torch.int32, device=dev) for i, k in enumerate(lens)])
-        meta = AttentionMetadata(True, slots, table, row_index, (positions + 1).to(torch.int32), lens, lens)
-        assert self.base_cache is not None and self.residual_cache is not None
-        self.model.backbone.prefill(torch.zeros(n, dtype=torch.long, device=dev),
-                                    torch.zeros(n, p, d, dtype=self.dtype, device=dev), mask, positions,
-                                    torch.tensor([n - 1], device=dev), self.base_cache.attend_fn(meta),
-                                    self.residual_cache.attend_fn(meta),
-                                    lora_slots=torch.full((n,), -1, device=dev) if self.lora is not None else None)
 
     def _working_memory(self, body: Callable[[], None]) -> int:
         """Peak bytes `body` allocates on the device beyond what stays allocated after it."""
@@ -276,62 +242,20 @@ class ModelRunner:
         seq.slot = None
 
     # --- prefill ------------------------------------------------------------------------------
-    @staticmethod
-    def _tables(seqs: list[Sequence], width: int, pad_rows: int = 0) -> torch.Tensor:
-        """Block tables padded with block 0 (never read past a sequence's length), on the host."""
-        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs] + [[0] * width] * pad_rows
-        return torch.tensor(rows, dtype=torch.int32)
-
     def prefill_inputs(self, seqs: list[Sequence]) -> PrefillInputs:
-        ids, feats, mask, positions, slots, rows, last_rows, qlens, klens = [], [], [], [], [], [], [], [], []
-        loras: list[int] = []
-        for i, seq in enumerate(seqs):
-            seq_ids, seq_feats, seq_mask = seq.prefill_inputs()
-            start, n = seq.num_cached_tokens, len(seq_ids)
-            ids += seq_ids[start:]
-            feats.append(seq_feats[start:])
-            mask.append(seq_mask[start:])
-            positions += range(start, n)
-            slots += [seq.block_table[j // self.block_size] * self.block_size + j % self.block_size
-                      for j in range(start, n)]
-            rows += [i] * (n - start)
-            loras += [seq.lora_slot] * (n - start)
-            qlens.append(n - start)
-            klens.append(n)
-            last_rows.append(sum(qlens) - 1)
-        return PrefillInputs(
-            token_ids=torch.tensor(ids, dtype=torch.long), feats=torch.cat(feats), audio_mask=torch.cat(mask),
-            positions=torch.tensor(positions, dtype=torch.long), slot_mapping=torch.tensor(slots, dtype=torch.long),
-            row_index=torch.tensor(rows, dtype=torch.int32),
-            block_tables=self._tables(seqs, max(len(s.block_table) for s in seqs)),
-            last_rows=torch.tensor(last_rows, dtype=torch.long), query_lens=qlens, key_lens=klens,
-            lora_slots=torch.tensor(loras, dtype=torch.long))
+        return self.prefill_step.inputs(seqs)
 
     def prefill_eager(self, x: PrefillInputs, terms: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefill, eagerly; `terms`: add the rows' runtime adapters' terms (default: when adapters are on)."""
         terms = self._terms(terms)
-        dev = self.device
-        pos = x.positions.to(dev)
-        meta = AttentionMetadata(True, x.slot_mapping.to(dev), x.block_tables.to(dev), x.row_index.to(dev),
-                                 (pos + 1).to(torch.int32), x.query_lens, x.key_lens)
         assert self.base_cache is not None and self.residual_cache is not None
-        return self.model.backbone.prefill(
-            x.token_ids.to(dev), x.feats.to(dev), x.audio_mask.to(dev), pos, x.last_rows.to(dev),
-            self.base_cache.attend_fn(meta), self.residual_cache.attend_fn(meta),
-            lora_slots=x.lora_slots.to(dev) if terms else None)
+        return self.prefill_step.eager(x, self.base_cache, self.residual_cache, terms)
 
     def _prefill_forward(self, tokens: int, terms: bool = False) -> None:
-        """A prefill over the first `tokens` rows of the static buffers (graph body): no host-side lengths."""
+        """`PrefillStep.forward` over this runner's buffers (graph body)."""
         b = self.prefill_buffers
         assert b is not None and self.base_cache is not None and self.residual_cache is not None
-        meta = AttentionMetadata(True, b.slot_mapping[:tokens], b.block_tables, b.row_index[:tokens],
-                                 b.context_lens[:tokens])
-        lm_h, res_h = self.model.backbone.prefill(
-            b.token_ids[:tokens], b.feats[:tokens], b.audio_mask[:tokens], b.positions[:tokens], b.last_rows,
-            self.base_cache.attend_fn(meta), self.residual_cache.attend_fn(meta), static_shapes=True,
-            lora_slots=b.lora_slots[:tokens] if terms else None)
-        b.lm_hidden.copy_(lm_h)
-        b.residual_hidden.copy_(res_h)
+        self.prefill_step.forward(b, self.base_cache, self.residual_cache, tokens, terms)
 
     def prefill_buffered(self, x: PrefillInputs, terms: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefill through the static buffers, padded to a token bucket: a graph replay when one is
@@ -341,20 +265,8 @@ class ModelRunner:
         assert b is not None
         n, rows = len(x.token_ids), len(x.last_rows)
         bucket = next(t for t in self.prefill_bucket_sizes if t >= n)
-        pad = bucket - n
-        b.token_ids[:bucket].copy_(F.pad(x.token_ids, (0, pad)), non_blocking=True)
-        b.feats[:bucket].copy_(F.pad(x.feats, (0, 0, 0, 0, 0, pad)), non_blocking=True)
-        b.audio_mask[:bucket].copy_(F.pad(x.audio_mask, (0, pad)), non_blocking=True)
-        b.positions[:bucket].copy_(F.pad(x.positions, (0, pad)), non_blocking=True)
-        b.slot_mapping[:bucket].copy_(F.pad(x.slot_mapping, (0, pad), value=b.scratch_kv_slot), non_blocking=True)
-        b.row_index[:bucket].copy_(F.pad(x.row_index, (0, pad)), non_blocking=True)
-        b.lora_slots[:bucket].copy_(F.pad(x.lora_slots, (0, pad), value=-1), non_blocking=True)
-        b.context_lens[:bucket].copy_(F.pad((x.positions + 1).to(torch.int32), (0, pad)), non_blocking=True)
-        b.block_tables.zero_()
-        b.block_tables[:rows, :x.block_tables.shape[1]].copy_(x.block_tables, non_blocking=True)
-        b.last_rows.zero_()
-        b.last_rows[:rows].copy_(x.last_rows, non_blocking=True)
-        graphs = self.prefill_term_graphs if terms else self.prefill_graphs
+        self.prefill_step.fill(b, x, bucket)
+        graphs = self.step_graphs.prefill_graphs(terms)
         if bucket in graphs:
             graphs[bucket].replay()
         else:
@@ -363,7 +275,7 @@ class ModelRunner:
 
     def _can_graph_prefill(self, x: PrefillInputs, terms: bool = False) -> bool:
         b = self.prefill_buffers
-        graphs = self.prefill_term_graphs if terms else self.prefill_graphs
+        graphs = self.step_graphs.prefill_graphs(terms)
         return (bool(graphs) and b is not None and len(x.token_ids) <= len(b.token_ids)
                 and len(x.last_rows) <= len(b.last_rows) and x.block_tables.shape[1] <= self.table_width)
 
@@ -383,122 +295,34 @@ class ModelRunner:
         # The previous patch of the first decode step: the last input row's features.
         self.prev_patch[index] = x.feats[x.last_rows].to(dev, self.dtype)
 
+    # --- decode step ------------------------------------------------------------------------
     def _latents(self, patches: torch.Tensor) -> torch.Tensor:
-        """(B, N, P, D) patches -> (B, D, N * P) VAE input."""
-        vae_dtype = self.vae_states[0].dtype if self.vae_states else torch.float32
-        return patches.to(vae_dtype).flatten(1, 2).transpose(1, 2)
+        return self.decode_step.latents(patches)
 
     def _decode_audio(self, index: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-        """Streaming VAE decode of new latents for the streams in `index`; their states move on (read and replaced
-        at their slots' rows of the state buffers, in place where a kernel can)."""
-        audio = self.model.vae.decoder(latents, self.vae_sr_idx, SlotStates(self.vae_states, index))
-        return audio.flatten(1)
+        return self.decode_step.decode_audio(index, latents)
 
     def _decode_forward(self, batch: int, width: int, vae: bool = True, terms: bool | None = None) -> None:
-        """One decode step over the first `batch` rows of the static buffers (graph body); without `vae`, the
-        patch is left for `_vae_forward`; `terms`: add the rows' runtime adapters' terms (default: when adapters
-        are on)."""
+        """`DecodeStep.forward` over this runner's buffers; `terms` by default: when adapters are on."""
         terms = self._terms(terms)
         buf = self.buffers
         assert buf is not None and self.base_cache is not None and self.residual_cache is not None
-        inputs = buf.step_inputs(batch)
-        index = inputs.slot_index
-        meta = AttentionMetadata(False, inputs.slot_mapping, inputs.block_tables[:, :width], buf.row_index[:batch],
-                                 inputs.context_lens)
-        backbone = self.model.backbone
-        lm_hidden = self.lm_hidden[index]
-        lora = inputs.lora_slots if terms else None
-        patch = backbone.sample_patch(lm_hidden, self.residual_hidden[index], self.prev_patch[index],
-                                      inputs.noise, inputs.cfg, self.inference_timesteps, lora)
-        # The stop head and the VAE need only the old hidden state and the patch, the LMs only the encoded patch,
-        # so on CUDA they run side by side: the stop head and the VAE on a second stream (forked and joined inside
-        # the captured graph), LocEnc and the LMs on this one. The fork comes after LocEnc: its layer kernel's grid
-        # barriers wait for the slowest program, which the VAE's kernels beside it would slow.
-        # `patch` and `lm_hidden` stay referenced until after the join, so their memory is not reused under it.
-        side = self.vae_stream.stream if vae else None
-        main = torch.cuda.current_stream(self.device) if side is not None else None
-
-        embed = backbone.encode_patches(patch, lora)
-        if side is not None:
-            side.wait_stream(main)
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            buf.stop(batch).copy_(backbone.stop_flags(lm_hidden))
-            if vae:
-                buf.audio[:batch] = self._decode_audio(index, self._latents(patch[:, None]))
-        lm_next, residual_next = backbone.advance_lms(embed, inputs.positions, self.base_cache.attend_fn(meta),
-                                                      self.residual_cache.attend_fn(meta), lora)
-        self.lm_hidden[index] = lm_next
-        self.residual_hidden[index] = residual_next
-        self.prev_patch[index] = patch
-        buf.patch(batch).copy_(patch)
-        if side is not None:
-            main.wait_stream(side)
+        self.decode_step.forward(buf, self.base_cache, self.residual_cache, batch, width, vae, terms)
 
     def _vae_forward(self, batch: int) -> None:
-        """The VAE decode of the patches in the VAE's input buffers (graph body, replayed on the VAE stream)."""
         buf = self.buffers
         assert buf is not None
-        buf.audio[:batch] = self._decode_audio(buf.vae_index[:batch], self._latents(buf.vae_patch[:batch, None]))
+        self.decode_step.vae_forward(buf, batch)
 
     @torch.inference_mode()
     def capture_graphs(self) -> float:
-        """Capture the decode step for every bucket (largest first, sharing one memory pool)."""
+        """Capture the step graphs (`StepGraphs.capture`); the seconds it took."""
         if not self.use_graphs:
             return 0.0
-        t0 = time.perf_counter()
-        pool = None
-        vae_pool = None  # its own pool: a VAE graph runs while the next step's graph does
         assert self.buffers is not None
-        # Kinds of graph whose body has run eagerly once (None: every bucket's body runs once before its capture).
-        warmed: set[str] | None = set() if driver_loads_in_capture() else None
-        modes = (False, True) if self.lora is not None else (False,)  # with runtime adapters: without and with terms
-        for batch in reversed(graph_buckets(self.max_num_seqs)):
-            # The warm-up runs the step on this layout's inputs: padding, not bytes of another layout (they share them).
-            self.buffers.reset_inputs(batch)
-            vae_inside = not self.vae_stream.overlaps(batch)
-            for terms in modes:
-                graphs, kind = (self.term_graphs, "decode+lora") if terms else (self.graphs, "decode")
-                graphs[batch] = graph = self._capture(kind + "+vae" * vae_inside, f"B={batch}", self._decode_forward,
-                                                      batch, self.table_width, vae_inside, terms, pool=pool,
-                                                      warmed=warmed)
-                pool = graph.pool()
-            if not vae_inside:
-                self.vae_stream.graphs[batch] = vae_graph = self._capture(
-                    "vae", f"B={batch}", self._vae_forward, batch, pool=vae_pool, stream=self.vae_stream.stream,
-                    warmed=warmed)
-                vae_pool = vae_graph.pool()
-        if self.lora is not None:
-            self.lora.capture_merges()
-        if self.backend != "torch":  # graphed prefill needs the per-token (Triton) attention path
-            for tokens in reversed(self.prefill_bucket_sizes):
-                for terms in modes:
-                    graphs, kind = (self.prefill_term_graphs, "prefill+lora") if terms else (self.prefill_graphs,
-                                                                                              "prefill")
-                    graphs[tokens] = self._capture(kind, f"T={tokens}", self._prefill_forward, tokens, terms,
-                                                   pool=pool, warmed=warmed)
-        torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
-
-    def _capture(self, kind: str, label: str, body: Callable[..., None], *args: int | bool, pool: Any,
-                 stream: torch.cuda.Stream | None = None, warmed: set[str] | None = None) -> torch.cuda.CUDAGraph:
-        """Capture `body` (on `stream` when given, where it is then replayed), after running it once eagerly unless
-        a graph of its `kind` has (`warmed`): what cannot happen inside a capture (a library's first use; before CUDA
-        12.3, a kernel's first launch) happens then. Both times go to capture_times (0 s: no eager run)."""
-        warm_s = 0.0
-        if warmed is None or kind not in warmed:
-            t0 = time.perf_counter()
-            body(*args)
-            torch.cuda.synchronize(self.device)
-            warm_s = time.perf_counter() - t0
-            if warmed is not None:
-                warmed.add(kind)
-        t1 = time.perf_counter()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            body(*args)
-        torch.cuda.synchronize(self.device)
-        self.capture_times[f"{kind} {label}"] = (warm_s, time.perf_counter() - t1)
-        return graph
+        return self.step_graphs.capture(self.buffers, self.vae_stream, self.lora, self.max_num_seqs, self.table_width,
+                                        self.backend, self.prefill_bucket_sizes, self._decode_forward,
+                                        self._vae_forward, self._prefill_forward)
 
     def _noise(self, seq: Sequence, ahead: int) -> torch.Tensor:
         d, p = self.cfg.feat_dim, self.cfg.patch_size
@@ -508,31 +332,6 @@ class ModelRunner:
             assert seq.noise is not None
             z = torch.randn((d, p), generator=seq.noise)
         return z * seq.params.temperature
-
-    def _host_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next of two sets of pinned host buffers for a step's outputs: a launched step copies into
-        one while the host still reads the other (the previous step's)."""
-        assert self.buffers is not None
-        if not self.host_out:
-            results, audio = self.buffers.results, self.buffers.audio
-            self.host_out = [(torch.zeros(results.shape, pin_memory=True), torch.zeros(audio.shape, pin_memory=True))
-                             for _ in range(2)]
-        self.host_turn ^= 1
-        return self.host_out[self.host_turn]
-
-    def _host_inputs(self) -> torch.Tensor:
-        """The next of two pinned byte buffers for a step's inputs (`DecodeBuffers.step_inputs` lays them out): the
-        host fills one while the copy from the other may still be queued; its last copy is waited for first."""
-        assert self.buffers is not None
-        if not self.host_in:
-            self.host_in = [torch.zeros(self.buffers.inputs.numel(), dtype=torch.uint8, pin_memory=True)
-                            for _ in range(2)]
-            self.host_in_copied = [None, None]
-        self.host_in_turn ^= 1
-        copied = self.host_in_copied[self.host_in_turn]
-        if copied is not None:
-            copied.synchronize()  # long done: the copy was queued two launches ago
-        return self.host_in[self.host_in_turn]
 
     def _terms(self, terms: bool | None) -> bool:
         """A forward's `terms` argument: given, or by default whether runtime adapters are on (their worst case, as
@@ -566,7 +365,7 @@ class ModelRunner:
         assert buf is not None
         b = len(seqs)
         slots = [blocks.append_slot(s, ahead) for s in seqs]
-        graph_batch = next((g for g in sorted(self.graphs) if g >= b), None)
+        graph_batch = self.step_graphs.decode_bucket(b)
         rows = graph_batch or b
         width = self.table_width if graph_batch else max(len(s.block_table) for s in seqs)
         pad = rows - b
@@ -582,31 +381,28 @@ class ModelRunner:
             self.vae_stream.join()
         # The inputs, in the layout of `rows` rows: on CUDA written to pinned memory and moved in one copy; on the
         # CPU written in place.
-        packed = self._host_inputs() if stream is not None else buf.inputs
+        packed = self.host.inputs(buf) if stream is not None else buf.inputs
         inputs = buf.step_inputs(rows, packed)
         inputs.slot_index[:b] = torch.tensor([s.slot for s in seqs])
         inputs.positions[:b] = torch.tensor([s.num_tokens + ahead for s in seqs])
         inputs.slot_mapping[:b] = torch.tensor(slots)
         inputs.context_lens[:b] = torch.tensor([s.num_tokens + ahead + 1 for s in seqs], dtype=torch.int32)
         inputs.cfg[:b] = torch.tensor([s.params.cfg_value for s in seqs])
-        inputs.block_tables[:b, :width] = self._tables(seqs, width)
+        inputs.block_tables[:b, :width] = host_block_tables(seqs, width)
         inputs.noise[:b] = torch.stack([self._noise(s, ahead) for s in seqs])
         inputs.lora_slots[:b] = torch.tensor([s.lora_slot for s in seqs])
         terms = self._lora_terms([s.lora_slot for s in seqs], decode=True)
         if pad:
             inputs.fill_padding(self.scratch_slot, scratch_kv, start=b)
         if stream is not None:
-            size = buf.input_bytes(rows)
-            buf.inputs[:size].copy_(packed[:size], non_blocking=True)
-            self.host_in_copied[self.host_in_turn] = copied = torch.cuda.Event()
-            copied.record(stream)
+            self.host.send_inputs(buf, packed, rows, stream)
         if graph_batch:
-            (self.term_graphs if terms else self.graphs)[graph_batch].replay()
+            self.step_graphs.decode_graphs(terms)[graph_batch].replay()
         else:
             self._decode_forward(b, width, terms=terms)
         if stream is None:  # CPU: synchronous anyway; copies, because .cpu() would alias the buffers
             return LaunchedDecode(seqs, (buf.results[:b].clone(), buf.audio[:b].clone()), None)
-        results, audio = self._host_outputs()
+        results, audio = self.host.outputs(buf)
         results[:b].copy_(buf.results[:b], non_blocking=True)
         if overlap:
             assert graph_batch is not None

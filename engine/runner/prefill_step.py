@@ -1,0 +1,111 @@
+"""The prefill's inputs and bodies: the uncached prompt tokens of several sequences flattened on the host, and their
+run through both LMs, eagerly or over static buffers padded to a token bucket (with tokens that read nothing and write
+to a scratch KV block), which on CUDA a graph captures per bucket (`cuda_graphs`); larger prefills run eagerly."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.io.checkpoint import LoadedModel
+from engine.runner.attention import AttentionMetadata, PagedKVCache
+from engine.runner.buffers import PrefillBuffers, PrefillInputs, host_block_tables
+from engine.sequence import Sequence
+
+
+class PrefillStep:
+    """The prefill over a runner's model; the static buffers and the KV caches come with each call (they are replaced
+    with the KV cache)."""
+
+    def __init__(self, model: LoadedModel, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.model = model
+        self.cfg = model.config
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+
+    def inputs(self, seqs: list[Sequence]) -> PrefillInputs:
+        ids, feats, mask, positions, slots, rows, last_rows, qlens, klens = [], [], [], [], [], [], [], [], []
+        loras: list[int] = []
+        for i, seq in enumerate(seqs):
+            seq_ids, seq_feats, seq_mask = seq.prefill_inputs()
+            start, n = seq.num_cached_tokens, len(seq_ids)
+            ids += seq_ids[start:]
+            feats.append(seq_feats[start:])
+            mask.append(seq_mask[start:])
+            positions += range(start, n)
+            slots += [seq.block_table[j // self.block_size] * self.block_size + j % self.block_size
+                      for j in range(start, n)]
+            rows += [i] * (n - start)
+            loras += [seq.lora_slot] * (n - start)
+            qlens.append(n - start)
+            klens.append(n)
+            last_rows.append(sum(qlens) - 1)
+        return PrefillInputs(
+            token_ids=torch.tensor(ids, dtype=torch.long), feats=torch.cat(feats), audio_mask=torch.cat(mask),
+            positions=torch.tensor(positions, dtype=torch.long), slot_mapping=torch.tensor(slots, dtype=torch.long),
+            row_index=torch.tensor(rows, dtype=torch.int32),
+            block_tables=host_block_tables(seqs, max(len(s.block_table) for s in seqs)),
+            last_rows=torch.tensor(last_rows, dtype=torch.long), query_lens=qlens, key_lens=klens,
+            lora_slots=torch.tensor(loras, dtype=torch.long))
+
+    def eager(self, x: PrefillInputs, base_cache: PagedKVCache, residual_cache: PagedKVCache,
+              terms: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill, eagerly; `terms`: add the rows' runtime adapters' terms."""
+        dev = self.device
+        pos = x.positions.to(dev)
+        meta = AttentionMetadata(True, x.slot_mapping.to(dev), x.block_tables.to(dev), x.row_index.to(dev),
+                                 (pos + 1).to(torch.int32), x.query_lens, x.key_lens)
+        return self.model.backbone.prefill(
+            x.token_ids.to(dev), x.feats.to(dev), x.audio_mask.to(dev), pos, x.last_rows.to(dev),
+            base_cache.attend_fn(meta), residual_cache.attend_fn(meta),
+            lora_slots=x.lora_slots.to(dev) if terms else None)
+
+    def forward(self, b: PrefillBuffers, base_cache: PagedKVCache, residual_cache: PagedKVCache, tokens: int,
+                terms: bool) -> None:
+        """A prefill over the first `tokens` rows of the static buffers (graph body): no host-side lengths."""
+        meta = AttentionMetadata(True, b.slot_mapping[:tokens], b.block_tables, b.row_index[:tokens],
+                                 b.context_lens[:tokens])
+        lm_h, res_h = self.model.backbone.prefill(
+            b.token_ids[:tokens], b.feats[:tokens], b.audio_mask[:tokens], b.positions[:tokens], b.last_rows,
+            base_cache.attend_fn(meta), residual_cache.attend_fn(meta), static_shapes=True,
+            lora_slots=b.lora_slots[:tokens] if terms else None)
+        b.lm_hidden.copy_(lm_h)
+        b.residual_hidden.copy_(res_h)
+
+    @staticmethod
+    def fill(b: PrefillBuffers, x: PrefillInputs, bucket: int) -> None:
+        """Queue the copies of `x` into the static buffers, padded to `bucket` tokens."""
+        n, rows = len(x.token_ids), len(x.last_rows)
+        pad = bucket - n
+        b.token_ids[:bucket].copy_(F.pad(x.token_ids, (0, pad)), non_blocking=True)
+        b.feats[:bucket].copy_(F.pad(x.feats, (0, 0, 0, 0, 0, pad)), non_blocking=True)
+        b.audio_mask[:bucket].copy_(F.pad(x.audio_mask, (0, pad)), non_blocking=True)
+        b.positions[:bucket].copy_(F.pad(x.positions, (0, pad)), non_blocking=True)
+        b.slot_mapping[:bucket].copy_(F.pad(x.slot_mapping, (0, pad), value=b.scratch_kv_slot), non_blocking=True)
+        b.row_index[:bucket].copy_(F.pad(x.row_index, (0, pad)), non_blocking=True)
+        b.lora_slots[:bucket].copy_(F.pad(x.lora_slots, (0, pad), value=-1), non_blocking=True)
+        b.context_lens[:bucket].copy_(F.pad((x.positions + 1).to(torch.int32), (0, pad)), non_blocking=True)
+        b.block_tables.zero_()
+        b.block_tables[:rows, :x.block_tables.shape[1]].copy_(x.block_tables, non_blocking=True)
+        b.last_rows.zero_()
+        b.last_rows[:rows].copy_(x.last_rows, non_blocking=True)
+
+    def dry_run(self, lens: list[int], table_width: int, base_cache: PagedKVCache, residual_cache: PagedKVCache,
+                lora: bool) -> None:
+        """A prefill of sequences of these lengths on dummy inputs (all pointing at the same blocks; `lora`: with
+        the runtime adapters' terms), for KV sizing."""
+        n, p, d = sum(lens), self.cfg.patch_size, self.cfg.feat_dim
+        dev = self.device
+        positions = torch.cat([torch.arange(k, device=dev) for k in lens])
+        mask = torch.zeros(n, dtype=torch.bool, device=dev)
+        mask[: n // 2] = True  # half audio positions: LocEnc runs too
+        slots = positions % (table_width * self.block_size)
+        table = torch.arange(table_width, dtype=torch.int32, device=dev).expand(len(lens), -1)
+        row_index = torch.cat([torch.full((k,), i, dtype=torch.int32, device=dev) for i, k in enumerate(lens)])
+        meta = AttentionMetadata(True, slots, table, row_index, (positions + 1).to(torch.int32), lens, lens)
+        self.model.backbone.prefill(torch.zeros(n, dtype=torch.long, device=dev),
+                                    torch.zeros(n, p, d, dtype=self.dtype, device=dev), mask, positions,
+                                    torch.tensor([n - 1], device=dev), base_cache.attend_fn(meta),
+                                    residual_cache.attend_fn(meta),
+                                    lora_slots=torch.full((n,), -1, device=dev) if lora else None)
