@@ -74,7 +74,7 @@ def test_the_supervisor_starts_its_workers_without_torch():
     import sys
 
     code = ("import pickle, sys\n"
-            "from engine.serving.pool import engine_config\n"
+            "from engine.serving.voxcpm import engine_config\n"
             "from engine.serving.processes import WorkerSet, reserve_cpus\n"
             "from engine.serving.protocol import WorkerOptions\n"
             "config = engine_config(dtype='bfloat16', max_num_seqs=8)\n"
@@ -155,7 +155,7 @@ def test_each_engine_field_has_one_default():
 
     from engine.engine_config import ENGINE_FIELDS, EngineConfig
     from engine.runner.model_runner import ModelRunner
-    from engine.serving.pool import VoxCPM
+    from engine.serving.voxcpm import VoxCPM
     from service.settings import ENGINE_SETTINGS, SERVICE_DEFAULTS, Settings
 
     repeated = []

@@ -575,8 +575,8 @@ def test_a_worker_stopped_during_its_start_up_exits_at_once(checkpoint, capfd, c
     interrupts it (the worker used to finish starting first, and a stop past the owner's timeout killed it). Sent at
     once here, the Stop is in the pipe before the worker's start-up begins."""
     from engine.options import EngineOptions
-    from engine.serving.pool import engine_config
     from engine.serving.processes import WorkerSet
+    from engine.serving.voxcpm import engine_config
 
     config = engine_config(max_num_seqs=2, max_model_len=256, options=EngineOptions(log_level="INFO"))
     workers = WorkerSet(str(checkpoint), ["cpu"], config, warmup=True)
