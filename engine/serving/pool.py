@@ -20,10 +20,11 @@ import numpy as np
 from engine.engine_config import EngineConfig
 from engine.errors import PoolError, PoolStoppedError, PromptNotFoundError, RequestError, WorkerDiedError
 from engine.serving import protocol as p
-from engine.serving.client import EngineClient, GenerationStream, Transform
+from engine.serving.client import EngineClient
 from engine.serving.processes import WorkerProcess, WorkerSet
 from engine.serving.reports import WorkerInfo, WorkerStats
 from engine.serving.routing import LoadTable
+from engine.serving.stream import GenerationStream, Transform
 from engine.serving.transforms import TransformThreads
 from engine.vocabulary import AdapterInfo, SamplingParams
 

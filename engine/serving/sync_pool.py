@@ -16,8 +16,8 @@ import numpy as np
 
 from engine.engine_config import EngineConfig
 from engine.errors import PoolStoppedError
-from engine.serving.client import GenerationStream
 from engine.serving.pool import AsyncVoxCPMServerPool
+from engine.serving.stream import GenerationStream
 from engine.vocabulary import FinishReason
 
 T = TypeVar("T")
