@@ -18,9 +18,9 @@ _EXPORTS = {
     "LoRANotFoundError": "engine.errors",
     "EngineConfig": "engine.engine_config", "LLMEngine": "engine.llm_engine", "StepEvent": "engine.sequence",
     "SamplingParams": "engine.serving.protocol", "SynthesisRequest": "engine.serving.protocol",
-    "GenerationStream": "engine.serving.client",
-    "AsyncVoxCPMServerPool": "engine.serving.pool", "SyncVoxCPMServerPool": "engine.serving.pool",
-    "VoxCPM": "engine.serving.pool",
+    "GenerationStream": "engine.serving.stream",
+    "AsyncVoxCPMServerPool": "engine.serving.pool", "SyncVoxCPMServerPool": "engine.serving.sync_pool",
+    "VoxCPM": "engine.serving.voxcpm",
 }
 __all__ = ["AsyncVoxCPMServerPool", "CheckpointError", "EngineConfig", "EngineError", "GenerationStream",
            "LLMEngine", "LoRANotFoundError", "LoadedModel", "OverloadedError", "PoolError", "PoolStoppedError",
@@ -42,9 +42,11 @@ if TYPE_CHECKING:
     from engine.io.checkpoint import CheckpointError, LoadedModel, load_model
     from engine.llm_engine import LLMEngine
     from engine.sequence import StepEvent
-    from engine.serving.client import GenerationStream
-    from engine.serving.pool import AsyncVoxCPMServerPool, SyncVoxCPMServerPool, VoxCPM
+    from engine.serving.pool import AsyncVoxCPMServerPool
     from engine.serving.protocol import SynthesisRequest
+    from engine.serving.stream import GenerationStream
+    from engine.serving.sync_pool import SyncVoxCPMServerPool
+    from engine.serving.voxcpm import VoxCPM
     from engine.vocabulary import SamplingParams
 
 

@@ -78,7 +78,7 @@ class AdapterInfo:
 
 @dataclass
 class TextIds:
-    """A request's text as token ids, made by the client (`engine.serving.client.text_ids`) so that the worker, which
+    """A request's text as token ids, made by the client (`engine.serving.stream.text_ids`) so that the worker, which
     takes a burst's requests one at a time, does not tokenize them: ~0.3 ms of a 470-character text each."""
 
     target: list[int]  # the target text's (its length caps the generation)

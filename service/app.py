@@ -27,7 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import AsyncVoxCPMServerPool, VoxCPM
 from engine.io.tokenizer import TextTokenizer
-from engine.serving.pool import checked_model_path, device_names
+from engine.serving.devices import device_names
+from engine.serving.pool import checked_model_path
 from engine.serving.routing import LoadTable
 from service import errors, lifecycle
 from service.deps import require_api_key

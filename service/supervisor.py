@@ -89,9 +89,11 @@ class Supervisor:
 
     async def run(self) -> int:
         """Serve until a signal asks to stop (0) or the service cannot run (1)."""
-        from engine.serving.pool import checked_model_path, device_names, engine_config
+        from engine.serving.devices import device_names
+        from engine.serving.pool import checked_model_path
         from engine.serving.processes import WorkerSet, reserve_cpus, worker_log_level
         from engine.serving.protocol import name_process
+        from engine.serving.voxcpm import engine_config
 
         name_process("voxcpm-serve")
         s = self.settings

@@ -303,7 +303,7 @@ def test_pyspy_start_phases_attribute_the_worker_main_thread_by_its_outermost_ph
     phase whose function it holds (graph capture inside the engine's constructor is "graphs", not "engine_other");
     one under the entry point but not yet in worker_main is the imports."""
     head = 'process 7:"python -m service.main";thread (0x1);_run_worker (engine/serving/processes.py:36)'
-    engine = f"{head};worker_main (engine/serving/worker.py:515);__init__ (engine/llm_engine.py:60)"
+    engine = f"{head};worker_main (engine/serving/worker_startup.py:99);__init__ (engine/llm_engine.py:60)"
     raw = tmp_path / "start.txt"
     raw.write_text("\n".join([
         f"{head};_find_and_load (<frozen importlib._bootstrap>:1360) 40",

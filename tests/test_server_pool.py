@@ -500,12 +500,12 @@ def test_the_encoder_pools_observer_sees_each_chunk_and_the_one_that_made_the_fi
 
 
 def test_text_ids_are_the_workers_own_tokens_and_bad_ones_fail_the_request_alone(pool, checkpoint, monkeypatch):
-    """The client's tokenization (engine.serving.client.text_ids) gives the prompt the worker builds from the text, for
+    """The client's tokenization (engine.serving.stream.text_ids) gives the prompt the worker builds from the text, for
     zero-shot and continuation requests; a registered prompt's transcript is left to the worker. Ids that are not
     this model's fail that request as a request error, and the worker keeps serving."""
     from engine.prompt import build_prompt
     from engine.serving import protocol as msgs
-    from engine.serving.client import TOKENIZE_INLINE_CHARS, text_ids, tokenized
+    from engine.serving.stream import TOKENIZE_INLINE_CHARS, text_ids, tokenized
 
     model = load_model(checkpoint)
     tok, cfg = model.tokenizer, model.config
@@ -575,8 +575,8 @@ def test_a_worker_stopped_during_its_start_up_exits_at_once(checkpoint, capfd, c
     interrupts it (the worker used to finish starting first, and a stop past the owner's timeout killed it). Sent at
     once here, the Stop is in the pipe before the worker's start-up begins."""
     from engine.options import EngineOptions
-    from engine.serving.pool import engine_config
     from engine.serving.processes import WorkerSet
+    from engine.serving.voxcpm import engine_config
 
     config = engine_config(max_num_seqs=2, max_model_len=256, options=EngineOptions(log_level="INFO"))
     workers = WorkerSet(str(checkpoint), ["cpu"], config, warmup=True)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from engine.serving.pool import engine_config
 from engine.serving.processes import WorkerSet
+from engine.serving.voxcpm import engine_config
 from service.audio import make_encoder
 from service.engine_setup import WorkerEndpoint
 from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, LiveServer, service_settings

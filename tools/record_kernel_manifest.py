@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from engine.io.audio import encode_latents  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.sequence import SamplingParams  # noqa: E402
-from engine.serving.worker import warm_up  # noqa: E402
+from engine.serving.worker_startup import warm_up  # noqa: E402
 from engine.startup import kernel_cache  # noqa: E402
 
 

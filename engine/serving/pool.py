@@ -1,44 +1,37 @@
-"""The server pool (the library API): one worker process per device and this process's client of them.
+"""AsyncVoxCPMServerPool (the library API): one worker process per device and this process's client of them.
 
-`VoxCPM.from_pretrained(...)` returns an `AsyncVoxCPMServerPool` when called inside a running event loop and a
-`SyncVoxCPMServerPool` (the same pool driven from a private loop thread) otherwise. Requests go to the
-least-loaded worker; a worker that dies fails its callers at once (`WorkerDiedError`), the pool reports itself
-unhealthy and `restart()` brings it back with the prompts registered here.
+Requests go to the least-loaded worker; a worker that dies fails its callers at once (`WorkerDiedError`), the pool
+reports itself unhealthy and `restart()` brings it back with the prompts registered here. `VoxCPM.from_pretrained`
+(`engine.serving.voxcpm`) makes one, or its blocking twin (`engine.serving.sync_pool`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
-import functools
 import hashlib
-import inspect
 import logging
-import subprocess
-import threading
-from collections.abc import Coroutine, MutableMapping
+from collections.abc import MutableMapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine.engine_config import ENGINE_FIELDS, EngineConfig
+from engine.engine_config import EngineConfig
 from engine.errors import PoolError, PoolStoppedError, PromptNotFoundError, RequestError, WorkerDiedError
-from engine.options import cuda_visible_devices
 from engine.serving import protocol as p
-from engine.serving.client import EngineClient, GenerationStream, Transform
+from engine.serving.client import EngineClient
 from engine.serving.processes import WorkerProcess, WorkerSet
 from engine.serving.reports import WorkerInfo, WorkerStats
 from engine.serving.routing import LoadTable
+from engine.serving.stream import GenerationStream, Transform
 from engine.serving.transforms import TransformThreads
-from engine.vocabulary import AdapterInfo, FinishReason, SamplingParams
+from engine.vocabulary import AdapterInfo, SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class AsyncVoxCPMServerPool:
@@ -248,237 +241,6 @@ class AsyncVoxCPMServerPool:
 def _plain(value: Any) -> Any:
     """Latents travel to the worker as numpy (a torch tensor may live on a device)."""
     return value.detach().float().cpu().numpy() if type(value).__module__.startswith("torch") else value
-
-
-class SyncVoxCPMServerPool:
-    """The async pool behind blocking calls, driven from a private event loop thread."""
-
-    def __init__(self, model: str, devices: list[str], config: EngineConfig, **kwargs: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="voxcpm-pool-loop", daemon=True)
-        self._thread.start()
-        self._lock = threading.Lock()
-        self._closed = False  # the loop is stopping or gone: nothing more may be submitted to it
-
-        async def make() -> AsyncVoxCPMServerPool:
-            return AsyncVoxCPMServerPool(model, devices, config, **kwargs)
-
-        self.pool = self._run(make())
-
-    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        with self._lock:
-            if self._closed:  # a coroutine handed to a stopped loop would never finish: its caller would hang
-                coro.close()
-                raise PoolStoppedError("the pool is stopped")
-            return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        return self._submit(coro).result(timeout)
-
-    def __getattr__(self, name: str) -> Any:
-        """The async pool's attribute `name`; its coroutine methods become blocking ones run on the pool's loop (a
-        property, or a plain method like `snapshot`, is read or called from the caller's thread)."""
-        if name.startswith("_") or name == "pool":
-            raise AttributeError(name)
-        attr = getattr(self.pool, name)
-        if not inspect.iscoroutinefunction(attr):
-            return attr
-
-        @functools.wraps(attr)
-        def blocking(*args: Any, **kwargs: Any) -> Any:
-            return self._run(attr(*args, **kwargs))
-
-        return blocking
-
-    def __dir__(self) -> list[str]:
-        return sorted(set(super().__dir__()) | {n for n in dir(self.pool) if not n.startswith("_")})
-
-    def generate(self, target_text: str, **kwargs: Any) -> SyncStream:
-        """Blocking iterator of float32 chunks; closing it (break + close(), also from another thread
-        while one waits in next()) aborts the request."""
-        async def make() -> GenerationStream:
-            return self.pool.generate(target_text, **kwargs)
-
-        return SyncStream(self, self._run(make()))
-
-    def stop(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-        self._run(self.pool.stop())
-        with self._lock:
-            self._closed = True
-        # Let the calls already submitted (other threads' next() on a generate, now failed with
-        # PoolStoppedError) finish before the loop stops, or their threads would wait forever.
-        asyncio.run_coroutine_threadsafe(_settle(), self._loop).result()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        self._loop.close()
-
-
-async def _settle(timeout: float = 5.0) -> None:
-    """Wait for the loop's other tasks, then cancel what is left (their callers get CancelledError)."""
-    tasks = asyncio.all_tasks() - {asyncio.current_task()}
-    if tasks:
-        _, left = await asyncio.wait(tasks, timeout=timeout)
-        for t in left:
-            t.cancel()
-        if left:
-            await asyncio.wait(left, timeout=timeout)
-
-
-class SyncStream:
-    """The sync pool's generate iterator. Unlike a generator, it may be closed from another thread while
-    one is blocked in next(): the pending step is cancelled (the request is aborted) and next() ends."""
-
-    def __init__(self, pool: SyncVoxCPMServerPool, stream: GenerationStream) -> None:
-        self._pool, self._stream = pool, stream
-        self._lock = threading.Lock()
-        self._pending: concurrent.futures.Future[np.ndarray] | None = None
-        self._task: asyncio.Task[Any] | None = None  # the loop-side task of the pending next()
-        self._closed = False
-
-    @property
-    def finish_reason(self) -> FinishReason | None:
-        return self._stream.finish_reason
-
-    def __iter__(self) -> SyncStream:
-        return self
-
-    def __next__(self) -> np.ndarray:
-        with self._lock:
-            if self._closed:
-                raise StopIteration
-            if self._pending is not None:
-                raise RuntimeError("this generate iterator is already being advanced by another thread")
-            try:
-                fut = self._pending = self._pool._submit(self._step())
-            except BaseException:
-                self._closed = True
-                raise
-        try:
-            return fut.result()
-        except StopAsyncIteration:
-            self._closed = True
-            raise StopIteration from None
-        except concurrent.futures.CancelledError:
-            if self._closed:  # close() from another thread
-                raise StopIteration from None
-            raise
-        except BaseException:
-            self._closed = True  # the stream has ended with this error
-            raise
-        finally:
-            with self._lock:
-                self._pending = None
-
-    async def _step(self) -> np.ndarray:
-        self._task = asyncio.current_task()
-        return await self._stream.__anext__()
-
-    async def _aclose(self) -> None:
-        # A next() in flight is cancelled and waited for first; then the stream is closed (the request aborted).
-        task = self._task
-        if task is not None and not task.done():
-            task.cancel()
-            await asyncio.wait([task])
-        self._stream.close()
-
-    def close(self) -> None:
-        """Abort the request (no-op once it has ended)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        with contextlib.suppress(PoolStoppedError):
-            fut = self._pool._submit(self._aclose())
-            if threading.current_thread() is not self._pool._thread:  # never wait on the loop from itself
-                fut.result()
-
-    def __enter__(self) -> SyncStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            with self._lock:
-                if self._closed:
-                    return
-                self._closed = True
-            self._stream.close()
-
-
-def device_names(devices: list[int | str] | None) -> list[str]:
-    """The worker devices: those given (GPU indices or device names), or every visible GPU, else the CPU."""
-    if devices is None:
-        n = visible_gpu_count()
-        return [f"cuda:{i}" for i in range(n)] if n else ["cpu"]
-    if not devices:
-        raise ValueError("devices must not be empty")
-    names = [f"cuda:{d}" if isinstance(d, int) else str(d) for d in devices]
-    if any(name.startswith("cuda") for name in names) and not visible_gpu_count():
-        raise ValueError(f"devices {devices!r} requested but CUDA is not available")
-    return names
-
-
-def visible_gpu_count() -> int:
-    """GPUs this process may use, counted without importing torch where nvidia-smi answers (the service starts its
-    workers before it would have imported torch); CUDA_VISIBLE_DEVICES narrows them as it does for CUDA."""
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        out = None
-    if out is None or out.returncode:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    n = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
-    visible = cuda_visible_devices()
-    if visible is not None:
-        n = min(n, len([d for d in visible.split(",") if d.strip() and not d.strip().startswith("-")]))
-    return n
-
-
-# The pool's own keywords of `VoxCPM.from_pretrained`, beside EngineConfig's fields.
-POOL_KEYWORDS = frozenset({"warmup", "encoder_threads", "queue_bound", "loras", "transform_threads"})
-
-
-class VoxCPM:
-    @staticmethod
-    def from_pretrained(model: str, devices: list[int | str] | None = None,
-                        **options: Any) -> AsyncVoxCPMServerPool | SyncVoxCPMServerPool:
-        """Start one worker per device (default: every visible GPU, else the CPU). `model` is a checkpoint
-        directory or a hub repo id. Returns at once; `wait_for_ready()` waits for the model to load.
-
-        Keywords: every field of `engine.EngineConfig` (max_num_seqs, max_model_len, inference_timesteps,
-        coalesce_ms, lora_path, max_loras, ...: defaults, bounds and docs there), and the pool's own: warmup (a few
-        generations in each worker before it reports ready; default False), encoder_threads (threads that run the
-        generate calls' transforms; default 4), queue_bound (requests a worker may hold beyond max_num_seqs before
-        generate raises OverloadedError; default None, no bound), loras (where the registered runtime adapters are
-        kept, name -> path, each (re)started worker given them all; default a dict of this pool's),
-        transform_threads (the class running the transforms; default first come first served). An unknown keyword
-        is a TypeError, a bad value a ValueError naming it."""
-        unknown = set(options) - ENGINE_FIELDS - POOL_KEYWORDS
-        if unknown:
-            raise TypeError(f"from_pretrained() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
-        config = engine_config(**{k: v for k, v in options.items() if k in ENGINE_FIELDS})
-        kwargs = {k: v for k, v in options.items() if k in POOL_KEYWORDS}
-        names = device_names(devices)
-        model = checked_model_path(model)
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return SyncVoxCPMServerPool(model, names, config, **kwargs)
-        return AsyncVoxCPMServerPool(model, names, config, **kwargs)
-
-
-def engine_config(**fields: Any) -> EngineConfig:
-    """An EngineConfig, validated (a bad value is a ValueError naming it); a dtype name stays a name (no torch)."""
-    config = EngineConfig(**fields)
-    config.validate()
-    return config
 
 
 def checked_model_path(model: str) -> str:

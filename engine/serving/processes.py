@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 def _run_worker(control: Any, options: p.WorkerOptions) -> None:
     """The spawned process's entry point (it imports the engine, and torch, only there)."""
-    from engine.serving.worker import worker_main
+    from engine.serving.worker_startup import worker_main
 
     worker_main(control, options)
 

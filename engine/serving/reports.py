@@ -2,16 +2,20 @@
 load with every step's events (`WorkerLoad`) and its counters on request (`WorkerStats`). Shapes after vLLM v1's
 `SchedulerStats` riding on `EngineCoreOutputs`: fields a reader names, never string keys.
 
-Torch-free: the service's API processes read them without loading torch.
+`describe(engine)` makes a worker's WorkerInfo. Torch-free: the service's API processes read them without loading
+torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.vocabulary import AdapterInfo
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
 
 KernelStat = int | float | str | list[str]  # a count, seconds, or the kernels' names
 
@@ -93,3 +97,19 @@ class WorkerStats(WorkerLoad):
     steps: int = 0
     step_seconds: float = 0.0  # summed over the steps
     loras: list[AdapterInfo] = field(default_factory=list)
+
+
+def describe(engine: LLMEngine) -> WorkerInfo:
+    """The model facts a client reads once (GET /info shows them)."""
+    m, cfg = engine.model, engine.config
+    return WorkerInfo(
+        architecture=m.config.architecture, version=m.config.version, sample_rate=m.vae.out_sample_rate,
+        encoder_sample_rate=m.vae.sample_rate, feat_dim=m.config.feat_dim, patch_size=m.config.patch_size,
+        samples_per_patch=engine.runner.samples_per_patch, dtype=str(engine.runner.dtype).removeprefix("torch."),
+        device=str(engine.device), max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
+        inference_timesteps=cfg.inference_timesteps, coalesce_ms=cfg.coalesce_ms,
+        attention_backend=engine.runner.backend, cuda_graphs=len(engine.runner.graphs),
+        pipelined_decode=engine.pipeline, lora_merged_layers=engine.lora_layers,
+        lora_merged_steps=engine.runner.lora is not None and engine.runner.lora.merges, max_loras=cfg.max_loras,
+        max_lora_rank=cfg.max_lora_rank, kv_blocks=len(engine.blocks.blocks), block_size=cfg.block_size,
+        startup=StartupTimes(startup_s=engine.startup_s, **engine.startup_phases))

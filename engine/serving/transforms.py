@@ -30,7 +30,7 @@ _END = object()
 
 
 class TransformedStream(Protocol):
-    """What the threads use of a stream (`engine.serving.client.GenerationStream`)."""
+    """What the threads use of a stream (`engine.serving.stream.GenerationStream`)."""
 
     lock: threading.Lock  # guards the fields below, shared by the reader thread and these
     pending: list[tuple[Any, float]]  # events waiting for the transform, with when each came

@@ -78,8 +78,9 @@ async def client_path(fmt: str, streams: int, step_s: float, steps: int, threads
                       sr: int) -> dict[str, Any]:
     """CPU of this process per audio second while a real EngineClient turns a worker's steps into encoded streams."""
     from engine.serving import protocol as p
-    from engine.serving.client import EngineClient, GenerationStream, _WorkerLink
+    from engine.serving.client import EngineClient, _WorkerLink
     from engine.serving.routing import LoadTable
+    from engine.serving.stream import GenerationStream
     from engine.vocabulary import SamplingParams
     from service.encoder_pool import EncoderPool
 
