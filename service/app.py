@@ -44,9 +44,10 @@ from service.engine_setup import (
 from service.limits import BodyLimitMiddleware
 from service.lora_registry import LoRARegistrations
 from service.metrics import Metrics, MetricsMiddleware
-from service.redis_store import open_voice_store, watch_store
+from service.redis_store import RedisVoiceStore, open_voice_store, watch_store
 from service.routers import generation, loras, openai, ops, voices
 from service.settings import Settings
+from service.shared_adapters import SharedAdapters
 from service.state import ServiceState
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,8 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
             state = ServiceState(settings=settings, pool=pool, store=store, metrics=metrics, model_path=model_path,
                                  model_id=Path(model_path).name, demo=demo, owns_workers=endpoint is None,
                                  reports_startup=endpoint is None or endpoint.row == 0,
-                                 api_keys=[k.encode() for k in settings.api_key_list()])
+                                 api_keys=[k.encode() for k in settings.api_key_list()],
+                                 shared_adapters=SharedAdapters(store) if isinstance(store, RedisVoiceStore) else None)
             app.state.service = state
             if endpoint is not None and threading.current_thread() is threading.main_thread():
                 # the supervisor's first word of a shutdown: stop taking work, finish the rest (an app served from

@@ -145,7 +145,7 @@ class RedisVoiceStore(VoiceStore):
         self._trimmed = False
         self.up = True
 
-    async def _call(self, what: str, coro):
+    async def call(self, what: str, coro):
         """Bounded (a hung server costs at most the timeout and its one retry) and typed."""
         try:
             out = await asyncio.wait_for(coro, 2 * self.timeout_s + 0.5)
@@ -177,7 +177,7 @@ class RedisVoiceStore(VoiceStore):
     # --- the interface ------------------------------------------------------------------------------
     async def get(self, voice_id: str) -> Voice | None:
         known = self._local.get(voice_id)
-        row = await self._call("get", self._get(keys=[self.lru, self.use],
+        row = await self.call("get", self._get(keys=[self.lru, self.use],
                                                 args=[self.voice_prefix, voice_id, "0" if known else "1"]))
         if row is None:
             self._forget(voice_id)
@@ -202,7 +202,7 @@ class RedisVoiceStore(VoiceStore):
         return evicted
 
     async def _put_script(self, voice_id: str, kind: str, nbytes: int, fields: list) -> list[str]:
-        raw = await self._call("put", self._put(keys=[self.lru, self.use, self.usage_key],
+        raw = await self.call("put", self._put(keys=[self.lru, self.use, self.usage_key],
                                                 args=[self.voice_prefix, voice_id, kind, nbytes, self.max_entries,
                                                       self.max_bytes, *fields]))
         evicted = [i.decode() for i in raw]
@@ -220,16 +220,16 @@ class RedisVoiceStore(VoiceStore):
 
     async def delete(self, voice_id: str) -> bool:
         self._forget(voice_id)
-        return bool(await self._call("delete", self._delete(keys=[self.lru, self.usage_key],
+        return bool(await self.call("delete", self._delete(keys=[self.lru, self.usage_key],
                                                             args=[self.voice_prefix, voice_id])))
 
     async def list(self, kind: str | None = None) -> list[VoiceSummary]:
-        rows = await self._call("list", self._list(keys=[self.lru], args=[self.voice_prefix, kind or ""]))
+        rows = await self.call("list", self._list(keys=[self.lru], args=[self.voice_prefix, kind or ""]))
         return [VoiceSummary(k.decode(), i.decode(), t.decode(), int(pb), int(rb), int(n), float(c))
                 for i, k, t, pb, rb, n, c in rows]
 
     async def usage(self) -> dict[str, int]:
-        raw = await self._call("usage", self.redis.hgetall(self.usage_key))
+        raw = await self.call("usage", self.redis.hgetall(self.usage_key))
         counts = {k.decode(): int(v) for k, v in raw.items()}
         out = {"entries": sum(counts.get(k, 0) for k in KINDS), "bytes": counts.get("bytes", 0)}
         return {**out, **{k: counts.get(k, 0) for k in KINDS}}
@@ -237,7 +237,7 @@ class RedisVoiceStore(VoiceStore):
     async def check(self) -> bool:
         """Ping (and trim once reachable); whether the store answers."""
         try:
-            await self._call("ping", self.redis.ping())
+            await self.call("ping", self.redis.ping())
             await self.trim()
         except VoiceStoreUnavailable:
             return False

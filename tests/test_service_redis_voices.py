@@ -10,12 +10,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.io.checkpoint import load_model
+from engine.io.lora import LoRAConfig, random_adapter
 from service.redis_store import RedisVoiceStore
 from service.voice_store import Voice, VoiceStoreUnavailable
 from tests.redis_server import RedisServer, require_server_binary
@@ -41,16 +44,23 @@ def checkpoint(checkpoint_factory):
     return checkpoint_factory("tiny-voxcpm2", stop="never")
 
 
-def start_replica(checkpoint, cache_dir, server: RedisServer) -> LiveServer:
+@pytest.fixture(scope="module")
+def adapter(checkpoint, tmp_path_factory) -> Path:
+    model = load_model(checkpoint)
+    return random_adapter(model.backbone, tmp_path_factory.mktemp("adapters") / "voice", LoRAConfig(
+        enable_lm=True, enable_dit=True, enable_proj=True, r=4, alpha=8), seed=7)
+
+
+def start_replica(checkpoint, cache_dir, server: RedisServer, adapter: Path) -> LiveServer:
     settings = service_settings(checkpoint, cache_dir, redis_url=server.url, voice_cache_max_entries=MAX_ENTRIES,
-                                warmup=False)
+                                warmup=False, max_loras=2, max_lora_rank=8, lora_dir=adapter.parent)
     return LiveServer(settings).start()
 
 
 @pytest.fixture(scope="module")
-def replicas(checkpoint, server, tmp_path_factory):
+def replicas(checkpoint, server, adapter, tmp_path_factory):
     """Two replicas: separate processes' worth of state (own engine, own cache dir), one Redis."""
-    pair = [start_replica(checkpoint, tmp_path_factory.mktemp(f"replica-{n}"), server) for n in "ab"]
+    pair = [start_replica(checkpoint, tmp_path_factory.mktemp(f"replica-{n}"), server, adapter) for n in "ab"]
     yield pair
     for r in pair:
         r.stop()
@@ -203,7 +213,22 @@ def test_outage_answers_503_and_heals_without_restart(clients, server):
     assert a.get("/info").json()["voice_cache"]["up"] is True
 
 
-def test_voices_survive_restarting_every_replica_and_the_server(clients, replicas, server, checkpoint,
+def test_adapter_registered_on_one_replica_is_served_by_the_other(clients, adapter):
+    a, b = clients
+    base = pcm(b)
+    r = a.post("/loras", json={"lora_name": "shared", "lora_uri": f"file://{adapter}"})
+    assert r.status_code == 200, r.text
+    adapted = pcm(b, lora_name="shared")  # B takes it from Redis before answering
+    assert adapted != base and adapted == pcm(a, lora_name="shared")
+    assert "shared" in [m["id"] for m in b.get("/v1/models").json()["data"]]
+    assert b.delete("/loras/shared").json() == {"deleted": "shared"}
+    r = a.post("/generate_blocking", json={**GEN, "lora_name": "shared"})  # A drops it before answering
+    assert r.status_code == 404 and "lora_name" in r.text
+    assert [d["name"] for d in a.get("/loras").json()["loras"]] == []
+    assert a.delete("/loras/shared").status_code == 404
+
+
+def test_voices_survive_restarting_every_replica_and_the_server(clients, replicas, server, checkpoint, adapter,
                                                                 tmp_path_factory):
     a, b = clients
     hid = a.post("/add_hifi", json={"wav_base64": clip(5), "prompt_text": "Five."}).json()["hifi_id"]
@@ -213,7 +238,7 @@ def test_voices_survive_restarting_every_replica_and_the_server(clients, replica
         r.stop()
     server.stop()  # its append-only file keeps the voices
     server.start()
-    again = start_replica(checkpoint, tmp_path_factory.mktemp("replica-c"), server)
+    again = start_replica(checkpoint, tmp_path_factory.mktemp("replica-c"), server, adapter)
     try:
         with httpx.Client(base_url=again.url, timeout=60) as c:
             assert {k: listed(c, k) for k in before} == before
