@@ -139,6 +139,15 @@ class BaseServiceSettings(BaseSettings):
             raise ValueError(f"{v} is not a readable file")
         return v
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        if v is not None:
+            from redis.connection import parse_url
+
+            parse_url(v)  # a ValueError naming what is wrong (a port that is not a number, ...)
+        return v
+
     @field_validator("serverpool_devices")
     @classmethod
     def _devices(cls, v: str | None) -> str | None:

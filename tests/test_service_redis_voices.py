@@ -16,10 +16,12 @@ import httpx
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 
 from engine.io.checkpoint import load_model
 from engine.io.lora import LoRAConfig, random_adapter
 from service.redis_store import RedisVoiceStore
+from service.settings import Settings, describe_error
 from service.voice_store import Voice, VoiceStoreUnavailable
 from tests.redis_server import RedisServer, require_server_binary
 from tests.service_harness import LiveServer, service_settings, wav_bytes
@@ -259,3 +261,10 @@ def test_unreachable_store_raises_its_typed_error_quickly():
         await store.aclose()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("url", ["http://host:6379/0", "redis://host:port/0"])
+def test_a_bad_redis_url_is_refused_naming_the_setting(url):
+    with pytest.raises(ValidationError) as e:
+        Settings(redis_url=url)
+    assert "NANOVLLM_REDIS_URL" in describe_error(e.value)
