@@ -45,10 +45,11 @@ from service.engine_setup import (
 from service.limits import BodyLimitMiddleware
 from service.lora_registry import LoRARegistrations
 from service.metrics import Metrics, MetricsMiddleware
+from service.redis_store import RedisVoiceStore, open_voice_store, watch_store
 from service.routers import generation, loras, openai, ops, voices
 from service.settings import Settings
+from service.shared_adapters import SharedAdapters
 from service.state import ServiceState
-from service.voice_store import SqliteVoiceStore
 
 log = logging.getLogger(__name__)
 
@@ -89,25 +90,28 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
                                                      registrations, EncoderPool)
             pool.client.encoders.observer = metrics.observe_encoding
             pool.client.tokenizer = tokenizer
-            store = SqliteVoiceStore(voice_db, settings.voice_cache_max_entries, settings.voice_cache_max_bytes)
+            store = open_voice_store(settings, voice_db, model_path)
             state = ServiceState(settings=settings, pool=pool, store=store, metrics=metrics, model_path=model_path,
                                  model_id=Path(model_path).name, demo=demo, owns_workers=endpoint is None,
                                  reports_startup=endpoint is None or endpoint.row == 0,
-                                 api_keys=[k.encode() for k in settings.api_key_list()])
+                                 api_keys=[k.encode() for k in settings.api_key_list()],
+                                 shared_adapters=SharedAdapters(store) if isinstance(store, RedisVoiceStore) else None)
             app.state.service = state
             if endpoint is not None and threading.current_thread() is threading.main_thread():
                 # the supervisor's first word of a shutdown: stop taking work, finish the rest (an app served from
                 # another thread, as in tests, is not one of its API processes)
                 asyncio.get_running_loop().add_signal_handler(DRAIN_SIGNAL, lifecycle.drain, state)
             task = asyncio.create_task(lifecycle.bring_up(state), name="voxcpm-bring-up")
+            watch = asyncio.create_task(watch_store(store, metrics.voice_store_up), name="voxcpm-voice-store")
             try:
                 yield
             finally:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                for t in (task, watch):
+                    t.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await t
                 await pool.stop()
-                store.close()
+                await store.aclose()
                 registrations.close()
                 log.info("engine pool %s", "stopped" if endpoint is None else "disconnected")
 

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import errors as engine_errors
-from service.voice_store import VoiceTooLargeError
+from service.voice_store import VoiceStoreUnavailable, VoiceTooLargeError
 
 RETRY_AFTER_S = "5"
 
@@ -22,7 +22,8 @@ def status_of(err: Exception) -> int:
         return 400
     if isinstance(err, VoiceTooLargeError):
         return 413
-    if isinstance(err, engine_errors.WorkerDiedError | engine_errors.PoolStoppedError | engine_errors.OverloadedError):
+    if isinstance(err, engine_errors.WorkerDiedError | engine_errors.PoolStoppedError | engine_errors.OverloadedError
+                  | VoiceStoreUnavailable):
         return 503
     return 500  # EngineError and anything unmapped
 
@@ -87,7 +88,7 @@ async def pool_error_handler(request: Request, exc: Exception) -> JSONResponse:
                         headers=err.headers)
 
 
-HANDLED = (engine_errors.PoolError, VoiceTooLargeError)
+HANDLED = (engine_errors.PoolError, VoiceTooLargeError, VoiceStoreUnavailable)
 
 
 async def validation_error_handler(request: Request, exc: Exception) -> JSONResponse:

@@ -75,6 +75,9 @@ class Metrics:
                            multiprocess_mode="livemin")
         self.cache_entries = Gauge("voxcpm_voice_cache_entries", "Cached voices", ["kind"], **latest)
         self.cache_bytes = Gauge("voxcpm_voice_cache_bytes", "Latent bytes in the voice cache", **latest)
+        self.voice_store_up = Gauge("voxcpm_voice_store_up", "1 when the voice store answers (a shared Redis can be "
+                                    "down while the service serves requests naming no voice)", registry=r,
+                                    multiprocess_mode="livemin")
         self._last_steps: dict[str, tuple[int, float]] = {}
 
     def exposition(self) -> bytes:

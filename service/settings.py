@@ -86,6 +86,13 @@ class BaseServiceSettings(BaseSettings):
     voice_store: Literal["disk", "memory"] = Field("disk", description="Where cached voices live.")
     voice_cache_max_entries: int = Field(1024, ge=1, description="Most cached voices (all kinds together).")
     voice_cache_max_bytes: int = Field(256 * 2**20, ge=1024, description="Most latent bytes cached.")
+    redis_url: str | None = Field(None, pattern=r"^(redis|rediss|unix)://", description="A Redis (or Valkey) shared "
+                                  "by every replica, e.g. redis://host:6379/0: the voices and the runtime LoRA "
+                                  "adapters' registrations live there instead of the local SQLite store "
+                                  "(NANOVLLM_VOICE_STORE is then unused).")
+    redis_timeout_s: float = Field(0.5, gt=0, le=30, description="Longest wait for one Redis operation (connect or "
+                                                                  "answer); a request needing the store gets 503 "
+                                                                  "after at most about twice this.")
     lora_uri: str | None = Field(None, description="A LoRA adapter (official format) served by every request: a path "
                                                    "or file:// (its directory or weights file); https:// or "
                                                    "s3://bucket/key of its weights file (lora_config.json fetched "
@@ -130,6 +137,15 @@ class BaseServiceSettings(BaseSettings):
     def _keys_file(cls, v: Path | None) -> Path | None:
         if v is not None and not v.expanduser().is_file():
             raise ValueError(f"{v} is not a readable file")
+        return v
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        if v is not None:
+            from redis.connection import parse_url
+
+            parse_url(v)  # a ValueError naming what is wrong (a port that is not a number, ...)
         return v
 
     @field_validator("serverpool_devices")

@@ -4,6 +4,7 @@ and whether the service is ready (loaded, warm, every worker connected)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine import AsyncVoxCPMServerPool
 from engine.serving.reports import WorkerInfo
@@ -11,6 +12,9 @@ from engine.vocabulary import AdapterInfo
 from service.metrics import Metrics
 from service.settings import Settings
 from service.voice_store import VoiceStore
+
+if TYPE_CHECKING:
+    from service.shared_adapters import SharedAdapters
 
 
 @dataclass
@@ -28,6 +32,7 @@ class ServiceState:
     failure: str | None = None  # start-up failed for good: liveness reports it
     draining: bool = False  # shutting down: not ready, new generations refused, responses in flight finish
     api_keys: list[bytes] = field(default_factory=list)  # none: no key needed
+    shared_adapters: SharedAdapters | None = None  # the runtime adapters' registrations in Redis (NANOVLLM_REDIS_URL)
 
     @property
     def loaded(self) -> bool:

@@ -18,6 +18,7 @@ from engine import GenerationStream, OverloadedError, PoolError, SamplingParams,
 from service.audio import MEDIA_TYPES, make_encoder, output_rate, sse_event
 from service.conditioning import Conditioning
 from service.errors import http_error
+from service.shared_adapters import sync_adapters
 from service.state import ServiceState
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class Generation:
 async def start(state: ServiceState, route: str, text: str, cond: Conditioning, params: SamplingParams, fmt: str,
                 sse: bool = False, lora_name: str | None = None) -> Generation:
     s = state.settings
+    if lora_name is not None:
+        await sync_adapters(state)  # an adapter registered on another replica: taken here first
     encoder = make_encoder(fmt, state.sample_rate, s.mp3_bitrate_kbps, s.mp3_quality, sse)
     request = SynthesisRequest(text, cond.prompt_text, cond.prompt_latents, None, cond.ref_latents, params, lora_name)
     stream = state.pool.submit(request, encoder)

@@ -31,6 +31,10 @@ class VoiceTooLargeError(ValueError):
     """One voice is larger than the whole cache."""
 
 
+class VoiceStoreUnavailable(RuntimeError):
+    """The store did not answer (a shared store's server down or unreachable): 503, retry later."""
+
+
 @dataclass
 class Voice:
     kind: str  # one of KINDS
@@ -69,6 +73,8 @@ def voice_id(kind: str, source: bytes, text: str = "") -> str:
 
 
 class VoiceStore(ABC):
+    up = True  # the last call reached the store
+
     @abstractmethod
     async def get(self, voice_id: str) -> Voice | None:
         """The voice (marked as recently used) or None."""
@@ -92,6 +98,13 @@ class VoiceStore(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release what the store holds open."""
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def check(self) -> bool:
+        """Whether the store answers now (a local database always does)."""
+        return True
 
 
 SCHEMA = """

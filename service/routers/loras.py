@@ -5,18 +5,21 @@ with `lora_name` (or the OpenAI route's `model`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from fastapi import APIRouter, HTTPException
 
-from engine import PoolError
+from engine import LoRANotFoundError, PoolError
 from service.deps import LoadedState
 from service.engine_setup import source_endpoints
 from service.errors import http_error
 from service.lora_source import AdapterSourceError, fetch_adapter, uri_scheme
 from service.schemas import Deleted, LoRAInfo, LoRAList, RegisterLoRARequest
 from service.settings import Settings
+from service.shared_adapters import sync_adapters
+from service.voice_store import VoiceStoreUnavailable
 
 router = APIRouter(tags=["loras"])
 
@@ -44,14 +47,24 @@ async def register_lora(req: RegisterLoRARequest, state: LoadedState) -> LoRAInf
         local = await asyncio.to_thread(fetch_adapter, req.lora_uri, s.cache_path, req.sha256, source_endpoints(s))
     except AdapterSourceError as e:
         raise HTTPException(400, e.for_fields({"uri": "lora_uri", "sha256": "sha256"})) from e
+    await sync_adapters(state)  # the store answers before anything changes
     try:
-        return LoRAInfo.model_validate(await state.pool.register_lora(req.lora_name, str(local)))
+        described = LoRAInfo.model_validate(await state.pool.register_lora(req.lora_name, str(local)))
     except PoolError as e:
         raise http_error(e) from e
+    if state.shared_adapters is not None:
+        try:
+            await state.shared_adapters.add(req.lora_name, req.lora_uri, req.sha256)
+        except VoiceStoreUnavailable:  # not shared: not registered anywhere
+            with contextlib.suppress(PoolError):
+                await state.pool.unregister_lora(req.lora_name)
+            raise
+    return described
 
 
 @router.get("/loras", response_model=LoRAList)
 async def list_loras(state: LoadedState) -> LoRAList:
+    await sync_adapters(state)
     try:
         return LoRAList(loras=[LoRAInfo.model_validate(a) for a in await state.pool.list_loras()])
     except PoolError as e:
@@ -60,8 +73,12 @@ async def list_loras(state: LoadedState) -> LoRAList:
 
 @router.delete("/loras/{lora_name}", response_model=Deleted)
 async def unregister_lora(lora_name: str, state: LoadedState) -> Deleted:
+    shared = state.shared_adapters is not None and await state.shared_adapters.remove(lora_name)
     try:
         await state.pool.unregister_lora(lora_name)
+    except LoRANotFoundError as e:
+        if not shared:  # registered on another replica, not taken here yet: removed all the same
+            raise http_error(e) from e
     except PoolError as e:
         raise http_error(e) from e
     return Deleted(deleted=lora_name)

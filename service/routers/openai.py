@@ -13,6 +13,7 @@ from service.deps import LoadedState, State, mark_audio
 from service.errors import http_error
 from service.routers.voices import voice_info
 from service.schemas import ModelCard, ModelList, SpeechRequest, VoiceList
+from service.shared_adapters import sync_adapters
 from service.state import ServiceState
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -21,6 +22,7 @@ OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # what OpenAI exa
 
 async def adapter_ids(state: ServiceState) -> list[str]:
     """The runtime LoRA adapters, each a model id of its own."""
+    await sync_adapters(state)
     try:
         return [a.name for a in await state.runtime_adapters()]
     except PoolError as e:

@@ -10,6 +10,7 @@ from engine import PoolError
 from engine.vocabulary import AdapterInfo
 from service.deps import State, require_api_key, require_metrics_key
 from service.state import ServiceState
+from service.voice_store import VoiceStoreUnavailable
 
 router = APIRouter(tags=["ops"])
 
@@ -48,6 +49,19 @@ async def _adapters(state: ServiceState) -> list[AdapterInfo] | None:
         return None
 
 
+async def _usage(state: ServiceState) -> dict:
+    """The store's counts, or none while it is unreachable (/info and /metrics still answer)."""
+    try:
+        return await state.store.usage()
+    except VoiceStoreUnavailable:
+        return {}
+
+
+def _location(state: ServiceState) -> str:
+    """Where the voices are: the Redis URL without credentials, or the SQLite store's kind."""
+    return getattr(state.store, "where", state.settings.voice_store)
+
+
 @router.get("/info", dependencies=[Depends(require_api_key)])
 async def info(state: State) -> dict:
     """Model metadata (sample rates, latent shape, limits), MP3 settings, voice cache usage."""
@@ -66,8 +80,9 @@ async def info(state: State) -> dict:
         "mp3": {"bitrate_kbps": s.mp3_bitrate_kbps, "quality": s.mp3_quality},
         "queue_coalesce_ms": s.queue_coalesce_ms,
         "api_processes": s.api_process_count(),
-        "voice_cache": {**await state.store.usage(), "max_entries": s.voice_cache_max_entries,
-                        "max_bytes": s.voice_cache_max_bytes, "backend": s.voice_store},
+        "voice_cache": {**await _usage(state), "max_entries": s.voice_cache_max_entries,
+                        "max_bytes": s.voice_cache_max_bytes, "backend": "redis" if s.redis_url else s.voice_store,
+                        "up": state.store.up, "location": _location(state)},
         "ready": state.ready,
     }
 
@@ -81,6 +96,9 @@ async def metrics(state: State) -> Response:
             m.observe_pool(await state.pool.stats())
         except PoolError:  # a worker died during the scrape: the rest of the metrics still matter
             m.workers_up.set(0)
-    m.observe_cache(await state.store.usage())
+    usage = await _usage(state)
+    if usage:
+        m.observe_cache(usage)
+    m.voice_store_up.set(1 if state.store.up else 0)
     m.ready.set(1 if state.ready else 0)
     return Response(m.exposition(), media_type=CONTENT_TYPE_LATEST)

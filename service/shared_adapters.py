@@ -1,0 +1,81 @@
+"""Runtime LoRA adapters shared by replicas (with NANOVLLM_REDIS_URL): the registrations (name -> the URI and digest
+it was registered with) live in a Redis hash beside the voices, and each replica's workers hold what that hash says.
+
+The rule: before a replica answers anything that involves adapters (POST/GET/DELETE /loras, a generation naming a
+`lora_name`, the OpenAI routes' `model`, /v1/models), it reads the hash and brings its own workers in line: an
+adapter registered elsewhere is fetched (into this replica's cache dir, digest checked) and registered, one
+unregistered elsewhere is unregistered here. So a registration or a removal on any replica is served by every
+replica from its next such request. Each replica's own registrations (`LoRARegistrations`, local paths) still replay
+the adapters to its restarted workers. Redis unreachable: those requests get 503 naming the store, like voices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import TYPE_CHECKING
+
+from engine import LoRANotFoundError, PoolError
+from service.engine_setup import source_endpoints
+from service.lora_source import AdapterSourceError, fetch_adapter
+from service.redis_store import RedisVoiceStore
+
+if TYPE_CHECKING:
+    from service.state import ServiceState
+
+log = logging.getLogger(__name__)
+
+
+class SharedAdapters:
+    def __init__(self, store: RedisVoiceStore) -> None:
+        self.store = store
+        self.key = store.voice_prefix.removesuffix("v:") + "loras"
+        self.lock = asyncio.Lock()  # one reconciliation at a time in this process
+        self.sources: dict[str, dict] = {}  # name -> the registration this process's workers hold
+
+    async def registered(self) -> dict[str, dict]:
+        raw = await self.store.call("adapters", self.store.redis.hgetall(self.key))
+        return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+    async def add(self, name: str, uri: str, sha256: str | None) -> None:
+        source = {"uri": uri, "sha256": sha256}
+        await self.store.call("adapters", self.store.redis.hset(self.key, name, json.dumps(source)))
+        self.sources[name] = source
+
+    async def remove(self, name: str) -> bool:
+        self.sources.pop(name, None)
+        return bool(await self.store.call("adapters", self.store.redis.hdel(self.key, name)))
+
+    async def sync(self, state: ServiceState) -> None:
+        """This replica's workers hold exactly the shared registrations (VoiceStoreUnavailable when unreachable)."""
+        if not state.loaded or not state.model.max_loras:
+            return
+        async with self.lock:
+            shared = await self.registered()
+            local = state.pool.client.loras
+            for name in [n for n in local if n not in shared]:
+                self.sources.pop(name, None)
+                with contextlib.suppress(LoRANotFoundError):
+                    await state.pool.unregister_lora(name)
+                log.info("adapter %s unregistered (removed on another replica)", name)
+            for name, source in shared.items():
+                if name in local and self.sources.get(name) == source:
+                    continue
+                s = state.settings
+                try:
+                    path = await asyncio.to_thread(fetch_adapter, source["uri"], s.cache_path, source["sha256"],
+                                                   source_endpoints(s))
+                    await state.pool.register_lora(name, str(path))
+                except (AdapterSourceError, PoolError) as e:  # requests naming it get 404 from the workers
+                    log.error("adapter %s registered on another replica not taken here: %s", name, e)
+                    continue
+                self.sources[name] = source
+                log.info("adapter %s registered (from another replica)", name)
+
+
+async def sync_adapters(state: ServiceState) -> None:
+    """Bring this replica's adapters in line with the shared registrations, where there are any."""
+    if state.shared_adapters is not None:
+        await state.shared_adapters.sync(state)
