@@ -89,6 +89,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
             pool.client.encoders.observer = metrics.observe_encoding
             pool.client.tokenizer = tokenizer
             store = SqliteVoiceStore(voice_db, settings.voice_cache_max_entries, settings.voice_cache_max_bytes)
+            metrics.voice_store_up.set(1)  # an embedded store answers while the process does
             state = ServiceState(settings=settings, pool=pool, store=store, metrics=metrics, model_path=model_path,
                                  model_id=Path(model_path).name, demo=demo, owns_workers=endpoint is None,
                                  reports_startup=endpoint is None or endpoint.row == 0,

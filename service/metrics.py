@@ -73,6 +73,8 @@ class Metrics:
                                    **latest)
         self.ready = Gauge("voxcpm_ready", "1 when the service reports ready (every API process)", registry=r,
                            multiprocess_mode="livemin")
+        self.voice_store_up = Gauge("voxcpm_voice_store_up", "1 while the voice store answers, 0 while it is down",
+                                    registry=r, multiprocess_mode="livemin")
         self.cache_entries = Gauge("voxcpm_voice_cache_entries", "Cached voices", ["kind"], **latest)
         self.cache_bytes = Gauge("voxcpm_voice_cache_bytes", "Latent bytes in the voice cache", **latest)
         self._last_steps: dict[str, tuple[int, float]] = {}
