@@ -2,7 +2,10 @@
 
 Every setting is a NANOVLLM_* environment variable and a flag of the same name (`--serverpool-max-num-seqs`), with a
 few short ones (`--model`, `--devices`); a flag wins over the variable, the variable over the default. `--help` lists
-them all with their variables and defaults; an unknown flag or a bad value exits 2 naming it."""
+them all with their variables and defaults; an unknown flag or a bad value exits 2 naming it.
+
+`voxcpm-serve check [flags]` loads the configured model, generates one patch, prints one JSON line and exits 0, or
+prints what failed and exits 1 (image smoke tests, init containers)."""
 
 from __future__ import annotations
 
@@ -61,6 +64,11 @@ def load_settings(argv: Sequence[str] | None = None) -> Settings:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["check"]:
+        from service.check import main as check
+
+        sys.exit(check(argv[1:]))
     settings = load_settings(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from service.supervisor import Supervisor  # after validation: a config error should not wait for imports

@@ -1,8 +1,10 @@
 """`voxcpm-serve` on the command line: --help and --version exit 0, every setting is a flag that wins over its
-NANOVLLM_* variable, an unknown flag or a bad value exits 2 naming it, a path that is no checkpoint exits 1."""
+NANOVLLM_* variable, an unknown flag or a bad value exits 2 naming it, a path that is no checkpoint exits 1;
+`voxcpm-serve check` loads the model and generates one patch (exit 0) or says what failed (exit 1)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -64,3 +66,21 @@ def test_flag_over_variable_over_default(monkeypatch):
 def test_a_path_that_is_no_checkpoint_exits_1(tmp_path):
     r = cli("--model", str(tmp_path), "--port", "18999", "--cache-dir", str(tmp_path / "cache"))
     assert r.returncode == 1 and "no config.json" in r.stderr, r.stderr
+
+
+def test_check_loads_the_model_and_generates_one_patch(checkpoint_factory, tmp_path):
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    r = cli("check", "--model", str(ckpt), "--devices", "cpu", "--cache-dir", str(tmp_path / "cache"),
+            "--serverpool-max-num-seqs", "2", "--serverpool-max-model-len", "256")
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["status"] == "ok" and report["devices"] == ["cpu"] and report["model_path"] == str(ckpt)
+    assert report["samples"] == 7680  # one patch of tiny-voxcpm2: 4 latent frames x 1920 samples
+
+
+def test_check_says_why_it_failed_and_exits_1(tmp_path):
+    r = cli("check", "--model", str(tmp_path), "--cache-dir", str(tmp_path / "cache"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["status"] == "failed" and "no config.json" in report["detail"], report
+    assert cli("check", "--port", "x").returncode == 2  # a bad setting: as the service

@@ -213,5 +213,6 @@ def test_tools_are_entry_points_over_packages():
         assert modules == {module for module, _ in targets}, package
         for module, function in targets:
             assert callable(getattr(importlib.import_module(f"tools.{package}.{module}"), function))
-    for name in ("Dockerfile", "deployment/voxcpm-serve.service", "deployment/k8s.yaml", "deployment/compose.yaml"):
-        assert not re.search(r"\btools\b", (ROOT / name).read_text()), f"{name} runs something in tools/"
+    deployment = [p for p in (ROOT / "deployment").rglob("*") if p.suffix in (".yaml", ".yml", ".service", ".sh")]
+    for path in [ROOT / "Dockerfile", *deployment]:
+        assert not re.search(r"\btools\b", path.read_text()), f"{path.relative_to(ROOT)} runs something in tools/"
