@@ -174,6 +174,12 @@ class Waveform {
 
 // --- sinks: play the bytes as they arrive ---------------------------------------------------------------------
 
+function playing() {
+  if (state.playbackStarted) return;
+  state.playbackStarted = true;
+  state.playbackStartedMs = performance.now() - state.startedAt; // against streamEndedMs: did it play while streaming
+}
+
 class PcmSink {
   // s16le mono through Web Audio: each chunk becomes a buffer scheduled right after the previous one.
   constructor(ctx, rate, wave) {
@@ -226,8 +232,8 @@ class PcmSink {
 
   tick() {
     if (this.firstStart !== null && this.ctx.state === "running" && this.ctx.currentTime >= this.firstStart) {
-      state.playbackStarted = true;
-      this.wave.position = this.ctx.currentTime - this.firstStart;
+      playing();
+      this.wave.position = Math.min(this.ctx.currentTime - this.firstStart, this.seconds());
     }
   }
 
@@ -260,7 +266,7 @@ class Mp3Sink {
       this.pump();
     }, { once: true });
     player.src = URL.createObjectURL(this.media);
-    player.onplaying = () => (state.playbackStarted = true);
+    player.onplaying = () => playing();
     player.onended = () => (state.playbackEnded = true);
     player.onerror = () => (state.playerError = player.error && player.error.message);
     player.play().catch((e) => (state.playerError = e.message));
@@ -367,9 +373,11 @@ async function generate() {
   audioContext = audioContext || new AudioContext();
   audioContext.resume();
   const body = requestBody();
+  $("player").hidden = body.response_format !== "mp3"; // PCM plays through Web Audio, not the element
   const controller = new AbortController();
   Object.assign(state, { phase: "requesting", request: body, bytes: 0, chunks: 0, ttfbMs: null, rtf: null,
-    audioSeconds: null, playbackStarted: false, playbackEnded: false, playerError: null, error: null });
+    audioSeconds: null, playbackStarted: false, playbackEnded: false, playerError: null, error: null,
+    playbackStartedMs: null, streamEndedMs: null });
   showStats();
   $("download").hidden = true;
   let sink = body.response_format === "mp3" ? new Mp3Sink($("player"), audioContext, wave) : null;
@@ -377,7 +385,7 @@ async function generate() {
   $("generate").disabled = true;
   $("stop").disabled = false;
   say("Generating…");
-  const started = performance.now();
+  const started = (state.startedAt = performance.now());
   try {
     const resp = await fetch("generate", { method: "POST", headers: headers(true), body: JSON.stringify(body),
       signal: controller.signal });
@@ -399,10 +407,10 @@ async function generate() {
       showStats();
     }
     const wall = (performance.now() - started) / 1000;
+    state.streamEndedMs = 1000 * wall;
     await sink.end();
     state.audioSeconds = sink.seconds();
     state.rtf = state.audioSeconds > 0 ? wall / state.audioSeconds : null;
-    state.finishReason = resp.headers.get("X-Finish-Reason");
     offerDownload(chunks, body.response_format, rate);
     state.phase = "done";
     say(`Done: ${state.audioSeconds.toFixed(2)} s of audio in ${wall.toFixed(2)} s.`);
