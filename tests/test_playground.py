@@ -15,7 +15,10 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
+from starlette.testclient import TestClient
 
+from service.app import create_app
+from service.settings import Settings
 from tests.service_harness import LiveServer, service_settings, wav_bytes
 
 KEY = "playground-key"
@@ -180,3 +183,11 @@ def test_a_voice_uploaded_on_one_replica_speaks_on_the_other(browser, replicas, 
     assert state["request"]["target_text"] == "(a calm voice)Spoken on the other replica."
     assert state["audioSeconds"] == pytest.approx(6 * 7680 / 48000) and state["playbackEnded"]
     shoot(browser, shots, "voice-from-the-other-replica", capsys)
+
+
+def test_the_page_can_be_turned_off(tmp_path):
+    """NANOVLLM_PLAYGROUND=false: / is not served (the routes alone; no model needed, so the lifespan is not run)."""
+    for enabled, status in ((False, 404), (True, 200)):
+        client = TestClient(create_app(Settings(cache_dir=tmp_path, playground=enabled)))
+        assert client.get("/").status_code == status
+        assert client.get("/playground/app.js").status_code == status
