@@ -46,7 +46,7 @@ from service.limits import BodyLimitMiddleware
 from service.lora_registry import LoRARegistrations
 from service.metrics import Metrics, MetricsMiddleware
 from service.redis_store import RedisVoiceStore, open_voice_store, watch_store
-from service.routers import generation, loras, openai, ops, voices
+from service.routers import generation, loras, openai, ops, playground, voices
 from service.settings import Settings
 from service.shared_adapters import SharedAdapters
 from service.state import ServiceState
@@ -121,6 +121,8 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
     for router in (generation.router, voices.router, loras.router, openai.router):
         app.include_router(router, dependencies=keyed)
     app.include_router(ops.router)  # /health, /ready, /metrics open; /info keyed (per route)
+    if settings.playground:
+        app.include_router(playground.router)  # open: a static page whose API calls carry the user's key
     if settings.cors_origins:
         origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],

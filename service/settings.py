@@ -122,6 +122,8 @@ class BaseServiceSettings(BaseSettings):
     protect_metrics: bool = Field(False, description="/metrics needs an API key too (when keys are set).")
     cors_origins: str | None = Field(None, description="Comma-separated origins browsers may call from (`*` for "
                                                        "any); unset = no CORS headers.")
+    playground: bool = Field(True, description="Serve the browser playground at / (a static page that calls the public "
+                                               "API with the key its user types; the page itself holds no data).")
     host: str = Field("0.0.0.0", description="Address to listen on.")
     port: int = Field(8000, ge=1, le=65535, description="Port to listen on.")
 
