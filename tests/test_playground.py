@@ -19,6 +19,7 @@ from starlette.testclient import TestClient
 
 from service.app import create_app
 from service.settings import Settings
+from tests.redis_server import RedisServer, require_server_binary
 from tests.service_harness import LiveServer, service_settings, wav_bytes
 
 KEY = "playground-key"
@@ -56,11 +57,12 @@ def browser():
 
 @pytest.fixture(scope="module")
 def replicas(checkpoint_factory, tmp_path_factory):
-    """Two replicas sharing one voice store: the same on-disk database (same cache dir, same checkpoint). Started
-    together, so their workers load at once."""
-    cache = tmp_path_factory.mktemp("svc-playground")
+    """Two replicas, each with its own cache dir, sharing their voices through one real Redis (NANOVLLM_REDIS_URL).
+    Started together, so their workers load at once."""
+    redis = RedisServer(require_server_binary(), tmp_path_factory.mktemp("playground-redis")).start()
     ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
-    servers = [LiveServer(service_settings(ckpt, cache, api_keys=KEY)).start(ready=False) for _ in range(2)]
+    servers = [LiveServer(service_settings(ckpt, tmp_path_factory.mktemp(f"svc-playground-{n}"), api_keys=KEY,
+                                           redis_url=redis.url)).start(ready=False) for n in "ab"]
     try:
         for s in servers:
             s.wait_ready()
@@ -68,6 +70,7 @@ def replicas(checkpoint_factory, tmp_path_factory):
     finally:
         for s in servers:
             s.stop()
+        redis.stop()
 
 
 @pytest.fixture(scope="module")
