@@ -1,0 +1,245 @@
+"""Text normalisation for `normalize: true` requests: written forms become the words a reader would say.
+
+Covered, in English and Chinese: cardinals, decimals, ordinals, fractions, currency ($ € £ ¥, with cents), dates
+(2025-09-28, 09/28/2025, September 28, 2025, 2025年9月28日), times (3:45 pm, 14:30), units (5 km, 3 kg, 100 km/h),
+percentages, temperatures, phone numbers (digit by digit), decades (1990s) and dotted versions (2.0.1). Words in
+capitals are spoken as words when they can be pronounced (HELLO, NASA) and spelled letter by letter when they cannot
+(FBI, HTML); a mostly-capitals sentence is read as shouting, i.e. as ordinary words.
+
+Text is split into language runs: a run of Latin text with two or more words inside Chinese text (or any text
+without Chinese) goes through wetext's English grammar, everything else through its Chinese one. Our own rules fill
+the grammars' gaps (cents, decades, versions, US dates and phone numbers in Chinese, letter-hyphen-digit such as
+GPT-4, leftover digits through inflect).
+
+Not covered: other languages (left as written), abbreviations beyond the grammars' few (Dr., Mr., No.), Roman
+numerals (left as written), phone numbers written with spaces only in English (read as numbers), context (a capital
+word that is also an acronym, 'US'), and markdown or emoji clean-up. Normalisation is per segment and keeps no
+state between calls.
+
+Loading (wetext's grammars, inflect) takes about 1.5 s and happens once per process, on the first call; a call then
+costs about 1-3 ms per sentence. `normalize` is pure and thread-safe."""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from typing import Any
+
+log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_loaded: tuple[Any, Any, Any] | None = None  # (English normaliser, Chinese normaliser, inflect engine)
+_inflect_lock = threading.Lock()  # inflect's engine keeps per-call counters on itself
+
+# Han ideographs decide that a text is Chinese; CJK punctuation and full-width forms belong to Chinese runs.
+_HAN = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+_CJK = r"\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef"
+_NON_CJK_STRETCH = re.compile(f"[^{_CJK}]+")
+_LATIN_WORD = re.compile(r"[A-Za-z]+")
+
+
+def _split_words(words: str) -> list[str]:
+    return words.split()
+
+
+def _load() -> tuple[Any, Any, Any]:
+    global _loaded
+    if _loaded is None:
+        with _lock:
+            if _loaded is None:
+                import inflect
+                from wetext import Normalizer
+
+                english = Normalizer(lang="en", operator="tn")
+                # erhua kept: normalisation changes how things are written, not which words are said
+                chinese = Normalizer(lang="zh", operator="tn", remove_erhua=False)
+                english.normalize("1")  # reads the grammars now, not in the first request
+                chinese.normalize("1")
+                _loaded = (english, chinese, inflect.engine())
+    return _loaded
+
+
+def normalize(text: str) -> str:
+    """`text` with numbers, amounts, dates, times, units and capitals written as they are spoken. Leading and
+    trailing white space of each language run is kept; the grammars collapse white space inside a run."""
+    if not text.strip():
+        return text
+    english, chinese, _ = _load()
+    out = []
+    for run, lang in _runs(text):
+        core = " ".join(run.split())  # as the engine reads it; wetext fails on runs of spaces
+        if not core:
+            out.append(run)
+            continue
+        lead, trail = run[:len(run) - len(run.lstrip())], run[len(run.rstrip()):]
+        spoken = _english(english, core) if lang == "en" else _chinese(chinese, core)
+        out.append(lead + _capitals(spoken) + trail)
+    return "".join(out)
+
+
+VOICE_DESIGN = re.compile(r"\s*\([^()]*\)")
+
+
+def normalize_target(text: str) -> str:
+    """A request's target text normalised, keeping a leading '(description)' of voice design as written."""
+    m = VOICE_DESIGN.match(text)
+    return text[:m.end()] + normalize(text[m.end():]) if m else normalize(text)
+
+
+# --- language runs ----------------------------------------------------------------------------------
+
+
+def _runs(text: str) -> list[tuple[str, str]]:
+    """(run, 'en' | 'zh') covering `text` in order. Without Han characters it is one English run; with them, a
+    stretch free of CJK characters holding two or more Latin words is English (a phrase), the rest Chinese, so
+    '3个', '5km' and 'NASA' inside Chinese are read by the Chinese grammar."""
+    if not _HAN.search(text):
+        return [(text, "en")]
+    runs: list[tuple[str, str]] = []
+    pos = 0
+    for m in _NON_CJK_STRETCH.finditer(text):
+        if len(_LATIN_WORD.findall(m.group())) >= 2:
+            if m.start() > pos:
+                runs.append((text[pos:m.start()], "zh"))
+            runs.append((m.group(), "en"))
+            pos = m.end()
+    if pos < len(text):
+        runs.append((text[pos:], "zh"))
+    return runs
+
+
+def _grammar(grammar: Any, text: str) -> str:
+    """wetext's normalisation; text its grammar cannot parse is kept as it is rather than failing the request."""
+    try:
+        return grammar.normalize(text) or text
+    except Exception:  # an assertion or a parse failure inside the grammar's token parser
+        log.warning("normalisation kept a run as written: the grammar failed on %r", text[:80], exc_info=True)
+        return text
+
+
+# --- English ----------------------------------------------------------------------------------------
+
+_CURRENCY = {"$": ("dollar", "dollars", "cent", "cents"), "€": ("euro", "euros", "cent", "cents"),
+             "£": ("pound", "pounds", "penny", "pence"), "¥": ("yen", "yen", None, None)}
+_MONEY = re.compile(r"(?<![\w.])([$€£¥])\s?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d{1,2}))?(?!\.?\d)"
+                    r"(?:\s?(thousand|million|billion|trillion)\b)?")
+_DECADE = re.compile(r"\b(1[1-9]|20)([1-9]0)s\b")
+_DOTTED = re.compile(r"(?<![\d.])\d+(?:\.\d+){2,}(?![\d.])")
+_NUMBER_ABBREV = re.compile(r"\bNo\.\s*(?=\d)")
+_DIGITS = re.compile(r"\d+")
+# +86 138 1234 5678, +44-20-7946-0958: a plus, a country code and two or more groups (the grammars miss spaced ones)
+_INTL_PHONE = re.compile(r"(?<![A-Za-z0-9+])\+(\d{1,3})((?:[\s-]+\(?\d{1,5}\)?){2,5})(?!\d)")
+_EN_DIGITS = dict(zip("0123456789", _split_words("zero one two three four five six seven eight nine"), strict=True))
+
+
+def _phone_en(m: re.Match[str]) -> str:
+    groups = [m.group(1), *re.findall(r"\d+", m.group(2))]
+    return "plus " + ", ".join(" ".join(_EN_DIGITS[d] for d in g) for g in groups)
+
+
+def _words(n: int | str) -> str:
+    """inflect's words without its commas and hyphens, as the grammars write numbers."""
+    with _inflect_lock:
+        words = _load()[2].number_to_words(str(n), andword="")
+    return re.sub(r"\s+", " ", words.replace(",", " ").replace("-", " ")).strip()
+
+
+def _money(m: re.Match[str]) -> str:
+    symbol, whole, frac, scale = m.group(1), m.group(2).replace(",", ""), m.group(3), m.group(4)
+    one, many, sub_one, sub_many = _CURRENCY[symbol]
+    if scale:  # $2.5 million: two point five million dollars
+        amount = _words(whole) + (" point " + " ".join(_words(d) for d in frac) if frac else "")
+        return f"{amount} {scale} {many}"
+    if frac and sub_one is None:  # yen has no subunit
+        return f"{_words(whole)} point {' '.join(_words(d) for d in frac)} {many}"
+    spoken = f"{_words(whole)} {one if int(whole) == 1 else many}"
+    cents = int(frac.ljust(2, "0")) if frac else 0
+    if cents:
+        spoken += f" and {_words(cents)} {sub_one if cents == 1 else sub_many}"
+    return spoken
+
+
+def _decade(m: re.Match[str]) -> str:
+    words = _words(m.group(1)) + " " + _words(m.group(2))  # 1990s: nineteen nineties
+    return words[:-1] + "ies" if words.endswith("y") else words + "s"
+
+
+def _english(grammar: Any, text: str) -> str:
+    text = _INTL_PHONE.sub(_phone_en, text)
+    text = _MONEY.sub(_money, text)
+    text = _DECADE.sub(_decade, text)
+    text = _DOTTED.sub(lambda m: " dot ".join(_words(p) for p in m.group().split(".")), text)
+    text = _NUMBER_ABBREV.sub("number ", text)
+    text = _grammar(grammar, text)
+    return _DIGITS.sub(lambda m: _words(m.group()), text)  # what the grammar left
+
+
+# --- Chinese ----------------------------------------------------------------------------------------
+
+_US_DATE = re.compile(r"(?<!\d)(0?[1-9]|1[0-2])/(0?[1-9]|[12]\d|3[01])/(\d{4})(?!\d)")
+_LETTER_HYPHEN_DIGIT = re.compile(r"(?<=[A-Za-z])-(?=\d)")
+_ZH_DIGITS = dict(zip("0123456789", "零幺二三四五六七八九", strict=True))
+
+
+def _phone_zh(m: re.Match[str]) -> str:
+    digits = re.sub(r"\D", "", m.group(1) + m.group(2))
+    return "加" + "".join(_ZH_DIGITS[d] for d in digits)
+
+
+def _chinese(grammar: Any, text: str) -> str:
+    text = _US_DATE.sub(lambda m: f"{m.group(3)}年{int(m.group(1))}月{int(m.group(2))}日", text)
+    text = _LETTER_HYPHEN_DIGIT.sub(" ", text)  # GPT-4 is a name, not GPT minus four
+    text = _INTL_PHONE.sub(_phone_zh, text)
+    return _grammar(grammar, text)
+
+
+# --- words in capitals ------------------------------------------------------------------------------
+
+_CAPS = re.compile(r"(?<![A-Za-z])[A-Z]{2,}(?![A-Za-z])")
+_ROMAN = re.compile(r"X{0,3}(?:IX|IV|V?I{0,3})")
+_VOWELS = set("aeiouy")
+_ONSETS = frozenset(_split_words(
+    "b c d f g h j k l m n p q r s t v w x z bl br ch cl cr dr fl fr gl gr kl kn kr ph pl pr qu sc sh sk sl sm sn sp "
+    "st sw th tr tw wh wr chr phr sch scr shr spl spr squ str thr"))
+_CODAS = frozenset(_split_words(
+    "ch ck ct ds ff ft gh gs ld lf lk ll lm ln lp ls lt mb mp ms nd ng nk ns nt ps pt rb rc rd rf rg rk rl rm rn rp rs "
+    "rt sh sk sp ss st th ts tz ws wn xt zz ght lch lds lts mps nch nds ngs nks nts rch rds rks rld rms rns rst rts "
+    "sks sts tch"))
+# Short words that are spoken, not spelled, when a whole sentence is in capitals.
+_COMMON = frozenset(_split_words(
+    "am an as at be by do go he if in is it me my no of oh ok on or so to up us we all and any are but can did for get "
+    "got had has her him his how its let may new not now off old one our out see she the too two use was way who why "
+    "yes yet you"))
+
+
+def _pronounceable(word: str) -> bool:
+    """A rough English phonotactics check on a lower-case word: a legal onset, no run of three vowels, consonant
+    runs of at most three inside and a legal coda at the end."""
+    clusters = re.findall(r"[^aeiouy]+|[aeiouy]+", word)
+    if not any(c[0] in _VOWELS for c in clusters) or any(c[0] in _VOWELS and len(c) > 2 for c in clusters):
+        return False
+    first, last = clusters[0], clusters[-1]
+    if first[0] not in _VOWELS and first not in _ONSETS:
+        return False
+    if last[0] not in _VOWELS and len(last) > 1 and last not in _CODAS:
+        return False
+    return all(len(c) <= 3 for c in clusters[1:-1])
+
+
+def _capitals(text: str) -> str:
+    words = [w for w in _LATIN_WORD.findall(text) if len(w) >= 2]
+    caps = [w for w in words if w.isupper()]
+    shouting = len(caps) >= 2 and len(caps) >= 0.6 * len(words)
+
+    def say(m: re.Match[str]) -> str:
+        word = m.group()
+        if _ROMAN.fullmatch(word):
+            return word
+        lower = word.lower()
+        if shouting and (lower in _COMMON or (len(word) >= 4 and _pronounceable(lower))):
+            return lower
+        if not shouting and len(word) >= 4 and _pronounceable(lower):
+            return lower
+        return " ".join(word)
+
+    return _CAPS.sub(say, text)
