@@ -66,7 +66,7 @@ def normalize(text: str) -> str:
         return text
     english, chinese, _ = _load()
     out = []
-    for run, lang in _runs(text):
+    for run, lang in (r for chunk in _chunks(text) for r in _runs(chunk)):
         core = " ".join(run.split())  # as the engine reads it; wetext fails on runs of spaces
         if not core:
             out.append(run)
@@ -84,6 +84,23 @@ def normalize_target(text: str) -> str:
     """A request's target text normalised, keeping a leading '(description)' of voice design as written."""
     m = VOICE_DESIGN.match(text)
     return text[:m.end()] + normalize(text[m.end():]) if m else normalize(text)
+
+
+# The grammars' cost grows faster than the text's length: long text is normalised a few sentences at a time.
+_CHUNK_CHARS = 200
+_SENTENCE_END = re.compile(r"(?<=[。！？；!?;\n])|(?<=\.)(?=\s+[A-Z\u4e00-\u9fff\"“(])")
+
+
+def _chunks(text: str) -> list[str]:
+    """`text` cut after sentence ends into pieces of about _CHUNK_CHARS (a sentence is never cut)."""
+    if len(text) <= _CHUNK_CHARS:
+        return [text]
+    chunks = [""]
+    for sentence in _SENTENCE_END.split(text):
+        if chunks[-1] and len(chunks[-1]) + len(sentence) > _CHUNK_CHARS:
+            chunks.append("")
+        chunks[-1] += sentence
+    return chunks
 
 
 # --- language runs ----------------------------------------------------------------------------------
