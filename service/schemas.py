@@ -155,6 +155,12 @@ class SamplingFields(BaseModel):
                               min_len=self.min_len, seed=self.seed)
 
 
+def normalize_field() -> object:
+    return Field(False, description="Speak numbers, amounts, dates, times, units, percentages, phone numbers and words "
+                                    "in capitals as words (English and Chinese; docs/normalization.md). Off: the text "
+                                    "is spoken as written.")
+
+
 PROMPT_FORMS = "prompt_wav_base64 + prompt_text | prompt_latents_base64 + prompt_text | prompt_id | hifi_id"
 REF_FORMS = "ref_audio_wav_base64 | ref_audio_latents_base64 | ref_audio_id"
 
@@ -177,6 +183,7 @@ class GenerateRequest(SamplingFields):
                                                                        "/loras (404 if unknown; 503 while every "
                                                                        "adapter slot is held).")
     response_format: Literal["mp3", "pcm"] = Field("mp3", description="mp3, or pcm = raw s16le mono.")
+    normalize: bool = normalize_field()
 
     _target_text = field_validator("target_text")(not_blank)
 
@@ -212,6 +219,7 @@ class SpeechRequest(SamplingFields):
     speed: float = Field(1.0, description="Only 1.0 is supported.")
     stream_format: Literal["audio", "sse"] = Field("audio", description="Raw audio bytes, or server-sent events "
                                                                          "(mp3/pcm only).")
+    normalize: bool = normalize_field()
 
     _input = field_validator("input")(not_blank)
 

@@ -18,6 +18,7 @@ from engine import GenerationStream, OverloadedError, PoolError, SamplingParams,
 from service.audio import MEDIA_TYPES, make_encoder, output_rate, sse_event
 from service.conditioning import Conditioning
 from service.errors import http_error
+from service.normalize import normalize_target
 from service.shared_adapters import sync_adapters
 from service.state import ServiceState
 
@@ -64,8 +65,10 @@ class Generation:
 
 
 async def start(state: ServiceState, route: str, text: str, cond: Conditioning, params: SamplingParams, fmt: str,
-                sse: bool = False, lora_name: str | None = None) -> Generation:
+                sse: bool = False, lora_name: str | None = None, normalize: bool = False) -> Generation:
     s = state.settings
+    if normalize:  # off the event loop: the first call loads the grammars (about 1.5 s), long text takes a while
+        text = await asyncio.to_thread(normalize_target, text)
     if lora_name is not None:
         await sync_adapters(state)  # an adapter registered on another replica: taken here first
     encoder = make_encoder(fmt, state.sample_rate, s.mp3_bitrate_kbps, s.mp3_quality, sse)

@@ -17,7 +17,8 @@ AUDIO = {200: {"content": {"audio/mpeg": {}, "audio/pcm": {}}, "description": "A
 async def _start(state: ServiceState, req: GenerateRequest, route: str, fmt: str) -> synthesis.Generation:
     params = req.sampling(state.model.max_model_len)
     cond = await conditioning.resolve(state, req)
-    return await synthesis.start(state, route, req.target_text, cond, params, fmt, lora_name=req.lora_name)
+    return await synthesis.start(state, route, req.target_text, cond, params, fmt, lora_name=req.lora_name,
+                                 normalize=req.normalize)
 
 
 async def _whole(state: ServiceState, req: GenerateRequest, route: str, fmt: str) -> Response:

@@ -1,0 +1,125 @@
+"""Text normalisation (`normalize: true`): a table of English and Chinese written forms against what is spoken, the
+text and token ids left exactly as they were when it is off, and over real HTTP that a normalised request speaks
+the written-out words."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import numpy as np
+import pytest
+
+from engine.io.tokenizer import TextTokenizer, text_tokens
+from service.normalize import normalize, normalize_target
+from service.schemas import GenerateRequest, SpeechRequest
+from tests.service_harness import live_server
+
+CASES = [
+    # cardinals, decimals, ordinals
+    ("I have 3 apples.", "I have three apples."),
+    ("1,234,567 people", "one million two hundred thirty four thousand five hundred and sixty seven people"),
+    ("pi is 3.14", "pi is three point one four"),
+    ("He came 1st, she 2nd, 21st.", "He came first, she second, twenty first."),
+    ("The 1990s.", "The nineteen nineties."),
+    ("version 2.0.1", "version two dot zero dot one"),
+    # currency
+    ("It costs $3.50.", "It costs three dollars and fifty cents."),
+    ("$1 and $1.01", "one dollar and one dollar and one cent"),
+    ("¥20 or €5 or £7.25", "twenty yen or five euros or seven pounds and twenty five pence"),
+    ("$1,234.56", "one thousand two hundred thirty four dollars and fifty six cents"),
+    ("$2.5 million", "two point five million dollars"),
+    # dates
+    ("On 2025-09-28 we met.", "On the twenty eighth of september twenty twenty five we met."),
+    ("On 09/28/2025 we met.", "On the twenty eighth of september twenty twenty five we met."),
+    ("September 28, 2025", "the twenty eighth of september, twenty twenty five"),
+    # times, units, percentages
+    ("At 3:45 pm and 14:30.", "At three forty five P M and fourteen thirty."),
+    ("Run 5 km and lift 3 kg.", "Run five kilometers and lift three kilograms."),
+    ("Up 25% today.", "Up twenty five percent today."),
+    # phone numbers
+    ("Call 555-123-4567.", "Call five five five, one two three, four five six seven."),
+    ("Call +44 20 7946 0958 now", "Call plus four four, two zero, seven nine four six, zero nine five eight now"),
+    # words in capitals: spoken when pronounceable, spelled when not, shouting read as words
+    ("The NASA and FBI and the USA.", "The nasa and F B I and the U S A."),
+    ("HTML over HTTP", "H T M L over H T T P"),
+    ("HELLO WORLD, I LOVE YOU AND THE FBI.", "hello world, I love you and the F B I."),
+    ("World War II", "World War two"),
+    # Chinese
+    ("我有3个苹果。", "我有三个苹果。"),
+    ("价格是¥20", "价格是二十元"),
+    ("今天是2025-09-28", "今天是二零二五年九月二十八日"),
+    ("2025年9月28日", "二零二五年九月二十八日"),
+    ("日期09/28/2025", "日期二零二五年九月二十八日"),
+    ("下午3:45", "下午三点四十五分"),
+    ("14:30开会", "十四点三十分开会"),
+    ("跑了5km，重3kg", "跑了五公里，重三千克"),
+    ("增长了25%", "增长了百分之二十五"),
+    ("电话13812345678", "电话幺三八幺二三四五六七八"),
+    ("电话+86 138 1234 5678", "电话加八六幺三八幺二三四五六七八"),
+    ("GPT-4很强", "G P T 四很强"),
+    ("1年期LPR为3.0%", "一年期L P R为百分之三点零"),
+    # mixed: an English phrase inside Chinese is read in English, a lone number by the Chinese grammar
+    ("他说：I have 3 apples and $5.", "他说：I have three apples and five dollars."),
+    ("我喜欢 New York 的 3 个公园", "我喜欢 New York 的 三个公园"),
+]
+
+
+@pytest.mark.parametrize(("written", "spoken"), CASES, ids=[c[0] for c in CASES])
+def test_spoken_forms(written, spoken):
+    assert normalize(written) == spoken
+
+
+def test_voice_design_description_and_edges_are_kept():
+    assert normalize_target("(a calm, slow voice with 2 pauses)I have 3 apples") == \
+        "(a calm, slow voice with 2 pauses)I have three apples"
+    assert normalize("  I have 3 apples  ") == "  I have three apples  "
+    assert normalize("   ") == "   "
+
+
+def test_long_text_is_normalised_whole_and_threads_agree():
+    sentence = "On 2025-09-28 I paid $3.50 for 3 apples. "
+    text = sentence * 60  # cut into pieces inside; the result is the pieces' results joined
+    expected = normalize(sentence).rstrip() + " "
+    out: list[str] = []
+    threads = [threading.Thread(target=lambda: out.append(normalize(text))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert out == [expected * 60] * 4
+
+
+def test_off_by_default_leaves_text_and_token_ids_unchanged(checkpoint_factory):
+    assert GenerateRequest(target_text="x").normalize is False
+    assert SpeechRequest(model="voxcpm", input="x").normalize is False
+    tok = TextTokenizer.from_dir(checkpoint_factory("tiny-voxcpm2", stop="never"))
+    written, spelled = "I have 3 apples on 2025-09-28.", "I have three apples on the twenty eighth of september"
+    # off: the engine gets the request's own string, so its ids are today's
+    assert text_tokens(tok, written, "", False)[0] == tok.encode(written)
+    on = normalize(written)
+    assert on.startswith(spelled) and text_tokens(tok, on, "", False)[0] != tok.encode(written)
+
+
+@pytest.fixture(scope="module")
+def client(checkpoint_factory, tmp_path_factory):
+    with live_server(checkpoint_factory, tmp_path_factory.mktemp("svc-normalize")) as s, \
+            httpx.Client(base_url=s.url, timeout=120) as c:
+        yield c
+
+
+def _pcm(client: httpx.Client, route: str, body: dict) -> np.ndarray:
+    r = client.post(route, json={"response_format": "pcm", "seed": 7, "max_generate_length": 3, **body})
+    assert r.status_code == 200, r.text
+    return np.frombuffer(r.content, "<i2")
+
+
+@pytest.mark.parametrize(("route", "field", "extra"), [("/generate", "target_text", {}),
+                                                         ("/v1/audio/speech", "input", {"model": "voxcpm"})])
+def test_normalize_true_speaks_the_words(client, route, field, extra):
+    def speak(text: str, **flag: bool) -> np.ndarray:
+        return _pcm(client, route, {field: text, **extra, **flag})
+
+    digits = speak("I have 3 apples", normalize=True)
+    assert np.array_equal(digits, speak("I have three apples", normalize=False))
+    assert not np.array_equal(digits, speak("I have 3 apples"))  # default: spoken as written
