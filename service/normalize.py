@@ -88,15 +88,21 @@ def normalize_target(text: str) -> str:
 
 # The grammars' cost grows faster than the text's length: long text is normalised a few sentences at a time.
 _CHUNK_CHARS = 200
+_CLAUSE_END = re.compile(r"(?<=[,，、])")
+_WORD_END = re.compile(r"(?<=\s)(?=\S)")
 _SENTENCE_END = re.compile(r"(?<=[。！？；!?;\n])|(?<=\.)(?=\s+[A-Z\u4e00-\u9fff\"“(])")
 
 
 def _chunks(text: str) -> list[str]:
-    """`text` cut after sentence ends into pieces of about _CHUNK_CHARS (a sentence is never cut)."""
+    """`text` cut after sentence ends into pieces of about _CHUNK_CHARS; a longer sentence is cut after commas, and a
+    clause longer still between words."""
     if len(text) <= _CHUNK_CHARS:
         return [text]
+    pieces = [p for sentence in _SENTENCE_END.split(text)
+              for clause in (_CLAUSE_END.split(sentence) if len(sentence) > _CHUNK_CHARS else [sentence])
+              for p in (_WORD_END.split(clause) if len(clause) > _CHUNK_CHARS else [clause])]
     chunks = [""]
-    for sentence in _SENTENCE_END.split(text):
+    for sentence in pieces:
         if chunks[-1] and len(chunks[-1]) + len(sentence) > _CHUNK_CHARS:
             chunks.append("")
         chunks[-1] += sentence
@@ -139,13 +145,13 @@ def _grammar(grammar: Any, text: str) -> str:
 _CURRENCY = {"$": ("dollar", "dollars", "cent", "cents"), "€": ("euro", "euros", "cent", "cents"),
              "£": ("pound", "pounds", "penny", "pence"), "¥": ("yen", "yen", None, None)}
 _MONEY = re.compile(r"(?<![\w.])([$€£¥])\s?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d{1,2}))?(?!\.?\d)"
-                    r"(?:\s?(thousand|million|billion|trillion)\b)?")
-_DECADE = re.compile(r"\b(1[1-9]|20)([1-9]0)s\b")
-_DOTTED = re.compile(r"(?<![\d.])\d+(?:\.\d+){2,}(?![\d.])")
-_NUMBER_ABBREV = re.compile(r"\bNo\.\s*(?=\d)")
-_DIGITS = re.compile(r"\d+")
+                    r"(?:\s?(thousand|million|billion|trillion)\b)?", re.ASCII)
+_DECADE = re.compile(r"\b(1[1-9]|20)([1-9]0)s\b", re.ASCII)
+_DOTTED = re.compile(r"(?<![\d.])\d+(?:\.\d+){2,}(?![\d.])", re.ASCII)
+_NUMBER_ABBREV = re.compile(r"\bNo\.\s*(?=\d)", re.ASCII)
+_DIGITS = re.compile(r"\d+", re.ASCII)
 # +86 138 1234 5678, +44-20-7946-0958: a plus, a country code and two or more groups (the grammars miss spaced ones)
-_INTL_PHONE = re.compile(r"(?<![A-Za-z0-9+])\+(\d{1,3})((?:[\s-]+\(?\d{1,5}\)?){2,5})(?!\d)")
+_INTL_PHONE = re.compile(r"(?<![A-Za-z0-9+])\+(\d{1,3})((?:[\s-]+\(?\d{1,5}\)?){2,5})(?!\d)", re.ASCII)
 _EN_DIGITS = dict(zip("0123456789", _split_words("zero one two three four five six seven eight nine"), strict=True))
 
 
@@ -155,9 +161,13 @@ def _phone_en(m: re.Match[str]) -> str:
 
 
 def _words(n: int | str) -> str:
-    """inflect's words without its commas and hyphens, as the grammars write numbers."""
+    """inflect's words without its commas and hyphens, as the grammars write numbers; past trillions (inflect's last
+    scale word) digit by digit."""
+    digits = str(n)
+    if len(digits) > 15:
+        return " ".join(_EN_DIGITS[d] for d in digits)
     with _inflect_lock:
-        words = _load()[2].number_to_words(str(n), andword="")
+        words = _load()[2].number_to_words(digits, andword="")
     return re.sub(r"\s+", " ", words.replace(",", " ").replace("-", " ")).strip()
 
 
@@ -193,7 +203,7 @@ def _english(grammar: Any, text: str) -> str:
 
 # --- Chinese ----------------------------------------------------------------------------------------
 
-_US_DATE = re.compile(r"(?<!\d)(0?[1-9]|1[0-2])/(0?[1-9]|[12]\d|3[01])/(\d{4})(?!\d)")
+_US_DATE = re.compile(r"(?<!\d)(0?[1-9]|1[0-2])/(0?[1-9]|[12]\d|3[01])/(\d{4})(?!\d)", re.ASCII)
 _LETTER_HYPHEN_DIGIT = re.compile(r"(?<=[A-Za-z])-(?=\d)")
 _ZH_DIGITS = dict(zip("0123456789", "零幺二三四五六七八九", strict=True))
 

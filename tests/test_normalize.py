@@ -123,3 +123,13 @@ def test_normalize_true_speaks_the_words(client, route, field, extra):
     digits = speak("I have 3 apples", normalize=True)
     assert np.array_equal(digits, speak("I have three apples", normalize=False))
     assert not np.array_equal(digits, speak("I have 3 apples"))  # default: spoken as written
+
+
+@pytest.mark.parametrize(("written", "spoken"), [
+    ("9999999999999999 cats", "nine nine nine nine nine nine nine nine nine nine nine nine nine nine nine nine cats"),
+    ("a  b", "a b"),  # the grammar fails on runs of spaces; the engine collapses them anyway
+    ("٣ apples", "٣ apples"),  # digits of other scripts are left as written
+    ("x " * 400, "x " * 400),  # long text without punctuation is cut between words, never failed
+])
+def test_odd_input_is_spoken_or_kept_never_failed(written, spoken):
+    assert normalize(written) == spoken
