@@ -149,3 +149,18 @@ def test_streamed_resample_equals_whole():
     audio = _voice_like(1.1)
     streamed = _run(Resample(SAMPLE_RATE, 22050), audio, [3841] * 10)
     assert np.array_equal(streamed, soxr.resample(audio, SAMPLE_RATE, 22050, quality="HQ"))
+
+
+def test_retime_bench(tmp_path):
+    """`bench.py retime`: the stages' cost, exact stretched lengths, and a steady tone kept steady at 0.5 and 2."""
+    import json
+
+    from tools import bench
+    out = tmp_path / "retime.json"
+    doc = bench.main(["retime", "--seconds", "1", "--speeds", "0.5,2", "--rates", "24000", "--threads", "1,2",
+                      "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
+    assert all(r["out_samples"] == r["out_expected"] and r["core_s_per_audio_s"] > 0 for r in doc["stretch"])
+    assert [r["rate"] for r in doc["resample"]] == [24000] and [r["threads"] for r in doc["stretch_threads"]] == [1, 2]
+    for row in doc["tone"]:
+        assert -1 < row["streamed_db"][0] <= row["streamed_db"][1] < 1, row
