@@ -1,7 +1,8 @@
 """Per-stream audio stages run before the encoder: a pitch-preserving time-stretch (`speed`) and a resampler
 (`sample_rate`). Each is a callable (samples, last) -> samples on float32 mono audio, stateful across one stream's
-chunks (in order, one at a time, on an encoder thread), flushed when `last` is true; `AudioStages` chains them in
-front of an encoder with the encoder's own (samples, last) -> bytes | None interface.
+chunks (in order, one at a time, on an encoder thread), flushed when `last` is true and then ready for more (a new
+segment); `AudioStages` chains them in front of an encoder with the encoder's own (samples, last) -> bytes | None
+interface, and `end_segment` flushes the stages at a segment's end without ending the encoder's stream.
 
 The stretch is Signalsmith Stretch (MIT) through `python-stretch` (MIT). Its binding stretches a whole buffer per
 call and resets, so a stream is stretched in fixed blocks of input (absolute positions, so the output does not depend
@@ -69,7 +70,7 @@ class TimeStretch:
             if final:
                 end = self._total_in
             parts.append(self._stretch_block(start, end, final))
-            self._next_block += 1
+            self._next_block = 0 if final else self._next_block + 1
             if final:
                 break
         return np.concatenate(parts) if parts else np.zeros(0, np.float32)
@@ -102,9 +103,10 @@ class TimeStretch:
         if start and len(self._tail):
             n = min(len(self._tail), len(piece))
             piece[:n] = self._tail[:n] * self._fade_out[:n] + piece[:n] * self._fade_in[:n]
-        if final:
+        if final:  # flushed: the stage starts afresh, so a stream can be flushed at each segment's end
             self._tail = np.zeros(0, np.float32)
             self._input = np.zeros(0, np.float32)
+            self._input_start = self._total_in = 0
             return piece.astype(np.float32, copy=False)
         self._tail = piece[len(piece) - 2 * self._fade:].copy()
         keep_from = end - self._context  # the next block's left context starts here
@@ -117,10 +119,17 @@ class Resample:
     """A stream from `in_rate` to `out_rate` with soxr's streaming resampler (HQ, as engine.io.audio.resample)."""
 
     def __init__(self, in_rate: int, out_rate: int) -> None:
-        self._stream = soxr.ResampleStream(in_rate, out_rate, 1, dtype="float32", quality="HQ")
+        self.in_rate, self.out_rate = in_rate, out_rate
+        self._stream = self._new_stream()
+
+    def _new_stream(self) -> soxr.ResampleStream:
+        return soxr.ResampleStream(self.in_rate, self.out_rate, 1, dtype="float32", quality="HQ")
 
     def __call__(self, samples: np.ndarray, last: bool) -> np.ndarray:
-        return self._stream.resample_chunk(np.asarray(samples, np.float32), last=last)
+        out = self._stream.resample_chunk(np.asarray(samples, np.float32), last=last)
+        if last:  # soxr takes nothing after the last chunk: a fresh stream for the next segment
+            self._stream = self._new_stream()
+        return out
 
 
 class AudioStages:
@@ -137,6 +146,13 @@ class AudioStages:
         if not len(samples) and not last:
             return None
         return self.encoder(samples, last)
+
+    def end_segment(self, samples: np.ndarray) -> bytes | None:
+        """`samples` as a segment's last chunk: the stages flush (the segment's stretched audio is all out, exactly
+        round(N / speed) samples of it) and start afresh for the next one, while the encoder's stream goes on."""
+        for stage in self.stages:
+            samples = stage(samples, True)
+        return self.encoder(samples, False) if len(samples) else None
 
 
 def audio_stages(sample_rate: int, speed: float = 1.0, out_rate: int | None = None) -> list[Stage]:

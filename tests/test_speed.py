@@ -164,3 +164,22 @@ def test_retime_bench(tmp_path):
     assert [r["rate"] for r in doc["resample"]] == [24000] and [r["threads"] for r in doc["stretch_threads"]] == [1, 2]
     for row in doc["tone"]:
         assert -1 < row["streamed_db"][0] <= row["streamed_db"][1] < 1, row
+
+
+def test_a_flushed_stage_starts_afresh_for_the_next_segment():
+    """Segment by segment (the stages flushed at each end, the encoder's stream going on): each segment comes out as
+    it would alone, round(N / speed) samples."""
+    from engine.io.audio import pcm16
+    from service.audio import pcm_encoder
+    from service.retime import AudioStages, audio_stages
+
+    first, second = _voice_like(1.3), _voice_like(0.9)[::-1].copy()
+    alone = [_run(s, seg, [7680] * 3) for s, seg in ((TimeStretch(SAMPLE_RATE, 1.5), first),
+                                                     (TimeStretch(SAMPLE_RATE, 1.5), second))]
+    stages = AudioStages(audio_stages(SAMPLE_RATE, 1.5, 24000), pcm_encoder)
+    out = [stages(first[:7680], False), stages.end_segment(first[7680:]), stages(second, True)]
+    resampled = [_run(Resample(SAMPLE_RATE, 24000), a, []) for a in alone]
+    got = np.frombuffer(b"".join(o or b"" for o in out), "<i2")
+    assert np.array_equal(got, np.frombuffer(pcm16(np.concatenate(resampled)), "<i2"))
+    stretch = TimeStretch(SAMPLE_RATE, 1.5)
+    assert np.array_equal(np.concatenate([stretch(first, True), stretch(second, True)]), np.concatenate(alone))
