@@ -30,8 +30,8 @@ class TimeStretch:
     """Plays a stream `speed` times as fast at the same pitch. Input is cut into blocks of `block_s` seconds; each is
     stretched with `context_s` of input either side (the stretcher's window is 0.12 s, so its edges never reach the
     kept part), moved by at most `max_lag_s` to line up with its neighbour (half a period of a 62 Hz voice) and
-    overlapped with it by `crossfade_s` of output. A block is emitted once its right
-    context has arrived, so the first audio waits for block_s + context_s of input."""
+    overlapped with it by `crossfade_s` of output. A block is emitted once its right context has arrived, so the
+    first audio waits for block_s + context_s of input."""
 
     def __init__(self, sample_rate: int, speed: float, block_s: float = 0.5, context_s: float = 0.15,
                  crossfade_s: float = 0.01, max_lag_s: float = 0.008) -> None:
