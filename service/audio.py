@@ -20,6 +20,7 @@ import numpy as np
 import soundfile as sf
 
 from engine.io.audio import pcm16, resample
+from service.retime import AudioStages, audio_stages
 
 MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "flac": "audio/flac", "opus": "audio/ogg",
                "pcm": "audio/pcm"}
@@ -93,16 +94,21 @@ def sse_event(payload: dict) -> bytes:
 
 
 def make_encoder(fmt: str, sample_rate: int, mp3_bitrate_kbps: int = 192, mp3_quality: int = 2,
-                 sse: bool = False) -> Encoder:
-    """The encoder of one response in `fmt` (one of MEDIA_TYPES)."""
+                 sse: bool = False, speed: float = 1.0, out_rate: int | None = None) -> Encoder:
+    """The encoder of one response in `fmt` (one of MEDIA_TYPES) for audio at `sample_rate`: played `speed` times as
+    fast (same pitch) and resampled to `out_rate` where asked (service.retime), else exactly today's encoder."""
+    stages = audio_stages(sample_rate, speed, out_rate)
+    rate = out_rate or sample_rate
     if fmt == "mp3":
-        enc: Encoder = Mp3Encoder(sample_rate, mp3_bitrate_kbps, mp3_quality)
+        enc: Encoder = Mp3Encoder(rate, mp3_bitrate_kbps, mp3_quality)
     elif fmt == "pcm":
         enc = pcm_encoder
     elif fmt in MEDIA_TYPES:
-        enc = FileEncoder(fmt, sample_rate)
+        enc = FileEncoder(fmt, rate)
     else:
         raise ValueError(f"unknown audio format {fmt!r}")
+    if stages:
+        enc = AudioStages(stages, enc)
     return SseEncoder(enc) if sse else enc
 
 
@@ -123,6 +129,8 @@ def encode_file(ints: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     return buf.getvalue()
 
 
-def output_rate(sample_rate: int, fmt: str) -> int:
-    """The sample rate a client finds in the file we send."""
+def output_rate(sample_rate: int, fmt: str, requested: int | None = None) -> int:
+    """The sample rate a client finds in the file we send (`requested`: the request's sample_rate, if any)."""
+    if requested is not None:
+        return requested
     return 48000 if fmt == "opus" and sample_rate not in OPUS_RATES else sample_rate

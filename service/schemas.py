@@ -9,6 +9,7 @@ from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.vocabulary import LORA_NAME_PATTERN, SAMPLING_LIMITS, SamplingParams
+from service.retime import OUTPUT_RATES, RESAMPLED_FORMATS, SPEED_MAX, SPEED_MIN
 
 # --- voices ---------------------------------------------------------------------------------------
 
@@ -161,11 +162,34 @@ def normalize_field() -> object:
                                     "is spoken as written.")
 
 
+OutputRate = Literal[OUTPUT_RATES]  # type: ignore[valid-type]
+
+
+class PlaybackFields(BaseModel):
+    """How the generated audio is played back: its speed and, for raw and WAV output, its sample rate."""
+
+    speed: float = Field(1.0, ge=SPEED_MIN, le=SPEED_MAX,
+                         description=f"Playback speed, {SPEED_MIN}-{SPEED_MAX}, at the same pitch (time-stretched "
+                                     "after generation; 1.0 = the model's own pace, untouched). Intelligibility "
+                                     "drops past about 2.5 (docs/http-api.md, Speed).")
+    sample_rate: OutputRate | None = Field(  # type: ignore[valid-type]
+        None, description=f"Output sample rate in Hz for {' and '.join(RESAMPLED_FORMATS)} (one of "
+                          f"{', '.join(map(str, OUTPUT_RATES))}; resampled with soxr). Default: the model's rate "
+                          "(GET /info).")
+
+    def output_rate(self, fmt: str) -> int | None:
+        """The requested rate for a response in `fmt`, or a 422 naming sample_rate where `fmt` cannot take one."""
+        if self.sample_rate is not None and fmt not in RESAMPLED_FORMATS:
+            raise HTTPException(422, f"sample_rate: only {' and '.join(RESAMPLED_FORMATS)} output can be resampled "
+                                     f"(this response is {fmt}); drop sample_rate or ask for pcm or wav")
+        return self.sample_rate
+
+
 PROMPT_FORMS = "prompt_wav_base64 + prompt_text | prompt_latents_base64 + prompt_text | prompt_id | hifi_id"
 REF_FORMS = "ref_audio_wav_base64 | ref_audio_latents_base64 | ref_audio_id"
 
 
-class GenerateRequest(SamplingFields):
+class GenerateRequest(SamplingFields, PlaybackFields):
     target_text: str = Field(..., min_length=1, max_length=MAX_TEXT_CHARS,
                              description="Text to speak. '(description)text' = voice design. Its tokens must also fit "
                                          "max_model_len with the audio to generate (400 naming the limit otherwise).")
@@ -210,13 +234,12 @@ class GenerateRequest(SamplingFields):
 # --- OpenAI ---------------------------------------------------------------------------------------
 
 
-class SpeechRequest(SamplingFields):
+class SpeechRequest(SamplingFields, PlaybackFields):
     model: str = Field(..., description="Any id from /v1/models (or tts-1, tts-1-hd, gpt-4o-mini-tts).")
     input: str = Field(..., min_length=1, max_length=4096, description="Text to speak.")
     voice: str = Field("default", description="'default' (zero-shot) or a cached hifi/prompt/reference id.")
     instructions: str | None = Field(None, description="Voice design: spoken as '(instructions)input'.")
     response_format: Literal["mp3", "wav", "pcm", "flac", "opus"] = Field("mp3", description="Audio format.")
-    speed: float = Field(1.0, description="Only 1.0 is supported.")
     stream_format: Literal["audio", "sse"] = Field("audio", description="Raw audio bytes, or server-sent events "
                                                                          "(mp3/pcm only).")
     normalize: bool = normalize_field()
@@ -225,8 +248,9 @@ class SpeechRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _supported(self) -> SpeechRequest:
-        if self.speed != 1.0:
-            raise ValueError(f"speed: only 1.0 is supported (got {self.speed}); resample on the client instead")
+        if self.sample_rate is not None and self.response_format not in RESAMPLED_FORMATS:
+            raise ValueError(f"sample_rate: only {' and '.join(RESAMPLED_FORMATS)} output can be resampled "
+                             f"(response_format is {self.response_format})")
         if self.stream_format == "sse" and self.response_format not in ("mp3", "pcm"):
             raise ValueError(f"response_format: {self.response_format} cannot stream as sse; use mp3 or pcm")
         return self

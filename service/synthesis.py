@@ -31,8 +31,10 @@ FINISH_HEADER = "X-Finish-Reason"
 class Generation:
     """An engine request whose first encoded bytes have arrived."""
 
-    def __init__(self, state: ServiceState, route: str, stream: GenerationStream, first: bytes | None) -> None:
+    def __init__(self, state: ServiceState, route: str, stream: GenerationStream, first: bytes | None,
+                 sample_rate: int | None = None) -> None:
         self.state, self.route, self.stream, self.first = state, route, stream, first
+        self.sample_rate = sample_rate  # the output's rate where the request set one
         self._counted = 0  # samples already in the audio-seconds metric
         self._ended_counted = False
 
@@ -65,13 +67,14 @@ class Generation:
 
 
 async def start(state: ServiceState, route: str, text: str, cond: Conditioning, params: SamplingParams, fmt: str,
-                sse: bool = False, lora_name: str | None = None, normalize: bool = False) -> Generation:
+                sse: bool = False, lora_name: str | None = None, normalize: bool = False, speed: float = 1.0,
+                sample_rate: int | None = None) -> Generation:
     s = state.settings
     if normalize:  # off the event loop: the first call loads the grammars (about 1.5 s), long text takes a while
         text = await asyncio.to_thread(normalize_target, text)
     if lora_name is not None:
         await sync_adapters(state)  # an adapter registered on another replica: taken here first
-    encoder = make_encoder(fmt, state.sample_rate, s.mp3_bitrate_kbps, s.mp3_quality, sse)
+    encoder = make_encoder(fmt, state.sample_rate, s.mp3_bitrate_kbps, s.mp3_quality, sse, speed, sample_rate)
     request = SynthesisRequest(text, cond.prompt_text, cond.prompt_latents, None, cond.ref_latents, params, lora_name)
     stream = state.pool.submit(request, encoder)
     try:
@@ -84,12 +87,13 @@ async def start(state: ServiceState, route: str, text: str, cond: Conditioning, 
     except BaseException:  # cancelled while waiting: the engine request must not outlive us
         stream.close()
         raise
-    return Generation(state, route, stream, first)
+    return Generation(state, route, stream, first, sample_rate)
 
 
 def audio_headers(state: ServiceState, fmt: str, gen: Generation | None = None) -> dict[str, str]:
     encoding = {"pcm": "pcm_s16le"}.get(fmt, fmt)
-    headers = {"X-Audio-Sample-Rate": str(output_rate(state.sample_rate, fmt)), "X-Audio-Channels": "1",
+    rate = output_rate(state.sample_rate, fmt, gen.sample_rate if gen is not None else None)
+    headers = {"X-Audio-Sample-Rate": str(rate), "X-Audio-Channels": "1",
                "X-Audio-Encoding": encoding, "Cache-Control": "no-store"}
     if gen is not None:
         headers["X-Request-Id"] = gen.stream.request_id

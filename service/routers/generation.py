@@ -16,9 +16,10 @@ AUDIO = {200: {"content": {"audio/mpeg": {}, "audio/pcm": {}}, "description": "A
 
 async def _start(state: ServiceState, req: GenerateRequest, route: str, fmt: str) -> synthesis.Generation:
     params = req.sampling(state.model.max_model_len)
+    out_rate = req.output_rate(fmt)
     cond = await conditioning.resolve(state, req)
     return await synthesis.start(state, route, req.target_text, cond, params, fmt, lora_name=req.lora_name,
-                                 normalize=req.normalize)
+                                 normalize=req.normalize, speed=req.speed, sample_rate=out_rate)
 
 
 async def _whole(state: ServiceState, req: GenerateRequest, route: str, fmt: str) -> Response:

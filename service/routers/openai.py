@@ -56,19 +56,17 @@ async def speech(req: SpeechRequest, request: Request, state: LoadedState) -> Re
     text = f"({req.instructions.strip()}){req.input}" if req.instructions and req.instructions.strip() else req.input
     fmt, route = req.response_format, "/v1/audio/speech"
     params = req.sampling(state.model.max_model_len)
+    play = {"lora_name": lora_name, "normalize": req.normalize, "speed": req.speed, "sample_rate": req.sample_rate}
     if req.stream_format == "sse":
-        gen = await synthesis.start(state, route, text, cond, params, fmt, sse=True, lora_name=lora_name,
-                                    normalize=req.normalize)
+        gen = await synthesis.start(state, route, text, cond, params, fmt, sse=True, **play)
         return synthesis.AudioStreamResponse(gen, "text/event-stream", synthesis.audio_headers(state, fmt, gen),
                                              body=synthesis.sse_body(gen, req.input))
     if fmt in STREAMED:
         return synthesis.stream_response(
-            await synthesis.start(state, route, text, cond, params, fmt, lora_name=lora_name,
-                                  normalize=req.normalize), fmt)
+            await synthesis.start(state, route, text, cond, params, fmt, **play), fmt)
 
     async def whole() -> Response:  # sent whole: abort if the client leaves
-        gen = await synthesis.start(state, route, text, cond, params, fmt, lora_name=lora_name,
-                                    normalize=req.normalize)
+        gen = await synthesis.start(state, route, text, cond, params, fmt, **play)
         data = await gen.collect()
         return Response(data, media_type=MEDIA_TYPES[fmt], headers=synthesis.audio_headers(state, fmt, gen))
 
