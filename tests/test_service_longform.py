@@ -120,8 +120,9 @@ def test_badcase_guard_regenerates_and_counts(client, server):
     """The never-stopping checkpoint reaches every segment's length cap: with the guard each segment is generated
     badcase_tries times, the last kept (its seed the request's + tries - 1), and each cap is counted."""
     before = server.state.metrics.segments_capped.labels("/generate_blocking")._value.get()
-    text = "Hi there. " * 30 + "Bye now. " * 30
+    text = "Hi.\n\nBye."  # two segments (a paragraph break), a few tokens each: short caps
     segments = split_text(text, 200)
+    assert len(segments) == 2
     r = client.post("/generate_blocking", json={"target_text": text, "seed": 4, "timings": True,
                                                 "response_format": "pcm"})
     timings = json.loads(r.headers["x-segment-timings"])
