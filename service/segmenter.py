@@ -52,6 +52,7 @@ class _Unit:
     start: int
     end: int
     pause: Pause
+    sentence: int = -1  # which sentence a piece of a cut one belongs to (-1: a whole sentence, or any clause)
 
 
 def _sentences(text: str, base: int = 0) -> list[_Unit]:
@@ -138,13 +139,19 @@ def _fit(text: str, unit: _Unit, max_chars: int) -> list[_Unit]:
     return out
 
 
+def _joinable(a: _Unit, b: _Unit) -> bool:
+    """Whole sentences join whole sentences, pieces of a cut sentence join pieces of the same one; never across a
+    paragraph."""
+    return a.pause != "paragraph" and a.sentence == b.sentence
+
+
 def _pack(text: str, units: list[_Unit], max_chars: int) -> list[_Unit]:
-    """Consecutive units joined while they fit max_chars (never across a paragraph), then a short tail merged
-    into the segment before it when the two still fit 1.5 x max_chars."""
+    """Consecutive units joined while they fit max_chars, then a short tail merged into the segment before it when
+    the two still fit 1.5 x max_chars."""
     packed: list[_Unit] = []
     for u in units:
         last = packed[-1] if packed else None
-        if last is not None and last.pause != "paragraph" and weight(text[last.start:u.end]) <= max_chars:
+        if last is not None and _joinable(last, u) and weight(text[last.start:u.end]) <= max_chars:
             last.end, last.pause = u.end, u.pause
         else:
             packed.append(_Unit(u.start, u.end, u.pause))
@@ -152,7 +159,7 @@ def _pack(text: str, units: list[_Unit], max_chars: int) -> list[_Unit]:
     for u in packed:
         last = merged[-1] if merged else None
         short = weight(text[u.start:u.end]) < max_chars // 5
-        if (last is not None and short and last.pause != "paragraph"
+        if (last is not None and short and _joinable(last, u)
                 and weight(text[last.start:u.end]) <= max_chars * 3 // 2):
             last.end, last.pause = u.end, u.pause
         else:
@@ -168,10 +175,14 @@ def split_text(text: str, max_chars: int = DEFAULT_MAX_CHARS, granularity: Granu
     if max_chars < 1:
         raise ValueError("max_chars must be positive")
     units: list[_Unit] = []
-    for sentence in _sentences(text):
+    for number, sentence in enumerate(_sentences(text)):
         pieces = _clauses(text, sentence) if granularity == "clause" else [sentence]
         for piece in pieces:
-            units.extend(_fit(text, piece, max_chars))
+            fitted = _fit(text, piece, max_chars)
+            if granularity == "sentence" and len(fitted) > 1:
+                for f in fitted:
+                    f.sentence = number
+            units.extend(fitted)
     units = _pack(text, units, max_chars)
     if units:
         units[-1].pause = "none"
