@@ -130,3 +130,23 @@ def test_badcase_guard_regenerates_and_counts(client, server):
     after = server.state.metrics.segments_capped.labels("/generate_blocking")._value.get()
     assert after - before == 3 * len(segments)
     assert next_seed(4, 2) == 6
+
+
+def test_streamed_guard_holds_segments_back_and_matches_blocking(client):
+    """retry_badcase on a stream: each segment is sent once it is done, so the bytes are the blocking route's."""
+    body = {"target_text": "Hi.\n\nBye.", "seed": 4, "response_format": "pcm"}
+    blocking = pcm(client.post("/generate_blocking", json=body))
+    streamed = pcm(client.post("/generate", json={**body, "retry_badcase": True}))
+    assert np.array_equal(streamed, blocking)
+
+
+def test_leaving_mid_stream_frees_every_segment(client, server):
+    """A client that leaves a long stream aborts the segments in flight: the worker runs nothing afterwards and every
+    KV block is free again."""
+    total = server.pool_stats().total_blocks
+    with client.stream("POST", "/generate", json={"target_text": EN, "max_generate_length": 50, "seed": 1,
+                                                  "response_format": "pcm"}) as r:
+        assert r.status_code == 200
+        next(r.iter_bytes())
+    server.wait(lambda: (lambda s: s.running == 0 and s.waiting == 0 and s.free_blocks == total)(server.pool_stats()),
+                "segments still running after the client left", limit_s=60)
