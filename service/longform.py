@@ -250,10 +250,10 @@ class LongFormSpeech:
     async def events(self) -> AsyncIterator[np.ndarray | SegmentStarted | SegmentTiming]:
         fade_n = int(round(self.options.fade_s * self.sample_rate))
         reasons: list[str] = []
+        ahead: asyncio.Task | None = None
         try:
             job = await self._next_job(None)
             first = job
-            ahead: asyncio.Task | None = None
             pending_pause = 0
             while job is not None:
                 ahead = asyncio.ensure_future(self._next_job(first))  # submitted while this one decodes
@@ -303,6 +303,10 @@ class LongFormSpeech:
             self.finish_reason = "aborted" if self.finish_reason is None else self.finish_reason
             raise
         finally:
+            if ahead is not None and not ahead.done():  # the next segment's submission, if still on its way
+                ahead.cancel()
+                with contextlib.suppress(BaseException):
+                    await ahead
             await self.aclose()
 
     async def aclose(self) -> None:
