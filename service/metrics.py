@@ -36,6 +36,9 @@ class Metrics:
                                      registry=r)
         self.finished = Counter("voxcpm_generations_finished", "Generations by route and how they ended (stop head, "
                                 "length cap, aborted, error)", ["route", "reason"], registry=r)
+        self.segments_capped = Counter("voxcpm_segments_length_capped", "Long-form segments that reached their "
+                                       "length cap (bad cases: regenerated with the next seed where asked)",
+                                       ["route"], registry=r)
         self.overloaded = Counter("voxcpm_requests_overloaded", "Generation requests refused with 503 because every "
                                   "worker's queue was full or the request waited past the queue timeout", ["route"],
                                   registry=r)

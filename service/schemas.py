@@ -128,7 +128,7 @@ def _limited(name: str, default: float | None) -> object:
     return Field(default, ge=b.low, le=b.high, description=b.doc)
 
 
-MAX_TEXT_CHARS = 20000  # far past what max_model_len lets through; refused before tokenizing megabytes
+TEXT_CHARS_CEILING = 10_000_000  # the schema's bound; the service's own (NANOVLLM_MAX_TEXT_CHARS) is checked per route
 DEFAULT_GENERATE_LENGTH = 2000  # the seed fork's default, capped by the deployment's max_model_len
 
 
@@ -185,14 +185,31 @@ class PlaybackFields(BaseModel):
         return self.sample_rate
 
 
+class LongFormFields(BaseModel):
+    """How a text longer than one segment is spoken (docs/long-form.md)."""
+
+    retry_badcase: bool | None = Field(None, description="Generate a segment again with the next seed when it reaches "
+                                                         "its length cap (it never stopped), up to "
+                                                         "NANOVLLM_BADCASE_TRIES times. Unset: on for blocking routes "
+                                                         "of texts split into segments, off when streaming (true "
+                                                         "holds back each segment until it is done).")
+    timings: bool = Field(False, description="Per-segment timings (index, offsets into the text, start_s, "
+                                             "duration_s): the X-Segment-Timings header on whole responses; "
+                                             "stream_format=sse sends speech.segment events for every split text.")
+    split_granularity: Literal["sentence", "clause"] = Field(
+        "sentence", description="Where a long text's segments may end: whole sentences (a longer one cut at "
+                                "clauses, then spaces), or any clause.")
+
+
 PROMPT_FORMS = "prompt_wav_base64 + prompt_text | prompt_latents_base64 + prompt_text | prompt_id | hifi_id"
 REF_FORMS = "ref_audio_wav_base64 | ref_audio_latents_base64 | ref_audio_id"
 
 
-class GenerateRequest(SamplingFields, PlaybackFields):
-    target_text: str = Field(..., min_length=1, max_length=MAX_TEXT_CHARS,
-                             description="Text to speak. '(description)text' = voice design. Its tokens must also fit "
-                                         "max_model_len with the audio to generate (400 naming the limit otherwise).")
+class GenerateRequest(SamplingFields, PlaybackFields, LongFormFields):
+    target_text: str = Field(..., min_length=1, max_length=TEXT_CHARS_CEILING,
+                             description="Text to speak, up to NANOVLLM_MAX_TEXT_CHARS characters; a long one is "
+                                         "split into segments (docs/long-form.md). '(description)text' = voice "
+                                         "design.")
     prompt_wav_base64: str | None = Field(None, description="Continuation prompt: base64 audio file.")
     prompt_wav_format: str = Field("wav", description="Container of prompt_wav_base64.")
     prompt_text: str | None = Field(None, description="Transcript of the prompt audio (with a prompt form).")
@@ -234,9 +251,11 @@ class GenerateRequest(SamplingFields, PlaybackFields):
 # --- OpenAI ---------------------------------------------------------------------------------------
 
 
-class SpeechRequest(SamplingFields, PlaybackFields):
+class SpeechRequest(SamplingFields, PlaybackFields, LongFormFields):
     model: str = Field(..., description="Any id from /v1/models (or tts-1, tts-1-hd, gpt-4o-mini-tts).")
-    input: str = Field(..., min_length=1, max_length=4096, description="Text to speak.")
+    input: str = Field(..., min_length=1, max_length=TEXT_CHARS_CEILING,
+                       description="Text to speak, up to NANOVLLM_MAX_TEXT_CHARS characters (split into segments "
+                                   "when long).")
     voice: str = Field("default", description="'default' (zero-shot) or a cached hifi/prompt/reference id.")
     instructions: str | None = Field(None, description="Voice design: spoken as '(instructions)input'.")
     response_format: Literal["mp3", "wav", "pcm", "flac", "opus"] = Field("mp3", description="Audio format.")

@@ -113,6 +113,24 @@ class BaseServiceSettings(BaseSettings):
     max_audio_seconds: float = Field(60.0, gt=0, le=3600, description="Longest uploaded clip (prompt or reference "
                                                                       "audio): 413 beyond it.")
     warmup: bool = Field(True, description="Run warm-up generations before reporting ready.")
+    # Long-form text (docs/long-form.md): split into segments, each one generation, streamed as one audio stream.
+    max_text_chars: int = Field(100_000, ge=1, le=10_000_000, description="Longest text a request may speak "
+                                                                         "(characters): 422 naming the field beyond.")
+    segment_chars: int = Field(250, ge=20, le=1000, description="Longest segment of a long text, in characters (a "
+                                                                "CJK one counts 3): ~18 s of speech at 250; a text "
+                                                                "that fits one segment is generated as it is.")
+    segment_pause_ms: float = Field(200.0, ge=0, le=5000, description="Silence between two segments that end a "
+                                                                      "sentence.")
+    paragraph_pause_ms: float = Field(600.0, ge=0, le=10000, description="Silence between two segments a paragraph "
+                                                                         "break (a blank line) separates.")
+    segment_fade_ms: float = Field(10.0, ge=0, le=200, description="Fade in and out at each segment's edges, after "
+                                                                   "their silence is trimmed (0: none, no trim).")
+    badcase_ratio: float = Field(6.0, gt=0, le=6.0, description="A segment whose patches reach this many per text "
+                                                                "token is a bad case (it never stopped) and is "
+                                                                "generated again with the next seed; 6 = the "
+                                                                "engine's length cap, as the official package.")
+    badcase_tries: int = Field(3, ge=1, le=10, description="Generations a bad-case segment gets at most (the last "
+                                                           "is kept).")
     ready_timeout_s: float = Field(900, gt=0, description="Longest model load before start-up fails.")
     restart_dead_workers: bool = Field(True, description="Restart a worker that died (not ready meanwhile).")
     api_keys: str | None = Field(None, description="Comma-separated API keys: every route but /health, /ready and "

@@ -319,3 +319,17 @@ def test_pyspy_start_phases_attribute_the_worker_main_thread_by_its_outermost_ph
                                                                         "engine_other": 5}
     assert by_phase["graphs"]["top"] == [{"function": "synchronize (torch/cuda/__init__.py:1)", "samples": 25}]
     assert math.isclose(by_phase["imports"]["share"], 40 / 90)
+
+
+def test_drift(checkpoint_factory, tmp_path):
+    """`bench.py drift`: every rule's drift per segment, the first segment's own drift 0 (it is the reference)."""
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    out = tmp_path / "drift.json"
+    doc = bench.main(["drift", "--model", str(ckpt), "--device", "cpu", "--segments", "3", "--patches", "3",
+                      "--max-model-len", "1024", "--out", str(out)])
+    assert json.loads(out.read_text()) == doc
+    assert [r["rule"] for r in doc["results"]] == ["first", "previous", "none"]
+    for r in doc["results"]:
+        assert len(r["drift"]) == 3 and r["drift"][0] == 0.0 and all(d >= 0 for d in r["drift"])
+    # the first two segments are made alike by both prompt rules (segment 1 continues from segment 0 in each)
+    assert doc["results"][0]["drift"][1] == doc["results"][1]["drift"][1]

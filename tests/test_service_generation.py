@@ -147,6 +147,7 @@ def test_cached_paths_equal_inline_paths(client, ids):
 
 
 BAD_LATENTS = base64.b64encode(np.zeros(64 * 5, np.float32).tobytes()).decode()
+GOOD_LATENTS = base64.b64encode(np.zeros(64 * 4, np.float32).tobytes()).decode()  # one patch of feat_dim 64
 
 
 def b64_samples(samples: np.ndarray, sr: int = 16000, subtype: str = "PCM_16") -> str:
@@ -176,7 +177,7 @@ INVALID = [
     ({"min_len": -1}, 422, "min_len"),
     ({"max_generate_length": 1_000_000_000}, 422, "max_generate_length: 1000000000 is more than this service can "
                                                   "generate in one request (max_model_len = 4096)"),
-    ({"target_text": "x" * 20001}, 422, "target_text"),
+    ({"target_text": "x" * 100_001}, 422, "target_text: 100001 characters is more than this service speaks"),
     ({"response_format": "ogg"}, 422, "response_format"),
     ({"target_text": ""}, 422, "target_text"),
     ({"prompt_wav_base64": "***", "prompt_text": "t"}, 400, "prompt_wav_base64: not valid base64"),
@@ -194,7 +195,8 @@ INVALID = [
     ({"prompt_id": "nope"}, 404, "prompt_id: no cached prompt"),
     ({"ref_audio_id": "nope"}, 404, "ref_audio_id: no cached reference"),
     ({"hifi_id": "nope"}, 404, "hifi_id: no cached hifi"),
-    ({"target_text": "word " * 3000}, 400, "max_model_len"),  # the engine's verdict, still before the stream
+    # the engine's verdict, still before the stream (a long target text is split; a long prompt transcript is not)
+    ({"prompt_latents_base64": GOOD_LATENTS, "prompt_text": "word " * 3000}, 400, "max_model_len"),
 ]
 
 

@@ -36,6 +36,7 @@ class SynthesisRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     lora_name: str | None = None  # a runtime LoRA adapter registered with RegisterLoRA
     text_ids: TextIds | None = None  # tokenized by the client (not with prompt_id: that transcript is the worker's)
+    return_latents: bool = False  # each AudioEvent also carries its patch's latents (long-form continuation prompts)
 
 
 # --- client -> worker -------------------------------------------------------------------------------
@@ -134,6 +135,7 @@ class AudioEvent:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: ErrorInfo | None = None
+    latents: np.ndarray | None = None  # float32 (patch_size, feat_dim) behind the chunk, with return_latents only
 
 
 @dataclass

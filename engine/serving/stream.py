@@ -44,6 +44,7 @@ class StreamItem:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: BaseException | None = None
+    latents: np.ndarray | None = None  # the patch behind the chunk (requests with return_latents)
 
 
 class StreamLink(Protocol):
@@ -78,6 +79,7 @@ class GenerationStream:
         self.request_id = f"{client.name}-{next(client.ids)}"
         self.finish_reason: FinishReason | None = None
         self.samples = 0  # samples generated so far
+        self.latents: list[np.ndarray] = []  # each patch's latents so far, with request.return_latents
         self.lock = threading.Lock()  # guards what the encoder pool's threads share below
         self.pending: list[tuple[Any, float]] = []  # events waiting for the transform, with when each came
         self.scheduled = False  # queued in the encoder pool (for its earliest pending event)
@@ -106,6 +108,8 @@ class GenerationStream:
         while not self._ended:
             item = await self._queue.get()
             self.samples += item.samples
+            if item.latents is not None:
+                self.latents.append(item.latents)
             if item.error is not None:
                 self._end("error")
                 self._abort_engine_request()  # an encoder's failure leaves the request running; a worker's, ended
@@ -174,7 +178,7 @@ class GenerationStream:
         audio = ev.audio
         if audio is None:
             if self.transform is None or not ev.finished:
-                return StreamItem(None, finished=ev.finished, finish_reason=ev.finish_reason)
+                return StreamItem(None, finished=ev.finished, finish_reason=ev.finish_reason, latents=ev.latents)
             audio = np.zeros(0, np.float32)  # an end without a chunk: the transform still flushes
         value: Any = audio
         if self.transform is not None:
@@ -182,7 +186,7 @@ class GenerationStream:
                 value = self.transform(audio, ev.finished)
             except Exception as e:  # an encoder bug fails this stream only
                 return self._encoding_failed("transform", e)
-        return StreamItem(value, len(audio), ev.finished, ev.finish_reason)
+        return StreamItem(value, len(audio), ev.finished, ev.finish_reason, latents=ev.latents)
 
     def prepare(self) -> StreamItem | None:
         """Run the transform's prepare() (on an encoder thread); its failure fails the stream as an encoding one."""

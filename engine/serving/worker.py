@@ -155,6 +155,7 @@ class Worker:
         self.acceptor = acceptor or Acceptor()
         self.links: dict[int, ClientLink] = {}
         self.owner: dict[int, tuple[ClientLink, str]] = {}  # engine seq id -> (client, request id)
+        self.latents_wanted: set[int] = set()  # seq ids whose events carry their patches' latents
         self.prompts: dict[str, RegisteredPrompt] = {}
         self.steps = 0
         self.step_seconds = 0.0
@@ -172,6 +173,7 @@ class Worker:
         self.links.pop(link.index, None)
         for seq_id in link.requests.values():
             self.owner.pop(seq_id, None)
+            self.latents_wanted.discard(seq_id)
             self.engine.abort(seq_id)
         link.requests.clear()
         for pid in [pid for pid, pr in self.prompts.items() if link.index in pr.owners]:
@@ -209,6 +211,8 @@ class Worker:
             raise RequestError(str(e)) from e
         link.requests[rid] = seq_id
         self.owner[seq_id] = (link, rid)
+        if req.return_latents:
+            self.latents_wanted.add(seq_id)
 
     def handle(self, link: ClientLink, msg: Any) -> None:
         """Act on one client message."""
@@ -225,6 +229,7 @@ class Worker:
             seq_id = link.requests.pop(msg.request_id, None)
             if seq_id is not None:
                 self.owner.pop(seq_id, None)
+                self.latents_wanted.discard(seq_id)
                 self.engine.abort(seq_id)
         elif isinstance(msg, p.AddPrompt):
             try:
@@ -301,6 +306,7 @@ class Worker:
                 link.requests.pop(rid, None)
                 link.pending.append(p.AudioEvent(rid, None, True, "error", info))
             self.owner.clear()
+            self.latents_wanted.clear()
             self._flush(force=True)
             if not self._device_usable():
                 raise DeviceLostError(f"{self.engine.device} no longer runs work") from error
@@ -320,13 +326,15 @@ class Worker:
         if owner is None:
             return
         link, rid = owner
+        latents = ev.patch.float().numpy() if ev.patch is not None and ev.seq_id in self.latents_wanted else None
         if ev.finished:
             del self.owner[ev.seq_id]
+            self.latents_wanted.discard(ev.seq_id)
             link.requests.pop(rid, None)
         if ev.error is not None:
             link.pending.append(p.AudioEvent(rid, None, True, "error", p.ErrorInfo("request", ev.error)))
         else:
-            link.pending.append(p.AudioEvent(rid, ev.audio, ev.finished, ev.finish_reason))
+            link.pending.append(p.AudioEvent(rid, ev.audio, ev.finished, ev.finish_reason, latents=latents))
 
     def _flush(self, force: bool = False) -> None:
         """One message per client with this step's events (the load snapshot rides along)."""
@@ -348,6 +356,7 @@ class Worker:
         expired = [s for s in self.engine.scheduler.waiting if not s.num_generated and now - s.arrival > limit]
         for seq in expired:
             owner = self.owner.pop(seq.seq_id, None)
+            self.latents_wanted.discard(seq.seq_id)
             self.engine.abort(seq.seq_id)
             if owner is not None:
                 link, rid = owner

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from service import conditioning, synthesis
+from service import conditioning, longform, synthesis
 from service.audio import MEDIA_TYPES
 from service.deps import LoadedState, mark_audio
 from service.schemas import GenerateRequest
@@ -14,18 +14,26 @@ router = APIRouter(tags=["generation"])
 AUDIO = {200: {"content": {"audio/mpeg": {}, "audio/pcm": {}}, "description": "Audio."}}
 
 
-async def _start(state: ServiceState, req: GenerateRequest, route: str, fmt: str) -> synthesis.Generation:
+async def _start(state: ServiceState, req: GenerateRequest, route: str, fmt: str,
+                 blocking: bool) -> synthesis.Generation | longform.LongGeneration:
+    longform.check_length(state, req.target_text, "target_text")
     params = req.sampling(state.model.max_model_len)
     out_rate = req.output_rate(fmt)
     cond = await conditioning.resolve(state, req)
-    return await synthesis.start(state, route, req.target_text, cond, params, fmt, lora_name=req.lora_name,
-                                 normalize=req.normalize, speed=req.speed, sample_rate=out_rate)
+    design, text = longform.split_design(req.target_text)
+    return await longform.generate(state, route, text, cond, params, fmt, field="target_text", blocking=blocking,
+                                   retry_badcase=req.retry_badcase, timings=req.timings,
+                                   granularity=req.split_granularity, design=design, lora_name=req.lora_name,
+                                   normalize=req.normalize, speed=req.speed, sample_rate=out_rate)
 
 
 async def _whole(state: ServiceState, req: GenerateRequest, route: str, fmt: str) -> Response:
-    gen = await _start(state, req, route, fmt)
+    gen = await _start(state, req, route, fmt, blocking=True)
     data = await gen.collect()
-    return Response(data, media_type=MEDIA_TYPES[fmt], headers=synthesis.audio_headers(state, fmt, gen))
+    headers = synthesis.audio_headers(state, fmt, gen)
+    if req.timings:
+        headers.update(longform.timing_header(gen))
+    return Response(data, media_type=MEDIA_TYPES[fmt], headers=headers)
 
 
 @router.post("/generate", responses=AUDIO, response_class=Response)
@@ -33,7 +41,7 @@ async def generate(req: GenerateRequest, request: Request, state: LoadedState) -
     """Stream audio as it is generated: MP3 frames (playable from the first bytes) or raw s16le PCM.
     Any error in the request is answered with a 4xx before the stream starts."""
     mark_audio(request)
-    gen = await _start(state, req, "/generate", req.response_format)
+    gen = await _start(state, req, "/generate", req.response_format, blocking=False)
     return synthesis.stream_response(gen, req.response_format)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, HTTPException, Request, Response
 
 from engine import PoolError
-from service import synthesis
+from service import longform, synthesis
 from service.audio import MEDIA_TYPES, STREAMED
 from service.conditioning import Conditioning
 from service.deps import LoadedState, State, mark_audio
@@ -53,22 +53,32 @@ async def speech(req: SpeechRequest, request: Request, state: LoadedState) -> Re
         lora_name = req.model  # a runtime LoRA adapter of our model
     mark_audio(request)
     cond = await _voice(state, req.voice)
-    text = f"({req.instructions.strip()}){req.input}" if req.instructions and req.instructions.strip() else req.input
+    longform.check_length(state, req.input, "input")
+    design = f"({req.instructions.strip()})" if req.instructions and req.instructions.strip() else ""
     fmt, route = req.response_format, "/v1/audio/speech"
     params = req.sampling(state.model.max_model_len)
-    play = {"lora_name": lora_name, "normalize": req.normalize, "speed": req.speed, "sample_rate": req.sample_rate}
+
+    async def start(sse: bool, blocking: bool) -> synthesis.Generation | longform.LongGeneration:
+        return await longform.generate(state, route, req.input, cond, params, fmt, field="input", blocking=blocking,
+                                       retry_badcase=req.retry_badcase, timings=req.timings,
+                                       granularity=req.split_granularity, design=design, sse=sse,
+                                       lora_name=lora_name, normalize=req.normalize, speed=req.speed,
+                                       sample_rate=req.output_rate(fmt))
+
     if req.stream_format == "sse":
-        gen = await synthesis.start(state, route, text, cond, params, fmt, sse=True, **play)
+        gen = await start(sse=True, blocking=False)
         return synthesis.AudioStreamResponse(gen, "text/event-stream", synthesis.audio_headers(state, fmt, gen),
                                              body=synthesis.sse_body(gen, req.input))
     if fmt in STREAMED:
-        return synthesis.stream_response(
-            await synthesis.start(state, route, text, cond, params, fmt, **play), fmt)
+        return synthesis.stream_response(await start(sse=False, blocking=False), fmt)
 
     async def whole() -> Response:  # sent whole: abort if the client leaves
-        gen = await synthesis.start(state, route, text, cond, params, fmt, **play)
+        gen = await start(sse=False, blocking=True)
         data = await gen.collect()
-        return Response(data, media_type=MEDIA_TYPES[fmt], headers=synthesis.audio_headers(state, fmt, gen))
+        headers = synthesis.audio_headers(state, fmt, gen)
+        if req.timings:
+            headers.update(longform.timing_header(gen))
+        return Response(data, media_type=MEDIA_TYPES[fmt], headers=headers)
 
     return await synthesis.unless_disconnected(request, whole())
 

@@ -1,0 +1,452 @@
+"""The segmented generation path: segments (from `service.segmenter`) -> one engine request each -> one audio
+stream, in order. docs/long-form.md has the rules; in short:
+
+- One voice: every segment gets the request's conditioning and seed. With no prompt audio (zero-shot, voice design,
+  a reference alone) the first segment's own latents and text become the continuation prompt of every later one.
+- Pipelined: the next segment is submitted while the current one decodes (at most two engine requests at once), and
+  its chunks are read into a queue as they come, whatever the listener's pace.
+- Joined: silence trimmed at the edges where two segments meet, short fades there, a pause between them (longer
+  after a paragraph); no loudness normalisation. The first segment's start and the last one's end stay as generated.
+- Bad cases: a segment whose patches reach `badcase_ratio` per text token is generated again with the next seed, up
+  to `badcase_tries` times; a segment is then held back until it is done.
+
+`LongFormSpeech.events()` yields the joined float32 audio, a `SegmentStarted` before each segment's first sample and
+a `SegmentTiming` after its last; the HTTP routes encode it (`LongGeneration`), a WebSocket can feed it live text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import re
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+from fastapi import HTTPException
+
+from engine import GenerationStream, OverloadedError, PoolError, SamplingParams, SynthesisRequest
+from engine.vocabulary import SAMPLING_LIMITS
+from service import synthesis
+from service.audio import make_encoder, sse_event
+from service.conditioning import Conditioning
+from service.errors import http_error
+from service.normalize import normalize
+from service.segmenter import Granularity, Segment, split_text
+from service.settings import BaseServiceSettings
+from service.shared_adapters import sync_adapters
+from service.state import ServiceState
+
+SILENCE = 10 ** (-50 / 20)  # -50 dBFS: quieter edge samples are trimmed where two segments meet
+FINISH_ORDER = ("stop", "length", "aborted", "error")  # the request's reason: its segments' worst
+TIMINGS_HEADER = "X-Segment-Timings"
+VOICE_DESIGN = re.compile(r"^\s*\([^()]*\)")  # "(description)text": the description leads the first segment only
+
+
+@dataclass(frozen=True)
+class LongFormOptions:
+    """How segments are joined and guarded (NANOVLLM_* settings, `retry_badcase` per request)."""
+
+    sentence_pause_s: float = 0.2
+    paragraph_pause_s: float = 0.6
+    fade_s: float = 0.01
+    retry_badcase: bool = False
+    badcase_ratio: float = 6.0
+    badcase_tries: int = 3
+
+    @classmethod
+    def from_settings(cls, s: BaseServiceSettings, retry_badcase: bool) -> LongFormOptions:
+        return cls(s.segment_pause_ms / 1000, s.paragraph_pause_ms / 1000, s.segment_fade_ms / 1000, retry_badcase,
+                   s.badcase_ratio, s.badcase_tries)
+
+
+@dataclass(frozen=True)
+class SegmentStarted:
+    segment: Segment
+    start_s: float  # where its audio starts in the stream
+
+
+@dataclass(frozen=True)
+class SegmentTiming:
+    """One segment's place in the audio, from exact sample counts (pauses lie between segments, in none)."""
+
+    index: int
+    text: str
+    start: int  # character offsets into the request's text
+    end: int
+    start_s: float
+    duration_s: float
+    finish_reason: str
+    tries: int
+
+    def public(self, with_text: bool = True) -> dict:
+        d = {"index": self.index, "start": self.start, "end": self.end, "start_s": round(self.start_s, 6),
+             "duration_s": round(self.duration_s, 6), "finish_reason": self.finish_reason, "tries": self.tries}
+        return {**d, "text": self.text} if with_text else d
+
+
+def next_seed(seed: int | None, attempt: int) -> int | None:
+    """The seed of a bad case's `attempt`-th regeneration (a random request stays random)."""
+    if seed is None or attempt == 0:
+        return seed
+    return (seed + attempt) % (SAMPLING_LIMITS["seed"].high + 1)
+
+
+def split_design(text: str) -> tuple[str, str]:
+    """'(description)text' -> ('(description)', 'text'); no description -> ('', text)."""
+    m = VOICE_DESIGN.match(text)
+    return (m.group(0), text[m.end():]) if m else ("", text)
+
+
+class EdgeShaper:
+    """One segment's audio as it streams: leading silence dropped and a fade-in (trim_start), trailing silence and a
+    fade-out (end(shape=True)); the tail that may still be trimmed or faded is held back."""
+
+    def __init__(self, fade_n: int, trim_start: bool) -> None:
+        self.fade_n, self.trim_start = fade_n, trim_start and fade_n > 0
+        self.started = not self.trim_start
+        self.faded = 0 if self.trim_start else fade_n
+        self.held = np.zeros(0, np.float32)
+
+    def push(self, chunk: np.ndarray) -> np.ndarray:
+        if not self.started:
+            loud = np.flatnonzero(np.abs(chunk) > SILENCE)
+            if not len(loud):
+                return chunk[:0]
+            chunk, self.started = chunk[loud[0]:], True
+        if self.faded < self.fade_n:
+            k = min(self.fade_n - self.faded, len(chunk))
+            chunk = chunk.copy()
+            chunk[:k] *= np.arange(self.faded + 1, self.faded + k + 1, dtype=np.float32) / (self.fade_n + 1)
+            self.faded += k
+        if self.fade_n == 0:
+            return chunk
+        self.held = np.concatenate([self.held, chunk])
+        loud = np.flatnonzero(np.abs(self.held) > SILENCE)
+        keep_from = max(0, (loud[-1] + 1 if len(loud) else 0) - self.fade_n)
+        out, self.held = self.held[:keep_from], self.held[keep_from:]
+        return out
+
+    def end(self, shape: bool) -> np.ndarray:
+        tail, self.held = self.held, np.zeros(0, np.float32)
+        if not shape or self.fade_n == 0:
+            return tail
+        loud = np.flatnonzero(np.abs(tail) > SILENCE)
+        tail = tail[:loud[-1] + 1] if len(loud) else tail[:0]
+        k = min(self.fade_n, len(tail))
+        if k:
+            tail = tail.copy()
+            tail[-k:] *= np.arange(k, 0, -1, dtype=np.float32) / (k + 1)
+        return tail
+
+
+class SegmentJob:
+    """One segment's engine request (generated again on a bad case): its float32 chunks into a queue as they come,
+    or all at its end when bad cases are guarded; then None (or the exception that ended it)."""
+
+    def __init__(self, speech: LongFormSpeech, segment: Segment, prompt: asyncio.Future | None) -> None:
+        self.speech, self.segment, self.prompt = speech, segment, prompt
+        self.queue: asyncio.Queue[np.ndarray | BaseException | None] = asyncio.Queue()
+        self.latents: asyncio.Future[tuple[np.ndarray, str]] = asyncio.get_running_loop().create_future()
+        self.finish_reason = "aborted"
+        self.tries = 0
+        self.request_id = ""
+        self.text = segment.text  # as spoken: normalised per segment when asked (timings stay on the written text)
+        self.task = asyncio.ensure_future(self._run())
+
+    def request(self, attempt: int, prompt: tuple[np.ndarray, str] | None) -> SynthesisRequest:
+        sp, cond = self.speech, self.speech.cond
+        text = (sp.design + self.text) if self.segment.index == 0 else self.text
+        params = dataclasses.replace(sp.params, seed=next_seed(sp.params.seed, attempt))
+        prompt_latents, prompt_text = cond.prompt_latents, cond.prompt_text
+        if prompt is not None:
+            prompt_latents, prompt_text = prompt
+        return SynthesisRequest(text, prompt_text, prompt_latents, None, cond.ref_latents, params, sp.lora_name,
+                                return_latents=sp.continues and self.segment.index == 0)
+
+    async def _run(self) -> None:
+        sp = self.speech
+        try:
+            if sp.normalize:
+                self.text = await asyncio.to_thread(normalize, self.segment.text)
+            prompt = await self.prompt if self.prompt is not None else None
+            for attempt in range(sp.options.badcase_tries if sp.options.retry_badcase else 1):
+                self.tries = attempt + 1
+                stream = sp.state.pool.submit(self.request(attempt, prompt), None)
+                self.request_id = self.request_id or stream.request_id
+                held: list[np.ndarray] = []
+                try:
+                    async for chunk in stream:
+                        (held.append if sp.options.retry_badcase else self.queue.put_nowait)(chunk)
+                finally:
+                    stream.close()
+                    sp.count_audio(stream.samples)
+                capped = self._capped(stream)
+                if capped:
+                    sp.state.metrics.segments_capped.labels(sp.route).inc()
+                if capped and sp.options.retry_badcase and self.tries < sp.options.badcase_tries:
+                    continue
+                for chunk in held:
+                    self.queue.put_nowait(chunk)
+                self.finish_reason = stream.finish_reason or "stop"
+                if stream.latents and not self.latents.done():
+                    self.latents.set_result((np.concatenate(stream.latents), self.text))
+                break
+        except BaseException as e:  # to the reader (a request error before any audio becomes a 4xx there)
+            self.finish_reason = "aborted" if isinstance(e, asyncio.CancelledError) else "error"
+            if not self.latents.done():
+                self.latents.set_exception(e if isinstance(e, Exception) else PoolError("segment aborted"))
+                self.latents.exception()  # retrieved: later segments see it, nothing is logged as lost
+            self.queue.put_nowait(e)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return
+        self.queue.put_nowait(None)
+
+    def _capped(self, stream: GenerationStream) -> bool:
+        """Its patches reached badcase_ratio per target text token (the official bad case)."""
+        if stream.finish_reason != "length":
+            return False
+        ids = stream.request.text_ids
+        patches = stream.samples // self.speech.samples_per_patch
+        if ids is None:  # no client-side tokens: the engine's own cap, unless max_generate_length cut it first
+            return patches < stream.request.params.max_generate_length
+        return patches >= self.speech.options.badcase_ratio * len(ids.target)
+
+    def cancel(self) -> None:
+        self.task.cancel()
+
+
+class LongFormSpeech:
+    """Segments -> one float32 audio stream with their timings (see the module's docstring)."""
+
+    def __init__(self, state: ServiceState, route: str, segments: AsyncIterable[Segment], cond: Conditioning,
+                 params: SamplingParams, options: LongFormOptions, lora_name: str | None = None,
+                 design: str = "", normalize: bool = False, speed: float = 1.0) -> None:
+        self.state, self.route, self.cond, self.params = state, route, cond, params
+        self.options, self.lora_name, self.design, self.normalize = options, lora_name, design, normalize
+        self.speed = speed  # the stream is time-stretched by it after joining: its times are the generated / speed
+        self.segments = aiter(segments)
+        self.continues = cond.prompt_latents is None  # the first segment becomes the others' continuation prompt
+        self.sample_rate = state.sample_rate
+        self.samples_per_patch = state.model.samples_per_patch
+        self.timings: list[SegmentTiming] = []
+        self.samples = 0  # samples of the joined stream so far
+        self.request_id = f"long-{uuid.uuid4().hex[:12]}"
+        self.finish_reason: str | None = None
+        self._jobs: list[SegmentJob] = []
+
+    def count_audio(self, samples: int) -> None:
+        if samples:
+            self.state.metrics.audio_seconds.labels(self.route).inc(samples / self.sample_rate)
+
+    async def _next_job(self, first: SegmentJob | None) -> SegmentJob | None:
+        segment = await anext(self.segments, None)
+        if segment is None:
+            return None
+        prompt = first.latents if (first is not None and self.continues) else None
+        job = SegmentJob(self, segment, prompt)
+        self._jobs.append(job)
+        return job
+
+    async def events(self) -> AsyncIterator[np.ndarray | SegmentStarted | SegmentTiming]:
+        fade_n = int(round(self.options.fade_s * self.sample_rate))
+        reasons: list[str] = []
+        ahead: asyncio.Task | None = None
+        try:
+            job = await self._next_job(None)
+            first = job
+            pending_pause = 0
+            while job is not None:
+                ahead = asyncio.ensure_future(self._next_job(first))  # submitted while this one decodes
+                shaper = EdgeShaper(fade_n, trim_start=job.segment.index > 0)
+                start_s: float | None = None
+                produced = 0
+                while (item := await job.queue.get()) is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    out = shaper.push(item)
+                    if not len(out):
+                        continue
+                    if start_s is None:
+                        if pending_pause:
+                            yield np.zeros(pending_pause, np.float32)
+                            self.samples += pending_pause
+                        pending_pause, start_s = 0, self.samples / self.sample_rate
+                        yield SegmentStarted(job.segment, start_s / self.speed)
+                    yield out
+                    self.samples += len(out)
+                    produced += len(out)
+                last = ahead.done() and ahead.result() is None
+                tail = shaper.end(shape=not last)
+                if len(tail):
+                    if start_s is None:
+                        if pending_pause:
+                            yield np.zeros(pending_pause, np.float32)
+                            self.samples += pending_pause
+                        pending_pause, start_s = 0, self.samples / self.sample_rate
+                        yield SegmentStarted(job.segment, start_s / self.speed)
+                    yield tail
+                    self.samples += len(tail)
+                    produced += len(tail)
+                if start_s is None:  # a silent segment: it takes no time
+                    start_s = self.samples / self.sample_rate
+                reasons.append(job.finish_reason)
+                timing = SegmentTiming(job.segment.index, job.segment.text, job.segment.start, job.segment.end,
+                                       start_s / self.speed, produced / self.sample_rate / self.speed,
+                                       job.finish_reason, job.tries)
+                self.timings.append(timing)
+                yield timing
+                pause_s = {"sentence": self.options.sentence_pause_s,
+                           "paragraph": self.options.paragraph_pause_s}.get(job.segment.pause, 0.0)
+                pending_pause += int(round(pause_s * self.sample_rate))
+                job, ahead = await ahead, None
+            self.finish_reason = max(reasons, key=FINISH_ORDER.index) if reasons else "stop"
+        except BaseException:
+            self.finish_reason = "aborted" if self.finish_reason is None else self.finish_reason
+            raise
+        finally:
+            if ahead is not None and not ahead.done():  # the next segment's submission, if still on its way
+                ahead.cancel()
+                with contextlib.suppress(BaseException):
+                    await ahead
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Cancel every segment still running (their engine requests abort, KV blocks freed)."""
+        if self.finish_reason is None:
+            self.finish_reason = "aborted"
+        for job in self._jobs:
+            job.cancel()
+        for job in self._jobs:
+            with contextlib.suppress(BaseException):
+                await job.task
+        self._jobs.clear()
+
+
+async def iterate(segments: list[Segment]) -> AsyncIterator[Segment]:
+    for segment in segments:
+        yield segment
+
+
+class _StreamId:
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
+
+class LongGeneration:
+    """A long-form request encoded for HTTP, shaped like `synthesis.Generation` (chunks, collect, close,
+    finish_reason) so the same responses send it. With `sse`, timings travel as `speech.segment` events."""
+
+    def __init__(self, speech: LongFormSpeech, fmt: str, sse: bool, sample_rate: int | None = None) -> None:
+        self.speech, self.state, self.route = speech, speech.state, speech.route
+        s = self.state.settings
+        self.encoder = make_encoder(fmt, self.state.sample_rate, s.mp3_bitrate_kbps, s.mp3_quality, sse, speech.speed,
+                                    sample_rate)
+        self.sample_rate = sample_rate  # the output's rate where the request set one (synthesis.audio_headers)
+        self.sse = sse
+        self.stream = _StreamId(speech.request_id)
+        self._events = speech.events()
+        self.first: bytes | None = None
+        self._body = self._encoded()
+        self._counted = False
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.speech.finish_reason
+
+    async def _encoded(self) -> AsyncIterator[bytes]:
+        async for ev in self._events:
+            if isinstance(ev, np.ndarray):
+                data = await asyncio.to_thread(self.encoder, ev, False)
+                if data:
+                    yield data
+            elif isinstance(ev, SegmentTiming) and self.sse:
+                yield sse_event({"type": "speech.segment", **ev.public()})
+        data = await asyncio.to_thread(self.encoder, np.zeros(0, np.float32), True)
+        if data:
+            yield data
+
+    async def start(self) -> None:
+        """Pull the first bytes: a request error of the first segment becomes a 4xx before any response."""
+        try:
+            self.first = await anext(self._body, None)
+        except PoolError as e:
+            await self.close()
+            if isinstance(e, OverloadedError):
+                self.state.metrics.overloaded.labels(self.route).inc()
+            raise http_error(e) from e
+        except BaseException:
+            await self.close()
+            raise
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            if self.first is not None:
+                yield self.first
+                async for data in self._body:
+                    yield data
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        await self._body.aclose()
+        await self._events.aclose()
+        await self.speech.aclose()
+        if not self._counted and self.finish_reason:
+            self._counted = True
+            self.state.metrics.finished.labels(self.route, self.finish_reason).inc()
+
+    async def collect(self) -> bytes:
+        return b"".join([c async for c in self.chunks()])
+
+
+async def start(state: ServiceState, route: str, segments: list[Segment], cond: Conditioning,
+                params: SamplingParams, fmt: str, options: LongFormOptions, sse: bool = False,
+                lora_name: str | None = None, design: str = "", normalize: bool = False, speed: float = 1.0,
+                sample_rate: int | None = None) -> LongGeneration:
+    """A long-form generation whose first encoded bytes have arrived."""
+    if lora_name is not None:
+        await sync_adapters(state)
+    speech = LongFormSpeech(state, route, iterate(segments), cond, params, options, lora_name, design, normalize,
+                            speed)
+    gen = LongGeneration(speech, fmt, sse, sample_rate)
+    await gen.start()
+    return gen
+
+
+def check_length(state: ServiceState, text: str, field: str) -> None:
+    limit = state.settings.max_text_chars
+    if len(text) > limit:
+        raise HTTPException(422, f"{field}: {len(text)} characters is more than this service speaks in one request "
+                                 f"(NANOVLLM_MAX_TEXT_CHARS = {limit})")
+
+
+async def generate(state: ServiceState, route: str, text: str, cond: Conditioning, params: SamplingParams, fmt: str,
+                   *, field: str, blocking: bool, retry_badcase: bool | None, timings: bool,
+                   granularity: Granularity = "sentence", design: str = "", sse: bool = False,
+                   lora_name: str | None = None, normalize: bool = False, speed: float = 1.0,
+                   sample_rate: int | None = None) -> synthesis.Generation | LongGeneration:
+    """Any text: one segment (and no guard or timings asked) -> today's single generation, byte for byte; more ->
+    the segmented path. `text` excludes a voice-design `design` prefix; offsets are into `text` as written, plus
+    `len(design)` where the design leads the text the client sent (`field` names it in errors)."""
+    check_length(state, design + text, field)
+    base = len(design) if field == "target_text" else 0
+    segments = split_text(text, state.settings.segment_chars, granularity, base=base)
+    if len(segments) <= 1 and not retry_badcase and not timings:
+        return await synthesis.start(state, route, design + text, cond, params, fmt, sse=sse, lora_name=lora_name,
+                                     normalize=normalize, speed=speed, sample_rate=sample_rate)
+    options = LongFormOptions.from_settings(state.settings, blocking if retry_badcase is None else retry_badcase)
+    return await start(state, route, segments, cond, params, fmt, options, sse=sse, lora_name=lora_name,
+                       design=design, normalize=normalize, speed=speed, sample_rate=sample_rate)
+
+
+def timing_header(gen: synthesis.Generation | LongGeneration) -> dict[str, str]:
+    """X-Segment-Timings: the segments' offsets and times as compact JSON (the texts are the request's own)."""
+    if not isinstance(gen, LongGeneration):
+        return {}
+    return {TIMINGS_HEADER: json.dumps([t.public(with_text=False) for t in gen.speech.timings],
+                                       separators=(",", ":"))}

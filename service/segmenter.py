@@ -1,0 +1,252 @@
+"""Text -> segments sized for one generation each. Sentence boundaries come from `sentencex` (abbreviations,
+decimals, closing quotes, punctuation runs, CJK terminals); our rules split what is still too long at clause marks,
+then spaces, then a hard cut, and merge short tails. Offsets index the text as written, so timings map back to it.
+
+Lengths are weighted by speaking time: a CJK character takes about as long to say as three Latin ones (Chinese
+~4.5 characters/s, English ~14), so `max_chars` means about the same duration in either script.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import sentencex
+
+Pause = Literal["sentence", "paragraph", "none"]
+Granularity = Literal["sentence", "clause"]
+DEFAULT_MAX_CHARS = 250  # ~18 s of English or ~80 Chinese characters: under the ~20 s where quality degrades
+CJK_WEIGHT = 3
+CLAUSE_MARKS = ",;:，、；：—–…"
+CLOSERS = "\"'”’»)]}）」』》】"
+CJK_TERMINALS = "。！？"
+_CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\uff00-\uffef]")
+_CLAUSE_END = re.compile(f"[{re.escape(CLAUSE_MARKS)}]+[{re.escape(CLOSERS)}]*")
+
+
+@dataclass(frozen=True)
+class Segment:
+    index: int
+    text: str  # text[start:end] of the text as written
+    start: int
+    end: int
+    pause: Pause  # what follows it: a sentence's pause, a paragraph's, or none (cut mid-sentence, or the last)
+
+
+def weight(text: str) -> int:
+    """Length in Latin-character equivalents of speaking time."""
+    return len(text) + (CJK_WEIGHT - 1) * len(_CJK.findall(text))
+
+
+def language_of(text: str) -> str:
+    """sentencex's language: Chinese rules where CJK characters dominate (abbreviations of English otherwise)."""
+    sample = text[:2000]
+    cjk = len(_CJK.findall(sample))
+    return "zh" if cjk * 2 > len(sample.strip() or "x") else "en"
+
+
+@dataclass
+class _Unit:
+    start: int
+    end: int
+    pause: Pause
+    sentence: int = -1  # which sentence a piece of a cut one belongs to (-1: a whole sentence, or any clause)
+
+
+def _sentences(text: str, base: int = 0) -> list[_Unit]:
+    """sentencex's sentences, stripped of surrounding space; a paragraph break marks the sentence before it."""
+    units: list[_Unit] = []
+    for b in sentencex.get_sentence_boundaries(language_of(text), text):
+        if b.get("is_paragraph_break"):
+            if units:
+                units[-1].pause = "paragraph"
+            continue
+        s, e = b["start_index"], b["end_index"]
+        piece = text[s:e]
+        lead = len(piece) - len(piece.lstrip())
+        trail = len(piece) - len(piece.rstrip())
+        if e - trail > s + lead:
+            units.append(_Unit(base + s + lead, base + e - trail, "sentence"))
+        if "\n\n" in piece[len(piece.rstrip()):] and units:
+            units[-1].pause = "paragraph"
+    return units
+
+
+def _clauses(text: str, unit: _Unit) -> list[_Unit]:
+    """A sentence's clauses (a comma, semicolon, colon, dash or CJK clause mark followed by space or CJK text)."""
+    out: list[_Unit] = []
+    s = unit.start
+    for m in _CLAUSE_END.finditer(text, unit.start, unit.end):
+        cut = m.end()
+        if cut >= unit.end:
+            break
+        if text[cut].isspace() or _CJK.match(text[m.start()]) or _CJK.match(text[cut]):
+            out.append(_Unit(s, cut, "none"))
+            s = cut
+            while s < unit.end and text[s].isspace():
+                s += 1
+    out.append(_Unit(s, unit.end, unit.pause))
+    return [u for u in out if u.end > u.start]
+
+
+def _cut_point(text: str, start: int, end: int, max_chars: int) -> int:
+    """Where to cut text[start:end] (too long): near an equal share of it, never past max_chars of weight, at the
+    last clause mark, else the last space, else anywhere (hard cut)."""
+    total = weight(text[start:end])
+    parts = math.ceil(total / max_chars)
+    share = total / parts
+    limit, acc = start, 0
+    ideal = start
+    for i in range(start, end):
+        acc += CJK_WEIGHT if _CJK.match(text[i]) else 1
+        if acc <= share:
+            ideal = i + 1
+        if acc > max_chars:
+            break
+        limit = i + 1
+    low = start + max(1, (ideal - start) // 2)
+    best_clause = best_space = None
+    for m in _CLAUSE_END.finditer(text, low, limit):
+        if m.end() <= limit:
+            best_clause = m.end() if abs(m.end() - ideal) < abs((best_clause or -10**9) - ideal) else best_clause
+    if best_clause is not None:
+        return best_clause
+    for i in range(low, limit):
+        if text[i].isspace() and (best_space is None or abs(i - ideal) < abs(best_space - ideal)):
+            best_space = i
+    if best_space is not None:
+        return best_space
+    return max(ideal, start + 1)
+
+
+def _fit(text: str, unit: _Unit, max_chars: int) -> list[_Unit]:
+    """A unit -> pieces of at most max_chars weight, cut at clause marks, spaces, then anywhere."""
+    out: list[_Unit] = []
+    s = unit.start
+    while weight(text[s:unit.end]) > max_chars:
+        cut = _cut_point(text, s, unit.end, max_chars)
+        end = cut
+        while end > s and text[end - 1].isspace():
+            end -= 1
+        out.append(_Unit(s, end, "none"))
+        s = cut
+        while s < unit.end and text[s].isspace():
+            s += 1
+    if unit.end > s:
+        out.append(_Unit(s, unit.end, unit.pause))
+    return out
+
+
+def _joinable(a: _Unit, b: _Unit) -> bool:
+    """Whole sentences join whole sentences, pieces of a cut sentence join pieces of the same one; never across a
+    paragraph."""
+    return a.pause != "paragraph" and a.sentence == b.sentence
+
+
+def _pack(text: str, units: list[_Unit], max_chars: int) -> list[_Unit]:
+    """Consecutive units joined while they fit max_chars, then a short tail merged into the segment before it when
+    the two still fit 1.5 x max_chars."""
+    packed: list[_Unit] = []
+    for u in units:
+        last = packed[-1] if packed else None
+        if last is not None and _joinable(last, u) and weight(text[last.start:u.end]) <= max_chars:
+            last.end, last.pause = u.end, u.pause
+        else:
+            packed.append(_Unit(u.start, u.end, u.pause))
+    merged: list[_Unit] = []
+    for u in packed:
+        last = merged[-1] if merged else None
+        short = weight(text[u.start:u.end]) < max_chars // 5
+        if (last is not None and short and _joinable(last, u)
+                and weight(text[last.start:u.end]) <= max_chars * 3 // 2):
+            last.end, last.pause = u.end, u.pause
+        else:
+            merged.append(u)
+    return merged
+
+
+def split_text(text: str, max_chars: int = DEFAULT_MAX_CHARS, granularity: Granularity = "sentence",
+               base: int = 0) -> list[Segment]:
+    """Split `text` into segments of at most `max_chars` weighted characters (a merged short tail: up to 1.5 x).
+    "sentence": segments end at sentence ends unless a sentence alone is too long; "clause": they may end at any
+    clause mark (fuller segments). Offsets are into `text`, plus `base`."""
+    if max_chars < 1:
+        raise ValueError("max_chars must be positive")
+    units: list[_Unit] = []
+    for number, sentence in enumerate(_sentences(text)):
+        pieces = _clauses(text, sentence) if granularity == "clause" else [sentence]
+        for piece in pieces:
+            fitted = _fit(text, piece, max_chars)
+            if granularity == "sentence" and len(fitted) > 1:
+                for f in fitted:
+                    f.sentence = number
+            units.extend(fitted)
+    units = _pack(text, units, max_chars)
+    if units:
+        units[-1].pause = "none"
+    return [Segment(i, text[u.start:u.end], base + u.start, base + u.end, u.pause) for i, u in enumerate(units)]
+
+
+class LiveSegmenter:
+    """Text arriving in pieces (an LLM's tokens) -> segments as soon as each is complete: a Latin sentence once the
+    next one has begun (so "3." of "3.14", "Dr." or "e.g." wait for the next word), a CJK one at its terminal, a
+    clause ("clause") at its mark followed by more text; text past max_chars is cut at once. `flush()` speaks what
+    is buffered now, `done()` the rest. Offsets are into the whole text fed so far."""
+
+    def __init__(self, max_chars: int = DEFAULT_MAX_CHARS, granularity: Granularity = "sentence") -> None:
+        self.max_chars, self.granularity = max_chars, granularity
+        self.buffer = ""
+        self.offset = 0  # where the buffer starts in the whole text
+        self.count = 0  # segments emitted
+
+    def feed(self, delta: str) -> list[Segment]:
+        self.buffer += delta
+        units = _sentences(self.buffer)
+        if not units:
+            return []
+        complete = units[:-1]
+        last = units[-1]
+        if self.buffer[last.end - 1] in CJK_TERMINALS:
+            complete, pending = units, None
+        else:  # a Latin sentence is complete once the next one has begun ("Dr." and "e.g." are not ends)
+            pending = last
+        out: list[_Unit] = []
+        for u in complete:
+            pieces = _clauses(self.buffer, u) if self.granularity == "clause" else [u]
+            for piece in pieces:
+                out.extend(_fit(self.buffer, piece, self.max_chars))
+        if pending is not None:
+            pieces = _clauses(self.buffer, pending) if self.granularity == "clause" else [pending]
+            for piece in pieces[:-1]:
+                out.extend(_fit(self.buffer, piece, self.max_chars))
+            fitted = _fit(self.buffer, pieces[-1], self.max_chars)
+            out.extend(fitted[:-1])  # the last piece may still grow
+        return self._emit(out)
+
+    def flush(self) -> list[Segment]:
+        """What is buffered, as one segment (or none if it is blank); cut if it exceeds max_chars."""
+        out: list[_Unit] = []
+        for u in _sentences(self.buffer):
+            out.extend(_fit(self.buffer, u, self.max_chars))
+        if out:  # the buffered sentences as one segment where they fit
+            out = _pack(self.buffer, out, self.max_chars)
+        return self._emit(out, consume_all=True)
+
+    def done(self) -> list[Segment]:
+        """The end of the input: everything left."""
+        units = _pack(self.buffer, [p for u in _sentences(self.buffer) for p in _fit(self.buffer, u, self.max_chars)],
+                      self.max_chars)
+        if units:
+            units[-1].pause = "none"
+        return self._emit(units, consume_all=True)
+
+    def _emit(self, units: list[_Unit], consume_all: bool = False) -> list[Segment]:
+        segments = [Segment(self.count + i, self.buffer[u.start:u.end], self.offset + u.start, self.offset + u.end,
+                            u.pause) for i, u in enumerate(units)]
+        self.count += len(segments)
+        consumed = len(self.buffer) if consume_all else (units[-1].end if units else 0)
+        self.buffer = self.buffer[consumed:]
+        self.offset += consumed
+        return segments

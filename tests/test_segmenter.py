@@ -1,0 +1,84 @@
+"""The segmenter's table of cases: where text is cut, what each segment's pause is, and that every segment is the
+text as written at its offsets."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.segmenter import LiveSegmenter, split_text, weight
+
+CASES = [  # (text, max_chars, expected segment texts)
+    ("Dr. Smith arrived. He paid $3.14, e.g. for tea.", 20, ["Dr. Smith arrived.", "He paid $3.14,", "e.g. for tea."]),
+    ("Pi is 3.14159. Next.", 200, ["Pi is 3.14159. Next."]),
+    ('"Really?!" she asked... Yes. "Fine."', 15, ['"Really?!"', "she asked...", 'Yes. "Fine."']),
+    ("你好。今天天气很好！我们去公园吧？", 21, ["你好。", "今天天气很好！", "我们去公园吧？"]),  # CJK weighs 3
+    ("我们去公园；然后回家，吃饭。", 21, ["我们去公园；", "然后回家，", "吃饭。"]),
+    ("Hello world. 你好世界。Mixed text here!", 16, ["Hello world.", "你好世界。", "Mixed text here!"]),
+    ("one two three four five six seven eight nine ten", 20, ["one two three four", "five six seven",
+                                                               "eight nine ten"]),  # equal shares at spaces
+    ("First paragraph.\n\nSecond one.", 200, ["First paragraph.", "Second one."]),
+]
+
+
+@pytest.mark.parametrize("text,max_chars,expected", CASES)
+def test_cases(text, max_chars, expected):
+    segments = split_text(text, max_chars)
+    assert [s.text for s in segments] == expected
+    assert all(text[s.start:s.end] == s.text for s in segments)
+    assert [s.index for s in segments] == list(range(len(segments)))
+    assert segments[-1].pause == "none"
+
+
+def test_pauses_mark_sentences_and_paragraphs():
+    s = split_text("One. Two.\n\nThree, four five six seven.", 10)
+    assert [(x.text, x.pause) for x in s] == [("One. Two.", "paragraph"), ("Three,", "none"),
+                                              ("four five", "none"), ("six seven.", "none")]
+
+
+def test_no_punctuation_and_a_2000_character_sentence():
+    words = " ".join(f"word{i}" for i in range(400))  # ~2,700 characters, no punctuation at all
+    segments = split_text(words, 250)
+    assert all(weight(s.text) <= 250 for s in segments) and len(segments) >= 11
+    assert " ".join(s.text for s in segments) == words  # cut at spaces only
+    long = ("and then, " * 200).strip()[:-1] + "."  # one 2,000-character sentence of clauses
+    segments = split_text(long, 250)
+    assert all(weight(s.text) <= 250 and s.text.endswith((",", ".")) for s in segments)
+    assert all(long[s.start:s.end] == s.text for s in segments)
+
+
+def test_hard_cut_and_cjk_weight():
+    assert [len(s.text) for s in split_text("a" * 130, 60)] == [43, 43, 44]  # equal shares, no tiny tail
+    cjk = split_text("一" * 130, 60)  # a CJK character weighs 3: 20 per segment at most
+    assert all(weight(s.text) <= 60 for s in cjk) and "".join(s.text for s in cjk) == "一" * 130
+
+
+def test_short_tail_merges():
+    segments = split_text("A sentence of some length here. " * 3 + "Ok.", 100)
+    assert segments[-1].text.endswith("here. Ok.")
+
+
+def test_clause_granularity_fills_segments():
+    text = "One, two, three. Four, five, six."
+    assert [s.text for s in split_text(text, 12, "clause")] == ["One, two,", "three. Four,", "five, six."]
+    assert [s.text for s in split_text(text, 12, "sentence")] == ["One, two,", "three.", "Four,", "five, six."]
+
+
+def test_live_segmenter_waits_for_the_next_word():
+    text = "Dr. Smith paid $3.14 e.g. for tea. Then he left. 你好。再见"
+    live = LiveSegmenter(200)
+    out = []
+    for word in text.split(" "):
+        got = live.feed(word + " ")
+        assert all(s.text != "Dr." and not s.text.endswith("e.g.") for s in got)
+        out += got
+    assert [s.text for s in out] == ["Dr. Smith paid $3.14 e.g. for tea.", "Then he left.", "你好。"]
+    out += live.done()
+    assert [s.text for s in out][-1] == "再见" and all(text[s.start:s.end] == s.text for s in out)
+
+
+def test_live_flush_speaks_the_buffer():
+    live = LiveSegmenter(200)
+    assert live.feed("no boundary yet") == []
+    flushed = live.flush()
+    assert [s.text for s in flushed] == ["no boundary yet"] and live.feed(" more") == []
+    assert [(s.text, s.start) for s in live.done()] == [("more", 16)]

@@ -1,0 +1,172 @@
+"""Long-form text over real HTTP on loopback (tiny checkpoints, CPU): long English and Chinese texts stream to
+the end, each segment's audio is that segment generated alone, timings add up to the samples sent, and the bad-case
+guard regenerates a segment that never stops (and counts it)."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import numpy as np
+import pytest
+
+from engine import SamplingParams, SynthesisRequest
+from service.longform import next_seed
+from service.segmenter import split_text
+from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, LiveServer, service_settings, wav_bytes
+
+N = 2  # patches per segment (max_generate_length applies per segment)
+EN = ("Dr. Smith paid $3.14 for tea, e.g. at noon on Friday. \"Really?!\" she asked... Yes!\n\n" * 250)[:20000]
+ZH = ("今天天气很好，我们去公园散步吧！你觉得怎么样？好的；我们走。然后喝一杯咖啡。" * 160)[:5000]
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint_factory, tmp_path_factory):
+    """Joins without pauses or fades, so the stream is the segments' audio back to back (segment == alone)."""
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    s = LiveServer(service_settings(ckpt, tmp_path_factory.mktemp("svc-long"), serverpool_max_model_len=2048,
+                                    serverpool_max_num_batched_tokens=4096, voice_store="memory",
+                                    segment_chars=200, segment_pause_ms=0, paragraph_pause_ms=0,
+                                    segment_fade_ms=0)).start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=300) as c:
+        yield c
+
+
+def pcm(r: httpx.Response) -> np.ndarray:
+    assert r.status_code == 200, r.text
+    return np.frombuffer(r.content, "<i2")
+
+
+@pytest.mark.parametrize("text", [EN, ZH], ids=["en-20000", "zh-5000"])
+def test_long_text_streams_to_the_end(client, text):
+    segments = split_text(text, 200)
+    with client.stream("POST", "/generate", json={"target_text": text, "max_generate_length": N, "seed": 1,
+                                                  "response_format": "pcm"}) as r:
+        assert r.status_code == 200
+        body = b"".join(r.iter_bytes())
+    assert len(body) == 2 * N * SAMPLES_PER_PATCH * len(segments)
+
+
+def first_segment_latents(server: LiveServer, text: str, params: SamplingParams) -> bytes:
+    """Segment 0 generated alone through the pool, with its latents (the later segments' continuation prompt)."""
+
+    async def run() -> bytes:
+        stream = server.state.pool.submit(SynthesisRequest(text, params=params, return_latents=True))
+        async for _ in stream:
+            pass
+        return np.concatenate(stream.latents).astype(np.float32).tobytes()
+
+    return server.call(run())
+
+
+def test_each_segment_is_that_segment_alone(client, server):
+    """Zero-shot: segment 0 alone, then every later one alone with segment 0's latents and text as its continuation
+    prompt; the stream is exactly those, back to back, and the timings are their sample counts."""
+    text = "First sentence of the talk. " * 8 + "Second part, spoken next. " * 8
+    segments = split_text(text, 200)
+    assert len(segments) == 3
+    body = {"max_generate_length": N, "seed": 5, "response_format": "pcm"}
+    r = client.post("/generate_blocking", json={"target_text": text, "timings": True, **body})
+    whole = pcm(r)
+    latents = first_segment_latents(server, segments[0].text, SamplingParams(max_generate_length=N, seed=5))
+    prompt = {"prompt_latents_base64": base64.b64encode(latents).decode(), "prompt_text": segments[0].text}
+    alone = [pcm(client.post("/generate", json={"target_text": segments[0].text, **body}))]
+    alone += [pcm(client.post("/generate", json={"target_text": s.text, **prompt, **body})) for s in segments[1:]]
+    assert np.array_equal(whole, np.concatenate(alone))
+    timings = json.loads(r.headers["x-segment-timings"])
+    assert [(t["index"], t["start"], t["end"]) for t in timings] == [(s.index, s.start, s.end) for s in segments]
+    offsets = np.cumsum([0] + [len(a) for a in alone])
+    assert [round(t["start_s"] * SAMPLE_RATE) for t in timings] == list(offsets[:-1])
+    assert [round(t["duration_s"] * SAMPLE_RATE) for t in timings] == [len(a) for a in alone]
+
+
+def test_prompted_segments_equal_alone(client):
+    """With a prompt voice every segment uses it as is: each equals /generate of its text with the same voice."""
+    clip = base64.b64encode(wav_bytes(1.0, seed=2)).decode()
+    pid = client.post("/add_prompt", json={"wav_base64": clip, "prompt_text": "A prompt."}).json()["prompt_id"]
+    text = "One two three four five. " * 10 + "Six seven eight nine ten. " * 10
+    segments = split_text(text, 200)
+    body = {"prompt_id": pid, "max_generate_length": N, "seed": 9, "response_format": "pcm"}
+    whole = pcm(client.post("/generate", json={"target_text": text, **body}))
+    alone = [pcm(client.post("/generate", json={"target_text": s.text, **body})) for s in segments]
+    assert np.array_equal(whole, np.concatenate(alone))
+
+
+def test_sse_carries_segment_timings(client):
+    text = "A short first sentence here. " * 8 + "And a second one follows it. " * 8
+    body = {"model": "tts-1", "input": text, "response_format": "pcm", "stream_format": "sse",
+            "max_generate_length": N, "seed": 1}
+    r = client.post("/v1/audio/speech", json=body)
+    assert r.status_code == 200
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    segs = [e for e in events if e["type"] == "speech.segment"]
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+    assert [e["text"] for e in segs] == [s.text for s in split_text(text, 200)]
+    assert events[-1]["type"] == "speech.audio.done" and events[-1]["finish_reason"] == "length"
+    end = segs[-1]["start_s"] + segs[-1]["duration_s"]
+    assert end * SAMPLE_RATE == pytest.approx(len(audio) // 2)
+
+
+def test_badcase_guard_regenerates_and_counts(client, server):
+    """The never-stopping checkpoint reaches every segment's length cap: with the guard each segment is generated
+    badcase_tries times, the last kept (its seed the request's + tries - 1), and each cap is counted."""
+    before = server.state.metrics.segments_capped.labels("/generate_blocking")._value.get()
+    text = "Hi.\n\nBye."  # two segments (a paragraph break), a few tokens each: short caps
+    segments = split_text(text, 200)
+    assert len(segments) == 2
+    r = client.post("/generate_blocking", json={"target_text": text, "seed": 4, "timings": True,
+                                                "response_format": "pcm"})
+    timings = json.loads(r.headers["x-segment-timings"])
+    assert [t["tries"] for t in timings] == [3] * len(segments)
+    after = server.state.metrics.segments_capped.labels("/generate_blocking")._value.get()
+    assert after - before == 3 * len(segments)
+    assert next_seed(4, 2) == 6
+
+
+def test_streamed_guard_holds_segments_back_and_matches_blocking(client):
+    """retry_badcase on a stream: each segment is sent once it is done, so the bytes are the blocking route's."""
+    body = {"target_text": "Hi.\n\nBye.", "seed": 4, "response_format": "pcm"}
+    blocking = pcm(client.post("/generate_blocking", json=body))
+    streamed = pcm(client.post("/generate", json={**body, "retry_badcase": True}))
+    assert np.array_equal(streamed, blocking)
+
+
+def test_leaving_mid_stream_frees_every_segment(client, server):
+    """A client that leaves a long stream aborts the segments in flight: the worker runs nothing afterwards and every
+    KV block is free again."""
+    total = server.pool_stats().total_blocks
+    with client.stream("POST", "/generate", json={"target_text": EN, "max_generate_length": 50, "seed": 1,
+                                                  "response_format": "pcm"}) as r:
+        assert r.status_code == 200
+        next(r.iter_bytes())
+    server.wait(lambda: (lambda s: s.running == 0 and s.waiting == 0 and s.free_blocks == total)(server.pool_stats()),
+                "segments still running after the client left", limit_s=60)
+
+
+def test_a_split_text_is_normalised_per_segment_and_stretched_as_one_stream(client):
+    """normalize: each segment is normalised before it is spoken (the same audio as the text written out); speed 2:
+    the stream lasts half as long (the stretcher's exact length rule) and the timings are the generated ones / 2."""
+    written = "Then we met 2 friends near the old bridge. " * 8
+    spoken = "Then we met two friends near the old bridge. " * 8
+    body = {"max_generate_length": N, "seed": 7, "response_format": "pcm"}
+    # the two texts split alike (4 sentences a segment), so the spoken one is what each written segment becomes
+    assert [s.text.count(".") for s in split_text(written, 200)] == [s.text.count(".") for s in split_text(spoken, 200)]
+    normalised = pcm(client.post("/generate_blocking", json={"target_text": written, "normalize": True, **body}))
+    assert np.array_equal(normalised, pcm(client.post("/generate_blocking", json={"target_text": spoken, **body})))
+    assert not np.array_equal(normalised, pcm(client.post("/generate_blocking", json={"target_text": written, **body})))
+    plain = client.post("/generate_blocking", json={"target_text": spoken, "timings": True, **body})
+    fast = client.post("/generate_blocking", json={"target_text": spoken, "timings": True, "speed": 2.0, **body})
+    assert abs(len(pcm(fast)) - round(len(pcm(plain)) / 2)) <= 1
+    slow_t, fast_t = (json.loads(r.headers["X-Segment-Timings"]) for r in (plain, fast))
+    assert [t["index"] for t in fast_t] == [t["index"] for t in slow_t]
+    for a, b in zip(slow_t, fast_t, strict=True):
+        assert b["duration_s"] == pytest.approx(a["duration_s"] / 2) and b["start_s"] == pytest.approx(a["start_s"] / 2)
