@@ -132,7 +132,9 @@ def test_open_loop_pool(checkpoint_factory, tmp_path):
 
 @pytest.fixture(scope="module")
 def server(checkpoint_factory, tmp_path_factory):
-    with live_server(checkpoint_factory, tmp_path_factory.mktemp("svc-bench"), voice_store="memory") as s:
+    # segment_chars 1000: the protocol's paragraph (~480 characters) is one generation, as the pool benchmarks send it
+    with live_server(checkpoint_factory, tmp_path_factory.mktemp("svc-bench"), voice_store="memory",
+                     segment_chars=1000) as s:
         yield s
 
 
@@ -333,3 +335,11 @@ def test_drift(checkpoint_factory, tmp_path):
         assert len(r["drift"]) == 3 and r["drift"][0] == 0.0 and all(d >= 0 for d in r["drift"])
     # the first two segments are made alike by both prompt rules (segment 1 continues from segment 0 in each)
     assert doc["results"][0]["drift"][1] == doc["results"][1]["drift"][1]
+
+
+def test_the_http_benchmarks_long_text_is_whole_sentences_within_its_length():
+    from tools.benchmarks.http_bursts import long_text
+
+    text = long_text(20000)
+    assert 19000 < len(text) <= 20000 and text.endswith(".") and text.count("\n\n") >= 40
+    assert long_text(len(text)) == text

@@ -55,12 +55,20 @@ from tools.benchmarks.harness import (
 )
 
 
+def long_text(chars: int) -> str:
+    """The protocol's paragraph again and again (a paragraph break between), cut after the last whole sentence that
+    fits `chars`: a long-form request, spoken as segments of `max_generate_length` patches each."""
+    text = "\n\n".join([TEXT] * (chars // len(TEXT) + 1))[:chars]
+    return text[:text.rfind(".") + 1]
+
+
 def body_of(a: argparse.Namespace, hifi_id: str | None) -> tuple[str, dict[str, Any]]:
+    text = long_text(a.text_chars) if a.text_chars else TEXT
     if a.route == "speech":
-        body: dict[str, Any] = {"model": "tts-1", "input": TEXT, "voice": hifi_id or "default",
+        body: dict[str, Any] = {"model": "tts-1", "input": text, "voice": hifi_id or "default",
                                 "response_format": a.format, "max_generate_length": a.patches}
         return "/v1/audio/speech", body
-    body = {"target_text": TEXT, "max_generate_length": a.patches, "cfg_value": CFG_VALUE,
+    body = {"target_text": text, "max_generate_length": a.patches, "cfg_value": CFG_VALUE,
             "temperature": TEMPERATURE, "response_format": a.format}
     if hifi_id:
         body["hifi_id"] = hifi_id
@@ -297,7 +305,9 @@ def main(argv: list[str]) -> None:
     ap.add_argument("url")
     ap.add_argument("--conc", default="1,8,32")
     ap.add_argument("--iters", type=int, default=2)
-    ap.add_argument("--patches", type=int, default=100)
+    ap.add_argument("--patches", type=int, default=100, help="patches per request (per segment with --text-chars)")
+    ap.add_argument("--text-chars", type=int, default=0, help="a long text of this many characters (the protocol's "
+                                                              "paragraph repeated), spoken as segments")
     ap.add_argument("--procs", type=int, default=8, help="client processes a burst is spread over")
     ap.add_argument("--route", choices=["generate", "speech"], default="generate")
     ap.add_argument("--voice", choices=["zeroshot", "hifi"], default="zeroshot")
@@ -319,7 +329,8 @@ def main(argv: list[str]) -> None:
         hifi_id = r.json()["hifi_id"]
     doc: dict[str, Any] = {"tool": "bench_http", "argv": command_line("http", argv), "label": a.label,
                            "url": a.url, "client": a.client, "route": a.route, "voice": a.voice, "format": a.format,
-                           "patches": a.patches, "iters": a.iters, "sample_rate": sample_rate,
+                           "patches": a.patches, "text_chars": a.text_chars, "iters": a.iters,
+                           "sample_rate": sample_rate,
                            "service": {k: info.get(k) for k in ("mp3", "queue_coalesce_ms", "api_processes")},
                            "results": []}
     for c in [int(x) for x in a.conc.split(",") if x.strip()]:

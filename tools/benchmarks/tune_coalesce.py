@@ -70,7 +70,8 @@ def start_service(a: argparse.Namespace, window_ms: float, log_path: Path) -> su
         raise RuntimeError(f"port {a.port} is in use")
     env = {**os.environ, "NANOVLLM_MODEL_PATH": a.model, "NANOVLLM_QUEUE_COALESCE_MS": str(window_ms),
            "NANOVLLM_PORT": str(a.port), "NANOVLLM_HOST": "127.0.0.1",
-           "NANOVLLM_SERVERPOOL_MAX_NUM_SEQS": str(a.max_num_seqs)}
+           "NANOVLLM_SERVERPOOL_MAX_NUM_SEQS": str(a.max_num_seqs),
+           "NANOVLLM_SEGMENT_CHARS": "1000"}  # the protocol's paragraph is one generation, as the pool sends it
     if a.devices:
         env["NANOVLLM_DEVICES"] = a.devices
     with log_path.open("w") as log:

@@ -45,7 +45,7 @@
 # The service parts (http, http_base) start `python3 -m service.main` on the checkpoint with the pool benchmark's
 # engine settings (max_num_seqs = the largest CONC, max_model_len 1024, 0.85 of the GPU memory) on an empty
 # cache dir (its start to /ready is the cold start), then run `tools/bench.py http` (8 client processes) for each of
-# HTTP_RUNS (mp3 pcm speech hifi; hifi at HIFI_CONC), py-spy recording every service process during the largest
+# HTTP_RUNS (mp3 pcm speech hifi; hifi at HIFI_CONC; also long short: a LONG_CHARS text in segments of LONG_PATCHES), py-spy recording every service process during the largest
 # concurrency of the first run. Their files: http_*.json, pyspy_*.txt, service_*.log, encode.json, metrics_after_*.txt
 # (the service's encoder and TTFB metrics after each run, cumulative); past 7 files
 # in $OUT everything but the log is packed into results.tgz (fewer files to copy back from the GPU host).
@@ -190,7 +190,8 @@ start_service() {  # start_service TREE NAME: the service of code tree TREE; set
     local t0; t0=$(date +%s.%N)
     (cd "$tree" && exec env NANOVLLM_MODEL_PATH="$CKPT" NANOVLLM_CACHE_DIR="$cache" NANOVLLM_PORT="$PORT" \
         NANOVLLM_HOST=127.0.0.1 NANOVLLM_SERVERPOOL_MAX_NUM_SEQS="$maxseqs" NANOVLLM_SERVERPOOL_MAX_MODEL_LEN=1024 \
-        NANOVLLM_SERVERPOOL_GPU_MEMORY_UTILIZATION=0.85 ${SERVICE_ENV:-} python3 -m service.main) \
+        NANOVLLM_SERVERPOOL_GPU_MEMORY_UTILIZATION=0.85 NANOVLLM_SEGMENT_CHARS=1000 ${SERVICE_ENV:-} \
+        python3 -m service.main) \
         >"$OUT/service_$name.log" 2>&1 &
     SVC_PID=$!
     if [[ -n "${PYSPY_START:-}" ]] && command -v py-spy >/dev/null; then  # where the start-up's time goes
@@ -339,6 +340,11 @@ for part in $PARTS; do
                     pcm) http_bench pcm "$CONC" --format pcm ;;
                     speech) http_bench speech "$CONC" --route speech --format mp3 ;;
                     hifi) http_bench hifi "$HIFI_CONC" --voice hifi --format mp3 --patches 40 ;;
+                    # a long text (LONG_CHARS, spoken as segments of LONG_PATCHES patches) and the one-segment
+                    # request of the same patches, PCM: the long one's first audio against the short one's
+                    long) http_bench long "$CONC" --format pcm --text-chars "${LONG_CHARS:-20000}" \
+                              --patches "${LONG_PATCHES:-10}" ;;
+                    short) http_bench short "$CONC" --format pcm --patches "${LONG_PATCHES:-10}" ;;
                     pcm_p16) http_bench pcm_p16 "${CONC_HIGH:-64,128}" --format pcm --procs 16 ;;
                     mp3_p16) http_bench mp3_p16 "${CONC_HIGH:-64,128}" --format mp3 --procs 16 ;;
                     mp3_httpx) http_bench mp3_httpx "${CONC_HIGH:-64,128}" --format mp3 --client httpx ;;
