@@ -19,7 +19,9 @@ from websockets.sync.client import ClientConnection, connect
 from tests.service_harness import SAMPLE_RATE, LiveServer, live_server
 
 N = 2  # patches per segment (max_generate_length applies per segment)
-WORDS = ["The", "first", "sentence", "is", "spoken", "while", "the", "rest", "is", "still", "being", "typed.", "Then", "another", "one", "follows", "it.", "And", "a", "third", "to", "keep", "the", "stream", "busy.", ""] * 4
+TEXT = ("The first sentence is spoken while the rest is still being typed. Then another one follows it. "
+        "And a third to keep the stream busy. ")
+WORDS = TEXT.split() * 4
 GUARD_S = 120  # a hang guard, never a timing assertion
 
 
