@@ -191,7 +191,7 @@ def test_ws_sessions(server, tmp_path):
     from service.segmenter import LiveSegmenter
 
     out = tmp_path / "ws.json"
-    doc = bench.main(["ws", server.url, "--sessions", "1,2", "--word-ms", "5", "--patches", str(PATCHES), "--seed",
+    doc = bench.main(["ws", server.url, "--conc", "1,2", "--word-ms", "5", "--patches", str(PATCHES), "--seed",
                       "1", "--label", "cpu", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
     assert doc["tool"] == "bench_ws" and doc["route"] == "/v1/audio/speech/stream" and doc["label"] == "cpu"

@@ -134,6 +134,23 @@ def test_flush_speaks_the_buffer_and_whole_file_formats_send_a_file_per_segment(
     assert [s["text"] for s in second] == ["and then the end."] and rest[-1]["segments"] == 2
 
 
+@pytest.mark.parametrize("fmt", ["mp3", "flac", "opus"])
+def test_every_format(server, fmt):
+    """mp3: one stream over the session (its frames decode as one file); flac and opus: one file per segment."""
+    with open_session(server, response_format=fmt) as ws:
+        ws.send(json.dumps({"type": "input.text", "text": "One sentence here. And a second one."}))
+        ws.send(json.dumps({"type": "input.done"}))
+        messages = until_session_done(ws)
+    frames = [m for m in messages if isinstance(m, bytes)]
+    starts = [m for m in messages if isinstance(m, dict) and m["type"] == "audio.start"]
+    assert [s["format"] for s in starts] == [fmt, fmt] and messages[-1]["segments"] == 2
+    files = [b"".join(frames)] if fmt == "mp3" else frames
+    assert len(files) == (1 if fmt == "mp3" else 2)
+    for data in files:
+        audio, _ = sf.read(io.BytesIO(data), dtype="int16")
+        assert len(audio) > 0
+
+
 @pytest.mark.parametrize("leave", ["close", "drop"])
 def test_a_client_leaving_mid_stream_frees_every_kv_block(server, leave):
     before = server.pool_stats()

@@ -2,7 +2,7 @@
 
     python tools/bench.py stream --engine voxcpm-serve --model CKPT --conc 1,8,32,64 --out ours.json
     python tools/bench.py http http://127.0.0.1:8000 --conc 1,8,32 --format mp3 --out http.json
-    python tools/bench.py ws ws://127.0.0.1:8000 --sessions 1,16 --word-ms 50 --out ws.json
+    python tools/bench.py ws ws://127.0.0.1:8000 --conc 1,16 --word-ms 50 --out ws.json
     python tools/bench.py compare ours.json nano.json
 
 Each benchmark writes its results as JSON (--out); the code is in tools/benchmarks/, one module per benchmark.

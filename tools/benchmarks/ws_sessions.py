@@ -1,8 +1,8 @@
 """Live-text WebSocket sessions against a running voxcpm-serve (/v1/audio/speech/stream): what a voice agent sees.
 
-    python tools/bench.py ws ws://127.0.0.1:8000 --sessions 1,16 --word-ms 50 --out ws.json
+    python tools/bench.py ws ws://127.0.0.1:8000 --conc 1,16 --word-ms 50 --out ws.json
 
-Per row, --sessions sessions open together; each sends session.config (PCM), then the text one word per input.text
+Per row, --conc sessions open together; each sends session.config (PCM), then the text one word per input.text
 message every --word-ms (an LLM's token stream), then input.done, and reads until session.done. Per session:
 - first_audio_after_boundary: from sending the word that completed the first segment (the first word past the end
   of segment 0's text, as its audio.done reports it; input.done where the text is one segment) to its first audio
@@ -127,7 +127,7 @@ async def run_row(a: argparse.Namespace, n: int, text: str) -> dict[str, Any]:
 def main(argv: list[str]) -> dict[str, Any]:
     ap = subcommand_parser("ws", __doc__)
     ap.add_argument("url", help="the service, ws://host:port (http:// is taken as ws://)")
-    ap.add_argument("--sessions", default="1,16", help="comma list: sessions opened together, one row each")
+    ap.add_argument("--conc", default="1,16", help="comma list: sessions opened together, one row each")
     ap.add_argument("--word-ms", type=float, default=50.0, help="one word sent every this many milliseconds")
     ap.add_argument("--repeat", type=int, default=1, help="the protocol's text this many times over")
     ap.add_argument("--patches", type=int, help="max_generate_length per segment (default: the service's)")
@@ -143,7 +143,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     doc: dict[str, Any] = {"tool": "bench_ws", "argv": command_line("ws", argv), "label": a.label, "url": a.url,
                            "route": ROUTE, "format": "pcm", "word_ms": a.word_ms, "words": len(text.split()),
                            "patches": a.patches, "granularity": a.granularity, "results": []}
-    for n in [int(x) for x in a.sessions.split(",") if x.strip()]:
+    for n in [int(x) for x in a.conc.split(",") if x.strip()]:
         row = asyncio.run(run_row(a, n, text))
         doc["results"].append(row)
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "per_session"},
