@@ -46,7 +46,7 @@ from service.limits import BodyLimitMiddleware
 from service.lora_registry import LoRARegistrations
 from service.metrics import Metrics, MetricsMiddleware
 from service.redis_store import RedisVoiceStore, open_voice_store, watch_store
-from service.routers import generation, loras, openai, ops, playground, voices
+from service.routers import generation, loras, openai, ops, playground, speech_stream, voices
 from service.settings import Settings
 from service.shared_adapters import SharedAdapters
 from service.state import ServiceState
@@ -120,6 +120,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
     keyed = [Depends(require_api_key)]
     for router in (generation.router, voices.router, loras.router, openai.router):
         app.include_router(router, dependencies=keyed)
+    app.include_router(speech_stream.router)  # a WebSocket: checks the key itself (headers or a subprotocol)
     app.include_router(ops.router)  # /health, /ready, /metrics open; /info keyed (per route)
     if settings.playground:
         app.include_router(playground.router)  # open: a static page whose API calls carry the user's key

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import Mapping
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
@@ -15,15 +16,23 @@ def get_state(request: Request) -> ServiceState:
     return request.app.state.service
 
 
+def unavailable_reason(state: ServiceState) -> str | None:
+    """Why the service cannot generate now (None: it can)."""
+    if state.draining:
+        return "the service is shutting down"
+    if not state.loaded:
+        return state.failure or "the model is still loading"
+    if not state.pool.healthy:
+        return "a worker died and is being restarted"
+    return None
+
+
 def get_loaded_state(request: Request) -> ServiceState:
     """For routes that need the model: 503 + Retry-After while it loads (or a worker restarts)."""
     state = get_state(request)
-    if state.draining:
-        raise unavailable("the service is shutting down")
-    if not state.loaded:
-        raise unavailable(state.failure or "the model is still loading")
-    if not state.pool.healthy:
-        raise unavailable("a worker died and is being restarted")
+    reason = unavailable_reason(state)
+    if reason is not None:
+        raise unavailable(reason)
     return state
 
 
@@ -36,18 +45,25 @@ def mark_audio(request: Request) -> None:
     request.state.audio_route = True
 
 
-def require_api_key(request: Request) -> None:
-    """With API keys configured: `Authorization: Bearer <key>` (or `X-API-Key`) must hold one of them, compared in
-    constant time against every key (which key matched, or how much of one, does not show in the timing)."""
-    keys = get_state(request).api_keys
-    if not keys:
-        return
-    auth = request.headers.get("authorization", "")
-    given = (auth[7:] if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")).strip().encode()
+def key_matches(keys: list[bytes], given: str) -> bool:
+    """Whether `given` is one of `keys`, compared in constant time against every key (which key matched, or how much
+    of one, does not show in the timing)."""
     matched = False
     for key in keys:
-        matched |= hmac.compare_digest(key, given)
-    if not matched:
+        matched |= hmac.compare_digest(key, given.strip().encode())
+    return matched
+
+
+def key_of(headers: Mapping[str, str]) -> str:
+    """The key a request carries: `Authorization: Bearer <key>`, else `X-API-Key`."""
+    auth = headers.get("authorization", "")
+    return auth[7:] if auth[:7].lower() == "bearer " else headers.get("x-api-key", "")
+
+
+def require_api_key(request: Request) -> None:
+    """With API keys configured: `Authorization: Bearer <key>` (or `X-API-Key`) must hold one of them."""
+    keys = get_state(request).api_keys
+    if keys and not key_matches(keys, key_of(request.headers)):
         raise HTTPException(401, "authorization: a valid API key is required (Authorization: Bearer <key>)",
                             headers={"WWW-Authenticate": "Bearer"})
 

@@ -275,6 +275,34 @@ class SpeechRequest(SamplingFields, PlaybackFields, LongFormFields):
         return self
 
 
+class SpeechStreamConfig(SamplingFields, PlaybackFields):
+    """The first message of a /v1/audio/speech/stream session: the fields of /v1/audio/speech but `input` (the text
+    arrives in input.text messages); an unknown field is an error naming it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["session.config"]
+    model: str = Field("tts-1", description="Any id from /v1/models; a runtime LoRA adapter's name selects it.")
+    voice: str = Field("default", description="'default' (zero-shot) or a cached hifi/prompt/reference id.")
+    instructions: str | None = Field(None, description="Voice design: the first segment is spoken as "
+                                                       "'(instructions)text'.")
+    response_format: Literal["pcm", "mp3", "wav", "flac", "opus"] = Field(
+        "pcm", description="pcm and mp3: one stream over the session; wav, flac and opus: one file per segment.")
+    normalize: bool = normalize_field()
+    split_granularity: Literal["sentence", "clause"] = Field(
+        "sentence", description="Where a segment may end: at a sentence's end, or at any clause mark (earlier audio, "
+                                "shorter segments).")
+    retry_badcase: bool = Field(False, description="Generate a segment again with the next seed when it reaches its "
+                                                   "length cap, holding each segment back until it is done.")
+
+    @model_validator(mode="after")
+    def _supported(self) -> SpeechStreamConfig:
+        if self.sample_rate is not None and self.response_format not in RESAMPLED_FORMATS:
+            raise ValueError(f"sample_rate: only {' and '.join(RESAMPLED_FORMATS)} output can be resampled "
+                             f"(response_format is {self.response_format})")
+        return self
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"

@@ -131,6 +131,16 @@ class BaseServiceSettings(BaseSettings):
                                                                 "engine's length cap, as the official package.")
     badcase_tries: int = Field(3, ge=1, le=10, description="Generations a bad-case segment gets at most (the last "
                                                            "is kept).")
+    # Live text over a WebSocket (/v1/audio/speech/stream; docs/http-api.md, Live text).
+    ws_config_timeout_s: float = Field(10.0, gt=0, le=300, description="A WebSocket session's session.config must "
+                                                                       "arrive within this long of the connection "
+                                                                       "(else error, close 1008).")
+    ws_idle_timeout_s: float = Field(30.0, gt=0, le=3600, description="A WebSocket session whose client sends "
+                                                                      "nothing this long before input.done is ended "
+                                                                      "(error, close 1008; its segments abort).")
+    ws_max_message_bytes: int = Field(64 * 1024, ge=1024, le=16 * 2**20, description="Largest message a WebSocket "
+                                                                                    "client may send (error, close "
+                                                                                    "1009 beyond).")
     ready_timeout_s: float = Field(900, gt=0, description="Longest model load before start-up fails.")
     restart_dead_workers: bool = Field(True, description="Restart a worker that died (not ready meanwhile).")
     api_keys: str | None = Field(None, description="Comma-separated API keys: every route but /health, /ready and "

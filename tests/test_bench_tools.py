@@ -187,6 +187,30 @@ def test_http_bursts_over_client_processes(server, tmp_path, client):
     assert 0 < r["ttfb_after_send_p50"] <= r["ttfb_after_send_p95"] and r["throughput_audio_s_per_s"] > 0
 
 
+def test_ws_sessions(server, tmp_path):
+    """`bench.py ws`: sessions fed a word at a time, each with its segments, its first audio after the first boundary
+    (never before it) and its underruns counted."""
+    from service.segmenter import LiveSegmenter
+
+    out = tmp_path / "ws.json"
+    doc = bench.main(["ws", server.url, "--conc", "1,2", "--word-ms", "5", "--patches", str(PATCHES), "--seed",
+                      "1", "--label", "cpu", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
+    assert doc["tool"] == "bench_ws" and doc["route"] == "/v1/audio/speech/stream" and doc["label"] == "cpu"
+    assert doc["argv"][:2] == ["tools/bench.py", "ws"] and doc["words"] == len(harness.TEXT.split())
+    live = LiveSegmenter()
+    segments = sum(len(live.feed(w + " ")) for w in harness.TEXT.split()) + len(live.done())
+    assert [r["sessions"] for r in doc["results"]] == [1, 2]
+    for r in doc["results"]:
+        assert r["failed"] == 0 and r["errors"] == [] and len(r["per_session"]) == r["sessions"]
+        assert r["segments_mean"] == segments > 1 and r["audio_s_mean"] > 0 and r["rtf_mean"] > 0
+        assert 0 <= r["first_audio_after_boundary_p50"] <= r["first_audio_after_boundary_p95"] \
+            <= r["first_audio_after_boundary_max"]
+        assert 0 <= r["sessions_with_underrun"] <= r["sessions"] and r["underrun_s_total"] >= 0
+        for s in r["per_session"]:
+            assert 0 < s["first_boundary_s"] <= s["first_audio_s"] <= s["wall"]
+
+
 def test_encode_costs_and_the_client_path(tmp_path):
     """`bench.py encode`: every format's cost, MP3 on threads, the engine client's own path, whose streams
     carry exactly what the service's encoders make of the played worker's chunks, and a burst of first chunks."""

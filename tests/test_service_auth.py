@@ -51,3 +51,41 @@ def test_cors_only_for_the_configured_origin(server):
     other = httpx.options(server.url + "/generate", headers={"Origin": "https://evil.example",
                                                              "Access-Control-Request-Method": "POST"})
     assert "access-control-allow-origin" not in other.headers
+
+
+def test_keyed_websocket(server):
+    """/v1/audio/speech/stream: no key or a wrong one is an error and close 1008; a key in the headers or, for
+    browsers (which cannot set headers on a WebSocket), as the subprotocol bearer.<key> opens the session."""
+    import contextlib
+    import json
+
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    url = server.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+    session = [{"type": "session.config", "max_generate_length": 1}, {"type": "input.text", "text": "Keyed."},
+               {"type": "input.done"}]
+
+    def run(**kwargs) -> tuple[list[str], int, str | None]:
+        with connect(url, open_timeout=60, **kwargs) as ws:
+            with contextlib.suppress(ConnectionClosed):  # a refused session may be closed before all is sent
+                for m in session:
+                    ws.send(json.dumps(m))
+            types = []
+            with pytest.raises(ConnectionClosed) as closed:
+                while True:
+                    msg = ws.recv(timeout=60)
+                    if isinstance(msg, str):
+                        types.append(json.loads(msg)["type"] + ":" + json.loads(msg).get("message", ""))
+            return types, closed.value.rcvd.code, ws.subprotocol
+
+    for kwargs in ({}, {"additional_headers": {"Authorization": "Bearer wrong"}},
+                   {"subprotocols": ["voxcpm", "bearer.k3"]}):
+        types, code, _ = run(**kwargs)
+        assert code == 1008 and types == ["error:authorization: a valid API key is required (Authorization: Bearer "
+                                          "<key>, or the subprotocol bearer.<key>)"], (kwargs, types)
+    for kwargs in ({"additional_headers": {"Authorization": "Bearer k1"}}, {"additional_headers": {"X-API-Key": "k2"}},
+                   {"subprotocols": ["voxcpm", "bearer.k-from-file"]}):
+        types, code, protocol = run(**kwargs)
+        assert code == 1000 and types[-1] == "session.done:", (kwargs, types)
+        assert protocol == ("voxcpm" if "subprotocols" in kwargs else None)

@@ -2,6 +2,7 @@
 
     python tools/bench.py stream --engine voxcpm-serve --model CKPT --conc 1,8,32,64 --out ours.json
     python tools/bench.py http http://127.0.0.1:8000 --conc 1,8,32 --format mp3 --out http.json
+    python tools/bench.py ws ws://127.0.0.1:8000 --conc 1,16 --word-ms 50 --out ws.json
     python tools/bench.py compare ours.json nano.json
 
 Each benchmark writes its results as JSON (--out); the code is in tools/benchmarks/, one module per benchmark.
@@ -31,6 +32,7 @@ SUBCOMMANDS: subcommands.Table = {
     "hifi-blocking": ("workloads:hifi_blocking", "bursts of whole-utterance requests cloning one cached HiFi voice"),
     "closed-loop": ("workloads:closed_loop", "N users, each sending its next request when the previous one ends"),
     "open-loop": ("workloads:open_loop", "Poisson arrivals at fixed rates, whatever the load"),
+    "ws": ("ws_sessions:main", "live-text WebSocket sessions fed a word at a time: first audio, underruns"),
     "overload": ("overload:main", "bursts beyond a running service's room: how fast the excess is refused"),
     "tune-coalesce": ("tune_coalesce:main", "the queue-coalescing window: a service per window, open-loop over HTTP"),
     "encode": ("encode:main", "what encoding each response format costs the host"),
