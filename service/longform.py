@@ -175,7 +175,8 @@ class SegmentJob:
             prompt = await self.prompt if self.prompt is not None else None
             for attempt in range(sp.options.badcase_tries if sp.options.retry_badcase else 1):
                 self.tries = attempt + 1
-                stream = sp.state.pool.submit(self.request(attempt, prompt), None)
+                # only the first segment may be refused for a full queue: a later one continues an admitted stream
+                stream = sp.state.pool.submit(self.request(attempt, prompt), None, bounded=self.segment.index == 0)
                 self.request_id = self.request_id or stream.request_id
                 held: list[np.ndarray] = []
                 try:

@@ -170,3 +170,22 @@ def test_a_split_text_is_normalised_per_segment_and_stretched_as_one_stream(clie
     assert [t["index"] for t in fast_t] == [t["index"] for t in slow_t]
     for a, b in zip(slow_t, fast_t, strict=True):
         assert b["duration_s"] == pytest.approx(a["duration_s"] / 2) and b["start_s"] == pytest.approx(a["start_s"] / 2)
+
+
+def test_a_split_text_is_never_refused_mid_stream_for_a_full_queue(checkpoint_factory, tmp_path):
+    """One seat and no queue: the first segment takes the seat, and each later one (submitted while the one before
+    decodes) continues an admitted stream, so it waits for the seat instead of failing the response half-way."""
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    settings = service_settings(ckpt, tmp_path, serverpool_max_num_seqs=1, max_queued_requests=0, segment_chars=200,
+                                voice_store="memory", segment_pause_ms=0, paragraph_pause_ms=0, segment_fade_ms=0)
+    server = LiveServer(settings).start()
+    try:
+        text = "One more sentence for a seat. " * 20
+        assert len(split_text(text, 200)) >= 3
+        with httpx.Client(base_url=server.url, timeout=300) as c:
+            r = c.post("/generate_blocking", json={"target_text": text, "max_generate_length": N, "seed": 3,
+                                                   "response_format": "pcm", "timings": True})
+            assert r.status_code == 200 and r.headers["X-Finish-Reason"] == "length", r.text
+            assert len(json.loads(r.headers["X-Segment-Timings"])) == len(split_text(text, 200))
+    finally:
+        server.stop()

@@ -278,7 +278,7 @@ class EngineClient:
         return [{"in_flight": len(link.streams), "alive": int(link.connected), **vars(link.load)}
                 for link in self.links]
 
-    async def pick(self) -> _WorkerLink:
+    async def pick(self, bounded: bool = True) -> _WorkerLink:
         """The ready worker with the fewest requests in flight (over every process routing to it); waits while the
         workers are still loading."""
         while True:
@@ -288,7 +288,7 @@ class EngineClient:
             if ready:
                 loads = self.load.loads()
                 best = min(ready, key=lambda lk: loads[lk.index])
-                if self.queue_bound is not None:
+                if self.queue_bound is not None and bounded:
                     capacity = (best.info.max_num_seqs if best.info else 0) + self.queue_bound
                     if loads[best.index] >= capacity:
                         raise OverloadedError(f"every worker holds {capacity} requests ({capacity - self.queue_bound} "
@@ -299,9 +299,10 @@ class EngineClient:
             await self._some_ready(self.links, 0.5)
 
     # --- calls --------------------------------------------------------------------------------------
-    def generate(self, request: p.SynthesisRequest, transform: Transform | None = None) -> GenerationStream:
+    def generate(self, request: p.SynthesisRequest, transform: Transform | None = None,
+                 bounded: bool = True) -> GenerationStream:
         """The request's stream (it is sent to a worker on the first `anext`)."""
-        return GenerationStream(self, request, transform)
+        return GenerationStream(self, request, transform, bounded)
 
     async def call(self, link: _WorkerLink, make: Callable[[str], p.Call[R]]) -> R:
         """Ask `link`'s worker the call `make(call_id)` builds; its typed answer, or the error it sent raised."""

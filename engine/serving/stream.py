@@ -66,7 +66,7 @@ class StreamClient(Protocol):
     load: LoadTable
     encoders: TransformThreads
 
-    async def pick(self) -> StreamLink: ...
+    async def pick(self, bounded: bool = True) -> StreamLink: ...
 
 
 class GenerationStream:
@@ -74,7 +74,9 @@ class GenerationStream:
     `finish_reason` ("stop", "length", "aborted", "error") is set once it ends; closing it early (aclose, break,
     garbage collection) aborts the request, which frees its KV blocks and slot in the engine at once."""
 
-    def __init__(self, client: StreamClient, request: p.SynthesisRequest, transform: Transform | None) -> None:
+    def __init__(self, client: StreamClient, request: p.SynthesisRequest, transform: Transform | None,
+                 bounded: bool = True) -> None:
+        self.bounded = bounded  # refused (OverloadedError) when every worker's queue is full; False: a continuation
         self.client, self.request, self.transform = client, request, transform
         self.request_id = f"{client.name}-{next(client.ids)}"
         self.finish_reason: FinishReason | None = None
@@ -130,7 +132,7 @@ class GenerationStream:
         try:
             if tokenizer is not None and self.request.text_ids is None:
                 self.request = dataclasses.replace(self.request, text_ids=await tokenized(tokenizer, self.request))
-            link = await self.client.pick()
+            link = await self.client.pick(self.bounded)
         except asyncio.CancelledError:  # its caller went away (a client's disconnect) before it was sent
             self._end("aborted")
             raise
