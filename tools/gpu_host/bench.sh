@@ -345,6 +345,9 @@ for part in $PARTS; do
                     long) http_bench long "$CONC" --format pcm --text-chars "${LONG_CHARS:-20000}" \
                               --patches "${LONG_PATCHES:-10}" ;;
                     short) http_bench short "$CONC" --format pcm --patches "${LONG_PATCHES:-10}" ;;
+                    # CONC live-text sessions over the WebSocket, a word every WS_WORD_MS
+                    ws) run_limited "$T_HTTP" ws python3 tools/bench.py ws "http://127.0.0.1:$PORT" --conc "$CONC" \
+                            --word-ms "${WS_WORD_MS:-50}" --patches "${LONG_PATCHES:-10}" --out "$OUT/ws.json" ;;
                     pcm_p16) http_bench pcm_p16 "${CONC_HIGH:-64,128}" --format pcm --procs 16 ;;
                     mp3_p16) http_bench mp3_p16 "${CONC_HIGH:-64,128}" --format mp3 --procs 16 ;;
                     mp3_httpx) http_bench mp3_httpx "${CONC_HIGH:-64,128}" --format mp3 --client httpx ;;
