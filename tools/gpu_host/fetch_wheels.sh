@@ -36,7 +36,8 @@ locked() {  # NAME==VERSION as uv.lock pins it
     echo "$1${v:+==$v}"
 }
 SERVICE=""
-for n in fastapi starlette pydantic pydantic-core pydantic-settings uvicorn uvloop httptools lameenc; do
+for n in fastapi starlette pydantic pydantic-core pydantic-settings uvicorn uvloop httptools lameenc redis websockets \
+        wetext inflect python-stretch sentencex; do
     SERVICE+="$(locked $n) "
 done
 ROOTS="soundfile soxr $SERVICE py-spy nano-vllm-voxcpm==2.0.5 ${EXTRA:-}"
