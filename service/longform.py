@@ -253,6 +253,16 @@ class LongFormSpeech:
         self._jobs.append(job)
         return job
 
+    @staticmethod
+    async def _shaped(job: SegmentJob, shaper: EdgeShaper, ahead: asyncio.Future) -> AsyncIterator[np.ndarray]:
+        """A segment's chunks through its edge shaper, then its tail (faded unless no segment follows)."""
+        while (item := await job.queue.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield shaper.push(item)
+        last = ahead.done() and ahead.result() is None
+        yield shaper.end(shape=not last)
+
     async def events(self) -> AsyncIterator[np.ndarray | SegmentStarted | SegmentTiming]:
         fade_n = int(round(self.options.fade_s * self.sample_rate))
         reasons: list[str] = []
@@ -266,10 +276,7 @@ class LongFormSpeech:
                 shaper = EdgeShaper(fade_n, trim_start=job.segment.index > 0)
                 start_s: float | None = None
                 produced = 0
-                while (item := await job.queue.get()) is not None:
-                    if isinstance(item, BaseException):
-                        raise item
-                    out = shaper.push(item)
+                async for out in self._shaped(job, shaper, ahead):
                     if not len(out):
                         continue
                     if start_s is None:
@@ -281,18 +288,6 @@ class LongFormSpeech:
                     yield out
                     self.samples += len(out)
                     produced += len(out)
-                last = ahead.done() and ahead.result() is None
-                tail = shaper.end(shape=not last)
-                if len(tail):
-                    if start_s is None:
-                        if pending_pause:
-                            yield np.zeros(pending_pause, np.float32)
-                            self.samples += pending_pause
-                        pending_pause, start_s = 0, self.samples / self.sample_rate
-                        yield SegmentStarted(job.segment, start_s / self.speed)
-                    yield tail
-                    self.samples += len(tail)
-                    produced += len(tail)
                 if start_s is None:  # a silent segment: it takes no time
                     start_s = self.samples / self.sample_rate
                 reasons.append(job.finish_reason)
