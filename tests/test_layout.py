@@ -120,7 +120,7 @@ def test_no_long_engine_file_without_a_reason():
 DOC_LINE_LIMITS = {"docs/benchmarks.md": 400, "README.md": 250}
 RESULT_FILES_LIMIT = 60
 # Runs and changes are named by date, commit and hardware, never by work counters or machine-kind labels.
-COUNTER = re.compile(r"\b(?:sessions?|items?|runs?|profile steps?|calls?)\s+[0-9]+\b"
+COUNTER = re.compile(r"\b(?:sessions?|items?|runs?|profile steps?|calls?|issues?)\s+[0-9]+\b"
                      r"|\bnvidia-h[0-9]+|\bdevice (?:call|tool)s?\b", re.IGNORECASE)
 
 

@@ -1,4 +1,4 @@
-"""API keys and CORS over real HTTP (issue 25, security): with keys set every route but /health, /ready and
+"""API keys and CORS over real HTTP: with keys set every route but /health, /ready and
 /metrics needs one (Bearer or X-API-Key, from the variable or the file), a wrong or missing one is 401; /metrics can be
 protected too; CORS headers only for the configured origins."""
 

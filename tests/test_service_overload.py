@@ -1,4 +1,4 @@
-"""Admission control over real HTTP (issue 25): beyond what the workers run plus their queue, a generation request
+"""Admission control over real HTTP: beyond what the workers run plus their queue, a generation request
 is refused at once with 503 + Retry-After (counted in a metric), before any audio; a request that waits for a seat
 past the queue timeout gets 503 too; the admitted ones complete and nothing is left in flight."""
 
