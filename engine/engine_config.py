@@ -38,6 +38,11 @@ class EngineConfig:
     max_model_len: int = setting(4096, "Longest sequence (prompt + generated).", ge=16)
     max_num_batched_tokens: int = setting(8192, "Prefill token budget per step (>= max_model_len: a preempted "
                                                 "stream is recomputed in one prefill).", ge=1)
+    running_prefill_tokens: int | None = setting(
+        None, "Prefill token budget of a step while streams are running: that step's prefill delays their next "
+              "chunk, so a burst of arrivals is admitted over several steps, each within this budget (a prompt "
+              "longer than it is admitted alone in its step); with nothing running a round admits up to "
+              "max_num_batched_tokens. Unset: max_num_batched_tokens always.", ge=1)
     block_size: int = setting(16, "Tokens per KV block (a power of two).", ge=1)
     num_kv_blocks: int | None = setting(None, "KV blocks; unset: CUDA measures free memory, the CPU fits "
                                               "max_num_seqs full sequences.", ge=1)

@@ -73,7 +73,7 @@ class LLMEngine:
         kv_s = time.perf_counter() - t0 - load_s - wait_s
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
-                                   cfg.coalesce_ms / 1000.0, self._admit)
+                                   cfg.coalesce_ms / 1000.0, self._admit, cfg.running_prefill_tokens)
         self.default_lora: str | None = None  # the adapter of the requests that name none
         if cfg.lora_path and not cfg.lora_merge:
             assert self.runner.lora is not None  # validate(): max_loras >= 1

@@ -1,7 +1,9 @@
 """Continuous batching: which sequences to prefill and which to advance in the next engine step.
 
 Every step advances all running sequences by one patch (so running streams keep their pace) and,
-before that, prefills as many waiting sequences as the token budget and free KV blocks allow. When
+before that, prefills as many waiting sequences as the token budget and free KV blocks allow. While streams
+run, that budget may be smaller (`running_prefill_tokens`): the step's prefill delays their next chunk, so a
+burst of arrivals is admitted over several steps instead of one long stall. When
 blocks run out mid-stream the most recently started sequence is preempted (its KV is dropped and
 recomputed later). A request that can never fit fails instead of waiting forever.
 
@@ -48,10 +50,12 @@ class Schedule:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, coalesce_s: float = 0.0, admit: Admission | None = None) -> None:
+                 max_model_len: int, coalesce_s: float = 0.0, admit: Admission | None = None,
+                 running_prefill_tokens: int | None = None) -> None:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.running_prefill_tokens = running_prefill_tokens
         self.max_model_len = max_model_len
         self.coalesce_s = coalesce_s
         self.admit = admit
@@ -121,6 +125,8 @@ class Scheduler:
             out.preempted.append(self.running[-1])
             self._preempt(self.running[-1])
         budget = self.max_num_batched_tokens
+        if self.running and self.running_prefill_tokens is not None:
+            budget = min(budget, self.running_prefill_tokens)  # the running streams wait for this step's prefill
         held: list[Sequence] = []  # waiting for what only they need: back at the head, in order, afterwards
         tried = stalled = False  # stalled: the round stopped for blocks or adapter slots (not this step's budget)
         while self.can_admit:
@@ -138,8 +144,11 @@ class Scheduler:
                 need = self.blocks.blocks_needed(seq.num_tokens) + len(self.running) + 1
             else:
                 need = self.blocks.blocks_needed(seq.num_tokens + 1)
-            if seq.num_tokens > budget or self.blocks.num_free < need:
-                stalled = seq.num_tokens <= budget
+            # The round's first prompt goes in over budget (never_fits bounds it by max_num_batched_tokens): a
+            # prompt longer than the running budget must not wait forever.
+            over_budget = seq.num_tokens > budget and bool(out.prefill)
+            if over_budget or self.blocks.num_free < need:
+                stalled = not over_budget
                 break
             if self.admit is not None:
                 try:

@@ -25,6 +25,7 @@ MP3_BITRATES = (32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320)
 ENGINE_SETTINGS: dict[str, str] = {
     "serverpool_max_num_seqs": "max_num_seqs",
     "serverpool_max_num_batched_tokens": "max_num_batched_tokens",
+    "serverpool_running_prefill_tokens": "running_prefill_tokens",
     "serverpool_max_model_len": "max_model_len",
     "serverpool_gpu_memory_utilization": "gpu_memory_utilization",
     "serverpool_enforce_eager": "enforce_eager",

@@ -367,3 +367,17 @@ def test_the_http_benchmarks_long_text_is_whole_sentences_within_its_length():
     text = long_text(20000)
     assert 19000 < len(text) <= 20000 and text.endswith(".") and text.count("\n\n") >= 40
     assert long_text(len(text)) == text
+
+
+def test_arrival_burst_pool(checkpoint_factory, tmp_path):
+    """Running streams, then a burst: the burst's requests are the row's requests; the running streams' gaps are
+    counted inside the burst window and compared with their chunk's length."""
+    doc = run_pool(checkpoint_factory, tmp_path / "burst.json", "arrival-burst",
+                   ["--running", "2", "--burst", "2", "--burst-patches", str(PATCHES), "--settle", "0.05",
+                    "--iters", "1"], rows=1)
+    r = doc["results"][0]
+    assert r["requests"] == 2 and r["running_streams"] == 2 and r["concurrency"] == 4
+    assert doc["running"] == 2 and doc["burst"] == 2 and doc["pool"]["max_num_seqs"] == 4
+    assert 0 <= r["running_gaps_over_chunk"] <= r["running_gaps_in_window"]
+    assert r["chunk_s"] in (None, pytest.approx(PATCH_S))  # None: the running streams ended before the burst started
+    assert r["burst_admit_s"] == pytest.approx(r["burst_admit_s_each"][0]) and r["burst_admit_s"] > 0

@@ -488,3 +488,34 @@ def test_a_stalled_admission_is_not_retried_by_the_plain_loop_either(model):
     third = looked.count(ids[2])
     assert 2 <= third <= 3, looked  # tried with the first two, then once more after the first finished
     assert engine.blocks.num_free == 10 and engine.scheduler.num_preemptions == 0
+
+
+def test_a_burst_onto_running_streams_is_admitted_within_the_running_budget(model):
+    """While a stream runs, a step prefills at most `running_prefill_tokens` (the first prompt of a round goes in
+    whatever its length): a burst is admitted over several steps, the running stream gets its chunk every step, and
+    every request's audio is what it is alone. Without the budget the burst is admitted in one step."""
+    first = dict(target_text="The stream that runs first.", params=SamplingParams(seed=30, max_generate_length=12))
+    burst = [dict(target_text=f"Arrival number {i}.", params=SamplingParams(seed=31 + i, max_generate_length=4))
+             for i in range(3)]
+    for budget, most_per_step in ((1, 1), (None, 3)):
+        engine = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=256, block_size=4,
+                                               running_prefill_tokens=budget, pipeline_decode=False))
+        sched = engine.scheduler
+        running_id = engine.add_request(**first)
+        chunks: dict[int, list[np.ndarray]] = {running_id: [ev.audio for ev in engine.step()]}
+        ids = [engine.add_request(**r) for r in burst]
+        chunks.update({i: [] for i in ids})
+        admitted_per_step = []
+        while engine.has_unfinished():
+            before = len(sched.waiting)
+            events = engine.step()
+            admitted_per_step.append(before - len(sched.waiting))
+            if running_id in engine.sequences or any(ev.seq_id == running_id for ev in events):
+                assert any(ev.seq_id == running_id for ev in events), "the running stream missed a step"
+            for ev in events:
+                chunks[ev.seq_id].append(ev.audio)
+        assert max(admitted_per_step) == most_per_step and sum(admitted_per_step) == len(burst)
+        assert engine.blocks.num_free == len(engine.blocks.blocks)
+        for i, r in zip([running_id, *ids], [first, *burst], strict=True):
+            alone = _run_all(LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=256, block_size=4)), [r])[0]
+            np.testing.assert_array_equal(np.concatenate(chunks[i]), alone)

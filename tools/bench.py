@@ -32,6 +32,7 @@ SUBCOMMANDS: subcommands.Table = {
     "hifi-blocking": ("workloads:hifi_blocking", "bursts of whole-utterance requests cloning one cached HiFi voice"),
     "closed-loop": ("workloads:closed_loop", "N users, each sending its next request when the previous one ends"),
     "open-loop": ("workloads:open_loop", "Poisson arrivals at fixed rates, whatever the load"),
+    "arrival-burst": ("arrival_burst:main", "a burst arriving onto running streams: their chunk gaps, its TTFB"),
     "ws": ("ws_sessions:main", "live-text WebSocket sessions fed a word at a time: first audio, underruns"),
     "overload": ("overload:main", "bursts beyond a running service's room: how fast the excess is refused"),
     "tune-coalesce": ("tune_coalesce:main", "the queue-coalescing window: a service per window, open-loop over HTTP"),

@@ -23,6 +23,9 @@
 #   PARTS="cold" COLD_DROP_CACHES=1 ...   # each start after dropping the page cache (root): checkpoint and libraries cold
 #   PARTS="gpu2" GPU2_ENV="NANOVLLM_API_PROCESSES=28" ...   # one GPU against two, the services in that environment
 #   PARTS="lora" CONC=1,64 LORAS=4 LORA_RANK=32 ...   # runtime LoRA adapters vs the base model vs a merged adapter
+#   PARTS="burst" BASELINE=old BURST_VARIANTS="--max-num-batched-tokens 8192;--pool-kwargs {\"running_prefill_tokens\":2048}"
+#       a burst of BURST (128) onto RUNNING (128) streams (`tools/bench.py arrival-burst`), once per variant (extra
+#       flags), BASELINE's engine first (its variants: BURST_BASE_VARIANTS); files burst_*.json
 #   PARTS="http_env" BASELINE=old HTTP_ROUNDS=3 HTTP_VARIANTS="-;NANOVLLM_WORKER_CPUS=1" CONC=64,128 ...   # rounds
 #       of the old service and this tree's in each environment, alternating, MP3 at CONC (HTTP_ENV_FORMATS="pcm mp3":
 #       both; `tools/bench.py serving-report`)
@@ -434,6 +437,30 @@ random_adapters('$CKPT', 1, ${LORA_RANK:-32}, Path('/tmp/lora_merged'))" \
                 2>&1 | tail -2 | tee -a "$LOG"
             OURS_ARGS="${OURS_ARGS:-} --pool-kwargs {\"lora_path\":\"/tmp/lora_merged/bench0\"}" \
                 bench voxcpm-serve "$OUT/lora_merged.json" "$T_OURS" || RC[$part]=$?
+            ;;
+        burst)  # arrivals onto running streams, once per variant, BASELINE's engine first (today's tool over it)
+            { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
+            RC[$part]=0
+            burst_args=(--model "$CKPT" --running "${RUNNING:-128}" --burst "${BURST:-128}" --iters "${BURST_ITERS:-2}")
+            trees=(.)
+            if [[ -n "${BASELINE:-}" ]]; then
+                cp -r tools/bench.py tools/subcommands.py tools/benchmarks "$BASELINE/tools/"
+                trees=("$BASELINE" .)
+            fi
+            for tree in "${trees[@]}"; do
+                variants="${BURST_VARIANTS:--}"
+                [[ "$tree" != . ]] && variants="${BURST_BASE_VARIANTS:--}"
+                tag=$([[ "$tree" == . ]] && echo new || echo base)
+                i=0
+                IFS=';' read -ra list <<<"$variants"
+                for v in "${list[@]}"; do
+                    i=$((i + 1))
+                    [[ "$v" == - ]] && v=""
+                    # shellcheck disable=SC2086  # the variant's flags split into words
+                    (cd "$tree" && run_limited "${T_BURST:-150}" "burst-$tag-$i" python3 tools/bench.py arrival-burst \
+                        "${burst_args[@]}" ${BURST_ARGS:-} $v --out "$OUT/burst_${tag}_$i.json") || RC[$part]=$?
+                done
+            done
             ;;
         ours_base)  # the pool benchmark of an earlier tree (BASELINE=dir, e.g. `git archive <commit> engine service
             # tools pyproject.toml | tar -x -C old`), with that tree's own stream benchmark, into ours_base.json
