@@ -2,7 +2,7 @@
 streams' chunks are spaced while the burst is admitted, and how fast the burst starts.
 
     python tools/bench.py arrival-burst --model CKPT --running 128 --burst 128 --out burst.json
-    python tools/bench.py arrival-burst --model CKPT --running 64 --burst 128 --pool-kwargs '{"prefill_chunk_tokens": 2048}'
+    python tools/bench.py arrival-burst --model CKPT --running 64 --pool-kwargs '{"running_prefill_tokens": 2048}'
 
 Per round: R requests start together; --settle seconds after the last of them has its first chunk, B requests are
 submitted at once. The burst window runs from that submit to the last burst request's first chunk. For the running
