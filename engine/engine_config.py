@@ -54,6 +54,11 @@ class EngineConfig:
     inference_timesteps: int = setting(10, "CFM Euler steps per patch.", ge=1, le=100)
     dtype: str | torch.dtype | None = setting(None, "The weights' dtype, a name of DTYPE_NAMES (or a torch dtype); "
                                                     "unset: the checkpoint's.", choices=tuple(DTYPE_NAMES))
+    vae_dtype: str | None = setting(None, "The streaming VAE decoder's dtype, a name of DTYPE_NAMES; unset: "
+                                          "float32, as the official package runs it. bfloat16 is faster at high "
+                                          "batch (docs/benchmarks.md) and changes the audio by its rounding; the "
+                                          "patches, and so what is said, do not depend on it.",
+                                    choices=tuple(DTYPE_NAMES))
     pipeline_decode: bool | None = setting(None, "Launch a decode step before reading the previous one's outputs, so "
                                                  "the host's work between steps overlaps the device's (a sequence "
                                                  "that stops computes one patch more, dropped). Unset: on for CUDA, "

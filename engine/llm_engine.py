@@ -59,6 +59,8 @@ class LLMEngine:
         if cfg.lora_path and cfg.lora_merge:
             self.lora_layers = merge_adapter(self.model.backbone, read_adapter(cfg.lora_path),
                                              self.model.config.architecture)
+        if cfg.vae_dtype is not None:  # the decoder only: prompt latents keep the encoder's float32
+            self.model.vae.decoder.to(parse_dtype(cfg.vae_dtype))
         load_s = time.perf_counter() - t0
         kernel_stats = precompiler.wait()
         wait_s = time.perf_counter() - t0 - load_s  # for kernels still compiling when the model is in

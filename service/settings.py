@@ -30,6 +30,7 @@ ENGINE_SETTINGS: dict[str, str] = {
     "serverpool_gpu_memory_utilization": "gpu_memory_utilization",
     "serverpool_enforce_eager": "enforce_eager",
     "serverpool_inference_timesteps": "inference_timesteps",
+    "serverpool_vae_dtype": "vae_dtype",
     "queue_coalesce_ms": "coalesce_ms",
     "queue_timeout_s": "queue_timeout_s",
     "lora_id": "lora_name",

@@ -381,3 +381,14 @@ def test_arrival_burst_pool(checkpoint_factory, tmp_path):
     assert 0 <= r["running_gaps_over_chunk"] <= r["running_gaps_in_window"]
     assert r["chunk_s"] in (None, pytest.approx(PATCH_S))  # None: the running streams ended before the burst started
     assert r["burst_admit_s"] == pytest.approx(r["burst_admit_s_each"][0]) and r["burst_admit_s"] > 0
+
+
+def test_vae_dtype(checkpoint_factory, tmp_path):
+    """The bfloat16 decoder against float32 on the CPU: the same patches, the audio within bf16's rounding."""
+    out = tmp_path / "vae_dtype.json"
+    doc = bench.main(["vae-dtype", "--model", str(checkpoint_factory("tiny-voxcpm2", stop="never")), "--requests",
+                      "2", "--patches", str(PATCHES), "--batch", "2", "--repeats", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
+    assert doc["patches_equal"] is True and doc["device"] == "cpu" and len(doc["snr_db"]) == 2
+    assert 30 < doc["snr_db_min"] <= doc["snr_db_mean"] < 200 and 0 < doc["max_abs_diff"] < doc["audio_peak"]
+    assert doc["vae_ms"]["2"]["float32"] > 0 and doc["vae_ms"]["2"]["bfloat16"] > 0

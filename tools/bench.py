@@ -41,6 +41,7 @@ SUBCOMMANDS: subcommands.Table = {
     "kernels": ("kernels:main", "the decode step's kernels over their launch parameters (GPU)"),
     "pdl-chain": ("pdl_chain:main", "decode chains of layers, each way the engine can run them (GPU)"),
     "lora-step": ("lora_step:main", "what runtime LoRA adapters cost a decode step (GPU)"),
+    "vae-dtype": ("vae_dtype:main", "the VAE decoder in bfloat16 or float16: audio SNR against float32, VAE ms"),
     "drift": ("drift:main", "voice drift over a long text's segments for each continuation-prompt rule"),
     "compare": ("compare:main", "two stream results side by side, with ratios"),
     "serving-report": ("serving_report:main", "the serving-path table of a tools/gpu_host/bench.sh output folder"),

@@ -9,7 +9,8 @@ submitted at once. The burst window runs from that submit to the last burst requ
 streams, over the gaps between consecutive chunks that overlap the window: the largest gap and how many exceeded the
 chunk's real-time length (its audio seconds: a listener holding only that chunk would hear silence), with the largest
 gap of the second before the burst beside it; and their underruns (a listener from each stream's first chunk). For
-the burst: TTFB (from its submit) and its underruns. Throughput: the audio of every stream from the burst's submit to
+the burst: TTFB (from its submit) and its underruns. Each request's text is numbered at its start (no prefix-cache
+hits between them) unless --same-text. Throughput: the audio of every stream from the burst's submit to
 the round's end, per second. One warm-up round, then --iters counted rounds per row.
 """
 
@@ -42,10 +43,16 @@ def _window_gaps(rec: dict[str, list[float]], start: float, end: float) -> list[
     return [(a[i] - a[i - 1], d[i - 1]) for i in range(1, len(a)) if a[i] > start and a[i - 1] < end]
 
 
+def _text(a: argparse.Namespace, i: int) -> str:
+    """Request i's text: unless --same-text, numbered at its start, so that no prompt comes from another's prefix
+    cache (a burst of different texts costs its whole prefill; the same text is prefilled once)."""
+    return a.text if a.same_text else f"Number {i}. {a.text}"
+
+
 async def one_round(target: bl.Target, a: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     running = [{"arrivals": [], "durations": []} for _ in range(a.running)]
-    tasks = [asyncio.create_task(_follow(target, bl.Req(a.text, a.patches, seed=i), t0, rec))
+    tasks = [asyncio.create_task(_follow(target, bl.Req(_text(a, i), a.patches, seed=i), t0, rec))
              for i, rec in enumerate(running)]
     deadline = time.perf_counter() + a.start_timeout
     while not all(rec["arrivals"] for rec in running):
@@ -57,8 +64,8 @@ async def one_round(target: bl.Target, a: argparse.Namespace) -> dict[str, Any]:
     await asyncio.sleep(a.settle)
     burst_at = time.perf_counter() - t0
     arrivals = [{"arrivals": [], "durations": []} for _ in range(a.burst)]
-    tasks += [asyncio.create_task(_follow(target, bl.Req(a.text, a.burst_patches, seed=10_000 + i), t0, rec))
-              for i, rec in enumerate(arrivals)]
+    tasks += [asyncio.create_task(_follow(target, bl.Req(_text(a, 10_000 + i), a.burst_patches, seed=10_000 + i),
+                                          t0, rec)) for i, rec in enumerate(arrivals)]
     outs = await asyncio.gather(*tasks, return_exceptions=True)
     end = time.perf_counter() - t0
     errors = bl.errors_of(outs)
@@ -110,6 +117,8 @@ def main(argv: list[str]) -> dict[str, Any]:
     ap.add_argument("--burst-patches", type=int, default=40, help="patches per burst request")
     ap.add_argument("--settle", type=float, default=1.0,
                     help="seconds from the last running stream's first chunk to the burst")
+    ap.add_argument("--same-text", action="store_true",
+                    help="every request the same text (after the first, prompts come from the prefix cache)")
     ap.add_argument("--start-timeout", type=float, default=120.0, help="seconds the running streams may take to start")
     a = ap.parse_args(argv)
     a = bl.finish_args(ap, a, a.running + a.burst, argv, "arrival-burst")
@@ -118,5 +127,6 @@ def main(argv: list[str]) -> dict[str, Any]:
         run.add(await rounds(target, a, bar))
 
     params = {"running": a.running, "burst": a.burst, "burst_patches": a.burst_patches, "settle_s": a.settle,
+              "same_text": a.same_text,
               "iters": a.iters}
     return bl.run_tool("arrival_burst", a, params, body, total=a.iters + 1, extra_columns=COLUMNS, unit="round")

@@ -23,6 +23,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -257,10 +258,11 @@ def trace(engine: LLMEngine, c: int, warm: int, steps: int) -> dict:
 # ---------------------------------------------------------------- the subcommands
 
 
-def gpu_engine(model: str, max_num_seqs: int) -> LLMEngine:
-    """The engine both profiles run: on the GPU, 1024 tokens a sequence, 0.8 of the GPU memory."""
-    return LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=1024, gpu_memory_utilization=0.8),
-                     device="cuda")
+def gpu_engine(model: str, max_num_seqs: int, **options: Any) -> LLMEngine:
+    """The engine both profiles run: on the GPU, 1024 tokens a sequence, 0.8 of the GPU memory (`options`: other
+    EngineConfig fields)."""
+    return LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=1024, gpu_memory_utilization=0.8,
+                                         **options), device="cuda")
 
 
 def run_facts() -> dict[str, str]:
@@ -281,10 +283,12 @@ def step_main(argv: list[str]) -> None:
     ap.add_argument("--batch", default="1,64")
     ap.add_argument("--out")
     ap.add_argument("--kernels", action="store_true", help="also list the step graph's CUDA kernels (torch.profiler)")
+    ap.add_argument("--engine-kwargs", default="{}", help="JSON of other EngineConfig fields, e.g. "
+                    "'{\"vae_dtype\": \"bfloat16\"}'")
     a = ap.parse_args(argv)
     batches = [int(x) for x in a.batch.split(",")]
-    engine = gpu_engine(a.model, max(batches))
-    res: dict = {**run_facts(), "startup_s": engine.startup_s,
+    engine = gpu_engine(a.model, max(batches), **json.loads(a.engine_kwargs))
+    res: dict = {**run_facts(), "engine_kwargs": json.loads(a.engine_kwargs), "startup_s": engine.startup_s,
                  "startup_phases": engine.startup_phases, "capture_times": engine.runner.capture_times,
                  "options": dataclasses.asdict(engine.config.options), "batches": {}}
     for b in batches:

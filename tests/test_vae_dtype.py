@@ -1,0 +1,50 @@
+"""The VAE decoder in bfloat16 (`vae_dtype`): the same patches as in float32 (the VAE does not feed back), audio
+within bf16's rounding of float32's, and not the same audio (the option acts)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.io.checkpoint import load_model
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sequence import SamplingParams
+from tests.conftest import clip_latents
+
+
+def _run(model, vae_dtype: str | None) -> tuple[np.ndarray, list[torch.Tensor]]:
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=256, vae_dtype=vae_dtype))
+    clip = clip_latents(engine.model, 3, seed=2)  # a continuation: its VAE stream is primed with the prompt's patches
+    engine.add_request("The decoder in another dtype.", SamplingParams(seed=5, max_generate_length=8),
+                       prompt_text="A prompt.", prompt_latents=clip)
+    audio, patches = [], []
+    while engine.has_unfinished():
+        for ev in engine.step():
+            audio.append(ev.audio)
+            patches.append(ev.patch)
+    assert engine.blocks.num_free == len(engine.blocks.blocks)
+    return np.concatenate(audio), patches
+
+
+def test_bfloat16_vae_decoder_keeps_the_patches_and_rounds_the_audio(checkpoint_factory):
+    path = checkpoint_factory("tiny-voxcpm2", stop="never")
+    ref_audio, ref_patches = _run(load_model(path), None)
+    model = load_model(path)
+    audio, patches = _run(model, "bfloat16")
+    assert next(model.vae.decoder.parameters()).dtype == torch.bfloat16
+    assert next(model.vae.encoder.parameters()).dtype == torch.float32  # prompt latents stay float32
+    assert audio.dtype == np.float32 and audio.shape == ref_audio.shape
+    for a, b in zip(patches, ref_patches, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # bitwise: the VAE's output never feeds back
+    err = audio - ref_audio
+    assert np.abs(err).max() > 0  # the option acts
+    # bf16 keeps 8 significant bits (a rounding is at most 2^-9 relative, about -54 dB); a few dozen conv layers
+    # adding independent roundings stay near -40 dB: 30 dB leaves room for another CPU's kernels.
+    snr_db = 10 * np.log10(np.sum(ref_audio.astype(np.float64) ** 2) / np.sum(err.astype(np.float64) ** 2))
+    assert snr_db > 30, snr_db
+
+
+def test_bad_vae_dtype_names_the_field():
+    with pytest.raises(ValueError, match="vae_dtype"):
+        EngineConfig(vae_dtype="int8").validate()
