@@ -11,7 +11,6 @@ difference. Then the VAE decode of a step's patches alone, for each batch of --b
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import time
 from typing import Any
