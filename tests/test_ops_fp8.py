@@ -122,10 +122,14 @@ def test_cpu_fp8_first_patch_is_close_to_the_unquantised_one_and_differs(cpu_pat
     for plain, quantised in zip(cpu_patches[None], cpu_patches["fp8"], strict=True):
         err = float((quantised - plain).norm() / plain.norm())
         assert 1e-3 < err <= bound, f"first patch relative error {err:.4f}, bound {bound:.4f}"
-    # The CPU runs the FP8 model's weights: every projection weight is its dequantised self.
-    weight = model.backbone.base_lm.layers[0].mlp.down_proj.weight
-    assert model.backbone.quantization == "fp8" and fp8.companion_of(weight) is None
-    assert torch.equal(fp8.quantize_weight(weight).dequantized(weight.dtype), weight)
+    # The CPU runs the FP8 model's weights: each projection weight is the checkpoint's, dequantised.
+    for stack in ("base_lm", "feat_decoder.estimator.decoder"):
+        weight = model.backbone.get_submodule(stack).layers[0].mlp.down_proj.weight
+        original = cpu_patches["model-None"].backbone.get_submodule(stack).layers[0].mlp.down_proj.weight
+        assert fp8.companion_of(weight) is None and not torch.equal(weight, original)
+        assert torch.equal(weight, fp8.quantize_weight(original).dequantized(weight.dtype))
+    assert model.backbone.quantization == "fp8" and getattr(cpu_patches["model-None"].backbone, "quantization",
+                                                            None) is None
 
 
 def test_a_quantised_model_serves_no_unquantised_engine(cpu_patches):

@@ -1,12 +1,14 @@
 """FP8 (e4m3) weights for the projections' large-row GEMMs (EngineConfig.quantization = "fp8").
 
-- Weights: one fp32 scale per output channel (row), amax / 448 (e4m3's largest finite value); the weight divided by it
-  and rounded to float8_e4m3fn (nearest, ties to even: 3 mantissa bits, so each element is off by at most 2^-4 of
-  its own size, or 2^-10 of the scale where it falls below e4m3's normal range).
+- Weights: one fp32 scale per output channel (row), amax / 448 (e4m3's largest finite value; computed as amax times
+  1/448 rounded to fp32, alike in torch and the kernel); the weight divided by it and rounded to float8_e4m3fn
+  (nearest, ties to even: 3 mantissa bits, so each element is off by at most 2^-4 of its own size, or 2^-10 of the
+  scale where it falls below e4m3's normal range).
 - Activations: the same rule per token (row), computed for each call (`quantize_rows`: one Triton kernel per call on
   CUDA, `EngineOptions.fp8_quant_kernel`; its eager torch reference beside it).
-- The GEMM: `torch._scaled_mm(x_fp8, w_fp8.t(), scale_a (M, 1), scale_b (1, N), out_dtype=bf16)`, rowwise scaling with
-  fp32 accumulation, on GPUs where torch runs it (sm89 and sm90+; `gemm_supported` probes it once per device).
+- The GEMM: `torch._scaled_mm(x_fp8, w_fp8.t(), scale_a (M, 1), scale_b (1, N), out_dtype=bf16)`, rowwise scaling,
+  use_fast_accum off (the tensor cores' partial sums promoted to fp32), on GPUs where torch runs it (sm89, sm90,
+  sm100: `gemm_supported` probes it once per device).
 
 A weight's companion (`Fp8Weight`) is an attribute of the weight tensor itself (`FP8_ATTR`): `engine.ops.linear`
 is handed the same tensor objects every call, so finding it costs a getattr, allocates nothing and never waits for
@@ -47,13 +49,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, n_cols, stride_x, FLOOR: tl.constexpr, FP8_MAX: tl.constexpr,
-                              BLOCK: tl.constexpr):
+                              INV_MAX: tl.constexpr, BLOCK: tl.constexpr):
         # One program per row: its amax, its scale, its values divided (IEEE division, as torch's) and cast.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), FLOOR), FP8_MAX)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), FLOOR) * INV_MAX
         q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row, scale)
@@ -62,7 +64,8 @@ if HAVE_TRITON:
 def quantize_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x2 (M, K) -> (float8_e4m3fn (M, K), fp32 scales (M, 1)): each row over its own amax / 448 (eager torch)."""
     x32 = x2.float()
-    scale = x32.abs().amax(dim=-1, keepdim=True).clamp_min(SCALE_FLOOR) / E4M3_MAX
+    # Times 1/448 rounded to fp32 (torch's CUDA division by a scalar multiplies by its reciprocal: so does the kernel).
+    scale = x32.abs().amax(dim=-1, keepdim=True).clamp_min(SCALE_FLOOR) * (1.0 / E4M3_MAX)
     return (x32 / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
@@ -76,7 +79,7 @@ def quantize_rows_triton(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if rows:
         block = triton.next_power_of_2(k_dim)
         _quantize_rows_kernel[(rows,)](x2, q, scale, k_dim, x2.stride(0), FLOOR=SCALE_FLOOR, FP8_MAX=E4M3_MAX,
-                                       BLOCK=block, num_warps=max(4, min(16, block // 1024)))
+                                       INV_MAX=1.0 / E4M3_MAX, BLOCK=block, num_warps=max(4, min(16, block // 1024)))
     return q, scale
 
 

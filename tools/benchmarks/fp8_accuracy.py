@@ -133,8 +133,8 @@ def engine_for(a: Any, quantization: str | None, eager: bool = False, fused: boo
     return LLMEngine(model, config, a.device)
 
 
-def release(engine: LLMEngine) -> None:
-    del engine
+def free_device() -> None:
+    """The memory of an engine just dropped back to the device, for the next engine's KV sizing."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -158,7 +158,8 @@ def layer_errors(a: Any) -> tuple[list[dict[str, Any]], bool]:
         for _ in range(1 + a.decode_steps):
             if engine.has_unfinished():
                 engine.step()
-    release(engine)
+    del engine, errors.companions
+    free_device()
     return errors.rows(), gemm
 
 
@@ -177,7 +178,8 @@ def generate(a: Any, quantization: str | None) -> list[dict[str, Any]]:
             out[event.seq_id]["patches"].append(event.patch.float().cpu())
             if event.finished:
                 out[event.seq_id]["finish_reason"] = event.finish_reason
-    release(engine)
+    del engine
+    free_device()
     for r in out.values():
         r["stop_patch"] = len(r["patches"]) if r["finish_reason"] == "stop" else None
     return [out[i] for i in ids]
