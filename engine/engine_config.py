@@ -19,6 +19,7 @@ DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
                "float32": "float32", "fp32": "float32"}  # name -> torch attribute
 
 ATTENTION_BACKENDS = ("flash", "triton", "torch")
+QUANTIZATIONS = ("fp8",)
 
 if TYPE_CHECKING:
     import torch
@@ -59,6 +60,13 @@ class EngineConfig:
                                           "batch (docs/benchmarks.md) and changes the audio by its rounding; the "
                                           "patches, and so what is said, do not depend on it.",
                                     choices=tuple(DTYPE_NAMES))
+    quantization: str | None = setting(None, "Weights of the LMs', LocEnc's and DiT's projections: 'fp8' (e4m3, a "
+                                             "scale per output channel): on a GPU with FP8 GEMMs (sm89+, a bf16 "
+                                             "model) calls of at least VOXCPM_FP8_MIN_ROWS rows run as FP8 GEMMs "
+                                             "(activations quantised per token), fewer rows on the bf16 weights, "
+                                             "which are kept; elsewhere (the CPU) the weights are replaced by their "
+                                             "dequantised values. Unset: the checkpoint's weights.",
+                                       choices=QUANTIZATIONS)
     pipeline_decode: bool | None = setting(None, "Launch a decode step before reading the previous one's outputs, so "
                                                  "the host's work between steps overlaps the device's (a sequence "
                                                  "that stops computes one patch more, dropped). Unset: on for CUDA, "

@@ -45,6 +45,13 @@ def _rows(value: str) -> int:
     return rows
 
 
+def _min_rows(value: str) -> int:
+    rows = int(value)
+    if rows < 1:
+        raise ValueError("use a positive number of rows")
+    return rows
+
+
 def _split_keys(value: str) -> int:
     keys = int(value)
     if keys and (keys < 16 or keys & (keys - 1)):
@@ -71,6 +78,12 @@ class EngineOptions:
     attn_split_keys: int = _option("VOXCPM_ATTN_SPLIT_KEYS", 128, _split_keys, "Keys per program when the paged "
                                    "attention splits a token's context across programs; 0: never split.")
     fast_sin: bool = _option("VOXCPM_FAST_SIN", True, _flag, "The hardware sin approximation in the Snake kernels.")
+    # --- FP8 weights (EngineConfig.quantization) ---------------------------------------------------------------------
+    fp8_min_rows: int = _option("VOXCPM_FP8_MIN_ROWS", 128, _min_rows, "With quantization='fp8' on a GPU with FP8 "
+                                "GEMMs: activation rows from which a projection runs as the FP8 GEMM (fewer rows: "
+                                "the bf16 kernels, as without quantization).")
+    fp8_quant_kernel: bool = _option("VOXCPM_FP8_QUANT_KERNEL", True, _flag, "The FP8 GEMM's per-token activation "
+                                     "quantisation as one Triton kernel; 0: torch ops (amax, divide, clamp, cast).")
     # --- the local modules' layer kernel -------------------------------------------------------------------------
     layer_kernel: str = _option("VOXCPM_LAYER_KERNEL", "fused", _choice("fused", "phases", "off"),
                                 "The DiT / LocEnc stacks as one persistent kernel launch (fused), one launch per "
@@ -138,9 +151,10 @@ class EngineOptions:
         one-row GEMV and the skinny GEMM (projections run as fixed-shape tiles instead), split-K partials, the paged
         attention's key splits (and the decode kernel's rotary and K/V write that come with them), the local modules'
         layer kernel (taken up to a row count), the LoRA kernels (one kernel for a few rows, another for more) and
-        merged-adapter steps (merged or not by the batch's adapters)."""
+        merged-adapter steps (merged or not by the batch's adapters); the FP8 GEMM (quantization='fp8') then runs at
+        every row count, in fixed-shape tiles like the other GEMMs, instead of from a row count on."""
         return dataclasses.replace(self, gemv_max_rows=0, skinny_rows=0, split_k=False, attn_split_keys=0,
-                                   layer_kernel="off", lora_kernel=False, lora_merged_steps=False)
+                                   layer_kernel="off", lora_kernel=False, lora_merged_steps=False, fp8_min_rows=1)
 
     @property
     def layer_prefetch_bytes(self) -> int:

@@ -37,6 +37,7 @@ ENGINE_SETTINGS: dict[str, str] = {
     "lora_merge": "lora_merge",
     "max_loras": "max_loras",
     "max_lora_rank": "max_lora_rank",
+    "quantization": "quantization",
 }
 # Where the service's default is not the library's, and why.
 SERVICE_DEFAULTS: dict[str, Any] = {
@@ -263,6 +264,8 @@ def engine_setting(field_name: str) -> tuple[Any, Any]:
     f = next(f for f in dataclasses.fields(EngineConfig) if f.name == field_name)
     meta = f.metadata
     kind = functools.reduce(operator.or_, (ANNOTATIONS[t] for t in f.type.split(" | ")))  # "float | None"
+    if meta["choices"] is not None:  # a bad value is refused naming the allowed ones
+        kind = Literal[meta["choices"]]
     default = SERVICE_DEFAULTS.get(field_name, f.default)
     if default is None:
         kind = kind | None

@@ -361,6 +361,30 @@ def test_drift(checkpoint_factory, tmp_path):
     assert doc["results"][0]["drift"][1] == doc["results"][1]["drift"][1]
 
 
+def test_fp8_accuracy(checkpoint_factory, tmp_path):
+    """`bench.py fp8-accuracy` on a checkpoint whose stop head decides: every stack's four projections observed (the
+    CPU's FP8 GEMM is its dequantised reference), each request's first patch moved by the FP8 weights, and where each
+    request stopped under both."""
+    ckpt = checkpoint_factory("tiny-voxcpm2")  # the random stop head: requests stop where it fires
+    out = tmp_path / "fp8.json"
+    doc = bench.main(["fp8-accuracy", "--model", str(ckpt), "--device", "cpu", "--requests", "2", "--patches", "3",
+                      "--decode-steps", "1", "--min-rows", "1", "--max-model-len", "256", "--out", str(out)])
+    assert json.loads(out.read_text()) == doc
+    assert doc["command"].startswith("python tools/bench.py fp8-accuracy ") and doc["torch"] and doc["date_utc"]
+    assert doc["fp8_gemm"] is False and "gpu_name" in doc  # the CPU: the reference
+    assert {(r["stack"], r["kind"]) for r in doc["layers"]} == {
+        (s, k) for s in ("base_lm", "residual_lm", "locenc", "dit") for k in ("qkv", "o", "gate_up", "down")}
+    for r in doc["layers"]:  # e4m3's rounding of both operands: a few percent, never nothing
+        assert r["calls"] >= 1 and 1 <= r["rows_min"] <= r["rows_max"] and 0 < r["fp8_rel_err_vs_bf16"] < 0.2
+    e2e = doc["end_to_end"]
+    assert len(e2e["per_request"]) == 2 and 0 <= e2e["stop_agree_share"] <= 1
+    for r in e2e["per_request"]:
+        assert 0 < r["first_patch_rel_err"] < 1 and 1 <= r["patches_compared"] <= 3
+        for stop in (r["stop_patch_bf16"], r["stop_patch_fp8"]):
+            assert stop is None or 1 <= stop <= 3
+    assert e2e["first_patch_rel_err"]["max"] == max(r["first_patch_rel_err"] for r in e2e["per_request"])
+
+
 def test_the_http_benchmarks_long_text_is_whole_sentences_within_its_length():
     from tools.benchmarks.http_bursts import long_text
 

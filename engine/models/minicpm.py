@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.config import TransformerConfig
-from engine.ops import layer_stack, linear, platform
+from engine.ops import fp8, layer_stack, linear, platform
 from engine.ops.dense_attention import dense_attention as dense_attention_op
 from engine.ops.linear import residual_linear
 from engine.ops.lora import LoRAContext, add_lora, add_lora_qkv
@@ -175,6 +175,40 @@ def fuse_projections(module: nn.Module) -> None:
             m.stack_layer_weights()
 
 
+def quantize_projections(module: nn.Module, quantization: str | None, device: torch.device) -> dict[str, int]:
+    """Quantise the projections (q/k/v, o, gate/up, down) of every stack under `module` (EngineConfig.quantization),
+    once per loaded model: after a merged LoRA adapter, fusing and stacking. Where the FP8 GEMM runs
+    (`fp8.gemm_supported`) each fused weight gets its FP8 companion (the weights are fused here if they are not yet);
+    elsewhere the weights are replaced by their dequantised values. A model quantised one way serves no engine
+    configured another (its weights are no longer the checkpoint's): load it again. Returns how many weights took
+    each way."""
+    done = getattr(module, "quantization", None)
+    if done != quantization and done is not None:
+        raise ValueError(f"quantization: this model's weights were quantised ({done}) by another engine: load it again "
+                         f"for quantization={quantization!r}")
+    counts = {"fp8_gemm": 0, "dequantized": 0}
+    if quantization is None or done is not None:
+        return counts
+    stacks = [m for m in module.modules() if isinstance(m, MiniCPM)]
+    gemm = bool(stacks) and fp8.gemm_supported(device, next(stacks[0].parameters()).dtype)
+    if gemm:
+        fuse_projections(module)
+    with torch.no_grad():
+        for layer in (layer for stack in stacks for layer in stack.layers):
+            a, m = layer.self_attn, layer.mlp
+            fused = (a.qkv_weight, a.o_proj.weight, m.gate_up_weight, m.down_proj.weight)
+            for weight in fused if gemm else (lin.weight for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj,
+                                                                      m.gate_proj, m.up_proj, m.down_proj)):
+                if gemm and fp8.gemm_shape_ok(weight):
+                    fp8.attach(weight)
+                    counts["fp8_gemm"] += 1
+                else:
+                    fp8.dequantize_in_place(weight)
+                    counts["dequantized"] += 1
+    module.quantization = quantization
+    return counts
+
+
 class MiniCPM(nn.Module):
     """A stack of decoder layers plus final norm (and token embedding for the base LM)."""
 
@@ -250,7 +284,9 @@ class MiniCPM(nn.Module):
         """A local module's stack (LocEnc, DiT): bidirectional attention within each short sequence of x; where the
         layer kernel takes these few rows, the whole stack is one kernel launch."""
         lora = self.lora_context is not None and self.lora_context.mask is not None  # the kernel reads base weights
-        if len(self.layers) and not lora and platform.kernels(x) and layer_stack.supported(self, x):
+        # Rows the FP8 GEMM takes (EngineOptions.fp8_min_rows) go the per-layer way, which runs it.
+        fp8_rows = len(self.layers) > 0 and fp8.companion(x, self.layers[0].self_attn.qkv_weight) is not None
+        if len(self.layers) and not lora and not fp8_rows and platform.kernels(x) and layer_stack.supported(self, x):
             return layer_stack.dense_stack(self, x, rope if self.uses_rope else None)
         return self.forward(x, rope, dense_attention)
 

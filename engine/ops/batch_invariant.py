@@ -11,6 +11,7 @@ shape:
   (rows, K) x (K, N) problem, whose rows the library computes alike at every position (on the CPU one batched GEMM of
   8-row tiles; on CUDA one cuBLAS call per tile of `tile_rows` rows, since a batched call's kernel depends on the
   count);
+- the FP8 GEMM (`aten._scaled_mm`) likewise, each tile with its rows' scales;
 - another GEMM by its rows likewise (a batched one entry by entry), a convolution and SDPA one sample at a time, on
   the CPU on one thread (those kernels split a call across threads: the bytes would depend on the core count).
 
@@ -70,6 +71,20 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], n)
+
+
+def tiled_scaled_mm(func: Callable[..., torch.Tensor], a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                    *rest: Any, **kwargs: Any) -> torch.Tensor:
+    """The FP8 GEMM (`engine.ops.fp8`) like a projection: a's rows in zero-padded tiles of one shape, each with its
+    rows' scales (padded with ones), or the tensor-wide scale as it is."""
+    tile = tile_rows(a.device.type, a.shape[1], b.shape[1])
+    count = a.shape[0]
+    tiles = -(-count // tile) or 1
+    padded = F.pad(a.view(torch.uint8), (0, 0, 0, tiles * tile - count)).view(a.dtype)  # fp8 has no pad kernel
+    scales = F.pad(scale_a, (0, 0, 0, tiles * tile - count), value=1.0) if scale_a.numel() > 1 else None
+    return torch.cat([func(padded[i * tile:(i + 1) * tile], b,
+                           scale_a if scales is None else scales[i * tile:(i + 1) * tile], *rest, **kwargs)
+                      for i in range(tiles)])[:count]
 
 
 def tiled_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -150,6 +165,7 @@ HANDLERS: dict[Any, Callable[..., torch.Tensor]] = {
     aten.mm.default: lambda func, a, b: tiled_mm(a, b),
     aten.addmm.default: lambda func, c, a, b, beta=1, alpha=1: beta * c + alpha * tiled_mm(a, b),
     aten.bmm.default: lambda func, a, b: _bmm(a, b),
+    aten._scaled_mm.default: tiled_scaled_mm,
     aten.baddbmm.default: lambda func, c, a, b, beta=1, alpha=1: beta * c + alpha * _bmm(a, b),
     aten.baddbmm_.default: _baddbmm_,
     aten.conv1d.default: _per_sample,

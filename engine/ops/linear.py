@@ -3,7 +3,8 @@
 Every bias-free projection of the transformers goes through here, so what multiplies, say, a one-row o_proj is
 decided in one place. Split-K (EngineOptions.split_k): where a GEMM has few output tiles for its length of K, cuBLAS
 leaves most SMs idle; a strided batched GEMM over slices of K writes fp32 partials that the add + RMSNorm after it
-sums (`norm.add_rms_norm`). The eager path is `F.linear`.
+sums (`norm.add_rms_norm`). The eager path is `F.linear`. With FP8 weights (`engine.ops.fp8`), a call of at least
+`fp8_min_rows` rows on a weight with an FP8 companion runs the FP8 GEMM before any of these.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.ops import gemv, platform, silu_mul, skinny_gemm
+from engine.ops import fp8, gemv, platform, silu_mul, skinny_gemm
 from engine.options import current
 
 
@@ -19,6 +20,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T without bias: on CUDA up to `gemv_max_rows` (EngineOptions) rows (one by default) go to the
     weight-streaming GEMV kernel chained by PDL (`gemv.gemv`: the LMs' one-row decode chain), the rest to
     cuBLAS."""
+    if (quantized := fp8.companion(x, weight)) is not None:
+        return fp8.fp8_linear(x, quantized)
     if platform.kernels(x) and gemv.gemv_supported(x, weight):
         return gemv.gemv(x, weight)
     return F.linear(x, weight)
@@ -28,6 +31,9 @@ def silu_gate_linear(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Ten
     """silu(x @ gate.T) * (x @ up.T) for the fused [gate; up] weight (2I, K): for a few rows on CUDA one
     weight-streaming kernel with the gated product in its epilogue (where it beats cuBLAS + `silu_mul`; the other
     projections stay on cuBLAS, which the same kernel did not beat), else the GEMM and `silu_mul`."""
+    if (quantized := fp8.companion(x, gate_up_weight)) is not None:
+        gate, up = fp8.fp8_linear(x, quantized).chunk(2, dim=-1)
+        return silu_mul.silu_mul(gate, up)
     if platform.kernels(x) and gemv.gemv_supported(x, gate_up_weight, silu_gate=True):
         return gemv.gemv(x, gate_up_weight, silu_gate=True)
     if platform.kernels(x) and skinny_gemm.skinny_supported(x, gate_up_weight, silu_gate=True):
@@ -59,7 +65,9 @@ def residual_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T for the last projection of a residual branch, which `add_rms_norm` adds to the stream: the output,
     or on CUDA where `residual_splits` says so, its S partial products over slices of K, (S, *x.shape[:-1], N)
     fp32 (fp32 accumulation throughout; only the summation order differs from one GEMM's). One-row calls go to the
-    GEMV kernel (`linear`), which returns partials where it cuts K into slices."""
+    GEMV kernel (`linear`), which returns partials where it cuts K into slices; FP8 calls return the output."""
+    if (quantized := fp8.companion(x, weight)) is not None:
+        return fp8.fp8_linear(x, quantized)
     if platform.kernels(x) and gemv.gemv_supported(x, weight, partials=True):
         return gemv.gemv(x, weight)
     k_dim, n = x.shape[-1], weight.shape[0]

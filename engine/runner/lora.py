@@ -33,6 +33,7 @@ from torch import nn
 
 from engine.errors import LoRANotFoundError, OverloadedError
 from engine.io.lora import LoRAAdapter, LoRAError, targets
+from engine.ops import fp8
 from engine.ops.lora import LoRAContext, LoRAStack, add_lora
 from engine.vocabulary import LORA_NAME_PATTERN, AdapterInfo
 
@@ -85,6 +86,7 @@ class LoRASlots:
         self.layers = adaptable_layers(backbone)
         columns = max_loras * max_rank
         elements = 0
+        self.quantized: list[torch.Tensor] = []
         for name, layer in self.layers.items():
             if name.endswith(LAYER_TARGETS[:3]):
                 continue  # below: q, k and v together
@@ -103,6 +105,9 @@ class LoRASlots:
             a = torch.zeros(3 * columns, qkv[0].in_features, dtype=dtype, device=device)
             b = torch.zeros(sum(outs), 3 * columns, dtype=dtype, device=device)
             attention.qkv_lora = LoRAStack(a, b, self.context)
+            # FP8 companions of the adapted weights follow each merge (`_rewrite`); the other weights never change.
+            self.quantized += [w for w in (attention.qkv_weight, attention.o_proj.weight)
+                               if fp8.companion_of(w) is not None]
             elements += a.numel() + b.numel()
             for i, lin in enumerate(qkv):
                 start = sum(outs[:i])
@@ -160,6 +165,8 @@ class LoRASlots:
                 layer.weight.data.copy_(base)
             else:  # base + B A, rounded once
                 torch.addmm(base, stack.b[:, cols], stack.a[cols], out=layer.weight.data)
+        for weight in self.quantized:
+            fp8.requantize(weight)
 
     @torch.no_grad()
     def capture_merges(self) -> None:

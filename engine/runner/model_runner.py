@@ -20,7 +20,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.engine_config import EngineConfig
 from engine.io.checkpoint import LoadedModel
-from engine.models.minicpm import fuse_projections
+from engine.models.minicpm import fuse_projections, quantize_projections
 from engine.ops import layer_stack
 from engine.options import current
 from engine.runner.attention import PagedKVCache, select_backend
@@ -70,6 +70,10 @@ class ModelRunner:
         if device.type == "cuda" and opts.fuse:
             fuse_projections(model.backbone)
             layer_stack.prepare(device)  # the layer kernels' barrier counters, before any graph capture
+        # FP8 weights after the merged adapter, fusing and stacking; before runtime adapters' base copies and capture.
+        quantized = quantize_projections(model.backbone, config.quantization, device)
+        if config.quantization:
+            log.info("quantization %s: projection weights %s", config.quantization, quantized)
         # Runtime LoRA adapters: their slots exist before KV sizing and graph capture, which then include them.
         self.lora = LoRASlots(model.backbone, model.config.architecture, config.max_loras,
                               config.max_lora_rank, device, self.dtype,

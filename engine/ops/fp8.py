@@ -1,0 +1,187 @@
+"""FP8 (e4m3) weights for the projections' large-row GEMMs (EngineConfig.quantization = "fp8").
+
+- Weights: one fp32 scale per output channel (row), amax / 448 (e4m3's largest finite value; computed as amax times
+  1/448 rounded to fp32, alike in torch and the kernel); the weight divided by it and rounded to float8_e4m3fn
+  (nearest, ties to even: 3 mantissa bits, so each element is off by at most 2^-4 of its own size, or 2^-10 of the
+  scale where it falls below e4m3's normal range).
+- Activations: the same rule per token (row), computed for each call (`quantize_rows`: one Triton kernel per call on
+  CUDA, `EngineOptions.fp8_quant_kernel`; its eager torch reference beside it).
+- The GEMM: `torch._scaled_mm(x_fp8, w_fp8.t(), scale_a (M, 1), scale_b (1, N), out_dtype=bf16)`, rowwise scaling,
+  use_fast_accum off (the tensor cores' partial sums promoted to fp32), on GPUs where torch runs it (sm89, sm90,
+  sm100: `gemm_supported` probes it once per device).
+
+A weight's companion (`Fp8Weight`) is an attribute of the weight tensor itself (`FP8_ATTR`): `engine.ops.linear`
+is handed the same tensor objects every call, so finding it costs a getattr, allocates nothing and never waits for
+the device (graph capture). It is made at load, after the projections are fused and stacked (`stack_layer_weights`
+moves their storage, not the tensor objects) and after a merged LoRA adapter went into the weights
+(`minicpm.quantize_projections`), and remade in place when runtime LoRA merges rewrite the weights (`requantize`).
+The bf16 weights stay: calls of fewer than `fp8_min_rows` rows run the bf16 kernels as before.
+
+Where torch has no FP8 GEMM (the CPU, older GPUs, a model not in bf16), `dequantize_in_place` replaces the weights by
+their FP8 values instead: every call then computes with the FP8 model's weights, its activations unquantised.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine.ops import platform
+from engine.ops.platform import HAVE_TRITON
+from engine.options import current
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from engine.lazy_torch import torch  # the kernel-compiling children never load it
+
+log = logging.getLogger(__name__)
+
+E4M3_MAX = 448.0
+SCALE_FLOOR = 1e-12  # an all-zero row's amax: its scale stays finite and its values zero
+FP8_ATTR = "fp8"  # the companion's attribute on a weight tensor
+MAX_KERNEL_COLS = 16384  # the kernel holds a row in registers; longer rows take the torch ops
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, n_cols, stride_x, FLOOR: tl.constexpr, FP8_MAX: tl.constexpr,
+                              INV_MAX: tl.constexpr, BLOCK: tl.constexpr):
+        # One program per row: its amax, its scale, its values divided (IEEE division, as torch's) and cast.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), FLOOR) * INV_MAX
+        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row, scale)
+
+
+def quantize_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 (M, K) -> (float8_e4m3fn (M, K), fp32 scales (M, 1)): each row over its own amax / 448 (eager torch)."""
+    x32 = x2.float()
+    # Times 1/448 rounded to fp32 (torch's CUDA division by a scalar multiplies by its reciprocal: so does the kernel).
+    scale = x32.abs().amax(dim=-1, keepdim=True).clamp_min(SCALE_FLOOR) * (1.0 / E4M3_MAX)
+    return (x32 / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def quantize_rows_triton(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows_reference` as one kernel launch (rows of at most MAX_KERNEL_COLS, unit column stride)."""
+    rows, k_dim = x2.shape
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    q = torch.empty((rows, k_dim), dtype=torch.float8_e4m3fn, device=x2.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x2.device)
+    if rows:
+        block = triton.next_power_of_2(k_dim)
+        _quantize_rows_kernel[(rows,)](x2, q, scale, k_dim, x2.stride(0), FLOOR=SCALE_FLOOR, FP8_MAX=E4M3_MAX,
+                                       INV_MAX=1.0 / E4M3_MAX, BLOCK=block, num_warps=max(4, min(16, block // 1024)))
+    return q, scale
+
+
+def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 quantisation: the Triton kernel where it runs (EngineOptions.fp8_quant_kernel), else torch."""
+    if platform.kernels(x2) and current().fp8_quant_kernel and x2.shape[-1] <= MAX_KERNEL_COLS:
+        return quantize_rows_triton(x2)
+    return quantize_rows_reference(x2)
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A projection weight (N, K) in e4m3 (contiguous) and its per-output-channel scales as (1, N) fp32, the layout
+    `_scaled_mm`'s rowwise scaling takes for its second operand."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight the FP8 values stand for, rounded once to `dtype`."""
+        return (self.data.float() * self.scale.view(-1, 1)).to(dtype)
+
+
+def quantize_weight(weight: torch.Tensor) -> Fp8Weight:
+    q, scale = quantize_rows(weight.detach())
+    return Fp8Weight(q.contiguous(), scale.view(1, -1).contiguous())
+
+
+def gemm_shape_ok(weight: torch.Tensor) -> bool:
+    """`_scaled_mm` multiplies K and N that are multiples of 16 only."""
+    return weight.dim() == 2 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+
+
+_probed: dict[torch.device, bool] = {}
+
+
+def gemm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the FP8 GEMM runs for a model of this dtype on this device: CUDA, sm89 or newer, bf16, and a small
+    rowwise-scaled `_scaled_mm` runs there (probed once per device; torch refuses e.g. consumer Blackwell)."""
+    if device.type != "cuda" or dtype != torch.bfloat16 or torch.cuda.get_device_capability(device) < (8, 9):
+        return False
+    if device not in _probed:
+        try:
+            a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
+            torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1, device=device),
+                             scale_b=torch.ones(1, 16, device=device), out_dtype=torch.bfloat16)
+            _probed[device] = True
+        except RuntimeError as e:
+            log.warning("no FP8 GEMM on %s (%s): FP8 weights dequantised", device, e)
+            _probed[device] = False
+    return _probed[device]
+
+
+def attach(weight: torch.Tensor) -> None:
+    """Give `weight` its FP8 companion (from its current values)."""
+    setattr(weight, FP8_ATTR, quantize_weight(weight))
+
+
+def companion_of(weight: torch.Tensor | None) -> Fp8Weight | None:
+    return getattr(weight, FP8_ATTR, None)
+
+
+def requantize(weight: torch.Tensor) -> None:
+    """Rewrite `weight`'s companion in place from the weight's current values (after a LoRA merge rewrote them);
+    queued on the current stream, capturable (the companion's memory stays where the graphs read it)."""
+    fp8 = companion_of(weight)
+    assert fp8 is not None
+    q, scale = quantize_rows(weight.detach())
+    fp8.data.copy_(q)
+    fp8.scale.copy_(scale.view(1, -1))
+
+
+def dequantize_in_place(weight: torch.Tensor) -> None:
+    """Replace the weight's values by the FP8 ones they round to (devices without the FP8 GEMM)."""
+    weight.data.copy_(quantize_weight(weight).dequantized(weight.dtype))
+
+
+def companion(x: torch.Tensor, weight: torch.Tensor | None) -> Fp8Weight | None:
+    """The FP8 weight a call x @ weight.T runs on: the weight's companion where it has one and the call has at least
+    `fp8_min_rows` rows (host-side shapes only), else None (the bf16 kernels)."""
+    fp8 = getattr(weight, FP8_ATTR, None)
+    if fp8 is None or x.numel() < current().fp8_min_rows * x.shape[-1]:
+        return None
+    return fp8
+
+
+def scaled_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: Fp8Weight,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """(M, K) e4m3 row-major x (K, N) e4m3 column-major (the weight's transpose view), each side's rows scaled."""
+    return torch._scaled_mm(x_fp8, weight.data.t(), scale_a=x_scale, scale_b=weight.scale, out_dtype=out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """x (..., K) @ W.T by the FP8 GEMM: x quantised per token, the product accumulated in fp32, out in x's dtype."""
+    k_dim = x.shape[-1]
+    x_fp8, x_scale = quantize_rows(x.reshape(-1, k_dim))
+    return scaled_matmul(x_fp8, x_scale, weight, x.dtype).view(*x.shape[:-1], weight.data.shape[0])
+
+
+def fp8_linear_reference(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """`fp8_linear` in eager fp32 on any device: both sides quantised and dequantised, multiplied, rounded once."""
+    k_dim = x.shape[-1]
+    x_fp8, x_scale = quantize_rows_reference(x.reshape(-1, k_dim))
+    out = (x_fp8.float() * x_scale) @ weight.dequantized(torch.float32).t()
+    return out.to(x.dtype).view(*x.shape[:-1], weight.data.shape[0])

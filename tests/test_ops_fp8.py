@@ -1,0 +1,271 @@
+"""FP8 weights (`engine/ops/fp8.py`, EngineConfig.quantization = "fp8"): the e4m3 rounding within its bound, the CPU
+engine on its dequantised weights close to the unquantised one and not equal to it, runtime LoRA merges requantising
+the companions, the setting from the service to the engine. On CUDA: the FP8 GEMM against its dequantised eager
+reference, the activation quantiser against torch, and the engine in CUDA graphs against eager FP8.
+
+The bounds: e4m3 keeps 3 mantissa bits and rounds to nearest, so a value scaled into its normal range is off by at most
+half an ulp, 2^-4 of its size, and one below it (under 2^-6, where the ulps stop shrinking) by at most 2^-10 of the
+row's scale (amax / 448)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+
+from engine.engine_config import EngineConfig
+from engine.io.checkpoint import load_model
+from engine.llm_engine import LLMEngine
+from engine.ops import fp8
+from engine.options import EngineOptions
+from engine.sequence import SamplingParams
+from tests.conftest import relative_error
+
+HALF_ULP = 2.0**-4  # e4m3's rounding error relative to a normal value
+SUBNORMAL_STEP = 2.0**-10  # its rounding error below the normal range, relative to the row's scale
+REQUESTS = [("A first request to quantise.", 1), ("Another one, a little longer than the first.", 2)]
+CUDA = torch.cuda.is_available()
+
+
+def _rows_of_every_size(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows spanning six decades of magnitude, one of them zero, each with values far below its amax (subnormal)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, cols, generator=g) * torch.logspace(-3, 3, rows)[:, None]
+    x[:, :4] *= 1e-6
+    x[1] = 0.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_rounding_is_within_half_an_e4m3_ulp(dtype):
+    w = _rows_of_every_size(12, 96, dtype)
+    q = fp8.quantize_weight(w)
+    assert q.data.dtype == torch.float8_e4m3fn and q.data.shape == w.shape and q.scale.shape == (1, 12)
+    w32, scale = w.float(), q.scale.view(-1, 1)
+    # Each row's largest element lands on 448 exactly (its scale is amax / 448); a zero row stays zero.
+    amax = w32.abs().amax(-1)
+    assert torch.equal(q.data.float().abs().amax(-1)[amax > 0], torch.full_like(amax[amax > 0], fp8.E4M3_MAX))
+    assert q.dequantized(torch.float32)[1].abs().max() == 0
+    err = (q.dequantized(torch.float32) - w32).abs()
+    bound = torch.maximum(HALF_ULP * w32.abs(), SUBNORMAL_STEP * scale) * (1 + 1e-6)  # + fp32's product rounding
+    assert (err <= bound).all(), f"worst error / bound {(err / bound.clamp_min(1e-30)).max():.3f}"
+    # The bound is tight: some element in the normal range does round by more than half of it.
+    assert (err / w32.abs().clamp_min(1e-30))[w32.abs() > 2 * scale].max() > 0.5 * HALF_ULP
+
+
+def test_the_reference_gemm_is_within_both_operands_rounding():
+    """|x_q w_q - x w| <= sum_k |x_k||w_k| (2 * 2^-4 + 2^-8) plus the subnormal steps of both operands."""
+    x, w = _rows_of_every_size(6, 64, torch.float32), _rows_of_every_size(10, 64, torch.float32).flip(0)
+    q = fp8.quantize_weight(w)
+    out = fp8.fp8_linear_reference(x, q)
+    _, x_scale = fp8.quantize_rows_reference(x)
+    k_dim = x.shape[1]
+    bound = ((2 * HALF_ULP + HALF_ULP**2) * (x.abs() @ w.abs().t())
+             + SUBNORMAL_STEP * (1 + HALF_ULP) * (x_scale * w.abs().sum(-1) + x.abs().sum(-1, keepdim=True) * q.scale)
+             + SUBNORMAL_STEP**2 * k_dim * x_scale * q.scale)
+    err = (out.double() - x.double() @ w.double().t()).abs()
+    assert (err <= bound + 1e-6 * (x.abs() @ w.abs().t())).all()  # + the fp32 reference's own rounding
+
+
+def test_batch_invariant_mode_tiles_the_fp8_gemm_without_changing_it():
+    """`aten._scaled_mm` inside BatchInvariantMode runs as zero-padded fixed-shape row tiles (the CPU has tensor-wise
+    scaling only: the rows' scales are checked on CUDA)."""
+    from engine.ops.batch_invariant import BatchInvariantMode
+
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(21, 32, generator=g).to(torch.float8_e4m3fn)
+    b = torch.randn(48, 32, generator=g).to(torch.float8_e4m3fn).t()
+    one = torch.tensor(0.5)
+    plain = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+    with BatchInvariantMode():
+        tiled = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+    assert tiled.shape == plain.shape and relative_error(tiled, plain) <= 1e-6
+
+
+@pytest.fixture(scope="module")
+def cpu_patches(checkpoint_factory) -> dict[str | None, Any]:
+    """The first patches of the same seeded requests from an unquantised and an FP8 engine (CPU), each on its own
+    load of one tiny checkpoint; and the FP8 engine's model."""
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    out = {}
+    for quantization in (None, "fp8"):
+        model = load_model(ckpt)
+        engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=128, quantization=quantization))
+        ids = [engine.add_request(text, SamplingParams(seed=seed, max_generate_length=2)) for text, seed in REQUESTS]
+        first: dict[int, torch.Tensor] = {}
+        while engine.has_unfinished():
+            for event in engine.step():
+                assert event.error is None, event.error
+                first.setdefault(event.seq_id, event.patch.float())
+        out[quantization] = [first[i] for i in ids]
+        out[f"model-{quantization}"] = model
+    return out
+
+
+def _series_projections(model) -> int:
+    """Quantised projections a first patch passes through in series: four per layer of the base LM, the residual LM
+    and the DiT (whose ten Euler steps integrate one velocity error, they do not compound it)."""
+    bb = model.backbone
+    return 4 * sum(len(s.layers) for s in (bb.base_lm, bb.residual_lm, bb.feat_decoder.estimator.decoder))
+
+
+def test_cpu_fp8_first_patch_is_close_to_the_unquantised_one_and_differs(cpu_patches):
+    """Each quantised weight is off by at most half an ulp (2^-4) per element, uniformly within it, so by 2^-4/sqrt(3)
+    of its size in RMS; independent roundings along n projections in series add in quadrature: sqrt(n) 2^-4/sqrt(3)
+    of the patch's size. The FP8 engine must also differ by far more than the CPU's rounding noise (none at all: the
+    same weights give the same bytes here), proof that it computes with other weights."""
+    model = cpu_patches["model-fp8"]
+    bound = math.sqrt(_series_projections(model)) * HALF_ULP / math.sqrt(3)
+    for plain, quantised in zip(cpu_patches[None], cpu_patches["fp8"], strict=True):
+        err = float((quantised - plain).norm() / plain.norm())
+        assert 1e-3 < err <= bound, f"first patch relative error {err:.4f}, bound {bound:.4f}"
+    # The CPU runs the FP8 model's weights: each projection weight is the checkpoint's, dequantised.
+    for stack in ("base_lm", "feat_decoder.estimator.decoder"):
+        weight = model.backbone.get_submodule(stack).layers[0].mlp.down_proj.weight
+        original = cpu_patches["model-None"].backbone.get_submodule(stack).layers[0].mlp.down_proj.weight
+        assert fp8.companion_of(weight) is None and not torch.equal(weight, original)
+        assert torch.equal(weight, fp8.quantize_weight(original).dequantized(weight.dtype))
+    assert model.backbone.quantization == "fp8" and getattr(cpu_patches["model-None"].backbone, "quantization",
+                                                            None) is None
+
+
+def test_a_quantised_model_serves_no_unquantised_engine(cpu_patches):
+    with pytest.raises(ValueError, match="quantization: this model's weights were quantised"):
+        LLMEngine(cpu_patches["model-fp8"], EngineConfig(max_num_seqs=2, max_model_len=128))
+
+
+def test_runtime_lora_merges_requantise_the_companions(checkpoint_factory, tmp_path):
+    """A merged step's weights are base + adapter: their FP8 companions are rewritten with them (in the merge graphs
+    on CUDA), and merging the base back restores the base's exactly."""
+    from engine.io.lora import LoRAConfig, random_adapter, read_adapter
+    from engine.models.minicpm import fuse_projections
+    from engine.runner.lora import LoRASlots
+
+    model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
+    bb = model.backbone
+    fuse_projections(bb)
+    attention = bb.base_lm.layers[0].self_attn
+    for weight in (attention.qkv_weight, attention.o_proj.weight, bb.base_lm.layers[0].mlp.down_proj.weight):
+        fp8.attach(weight)  # as on a GPU with the FP8 GEMM
+    slots = LoRASlots(bb, model.config.architecture, 1, 4, torch.device("cpu"), torch.float32)
+    assert [id(w) for w in slots.quantized] == [id(attention.qkv_weight), id(attention.o_proj.weight)]  # adapted
+    adapter = random_adapter(bb, tmp_path / "adapter", LoRAConfig(r=4, alpha=8), seed=1, std=0.2)
+    slots.register("a", read_adapter(adapter))
+    slot, _ = slots.acquire("a")
+    base = fp8.companion_of(attention.qkv_weight).data.clone()
+    slots.merge(slot)
+    merged = fp8.companion_of(attention.qkv_weight)
+    assert not torch.equal(merged.data.view(torch.uint8), base.view(torch.uint8))
+    expected = fp8.quantize_weight(attention.qkv_weight)
+    assert torch.equal(merged.data.view(torch.uint8), expected.data.view(torch.uint8))
+    assert torch.equal(merged.scale, expected.scale)
+    slots.merge(-1)
+    assert torch.equal(fp8.companion_of(attention.qkv_weight).data.view(torch.uint8), base.view(torch.uint8))
+
+
+def test_the_setting_reaches_the_engine_and_a_bad_value_names_it(monkeypatch):
+    from pydantic import ValidationError
+
+    from engine.engine_config import ENGINE_FIELDS
+    from engine.serving.voxcpm import engine_config
+    from service.engine_setup import engine_arguments
+    from service.settings import Settings, describe_error
+
+    monkeypatch.setenv("NANOVLLM_QUANTIZATION", "fp8")
+    arguments = engine_arguments(Settings(), demo=False)  # the supervisor's pool keywords
+    assert engine_config(**{k: v for k, v in arguments.items() if k in ENGINE_FIELDS}).quantization == "fp8"
+    monkeypatch.setenv("NANOVLLM_QUANTIZATION", "int4")
+    with pytest.raises(ValidationError) as refused:
+        Settings()
+    assert describe_error(refused.value).endswith("NANOVLLM_QUANTIZATION: Input should be 'fp8'")
+    with pytest.raises(ValueError, match=r"^quantization: 'int4' is not one of \['fp8'\]"):
+        engine_config(quantization="int4")
+
+
+# --- CUDA -------------------------------------------------------------------------------------------------------------
+needs_fp8_gpu = pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability() >= (8, 9)),
+                                   reason="needs CUDA with FP8 GEMMs (sm89+)")
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("shape", [(1, 64, 128), (128, 2048, 2560), (300, 1024, 8192), (2000, 6144, 2048)])
+def test_fp8_gemm_matches_its_dequantised_reference_cuda(shape):
+    """The same e4m3 operands either way: only the accumulation order and the bf16 output's rounding differ."""
+    rows, k_dim, n = shape
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, k_dim, device="cuda", generator=g).bfloat16()
+    q = fp8.quantize_weight(torch.randn(n, k_dim, device="cuda", generator=g).bfloat16() * k_dim**-0.5)
+    out = fp8.fp8_linear(x, q)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    assert relative_error(out, fp8.fp8_linear_reference(x, q)) <= 2.0**-7
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("cols", [16, 100, 2048, 6144])
+def test_triton_activation_quantiser_matches_torch_cuda(cols):
+    """IEEE division and round-to-nearest-even on both sides: the same scales and the same e4m3 codes, also for a
+    strided view and a zero row."""
+    x = _rows_of_every_size(40, 2 * cols, torch.float32).cuda().bfloat16()[:, :cols]  # row stride 2 * cols
+    q, scale = fp8.quantize_rows_triton(x)
+    ref_q, ref_scale = fp8.quantize_rows_reference(x)
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+
+
+@needs_fp8_gpu
+def test_fp8_gemm_is_batch_invariant_in_the_exact_mode_cuda():
+    from engine.ops.batch_invariant import BatchInvariantMode
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(300, 1024, device="cuda", generator=g).bfloat16()
+    q = fp8.quantize_weight(torch.randn(2048, 1024, device="cuda", generator=g).bfloat16())
+    with BatchInvariantMode():
+        batch, alone = fp8.fp8_linear(x, q), fp8.fp8_linear(x[137:138], q)
+    assert torch.equal(batch[137:138], alone)
+
+
+@needs_fp8_gpu
+def test_engine_in_cuda_graphs_matches_eager_fp8_cuda(checkpoint_factory):
+    """Every projection on the FP8 GEMM (fp8_min_rows 1, so the tiny model's few rows take it too), captured in the
+    step graphs and eager: the two agree far better than FP8 and bf16 do (the quantisation dominates any difference
+    of bucket padding or kernel choice)."""
+    ckpt = checkpoint_factory("tiny-voxcpm2", dtype="bfloat16", stop="never")
+
+    def first_patches(quantization: str | None, eager: bool) -> list[torch.Tensor]:
+        config = EngineConfig(max_num_seqs=4, max_model_len=256, num_kv_blocks=128, enforce_eager=eager,
+                              quantization=quantization, options=EngineOptions(fp8_min_rows=1))
+        with mock.patch.object(fp8, "scaled_matmul", wraps=fp8.scaled_matmul) as spy:
+            engine = LLMEngine(load_model(ckpt, "cuda"), config, "cuda")
+            assert bool(engine.runner.graphs) != eager
+            ids = [engine.add_request(text, SamplingParams(seed=seed, max_generate_length=3))
+                   for text, seed in REQUESTS]
+            first: dict[int, torch.Tensor] = {}
+            while engine.has_unfinished():
+                for event in engine.step():
+                    assert event.error is None, event.error
+                    first.setdefault(event.seq_id, event.patch.float())
+        assert (spy.call_count > 0) == (quantization == "fp8")
+        return [first[i] for i in ids]
+
+    graphed, eager, plain = first_patches("fp8", False), first_patches("fp8", True), first_patches(None, True)
+    for g, e, p in zip(graphed, eager, plain, strict=True):
+        quantisation = float((e - p).norm() / p.norm())
+        assert quantisation > 1e-3
+        assert float((g - e).norm() / e.norm()) <= 0.5 * quantisation
+
+
+def test_companions_follow_the_fused_weight_objects():
+    """`stack_layer_weights` moves the fused weights' storage by `.data`; the companion is an attribute of the tensor
+    object, which the projection calls keep passing."""
+    weight = torch.randn(32, 16)
+    fp8.attach(weight)
+    companion = fp8.companion_of(weight)
+    weight.data = torch.stack([weight.detach().clone()])[0]
+    assert fp8.companion_of(weight) is companion
+    with mock.patch.object(fp8, "current", return_value=EngineOptions(fp8_min_rows=4)):
+        assert fp8.companion(torch.zeros(3, 16), weight) is None
+        assert fp8.companion(torch.zeros(2, 2, 16), weight) is companion
+    assert fp8.companion(torch.zeros(300, 16), torch.zeros(32, 16)) is None  # a weight without one
