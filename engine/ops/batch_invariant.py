@@ -81,7 +81,10 @@ def tiled_scaled_mm(func: Callable[..., torch.Tensor], a: torch.Tensor, b: torch
     count = a.shape[0]
     tiles = -(-count // tile) or 1
     padded = F.pad(a.view(torch.uint8), (0, 0, 0, tiles * tile - count)).view(a.dtype)  # fp8 has no pad kernel
-    scales = F.pad(scale_a, (0, 0, 0, tiles * tile - count), value=1.0) if scale_a.numel() > 1 else None
+    # Rowwise where either side's scale is per row (one row's scale alone is a singleton too), else tensor-wise.
+    scale_b = rest[0] if rest else kwargs.get("scale_b")
+    rowwise = scale_a.numel() > 1 or (scale_b is not None and scale_b.numel() > 1)
+    scales = F.pad(scale_a, (0, 0, 0, tiles * tile - count), value=1.0) if rowwise else None
     return torch.cat([func(padded[i * tile:(i + 1) * tile], b,
                            scale_a if scales is None else scales[i * tile:(i + 1) * tile], *rest, **kwargs)
                       for i in range(tiles)])[:count]

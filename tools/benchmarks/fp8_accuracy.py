@@ -144,7 +144,7 @@ def params(a: Any, i: int) -> SamplingParams:
     return SamplingParams(seed=i, max_generate_length=a.patches, min_len=a.min_len)
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference mode: the weights loaded inside must stay normal tensors
 def layer_errors(a: Any) -> tuple[list[dict[str, Any]], bool]:
     """The layers' part, from one prefill and a few decode steps of an eager unquantised engine (the layer kernel off,
     so that the DiT's and LocEnc's projections run through the observed entry points at any row count)."""
@@ -163,7 +163,7 @@ def layer_errors(a: Any) -> tuple[list[dict[str, Any]], bool]:
     return errors.rows(), gemm
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference mode: the weights loaded inside must stay normal tensors
 def generate(a: Any, quantization: str | None) -> list[dict[str, Any]]:
     """Each request's patches (float32, CPU), how it finished, and where it stopped."""
     engine = engine_for(a, quantization)
