@@ -187,7 +187,8 @@ def build_vae(cfg: VoxCPMConfig) -> AudioVAE:
 
 def load_model(model: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                max_positions: int | None = None) -> LoadedModel:
-    """Load config, tokenizer, backbone (runtime dtype: config's unless `dtype`) and VAE (always fp32)."""
+    """Load config, tokenizer, backbone (runtime dtype: config's unless `dtype`) and VAE (fp32; an engine may
+    cast its decoder: `EngineConfig.vae_dtype`)."""
     path = resolve_model_path(model)
     try:
         cfg = VoxCPMConfig.from_dir(path)
