@@ -59,8 +59,7 @@ class LLMEngine:
         if cfg.lora_path and cfg.lora_merge:
             self.lora_layers = merge_adapter(self.model.backbone, read_adapter(cfg.lora_path),
                                              self.model.config.architecture)
-        if cfg.vae_dtype is not None:  # the decoder only: prompt latents keep the encoder's float32
-            self.model.vae.decoder.to(parse_dtype(cfg.vae_dtype))
+        self._set_vae_dtype(parse_dtype(cfg.vae_dtype) if cfg.vae_dtype is not None else torch.float32)
         load_s = time.perf_counter() - t0
         kernel_stats = precompiler.wait()
         wait_s = time.perf_counter() - t0 - load_s  # for kernels still compiling when the model is in
@@ -101,6 +100,18 @@ class LLMEngine:
                  "attention %s", self.device, self.startup_s, load_s, kv_s,
                  f"{len(self.runner.capture_times)} CUDA graphs in {graph_s:.1f} s"
                  if self.runner.graphs else "eager", num_blocks, cfg.block_size, self.runner.backend)
+
+    def _set_vae_dtype(self, dtype: torch.dtype) -> None:
+        """The VAE decoder in `dtype` (the decoder only: prompt latents keep the encoder's float32), once per loaded
+        model: an engine sharing it with another of another dtype would swap the weights under the other's graphs."""
+        decoder = self.model.vae.decoder
+        held = getattr(decoder, "engine_dtype", None)
+        if held is not None and held != dtype:
+            raise ValueError(f"vae_dtype: this loaded model's VAE decoder runs in {held} for another engine: load it "
+                             f"again for {dtype}")
+        if held is None:
+            decoder.to(dtype)
+            decoder.engine_dtype = dtype
 
     @property
     def sample_rate(self) -> int:

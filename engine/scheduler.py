@@ -128,7 +128,9 @@ class Scheduler:
         if self.running and self.running_prefill_tokens is not None:
             budget = min(budget, self.running_prefill_tokens)  # the running streams wait for this step's prefill
         held: list[Sequence] = []  # waiting for what only they need: back at the head, in order, afterwards
-        tried = stalled = False  # stalled: the round stopped for blocks or adapter slots (not this step's budget)
+        # stalled: the round stopped for blocks (not this step's budget); over_budget: it stopped for the budget, so
+        # the next step admits more whatever a held request waits for
+        tried = stalled = over_budget = False
         while self.can_admit:
             tried = True
             seq = self.waiting[0]
@@ -168,7 +170,8 @@ class Scheduler:
             out.prefill.append(seq)
         self.waiting.extendleft(reversed(held))
         if tried:  # else the last round's record stands: nothing it depends on has changed
-            stuck = (stalled or held) and self.waiting and self.running and len(self.running) < self.max_num_seqs
+            stuck = ((stalled or (held and not over_budget)) and self.waiting and self.running
+                     and len(self.running) < self.max_num_seqs)
             self._stalled_at = self.changes if stuck else None
         out.decode = list(self.running)
         return out

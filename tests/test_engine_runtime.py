@@ -497,6 +497,8 @@ def test_a_burst_onto_running_streams_is_admitted_within_the_running_budget(mode
     first = dict(target_text="The stream that runs first.", params=SamplingParams(seed=30, max_generate_length=12))
     burst = [dict(target_text=f"Arrival number {i}.", params=SamplingParams(seed=31 + i, max_generate_length=4))
              for i in range(3)]
+    alone = [_run_all(LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=256, block_size=4)), [r])[0]
+             for r in (first, *burst)]
     for budget, most_per_step in ((1, 1), (None, 3)):
         engine = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=256, block_size=4,
                                                running_prefill_tokens=budget, pipeline_decode=False))
@@ -516,6 +518,29 @@ def test_a_burst_onto_running_streams_is_admitted_within_the_running_budget(mode
                 chunks[ev.seq_id].append(ev.audio)
         assert max(admitted_per_step) == most_per_step and sum(admitted_per_step) == len(burst)
         assert engine.blocks.num_free == len(engine.blocks.blocks)
-        for i, r in zip([running_id, *ids], [first, *burst], strict=True):
-            alone = _run_all(LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=256, block_size=4)), [r])[0]
-            np.testing.assert_array_equal(np.concatenate(chunks[i]), alone)
+        for i, audio in zip([running_id, *ids], alone, strict=True):
+            np.testing.assert_array_equal(np.concatenate(chunks[i]), audio)
+
+
+def test_a_round_stopped_by_the_budget_admits_more_next_step_beside_a_held_request(model):
+    """A request held for what only it needs (an adapter slot) keeps its place; when the round stopped for this step's
+    budget, not for blocks or slots, the requests behind it are admitted at the next steps, not only once a stream
+    ends."""
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=6, max_model_len=256, block_size=4, running_prefill_tokens=1,
+                                           pipeline_decode=False))
+    sched = engine.scheduler
+    engine.add_request("The stream that runs first.", SamplingParams(seed=40, max_generate_length=20))
+    engine.step()
+    held = engine.sequences[engine.add_request("Held for its slot.", SamplingParams(seed=41, max_generate_length=2))]
+    sched.admit = lambda seq: seq is not held  # as `LLMEngine._admit` answers while every adapter slot is taken
+    arrivals = [engine.sequences[engine.add_request(f"Arrival number {i}.",
+                                                    SamplingParams(seed=42 + i, max_generate_length=2))]
+                for i in range(3)]
+    for step in range(3):
+        engine.step()
+        assert all(seq.status.name != "WAITING" for seq in arrivals[:step + 1]), f"step {step}"
+    assert list(sched.waiting) == [held] and len(sched.running) >= 2
+    sched.admit = None  # its slot is free: it starts too
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.blocks.num_free == len(engine.blocks.blocks)

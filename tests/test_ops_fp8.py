@@ -70,10 +70,20 @@ def test_the_reference_gemm_is_within_both_operands_rounding():
     assert (err <= bound + 1e-6 * (x.abs() @ w.abs().t())).all()  # + the fp32 reference's own rounding
 
 
-def test_batch_invariant_mode_tiles_the_fp8_gemm_without_changing_it():
+def test_batch_invariant_mode_tiles_the_fp8_gemm_without_changing_it(monkeypatch):
     """`aten._scaled_mm` inside BatchInvariantMode runs as zero-padded fixed-shape row tiles (the CPU has tensor-wise
     scaling only: the rows' scales are checked on CUDA)."""
+    from engine.ops import batch_invariant
     from engine.ops.batch_invariant import BatchInvariantMode
+
+    tiled_calls = []
+    handler = batch_invariant.HANDLERS[torch.ops.aten._scaled_mm.default]
+
+    def spy(*args, **kwargs):
+        tiled_calls.append(args[1].shape)
+        return handler(*args, **kwargs)
+
+    monkeypatch.setitem(batch_invariant.HANDLERS, torch.ops.aten._scaled_mm.default, spy)
 
     g = torch.Generator().manual_seed(3)
     a = torch.randn(21, 32, generator=g).to(torch.float8_e4m3fn)
@@ -82,6 +92,7 @@ def test_batch_invariant_mode_tiles_the_fp8_gemm_without_changing_it():
     plain = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
     with BatchInvariantMode():
         tiled = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+    assert tiled_calls == [(21, 32)]  # the mode's handler ran it
     assert tiled.shape == plain.shape and relative_error(tiled, plain) <= 1e-6
 
 
@@ -132,9 +143,12 @@ def test_cpu_fp8_first_patch_is_close_to_the_unquantised_one_and_differs(cpu_pat
                                                             None) is None
 
 
-def test_a_quantised_model_serves_no_unquantised_engine(cpu_patches):
-    with pytest.raises(ValueError, match="quantization: this model's weights were quantised"):
+def test_a_model_serves_engines_of_one_quantization_only(cpu_patches):
+    """Either way round: an FP8 engine would rewrite (CPU) or shadow the weights an unquantised engine reads."""
+    with pytest.raises(ValueError, match="quantization: another engine serves this model's weights"):
         LLMEngine(cpu_patches["model-fp8"], EngineConfig(max_num_seqs=2, max_model_len=128))
+    with pytest.raises(ValueError, match="quantization: another engine serves this model's weights"):
+        LLMEngine(cpu_patches["model-None"], EngineConfig(max_num_seqs=2, max_model_len=128, quantization="fp8"))
 
 
 def test_runtime_lora_merges_requantise_the_companions(checkpoint_factory, tmp_path):

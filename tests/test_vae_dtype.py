@@ -48,3 +48,13 @@ def test_bfloat16_vae_decoder_keeps_the_patches_and_rounds_the_audio(checkpoint_
 def test_bad_vae_dtype_names_the_field():
     with pytest.raises(ValueError, match="vae_dtype"):
         EngineConfig(vae_dtype="int8").validate()
+
+
+def test_a_loaded_model_decodes_in_one_dtype_only(checkpoint_factory):
+    """A second engine on the same loaded model may not cast the VAE decoder the first one runs (its weights would
+    change under the first engine's steps and graphs)."""
+    model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
+    LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=128))
+    with pytest.raises(ValueError, match="vae_dtype: this loaded model's VAE decoder runs in torch.float32"):
+        LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=128, vae_dtype="bfloat16"))
+    LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=128, vae_dtype="float32"))  # the same dtype: fine

@@ -175,6 +175,9 @@ def fuse_projections(module: nn.Module) -> None:
             m.stack_layer_weights()
 
 
+_NOT_YET = object()  # a model no engine has served yet (its `quantization` attribute unset)
+
+
 def quantize_projections(module: nn.Module, quantization: str | None, device: torch.device) -> dict[str, int]:
     """Quantise the projections (q/k/v, o, gate/up, down) of every stack under `module` (EngineConfig.quantization),
     once per loaded model: after a merged LoRA adapter, fusing and stacking. Where the FP8 GEMM runs
@@ -182,12 +185,15 @@ def quantize_projections(module: nn.Module, quantization: str | None, device: to
     elsewhere the weights are replaced by their dequantised values. A model quantised one way serves no engine
     configured another (its weights are no longer the checkpoint's): load it again. Returns how many weights took
     each way."""
-    done = getattr(module, "quantization", None)
-    if done != quantization and done is not None:
-        raise ValueError(f"quantization: this model's weights were quantised ({done}) by another engine: load it again "
-                         f"for quantization={quantization!r}")
+    done = getattr(module, "quantization", _NOT_YET)
+    if done is not _NOT_YET and done != quantization:
+        raise ValueError(f"quantization: another engine serves this model's weights with quantization={done!r}: load "
+                         f"it again for quantization={quantization!r}")
     counts = {"fp8_gemm": 0, "dequantized": 0}
-    if quantization is None or done is not None:
+    if done is not _NOT_YET:
+        return counts
+    module.quantization = quantization  # unquantised too: no later engine may quantise weights this one reads
+    if quantization is None:
         return counts
     stacks = [m for m in module.modules() if isinstance(m, MiniCPM)]
     gemm = bool(stacks) and fp8.gemm_supported(device, next(stacks[0].parameters()).dtype)
@@ -285,8 +291,9 @@ class MiniCPM(nn.Module):
         layer kernel takes these few rows, the whole stack is one kernel launch."""
         lora = self.lora_context is not None and self.lora_context.mask is not None  # the kernel reads base weights
         # Rows the FP8 GEMM takes (EngineOptions.fp8_min_rows) go the per-layer way, which runs it.
-        fp8_rows = len(self.layers) > 0 and fp8.companion(x, self.layers[0].self_attn.qkv_weight) is not None
-        if len(self.layers) and not lora and not fp8_rows and platform.kernels(x) and layer_stack.supported(self, x):
+        takes_fp8_gemm = len(self.layers) > 0 and fp8.companion(x, self.layers[0].self_attn.qkv_weight) is not None
+        if (len(self.layers) and not lora and not takes_fp8_gemm and platform.kernels(x)
+                and layer_stack.supported(self, x)):
             return layer_stack.dense_stack(self, x, rope if self.uses_rope else None)
         return self.forward(x, rope, dense_attention)
 

@@ -78,9 +78,8 @@ def tiled_scaled_mm(func: Callable[..., torch.Tensor], a: torch.Tensor, b: torch
     """The FP8 GEMM (`engine.ops.fp8`) like a projection: a's rows in zero-padded tiles of one shape, each with its
     rows' scales (padded with ones), or the tensor-wide scale as it is."""
     tile = tile_rows(a.device.type, a.shape[1], b.shape[1])
-    count = a.shape[0]
-    tiles = -(-count // tile) or 1
-    padded = F.pad(a.view(torch.uint8), (0, 0, 0, tiles * tile - count)).view(a.dtype)  # fp8 has no pad kernel
+    padded, count, tiles = _padded_rows(a.view(torch.uint8), tile)  # as bytes: fp8 has no pad kernel
+    padded = padded.view(a.dtype)
     # Rowwise where either side's scale is per row (one row's scale alone is a singleton too), else tensor-wise.
     scale_b = rest[0] if rest else kwargs.get("scale_b")
     rowwise = scale_a.numel() > 1 or (scale_b is not None and scale_b.numel() > 1)

@@ -32,13 +32,14 @@ def silu_gate_linear(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Ten
     weight-streaming kernel with the gated product in its epilogue (where it beats cuBLAS + `silu_mul`; the other
     projections stay on cuBLAS, which the same kernel did not beat), else the GEMM and `silu_mul`."""
     if (quantized := fp8.companion(x, gate_up_weight)) is not None:
-        gate, up = fp8.fp8_linear(x, quantized).chunk(2, dim=-1)
-        return silu_mul.silu_mul(gate, up)
-    if platform.kernels(x) and gemv.gemv_supported(x, gate_up_weight, silu_gate=True):
+        gate_up = fp8.fp8_linear(x, quantized)
+    elif platform.kernels(x) and gemv.gemv_supported(x, gate_up_weight, silu_gate=True):
         return gemv.gemv(x, gate_up_weight, silu_gate=True)
-    if platform.kernels(x) and skinny_gemm.skinny_supported(x, gate_up_weight, silu_gate=True):
+    elif platform.kernels(x) and skinny_gemm.skinny_supported(x, gate_up_weight, silu_gate=True):
         return skinny_gemm.skinny_matmul(x, gate_up_weight, silu_gate=True)
-    gate, up = F.linear(x, gate_up_weight).chunk(2, dim=-1)
+    else:
+        gate_up = F.linear(x, gate_up_weight)
+    gate, up = gate_up.chunk(2, dim=-1)
     return silu_mul.silu_mul(gate, up)
 
 

@@ -9,9 +9,9 @@ submitted at once. The burst window runs from that submit to the last burst requ
 streams, over the gaps between consecutive chunks that overlap the window: the largest gap and how many exceeded the
 chunk's real-time length (its audio seconds: a listener holding only that chunk would hear silence), with the largest
 gap of the second before the burst beside it; and their underruns (a listener from each stream's first chunk). For
-the burst: TTFB (from its submit) and its underruns. Each request's text is numbered at its start (no prefix-cache
-hits between them) unless --same-text. Throughput: the audio of every stream from the burst's submit to
-the round's end, per second. One warm-up round, then --iters counted rounds per row.
+the burst: TTFB (from its submit) and its underruns. Each request's text is numbered at its start by round and
+request (no prefix-cache hits, this round's or an earlier one's) unless --same-text. Throughput: the audio of every
+stream from the burst's submit to the round's end, per second. One warm-up round, then --iters counted rounds per row.
 """
 
 from __future__ import annotations
@@ -43,16 +43,17 @@ def _window_gaps(rec: dict[str, list[float]], start: float, end: float) -> list[
     return [(a[i] - a[i - 1], d[i - 1]) for i in range(1, len(a)) if a[i] > start and a[i - 1] < end]
 
 
-def _text(a: argparse.Namespace, i: int) -> str:
-    """Request i's text: unless --same-text, numbered at its start, so that no prompt comes from another's prefix
-    cache (a burst of different texts costs its whole prefill; the same text is prefilled once)."""
-    return a.text if a.same_text else f"Number {i}. {a.text}"
+def _text(a: argparse.Namespace, round_index: int, i: int) -> str:
+    """Request i's text in a round: unless --same-text, numbered at its start by round and request, so that no
+    prompt comes from the prefix cache (freed blocks keep their contents until reused: an earlier round's prompts
+    would be found there); a burst of different texts costs its whole prefill, the same text is prefilled once."""
+    return a.text if a.same_text else f"Round {round_index}, number {i}. {a.text}"
 
 
-async def one_round(target: bl.Target, a: argparse.Namespace) -> dict[str, Any]:
+async def one_round(target: bl.Target, a: argparse.Namespace, round_index: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     running = [{"arrivals": [], "durations": []} for _ in range(a.running)]
-    tasks = [asyncio.create_task(_follow(target, bl.Req(_text(a, i), a.patches, seed=i), t0, rec))
+    tasks = [asyncio.create_task(_follow(target, bl.Req(_text(a, round_index, i), a.patches, seed=i), t0, rec))
              for i, rec in enumerate(running)]
     deadline = time.perf_counter() + a.start_timeout
     while not all(rec["arrivals"] for rec in running):
@@ -64,8 +65,9 @@ async def one_round(target: bl.Target, a: argparse.Namespace) -> dict[str, Any]:
     await asyncio.sleep(a.settle)
     burst_at = time.perf_counter() - t0
     arrivals = [{"arrivals": [], "durations": []} for _ in range(a.burst)]
-    tasks += [asyncio.create_task(_follow(target, bl.Req(_text(a, 10_000 + i), a.burst_patches, seed=10_000 + i),
-                                          t0, rec)) for i, rec in enumerate(arrivals)]
+    tasks += [asyncio.create_task(_follow(
+        target, bl.Req(_text(a, round_index, 10_000 + i), a.burst_patches, seed=10_000 + i), t0, rec))
+        for i, rec in enumerate(arrivals)]
     outs = await asyncio.gather(*tasks, return_exceptions=True)
     end = time.perf_counter() - t0
     errors = bl.errors_of(outs)
@@ -85,7 +87,7 @@ async def rounds(target: bl.Target, a: argparse.Namespace, bar: Any) -> dict[str
     counted = []
     for it in range(a.iters + 1):
         bar.set_postfix_str(f"running={a.running} burst={a.burst} round={'warm-up' if it == 0 else it}")
-        r = await one_round(target, a)
+        r = await one_round(target, a, it)
         bar.update()
         if it:
             counted.append(r)
