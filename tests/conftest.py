@@ -17,7 +17,10 @@ from engine.io.random_checkpoint import make_random_checkpoint
 TINY_PRESETS = ("tiny-voxcpm2", "tiny-voxcpm1.5", "tiny-voxcpm0.5b")
 PARITY_FIGURES: list[tuple[str, float, float]] = []  # (what, measured max relative error, bound)
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Under pytest-xdist two test processes share the cores: a thread pool per process, each as wide as the machine,
+# would wait at every op's barrier for a thread the other process holds, so each takes one.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+torch.set_num_threads(1 if XDIST_WORKER else max(1, min(2, os.cpu_count() or 1)))
 
 
 def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -35,6 +38,17 @@ def check_parity(what: str, ours: torch.Tensor, ref: torch.Tensor, bound: float)
     PARITY_FIGURES.append((what, err, bound))
     assert err <= bound, f"{what}: max relative error {err:.3e} > {bound:.0e}"
     return err
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """An xdist worker hands its parity figures to the controller, which prints them all."""
+    if XDIST_WORKER and hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["parity_figures"] = json.dumps(PARITY_FIGURES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    PARITY_FIGURES.extend(tuple(f) for f in json.loads(getattr(node, "workeroutput", {}).get("parity_figures", "[]")))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

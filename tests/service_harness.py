@@ -4,6 +4,7 @@ real engine pool (a spawned worker) on a tiny random checkpoint, on the CPU."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -26,9 +27,17 @@ SAMPLE_RATE = 48000
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port. Under pytest-xdist only one in this worker's share (port // 2 modulo the workers: the
+    kernel hands out one parity first), so that no two workers take the same port between finding and binding it."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    share = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port // 2 % workers == share:
+            return port
+    raise RuntimeError(f"no free port in worker {share}'s share of {workers} after 1000 tries")
 
 
 def service_settings(checkpoint: Path, cache_dir: Path, **overrides: Any) -> Settings:

@@ -32,6 +32,16 @@ CAPABILITIES = {
 ORDER = list(CAPABILITIES)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _two_threads():
+    """Torch on two threads in this module (conftest gives a pytest-xdist worker one): the promise is about a
+    thread pool splitting the work, which one thread would never show."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model(checkpoint_factory):
     return load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
@@ -155,7 +165,7 @@ def test_exact_under_each_cpu_capability(capability):
     if capability == have:
         pytest.skip("this process runs under it: the tests above")
     env = {**os.environ, **CAPABILITIES[capability], FORCED: capability}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", __file__,
                           "-k", "not test_exact_under_each_cpu_capability and not on_cuda"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

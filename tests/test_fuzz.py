@@ -22,10 +22,12 @@ NAMES_A_FIELD = re.compile(r"^(request body|[A-Za-z_][A-Za-z0-9_.\[\]]*): ")
 
 @pytest.fixture(scope="module")
 def server(checkpoint_factory, tmp_path_factory):
-    # max_model_len 128: a valid random request generates a few seconds of audio at most; max_text_chars 1000: a long
-    # random text is a few segments (longer ones are a 422 naming the field), not hundreds
+    # max_model_len 64: a valid random request without max_generate_length generates up to 64 patches (~10 s of audio;
+    # the three generation routes' valid examples are most of this module's time), and about as many of the drawn
+    # bodies are valid as with a longer one; max_text_chars 1000: a long random text is a few segments (longer ones
+    # are a 422 naming the field), not hundreds
     with live_server(checkpoint_factory, tmp_path_factory.mktemp("svc-fuzz"), voice_store="memory",
-                     serverpool_max_model_len=128, serverpool_max_num_batched_tokens=2048,
+                     serverpool_max_model_len=64, serverpool_max_num_batched_tokens=2048,
                      max_request_bytes=256 * 1024, max_text_chars=1000) as s:
         yield s
 

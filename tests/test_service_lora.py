@@ -62,7 +62,39 @@ def generate(checkpoint: Path, cache: Path, **lora: object) -> tuple[bytes, dict
         server.stop()
 
 
-def test_adapter_from_https_is_merged_and_changes_the_audio(adapter, file_server, checkpoint_factory, tmp_path):
+@pytest.fixture(scope="module")
+def plain_server(adapter, checkpoint_factory, tmp_path_factory):
+    """The base model without adapters (no start-up adapter, NANOVLLM_MAX_LORAS=0), for the base audio and the
+    refusals of runtime adapters; its NANOVLLM_LORA_DIR holds the adapter, so a registration is refused for the
+    missing slots, not for its path."""
+    settings = service_settings(checkpoint_factory("tiny-voxcpm2", stop="never"), tmp_path_factory.mktemp("plain"),
+                                lora_dir=adapter.parent)
+    server = LiveServer(settings).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def plain_audio(plain_server) -> bytes:
+    """BODY's audio from the base model."""
+    with httpx.Client(base_url=plain_server.url, timeout=120) as c:
+        assert not c.get("/info").json()["lora"]["enabled"]
+        r = c.post("/generate", json=BODY)
+        assert r.status_code == 200, r.text
+        return r.content
+
+
+@pytest.fixture(scope="module")
+def merged_audio(adapter, checkpoint_factory, tmp_path_factory) -> bytes:
+    """BODY's audio from a service that merged the adapter at start-up, named by a file:// URI."""
+    audio, info = generate(checkpoint_factory("tiny-voxcpm2", stop="never"), tmp_path_factory.mktemp("merged"),
+                           lora_uri=f"file://{adapter}", lora_merge=True)
+    assert info["enabled"] and info["merged_layers"] > 0
+    return audio
+
+
+def test_adapter_from_https_is_merged_and_changes_the_audio(adapter, file_server, checkpoint_factory, tmp_path,
+                                                             plain_audio, merged_audio):
     ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
     digest = sha256_of(adapter / "lora_weights.safetensors")
     url = f"{file_server}/{adapter.name}/lora_weights.safetensors"
@@ -70,10 +102,8 @@ def test_adapter_from_https_is_merged_and_changes_the_audio(adapter, file_server
     assert info["enabled"] and info["merged_layers"] > 0 and info["id"] == "voice" and info["sha256"] == digest
     cached = list((tmp_path / "a" / "lora").glob("*/lora_weights.safetensors"))
     assert len(cached) == 1 and (cached[0].parent / "lora_config.json").is_file()  # the config came along
-    plain, info = generate(ckpt, tmp_path / "b")
-    assert not info["enabled"] and plain != adapted
-    by_path, _ = generate(ckpt, tmp_path / "c", lora_uri=f"file://{adapter}", lora_merge=True)
-    assert by_path == adapted
+    assert plain_audio != adapted
+    assert merged_audio == adapted  # a path to the same adapter: the same audio
 
 
 def test_a_digest_that_does_not_match_stops_start_up(adapter, file_server, tmp_path):
@@ -309,27 +339,23 @@ def test_runtime_adapters_survive_a_restart_of_the_service(adapter, checkpoint_f
         assert r.status_code == 404 and "no adapter named 'gone'" in r.text
         r = c.post("/generate", json={**BODY, "lora_name": "voice"})
         assert r.status_code == 200, r.text
+        plain = c.post("/generate", json=BODY)  # naming no adapter: the base model
+        assert plain.status_code == 200 and plain.content != r.content  # the adapter changes the audio
         return r.content
 
     before = served(register)
     assert served(after_restart) == before
-    assert before != served(lambda c: c.post("/generate", json=BODY).content)  # the adapter changes the audio
 
 
-def test_loras_refused_without_runtime_slots(adapter, checkpoint_factory, tmp_path):
-    server = LiveServer(service_settings(checkpoint_factory("tiny-voxcpm2", stop="never"), tmp_path,
-                                         lora_dir=adapter.parent)).start()
-    try:
-        with httpx.Client(base_url=server.url, timeout=120) as c:
-            r = c.post("/loras", json={"lora_name": "voice", "lora_uri": str(adapter)})
-            assert r.status_code == 400 and "NANOVLLM_MAX_LORAS=0" in r.text
-            r = c.post("/generate", json={**BODY, "lora_name": "voice"})
-            assert r.status_code == 400 and "lora_name: this engine serves no runtime LoRA adapters" in r.text
-    finally:
-        server.stop()
+def test_loras_refused_without_runtime_slots(adapter, plain_server):
+    with httpx.Client(base_url=plain_server.url, timeout=120) as c:
+        r = c.post("/loras", json={"lora_name": "voice", "lora_uri": str(adapter)})
+        assert r.status_code == 400 and "NANOVLLM_MAX_LORAS=0" in r.text
+        r = c.post("/generate", json={**BODY, "lora_name": "voice"})
+        assert r.status_code == 400 and "lora_name: this engine serves no runtime LoRA adapters" in r.text
 
 
-def test_the_seeds_adapter_variables_alone_serve_it_merged(adapter, checkpoint_factory, tmp_path):
+def test_the_seeds_adapter_variables_alone_serve_it_merged(adapter, checkpoint_factory, tmp_path, merged_audio):
     """Exactly the seed's adapter configuration (NANOVLLM_LORA_URI, NANOVLLM_LORA_ID, NANOVLLM_LORA_SHA256; nothing
     else about adapters) starts `voxcpm-serve` and serves the adapter, merged, to every request: the audio is the
     merged adapter's, bit for bit."""
@@ -348,11 +374,10 @@ def test_the_seeds_adapter_variables_alone_serve_it_merged(adapter, checkpoint_f
         assert info["sha256"] == digest
     finally:
         service.stop()
-    merged, _ = generate(ckpt, tmp_path / "in-process", lora_uri=str(adapter), lora_merge=True)
-    assert r.content == merged
+    assert r.content == merged_audio
 
 
-def test_start_up_adapter_served_at_run_time(adapter, checkpoint_factory, tmp_path):
+def test_start_up_adapter_served_at_run_time(adapter, checkpoint_factory, tmp_path, plain_audio):
     """NANOVLLM_LORA_URI with NANOVLLM_LORA_MERGE=false: the start-up adapter is the runtime adapter NANOVLLM_LORA_ID
     of every request that names none (the same audio as naming it), listed by /loras, not removable; the base model's
     audio differs."""
@@ -371,8 +396,7 @@ def test_start_up_adapter_served_at_run_time(adapter, checkpoint_factory, tmp_pa
             assert r.status_code == 400 and "lora_name: 'house' is the start-up adapter" in r.text
     finally:
         server.stop()
-    plain, _ = generate(ckpt, tmp_path / "b")
-    assert plain != default.content
+    assert plain_audio != default.content
 
 
 def test_lora_registrations_are_shared_by_processes(tmp_path):

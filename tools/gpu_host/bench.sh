@@ -267,7 +267,9 @@ for part in $PARTS; do
             for mod in tests/test_*.py; do
                 grep -q "CUDA" "$mod" || ignore+=(--ignore "$mod")
             done
-            run_limited "$T_TEST" pytest python3 -m pytest -p no:cacheprovider -q -m gpu "${ignore[@]}" \
+            # In this one process (-o addopts: not pyproject's two xdist processes): the tests size KV caches from the
+            # GPU's free memory and time kernels, so none may share the GPU with another test.
+            run_limited "$T_TEST" pytest python3 -m pytest -p no:cacheprovider -o addopts=-ra -q -m gpu "${ignore[@]}" \
                 ${TEST_K:+-k "$TEST_K"} tests/
             RC[$part]=$?
             ;;
