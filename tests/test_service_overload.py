@@ -26,9 +26,11 @@ def _overloads(server: LiveServer) -> float:
 def test_excess_requests_are_503_at_once_and_the_admitted_complete(checkpoint_factory, tmp_path):
     """Four requests take every seat (2 running + 2 queued); only then does the burst come, so every one of it is
     refused whatever the machine's speed; the four complete."""
-    # segment_chars 1000: each holder's text is one generation (the holders of split texts: test_service_longform)
+    # segment_chars 1000: each holder's text is one generation (the holders of split texts: test_service_longform);
+    # queue_timeout_s 600 (past the hang guard): the queued holders wait for the running ones however slow the machine
+    # (a wait past the queue timeout is the next test's)
     with live_server(checkpoint_factory, tmp_path, serverpool_max_num_seqs=2, max_queued_requests=2,
-                     queue_coalesce_ms=0, segment_chars=1000) as server:
+                     queue_coalesce_ms=0, segment_chars=1000, queue_timeout_s=600) as server:
 
         async def one(client: httpx.AsyncClient, i: int, text: str, patches: int) -> tuple[int, str | None, int]:
             async with client.stream("POST", "/generate", json={"target_text": text, "max_generate_length": patches,
