@@ -281,15 +281,21 @@ class LLMEngine:
         """Run requests (each a dict of `add_request` arguments) together to completion; their waveforms,
         in order. Other requests in the engine keep running alongside; the first error raises."""
         ids = [self.add_request(**r) for r in requests]
-        chunks: dict[int, list[np.ndarray]] = {i: [] for i in ids}
+        events = self.run_to_completion(ids)
+        return [np.concatenate([ev.audio for ev in events[i]]) for i in ids]
+
+    def run_to_completion(self, ids: list[int]) -> dict[int, list[StepEvent]]:
+        """Step until the requests `ids` have finished; each one's events in order (other requests in the engine keep
+        running alongside); the first error among them raises."""
+        events: dict[int, list[StepEvent]] = {i: [] for i in ids}
         left = set(ids)
         while left:
             for ev in self.step():
-                if ev.seq_id not in chunks:
+                if ev.seq_id not in events:
                     continue
                 if ev.error:
                     raise RuntimeError(ev.error)
-                chunks[ev.seq_id].append(ev.audio)
+                events[ev.seq_id].append(ev)
                 if ev.finished:
                     left.discard(ev.seq_id)
-        return [np.concatenate(chunks[i]) for i in ids]
+        return events

@@ -168,16 +168,9 @@ def generate(a: Any, quantization: str | None) -> list[dict[str, Any]]:
     """Each request's patches (float32, CPU), how it finished, and where it stopped."""
     engine = engine_for(a, quantization)
     ids = [engine.add_request(text, params(a, i)) for i, text in enumerate(request_texts(a.requests))]
-    out = {i: {"patches": [], "finish_reason": None} for i in ids}
-    while engine.has_unfinished():
-        for event in engine.step():
-            if event.seq_id not in out:
-                continue
-            if event.error:
-                raise RuntimeError(event.error)
-            out[event.seq_id]["patches"].append(event.patch.float().cpu())
-            if event.finished:
-                out[event.seq_id]["finish_reason"] = event.finish_reason
+    events = engine.run_to_completion(ids)
+    out = {i: {"patches": [ev.patch.float().cpu() for ev in events[i]], "finish_reason": events[i][-1].finish_reason}
+           for i in ids}
     del engine
     free_device()
     for r in out.values():

@@ -27,15 +27,9 @@ def generate(engine: LLMEngine, n: int, patches: int) -> tuple[list[np.ndarray],
     """n seeded requests of different texts together; each one's audio and its patches stacked."""
     ids = [engine.add_request(f"Number {i}. {TEXT}", SamplingParams(seed=i, max_generate_length=patches))
            for i in range(n)]
-    audio: dict[int, list[np.ndarray]] = {i: [] for i in ids}
-    patch: dict[int, list[torch.Tensor]] = {i: [] for i in ids}
-    while engine.has_unfinished():
-        for ev in engine.step():
-            if ev.error:
-                raise RuntimeError(ev.error)
-            audio[ev.seq_id].append(ev.audio)
-            patch[ev.seq_id].append(ev.patch)
-    return [np.concatenate(audio[i]) for i in ids], [torch.stack(patch[i]) for i in ids]
+    events = engine.run_to_completion(ids)
+    return ([np.concatenate([ev.audio for ev in events[i]]) for i in ids],
+            [torch.stack([ev.patch for ev in events[i]]) for i in ids])
 
 
 def vae_ms(engine: LLMEngine, batch: int, repeats: int) -> tuple[float, str]:
