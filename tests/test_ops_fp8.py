@@ -205,16 +205,52 @@ needs_fp8_gpu = pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capabilit
 
 
 @needs_fp8_gpu
+@pytest.mark.parametrize("fast_accum", [False, True])
 @pytest.mark.parametrize("shape", [(1, 64, 128), (128, 2048, 2560), (300, 1024, 8192), (2000, 6144, 2048)])
-def test_fp8_gemm_matches_its_dequantised_reference_cuda(shape):
-    """The same e4m3 operands either way: only the accumulation order and the bf16 output's rounding differ."""
+def test_fp8_gemm_matches_its_dequantised_reference_cuda(shape, fast_accum):
+    """The same e4m3 operands either way: only the accumulation order and the bf16 output's rounding differ (with
+    the fast accumulation also the tensor cores' narrower partial sums: a looser bound)."""
     rows, k_dim, n = shape
     g = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, k_dim, device="cuda", generator=g).bfloat16()
     q = fp8.quantize_weight(torch.randn(n, k_dim, device="cuda", generator=g).bfloat16() * k_dim**-0.5)
-    out = fp8.fp8_linear(x, q)
+    with mock.patch.object(fp8, "current", return_value=EngineOptions(fp8_fast_accum=fast_accum)):
+        out = fp8.fp8_linear(x, q)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
-    assert relative_error(out, fp8.fp8_linear_reference(x, q)) <= 2.0**-7
+    assert relative_error(out, fp8.fp8_linear_reference(x, q)) <= (2.0**-5 if fast_accum else 2.0**-7)
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("half", [100, 4096, 6144])
+def test_the_fused_gated_quantiser_is_silu_mul_then_the_quantiser_cuda(half):
+    """One kernel for the SiLU-gated product and its quantisation: the same scales and e4m3 codes as `silu_mul`'s
+    kernel followed by the quantiser's, also for a strided view (the row stride of a wider tensor)."""
+    from engine.ops.silu_mul import silu_mul_triton
+
+    g = torch.Generator(device="cuda").manual_seed(half)
+    gate_up = (torch.randn(48, 3 * half, device="cuda", generator=g) * 3).bfloat16()[:, :2 * half]
+    gate_up[5] = 0.0
+    q, scale = fp8.silu_mul_quantized_triton(gate_up)
+    ref_q, ref_scale = fp8.quantize_rows_triton(silu_mul_triton(gate_up[:, :half], gate_up[:, half:]))
+    assert q.shape == (48, half) and scale.shape == (48, 1)
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+
+
+@needs_fp8_gpu
+def test_the_fp8_mlp_matches_its_dequantised_reference_cuda():
+    """`fp8.fp8_mlp` (the fused gated quantiser between the two FP8 GEMMs) against the same chain in eager fp32 on
+    the dequantised operands: the gate/up output's rounding moves a few of the product's e4m3 codes by one step, so
+    the bound is looser than one GEMM's."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(300, 1024, device="cuda", generator=g).bfloat16()
+    gate_up = fp8.quantize_weight(torch.randn(2 * 4096, 1024, device="cuda", generator=g).bfloat16() * 1024**-0.5)
+    down = fp8.quantize_weight(torch.randn(1024, 4096, device="cuda", generator=g).bfloat16() * 4096**-0.5)
+    out = fp8.fp8_mlp(x, gate_up, down)
+    h = fp8.fp8_linear_reference(x, gate_up)
+    ref = fp8.fp8_linear_reference(torch.nn.functional.silu(h[:, :4096]) * h[:, 4096:], down)
+    assert out.shape == (300, 1024) and out.dtype == torch.bfloat16
+    assert relative_error(out, ref) <= 2.0**-5
 
 
 @needs_fp8_gpu

@@ -7,8 +7,10 @@
 - Activations: the same rule per token (row), computed for each call (`quantize_rows`: one Triton kernel per call on
   CUDA, `EngineOptions.fp8_quant_kernel`; its eager torch reference beside it).
 - The GEMM: `torch._scaled_mm(x_fp8, w_fp8.t(), scale_a (M, 1), scale_b (1, N), out_dtype=bf16)`, rowwise scaling,
-  use_fast_accum off (the tensor cores' partial sums promoted to fp32), on GPUs where torch runs it (sm89, sm90,
-  sm100: `gemm_supported` probes it once per device).
+  use_fast_accum as `EngineOptions.fp8_fast_accum` says (off: the tensor cores' partial sums promoted to fp32), on
+  GPUs where torch runs it (sm89, sm90, sm100: `gemm_supported` probes it once per device).
+- The MLP (`fp8_mlp`): the gate/up GEMM's output goes through one kernel that makes the SiLU-gated product and
+  quantises it per row for the down GEMM (`silu_mul_quantized`; its reference: `silu_mul`, then `quantize_rows`).
 
 A weight's companion (`Fp8Weight`) is an attribute of the weight tensor itself (`FP8_ATTR`): `engine.ops.linear`
 is handed the same tensor objects every call, so finding it costs a getattr, allocates nothing and never waits for
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from engine.ops import platform
 from engine.ops.platform import HAVE_TRITON
+from engine.ops.silu_mul import silu_mul
 from engine.options import current
 
 if TYPE_CHECKING:
@@ -60,6 +63,23 @@ if HAVE_TRITON:
         tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row, scale)
 
+    @triton.jit
+    def _silu_mul_quantize_kernel(gu_ptr, q_ptr, s_ptr, n_cols, stride_gu, FLOOR: tl.constexpr,
+                                  FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr, BLOCK: tl.constexpr):
+        # One program per row: `_silu_mul_kernel`'s product of the row's two halves (gate, then up), rounded to the
+        # dtype as it would be stored, then `_quantize_rows_kernel` on it; the bf16 product is never written.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0)
+        s = (g / (1.0 + tl.exp(-g))).to(u.dtype)
+        x = (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), FLOOR) * INV_MAX
+        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row, scale)
+
 
 def quantize_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x2 (M, K) -> (float8_e4m3fn (M, K), fp32 scales (M, 1)): each row over its own amax / 448 (eager torch)."""
@@ -83,11 +103,41 @@ def quantize_rows_triton(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def _quant_kernel(x2: torch.Tensor, cols: int) -> bool:
+    """Whether the Triton quantisers take rows of `cols` values of x2 (EngineOptions.fp8_quant_kernel)."""
+    return platform.kernels(x2) and current().fp8_quant_kernel and cols <= MAX_KERNEL_COLS
+
+
 def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row e4m3 quantisation: the Triton kernel where it runs (EngineOptions.fp8_quant_kernel), else torch."""
-    if platform.kernels(x2) and current().fp8_quant_kernel and x2.shape[-1] <= MAX_KERNEL_COLS:
+    if _quant_kernel(x2, x2.shape[-1]):
         return quantize_rows_triton(x2)
     return quantize_rows_reference(x2)
+
+
+def silu_mul_quantized_triton(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`silu_mul_quantized` as one kernel launch (halves of at most MAX_KERNEL_COLS, unit column stride)."""
+    rows, width = gate_up.shape
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    n = width // 2
+    q = torch.empty((rows, n), dtype=torch.float8_e4m3fn, device=gate_up.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=gate_up.device)
+    if rows:
+        block = triton.next_power_of_2(n)
+        _silu_mul_quantize_kernel[(rows,)](gate_up, q, scale, n, gate_up.stride(0), FLOOR=SCALE_FLOOR,
+                                           FP8_MAX=E4M3_MAX, INV_MAX=1.0 / E4M3_MAX, BLOCK=block,
+                                           num_warps=max(4, min(16, block // 1024)))
+    return q, scale
+
+
+def silu_mul_quantized(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) * up of a fused gate/up projection's output (M, 2I), quantised per row: (e4m3 (M, I), fp32 scales
+    (M, 1)). One kernel where the quantiser kernel runs; else `silu_mul`, then `quantize_rows`: the same values."""
+    if _quant_kernel(gate_up, gate_up.shape[-1] // 2):
+        return silu_mul_quantized_triton(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return quantize_rows(silu_mul(gate, up))
 
 
 @dataclass(frozen=True)
@@ -169,7 +219,8 @@ def companion(x: torch.Tensor, weight: torch.Tensor | None) -> Fp8Weight | None:
 def scaled_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: Fp8Weight,
                   out_dtype: torch.dtype) -> torch.Tensor:
     """(M, K) e4m3 row-major x (K, N) e4m3 column-major (the weight's transpose view), each side's rows scaled."""
-    return torch._scaled_mm(x_fp8, weight.data.t(), scale_a=x_scale, scale_b=weight.scale, out_dtype=out_dtype)
+    return torch._scaled_mm(x_fp8, weight.data.t(), scale_a=x_scale, scale_b=weight.scale, out_dtype=out_dtype,
+                            use_fast_accum=current().fp8_fast_accum)
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
@@ -177,6 +228,14 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     k_dim = x.shape[-1]
     x_fp8, x_scale = quantize_rows(x.reshape(-1, k_dim))
     return scaled_matmul(x_fp8, x_scale, weight, x.dtype).view(*x.shape[:-1], weight.data.shape[0])
+
+
+def fp8_mlp(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) on the FP8 GEMMs: x (..., K) quantised per token, the gated product quantised
+    as it is made (`silu_mul_quantized`), the output in x's dtype."""
+    gate_up_out = fp8_linear(x, gate_up)
+    act, act_scale = silu_mul_quantized(gate_up_out.reshape(-1, gate_up_out.shape[-1]))
+    return scaled_matmul(act, act_scale, down, x.dtype).view(*x.shape[:-1], down.data.shape[0])
 
 
 def fp8_linear_reference(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:

@@ -283,6 +283,7 @@ def step_main(argv: list[str]) -> None:
     ap.add_argument("--batch", default="1,64")
     ap.add_argument("--out")
     ap.add_argument("--kernels", action="store_true", help="also list the step graph's CUDA kernels (torch.profiler)")
+    ap.add_argument("--top", type=int, default=15, help="with --kernels: how many kernel names, by time")
     ap.add_argument("--engine-kwargs", default="{}", help="JSON of other EngineConfig fields, e.g. "
                     "'{\"vae_dtype\": \"bfloat16\"}'")
     a = ap.parse_args(argv)
@@ -305,7 +306,7 @@ def step_main(argv: list[str]) -> None:
         for key, graph_of in graphs.items():
             if b not in graph_of:
                 continue
-            table = kernel_table(graph_of[b])
+            table = kernel_table(graph_of[b], top=a.top)
             res.setdefault(key, {})[str(b)] = table
             print(f"  {key}: {table['kernels_per_step']:.0f} kernels per step, "
                   f"{table['kernel_ms_per_step']:.2f} ms of kernel time")
