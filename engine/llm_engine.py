@@ -48,7 +48,8 @@ class LLMEngine:
             kernel_cache.RECORDER.install()  # which kernels compile, from cache or not (the manifest tool reads it)
         kernels_mark = kernel_cache.RECORDER.mark()
         dtype = parse_dtype(cfg.dtype) if cfg.dtype is not None else None
-        precompiler = kernel_cache.Precompiler(model, dtype, self.device)  # in parallel with the load
+        precompiler = kernel_cache.Precompiler(model, dtype, self.device,  # in parallel with the load
+                                               variant=kernel_cache.manifest_variant(cfg))
         try:
             self.model = model if isinstance(model, LoadedModel) else load_model(
                 model, self.device, dtype, max_positions=cfg.max_model_len)

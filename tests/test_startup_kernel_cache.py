@@ -105,6 +105,40 @@ def test_manifest_round_trip_and_compile(tmp_path: Path, monkeypatch: pytest.Mon
     assert not kernel_cache.is_cached({**entry, "options": {"num_warps": 8}}, 90)  # another variant
 
 
+def test_a_variant_manifest_holds_what_its_settings_add_and_only_they_read_it(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manifest recorded with FP8 weights (or another `manifest_variant` setting) keeps only the records the
+    model's own manifests lack, and an engine reads it only when its settings include that variant."""
+    from engine.engine_config import EngineConfig
+    from engine.startup import kernel_cache
+
+    assert kernel_cache.manifest_variant(EngineConfig()) == {}
+    assert kernel_cache.manifest_variant(EngineConfig(vae_dtype="fp32")) == {}  # the default, spelled out
+    both = kernel_cache.manifest_variant(EngineConfig(quantization="fp8", vae_dtype="bf16"))
+    assert both == {"quantization": "fp8", "vae_dtype": "bfloat16"}
+
+    model_recorder = kernel_cache.Recorder()
+    model_recorder._on_jit_miss(compile={"specialization_data": _jit_record()})
+    _use_only_manifest(tmp_path / "base.json", "d" * 16, model_recorder.manifest("d" * 16, 90)["entries"], monkeypatch)
+    recorder = kernel_cache.Recorder()
+    recorder._on_jit_miss(compile={"specialization_data": _jit_record()})  # in the model's manifest already
+    extra = {**json.loads(_jit_record()), "name": "engine.ops.fp8._quantize_rows_kernel"}
+    recorder._on_jit_miss(compile={"specialization_data": json.dumps(extra)})
+    fp8_manifest = recorder.manifest("d" * 16, 90, {"quantization": "fp8"})
+    assert fp8_manifest["variant"] == {"quantization": "fp8"}
+    assert [e["name"] for e in fp8_manifest["entries"]] == ["engine.ops.fp8._quantize_rows_kernel"]
+
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    (shipped / "fp8.json").write_text(json.dumps(fp8_manifest))
+    names = {key: sorted(e["name"] for e in kernel_cache.load_manifests("d" * 16, 90, variant))
+             for key, variant in (("plain", {}), ("bf16 vae", {"vae_dtype": "bfloat16"}),
+                                  ("fp8", {"quantization": "fp8"}), ("both", both))}
+    assert names["plain"] == names["bf16 vae"] == ["engine.ops.silu_mul._silu_mul_kernel"]
+    assert names["fp8"] == names["both"] == ["engine.ops.fp8._quantize_rows_kernel",
+                                             "engine.ops.silu_mul._silu_mul_kernel"]
+
+
 def test_a_compiler_child_never_imports_torch(tmp_path: Path) -> None:
     """The precompile's children import the kernel modules for their Triton functions only: torch (seconds of each
     child's start, fifteen at once) stays unimported through the compile, for sm_90, of the shipped manifest's

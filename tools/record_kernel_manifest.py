@@ -9,6 +9,11 @@ on an empty kernel cache compiles all of them ahead, in parallel, and the first 
 
 The manifest is valid for every checkpoint of the same shape (real weights included) on GPUs of the same
 architecture; the file name is free (all manifests in engine/startup/kernel_manifests/ are read, matched by content).
+With --engine-kwargs naming settings that add kernels (`kernel_cache.manifest_variant`: quantization, vae_dtype), the
+manifest holds only the variants the shipped manifests lack, and only engines with those settings read it:
+
+    python tools/record_kernel_manifest.py --model /tmp/full --max-num-seqs 256 \
+        --engine-kwargs '{"quantization": "fp8"}' --out engine/startup/kernel_manifests/voxcpm2-sm90-fp8.json
 """
 
 from __future__ import annotations
@@ -41,12 +46,15 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--max-num-seqs", type=int, default=128, help="the largest batch the manifest covers")
     ap.add_argument("--patches", type=int, default=4, help="patches per request while exercising")
+    ap.add_argument("--engine-kwargs", default="{}", help="JSON of other EngineConfig fields, e.g. "
+                    "'{\"vae_dtype\": \"bfloat16\"}'")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU: a manifest is per GPU architecture")
     t0 = time.perf_counter()
-    engine = LLMEngine(a.model, EngineConfig(max_num_seqs=a.max_num_seqs), device="cuda")
+    config = EngineConfig(max_num_seqs=a.max_num_seqs, **json.loads(a.engine_kwargs))
+    engine = LLMEngine(a.model, config, device="cuda")
     print(f"engine ready in {engine.startup_s:.1f} s; kernels: {engine.startup_phases['kernels']}", flush=True)
     print(f"warm-up: {warm_up(engine)}", flush=True)  # what a worker runs before it reports ready
     params = SamplingParams(max_generate_length=a.patches, min_len=a.patches, seed=0)
@@ -63,7 +71,8 @@ def main() -> None:
         engine.generate_all([dict(target_text=texts[i % len(texts)], params=params) for i in range(conc)])
     engine.generate_all([dict(target_text=t, params=params, prompt_text="A prompt.", prompt_latents=prompt)
                          for t in texts])
-    manifest = kernel_cache.RECORDER.manifest_of(engine.model)
+    manifest = kernel_cache.RECORDER.manifest(kernel_cache.loaded_model_digest(engine.model), kernel_cache.cuda_arch(),
+                                              kernel_cache.manifest_variant(config))
     manifest.update(device=torch.cuda.get_device_name(), command=" ".join(sys.argv),
                     date=time.strftime("%Y-%m-%d", time.gmtime()))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

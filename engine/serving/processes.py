@@ -159,7 +159,8 @@ class WorkerSet:
         if any(d.startswith("cuda") for d in self.devices):
             from engine.startup import kernel_cache
 
-            kernel_cache.Precompiler(self.model_path, self.config.dtype, None, background=True)
+            kernel_cache.Precompiler(self.model_path, self.config.dtype, None, background=True,
+                                     variant=kernel_cache.manifest_variant(self.config))
 
     def _spawn(self, index: int) -> WorkerProcess:
         options = p.WorkerOptions(model_path=self.model_path, device=self.devices[index], engine=self.config,

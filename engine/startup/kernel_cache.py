@@ -12,7 +12,9 @@ module and name, so it survives edits of the kernel's code; a record that no lon
 and the JIT compiles whatever a manifest missed, as before.
 
 Manifests ship in engine/startup/kernel_manifests/ (recorded on the GPU by tools/record_kernel_manifest.py), or come
-from VOXCPM_KERNEL_MANIFEST (a file). Every engine records what it compiles (`Recorder`), so a manifest for another
+from VOXCPM_KERNEL_MANIFEST (a file). Engine settings that add kernels of their own (`manifest_variant`: FP8 weights,
+the VAE's dtype) have manifests of their own, holding only what they add and read only by engines with those
+settings. Every engine records what it compiles (`Recorder`), so a manifest for another
 GPU or model is one run of that tool. VOXCPM_PRECOMPILE=0 turns the precompile off.
 """
 
@@ -33,7 +35,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.config import VoxCPMConfig, dtype_name
+from engine.config import DTYPE_NAMES, VoxCPMConfig, dtype_name
 from engine.io.model_path import resolve_model_path
 from engine.ops.platform import HAVE_TRITON
 from engine.options import current
@@ -60,6 +62,18 @@ def model_digest(cfg: VoxCPMConfig, dtype: str | torch.dtype) -> str:
     fields["dtype"] = spelled(cfg.dtype)
     text = json.dumps({"config": fields, "dtype": spelled(dtype)}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def manifest_variant(config: Any) -> dict[str, str]:
+    """The settings of an EngineConfig that make its engine compile kernels beyond those of the model's shape, as a
+    manifest names them (`"variant"`): those set away from their default (no torch needed)."""
+    variant = {}
+    if config.quantization:
+        variant["quantization"] = str(config.quantization)
+    vae_dtype = DTYPE_NAMES.get(str(config.vae_dtype), str(config.vae_dtype)) if config.vae_dtype else "float32"
+    if vae_dtype != "float32":
+        variant["vae_dtype"] = vae_dtype
+    return variant
 
 
 def loaded_model_digest(model: LoadedModel) -> str:
@@ -134,9 +148,10 @@ class Recorder:
         """The manifest of what this process compiled for a loaded model on a CUDA device."""
         return self.manifest(loaded_model_digest(model), cuda_arch(device))
 
-    def manifest(self, digest: str, arch: int) -> dict[str, Any]:
+    def manifest(self, digest: str, arch: int, variant: dict[str, str] | None = None) -> dict[str, Any]:
         """The records as a manifest; launch options reduced to those differing from Triton's defaults (the rest,
-        such as library paths, belong to the installation that compiles)."""
+        such as library paths, belong to the installation that compiles). With a `variant` (`manifest_variant`),
+        only the records the manifests without it lack."""
         import triton
         defaults = _default_options(arch)
         entries = []
@@ -144,8 +159,12 @@ class Recorder:
             options = {k: v for k, v in record["options"].items()
                        if k != "extern_libs" and json.loads(json.dumps(defaults.get(k))) != v}
             entries.append({**record, "options": options})
+        if variant:
+            known = {_identity(e) for e in load_manifests(digest, arch)}
+            entries = [e for e in entries if _identity(e) not in known]
         entries.sort(key=lambda r: (r["name"], json.dumps(r, sort_keys=True)))
-        return {"model": digest, "arch": arch, "triton": triton.__version__, "entries": entries}
+        return {"model": digest, "arch": arch, "triton": triton.__version__, "variant": dict(variant or {}),
+                "entries": entries}
 
 
 def triton_version() -> str:
@@ -175,22 +194,26 @@ def _manifests(paths: list[Path]) -> list[dict[str, Any]]:
     return manifests
 
 
+def _identity(entry: dict[str, Any]) -> str:
+    """A record's kernel variant (records differing only in their compile time are one)."""
+    return json.dumps({k: v for k, v in entry.items() if k != "compile_s"}, sort_keys=True)
+
+
 def _entries(manifests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Their records, each variant once (records differing only in their compile time are one)."""
-    entries: dict[str, dict[str, Any]] = {}
-    for m in manifests:
-        for e in m.get("entries", []):
-            entries[json.dumps({k: v for k, v in e.items() if k != "compile_s"}, sort_keys=True)] = e
-    return list(entries.values())
+    """Their records, each variant once."""
+    return list({_identity(e): e for m in manifests for e in m.get("entries", [])}.values())
 
 
-def load_manifests(digest: str, arch: int) -> list[dict[str, Any]]:
+def load_manifests(digest: str, arch: int, variant: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """The records of every manifest for this model shape, architecture and Triton release line (shipped ones,
-    VOXCPM_KERNEL_MANIFEST)."""
+    VOXCPM_KERNEL_MANIFEST) whose variant the engine's settings include (`manifest_variant`; none: the model's
+    own)."""
     paths = sorted(MANIFEST_DIR.glob("*.json"))
     if current().kernel_manifest:
         paths.append(Path(current().kernel_manifest))
-    return _entries([m for m in _manifests(paths) if m.get("model") == digest and m.get("arch") == arch])
+    settings = (variant or {}).items()
+    return _entries([m for m in _manifests(paths) if m.get("model") == digest and m.get("arch") == arch
+                     and m.get("variant", {}).items() <= settings])
 
 
 def shipped_records() -> dict[int, list[dict[str, Any]]]:
@@ -322,10 +345,12 @@ class Precompiler:
     Any trouble here (no Triton, an unwritable cache dir) only turns the precompile off: the JIT compiles as before."""
 
     def __init__(self, model: LoadedModel | str | os.PathLike, dtype: str | torch.dtype | None,
-                 device: torch.device | None, arch: int | None = None, background: bool = False) -> None:
+                 device: torch.device | None, arch: int | None = None, background: bool = False,
+                 variant: dict[str, str] | None = None) -> None:
         """model: the engine's (loaded, or the checkpoint to load); dtype: the engine's runtime dtype when set;
         device: the engine's, or None in a process that must not initialise CUDA (the pool's parent): then `arch`,
-        or the GPUs' architecture as nvidia-smi reports it."""
+        or the GPUs' architecture as nvidia-smi reports it; variant: the engine's `manifest_variant`."""
+        self.variant = dict(variant or {})
         self.t0 = time.perf_counter()
         self.stats: dict[str, Any] = {"precompiled": 0, "precompile_failed": 0}
         self._compilers: CompilerProcesses | None = None
@@ -363,7 +388,7 @@ class Precompiler:
             if arch is None:
                 return []
         self.arch = arch
-        return load_manifests(digest, arch)
+        return load_manifests(digest, arch, self.variant)
 
     def _try_lock(self, block: bool, timeout_s: float = 600.0) -> bool:
         from triton import knobs
