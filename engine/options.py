@@ -83,6 +83,9 @@ class EngineOptions:
                                 "FP8 GEMMs: activation rows from which a projection runs as the FP8 GEMM (fewer rows: "
                                 "the bf16 kernels, as without quantization; on an H200 the LMs' 128 rows and the "
                                 "LocEnc's 640 ran slower in FP8, the DiT's 2816 faster).")
+    fp8_small_rows: bool = _option("VOXCPM_FP8_SMALL_ROWS", True, _flag, "With FP8 weights: below fp8_min_rows, "
+                                   "the weight-streaming kernels (the one-row GEMV, the layer kernel) read the e4m3 "
+                                   "weights (bf16 activations, each output channel scaled); 0: the bf16 weights.")
     fp8_fast_accum: bool = _option("VOXCPM_FP8_FAST_ACCUM", False, _flag, "The FP8 GEMM's fast accumulation (the "
                                    "tensor cores' partial sums not promoted to fp32 along K).")
     fp8_quant_kernel: bool = _option("VOXCPM_FP8_QUANT_KERNEL", True, _flag, "The FP8 GEMM's per-token activation "

@@ -22,9 +22,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     cuBLAS."""
     if (quantized := fp8.companion(x, weight)) is not None:
         return fp8.fp8_linear(x, quantized)
-    if platform.kernels(x) and gemv.gemv_supported(x, weight):
-        return gemv.gemv(x, weight)
+    if platform.kernels(x) and (out := _gemv(x, weight)) is not None:
+        return out
     return F.linear(x, weight)
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False,
+          partials: bool = False) -> torch.Tensor | None:
+    """`gemv.gemv` where it takes the call, on the weight's FP8 companion where it has one
+    (`fp8.small_rows_companion`), else on the weight; None where it does not take it."""
+    small = fp8.small_rows_companion(weight)
+    if small is not None and gemv.gemv_supported(x, small.data, silu_gate, partials, scaled=True):
+        return gemv.gemv(x, small.data, silu_gate, scale=small.scale)
+    if gemv.gemv_supported(x, weight, silu_gate, partials):
+        return gemv.gemv(x, weight, silu_gate)
+    return None
 
 
 def silu_gate_linear(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
@@ -33,8 +45,8 @@ def silu_gate_linear(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Ten
     projections stay on cuBLAS, which the same kernel did not beat), else the GEMM and `silu_mul`."""
     if (quantized := fp8.companion(x, gate_up_weight)) is not None:
         gate_up = fp8.fp8_linear(x, quantized)
-    elif platform.kernels(x) and gemv.gemv_supported(x, gate_up_weight, silu_gate=True):
-        return gemv.gemv(x, gate_up_weight, silu_gate=True)
+    elif platform.kernels(x) and (out := _gemv(x, gate_up_weight, silu_gate=True)) is not None:
+        return out
     elif platform.kernels(x) and skinny_gemm.skinny_supported(x, gate_up_weight, silu_gate=True):
         return skinny_gemm.skinny_matmul(x, gate_up_weight, silu_gate=True)
     else:
@@ -79,8 +91,8 @@ def residual_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     GEMV kernel (`linear`), which returns partials where it cuts K into slices; FP8 calls return the output."""
     if (quantized := fp8.companion(x, weight)) is not None:
         return fp8.fp8_linear(x, quantized)
-    if platform.kernels(x) and gemv.gemv_supported(x, weight, partials=True):
-        return gemv.gemv(x, weight)
+    if platform.kernels(x) and (out := _gemv(x, weight, partials=True)) is not None:
+        return out
     k_dim, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k_dim)
     splits = residual_splits(x2.shape[0], k_dim, n) if current().split_k and platform.kernels(x) else 1
