@@ -575,7 +575,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         modes = ["phases"] + (["fused"] if device == "cuda" else [])
         outs = []
         for mode in modes:
-            with options.override(layer_kernel=mode):
+            with options.override(layer_kernel=mode, fp8_layer_kernel=True):
                 outs.append(layer_stack.dense_stack(stack, x, rope))
         with torch.no_grad():  # the reference: the eager layers on the weights the e4m3 values stand for
             for kind in FP8_KINDS:

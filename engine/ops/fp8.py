@@ -19,9 +19,10 @@ moves their storage, not the tensor objects) and after a merged LoRA adapter wen
 (`minicpm.quantize_projections`), and remade in place when runtime LoRA merges rewrite the weights (`requantize`).
 The bf16 weights stay: calls of fewer than `fp8_min_rows` rows run the bf16 kernels as before, except where a
 weight-streaming kernel reads the FP8 weights instead (`small_rows_companion`, EngineOptions.fp8_small_rows: the
-one-row GEMV, the local modules' layer kernel): bf16 activations times the e4m3 values, each output channel's sum
-scaled, half the weight bytes of a step that is bound by reading them. A stack's companions are rows of one
-(layers, N, K) tensor (`attach_stacked`), which the layer kernel addresses at a fixed stride.
+one-row GEMV; the local modules' layer kernel with EngineOptions.fp8_layer_kernel): bf16 activations times the e4m3
+values, each output channel's sum scaled, half the weight bytes of a step that is bound by reading them. A stack's
+companions are rows of one (layers, N, K) tensor (`attach_stacked`), which the layer kernel addresses at a fixed
+stride.
 
 Where torch has no FP8 GEMM (the CPU, older GPUs, a model not in bf16), `dequantize_in_place` replaces the weights by
 their FP8 values instead: every call then computes with the FP8 model's weights, its activations unquantised.

@@ -15,10 +15,10 @@ grid-wide barriers (an atomic counter) instead of kernel boundaries:
 
 A stack ends with phase 0 alone under its final norm. The whole stack is one launch: the layers' weights are stacks
 (`MiniCPM.stack_layer_weights`), layer l's at row l. With FP8 weights (`MiniCPM.fp8_stacks`,
-EngineOptions.fp8_small_rows) the projections stream the e4m3 stacks instead, half the bytes: each weight tile is
-widened to the activations' dtype for the dot, each output channel's fp32 sum multiplied by its scale (W8). Each
-program also prefetches into L2 the first weights of its units of the next projection during the phase before it
-(`_prefetch`, EngineOptions.layer_prefetch_mb).
+EngineOptions.fp8_layer_kernel, off by default: slower) the projections stream the e4m3 stacks instead, half the
+bytes: each weight tile is widened to the activations' dtype for the dot, each output channel's fp32 sum multiplied by
+its scale (W8). Each program also prefetches into L2 the first weights of its units of the next projection during the
+phase before it (`_prefetch`, EngineOptions.layer_prefetch_mb).
 
 The rounding points are the eager layer's (each projection's output rounded to the dtype after fp32 accumulation,
 split partials summed in split order first, as cuBLAS's split-K does; the norms, attention and SiLU gate as in
@@ -445,7 +445,7 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
     pf_shapes = ((nqkv, h), (h, hq * d // o_splits), (2 * f, h), (h, f // down_splits))
     w = stack.layer_weight_stacks()
     assert w is not None  # `supported` checked it
-    w8 = stack.fp8_stacks if current().fp8_small_rows else None  # the e4m3 companions' stacks, or None
+    w8 = stack.fp8_stacks if current().fp8_layer_kernel else None  # the e4m3 companions' stacks, or None
     if w8 is not None:
         w = {**w, **{kind: w8[kind].data for kind in ("qkv", "o", "gate_up", "down")}}
     scales = [w8[kind].scale if w8 is not None else w[kind] for kind in ("qkv", "o", "gate_up", "down")]
