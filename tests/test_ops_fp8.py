@@ -281,35 +281,38 @@ def test_fp8_gemm_is_batch_invariant_in_the_exact_mode_cuda():
 @pytest.mark.parametrize("min_rows", [1, 1024])
 def test_engine_in_cuda_graphs_matches_eager_fp8_cuda(checkpoint_factory, min_rows):
     """The tiny model's projections on FP8 weights, captured in the step graphs and eager: with fp8_min_rows 1 every
-    one on the FP8 GEMM, with the default (1024) its few rows on the weight-streaming kernels reading the e4m3 weights
-    (the one-row GEMV, the layer kernel). The two agree far better than FP8 and bf16 do (the quantisation dominates
-    any difference of bucket padding or kernel choice)."""
+    one on the FP8 GEMM (the first patch compared), with the default (1024) the one-row decode chain's GEMVs reading
+    the e4m3 weights (one sequence at a time; the second patch compared, the first one's prefill has too few rows
+    for FP8). The two agree far better than FP8 and bf16 do (the quantisation dominates any difference of bucket
+    padding or kernel choice)."""
     from engine.ops import gemv
 
     ckpt = checkpoint_factory("tiny-voxcpm2", dtype="bfloat16", stop="never")
+    compared = 0 if min_rows == 1 else 1  # which patch of each request
 
-    def first_patches(quantization: str | None, eager: bool) -> list[torch.Tensor]:
-        config = EngineConfig(max_num_seqs=4, max_model_len=256, num_kv_blocks=128, enforce_eager=eager,
-                              quantization=quantization, options=EngineOptions(fp8_min_rows=min_rows))
+    def patches(quantization: str | None, eager: bool) -> list[torch.Tensor]:
+        config = EngineConfig(max_num_seqs=4 if min_rows == 1 else 1, max_model_len=256, num_kv_blocks=128,
+                              enforce_eager=eager, quantization=quantization,
+                              options=EngineOptions(fp8_min_rows=min_rows))
         with mock.patch.object(fp8, "scaled_matmul", wraps=fp8.scaled_matmul) as spy, \
                 mock.patch.object(gemv, "gemv", wraps=gemv.gemv) as gemv_spy:
             engine = LLMEngine(load_model(ckpt, "cuda"), config, "cuda")
             assert bool(engine.runner.graphs) != eager
             ids = [engine.add_request(text, SamplingParams(seed=seed, max_generate_length=3))
                    for text, seed in REQUESTS]
-            first: dict[int, torch.Tensor] = {}
+            made: dict[int, list[torch.Tensor]] = {}
             while engine.has_unfinished():
                 for event in engine.step():
                     assert event.error is None, event.error
-                    first.setdefault(event.seq_id, event.patch.float())
+                    made.setdefault(event.seq_id, []).append(event.patch.float())
         if min_rows == 1:
             assert (spy.call_count > 0) == (quantization == "fp8")
-        else:  # the one-row LM chain's GEMVs read the e4m3 weights
+        else:
             scaled = sum(c.kwargs.get("scale") is not None for c in gemv_spy.call_args_list)
             assert (scaled > 0) == (quantization == "fp8"), scaled
-        return [first[i] for i in ids]
+        return [made[i][compared] for i in ids]
 
-    graphed, eager, plain = first_patches("fp8", False), first_patches("fp8", True), first_patches(None, True)
+    graphed, eager, plain = patches("fp8", False), patches("fp8", True), patches(None, True)
     for g, e, p in zip(graphed, eager, plain, strict=True):
         quantisation = float((e - p).norm() / p.norm())
         assert quantisation > 1e-3

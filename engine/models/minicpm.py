@@ -136,8 +136,12 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP branch's output, or its split-K partials (`linear.residual_linear`) for `add_rms_norm`."""
         if self.gate_up_weight is not None:
-            return linear.gated_mlp(x, self.gate_up_weight, self.down_proj.weight)
-        return residual_linear(silu_mul(self.gate_proj(x), self.up_proj(x)), self.down_proj.weight)
+            if (quantized := fp8.mlp_companions(x, self.gate_up_weight, self.down_proj.weight)) is not None:
+                return fp8.fp8_mlp(x, *quantized)  # the gated product quantised by the kernel that makes it
+            gated = linear.silu_gate_linear(x, self.gate_up_weight)
+        else:
+            gated = silu_mul(self.gate_proj(x), self.up_proj(x))
+        return residual_linear(gated, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):

@@ -255,6 +255,14 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     return scaled_matmul(x_fp8, x_scale, weight, x.dtype).view(*x.shape[:-1], weight.data.shape[0])
 
 
+def mlp_companions(x: torch.Tensor, gate_up_weight: torch.Tensor,
+                   down_weight: torch.Tensor) -> tuple[Fp8Weight, Fp8Weight] | None:
+    """The FP8 weights an MLP call on x runs `fp8_mlp` with: both projections' companions where both take these
+    rows (`companion`), else None (the MLP's other paths)."""
+    gate_up, down = companion(x, gate_up_weight), companion(x, down_weight)
+    return None if gate_up is None or down is None else (gate_up, down)
+
+
 def fp8_mlp(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) on the FP8 GEMMs: x (..., K) quantised per token, the gated product quantised
     as it is made (`silu_mul_quantized`), the output in x's dtype."""

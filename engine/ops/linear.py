@@ -55,16 +55,6 @@ def silu_gate_linear(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Ten
     return silu_mul.silu_mul(gate, up)
 
 
-def gated_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)), or the down projection's split-K partials (`residual_linear`): with FP8
-    companions for both projections at these rows, the FP8 chain whose gated product is quantised as it is made
-    (`fp8.fp8_mlp`); else `silu_gate_linear`, then `residual_linear`."""
-    gate_up, down = fp8.companion(x, gate_up_weight), fp8.companion(x, down_weight)
-    if gate_up is not None and down is not None:
-        return fp8.fp8_mlp(x, gate_up, down)
-    return residual_linear(silu_gate_linear(x, gate_up_weight), down_weight)
-
-
 def residual_splits(rows: int, k_dim: int, n: int) -> int:
     """How many K slices `residual_linear` uses for (rows, K) @ (K, n): 1 (one GEMM) where splitting measured no
     faster (many outputs, or a short K: docs/benchmarks.md, `VOXCPM_SPLIT_K`)."""

@@ -111,9 +111,7 @@ class LayerErrors:
                 return original(x, weight)
             return call
 
-        # o through the layer's name of residual_linear, down through linear's own (`linear.gated_mlp`)
-        patched = [(linear_ops, "linear"), (linear_ops, "silu_gate_linear"), (linear_ops, "residual_linear"),
-                   (minicpm, "residual_linear")]
+        patched = [(linear_ops, "linear"), (linear_ops, "silu_gate_linear"), (minicpm, "residual_linear")]
         originals = [getattr(owner, name) for owner, name in patched]
         for (owner, name), original in zip(patched, originals, strict=True):
             setattr(owner, name, spy(original))
