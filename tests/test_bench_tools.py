@@ -374,10 +374,12 @@ def test_fp8_accuracy(checkpoint_factory, tmp_path):
     ckpt = checkpoint_factory("tiny-voxcpm2")  # the random stop head: requests stop where it fires
     out = tmp_path / "fp8.json"
     doc = bench.main(["fp8-accuracy", "--model", str(ckpt), "--device", "cpu", "--requests", "2", "--patches", "3",
-                      "--decode-steps", "1", "--min-rows", "1", "--max-model-len", "256", "--out", str(out)])
+                      "--decode-steps", "1", "--min-rows", "1", "--max-num-seqs", "1", "--max-model-len", "256",
+                      "--out", str(out)])
     assert json.loads(out.read_text()) == doc
     assert doc["command"].startswith("python tools/bench.py fp8-accuracy ") and doc["torch"] and doc["date_utc"]
     assert doc["fp8_gemm"] is False and "gpu_name" in doc  # the CPU: the reference
+    assert doc["max_num_seqs"] == 1  # end to end, each request decoded alone
     assert {(r["stack"], r["kind"]) for r in doc["layers"]} == {
         (s, k) for s in ("base_lm", "residual_lm", "locenc", "dit") for k in ("qkv", "o", "gate_up", "down")}
     for r in doc["layers"]:  # e4m3's rounding of both operands: a few percent, never nothing

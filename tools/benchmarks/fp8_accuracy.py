@@ -8,8 +8,9 @@
   fp32. Per stack (base LM, residual LM, LocEnc, DiT) and projection (qkv, o, gate_up, down): the FP8 output's
   relative error against the unquantised (the model's dtype: bf16 on a GPU) one, Frobenius over every call and the
   largest of the calls' max |diff| / max |bf16|, beside the bf16 output's own error against fp32 (its floor).
-- end to end: the same seeded requests (different texts, batched together) through an unquantised engine and an FP8
-  one (CUDA graphs where the device has them), one after the other in this process: per request the first patch's
+- end to end: the same seeded requests (different texts, batched together, or --max-num-seqs at a time: 1 measures
+  the one-row paths, the GEMV on e4m3 weights) through an unquantised engine and an FP8 one (CUDA graphs where the
+  device has them), one after the other in this process: per request the first patch's
   relative error (Frobenius), the mean of its patches' relative errors over the patches both engines made, and the
   patch where each stopped (the stop head's, counted from 1; null: none within --patches); the share of requests
   whose stop agrees. The stop comparison needs a checkpoint whose stop head fires (`make_random_checkpoint.py`
@@ -127,8 +128,9 @@ def engine_for(a: Any, quantization: str | None, eager: bool = False, fused: boo
     model = load_model(a.model, a.device)
     if fused:  # every projection through the fused weights' entry points (the runner fuses only on CUDA)
         fuse_projections(model.backbone)
-    config = EngineConfig(max_num_seqs=a.requests, max_model_len=a.max_model_len, enforce_eager=eager,
-                          gpu_memory_utilization=a.gpu_memory_utilization, quantization=quantization,
+    config = EngineConfig(max_num_seqs=a.max_num_seqs or a.requests, max_model_len=a.max_model_len,
+                          enforce_eager=eager, gpu_memory_utilization=a.gpu_memory_utilization,
+                          quantization=quantization,
                           **({"options": options} if options is not None else {}))
     return LLMEngine(model, config, a.device)
 
@@ -217,19 +219,22 @@ def main(argv: list[str]) -> dict[str, Any]:
     ap.add_argument("--decode-steps", type=int, default=3, help="decode steps observed after the prefill (layers)")
     ap.add_argument("--min-rows", type=int, default=current().fp8_min_rows,
                     help="smallest call observed (rows); default the rows from which the FP8 GEMM runs")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="requests decoded together end to end (default: all of them; 1: each alone)")
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args(argv)
-    if a.requests < 1 or a.patches < 1 or a.min_rows < 1:
-        ap.error("--requests, --patches and --min-rows must be positive")
+    if a.requests < 1 or a.patches < 1 or a.min_rows < 1 or (a.max_num_seqs is not None and a.max_num_seqs < 1):
+        ap.error("--requests, --patches, --min-rows and --max-num-seqs must be positive")
     t0 = time.perf_counter()
     device = torch.device(a.device)
     layers, gemm = layer_errors(a)
     doc = {"tool": "fp8_accuracy", "command": " ".join(["python", *command_line("fp8-accuracy", argv)]),
            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": a.model, "device": a.device,
            "requests": a.requests, "patches": a.patches, "min_len": a.min_len, "decode_steps": a.decode_steps,
-           "min_rows": a.min_rows, "fp8_gemm": gemm, "layers": layers, "end_to_end": end_to_end(a),
+           "min_rows": a.min_rows, "max_num_seqs": a.max_num_seqs or a.requests, "fp8_gemm": gemm, "layers": layers,
+           "end_to_end": end_to_end(a),
            **torch_facts((device.index or 0) if device.type == "cuda" else None, touch_cuda=True),
            "seconds": round(time.perf_counter() - t0, 1)}
     for r in layers:
