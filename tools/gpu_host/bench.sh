@@ -23,6 +23,9 @@
 #   PARTS="cold" COLD_DROP_CACHES=1 ...   # each start after dropping the page cache (root): checkpoint and libraries cold
 #   PARTS="gpu2" GPU2_ENV="NANOVLLM_API_PROCESSES=28" ...   # one GPU against two, the services in that environment
 #   PARTS="lora" CONC=1,64 LORAS=4 LORA_RANK=32 ...   # runtime LoRA adapters vs the base model vs a merged adapter
+#   PARTS="ours_base ours" BASELINE=old CONC=1,128,256 BENCH_ARGS="--max-num-seqs 256" FRESH_KERNELS=1 \
+#       OURS_VARIANTS='-;{"quantization":"fp8"};{"quantization":"fp8","vae_dtype":"bfloat16"}'   # the options' table
+#   PARTS="fp8acc" FP8ACC_VARIANTS="-;VOXCPM_FP8_FAST_ACCUM=1"   # FP8 accuracy, batched and one request at a time
 #   PARTS="burst" BASELINE=old BURST_VARIANTS="--max-num-batched-tokens 8192;--pool-kwargs {\"running_prefill_tokens\":2048}"
 #       a burst of BURST (128) onto RUNNING (128) streams (`tools/bench.py arrival-burst`), once per variant (extra
 #       flags), BASELINE's engine first (its variants: BURST_BASE_VARIANTS); files burst_*.json
@@ -281,19 +284,45 @@ for part in $PARTS; do
                 ${CHECK_ARGS:-}
             RC[$part]=$?
             ;;
-        ours)
+        ours)  # once per OURS_VARIANTS entry (pool kwargs JSON, "-": none) into ours.json, ours_2.json, ...
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
-            if [[ "${FRESH_KERNELS:-0}" == 1 ]]; then
-                fresh="$(mktemp -d)"
-                log "empty Triton kernel cache for this benchmark: $fresh"
-                TRITON_CACHE_DIR="$fresh" bench voxcpm-serve "$OUT/ours.json" "$T_OURS"
-                rc=$?
-                rm -rf "$fresh"
-                (exit $rc)
-            else
-                bench voxcpm-serve "$OUT/ours.json" "$T_OURS"
-            fi
-            RC[$part]=$?
+            RC[$part]=0
+            IFS=';' read -ra list <<<"${OURS_VARIANTS:--}"
+            i=0
+            for v in "${list[@]}"; do
+                i=$((i + 1))
+                json="$OUT/ours.json"; [[ $i -gt 1 ]] && json="$OUT/ours_$i.json"
+                extra=""; [[ "$v" != - ]] && extra="--pool-kwargs $v"
+                if [[ "${FRESH_KERNELS:-0}" == 1 ]]; then
+                    fresh="$(mktemp -d)"
+                    log "empty Triton kernel cache for this benchmark: $fresh"
+                    OURS_ARGS="${OURS_ARGS:-} $extra" TRITON_CACHE_DIR="$fresh" bench voxcpm-serve "$json" "$T_OURS" \
+                        || RC[$part]=$?
+                    rm -rf "$fresh"
+                else
+                    OURS_ARGS="${OURS_ARGS:-} $extra" bench voxcpm-serve "$json" "$T_OURS" || RC[$part]=$?
+                fi
+            done
+            ;;
+        fp8acc)  # FP8 accuracy on a checkpoint whose stop head fires ($CKPT-stop), per FP8ACC_VARIANTS entry
+            # (environment assignments, "-": none), all requests together and one at a time; files fp8acc_*.json
+            setup_wheels || { RC[$part]=setup; continue; }
+            stop_ckpt="$CKPT-stop"
+            [[ -f "$stop_ckpt/config.json" ]] || run_limited 300 checkpoint-stop python3 tools/make_random_checkpoint.py \
+                --preset "$PRESET" --out "$stop_ckpt" || { RC[$part]=setup; continue; }
+            RC[$part]=0
+            IFS=';' read -ra list <<<"${FP8ACC_VARIANTS:--}"
+            i=0
+            for v in "${list[@]}"; do
+                i=$((i + 1))
+                [[ "$v" == - ]] && v=""
+                for seqs in 64 1; do
+                    # shellcheck disable=SC2086  # the variant's assignments split into words
+                    run_limited "${T_FP8ACC:-150}" "fp8acc-$i-$seqs" env $v python3 tools/bench.py fp8-accuracy \
+                        --model "$stop_ckpt" --requests 64 --patches 20 --min-len 8 --max-num-seqs "$seqs" \
+                        --out "$OUT/fp8acc_${i}_seqs$seqs.json" || RC[$part]=$?
+                done
+            done
             ;;
         ours_window)  # the pool with the service's coalescing window (the same engine settings as the service)
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
@@ -525,7 +554,7 @@ random_adapters('$CKPT', 1, ${LORA_RANK:-32}, Path('/tmp/lora_merged'))" \
             stop_service
             ;;
         *)
-            log "unknown part '$part' (known: test check profile ours ours_base manifest cold lora ours_window ours_hifi nano encode http http_env http_api16 gpu2 http_base)"
+            log "unknown part '$part' (known: test check profile ours ours_base manifest cold lora ours_window ours_hifi nano encode http http_env http_api16 gpu2 http_base burst fp8acc)"
             ;;
     esac
 done
