@@ -67,13 +67,9 @@ def model_digest(cfg: VoxCPMConfig, dtype: str | torch.dtype) -> str:
 def manifest_variant(config: Any) -> dict[str, str]:
     """The settings of an EngineConfig that make its engine compile kernels beyond those of the model's shape, as a
     manifest names them (`"variant"`): those set away from their default (no torch needed)."""
-    variant = {}
-    if config.quantization:
-        variant["quantization"] = str(config.quantization)
     vae_dtype = DTYPE_NAMES.get(str(config.vae_dtype), str(config.vae_dtype)) if config.vae_dtype else "float32"
-    if vae_dtype != "float32":
-        variant["vae_dtype"] = vae_dtype
-    return variant
+    settings = {"quantization": config.quantization, "vae_dtype": None if vae_dtype == "float32" else vae_dtype}
+    return {name: str(value) for name, value in settings.items() if value}
 
 
 def loaded_model_digest(model: LoadedModel) -> str:
@@ -200,8 +196,7 @@ def _identity(entry: dict[str, Any]) -> str:
 
 
 def _entries(manifests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Their records, each variant once."""
-    return list({_identity(e): e for m in manifests for e in m.get("entries", [])}.values())
+    return list({_identity(e): e for m in manifests for e in m.get("entries", [])}.values())  # each variant once
 
 
 def load_manifests(digest: str, arch: int, variant: dict[str, str] | None = None) -> list[dict[str, Any]]:
