@@ -156,6 +156,24 @@ def test_a_compiler_child_never_imports_torch(tmp_path: Path) -> None:
     assert out.strip().endswith("torch imported: False"), out
 
 
+def test_every_shipped_record_names_its_kernels_parameters() -> None:
+    """A kernel whose parameters change (an argument or a constexpr added, renamed or removed) leaves its shipped
+    records stale: start-up skips them and the JIT compiles that kernel inside a cold start. Such a change re-records
+    the manifests on a GPU (tools/record_kernel_manifest.py, per settings variant) in the same commit."""
+    import importlib
+
+    from engine.startup import kernel_cache
+
+    stale = []
+    for path in sorted(kernel_cache.MANIFEST_DIR.glob("*.json")):
+        for entry in json.loads(path.read_text())["entries"]:
+            module, name = entry["name"].rsplit(".", 1)
+            kernel = getattr(importlib.import_module(module), name)
+            if list(entry["signature"]) != list(kernel.arg_names):
+                stale.append(f"{path.name}: {name}")
+    assert stale == [], f"records whose kernel's parameters changed since they were recorded: {sorted(set(stale))}"
+
+
 def test_the_shipped_manifests_match_the_presets_digests() -> None:
     """Each shipped manifest is found by the digest of its model's configuration: a change of the digest's formula
     or of the parsed configuration's fields (which would silently turn the shipped manifests off) fails here."""
