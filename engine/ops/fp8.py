@@ -55,18 +55,26 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from engine.ops.silu_mul import silu_mul_math
+
     @triton.jit
-    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, n_cols, stride_x, FLOOR: tl.constexpr, FP8_MAX: tl.constexpr,
-                              INV_MAX: tl.constexpr, BLOCK: tl.constexpr):
-        # One program per row: its amax, its scale, its values divided (IEEE division, as torch's) and cast.
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    def _store_quantized_row(x, q_ptr, s_ptr, row, n_cols, cols, mask, FLOOR: tl.constexpr, FP8_MAX: tl.constexpr,
+                             INV_MAX: tl.constexpr):
+        # A row's fp32 values x: its amax, its scale, its values divided (IEEE division, as torch's) and cast.
         scale = tl.maximum(tl.max(tl.abs(x), axis=0), FLOOR) * INV_MAX
         q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row, scale)
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, n_cols, stride_x, FLOOR: tl.constexpr, FP8_MAX: tl.constexpr,
+                              INV_MAX: tl.constexpr, BLOCK: tl.constexpr):
+        # One program per row.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        _store_quantized_row(x, q_ptr, s_ptr, row, n_cols, cols, mask, FLOOR, FP8_MAX, INV_MAX)
 
     @triton.jit
     def _silu_mul_quantize_kernel(gu_ptr, q_ptr, s_ptr, n_cols, stride_gu, FLOOR: tl.constexpr,
@@ -78,12 +86,8 @@ if HAVE_TRITON:
         mask = cols < n_cols
         g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0)
-        s = (g / (1.0 + tl.exp(-g))).to(u.dtype)
-        x = (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), FLOOR) * INV_MAX
-        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
-        tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + row, scale)
+        x = silu_mul_math(g, u).to(tl.float32)
+        _store_quantized_row(x, q_ptr, s_ptr, row, n_cols, cols, mask, FLOOR, FP8_MAX, INV_MAX)
 
 
 def quantize_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

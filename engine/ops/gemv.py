@@ -26,6 +26,8 @@ if HAVE_TRITON:
     import triton.language as tl
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+    from engine.ops.silu_mul import silu_mul_math
+
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, rows, stride_x, N: tl.constexpr, K: tl.constexpr,
                      KS: tl.constexpr, SILU_GATE: tl.constexpr, PARTIAL: tl.constexpr, SCALED: tl.constexpr,
@@ -65,9 +67,7 @@ if HAVE_TRITON:
                     if SCALED:
                         up = up * scale_up
                     up = up.to(out_ptr.dtype.element_ty)
-                    g = y.to(tl.float32)
-                    s = (g / (1.0 + tl.exp(-g))).to(up.dtype)
-                    y = (s.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+                    y = silu_mul_math(y.to(tl.float32), up)
                 tl.store(out_ptr + m * N + cols, y)
 
 

@@ -60,6 +60,7 @@ if HAVE_TRITON:
 
     from engine.ops.dense_attention import attend_heads
     from engine.ops.paged_attention import prefetch_l2
+    from engine.ops.silu_mul import silu_mul_math
 
     @triton.jit
     def _grid_sync(sync_ptr, target, ACTIVE: tl.constexpr):
@@ -157,10 +158,8 @@ if HAVE_TRITON:
             else:
                 y = acc.to(out_ptr.dtype.element_ty)
                 if SILU_GATE:  # silu_mul's op order on the rounded halves
-                    g = y.to(tl.float32)
                     up = acc_up.to(out_ptr.dtype.element_ty)
-                    s = (g / (1.0 + tl.exp(-g))).to(up.dtype)
-                    y = (s.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+                    y = silu_mul_math(y.to(tl.float32), up)
                 tl.store(out_ptr + m[None, :] * N + cols[:, None], y, mask=out_mask)
 
     @triton.jit

@@ -17,14 +17,19 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def silu_mul_math(g, u):
+        """SiLU(g) * u for fp32 g and u in the dtype, rounded as F.silu and the product round it (to u's dtype)."""
+        s = (g / (1.0 + tl.exp(-g))).to(u.dtype)  # F.silu rounds to the dtype before the product
+        return (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+
+    @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
         g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0)
-        s = (g / (1.0 + tl.exp(-g))).to(u.dtype)  # F.silu rounds to the dtype before the product
-        tl.store(o_ptr + row * n_cols + cols, (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=mask)
+        tl.store(o_ptr + row * n_cols + cols, silu_mul_math(g, u), mask=mask)
 
 
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from engine.ops.silu_mul import silu_mul_math
+
     @triton.jit
     def _skinny_matmul_kernel(x_ptr, w_ptr, o_ptr, rows, n_out, stride_x, stride_o, K: tl.constexpr,
                               SILU_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -45,10 +47,8 @@ if HAVE_TRITON:
             x_ptrs += BLOCK_K
         y = acc.to(o_ptr.dtype.element_ty)  # rounded like a GEMM's output
         if SILU_GATE:  # then silu_mul's op order on the rounded halves
-            g = y.to(tl.float32)
             up = acc_up.to(o_ptr.dtype.element_ty)
-            s = (g / (1.0 + tl.exp(-g))).to(up.dtype)
-            y = (s.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+            y = silu_mul_math(y.to(tl.float32), up)
         tl.store(o_ptr + m[None, :] * stride_o + cols[:, None], y, mask=m_mask[None, :])
 
 
