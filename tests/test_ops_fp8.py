@@ -199,6 +199,17 @@ def test_the_setting_reaches_the_engine_and_a_bad_value_names_it(monkeypatch):
         engine_config(quantization="int4")
 
 
+@pytest.mark.parametrize("fast", [False, True])
+def test_the_fast_accumulation_setting_reaches_the_gemm(fast):
+    """VOXCPM_FP8_FAST_ACCUM is what `_scaled_mm` is asked for (its numbers: the CUDA test below)."""
+    q = fp8.quantize_weight(torch.randn(32, 16))
+    x_q, x_scale = fp8.quantize_rows(torch.randn(4, 16))
+    with mock.patch.object(fp8, "current", return_value=EngineOptions(fp8_fast_accum=fast)), \
+            mock.patch.object(torch, "_scaled_mm") as gemm:
+        fp8.scaled_matmul(x_q, x_scale, q, torch.bfloat16)
+    assert gemm.call_args.kwargs["use_fast_accum"] is fast
+
+
 # --- CUDA -------------------------------------------------------------------------------------------------------------
 needs_fp8_gpu = pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability() >= (8, 9)),
                                    reason="needs CUDA with FP8 GEMMs (sm89+)")
