@@ -86,10 +86,6 @@ class EngineOptions:
     fp8_small_rows: bool = _option("VOXCPM_FP8_SMALL_ROWS", True, _flag, "With FP8 weights: below fp8_min_rows, "
                                    "the one-row GEMV reads the e4m3 weights (bf16 activations, each output channel "
                                    "scaled; H200, B=1: base LM 1.15 -> 0.89 ms); 0: the bf16 weights.")
-    fp8_layer_kernel: bool = _option("VOXCPM_FP8_LAYER_KERNEL", False, _flag, "With FP8 weights: the layer kernel "
-                                     "streams the e4m3 stacks too (off: measured slower on an H200, DiT B=1 3.07 -> "
-                                     "4.28 ms, the widening of each weight tile for the dot costing more than the "
-                                     "halved bytes save).")
     fp8_fast_accum: bool = _option("VOXCPM_FP8_FAST_ACCUM", False, _flag, "The FP8 GEMM's fast accumulation (the "
                                    "tensor cores' partial sums not promoted to fp32 along K).")
     fp8_quant_kernel: bool = _option("VOXCPM_FP8_QUANT_KERNEL", True, _flag, "The FP8 GEMM's per-token activation "

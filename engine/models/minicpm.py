@@ -178,7 +178,6 @@ def fuse_projections(module: nn.Module) -> None:
 
 
 _NOT_YET = object()  # a model no engine has served yet (its `quantization` attribute unset)
-FP8_KINDS = ("qkv", "o", "gate_up", "down")  # the projections `quantize_projections` gives FP8 companions
 
 
 def quantize_projections(module: nn.Module, quantization: str | None, device: torch.device) -> dict[str, int]:
@@ -203,13 +202,7 @@ def quantize_projections(module: nn.Module, quantization: str | None, device: to
     if gemm:
         fuse_projections(module)
     with torch.no_grad():
-        for stack in stacks if gemm else []:  # stacked weights: the companions as stacks too (the layer kernel's)
-            weights = stack._layer_weights()
-            if (stack.layer_weight_stacks() is not None and weights is not None
-                    and all(fp8.gemm_shape_ok(weights[kind][0]) for kind in FP8_KINDS)):
-                stack.fp8_stacks = {kind: fp8.attach_stacked(weights[kind]) for kind in FP8_KINDS}
-                counts["fp8_gemm"] += len(FP8_KINDS) * len(stack.layers)
-        for layer in (layer for stack in stacks if stack.fp8_stacks is None for layer in stack.layers):
+        for layer in (layer for stack in stacks for layer in stack.layers):
             a, m = layer.self_attn, layer.mlp
             fused = (a.qkv_weight, a.o_proj.weight, m.gate_up_weight, m.down_proj.weight)
             for weight in fused if gemm else (lin.weight for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj,
@@ -237,8 +230,6 @@ class MiniCPM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.uses_rope = not cfg.no_rope
-        # q/k/v, o, gate/up and down's FP8 companions as (layers, N, K) stacks (`quantize_projections`), or None.
-        self.fp8_stacks: dict[str, fp8.Fp8Weight] | None = None
 
     def _layer_weights(self) -> dict[str, list[torch.Tensor]] | None:
         """Each kind of layer weight, layer by layer ("input_norm" with the final norm last); None before

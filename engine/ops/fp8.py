@@ -19,10 +19,8 @@ moves their storage, not the tensor objects) and after a merged LoRA adapter wen
 (`minicpm.quantize_projections`), and remade in place when runtime LoRA merges rewrite the weights (`requantize`).
 The bf16 weights stay: calls of fewer than `fp8_min_rows` rows run the bf16 kernels as before, except where a
 weight-streaming kernel reads the FP8 weights instead (`small_rows_companion`, EngineOptions.fp8_small_rows: the
-one-row GEMV; the local modules' layer kernel with EngineOptions.fp8_layer_kernel): bf16 activations times the e4m3
-values, each output channel's sum scaled, half the weight bytes of a step that is bound by reading them. A stack's
-companions are rows of one (layers, N, K) tensor (`attach_stacked`), which the layer kernel addresses at a fixed
-stride.
+one-row GEMV): bf16 activations times the e4m3 values, each output channel's sum scaled, half the weight bytes of a
+step that is bound by reading them.
 
 Where torch has no FP8 GEMM (the CPU, older GPUs, a model not in bf16), `dequantize_in_place` replaces the weights by
 their FP8 values instead: every call then computes with the FP8 model's weights, its activations unquantised.
@@ -195,20 +193,6 @@ def gemm_supported(device: torch.device, dtype: torch.dtype) -> bool:
 def attach(weight: torch.Tensor) -> None:
     """Give `weight` its FP8 companion (from its current values)."""
     setattr(weight, FP8_ATTR, quantize_weight(weight))
-
-
-def attach_stacked(weights: list[torch.Tensor]) -> Fp8Weight:
-    """Give each of a stack's layer weights (each (N, K), one shape) its companion, as rows of one (layers, N, K)
-    e4m3 tensor and one (layers, N) scale tensor, which are returned; each layer quantised as `attach` does it."""
-    first = weights[0]
-    data = torch.empty((len(weights), *first.shape), dtype=torch.float8_e4m3fn, device=first.device)
-    scale = torch.empty((len(weights), first.shape[0]), dtype=torch.float32, device=first.device)
-    for i, weight in enumerate(weights):
-        q, row_scale = quantize_rows(weight.detach())
-        data[i].copy_(q)
-        scale[i].copy_(row_scale.view(-1))
-        setattr(weight, FP8_ATTR, Fp8Weight(data[i], scale[i:i + 1]))
-    return Fp8Weight(data, scale)
 
 
 def companion_of(weight: torch.Tensor | None) -> Fp8Weight | None:

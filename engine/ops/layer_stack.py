@@ -14,11 +14,8 @@ grid-wide barriers (an atomic counter) instead of kernel boundaries:
   6  down projection, split along K into fp32 partials, summed by the next layer's phase 0              (tiles x splits)
 
 A stack ends with phase 0 alone under its final norm. The whole stack is one launch: the layers' weights are stacks
-(`MiniCPM.stack_layer_weights`), layer l's at row l. With FP8 weights (`MiniCPM.fp8_stacks`,
-EngineOptions.fp8_layer_kernel, off by default: slower) the projections stream the e4m3 stacks instead, half the
-bytes: each weight tile is widened to the activations' dtype for the dot, each output channel's fp32 sum multiplied by
-its scale (W8). Each program also prefetches into L2 the first weights of its units of the next projection during the
-phase before it (`_prefetch`, EngineOptions.layer_prefetch_mb).
+(`MiniCPM.stack_layer_weights`), layer l's at row l. Each program also prefetches into L2 the first weights of its
+units of the next projection during the phase before it (`_prefetch`, EngineOptions.layer_prefetch_mb).
 
 The rounding points are the eager layer's (each projection's output rounded to the dtype after fp32 accumulation,
 split partials summed in split order first, as cuBLAS's split-K does; the norms, attention and SiLU gate as in
@@ -123,9 +120,9 @@ if HAVE_TRITON:
             tl.store(y_ptr + r * H + cols, (y.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=mask)
 
     @triton.jit
-    def _project(a_ptr, w_ptr, s_ptr, out_ptr, rows, pid, nprog, N: tl.constexpr, K: tl.constexpr,
-                 SPLITS: tl.constexpr, SILU_GATE: tl.constexpr, PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 W8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _project(a_ptr, w_ptr, out_ptr, rows, pid, nprog, N: tl.constexpr, K: tl.constexpr, SPLITS: tl.constexpr,
+                 SILU_GATE: tl.constexpr, PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # out = a (rows, K) @ w (N [x 2 with the gate], K).T, one unit per BLOCK_N columns and K split: the weight
         # tile is the dot's left operand (a few activation rows fill its narrow side), streamed once from HBM.
         KS: tl.constexpr = K // SPLITS
@@ -141,17 +138,12 @@ if HAVE_TRITON:
             acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for _ in range(0, KS, BLOCK_K):
                 a = tl.load(a_ptrs, mask=m_ok[None, :], other=0.0, cache_modifier=".cg")
-                acc = tl.dot(tl.load(w_ptrs, eviction_policy="evict_first").to(a.dtype), a, acc,
-                             input_precision=DOT_PRECISION)
+                acc = tl.dot(tl.load(w_ptrs, eviction_policy="evict_first"), a, acc, input_precision=DOT_PRECISION)
                 if SILU_GATE:  # the up rows follow the gate rows
-                    acc_up = tl.dot(tl.load(w_ptrs + N * K, eviction_policy="evict_first").to(a.dtype), a, acc_up,
+                    acc_up = tl.dot(tl.load(w_ptrs + N * K, eviction_policy="evict_first"), a, acc_up,
                                     input_precision=DOT_PRECISION)
                 w_ptrs += BLOCK_K
                 a_ptrs += BLOCK_K
-            if W8:  # e4m3 weights: each output channel's scale (the up rows' after the gate rows')
-                acc = acc * tl.load(s_ptr + cols)[:, None]
-                if SILU_GATE:
-                    acc_up = acc_up * tl.load(s_ptr + N + cols)[:, None]
             out_mask = m_ok[None, :]
             if PARTIAL:
                 tl.store(out_ptr + (split * rows + m[None, :]) * N + cols[:, None], acc, mask=out_mask)
@@ -163,16 +155,15 @@ if HAVE_TRITON:
                 tl.store(out_ptr + m[None, :] * N + cols[:, None], y, mask=out_mask)
 
     @triton.jit
-    def _layer_phases(l, qkv_w_ptr, o_w_ptr, gate_up_w_ptr, down_w_ptr, qkv_s_ptr, o_s_ptr, gate_up_s_ptr,
-                      down_s_ptr, post_norm_ptr, cos_ptr, sin_ptr, xn_ptr,
+    def _layer_phases(l, qkv_w_ptr, o_w_ptr, gate_up_w_ptr, down_w_ptr, post_norm_ptr, cos_ptr, sin_ptr, xn_ptr,
                       normed_ptr, qkv_ptr, attn_ptr, o_part_ptr, x_out_ptr, normed2_ptr, act_ptr, down_part_ptr,
                       sync_ptr, sync_base, pid, nprog, sequences, seq_len, rows, stride_cl, stride_sl, eps, scale,
                       sm_scale,
                       H: tl.constexpr, NQKV: tl.constexpr, HQ: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
                       F: tl.constexpr, O_SPLITS: tl.constexpr, DOWN_SPLITS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                      ROPE: tl.constexpr, PHASE: tl.constexpr, DOT_PRECISION: tl.constexpr, W8: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_L: tl.constexpr, PF_O: tl.constexpr, PF_GATE_UP: tl.constexpr, PF_DOWN: tl.constexpr):
+                      ROPE: tl.constexpr, PHASE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
+                      PF_O: tl.constexpr, PF_GATE_UP: tl.constexpr, PF_DOWN: tl.constexpr):
         # Phases 1-6 of layer l (its weights at l's row of each stack), barriers between them when ALL.
         ALL: tl.constexpr = PHASE < 0
         D: tl.constexpr = 2 * HALF
@@ -181,11 +172,9 @@ if HAVE_TRITON:
         o_w = o_w_ptr + li * (H * HQ * D)
         gate_up_w = gate_up_w_ptr + li * (2 * F * H)
         down_w = down_w_ptr + li * (H * F)
-        qkv_s, o_s, gate_up_s, down_s = qkv_s_ptr + li * NQKV, o_s_ptr + li * H, gate_up_s_ptr + li * (2 * F), \
-            down_s_ptr + li * H  # (unused without W8)
         if ALL or PHASE == 1:
-            _project(normed_ptr, qkv_w, qkv_s, qkv_ptr, rows, pid, nprog, NQKV, H, 1, False, False, DOT_PRECISION,
-                     W8, BLOCK_M, BLOCK_N, BLOCK_K)
+            _project(normed_ptr, qkv_w, qkv_ptr, rows, pid, nprog, NQKV, H, 1, False, False, DOT_PRECISION,
+                     BLOCK_M, BLOCK_N, BLOCK_K)
         if ALL:
             _prefetch(o_w, pid, nprog, H, HQ * D, O_SPLITS, False, PF_O, BLOCK_N)
         _grid_sync(sync_ptr, (sync_base + 1) * nprog, ALL)
@@ -199,8 +188,8 @@ if HAVE_TRITON:
                              stride_sl, seq_len, sm_scale, GROUP, 1, HALF, BLOCK_L, ROPE, DOT_PRECISION, ".cg")
         _grid_sync(sync_ptr, (sync_base + 2) * nprog, ALL)
         if ALL or PHASE == 3:
-            _project(attn_ptr, o_w, o_s, o_part_ptr, rows, pid, nprog, H, HQ * D, O_SPLITS, False, True,
-                     DOT_PRECISION, W8, BLOCK_M, BLOCK_N, BLOCK_K)
+            _project(attn_ptr, o_w, o_part_ptr, rows, pid, nprog, H, HQ * D, O_SPLITS, False, True,
+                     DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         if ALL:
             _prefetch(gate_up_w, pid, nprog, F, H, 1, True, PF_GATE_UP, BLOCK_N)
         _grid_sync(sync_ptr, (sync_base + 3) * nprog, ALL)
@@ -209,28 +198,27 @@ if HAVE_TRITON:
                                 scale, pid, nprog, H, O_SPLITS, HAS_SCALE, BLOCK_H, ".cg")
         _grid_sync(sync_ptr, (sync_base + 4) * nprog, ALL)
         if ALL or PHASE == 5:
-            _project(normed2_ptr, gate_up_w, gate_up_s, act_ptr, rows, pid, nprog, F, H, 1, True, False,
-                     DOT_PRECISION, W8, BLOCK_M, BLOCK_N, BLOCK_K)
+            _project(normed2_ptr, gate_up_w, act_ptr, rows, pid, nprog, F, H, 1, True, False, DOT_PRECISION,
+                     BLOCK_M, BLOCK_N, BLOCK_K)
         if ALL:
             _prefetch(down_w, pid, nprog, H, F, DOWN_SPLITS, False, PF_DOWN, BLOCK_N)
         _grid_sync(sync_ptr, (sync_base + 5) * nprog, ALL)
         if ALL or PHASE == 6:
-            _project(act_ptr, down_w, down_s, down_part_ptr, rows, pid, nprog, H, F, DOWN_SPLITS, False, True,
-                     DOT_PRECISION, W8, BLOCK_M, BLOCK_N, BLOCK_K)
+            _project(act_ptr, down_w, down_part_ptr, rows, pid, nprog, H, F, DOWN_SPLITS, False, True,
+                     DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
 
     # Not specialised on `sequences` == 1, `has_part`, `num_layers` or `layer`: fewer variants to compile at start-up,
     # no cost at run time.
     @triton.jit(do_not_specialize=["sequences", "has_part", "num_layers", "layer"])
     def _dense_layer_kernel(x_ptr, down_part_ptr, x_out_ptr, in_norm_ptr, post_norm_ptr, qkv_w_ptr, o_w_ptr,
-                            gate_up_w_ptr, down_w_ptr, qkv_s_ptr, o_s_ptr, gate_up_s_ptr, down_s_ptr, cos_ptr,
-                            sin_ptr, xn_ptr, normed_ptr, qkv_ptr, attn_ptr,
+                            gate_up_w_ptr, down_w_ptr, cos_ptr, sin_ptr, xn_ptr, normed_ptr, qkv_ptr, attn_ptr,
                             o_part_ptr, normed2_ptr, act_ptr, sync_ptr, sequences, seq_len, has_part, num_layers,
                             layer, stride_cl, stride_sl, eps, scale, sm_scale,
                             H: tl.constexpr, NQKV: tl.constexpr, HQ: tl.constexpr, GROUP: tl.constexpr,
                             HALF: tl.constexpr, F: tl.constexpr, O_SPLITS: tl.constexpr, DOWN_SPLITS: tl.constexpr,
                             HAS_SCALE: tl.constexpr, ROPE: tl.constexpr,
-                            PHASE: tl.constexpr, DOT_PRECISION: tl.constexpr, W8: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                            PHASE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
                             BLOCK_L: tl.constexpr, PF_QKV: tl.constexpr, PF_O: tl.constexpr,
                             PF_GATE_UP: tl.constexpr, PF_DOWN: tl.constexpr):
         # PHASE -1: the whole stack of `num_layers` layers and its final norm, grid barriers between the phases;
@@ -249,13 +237,12 @@ if HAVE_TRITON:
             _grid_sync(sync_ptr, nprog, True)
             for l in range(num_layers):
                 base = 1 + 7 * l  # barriers before this layer's phases
-                _layer_phases(l, qkv_w_ptr, o_w_ptr, gate_up_w_ptr, down_w_ptr, qkv_s_ptr, o_s_ptr, gate_up_s_ptr,
-                              down_s_ptr, post_norm_ptr, cos_ptr, sin_ptr, xn_ptr, normed_ptr, qkv_ptr, attn_ptr,
-                              o_part_ptr, x_out_ptr, normed2_ptr, act_ptr,
+                _layer_phases(l, qkv_w_ptr, o_w_ptr, gate_up_w_ptr, down_w_ptr, post_norm_ptr, cos_ptr, sin_ptr,
+                              xn_ptr, normed_ptr, qkv_ptr, attn_ptr, o_part_ptr, x_out_ptr, normed2_ptr, act_ptr,
                               down_part_ptr, sync_ptr, base, pid, nprog, sequences, seq_len, rows, stride_cl,
                               stride_sl, eps, scale, sm_scale, H, NQKV, HQ, GROUP, HALF, F, O_SPLITS, DOWN_SPLITS,
-                              HAS_SCALE, ROPE, PHASE, DOT_PRECISION, W8, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_H,
-                              BLOCK_L, PF_O, PF_GATE_UP, PF_DOWN)
+                              HAS_SCALE, ROPE, PHASE, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_H, BLOCK_L,
+                              PF_O, PF_GATE_UP, PF_DOWN)
                 if l + 1 < num_layers:  # the next layer's first weights, while the last programs finish
                     _prefetch(qkv_w_ptr + (l + 1).to(tl.int64) * (NQKV * H), pid, nprog, NQKV, H, 1, False, PF_QKV,
                               BLOCK_N)
@@ -273,12 +260,11 @@ if HAVE_TRITON:
             _residual_norm_rows(x_ptr, down_part_ptr, in_norm_ptr + layer.to(tl.int64) * H, xn_ptr, normed_ptr, rows,
                                 has_part, eps, scale, pid, nprog, H, DOWN_SPLITS, HAS_SCALE, BLOCK_H, "")
         else:
-            _layer_phases(layer, qkv_w_ptr, o_w_ptr, gate_up_w_ptr, down_w_ptr, qkv_s_ptr, o_s_ptr, gate_up_s_ptr,
-                          down_s_ptr, post_norm_ptr, cos_ptr, sin_ptr, xn_ptr, normed_ptr, qkv_ptr, attn_ptr,
-                          o_part_ptr, x_out_ptr, normed2_ptr, act_ptr,
+            _layer_phases(layer, qkv_w_ptr, o_w_ptr, gate_up_w_ptr, down_w_ptr, post_norm_ptr, cos_ptr, sin_ptr,
+                          xn_ptr, normed_ptr, qkv_ptr, attn_ptr, o_part_ptr, x_out_ptr, normed2_ptr, act_ptr,
                           down_part_ptr, sync_ptr, 0, pid, nprog, sequences, seq_len, rows, stride_cl, stride_sl, eps,
                           scale, sm_scale, H, NQKV, HQ, GROUP, HALF, F, O_SPLITS, DOWN_SPLITS, HAS_SCALE, ROPE, PHASE,
-                          DOT_PRECISION, W8, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_H, BLOCK_L, PF_O, PF_GATE_UP, PF_DOWN)
+                          DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_H, BLOCK_L, PF_O, PF_GATE_UP, PF_DOWN)
 
 
 # The launch settings (EngineOptions.layer_*): at most 64 rows (more: tiles past the SM's resources); wider units
@@ -442,28 +428,23 @@ def dense_stack(stack: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | No
     units = (rows, nqkv // block_n, n * hq, h // block_n * o_splits, rows, f // block_n, h // block_n * down_splits)
     pf_names = ("PF_QKV", "PF_O", "PF_GATE_UP", "PF_DOWN")
     pf_shapes = ((nqkv, h), (h, hq * d // o_splits), (2 * f, h), (h, f // down_splits))
-    w = stack.layer_weight_stacks()
-    assert w is not None  # `supported` checked it
-    w8 = stack.fp8_stacks if current().fp8_layer_kernel else None  # the e4m3 companions' stacks, or None
-    if w8 is not None:
-        w = {**w, **{kind: w8[kind].data for kind in ("qkv", "o", "gate_up", "down")}}
-    scales = [w8[kind].scale if w8 is not None else w[kind] for kind in ("qkv", "o", "gate_up", "down")]
-    prefetch = {name: _prefetch_len(n_rows, k, w["qkv"].element_size()) if fused_launch else 0
+    prefetch = {name: _prefetch_len(n_rows, k, x.element_size()) if fused_launch else 0
                 for name, (n_rows, k) in zip(pf_names, pf_shapes, strict=True)}
     scale = layers[0].residual_scale
     settings = dict(H=h, NQKV=nqkv, HQ=hq, GROUP=hq // hk, HALF=d // 2, F=f, O_SPLITS=o_splits,
                     DOWN_SPLITS=down_splits, HAS_SCALE=scale is not None, ROPE=rope is not None,
-                    DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", W8=w8 is not None,
+                    DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
                     BLOCK_M=max(32, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
                     BLOCK_H=triton.next_power_of_2(h), BLOCK_L=max(16, triton.next_power_of_2(seq_len)), **prefetch,
                     num_stages=stages, num_warps=warps)
     grids: dict[int, int] = {}  # per phase: the same for every layer
+    w = stack.layer_weight_stacks()
+    assert w is not None  # `supported` checked it
 
     def launch(layer: int, x_in: torch.Tensor, phase: int) -> None:
         args = (
-            x_in, down_part, x_res, w["input_norm"], w["post_norm"], w["qkv"], w["o"], w["gate_up"], w["down"],
-            *scales, cos, sin, x_mid, normed, qkv, attn, o_part, normed2, act, _sync[dev], n, seq_len,
-            0 if layer == 0 else 1,
+            x_in, down_part, x_res, w["input_norm"], w["post_norm"], w["qkv"], w["o"], w["gate_up"], w["down"], cos,
+            sin, x_mid, normed, qkv, attn, o_part, normed2, act, _sync[dev], n, seq_len, 0 if layer == 0 else 1,
             len(layers), layer, cos.stride(0), sin.stride(0), cfg.rms_norm_eps, 1.0 if scale is None else scale,
             d ** -0.5)
         kwargs = dict(settings, PHASE=phase)
