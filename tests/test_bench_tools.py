@@ -370,7 +370,7 @@ def test_drift(checkpoint_factory, tmp_path):
 def test_fp8_accuracy(checkpoint_factory, tmp_path):
     """`bench.py fp8-accuracy` on a checkpoint whose stop head decides: every stack's four projections observed (the
     CPU's FP8 GEMM is its dequantised reference), each request's first patch moved by the FP8 weights, and where each
-    request stopped under both."""
+    request stopped under both; the floor (the unquantised run batched otherwise) beside it."""
     ckpt = checkpoint_factory("tiny-voxcpm2")  # the random stop head: requests stop where it fires
     out = tmp_path / "fp8.json"
     doc = bench.main(["fp8-accuracy", "--model", str(ckpt), "--device", "cpu", "--requests", "2", "--patches", "3",
@@ -391,6 +391,11 @@ def test_fp8_accuracy(checkpoint_factory, tmp_path):
         for stop in (r["stop_patch_bf16"], r["stop_patch_fp8"]):
             assert stop is None or 1 <= stop <= 3
     assert e2e["first_patch_rel_err"]["max"] == max(r["first_patch_rel_err"] for r in e2e["per_request"])
+    # the floor: unquantised, both requests together against each alone; the CPU's steps are batch-invariant, so
+    # the batching alone moves nothing
+    floor = doc["reference_floor"]
+    assert floor["max_num_seqs"] == {"first": 1, "other": 2} and len(floor["per_request"]) == 2
+    assert floor["mean_patch_rel_err"]["max"] == 0.0 and floor["stop_agree_share"] == 1.0
 
 
 def test_the_http_benchmarks_long_text_is_whole_sentences_within_its_length():

@@ -15,6 +15,10 @@
   patch where each stopped (the stop head's, counted from 1; null: none within --patches); the share of requests
   whose stop agrees. The stop comparison needs a checkpoint whose stop head fires (`make_random_checkpoint.py`
   without --never-stop; with --always-stop every request stops at once, which compares nothing).
+- the floor (`reference_floor`): the same comparison between two unquantised runs that differ only in their batching
+  (the other run decodes the requests one at a time, or all together where the first did one at a time), whose
+  numbers differ by the kernels' tiling alone. How far that alone moves the patches and the stops says how sensitive
+  the checkpoint is: a random checkpoint's trajectories can diverge from any rounding difference.
 """
 
 from __future__ import annotations
@@ -124,11 +128,11 @@ class LayerErrors:
 
 
 def engine_for(a: Any, quantization: str | None, eager: bool = False, fused: bool = False,
-               options: EngineOptions | None = None) -> LLMEngine:
+               options: EngineOptions | None = None, max_num_seqs: int | None = None) -> LLMEngine:
     model = load_model(a.model, a.device)
     if fused:  # every projection through the fused weights' entry points (the runner fuses only on CUDA)
         fuse_projections(model.backbone)
-    config = EngineConfig(max_num_seqs=a.max_num_seqs or a.requests, max_model_len=a.max_model_len,
+    config = EngineConfig(max_num_seqs=max_num_seqs or a.max_num_seqs or a.requests, max_model_len=a.max_model_len,
                           enforce_eager=eager, gpu_memory_utilization=a.gpu_memory_utilization,
                           quantization=quantization,
                           **({"options": options} if options is not None else {}))
@@ -166,9 +170,10 @@ def layer_errors(a: Any) -> tuple[list[dict[str, Any]], bool]:
 
 
 @torch.no_grad()  # not inference mode: the weights loaded inside must stay normal tensors
-def generate(a: Any, quantization: str | None) -> list[dict[str, Any]]:
-    """Each request's patches (float32, CPU), how it finished, and where it stopped."""
-    engine = engine_for(a, quantization)
+def generate(a: Any, quantization: str | None, max_num_seqs: int | None = None) -> list[dict[str, Any]]:
+    """Each request's patches (float32, CPU), how it finished, and where it stopped (max_num_seqs: decoded together,
+    default --max-num-seqs)."""
+    engine = engine_for(a, quantization, max_num_seqs=max_num_seqs)
     ids = [engine.add_request(text, params(a, i)) for i, text in enumerate(request_texts(a.requests))]
     events = engine.run_to_completion(ids)
     out = {i: {"patches": [ev.patch.float().cpu() for ev in events[i]], "finish_reason": events[i][-1].finish_reason}
@@ -190,22 +195,33 @@ def summary(values: list[float]) -> dict[str, float]:
             "p95": ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)], "max": ordered[-1]}
 
 
-def end_to_end(a: Any) -> dict[str, Any]:
-    plain, quantised = generate(a, None), generate(a, "fp8")
+def compare(plain: list[dict[str, Any]], other: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """Each request of `other` against the same request of `plain` (the unquantised run); `name` labels other's
+    stop patches."""
     per_request = []
-    for i, (p, q) in enumerate(zip(plain, quantised, strict=True)):
+    for i, (p, q) in enumerate(zip(plain, other, strict=True)):
         both = min(len(p["patches"]), len(q["patches"]))
         per_request.append({
             "request": i, "first_patch_rel_err": relative(q["patches"][0], p["patches"][0]),
             "mean_patch_rel_err": statistics.fmean(relative(q["patches"][j], p["patches"][j]) for j in range(both)),
-            "patches_compared": both, "stop_patch_bf16": p["stop_patch"], "stop_patch_fp8": q["stop_patch"]})
-    agree = [r["stop_patch_bf16"] == r["stop_patch_fp8"] for r in per_request]
+            "patches_compared": both, "stop_patch_bf16": p["stop_patch"], f"stop_patch_{name}": q["stop_patch"]})
+    agree = [r["stop_patch_bf16"] == r[f"stop_patch_{name}"] for r in per_request]
     return {"first_patch_rel_err": summary([r["first_patch_rel_err"] for r in per_request]),
             "mean_patch_rel_err": summary([r["mean_patch_rel_err"] for r in per_request]),
             "stop_agree_share": sum(agree) / len(agree),
             "stopped_bf16": sum(r["stop_patch_bf16"] is not None for r in per_request),
-            "stopped_fp8": sum(r["stop_patch_fp8"] is not None for r in per_request),
+            f"stopped_{name}": sum(r[f"stop_patch_{name}"] is not None for r in per_request),
             "per_request": per_request}
+
+
+def end_to_end(a: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """FP8 against the unquantised run, and the floor: another unquantised run batched otherwise against it."""
+    together = a.max_num_seqs or a.requests
+    other_batching = 1 if together > 1 else a.requests
+    plain = generate(a, None)
+    floor = compare(plain, generate(a, None, max_num_seqs=other_batching), "other_batching")
+    floor["max_num_seqs"] = {"first": together, "other": other_batching}
+    return compare(plain, generate(a, "fp8"), "fp8"), floor
 
 
 def main(argv: list[str]) -> dict[str, Any]:
@@ -230,20 +246,23 @@ def main(argv: list[str]) -> dict[str, Any]:
     t0 = time.perf_counter()
     device = torch.device(a.device)
     layers, gemm = layer_errors(a)
+    e2e, floor = end_to_end(a)
     doc = {"tool": "fp8_accuracy", "command": " ".join(["python", *command_line("fp8-accuracy", argv)]),
            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": a.model, "device": a.device,
            "requests": a.requests, "patches": a.patches, "min_len": a.min_len, "decode_steps": a.decode_steps,
            "min_rows": a.min_rows, "max_num_seqs": a.max_num_seqs or a.requests, "fp8_gemm": gemm, "layers": layers,
-           "end_to_end": end_to_end(a),
+           "end_to_end": e2e, "reference_floor": floor,
            **torch_facts((device.index or 0) if device.type == "cuda" else None, touch_cuda=True),
            "seconds": round(time.perf_counter() - t0, 1)}
     for r in layers:
         print(f"{r['stack']:>11s} {r['kind']:>7s}  calls {r['calls']:4d}  rows {r['rows_min']}-{r['rows_max']}  "
               f"fp8 vs bf16 {r['fp8_rel_err_vs_bf16']:.2e} (max {r['fp8_max_rel_err_vs_bf16']:.2e})  "
               f"bf16 vs fp32 {r['bf16_rel_err_vs_fp32']:.2e}")
-    e2e = doc["end_to_end"]
-    print(f"first patch rel err {e2e['first_patch_rel_err']}\nmean patch rel err {e2e['mean_patch_rel_err']}\n"
+    print(f"fp8: first patch rel err {e2e['first_patch_rel_err']}\nmean patch rel err {e2e['mean_patch_rel_err']}\n"
           f"stop agrees for {e2e['stop_agree_share']:.1%} (stopped: bf16 {e2e['stopped_bf16']}, fp8 "
           f"{e2e['stopped_fp8']} of {a.requests})")
+    print(f"floor, bf16 decoded {floor['max_num_seqs']['other']} at a time against {floor['max_num_seqs']['first']}: "
+          f"first patch rel err {floor['first_patch_rel_err']}\nmean patch rel err {floor['mean_patch_rel_err']}\n"
+          f"stop agrees for {floor['stop_agree_share']:.1%}")
     write_json(a.out, doc)
     return doc
