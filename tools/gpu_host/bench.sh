@@ -26,6 +26,8 @@
 #   PARTS="ours_base ours" BASELINE=old CONC=1,128,256 BENCH_ARGS="--max-num-seqs 256" FRESH_KERNELS=1 \
 #       OURS_VARIANTS='-;{"quantization":"fp8"};{"quantization":"fp8","vae_dtype":"bfloat16"}'   # the options' table
 #   PARTS="fp8acc" FP8ACC_VARIANTS="-;VOXCPM_FP8_FAST_ACCUM=1"   # FP8 accuracy, batched and one request at a time
+#   PARTS="rounds" BASELINE=old ROUNDS=3 CONC=256 ITERS=3 BENCH_ARGS="--max-num-seqs 256"   # old/ and this tree
+#       alternating, round by round (rounds_base_N.json, rounds_tree_N.json)
 #   PARTS="burst" BASELINE=old BURST_VARIANTS="--max-num-batched-tokens 8192;--pool-kwargs {\"running_prefill_tokens\":2048}"
 #       a burst of BURST (128) onto RUNNING (128) streams (`tools/bench.py arrival-burst`), once per variant (extra
 #       flags), BASELINE's engine first (its variants: BURST_BASE_VARIANTS); files burst_*.json
@@ -501,6 +503,17 @@ random_adapters('$CKPT', 1, ${LORA_RANK:-32}, Path('/tmp/lora_merged'))" \
             RC[$part]=$?
             popd >/dev/null
             ;;
+        rounds)  # BASELINE's pool benchmark and this tree's, alternating ROUNDS (3) times: rounds_{base,tree}_N.json
+            # (what moves between runs, such as c=256's TTFB p95, compared round by round)
+            { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
+            [[ -d "${BASELINE:-}" ]] || { log "rounds needs BASELINE=dir (an earlier tree)"; RC[$part]=setup; continue; }
+            RC[$part]=0
+            for r in $(seq 1 "${ROUNDS:-3}"); do
+                pushd "$BASELINE" >/dev/null && { bench voxcpm-serve "$OUT/rounds_base_$r.json" "$T_OURS" || RC[$part]=$?; }
+                popd >/dev/null
+                bench voxcpm-serve "$OUT/rounds_tree_$r.json" "$T_OURS" || RC[$part]=$?
+            done
+            ;;
         manifest)  # re-record this tree's kernel manifest (MANIFEST_NAME) on an empty kernel cache; a copy in $OUT
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
             target="engine/startup/kernel_manifests/${MANIFEST_NAME:-voxcpm2-sm90}.json"
@@ -554,7 +567,7 @@ random_adapters('$CKPT', 1, ${LORA_RANK:-32}, Path('/tmp/lora_merged'))" \
             stop_service
             ;;
         *)
-            log "unknown part '$part' (known: test check profile ours ours_base manifest cold lora ours_window ours_hifi nano encode http http_env http_api16 gpu2 http_base burst fp8acc)"
+            log "unknown part '$part' (known: test check profile ours ours_base rounds manifest cold lora ours_window ours_hifi nano encode http http_env http_api16 gpu2 http_base burst fp8acc)"
             ;;
     esac
 done
