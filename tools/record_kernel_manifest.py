@@ -71,8 +71,7 @@ def main() -> None:
         engine.generate_all([dict(target_text=texts[i % len(texts)], params=params) for i in range(conc)])
     engine.generate_all([dict(target_text=t, params=params, prompt_text="A prompt.", prompt_latents=prompt)
                          for t in texts])
-    manifest = kernel_cache.RECORDER.manifest(kernel_cache.loaded_model_digest(engine.model), kernel_cache.cuda_arch(),
-                                              kernel_cache.manifest_variant(config))
+    manifest = kernel_cache.RECORDER.manifest_of(engine.model, variant=kernel_cache.manifest_variant(config))
     manifest.update(device=torch.cuda.get_device_name(), command=" ".join(sys.argv),
                     date=time.strftime("%Y-%m-%d", time.gmtime()))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
