@@ -12,10 +12,10 @@ module and name, so it survives edits of the kernel's code; a record that no lon
 and the JIT compiles whatever a manifest missed, as before.
 
 Manifests ship in engine/startup/kernel_manifests/ (recorded on the GPU by tools/record_kernel_manifest.py), or come
-from VOXCPM_KERNEL_MANIFEST (a file). Engine settings that add kernels of their own (`manifest_variant`: FP8 weights,
-the VAE's dtype) have manifests of their own, holding only what they add and read only by engines with those
-settings. Every engine records what it compiles (`Recorder`), so a manifest for another GPU or model is one run of
-that tool. VOXCPM_PRECOMPILE=0 turns the precompile off.
+from VOXCPM_KERNEL_MANIFEST (a file). Settings that add kernels (`manifest_variant`: FP8 weights, the VAE's dtype)
+have manifests holding only what they add, read only by engines with those settings. Every engine records what it
+compiles (`Recorder`), so a manifest for another GPU or model is one run of that tool. VOXCPM_PRECOMPILE=0 turns the
+precompile off.
 """
 
 from __future__ import annotations
@@ -140,10 +140,9 @@ class Recorder:
                 self._last["compile_s"] = round(time.perf_counter() - self._t0, 3)
         self._last = None
 
-    def manifest_of(self, model: LoadedModel, device: torch.device | str | None = None,
-                    variant: dict[str, str] | None = None) -> dict[str, Any]:
-        """The manifest of what this process compiled for a loaded model on a CUDA device (`manifest`)."""
-        return self.manifest(loaded_model_digest(model), cuda_arch(device), variant)
+    def manifest_of(self, model: LoadedModel, variant: dict[str, str] | None = None) -> dict[str, Any]:
+        """The manifest of what this process compiled for a loaded model on the current CUDA device (`manifest`)."""
+        return self.manifest(loaded_model_digest(model), cuda_arch(), variant)
 
     def manifest(self, digest: str, arch: int, variant: dict[str, str] | None = None) -> dict[str, Any]:
         """The records as a manifest; launch options reduced to those differing from Triton's defaults (the rest,
