@@ -61,17 +61,16 @@ def build_prompt(tokenizer: TextTokenizer, cfg: VoxCPMConfig, target_text: str, 
     p, d = cfg.patch_size, cfg.feat_dim
     ids: list[int] = []
     feats: list[torch.Tensor] = []
-    audio: list[bool] = []
+    audio: list[slice] = []  # the audio positions' ranges (a mask from a list of bools costs ~1 us a token)
 
     def add_text(tokens: list[int]) -> None:
         ids.extend(tokens)
         feats.append(torch.zeros(len(tokens), p, d))
-        audio.extend([False] * len(tokens))
 
     def add_audio(patches: torch.Tensor) -> None:
+        audio.append(slice(len(ids), len(ids) + len(patches)))
         ids.extend([0] * len(patches))
         feats.append(patches)
-        audio.extend([True] * len(patches))
 
     if ref_latents is not None:
         add_text([REF_AUDIO_START_TOKEN])
@@ -91,8 +90,11 @@ def build_prompt(tokenizer: TextTokenizer, cfg: VoxCPMConfig, target_text: str, 
         patches = latents_to_patches(prompt_latents, cfg, "prompt_latents")
         add_audio(patches)
         context = patches[-cfg.decode_context_patches:]
-    return Prompt(token_ids=ids, feats=feats[0] if len(feats) == 1 else torch.cat(feats),
-                  audio_mask=torch.tensor(audio, dtype=torch.bool), target_tokens=len(target_ids), context=context)
+    audio_mask = torch.zeros(len(ids), dtype=torch.bool)
+    for rows in audio:
+        audio_mask[rows] = True
+    return Prompt(token_ids=ids, feats=feats[0] if len(feats) == 1 else torch.cat(feats), audio_mask=audio_mask,
+                  target_tokens=len(target_ids), context=context)
 
 
 def max_patches(prompt: Prompt, max_generate_length: int) -> int:

@@ -78,7 +78,8 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
                 arguments = engine_arguments(settings, demo, lora_path)
                 threads = settings.encoder_thread_count(1, len(device_names(arguments["devices"])))
                 pool = VoxCPM.from_pretrained(model_path, encoder_threads=threads, queue_bound=settings.queue_bound,
-                                              loras=registrations, transform_threads=EncoderPool, **arguments)
+                                              loras=registrations, transform_threads=EncoderPool, tokenizer=tokenizer,
+                                              **arguments)
                 assert isinstance(pool, AsyncVoxCPMServerPool)
             else:
                 demo, voice_db = endpoint.demo, endpoint.voice_db
@@ -87,9 +88,8 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
                 registrations = LoRARegistrations(voice_db.with_name("loras.db"))
                 pool = AsyncVoxCPMServerPool.connect(model_path, endpoint.addresses, endpoint.authkey,
                                                      endpoint.encoder_threads, load, settings.queue_bound,
-                                                     registrations, EncoderPool)
+                                                     registrations, EncoderPool, tokenizer)
             pool.client.encoders.observer = metrics.observe_encoding
-            pool.client.tokenizer = tokenizer
             store = open_voice_store(settings, voice_db, model_path)
             state = ServiceState(settings=settings, pool=pool, store=store, metrics=metrics, model_path=model_path,
                                  model_id=Path(model_path).name, demo=demo, owns_workers=endpoint is None,

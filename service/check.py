@@ -31,9 +31,8 @@ def run_check(settings: Settings) -> dict[str, Any]:
     lora_path = engine_setup.adapter_path(settings)
     engine_setup.prepare_kernel_cache(settings)
     arguments = engine_setup.engine_arguments(settings, demo, lora_path)
-    pool = VoxCPM.from_pretrained(model_path, encoder_threads=1, **arguments)
+    pool = VoxCPM.from_pretrained(model_path, encoder_threads=1, tokenizer=tokenizer, **arguments)
     try:
-        pool.client.tokenizer = tokenizer
         pool.wait_for_ready(settings.ready_timeout_s)
         info = pool.model_info()
         load_s = time.monotonic() - t0

@@ -127,9 +127,10 @@ def test_preemption_recomputes_and_keeps_audio_identical(model):
 
 
 def test_graph_shaped_prefill_equals_eager_prefill(model):
-    """The prefill that CUDA graphs capture (static buffers padded to a token bucket, every row's patch
-    encoded, per-token attention without host-side lengths) gives the eager prefill's hidden states,
-    also when a sequence reuses prefix-cached blocks. Run eagerly here; the GPU check replays it."""
+    """The prefill that CUDA graphs capture (static buffers padded to a token bucket, the audio rows' patches packed
+    and padded to a row bucket for LocEnc, per-token attention without host-side lengths) gives the eager prefill's
+    hidden states, also when a sequence reuses prefix-cached blocks, and for text alone (no LocEnc: its packed rows
+    are left as they were). Run eagerly here; the GPU check replays it."""
     engine = LLMEngine(model, EngineConfig(max_num_seqs=5, max_model_len=256, block_size=4))
     reqs = _requests(model)
     for r in reqs:
@@ -161,6 +162,21 @@ def test_graph_shaped_prefill_equals_eager_prefill(model):
         buffered = fresh.runner.prefill_buffered(x)
     for a, b in zip(eager, buffered, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    # Text alone after it: stale audio embeddings in the buffers must not leak into its rows.
+    for seq in seqs:
+        fresh.abort(seq.seq_id)
+    for r in reqs[:2]:
+        fresh.add_request(r["target_text"] + " Again.", r["params"])
+    seqs = fresh.scheduler.schedule().prefill
+    x = fresh.runner.prefill_inputs(seqs)
+    assert len(seqs) == 2 and not x.audio_mask.any()
+    packed = fresh.runner.prefill_buffers.audio_feats.clone()
+    with torch.inference_mode():
+        eager = fresh.runner.prefill_eager(x)
+        buffered = fresh.runner.prefill_buffered(x)
+    for a, b in zip(eager, buffered, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fresh.runner.prefill_buffers.audio_feats, packed)
 
 
 def test_request_needing_every_kv_block_is_admitted(model):

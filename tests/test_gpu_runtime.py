@@ -42,9 +42,10 @@ def test_graphs_and_triton_match_eager_torch(checkpoint_factory, monkeypatch):
     graphed_engine = LLMEngine(model, EngineConfig(**config, attention_backend="triton"), "cuda")
     runner = graphed_engine.runner
     assert runner.graphs and runner.prefill_graphs
-    if driver_loads_in_capture():  # one eager run per kind of graph (decode with its VAE, prefill), not per bucket
+    if driver_loads_in_capture():  # one eager run per kind of graph (decode with its VAE, prefill, its LocEnc)
         warmed = sorted(name for name, (warm_s, _) in runner.capture_times.items() if warm_s > 0)
-        assert warmed == ["decode+vae B=4", f"prefill T={max(runner.prefill_graphs)}"], warmed
+        top = max(runner.prefill_graphs)
+        assert warmed == ["decode+vae B=4", f"encode A={top}", f"prefill T={top}"], warmed
     graphed = _run(graphed_engine, reqs)
     alone = [_run(graphed_engine, [r])[0] for r in reqs]
     for g, e, a in zip(graphed, eager, alone, strict=True):

@@ -71,7 +71,10 @@ def test_model_info(pool):
 @pytest.mark.parametrize("client_tokenizes", [False, True], ids=["worker-tokenizes", "client-tokenizes"])
 def test_concurrent_mixed_modes_equal_alone(pool, checkpoint, client_tokenizes):
     """Requests of every mode at once through the pool give exactly the audio each gives alone, whether the worker
-    tokenizes their text or the client does (as the service's API processes do: TextIds sent with the request)."""
+    tokenizes their text or the client does (the pool's default, as in the service's API processes: TextIds sent
+    with the request)."""
+    default = pool.pool.client.tokenizer
+    assert default is not None  # the pool loaded the checkpoint's tokenizer
     lat = pool.encode_latents(wav_bytes(1.0), "wav")
     ref = pool.encode_latents(wav_bytes(1.2, seed=1), "wav", padding="right")
     prompt_id = pool.add_prompt(wav_bytes(1.0), "wav", "A stored prompt.")
@@ -101,7 +104,7 @@ def test_concurrent_mixed_modes_equal_alone(pool, checkpoint, client_tokenizes):
     try:
         together = asyncio.run_coroutine_threadsafe(run_all(), pool._loop).result(120)
     finally:
-        pool.pool.client.tokenizer = None
+        pool.pool.client.tokenizer = default
     # the client tokenized every request but the registered prompt's (its transcript is the worker's)
     assert [r.text_ids is not None for r in sent] == [client_tokenizes and r.prompt_id is None for r in sent]
     # The stored prompt is the same clip and text as the inline latents: same audio (up to summation
@@ -553,7 +556,7 @@ def test_text_ids_are_the_workers_own_tokens_and_bad_ones_fail_the_request_alone
     async def cancelled_while_tokenizing() -> tuple[str | None, list[int]]:
         """A long text's stream whose caller goes away while a thread tokenizes it: aborted, never sent."""
         client = pool.pool.client
-        client.tokenizer = tok
+        default, client.tokenizer = client.tokenizer, tok
         try:
             stream = client.generate(msgs.SynthesisRequest("Gone before it is sent. " * 200))
             first = asyncio.ensure_future(anext(stream))
@@ -563,7 +566,7 @@ def test_text_ids_are_the_workers_own_tokens_and_bad_ones_fail_the_request_alone
                 await first
             return stream.finish_reason, client.load.loads().tolist()
         finally:
-            client.tokenizer = None
+            client.tokenizer = default
 
     reason, loads = asyncio.run_coroutine_threadsafe(cancelled_while_tokenizing(), pool._loop).result(60)
     assert reason == "aborted" and loads == [0]  # the worker never counted it

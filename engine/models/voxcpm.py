@@ -297,23 +297,27 @@ class VoxCPMBackbone(nn.Module):
     # --- runtime entry points -----------------------------------------------------------------
     def prefill(self, token_ids: torch.Tensor, feats: torch.Tensor, audio_mask: torch.Tensor,
                 positions: torch.Tensor, last_rows: torch.Tensor, base_attend: AttendFn,
-                residual_attend: AttendFn, static_shapes: bool = False,
-                lora_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                residual_attend: AttendFn, lora_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the prompt tokens of several sequences (flattened, T rows) through both LMs, filling
         their KV caches. token_ids (T,), feats (T, P, D), audio_mask (T,) bool, positions (T,),
         last_rows (B,) index of each sequence's last token. Returns lm and residual hidden (B, H).
-        static_shapes: encode every row's patch (no data-dependent indexing), as a CUDA graph needs. lora_slots (T,):
-        each row's adapter slot."""
-        dtype = self.stop_head.weight.dtype
+        lora_slots (T,): each row's adapter slot."""
+        weight = self.base_lm.embed_tokens.weight
+        audio_embed = torch.zeros(len(token_ids), weight.shape[1], dtype=weight.dtype, device=token_ids.device)
+        audio_rows = audio_mask.nonzero().squeeze(1)
+        if audio_rows.numel():
+            audio_embed[audio_rows] = self.encode_patches(
+                feats[audio_rows], lora_slots[audio_rows] if lora_slots is not None else None).to(audio_embed.dtype)
+        return self.prefill_lms(token_ids, audio_embed, audio_mask, positions, last_rows, base_attend,
+                                residual_attend, lora_slots)
+
+    def prefill_lms(self, token_ids: torch.Tensor, audio_embed: torch.Tensor, audio_mask: torch.Tensor,
+                    positions: torch.Tensor, last_rows: torch.Tensor, base_attend: AttendFn,
+                    residual_attend: AttendFn,
+                    lora_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prefill` after LocEnc: audio_embed (T, H) holds the encoded patches at the audio rows and zeros elsewhere
+        (a graphed prefill runs LocEnc on the audio rows alone, beside it)."""
         embeds = self.base_lm.embed_tokens(token_ids) * self.cfg.scale_emb
-        if static_shapes:
-            audio_embed = torch.where(audio_mask[:, None], self.encode_patches(feats, lora_slots).to(dtype), 0.0)
-        else:
-            audio_embed = torch.zeros_like(embeds)
-            audio_rows = audio_mask.nonzero().squeeze(1)
-            if audio_rows.numel():
-                audio_embed[audio_rows] = self.encode_patches(
-                    feats[audio_rows], lora_slots[audio_rows] if lora_slots is not None else None).to(dtype)
         embeds = torch.where(audio_mask[:, None], audio_embed, embeds)
         rope = self.rope_tables["lm"][positions]
         with self.lora_rows(lora_slots):

@@ -60,8 +60,13 @@ class PrefillBuffers:
                  scratch_kv_slot: int, dtype: torch.dtype, device: torch.device) -> None:
         z = functools.partial(torch.zeros, device=device)
         self.token_ids = z(tokens, dtype=torch.long)
-        self.feats = z(tokens, patch, feat_dim, dtype=dtype)
         self.audio_mask = z(tokens, dtype=torch.bool)
+        # LocEnc's input: the audio rows' patches, packed, and the row each one's embedding goes to (padding: the
+        # scratch row `tokens` of audio_embed); audio_embed is read only where audio_mask is set.
+        self.audio_feats = z(tokens, patch, feat_dim, dtype=dtype)
+        self.audio_rows = torch.full((tokens,), tokens, dtype=torch.long, device=device)
+        self.audio_lora_slots = torch.full((tokens,), -1, dtype=torch.long, device=device)
+        self.audio_embed = z(tokens + 1, hidden, dtype=dtype)
         self.positions = z(tokens, dtype=torch.long)
         self.slot_mapping = torch.full((tokens,), scratch_kv_slot, dtype=torch.long, device=device)
         self.row_index = z(tokens, dtype=torch.int32)

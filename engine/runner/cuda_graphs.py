@@ -1,8 +1,10 @@
 """The CUDA graphs of a runner's steps: the decode step per batch bucket, the VAE decode per bucket that runs behind
-its step, the prefill per token bucket, each with and without the runtime adapters' terms; their capture at
+its step, the prefill per token bucket and its LocEnc per audio-row bucket, each with and without the runtime adapters'
+terms; their capture at
 start-up (each kind's body run eagerly once first) and its timings.
 
-The bodies captured are the runner's (`DecodeStep.forward`, `DecodeStep.vae_forward`, `prefill.prefill_forward`);
+The bodies captured are the runner's (`DecodeStep.forward`, `DecodeStep.vae_forward`, `PrefillStep.forward`,
+`PrefillStep.encode_forward`);
 this module only captures them and keeps the graphs, which the runner then picks by bucket and replays.
 """
 
@@ -34,8 +36,8 @@ def driver_loads_in_capture() -> bool:
 
 
 class StepGraphs:
-    """The captured graphs by bucket: decode steps by batch, prefills by token count; with runtime LoRA adapters,
-    the same buckets once more with their terms (steps of mixed adapters)."""
+    """The captured graphs by bucket: decode steps by batch, prefills by token count, the prefill's LocEnc by audio
+    rows; with runtime LoRA adapters, the same buckets once more with their terms (steps of mixed adapters)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -43,19 +45,22 @@ class StepGraphs:
         self.prefill: dict[int, torch.cuda.CUDAGraph] = {}
         self.decode_terms: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_terms: dict[int, torch.cuda.CUDAGraph] = {}
+        self.encode: dict[int, torch.cuda.CUDAGraph] = {}
+        self.encode_terms: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_times: dict[str, tuple[float, float]] = {}  # graph -> (warm-up s, capture s): start-up cost
 
     def clear(self) -> None:
         """Forget the graphs (the buffers they address were replaced)."""
-        for graphs in (self.decode, self.prefill, self.decode_terms, self.prefill_terms):
+        for graphs in (self.decode, self.prefill, self.decode_terms, self.prefill_terms, self.encode,
+                       self.encode_terms):
             graphs.clear()
 
     def capture(self, buffers: DecodeBuffers, vae_stream: VaeStream, lora: LoRASlots | None, max_num_seqs: int,
                 table_width: int, backend: str, prefill_bucket_sizes: list[int],
                 decode_forward: Callable[[int, int, bool, bool], None], vae_forward: Callable[[int], None],
-                prefill_forward: Callable[[int, bool], None]) -> float:
+                prefill_forward: Callable[[int, bool], None], encode_forward: Callable[[int, bool], None]) -> float:
         """Capture the decode step for every bucket (largest first, sharing one memory pool), then the prefill's
-        token buckets (unless the attention backend is "torch"); the seconds it took."""
+        token buckets and its LocEnc's row buckets (unless the attention backend is "torch"); the seconds it took."""
         t0 = time.perf_counter()
         pool = None
         vae_pool = None  # its own pool: a VAE graph runs while the next step's graph does
@@ -85,6 +90,9 @@ class StepGraphs:
                     graphs, kind = (self.prefill_terms, "prefill+lora") if terms else (self.prefill,
                                                                                        "prefill")
                     graphs[tokens] = self._capture(kind, f"T={tokens}", prefill_forward, tokens, terms,
+                                                   pool=pool, warmed=warmed)
+                    graphs, kind = (self.encode_terms, "encode+lora") if terms else (self.encode, "encode")
+                    graphs[tokens] = self._capture(kind, f"A={tokens}", encode_forward, tokens, terms,
                                                    pool=pool, warmed=warmed)
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
@@ -119,3 +127,6 @@ class StepGraphs:
 
     def prefill_graphs(self, terms: bool) -> dict[int, torch.cuda.CUDAGraph]:
         return self.prefill_terms if terms else self.prefill
+
+    def encode_graphs(self, terms: bool) -> dict[int, torch.cuda.CUDAGraph]:
+        return self.encode_terms if terms else self.encode

@@ -261,15 +261,28 @@ class ModelRunner:
         assert b is not None and self.base_cache is not None and self.residual_cache is not None
         self.prefill_step.forward(b, self.base_cache, self.residual_cache, tokens, terms)
 
+    def _encode_forward(self, rows: int, terms: bool = False) -> None:
+        """`PrefillStep.encode_forward` over this runner's buffers (graph body)."""
+        assert self.prefill_buffers is not None
+        self.prefill_step.encode_forward(self.prefill_buffers, rows, terms)
+
     def prefill_buffered(self, x: PrefillInputs, terms: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prefill through the static buffers, padded to a token bucket: a graph replay when one is
-        captured (same function eagerly otherwise, e.g. to test it on the CPU); `terms` as in `prefill_eager`."""
+        """The prefill through the static buffers, padded to a token bucket (LocEnc on the audio rows alone, padded
+        to a row bucket): graph replays when they are captured (the same functions eagerly otherwise, e.g. to test
+        them on the CPU); `terms` as in `prefill_eager`."""
         terms = self._terms(terms)
         b = self.prefill_buffers
         assert b is not None
-        n, rows = len(x.token_ids), len(x.last_rows)
+        n, rows, audio = len(x.token_ids), len(x.last_rows), int(x.audio_mask.sum())
         bucket = next(t for t in self.prefill_bucket_sizes if t >= n)
-        self.prefill_step.fill(b, x, bucket)
+        audio_bucket = next(t for t in self.prefill_bucket_sizes if t >= audio) if audio else 0
+        self.prefill_step.fill(b, x, bucket, audio_bucket)
+        if audio_bucket:
+            graphs = self.step_graphs.encode_graphs(terms)
+            if audio_bucket in graphs:
+                graphs[audio_bucket].replay()
+            else:
+                self._encode_forward(audio_bucket, terms)
         graphs = self.step_graphs.prefill_graphs(terms)
         if bucket in graphs:
             graphs[bucket].replay()
@@ -326,7 +339,7 @@ class ModelRunner:
         assert self.buffers is not None
         return self.step_graphs.capture(self.buffers, self.vae_stream, self.lora, self.max_num_seqs, self.table_width,
                                         self.backend, self.prefill_bucket_sizes, self._decode_forward,
-                                        self._vae_forward, self._prefill_forward)
+                                        self._vae_forward, self._prefill_forward, self._encode_forward)
 
     def _noise(self, seq: Sequence, ahead: int) -> torch.Tensor:
         d, p = self.cfg.feat_dim, self.cfg.patch_size

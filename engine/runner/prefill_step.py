@@ -1,6 +1,7 @@
 """The prefill's inputs and bodies: the uncached prompt tokens of several sequences flattened on the host, and their
 run through both LMs, eagerly or over static buffers padded to a token bucket (with tokens that read nothing and write
-to a scratch KV block), which on CUDA a graph captures per bucket (`cuda_graphs`); larger prefills run eagerly."""
+to a scratch KV block), which on CUDA a graph captures per bucket (`cuda_graphs`); larger prefills run eagerly. LocEnc
+runs on the audio rows alone, packed (a graph per row bucket): a text-only prompt runs none."""
 
 from __future__ import annotations
 
@@ -61,26 +62,45 @@ class PrefillStep:
             base_cache.attend_fn(meta), residual_cache.attend_fn(meta),
             lora_slots=x.lora_slots.to(dev) if terms else None)
 
+    def encode_forward(self, b: PrefillBuffers, rows: int, terms: bool) -> None:
+        """LocEnc over the first `rows` packed audio patches, their embeddings written to their token rows of
+        `audio_embed` (graph body; padding patches write the scratch row)."""
+        backbone = self.model.backbone
+        embed = backbone.encode_patches(b.audio_feats[:rows], b.audio_lora_slots[:rows] if terms else None)
+        b.audio_embed.index_copy_(0, b.audio_rows[:rows], embed.to(b.audio_embed.dtype))
+
     def forward(self, b: PrefillBuffers, base_cache: PagedKVCache, residual_cache: PagedKVCache, tokens: int,
                 terms: bool) -> None:
-        """A prefill over the first `tokens` rows of the static buffers (graph body): no host-side lengths."""
+        """A prefill over the first `tokens` rows of the static buffers (graph body): no host-side lengths. The
+        audio rows' embeddings are those `encode_forward` wrote (a prompt without audio rows runs no LocEnc)."""
         meta = AttentionMetadata(True, b.slot_mapping[:tokens], b.block_tables, b.row_index[:tokens],
                                  b.context_lens[:tokens])
-        lm_h, res_h = self.model.backbone.prefill(
-            b.token_ids[:tokens], b.feats[:tokens], b.audio_mask[:tokens], b.positions[:tokens], b.last_rows,
-            base_cache.attend_fn(meta), residual_cache.attend_fn(meta), static_shapes=True,
+        mask = b.audio_mask[:tokens]
+        audio_embed = torch.where(mask[:, None], b.audio_embed[:tokens], 0.0)
+        lm_h, res_h = self.model.backbone.prefill_lms(
+            b.token_ids[:tokens], audio_embed, mask, b.positions[:tokens], b.last_rows,
+            base_cache.attend_fn(meta), residual_cache.attend_fn(meta),
             lora_slots=b.lora_slots[:tokens] if terms else None)
         b.lm_hidden.copy_(lm_h)
         b.residual_hidden.copy_(res_h)
 
     @staticmethod
-    def fill(b: PrefillBuffers, x: PrefillInputs, bucket: int) -> None:
-        """Queue the copies of `x` into the static buffers, padded to `bucket` tokens."""
+    def fill(b: PrefillBuffers, x: PrefillInputs, bucket: int, audio_bucket: int) -> None:
+        """Queue the copies of `x` into the static buffers, padded to `bucket` tokens, its audio rows' patches
+        packed and padded to `audio_bucket` rows (0: it has none)."""
         n, rows = len(x.token_ids), len(x.last_rows)
         pad = bucket - n
         b.token_ids[:bucket].copy_(F.pad(x.token_ids, (0, pad)), non_blocking=True)
-        b.feats[:bucket].copy_(F.pad(x.feats, (0, 0, 0, 0, 0, pad)), non_blocking=True)
         b.audio_mask[:bucket].copy_(F.pad(x.audio_mask, (0, pad)), non_blocking=True)
+        if audio_bucket:
+            audio_rows = x.audio_mask.nonzero().squeeze(1)
+            audio_pad = audio_bucket - len(audio_rows)
+            b.audio_feats[:audio_bucket].copy_(F.pad(x.feats[audio_rows], (0, 0, 0, 0, 0, audio_pad)),
+                                               non_blocking=True)
+            b.audio_rows[:audio_bucket].copy_(F.pad(audio_rows, (0, audio_pad), value=len(b.token_ids)),
+                                              non_blocking=True)
+            b.audio_lora_slots[:audio_bucket].copy_(F.pad(x.lora_slots[audio_rows], (0, audio_pad), value=-1),
+                                                    non_blocking=True)
         b.positions[:bucket].copy_(F.pad(x.positions, (0, pad)), non_blocking=True)
         b.slot_mapping[:bucket].copy_(F.pad(x.slot_mapping, (0, pad), value=b.scratch_kv_slot), non_blocking=True)
         b.row_index[:bucket].copy_(F.pad(x.row_index, (0, pad)), non_blocking=True)

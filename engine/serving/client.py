@@ -142,8 +142,9 @@ class EngineClient:
         # this client, or a mapping shared with other clients of the same workers and kept across restarts (the
         # service's `LoRARegistrations`).
         self.loras: MutableMapping[str, str] = loras if loras is not None else {}
-        # The checkpoint's tokenizer, when the owner sets it (the service's API processes do): requests are then
-        # tokenized here, beside the other API processes, instead of one after another in the worker.
+        # The checkpoint's tokenizer, when the owner sets it (the pool does): requests are then tokenized here (in
+        # the service, beside the other API processes) instead of one after another in the worker's loop, which a
+        # burst's requests all wait for.
         self.tokenizer: TextTokenizer | None = None
         self.closed = False
         self._tasks = [asyncio.ensure_future(self._keep_connected(link)) for link in self.links]

@@ -19,6 +19,7 @@ import numpy as np
 
 from engine.engine_config import EngineConfig
 from engine.errors import PoolError, PoolStoppedError, PromptNotFoundError, RequestError, WorkerDiedError
+from engine.io.tokenizer import TextTokenizer
 from engine.serving import protocol as p
 from engine.serving.client import EngineClient
 from engine.serving.processes import WorkerProcess, WorkerSet
@@ -41,26 +42,33 @@ class AsyncVoxCPMServerPool:
     def __init__(self, model: str, devices: list[str], config: EngineConfig, *, warmup: bool = False,
                  encoder_threads: int = 4, queue_bound: int | None = None,
                  loras: MutableMapping[str, str] | None = None,
-                 transform_threads: type[TransformThreads] | None = None) -> None:
+                 transform_threads: type[TransformThreads] | None = None,
+                 tokenizer: TextTokenizer | None = None) -> None:
         self.model_path = checked_model_path(model)
         self.devices = devices
         self._stopped = False
+        # Loaded before any worker starts: a checkpoint without a usable tokenizer leaves nothing running.
+        tokenizer = tokenizer or TextTokenizer.from_dir(self.model_path)
         self.workers: WorkerSet | None = WorkerSet(self.model_path, devices, config, warmup=warmup)
         self.client = EngineClient(self.workers.addresses, self.workers.authkey, encoder_threads,
                                    queue_bound=queue_bound, loras=loras, transform_threads=transform_threads)
+        self.client.tokenizer = tokenizer
 
     @classmethod
     def connect(cls, model_path: str, addresses: list[str], authkey: bytes, encoder_threads: int = 4,
                 load: LoadTable | None = None, queue_bound: int | None = None,
                 loras: MutableMapping[str, str] | None = None,
-                transform_threads: type[TransformThreads] | None = None) -> AsyncVoxCPMServerPool:
+                transform_threads: type[TransformThreads] | None = None,
+                tokenizer: TextTokenizer | None = None) -> AsyncVoxCPMServerPool:
         """A pool of workers started elsewhere (reached at `addresses`, authenticated with `authkey`); `load`: the
         in-flight table shared with the other processes that route to them; `loras`: the runtime adapters every
         (re)connected worker is given (`EngineClient`), which `register_lora` and `unregister_lora` keep;
-        `transform_threads`: the class of the threads that run the streams' transforms (default first come first)."""
+        `transform_threads`: the class of the threads that run the streams' transforms (default first come first);
+        `tokenizer`: the checkpoint's, already loaded (default: loaded here)."""
         pool = cls.__new__(cls)
         pool.model_path, pool.devices, pool._stopped, pool.workers = model_path, [], False, None
         pool.client = EngineClient(addresses, authkey, encoder_threads, load, queue_bound, loras, transform_threads)
+        pool.client.tokenizer = tokenizer or TextTokenizer.from_dir(model_path)
         return pool
 
     @property

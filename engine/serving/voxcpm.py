@@ -12,7 +12,7 @@ from engine.serving.pool import AsyncVoxCPMServerPool, checked_model_path
 from engine.serving.sync_pool import SyncVoxCPMServerPool
 
 # The pool's own keywords of `VoxCPM.from_pretrained`, beside EngineConfig's fields.
-POOL_KEYWORDS = frozenset({"warmup", "encoder_threads", "queue_bound", "loras", "transform_threads"})
+POOL_KEYWORDS = frozenset({"warmup", "encoder_threads", "queue_bound", "loras", "transform_threads", "tokenizer"})
 
 
 class VoxCPM:
@@ -28,8 +28,9 @@ class VoxCPM:
         generate calls' transforms; default 4), queue_bound (requests a worker may hold beyond max_num_seqs before
         generate raises OverloadedError; default None, no bound), loras (where the registered runtime adapters are
         kept, name -> path, each (re)started worker given them all; default a dict of this pool's),
-        transform_threads (the class running the transforms; default first come first served). An unknown keyword
-        is a TypeError, a bad value a ValueError naming it."""
+        transform_threads (the class running the transforms; default first come first served), tokenizer (the
+        checkpoint's `TextTokenizer`, already loaded; default loaded here: requests are tokenized in this process, not
+        in the workers). An unknown keyword is a TypeError, a bad value a ValueError naming it."""
         unknown = set(options) - ENGINE_FIELDS - POOL_KEYWORDS
         if unknown:
             raise TypeError(f"from_pretrained() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
