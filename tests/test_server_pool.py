@@ -508,7 +508,7 @@ def test_text_ids_are_the_workers_own_tokens_and_bad_ones_fail_the_request_alone
     this model's fail that request as a request error, and the worker keeps serving."""
     from engine.prompt import build_prompt
     from engine.serving import protocol as msgs
-    from engine.serving.stream import TOKENIZE_INLINE_CHARS, text_ids, tokenized
+    from engine.serving.stream import TOKENIZE_INLINE_CHARS, TextIdsBatcher, text_ids
 
     model = load_model(checkpoint)
     tok, cfg = model.tokenizer, model.config
@@ -523,22 +523,30 @@ def test_text_ids_are_the_workers_own_tokens_and_bad_ones_fail_the_request_alone
         assert torch.equal(client_side.feats, worker_side.feats)
         assert torch.equal(client_side.audio_mask, worker_side.audio_mask)
     assert text_ids(tok, msgs.SynthesisRequest("Stored.", prompt_id="p1")) is None
-    # a long text is tokenized on another thread (the loop's other streams go on), to the same ids
-    threads: list[threading.Thread] = []
-    encode = tok.encode
+    # One short text alone is tokenized on the loop; a long one, or several started in one turn of the loop (a burst),
+    # on a thread, in one call into the backend; each to the ids it has alone.
+    calls: list[tuple[threading.Thread, int]] = []
+    encode_many = tok.encode_many
 
-    def recording_encode(text: str) -> list[int]:
-        threads.append(threading.current_thread())
-        return encode(text)
+    def recording_encode_many(texts: list[str]) -> list:
+        calls.append((threading.current_thread(), len(texts)))
+        return encode_many(texts)
 
-    for chars in (TOKENIZE_INLINE_CHARS, TOKENIZE_INLINE_CHARS + 1):
-        request = msgs.SynthesisRequest(("Long text. " * 400)[:chars])
-        expected = text_ids(tok, request)
-        threads.clear()
+    async def tokenize_together(requests: list[msgs.SynthesisRequest]) -> list:
+        batcher = TextIdsBatcher()
+        return await asyncio.gather(*(batcher.text_ids(tok, r) for r in requests))
+
+    long_text = ("Long text. " * 400)[:TOKENIZE_INLINE_CHARS + 1]
+    burst = [msgs.SynthesisRequest("First of a burst."), msgs.SynthesisRequest("Stored.", prompt_id="p1"),
+             msgs.SynthesisRequest("Continue.", "A prompt.", latents.numpy()), msgs.SynthesisRequest("Third.")]
+    for requests, texts, on_loop in (([msgs.SynthesisRequest(long_text[:TOKENIZE_INLINE_CHARS])], 1, True),
+                                     ([msgs.SynthesisRequest(long_text)], 1, False), (burst, 4, False)):
+        expected = [text_ids(tok, r) for r in requests]
+        calls.clear()
         with monkeypatch.context() as patch:
-            patch.setattr(tok, "encode", recording_encode)
-            assert asyncio.run(tokenized(tok, request)) == expected and len(threads) == 1
-        assert (threads[0] is threading.main_thread()) == (chars == TOKENIZE_INLINE_CHARS)
+            patch.setattr(tok, "encode_many", recording_encode_many)
+            assert asyncio.run(tokenize_together(requests)) == expected
+        assert [(thread is threading.main_thread(), n) for thread, n in calls] == [(on_loop, texts)]
     # what the client cannot tokenize is left to the worker, which refuses it as it always did
     assert text_ids(tok, msgs.SynthesisRequest(" \n ")) is None
     assert text_ids(tok, msgs.SynthesisRequest("Continue.", None, latents.numpy())) is None  # type: ignore[arg-type]

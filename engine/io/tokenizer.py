@@ -24,7 +24,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-__all__ = ["TextTokenizer", "normalize_text", "text_tokens"]
+__all__ = ["TextTokenizer", "normalize_text", "text_tokens", "text_tokens_many"]
 
 _TOKENIZER_FILE = "tokenizer.json"
 _CONFIG_FILE = "tokenizer_config.json"
@@ -46,9 +46,27 @@ def text_tokens(tokenizer: TextTokenizer, target_text: str, prompt_text: str,
                 continuation: bool) -> tuple[list[int], list[int] | None]:
     """A request's text ids as the official front end makes them: the normalised target text's (whose count caps the
     generation) and, for a continuation prompt, the transcript's and the target's together (what the model reads)."""
-    target = normalize_text(target_text)
-    ids = tokenizer.encode(target)
-    return ids, tokenizer.encode(prompt_text + target) if continuation else None
+    ids = text_tokens_many(tokenizer, [(target_text, prompt_text, continuation)])[0]
+    if isinstance(ids, ValueError):
+        raise ids
+    return ids
+
+
+def text_tokens_many(tokenizer: TextTokenizer,
+                     requests: list[tuple[str, str, bool]]) -> list[tuple[list[int], list[int] | None] | ValueError]:
+    """`text_tokens` of several requests (target text, prompt text, continuation) in one call into the backend; a
+    request whose text has a piece without an id gets its ValueError in its place."""
+    texts: list[str] = []
+    for target_text, prompt_text, continuation in requests:
+        target = normalize_text(target_text)
+        texts += [target, prompt_text + target] if continuation else [target]
+    ids = iter(tokenizer.encode_many(texts))
+    out: list[tuple[list[int], list[int] | None] | ValueError] = []
+    for _, _, continuation in requests:
+        target_ids, both = next(ids), next(ids) if continuation else None
+        error = next((x for x in (target_ids, both) if isinstance(x, ValueError)), None)
+        out.append(error or (target_ids, both))
+    return out
 
 
 def _is_cjk_multichar(piece: str) -> bool:
@@ -248,10 +266,27 @@ class TextTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Official VoxCPM text ids for ``text`` (no BOS/EOS)."""
-        if not isinstance(text, str):
-            raise TypeError(f"expected str, got {type(text).__name__}")
-        # encode_batch lets go of the GIL and encode does not: a long text tokenized on a thread leaves the loop running
-        pieces = self._backend.encode_batch([text], add_special_tokens=False)[0].tokens
+        ids = self.encode_many([text])[0]
+        if isinstance(ids, ValueError):
+            raise ids
+        return ids
+
+    def encode_many(self, texts: list[str]) -> list[list[int] | ValueError]:
+        """`encode` of several texts in one call into the backend, which lets go of the GIL and spreads them over its
+        threads; a text with a piece that has no id gets its ValueError in its place."""
+        for text in texts:
+            if not isinstance(text, str):
+                raise TypeError(f"expected str, got {type(text).__name__}")
+        out: list[list[int] | ValueError] = []
+        for encoding in self._backend.encode_batch(texts, add_special_tokens=False):
+            pieces = encoding.tokens
+            try:
+                out.append(self._ids(pieces))
+            except ValueError as e:
+                out.append(e)
+        return out
+
+    def _ids(self, pieces: list[str]) -> list[int]:
         if not self._split_pieces.isdisjoint(pieces):
             return self._to_ids(self._split(pieces))
         vocab, unk = self._vocab, self._unk_id

@@ -39,7 +39,7 @@ from engine.io.tokenizer import TextTokenizer
 from engine.serving import protocol as p
 from engine.serving.reports import WorkerInfo, WorkerLoad, WorkerStats
 from engine.serving.routing import LoadTable
-from engine.serving.stream import GenerationStream, StreamItem, Transform
+from engine.serving.stream import GenerationStream, StreamItem, TextIdsBatcher, Transform
 from engine.serving.transforms import TransformThreads
 from engine.vocabulary import AdapterInfo
 
@@ -146,6 +146,7 @@ class EngineClient:
         # the service, beside the other API processes) instead of one after another in the worker's loop, which a
         # burst's requests all wait for.
         self.tokenizer: TextTokenizer | None = None
+        self.tokenizing = TextIdsBatcher()
         self.closed = False
         self._tasks = [asyncio.ensure_future(self._keep_connected(link)) for link in self.links]
 

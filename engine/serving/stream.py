@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from engine.errors import PoolError, RequestError, error_from
-from engine.io.tokenizer import TextTokenizer, text_tokens
+from engine.io.tokenizer import TextTokenizer, text_tokens_many
 from engine.serving import protocol as p
 from engine.vocabulary import FinishReason, TextIds
 
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 # A stream's transform: (chunk, is_last) -> what the stream yields for it (None: nothing for this chunk). One with a
 # `prepare()` method has it run on an encoder thread when the request is sent, before its first chunk.
 Transform = Callable[[np.ndarray, bool], Any]
-# Longer texts are tokenized on a thread: 20,000 characters take ~10 ms, which this loop's other streams would wait.
+# A longer text alone is tokenized on a thread: 20,000 characters take ~10 ms that the loop's other streams would wait.
 TOKENIZE_INLINE_CHARS = 2000
 
 
@@ -63,6 +63,7 @@ class StreamClient(Protocol):
     name: str
     ids: Iterator[int]
     tokenizer: TextTokenizer | None
+    tokenizing: TextIdsBatcher
     load: LoadTable
     encoders: TransformThreads
 
@@ -131,7 +132,8 @@ class GenerationStream:
         tokenizer = self.client.tokenizer  # before pick(): between picking and attach() the shared counts are stale
         try:
             if tokenizer is not None and self.request.text_ids is None:
-                self.request = dataclasses.replace(self.request, text_ids=await tokenized(tokenizer, self.request))
+                ids = await self.client.tokenizing.text_ids(tokenizer, self.request)
+                self.request = dataclasses.replace(self.request, text_ids=ids)
             link = await self.client.pick(self.bounded)
         except asyncio.CancelledError:  # its caller went away (a client's disconnect) before it was sent
             self._end("aborted")
@@ -225,21 +227,63 @@ class GenerationStream:
             self.close()
 
 
-async def tokenized(tokenizer: TextTokenizer, request: p.SynthesisRequest) -> TextIds | None:
-    """text_ids(), on a thread for a long text: the loop's other streams must not wait for it."""
-    chars = sum(len(t) for t in (request.target_text, request.prompt_text) if isinstance(t, str))
-    if chars <= TOKENIZE_INLINE_CHARS:  # ~0.3 ms for 470 characters: less than a thread hop's latency under load
-        return text_ids(tokenizer, request)
-    return await asyncio.to_thread(text_ids, tokenizer, request)
+class TextIdsBatcher:
+    """The client's tokenization: the requests of the streams that start in one turn of the event loop (a burst)
+    tokenized together, in one call into the tokenizer's backend (which spreads them over its threads), instead of one
+    after another on the loop while the burst's first requests wait to be sent. One short text is tokenized on the
+    loop (a thread hop would cost more); several, or a long one, on a thread, the loop's other streams going on."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[TextTokenizer, p.SynthesisRequest, asyncio.Future[TextIds | None]]] = []
+
+    async def text_ids(self, tokenizer: TextTokenizer, request: p.SynthesisRequest) -> TextIds | None:
+        """What `text_ids` gives, batched with the other requests of this turn of the loop."""
+        if not tokenizable(request):
+            return None
+        future: asyncio.Future[TextIds | None] = asyncio.get_running_loop().create_future()
+        self.pending.append((tokenizer, request, future))
+        if len(self.pending) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+        return await future
+
+    def _flush(self) -> None:
+        batch, self.pending = [entry for entry in self.pending if not entry[2].done()], []  # done: cancelled
+        for tokenizer in {id(entry[0]): entry[0] for entry in batch}.values():
+            group = [(request, future) for tok, request, future in batch if tok is tokenizer]
+            requests = [request for request, _ in group]
+            if len(group) == 1 and _chars(requests[0]) <= TOKENIZE_INLINE_CHARS:
+                _resolve(group, text_ids_many(tokenizer, requests))
+            else:
+                done = asyncio.ensure_future(asyncio.to_thread(text_ids_many, tokenizer, requests))
+                done.add_done_callback(lambda task, group=group: _resolve(group, task.result()))
+
+
+def _chars(request: p.SynthesisRequest) -> int:
+    return sum(len(t) for t in (request.target_text, request.prompt_text) if isinstance(t, str))
+
+
+def _resolve(group: list[tuple[p.SynthesisRequest, asyncio.Future[TextIds | None]]],
+             ids: list[TextIds | None]) -> None:
+    for (_, future), request_ids in zip(group, ids, strict=True):
+        if not future.done():  # its stream was cancelled meanwhile
+            future.set_result(request_ids)
+
+
+def tokenizable(request: p.SynthesisRequest) -> bool:
+    """Whether the client can tokenize the request's text: a registered prompt's transcript is the worker's, and a text
+    that is not one (or is empty) is left to the worker to refuse."""
+    return (request.prompt_id is None and isinstance(request.target_text, str) and bool(request.target_text.strip())
+            and (request.prompt_latents is None or isinstance(request.prompt_text, str)))
+
+
+def text_ids_many(tokenizer: TextTokenizer, requests: list[p.SynthesisRequest]) -> list[TextIds | None]:
+    """`text_ids` of several tokenizable requests, in one call into the tokenizer's backend."""
+    tokens = text_tokens_many(tokenizer, [(r.target_text, r.prompt_text or "", r.prompt_latents is not None)
+                                          for r in requests])
+    return [None if isinstance(ids, ValueError) else TextIds(*ids) for ids in tokens]
 
 
 def text_ids(tokenizer: TextTokenizer, request: p.SynthesisRequest) -> TextIds | None:
     """The request's text as the worker would tokenize it (engine.prompt.build_prompt), or None where the client
     cannot: a registered prompt's transcript is the worker's, and a text that fails is left to the worker to refuse."""
-    if request.prompt_id is not None or not isinstance(request.target_text, str) or not request.target_text.strip():
-        return None
-    try:
-        return TextIds(*text_tokens(tokenizer, request.target_text, request.prompt_text,
-                                      request.prompt_latents is not None))
-    except (TypeError, ValueError):  # e.g. a prompt_text that is not a string, a piece with no id: the worker says
-        return None
+    return text_ids_many(tokenizer, [request])[0] if tokenizable(request) else None
