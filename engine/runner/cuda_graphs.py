@@ -118,6 +118,16 @@ class StepGraphs:
         self.capture_times[f"{kind} {label}"] = (warm_s, time.perf_counter() - t1)
         return graph
 
+    @staticmethod
+    def replay_or_run(graphs: dict[int, torch.cuda.CUDAGraph], bucket: int, body: Callable[[int, bool], None],
+                      terms: bool) -> None:
+        """Replay the bucket's graph, or run its body eagerly where none was captured (the CPU, enforce_eager)."""
+        graph = graphs.get(bucket)
+        if graph is not None:
+            graph.replay()
+        else:
+            body(bucket, terms)
+
     def decode_bucket(self, batch: int) -> int | None:
         """The smallest batch bucket with a graph that holds `batch` rows (None: none does, the step runs eagerly)."""
         return next((g for g in sorted(self.decode) if g >= batch), None)

@@ -267,9 +267,8 @@ class ModelRunner:
         self.prefill_step.encode_forward(self.prefill_buffers, rows, terms)
 
     def prefill_buffered(self, x: PrefillInputs, terms: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prefill through the static buffers, padded to a token bucket (LocEnc on the audio rows alone, padded
-        to a row bucket): graph replays when they are captured (the same functions eagerly otherwise, e.g. to test
-        them on the CPU); `terms` as in `prefill_eager`."""
+        """The prefill through the static buffers padded to a token bucket, LocEnc on its audio rows padded to a row
+        bucket: graph replays where captured (the same bodies eagerly otherwise, e.g. on the CPU); `terms` as before."""
         terms = self._terms(terms)
         b = self.prefill_buffers
         assert b is not None
@@ -277,23 +276,15 @@ class ModelRunner:
         bucket = next(t for t in self.prefill_bucket_sizes if t >= n)
         audio_bucket = next(t for t in self.prefill_bucket_sizes if t >= audio) if audio else 0
         self.prefill_step.fill(b, x, bucket, audio_bucket)
+        graphs = self.step_graphs
         if audio_bucket:
-            graphs = self.step_graphs.encode_graphs(terms)
-            if audio_bucket in graphs:
-                graphs[audio_bucket].replay()
-            else:
-                self._encode_forward(audio_bucket, terms)
-        graphs = self.step_graphs.prefill_graphs(terms)
-        if bucket in graphs:
-            graphs[bucket].replay()
-        else:
-            self._prefill_forward(bucket, terms)
+            graphs.replay_or_run(graphs.encode_graphs(terms), audio_bucket, self._encode_forward, terms)
+        graphs.replay_or_run(graphs.prefill_graphs(terms), bucket, self._prefill_forward, terms)
         return b.lm_hidden[:rows], b.residual_hidden[:rows]
 
     def _can_graph_prefill(self, x: PrefillInputs, terms: bool = False) -> bool:
         b = self.prefill_buffers
-        graphs = self.step_graphs.prefill_graphs(terms)
-        return (bool(graphs) and b is not None and len(x.token_ids) <= len(b.token_ids)
+        return (bool(self.step_graphs.prefill_graphs(terms)) and b is not None and len(x.token_ids) <= len(b.token_ids)
                 and len(x.last_rows) <= len(b.last_rows) and x.block_tables.shape[1] <= self.table_width)
 
     @torch.inference_mode()
