@@ -1,8 +1,8 @@
 """Where a decode step's time goes, on a GPU, two ways (the subcommands `step` and `trace` of tools/profiler.py):
 
 - step: each component captured in its own CUDA graph and timed with CUDA events at batch B, next to the whole
-  captured step, the engine step as the host sees it, and a new request's time to first audio (prefill + first
-  step) in-process;
+  captured step, the engine step as the host sees it, a new request's time to first audio (prefill + first step)
+  in-process, with its prompt's blocks from the prefix cache and without, and the prefill's graphs per bucket;
 - trace: c streams of the benchmark's text run in-process (pipelined, as the pool runs them), torch.profiler records
   a window of steps, and the trace is reduced to the period per step, the time no kernel or copy runs (idle gaps,
   grouped by the kernels around them), the host<->device copies per step and the kernel time per step by name:
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import sys
 import tempfile
@@ -126,20 +127,27 @@ def kernel_table(graph: torch.cuda.CUDAGraph, reps: int = 5, top: int = 15) -> d
     }
 
 
-def host_step_ms(engine: LLMEngine, b: int, patches: int = 40) -> tuple[float, float]:
-    """(engine.step() wall ms with b running streams, first-audio ms of a request added alone)."""
+def host_step_ms(engine: LLMEngine, b: int, patches: int = 40) -> tuple[float, float, float]:
+    """(engine.step() wall ms with b running streams, first-audio ms of a request added alone: the median of 5 whose
+    text's blocks but the last come from the prefix cache, and of 5 whose text has no block there)."""
     ms = step_ms(engine, b, patches)
-    firsts = sorted(burst_first_audio(engine, 1, first=i)["ttfb_ms_p50"] for i in range(5))
-    return ms, firsts[len(firsts) // 2]
+    cached = sorted(burst_first_audio(engine, 1, first=i)["ttfb_ms_p50"] for i in range(5))
+    uncached = sorted(burst_first_audio(engine, 1, first=next(UNCACHED), uncached=True)["ttfb_ms_p50"]
+                      for _ in range(5))
+    return ms, cached[2], uncached[2]
 
 
-def burst_first_audio(engine: LLMEngine, n: int, first: int = 0) -> dict:
+UNCACHED = itertools.count(10_000)  # request numbers of texts no earlier request began with
+
+
+def burst_first_audio(engine: LLMEngine, n: int, first: int = 0, uncached: bool = False) -> dict:
     """n requests added at once (the benchmark's burst): wall ms until each has its first audio, and the wall
     ms of every engine.step() until the last one has (where a burst's TTFB goes: prefills, then decodes).
-    Request i (from `first`) has its own text suffix and seed."""
+    Request i (from `first`) has its own seed and its number after the text, or with `uncached` before it (so no
+    block of its prompt is in the prefix cache)."""
     t0 = time.perf_counter()
-    ids = {engine.add_request(TEXT + f" {i}", SamplingParams(seed=i, max_generate_length=3))
-           for i in range(first, first + n)}
+    texts = {i: f"{i}. {TEXT}" if uncached else f"{TEXT} {i}" for i in range(first, first + n)}
+    ids = {engine.add_request(text, SamplingParams(seed=i, max_generate_length=3)) for i, text in texts.items()}
     firsts: dict[int, float] = {}
     steps = []
     while len(firsts) < n:
@@ -292,12 +300,17 @@ def step_main(argv: list[str]) -> None:
     res: dict = {**run_facts(), "engine_kwargs": json.loads(a.engine_kwargs), "startup_s": engine.startup_s,
                  "startup_phases": engine.startup_phases, "capture_times": engine.runner.capture_times,
                  "options": dataclasses.asdict(engine.config.options), "batches": {}}
+    # The prefill's graphs alone, per bucket (its LocEnc's: for prompts with audio rows).
+    runner = engine.runner
+    res["prefill_graphs_ms"] = {**{f"prefill T={t}": graph_ms(g) for t, g in sorted(runner.prefill_graphs.items())},
+                                **{f"encode A={t}": graph_ms(g) for t, g in sorted(runner.step_graphs.encode.items())}}
     for b in batches:
-        step_ms, first_ms = host_step_ms(engine, b)
+        step_ms, first_ms, uncached_ms = host_step_ms(engine, b)
         with engine.invariance():  # the components as the step runs them (VOXCPM_BATCH_INVARIANT=1: in the mode)
             comp = components(engine, b)
         comp["engine.step() as the host sees it"] = step_ms
         comp["new request alone: add -> first audio (prefill + step)"] = first_ms
+        comp["the same, no block of its prompt cached"] = uncached_ms
         res["batches"][str(b)] = comp
         print(f"\nB={b}")
         for k, v in comp.items():
