@@ -188,6 +188,16 @@ bench() {  # bench ENGINE JSON LIMIT [extra PYTHONPATH]
     PYTHONPATH="${extra_path:+$extra_path:}${PYTHONPATH:-}" run_limited "$lim" "bench-$engine" "${cmd[@]}" "${args[@]}"
 }
 
+bench_ours() {  # bench_ours JSON: `bench voxcpm-serve`, with FRESH_KERNELS=1 on an empty Triton kernel cache of its own
+    local json=$1 fresh rc
+    [[ "${FRESH_KERNELS:-0}" == 1 ]] || { bench voxcpm-serve "$json" "$T_OURS"; return; }
+    fresh="$(mktemp -d)"
+    log "empty Triton kernel cache for this benchmark: $fresh"
+    TRITON_CACHE_DIR="$fresh" bench voxcpm-serve "$json" "$T_OURS"
+    rc=$?
+    rm -rf "$fresh"
+    return $rc
+}
 
 # --- the service over HTTP ----------------------------------------------------------------------------------
 SVC_PID=""
@@ -295,15 +305,7 @@ for part in $PARTS; do
                 i=$((i + 1))
                 json="$OUT/ours.json"; [[ $i -gt 1 ]] && json="$OUT/ours_$i.json"
                 extra=""; [[ "$v" != - ]] && extra="--pool-kwargs $v"
-                if [[ "${FRESH_KERNELS:-0}" == 1 ]]; then
-                    fresh="$(mktemp -d)"
-                    log "empty Triton kernel cache for this benchmark: $fresh"
-                    OURS_ARGS="${OURS_ARGS:-} $extra" TRITON_CACHE_DIR="$fresh" bench voxcpm-serve "$json" "$T_OURS" \
-                        || RC[$part]=$?
-                    rm -rf "$fresh"
-                else
-                    OURS_ARGS="${OURS_ARGS:-} $extra" bench voxcpm-serve "$json" "$T_OURS" || RC[$part]=$?
-                fi
+                OURS_ARGS="${OURS_ARGS:-} $extra" bench_ours "$json" || RC[$part]=$?
             done
             ;;
         fp8acc)  # FP8 accuracy on a checkpoint whose stop head fires ($CKPT-stop), per FP8ACC_VARIANTS entry
@@ -509,9 +511,9 @@ random_adapters('$CKPT', 1, ${LORA_RANK:-32}, Path('/tmp/lora_merged'))" \
             [[ -d "${BASELINE:-}" ]] || { log "rounds needs BASELINE=dir (an earlier tree)"; RC[$part]=setup; continue; }
             RC[$part]=0
             for r in $(seq 1 "${ROUNDS:-3}"); do
-                pushd "$BASELINE" >/dev/null && { bench voxcpm-serve "$OUT/rounds_base_$r.json" "$T_OURS" || RC[$part]=$?; }
+                pushd "$BASELINE" >/dev/null && { bench_ours "$OUT/rounds_base_$r.json" || RC[$part]=$?; }
                 popd >/dev/null
-                bench voxcpm-serve "$OUT/rounds_tree_$r.json" "$T_OURS" || RC[$part]=$?
+                bench_ours "$OUT/rounds_tree_$r.json" || RC[$part]=$?
             done
             ;;
         manifest)  # re-record this tree's kernel manifest (MANIFEST_NAME) on an empty kernel cache; a copy in $OUT
