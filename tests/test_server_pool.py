@@ -547,6 +547,15 @@ def test_text_ids_are_the_workers_own_tokens_and_bad_ones_fail_the_request_alone
             patch.setattr(tok, "encode_many", recording_encode_many)
             assert asyncio.run(tokenize_together(requests)) == expected
         assert [(thread is threading.main_thread(), n) for thread, n in calls] == [(on_loop, texts)]
+
+    def failing_encode_many(texts: list[str]) -> list:
+        raise RuntimeError("a tokenizer bug")
+
+    # A tokenizer that fails leaves the text to the worker (None), on the loop and on a thread: no stream waits forever.
+    with monkeypatch.context() as patch:
+        patch.setattr(tok, "encode_many", failing_encode_many)
+        for requests in ([msgs.SynthesisRequest("Alone.")], burst):
+            assert asyncio.run(asyncio.wait_for(tokenize_together(requests), 10)) == [None] * len(requests)
     # what the client cannot tokenize is left to the worker, which refuses it as it always did
     assert text_ids(tok, msgs.SynthesisRequest(" \n ")) is None
     assert text_ids(tok, msgs.SynthesisRequest("Continue.", None, latents.numpy())) is None  # type: ignore[arg-type]

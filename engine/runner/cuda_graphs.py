@@ -1,11 +1,10 @@
 """The CUDA graphs of a runner's steps: the decode step per batch bucket, the VAE decode per bucket that runs behind
 its step, the prefill per token bucket and its LocEnc per audio-row bucket, each with and without the runtime adapters'
-terms; their capture at
-start-up (each kind's body run eagerly once first) and its timings.
+terms; their capture at start-up (each kind's body run eagerly once first) and its timings.
 
 The bodies captured are the runner's (`DecodeStep.forward`, `DecodeStep.vae_forward`, `PrefillStep.forward`,
-`PrefillStep.encode_forward`);
-this module only captures them and keeps the graphs, which the runner then picks by bucket and replays.
+`PrefillStep.encode_forward`); this module only captures them and keeps the graphs, which the runner then picks by
+bucket and replays.
 """
 
 from __future__ import annotations

@@ -252,10 +252,14 @@ class TextIdsBatcher:
             group = [(request, future) for tok, request, future in batch if tok is tokenizer]
             requests = [request for request, _ in group]
             if len(group) == 1 and _chars(requests[0]) <= TOKENIZE_INLINE_CHARS:
-                _resolve(group, text_ids_many(tokenizer, requests))
+                try:
+                    _resolve(group, text_ids_many(tokenizer, requests))
+                except Exception:
+                    _resolve(group, None)
             else:
                 done = asyncio.ensure_future(asyncio.to_thread(text_ids_many, tokenizer, requests))
-                done.add_done_callback(lambda task, group=group: _resolve(group, task.result()))
+                done.add_done_callback(lambda task, group=group: _resolve(
+                    group, None if task.cancelled() or task.exception() else task.result()))
 
 
 def _chars(request: p.SynthesisRequest) -> int:
@@ -263,10 +267,11 @@ def _chars(request: p.SynthesisRequest) -> int:
 
 
 def _resolve(group: list[tuple[p.SynthesisRequest, asyncio.Future[TextIds | None]]],
-             ids: list[TextIds | None]) -> None:
-    for (_, future), request_ids in zip(group, ids, strict=True):
+             ids: list[TextIds | None] | None) -> None:
+    """Each waiting stream its ids; None for all when the tokenizer failed (the worker tokenizes, or refuses, then)."""
+    for i, (_, future) in enumerate(group):
         if not future.done():  # its stream was cancelled meanwhile
-            future.set_result(request_ids)
+            future.set_result(None if ids is None else ids[i])
 
 
 def tokenizable(request: p.SynthesisRequest) -> bool:
