@@ -253,17 +253,26 @@ class TextIdsBatcher:
             requests = [request for request, _ in group]
             if len(group) == 1 and _chars(requests[0]) <= TOKENIZE_INLINE_CHARS:
                 try:
-                    _resolve(group, text_ids_many(tokenizer, requests))
+                    ids = text_ids_many(tokenizer, requests)
                 except Exception:
-                    _resolve(group, None)
+                    log.exception("tokenizing in the client failed: the worker tokenizes these requests")
+                    ids = None
+                _resolve(group, ids)
             else:
                 done = asyncio.ensure_future(asyncio.to_thread(text_ids_many, tokenizer, requests))
-                done.add_done_callback(lambda task, group=group: _resolve(
-                    group, None if task.cancelled() or task.exception() else task.result()))
+                done.add_done_callback(lambda task, group=group: _resolve_from(group, task))
 
 
 def _chars(request: p.SynthesisRequest) -> int:
     return sum(len(t) for t in (request.target_text, request.prompt_text) if isinstance(t, str))
+
+
+def _resolve_from(group: list[tuple[p.SynthesisRequest, asyncio.Future[TextIds | None]]],
+                  task: asyncio.Future[list[TextIds | None]]) -> None:
+    error = None if task.cancelled() else task.exception()
+    if error is not None:
+        log.error("tokenizing in the client failed (%r): the worker tokenizes these requests", error)
+    _resolve(group, None if task.cancelled() or error is not None else task.result())
 
 
 def _resolve(group: list[tuple[p.SynthesisRequest, asyncio.Future[TextIds | None]]],
