@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from engine.io.tokenizer import TextTokenizer
+from engine.io.tokenizer import TextTokenizer, text_tokens, text_tokens_many
 from engine.io.tokenizer_builder import build_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -260,3 +260,21 @@ def test_missing_tokenizer_files(tmp_path: Path) -> None:
 def test_rejects_non_str(ours: TextTokenizer) -> None:
     with pytest.raises(TypeError):
         ours.encode(b"bytes")  # type: ignore[arg-type]
+
+
+def test_encode_many_gives_each_text_its_own_ids_and_a_refused_one_its_error(ours: TextTokenizer) -> None:
+    """Several texts in one backend call give the ids each has alone; a text the backend refuses (a lone surrogate)
+    gets a TypeError in its place, a request of a continuation prompt whose transcript holds it too, the others
+    their ids; `encode` and `text_tokens` raise it."""
+    texts = [ENGLISH, CHINESE, MIXED, UNSEEN]
+    assert ours.encode_many(texts) == [ours.encode(t) for t in texts]
+    bad = "A lone \ud800 surrogate."
+    out = ours.encode_many([ENGLISH, bad, CHINESE])
+    assert out[0] == ours.encode(ENGLISH) and out[2] == ours.encode(CHINESE) and isinstance(out[1], TypeError)
+    many = text_tokens_many(ours, [(ENGLISH, "", False), ("Target.", bad, True), (MIXED, "A prompt.", True)])
+    assert many[0] == text_tokens(ours, ENGLISH, "", False) and isinstance(many[1], TypeError)
+    assert many[2] == text_tokens(ours, MIXED, "A prompt.", True)
+    with pytest.raises(TypeError):
+        ours.encode(bad)
+    with pytest.raises(TypeError):
+        text_tokens(ours, bad, "", False)

@@ -587,6 +587,24 @@ def test_text_ids_are_the_workers_own_tokens_and_bad_ones_fail_the_request_alone
 
     reason, loads = asyncio.run_coroutine_threadsafe(cancelled_while_tokenizing(), pool._loop).result(60)
     assert reason == "aborted" and loads == [0]  # the worker never counted it
+
+    async def closed_while_tokenizing() -> tuple[str | None, list[int], int | None]:
+        """The same stream closed (not cancelled) while its text is tokenized: never sent, never counted."""
+        client = pool.pool.client
+        default, client.tokenizer = client.tokenizer, tok
+        try:
+            stream = client.generate(msgs.SynthesisRequest("Closed before it is sent. " * 200))
+            first = asyncio.ensure_future(anext(stream))
+            await asyncio.sleep(0)  # the stream starts and awaits its tokenizing thread
+            stream.close()
+            with contextlib.suppress(StopAsyncIteration):
+                await first
+            return stream.finish_reason, client.load.loads().tolist(), stream.worker
+        finally:
+            client.tokenizer = default
+
+    reason, loads, worker = asyncio.run_coroutine_threadsafe(closed_while_tokenizing(), pool._loop).result(60)
+    assert (reason, loads, worker) == ("aborted", [0], None)
     _free_blocks_restored(pool)
 
 

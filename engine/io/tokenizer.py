@@ -47,25 +47,27 @@ def text_tokens(tokenizer: TextTokenizer, target_text: str, prompt_text: str,
     """A request's text ids as the official front end makes them: the normalised target text's (whose count caps the
     generation) and, for a continuation prompt, the transcript's and the target's together (what the model reads)."""
     ids = text_tokens_many(tokenizer, [(target_text, prompt_text, continuation)])[0]
-    if isinstance(ids, ValueError):
+    if isinstance(ids, Exception):
         raise ids
     return ids
 
 
-def text_tokens_many(tokenizer: TextTokenizer,
-                     requests: list[tuple[str, str, bool]]) -> list[tuple[list[int], list[int] | None] | ValueError]:
+def text_tokens_many(tokenizer: TextTokenizer, requests: list[tuple[str, str, bool]],
+                     ) -> list[tuple[list[int], list[int] | None] | ValueError | TypeError]:
     """`text_tokens` of several requests (target text, prompt text, continuation) in one call into the backend; a
-    request whose text has a piece without an id gets its ValueError in its place."""
+    request whose text cannot be encoded gets its error in its place (`TextTokenizer.encode_many`)."""
     texts: list[str] = []
     for target_text, prompt_text, continuation in requests:
         target = normalize_text(target_text)
         texts += [target, prompt_text + target] if continuation else [target]
     ids = iter(tokenizer.encode_many(texts))
-    out: list[tuple[list[int], list[int] | None] | ValueError] = []
+    out: list[tuple[list[int], list[int] | None] | ValueError | TypeError] = []
     for _, _, continuation in requests:
         target_ids, both = next(ids), next(ids) if continuation else None
-        error = next((x for x in (target_ids, both) if isinstance(x, ValueError)), None)
-        out.append(error or (target_ids, both))
+        if isinstance(target_ids, Exception) or isinstance(both, Exception):
+            out.append(target_ids if isinstance(target_ids, Exception) else both)
+        else:
+            out.append((target_ids, both))
     return out
 
 
@@ -267,24 +269,39 @@ class TextTokenizer:
     def encode(self, text: str) -> list[int]:
         """Official VoxCPM text ids for ``text`` (no BOS/EOS)."""
         ids = self.encode_many([text])[0]
-        if isinstance(ids, ValueError):
+        if isinstance(ids, Exception):
             raise ids
         return ids
 
-    def encode_many(self, texts: list[str]) -> list[list[int] | ValueError]:
+    def encode_many(self, texts: list[str]) -> list[list[int] | ValueError | TypeError]:
         """`encode` of several texts in one call into the backend, which lets go of the GIL and spreads them over its
-        threads; a text with a piece that has no id gets its ValueError in its place."""
+        threads; a text that cannot be encoded (a piece without an id: ValueError; what the backend refuses, such as a
+        lone surrogate: TypeError) gets its error in its place, the others their ids."""
         for text in texts:
             if not isinstance(text, str):
                 raise TypeError(f"expected str, got {type(text).__name__}")
-        out: list[list[int] | ValueError] = []
-        for encoding in self._backend.encode_batch(texts, add_special_tokens=False):
-            pieces = encoding.tokens
-            try:
-                out.append(self._ids(pieces))
-            except ValueError as e:
-                out.append(e)
-        return out
+        try:
+            encodings = self._backend.encode_batch(texts, add_special_tokens=False)
+        except TypeError:  # one text the backend refuses fails the batch: each alone then
+            return [self._encode_one(text) for text in texts] if len(texts) > 1 else [self._refused(texts[0])]
+        return [self._ids_or_error(encoding.tokens) for encoding in encodings]
+
+    def _encode_one(self, text: str) -> list[int] | ValueError | TypeError:
+        try:
+            pieces = self._backend.encode_batch([text], add_special_tokens=False)[0].tokens
+        except TypeError:
+            return self._refused(text)
+        return self._ids_or_error(pieces)
+
+    @staticmethod
+    def _refused(text: str) -> TypeError:
+        return TypeError(f"the tokenizer cannot encode the text {text[:40]!r}...")
+
+    def _ids_or_error(self, pieces: list[str]) -> list[int] | ValueError:
+        try:
+            return self._ids(pieces)
+        except ValueError as e:
+            return e
 
     def _ids(self, pieces: list[str]) -> list[int]:
         if not self._split_pieces.isdisjoint(pieces):

@@ -141,6 +141,8 @@ class GenerationStream:
         except BaseException:
             self._end("error")
             raise
+        if self._ended:  # closed while it was tokenized or waited for a worker: never sent, never counted
+            return
         self.attach(link)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("generate %s to worker %d", self.request_id, link.index)
@@ -294,7 +296,7 @@ def text_ids_many(tokenizer: TextTokenizer, requests: list[p.SynthesisRequest]) 
     """`text_ids` of several tokenizable requests, in one call into the tokenizer's backend."""
     tokens = text_tokens_many(tokenizer, [(r.target_text, r.prompt_text or "", r.prompt_latents is not None)
                                           for r in requests])
-    return [None if isinstance(ids, ValueError) else TextIds(*ids) for ids in tokens]
+    return [None if isinstance(ids, Exception) else TextIds(*ids) for ids in tokens]
 
 
 def text_ids(tokenizer: TextTokenizer, request: p.SynthesisRequest) -> TextIds | None:

@@ -300,8 +300,13 @@ def step_main(argv: list[str]) -> None:
     res: dict = {**run_facts(), "engine_kwargs": json.loads(a.engine_kwargs), "startup_s": engine.startup_s,
                  "startup_phases": engine.startup_phases, "capture_times": engine.runner.capture_times,
                  "options": dataclasses.asdict(engine.config.options), "batches": {}}
-    # The prefill's graphs alone, per bucket (its LocEnc's: for prompts with audio rows).
+    # The prefill's graphs alone, per bucket (its LocEnc's: for prompts with audio rows), every token row padding (it
+    # reads nothing and writes the scratch KV slot, not the blocks of an earlier prefill).
     runner = engine.runner
+    buffers = runner.prefill_buffers
+    assert buffers is not None
+    buffers.slot_mapping.fill_(buffers.scratch_kv_slot)
+    buffers.context_lens.zero_()
     res["prefill_graphs_ms"] = {**{f"prefill T={t}": graph_ms(g) for t, g in sorted(runner.prefill_graphs.items())},
                                 **{f"encode A={t}": graph_ms(g) for t, g in sorted(runner.step_graphs.encode.items())}}
     for b in batches:
