@@ -261,3 +261,28 @@ def test_pool_adapters_survive_a_worker_restart(checkpoint_factory, tmp_path):
             await pool.stop()
 
     asyncio.run(scenario())
+
+
+def test_graph_shaped_prefill_with_adapters_and_audio_rows_equals_eager(checkpoint_factory, tmp_path):
+    """The prefill that CUDA graphs capture, with the adapters' terms (LocEnc on the packed audio rows with each
+    row's adapter slot, the LMs over the padded token rows), gives the eager prefill's hidden states for one batch of
+    two adapters and none, with prompt and reference audio."""
+    model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=256, max_loras=2, max_lora_rank=8))
+    for name, seed, rank in (("a", 11, 4), ("b", 12, 8)):
+        engine.register_lora(name, str(adapter_for(model, tmp_path / name, seed=seed, r=rank, alpha=8)))
+    clip = torch.randn(12, model.config.feat_dim, generator=torch.Generator().manual_seed(3))
+    conditioning = [("a", dict(prompt_text="A prompt.", prompt_latents=clip)), (None, dict(ref_latents=clip)),
+                    ("b", {}), ("b", dict(ref_latents=clip))]
+    for i, (name, kwargs) in enumerate(conditioning):
+        engine.add_request(TEXT, SamplingParams(max_generate_length=2, seed=i), lora_name=name, **kwargs)
+    seqs = engine.scheduler.schedule().prefill
+    x = engine.runner.prefill_inputs(seqs)
+    assert len(seqs) == 4 and x.audio_mask.any() and len({s.lora_slot for s in seqs}) == 3
+    with torch.inference_mode():
+        eager = engine.runner.prefill_eager(x, terms=True)
+        buffered = engine.runner.prefill_buffered(x, terms=True)
+        plain = engine.runner.prefill_eager(x, terms=False)
+    for a, b in zip(eager, buffered, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert (eager[0] - plain[0]).abs().max() > 1e-3  # the adapters' terms are in it
