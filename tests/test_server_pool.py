@@ -570,41 +570,28 @@ def test_text_ids_are_the_workers_own_tokens_and_bad_ones_fail_the_request_alone
             asyncio.run_coroutine_threadsafe(bad(ids), pool._loop).result(60)
     assert list(pool.generate("Still serving.", max_generate_length=2, seed=1))
 
-    async def cancelled_while_tokenizing() -> tuple[str | None, list[int]]:
-        """A long text's stream whose caller goes away while a thread tokenizes it: aborted, never sent."""
+    async def stopped_while_tokenizing(how: str) -> tuple[str | None, list[int], int | None]:
+        """A long text's stream whose caller goes away (its task cancelled) or closes it while a thread tokenizes
+        it: aborted, never sent, never counted."""
         client = pool.pool.client
         default, client.tokenizer = client.tokenizer, tok
         try:
-            stream = client.generate(msgs.SynthesisRequest("Gone before it is sent. " * 200))
+            stream = client.generate(msgs.SynthesisRequest(f"{how.title()} before it is sent. " * 200))
             first = asyncio.ensure_future(anext(stream))
             await asyncio.sleep(0)  # the stream starts and awaits its tokenizing thread
-            first.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await first
-            return stream.finish_reason, client.load.loads().tolist()
-        finally:
-            client.tokenizer = default
-
-    reason, loads = asyncio.run_coroutine_threadsafe(cancelled_while_tokenizing(), pool._loop).result(60)
-    assert reason == "aborted" and loads == [0]  # the worker never counted it
-
-    async def closed_while_tokenizing() -> tuple[str | None, list[int], int | None]:
-        """The same stream closed (not cancelled) while its text is tokenized: never sent, never counted."""
-        client = pool.pool.client
-        default, client.tokenizer = client.tokenizer, tok
-        try:
-            stream = client.generate(msgs.SynthesisRequest("Closed before it is sent. " * 200))
-            first = asyncio.ensure_future(anext(stream))
-            await asyncio.sleep(0)  # the stream starts and awaits its tokenizing thread
-            stream.close()
-            with contextlib.suppress(StopAsyncIteration):
+            if how == "cancel":
+                first.cancel()
+            else:
+                stream.close()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
                 await first
             return stream.finish_reason, client.load.loads().tolist(), stream.worker
         finally:
             client.tokenizer = default
 
-    reason, loads, worker = asyncio.run_coroutine_threadsafe(closed_while_tokenizing(), pool._loop).result(60)
-    assert (reason, loads, worker) == ("aborted", [0], None)
+    for how in ("cancel", "close"):
+        outcome = asyncio.run_coroutine_threadsafe(stopped_while_tokenizing(how), pool._loop).result(60)
+        assert outcome == ("aborted", [0], None), how  # the worker never counted it
     _free_blocks_restored(pool)
 
 
