@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
+import shutil
 import threading
 import time
 
@@ -285,6 +287,18 @@ def test_bad_configuration_is_refused_before_starting(tmp_path):
             VoxCPM.from_pretrained("unused", devices=[0])
     with pytest.raises(CheckpointError, match="config.json"):
         VoxCPM.from_pretrained(str(tmp_path))
+
+
+def test_a_checkpoint_without_a_tokenizer_leaves_no_worker_running(checkpoint, tmp_path):
+    """The pool loads the tokenizer its client tokenizes with while its workers start: without one it fails, naming
+    the file, and stops them."""
+    broken = tmp_path / "no-tokenizer"
+    shutil.copytree(checkpoint, broken)
+    (broken / "tokenizer.json").unlink()
+    before = set(multiprocessing.active_children())
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        VoxCPM.from_pretrained(str(broken), devices=["cpu"], max_num_seqs=1, max_model_len=256)
+    assert set(multiprocessing.active_children()) <= before
 
 
 def test_bad_prompt_latents_fail_the_caller_not_the_worker(pool):

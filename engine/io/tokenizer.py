@@ -283,19 +283,15 @@ class TextTokenizer:
         try:
             encodings = self._backend.encode_batch(texts, add_special_tokens=False)
         except TypeError:  # one text the backend refuses fails the batch: each alone then
-            return [self._encode_one(text) for text in texts] if len(texts) > 1 else [self._refused(texts[0])]
+            return [self._encode_one(text) for text in texts]
         return [self._ids_or_error(encoding.tokens) for encoding in encodings]
 
     def _encode_one(self, text: str) -> list[int] | ValueError | TypeError:
         try:
             pieces = self._backend.encode_batch([text], add_special_tokens=False)[0].tokens
         except TypeError:
-            return self._refused(text)
+            return TypeError(f"the tokenizer cannot encode the text {text[:40]!r}...")
         return self._ids_or_error(pieces)
-
-    @staticmethod
-    def _refused(text: str) -> TypeError:
-        return TypeError(f"the tokenizer cannot encode the text {text[:40]!r}...")
 
     def _ids_or_error(self, pieces: list[str]) -> list[int] | ValueError:
         try:

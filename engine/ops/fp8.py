@@ -202,7 +202,7 @@ def companion_of(weight: torch.Tensor | None) -> Fp8Weight | None:
 def small_rows_companion(weight: torch.Tensor | None) -> Fp8Weight | None:
     """The FP8 weight a weight-streaming kernel reads for a call below `fp8_min_rows` rows (the caller knows its
     rows): the weight's companion where it has one and EngineOptions.fp8_small_rows is on, else None."""
-    return getattr(weight, FP8_ATTR, None) if current().fp8_small_rows else None
+    return companion_of(weight) if current().fp8_small_rows else None
 
 
 def requantize(weight: torch.Tensor) -> None:

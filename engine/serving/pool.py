@@ -47,9 +47,12 @@ class AsyncVoxCPMServerPool:
         self.model_path = checked_model_path(model)
         self.devices = devices
         self._stopped = False
-        # Loaded before any worker starts: a checkpoint without a usable tokenizer leaves nothing running.
-        tokenizer = tokenizer or TextTokenizer.from_dir(self.model_path)
         self.workers: WorkerSet | None = WorkerSet(self.model_path, devices, config, warmup=warmup)
+        try:  # loaded while the workers start; a checkpoint without a usable tokenizer leaves nothing running
+            tokenizer = tokenizer or TextTokenizer.from_dir(self.model_path)
+        except BaseException:
+            self.workers.stop()
+            raise
         self.client = EngineClient(self.workers.addresses, self.workers.authkey, encoder_threads,
                                    queue_bound=queue_bound, loras=loras, transform_threads=transform_threads)
         self.client.tokenizer = tokenizer
