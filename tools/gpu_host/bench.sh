@@ -501,7 +501,7 @@ random_adapters('$CKPT', 1, ${LORA_RANK:-32}, Path('/tmp/lora_merged'))" \
             # tools pyproject.toml | tar -x -C old`), with that tree's own stream benchmark, into ours_base.json
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
             [[ -d "${BASELINE:-}" ]] || { log "ours_base needs BASELINE=dir (an earlier tree)"; RC[$part]=setup; continue; }
-            pushd "$BASELINE" >/dev/null && bench voxcpm-serve "$OUT/ours_base.json" "$T_OURS"
+            pushd "$BASELINE" >/dev/null && bench_ours "$OUT/ours_base.json"
             RC[$part]=$?
             popd >/dev/null
             ;;
