@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import multiprocessing.connection
 import shutil
 import threading
 import time
@@ -362,6 +363,70 @@ def test_sync_stop_wakes_a_consumer_in_another_thread(checkpoint):
     assert len(got) == 1 and isinstance(got[0], PoolStoppedError), got
     with pytest.raises(PoolStoppedError):
         next(iter(p.generate("After stop.")))
+
+
+def test_a_loop_turns_requests_reach_the_worker_as_one_message_and_start_in_one_step(checkpoint):
+    """What one turn of the client's event loop sends (a burst's requests: their streams resume together after their
+    tokenization) goes to the worker as one MessageBatch, in order, a send from another thread during that turn
+    included; the worker reads it at once and starts every request in its next step (one admission round), where
+    reading a burst's first few alone made the rest wait a step."""
+    from engine.serving import protocol as msgs
+    from engine.serving.client import EngineClient, _WorkerLink
+    from engine.serving.worker import Worker
+
+    params = SamplingParams(max_generate_length=3, seed=1)
+    burst = [msgs.Generate(f"r{i}", msgs.SynthesisRequest(f"Request number {i}.", params=params)) for i in range(3)]
+
+    async def client_side(conn: multiprocessing.connection.Connection) -> None:
+        client = EngineClient([], b"test")
+        link = _WorkerLink(client, 0, "the test's pipe")
+        link.attach(conn)
+        try:
+            for msg in burst:  # one turn
+                link.send(msg)
+            await asyncio.sleep(0.01)
+            late = msgs.Generate("r3", msgs.SynthesisRequest("One more.", params=params))
+            link.send(late)
+            other = threading.Thread(target=link.send, args=(msgs.Abort("r3"),))  # joins the pending turn, after it
+            other.start()
+            other.join()
+            await asyncio.sleep(0.01)
+            await asyncio.to_thread(link.send, msgs.Abort("r9"))  # no turn pending: straight to the sender
+            await asyncio.sleep(0.01)
+        finally:
+            client.closed = True
+            link.close_connection()
+
+    ours, theirs = multiprocessing.Pipe()
+    asyncio.run(client_side(ours))
+    got = []
+    while theirs.poll(1):
+        got.append(theirs.recv())
+    assert [type(m).__name__ for m in got] == ["MessageBatch", "MessageBatch", "Abort"]
+    assert got[0].messages == burst
+    assert [type(m).__name__ for m in got[1].messages] == ["Generate", "Abort"]
+    assert got[1].messages[1].request_id == "r3" and got[2].request_id == "r9"
+
+    engine = LLMEngine(str(checkpoint), EngineConfig(max_num_seqs=4, max_model_len=128))
+    client_end, worker_end = multiprocessing.Pipe()
+    worker = Worker(engine)
+    worker.acceptor.attach(worker_end)
+    worker._take_new_links()
+    link = next(iter(worker.links.values()))
+    try:
+        assert client_end.poll(10) and isinstance(client_end.recv(), msgs.Ready)
+        client_end.send(got[0])
+        assert link.conn.poll(10)
+        worker._read(link)
+        assert len(engine.scheduler.waiting) == 3 and set(link.requests) == {"r0", "r1", "r2"}
+        worker.step()
+        assert client_end.poll(10)
+        first = client_end.recv()
+        assert isinstance(first, msgs.StepEvents)
+        assert sorted(ev.request_id for ev in first.events if ev.audio is not None) == ["r0", "r1", "r2"]
+        assert not engine.scheduler.waiting
+    finally:
+        worker.close()
 
 
 @pytest.mark.parametrize("device_lost", [False, True], ids=["step-error", "device-lost"])

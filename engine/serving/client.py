@@ -68,16 +68,45 @@ class _WorkerLink:
         self.stopped_reason: str | None = None  # the worker said Goodbye on this connection
         self.closed_event = asyncio.Event()  # set when the current connection ends
         self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # The messages this turn of the event loop sends, posted to the sender as one when the turn ends: a burst's
+        # requests (their streams resume in one turn after their tokenization) reach the worker in one read.
+        self._turn: list[Any] | None = None
+        self._turn_lock = threading.Lock()
 
     def send(self, msg: Any) -> None:
+        """Queue `msg` for the worker (from any thread; in order with what this process sent before it)."""
         if not self.connected:
             raise WorkerDiedError(f"worker {self.index} is not connected")
-        self._outbox.put(msg)
+        with self._turn_lock:
+            if self._turn is not None:  # a turn is being gathered: join it, so nothing overtakes what it holds
+                self._turn.append(msg)
+                return
+            if not self._on_loop():
+                self._outbox.put(msg)
+                return
+            self._turn = [msg]
+        self.client.loop.call_soon(self._post_turn)
+
+    def _on_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self.client.loop
+        except RuntimeError:  # no loop runs in this thread
+            return False
+
+    def _post_turn(self) -> None:
+        with self._turn_lock:
+            turn, self._turn = self._turn or [], None
+        if len(turn) == 1:
+            self._outbox.put(turn[0])
+        elif turn:
+            self._outbox.put(p.MessageBatch(turn))
 
     def attach(self, conn: Connection) -> asyncio.Event:
         """Start serving a fresh connection (event loop thread); the event is set when it ends."""
         self.conn, self.connected, self.stopped_reason = conn, True, None
         self.closed_event = asyncio.Event()
+        with self._turn_lock:
+            self._turn = None  # what an earlier connection's last turn held is not this worker's
         self._outbox = queue.SimpleQueue()
         threading.Thread(target=self._write, args=(conn, self._outbox), name=f"voxcpm-sender-{self.index}",
                          daemon=True).start()
@@ -90,8 +119,10 @@ class _WorkerLink:
                 conn.send(msg)
             except (OSError, ValueError):
                 return  # the reader sees the connection close
-            if isinstance(msg, p.Generate) and log.isEnabledFor(logging.DEBUG):  # a burst's timeline, with the worker's
-                log.debug("generate %s sent", msg.request_id)
+            if log.isEnabledFor(logging.DEBUG):  # a burst's timeline, with the worker's
+                for sent in msg.messages if isinstance(msg, p.MessageBatch) else (msg,):
+                    if isinstance(sent, p.Generate):
+                        log.debug("generate %s sent", sent.request_id)
 
     def _read(self, conn: Connection) -> None:
         loop, client = self.client.loop, self.client
@@ -111,6 +142,7 @@ class _WorkerLink:
             loop.call_soon_threadsafe(client.on_closed, self, conn)
 
     def close_connection(self) -> None:
+        self._post_turn()  # what this turn sent goes out before the connection closes
         self._outbox.put(_END)
         if self.conn is not None:
             with contextlib.suppress(OSError):

@@ -383,7 +383,9 @@ class Worker:
     def _read(self, link: ClientLink) -> None:
         try:
             while link.conn.poll(0):
-                self.handle(link, link.conn.recv())
+                msg = link.conn.recv()
+                for one in msg.messages if isinstance(msg, p.MessageBatch) else (msg,):
+                    self.handle(link, one)
         except (EOFError, OSError):
             link.gone = True
         if link.gone:
