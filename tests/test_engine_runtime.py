@@ -171,14 +171,14 @@ def test_graph_shaped_prefill_equals_eager_prefill(model):
     x = fresh.runner.prefill_inputs(seqs)
     assert len(seqs) == 2 and not x.audio_mask.any()
     buffers = fresh.runner.prefill_buffers
-    packed = buffers.audio_feats.clone()
+    packed = buffers.inputs.audio_feats.clone()
     buffers.audio_embed.fill_(float("nan"))  # what LocEnc left there is never read at a text row
     with torch.inference_mode():
         eager = fresh.runner.prefill_eager(x)
         buffered = fresh.runner.prefill_buffered(x)
     for a, b in zip(eager, buffered, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    assert torch.equal(buffers.audio_feats, packed)
+    assert torch.equal(buffers.inputs.audio_feats, packed)
 
 
 def test_request_needing_every_kv_block_is_admitted(model):

@@ -6,7 +6,6 @@ runs on the audio rows alone, packed (a graph per row bucket): a text-only promp
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.io.checkpoint import LoadedModel
 from engine.runner.attention import AttentionMetadata, PagedKVCache
@@ -65,51 +64,52 @@ class PrefillStep:
     def encode_forward(self, b: PrefillBuffers, rows: int, terms: bool) -> None:
         """LocEnc over the first `rows` packed audio patches, their embeddings written to their token rows of
         `audio_embed` (graph body; padding patches write the scratch row)."""
-        backbone = self.model.backbone
-        embed = backbone.encode_patches(b.audio_feats[:rows], b.audio_lora_slots[:rows] if terms else None)
-        b.audio_embed.index_copy_(0, b.audio_rows[:rows], embed.to(b.audio_embed.dtype))
+        x = b.inputs
+        embed = self.model.backbone.encode_patches(x.audio_feats[:rows], x.audio_lora_slots[:rows] if terms else None)
+        b.audio_embed.index_copy_(0, x.audio_rows[:rows], embed.to(b.audio_embed.dtype))
 
     def forward(self, b: PrefillBuffers, base_cache: PagedKVCache, residual_cache: PagedKVCache, tokens: int,
                 terms: bool) -> None:
         """A prefill over the first `tokens` rows of the static buffers (graph body): no host-side lengths. The
         audio rows' embeddings are those `encode_forward` wrote (a prompt without audio rows runs no LocEnc)."""
-        meta = AttentionMetadata(True, b.slot_mapping[:tokens], b.block_tables, b.row_index[:tokens],
-                                 b.context_lens[:tokens])
-        mask = b.audio_mask[:tokens]
+        x = b.inputs
+        meta = AttentionMetadata(True, x.slot_mapping[:tokens], x.block_tables, x.row_index[:tokens],
+                                 x.context_lens[:tokens])
+        mask = x.audio_mask[:tokens]
         audio_embed = torch.where(mask[:, None], b.audio_embed[:tokens], 0.0)
         lm_h, res_h = self.model.backbone.prefill_lms(
-            b.token_ids[:tokens], audio_embed, mask, b.positions[:tokens], b.last_rows,
+            x.token_ids[:tokens], audio_embed, mask, x.positions[:tokens], x.last_rows,
             base_cache.attend_fn(meta), residual_cache.attend_fn(meta),
-            lora_slots=b.lora_slots[:tokens] if terms else None)
+            lora_slots=x.lora_slots[:tokens] if terms else None)
         b.lm_hidden.copy_(lm_h)
         b.residual_hidden.copy_(res_h)
 
     @staticmethod
     def fill(b: PrefillBuffers, x: PrefillInputs, bucket: int, audio_bucket: int) -> None:
-        """Queue the copies of `x` into the static buffers, padded to `bucket` tokens, its audio rows' patches
-        packed and padded to `audio_bucket` rows (0: it has none)."""
+        """Stage `x` padded to `bucket` tokens, its audio rows' patches packed and padded to `audio_bucket` rows (0:
+        it has none), and queue the one copy to the static buffers."""
+        s = b.host_inputs()
         n, rows = len(x.token_ids), len(x.last_rows)
-        pad = bucket - n
-        b.token_ids[:bucket].copy_(F.pad(x.token_ids, (0, pad)), non_blocking=True)
-        b.audio_mask[:bucket].copy_(F.pad(x.audio_mask, (0, pad)), non_blocking=True)
+        for field, values, pad in ((s.token_ids, x.token_ids, 0), (s.audio_mask, x.audio_mask, False),
+                                   (s.positions, x.positions, 0), (s.slot_mapping, x.slot_mapping, b.scratch_kv_slot),
+                                   (s.row_index, x.row_index, 0), (s.lora_slots, x.lora_slots, -1),
+                                   (s.context_lens, x.positions + 1, 0)):
+            field[:n] = values
+            field[n:bucket] = pad
+        s.block_tables.zero_()
+        s.block_tables[:rows, :x.block_tables.shape[1]] = x.block_tables
+        s.last_rows.zero_()
+        s.last_rows[:rows] = x.last_rows
         if audio_bucket:
             audio_rows = x.audio_mask.nonzero().squeeze(1)
-            audio_pad = audio_bucket - len(audio_rows)
-            b.audio_feats[:audio_bucket].copy_(F.pad(x.feats[audio_rows], (0, 0, 0, 0, 0, audio_pad)),
-                                               non_blocking=True)
-            b.audio_rows[:audio_bucket].copy_(F.pad(audio_rows, (0, audio_pad), value=len(b.token_ids)),
-                                              non_blocking=True)
-            b.audio_lora_slots[:audio_bucket].copy_(F.pad(x.lora_slots[audio_rows], (0, audio_pad), value=-1),
-                                                    non_blocking=True)
-        b.positions[:bucket].copy_(F.pad(x.positions, (0, pad)), non_blocking=True)
-        b.slot_mapping[:bucket].copy_(F.pad(x.slot_mapping, (0, pad), value=b.scratch_kv_slot), non_blocking=True)
-        b.row_index[:bucket].copy_(F.pad(x.row_index, (0, pad)), non_blocking=True)
-        b.lora_slots[:bucket].copy_(F.pad(x.lora_slots, (0, pad), value=-1), non_blocking=True)
-        b.context_lens[:bucket].copy_(F.pad((x.positions + 1).to(torch.int32), (0, pad)), non_blocking=True)
-        b.block_tables.zero_()
-        b.block_tables[:rows, :x.block_tables.shape[1]].copy_(x.block_tables, non_blocking=True)
-        b.last_rows.zero_()
-        b.last_rows[:rows].copy_(x.last_rows, non_blocking=True)
+            k = len(audio_rows)
+            s.audio_feats[:k] = x.feats[audio_rows]
+            s.audio_feats[k:audio_bucket] = 0
+            s.audio_rows[:k] = audio_rows
+            s.audio_rows[k:audio_bucket] = len(s.token_ids)
+            s.audio_lora_slots[:k] = x.lora_slots[audio_rows]
+            s.audio_lora_slots[k:audio_bucket] = -1
+        b.send_inputs(audio_bucket)
 
     def dry_run(self, lens: list[int], table_width: int, base_cache: PagedKVCache, residual_cache: PagedKVCache,
                 lora: bool) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, Literal, TypeVar
 
 import numpy as np
 
@@ -103,7 +103,7 @@ class MessageBatch:
     """Several client messages sent as one: those one turn of the client's event loop sent (a burst's requests), so
     the worker reads them at once and admits them together, instead of stepping after reading the first few."""
 
-    messages: list[Generate | Abort | Call[Any] | AddPrompt | RemovePrompt]
+    messages: list[Generate | Abort | Call[object] | AddPrompt | RemovePrompt]
 
 
 @dataclass

@@ -305,8 +305,7 @@ def step_main(argv: list[str]) -> None:
     runner = engine.runner
     buffers = runner.prefill_buffers
     assert buffers is not None
-    buffers.slot_mapping.fill_(buffers.scratch_kv_slot)
-    buffers.context_lens.zero_()
+    buffers.inputs.fill_padding(buffers.scratch_kv_slot)
     res["prefill_graphs_ms"] = {**{f"prefill T={t}": graph_ms(g) for t, g in sorted(runner.prefill_graphs.items())},
                                 **{f"encode A={t}": graph_ms(g) for t, g in sorted(runner.step_graphs.encode.items())}}
     for b in batches:
