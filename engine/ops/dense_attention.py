@@ -96,9 +96,22 @@ def dense_attention_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
             and q.shape[2] % k.shape[2] == 0 and q.dtype in (torch.float32, torch.float16, torch.bfloat16))
 
 
-def dense_attention_warps(sequences: int, heads: int) -> int:
-    """`dense_attention`'s default warps per program: 2 from 256 (sequence, head) pairs on, else 4."""
-    return 2 if sequences * heads >= 256 else 4
+def dense_attention_heads(sequences: int, heads: int, group: int) -> int:
+    """`dense_attention`'s default query heads per program: as many of a GQA group as keep >= 512 programs (small
+    batches keep one head per program, for parallelism). On an H200 (`tools/bench.py kernels --only attention`,
+    2026-11-29) this was the fastest choice at every batch measured, 1 to 256, for the DiT and LocEnc."""
+    per_program = 1
+    while group % (per_program * 2) == 0 and sequences * heads // (per_program * 2) >= 512:
+        per_program *= 2
+    return per_program
+
+
+def dense_attention_warps(sequences: int, heads: int, per_program: int = 1) -> int:
+    """`dense_attention`'s default warps per program: 4 below 256 (sequence, head) pairs, 1 from 1024 programs on
+    (a GQA group's heads all in each: DiT at B=256 38.8 against 51.9 us with 2), else 2."""
+    if sequences * heads < 256:
+        return 4
+    return 1 if sequences * heads // per_program >= 1024 else 2
 
 
 def dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None,
@@ -106,15 +119,11 @@ def dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
                            num_warps: int | None = None) -> torch.Tensor:
     """Bidirectional attention within each sequence: q (N, L, Hq, D), k/v (N, L, Hk, D) (unit stride in D),
     rotary rows cos/sin (L, D) fp32 applied to q and k first (None: no rotary) -> (N, L, Hq * D).
-    heads_per_program: query heads sharing one program (and one load of K/V); None: as many of a GQA group as keep
-    >= 256 programs (small batches keep one head per program, for parallelism). num_warps: None picks 2 from 256
-    (sequence, head) pairs on, else 4 (`tools/bench.py kernels` sweeps both)."""
+    heads_per_program: query heads sharing one program (and one load of K/V); None: `dense_attention_heads`.
+    num_warps: None: `dense_attention_warps` (`tools/bench.py kernels --only attention` sweeps both)."""
     n, seq_len, hq, dim = q.shape
     group = hq // k.shape[2]
-    heads = heads_per_program or 1
-    while heads_per_program is None and group % (heads * 2) == 0 and n * hq // (heads * 2) >= 256:
-        heads *= 2
-    heads = math.gcd(heads, group)  # a program's heads must share one kv head
+    heads = math.gcd(heads_per_program or dense_attention_heads(n, hq, group), group)  # one kv head per program
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = torch.empty((n, seq_len, hq * dim), dtype=q.dtype, device=q.device)
     if n and seq_len:
@@ -127,7 +136,7 @@ def dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
             seq_len, dim ** -0.5, GROUP=group, HEADS=heads, HALF=dim // 2,
             BLOCK_L=max(16, triton.next_power_of_2(seq_len)), ROPE=rope,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=num_warps or dense_attention_warps(n, hq))
+            num_warps=num_warps or dense_attention_warps(n, hq, heads))
     return out
 
 
