@@ -9,6 +9,7 @@ import multiprocessing.connection
 import shutil
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -30,6 +31,9 @@ from engine import (
 )
 from engine.io.tokenizer import TextTokenizer
 from tests.service_harness import wav_bytes
+
+if TYPE_CHECKING:
+    from engine.serving.worker import ClientLink, Worker
 
 HANG_GUARD_S = 10  # a killed worker's callers fail at once; this only catches a hang
 
@@ -365,6 +369,21 @@ def test_sync_stop_wakes_a_consumer_in_another_thread(checkpoint):
         next(iter(p.generate("After stop.")))
 
 
+def _worker_on_a_pipe(engine: LLMEngine) -> tuple[Worker, ClientLink, multiprocessing.connection.Connection]:
+    """A worker of `engine` in this process with one client connection, a pipe: (worker, its link, the client's end,
+    whose Ready has been read)."""
+    from engine.serving import protocol as msgs
+    from engine.serving.worker import Worker
+
+    client_end, worker_end = multiprocessing.Pipe()
+    worker = Worker(engine)
+    worker.acceptor.attach(worker_end)
+    worker._take_new_links()
+    link = next(iter(worker.links.values()))
+    assert client_end.poll(10) and isinstance(client_end.recv(), msgs.Ready)
+    return worker, link, client_end
+
+
 def test_a_loop_turns_requests_reach_the_worker_as_one_message_and_start_in_one_step(checkpoint):
     """What one turn of the client's event loop sends (a burst's requests: their streams resume together after their
     tokenization) goes to the worker as one MessageBatch, in order, a send from another thread during that turn
@@ -372,49 +391,50 @@ def test_a_loop_turns_requests_reach_the_worker_as_one_message_and_start_in_one_
     reading a burst's first few alone made the rest wait a step."""
     from engine.serving import protocol as msgs
     from engine.serving.client import EngineClient, _WorkerLink
-    from engine.serving.worker import Worker
 
     params = SamplingParams(max_generate_length=3, seed=1)
     burst = [msgs.Generate(f"r{i}", msgs.SynthesisRequest(f"Request number {i}.", params=params)) for i in range(3)]
 
-    async def client_side(conn: multiprocessing.connection.Connection) -> None:
+    async def client_side(conn: multiprocessing.connection.Connection,
+                          worker_end: multiprocessing.connection.Connection) -> list[object]:
+        """The sends, and what the worker's end of the pipe reads, message by message, before the link closes."""
         client = EngineClient([], b"test")
         link = _WorkerLink(client, 0, "the test's pipe")
         link.attach(conn)
+
+        async def read() -> object:
+            assert await asyncio.to_thread(worker_end.poll, HANG_GUARD_S)
+            return worker_end.recv()
+
         try:
             for msg in burst:  # one turn
                 link.send(msg)
-            await asyncio.sleep(0.01)
+            got = [await read()]
             late = msgs.Generate("r3", msgs.SynthesisRequest("One more.", params=params))
             link.send(late)
             other = threading.Thread(target=link.send, args=(msgs.Abort("r3"),))  # joins the pending turn, after it
             other.start()
             other.join()
-            await asyncio.sleep(0.01)
+            got.append(await read())
             await asyncio.to_thread(link.send, msgs.Abort("r9"))  # no turn pending: straight to the sender
-            await asyncio.sleep(0.01)
+            got.append(await read())
+            assert not worker_end.poll(0.05)  # each message once
+            return got
         finally:
             client.closed = True
             link.close_connection()
+            client.encoders.stop()
 
     ours, theirs = multiprocessing.Pipe()
-    asyncio.run(client_side(ours))
-    got = []
-    while theirs.poll(1):
-        got.append(theirs.recv())
+    got = asyncio.run(client_side(ours, theirs))
     assert [type(m).__name__ for m in got] == ["MessageBatch", "MessageBatch", "Abort"]
     assert got[0].messages == burst
     assert [type(m).__name__ for m in got[1].messages] == ["Generate", "Abort"]
     assert got[1].messages[1].request_id == "r3" and got[2].request_id == "r9"
 
     engine = LLMEngine(str(checkpoint), EngineConfig(max_num_seqs=4, max_model_len=128))
-    client_end, worker_end = multiprocessing.Pipe()
-    worker = Worker(engine)
-    worker.acceptor.attach(worker_end)
-    worker._take_new_links()
-    link = next(iter(worker.links.values()))
+    worker, link, client_end = _worker_on_a_pipe(engine)
     try:
-        assert client_end.poll(10) and isinstance(client_end.recv(), msgs.Ready)
         client_end.send(got[0])
         assert link.conn.poll(10)
         worker._read(link)
@@ -434,19 +454,13 @@ def test_failed_step_fails_running_requests_and_a_lost_device_ends_the_worker(ch
                                                                               device_lost):
     """A step that raises fails the running requests at once; the worker keeps serving unless its device no longer
     runs work (a sticky CUDA error, e.g. a layer kernel's trap): then it ends, so the pool restarts it."""
-    import multiprocessing
 
     from engine.serving import protocol as msgs
-    from engine.serving.worker import DeviceLostError, Worker
+    from engine.serving.worker import DeviceLostError
 
     engine = LLMEngine(str(checkpoint), EngineConfig(max_num_seqs=2, max_model_len=128))
-    client, worker_end = multiprocessing.Pipe()
-    worker = Worker(engine)
-    worker.acceptor.attach(worker_end)
-    worker._take_new_links()
-    link = next(iter(worker.links.values()))
+    worker, link, client = _worker_on_a_pipe(engine)
     try:
-        assert client.poll(10) and isinstance(client.recv(), msgs.Ready)
         request = msgs.SynthesisRequest("Hello there.", params=SamplingParams(max_generate_length=4))
         worker.handle(link, msgs.Generate("r1", request))
         worker.step()  # a real step: the request holds KV blocks and a slot now

@@ -140,7 +140,7 @@ class PrefillBuffers:
         end = self.offsets["audio_feats"] + audio_rows * self.audio_row_bytes
         self.packed[:end].copy_(self.host_packed[:end], non_blocking=True)
         self.copied = torch.cuda.Event()
-        self.copied.record()
+        self.copied.record(torch.cuda.current_stream(self.packed.device))
 
 
 @dataclass

@@ -74,17 +74,21 @@ class _WorkerLink:
         self._turn_lock = threading.Lock()
 
     def send(self, msg: Any) -> None:
-        """Queue `msg` for the worker (from any thread; in order with what this process sent before it)."""
+        """Queue `msg` for the worker (from any thread, a finalizer's included; in order with what this process sent
+        before it)."""
         if not self.connected:
             raise WorkerDiedError(f"worker {self.index} is not connected")
+        # Nothing is allocated under the lock: an allocation may run the garbage collector, whose finalizers (a
+        # stream's close) send too, in this thread.
+        on_loop, fresh = self._on_loop(), [msg]
         with self._turn_lock:
             if self._turn is not None:  # a turn is being gathered: join it, so nothing overtakes what it holds
                 self._turn.append(msg)
                 return
-            if not self._on_loop():
+            if not on_loop:
                 self._outbox.put(msg)
                 return
-            self._turn = [msg]
+            self._turn = fresh
         self.client.loop.call_soon(self._post_turn)
 
     def _on_loop(self) -> bool:
@@ -94,12 +98,11 @@ class _WorkerLink:
             return False
 
     def _post_turn(self) -> None:
+        """The turn's messages to the sender, as one item (under the lock: a send from another thread comes after)."""
         with self._turn_lock:
-            turn, self._turn = self._turn or [], None
-        if len(turn) == 1:
-            self._outbox.put(turn[0])
-        elif turn:
-            self._outbox.put(p.MessageBatch(turn))
+            if self._turn is not None:
+                self._outbox.put(self._turn)
+            self._turn = None
 
     def attach(self, conn: Connection) -> asyncio.Event:
         """Start serving a fresh connection (event loop thread); the event is set when it ends."""
@@ -115,6 +118,8 @@ class _WorkerLink:
 
     def _write(self, conn: Connection, outbox: queue.SimpleQueue[Any]) -> None:
         while (msg := outbox.get()) is not _END:
+            if isinstance(msg, list):  # a turn's messages
+                msg = msg[0] if len(msg) == 1 else p.MessageBatch(msg)
             try:
                 conn.send(msg)
             except (OSError, ValueError):
@@ -142,7 +147,8 @@ class _WorkerLink:
             loop.call_soon_threadsafe(client.on_closed, self, conn)
 
     def close_connection(self) -> None:
-        self._post_turn()  # what this turn sent goes out before the connection closes
+        self._post_turn()  # this turn's messages are queued before the end (what is not written before the close is
+        # lost, as any queued message is: the worker aborts the requests of a connection that went away)
         self._outbox.put(_END)
         if self.conn is not None:
             with contextlib.suppress(OSError):
