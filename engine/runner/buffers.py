@@ -72,16 +72,19 @@ class PrefillFields:
     audio_lora_slots: torch.Tensor  # (tokens,) long
     audio_feats: torch.Tensor  # (tokens, P, D) model dtype
 
-    def fill_padding(self, scratch_kv_slot: int) -> None:
-        """Every token and audio row as padding."""
-        tokens = len(self.token_ids)
-        for field in (self.token_ids, self.audio_mask, self.positions, self.row_index, self.context_lens,
-                      self.block_tables, self.last_rows, self.audio_feats):
-            field.zero_()
-        self.slot_mapping.fill_(scratch_kv_slot)
-        self.lora_slots.fill_(-1)
-        self.audio_rows.fill_(tokens)
-        self.audio_lora_slots.fill_(-1)
+    def fill_padding(self, scratch_kv_slot: int, tokens: slice = slice(None), audio: slice = slice(None)) -> None:
+        """Token rows `tokens` and packed audio rows `audio` as padding (default: all of them, and every block table
+        and last row): they read nothing and write only the scratch KV slot and the scratch embedding row."""
+        for field in (self.token_ids, self.audio_mask, self.positions, self.row_index, self.context_lens):
+            field[tokens] = 0
+        self.slot_mapping[tokens] = scratch_kv_slot
+        self.lora_slots[tokens] = -1
+        self.audio_feats[audio] = 0
+        self.audio_rows[audio] = len(self.token_ids)
+        self.audio_lora_slots[audio] = -1
+        if tokens == slice(None):
+            self.block_tables.zero_()
+            self.last_rows.zero_()
 
 
 class PrefillBuffers:

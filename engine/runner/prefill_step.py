@@ -90,25 +90,20 @@ class PrefillStep:
         it has none), and queue the one copy to the static buffers."""
         s = b.host_inputs()
         n, rows = len(x.token_ids), len(x.last_rows)
-        for field, values, pad in ((s.token_ids, x.token_ids, 0), (s.audio_mask, x.audio_mask, False),
-                                   (s.positions, x.positions, 0), (s.slot_mapping, x.slot_mapping, b.scratch_kv_slot),
-                                   (s.row_index, x.row_index, 0), (s.lora_slots, x.lora_slots, -1),
-                                   (s.context_lens, x.positions + 1, 0)):
+        audio_rows = x.audio_mask.nonzero().squeeze(1)  # LocEnc's rows (none: audio_bucket is 0)
+        k = len(audio_rows)
+        s.fill_padding(b.scratch_kv_slot, slice(n, bucket), slice(k, audio_bucket))
+        for field, values in ((s.token_ids, x.token_ids), (s.audio_mask, x.audio_mask), (s.positions, x.positions),
+                              (s.slot_mapping, x.slot_mapping), (s.row_index, x.row_index),
+                              (s.lora_slots, x.lora_slots), (s.context_lens, x.positions + 1)):
             field[:n] = values
-            field[n:bucket] = pad
         s.block_tables.zero_()
         s.block_tables[:rows, :x.block_tables.shape[1]] = x.block_tables
         s.last_rows.zero_()
         s.last_rows[:rows] = x.last_rows
-        if audio_bucket:
-            audio_rows = x.audio_mask.nonzero().squeeze(1)
-            k = len(audio_rows)
-            s.audio_feats[:k] = x.feats[audio_rows]
-            s.audio_feats[k:audio_bucket] = 0
-            s.audio_rows[:k] = audio_rows
-            s.audio_rows[k:audio_bucket] = len(s.token_ids)
-            s.audio_lora_slots[:k] = x.lora_slots[audio_rows]
-            s.audio_lora_slots[k:audio_bucket] = -1
+        s.audio_feats[:k] = x.feats[audio_rows]
+        s.audio_rows[:k] = audio_rows
+        s.audio_lora_slots[:k] = x.lora_slots[audio_rows]
         b.send_inputs(audio_bucket)
 
     def dry_run(self, lens: list[int], table_width: int, base_cache: PagedKVCache, residual_cache: PagedKVCache,

@@ -108,8 +108,6 @@ class _WorkerLink:
         """Start serving a fresh connection (event loop thread); the event is set when it ends."""
         self.conn, self.connected, self.stopped_reason = conn, True, None
         self.closed_event = asyncio.Event()
-        with self._turn_lock:
-            self._turn = None  # what an earlier connection's last turn held is not this worker's
         self._outbox = queue.SimpleQueue()
         threading.Thread(target=self._write, args=(conn, self._outbox), name=f"voxcpm-sender-{self.index}",
                          daemon=True).start()
