@@ -220,8 +220,9 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                 cos, sin = (r[:, 0], r[:, 1]) if r is not None else (None, None)
                 ref = dense_attend(0, q, k, v, r)  # off CUDA: rotary + SDPA
                 for heads in (None, 2, 4):  # one query head per program, or 2 / 4 of the GQA group of 4
-                    out = dense_attention_ops.dense_attention_triton(q, k, v, cos, sin, heads)
-                    errs.append(relative_error(out, ref))
+                    for stacked in (False, True):  # the heads one after another, or their rows in one tile
+                        out = dense_attention_ops.dense_attention_triton(q, k, v, cos, sin, heads, stacked=stacked)
+                        errs.append(relative_error(out, ref))
         return max(errs)
 
     def snake(dtype: torch.dtype) -> float:

@@ -28,6 +28,7 @@ import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from itertools import product
 from pathlib import Path
 from unittest import mock
 
@@ -302,19 +303,20 @@ def main(argv: list[str]) -> None:
             q, k, v = q.view(n, seq_len, hq, d), k.view(n, seq_len, hk, d), v.view(n, seq_len, hk, d)
             group = hq // hk
             attend = partial(dense_attention.dense_attention_triton, q, k, v, rope[:, 0], rope[:, 1])
-            for heads in (h for h in (1, 2, 4, 8, 16) if group % h == 0):
-                for warps in (1, 2, 4, 8):
-                    us = replay_us(partial(attend, heads_per_program=heads, num_warps=warps))
-                    rows.append({"module": name, "batch": b, "sequences": n, "seq_len": seq_len,
-                                 "heads_per_program": heads, "num_warps": warps, "us": round(us, 2)})
+            for heads, warps, stacked in product((h for h in (1, 2, 4, 8, 16) if group % h == 0), (1, 2, 4, 8),
+                                                 (False, True)):
+                us = replay_us(partial(attend, heads_per_program=heads, num_warps=warps, stacked=stacked))
+                rows.append({"module": name, "batch": b, "sequences": n, "seq_len": seq_len, "heads_per_program": heads,
+                             "num_warps": warps, "stacked": stacked, "us": round(us, 2)})
             best = min((r for r in rows if r["module"] == name and r["batch"] == b), key=lambda r: r["us"])
             auto = replay_us(attend)
             print(f"{name} B={b}: default {auto:.1f} us, best {best['us']:.1f} us at heads={best['heads_per_program']} "
-                  f"warps={best['num_warps']}", flush=True)
+                  f"warps={best['num_warps']} stacked={best['stacked']}", flush=True)
             per_program = dense_attention.dense_attention_heads(n, hq, group)
             warps = dense_attention.dense_attention_warps(n, hq, per_program)
             rows.append({"module": name, "batch": b, "sequences": n, "seq_len": seq_len, "heads_per_program": "default",
-                         "default_heads": per_program, "num_warps": warps, "us": round(auto, 2)})
+                         "default_heads": per_program, "num_warps": warps,
+                         "stacked": dense_attention.dense_attention_stacked(n, hq, per_program), "us": round(auto, 2)})
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows, "gemm": gemm_rows,
               "layer": layer_rows, "barrier": barrier, "splitk": splitk_rows}
