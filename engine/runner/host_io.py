@@ -1,5 +1,6 @@
 """The pinned host buffers a decode step's inputs are written to and its outputs copied into (CUDA), two of each used
-in turn: the host fills or reads one while the device may still copy from or into the other."""
+in turn: the host fills or reads one while the device may still copy from or into the other; `queued_copy` for the
+small tensors of a step's set-up."""
 
 from __future__ import annotations
 
@@ -51,3 +52,12 @@ class HostStepBuffers:
         buf.inputs[:size].copy_(packed[:size], non_blocking=True)
         self.host_in_copied[self.host_in_turn] = copied = torch.cuda.Event()
         copied.record(stream)
+
+
+def queued_copy(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device`, its copy queued without the host waiting. A synchronous copy waits for all the
+    work queued before it: after a prefill, the host could not prepare the first decode step while the prefill runs.
+    On CUDA the tensor is pinned first (the caching host allocator keeps it until the copy is done)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -34,7 +34,7 @@ from engine.runner.buffers import (
 )
 from engine.runner.cuda_graphs import StepGraphs
 from engine.runner.decode_step import DecodeStep
-from engine.runner.host_io import HostStepBuffers
+from engine.runner.host_io import HostStepBuffers, queued_copy
 from engine.runner.lora import LoRASlots
 from engine.runner.prefill_step import PrefillStep
 from engine.runner.vae_stream import VaeStream
@@ -207,7 +207,7 @@ class ModelRunner:
             seq.slot = self.free_slots.pop()
         fresh = [s for s in seqs if s.saved_vae_state is None]
         if fresh:
-            index = torch.tensor([s.slot for s in fresh], device=self.device)
+            index = queued_copy(torch.tensor([s.slot for s in fresh]), self.device)
             for buf in self.vae_states:
                 buf.index_fill_(0, index, 0)
         for seq in seqs:
@@ -296,12 +296,11 @@ class ModelRunner:
         terms = self._lora_terms([s.lora_slot for s in seqs], decode=False)
         lm_h, res_h = (self.prefill_buffered(x, terms) if self._can_graph_prefill(x, terms)
                        else self.prefill_eager(x, terms))
-        dev = self.device
-        index = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
+        index = queued_copy(torch.tensor([s.slot for s in seqs], dtype=torch.long), self.device)
         self.lm_hidden[index] = lm_h
         self.residual_hidden[index] = res_h
         # The previous patch of the first decode step: the last input row's features.
-        self.prev_patch[index] = x.feats[x.last_rows].to(dev, self.dtype)
+        self.prev_patch[index] = queued_copy(x.feats[x.last_rows], self.device).to(self.dtype)
 
     # --- decode step ------------------------------------------------------------------------
     def _latents(self, patches: torch.Tensor) -> torch.Tensor:
