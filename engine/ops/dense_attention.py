@@ -165,41 +165,38 @@ def dense_attention_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
             and q.shape[2] % k.shape[2] == 0 and q.dtype in (torch.float32, torch.float16, torch.bfloat16))
 
 
-def dense_attention_heads(sequences: int, heads: int, group: int) -> int:
-    """`dense_attention`'s default query heads per program: as many of a GQA group as keep >= 512 programs (small
-    batches keep one head per program, for parallelism). On an H200 (`tools/bench.py kernels --only attention`,
-    2026-11-29) this was the fastest choice at every batch measured, 1 to 256, for the DiT and LocEnc."""
-    per_program = 1
-    while group % (per_program * 2) == 0 and sequences * heads // (per_program * 2) >= 512:
-        per_program *= 2
+def dense_attention_heads(sequences: int, heads: int, group: int, seq_len: int) -> int:
+    """`dense_attention`'s default query heads per program, stacked into one tile: a whole GQA group, halved while
+    the tile would pass 128 rows or fewer than 8 programs would run. On an H200 (`tools/bench.py kernels --only
+    attention`, 2026-11-29) a whole group stacked on 4 warps was the fastest of every variant swept from B=64 to 256
+    (DiT B=128 11.8 against 17.9 us for the best loop over heads, B=256 27.7 against 38.3; LocEnc B=128 6.5 against
+    11.4); at B=1, half a group."""
+    per_program = group
+    while per_program % 2 == 0 and (per_program * stacked_block(seq_len) > 128
+                                    or sequences * heads // per_program < 8):
+        per_program //= 2
     return per_program
 
 
-def dense_attention_warps(sequences: int, heads: int, per_program: int = 1) -> int:
-    """`dense_attention`'s default warps per program: 4 below 256 (sequence, head) pairs, 1 from 1024 programs on
-    (a GQA group's heads all in each: DiT at B=256 38.8 against 51.9 us with 2), else 2."""
-    if sequences * heads < 256:
-        return 4
-    return 1 if sequences * heads // per_program >= 1024 else 2
+def stacked_block(seq_len: int) -> int:
+    """The rows of one head in a stacked tile (and the keys' tile)."""
+    return max(16, 1 << (seq_len - 1).bit_length())
 
 
-def dense_attention_stacked(sequences: int, heads: int, per_program: int) -> bool:
-    """Whether `dense_attention`'s programs stack their heads' query rows by default."""
-    return False
+DENSE_ATTENTION_WARPS = 4  # the stacked tile's best at every batch swept (2 and 8 slower, 1 spills)
 
 
 def dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None,
                            sin: torch.Tensor | None, heads_per_program: int | None = None,
-                           num_warps: int | None = None, stacked: bool | None = None) -> torch.Tensor:
+                           num_warps: int | None = None, stacked: bool = True) -> torch.Tensor:
     """Bidirectional attention within each sequence: q (N, L, Hq, D), k/v (N, L, Hk, D) (unit stride in D),
     rotary rows cos/sin (L, D) fp32 applied to q and k first (None: no rotary) -> (N, L, Hq * D).
     heads_per_program: query heads sharing one program (and one load of K/V); None: `dense_attention_heads`.
-    num_warps: None: `dense_attention_warps`. stacked: a program's heads as one tile of query rows (`attend_stacked`)
-    or one after another (`attend_heads`); None: `dense_attention_stacked`. `tools/bench.py kernels --only attention`
-    sweeps all three."""
+    num_warps: None: `DENSE_ATTENTION_WARPS`. stacked: a program's heads as one tile of query rows (`attend_stacked`,
+    the default) or one after another (`attend_heads`). `tools/bench.py kernels --only attention` sweeps all three."""
     n, seq_len, hq, dim = q.shape
     group = hq // k.shape[2]
-    heads = math.gcd(heads_per_program or dense_attention_heads(n, hq, group), group)  # one kv head per program
+    heads = math.gcd(heads_per_program or dense_attention_heads(n, hq, group, seq_len), group)  # one kv head each
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = torch.empty((n, seq_len, hq * dim), dtype=q.dtype, device=q.device)
     if n and seq_len:
@@ -210,10 +207,10 @@ def dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
             v.stride(0), v.stride(1), v.stride(2), cos.stride(0) if cos is not None else 0,
             sin.stride(0) if sin is not None else 0,
             seq_len, dim ** -0.5, GROUP=group, HEADS=heads, HALF=dim // 2,
-            BLOCK_L=max(16, triton.next_power_of_2(seq_len)), ROPE=rope,
+            BLOCK_L=stacked_block(seq_len), ROPE=rope,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            STACKED=dense_attention_stacked(n, hq, heads) if stacked is None else stacked,
-            num_warps=num_warps or dense_attention_warps(n, hq, heads))
+            STACKED=stacked,
+            num_warps=num_warps or DENSE_ATTENTION_WARPS)
     return out
 
 

@@ -312,11 +312,9 @@ def main(argv: list[str]) -> None:
             auto = replay_us(attend)
             print(f"{name} B={b}: default {auto:.1f} us, best {best['us']:.1f} us at heads={best['heads_per_program']} "
                   f"warps={best['num_warps']} stacked={best['stacked']}", flush=True)
-            per_program = dense_attention.dense_attention_heads(n, hq, group)
-            warps = dense_attention.dense_attention_warps(n, hq, per_program)
             rows.append({"module": name, "batch": b, "sequences": n, "seq_len": seq_len, "heads_per_program": "default",
-                         "default_heads": per_program, "num_warps": warps,
-                         "stacked": dense_attention.dense_attention_stacked(n, hq, per_program), "us": round(auto, 2)})
+                         "default_heads": dense_attention.dense_attention_heads(n, hq, group, seq_len),
+                         "num_warps": dense_attention.DENSE_ATTENTION_WARPS, "stacked": True, "us": round(auto, 2)})
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows, "gemm": gemm_rows,
               "layer": layer_rows, "barrier": barrier, "splitk": splitk_rows}
