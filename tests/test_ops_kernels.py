@@ -212,14 +212,16 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
 
     def dense(dtype: torch.dtype) -> float:
         errs = []
-        for n, length in ((3, 11), (2, 5), (1, 33), (64, 11)):  # the last: >= 256 (sequence, head) pairs, 2 warps
-            q, k, v = rand(n, length, 6 * 32, dtype=dtype, seed=7 + length).split([4 * 32, 32, 32], dim=-1)
-            q, k, v = q.view(n, length, 4, 32), k.view(n, length, 1, 32), v.view(n, length, 1, 32)
+        # (sequences, length, query heads, kv heads): GQA groups of 4, and of 3 (its heads are not stacked)
+        for n, length, hq, hk in ((3, 11, 4, 1), (2, 5, 4, 1), (1, 33, 4, 1), (64, 11, 4, 1), (5, 11, 6, 2)):
+            q, k, v = rand(n, length, (hq + 2 * hk) * 32, dtype=dtype, seed=7 + length).split(
+                [hq * 32, hk * 32, hk * 32], dim=-1)
+            q, k, v = q.view(n, length, hq, 32), k.view(n, length, hk, 32), v.view(n, length, hk, 32)
             rope = rand(length, 2, 32, dtype=torch.float32, seed=8)
             for r in (rope, None):
                 cos, sin = (r[:, 0], r[:, 1]) if r is not None else (None, None)
                 ref = dense_attend(0, q, k, v, r)  # off CUDA: rotary + SDPA
-                for heads in (None, 2, 4):  # one query head per program, or 2 / 4 of the GQA group of 4
+                for heads in (None, 1, 2, hq // hk):  # the default, or 1 / 2 / a whole group per program
                     for stacked in (False, True):  # the heads one after another, or their rows in one tile
                         out = dense_attention_ops.dense_attention_triton(q, k, v, cos, sin, heads, stacked=stacked)
                         errs.append(relative_error(out, ref))

@@ -299,8 +299,8 @@ def test_prebuilt_kernels_fill_a_cache_that_a_start_then_finds_complete(tmp_path
     jit_record = json.loads(_jit_record())
     shipped_manifest = REPO_ROOT / "engine/startup/kernel_manifests/voxcpm2-sm90.json"
     shipped_entries = json.loads(shipped_manifest.read_text())["entries"]
-    # The quickest shipped record of another kernel (a second signature, so a second launcher).
-    entries = [jit_record, min((e for e in shipped_entries if e["name"] != jit_record["name"]),
+    # The quickest shipped record of another signature (so a second launcher).
+    entries = [jit_record, min((e for e in shipped_entries if e["signature"] != jit_record["signature"]),
                                key=lambda e: e["compile_s"])]
     manifest = {"model": kernel_cache.model_digest(cfg, cfg.dtype), "arch": 90, "triton": kernel_cache.triton_version(),
                 "entries": entries}

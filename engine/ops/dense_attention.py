@@ -129,7 +129,8 @@ if HAVE_TRITON:
                        ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """`attend_heads`' result with the HEADS heads' query rows stacked into one (HEADS * BLOCK_L)-row tile (row
         r: head first_head + r // BLOCK_L at position r % BLOCK_L): one pair of dots for all of them. The rotary rows
-        are loaded once and broadcast over the heads."""
+        are loaded once and broadcast over the heads. Plain loads: not for q/k/v written in the same launch (the
+        layer kernel's, which needs `attend_heads`' ".cg")."""
         rows = tl.arange(0, BLOCK_L)
         rmask = rows[:, None] < seq_len
         c1, c2, s1, s2 = 0.0, 0.0, 0.0, 0.0
@@ -166,20 +167,21 @@ def dense_attention_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 def dense_attention_heads(sequences: int, heads: int, group: int, seq_len: int) -> int:
-    """`dense_attention`'s default query heads per program, stacked into one tile: a whole GQA group, halved while
-    the tile would pass 128 rows or fewer than 8 programs would run. On an H200 (`tools/bench.py kernels --only
+    """`dense_attention`'s default query heads per program, stacked into one tile: a whole GQA group (its largest
+    power-of-two divisor: a tile's rows are a power of two), halved while the tile would pass 128 rows or fewer than
+    8 programs would run. On an H200 (`tools/bench.py kernels --only
     attention`, 2026-11-29) a whole group stacked on 4 warps was the fastest of every variant swept from B=64 to 256
     (DiT B=128 11.8 against 17.9 us for the best loop over heads, B=256 27.7 against 38.3; LocEnc B=128 6.5 against
     11.4); at B=1, half a group."""
-    per_program = group
-    while per_program % 2 == 0 and (per_program * stacked_block(seq_len) > 128
+    per_program = group & -group
+    while per_program % 2 == 0 and (per_program * dense_block(seq_len) > 128
                                     or sequences * heads // per_program < 8):
         per_program //= 2
     return per_program
 
 
-def stacked_block(seq_len: int) -> int:
-    """The rows of one head in a stacked tile (and the keys' tile)."""
+def dense_block(seq_len: int) -> int:
+    """The rows of one head's tile of queries (stacked: of each head's part of the tile), and of the keys'."""
     return max(16, 1 << (seq_len - 1).bit_length())
 
 
@@ -193,7 +195,8 @@ def dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
     rotary rows cos/sin (L, D) fp32 applied to q and k first (None: no rotary) -> (N, L, Hq * D).
     heads_per_program: query heads sharing one program (and one load of K/V); None: `dense_attention_heads`.
     num_warps: None: `DENSE_ATTENTION_WARPS`. stacked: a program's heads as one tile of query rows (`attend_stacked`,
-    the default) or one after another (`attend_heads`). `tools/bench.py kernels --only attention` sweeps all three."""
+    where their count is a power of two) or one after another (`attend_heads`). `tools/bench.py kernels --only
+    attention` sweeps all three."""
     n, seq_len, hq, dim = q.shape
     group = hq // k.shape[2]
     heads = math.gcd(heads_per_program or dense_attention_heads(n, hq, group, seq_len), group)  # one kv head each
@@ -207,9 +210,9 @@ def dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
             v.stride(0), v.stride(1), v.stride(2), cos.stride(0) if cos is not None else 0,
             sin.stride(0) if sin is not None else 0,
             seq_len, dim ** -0.5, GROUP=group, HEADS=heads, HALF=dim // 2,
-            BLOCK_L=stacked_block(seq_len), ROPE=rope,
+            BLOCK_L=dense_block(seq_len), ROPE=rope,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            STACKED=stacked,
+            STACKED=stacked and heads & (heads - 1) == 0,  # a stacked tile's rows: a power of two
             num_warps=num_warps or DENSE_ATTENTION_WARPS)
     return out
 
@@ -231,7 +234,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: tor
     (L, 2, D) applied to q and k first -> (N, L, Hq * D). On CUDA one kernel does both, where it takes the shapes."""
     if platform.kernels(q) and dense_attention_supported(q, k):
         cos, sin = (rope[:, 0, :], rope[:, 1, :]) if rope is not None else (None, None)
-        # Batch-invariant: one head per program and fixed warps (by default both follow the batch's size).
+        # Batch-invariant: one head per program (by default the heads follow the batch's size below 8 programs).
         fixed = q.is_cuda and batch_invariant("cuda")
         return dense_attention_triton(q, k, v, cos, sin, *((1, 4, False) if fixed else ()))
     return dense_attention_eager(q, k, v, rope)

@@ -55,9 +55,10 @@ class HostStepBuffers:
 
 
 def queued_copy(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on `device`, its copy queued without the host waiting. A synchronous copy waits for all the
+    """A small CPU tensor on `device`, its copy queued without the host waiting. A synchronous copy waits for all the
     work queued before it: after a prefill, the host could not prepare the first decode step while the prefill runs.
-    On CUDA the tensor is pinned first (the caching host allocator keeps it until the copy is done)."""
-    if device.type != "cuda":
+    On CUDA the tensor is pinned first (the caching host allocator keeps it until the copy is done); a tensor not on
+    the CPU is copied as `.to` does."""
+    if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

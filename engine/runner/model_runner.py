@@ -231,8 +231,8 @@ class ModelRunner:
                 chunk = group[start:start + most]
                 pad = (1 << (len(chunk) - 1).bit_length()) - len(chunk)
                 context = torch.stack([s.prompt.context for s in chunk])
-                context = torch.cat([context, context[:1].expand(pad, -1, -1, -1)]).to(self.device)
-                index = torch.tensor([s.slot for s in chunk] + [self.scratch_slot] * pad, device=self.device)
+                context = queued_copy(torch.cat([context, context[:1].expand(pad, -1, -1, -1)]), self.device)
+                index = queued_copy(torch.tensor([s.slot for s in chunk] + [self.scratch_slot] * pad), self.device)
                 self._decode_audio(index, self._latents(context))
 
     def release_slot(self, seq: Sequence, keep_state: bool = False) -> None:

@@ -1,6 +1,6 @@
 """Micro-benchmarks of the decode step's kernels at its shapes, over their launch parameters:
-- attention: the local modules' dense attention (query heads per program, warps) at the DiT's and LocEnc's
-  shapes per batch size;
+- attention: the local modules' dense attention (query heads per program, warps, heads stacked in one tile or one
+  after another) at the DiT's and LocEnc's shapes per batch size;
 - gemm: every bias-free projection of the four transformer stacks (q/k/v, o, gate/up with the SiLU gate, down)
   at few rows, cuBLAS (F.linear, + silu_mul for gate/up) against `skinny_matmul` with its default
   configuration, and a sweep of its tile configurations at the rows of a B=1 step;
