@@ -169,10 +169,9 @@ def dense_attention_supported(q: torch.Tensor, k: torch.Tensor) -> bool:
 def dense_attention_heads(sequences: int, heads: int, group: int, seq_len: int) -> int:
     """`dense_attention`'s default query heads per program, stacked into one tile: a whole GQA group (its largest
     power-of-two divisor: a tile's rows are a power of two), halved while the tile would pass 128 rows or fewer than
-    8 programs would run. On an H200 (`tools/bench.py kernels --only
-    attention`, 2026-11-29) a whole group stacked on 4 warps was the fastest of every variant swept from B=64 to 256
-    (DiT B=128 11.8 against 17.9 us for the best loop over heads, B=256 27.7 against 38.3; LocEnc B=128 6.5 against
-    11.4); at B=1, half a group."""
+    8 programs would run. On an H200 (`tools/bench.py kernels --only attention`, 2026-11-29) a whole group stacked
+    on 4 warps was the fastest of every variant swept from B=64 to 256 (DiT B=128 11.8 against 17.9 us for the best
+    loop over heads, B=256 27.7 against 38.3; LocEnc B=128 6.5 against 11.4); at B=1, half a group."""
     per_program = group & -group
     while per_program % 2 == 0 and (per_program * dense_block(seq_len) > 128
                                     or sequences * heads // per_program < 8):
