@@ -348,6 +348,26 @@ def test_precompiler_is_off_without_cuda() -> None:
     assert stats["precompiled"] == 0 and "manifest_records" not in stats
 
 
+def test_kernel_resources_reads_a_shipped_records_registers_compiled_without_a_gpu(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`tools/kernel_resources.py` compiles the shipped records for sm_90 here and reads their resources from the
+    cubin: the dense-attention records (the stacked one the default at every graphed batch) state their warps and
+    registers, and a filter that matches no kernel fails."""
+    from tools import kernel_resources
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    out = tmp_path / "resources.json"
+    assert kernel_resources.main(["--only", "_dense_attention_kernel", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    stacked = [r for r in rows if r["constexprs"]["STACKED"]]
+    assert len(stacked) == 2 and {r["kernel"] for r in rows} == {"_dense_attention_kernel"}  # VoxCPM2's and 0.5B's
+    for r in rows:
+        assert r["num_warps"] == 4 and 0 < r["registers"] <= 255, r
+        assert r["programs_per_sm_by_registers"] == 65536 // (r["registers"] * 32 * 4)
+    assert "_dense_attention_kernel" in capsys.readouterr().out
+    assert kernel_resources.main(["--only", "no_such_kernel"]) == 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_start_on_empty_cache_with_manifest_compiles_nothing_itself(tmp_path: Path) -> None:
     """Start-up 1 (cache A) records a manifest; start-up 2 on an empty cache B with that manifest precompiles it
