@@ -7,6 +7,8 @@
 - layer: the DiT's and LocEnc's stacks as separate kernels per layer against the layer kernel (engine/layer_stack.py);
 - splitk: the o and down projections with the residual add + RMSNorm after them, one cuBLAS GEMM against the
   split-K partials of `linear.residual_linear` (2 and 4 slices of K) and what `linear.residual_splits` picks;
+- mlp: the DiT's MLP (gate/up GEMM, `silu_mul`, down GEMM) at each batch's rows, whole and in 2-8 row chunks (each
+  chunk's gate/up output small enough to stay in L2), with its three parts alone;
 - barrier: what one of the layer kernel's grid barriers costs (a grid of one or two programs per SM through 84
   barriers, with and without a store and a load of another program's data between them), against a kernel boundary
   in a CUDA graph (84 dependent launches of the same grid).
@@ -33,6 +35,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -152,6 +155,38 @@ def bench_splitk(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype
                 print(f"{stack} {name} rows={m}: one GEMM {row['splits1_us']} us, 2 slices {row['splits2_us']},"
                       f" 4 slices {row['splits4_us']} (picked {row['picked_splits']})", flush=True)
     return rows
+
+
+def bench_mlp_chunks(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: torch.dtype) -> list[dict]:
+    """The DiT's MLP at the rows of each batch size (`dit_rows` per request), whole and in row chunks."""
+    h, f = cfg.dit.hidden_size, cfg.dit.intermediate_size
+    gate_up = torch.randn(2 * f, h, device=dev, dtype=dtype) * h ** -0.5
+    down = torch.randn(h, f, device=dev, dtype=dtype) * f ** -0.5
+    rows = []
+    for b in batches:
+        m = b * dit_rows(cfg)
+        x, out = torch.randn(m, h, device=dev, dtype=dtype), torch.empty(m, h, device=dev, dtype=dtype)
+        gu = F.linear(x, gate_up)
+        gated = silu_mul.silu_mul(gu[:, :f], gu[:, f:])
+        parts = {"gate_up": lambda x=x: F.linear(x, gate_up),
+                 "silu_mul": lambda gu=gu: silu_mul.silu_mul(gu[:, :f], gu[:, f:]),
+                 "down": lambda g=gated, o=out: torch.mm(g, down.t(), out=o)}
+        row: dict[str, object] = {"batch": b, "rows": m}
+        row.update({f"{k}_us": round(replay_us(fn), 2) for k, fn in parts.items()})
+        for chunks in (1, 2, 3, 4, 8):
+            mlp = partial(_mlp_in_chunks, x, gate_up, down, out, chunks)
+            row[f"mlp_{chunks}_chunks_us"] = round(replay_us(mlp), 2)
+        rows.append(row)
+        print("mlp:", json.dumps(row), flush=True)
+    return rows
+
+
+def _mlp_in_chunks(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, out: torch.Tensor, chunks: int) -> None:
+    """down(silu(x gate^T) * (x up^T)) for `chunks` slices of x's rows in turn, into out."""
+    f, step = down.shape[1], -(-x.shape[0] // chunks)
+    for i in range(0, x.shape[0], step):
+        gu = F.linear(x[i:i + step], gate_up)
+        torch.mm(silu_mul.silu_mul(gu[:, :f], gu[:, f:]), down.t(), out=out[i:i + step])
 
 
 def sweep_us(run: Callable[[], object], layers: int, setting: str, values: dict[str, object]) -> dict[str, float | str]:
@@ -278,7 +313,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--model", required=True, help="checkpoint directory (only its config is read)")
     ap.add_argument("--batch", default="1,8,64,128")
     ap.add_argument("--only", default="attention,gemm,layer",
-                    help="which benchmarks: attention, gemm, layer, barrier, splitk")
+                    help="which benchmarks: attention, gemm, layer, barrier, splitk, mlp")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     cfg = VoxCPMConfig.from_dir(a.model)
@@ -289,6 +324,7 @@ def main(argv: list[str]) -> None:
     gemm_rows = bench_gemm(cfg, batches, dev, dtype) if "gemm" in only else []
     layer_rows = bench_layer(cfg, batches, dev, dtype) if "layer" in only else []
     barrier = bench_barrier(dev) if "barrier" in only else {}
+    mlp_rows = bench_mlp_chunks(cfg, batches, dev, dtype) if "mlp" in only else []
     with torch.inference_mode():  # residual_linear splits only without autograd
         splitk_rows = bench_splitk(cfg, batches, dev, dtype) if "splitk" in only else []
     attention = (("DiT", cfg.dit, dit_rows(cfg) // 2, 2), ("LocEnc", cfg.encoder, cfg.patch_size + 1, 1))
@@ -317,6 +353,6 @@ def main(argv: list[str]) -> None:
                          "num_warps": dense_attention.DENSE_ATTENTION_WARPS, "stacked": True, "us": round(auto, 2)})
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows, "gemm": gemm_rows,
-              "layer": layer_rows, "barrier": barrier, "splitk": splitk_rows}
+              "layer": layer_rows, "barrier": barrier, "splitk": splitk_rows, "mlp": mlp_rows}
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
