@@ -36,6 +36,26 @@ def host_block_tables(seqs: list[Sequence], width: int, pad_rows: int = 0) -> to
     return torch.tensor(rows, dtype=torch.int32)
 
 
+Field = tuple[str, torch.dtype, tuple[int, ...]]  # (name, dtype, shape) of one input in a packed byte buffer
+
+
+def packed_layout(fields: list[Field]) -> tuple[dict[str, int], int]:
+    """Each field's byte offset in one packed buffer, 16-byte aligned (as a torch allocation is, so the kernels
+    reading them compile to the same variants), and the buffer's size, a multiple of 16."""
+    offsets, size = {}, 0
+    for name, dtype, shape in fields:
+        offsets[name] = size = -(-size // 16) * 16
+        size += math.prod(shape) * dtype.itemsize
+    return offsets, -(-size // 16) * 16
+
+
+def packed_views(packed: torch.Tensor, fields: list[Field]) -> dict[str, torch.Tensor]:
+    """The fields as views of the byte buffer `packed`, laid out by `packed_layout`."""
+    offsets, _ = packed_layout(fields)
+    return {name: packed[offsets[name]:offsets[name] + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for name, dtype, shape in fields}
+
+
 @dataclass
 class PrefillInputs:
     """The host-side inputs of one prefill: the uncached tokens of several sequences, flattened."""
@@ -73,8 +93,9 @@ class PrefillFields:
     audio_feats: torch.Tensor  # (tokens, P, D) model dtype
 
     def fill_padding(self, scratch_kv_slot: int, tokens: slice = slice(None), audio: slice = slice(None)) -> None:
-        """Token rows `tokens` and packed audio rows `audio` as padding (default: all of them, and every block table
-        and last row): they read nothing and write only the scratch KV slot and the scratch embedding row."""
+        """Token rows `tokens` and packed audio rows `audio` as padding (default: all of them), and every block table
+        and last row zeroed (a prefill then writes its own rows): they read nothing and write only the scratch KV slot
+        and the scratch embedding row."""
         for field in (self.token_ids, self.audio_mask, self.positions, self.row_index, self.context_lens):
             field[tokens] = 0
         self.slot_mapping[tokens] = scratch_kv_slot
@@ -82,9 +103,8 @@ class PrefillFields:
         self.audio_feats[audio] = 0
         self.audio_rows[audio] = len(self.token_ids)
         self.audio_lora_slots[audio] = -1
-        if tokens == slice(None):
-            self.block_tables.zero_()
-            self.last_rows.zero_()
+        self.block_tables.zero_()
+        self.last_rows.zero_()
 
 
 class PrefillBuffers:
@@ -96,39 +116,28 @@ class PrefillBuffers:
     def __init__(self, tokens: int, rows: int, table_width: int, patch: int, feat_dim: int, hidden: int,
                  scratch_kv_slot: int, dtype: torch.dtype, device: torch.device) -> None:
         long, i32 = torch.long, torch.int32
-        self.layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
+        self.layout: list[Field] = [
             ("token_ids", long, (tokens,)), ("audio_mask", torch.bool, (tokens,)), ("positions", long, (tokens,)),
             ("slot_mapping", long, (tokens,)), ("row_index", i32, (tokens,)), ("context_lens", i32, (tokens,)),
             ("lora_slots", long, (tokens,)), ("block_tables", i32, (rows, table_width)), ("last_rows", long, (rows,)),
             ("audio_rows", long, (tokens,)), ("audio_lora_slots", long, (tokens,)),
             ("audio_feats", dtype, (tokens, patch, feat_dim))]
-        self.offsets: dict[str, int] = {}
-        size = 0
-        for name, field_dtype, shape in self.layout:
-            self.offsets[name] = size = -(-size // 16) * 16  # 16-byte aligned, as a torch allocation is
-            size += math.prod(shape) * field_dtype.itemsize
+        self.offsets, size = packed_layout(self.layout)
         self.audio_row_bytes = patch * feat_dim * dtype.itemsize
         self.packed = torch.empty(size, dtype=torch.uint8, device=device)
-        self.inputs = self._views(self.packed)
+        self.inputs = PrefillFields(**packed_views(self.packed, self.layout))
         self.inputs.fill_padding(scratch_kv_slot)
         self.host_packed: torch.Tensor | None = None  # the pinned mirror (CUDA)
         self.staging = self.inputs
         if device.type == "cuda":
             self.host_packed = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-            self.staging = self._views(self.host_packed)
+            self.staging = PrefillFields(**packed_views(self.host_packed, self.layout))
             self.staging.fill_padding(scratch_kv_slot)
         self.copied: torch.cuda.Event | None = None  # the last copy from the mirror
         self.audio_embed = torch.zeros(tokens + 1, hidden, dtype=dtype, device=device)  # read where audio_mask is set
         self.lm_hidden = torch.zeros(rows, hidden, dtype=dtype, device=device)
         self.residual_hidden = torch.zeros(rows, hidden, dtype=dtype, device=device)
         self.scratch_kv_slot = scratch_kv_slot
-
-    def _views(self, packed: torch.Tensor) -> PrefillFields:
-        views = {}
-        for name, dtype, shape in self.layout:
-            offset = self.offsets[name]
-            views[name] = packed[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-        return PrefillFields(**views)
 
     def host_inputs(self) -> PrefillFields:
         """The staging views to fill for the next prefill (once the last copy from them is done: long done then)."""
@@ -207,29 +216,20 @@ class DecodeBuffers:
         """(rows,) float32 view of the results: 1.0 where the stop head fired."""
         return self.results[:rows, -1]
 
-    def _shapes(self, rows: int) -> list[tuple[int, ...]]:
-        return [(rows,)] * 5 + [(rows, self.table_width), (rows, self.feat_dim, self.patch_size), (rows,)]
+    def _fields(self, rows: int) -> list[Field]:
+        shapes = [(rows,)] * 5 + [(rows, self.table_width), (rows, self.feat_dim, self.patch_size), (rows,)]
+        return [(name, dtype, shape) for (name, dtype), shape in zip(self.FIELDS, shapes, strict=True)]
 
     def input_bytes(self, rows: int) -> int:
-        """Bytes of the inputs of `rows` rows; each input starts 16-byte aligned (as a torch allocation is, so the
-        kernels reading them compile to the same variants)."""
-        total = 0
-        for (_, dtype), shape in zip(self.FIELDS, self._shapes(rows), strict=True):
-            total = -(-total // 16) * 16 + math.prod(shape) * dtype.itemsize
-        return -(-total // 16) * 16
+        """Bytes of the inputs of `rows` rows (`packed_layout`)."""
+        return packed_layout(self._fields(rows))[1]
 
     def step_inputs(self, rows: int, packed: torch.Tensor | None = None) -> StepInputs:
         """The inputs of a `rows`-row step as views of `packed` (default: the device buffer)."""
         packed = self.inputs if packed is None else packed
         key = (rows, packed.data_ptr())  # the device buffer and the runner's pinned ones live as long as this
         if key not in self._layouts:
-            views, offset = {}, 0
-            for (name, dtype), shape in zip(self.FIELDS, self._shapes(rows), strict=True):
-                offset = -(-offset // 16) * 16
-                n = math.prod(shape) * dtype.itemsize
-                views[name] = packed[offset:offset + n].view(dtype).view(shape)
-                offset += n
-            self._layouts[key] = StepInputs(**views)
+            self._layouts[key] = StepInputs(**packed_views(packed, self._fields(rows)))
         return self._layouts[key]
 
     def reset_inputs(self, rows: int) -> None:

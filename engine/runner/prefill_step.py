@@ -97,9 +97,7 @@ class PrefillStep:
                               (s.slot_mapping, x.slot_mapping), (s.row_index, x.row_index),
                               (s.lora_slots, x.lora_slots), (s.context_lens, x.positions + 1)):
             field[:n] = values
-        s.block_tables.zero_()
         s.block_tables[:rows, :x.block_tables.shape[1]] = x.block_tables
-        s.last_rows.zero_()
         s.last_rows[:rows] = x.last_rows
         s.audio_feats[:k] = x.feats[audio_rows]
         s.audio_rows[:k] = audio_rows
