@@ -387,8 +387,9 @@ def _worker_on_a_pipe(engine: LLMEngine) -> tuple[Worker, ClientLink, multiproce
 def test_a_loop_turns_requests_reach_the_worker_as_one_message_and_start_in_one_step(checkpoint):
     """What one turn of the client's event loop sends (a burst's requests: their streams resume together after their
     tokenization) goes to the worker as one MessageBatch, in order, a send from another thread during that turn
-    included; the worker reads it at once and starts every request in its next step (one admission round), where
-    reading a burst's first few alone made the rest wait a step."""
+    included; the worker unpacks it and starts every request in its next step (one admission round). The client half
+    shows the batching; the worker half only that a batch is read whole (separate messages waiting on the pipe would
+    be read in the same round too)."""
     from engine.serving import protocol as msgs
     from engine.serving.client import EngineClient, _WorkerLink
 

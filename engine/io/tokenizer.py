@@ -64,10 +64,8 @@ def text_tokens_many(tokenizer: TextTokenizer, requests: list[tuple[str, str, bo
     out: list[tuple[list[int], list[int] | None] | ValueError | TypeError] = []
     for _, _, continuation in requests:
         target_ids, both = next(ids), next(ids) if continuation else None
-        if isinstance(target_ids, Exception) or isinstance(both, Exception):
-            out.append(target_ids if isinstance(target_ids, Exception) else both)
-        else:
-            out.append((target_ids, both))
+        error = next((x for x in (target_ids, both) if isinstance(x, Exception)), None)
+        out.append(error if error is not None else (target_ids, both))
     return out
 
 

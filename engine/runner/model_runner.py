@@ -283,9 +283,9 @@ class ModelRunner:
         return b.lm_hidden[:rows], b.residual_hidden[:rows]
 
     def _can_graph_prefill(self, x: PrefillInputs, terms: bool = False) -> bool:
-        b = self.prefill_buffers.inputs if self.prefill_buffers is not None else None
-        return (bool(self.step_graphs.prefill_graphs(terms)) and b is not None and len(x.token_ids) <= len(b.token_ids)
-                and len(x.last_rows) <= len(b.last_rows) and x.block_tables.shape[1] <= self.table_width)
+        return (bool(self.step_graphs.prefill_graphs(terms)) and self.prefill_buffers is not None
+                and len(x.token_ids) <= self.prefill_bucket_sizes[-1] and len(x.last_rows) <= self.max_num_seqs
+                and x.block_tables.shape[1] <= self.table_width)
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> None:

@@ -123,7 +123,7 @@ class _WorkerLink:
             except (OSError, ValueError):
                 return  # the reader sees the connection close
             if log.isEnabledFor(logging.DEBUG):  # a burst's timeline, with the worker's
-                for sent in msg.messages if isinstance(msg, p.MessageBatch) else (msg,):
+                for sent in p.unbatched(msg):
                     if isinstance(sent, p.Generate):
                         log.debug("generate %s sent", sent.request_id)
 

@@ -106,6 +106,11 @@ class MessageBatch:
     messages: list[Generate | Abort | Call[object] | AddPrompt | RemovePrompt]
 
 
+def unbatched(msg: object) -> list[object] | tuple[object]:
+    """The client messages one read from a connection holds: a `MessageBatch`'s, in order, or the message itself."""
+    return msg.messages if isinstance(msg, MessageBatch) else (msg,)
+
+
 @dataclass
 class AddPrompt:
     prompt_id: str

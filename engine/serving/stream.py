@@ -254,35 +254,32 @@ class TextIdsBatcher:
             group = [(request, future) for tok, request, future in batch if tok is tokenizer]
             requests = [request for request, _ in group]
             if len(group) == 1 and _chars(requests[0]) <= TOKENIZE_INLINE_CHARS:
-                try:
-                    ids = text_ids_many(tokenizer, requests)
-                except Exception:
-                    log.exception("tokenizing in the client failed: the worker tokenizes these requests")
-                    ids = None
-                _resolve(group, ids)
+                _resolve(group, _text_ids_or_none(tokenizer, requests))
             else:
-                done = asyncio.ensure_future(asyncio.to_thread(text_ids_many, tokenizer, requests))
-                done.add_done_callback(lambda task, group=group: _resolve_from(group, task))
+                done = asyncio.ensure_future(asyncio.to_thread(_text_ids_or_none, tokenizer, requests))
+                done.add_done_callback(
+                    lambda task, group=group: _resolve(group, None if task.cancelled() else task.result()))
 
 
 def _chars(request: p.SynthesisRequest) -> int:
     return sum(len(t) for t in (request.target_text, request.prompt_text) if isinstance(t, str))
 
 
-def _resolve_from(group: list[tuple[p.SynthesisRequest, asyncio.Future[TextIds | None]]],
-                  task: asyncio.Future[list[TextIds | None]]) -> None:
-    error = None if task.cancelled() else task.exception()
-    if error is not None:
-        log.error("tokenizing in the client failed (%r): the worker tokenizes these requests", error)
-    _resolve(group, None if task.cancelled() or error is not None else task.result())
+def _text_ids_or_none(tokenizer: TextTokenizer, requests: list[p.SynthesisRequest]) -> list[TextIds | None] | None:
+    """`text_ids_many`, or None (logged) where the tokenizer failed: the worker tokenizes these requests then."""
+    try:
+        return text_ids_many(tokenizer, requests)
+    except Exception:
+        log.exception("tokenizing in the client failed: the worker tokenizes these requests")
+        return None
 
 
 def _resolve(group: list[tuple[p.SynthesisRequest, asyncio.Future[TextIds | None]]],
              ids: list[TextIds | None] | None) -> None:
     """Each waiting stream its ids; None for all when the tokenizer failed (the worker tokenizes, or refuses, then)."""
-    for i, (_, future) in enumerate(group):
+    for (_, future), one in zip(group, [None] * len(group) if ids is None else ids, strict=True):
         if not future.done():  # its stream was cancelled meanwhile
-            future.set_result(None if ids is None else ids[i])
+            future.set_result(one)
 
 
 def tokenizable(request: p.SynthesisRequest) -> bool:

@@ -384,7 +384,7 @@ class Worker:
         try:
             while link.conn.poll(0):
                 msg = link.conn.recv()
-                for one in msg.messages if isinstance(msg, p.MessageBatch) else (msg,):
+                for one in p.unbatched(msg):
                     self.handle(link, one)
         except (EOFError, OSError):
             link.gone = True

@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -127,17 +128,16 @@ def kernel_table(graph: torch.cuda.CUDAGraph, reps: int = 5, top: int = 15) -> d
     }
 
 
+UNCACHED = itertools.count(10_000)  # request numbers of texts no earlier request began with
+
+
 def host_step_ms(engine: LLMEngine, b: int, patches: int = 40) -> tuple[float, float, float]:
     """(engine.step() wall ms with b running streams, first-audio ms of a request added alone: the median of 5 whose
     text's blocks but the last come from the prefix cache, and of 5 whose text has no block there)."""
     ms = step_ms(engine, b, patches)
-    cached = sorted(burst_first_audio(engine, 1, first=i)["ttfb_ms_p50"] for i in range(5))
-    uncached = sorted(burst_first_audio(engine, 1, first=next(UNCACHED), uncached=True)["ttfb_ms_p50"]
-                      for _ in range(5))
-    return ms, cached[2], uncached[2]
-
-
-UNCACHED = itertools.count(10_000)  # request numbers of texts no earlier request began with
+    cached = [burst_first_audio(engine, 1, first=i)["ttfb_ms_p50"] for i in range(5)]
+    uncached = [burst_first_audio(engine, 1, first=next(UNCACHED), uncached=True)["ttfb_ms_p50"] for _ in range(5)]
+    return ms, statistics.median(cached), statistics.median(uncached)
 
 
 def burst_first_audio(engine: LLMEngine, n: int, first: int = 0, uncached: bool = False) -> dict:
@@ -306,8 +306,9 @@ def step_main(argv: list[str]) -> None:
     buffers = runner.prefill_buffers
     assert buffers is not None
     buffers.inputs.fill_padding(buffers.scratch_kv_slot)
-    res["prefill_graphs_ms"] = {**{f"prefill T={t}": graph_ms(g) for t, g in sorted(runner.prefill_graphs.items())},
-                                **{f"encode A={t}": graph_ms(g) for t, g in sorted(runner.step_graphs.encode.items())}}
+    graphs = runner.step_graphs
+    res["prefill_graphs_ms"] = {**{f"prefill T={t}": graph_ms(g) for t, g in sorted(graphs.prefill.items())},
+                                **{f"encode A={t}": graph_ms(g) for t, g in sorted(graphs.encode.items())}}
     for b in batches:
         step_ms, first_ms, uncached_ms = host_step_ms(engine, b)
         with engine.invariance():  # the components as the step runs them (VOXCPM_BATCH_INVARIANT=1: in the mode)
