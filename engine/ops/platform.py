@@ -54,3 +54,19 @@ def time_block(length: int) -> int:
     while triton.cdiv(length, block) > 65535:
         block *= 2
     return block
+
+
+ROW_TILE_ELEMENTS = 1024  # a VAE row kernel's elements per program (8 a thread on its 4 warps)
+ROW_TILE_MIN_PROGRAMS = 128  # rows per program are halved below this many programs (a B=1 step's short rows)
+
+
+def row_tile(rows: int, length: int) -> tuple[int, int]:
+    """(rows, samples) per program of the VAE's row kernels (one row: a stream's channel): `time_block(length)`
+    samples, and as many rows as bring a program to ROW_TILE_ELEMENTS when rows are short (a program of one 32-sample
+    row on 128 threads idles or replicates most of them, and a step's early stages have 1024 channels a stream of
+    such rows), halved while fewer than ROW_TILE_MIN_PROGRAMS programs would run."""
+    block = time_block(length)
+    block_rows = max(1, ROW_TILE_ELEMENTS // block)
+    while block_rows > 1 and triton.cdiv(rows, block_rows) * triton.cdiv(length, block) < ROW_TILE_MIN_PROGRAMS:
+        block_rows //= 2
+    return block_rows, block

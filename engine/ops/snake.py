@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.ops import platform
-from engine.ops.platform import HAVE_TRITON, fast_sin, time_block
+from engine.ops.platform import HAVE_TRITON, fast_sin, row_tile
 
 if TYPE_CHECKING:
     import torch
@@ -32,18 +32,20 @@ if HAVE_TRITON:
         return x + (1.0 / (alpha + 1e-9)) * (s * s)
 
     @triton.jit
-    def _snake_kernel(x_ptr, alpha_ptr, scale_ptr, shift_ptr, o_ptr, channels, length, stride_b, stride_c, stride_t,
-                      HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, FAST_SIN: tl.constexpr, BLOCK: tl.constexpr):
-        bc = tl.program_id(0).to(tl.int64)
+    def _snake_kernel(x_ptr, alpha_ptr, scale_ptr, shift_ptr, o_ptr, rows, channels, length, stride_b, stride_c,
+                      stride_t, HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, FAST_SIN: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+        bc = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]  # rows: (stream, channel)
         b, c = bc // channels, bc % channels
-        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = t < length
+        row_mask = bc < rows
+        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+        mask = row_mask & (t < length)
         x = tl.load(x_ptr + b * stride_b + c * stride_c + t * stride_t, mask=mask, other=0.0).to(tl.float32)
         if HAS_SCALE:  # a per-channel affine map first (the VAE's sample-rate condition, deferred biases)
-            x = x * tl.load(scale_ptr + c).to(tl.float32)
+            x = x * tl.load(scale_ptr + c, mask=row_mask).to(tl.float32)
         if HAS_SHIFT:
-            x = x + tl.load(shift_ptr + c).to(tl.float32)
-        out = snake_math(x, tl.load(alpha_ptr + c).to(tl.float32), FAST_SIN)
+            x = x + tl.load(shift_ptr + c, mask=row_mask).to(tl.float32)
+        out = snake_math(x, tl.load(alpha_ptr + c, mask=row_mask, other=1.0).to(tl.float32), FAST_SIN)
         tl.store(o_ptr + bc * length + t, out.to(o_ptr.dtype.element_ty), mask=mask)
 
 
@@ -54,11 +56,11 @@ def snake_triton(x: torch.Tensor, alpha: torch.Tensor, scale: torch.Tensor | Non
     b, c, t = x.shape
     out = torch.empty((b, c, t), dtype=x.dtype, device=x.device)
     if b and c and t:
-        block = time_block(t)
-        _snake_kernel[(b * c, triton.cdiv(t, block))](
-            x, alpha.reshape(-1), x if scale is None else scale, x if shift is None else shift, out, c, t,
+        block_rows, block = row_tile(b * c, t)
+        _snake_kernel[(triton.cdiv(b * c, block_rows), triton.cdiv(t, block))](
+            x, alpha.reshape(-1), x if scale is None else scale, x if shift is None else shift, out, b * c, c, t,
             x.stride(0), x.stride(1), x.stride(2), HAS_SCALE=scale is not None, HAS_SHIFT=shift is not None,
-            FAST_SIN=fast_sin(), BLOCK=block, num_warps=4)
+            FAST_SIN=fast_sin(), BLOCK_R=block_rows, BLOCK=block, num_warps=4)
     return out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.ops import platform
-from engine.ops.platform import HAVE_TRITON, time_block
+from engine.ops.platform import HAVE_TRITON, row_tile
 from engine.ops.vae_conv import context_args, context_fits
 
 if TYPE_CHECKING:
@@ -25,47 +25,49 @@ if HAVE_TRITON:
     from engine.ops.vae_conv import cat_load, store_context
 
     @triton.jit
-    def _upsampler_input_kernel(x_ptr, state_ptr, slot_ptr, xin_ptr, new_state_ptr, channels, batch, length, ctx,
-                                frames, stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
-                                HAS_STATE: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr,
-                                BLOCK_P: tl.constexpr):
-        # One (batch, channel) row: xin[c, b, :] = cat(context, x row) zero-padded to `frames`. With HAS_STATE the new
-        # context (the concat's last ctx frames) is written by the program that read the old one (the first frame
-        # block, BLOCK >= ctx): with HAS_SLOTS in place of slot_ptr[b]'s row of the per-slot buffer, else to
+    def _upsampler_input_kernel(x_ptr, state_ptr, slot_ptr, xin_ptr, new_state_ptr, rows, channels, batch, length,
+                                ctx, frames, stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
+                                HAS_STATE: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_R: tl.constexpr,
+                                BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+        # BLOCK_R (batch, channel) rows: xin[c, b, :] = cat(context, x row) zero-padded to `frames`. With HAS_STATE
+        # the new context (the concat's last ctx frames) is written by the program that read the old one (the first
+        # frame block, BLOCK >= ctx): with HAS_SLOTS in place of slot_ptr[b]'s row of the per-slot buffer, else to
         # new_state_ptr's row.
-        bc = tl.program_id(0).to(tl.int64)
+        bc = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
         b, c = bc // channels, bc % channels
+        row_mask = bc < rows
         x_row = x_ptr + b * stride_xb + c * stride_xc
-        s_b = tl.load(slot_ptr + b).to(tl.int64) if HAS_SLOTS else b
+        s_b = tl.load(slot_ptr + b, mask=row_mask, other=0).to(tl.int64) if HAS_SLOTS else b
         s_row = state_ptr + s_b * stride_sb + c * stride_sc
-        f = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        v = cat_load(x_row, s_row, f, f < ctx + length, ctx, stride_xt, stride_st, 0.0, 0.0, HAS_STATE, False,
-                      False, False)
-        tl.store(xin_ptr + (c * batch + b) * frames + f, v.to(xin_ptr.dtype.element_ty), mask=f < frames)
+        f = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+        v = cat_load(x_row, s_row, f, row_mask & (f < ctx + length), ctx, stride_xt, stride_st, 0.0, 0.0, HAS_STATE,
+                      False, False, False)
+        tl.store(xin_ptr + (c * batch + b) * frames + f, v.to(xin_ptr.dtype.element_ty), mask=row_mask & (f < frames))
         if HAS_STATE and tl.program_id(1) == 0:
-            store_context(x_row, s_row, new_state_ptr + bc * ctx, length, ctx, stride_xt, stride_st, 0.0, 0.0,
-                           HAS_STATE, HAS_SLOTS, False, False, False, BLOCK_P)
+            store_context(x_row, s_row, new_state_ptr + bc * ctx, row_mask, length, ctx, stride_xt, stride_st, 0.0,
+                           0.0, HAS_STATE, HAS_SLOTS, False, False, False, BLOCK_P)
 
     @triton.jit
-    def _overlap_add_kernel(g_ptr, bias_ptr, y_ptr, c_out, out_len, ctx, stride_gb, stride_gr,
+    def _overlap_add_kernel(g_ptr, bias_ptr, y_ptr, rows, c_out, out_len, ctx, stride_gb, stride_gr,
                             STRIDE: tl.constexpr, KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            BLOCK: tl.constexpr):
-        """One (batch, channel) row of a transposed conv from its per-tap products g: element (b, row, frame) at
-        b * stride_gb + row * stride_gr + frame, rows ordered (tap, channel): y[t] = bias + sum over taps
+                            BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+        """BLOCK_R (batch, channel) rows of a transposed conv from its per-tap products g: element (b, row, frame)
+        at b * stride_gb + row * stride_gr + frame, rows ordered (tap, channel): y[t] = bias + sum over taps
         k = t % STRIDE + r * STRIDE of g[b, k * c_out + c, t // STRIDE + ctx - r]."""
-        bc = tl.program_id(0).to(tl.int64)
+        bc = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
         b, c = bc // c_out, bc % c_out
-        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = t < out_len
+        row_mask = bc < rows
+        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+        mask = row_mask & (t < out_len)
         j, m = t % STRIDE, t // STRIDE
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_R, BLOCK), dtype=tl.float32)
         g_b = g_ptr + b * stride_gb
         for r in tl.static_range((KERNEL + STRIDE - 1) // STRIDE):
             k = j + r * STRIDE
             acc += tl.load(g_b + (k * c_out + c) * stride_gr + m + ctx - r, mask=mask & (k < KERNEL),
                            other=0.0).to(tl.float32)
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + c).to(tl.float32)
+            acc += tl.load(bias_ptr + c, mask=row_mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + bc * out_len + t, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -83,11 +85,12 @@ def upsampler_input(x: torch.Tensor, state: torch.Tensor | None, ctx: int, frame
     new_state = (source if in_place else None if state is None
                  else torch.empty((b, c, ctx), dtype=x.dtype, device=x.device))
     if b and c:
-        block = max(time_block(frames), triton.next_power_of_2(max(ctx, 1)))
-        _upsampler_input_kernel[(b * c, triton.cdiv(frames, block))](
-            x, source, slots if in_place else x, xin, new_state if new_state is not None else xin, c, b, n, ctx,
-            frames, *x.stride(), *state_strides, HAS_STATE=state is not None, HAS_SLOTS=in_place, BLOCK=block,
-            BLOCK_P=triton.next_power_of_2(max(ctx, 1)), num_warps=4)
+        block_rows, block = row_tile(b * c, frames)
+        block = max(block, triton.next_power_of_2(max(ctx, 1)))
+        _upsampler_input_kernel[(triton.cdiv(b * c, block_rows), triton.cdiv(frames, block))](
+            x, source, slots if in_place else x, xin, new_state if new_state is not None else xin, b * c, c, b, n,
+            ctx, frames, *x.stride(), *state_strides, HAS_STATE=state is not None, HAS_SLOTS=in_place,
+            BLOCK_R=block_rows, BLOCK=block, BLOCK_P=triton.next_power_of_2(max(ctx, 1)), num_warps=4)
     return xin, new_state
 
 
@@ -101,10 +104,10 @@ def overlap_add(g: torch.Tensor, bias: torch.Tensor | None, stride: int, kernel:
     assert g.stride(2) == 1
     y = torch.empty((b, c_out, out_len), dtype=g.dtype, device=g.device)
     if b and c_out and out_len:
-        block = time_block(out_len)
-        _overlap_add_kernel[(b * c_out, triton.cdiv(out_len, block))](
-            g, bias if bias is not None else g, y, c_out, out_len, ctx, g.stride(0), g.stride(1), STRIDE=stride,
-            KERNEL=kernel, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+        block_rows, block = row_tile(b * c_out, out_len)
+        _overlap_add_kernel[(triton.cdiv(b * c_out, block_rows), triton.cdiv(out_len, block))](
+            g, bias if bias is not None else g, y, b * c_out, c_out, out_len, ctx, g.stride(0), g.stride(1),
+            STRIDE=stride, KERNEL=kernel, HAS_BIAS=bias is not None, BLOCK_R=block_rows, BLOCK=block, num_warps=4)
     return y
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.ops import platform
-from engine.ops.platform import HAVE_TRITON, fast_sin, time_block
+from engine.ops.platform import HAVE_TRITON, fast_sin, row_tile
 
 if TYPE_CHECKING:
     import torch
@@ -46,15 +46,16 @@ if HAVE_TRITON:
         return v
 
     @triton.jit
-    def store_context(x_row, s_row, new_row, length, pad, stride_xt, stride_st, in_alpha, in_shift,
+    def store_context(x_row, s_row, new_row, row_mask, length, pad, stride_xt, stride_st, in_alpha, in_shift,
                        HAS_STATE: tl.constexpr, HAS_SLOTS: tl.constexpr, IN_SNAKE: tl.constexpr,
                        IN_SHIFT: tl.constexpr, FAST_SIN: tl.constexpr, BLOCK_P: tl.constexpr):
-        """A row's new carried context, the last `pad` frames of cat(state, x') (see `cat_load`): with HAS_SLOTS in
-        place of the old one at s_row, once every thread of the program has read that (the caller is the row's
-        only program that reads it; rows sharing a slot, the runner's padding rows on its scratch slot, race there
-        harmlessly: their outputs are discarded), else to new_row (contiguous)."""
-        i = tl.arange(0, BLOCK_P)
-        pmask = i < pad
+        """The new carried contexts of a program's rows ((R, 1) pointers, row_mask), the last `pad` frames of
+        cat(state, x') (see `cat_load`): with HAS_SLOTS in place of the old ones at s_row, once every thread of the
+        program has read them (the caller is the rows' only program that reads them; rows sharing a slot, the
+        runner's padding rows on its scratch slot, race there harmlessly: their outputs are discarded), else to
+        new_row (contiguous)."""
+        i = tl.arange(0, BLOCK_P)[None, :]
+        pmask = row_mask & (i < pad)
         tail = cat_load(x_row, s_row, length + i, pmask, pad, stride_xt, stride_st, in_alpha, in_shift, HAS_STATE,
                          IN_SNAKE, IN_SHIFT, FAST_SIN)
         if HAS_SLOTS:
@@ -65,36 +66,39 @@ if HAVE_TRITON:
 
     @triton.jit
     def _dwconv_kernel(x_ptr, state_ptr, slot_ptr, w_ptr, bias_ptr, alpha_ptr, in_alpha_ptr, in_shift_ptr, y_ptr,
-                       new_state_ptr, channels, length, pad, dilation, stride_xb, stride_xc, stride_xt, stride_sb,
-                       stride_sc, stride_st, K: tl.constexpr, HAS_STATE: tl.constexpr, HAS_SLOTS: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, IN_SNAKE: tl.constexpr, IN_SHIFT: tl.constexpr,
-                       OUT_SNAKE: tl.constexpr, FAST_SIN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
-        # HAS_SLOTS: state holds every slot's context; row b's is slot_ptr[b]'s, replaced in place at the end.
-        # IN_SNAKE: the residual unit's first Snake applied to x on load (each sample once per tap: recomputing is
-        # cheaper than the separate kernel's pass over the activations), the context holds its outputs.
-        bc = tl.program_id(0).to(tl.int64)
+                       new_state_ptr, rows, channels, length, pad, dilation, stride_xb, stride_xc, stride_xt,
+                       stride_sb, stride_sc, stride_st, K: tl.constexpr, HAS_STATE: tl.constexpr,
+                       HAS_SLOTS: tl.constexpr, HAS_BIAS: tl.constexpr, IN_SNAKE: tl.constexpr,
+                       IN_SHIFT: tl.constexpr, OUT_SNAKE: tl.constexpr, FAST_SIN: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+        # A program: BLOCK_R rows (stream, channel) by BLOCK samples. HAS_SLOTS: state holds every slot's context;
+        # row b's is slot_ptr[b]'s, replaced in place at the end. IN_SNAKE: the residual unit's first Snake applied
+        # to x on load (each sample once per tap: recomputing is cheaper than the separate kernel's pass over the
+        # activations), the context holds its outputs.
+        bc = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
         b, c = bc // channels, bc % channels
+        row_mask = bc < rows
         x_row = x_ptr + b * stride_xb + c * stride_xc
-        s_b = tl.load(slot_ptr + b).to(tl.int64) if HAS_SLOTS else b
+        s_b = tl.load(slot_ptr + b, mask=row_mask, other=0).to(tl.int64) if HAS_SLOTS else b
         s_row = state_ptr + s_b * stride_sb + c * stride_sc
-        in_alpha = tl.load(in_alpha_ptr + c).to(tl.float32) if IN_SNAKE else 0.0
-        in_shift = tl.load(in_shift_ptr + c).to(tl.float32) if IN_SHIFT else 0.0
-        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = t < length
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        in_alpha = tl.load(in_alpha_ptr + c, mask=row_mask, other=1.0).to(tl.float32) if IN_SNAKE else 0.0
+        in_shift = tl.load(in_shift_ptr + c, mask=row_mask, other=0.0).to(tl.float32) if IN_SHIFT else 0.0
+        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+        mask = row_mask & (t < length)
+        acc = tl.zeros((BLOCK_R, BLOCK), dtype=tl.float32)
         for j in tl.static_range(K):
-            acc += tl.load(w_ptr + c * K + j).to(tl.float32) * cat_load(
+            acc += tl.load(w_ptr + c * K + j, mask=row_mask, other=0.0).to(tl.float32) * cat_load(
                 x_row, s_row, t + j * dilation, mask, pad, stride_xt, stride_st, in_alpha, in_shift, HAS_STATE,
                 IN_SNAKE, IN_SHIFT, FAST_SIN)
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + c).to(tl.float32)
+            acc += tl.load(bias_ptr + c, mask=row_mask, other=0.0).to(tl.float32)
         if OUT_SNAKE:  # the Snake after the conv, on the conv's output rounded to its dtype (the eager order)
-            acc = snake_math(acc.to(y_ptr.dtype.element_ty).to(tl.float32), tl.load(alpha_ptr + c).to(tl.float32),
-                         FAST_SIN)
+            acc = snake_math(acc.to(y_ptr.dtype.element_ty).to(tl.float32),
+                             tl.load(alpha_ptr + c, mask=row_mask, other=1.0).to(tl.float32), FAST_SIN)
         tl.store(y_ptr + bc * length + t, acc.to(y_ptr.dtype.element_ty), mask=mask)
-        if tl.program_id(1) == 0:  # only this program of the row reads the old context (one time block, or >= pad)
-            store_context(x_row, s_row, new_state_ptr + bc * pad, length, pad, stride_xt, stride_st, in_alpha,
-                           in_shift, HAS_STATE, HAS_SLOTS, IN_SNAKE, IN_SHIFT, FAST_SIN, BLOCK_P)
+        if tl.program_id(1) == 0:  # only this program of the rows reads the old context (one time block, or >= pad)
+            store_context(x_row, s_row, new_state_ptr + bc * pad, row_mask, length, pad, stride_xt, stride_st,
+                           in_alpha, in_shift, HAS_STATE, HAS_SLOTS, IN_SNAKE, IN_SHIFT, FAST_SIN, BLOCK_P)
 
 
 def context_args(x: torch.Tensor, state: torch.Tensor | None,
@@ -148,17 +152,17 @@ def causal_depthwise_conv_triton(x: torch.Tensor, state: torch.Tensor | None, we
     in_place = slots is not None
     new_state = source if in_place else torch.empty((b, c, pad), dtype=x.dtype, device=x.device)
     if b and c:
-        block = time_block(t)
+        block_rows, block = row_tile(b * c, t)
         # in place, only the first time block may read the old context: it must cover it, or be the only block
         assert not in_place or block >= pad or triton.cdiv(t, block) == 1, (t, block, pad)
         w = weight.reshape(c, k).contiguous()
-        _dwconv_kernel[(b * c, max(1, triton.cdiv(t, block)))](
+        _dwconv_kernel[(triton.cdiv(b * c, block_rows), max(1, triton.cdiv(t, block)))](
             x, source, slots if in_place else w, w, bias if bias is not None else w,
             out_alpha.reshape(-1) if out_alpha is not None else w, in_alpha.reshape(-1) if in_alpha is not None else w,
-            in_shift if in_shift is not None else w, y, new_state, c, t, pad, dilation, *x.stride(), *state_strides,
-            K=k, HAS_STATE=state is not None, HAS_SLOTS=in_place,
+            in_shift if in_shift is not None else w, y, new_state, b * c, c, t, pad, dilation, *x.stride(),
+            *state_strides, K=k, HAS_STATE=state is not None, HAS_SLOTS=in_place,
             HAS_BIAS=bias is not None, IN_SNAKE=in_alpha is not None, IN_SHIFT=in_shift is not None,
-            OUT_SNAKE=out_alpha is not None, FAST_SIN=fast_sin(), BLOCK=block,
+            OUT_SNAKE=out_alpha is not None, FAST_SIN=fast_sin(), BLOCK_R=block_rows, BLOCK=block,
             BLOCK_P=triton.next_power_of_2(max(pad, 1)), num_warps=4)
     return y, new_state
 
