@@ -47,10 +47,10 @@ def fast_sin() -> bool:
     return current().fast_sin and not interpreted() and torch.version.hip is None
 
 
-def time_block(length: int) -> int:
-    """Samples per program along time for the VAE kernels: <= 1024, but few enough blocks for grid axis 1
+def time_block(length: int, max_block: int = 1024) -> int:
+    """Samples per program along time for the VAE kernels: <= max_block, but few enough blocks for grid axis 1
     (< 65536)."""
-    block = min(1024, triton.next_power_of_2(max(length, 1)))
+    block = min(max_block, triton.next_power_of_2(max(length, 1)))
     while triton.cdiv(length, block) > 65535:
         block *= 2
     return block
@@ -60,12 +60,12 @@ ROW_TILE_ELEMENTS = 1024  # a VAE row kernel's elements per program (8 a thread 
 ROW_TILE_MIN_PROGRAMS = 128  # rows per program are halved below this many programs (a B=1 step's short rows)
 
 
-def row_tile(rows: int, length: int) -> tuple[int, int]:
-    """(rows, samples) per program of the VAE's row kernels (one row: a stream's channel): `time_block(length)`
-    samples, and as many rows as bring a program to ROW_TILE_ELEMENTS when rows are short (a program of one 32-sample
-    row on 128 threads idles or replicates most of them, and a step's early stages have 1024 channels a stream of
-    such rows), halved while fewer than ROW_TILE_MIN_PROGRAMS programs would run."""
-    block = time_block(length)
+def row_tile(rows: int, length: int, max_block: int = 1024) -> tuple[int, int]:
+    """(rows, samples) per program of the VAE's row kernels (one row: a stream's channel): `time_block(length,
+    max_block)` samples, and as many rows as bring a program to ROW_TILE_ELEMENTS when rows are short (a program of
+    one 32-sample row on 128 threads idles or replicates most of them, and a step's early stages have 1024 channels
+    a stream of such rows), halved while fewer than ROW_TILE_MIN_PROGRAMS programs would run."""
+    block = time_block(length, max_block)
     block_rows = max(1, ROW_TILE_ELEMENTS // block)
     while block_rows > 1 and triton.cdiv(rows, block_rows) * triton.cdiv(length, block) < ROW_TILE_MIN_PROGRAMS:
         block_rows //= 2

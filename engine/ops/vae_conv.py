@@ -25,19 +25,25 @@ if HAVE_TRITON:
     from engine.ops.snake import snake_math
 
     @triton.jit
+    def x_load(x_row, i, mask, stride_xt, in_alpha, in_shift, IN_SNAKE: tl.constexpr, IN_SHIFT: tl.constexpr,
+               FAST_SIN: tl.constexpr):
+        """x'[i] in fp32 where mask (see `cat_load`; elsewhere x' of 0)."""
+        v = tl.load(x_row + i * stride_xt, mask=mask, other=0.0)
+        if IN_SNAKE:
+            vf = v.to(tl.float32)
+            if IN_SHIFT:
+                vf = vf + in_shift
+            v = snake_math(vf, in_alpha, FAST_SIN).to(v.dtype)
+        return v.to(tl.float32)
+
+    @triton.jit
     def cat_load(x_row, s_row, idx, mask, pad, stride_xt, stride_st, in_alpha, in_shift, HAS_STATE: tl.constexpr,
                   IN_SNAKE: tl.constexpr, IN_SHIFT: tl.constexpr, FAST_SIN: tl.constexpr):
         """cat(state, x')[idx] along time (idx in [0, pad + length)) in fp32, x' = x or, with IN_SNAKE,
         Snake(x [+ in_shift]) rounded to x's dtype (the separate Snake kernel's output; the state holds earlier x');
         without state the zero left-padding of a full-sequence pass."""
         in_x = idx >= pad
-        v = tl.load(x_row + (idx - pad) * stride_xt, mask=mask & in_x, other=0.0)
-        if IN_SNAKE:
-            vf = v.to(tl.float32)
-            if IN_SHIFT:
-                vf = vf + in_shift
-            v = snake_math(vf, in_alpha, FAST_SIN).to(v.dtype)
-        v = v.to(tl.float32)
+        v = x_load(x_row, idx - pad, mask & in_x, stride_xt, in_alpha, in_shift, IN_SNAKE, IN_SHIFT, FAST_SIN)
         if HAS_STATE:
             old = tl.load(s_row + idx * stride_st, mask=mask & (idx < pad), other=0.0).to(tl.float32)
             v = tl.where(in_x, v, old)
@@ -86,10 +92,15 @@ if HAVE_TRITON:
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
         mask = row_mask & (t < length)
         acc = tl.zeros((BLOCK_R, BLOCK), dtype=tl.float32)
-        for j in tl.static_range(K):
-            acc += tl.load(w_ptr + c * K + j, mask=row_mask, other=0.0).to(tl.float32) * cat_load(
-                x_row, s_row, t + j * dilation, mask, pad, stride_xt, stride_st, in_alpha, in_shift, HAS_STATE,
-                IN_SNAKE, IN_SHIFT, FAST_SIN)
+        if tl.program_id(1) * BLOCK >= pad:  # past the context, every tap reads x (t + j * dilation - pad >= 0)
+            for j in tl.static_range(K):
+                acc += tl.load(w_ptr + c * K + j, mask=row_mask, other=0.0).to(tl.float32) * x_load(
+                    x_row, t + j * dilation - pad, mask, stride_xt, in_alpha, in_shift, IN_SNAKE, IN_SHIFT, FAST_SIN)
+        else:  # the first block: taps before x read the context (or the zero padding)
+            for j in tl.static_range(K):
+                acc += tl.load(w_ptr + c * K + j, mask=row_mask, other=0.0).to(tl.float32) * cat_load(
+                    x_row, s_row, t + j * dilation, mask, pad, stride_xt, stride_st, in_alpha, in_shift, HAS_STATE,
+                    IN_SNAKE, IN_SHIFT, FAST_SIN)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + c, mask=row_mask, other=0.0).to(tl.float32)
         if OUT_SNAKE:  # the Snake after the conv, on the conv's output rounded to its dtype (the eager order)
@@ -99,6 +110,9 @@ if HAVE_TRITON:
         if tl.program_id(1) == 0:  # only this program of the rows reads the old context (one time block, or >= pad)
             store_context(x_row, s_row, new_state_ptr + bc * pad, row_mask, length, pad, stride_xt, stride_st,
                            in_alpha, in_shift, HAS_STATE, HAS_SLOTS, IN_SNAKE, IN_SHIFT, FAST_SIN, BLOCK_P)
+
+
+DWCONV_TIME_BLOCK = 64  # the depthwise conv's samples a program: past a row's first block no tap reads the context
 
 
 def context_args(x: torch.Tensor, state: torch.Tensor | None,
@@ -152,7 +166,8 @@ def causal_depthwise_conv_triton(x: torch.Tensor, state: torch.Tensor | None, we
     in_place = slots is not None
     new_state = source if in_place else torch.empty((b, c, pad), dtype=x.dtype, device=x.device)
     if b and c:
-        block_rows, block = row_tile(b * c, t)
+        # Short time blocks (>= pad): only a row's first block takes the context's slower loads.
+        block_rows, block = row_tile(b * c, t, max(DWCONV_TIME_BLOCK, triton.next_power_of_2(max(pad, 1))))
         # in place, only the first time block may read the old context: it must cover it, or be the only block
         assert not in_place or block >= pad or triton.cdiv(t, block) == 1, (t, block, pad)
         w = weight.reshape(c, k).contiguous()
