@@ -242,9 +242,10 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
 
     def dwconv_snake(dtype: torch.dtype) -> float:
         errs = []
-        channels = 6
-        for seed, (length, dilation, streaming) in enumerate(((5, 3, True), (80, 3, True), (20, 1, True),
-                                                               (30, 9, True), (40, 9, False), (4, 1, False))):
+        # 11 channels at 140 samples: rows packed into two programs by three time blocks (packed tiling)
+        for seed, (length, dilation, streaming, channels) in enumerate((
+                (5, 3, True, 6), (80, 3, True, 6), (20, 1, True, 6), (30, 9, True, 6), (40, 9, False, 6),
+                (4, 1, False, 6), (140, 9, True, 11), (140, 9, False, 11))):
             pad = 6 * dilation
             x = rand(2, channels, length + 9, dtype=dtype, seed=20 + seed)[..., 4:length + 4]  # strided view
             alpha = rand(1, channels, 1, dtype=dtype, seed=30 + seed).abs() + 0.2
@@ -570,8 +571,8 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
 
     def both_row_tilings(case: Callable[[torch.dtype], float]) -> Callable[[torch.dtype], float]:
         """A VAE row kernel's case with the default tiling (one row a program at these small sizes) and again with
-        rows packed up to `platform.ROW_TILE_ELEMENTS` a program, as a large batch runs them (rows across streams,
-        the last program's rows partly masked)."""
+        rows packed up to `platform.ROW_TILE_ELEMENTS` a program, as a large batch packs them (rows across streams,
+        the last program's rows partly masked; the depthwise conv's 11-channel rows in two programs)."""
         def run(dtype: torch.dtype) -> float:
             with mock.patch.object(platform, "ROW_TILE_MIN_PROGRAMS", 1):
                 packed = case(dtype)

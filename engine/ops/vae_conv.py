@@ -112,7 +112,8 @@ if HAVE_TRITON:
                            in_alpha, in_shift, HAS_STATE, HAS_SLOTS, IN_SNAKE, IN_SHIFT, FAST_SIN, BLOCK_P)
 
 
-DWCONV_TIME_BLOCK = 64  # the depthwise conv's samples a program: past a row's first block no tap reads the context
+DWCONV_TIME_BLOCK = 64  # the depthwise conv's samples a row in a program (past a row's first block: no context reads)
+DWCONV_CONTEXT_TILE = 4096  # at most rows x BLOCK_P new-context elements a program: no spills for sm_90 at 4096
 
 
 def context_args(x: torch.Tensor, state: torch.Tensor | None,
@@ -166,8 +167,11 @@ def causal_depthwise_conv_triton(x: torch.Tensor, state: torch.Tensor | None, we
     in_place = slots is not None
     new_state = source if in_place else torch.empty((b, c, pad), dtype=x.dtype, device=x.device)
     if b and c:
-        # Short time blocks (>= pad): only a row's first block takes the context's slower loads.
-        block_rows, block = row_tile(b * c, t, max(DWCONV_TIME_BLOCK, triton.next_power_of_2(max(pad, 1))))
+        # Time blocks of at least the context (or the whole row): only a row's first block takes the context's
+        # slower loads. The rows a program also bound its new-context tile (rows x BLOCK_P).
+        block_p = triton.next_power_of_2(max(pad, 1))
+        block_rows, block = row_tile(b * c, t, max(DWCONV_TIME_BLOCK, block_p))
+        block_rows = max(1, min(block_rows, DWCONV_CONTEXT_TILE // block_p))
         # in place, only the first time block may read the old context: it must cover it, or be the only block
         assert not in_place or block >= pad or triton.cdiv(t, block) == 1, (t, block, pad)
         w = weight.reshape(c, k).contiguous()
@@ -178,7 +182,7 @@ def causal_depthwise_conv_triton(x: torch.Tensor, state: torch.Tensor | None, we
             *state_strides, K=k, HAS_STATE=state is not None, HAS_SLOTS=in_place,
             HAS_BIAS=bias is not None, IN_SNAKE=in_alpha is not None, IN_SHIFT=in_shift is not None,
             OUT_SNAKE=out_alpha is not None, FAST_SIN=fast_sin(), BLOCK_R=block_rows, BLOCK=block,
-            BLOCK_P=triton.next_power_of_2(max(pad, 1)), num_warps=4)
+            BLOCK_P=block_p, num_warps=4)
     return y, new_state
 
 
