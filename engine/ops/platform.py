@@ -47,7 +47,10 @@ def fast_sin() -> bool:
     return current().fast_sin and not interpreted() and torch.version.hip is None
 
 
-def time_block(length: int, max_block: int = 1024) -> int:
+MAX_TIME_BLOCK = 1024  # the VAE kernels' samples a row in a program, unless a caller's context needs more
+
+
+def time_block(length: int, max_block: int = MAX_TIME_BLOCK) -> int:
     """Samples per program along time for the VAE kernels: <= max_block, but few enough blocks for grid axis 1
     (< 65536)."""
     block = min(max_block, triton.next_power_of_2(max(length, 1)))
@@ -60,7 +63,7 @@ ROW_TILE_ELEMENTS = 1024  # a VAE row kernel's elements per program (8 a thread 
 ROW_TILE_MIN_PROGRAMS = 128  # rows per program are halved below this many programs (a B=1 step's short rows)
 
 
-def row_tile(rows: int, length: int, max_block: int = 1024) -> tuple[int, int]:
+def row_tile(rows: int, length: int, max_block: int = MAX_TIME_BLOCK) -> tuple[int, int]:
     """(rows, samples) per program of the VAE's row kernels (one row: a stream's channel): `time_block(length,
     max_block)` samples, and as many rows as bring a program to ROW_TILE_ELEMENTS when rows are short (a program of
     one 32-sample row on 128 threads idles or replicates most of them, and a step's early stages have 1024 channels

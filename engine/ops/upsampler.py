@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.ops import platform
-from engine.ops.platform import HAVE_TRITON, row_tile
+from engine.ops.platform import HAVE_TRITON, MAX_TIME_BLOCK, row_tile
 from engine.ops.vae_conv import context_args, context_fits
 
 if TYPE_CHECKING:
@@ -85,12 +85,13 @@ def upsampler_input(x: torch.Tensor, state: torch.Tensor | None, ctx: int, frame
     new_state = (source if in_place else None if state is None
                  else torch.empty((b, c, ctx), dtype=x.dtype, device=x.device))
     if b and c:
-        block_rows, block = row_tile(b * c, frames)
-        block = max(block, triton.next_power_of_2(max(ctx, 1)))
+        block_p = triton.next_power_of_2(max(ctx, 1))
+        # frames >= ctx, so the first frame block covers the context (its program alone reads and replaces it)
+        block_rows, block = row_tile(b * c, frames, max(MAX_TIME_BLOCK, block_p))
         _upsampler_input_kernel[(triton.cdiv(b * c, block_rows), triton.cdiv(frames, block))](
             x, source, slots if in_place else x, xin, new_state if new_state is not None else xin, b * c, c, b, n,
             ctx, frames, *x.stride(), *state_strides, HAS_STATE=state is not None, HAS_SLOTS=in_place,
-            BLOCK_R=block_rows, BLOCK=block, BLOCK_P=triton.next_power_of_2(max(ctx, 1)), num_warps=4)
+            BLOCK_R=block_rows, BLOCK=block, BLOCK_P=block_p, num_warps=4)
     return xin, new_state
 
 
