@@ -7,7 +7,7 @@
 # On the GPU host:                   bash tools/gpu_host/bench.sh, with .whl/ copied beside the tree
 #
 # The time a GPU host is lent for may be short, so pick the parts of each run with PARTS (default "check ours nano"):
-#   PARTS="test check" bash tools/gpu_host/bench.sh      # the CUDA tests (~5-6 min, mostly JIT), then gpu_check
+#   PARTS="test check" bash tools/gpu_host/bench.sh      # the CUDA tests (mostly JIT, in TEST_PROCS processes), gpu_check
 #   PARTS="profile" BASELINE=old bash tools/gpu_host/bench.sh   # step profile, of the tree in old/ too
 #   PARTS="ours nano" bash tools/gpu_host/bench.sh       # both benchmarks + comparison
 #   PARTS="nano" CONC=1,8 bash tools/gpu_host/bench.sh   # one peer, fewer concurrencies
@@ -46,7 +46,7 @@
 # Knobs (environment): HTTP_ARGS (extra `tools/bench.py http` flags for every sweep, e.g. "--client raw"), HTTP_PYSPY
 # (empty: no py-spy profile during the MP3 sweep's last level, which costs the host CPU), PARTS, CONC (1,8,32,64), ITERS (2), PATCHES (100), MODE (zeroshot|hifi),
 # PRESET (full-voxcpm2), CKPT (/tmp/full), BUDGET_S (total seconds this run may use, 580), T_CHECK / T_OURS / T_NANO (per-part
-# time limits, seconds; T_TEST for the CUDA tests), BENCH_ARGS (extra flags for both benchmarks), OURS_ARGS / NANO_ARGS (per engine),
+# time limits, seconds; T_TEST for the CUDA tests, TEST_PROCS (6) processes for their kernel cases), BENCH_ARGS (extra flags for both benchmarks), OURS_ARGS / NANO_ARGS (per engine),
 # CHECK_ARGS (extra flags for gpu_check.py), PROFILE_BATCH (1,8,64), BASELINE, T_PROFILE, FRESH_KERNELS (1: our
 # benchmark starts on an empty Triton kernel cache, for the cold start of a fresh GPU host). Files in $OUT:
 # bench.log, gpu_check.json, profile.json, profile_before.json, ours.json, nano.json, compare.md.
@@ -282,11 +282,18 @@ for part in $PARTS; do
             for mod in tests/test_*.py; do
                 grep -q "CUDA" "$mod" || ignore+=(--ignore "$mod")
             done
-            # In this one process (-o addopts: not pyproject's two xdist processes): the tests size KV caches from the
-            # GPU's free memory and time kernels, so none may share the GPU with another test.
+            # The kernel-vs-eager cases are compile-bound (the VAE's cases compile tens of variants each, ~100 s a
+            # dtype): TEST_PROCS processes run them beside the others. The others run in one process (-o addopts: not
+            # pyproject's two xdist processes): they size KV caches from the GPU's free memory, so no two engines may
+            # share the GPU (the kernel cases hold little memory).
+            kernel_cases="test_cuda_matches_eager"
+            run_limited "$T_TEST" pytest_kernels python3 -m pytest -p no:cacheprovider -o addopts=-ra -q -m gpu \
+                -n "${TEST_PROCS:-6}" -k "$kernel_cases${TEST_K:+ and ($TEST_K)}" tests/test_ops_kernels.py &
+            kernels_pid=$!
             run_limited "$T_TEST" pytest python3 -m pytest -p no:cacheprovider -o addopts=-ra -q -m gpu "${ignore[@]}" \
-                ${TEST_K:+-k "$TEST_K"} tests/
+                -k "not $kernel_cases${TEST_K:+ and ($TEST_K)}" tests/
             RC[$part]=$?
+            wait "$kernels_pid" || RC[$part]=$?
             ;;
         check)
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
