@@ -8,7 +8,8 @@
 - splitk: the o and down projections with the residual add + RMSNorm after them, one cuBLAS GEMM against the
   split-K partials of `linear.residual_linear` (2 and 4 slices of K) and what `linear.residual_splits` picks;
 - mlp: the DiT's MLP (gate/up GEMM, `silu_mul`, down GEMM) at each batch's rows, whole and in 2-8 row chunks (each
-  chunk's gate/up output small enough to stay in L2), with its three parts alone;
+  chunk's gate/up output small enough to stay in L2), with its three parts alone, and the gate/up GEMM with `silu_mul`
+  in its epilogue as one Triton GEMM (two accumulators, `_gated_gemm_kernel`) over its tile configurations;
 - barrier: what one of the layer kernel's grid barriers costs (a grid of one or two programs per SM through 84
   barriers, with and without a store and a load of another program's data between them), against a kernel boundary
   in a CUDA graph (84 dependent launches of the same grid).
@@ -176,9 +177,64 @@ def bench_mlp_chunks(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, d
         for chunks in (1, 2, 3, 4, 8):
             mlp = partial(_mlp_in_chunks, x, gate_up, down, out, chunks)
             row[f"mlp_{chunks}_chunks_us"] = round(replay_us(mlp), 2)
+        row["gate_up_silu_mul_us"] = round(replay_us(lambda x=x: silu_mul.silu_mul(*F.linear(x, gate_up).chunk(2, -1))),
+                                           2)
+        for config in GATED_GEMM_CONFIGS:
+            err = (gated_gemm(x, gate_up, config).float() - gated.float()).abs().max().item()
+            row[f"gated_gemm_{'x'.join(map(str, config))}"] = {
+                "us": round(replay_us(partial(gated_gemm, x, gate_up, config)), 2), "max_abs_err": err}
         rows.append(row)
         print("mlp:", json.dumps(row), flush=True)
     return rows
+
+
+@triton.jit
+def _gated_gemm_kernel(x_ptr, w_ptr, o_ptr, rows, n, stride_x, stride_o, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # Output tile (BLOCK_M rows, BLOCK_N columns) of silu(x gate^T) * (x up^T): the gate and up weight tiles of the
+    # same columns into two accumulators, programs in GROUP_M row tiles a column sweep (weight tiles shared in L2).
+    pid = tl.program_id(0)
+    row_tiles, col_tiles = tl.cdiv(rows, BLOCK_M), n // BLOCK_N
+    first = pid // (GROUP_M * col_tiles) * GROUP_M
+    size = min(row_tiles - first, GROUP_M)
+    tile_m = first + (pid % (GROUP_M * col_tiles)) % size
+    tile_n = (pid % (GROUP_M * col_tiles)) // size
+    m = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)) % rows  # the last tile's extra rows repeat real ones: no masks
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + m[:, None].to(tl.int64) * stride_x + kk[None, :]
+    g_ptrs = w_ptr + cols[None, :].to(tl.int64) * K + kk[:, None]
+    u_ptrs = g_ptrs + n.to(tl.int64) * K  # the up rows follow the gate rows
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, K, BLOCK_K):
+        xt = tl.load(x_ptrs)
+        acc_g = tl.dot(xt, tl.load(g_ptrs), acc_g)
+        acc_u = tl.dot(xt, tl.load(u_ptrs), acc_u)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    y = silu_mul.silu_mul_math(acc_g.to(o_ptr.dtype.element_ty).to(tl.float32), acc_u.to(o_ptr.dtype.element_ty))
+    out_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tl.store(o_ptr + out_m[:, None].to(tl.int64) * stride_o + cols[None, :], y, mask=out_m[:, None] < rows)
+
+
+GATED_GEMM_CONFIGS = [(128, 128, 64, 3, 8, 8), (128, 128, 64, 4, 8, 8), (128, 64, 64, 4, 4, 8), (128, 64, 64, 5, 8, 8),
+                      (64, 128, 64, 4, 4, 8), (128, 128, 32, 5, 8, 8), (256, 64, 64, 3, 8, 8),
+                      (128, 128, 64, 3, 8, 16), (64, 64, 64, 5, 4, 8)]  # (BLOCK_M, _N, _K, stages, warps, GROUP_M)
+
+
+def gated_gemm(x: torch.Tensor, gate_up: torch.Tensor, config: tuple[int, int, int, int, int, int]) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for the fused [gate; up] weight as one Triton GEMM (a candidate, measured
+    against cuBLAS + `silu_mul`, not the engine's), rounded as the GEMM and `silu_mul` round it."""
+    block_m, block_n, block_k, stages, warps, group = config
+    rows, k_dim = x.shape
+    n = gate_up.shape[0] // 2
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    _gated_gemm_kernel[(triton.cdiv(rows, block_m) * (n // block_n),)](
+        x, gate_up, out, rows, n, x.stride(0), out.stride(0), K=k_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, GROUP_M=group, num_stages=stages, num_warps=warps)
+    return out
 
 
 def _mlp_in_chunks(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, out: torch.Tensor, chunks: int) -> None:
@@ -313,7 +369,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--model", required=True, help="checkpoint directory (only its config is read)")
     ap.add_argument("--batch", default="1,8,64,128")
     ap.add_argument("--only", default="attention,gemm,layer",
-                    help="which benchmarks: attention, gemm, layer, barrier, splitk, mlp")
+                    help="which benchmarks: attention, gemm, layer, barrier, splitk, mlp (with the fused gated GEMM)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     cfg = VoxCPMConfig.from_dir(a.model)
