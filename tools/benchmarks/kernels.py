@@ -9,7 +9,8 @@
   split-K partials of `linear.residual_linear` (2 and 4 slices of K) and what `linear.residual_splits` picks;
 - mlp: the DiT's MLP (gate/up GEMM, `silu_mul`, down GEMM) at each batch's rows, whole and in 2-8 row chunks (each
   chunk's gate/up output small enough to stay in L2), with its three parts alone, and the gate/up GEMM with `silu_mul`
-  in its epilogue as one Triton GEMM (two accumulators, `_gated_gemm_kernel`) over its tile configurations;
+  in its epilogue as one Triton GEMM (two accumulators, or one over gate/up-interleaved weight rows, loaded
+  by pointers or tensor descriptors) over its tile configurations;
 - barrier: what one of the layer kernel's grid barriers costs (a grid of one or two programs per SM through 84
   barriers, with and without a store and a load of another program's data between them), against a kernel boundary
   in a CUDA graph (84 dependent launches of the same grid).
@@ -163,6 +164,7 @@ def bench_mlp_chunks(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, d
     h, f = cfg.dit.hidden_size, cfg.dit.intermediate_size
     gate_up = torch.randn(2 * f, h, device=dev, dtype=dtype) * h ** -0.5
     down = torch.randn(h, f, device=dev, dtype=dtype) * f ** -0.5
+    interleaved = interleave_gate_up(gate_up)
     rows = []
     for b in batches:
         m = b * dit_rows(cfg)
@@ -180,9 +182,10 @@ def bench_mlp_chunks(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, d
         row["gate_up_silu_mul_us"] = round(replay_us(lambda x=x: silu_mul.silu_mul(*F.linear(x, gate_up).chunk(2, -1))),
                                            2)
         for config in GATED_GEMM_CONFIGS:
-            err = (gated_gemm(x, gate_up, config).float() - gated.float()).abs().max().item()
-            row[f"gated_gemm_{'x'.join(map(str, config))}"] = {
-                "us": round(replay_us(partial(gated_gemm, x, gate_up, config)), 2), "max_abs_err": err}
+            weight = gate_up if config[-1] == "two" else interleaved
+            err = (gated_gemm(x, weight, config).float() - gated.float()).abs().max().item()
+            row[f"gated_gemm_{'x'.join(map(str, config[:-1]))}_{config[-1]}"] = {
+                "us": round(replay_us(partial(gated_gemm, x, weight, config)), 2), "max_abs_err": err}
         rows.append(row)
         print("mlp:", json.dumps(row), flush=True)
     return rows
@@ -190,9 +193,12 @@ def bench_mlp_chunks(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, d
 
 @triton.jit
 def _gated_gemm_kernel(x_ptr, w_ptr, o_ptr, rows, n, stride_x, stride_o, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # Output tile (BLOCK_M rows, BLOCK_N columns) of silu(x gate^T) * (x up^T): the gate and up weight tiles of the
-    # same columns into two accumulators, programs in GROUP_M row tiles a column sweep (weight tiles shared in L2).
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       INTERLEAVED: tl.constexpr):
+    # Output tile (BLOCK_M rows, BLOCK_N columns) of silu(x gate^T) * (x up^T), programs in GROUP_M row tiles a
+    # column sweep (weight tiles shared in L2). The gate and up weight tiles of the same columns go into two
+    # accumulators; INTERLEAVED: the weight's rows are (gate_i, up_i) pairs, one accumulator twice as wide is
+    # split in the epilogue (each thread holds both of a pair).
     pid = tl.program_id(0)
     row_tiles, col_tiles = tl.cdiv(rows, BLOCK_M), n // BLOCK_N
     first = pid // (GROUP_M * col_tiles) * GROUP_M
@@ -203,37 +209,95 @@ def _gated_gemm_kernel(x_ptr, w_ptr, o_ptr, rows, n, stride_x, stride_o, K: tl.c
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + m[:, None].to(tl.int64) * stride_x + kk[None, :]
-    g_ptrs = w_ptr + cols[None, :].to(tl.int64) * K + kk[:, None]
-    u_ptrs = g_ptrs + n.to(tl.int64) * K  # the up rows follow the gate rows
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, K, BLOCK_K):
-        xt = tl.load(x_ptrs)
-        acc_g = tl.dot(xt, tl.load(g_ptrs), acc_g)
-        acc_u = tl.dot(xt, tl.load(u_ptrs), acc_u)
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+    if INTERLEAVED:
+        w_rows = tile_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        w_ptrs = w_ptr + w_rows[None, :].to(tl.int64) * K + kk[:, None]
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for _ in range(0, K, BLOCK_K):
+            acc = tl.dot(tl.load(x_ptrs), tl.load(w_ptrs), acc)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    else:
+        g_ptrs = w_ptr + cols[None, :].to(tl.int64) * K + kk[:, None]
+        u_ptrs = g_ptrs + n.to(tl.int64) * K  # the up rows follow the gate rows
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, K, BLOCK_K):
+            xt = tl.load(x_ptrs)
+            acc_g = tl.dot(xt, tl.load(g_ptrs), acc_g)
+            acc_u = tl.dot(xt, tl.load(u_ptrs), acc_u)
+            x_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
     y = silu_mul.silu_mul_math(acc_g.to(o_ptr.dtype.element_ty).to(tl.float32), acc_u.to(o_ptr.dtype.element_ty))
     out_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     tl.store(o_ptr + out_m[:, None].to(tl.int64) * stride_o + cols[None, :], y, mask=out_m[:, None] < rows)
 
 
-GATED_GEMM_CONFIGS = [(128, 128, 64, 3, 8, 8), (128, 128, 64, 4, 8, 8), (128, 64, 64, 4, 4, 8), (128, 64, 64, 5, 8, 8),
-                      (64, 128, 64, 4, 4, 8), (128, 128, 32, 5, 8, 8), (256, 64, 64, 3, 8, 8),
-                      (128, 128, 64, 3, 8, 16), (64, 64, 64, 5, 4, 8)]  # (BLOCK_M, _N, _K, stages, warps, GROUP_M)
+@triton.jit
+def _gated_gemm_tma_kernel(x_desc, w_desc, o_ptr, rows, n, stride_o, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # `_gated_gemm_kernel`'s INTERLEAVED tiles, read by the tensor memory accelerator (host tensor descriptors; rows
+    # past the end read as zeros).
+    pid = tl.program_id(0)
+    row_tiles, col_tiles = tl.cdiv(rows, BLOCK_M), n // BLOCK_N
+    first = pid // (GROUP_M * col_tiles) * GROUP_M
+    size = min(row_tiles - first, GROUP_M)
+    tile_m = first + (pid % (GROUP_M * col_tiles)) % size
+    tile_n = (pid % (GROUP_M * col_tiles)) // size
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        xt = x_desc.load([tile_m * BLOCK_M, k])
+        acc = tl.dot(xt, w_desc.load([tile_n * 2 * BLOCK_N, k]).T, acc)
+    acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    y = silu_mul.silu_mul_math(acc_g.to(o_ptr.dtype.element_ty).to(tl.float32), acc_u.to(o_ptr.dtype.element_ty))
+    out_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(o_ptr + out_m[:, None].to(tl.int64) * stride_o + cols[None, :], y, mask=out_m[:, None] < rows)
 
 
-def gated_gemm(x: torch.Tensor, gate_up: torch.Tensor, config: tuple[int, int, int, int, int, int]) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T) for the fused [gate; up] weight as one Triton GEMM (a candidate, measured
-    against cuBLAS + `silu_mul`, not the engine's), rounded as the GEMM and `silu_mul` round it."""
-    block_m, block_n, block_k, stages, warps, group = config
+# (BLOCK_M, BLOCK_N output columns, BLOCK_K, stages, warps, GROUP_M, weight layout and loads: "two" accumulators over
+# [gate; up], "interleaved" (gate_i, up_i) rows and one accumulator, "tma": interleaved through tensor descriptors)
+GatedGemmConfig = tuple[int, int, int, int, int, int, str]
+GATED_GEMM_CONFIGS: list[GatedGemmConfig] = [
+    *((128, 128, 64, 3, 8, 8, v) for v in ("two", "interleaved", "tma")),
+    *((128, 128, 64, 4, 8, 8, v) for v in ("two", "interleaved", "tma")),
+    *((128, 64, 64, 4, 4, 8, v) for v in ("two", "interleaved", "tma")),
+    *((128, 64, 64, 5, 8, 8, v) for v in ("two", "interleaved", "tma")),
+    *((256, 64, 64, 3, 8, 8, v) for v in ("two", "interleaved", "tma")),
+    *((128, 128, 32, 5, 8, 8, v) for v in ("two", "interleaved", "tma")),
+    (64, 128, 64, 4, 4, 8, "two"), (128, 128, 64, 3, 8, 16, "two"), (64, 64, 64, 5, 4, 8, "two"),
+    (64, 128, 64, 4, 4, 8, "tma"), (128, 128, 64, 3, 8, 16, "tma")]
+
+
+def interleave_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
+    """The fused [gate; up] weight (2N, K) with its rows as (gate_i, up_i) pairs, for `gated_gemm`'s interleaved
+    layouts."""
+    two_n, k_dim = gate_up.shape
+    return gate_up.view(2, two_n // 2, k_dim).transpose(0, 1).reshape(two_n, k_dim)
+
+
+def gated_gemm(x: torch.Tensor, gate_up: torch.Tensor, config: GatedGemmConfig) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for the fused [gate; up] weight (for the config's interleaved layouts, that
+    weight through `interleave_gate_up`) as one Triton GEMM: a candidate measured against cuBLAS + `silu_mul`, not
+    the engine's, rounded as the GEMM and `silu_mul` round it."""
+    block_m, block_n, block_k, stages, warps, group, layout = config
     rows, k_dim = x.shape
     n = gate_up.shape[0] // 2
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    _gated_gemm_kernel[(triton.cdiv(rows, block_m) * (n // block_n),)](
+    grid = (triton.cdiv(rows, block_m) * (n // block_n),)
+    if layout == "tma":
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        _gated_gemm_tma_kernel[grid](
+            TensorDescriptor.from_tensor(x, [block_m, block_k]), TensorDescriptor.from_tensor(
+                gate_up, [2 * block_n, block_k]), out, rows, n, out.stride(0), K=k_dim, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group, num_stages=stages, num_warps=warps)
+        return out
+    _gated_gemm_kernel[grid](
         x, gate_up, out, rows, n, x.stride(0), out.stride(0), K=k_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, GROUP_M=group, num_stages=stages, num_warps=warps)
+        BLOCK_K=block_k, GROUP_M=group, INTERLEAVED=layout == "interleaved", num_stages=stages, num_warps=warps)
     return out
 
 
