@@ -192,19 +192,24 @@ def bench_mlp_chunks(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, d
 
 
 @triton.jit
-def _gated_gemm_kernel(x_ptr, w_ptr, o_ptr, rows, n, stride_x, stride_o, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       INTERLEAVED: tl.constexpr):
-    # Output tile (BLOCK_M rows, BLOCK_N columns) of silu(x gate^T) * (x up^T), programs in GROUP_M row tiles a
-    # column sweep (weight tiles shared in L2). The gate and up weight tiles of the same columns go into two
-    # accumulators; INTERLEAVED: the weight's rows are (gate_i, up_i) pairs, one accumulator twice as wide is
-    # split in the epilogue (each thread holds both of a pair).
+def _grouped_tile(rows, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's (row tile, column tile): GROUP_M row tiles sweep the columns together (weight tiles shared in
+    L2)."""
     pid = tl.program_id(0)
     row_tiles, col_tiles = tl.cdiv(rows, BLOCK_M), n // BLOCK_N
     first = pid // (GROUP_M * col_tiles) * GROUP_M
     size = min(row_tiles - first, GROUP_M)
-    tile_m = first + (pid % (GROUP_M * col_tiles)) % size
-    tile_n = (pid % (GROUP_M * col_tiles)) // size
+    return first + (pid % (GROUP_M * col_tiles)) % size, (pid % (GROUP_M * col_tiles)) // size
+
+
+@triton.jit
+def _gated_gemm_kernel(x_ptr, w_ptr, o_ptr, rows, n, stride_x, stride_o, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       INTERLEAVED: tl.constexpr):
+    # Output tile (BLOCK_M rows, BLOCK_N columns) of silu(x gate^T) * (x up^T). The gate and up weight tiles of the
+    # same columns go into two accumulators; INTERLEAVED: the weight's rows are (gate_i, up_i) pairs, one accumulator
+    # twice as wide is split in the epilogue (each thread holds both of a pair).
+    tile_m, tile_n = _grouped_tile(rows, n, BLOCK_M, BLOCK_N, GROUP_M)
     m = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)) % rows  # the last tile's extra rows repeat real ones: no masks
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
@@ -240,12 +245,7 @@ def _gated_gemm_tma_kernel(x_desc, w_desc, o_ptr, rows, n, stride_o, K: tl.const
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # `_gated_gemm_kernel`'s INTERLEAVED tiles, read by the tensor memory accelerator (host tensor descriptors; rows
     # past the end read as zeros).
-    pid = tl.program_id(0)
-    row_tiles, col_tiles = tl.cdiv(rows, BLOCK_M), n // BLOCK_N
-    first = pid // (GROUP_M * col_tiles) * GROUP_M
-    size = min(row_tiles - first, GROUP_M)
-    tile_m = first + (pid % (GROUP_M * col_tiles)) % size
-    tile_n = (pid % (GROUP_M * col_tiles)) // size
+    tile_m, tile_n = _grouped_tile(rows, n, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         xt = x_desc.load([tile_m * BLOCK_M, k])
