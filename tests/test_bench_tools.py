@@ -245,6 +245,21 @@ def test_encode_costs_and_the_client_path(tmp_path):
     assert "the client path, mp3" in line and "4 first chunks at once on 2 threads" in line
 
 
+
+def test_tokenize_times_one_request_a_burst_and_its_parts(checkpoint_factory, tmp_path):
+    """`bench.py tokenize`: the client's tokenization of one request and of a burst, each after an idle pause."""
+    from engine.io.tokenizer import TextTokenizer, text_tokens_many
+
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    out = tmp_path / "tokenize.json"
+    doc = bench.main(["tokenize", "--model", str(ckpt), "--burst", "4", "--rounds", "2", "--pause-ms", "1",
+                      "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
+    assert doc["burst"] == 4 and doc["text_chars"] == len(harness.TEXT)
+    ids = text_tokens_many(TextTokenizer.from_dir(ckpt), [(f"Request 0. {harness.TEXT}", "", False)])[0][0]
+    assert doc["tokens_per_request"] == len(ids)
+    assert all(doc[k] > 0 for k in ("one_request_us", "burst_us", "burst_normalise_us", "burst_encode_us"))
+
 # ---------------------------------------------------------------- measurement helpers
 
 

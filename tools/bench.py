@@ -38,6 +38,7 @@ SUBCOMMANDS: subcommands.Table = {
     "tune-coalesce": ("tune_coalesce:main", "the queue-coalescing window: a service per window, open-loop over HTTP"),
     "encode": ("encode:main", "what encoding each response format costs the host"),
     "retime": ("retime:main", "what speed (time-stretch) and sample_rate (resampling) cost the host"),
+    "tokenize": ("tokenize:main", "what the client's tokenization of a request and of a burst costs the host"),
     "kernels": ("kernels:main", "the decode step's kernels over their launch parameters (GPU)"),
     "pdl-chain": ("pdl_chain:main", "decode chains of layers, each way the engine can run them (GPU)"),
     "lora-step": ("lora_step:main", "what runtime LoRA adapters cost a decode step (GPU)"),

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+from tokenizers import AddedToken, Encoding, Tokenizer, models, pre_tokenizers
 
 __all__ = ["TextTokenizer", "normalize_text", "text_tokens", "text_tokens_many"]
 
@@ -120,6 +120,7 @@ class TextTokenizer:
         # them (most text) maps piece by piece, without the per-piece marker strip.
         self._split_pieces: frozenset[str] = frozenset(
             p for p in self._vocab if p.replace(_METASPACE, "") in self._cjk_multichar)
+        self._split_ids: frozenset[int] = frozenset(self._vocab[p] for p in self._split_pieces)
         self._vocab_size = max(self._vocab.values()) + 1 if self._vocab else 0
 
     # ------------------------------------------------------------------ loading
@@ -282,27 +283,26 @@ class TextTokenizer:
             encodings = self._backend.encode_batch(texts, add_special_tokens=False)
         except TypeError:  # one text the backend refuses fails the batch: each alone then
             return [self._encode_one(text) for text in texts]
-        return [self._ids_or_error(encoding.tokens) for encoding in encodings]
+        return [self._encoding_ids(encoding) for encoding in encodings]
 
     def _encode_one(self, text: str) -> list[int] | ValueError | TypeError:
         try:
-            pieces = self._backend.encode_batch([text], add_special_tokens=False)[0].tokens
+            encoding = self._backend.encode_batch([text], add_special_tokens=False)[0]
         except TypeError:
             return TypeError(f"the tokenizer cannot encode the text {text[:40]!r}...")
-        return self._ids_or_error(pieces)
+        return self._encoding_ids(encoding)
 
-    def _ids_or_error(self, pieces: list[str]) -> list[int] | ValueError:
+    def _encoding_ids(self, encoding: Encoding) -> list[int] | ValueError:
+        """The ids of a backend encoding: the backend's own where no piece is split (each piece is then the vocab
+        entry whose id the backend gives; the check on ids spares making the pieces' strings), else those of the
+        split pieces."""
+        ids = encoding.ids
+        if self._split_ids.isdisjoint(ids):
+            return ids
         try:
-            return self._ids(pieces)
+            return self._to_ids(self._split(encoding.tokens))
         except ValueError as e:
             return e
-
-    def _ids(self, pieces: list[str]) -> list[int]:
-        if not self._split_pieces.isdisjoint(pieces):
-            return self._to_ids(self._split(pieces))
-        vocab, unk = self._vocab, self._unk_id
-        ids = [vocab.get(piece, unk) for piece in pieces]
-        return ids if None not in ids else self._to_ids(pieces)  # _to_ids names the missing piece
 
     def _to_ids(self, pieces: list[str]) -> list[int]:
         ids: list[int] = []
