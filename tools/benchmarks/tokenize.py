@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.io.tokenizer import TextTokenizer, normalize_text, text_tokens_many
-from tools.benchmarks.harness import TEXT, subcommand_parser, write_json
+from tools.benchmarks.harness import TEXT, command_line, subcommand_parser, write_json
 
 
 def idle_then_us(fn: Callable[[], object], rounds: int, pause_s: float) -> float:
@@ -49,7 +49,9 @@ def main(argv: list[str]) -> dict[str, Any]:
         "burst_normalise_us": lambda: [normalize_text(text) for text, _, _ in requests],
         "burst_encode_us": lambda: tokenizer.encode_many(texts),
     }
-    doc: dict[str, Any] = {"tool": "bench_tokenize", "model": a.model, "cpus": len(os.sched_getaffinity(0)),
+    doc: dict[str, Any] = {"tool": "bench_tokenize", "command": " ".join(command_line("tokenize", argv)),
+                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": a.model,
+                           "cpus": len(os.sched_getaffinity(0)),
                            "burst": a.burst, "rounds": a.rounds, "pause_ms": a.pause_ms, "text_chars": len(TEXT),
                            "tokens_per_request": len(text_tokens_many(tokenizer, requests[:1])[0][0])}
     for name, fn in timed.items():
