@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from engine.io.tokenizer import TextTokenizer, text_tokens, text_tokens_many
+from engine.io.tokenizer import TextTokenizer, normalize_text, text_tokens, text_tokens_many
 from engine.io.tokenizer_builder import build_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -278,3 +278,19 @@ def test_encode_many_gives_each_text_its_own_ids_and_a_refused_one_its_error(our
         ours.encode(bad)
     with pytest.raises(TypeError):
         text_tokens(ours, bad, "", False)
+
+
+def test_normalize_text_is_the_official_substitution() -> None:
+    """`normalize_text` gives what the official front end's regex does: `str.split` splits at exactly the code points
+    regex's \\s matches, and texts of words, runs of mixed (Unicode too) white space and white space at the edges
+    agree."""
+    official = re.compile(r"\s+")
+    every = "".join(map(chr, range(0x110000)))
+    spaces = {c for c in every if c.isspace()}
+    assert set(re.findall(r"\s", every)) == spaces
+    assert "".join(every.split()) == "".join(c for c in every if c not in spaces)
+    rng = random.Random(0)
+    parts = ["word", "中文", "é", " ", "  ", "\n", "\t", "\r\n", "\u00a0", "\u3000", "\u2028", "\x1c", "\x85", "."]
+    for _ in range(3000):
+        text = "".join(rng.choice(parts) for _ in range(rng.randint(0, 10)))
+        assert normalize_text(text) == official.sub(" ", text.replace("\n", " ")), repr(text)
