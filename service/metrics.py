@@ -65,6 +65,8 @@ class Metrics:
         self.step_seconds = Gauge("voxcpm_engine_step_seconds", "Mean engine step latency since the last scrape",
                                   ["worker"], **latest)
         self.steps = Gauge("voxcpm_engine_steps", "Engine steps since the worker started", ["worker"], **latest)
+        self.send_seconds = Gauge("voxcpm_worker_send_seconds", "Mean time a worker's message to an API process "
+                                  "waited from queued to written since the last scrape", ["worker"], **latest)
         self.preemptions = Gauge("voxcpm_engine_preemptions", "Preemptions since the worker started", ["worker"],
                                  **latest)
         self.workers_up = Gauge("voxcpm_workers_up", "Workers running and loaded", **latest)
@@ -82,6 +84,7 @@ class Metrics:
                                     "down while the service serves requests naming no voice)", registry=r,
                                     multiprocess_mode="livemin")
         self._last_steps: dict[str, tuple[int, float]] = {}
+        self._last_sends: dict[str, tuple[int, float]] = {}
 
     def exposition(self) -> bytes:
         """The text format: this app's registry, or every API process's values in multiprocess mode."""
@@ -109,15 +112,22 @@ class Metrics:
             self.loras_registered.labels(w).set(len(s.loras))
             self.loras_resident.labels(w).set(sum(a.resident for a in s.loras))
             self.lora_requests.labels(w).set(sum(a.requests for a in s.loras))
-            n0, t0 = self._last_steps.get(w, (0, 0.0))
-            if s.steps < n0:  # the worker restarted
-                n0, t0 = 0, 0.0
-            if s.steps > n0:
-                self.step_seconds.labels(w).set((s.step_seconds - t0) / (s.steps - n0))
-            self._last_steps[w] = (s.steps, s.step_seconds)
+            self._mean_since_last(self.step_seconds, self._last_steps, w, s.steps, s.step_seconds)
+            self._mean_since_last(self.send_seconds, self._last_sends, w, s.messages_sent, s.send_seconds)
         self.running.set(running)
         self.queue_depth.set(waiting)
         self.workers_up.set(up)
+
+    @staticmethod
+    def _mean_since_last(gauge: Gauge, last: dict[str, tuple[int, float]], worker: str, count: int,
+                         seconds: float) -> None:
+        """Set a worker's gauge to the mean of what it summed (`seconds` over `count` events) since the last scrape."""
+        n0, t0 = last.get(worker, (0, 0.0))
+        if count < n0:  # the worker restarted
+            n0, t0 = 0, 0.0
+        if count > n0:
+            gauge.labels(worker).set((seconds - t0) / (count - n0))
+        last[worker] = (count, seconds)
 
     def observe_encoding(self, first: bool, wait_s: float, cpu_s: float) -> None:
         """One chunk through the engine client's encoder pool (called on its threads)."""

@@ -69,6 +69,20 @@ def run_pool(checkpoint_factory, out: Path, command: str, args: list[str], rows:
     return doc
 
 
+def test_stream_protocol_rows_and_the_workers_send_waits(checkpoint_factory, tmp_path):
+    """`bench.py stream` (the anchors' protocol) on our pool: a row per concurrency with the anchor files' keys, and how
+    long the workers' messages waited from queued to written (ours only)."""
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    out = tmp_path / "stream.json"
+    bench.main(["stream", "--engine", "voxcpm-serve", "--model", str(ckpt), "--conc", "1,2", "--iters", "1",
+                "--patches", "3", "--devices", "cpu", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["complete"] and [r["concurrency"] for r in doc["results"]] == [1, 2]
+    for row in doc["results"]:
+        assert row["failed"] == 0 and row["throughput_audio_s_per_s"] > 0 and row["ttfb_p50"] > 0
+        assert 0 < row["worker_send_ms_mean"] < 1000
+
+
 def test_latents_pool(checkpoint_factory, tmp_path):
     doc = run_pool(checkpoint_factory, tmp_path / "latents.json", "latents", ["--conc", "1,2", "--iters", "1"], rows=2)
     assert [r["concurrency"] for r in doc["results"]] == [1, 2] and [r["requests"] for r in doc["results"]] == [1, 2]

@@ -33,6 +33,7 @@ from engine.io.tokenizer import TextTokenizer
 from tests.service_harness import wav_bytes
 
 if TYPE_CHECKING:
+    from engine.serving.reports import WorkerStats
     from engine.serving.worker import ClientLink, Worker
 
 HANG_GUARD_S = 10  # a killed worker's callers fail at once; this only catches a hang
@@ -446,6 +447,40 @@ def test_a_loop_turns_requests_reach_the_worker_as_one_message_and_start_in_one_
         assert isinstance(first, msgs.StepEvents)
         assert sorted(ev.request_id for ev in first.events if ev.audio is not None) == ["r0", "r1", "r2"]
         assert not engine.scheduler.waiting
+    finally:
+        worker.close()
+
+
+def test_the_worker_counts_how_long_its_messages_wait_to_be_written(checkpoint):
+    """WorkerStats' messages_sent / send_seconds: each message written to a client counts, with the time from its
+    queueing to its write; messages the client does not read for a while (a full pipe) wait that long."""
+    from engine.serving import protocol as msgs
+
+    engine = LLMEngine(str(checkpoint), EngineConfig(max_num_seqs=2, max_model_len=128))
+    worker, link, client = _worker_on_a_pipe(engine)
+
+    def counted(messages: int) -> WorkerStats:
+        deadline = time.monotonic() + HANG_GUARD_S  # the sender counts a message once its write has returned
+        while (s := worker.stats()).messages_sent < messages:
+            assert time.monotonic() < deadline, s
+            time.sleep(0.01)
+        return s
+
+    try:
+        request = msgs.SynthesisRequest("Hi.", params=SamplingParams(max_generate_length=2))
+        worker.handle(link, msgs.Generate("r1", request))
+        worker.step()
+        assert client.poll(10) and isinstance(client.recv(), msgs.StepEvents)
+        assert counted(2).messages_sent == 2  # Ready, the step's events
+        before = worker.stats().send_seconds
+        big = msgs.StepEvents([msgs.AudioEvent("x", np.zeros(4 << 20, np.float32), False, None)], worker.load())
+        link.send(big)
+        link.send(big)  # 16 MB each, far more than the pipe holds: both wait for the client to read
+        time.sleep(0.5)
+        client.recv()
+        client.recv()
+        s = counted(4)
+        assert s.messages_sent == 4 and s.send_seconds - before >= 0.9
     finally:
         worker.close()
 

@@ -1,6 +1,6 @@
 """What a worker reports about itself, typed: its model facts and start-up (`WorkerInfo`, once, with `Ready`), its
-load with every step's events (`WorkerLoad`) and its counters on request (`WorkerStats`). Shapes after vLLM v1's
-`SchedulerStats` riding on `EngineCoreOutputs`: fields a reader names, never string keys.
+load with every step's events (`WorkerLoad`) and its counters on request (`WorkerStats`; `SendWaits` sums two).
+Shapes after vLLM v1's `SchedulerStats` riding on `EngineCoreOutputs`: fields a reader names, never string keys.
 
 `describe(engine)` makes a worker's WorkerInfo. Torch-free: the service's API processes read them without loading
 torch.
@@ -9,6 +9,7 @@ torch.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -96,7 +97,25 @@ class WorkerStats(WorkerLoad):
     clients: int = 0  # connected clients
     steps: int = 0
     step_seconds: float = 0.0  # summed over the steps
+    messages_sent: int = 0  # to its clients (a step's events, replies)
+    send_seconds: float = 0.0  # summed over those: from queued for a client to written to it
     loras: list[AdapterInfo] = field(default_factory=list)
+
+
+class SendWaits:
+    """How long the worker's messages waited from being queued for a client to being written to it, summed over its
+    sender threads (WorkerStats' messages_sent / send_seconds): pickling and writing, a client slow to read, and a
+    sender waiting for the interpreter while the main thread runs the next step."""
+
+    def __init__(self) -> None:
+        self.messages = 0
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self.messages += 1
+            self.seconds += seconds
 
 
 def describe(engine: LLMEngine) -> WorkerInfo:

@@ -34,7 +34,7 @@ from engine.io.lora import weights_file
 from engine.llm_engine import LLMEngine, StepEvent
 from engine.prompt import PromptError
 from engine.serving import protocol as p
-from engine.serving.reports import WorkerInfo, WorkerStats, describe
+from engine.serving.reports import SendWaits, WorkerInfo, WorkerStats, describe
 from engine.vocabulary import AdapterInfo
 
 log = logging.getLogger(__name__)
@@ -67,8 +67,9 @@ def as_tensor(latents: np.ndarray | bytes | None, feat_dim: int, field_name: str
 class ClientLink:
     """The worker's side of one client connection: its sender thread, and the requests it owns."""
 
-    def __init__(self, conn: Connection, index: int) -> None:
+    def __init__(self, conn: Connection, index: int, waits: SendWaits | None = None) -> None:
         self.conn, self.index = conn, index
+        self.waits = waits or SendWaits()
         self.requests: dict[str, int] = {}  # request id -> engine seq id
         self.pending: list[p.AudioEvent] = []  # this step's events, sent together
         self.steps_since_sent = 0
@@ -78,20 +79,23 @@ class ClientLink:
         self._sender.start()
 
     def send(self, msg: Any) -> None:
-        self._outbox.put(msg)
+        self._outbox.put((msg, time.perf_counter()))
 
     def _send_loop(self) -> None:
-        while (msg := self._outbox.get()) is not None:
+        while (item := self._outbox.get()) is not None:
             if self.gone:
                 continue  # keep draining, so that a send() waiting on a full queue returns
+            msg, queued = item
             try:
                 self.conn.send(msg)
             except (EOFError, OSError):
                 self.gone = True
+                continue
             except BaseException:  # e.g. a message that cannot be pickled: its callers would wait forever
                 log.critical("worker sender failed, exiting so callers fail and the worker restarts:\n%s",
                              traceback.format_exc())
                 os._exit(70)
+            self.waits.add(time.perf_counter() - queued)
 
     def close(self) -> None:
         """Flush what is queued, stop the sender and close the connection."""
@@ -159,13 +163,14 @@ class Worker:
         self.prompts: dict[str, RegisteredPrompt] = {}
         self.steps = 0
         self.step_seconds = 0.0
+        self.send_waits = SendWaits()
         self._link_ids = 0
 
     # --- connections ------------------------------------------------------------------------------
     def _take_new_links(self) -> None:
         for conn in self.acceptor.take():
             self._link_ids += 1
-            link = self.links[self._link_ids] = ClientLink(conn, self._link_ids)
+            link = self.links[self._link_ids] = ClientLink(conn, self._link_ids, self.send_waits)
             link.send(p.Ready(self.info))
 
     def drop(self, link: ClientLink) -> None:
@@ -290,6 +295,7 @@ class Worker:
                            total_slots=self.engine.runner.max_num_seqs,
                            preemptions=self.engine.scheduler.num_preemptions, prompts=len(self.prompts),
                            clients=len(self.links), steps=self.steps, step_seconds=self.step_seconds,
+                           messages_sent=self.send_waits.messages, send_seconds=self.send_waits.seconds,
                            loras=self.engine.list_loras())
 
     # --- the loop -----------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ Protocol (the one the anchors in shared/bench were measured with):
 - per request: TTFB (burst submit -> first chunk), wall (submit -> last chunk), audio seconds,
   RTF = wall / audio, playback underruns for a listener who starts at the first chunk (a gap when a
   chunk arrives more than 1 ms after the buffered audio ran out);
-- per burst: throughput = audio seconds generated / burst wall seconds.
+- per burst: throughput = audio seconds generated / burst wall seconds;
+- per concurrency, ours: worker_send_ms_mean, how long the workers' messages (a step's events) waited from being
+  queued for this process to being written to it.
 The JSON keeps the anchor files' keys (results[].ttfb_p50, rtf_mean, throughput_audio_s_per_s, ...) so
 `bench.py compare` reads ours, theirs and the anchors alike. It is rewritten after every concurrency,
 so a run cut off by a time limit still leaves the finished rows ("complete": false).
@@ -163,9 +165,13 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
 
         with tqdm(total=len(a.conc) * (a.iters + 1), desc="bursts", unit="burst", file=sys.stderr) as bar:
             for c in a.conc:
+                sent = await send_waits(pool) if a.engine == "voxcpm-serve" else None
                 row = await bursts(target, lambda it, n: [Req(TEXT, a.patches, {**cond, **lora_of(it * n + i)})
                                                           for i in range(n)], c, a.iters, bar)
                 del row["label"]  # the anchor files' rows have none
+                if sent is not None:  # ours: how long the workers' messages waited from queued to written
+                    messages, seconds = await send_waits(pool)
+                    row["worker_send_ms_mean"] = round(1000 * (seconds - sent[1]) / max(1, messages - sent[0]), 3)
                 doc["results"].append(row)
                 tqdm.write(json.dumps({k: row[k] for k in ("concurrency", "ttfb_p50", "ttfb_p95", "rtf_mean",
                                                          "throughput_audio_s_per_s", "streams_with_underrun",
@@ -175,6 +181,12 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
         await target.stop()
     doc["complete"] = True
     return doc
+
+
+async def send_waits(pool: Any) -> tuple[int, float]:
+    """Our workers' messages written to clients so far and the seconds they waited from queued to written."""
+    stats = [s for s in await pool.stats() if s is not None]
+    return sum(s.messages_sent for s in stats), sum(s.send_seconds for s in stats)
 
 
 def main(argv: list[str]) -> None:
