@@ -20,10 +20,19 @@ except ImportError:  # pragma: no cover - depends on the platform
     HAVE_TRITON = False
 
 if HAVE_TRITON:
+    import triton.language as tl
 
     @triton.jit
     def _probe() -> None:
         """Never launched: its type says whether `triton.jit` is the interpreter's (TRITON_INTERPRET=1)."""
+
+    @triton.jit
+    def row_tile_program(rows, channels, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+        """A VAE row kernel's program (grid: `row_tile`'s row tiles x time blocks): its rows (BLOCK_R, 1) as (row,
+        stream, channel, row mask) and its samples (1, BLOCK)."""
+        bc = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+        return bc, bc // channels, bc % channels, bc < rows, t
 
 
 def interpreted() -> bool:

@@ -22,6 +22,8 @@ if HAVE_TRITON:
     import triton.language as tl
     from triton.language.extra import libdevice
 
+    from engine.ops.platform import row_tile_program
+
     @triton.jit
     def snake_math(x, alpha, FAST_SIN: tl.constexpr):
         """x + sin^2(alpha x) / alpha in fp32 (the official op order)."""
@@ -35,10 +37,7 @@ if HAVE_TRITON:
     def _snake_kernel(x_ptr, alpha_ptr, scale_ptr, shift_ptr, o_ptr, rows, channels, length, stride_b, stride_c,
                       stride_t, HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, FAST_SIN: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
-        bc = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]  # rows: (stream, channel)
-        b, c = bc // channels, bc % channels
-        row_mask = bc < rows
-        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+        bc, b, c, row_mask, t = row_tile_program(rows, channels, BLOCK_R, BLOCK)  # rows: (stream, channel)
         mask = row_mask & (t < length)
         x = tl.load(x_ptr + b * stride_b + c * stride_c + t * stride_t, mask=mask, other=0.0).to(tl.float32)
         if HAS_SCALE:  # a per-channel affine map first (the VAE's sample-rate condition, deferred biases)

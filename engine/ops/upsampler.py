@@ -22,6 +22,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from engine.ops.platform import row_tile_program
     from engine.ops.vae_conv import cat_load, store_context
 
     @triton.jit
@@ -33,13 +34,10 @@ if HAVE_TRITON:
         # the new context (the concat's last ctx frames) is written by the program that read the old one (the first
         # frame block, BLOCK >= ctx): with HAS_SLOTS in place of slot_ptr[b]'s row of the per-slot buffer, else to
         # new_state_ptr's row.
-        bc = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
-        b, c = bc // channels, bc % channels
-        row_mask = bc < rows
+        bc, b, c, row_mask, f = row_tile_program(rows, channels, BLOCK_R, BLOCK)
         x_row = x_ptr + b * stride_xb + c * stride_xc
         s_b = tl.load(slot_ptr + b, mask=row_mask, other=0).to(tl.int64) if HAS_SLOTS else b
         s_row = state_ptr + s_b * stride_sb + c * stride_sc
-        f = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
         v = cat_load(x_row, s_row, f, row_mask & (f < ctx + length), ctx, stride_xt, stride_st, 0.0, 0.0, HAS_STATE,
                       False, False, False)
         tl.store(xin_ptr + (c * batch + b) * frames + f, v.to(xin_ptr.dtype.element_ty), mask=row_mask & (f < frames))
@@ -54,10 +52,7 @@ if HAVE_TRITON:
         """BLOCK_R (batch, channel) rows of a transposed conv from its per-tap products g: element (b, row, frame)
         at b * stride_gb + row * stride_gr + frame, rows ordered (tap, channel): y[t] = bias + sum over taps
         k = t % STRIDE + r * STRIDE of g[b, k * c_out + c, t // STRIDE + ctx - r]."""
-        bc = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
-        b, c = bc // c_out, bc % c_out
-        row_mask = bc < rows
-        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+        bc, b, c, row_mask, t = row_tile_program(rows, c_out, BLOCK_R, BLOCK)
         mask = row_mask & (t < out_len)
         j, m = t % STRIDE, t // STRIDE
         acc = tl.zeros((BLOCK_R, BLOCK), dtype=tl.float32)

@@ -22,6 +22,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from engine.ops.platform import row_tile_program
     from engine.ops.snake import snake_math
 
     @triton.jit
@@ -81,15 +82,12 @@ if HAVE_TRITON:
         # row b's is slot_ptr[b]'s, replaced in place at the end. IN_SNAKE: the residual unit's first Snake applied
         # to x on load (each sample once per tap: recomputing is cheaper than the separate kernel's pass over the
         # activations), the context holds its outputs.
-        bc = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
-        b, c = bc // channels, bc % channels
-        row_mask = bc < rows
+        bc, b, c, row_mask, t = row_tile_program(rows, channels, BLOCK_R, BLOCK)
         x_row = x_ptr + b * stride_xb + c * stride_xc
         s_b = tl.load(slot_ptr + b, mask=row_mask, other=0).to(tl.int64) if HAS_SLOTS else b
         s_row = state_ptr + s_b * stride_sb + c * stride_sc
         in_alpha = tl.load(in_alpha_ptr + c, mask=row_mask, other=1.0).to(tl.float32) if IN_SNAKE else 0.0
         in_shift = tl.load(in_shift_ptr + c, mask=row_mask, other=0.0).to(tl.float32) if IN_SHIFT else 0.0
-        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
         mask = row_mask & (t < length)
         acc = tl.zeros((BLOCK_R, BLOCK), dtype=tl.float32)
         if tl.program_id(1) * BLOCK >= pad:  # past the context, every tap reads x (t + j * dilation - pad >= 0)
