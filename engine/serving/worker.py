@@ -67,9 +67,8 @@ def as_tensor(latents: np.ndarray | bytes | None, feat_dim: int, field_name: str
 class ClientLink:
     """The worker's side of one client connection: its sender thread, and the requests it owns."""
 
-    def __init__(self, conn: Connection, index: int, waits: SendWaits | None = None) -> None:
-        self.conn, self.index = conn, index
-        self.waits = waits or SendWaits()
+    def __init__(self, conn: Connection, index: int, waits: SendWaits) -> None:
+        self.conn, self.index, self.waits = conn, index, waits  # waits: the worker's, shared by its links
         self.requests: dict[str, int] = {}  # request id -> engine seq id
         self.pending: list[p.AudioEvent] = []  # this step's events, sent together
         self.steps_since_sent = 0

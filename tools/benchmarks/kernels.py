@@ -203,6 +203,16 @@ def _grouped_tile(rows, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M
 
 
 @triton.jit
+def _gated_store(o_ptr, acc_g, acc_u, tile_m, tile_n, rows, stride_o, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """silu(gate) * up of a tile's accumulators, each rounded as the GEMM rounds it (`silu_mul`'s op order), stored
+    where its rows exist."""
+    y = silu_mul.silu_mul_math(acc_g.to(o_ptr.dtype.element_ty).to(tl.float32), acc_u.to(o_ptr.dtype.element_ty))
+    out_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(o_ptr + out_m[:, None].to(tl.int64) * stride_o + cols[None, :], y, mask=out_m[:, None] < rows)
+
+
+@triton.jit
 def _gated_gemm_kernel(x_ptr, w_ptr, o_ptr, rows, n, stride_x, stride_o, K: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                        INTERLEAVED: tl.constexpr):
@@ -235,9 +245,7 @@ def _gated_gemm_kernel(x_ptr, w_ptr, o_ptr, rows, n, stride_x, stride_o, K: tl.c
             x_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
-    y = silu_mul.silu_mul_math(acc_g.to(o_ptr.dtype.element_ty).to(tl.float32), acc_u.to(o_ptr.dtype.element_ty))
-    out_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    tl.store(o_ptr + out_m[:, None].to(tl.int64) * stride_o + cols[None, :], y, mask=out_m[:, None] < rows)
+    _gated_store(o_ptr, acc_g, acc_u, tile_m, tile_n, rows, stride_o, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -251,10 +259,7 @@ def _gated_gemm_tma_kernel(x_desc, w_desc, o_ptr, rows, n, stride_o, K: tl.const
         xt = x_desc.load([tile_m * BLOCK_M, k])
         acc = tl.dot(xt, w_desc.load([tile_n * 2 * BLOCK_N, k]).T, acc)
     acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-    y = silu_mul.silu_mul_math(acc_g.to(o_ptr.dtype.element_ty).to(tl.float32), acc_u.to(o_ptr.dtype.element_ty))
-    out_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(o_ptr + out_m[:, None].to(tl.int64) * stride_o + cols[None, :], y, mask=out_m[:, None] < rows)
+    _gated_store(o_ptr, acc_g, acc_u, tile_m, tile_n, rows, stride_o, BLOCK_M, BLOCK_N)
 
 
 # (BLOCK_M, BLOCK_N output columns, BLOCK_K, stages, warps, GROUP_M, weight layout and loads: "two" accumulators over
