@@ -11,6 +11,7 @@
   chunk's gate/up output small enough to stay in L2), with its three parts alone, and the gate/up GEMM with `silu_mul`
   in its epilogue as one Triton GEMM (two accumulators, or one over gate/up-interleaved weight rows, loaded
   by pointers or tensor descriptors) over its tile configurations;
+- vae: the streaming VAE decoder's residual units (tools/benchmarks/kernels_vae.py);
 - barrier: what one of the layer kernel's grid barriers costs (a grid of one or two programs per SM through 84
   barriers, with and without a store and a load of another program's data between them), against a kernel boundary
   in a CUDA graph (84 dependent launches of the same grid).
@@ -46,6 +47,7 @@ from engine.config import TransformerConfig, VoxCPMConfig
 from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
 from engine.ops import dense_attention, layer_stack, linear, norm, silu_mul, skinny_gemm
 from tools.benchmarks.harness import subcommand_parser
+from tools.benchmarks.kernels_vae import bench_vae
 from tools.profiling.step import graph_ms
 
 
@@ -438,7 +440,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--model", required=True, help="checkpoint directory (only its config is read)")
     ap.add_argument("--batch", default="1,8,64,128")
     ap.add_argument("--only", default="attention,gemm,layer",
-                    help="which benchmarks: attention, gemm, layer, barrier, splitk, mlp (with the fused gated GEMM)")
+                    help="which benchmarks: attention, gemm, layer, barrier, splitk, mlp (with the fused gated GEMM), "
+                         "vae")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     cfg = VoxCPMConfig.from_dir(a.model)
@@ -450,6 +453,7 @@ def main(argv: list[str]) -> None:
     layer_rows = bench_layer(cfg, batches, dev, dtype) if "layer" in only else []
     barrier = bench_barrier(dev) if "barrier" in only else {}
     mlp_rows = bench_mlp_chunks(cfg, batches, dev, dtype) if "mlp" in only else []
+    vae_rows = bench_vae(cfg, batches, dev) if "vae" in only else []
     with torch.inference_mode():  # residual_linear splits only without autograd
         splitk_rows = bench_splitk(cfg, batches, dev, dtype) if "splitk" in only else []
     attention = (("DiT", cfg.dit, dit_rows(cfg) // 2, 2), ("LocEnc", cfg.encoder, cfg.patch_size + 1, 1))
@@ -478,6 +482,7 @@ def main(argv: list[str]) -> None:
                          "num_warps": dense_attention.DENSE_ATTENTION_WARPS, "stacked": True, "us": round(auto, 2)})
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows, "gemm": gemm_rows,
-              "layer": layer_rows, "barrier": barrier, "splitk": splitk_rows, "mlp": mlp_rows}
+              "layer": layer_rows, "barrier": barrier, "splitk": splitk_rows, "mlp": mlp_rows,
+              "vae": vae_rows}
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
