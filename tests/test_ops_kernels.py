@@ -242,10 +242,11 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
 
     def dwconv_snake(dtype: torch.dtype) -> float:
         errs = []
-        # 11 channels at 140 samples: rows packed into two programs by three time blocks (packed tiling)
+        # 11 channels at 140 samples: rows packed into two programs (packed tiling); 1100 samples: two time blocks
+        # (only the first reads the context)
         for seed, (length, dilation, streaming, channels) in enumerate((
                 (5, 3, True, 6), (80, 3, True, 6), (20, 1, True, 6), (30, 9, True, 6), (40, 9, False, 6),
-                (4, 1, False, 6), (140, 9, True, 11), (140, 9, False, 11))):
+                (4, 1, False, 6), (140, 9, True, 11), (140, 9, False, 11), (1100, 9, True, 3))):
             pad = 6 * dilation
             x = rand(2, channels, length + 9, dtype=dtype, seed=20 + seed)[..., 4:length + 4]  # strided view
             alpha = rand(1, channels, 1, dtype=dtype, seed=30 + seed).abs() + 0.2

@@ -72,45 +72,64 @@ if HAVE_TRITON:
             tl.store(new_row + i, tail.to(new_row.dtype.element_ty), mask=pmask)
 
     @triton.jit
+    def conv_finish(acc, c, row_mask, bias_ptr, alpha_ptr, out_dtype, HAS_BIAS: tl.constexpr,
+                    OUT_SNAKE: tl.constexpr, FAST_SIN: tl.constexpr):
+        """The conv's accumulator + bias, then Snake of it rounded to the output dtype (the eager order)."""
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + c, mask=row_mask, other=0.0).to(tl.float32)
+        if OUT_SNAKE:
+            acc = snake_math(acc.to(out_dtype).to(tl.float32),
+                             tl.load(alpha_ptr + c, mask=row_mask, other=1.0).to(tl.float32), FAST_SIN)
+        return acc.to(out_dtype)
+
+    @triton.jit
     def _dwconv_kernel(x_ptr, state_ptr, slot_ptr, w_ptr, bias_ptr, alpha_ptr, in_alpha_ptr, in_shift_ptr, y_ptr,
-                       new_state_ptr, rows, channels, length, pad, dilation, stride_xb, stride_xc, stride_xt,
-                       stride_sb, stride_sc, stride_st, K: tl.constexpr, HAS_STATE: tl.constexpr,
+                       new_state_ptr, rows, channels, length, stride_xb, stride_xc, stride_xt, stride_sb, stride_sc,
+                       stride_st, K: tl.constexpr, DILATION: tl.constexpr, HAS_STATE: tl.constexpr,
                        HAS_SLOTS: tl.constexpr, HAS_BIAS: tl.constexpr, IN_SNAKE: tl.constexpr,
                        IN_SHIFT: tl.constexpr, OUT_SNAKE: tl.constexpr, FAST_SIN: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
         # A program: BLOCK_R rows (stream, channel) by BLOCK samples. HAS_SLOTS: state holds every slot's context;
         # row b's is slot_ptr[b]'s, replaced in place at the end. IN_SNAKE: the residual unit's first Snake applied
         # to x on load (each sample once per tap: recomputing is cheaper than the separate kernel's pass over the
-        # activations), the context holds its outputs.
+        # activations), the context holds its outputs. The dilation is a constant: each tap's offset is known to
+        # the compiler (a runtime dilation made the taps' loads ~1.4x slower at a B=128 step's shapes).
+        PAD: tl.constexpr = (K - 1) * DILATION
         bc, b, c, row_mask, t = row_tile_program(rows, channels, BLOCK_R, BLOCK)
         x_row = x_ptr + b * stride_xb + c * stride_xc
-        s_b = tl.load(slot_ptr + b, mask=row_mask, other=0).to(tl.int64) if HAS_SLOTS else b
-        s_row = state_ptr + s_b * stride_sb + c * stride_sc
         in_alpha = tl.load(in_alpha_ptr + c, mask=row_mask, other=1.0).to(tl.float32) if IN_SNAKE else 0.0
         in_shift = tl.load(in_shift_ptr + c, mask=row_mask, other=0.0).to(tl.float32) if IN_SHIFT else 0.0
         mask = row_mask & (t < length)
+        first = tl.program_id(1) * BLOCK < PAD  # the row's first block: its first PAD outputs read the context
         acc = tl.zeros((BLOCK_R, BLOCK), dtype=tl.float32)
-        if tl.program_id(1) * BLOCK >= pad:  # past the context, every tap reads x (t + j * dilation - pad >= 0)
+        for j in tl.static_range(K):  # the outputs whose every tap reads x (t + j * dilation - PAD >= 0)
+            i = t + (j * DILATION - PAD)
+            acc += tl.load(w_ptr + c * K + j, mask=row_mask, other=0.0).to(tl.float32) * x_load(
+                x_row, i, mask & (i >= 0), stride_xt, in_alpha, in_shift, IN_SNAKE, IN_SHIFT, FAST_SIN)
+        out = conv_finish(acc, c, row_mask, bias_ptr, alpha_ptr, y_ptr.dtype.element_ty, HAS_BIAS, OUT_SNAKE,
+                          FAST_SIN)
+        tl.store(y_ptr + bc * length + t, out, mask=mask & (t >= PAD))
+        if first:  # only this program of the rows reads the old context, then replaces it
+            s_b = tl.load(slot_ptr + b, mask=row_mask, other=0).to(tl.int64) if HAS_SLOTS else b
+            s_row = state_ptr + s_b * stride_sb + c * stride_sc
+            # the first PAD outputs: taps before x read the context (or the zero padding)
+            th = tl.arange(0, BLOCK_P)[None, :]
+            head_mask = row_mask & (th < PAD) & (th < length)
+            head = tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
             for j in tl.static_range(K):
-                acc += tl.load(w_ptr + c * K + j, mask=row_mask, other=0.0).to(tl.float32) * x_load(
-                    x_row, t + j * dilation - pad, mask, stride_xt, in_alpha, in_shift, IN_SNAKE, IN_SHIFT, FAST_SIN)
-        else:  # the first block: taps before x read the context (or the zero padding)
-            for j in tl.static_range(K):
-                acc += tl.load(w_ptr + c * K + j, mask=row_mask, other=0.0).to(tl.float32) * cat_load(
-                    x_row, s_row, t + j * dilation, mask, pad, stride_xt, stride_st, in_alpha, in_shift, HAS_STATE,
-                    IN_SNAKE, IN_SHIFT, FAST_SIN)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + c, mask=row_mask, other=0.0).to(tl.float32)
-        if OUT_SNAKE:  # the Snake after the conv, on the conv's output rounded to its dtype (the eager order)
-            acc = snake_math(acc.to(y_ptr.dtype.element_ty).to(tl.float32),
-                             tl.load(alpha_ptr + c, mask=row_mask, other=1.0).to(tl.float32), FAST_SIN)
-        tl.store(y_ptr + bc * length + t, acc.to(y_ptr.dtype.element_ty), mask=mask)
-        if tl.program_id(1) == 0:  # only this program of the rows reads the old context (one time block, or >= pad)
-            store_context(x_row, s_row, new_state_ptr + bc * pad, row_mask, length, pad, stride_xt, stride_st,
+                head += tl.load(w_ptr + c * K + j, mask=row_mask, other=0.0).to(tl.float32) * cat_load(
+                    x_row, s_row, th + j * DILATION, head_mask, PAD, stride_xt, stride_st, in_alpha, in_shift,
+                    HAS_STATE, IN_SNAKE, IN_SHIFT, FAST_SIN)
+            head_out = conv_finish(head, c, row_mask, bias_ptr, alpha_ptr, y_ptr.dtype.element_ty, HAS_BIAS,
+                                   OUT_SNAKE, FAST_SIN)
+            tl.store(y_ptr + bc * length + th, head_out, mask=head_mask)
+            store_context(x_row, s_row, new_state_ptr + bc * PAD, row_mask, length, PAD, stride_xt, stride_st,
                            in_alpha, in_shift, HAS_STATE, HAS_SLOTS, IN_SNAKE, IN_SHIFT, FAST_SIN, BLOCK_P)
 
 
-DWCONV_TIME_BLOCK = 64  # the depthwise conv's samples a row in a program (past a row's first block: no context reads)
+# The depthwise conv's most samples a row in a program: long rows, one a program, were the fastest tiling at a B=128
+# step's shapes (H200: 104-114 us against 114-139 for 64-sample blocks of 16 rows, the same kernel).
+DWCONV_TIME_BLOCK = platform.MAX_TIME_BLOCK
 DWCONV_CONTEXT_TILE = 4096  # at most rows x BLOCK_P new-context elements a program: no spills for sm_90 at 4096
 
 
@@ -165,8 +184,9 @@ def causal_depthwise_conv_triton(x: torch.Tensor, state: torch.Tensor | None, we
     in_place = slots is not None
     new_state = source if in_place else torch.empty((b, c, pad), dtype=x.dtype, device=x.device)
     if b and c:
-        # Time blocks of at least the context (or the whole row): only a row's first block takes the context's
-        # slower loads. The rows a program also bound its new-context tile (rows x BLOCK_P).
+        # Time blocks of at least the context (or the whole row): only a row's first block reads the context (for
+        # its first PAD outputs, a tile of their own). The rows a program also bound that tile and the new context's
+        # (rows x BLOCK_P).
         block_p = triton.next_power_of_2(max(pad, 1))
         block_rows, block = row_tile(b * c, t, max(DWCONV_TIME_BLOCK, block_p))
         block_rows = max(1, min(block_rows, DWCONV_CONTEXT_TILE // block_p))
@@ -176,8 +196,8 @@ def causal_depthwise_conv_triton(x: torch.Tensor, state: torch.Tensor | None, we
         _dwconv_kernel[(triton.cdiv(b * c, block_rows), max(1, triton.cdiv(t, block)))](
             x, source, slots if in_place else w, w, bias if bias is not None else w,
             out_alpha.reshape(-1) if out_alpha is not None else w, in_alpha.reshape(-1) if in_alpha is not None else w,
-            in_shift if in_shift is not None else w, y, new_state, b * c, c, t, pad, dilation, *x.stride(),
-            *state_strides, K=k, HAS_STATE=state is not None, HAS_SLOTS=in_place,
+            in_shift if in_shift is not None else w, y, new_state, b * c, c, t, *x.stride(), *state_strides, K=k,
+            DILATION=dilation, HAS_STATE=state is not None, HAS_SLOTS=in_place,
             HAS_BIAS=bias is not None, IN_SNAKE=in_alpha is not None, IN_SHIFT=in_shift is not None,
             OUT_SNAKE=out_alpha is not None, FAST_SIN=fast_sin(), BLOCK_R=block_rows, BLOCK=block,
             BLOCK_P=block_p, num_warps=4)
