@@ -72,6 +72,10 @@ class EngineOptions:
                             "GEMM leaves most SMs idle, the partials summed by the add + RMSNorm after them.")
     skinny_rows: int = _option("VOXCPM_SKINNY_ROWS", 64, lambda v: min(64, _rows(v)), "Rows up to which the gate/up "
                                "projection runs as the Triton GEMM with the SiLU gate fused (0: cuBLAS + SiLU).")
+    gated_gemm_min_rows: int = _option("VOXCPM_GATED_GEMM_MIN_ROWS", 0, _rows, "Rows from which the DiT's gate/up "
+                                       "projection and its SiLU gate run as one Triton GEMM over an interleaved "
+                                       "copy of the weight (engine.ops.gated_gemm; the copy costs the DiT's gate/up "
+                                       "weights again, unquantised models only); 0: off (cuBLAS + silu_mul).")
     gemv_max_rows: int = _option("VOXCPM_GEMV_MAX_ROWS", 1, _rows, "Activation rows up to which a bias-free "
                                  "projection runs on the weight-streaming GEMV kernel (0: cuBLAS / skinny).")
     pdl: bool = _option("VOXCPM_PDL", True, _flag, "Programmatic dependent launch for the one-row LM chain.")
@@ -154,13 +158,14 @@ class EngineOptions:
 
     def batch_invariant_kernels(self) -> EngineOptions:
         """These options with every CUDA kernel choice made by the batch turned off (batch_invariant on a GPU): the
-        one-row GEMV and the skinny GEMM (projections run as fixed-shape tiles instead), split-K partials, the paged
-        attention's key splits (and the decode kernel's rotary and K/V write that come with them), the local modules'
-        layer kernel (taken up to a row count), the LoRA kernels (one kernel for a few rows, another for more) and
-        merged-adapter steps (merged or not by the batch's adapters); the FP8 GEMM (quantization='fp8') then runs at
-        every row count, in fixed-shape tiles like the other GEMMs, instead of from a row count on."""
-        return dataclasses.replace(self, gemv_max_rows=0, skinny_rows=0, split_k=False, attn_split_keys=0,
-                                   layer_kernel="off", lora_kernel=False, lora_merged_steps=False, fp8_min_rows=1)
+        one-row GEMV, the skinny GEMM and the gated GEMM (projections run as fixed-shape tiles instead), split-K
+        partials, the paged attention's key splits (and the decode kernel's rotary and K/V write that come with them),
+        the local modules' layer kernel (taken up to a row count), the LoRA kernels (one kernel for a few rows, another
+        for more) and merged-adapter steps (merged or not by the batch's adapters); the FP8 GEMM (quantization='fp8')
+        then runs at every row count, in fixed-shape tiles like the other GEMMs, instead of from a row count on."""
+        return dataclasses.replace(self, gemv_max_rows=0, skinny_rows=0, gated_gemm_min_rows=0, split_k=False,
+                                   attn_split_keys=0, layer_kernel="off", lora_kernel=False, lora_merged_steps=False,
+                                   fp8_min_rows=1)
 
     @property
     def layer_prefetch_bytes(self) -> int:

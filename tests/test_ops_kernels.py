@@ -491,6 +491,41 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         assert spy.call_count == 1, "linear.silu_gate_linear did not take the skinny kernel"
         return max(errs)
 
+    def gated_gemm(dtype: torch.dtype) -> float:
+        """The gate/up GEMM with the SiLU gate in its epilogue (`engine.ops.gated_gemm`) against F.linear + SiLU * up:
+        one partial row tile (the default tiles), 100 rows of a 3-d strided input in small tiles (row tiles grouped,
+        several column tiles); and taken by `linear.silu_gate_linear` from EngineOptions.gated_gemm_min_rows rows where
+        the weight has its interleaved companion (16-bit weights: `attach_gated_gemm` leaves fp32 ones without)."""
+        from engine.config import TransformerConfig
+        from engine.models.minicpm import MLP, attach_gated_gemm
+        from engine.ops import gated_gemm as gated_ops
+        from engine.ops import linear, platform
+
+        def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            gate, up = F.linear(x, w).chunk(2, dim=-1)
+            return F.silu(gate) * up
+
+        errs = []
+        w = rand(256, 64, dtype=dtype, seed=25) * 0.125
+        x = rand(7, 64, dtype=dtype, seed=26)
+        errs.append(relative_error(gated_ops.gated_gemm(x, gated_ops.interleave(w)), reference(x, w)))
+        x3 = rand(4, 25, 80, dtype=dtype, seed=27)[..., 8:72]  # rows with a stride of 80
+        small = (16, 32, 32, 2, 4, 2)
+        errs.append(relative_error(gated_ops.gated_gemm(x3, gated_ops.interleave(w), small), reference(x3, w)))
+        mlp = MLP(TransformerConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                    num_hidden_layers=1, rms_norm_eps=1e-6)).to(device, dtype)
+        mlp.fuse_projections()
+        assert attach_gated_gemm(mlp) == (dtype != torch.float32)
+        if dtype != torch.float32:
+            x = rand(100, 64, dtype=dtype, seed=28)
+            with mock.patch.object(platform, "kernels", platform.usable), options.override(gated_gemm_min_rows=80), \
+                    mock.patch.object(gated_ops, "gated_gemm", wraps=gated_ops.gated_gemm) as spy:
+                errs.append(relative_error(linear.silu_gate_linear(x, mlp.gate_up_weight),
+                                           reference(x, mlp.gate_up_weight)))
+                linear.silu_gate_linear(x[:70], mlp.gate_up_weight)  # below the rows: not this kernel
+            assert spy.call_count == 1, f"the gated GEMM served {spy.call_count} of 2 calls, not 1"
+        return max(errs)
+
     def dense_layer_stack(dtype: torch.dtype) -> float:
         """A local module's stack as layer kernels (`engine.ops.layer_stack`) against its eager layers: with and without
         rotary and muP scale, 1-2 sequences, and taken by MiniCPM.forward where the kernels serve the tensor. On CUDA
@@ -588,7 +623,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             "rotary_store_kv": rotary_store_kv, "dispatch": dispatch, "dense_attention": dense,
             "snake": snake, "dwconv_snake": dwconv_snake, "residual_unit": residual_unit,
             "conv_transpose": conv_transpose, "vae_decoder": vae_decoder, "cfg_euler": cfg_euler, "dit_step": dit_step,
-            "dense_layer_stack": dense_layer_stack, "lora": lora, "fp8_weights": fp8_weights}
+            "gated_gemm": gated_gemm, "dense_layer_stack": dense_layer_stack, "lora": lora, "fp8_weights": fp8_weights}
 
 
 def _interpreter_main(shard: int = 0, shards: int = 1) -> None:
@@ -614,7 +649,7 @@ def interpreter_results() -> dict[str, float]:
 
 CASES = ("add_rms_norm", "silu_mul", "skinny_matmul", "gemv", "rotary_qk", "rotary_store_kv", "dispatch",
          "dense_attention", "snake", "dwconv_snake", "residual_unit", "conv_transpose", "vae_decoder", "cfg_euler",
-         "dit_step", "dense_layer_stack", "lora", "fp8_weights")
+         "dit_step", "gated_gemm", "dense_layer_stack", "lora", "fp8_weights")
 CASE_NAMES = [f"{c}-{d}" for c in CASES for d in INTERPRETED]
 
 

@@ -57,7 +57,7 @@ def rel_err(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 
 
 def variants(model: LoadedModel, device: str, reqs: list[dict], max_model_len: int,
-             pipelined: bool = False) -> dict[str, list[np.ndarray]]:
+             pipelined: bool = False, gated: bool = False) -> dict[str, list[np.ndarray]]:
     out = {}
     runs = [("eager torch", "torch", True, False, "32"), ("eager triton", "triton", True, False, "32"),
             ("graph triton", "triton", False, False, "32"), ("graph torch", "torch", False, False, "32")]
@@ -69,13 +69,16 @@ def variants(model: LoadedModel, device: str, reqs: list[dict], max_model_len: i
         runs.append(("graph triton, pipelined, VAE behind from bucket 4", "triton", False, True, "4"))
     for run_args in runs:
         out.update(_variant(model, device, reqs, max_model_len, *run_args))
+    if gated:  # the DiT's gate/up as the gated GEMM from its first row (16-bit weights: their interleaved copies)
+        out.update(_variant(model, device, reqs, max_model_len, "graph triton, gated GEMM", "triton", False, False,
+                            "32", gated_gemm_min_rows=1))
     return out
 
 
 def _variant(model: LoadedModel, device: str, reqs: list[dict], max_model_len: int, name: str, backend: str,
-             eager: bool, pipeline: bool, overlap_min_batch: str) -> dict[str, list[np.ndarray]]:
+             eager: bool, pipeline: bool, overlap_min_batch: str, **options: object) -> dict[str, list[np.ndarray]]:
     out = {}
-    opts = dataclasses.replace(EngineOptions.from_env(), vae_overlap_min_batch=int(overlap_min_batch))
+    opts = dataclasses.replace(EngineOptions.from_env(), vae_overlap_min_batch=int(overlap_min_batch), **options)
     eng = LLMEngine(model, EngineConfig(max_num_seqs=8, max_model_len=max_model_len, num_kv_blocks=512,
                                         enforce_eager=eager, attention_backend=backend,
                                         pipeline_decode=pipeline, options=opts), device=device)
@@ -117,13 +120,15 @@ def check_full(path: Path, table: list[tuple[str, float, float]]) -> LoadedModel
     torch.backends.cudnn.allow_tf32 = True
     model = load_model(path, "cuda", max_positions=1024)
     # One patch: kernels differ, the autoregressive loop has not amplified anything yet.
-    first = variants(model, "cuda", requests(model, 1), 1024)
+    first = variants(model, "cuda", requests(model, 1), 1024, gated=True)
     table.append(("full bf16, 1 patch: eager triton vs eager torch",
                   rel_err(first["eager triton"], first["eager torch"]), 2e-2))
     table.append(("full bf16, 1 patch: graph triton vs eager torch",
                   rel_err(first["graph triton"], first["eager torch"]), 2e-2))
     table.append(("full bf16, 1 patch: graph triton batched vs alone",
                   rel_err(first["graph triton"], first["graph triton, alone"]), 2e-2))
+    table.append(("full bf16, 1 patch: gated GEMM vs eager torch",
+                  rel_err(first["graph triton, gated GEMM"], first["eager torch"]), 2e-2))
     return model
 
 

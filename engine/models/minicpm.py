@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.config import TransformerConfig
-from engine.ops import fp8, layer_stack, linear, platform
+from engine.ops import fp8, gated_gemm, layer_stack, linear, platform
 from engine.ops.dense_attention import dense_attention as dense_attention_op
 from engine.ops.linear import residual_linear
 from engine.ops.lora import LoRAContext, add_lora, add_lora_qkv
@@ -175,6 +175,19 @@ def fuse_projections(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, MiniCPM):
             m.stack_layer_weights()
+
+
+def attach_gated_gemm(module: nn.Module) -> int:
+    """Give the fused gate/up weight of every MLP under `module` (after `fuse_projections`) the interleaved companion
+    the gated GEMM reads (`engine.ops.gated_gemm`), where its tiles divide the weight; idempotent. Returns how many
+    weights have one."""
+    count = 0
+    for m in module.modules():
+        if isinstance(m, MLP) and m.gate_up_weight is not None and gated_gemm.shape_ok(m.gate_up_weight):
+            if gated_gemm.companion_of(m.gate_up_weight) is None:
+                gated_gemm.attach(m.gate_up_weight)
+            count += 1
+    return count
 
 
 _NOT_YET = object()  # a model no engine has served yet (its `quantization` attribute unset)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.ops import fp8, gemv, platform, silu_mul, skinny_gemm
+from engine.ops import fp8, gated_gemm, gemv, platform, silu_mul, skinny_gemm
 from engine.options import current
 
 
@@ -42,13 +42,16 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False,
 def silu_gate_linear(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for the fused [gate; up] weight (2I, K): for a few rows on CUDA one
     weight-streaming kernel with the gated product in its epilogue (where it beats cuBLAS + `silu_mul`; the other
-    projections stay on cuBLAS, which the same kernel did not beat), else the GEMM and `silu_mul`."""
+    projections stay on cuBLAS, which the same kernel did not beat), for many rows where the weight has an interleaved
+    companion the GEMM with the gate in its epilogue (`gated_gemm`), else the GEMM and `silu_mul`."""
     if (quantized := fp8.companion(x, gate_up_weight)) is not None:
         gate_up = fp8.fp8_linear(x, quantized)
     elif platform.kernels(x) and (out := _gemv(x, gate_up_weight, silu_gate=True)) is not None:
         return out
     elif platform.kernels(x) and skinny_gemm.skinny_supported(x, gate_up_weight, silu_gate=True):
         return skinny_gemm.skinny_matmul(x, gate_up_weight, silu_gate=True)
+    elif (interleaved := gated_gemm.companion(x, gate_up_weight)) is not None:
+        return gated_gemm.gated_gemm(x, interleaved)
     else:
         gate_up = F.linear(x, gate_up_weight)
     gate, up = gate_up.chunk(2, dim=-1)

@@ -20,7 +20,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.engine_config import EngineConfig
 from engine.io.checkpoint import LoadedModel
-from engine.models.minicpm import fuse_projections, quantize_projections
+from engine.models.minicpm import attach_gated_gemm, fuse_projections, quantize_projections
 from engine.ops import layer_stack
 from engine.options import current
 from engine.runner.attention import PagedKVCache, select_backend
@@ -70,6 +70,8 @@ class ModelRunner:
         if device.type == "cuda" and opts.fuse:
             fuse_projections(model.backbone)
             layer_stack.prepare(device)  # the layer kernels' barrier counters, before any graph capture
+            if opts.gated_gemm_min_rows and not config.quantization:  # only the DiT's MLPs reach such rows
+                attach_gated_gemm(model.backbone.feat_decoder)
         # FP8 weights after the merged adapter, fusing and stacking; before runtime adapters' base copies and capture.
         quantized = quantize_projections(model.backbone, config.quantization, device)
         if config.quantization:
@@ -110,8 +112,7 @@ class ModelRunner:
         self.buffers: DecodeBuffers | None = None
         self.prefill_buffers: PrefillBuffers | None = None
         self.step_graphs = StepGraphs(device)
-        # Its graphs and timings by the names the engine and the tools read (the same dicts: they are cleared, never
-        # replaced).
+        # Its graphs and timings by the names the engine and the tools read (the same dicts: cleared, never replaced).
         self.graphs, self.term_graphs = self.step_graphs.decode, self.step_graphs.decode_terms
         self.prefill_graphs, self.prefill_term_graphs = self.step_graphs.prefill, self.step_graphs.prefill_terms
         self.capture_times = self.step_graphs.capture_times

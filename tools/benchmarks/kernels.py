@@ -9,8 +9,7 @@
   split-K partials of `linear.residual_linear` (2 and 4 slices of K) and what `linear.residual_splits` picks;
 - mlp: the DiT's MLP (gate/up GEMM, `silu_mul`, down GEMM) at each batch's rows, whole and in 2-8 row chunks (each
   chunk's gate/up output small enough to stay in L2), with its three parts alone, and the gate/up GEMM with `silu_mul`
-  in its epilogue as one Triton GEMM (two accumulators, or one over gate/up-interleaved weight rows, loaded
-  by pointers or tensor descriptors) over its tile configurations;
+  in its epilogue as one Triton GEMM (`engine.ops.gated_gemm`) over its tile configurations;
 - vae: the streaming VAE decoder's residual units (tools/benchmarks/kernels_vae.py);
 - barrier: what one of the layer kernel's grid barriers costs (a grid of one or two programs per SM through 84
   barriers, with and without a store and a load of another program's data between them), against a kernel boundary
@@ -19,7 +18,8 @@
 side branch while the GEMM before runs, 2-16x slower (d3fa620); programmatic dependent launch of the DiT's kernels,
 with and without an L2 prefetch of each GEMM's weights before it waits, never faster than plain launches (f5283e3);
 a split-K Triton GEMM with a deterministic last-arrival reduction at the DiT's 88-352 rows, 6-60% slower than cuBLAS
-at every shape (9842888).)
+at every shape (9842888); the gated GEMM with two accumulators over [gate; up] (H200: 1-3% slower than one over
+interleaved rows) or reading its interleaved tiles by tensor descriptors (no faster) (6dfd008).)
 Times come from CUDA events over CUDA-graph replays (launch cost excluded, as inside the captured step); the
 GEMMs cycle through enough weight copies that each call reads its weight from HBM, not from L2.
 
@@ -45,7 +45,7 @@ import triton.language as tl
 from engine import options
 from engine.config import TransformerConfig, VoxCPMConfig
 from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
-from engine.ops import dense_attention, layer_stack, linear, norm, silu_mul, skinny_gemm
+from engine.ops import dense_attention, gated_gemm, layer_stack, linear, norm, silu_mul, skinny_gemm
 from tools.benchmarks.harness import subcommand_parser
 from tools.benchmarks.kernels_vae import bench_vae
 from tools.profiling.step import graph_ms
@@ -166,7 +166,7 @@ def bench_mlp_chunks(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, d
     h, f = cfg.dit.hidden_size, cfg.dit.intermediate_size
     gate_up = torch.randn(2 * f, h, device=dev, dtype=dtype) * h ** -0.5
     down = torch.randn(h, f, device=dev, dtype=dtype) * f ** -0.5
-    interleaved = interleave_gate_up(gate_up)
+    interleaved = gated_gemm.interleave(gate_up)
     rows = []
     for b in batches:
         m = b * dit_rows(cfg)
@@ -184,128 +184,18 @@ def bench_mlp_chunks(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, d
         row["gate_up_silu_mul_us"] = round(replay_us(lambda x=x: silu_mul.silu_mul(*F.linear(x, gate_up).chunk(2, -1))),
                                            2)
         for config in GATED_GEMM_CONFIGS:
-            weight = gate_up if config[-1] == "two" else interleaved
-            err = (gated_gemm(x, weight, config).float() - gated.float()).abs().max().item()
-            row[f"gated_gemm_{'x'.join(map(str, config[:-1]))}_{config[-1]}"] = {
-                "us": round(replay_us(partial(gated_gemm, x, weight, config)), 2), "max_abs_err": err}
+            err = (gated_gemm.gated_gemm(x, interleaved, config).float() - gated.float()).abs().max().item()
+            row[f"gated_gemm_{'x'.join(map(str, config))}"] = {
+                "us": round(replay_us(partial(gated_gemm.gated_gemm, x, interleaved, config)), 2), "max_abs_err": err}
         rows.append(row)
         print("mlp:", json.dumps(row), flush=True)
     return rows
 
 
-@triton.jit
-def _grouped_tile(rows, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's (row tile, column tile): GROUP_M row tiles sweep the columns together (weight tiles shared in
-    L2)."""
-    pid = tl.program_id(0)
-    row_tiles, col_tiles = tl.cdiv(rows, BLOCK_M), n // BLOCK_N
-    first = pid // (GROUP_M * col_tiles) * GROUP_M
-    size = min(row_tiles - first, GROUP_M)
-    return first + (pid % (GROUP_M * col_tiles)) % size, (pid % (GROUP_M * col_tiles)) // size
-
-
-@triton.jit
-def _gated_store(o_ptr, acc_g, acc_u, tile_m, tile_n, rows, stride_o, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """silu(gate) * up of a tile's accumulators, each rounded as the GEMM rounds it (`silu_mul`'s op order), stored
-    where its rows exist."""
-    y = silu_mul.silu_mul_math(acc_g.to(o_ptr.dtype.element_ty).to(tl.float32), acc_u.to(o_ptr.dtype.element_ty))
-    out_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(o_ptr + out_m[:, None].to(tl.int64) * stride_o + cols[None, :], y, mask=out_m[:, None] < rows)
-
-
-@triton.jit
-def _gated_gemm_kernel(x_ptr, w_ptr, o_ptr, rows, n, stride_x, stride_o, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       INTERLEAVED: tl.constexpr):
-    # Output tile (BLOCK_M rows, BLOCK_N columns) of silu(x gate^T) * (x up^T). The gate and up weight tiles of the
-    # same columns go into two accumulators; INTERLEAVED: the weight's rows are (gate_i, up_i) pairs, one accumulator
-    # twice as wide is split in the epilogue (each thread holds both of a pair).
-    tile_m, tile_n = _grouped_tile(rows, n, BLOCK_M, BLOCK_N, GROUP_M)
-    m = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)) % rows  # the last tile's extra rows repeat real ones: no masks
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    kk = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + m[:, None].to(tl.int64) * stride_x + kk[None, :]
-    if INTERLEAVED:
-        w_rows = tile_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
-        w_ptrs = w_ptr + w_rows[None, :].to(tl.int64) * K + kk[:, None]
-        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        for _ in range(0, K, BLOCK_K):
-            acc = tl.dot(tl.load(x_ptrs), tl.load(w_ptrs), acc)
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-    else:
-        g_ptrs = w_ptr + cols[None, :].to(tl.int64) * K + kk[:, None]
-        u_ptrs = g_ptrs + n.to(tl.int64) * K  # the up rows follow the gate rows
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(0, K, BLOCK_K):
-            xt = tl.load(x_ptrs)
-            acc_g = tl.dot(xt, tl.load(g_ptrs), acc_g)
-            acc_u = tl.dot(xt, tl.load(u_ptrs), acc_u)
-            x_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
-    _gated_store(o_ptr, acc_g, acc_u, tile_m, tile_n, rows, stride_o, BLOCK_M, BLOCK_N)
-
-
-@triton.jit
-def _gated_gemm_tma_kernel(x_desc, w_desc, o_ptr, rows, n, stride_o, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # `_gated_gemm_kernel`'s INTERLEAVED tiles, read by the tensor memory accelerator (host tensor descriptors; rows
-    # past the end read as zeros).
-    tile_m, tile_n = _grouped_tile(rows, n, BLOCK_M, BLOCK_N, GROUP_M)
-    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        xt = x_desc.load([tile_m * BLOCK_M, k])
-        acc = tl.dot(xt, w_desc.load([tile_n * 2 * BLOCK_N, k]).T, acc)
-    acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-    _gated_store(o_ptr, acc_g, acc_u, tile_m, tile_n, rows, stride_o, BLOCK_M, BLOCK_N)
-
-
-# (BLOCK_M, BLOCK_N output columns, BLOCK_K, stages, warps, GROUP_M, weight layout and loads: "two" accumulators over
-# [gate; up], "interleaved" (gate_i, up_i) rows and one accumulator, "tma": interleaved through tensor descriptors)
-GatedGemmConfig = tuple[int, int, int, int, int, int, str]
-GATED_GEMM_CONFIGS: list[GatedGemmConfig] = [
-    *((128, 128, 64, 3, 8, 8, v) for v in ("two", "interleaved", "tma")),
-    *((128, 128, 64, 4, 8, 8, v) for v in ("two", "interleaved", "tma")),
-    *((128, 64, 64, 4, 4, 8, v) for v in ("two", "interleaved", "tma")),
-    *((128, 64, 64, 5, 8, 8, v) for v in ("two", "interleaved", "tma")),
-    *((256, 64, 64, 3, 8, 8, v) for v in ("two", "interleaved", "tma")),
-    *((128, 128, 32, 5, 8, 8, v) for v in ("two", "interleaved", "tma")),
-    (64, 128, 64, 4, 4, 8, "two"), (128, 128, 64, 3, 8, 16, "two"), (64, 64, 64, 5, 4, 8, "two"),
-    (64, 128, 64, 4, 4, 8, "tma"), (128, 128, 64, 3, 8, 16, "tma")]
-
-
-def interleave_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
-    """The fused [gate; up] weight (2N, K) with its rows as (gate_i, up_i) pairs, for `gated_gemm`'s interleaved
-    layouts."""
-    two_n, k_dim = gate_up.shape
-    return gate_up.view(2, two_n // 2, k_dim).transpose(0, 1).reshape(two_n, k_dim)
-
-
-def gated_gemm(x: torch.Tensor, gate_up: torch.Tensor, config: GatedGemmConfig) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T) for the fused [gate; up] weight (for the config's interleaved layouts, that
-    weight through `interleave_gate_up`) as one Triton GEMM: a candidate measured against cuBLAS + `silu_mul`, not
-    the engine's, rounded as the GEMM and `silu_mul` round it."""
-    block_m, block_n, block_k, stages, warps, group, layout = config
-    rows, k_dim = x.shape
-    n = gate_up.shape[0] // 2
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(rows, block_m) * (n // block_n),)
-    if layout == "tma":
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        _gated_gemm_tma_kernel[grid](
-            TensorDescriptor.from_tensor(x, [block_m, block_k]), TensorDescriptor.from_tensor(
-                gate_up, [2 * block_n, block_k]), out, rows, n, out.stride(0), K=k_dim, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group, num_stages=stages, num_warps=warps)
-        return out
-    _gated_gemm_kernel[grid](
-        x, gate_up, out, rows, n, x.stride(0), out.stride(0), K=k_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, GROUP_M=group, INTERLEAVED=layout == "interleaved", num_stages=stages, num_warps=warps)
-    return out
+# the gated GEMM's tiles swept (engine.ops.gated_gemm.GatedGemmConfig); its default is the first
+GATED_GEMM_CONFIGS: list[gated_gemm.GatedGemmConfig] = [
+    gated_gemm.DEFAULT_CONFIG, (128, 128, 64, 4, 8, 8), (128, 64, 64, 4, 4, 8), (128, 64, 64, 5, 8, 8),
+    (256, 64, 64, 3, 8, 8), (128, 128, 32, 5, 8, 8), (128, 128, 64, 3, 8, 16)]
 
 
 def _mlp_in_chunks(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, out: torch.Tensor, chunks: int) -> None:
