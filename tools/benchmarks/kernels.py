@@ -10,7 +10,11 @@
 - mlp: the DiT's MLP (gate/up GEMM, `silu_mul`, down GEMM) at each batch's rows, whole and in 2-8 row chunks (each
   chunk's gate/up output small enough to stay in L2), with its three parts alone, and the gate/up GEMM with `silu_mul`
   in its epilogue as one Triton GEMM (`engine.ops.gated_gemm`) over its tile configurations;
-- vae: the streaming VAE decoder's residual units (tools/benchmarks/kernels_vae.py);
+- vae: the streaming VAE decoder's residual units at a step's shapes (each decoder block's channels, a patch's samples
+  at its rate, dilations 1 / 3 / 9): the depthwise conv kernel as the decoder runs it (both Snakes, every stream's
+  context read and replaced in place), without the Snake on its input (what recomputing it on every tap costs),
+  without either Snake, with other time blocks and rows a program; the 1x1 conv + residual GEMM after it; a copy of
+  x as the memory floor of one read and one write of the unit's activations;
 - barrier: what one of the layer kernel's grid barriers costs (a grid of one or two programs per SM through 84
   barriers, with and without a store and a load of another program's data between them), against a kernel boundary
   in a CUDA graph (84 dependent launches of the same grid).
@@ -43,11 +47,10 @@ import triton
 import triton.language as tl
 
 from engine import options
-from engine.config import TransformerConfig, VoxCPMConfig
+from engine.config import AudioVAEConfig, TransformerConfig, VoxCPMConfig
 from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
-from engine.ops import dense_attention, gated_gemm, layer_stack, linear, norm, silu_mul, skinny_gemm
+from engine.ops import dense_attention, gated_gemm, layer_stack, linear, norm, platform, silu_mul, skinny_gemm, vae_conv
 from tools.benchmarks.harness import subcommand_parser
-from tools.benchmarks.kernels_vae import bench_vae
 from tools.profiling.step import graph_ms
 
 
@@ -323,6 +326,65 @@ def bench_barrier(dev: torch.device, n: int = 84) -> dict[str, float]:
         out[f"boundary_us_{per_sm}_per_sm"] = round(1000 * graph_ms(launches, reps=20) / n, 3)
     print("barrier:", json.dumps(out), flush=True)
     return out
+
+
+DILATIONS = (1, 3, 9)
+KERNEL_TAPS = 7
+
+
+def unit_shapes(cfg: VoxCPMConfig) -> list[tuple[int, int]]:
+    """(channels, samples of one step's patch) at each decoder block's output, where its residual units run."""
+    vae = AudioVAEConfig.from_dict(cfg.audio_vae, cfg.version)
+    shapes, length, channels = [], cfg.patch_size, vae.decoder_dim
+    for rate in vae.decoder_rates:
+        length, channels = length * rate, channels // 2
+        shapes.append((channels, length))
+    return shapes
+
+
+def bench_vae(cfg: VoxCPMConfig, batches: list[int], dev: torch.device) -> list[dict]:
+    """The VAE residual units (module docstring): one row per batch, block and dilation (fp32, the decoder's dtype by
+    default); prints each batch's sums."""
+    rows: list[dict] = []
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32  # the 1x1 GEMMs as the CUDA runner has them
+    for b in batches:
+        sums: dict[str, float] = {}
+        for channels, length in unit_shapes(cfg):
+            for dilation in DILATIONS:
+                pad = (KERNEL_TAPS - 1) * dilation
+                x = torch.randn(b, channels, length, device=dev)
+                state = torch.randn(b, channels, pad, device=dev)
+                slots = torch.arange(b, device=dev, dtype=torch.int32)
+                weight = torch.randn(channels, 1, KERNEL_TAPS, device=dev) * 0.3
+                bias = torch.randn(channels, device=dev)
+                alpha1, alpha2 = (torch.rand(1, channels, 1, device=dev) + 0.5 for _ in range(2))
+                conv = partial(vae_conv.causal_depthwise_conv, x, state, weight, bias, dilation, slots=slots)
+                h, _ = conv(alpha2, in_alpha=alpha1)
+                pointwise = torch.randn(channels, channels, 1, device=dev) * channels ** -0.5
+                residual = torch.empty_like(x)
+                y = torch.empty_like(x)
+                runs = {"dwconv": partial(conv, alpha2, in_alpha=alpha1),
+                        "dwconv_out_snake_only": partial(conv, alpha2),
+                        "dwconv_no_snake": partial(conv, None),
+                        "pointwise_residual": lambda h=h, w=pointwise, r=residual, x=x: (
+                            r.copy_(x), vae_conv.pointwise_conv_residual(h, w, None, r)),
+                        "copy_of_x": lambda x=x, y=y: y.copy_(x)}
+                row: dict[str, object] = {"batch": b, "channels": channels, "samples": length, "dilation": dilation,
+                                          "mb_of_x": round(x.numel() * 4 / 2 ** 20, 1)}
+                for name, fn in runs.items():
+                    row[f"{name}_us"] = round(1000 * graph_ms(fn, reps=50), 2)
+                for time_block, tile in ((128, 1024), (256, 1024), (64, 2048), (128, 2048), (256, 4096)):
+                    with (mock.patch.object(vae_conv, "DWCONV_TIME_BLOCK", time_block),
+                          mock.patch.object(platform, "ROW_TILE_ELEMENTS", tile)):
+                        row[f"dwconv_block_{time_block}_tile_{tile}_us"] = round(
+                            1000 * graph_ms(partial(conv, alpha2, in_alpha=alpha1), reps=50), 2)
+                for key, value in row.items():
+                    if key.endswith("_us"):
+                        sums[key] = round(sums.get(key, 0.0) + float(value), 1)  # type: ignore[arg-type]
+                rows.append(row)
+        print(f"vae B={b} sums over the residual units:", json.dumps(sums), flush=True)
+        rows.append({"batch": b, "sums_us": sums})
+    return rows
 
 
 def main(argv: list[str]) -> None:
