@@ -93,7 +93,7 @@ if HAVE_TRITON:
         # row b's is slot_ptr[b]'s, replaced in place at the end. IN_SNAKE: the residual unit's first Snake applied
         # to x on load (each sample once per tap: recomputing is cheaper than the separate kernel's pass over the
         # activations), the context holds its outputs. The dilation is a constant: each tap's offset is known to
-        # the compiler (a runtime dilation made the taps' loads ~1.4x slower at a B=128 step's shapes).
+        # the compiler (with a runtime dilation the same tiling ran ~1.2x slower at a B=128 step's shapes).
         PAD: tl.constexpr = (K - 1) * DILATION
         bc, b, c, row_mask, t = row_tile_program(rows, channels, BLOCK_R, BLOCK)
         x_row = x_ptr + b * stride_xb + c * stride_xc
@@ -127,8 +127,8 @@ if HAVE_TRITON:
                            in_alpha, in_shift, HAS_STATE, HAS_SLOTS, IN_SNAKE, IN_SHIFT, FAST_SIN, BLOCK_P)
 
 
-# The depthwise conv's most samples a row in a program: long rows, one a program, were the fastest tiling at a B=128
-# step's shapes (H200: 104-114 us against 114-139 for 64-sample blocks of 16 rows, the same kernel).
+# The depthwise conv's most samples a row in a program: long rows, one a program, were the fastest tiling of a
+# prototype at a B=128 step's shapes (H200: 104-114 us against 114-139 in 64-sample blocks of 16 rows).
 DWCONV_TIME_BLOCK = platform.MAX_TIME_BLOCK
 DWCONV_CONTEXT_TILE = 4096  # at most rows x BLOCK_P new-context elements a program: no spills for sm_90 at 4096
 
