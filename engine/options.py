@@ -82,6 +82,9 @@ class EngineOptions:
     attn_split_keys: int = _option("VOXCPM_ATTN_SPLIT_KEYS", 128, _split_keys, "Keys per program when the paged "
                                    "attention splits a token's context across programs; 0: never split.")
     fast_sin: bool = _option("VOXCPM_FAST_SIN", True, _flag, "The hardware sin approximation in the Snake kernels.")
+    vae_pointwise_kernel: bool = _option("VOXCPM_VAE_POINTWISE_KERNEL", False, _flag, "The VAE residual units' 1x1 "
+                                         "conv + residual as one Triton GEMM over every stream's samples instead of "
+                                         "cuBLAS's batched GEMM (a GEMM a stream, the weight read again by each).")
     # --- FP8 weights (EngineConfig.quantization) ---------------------------------------------------------------------
     fp8_min_rows: int = _option("VOXCPM_FP8_MIN_ROWS", 1024, _min_rows, "With quantization='fp8' on a GPU with "
                                 "FP8 GEMMs: activation rows from which a projection runs as the FP8 GEMM (fewer rows: "

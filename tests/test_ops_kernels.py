@@ -291,7 +291,9 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
 
     def residual_unit(dtype: torch.dtype) -> float:
         """The VAE residual unit's kernel path (Snake, conv + Snake, GEMM + residual) against its layers, over
-        three streamed chunks and a full-sequence pass (exact fp32 GEMMs/convs on both sides)."""
+        three streamed chunks and a full-sequence pass (exact fp32 GEMMs/convs on both sides), with the 1x1 conv as
+        cuBLAS's batched GEMM and as the Triton GEMM (EngineOptions.vae_pointwise_kernel); that kernel also alone in
+        small tiles (several tiles of channels, of columns across streams, and of K; a bias; strided inputs)."""
         from engine.models.vae_layers import ResidualUnit
 
         torch.manual_seed(70)
@@ -301,22 +303,35 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         unit.block[1].state_slot = 0
         chunks = [rand(2, 8, n, dtype=dtype, seed=71 + n) for n in (4, 9, 30)]
         errs = []
-        with exact_fp32_on_cuda(), torch.no_grad(), mock.patch.object(platform, "kernels", platform.usable), \
-                mock.patch.object(vae_conv, "pointwise_conv_residual", wraps=vae_conv.pointwise_conv_residual) as spy:
-            states_ref, states = [torch.zeros(2, 8, 18, dtype=dtype, device=device)], [None]
-            states[0] = states_ref[0].clone()
-            for x in chunks:
-                ref = x + unit.block(x, states_ref)  # the layers one by one
-                errs += [relative_error(unit(x.clone(), states), ref),  # (the kernel path consumes its input)
-                         relative_error(states[0], states_ref[0])]
-            full = torch.cat(chunks, dim=-1)
-            errs.append(relative_error(unit(full.clone()), full + unit.block(full)))
-            # a strided input (a block's first unit gets a trimmed transposed-conv output): out of place
-            wide = rand(2, 8, 40, dtype=dtype, seed=79)
-            strided = wide[..., 3:33]
-            errs.append(relative_error(unit(strided), strided + unit.block(strided)))
-            assert torch.equal(wide, rand(2, 8, 40, dtype=dtype, seed=79))  # its storage left alone
-            assert spy.call_count == len(chunks) + 2, "the residual unit did not take its kernel path"
+        for triton_gemm in (False, True):
+            with exact_fp32_on_cuda(), torch.no_grad(), mock.patch.object(platform, "kernels", platform.usable), \
+                    options.override(vae_pointwise_kernel=triton_gemm), \
+                    mock.patch.object(vae_conv, "pointwise_conv_residual", wraps=vae_conv.pointwise_conv_residual) \
+                    as spy, mock.patch.object(vae_conv, "pointwise_conv_residual_triton",
+                                              wraps=vae_conv.pointwise_conv_residual_triton) as spy_triton:
+                states_ref, states = [torch.zeros(2, 8, 18, dtype=dtype, device=device)], [None]
+                states[0] = states_ref[0].clone()
+                for x in chunks:
+                    ref = x + unit.block(x, states_ref)  # the layers one by one
+                    errs += [relative_error(unit(x.clone(), states), ref),  # (the kernel path consumes its input)
+                             relative_error(states[0], states_ref[0])]
+                full = torch.cat(chunks, dim=-1)
+                errs.append(relative_error(unit(full.clone()), full + unit.block(full)))
+                # a strided input (a block's first unit gets a trimmed transposed-conv output): out of place
+                wide = rand(2, 8, 40, dtype=dtype, seed=79)
+                strided = wide[..., 3:33]
+                errs.append(relative_error(unit(strided), strided + unit.block(strided)))
+                assert torch.equal(wide, rand(2, 8, 40, dtype=dtype, seed=79))  # its storage left alone
+                assert spy.call_count == len(chunks) + 2, "the residual unit did not take its kernel path"
+                assert spy_triton.call_count == (len(chunks) + 2) * triton_gemm, spy_triton.call_count
+        with exact_fp32_on_cuda(), torch.no_grad():
+            h = rand(3, 40, 50, dtype=dtype, seed=80)[:, :, 5:35]  # strided samples
+            x = rand(3, 36, 30, dtype=dtype, seed=81)
+            w, bias = rand(36, 40, 1, dtype=dtype, seed=82) * 0.2, rand(36, dtype=dtype, seed=83)
+            ref = (x.float() + F.conv1d(h.float(), w.float())).to(dtype)
+            ref = (ref.float() + bias.float()[:, None]).to(dtype)
+            out = vae_conv.pointwise_conv_residual_triton(h, w, bias, x.clone(), config=(16, 32, 16, 4, 2))
+            errs.append(relative_error(out, ref))
         return max(errs)
 
     def conv_transpose(dtype: torch.dtype) -> float:

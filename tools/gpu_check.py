@@ -57,7 +57,7 @@ def rel_err(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 
 
 def variants(model: LoadedModel, device: str, reqs: list[dict], max_model_len: int,
-             pipelined: bool = False, gated: bool = False) -> dict[str, list[np.ndarray]]:
+             pipelined: bool = False, options_off: bool = False) -> dict[str, list[np.ndarray]]:
     out = {}
     runs = [("eager torch", "torch", True, False, "32"), ("eager triton", "triton", True, False, "32"),
             ("graph triton", "triton", False, False, "32"), ("graph torch", "torch", False, False, "32")]
@@ -69,9 +69,12 @@ def variants(model: LoadedModel, device: str, reqs: list[dict], max_model_len: i
         runs.append(("graph triton, pipelined, VAE behind from bucket 4", "triton", False, True, "4"))
     for run_args in runs:
         out.update(_variant(model, device, reqs, max_model_len, *run_args))
-    if gated:  # the DiT's gate/up as the gated GEMM from its first row (16-bit weights: their interleaved copies)
+    if options_off:  # the kernels behind options that are off by default, each on
+        # the DiT's gate/up as the gated GEMM from its first row (16-bit weights only: their interleaved copies)
         out.update(_variant(model, device, reqs, max_model_len, "graph triton, gated GEMM", "triton", False, False,
                             "32", gated_gemm_min_rows=1))
+        out.update(_variant(model, device, reqs, max_model_len, "graph triton, Triton 1x1 convs", "triton", False,
+                            False, "32", vae_pointwise_kernel=True))
     return out
 
 
@@ -99,7 +102,7 @@ def check_tiny(tmp: Path, table: list[tuple[str, float, float]]) -> None:
     cpu_model = load_model(path, "cpu")
     reqs = requests(cpu_model, 12, stagger=3)
     cpu = run(LLMEngine(cpu_model, EngineConfig(max_num_seqs=8, max_model_len=512)), reqs)
-    gpu = variants(load_model(path, "cuda"), "cuda", reqs, 512, pipelined=True)
+    gpu = variants(load_model(path, "cuda"), "cuda", reqs, 512, pipelined=True, options_off=True)
     for name, wav in gpu.items():
         table.append((f"tiny fp32: {name} vs CPU eager", rel_err(wav, cpu), 1e-4))
     table.append(("tiny fp32: graph triton vs eager torch (GPU)", rel_err(gpu["graph triton"], gpu["eager torch"]),
@@ -120,7 +123,7 @@ def check_full(path: Path, table: list[tuple[str, float, float]]) -> LoadedModel
     torch.backends.cudnn.allow_tf32 = True
     model = load_model(path, "cuda", max_positions=1024)
     # One patch: kernels differ, the autoregressive loop has not amplified anything yet.
-    first = variants(model, "cuda", requests(model, 1), 1024, gated=True)
+    first = variants(model, "cuda", requests(model, 1), 1024, options_off=True)
     table.append(("full bf16, 1 patch: eager triton vs eager torch",
                   rel_err(first["eager triton"], first["eager torch"]), 2e-2))
     table.append(("full bf16, 1 patch: graph triton vs eager torch",
@@ -129,6 +132,8 @@ def check_full(path: Path, table: list[tuple[str, float, float]]) -> LoadedModel
                   rel_err(first["graph triton"], first["graph triton, alone"]), 2e-2))
     table.append(("full bf16, 1 patch: gated GEMM vs eager torch",
                   rel_err(first["graph triton, gated GEMM"], first["eager torch"]), 2e-2))
+    table.append(("full bf16, 1 patch: Triton 1x1 convs vs eager torch",
+                  rel_err(first["graph triton, Triton 1x1 convs"], first["eager torch"]), 2e-2))
     return model
 
 

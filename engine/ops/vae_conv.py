@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from engine.ops import platform
 from engine.ops.platform import HAVE_TRITON, fast_sin, row_tile
+from engine.options import current
 
 if TYPE_CHECKING:
     import torch
@@ -70,6 +71,36 @@ if HAVE_TRITON:
             tl.store(s_row + i * stride_st, tail.to(s_row.dtype.element_ty), mask=pmask)
         else:
             tl.store(new_row + i, tail.to(new_row.dtype.element_ty), mask=pmask)
+
+    @triton.jit
+    def _pointwise_residual_kernel(h_ptr, w_ptr, bias_ptr, x_ptr, o_ptr, c_in, c_out, length, cols, stride_hb,
+                                   stride_hc, stride_ht, stride_xb, stride_xc, stride_xt, HAS_BIAS: tl.constexpr,
+                                   DOT_PRECISION: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_N: tl.constexpr,
+                                   BLOCK_K: tl.constexpr):
+        # Output tile (BLOCK_O channels, BLOCK_N columns) of x + w @ h, a column n being (stream n // length, sample
+        # n % length): one GEMM over every stream, each h tile read once for all its output channels (the column
+        # tiles' programs are adjacent: their h tile is shared in L2), the small weight from L2.
+        o = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        b, t = (n // length).to(tl.int64), n % length
+        o_mask, n_mask = o < c_out, n < cols
+        h_cols = h_ptr + b * stride_hb + t * stride_ht
+        acc = tl.zeros((BLOCK_O, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, c_in, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + o[:, None] * c_in + k[None, :], mask=o_mask[:, None] & (k < c_in)[None, :], other=0.0)
+            h = tl.load(h_cols[None, :] + k[:, None].to(tl.int64) * stride_hc,
+                        mask=(k < c_in)[:, None] & n_mask[None, :], other=0.0)
+            acc = tl.dot(w, h, acc, input_precision=DOT_PRECISION)
+        mask = o_mask[:, None] & n_mask[None, :]
+        x_at = b[None, :] * stride_xb + o[:, None].to(tl.int64) * stride_xc + t[None, :] * stride_xt
+        out = (acc + tl.load(x_ptr + x_at, mask=mask, other=0.0).to(tl.float32)).to(o_ptr.dtype.element_ty)
+        if HAS_BIAS:  # after the GEMM's own rounding, as the eager add after it
+            out = (out.to(tl.float32) + tl.load(bias_ptr + o, mask=o_mask, other=0.0).to(tl.float32)[:, None]).to(
+                o_ptr.dtype.element_ty)
+        tl.store(o_ptr + b[None, :] * (c_out * length) + o[:, None].to(tl.int64) * length + t[None, :], out,
+                 mask=mask)
+
 
     @triton.jit
     def conv_finish(acc, c, row_mask, bias_ptr, alpha_ptr, out_dtype, HAS_BIAS: tl.constexpr,
@@ -216,16 +247,49 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
     return causal_depthwise_conv_triton(x, state, weight, bias, dilation, out_alpha, slots, in_alpha, in_shift)
 
 
+# (BLOCK_O output channels, BLOCK_N columns, BLOCK_K, warps, stages) of the 1x1 conv kernel
+PointwiseConfig = tuple[int, int, int, int, int]
+
+
+def pointwise_config(c_out: int, c_in: int) -> PointwiseConfig:
+    """The 1x1 conv kernel's tiles for a (c_out, c_in) weight (at least 16 a dot dimension)."""
+    return (min(64, max(16, triton.next_power_of_2(c_out))), 128, min(32, max(16, triton.next_power_of_2(c_in))), 4, 3)
+
+
+def pointwise_conv_residual_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                   residual: torch.Tensor, config: PointwiseConfig | None = None) -> torch.Tensor:
+    """`pointwise_conv_residual` as one Triton GEMM over every stream's samples (h and residual of any strides);
+    in place into a contiguous `residual` without autograd, as the batched GEMM."""
+    b, c_in, t = h.shape
+    c_out = weight.shape[0]
+    out = residual if residual.is_contiguous() and not torch.is_grad_enabled() else torch.empty(
+        (b, c_out, t), dtype=residual.dtype, device=residual.device)
+    w = weight.reshape(c_out, c_in)
+    if w.stride(-1) != 1 or w.stride(0) != c_in:
+        w = w.contiguous()
+    if b and t and c_out:
+        block_o, block_n, block_k, warps, stages = config or pointwise_config(c_out, c_in)
+        fp32_dots = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+        _pointwise_residual_kernel[(triton.cdiv(c_out, block_o), triton.cdiv(b * t, block_n))](
+            h, w, bias if bias is not None else w, residual, out, c_in, c_out, t, b * t, *h.stride(),
+            *residual.stride(), HAS_BIAS=bias is not None,
+            DOT_PRECISION=fp32_dots if h.dtype == torch.float32 else "tf32", BLOCK_O=block_o, BLOCK_N=block_n,
+            BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    return out
+
+
 def pointwise_conv_residual(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             residual: torch.Tensor) -> torch.Tensor:
     """residual + conv1d(h, weight (O, C, 1), bias) as one batched GEMM that adds the residual in its
-    epilogue (no layout copies around a cuDNN conv, no separate add). Without autograd a contiguous `residual`
-    is consumed: the GEMM accumulates into it in place (out of place, the GEMM would first copy it). fp32
-    GEMMs follow the process's matmul TF32 setting, which the CUDA model runner aligns with cuDNN's."""
+    epilogue (no layout copies around a cuDNN conv, no separate add), or with EngineOptions.vae_pointwise_kernel
+    as one Triton GEMM over every stream (`pointwise_conv_residual_triton`). Without autograd a contiguous
+    `residual` is consumed: the GEMM accumulates into it in place (out of place, the GEMM would first copy it).
+    fp32 GEMMs follow the process's matmul TF32 setting, which the CUDA model runner aligns with cuDNN's."""
+    if current().vae_pointwise_kernel and platform.kernels(h) and h.dtype == residual.dtype == weight.dtype:
+        return pointwise_conv_residual_triton(h, weight, bias, residual)
     w = weight[:, :, 0].expand(h.shape[0], -1, -1)  # stride 0 over the batch: no copy
     if residual.is_contiguous() and not torch.is_grad_enabled():
         out = residual.baddbmm_(w, h)
     else:
         out = torch.baddbmm(residual, w, h)
     return out if bias is None else out.add_(bias[:, None])
-

@@ -13,8 +13,9 @@
 - vae: the streaming VAE decoder's residual units at a step's shapes (each decoder block's channels, a patch's samples
   at its rate, dilations 1 / 3 / 9): the depthwise conv kernel as the decoder runs it (both Snakes, every stream's
   context read and replaced in place), without the Snake on its input (what recomputing it on every tap costs),
-  without either Snake, with other time blocks and rows a program; the 1x1 conv + residual GEMM after it; a copy of
-  x as the memory floor of one read and one write of the unit's activations;
+  without either Snake, with other time blocks and rows a program; the 1x1 conv + residual after it as cuBLAS's
+  batched GEMM and as the Triton GEMM over its tile configurations (each after a copy of x, as the unit consumes its
+  input); a copy of x alone, the memory floor of one read and one write of the unit's activations;
 - barrier: what one of the layer kernel's grid barriers costs (a grid of one or two programs per SM through 84
   barriers, with and without a store and a load of another program's data between them), against a kernel boundary
   in a CUDA graph (84 dependent launches of the same grid).
@@ -328,6 +329,9 @@ def bench_barrier(dev: torch.device, n: int = 84) -> dict[str, float]:
     return out
 
 
+# the 1x1 conv's Triton GEMM tiles swept (vae_conv.PointwiseConfig) beside its default (`pointwise_config`)
+POINTWISE_CONFIGS: list[vae_conv.PointwiseConfig] = [
+    (32, 128, 32, 4, 3), (64, 256, 32, 8, 3), (128, 128, 32, 8, 3), (64, 64, 32, 4, 4), (128, 256, 32, 8, 3)]
 DILATIONS = (1, 3, 9)
 KERNEL_TAPS = 7
 
@@ -369,11 +373,18 @@ def bench_vae(cfg: VoxCPMConfig, batches: list[int], dev: torch.device) -> list[
                         "pointwise_residual": lambda h=h, w=pointwise, r=residual, x=x: (
                             r.copy_(x), vae_conv.pointwise_conv_residual(h, w, None, r)),
                         "copy_of_x": lambda x=x, y=y: y.copy_(x)}
+                for config in (None, *POINTWISE_CONFIGS):  # the Triton GEMM, its default tiles first
+                    runs[f"pointwise_triton{'_' + 'x'.join(map(str, config)) if config else ''}"] = (
+                        lambda h=h, w=pointwise, r=residual, x=x, config=config: (
+                            r.copy_(x), vae_conv.pointwise_conv_residual_triton(h, w, None, r, config)))
                 row: dict[str, object] = {"batch": b, "channels": channels, "samples": length, "dilation": dilation,
                                           "mb_of_x": round(x.numel() * 4 / 2 ** 20, 1)}
                 for name, fn in runs.items():
                     row[f"{name}_us"] = round(1000 * graph_ms(fn, reps=50), 2)
-                for time_block, tile in ((128, 1024), (256, 1024), (64, 2048), (128, 2048), (256, 4096)):
+                cublas = vae_conv.pointwise_conv_residual(h, pointwise, None, x.clone())
+                row["pointwise_triton_max_abs_diff"] = float(
+                    (vae_conv.pointwise_conv_residual_triton(h, pointwise, None, x.clone()) - cublas).abs().max())
+                for time_block, tile in ((64, 1024), (256, 1024)):
                     with (mock.patch.object(vae_conv, "DWCONV_TIME_BLOCK", time_block),
                           mock.patch.object(platform, "ROW_TILE_ELEMENTS", tile)):
                         row[f"dwconv_block_{time_block}_tile_{tile}_us"] = round(
