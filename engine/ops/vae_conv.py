@@ -8,6 +8,7 @@ residual add are one batched GEMM (`pointwise_conv_residual`). The eager path is
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 from engine.ops import platform
@@ -245,6 +246,14 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
     context, rows slots[b] are read and replaced in place (the new context returned is state itself). Only where
     `depthwise_conv_supported` (the caller checks)."""
     return causal_depthwise_conv_triton(x, state, weight, bias, dilation, out_alpha, slots, in_alpha, in_shift)
+
+
+def match_cudnn_tf32() -> None:
+    """The VAE's 1x1 convolutions run as fp32 GEMMs (`pointwise_conv_residual`): give this process's matmuls cuDNN's
+    TF32 policy, as the convolutions they replace had. A process on torch's newer fp32_precision API refuses the
+    legacy flags: its own choice then stands."""
+    with contextlib.suppress(RuntimeError):
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32
 
 
 # (BLOCK_O output channels, BLOCK_N columns, BLOCK_K, warps, stages) of the 1x1 conv kernel

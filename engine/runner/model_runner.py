@@ -10,7 +10,6 @@ adapter a step merges, a decode step launched without waiting (`launch_decode`) 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from engine.block_manager import BlockManager
 from engine.engine_config import EngineConfig
 from engine.io.checkpoint import LoadedModel
 from engine.models.minicpm import attach_gated_gemm, fuse_projections, quantize_projections
-from engine.ops import layer_stack
+from engine.ops import layer_stack, vae_conv
 from engine.options import current
 from engine.runner.attention import PagedKVCache, select_backend
 from engine.runner.buffers import (
@@ -85,11 +84,7 @@ class ModelRunner:
             # cuDNN's algorithm search (per conv shape, so per graph bucket) costs seconds of start-up for the few
             # VAE convolutions not in our kernels; off by default (docs/benchmarks.md, VOXCPM_CUDNN_BENCHMARK).
             torch.backends.cudnn.benchmark = opts.cudnn_benchmark
-            # The VAE's 1x1 convolutions run as fp32 GEMMs (vae_conv.pointwise_conv_residual): give them cuDNN's TF32
-            # policy, as the convolutions they replace had (process-wide: a worker owns its process). A process on
-            # torch's newer fp32_precision API refuses the legacy flags: its own choice then stands.
-            with contextlib.suppress(RuntimeError):
-                torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32
+            vae_conv.match_cudnn_tf32()  # process-wide: a worker owns its process
         self.use_graphs = device.type == "cuda" and not config.enforce_eager
         self.vae_stream = VaeStream(device, self.use_graphs)
         p, d = self.cfg.patch_size, self.cfg.feat_dim

@@ -350,7 +350,7 @@ def bench_vae(cfg: VoxCPMConfig, batches: list[int], dev: torch.device) -> list[
     """The VAE residual units (module docstring): one row per batch, block and dilation (fp32, the decoder's dtype by
     default); prints each batch's sums."""
     rows: list[dict] = []
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32  # the 1x1 GEMMs as the CUDA runner has them
+    vae_conv.match_cudnn_tf32()  # the 1x1 GEMMs as the CUDA runner has them
     for b in batches:
         sums: dict[str, float] = {}
         for channels, length in unit_shapes(cfg):
@@ -379,9 +379,10 @@ def bench_vae(cfg: VoxCPMConfig, batches: list[int], dev: torch.device) -> list[
                             r.copy_(x), vae_conv.pointwise_conv_residual_triton(h, w, None, r, config)))
                 row: dict[str, object] = {"batch": b, "channels": channels, "samples": length, "dilation": dilation,
                                           "mb_of_x": round(x.numel() * 4 / 2 ** 20, 1)}
-                for name, fn in runs.items():
-                    row[f"{name}_us"] = round(1000 * graph_ms(fn, reps=50), 2)
-                cublas = vae_conv.pointwise_conv_residual(h, pointwise, None, x.clone())
+                with options.override(vae_pointwise_kernel=False):  # "pointwise_residual": cuBLAS's batched GEMM
+                    for name, fn in runs.items():
+                        row[f"{name}_us"] = round(1000 * graph_ms(fn, reps=50), 2)
+                    cublas = vae_conv.pointwise_conv_residual(h, pointwise, None, x.clone())
                 row["pointwise_triton_max_abs_diff"] = float(
                     (vae_conv.pointwise_conv_residual_triton(h, pointwise, None, x.clone()) - cublas).abs().max())
                 for time_block, tile in ((64, 1024), (256, 1024)):
