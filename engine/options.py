@@ -72,7 +72,7 @@ class EngineOptions:
                             "GEMM leaves most SMs idle, the partials summed by the add + RMSNorm after them.")
     skinny_rows: int = _option("VOXCPM_SKINNY_ROWS", 64, lambda v: min(64, _rows(v)), "Rows up to which the gate/up "
                                "projection runs as the Triton GEMM with the SiLU gate fused (0: cuBLAS + SiLU).")
-    gated_gemm_min_rows: int = _option("VOXCPM_GATED_GEMM_MIN_ROWS", 0, _rows, "Rows from which the DiT's gate/up "
+    gated_gemm_min_rows: int = _option("VOXCPM_GATED_GEMM_MIN_ROWS", 2048, _rows, "Rows from which the DiT's gate/up "
                                        "projection and its SiLU gate run as one Triton GEMM over an interleaved "
                                        "copy of the weight (engine.ops.gated_gemm; the copy costs the DiT's gate/up "
                                        "weights again, unquantised models only); 0: off (cuBLAS + silu_mul).")

@@ -56,15 +56,16 @@ def rel_err(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return max(float(np.abs(x - y).max() / np.abs(y).max()) for x, y in zip(a, b, strict=True))
 
 
-# The kernels behind options that are off by default: a variant each, with its option on
-OFF_BY_DEFAULT: dict[str, dict[str, object]] = {
+# The kernels a small check would not reach (an option off by default, or one taken from many rows only): a variant
+# each, forced on
+FORCED_ON: dict[str, dict[str, object]] = {
     "graph triton, gated GEMM": {"gated_gemm_min_rows": 1},  # the DiT's gate/up from its first row (16-bit weights)
     "graph triton, Triton 1x1 convs": {"vae_pointwise_kernel": True},
 }
 
 
 def variants(model: LoadedModel, device: str, reqs: list[dict], max_model_len: int, pipelined: bool = False,
-             off_by_default: tuple[str, ...] = ()) -> dict[str, list[np.ndarray]]:
+             forced_on: tuple[str, ...] = ()) -> dict[str, list[np.ndarray]]:
     out = {}
     runs = [("eager torch", "torch", True, False, "32"), ("eager triton", "triton", True, False, "32"),
             ("graph triton", "triton", False, False, "32"), ("graph torch", "torch", False, False, "32")]
@@ -76,9 +77,9 @@ def variants(model: LoadedModel, device: str, reqs: list[dict], max_model_len: i
         runs.append(("graph triton, pipelined, VAE behind from bucket 4", "triton", False, True, "4"))
     for run_args in runs:
         out.update(_variant(model, device, reqs, max_model_len, *run_args))
-    for name in off_by_default:
+    for name in forced_on:
         out.update(_variant(model, device, reqs, max_model_len, name, "triton", False, False, "32",
-                            **OFF_BY_DEFAULT[name]))
+                            **FORCED_ON[name]))
     return out
 
 
@@ -108,7 +109,7 @@ def check_tiny(tmp: Path, table: list[tuple[str, float, float]]) -> None:
     cpu = run(LLMEngine(cpu_model, EngineConfig(max_num_seqs=8, max_model_len=512)), reqs)
     # fp32 weights get no interleaved copy: of the off-by-default kernels only the 1x1 convs' runs here
     gpu = variants(load_model(path, "cuda"), "cuda", reqs, 512, pipelined=True,
-                   off_by_default=("graph triton, Triton 1x1 convs",))
+                   forced_on=("graph triton, Triton 1x1 convs",))
     for name, wav in gpu.items():
         table.append((f"tiny fp32: {name} vs CPU eager", rel_err(wav, cpu), 1e-4))
     table.append(("tiny fp32: graph triton vs eager torch (GPU)", rel_err(gpu["graph triton"], gpu["eager torch"]),
@@ -129,7 +130,7 @@ def check_full(path: Path, table: list[tuple[str, float, float]]) -> LoadedModel
     torch.backends.cudnn.allow_tf32 = True
     model = load_model(path, "cuda", max_positions=1024)
     # One patch: kernels differ, the autoregressive loop has not amplified anything yet.
-    first = variants(model, "cuda", requests(model, 1), 1024, off_by_default=tuple(OFF_BY_DEFAULT))
+    first = variants(model, "cuda", requests(model, 1), 1024, forced_on=tuple(FORCED_ON))
     table.append(("full bf16, 1 patch: eager triton vs eager torch",
                   rel_err(first["eager triton"], first["eager torch"]), 2e-2))
     table.append(("full bf16, 1 patch: graph triton vs eager torch",

@@ -69,7 +69,8 @@ class ModelRunner:
         if device.type == "cuda" and opts.fuse:
             fuse_projections(model.backbone)
             layer_stack.prepare(device)  # the layer kernels' barrier counters, before any graph capture
-            if opts.gated_gemm_min_rows and not config.quantization:  # only the DiT's MLPs reach such rows
+            dit_rows = max_num_seqs * model.backbone.dit_rows_per_stream()  # only the DiT's MLPs reach such rows
+            if opts.gated_gemm_min_rows and not config.quantization and dit_rows >= opts.gated_gemm_min_rows:
                 attach_gated_gemm(model.backbone.feat_decoder)
         # FP8 weights after the merged adapter, fusing and stacking; before runtime adapters' base copies and capture.
         quantized = quantize_projections(model.backbone, config.quantization, device)

@@ -331,7 +331,8 @@ def bench_barrier(dev: torch.device, n: int = 84) -> dict[str, float]:
 
 # the 1x1 conv's Triton GEMM tiles swept (vae_conv.PointwiseConfig) beside its default (`pointwise_config`)
 POINTWISE_CONFIGS: list[vae_conv.PointwiseConfig] = [
-    (32, 128, 32, 4, 3), (64, 256, 32, 8, 3), (128, 128, 32, 8, 3), (64, 64, 32, 4, 4), (128, 256, 32, 8, 3)]
+    (32, 128, 32, 4, 4), (32, 256, 32, 8, 3), (32, 64, 32, 4, 3), (16, 128, 32, 4, 3), (32, 128, 64, 4, 3),
+    (64, 128, 32, 4, 3), (128, 256, 32, 8, 3)]
 DILATIONS = (1, 3, 9)
 KERNEL_TAPS = 7
 
