@@ -117,6 +117,9 @@ class EngineOptions:
                                 "step (from vae_overlap_min_batch on), instead of joined inside the step graph.")
     vae_overlap_min_batch: int = _option("VOXCPM_VAE_OVERLAP_MIN_BATCH", 32, int, "Batch buckets from which the "
                                          "VAE graph runs behind the step.")
+    early_outputs: bool = _option("VOXCPM_EARLY_OUTPUTS", False, _flag, "Where the VAE runs inside the step "
+                                  "(beside the LMs), the step's audio, patches and stop flags go to the host once "
+                                  "they are made (an event the step graph records), not when the LMs' advance ends.")
     # --- the runtime ---------------------------------------------------------------------------------------------
     lora_kernel: bool = _option("VOXCPM_LORA_KERNEL", True, _flag, "The LoRA terms of steps of mixed runtime "
                                 "adapters by the Triton kernels (a few rows: one kernel per term; more: the shrink "

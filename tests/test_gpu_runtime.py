@@ -74,6 +74,27 @@ def test_vae_inside_and_behind_the_step_agree_across_the_threshold(checkpoint_fa
         np.testing.assert_array_equal(mixed, inside)
 
 
+def test_early_outputs_equal_the_step_end_copies(checkpoint_factory, monkeypatch):
+    """With EngineOptions.early_outputs a step whose VAE runs inside its graph has its audio, patches and stop flags
+    copied to the host once an event recorded in the graph fires (before the LMs' advance ends): pipelined or not,
+    graphed or eager, the audio equals the copies made after the whole step, bit for bit, and nothing leaks."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"), "cuda")
+    reqs = [dict(text=f"Early {i}.", params=SamplingParams(seed=i, max_generate_length=8 - 2 * i)) for i in range(3)]
+    for pipeline, eager in ((True, False), (False, False), (True, True)):
+        config = dict(max_num_seqs=4, max_model_len=256, num_kv_blocks=128, attention_backend="triton",
+                      pipeline_decode=pipeline, enforce_eager=eager)
+        audio = {}
+        for early in (False, True):
+            engine = LLMEngine(model, EngineConfig(**config, options=EngineOptions(early_outputs=early)), "cuda")
+            audio[early] = _run(engine, reqs)
+            # an event per batch the steps ran at, recorded only when on (every bucket keeps its VAE inside)
+            assert bool(engine.runner.decode_step.outputs_ready) == early
+        for late, early_audio in zip(audio[False], audio[True], strict=True):
+            np.testing.assert_array_equal(early_audio, late)
+
+
 def test_kv_sizing_dry_steps_then_generation(checkpoint_factory, monkeypatch):
     """Without num_kv_blocks the engine sizes its KV cache from dry steps of its largest bucket and, when that bucket's
     VAE runs behind the step, of its largest bucket with the VAE inside; each dry step runs on its own layout of the

@@ -15,6 +15,7 @@ import torch
 
 from engine.io.checkpoint import LoadedModel
 from engine.models.vae_layers import SlotStates
+from engine.options import current
 from engine.runner.attention import AttentionMetadata, PagedKVCache
 from engine.runner.buffers import DecodeBuffers
 from engine.runner.vae_stream import VaeStream
@@ -34,6 +35,9 @@ class DecodeStep:
         self.inference_timesteps = inference_timesteps
         self.vae_stream = vae_stream
         self.device = device
+        # by batch: recorded (in the step's graph) once the step's audio, patch and stop flags are written, where the
+        # VAE runs beside the LMs and EngineOptions.early_outputs holds: their copies to the host wait for it alone
+        self.outputs_ready: dict[int, torch.cuda.Event] = {}
 
     def latents(self, patches: torch.Tensor) -> torch.Tensor:
         """(B, N, P, D) patches -> (B, D, N * P) VAE input."""
@@ -70,16 +74,21 @@ class DecodeStep:
         embed = backbone.encode_patches(patch, lora)
         if side is not None:
             side.wait_stream(main)
+        early = side is not None and current().early_outputs
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             buf.stop(batch).copy_(backbone.stop_flags(lm_hidden))
             if vae:
                 buf.audio[:batch] = self.decode_audio(index, self.latents(patch[:, None]))
+            if early:  # an event record node of the graph: the outputs' copies need not wait for the LMs
+                buf.patch(batch).copy_(patch)
+                self.outputs_ready.setdefault(batch, torch.cuda.Event(external=True)).record(side)
         lm_next, residual_next = backbone.advance_lms(embed, inputs.positions, base_cache.attend_fn(meta),
                                                       residual_cache.attend_fn(meta), lora)
         self.lm_hidden[index] = lm_next
         self.residual_hidden[index] = residual_next
         self.prev_patch[index] = patch
-        buf.patch(batch).copy_(patch)
+        if not early:
+            buf.patch(batch).copy_(patch)
         if side is not None:
             main.wait_stream(side)
 

@@ -407,15 +407,18 @@ class ModelRunner:
         if stream is None:  # CPU: synchronous anyway; copies, because .cpu() would alias the buffers
             return LaunchedDecode(seqs, (buf.results[:b].clone(), buf.audio[:b].clone()), None)
         results, audio = self.host.outputs(buf)
-        results[:b].copy_(buf.results[:b], non_blocking=True)
-        if overlap:
-            assert graph_batch is not None
-            # the audio copy and `done` then come after everything of this step, the VAE included
-            stream = self.vae_stream.launch_behind(stream, graph_batch, rows, buf)
+        ready = None if overlap else self.decode_step.outputs_ready.get(rows)
+        main, stream = stream, self.vae_stream.after(stream, ready)  # the copies' stream
+        with torch.cuda.stream(stream):
+            results[:b].copy_(buf.results[:b], non_blocking=True)
+        if overlap:  # the audio copy and `done` then come after everything of this step, the VAE included
+            stream = self.vae_stream.launch_behind(stream, rows, buf)
         done = torch.cuda.Event()
         with torch.cuda.stream(stream):
             audio[:b].copy_(buf.audio[:b], non_blocking=True)
             done.record(stream)
+        if ready is not None:  # the next step rewrites the buffers copied
+            main.wait_event(done)
         return LaunchedDecode(seqs, (results[:b], audio[:b]), done)
 
     def collect_decode(self, step: LaunchedDecode) -> list[StepEvent]:

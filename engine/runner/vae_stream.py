@@ -51,15 +51,25 @@ class VaeStream:
         if self.inputs_taken is not None:
             stream.wait_event(self.inputs_taken)
 
-    def launch_behind(self, main: torch.cuda.Stream, batch: int, rows: int, buf: DecodeBuffers) -> torch.cuda.Stream:
-        """Replay bucket `batch`'s VAE graph behind the step just queued on `main`: it takes copies of its inputs
-        and decodes while the next step's graph runs. Returns its stream (the audio copy goes after it)."""
+    def after(self, main: torch.cuda.Stream, ready: torch.cuda.Event | None) -> torch.cuda.Stream:
+        """Where a step's outputs are copied to the host: `main` after the whole step, or with `ready` (recorded in the
+        step once its outputs are written: DecodeStep.outputs_ready) this stream once that event has fired."""
+        if ready is None:
+            return main
+        assert self.stream is not None
+        self.stream.wait_event(ready)
+        return self.stream
+
+    def launch_behind(self, main: torch.cuda.Stream, batch: int, buf: DecodeBuffers) -> torch.cuda.Stream:
+        """Replay bucket `batch`'s VAE graph behind the step just queued on `main` (the step's rows: the bucket's): it
+        takes copies of its inputs and decodes while the next step's graph runs. Returns its stream (the audio copy
+        goes after it)."""
         side = self.stream
         assert side is not None
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            buf.vae_index[:rows].copy_(buf.step_inputs(rows).slot_index)
-            buf.vae_patch[:rows].copy_(buf.patch(rows))
+            buf.vae_index[:batch].copy_(buf.step_inputs(batch).slot_index)
+            buf.vae_patch[:batch].copy_(buf.patch(batch))
             self.inputs_taken = torch.cuda.Event()
             self.inputs_taken.record(side)
             self.graphs[batch].replay()
