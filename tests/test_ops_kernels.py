@@ -337,9 +337,11 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
     def conv_transpose(dtype: torch.dtype) -> float:
         """The VAE upsampler's kernel path (one GEMM of every tap + the overlap-add kernel) against the module's
         cuDNN path, over streamed chunks of 1, 3 and 7 frames (strided views) and a full-sequence pass, with the new
-        context. The shipped geometry (kernel 2 x stride) carries one frame of context; a kernel of 3 x stride
-        carries two, so a chunk of one frame is shorter than its context (the new context then spans both)."""
+        context; and with a decoder block's Snake (scale, shift) on its input load against Snake, then cuDNN. The
+        shipped geometry (kernel 2 x stride) carries one frame of context; a kernel of 3 x stride carries two, so a
+        chunk of one frame is shorter than its context (the new context then spans both)."""
         from engine.models.vae_layers import CausalConvTranspose1d, SlotStates
+        from engine.ops.snake import snake
 
         errs = []
         with exact_fp32_on_cuda():
@@ -356,23 +358,29 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                 buffers = rand(4, c_in, conv.context, dtype=dtype, seed=115 + seed)
                 buffers[slots] = states_ref[0]
                 untouched = buffers[1:3].clone()
+                in_snake = (rand(1, c_in, 1, dtype=dtype, seed=140 + seed).abs() + 0.3,
+                            rand(c_in, dtype=dtype, seed=141 + seed) * 0.5 + 1.0, rand(c_in, dtype=dtype, seed=142))
+                snaked_ref, snaked = [states_ref[0].clone()], [states_ref[0].clone()]
                 with torch.no_grad(), \
                         mock.patch.object(upsampler, "overlap_add", wraps=upsampler.overlap_add) as spy:
                     for n in (1, 3, 7):
                         x = rand(2, c_in, n + 2, dtype=dtype, seed=120 + n)[..., 1:n + 1]  # a strided view
                         with mock.patch.object(platform, "kernels", lambda x: False):
                             ref = conv(x, states_ref)
+                            ref_snaked = conv(snake(x, *in_snake), snaked_ref)
                         with mock.patch.object(platform, "kernels", platform.usable):
                             errs += [relative_error(conv(x, states), ref), relative_error(states[0], states_ref[0]),
                                      relative_error(conv(x, SlotStates([buffers], slots)), ref),
-                                     relative_error(buffers[slots], states_ref[0])]
+                                     relative_error(buffers[slots], states_ref[0]),
+                                     relative_error(conv(x, snaked, in_snake), ref_snaked),
+                                     relative_error(snaked[0], snaked_ref[0])]
                     assert torch.equal(buffers[1:3], untouched), "rows of other slots changed"
                     x = rand(2, c_in, 9, dtype=dtype, seed=130)
                     with mock.patch.object(platform, "kernels", lambda x: False):
                         ref = conv(x)
                     with mock.patch.object(platform, "kernels", platform.usable):
                         errs.append(relative_error(conv(x), ref))
-                    assert spy.call_count == 7, "the upsampler did not take its kernel path"
+                    assert spy.call_count == 10, "the upsampler did not take its kernel path"
         return max(errs)
 
     def vae_decoder(dtype: torch.dtype) -> float:

@@ -29,11 +29,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def x_load(x_row, i, mask, stride_xt, in_alpha, in_shift, IN_SNAKE: tl.constexpr, IN_SHIFT: tl.constexpr,
-               FAST_SIN: tl.constexpr):
+               FAST_SIN: tl.constexpr, in_scale=1.0, IN_SCALE: tl.constexpr = False):
         """x'[i] in fp32 where mask (see `cat_load`; elsewhere x' of 0)."""
         v = tl.load(x_row + i * stride_xt, mask=mask, other=0.0)
         if IN_SNAKE:
             vf = v.to(tl.float32)
+            if IN_SCALE:  # the order of the separate Snake kernel's affine map: scale, then shift
+                vf = vf * in_scale
             if IN_SHIFT:
                 vf = vf + in_shift
             v = snake_math(vf, in_alpha, FAST_SIN).to(v.dtype)
@@ -41,12 +43,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def cat_load(x_row, s_row, idx, mask, pad, stride_xt, stride_st, in_alpha, in_shift, HAS_STATE: tl.constexpr,
-                  IN_SNAKE: tl.constexpr, IN_SHIFT: tl.constexpr, FAST_SIN: tl.constexpr):
+                  IN_SNAKE: tl.constexpr, IN_SHIFT: tl.constexpr, FAST_SIN: tl.constexpr, in_scale=1.0,
+                  IN_SCALE: tl.constexpr = False):
         """cat(state, x')[idx] along time (idx in [0, pad + length)) in fp32, x' = x or, with IN_SNAKE,
-        Snake(x [+ in_shift]) rounded to x's dtype (the separate Snake kernel's output; the state holds earlier x');
-        without state the zero left-padding of a full-sequence pass."""
+        Snake(x [* in_scale] [+ in_shift]) rounded to x's dtype (the separate Snake kernel's output; the state holds
+        earlier x'); without state the zero left-padding of a full-sequence pass."""
         in_x = idx >= pad
-        v = x_load(x_row, idx - pad, mask & in_x, stride_xt, in_alpha, in_shift, IN_SNAKE, IN_SHIFT, FAST_SIN)
+        v = x_load(x_row, idx - pad, mask & in_x, stride_xt, in_alpha, in_shift, IN_SNAKE, IN_SHIFT, FAST_SIN,
+                   in_scale, IN_SCALE)
         if HAS_STATE:
             old = tl.load(s_row + idx * stride_st, mask=mask & (idx < pad), other=0.0).to(tl.float32)
             v = tl.where(in_x, v, old)
@@ -57,7 +61,8 @@ if HAVE_TRITON:
     @triton.jit
     def store_context(x_row, s_row, new_row, row_mask, length, pad, stride_xt, stride_st, in_alpha, in_shift,
                        HAS_STATE: tl.constexpr, HAS_SLOTS: tl.constexpr, IN_SNAKE: tl.constexpr,
-                       IN_SHIFT: tl.constexpr, FAST_SIN: tl.constexpr, BLOCK_P: tl.constexpr):
+                       IN_SHIFT: tl.constexpr, FAST_SIN: tl.constexpr, BLOCK_P: tl.constexpr, in_scale=1.0,
+                       IN_SCALE: tl.constexpr = False):
         """The new carried contexts of a program's rows ((R, 1) pointers, row_mask), the last `pad` frames of
         cat(state, x') (see `cat_load`): with HAS_SLOTS in place of the old ones at s_row, once every thread of the
         program has read them (the caller is the rows' only program that reads them; rows sharing a slot, the
@@ -66,7 +71,7 @@ if HAVE_TRITON:
         i = tl.arange(0, BLOCK_P)[None, :]
         pmask = row_mask & (i < pad)
         tail = cat_load(x_row, s_row, length + i, pmask, pad, stride_xt, stride_st, in_alpha, in_shift, HAS_STATE,
-                         IN_SNAKE, IN_SHIFT, FAST_SIN)
+                         IN_SNAKE, IN_SHIFT, FAST_SIN, in_scale, IN_SCALE)
         if HAS_SLOTS:
             tl.debug_barrier()
             tl.store(s_row + i * stride_st, tail.to(s_row.dtype.element_ty), mask=pmask)
