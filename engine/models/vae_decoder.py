@@ -55,8 +55,9 @@ class DecoderBlock(nn.Module):
 
     def forward_deferred(self, x: Tensor, states: StreamStates | None, scale: Tensor | None,
                          shift: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """The block of the input x * scale + shift (per-channel, each optional, applied with the Snake as the upsampler loads x)
-        with the residual units' biases left out: (y, bias) with output = y + bias (see ResidualUnit)."""
+        """The block of the input x * scale + shift (per-channel, each optional, applied with the block's Snake as
+        the upsampler loads x) with the residual units' biases left out: (y, bias) with output = y + bias (see
+        ResidualUnit)."""
         activation, upsample, *units = self.block
         x = upsample(x, states, (activation.alpha, scale, shift))  # the Snake on the upsampler's input load
         pending = None
