@@ -383,6 +383,36 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                     assert spy.call_count == 10, "the upsampler did not take its kernel path"
         return max(errs)
 
+    def output_conv(dtype: torch.dtype) -> float:
+        """The decoder's last Snake and its conv to one channel as one kernel against the Snake kernel's output fed to
+        the conv: chunks shorter than the context, one time block and two, with and without a shift and a bias, from
+        a context (also in per-slot buffers, replaced in place) and from zeros."""
+        errs = []
+        for seed, (length, streaming) in enumerate(((3, True), (40, True), (1030, True), (40, False), (5, False))):
+            x = rand(2, 5, length + 3, dtype=dtype, seed=150 + seed)[..., 2:length + 2]  # strided view
+            alpha = rand(1, 5, 1, dtype=dtype, seed=160 + seed).abs() + 0.2
+            weight = rand(1, 5, 7, dtype=dtype, seed=170 + seed) * 0.3
+            bias = rand(1, dtype=dtype, seed=180 + seed) if seed % 2 else None
+            shift = rand(5, dtype=dtype, seed=190 + seed) if seed != 1 else None
+            state = rand(2, 5, 6, dtype=dtype, seed=200 + seed) if streaming else None
+            xs_cat = torch.cat([state if streaming else x.new_zeros(2, 5, 6),
+                                snake_ops.snake_triton(x, alpha, None, shift)], dim=-1)
+            y_ref = F.conv1d(xs_cat.float(), weight.float(), None if bias is None else bias.float()).to(dtype)
+            y, new_state = vae_conv.snake_output_conv(x, state, weight, bias, alpha, shift)
+            errs.append(relative_error(y, y_ref))
+            if streaming:
+                errs.append(relative_error(new_state, xs_cat[..., length:]))
+                slots = torch.tensor([3, 0], device=device)
+                buffers = rand(4, 5, 6, dtype=dtype, seed=210 + seed)
+                buffers[slots] = state
+                untouched = buffers[1:3].clone()
+                y, returned = vae_conv.snake_output_conv(x, buffers, weight, bias, alpha, shift, slots)
+                assert returned is buffers and torch.equal(buffers[1:3], untouched), "rows of other slots changed"
+                errs += [relative_error(y, y_ref), relative_error(buffers[slots], xs_cat[..., length:])]
+            else:
+                assert new_state is None
+        return max(errs)
+
     def vae_decoder(dtype: torch.dtype) -> float:
         """The streaming VAE decoder's kernel path (biases and the sample-rate condition carried into the next
         Snake kernel) against its layers one by one, over three streamed chunks."""
@@ -645,7 +675,8 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             "rotary_qk": rotary_qk,
             "rotary_store_kv": rotary_store_kv, "dispatch": dispatch, "dense_attention": dense,
             "snake": snake, "dwconv_snake": dwconv_snake, "residual_unit": residual_unit,
-            "conv_transpose": conv_transpose, "vae_decoder": vae_decoder, "cfg_euler": cfg_euler, "dit_step": dit_step,
+            "conv_transpose": conv_transpose, "output_conv": output_conv, "vae_decoder": vae_decoder,
+            "cfg_euler": cfg_euler, "dit_step": dit_step,
             "gated_gemm": gated_gemm, "dense_layer_stack": dense_layer_stack, "lora": lora, "fp8_weights": fp8_weights}
 
 
@@ -671,7 +702,8 @@ def interpreter_results() -> dict[str, float]:
 
 
 CASES = ("add_rms_norm", "silu_mul", "skinny_matmul", "gemv", "rotary_qk", "rotary_store_kv", "dispatch",
-         "dense_attention", "snake", "dwconv_snake", "residual_unit", "conv_transpose", "vae_decoder", "cfg_euler",
+         "dense_attention", "snake", "dwconv_snake", "residual_unit", "conv_transpose", "output_conv", "vae_decoder",
+         "cfg_euler",
          "dit_step", "gated_gemm", "dense_layer_stack", "lora", "fp8_weights")
 CASE_NAMES = [f"{c}-{d}" for c in CASES for d in INTERPRETED]
 

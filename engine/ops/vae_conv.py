@@ -164,6 +164,38 @@ if HAVE_TRITON:
                            in_alpha, in_shift, HAS_STATE, HAS_SLOTS, IN_SNAKE, IN_SHIFT, FAST_SIN, BLOCK_P)
 
 
+    @triton.jit
+    def _output_conv_kernel(x_ptr, state_ptr, slot_ptr, w_ptr, bias_ptr, alpha_ptr, shift_ptr, y_ptr, new_state_ptr,
+                            channels, length, stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
+                            K: tl.constexpr, HAS_STATE: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr, FAST_SIN: tl.constexpr,
+                            BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+        # A program: one stream's BLOCK output samples, y[t] = bias + sum over channels c and taps j of
+        # w[c, j] * cat(context, x')[c, t + j], x' = Snake(x [+ shift]) computed on load. The first block (BLOCK >= the
+        # context) alone reads the old context and writes the new one, channel by channel after its reads.
+        PAD: tl.constexpr = K - 1
+        b = tl.program_id(0)
+        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+        mask = t < length
+        s_b = tl.load(slot_ptr + b).to(tl.int64) if HAS_SLOTS else b
+        first = tl.program_id(1) == 0
+        acc = tl.zeros((1, BLOCK), dtype=tl.float32)
+        for c in range(channels):
+            x_row = x_ptr + b * stride_xb + c * stride_xc
+            s_row = state_ptr + s_b * stride_sb + c * stride_sc
+            alpha = tl.load(alpha_ptr + c).to(tl.float32)
+            shift = tl.load(shift_ptr + c).to(tl.float32) if HAS_SHIFT else 0.0
+            for j in tl.static_range(K):
+                acc += tl.load(w_ptr + c * K + j).to(tl.float32) * cat_load(
+                    x_row, s_row, t + j, mask, PAD, stride_xt, stride_st, alpha, shift, HAS_STATE, True, HAS_SHIFT,
+                    FAST_SIN)
+            if HAS_STATE and first:
+                store_context(x_row, s_row, new_state_ptr + (b * channels + c) * PAD, True, length, PAD, stride_xt,
+                              stride_st, alpha, shift, HAS_STATE, HAS_SLOTS, True, HAS_SHIFT, FAST_SIN, BLOCK_P)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr).to(tl.float32)
+        tl.store(y_ptr + b * length + t, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
 # The depthwise conv's most samples a row in a program: long rows, one a program, were the fastest tiling of a
 # prototype at a B=128 step's shapes (H200: 104-114 us against 114-139 in 64-sample blocks of 16 rows).
 DWCONV_TIME_BLOCK = platform.MAX_TIME_BLOCK
@@ -252,6 +284,39 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
     `depthwise_conv_supported` (the caller checks)."""
     return causal_depthwise_conv_triton(x, state, weight, bias, dilation, out_alpha, slots, in_alpha, in_shift)
 
+
+def output_conv_supported(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor,
+                          slots: torch.Tensor | None = None) -> bool:
+    """Whether `snake_output_conv` runs its kernel: a (1, C, K) weight over x (B, C, T) and its context."""
+    return (platform.kernels(x) and x.dim() == 3 and weight.dim() == 3 and weight.shape[:2] == (1, x.shape[1])
+            and weight.dtype == x.dtype and context_fits(state, slots, x, weight.shape[-1] - 1))
+
+
+def snake_output_conv(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
+                      alpha: torch.Tensor, shift: torch.Tensor | None = None,
+                      slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The decoder's last Snake (alpha (1, C, 1), of x + shift with `shift` (C,)) and its causal conv to one channel
+    (weight (1, C, K)) as one kernel that reads x once: (y (B, 1, T), the new context (B, C, K - 1) of Snake'd frames;
+    None without `state`). state (B, C, K - 1) or None (zero padding); with `slots` (B,), every slot's contexts,
+    rows slots[b] read and replaced in place (returned: state). Only where `output_conv_supported`."""
+    b, c, t = x.shape
+    k = weight.shape[-1]
+    pad = k - 1
+    y = torch.empty((b, 1, t), dtype=x.dtype, device=x.device)
+    source, slots, state_strides = context_args(x, state, slots)
+    in_place = slots is not None
+    new_state = (source if in_place else None if state is None
+                 else torch.empty((b, c, pad), dtype=x.dtype, device=x.device))
+    if b and t:
+        block = max(min(platform.MAX_TIME_BLOCK, triton.next_power_of_2(t)), triton.next_power_of_2(pad))
+        w = weight.reshape(c, k).contiguous()
+        _output_conv_kernel[(b, triton.cdiv(t, block))](
+            x, source, slots if in_place else w, w, bias if bias is not None else w, alpha.reshape(-1),
+            shift if shift is not None else w, y, new_state if new_state is not None else y, c, t, *x.stride(),
+            *state_strides, K=k, HAS_STATE=state is not None, HAS_SLOTS=in_place, HAS_BIAS=bias is not None,
+            HAS_SHIFT=shift is not None, FAST_SIN=fast_sin(), BLOCK=block,
+            BLOCK_P=triton.next_power_of_2(max(pad, 1)), num_warps=4)
+    return y, new_state
 
 def match_cudnn_tf32() -> None:
     """The VAE's 1x1 convolutions run as fp32 GEMMs (`pointwise_conv_residual`): give this process's matmuls cuDNN's
