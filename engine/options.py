@@ -117,6 +117,9 @@ class EngineOptions:
                                 "step (from vae_overlap_min_batch on), instead of joined inside the step graph.")
     vae_overlap_min_batch: int = _option("VOXCPM_VAE_OVERLAP_MIN_BATCH", 32, int, "Batch buckets from which the "
                                          "VAE graph runs behind the step.")
+    vae_fused_snakes: bool = _option("VOXCPM_VAE_FUSED_SNAKES", False, _flag, "Each decoder block's Snake computed "
+                                     "as the upsampler's input kernel loads its input, and the decoder's last Snake "
+                                     "and conv to one channel as one kernel (a pass less over each block's input).")
     early_outputs: bool = _option("VOXCPM_EARLY_OUTPUTS", False, _flag, "Where the VAE runs inside the step "
                                   "(beside the LMs), the step's audio, patches and stop flags go to the host once "
                                   "they are made (an event the step graph records), not when the LMs' advance ends.")

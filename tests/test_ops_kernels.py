@@ -415,7 +415,14 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
 
     def vae_decoder(dtype: torch.dtype) -> float:
         """The streaming VAE decoder's kernel path (biases and the sample-rate condition carried into the next
-        Snake kernel) against its layers one by one, over three streamed chunks."""
+        Snake kernel), with and without EngineOptions.vae_fused_snakes, against its layers one by one, over three
+        streamed chunks."""
+        with options.override(vae_fused_snakes=True):
+            fused = vae_decoder_once(dtype)
+        with options.override(vae_fused_snakes=False):
+            return max(fused, vae_decoder_once(dtype))
+
+    def vae_decoder_once(dtype: torch.dtype) -> float:
         from engine.config import AudioVAEConfig
         from engine.models.audio_vae import AudioVAE
         from engine.models.vae_decoder import Decoder

@@ -24,6 +24,7 @@ from engine.models.vae_layers import (
 )
 from engine.ops import platform, vae_conv
 from engine.ops.snake import snake
+from engine.options import current
 
 
 class _Tanh(nn.Module):
@@ -67,7 +68,10 @@ class DecoderBlock(nn.Module):
         the upsampler loads x) with the residual units' biases left out: (y, bias) with output = y + bias (see
         ResidualUnit)."""
         activation, upsample, *units = self.block
-        x = upsample(x, states, (activation.alpha, scale, shift))  # the Snake on the upsampler's input load
+        if current().vae_fused_snakes:  # the Snake on the upsampler's input load
+            x = upsample(x, states, (activation.alpha, scale, shift))
+        else:
+            x = upsample(snake(x, activation.alpha, scale, shift), states)
         pending = None
         for unit in units:
             y = unit.forward_deferred(x, states, pending)
@@ -210,7 +214,7 @@ class Decoder(nn.Module):
         over the activations (~30 full-size passes per step)."""
         pending: Tensor | None = None  # per-channel bias not yet added to x
         for i, (layer, cond) in enumerate(zip(self.model, conds, strict=True)):
-            if i == len(self.model) - 3 and self.fused_tail:
+            if i == len(self.model) - 3 and self.fused_tail and current().vae_fused_snakes:
                 y = self._output_tail(x, pending, states)
                 if y is not None:
                     return y
