@@ -61,6 +61,7 @@ def rel_err(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 FORCED_ON: dict[str, dict[str, object]] = {
     "graph triton, gated GEMM": {"gated_gemm_min_rows": 1},  # the DiT's gate/up from its first row (16-bit weights)
     "graph triton, Triton 1x1 convs": {"vae_pointwise_kernel": True},
+    "graph triton, fused VAE Snakes": {"vae_fused_snakes": True},
 }
 
 
@@ -110,9 +111,9 @@ def check_tiny(tmp: Path, table: list[tuple[str, float, float]]) -> None:
     cpu_model = load_model(path, "cpu")
     reqs = requests(cpu_model, 12, stagger=3)
     cpu = run(LLMEngine(cpu_model, EngineConfig(max_num_seqs=8, max_model_len=512)), reqs)
-    # fp32 weights get no interleaved copy: of the off-by-default kernels only the 1x1 convs' runs here
+    # fp32 weights get no interleaved copy: the gated GEMM's variant does not run here
     gpu = variants(load_model(path, "cuda"), "cuda", reqs, 512, pipelined=True,
-                   forced_on=("graph triton, Triton 1x1 convs",))
+                   forced_on=("graph triton, Triton 1x1 convs", "graph triton, fused VAE Snakes"))
     for name, wav in gpu.items():
         table.append((f"tiny fp32: {name} vs CPU eager", rel_err(wav, cpu), 1e-4))
     table.append(("tiny fp32: graph triton vs eager torch (GPU)", rel_err(gpu["graph triton"], gpu["eager torch"]),
@@ -146,6 +147,8 @@ def check_full(path: Path, table: list[tuple[str, float, float]]) -> LoadedModel
                   rel_err(first["graph triton, gated GEMM"], first["eager torch"]), 2e-2))
     table.append(("full bf16, 1 patch: Triton 1x1 convs vs eager torch",
                   rel_err(first["graph triton, Triton 1x1 convs"], first["eager torch"]), 2e-2))
+    table.append(("full bf16, 1 patch: fused VAE Snakes vs eager torch",
+                  rel_err(first["graph triton, fused VAE Snakes"], first["eager torch"]), 2e-2))
     return model
 
 
