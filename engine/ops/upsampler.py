@@ -29,17 +29,40 @@ if HAVE_TRITON:
     from engine.ops.vae_conv import cat_load, store_context
 
     @triton.jit
-    def _upsampler_input_kernel(x_ptr, state_ptr, slot_ptr, alpha_ptr, scale_ptr, shift_ptr, xin_ptr, new_state_ptr,
-                                rows, channels, batch, length, ctx, frames, stride_xb, stride_xc, stride_xt, stride_sb,
-                                stride_sc, stride_st, HAS_STATE: tl.constexpr, HAS_SLOTS: tl.constexpr,
-                                IN_SNAKE: tl.constexpr, IN_SCALE: tl.constexpr, IN_SHIFT: tl.constexpr,
-                                FAST_SIN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
-                                BLOCK_P: tl.constexpr):
-        # BLOCK_R (batch, channel) rows: xin[c, b, :] = cat(context, x' row) zero-padded to `frames`, x' = x or with
-        # IN_SNAKE the decoder block's Snake of x [* scale] [+ shift] (the context holds earlier x'). With HAS_STATE
+    def _upsampler_input_kernel(x_ptr, state_ptr, slot_ptr, xin_ptr, new_state_ptr, rows, channels, batch, length,
+                                ctx, frames, stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
+                                HAS_STATE: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_R: tl.constexpr,
+                                BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+        # BLOCK_R (batch, channel) rows: xin[c, b, :] = cat(context, x row) zero-padded to `frames`. With HAS_STATE
         # the new context (the concat's last ctx frames) is written by the program that read the old one (the first
         # frame block, BLOCK >= ctx): with HAS_SLOTS in place of slot_ptr[b]'s row of the per-slot buffer, else to
         # new_state_ptr's row.
+        upsampler_input_tile(x_ptr, state_ptr, slot_ptr, x_ptr, x_ptr, x_ptr, xin_ptr, new_state_ptr, rows, channels,
+                             batch, length, ctx, frames, stride_xb, stride_xc, stride_xt, stride_sb, stride_sc,
+                             stride_st, HAS_STATE, HAS_SLOTS, False, False, False, False, BLOCK_R, BLOCK, BLOCK_P)
+
+    @triton.jit
+    def _upsampler_snake_input_kernel(x_ptr, state_ptr, slot_ptr, alpha_ptr, scale_ptr, shift_ptr, xin_ptr,
+                                      new_state_ptr, rows, channels, batch, length, ctx, frames, stride_xb, stride_xc,
+                                      stride_xt, stride_sb, stride_sc, stride_st, HAS_STATE: tl.constexpr,
+                                      HAS_SLOTS: tl.constexpr, IN_SCALE: tl.constexpr, IN_SHIFT: tl.constexpr,
+                                      FAST_SIN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
+                                      BLOCK_P: tl.constexpr):
+        # `_upsampler_input_kernel` of x' = the decoder block's Snake of x [* scale] [+ shift] (the context holds
+        # earlier x'): its own kernel, so that the plain one's shipped kernel records stay valid.
+        upsampler_input_tile(x_ptr, state_ptr, slot_ptr, alpha_ptr, scale_ptr, shift_ptr, xin_ptr, new_state_ptr,
+                             rows, channels, batch, length, ctx, frames, stride_xb, stride_xc, stride_xt, stride_sb,
+                             stride_sc, stride_st, HAS_STATE, HAS_SLOTS, True, IN_SCALE, IN_SHIFT, FAST_SIN, BLOCK_R,
+                             BLOCK, BLOCK_P)
+
+    @triton.jit
+    def upsampler_input_tile(x_ptr, state_ptr, slot_ptr, alpha_ptr, scale_ptr, shift_ptr, xin_ptr, new_state_ptr,
+                             rows, channels, batch, length, ctx, frames, stride_xb, stride_xc, stride_xt, stride_sb,
+                             stride_sc, stride_st, HAS_STATE: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                             IN_SNAKE: tl.constexpr, IN_SCALE: tl.constexpr, IN_SHIFT: tl.constexpr,
+                             FAST_SIN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
+                             BLOCK_P: tl.constexpr):
+        """The two upsampler input kernels' program (see them)."""
         bc, b, c, row_mask, f = row_tile_program(rows, channels, BLOCK_R, BLOCK)
         x_row = x_ptr + b * stride_xb + c * stride_xc
         s_b = tl.load(slot_ptr + b, mask=row_mask, other=0).to(tl.int64) if HAS_SLOTS else b
@@ -50,7 +73,8 @@ if HAVE_TRITON:
         kept = f < ctx + length
         v = cat_load(x_row, s_row, f, row_mask & kept, ctx, stride_xt, stride_st, alpha, shift, HAS_STATE, IN_SNAKE,
                       IN_SHIFT, FAST_SIN, scale, IN_SCALE)
-        v = tl.where(kept, v, 0.0)  # the padding frames (a Snake of a masked load is not 0)
+        if IN_SNAKE:  # the padding frames (a Snake of a masked load is not 0)
+            v = tl.where(kept, v, 0.0)
         tl.store(xin_ptr + (c * batch + b) * frames + f, v.to(xin_ptr.dtype.element_ty), mask=row_mask & (f < frames))
         if HAS_STATE and tl.program_id(1) == 0:
             store_context(x_row, s_row, new_state_ptr + bc * ctx, row_mask, length, ctx, stride_xt, stride_st, alpha,
@@ -96,14 +120,21 @@ def upsampler_input(x: torch.Tensor, state: torch.Tensor | None, ctx: int, frame
         block_p = triton.next_power_of_2(max(ctx, 1))
         # frames >= ctx, so the first frame block covers the context (its program alone reads and replaces it)
         block_rows, block = row_tile(b * c, frames, max(MAX_TIME_BLOCK, block_p))
-        alpha, scale, shift = in_snake or (None, None, None)
-        _upsampler_input_kernel[(triton.cdiv(b * c, block_rows), triton.cdiv(frames, block))](
-            x, source, slots if in_place else x, x if alpha is None else alpha.reshape(-1),
-            x if scale is None else scale, x if shift is None else shift, xin,
-            new_state if new_state is not None else xin, b * c, c, b, n, ctx, frames, *x.stride(), *state_strides,
-            HAS_STATE=state is not None, HAS_SLOTS=in_place, IN_SNAKE=alpha is not None, IN_SCALE=scale is not None,
-            IN_SHIFT=shift is not None, FAST_SIN=fast_sin(), BLOCK_R=block_rows, BLOCK=block, BLOCK_P=block_p,
-            num_warps=4)
+        grid = (triton.cdiv(b * c, block_rows), triton.cdiv(frames, block))
+        slot_arg, new_state_arg = slots if in_place else x, new_state if new_state is not None else xin
+        if in_snake is None:
+            _upsampler_input_kernel[grid](
+                x, source, slot_arg, xin, new_state_arg, b * c, c, b, n, ctx, frames, *x.stride(), *state_strides,
+                HAS_STATE=state is not None, HAS_SLOTS=in_place, BLOCK_R=block_rows, BLOCK=block, BLOCK_P=block_p,
+                num_warps=4)
+        else:
+            alpha, scale, shift = in_snake
+            _upsampler_snake_input_kernel[grid](
+                x, source, slot_arg, alpha.reshape(-1), x if scale is None else scale, x if shift is None else shift,
+                xin, new_state_arg, b * c, c, b, n, ctx, frames, *x.stride(), *state_strides,
+                HAS_STATE=state is not None, HAS_SLOTS=in_place, IN_SCALE=scale is not None,
+                IN_SHIFT=shift is not None, FAST_SIN=fast_sin(), BLOCK_R=block_rows, BLOCK=block, BLOCK_P=block_p,
+                num_warps=4)
     return xin, new_state
 
 
