@@ -143,12 +143,9 @@ def check_full(path: Path, table: list[tuple[str, float, float]]) -> LoadedModel
                   rel_err(first["graph triton"], first["eager torch"]), 2e-2))
     table.append(("full bf16, 1 patch: graph triton batched vs alone",
                   rel_err(first["graph triton"], first["graph triton, alone"]), 2e-2))
-    table.append(("full bf16, 1 patch: gated GEMM vs eager torch",
-                  rel_err(first["graph triton, gated GEMM"], first["eager torch"]), 2e-2))
-    table.append(("full bf16, 1 patch: Triton 1x1 convs vs eager torch",
-                  rel_err(first["graph triton, Triton 1x1 convs"], first["eager torch"]), 2e-2))
-    table.append(("full bf16, 1 patch: fused VAE Snakes vs eager torch",
-                  rel_err(first["graph triton, fused VAE Snakes"], first["eager torch"]), 2e-2))
+    for name in FORCED_ON:  # e.g. "full bf16, 1 patch: gated GEMM vs eager torch"
+        table.append((f"full bf16, 1 patch: {name.removeprefix('graph triton, ')} vs eager torch",
+                      rel_err(first[name], first["eager torch"]), 2e-2))
     return model
 
 

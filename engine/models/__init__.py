@@ -12,3 +12,9 @@ FAMILIES: dict[str, type[VoxCPMBackbone]] = {"voxcpm": VoxCPM1, "voxcpm2": VoxCP
 
 def build_backbone(cfg: VoxCPMConfig) -> VoxCPMBackbone:
     return FAMILIES[cfg.architecture](cfg)
+
+
+def dit_rows_per_stream(cfg: VoxCPMConfig) -> int:
+    """Rows one stream gives the DiT's projections in a decode step: CFG's two halves of [condition tokens, time
+    token, previous patch, noisy patch]."""
+    return 2 * (FAMILIES[cfg.architecture].condition_tokens + 1 + 2 * cfg.patch_size)

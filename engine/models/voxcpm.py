@@ -247,11 +247,6 @@ class VoxCPMBackbone(nn.Module):
     def dit_condition(self, lm_hidden: torch.Tensor, residual_hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def dit_rows_per_stream(self) -> int:
-        """Rows one stream gives the DiT's projections in a decode step: CFG's two halves of [condition tokens, time
-        token, previous patch, noisy patch]."""
-        return 2 * (self.condition_tokens + 1 + 2 * self.cfg.patch_size)
-
     # --- set-up -------------------------------------------------------------------------------
     def setup_rope(self, max_positions: int, device: torch.device | str) -> None:
         """Precompute rotary rows: LM positions up to max_positions, local modules' short spans."""

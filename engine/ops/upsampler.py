@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from engine.ops import platform
 from engine.ops.platform import HAVE_TRITON, MAX_TIME_BLOCK, fast_sin, row_tile
-from engine.ops.vae_conv import context_args, context_fits
+from engine.ops.vae_conv import context_args, context_fits, new_context
 
 if TYPE_CHECKING:
     import torch
@@ -114,8 +114,7 @@ def upsampler_input(x: torch.Tensor, state: torch.Tensor | None, ctx: int, frame
     xin = torch.empty((c, b, frames), dtype=x.dtype, device=x.device)
     source, slots, state_strides = context_args(x, state, slots)
     in_place = slots is not None
-    new_state = (source if in_place else None if state is None
-                 else torch.empty((b, c, ctx), dtype=x.dtype, device=x.device))
+    new_state = new_context(x, state, source, in_place, ctx)
     if b and c:
         block_p = triton.next_power_of_2(max(ctx, 1))
         # frames >= ctx, so the first frame block covers the context (its program alone reads and replaces it)

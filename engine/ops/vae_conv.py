@@ -107,7 +107,6 @@ if HAVE_TRITON:
         tl.store(o_ptr + b[None, :] * (c_out * length) + o[:, None].to(tl.int64) * length + t[None, :], out,
                  mask=mask)
 
-
     @triton.jit
     def conv_finish(acc, c, row_mask, bias_ptr, alpha_ptr, out_dtype, HAS_BIAS: tl.constexpr,
                     OUT_SNAKE: tl.constexpr, FAST_SIN: tl.constexpr):
@@ -196,6 +195,7 @@ if HAVE_TRITON:
             acc += tl.load(bias_ptr).to(tl.float32)
         tl.store(y_ptr + b * length + t, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
+
 # The depthwise conv's most samples a row in a program: long rows, one a program, were the fastest tiling of a
 # prototype at a B=128 step's shapes (H200: 104-114 us against 114-139 in 64-sample blocks of 16 rows).
 DWCONV_TIME_BLOCK = platform.MAX_TIME_BLOCK
@@ -209,6 +209,15 @@ def context_args(x: torch.Tensor, state: torch.Tensor | None,
     if state is None:
         return x, None, (0, 0, 0)
     return state, slots, tuple(state.stride())
+
+
+def new_context(x: torch.Tensor, state: torch.Tensor | None, source: torch.Tensor, in_place: bool,
+                width: int) -> torch.Tensor | None:
+    """Where a kernel writes the new carried context of x's (B, C, T) streams (`context_args`' source and whether it
+    replaces the old one in place): that buffer itself, a new (B, C, width) one, or None without a state."""
+    if in_place:
+        return source
+    return None if state is None else torch.empty((*x.shape[:2], width), dtype=x.dtype, device=x.device)
 
 
 def context_fits(state: torch.Tensor | None, slots: torch.Tensor | None, x: torch.Tensor, width: int) -> bool:
@@ -305,8 +314,7 @@ def snake_output_conv(x: torch.Tensor, state: torch.Tensor | None, weight: torch
     y = torch.empty((b, 1, t), dtype=x.dtype, device=x.device)
     source, slots, state_strides = context_args(x, state, slots)
     in_place = slots is not None
-    new_state = (source if in_place else None if state is None
-                 else torch.empty((b, c, pad), dtype=x.dtype, device=x.device))
+    new_state = new_context(x, state, source, in_place, pad)
     if b and t:
         block = max(min(platform.MAX_TIME_BLOCK, triton.next_power_of_2(t)), triton.next_power_of_2(pad))
         w = weight.reshape(c, k).contiguous()
@@ -317,6 +325,7 @@ def snake_output_conv(x: torch.Tensor, state: torch.Tensor | None, weight: torch
             HAS_SHIFT=shift is not None, FAST_SIN=fast_sin(), BLOCK=block,
             BLOCK_P=triton.next_power_of_2(max(pad, 1)), num_warps=4)
     return y, new_state
+
 
 def match_cudnn_tf32() -> None:
     """The VAE's 1x1 convolutions run as fp32 GEMMs (`pointwise_conv_residual`): give this process's matmuls cuDNN's

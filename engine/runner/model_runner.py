@@ -19,6 +19,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.engine_config import EngineConfig
 from engine.io.checkpoint import LoadedModel
+from engine.models import dit_rows_per_stream
 from engine.models.minicpm import attach_gated_gemm, fuse_projections, quantize_projections
 from engine.ops import layer_stack, vae_conv
 from engine.options import current
@@ -69,7 +70,7 @@ class ModelRunner:
         if device.type == "cuda" and opts.fuse:
             fuse_projections(model.backbone)
             layer_stack.prepare(device)  # the layer kernels' barrier counters, before any graph capture
-            dit_rows = max_num_seqs * model.backbone.dit_rows_per_stream()  # only the DiT's MLPs reach such rows
+            dit_rows = max_num_seqs * dit_rows_per_stream(model.config)  # only the DiT's MLPs reach such rows
             if opts.gated_gemm_min_rows and not config.quantization and dit_rows >= opts.gated_gemm_min_rows:
                 attach_gated_gemm(model.backbone.feat_decoder)
         # FP8 weights after the merged adapter, fusing and stacking; before runtime adapters' base copies and capture.

@@ -49,6 +49,7 @@ import triton.language as tl
 
 from engine import options
 from engine.config import AudioVAEConfig, TransformerConfig, VoxCPMConfig
+from engine.models import dit_rows_per_stream
 from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
 from engine.ops import dense_attention, gated_gemm, layer_stack, linear, norm, platform, silu_mul, skinny_gemm, vae_conv
 from tools.benchmarks.harness import subcommand_parser
@@ -70,16 +71,11 @@ def layer_shapes(tcfg: TransformerConfig) -> list[tuple[int, int]]:
 def projections(cfg: VoxCPMConfig) -> list[tuple[str, int, int, bool, int]]:
     """(name, output rows of the weight, K, SiLU-gated, activation rows per request at a decode step)."""
     out = []
-    for stack, tcfg, per_request in (("LM", cfg.lm, 1), ("DiT", cfg.dit, dit_rows(cfg)),
+    for stack, tcfg, per_request in (("LM", cfg.lm, 1), ("DiT", cfg.dit, dit_rows_per_stream(cfg)),
                                      ("LocEnc", cfg.encoder, cfg.patch_size + 1)):
         for name, (n, k) in zip(("qkv", "o", "gate_up+silu", "down"), layer_shapes(tcfg), strict=True):
             out.append((f"{stack} {name}", n, k, name == "gate_up+silu", per_request))
     return out
-
-
-def dit_rows(cfg: VoxCPMConfig) -> int:
-    """The DiT's activation rows per request at a decode step: CFG's two sequences of 2 * patch + 3 tokens."""
-    return 2 * (2 * cfg.patch_size + 3)
 
 
 def weight_copies(weight: torch.Tensor) -> list[torch.Tensor]:
@@ -139,7 +135,7 @@ def bench_splitk(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype
     them), and what `linear.residual_splits` picks, at the rows of each batch size (LM: one per request)."""
 
     rows = []
-    for stack, tcfg, per_request in (("LM", cfg.lm, 1), ("DiT", cfg.dit, dit_rows(cfg)),
+    for stack, tcfg, per_request in (("LM", cfg.lm, 1), ("DiT", cfg.dit, dit_rows_per_stream(cfg)),
                                      ("LocEnc", cfg.encoder, cfg.patch_size + 1)):
         for name, (n, k_dim) in zip(("o", "down"), layer_shapes(tcfg)[1::2], strict=True):
             weight = torch.randn(n, k_dim, device=dev, dtype=dtype) * k_dim ** -0.5
@@ -166,14 +162,14 @@ def bench_splitk(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype
 
 
 def bench_mlp_chunks(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: torch.dtype) -> list[dict]:
-    """The DiT's MLP at the rows of each batch size (`dit_rows` per request), whole and in row chunks."""
+    """The DiT's MLP at the rows of each batch size (`dit_rows_per_stream` per request), whole and in row chunks."""
     h, f = cfg.dit.hidden_size, cfg.dit.intermediate_size
     gate_up = torch.randn(2 * f, h, device=dev, dtype=dtype) * h ** -0.5
     down = torch.randn(h, f, device=dev, dtype=dtype) * f ** -0.5
     interleaved = gated_gemm.interleave(gate_up)
     rows = []
     for b in batches:
-        m = b * dit_rows(cfg)
+        m = b * dit_rows_per_stream(cfg)
         x, out = torch.randn(m, h, device=dev, dtype=dtype), torch.empty(m, h, device=dev, dtype=dtype)
         gu = F.linear(x, gate_up)
         gated = silu_mul.silu_mul(gu[:, :f], gu[:, f:])
@@ -231,7 +227,7 @@ def bench_layer(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype:
     rows: the layers' separate kernels against the layer kernel (`engine.ops.layer_stack`) as one launch per stack
     (grid barriers) and as one launch per phase; the outputs' relative error against the separate kernels'."""
     out = []
-    for name, tcfg, seq_len, per_request in (("DiT", cfg.dit, dit_rows(cfg) // 2, 2),
+    for name, tcfg, seq_len, per_request in (("DiT", cfg.dit, dit_rows_per_stream(cfg) // 2, 2),
                                              ("LocEnc", cfg.encoder, cfg.patch_size + 1, 1)):
         with torch.device(dev):
             stack = MiniCPM(tcfg).to(dtype)
@@ -421,7 +417,7 @@ def main(argv: list[str]) -> None:
     vae_rows = bench_vae(cfg, batches, dev) if "vae" in only else []
     with torch.inference_mode():  # residual_linear splits only without autograd
         splitk_rows = bench_splitk(cfg, batches, dev, dtype) if "splitk" in only else []
-    attention = (("DiT", cfg.dit, dit_rows(cfg) // 2, 2), ("LocEnc", cfg.encoder, cfg.patch_size + 1, 1))
+    attention = (("DiT", cfg.dit, dit_rows_per_stream(cfg) // 2, 2), ("LocEnc", cfg.encoder, cfg.patch_size + 1, 1))
     for name, tcfg, seq_len, per_request in attention if "attention" in only else ():
         hq, hk, d = tcfg.num_attention_heads, tcfg.num_key_value_heads, tcfg.head_dim
         rope = rotary_table(tcfg, seq_len, dev)
