@@ -677,8 +677,14 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             unfused = vae_decoder_unfused(dtype)
         if dtype != torch.float32:
             return unfused
-        with options.override(vae_fused_snakes=True):
-            return max(unfused, vae_decoder(dtype))
+        with options.override(vae_fused_snakes=True), \
+                mock.patch.object(vae_conv, "snake_output_conv", wraps=vae_conv.snake_output_conv) as tail, \
+                mock.patch.object(upsampler, "upsampler_input", wraps=upsampler.upsampler_input) as inputs:
+            fused = vae_decoder(dtype)
+        assert tail.call_count and inputs.call_count and all(c.args[-1] is not None for c in inputs.call_args_list), \
+            "the decoder did not take the fused Snakes' kernels"
+        return max(unfused, fused)
+
     return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "skinny_matmul": skinny_matmul, "gemv": gemv,
             "rotary_qk": rotary_qk,
             "rotary_store_kv": rotary_store_kv, "dispatch": dispatch, "dense_attention": dense,
