@@ -120,9 +120,10 @@ class EngineOptions:
     vae_fused_snakes: bool = _option("VOXCPM_VAE_FUSED_SNAKES", False, _flag, "Each decoder block's Snake computed "
                                      "as the upsampler's input kernel loads its input, and the decoder's last Snake "
                                      "and conv to one channel as one kernel (a pass less over each block's input).")
-    early_outputs: bool = _option("VOXCPM_EARLY_OUTPUTS", False, _flag, "Where the VAE runs inside the step "
+    early_outputs: bool = _option("VOXCPM_EARLY_OUTPUTS", True, _flag, "Where the VAE runs inside the step "
                                   "(beside the LMs), the step's audio, patches and stop flags go to the host once "
-                                  "they are made (an event the step graph records), not when the LMs' advance ends.")
+                                  "they are made (an event the step graph records), not when the LMs' advance "
+                                  "ends; 0: after the whole step.")
     # --- the runtime ---------------------------------------------------------------------------------------------
     lora_kernel: bool = _option("VOXCPM_LORA_KERNEL", True, _flag, "The LoRA terms of steps of mixed runtime "
                                 "adapters by the Triton kernels (a few rows: one kernel per term; more: the shrink "
