@@ -79,7 +79,7 @@ class BaseServiceSettings(BaseSettings):
     encoder_threads: int = Field(0, ge=0, le=64, description="Audio-encoding threads per HTTP server process (on the "
                                                             "cores not reserved for the engine workers). 0 = one per "
                                                             "two seats the process serves on average (the engine "
-                                                            "seats over the API processes), from 2 to 16.")
+                                                            "seats over the API processes), from 4 to 16.")
     cache_dir: Path = Field(Path("~/.cache/voxcpm-serve"), description="Voice store and demo checkpoint.")
     prebuilt_kernels_dir: Path | None = Field(None, description="GPU kernels compiled ahead (`python -m "
                                                                 "engine.startup.prebuild --out DIR`, as the image "
@@ -224,12 +224,13 @@ class BaseServiceSettings(BaseSettings):
     def encoder_thread_count(self, api_processes: int, workers: int) -> int:
         """Encoder threads per API process. Connections spread over the processes unevenly (the kernel hashes them),
         so a process may serve ~1.5x its share of streams; too few threads leave its streams behind while other
-        processes idle, too many on a host that is short of cores cost more CPU per audio second (measured:
+        processes idle, too many on a host that is short of cores cost more CPU per audio second; never fewer than 4
+        (2 held MP3 c=64 to 311-366 audio-s/s where 4 gave 383-412 on 16-vCPU H200 hosts; measured:
         docs/history/serving.md, "Encoder threads by the seats")."""
         if self.encoder_threads:
             return self.encoder_threads
         seats = self.serverpool_max_num_seqs * max(1, workers)
-        return max(2, min(16, seats // (2 * max(1, api_processes))))
+        return max(4, min(16, seats // (2 * max(1, api_processes))))
 
     def api_key_list(self) -> list[str]:
         """The keys from NANOVLLM_API_KEYS and NANOVLLM_API_KEYS_FILE (read once, at start-up)."""

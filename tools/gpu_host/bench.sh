@@ -27,7 +27,8 @@
 #       OURS_VARIANTS='-;{"quantization":"fp8"};{"quantization":"fp8","vae_dtype":"bfloat16"}'   # the options' table
 #   PARTS="fp8acc" FP8ACC_VARIANTS="-;VOXCPM_FP8_FAST_ACCUM=1"   # FP8 accuracy, batched and one request at a time
 #   PARTS="rounds" BASELINE=old ROUNDS=3 CONC=256 ITERS=3 BENCH_ARGS="--max-num-seqs 256"   # old/ and this tree
-#       alternating, round by round (rounds_base_N.json, rounds_tree_N.json)
+#       alternating, round by round (rounds_base_N.json, rounds_tree_N.json); ROUND_ENV="VOXCPM_X=0" instead of
+#       BASELINE: this tree in that environment and as it is (rounds_env_N.json, rounds_tree_N.json)
 #   PARTS="burst" BASELINE=old BURST_VARIANTS="--max-num-batched-tokens 8192;--pool-kwargs {\"running_prefill_tokens\":2048}"
 #       a burst of BURST (128) onto RUNNING (128) streams (`tools/bench.py arrival-burst`), once per variant (extra
 #       flags), BASELINE's engine first (its variants: BURST_BASE_VARIANTS); files burst_*.json
@@ -513,13 +514,20 @@ random_adapters('$CKPT', 1, ${LORA_RANK:-32}, Path('/tmp/lora_merged'))" \
             popd >/dev/null
             ;;
         rounds)  # BASELINE's pool benchmark and this tree's, alternating ROUNDS (3) times: rounds_{base,tree}_N.json
-            # (what moves between runs, such as c=256's TTFB p95, compared round by round)
+            # (what moves between runs, such as c=256's TTFB p95, compared round by round); with ROUND_ENV instead of
+            # BASELINE (environment assignments, e.g. VOXCPM_EARLY_OUTPUTS=0), this tree in it: rounds_env_N.json
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
-            [[ -d "${BASELINE:-}" ]] || { log "rounds needs BASELINE=dir (an earlier tree)"; RC[$part]=setup; continue; }
+            [[ -d "${BASELINE:-}" || -n "${ROUND_ENV:-}" ]] || {
+                log "rounds needs BASELINE=dir (an earlier tree) or ROUND_ENV"; RC[$part]=setup; continue; }
             RC[$part]=0
             for r in $(seq 1 "${ROUNDS:-3}"); do
-                pushd "$BASELINE" >/dev/null && { bench_ours "$OUT/rounds_base_$r.json" || RC[$part]=$?; }
-                popd >/dev/null
+                if [[ -n "${ROUND_ENV:-}" ]]; then
+                    # shellcheck disable=SC2086  # one word per assignment
+                    (export ${ROUND_ENV}; bench_ours "$OUT/rounds_env_$r.json") || RC[$part]=$?
+                else
+                    pushd "$BASELINE" >/dev/null && { bench_ours "$OUT/rounds_base_$r.json" || RC[$part]=$?; }
+                    popd >/dev/null
+                fi
                 bench_ours "$OUT/rounds_tree_$r.json" || RC[$part]=$?
             done
             ;;
