@@ -240,6 +240,9 @@ def test_encode_costs_and_the_client_path(tmp_path):
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
     assert {r["format"] for r in doc["formats"]} >= {"mp3 192 kbps q2", "pcm s16le", "wav", "flac", "opus"}
     assert all(r["core_s_per_audio_s"] > 0 and r["bytes"] > 0 for r in doc["formats"])
+    # every LAME quality the service accepts decodes to its input (SNR well above a misaligned or broken stream's ~0 dB)
+    mp3 = {r["format"]: r["snr_db"] for r in doc["formats"] if r["format"].startswith("mp3")}
+    assert {"mp3 192 kbps q0", "mp3 192 kbps q7"} <= set(mp3) and min(mp3.values()) > 15, mp3
     assert [r["threads"] for r in doc["mp3_threads"]] == [1, 2]
     steps, chunk = round(SAMPLE_RATE / 7680), 7680
     audio = encode.speech_like(8.0, SAMPLE_RATE)

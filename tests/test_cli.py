@@ -39,8 +39,8 @@ def test_version():
 
 @pytest.mark.parametrize("args, message", [(("--bogus",), "unrecognized arguments: --bogus"),
                                            (("--port", "x"), "--port: Input should be a valid integer"),
-                                           (("--mp3-quality", "3"), "--mp3-quality: Input should be less than or "
-                                                                    "equal to 2")])
+                                           (("--mp3-quality", "8"), "--mp3-quality: Input should be less than or "
+                                                                    "equal to 7")])
 def test_bad_flags_exit_2_naming_them(args, message):
     r = cli(*args)
     assert r.returncode == 2 and message in r.stderr, r.stderr

@@ -67,7 +67,7 @@ def test_ready_flips_when_a_worker_dies(server):
 
 
 def test_settings_validation(monkeypatch):
-    monkeypatch.setenv("NANOVLLM_MP3_QUALITY", "7")
+    monkeypatch.setenv("NANOVLLM_MP3_QUALITY", "8")
     monkeypatch.setenv("NANOVLLM_SERVERPOOL_GPU_MEMORY_UTILIZATION", "1.5")
     monkeypatch.setenv("NANOVLLM_SERVERPOOL_ENFORCE_EAGER", "on")
     with pytest.raises(ValidationError) as e:

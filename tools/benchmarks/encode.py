@@ -4,8 +4,9 @@
 
 Each format is encoded by the service's own encoders (service/audio.py), fed 160 ms chunks of 48 kHz noise-like
 audio the way a stream is (whole files too: they gather the chunks and encode at the last one), on one thread;
-core-s per audio-s = CPU seconds / audio seconds (the inverse is "x real time" per core). MP3 is also run on
-several threads at once, to check that LAME's encoding scales over cores (it releases the GIL).
+core-s per audio-s = CPU seconds / audio seconds (the inverse is "x real time" per core); each MP3 quality's output is
+decoded again for its waveform SNR against the input. MP3 is also run on several threads at once, to check that
+LAME's encoding scales over cores (it releases the GIL).
 
 --client-path STREAMS measures the same encoders on the API process's own path, without HTTP: a spawned process
 plays an engine worker, sending a step's chunks for STREAMS streams every --step-ms over a real connection to a real
@@ -21,6 +22,7 @@ slowest streams' first bytes at the least, whatever the serving path does (media
 from __future__ import annotations
 
 import asyncio
+import io
 import multiprocessing as mp
 import os
 import threading
@@ -29,11 +31,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import soundfile as sf
 
 from service.audio import make_encoder
 from tools.benchmarks.harness import subcommand_parser, write_json
 
-CASES = [("mp3", {"mp3_bitrate_kbps": 192, "mp3_quality": q}, f"mp3 192 kbps q{q}") for q in (0, 1, 2)] + [
+CASES = [("mp3", {"mp3_bitrate_kbps": 192, "mp3_quality": q}, f"mp3 192 kbps q{q}") for q in (0, 1, 2, 3, 5, 7)] + [
     ("mp3", {"mp3_bitrate_kbps": 128, "mp3_quality": 2}, "mp3 128 kbps q2"),
     ("pcm", {}, "pcm s16le"), ("wav", {}, "wav"), ("flac", {}, "flac"), ("opus", {}, "opus"),
 ]
@@ -50,11 +53,25 @@ def speech_like(seconds: float, sr: int, seed: int = 0) -> np.ndarray:
 
 
 def encode_all(audio: np.ndarray, chunk: int, fmt: str, sr: int, options: dict) -> int:
+    return len(encode_bytes(audio, chunk, fmt, sr, options))
+
+
+def encode_bytes(audio: np.ndarray, chunk: int, fmt: str, sr: int, options: dict) -> bytes:
     enc = make_encoder(fmt, sr, **options)
-    n = 0
-    for i in range(0, len(audio), chunk):
-        n += len(enc(audio[i:i + chunk], i + chunk >= len(audio)) or b"")
-    return n
+    return b"".join(enc(audio[i:i + chunk], i + chunk >= len(audio)) or b"" for i in range(0, len(audio), chunk))
+
+
+def decoded_snr_db(audio: np.ndarray, data: bytes, max_lag: int = 4096) -> float:
+    """Waveform SNR (dB) of the decoded MP3 against its input, the codec's delay found by cross-correlation: a check
+    that a cheaper LAME quality does not break the audio, not a perceptual measure."""
+    decoded, _ = sf.read(io.BytesIO(data), dtype="float32")
+    head = min(len(audio), len(decoded) - max_lag, 1 << 16)
+    corr = np.fft.irfft(np.fft.rfft(decoded[: head + max_lag], 2 * (head + max_lag))
+                        * np.conj(np.fft.rfft(audio[:head], 2 * (head + max_lag))))
+    lag = int(np.argmax(corr[:max_lag]))
+    n = min(len(audio), len(decoded) - lag)
+    error = decoded[lag:lag + n] - audio[:n]
+    return float(10 * np.log10(np.sum(audio[:n] ** 2) / max(float(np.sum(error ** 2)), 1e-30)))
 
 
 def _play_worker(conn: Any, request_ids: list[str], step_s: float, steps: int, chunk: int, sr: int) -> None:
@@ -166,13 +183,15 @@ def main(argv: list[str]) -> dict[str, Any]:
     for fmt, options, label in CASES:
         encode_all(audio[: sr], a.chunk, fmt, sr, options)  # warm-up
         c0, w0 = time.process_time(), time.perf_counter()
-        nbytes = encode_all(audio, a.chunk, fmt, sr, options)
+        data = encode_bytes(audio, a.chunk, fmt, sr, options)
         cpu, wall = time.process_time() - c0, time.perf_counter() - w0
         row = {"format": label, "core_s_per_audio_s": cpu / a.seconds, "x_realtime_per_core": a.seconds / cpu,
-               "wall_s": wall, "bytes": nbytes}
+               "wall_s": wall, "bytes": len(data)}
+        if fmt == "mp3":
+            row["snr_db"] = decoded_snr_db(audio, data)
         doc["formats"].append(row)
         print(f"{label:18s} {row['core_s_per_audio_s']:.5f} core-s per audio-s ({row['x_realtime_per_core']:.0f}x "
-              "real time per core)", flush=True)
+              "real time per core)" + (f", {row['snr_db']:.1f} dB SNR decoded" if "snr_db" in row else ""), flush=True)
     for n in [int(x) for x in a.threads.split(",") if x.strip()]:
         threads = [threading.Thread(target=encode_all, args=(audio, a.chunk, "mp3", sr, {})) for _ in range(n)]
         w0 = time.perf_counter()
