@@ -64,7 +64,7 @@ class BaseServiceSettings(BaseSettings):
                                                              "every GPU, else the CPU.")
     mp3_bitrate_kbps: int = Field(192, description="MP3 bitrate (kbit/s).")
     mp3_quality: int = Field(2, ge=0, le=7, description="LAME's quality setting (lameenc): 2 near-best; 3 about half "
-                                                      "its CPU, 7 (fastest) a fifth; 0 about three times it.")
+                                                      "its CPU, 7 (fastest) a quarter; 0 about three times it.")
     max_queued_requests: int | None = Field(None, ge=0, description="Requests each worker may hold waiting for a seat "
                                                                      "beyond the max_num_seqs it runs; more: 503 + "
                                                                      "Retry-After at once. Unset = max_num_seqs.")
