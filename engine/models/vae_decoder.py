@@ -213,8 +213,9 @@ class Decoder(nn.Module):
         applied inside the next Snake kernel (a per-channel shift / scale) instead of as passes of their own
         over the activations (~30 full-size passes per step)."""
         pending: Tensor | None = None  # per-channel bias not yet added to x
+        tail_at = len(self.model) - 3 if self.fused_tail and current().vae_fused_snakes else -1
         for i, (layer, cond) in enumerate(zip(self.model, conds, strict=True)):
-            if i == len(self.model) - 3 and self.fused_tail and current().vae_fused_snakes:
+            if i == tail_at:
                 y = self._output_tail(x, pending, states)
                 if y is not None:
                     return y

@@ -162,7 +162,6 @@ if HAVE_TRITON:
             store_context(x_row, s_row, new_state_ptr + bc * PAD, row_mask, length, PAD, stride_xt, stride_st,
                            in_alpha, in_shift, HAS_STATE, HAS_SLOTS, IN_SNAKE, IN_SHIFT, FAST_SIN, BLOCK_P)
 
-
     @triton.jit
     def _output_conv_kernel(x_ptr, state_ptr, slot_ptr, w_ptr, bias_ptr, alpha_ptr, shift_ptr, y_ptr, new_state_ptr,
                             channels, length, stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
