@@ -93,7 +93,7 @@ def sse_event(payload: dict) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
-def make_encoder(fmt: str, sample_rate: int, mp3_bitrate_kbps: int = 192, mp3_quality: int = 2,
+def make_encoder(fmt: str, sample_rate: int, mp3_bitrate_kbps: int = 192, mp3_quality: int = 3,
                  sse: bool = False, speed: float = 1.0, out_rate: int | None = None) -> Encoder:
     """The encoder of one response in `fmt` (one of MEDIA_TYPES) for audio at `sample_rate`: played `speed` times as
     fast (same pitch) and resampled to `out_rate` where asked (service.retime), else exactly today's encoder."""

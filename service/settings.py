@@ -63,8 +63,8 @@ class BaseServiceSettings(BaseSettings):
     serverpool_devices: str | None = Field(None, description="Comma list of GPU indices or device names; unset = "
                                                              "every GPU, else the CPU.")
     mp3_bitrate_kbps: int = Field(192, description="MP3 bitrate (kbit/s).")
-    mp3_quality: int = Field(2, ge=0, le=7, description="LAME's quality setting (lameenc): 2 near-best; 3 about half "
-                                                      "its CPU, 7 (fastest) a quarter; 0 about three times it.")
+    mp3_quality: int = Field(3, ge=0, le=7, description="LAME's quality setting (lameenc), LAME's own default 3; 2 "
+                                                      "(near-best) about twice its CPU, 7 (fastest) half; 0 six times.")
     max_queued_requests: int | None = Field(None, ge=0, description="Requests each worker may hold waiting for a seat "
                                                                      "beyond the max_num_seqs it runs; more: 503 + "
                                                                      "Retry-After at once. Unset = max_num_seqs.")

@@ -27,7 +27,7 @@ def test_health_info(server):
         assert c.get("/health").json() == {"status": "ok"}
         info = c.get("/info").json()
     assert info["model"]["sample_rate"] == 48000 and info["model"]["feat_dim"] == 64
-    assert info["model"]["model_path"] and info["mp3"] == {"bitrate_kbps": 192, "quality": 2}
+    assert info["model"]["model_path"] and info["mp3"] == {"bitrate_kbps": 192, "quality": 3}
     assert info["ready"] is True and info["model"]["random_weights"] is False
 
 

@@ -34,12 +34,14 @@ import numpy as np
 import soundfile as sf
 
 from service.audio import make_encoder
+from service.settings import BaseServiceSettings
 from tools.benchmarks.harness import subcommand_parser, write_json
 
 CASES = [("mp3", {"mp3_bitrate_kbps": 192, "mp3_quality": q}, f"mp3 192 kbps q{q}") for q in (0, 1, 2, 3, 5, 7)] + [
     ("mp3", {"mp3_bitrate_kbps": 128, "mp3_quality": 2}, "mp3 128 kbps q2"),
     ("pcm", {}, "pcm s16le"), ("wav", {}, "wav"), ("flac", {}, "flac"), ("opus", {}, "opus"),
 ]
+SERVICE_QUALITY: int = BaseServiceSettings.model_fields["mp3_quality"].default  # the threads' and the burst's MP3
 
 
 def speech_like(seconds: float, sr: int, seed: int = 0) -> np.ndarray:
@@ -130,7 +132,7 @@ async def client_path(fmt: str, streams: int, step_s: float, steps: int, threads
             "core_s_per_audio_s": cpu / audio_s, "cores": cpu / wall, "bytes": nbytes}
 
 
-def first_chunk_burst(audio: np.ndarray, chunk: int, sr: int, streams: int, threads: int,
+def first_chunk_burst(audio: np.ndarray, chunk: int, sr: int, streams: int, threads: int, quality: int,
                       repeats: int = 5) -> dict[str, Any]:
     """`streams` prepared MP3 encoders encode a first chunk each at once on `threads` threads: the wall time to the
     last one (and the median one), the median over `repeats` bursts; and the MP3 bytes the last burst made."""
@@ -138,7 +140,7 @@ def first_chunk_burst(audio: np.ndarray, chunk: int, sr: int, streams: int, thre
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(time.sleep, [0.01] * threads))  # its threads exist before the first timed burst
         for r in range(repeats):
-            encoders = [make_encoder("mp3", sr) for _ in range(streams)]
+            encoders = [make_encoder("mp3", sr, mp3_quality=quality) for _ in range(streams)]
             for enc in encoders:
                 enc.prepare()  # type: ignore[attr-defined]  # as the service does while the engine prefills
             pieces = [audio[(i * chunk + r * 997) % (len(audio) - chunk):][:chunk] for i in range(streams)]
@@ -174,12 +176,16 @@ def main(argv: list[str]) -> dict[str, Any]:
     ap.add_argument("--burst", type=int, default=0, metavar="STREAMS",
                     help="also time a burst of this many new MP3 streams' first chunks (0: not)")
     ap.add_argument("--burst-threads", default="14", help="--burst: thread counts (the API processes' cores)")
+    ap.add_argument("--quality", type=int, default=SERVICE_QUALITY,
+                    help="LAME quality of the thread and burst measurements (the service's default)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     sr = a.sample_rate
+    lame = {"mp3_quality": a.quality}
     audio = speech_like(a.seconds, sr)
     doc = {"tool": "bench_encode", "seconds": a.seconds, "sample_rate": sr, "chunk": a.chunk,
-           "cpus": len(os.sched_getaffinity(0)), "formats": [], "mp3_threads": [], "client_path": [], "burst": []}
+           "cpus": len(os.sched_getaffinity(0)), "mp3_quality": a.quality, "formats": [], "mp3_threads": [],
+           "client_path": [], "burst": []}
     for fmt, options, label in CASES:
         encode_all(audio[: sr], a.chunk, fmt, sr, options)  # warm-up
         c0, w0 = time.process_time(), time.perf_counter()
@@ -193,7 +199,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         print(f"{label:18s} {row['core_s_per_audio_s']:.5f} core-s per audio-s ({row['x_realtime_per_core']:.0f}x "
               "real time per core)" + (f", {row['snr_db']:.1f} dB SNR decoded" if "snr_db" in row else ""), flush=True)
     for n in [int(x) for x in a.threads.split(",") if x.strip()]:
-        threads = [threading.Thread(target=encode_all, args=(audio, a.chunk, "mp3", sr, {})) for _ in range(n)]
+        threads = [threading.Thread(target=encode_all, args=(audio, a.chunk, "mp3", sr, lame)) for _ in range(n)]
         w0 = time.perf_counter()
         for t in threads:
             t.start()
@@ -201,7 +207,7 @@ def main(argv: list[str]) -> dict[str, Any]:
             t.join()
         wall = time.perf_counter() - w0
         doc["mp3_threads"].append({"threads": n, "audio_s_per_s": n * a.seconds / wall})
-        print(f"mp3 q2 on {n} threads: {n * a.seconds / wall:.0f} audio-s/s", flush=True)
+        print(f"mp3 q{a.quality} on {n} threads: {n * a.seconds / wall:.0f} audio-s/s", flush=True)
     steps = max(1, round(a.seconds * sr / a.chunk))
     for fmt in ("pcm", "mp3") if a.client_path else ():
         row = asyncio.run(client_path(fmt, a.client_path, a.step_ms / 1000, steps, a.encoder_threads, a.chunk, sr))
@@ -209,7 +215,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         print(f"client path, {fmt}, {a.client_path} streams: {row['core_s_per_audio_s']:.5f} core-s per audio-s "
               f"({row['cores']:.2f} cores)", flush=True)
     for n in [int(x) for x in a.burst_threads.split(",") if x.strip()] if a.burst else ():
-        row = first_chunk_burst(audio, a.chunk, sr, a.burst, n)
+        row = first_chunk_burst(audio, a.chunk, sr, a.burst, n, a.quality)
         doc["burst"].append(row)
         print(f"burst of {a.burst} first MP3 chunks on {n} threads: the last encoded after {row['last_ms']:.1f} ms, "
               f"the median after {row['median_ms']:.1f} ms", flush=True)
