@@ -563,6 +563,10 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         x3 = rand(4, 25, 80, dtype=dtype, seed=27)[..., 8:72]  # rows with a stride of 80
         small = (16, 32, 32, 2, 4, 2)
         errs.append(relative_error(gated_ops.gated_gemm(x3, gated_ops.interleave(w), small), reference(x3, w)))
+        if dtype != torch.float32 and (device == "cpu" or torch.cuda.get_device_capability()[0] >= 9):
+            for split in (False, True):  # the persistent kernel over tensor descriptors, loads in warps of their own
+                out = gated_ops.gated_gemm_persistent(x3, gated_ops.interleave(w), small, split, programs=3)
+                errs.append(relative_error(out, reference(x3, w)))
         mlp = MLP(TransformerConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
                                     num_hidden_layers=1, rms_norm_eps=1e-6)).to(device, dtype)
         mlp.fuse_projections()

@@ -62,6 +62,27 @@ if HAVE_TRITON:
         cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(o_ptr + out_m[:, None].to(tl.int64) * stride_o + cols[None, :], y, mask=out_m[:, None] < rows)
 
+    @triton.jit
+    def _gated_gemm_persistent_kernel(x_desc, w_desc, o_desc, rows, n, tiles, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                                      PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+        # `_gated_gemm_kernel`'s tiles, PROGRAMS programs each taking every PROGRAMS-th tile, the operands read and the
+        # result written through tensor descriptors (TMA: rows past the end read as zeros and are not written); with
+        # WARP_SPECIALIZE the compiler gives the loads their own warps, so a tile's epilogue overlaps the next's loads.
+        row_tiles, col_tiles = tl.cdiv(rows, BLOCK_M), n // BLOCK_N
+        for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
+            group = GROUP_M * col_tiles
+            first = tile // group * GROUP_M
+            size = min(row_tiles - first, GROUP_M)
+            tile_m, tile_n = first + (tile % group) % size, (tile % group) // size
+            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                acc = tl.dot(x_desc.load([tile_m * BLOCK_M, k]), w_desc.load([tile_n * 2 * BLOCK_N, k]).T, acc)
+            gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+            dtype = o_desc.dtype
+            o_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N], silu_mul_math(gate.to(dtype).to(tl.float32),
+                                                                             up.to(dtype)).to(dtype))
+
 
 # (BLOCK_M, BLOCK_N output columns, BLOCK_K, stages, warps, GROUP_M): the fastest of the swept tiles at 1408-5632
 # rows on an H200 (`bench.py kernels --only mlp`)
@@ -102,9 +123,14 @@ def companion(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor | None:
     return weight if platform.kernels(x) else None
 
 
-def gated_gemm(x: torch.Tensor, interleaved: torch.Tensor,
-               config: GatedGemmConfig = DEFAULT_CONFIG) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T), x (..., K), for the `interleave`d weight (2I, K): (..., I) in x's dtype."""
+def gated_gemm(x: torch.Tensor, interleaved: torch.Tensor, config: GatedGemmConfig | None = None) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T), x (..., K), for the `interleave`d weight (2I, K): (..., I) in x's dtype.
+    config None: the persistent kernel at PERSISTENT where it fits (`persistent_fits`), else the tiled one at
+    DEFAULT_CONFIG."""
+    if config is None:
+        if PERSISTENT is not None and persistent_fits(x, interleaved, PERSISTENT[0]):
+            return gated_gemm_persistent(x, interleaved, *PERSISTENT)
+        config = DEFAULT_CONFIG
     block_m, block_n, block_k, stages, warps, group = config
     k_dim = x.shape[-1]
     x2 = x.reshape(-1, k_dim)
@@ -116,5 +142,39 @@ def gated_gemm(x: torch.Tensor, interleaved: torch.Tensor,
         _gated_gemm_kernel[(triton.cdiv(rows, block_m) * (n // block_n),)](
             x2, interleaved, out, rows, n, x2.stride(0), out.stride(0), K=k_dim, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k, GROUP_M=group, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            num_stages=stages, num_warps=warps)
+    return out.view(*x.shape[:-1], n)
+
+
+# The persistent kernel's (tiles, warp specialisation) where it runs (Hopper on); None: the tiled kernel everywhere.
+PERSISTENT: tuple[GatedGemmConfig, bool] | None = (DEFAULT_CONFIG, True)
+
+
+def persistent_fits(x: torch.Tensor, interleaved: torch.Tensor, config: GatedGemmConfig) -> bool:
+    """Whether `gated_gemm_persistent` takes the call: CUDA with tensor descriptors (compute capability 9 on), the
+    weight's tiles as `shape_ok` wants them, 16-byte rows."""
+    return (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9 and x.dtype == interleaved.dtype
+            and shape_ok(interleaved, config) and interleaved.is_contiguous() and x.shape[-1] % 8 == 0)
+
+
+def gated_gemm_persistent(x: torch.Tensor, interleaved: torch.Tensor, config: GatedGemmConfig = DEFAULT_CONFIG,
+                          warp_specialize: bool = True, programs: int | None = None) -> torch.Tensor:
+    """`gated_gemm` as a persistent kernel over tensor descriptors (Hopper's TMA), its loads in warps of their own
+    where `warp_specialize`; `programs` None: one per SM (at most one per tile)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block_m, block_n, block_k, stages, warps, group = config
+    k_dim = x.shape[-1]
+    x2 = x.reshape(-1, k_dim).contiguous()
+    rows, n = x2.shape[0], interleaved.shape[0] // 2
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows:
+        tiles = triton.cdiv(rows, block_m) * (n // block_n)
+        programs = min(programs or torch.cuda.get_device_properties(x.device).multi_processor_count, tiles)
+        _gated_gemm_persistent_kernel[(programs,)](
+            TensorDescriptor.from_tensor(x2, [block_m, block_k]),
+            TensorDescriptor.from_tensor(interleaved, [2 * block_n, block_k]),
+            TensorDescriptor.from_tensor(out, [block_m, block_n]), rows, n, tiles, K=k_dim, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group, PROGRAMS=programs, WARP_SPECIALIZE=warp_specialize,
             num_stages=stages, num_warps=warps)
     return out.view(*x.shape[:-1], n)

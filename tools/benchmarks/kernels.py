@@ -187,6 +187,10 @@ def bench_mlp_chunks(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, d
             err = (gated_gemm.gated_gemm(x, interleaved, config).float() - gated.float()).abs().max().item()
             row[f"gated_gemm_{'x'.join(map(str, config))}"] = {
                 "us": round(replay_us(partial(gated_gemm.gated_gemm, x, interleaved, config)), 2), "max_abs_err": err}
+        for config, split in PERSISTENT_VARIANTS:
+            fn = partial(gated_gemm.gated_gemm_persistent, x, interleaved, config, split)
+            row[f"persistent_{'x'.join(map(str, config))}{'_ws' if split else ''}"] = {
+                "us": round(replay_us(fn), 2), "max_abs_err": (fn().float() - gated.float()).abs().max().item()}
         rows.append(row)
         print("mlp:", json.dumps(row), flush=True)
     return rows
@@ -196,6 +200,12 @@ def bench_mlp_chunks(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, d
 GATED_GEMM_CONFIGS: list[gated_gemm.GatedGemmConfig] = [
     gated_gemm.DEFAULT_CONFIG, (128, 128, 64, 4, 8, 8), (128, 64, 64, 4, 4, 8), (128, 64, 64, 5, 8, 8),
     (256, 64, 64, 3, 8, 8), (128, 128, 32, 5, 8, 8), (128, 128, 64, 3, 8, 16)]
+
+
+# the persistent gated GEMM's (tiles, warp-specialised loads) swept (engine.ops.gated_gemm.gated_gemm_persistent)
+PERSISTENT_VARIANTS: list[tuple[gated_gemm.GatedGemmConfig, bool]] = [
+    (c, split) for split in (False, True)
+    for c in (gated_gemm.DEFAULT_CONFIG, (128, 128, 64, 4, 8, 8), (128, 64, 64, 4, 4, 8), (128, 128, 64, 3, 8, 16))]
 
 
 def _mlp_in_chunks(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, out: torch.Tensor, chunks: int) -> None:

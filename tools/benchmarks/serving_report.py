@@ -77,8 +77,9 @@ def rounds_table(run: Path, pool: dict[int, dict]) -> list[str]:
 
 
 def host_lame(run: Path) -> str:
-    """MP3 on this host (encode.json, at its quality; files without one: 2): one thread's rate, the best rate over the thread counts measured (and per
-    thread there), the client path's cost and the burst floor, where the file has them."""
+    """MP3 on this host (encode.json, at its quality; files without one: 2): one thread's rate, the best rate over the
+    thread counts measured (and per thread there), the client path's cost and the burst floor, where the file has
+    them."""
     path = run / "encode.json"
     if not path.exists():
         return ""
@@ -88,8 +89,9 @@ def host_lame(run: Path) -> str:
     if not threads:
         return ""
     best = max(threads, key=lambda n: threads[n])
-    line = (f"Host LAME (192 kbps q{doc.get('mp3_quality', 2)}, {doc.get('cpus', '?')} vCPUs): 1 thread {threads.get(1, float('nan')):.1f} "
-            f"audio-s/s; at most {threads[best]:.1f} audio-s/s, on {best} threads ({threads[best] / best:.1f} per "
+    line = (f"Host LAME (192 kbps q{doc.get('mp3_quality', 2)}, {doc.get('cpus', '?')} vCPUs): 1 thread "
+            f"{threads.get(1, float('nan')):.1f} audio-s/s; at most {threads[best]:.1f} audio-s/s, on {best} threads "
+            f"({threads[best] / best:.1f} per "
             f"thread busy; threads measured: {', '.join(str(n) for n in sorted(threads))})")
     for row in doc.get("client_path", []):
         cost = row.get("core_s_per_audio_s", float("nan"))
