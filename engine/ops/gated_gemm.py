@@ -147,7 +147,7 @@ def gated_gemm(x: torch.Tensor, interleaved: torch.Tensor, config: GatedGemmConf
 
 
 # The persistent kernel's (tiles, warp specialisation) where it runs (Hopper on); None: the tiled kernel everywhere.
-PERSISTENT: tuple[GatedGemmConfig, bool] | None = (DEFAULT_CONFIG, True)
+PERSISTENT: tuple[GatedGemmConfig, bool] | None = ((128, 128, 64, 4, 8, 8), False)
 
 
 def persistent_fits(x: torch.Tensor, interleaved: torch.Tensor, config: GatedGemmConfig) -> bool:
