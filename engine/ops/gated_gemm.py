@@ -30,10 +30,9 @@ if HAVE_TRITON:
     from engine.ops.silu_mul import silu_mul_math
 
     @triton.jit
-    def grouped_tile(rows, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-        """This program's (row tile, column tile): GROUP_M row tiles sweep the columns together (weight tiles shared
-        in L2)."""
-        pid = tl.program_id(0)
+    def grouped_tile(pid, rows, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """Tile pid's (row tile, column tile): GROUP_M row tiles sweep the columns together (weight tiles shared in
+        L2)."""
         row_tiles, col_tiles = tl.cdiv(rows, BLOCK_M), n // BLOCK_N
         first = pid // (GROUP_M * col_tiles) * GROUP_M
         size = min(row_tiles - first, GROUP_M)
@@ -45,7 +44,7 @@ if HAVE_TRITON:
                            GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
         # Output tile (BLOCK_M rows, BLOCK_N columns) of silu(x gate^T) * (x up^T) from the interleaved weight's
         # 2 * BLOCK_N rows; each thread holds both columns of a (gate, up) pair.
-        tile_m, tile_n = grouped_tile(rows, n, BLOCK_M, BLOCK_N, GROUP_M)
+        tile_m, tile_n = grouped_tile(tl.program_id(0), rows, n, BLOCK_M, BLOCK_N, GROUP_M)
         m = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)) % rows  # the last tile's extra rows repeat real ones
         kk = tl.arange(0, BLOCK_K)
         x_ptrs = x_ptr + m[:, None].to(tl.int64) * stride_x + kk[None, :]
@@ -69,12 +68,8 @@ if HAVE_TRITON:
         # `_gated_gemm_kernel`'s tiles, PROGRAMS programs each taking every PROGRAMS-th tile, the operands read and the
         # result written through tensor descriptors (TMA: rows past the end read as zeros and are not written); with
         # WARP_SPECIALIZE the compiler gives the loads their own warps, so a tile's epilogue overlaps the next's loads.
-        row_tiles, col_tiles = tl.cdiv(rows, BLOCK_M), n // BLOCK_N
         for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
-            group = GROUP_M * col_tiles
-            first = tile // group * GROUP_M
-            size = min(row_tiles - first, GROUP_M)
-            tile_m, tile_n = first + (tile % group) % size, (tile % group) // size
+            tile_m, tile_n = grouped_tile(tile, rows, n, BLOCK_M, BLOCK_N, GROUP_M)
             acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
             for k in range(0, K, BLOCK_K):
                 acc = tl.dot(x_desc.load([tile_m * BLOCK_M, k]), w_desc.load([tile_n * 2 * BLOCK_N, k]).T, acc)
