@@ -546,11 +546,9 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         """The gate/up GEMM with the SiLU gate in its epilogue (`engine.ops.gated_gemm`) against F.linear + SiLU * up:
         one partial row tile (the default tiles), 100 rows of a 3-d strided input in small tiles (row tiles grouped,
         several column tiles); and taken by `linear.silu_gate_linear` from EngineOptions.gated_gemm_min_rows rows where
-        the weight has its interleaved companion (16-bit weights: `attach_gated_gemm` leaves fp32 ones without). The
-        persistent kernel (Hopper, the interpreter) gated and plain; on a Hopper GPU the plain one taken by
-        `linear.linear` for a marked q/k/v weight from those rows on."""
+        the weight has its interleaved companion (16-bit weights: `attach_gated_gemm` leaves fp32 ones without)."""
         from engine.config import TransformerConfig
-        from engine.models.minicpm import MLP, Attention, attach_gated_gemm
+        from engine.models.minicpm import MLP, attach_gated_gemm
         from engine.ops import gated_gemm as gated_ops
         from engine.ops import linear, platform
 
@@ -569,25 +567,10 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             for split in (False, True):  # the persistent kernel over tensor descriptors, loads in warps of their own
                 out = gated_ops.gated_gemm_persistent(x3, gated_ops.interleave(w), small, split, programs=3)
                 errs.append(relative_error(out, reference(x3, w)))
-                out = gated_ops.persistent_linear(x3, w, small, split, programs=3)  # the same kernel, plain
-                errs.append(relative_error(out, F.linear(x3, w)))
-        tcfg = TransformerConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
-                                 num_hidden_layers=1, rms_norm_eps=1e-6, kv_channels=64)
-        mlp, attn = MLP(tcfg).to(device, dtype), Attention(tcfg).to(device, dtype)
+        mlp = MLP(TransformerConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                    num_hidden_layers=1, rms_norm_eps=1e-6)).to(device, dtype)
         mlp.fuse_projections()
-        attn.fuse_projections()
         assert attach_gated_gemm(mlp) == (dtype != torch.float32)
-        assert attach_gated_gemm(attn) == 0
-        assert getattr(attn.qkv_weight, gated_ops.PLAIN_ATTR, False) == (dtype != torch.float32)
-        if dtype != torch.float32 and device == "cuda" and gated_ops.PERSISTENT_PLAIN is not None \
-                and torch.cuda.get_device_capability()[0] >= 9:
-            # q/k/v (N 256) at the default tiles: taken by linear.linear from the rows on, not below them
-            x = rand(300, 64, dtype=dtype, seed=29)
-            with options.override(gated_gemm_min_rows=256), \
-                    mock.patch.object(gated_ops, "persistent_linear", wraps=gated_ops.persistent_linear) as spy:
-                errs.append(relative_error(linear.linear(x, attn.qkv_weight), F.linear(x, attn.qkv_weight)))
-                linear.linear(x[:200], attn.qkv_weight)
-            assert spy.call_count == 1, f"the persistent GEMM served {spy.call_count} of 2 calls, not 1"
         if dtype != torch.float32:
             x = rand(100, 64, dtype=dtype, seed=28)
             with mock.patch.object(platform, "kernels", platform.usable), options.override(gated_gemm_min_rows=80), \

@@ -178,26 +178,16 @@ def fuse_projections(module: nn.Module) -> None:
 
 
 def attach_gated_gemm(module: nn.Module) -> int:
-    """Ready the Triton GEMMs of many rows (`engine.ops.gated_gemm`) for every layer under `module` (after
-    `fuse_projections`), where their tiles divide the weights: the fused gate/up weight's interleaved companion for the
-    gated GEMM, the PERSISTENT_PROJECTIONS weights marked for the persistent plain one; idempotent. Returns how many
-    gate/up weights have a companion."""
+    """Give the fused gate/up weight of every MLP under `module` (after `fuse_projections`) the interleaved companion
+    the gated GEMM reads (`engine.ops.gated_gemm`), where its tiles divide the weight; idempotent. Returns how many
+    weights have one."""
     count = 0
     for m in module.modules():
         if isinstance(m, MLP) and m.gate_up_weight is not None and gated_gemm.shape_ok(m.gate_up_weight):
             if gated_gemm.companion_of(m.gate_up_weight) is None:
                 gated_gemm.attach(m.gate_up_weight)
             count += 1
-        plain = {"qkv": m.qkv_weight, "o": m.o_proj.weight} if isinstance(m, Attention) else \
-            {"down": m.down_proj.weight} if isinstance(m, MLP) else {}
-        for name, weight in plain.items():
-            if name in PERSISTENT_PROJECTIONS and weight is not None and gated_gemm.shape_ok(weight, gated=False):
-                gated_gemm.mark_plain(weight)
     return count
-
-
-# The plain projections the persistent GEMM takes at many rows (H200 sweep, `bench.py kernels --only plain`).
-PERSISTENT_PROJECTIONS = ("qkv",)
 
 
 _NOT_YET = object()  # a model no engine has served yet (its `quantization` attribute unset)

@@ -62,33 +62,28 @@ if HAVE_TRITON:
         tl.store(o_ptr + out_m[:, None].to(tl.int64) * stride_o + cols[None, :], y, mask=out_m[:, None] < rows)
 
     @triton.jit
-    def _persistent_gemm_kernel(x_desc, w_desc, o_desc, rows, n, tiles, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                                PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, GATED: tl.constexpr):
-        # `_gated_gemm_kernel`'s tiles (GATED), or x @ w^T's plain ones, PROGRAMS programs each taking every PROGRAMS-th
-        # tile, the operands read and the result written through tensor descriptors (TMA: rows past the end read as
-        # zeros and are not written); with WARP_SPECIALIZE the compiler gives the loads their own warps, so a tile's
-        # epilogue overlaps the next's loads.
-        W_ROWS: tl.constexpr = BLOCK_N * (1 + GATED)
+    def _gated_gemm_persistent_kernel(x_desc, w_desc, o_desc, rows, n, tiles, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                                      PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+        # `_gated_gemm_kernel`'s tiles, PROGRAMS programs each taking every PROGRAMS-th tile, the operands read and the
+        # result written through tensor descriptors (TMA: rows past the end read as zeros and are not written); with
+        # WARP_SPECIALIZE the compiler gives the loads their own warps, so a tile's epilogue overlaps the next's loads.
         for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
             tile_m, tile_n = grouped_tile(tile, rows, n, BLOCK_M, BLOCK_N, GROUP_M)
-            acc = tl.zeros((BLOCK_M, W_ROWS), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
             for k in range(0, K, BLOCK_K):
-                acc = tl.dot(x_desc.load([tile_m * BLOCK_M, k]), w_desc.load([tile_n * W_ROWS, k]).T, acc)
+                acc = tl.dot(x_desc.load([tile_m * BLOCK_M, k]), w_desc.load([tile_n * 2 * BLOCK_N, k]).T, acc)
+            gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
             dtype = o_desc.dtype
-            if GATED:
-                gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-                y = silu_mul_math(gate.to(dtype).to(tl.float32), up.to(dtype))
-            else:
-                y = acc
-            o_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N], y.to(dtype))
+            o_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N], silu_mul_math(gate.to(dtype).to(tl.float32),
+                                                                             up.to(dtype)).to(dtype))
+
 
 # (BLOCK_M, BLOCK_N output columns, BLOCK_K, stages, warps, GROUP_M): the fastest of the swept tiles at 1408-5632
 # rows on an H200 (`bench.py kernels --only mlp`)
 GatedGemmConfig = tuple[int, int, int, int, int, int]
 DEFAULT_CONFIG: GatedGemmConfig = (128, 128, 64, 3, 8, 8)
 INTERLEAVED_ATTR = "gate_up_interleaved"  # the companion's attribute on a fused gate/up weight
-PLAIN_ATTR = "persistent_gemm"  # set on a plain weight the persistent kernel may multiply (`mark_plain`)
 
 
 def interleave(gate_up: torch.Tensor) -> torch.Tensor:
@@ -97,12 +92,11 @@ def interleave(gate_up: torch.Tensor) -> torch.Tensor:
     return gate_up.detach().view(2, two_n // 2, k_dim).transpose(0, 1).reshape(two_n, k_dim).contiguous()
 
 
-def shape_ok(weight: torch.Tensor, config: GatedGemmConfig = DEFAULT_CONFIG, gated: bool = True) -> bool:
-    """Whether the kernel's tiles divide the weight (its output columns by BLOCK_N: a gate/up weight's I, a plain
-    one's N; K by BLOCK_K), in a 16-bit dtype."""
+def shape_ok(gate_up: torch.Tensor, config: GatedGemmConfig = DEFAULT_CONFIG) -> bool:
+    """Whether the kernel's tiles divide the weight (I by BLOCK_N, K by BLOCK_K), in a 16-bit dtype."""
     block_n, block_k = config[1], config[2]
-    return (weight.dim() == 2 and weight.dtype in (torch.bfloat16, torch.float16)
-            and weight.shape[0] % ((1 + gated) * block_n) == 0 and weight.shape[1] % block_k == 0)
+    return (gate_up.dim() == 2 and gate_up.dtype in (torch.bfloat16, torch.float16)
+            and gate_up.shape[0] % (2 * block_n) == 0 and gate_up.shape[1] % block_k == 0)
 
 
 def attach(gate_up: torch.Tensor) -> None:
@@ -118,26 +112,10 @@ def companion(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor | None:
     """The interleaved weight a call silu_gate(x @ gate_up.T) runs this GEMM on: where the weight has one, the call
     has at least EngineOptions.gated_gemm_min_rows rows (0: never) and the kernels run (host-side checks only)."""
     weight = companion_of(gate_up)
-    if weight is None or not _enough_rows(x) or x.dtype != weight.dtype:
+    min_rows = current().gated_gemm_min_rows
+    if weight is None or not min_rows or x.numel() < min_rows * x.shape[-1] or x.dtype != weight.dtype:
         return None
     return weight if platform.kernels(x) else None
-
-
-def _enough_rows(x: torch.Tensor) -> bool:
-    min_rows = current().gated_gemm_min_rows
-    return bool(min_rows) and x.numel() >= min_rows * x.shape[-1]
-
-
-def mark_plain(weight: torch.Tensor) -> None:
-    """Let the persistent kernel multiply this (plain, bias-free) projection weight where `plain_takes` says so."""
-    setattr(weight, PLAIN_ATTR, True)
-
-
-def plain_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x @ weight.T runs on the persistent kernel (`persistent_linear`): a `mark_plain`ed weight, at least
-    EngineOptions.gated_gemm_min_rows rows, the kernels on and the kernel fitting (host-side checks only)."""
-    return (getattr(weight, PLAIN_ATTR, False) and PERSISTENT_PLAIN is not None and _enough_rows(x)
-            and platform.kernels(x) and persistent_fits(x, weight, PERSISTENT_PLAIN[0], gated=False))
 
 
 def gated_gemm(x: torch.Tensor, interleaved: torch.Tensor, config: GatedGemmConfig | None = None) -> torch.Tensor:
@@ -165,49 +143,33 @@ def gated_gemm(x: torch.Tensor, interleaved: torch.Tensor, config: GatedGemmConf
 
 # The persistent kernel's (tiles, warp specialisation) where it runs (Hopper on); None: the tiled kernel everywhere.
 PERSISTENT: tuple[GatedGemmConfig, bool] | None = ((128, 128, 64, 4, 8, 8), False)
-# The same for plain projections (`persistent_linear`); None: they stay on cuBLAS.
-PERSISTENT_PLAIN: tuple[GatedGemmConfig, bool] | None = ((128, 128, 64, 4, 8, 8), False)
 
 
-def persistent_fits(x: torch.Tensor, weight: torch.Tensor, config: GatedGemmConfig, gated: bool = True) -> bool:
-    """Whether the persistent kernel takes the call: CUDA with tensor descriptors (compute capability 9 on), the
+def persistent_fits(x: torch.Tensor, interleaved: torch.Tensor, config: GatedGemmConfig) -> bool:
+    """Whether `gated_gemm_persistent` takes the call: CUDA with tensor descriptors (compute capability 9 on), the
     weight's tiles as `shape_ok` wants them, 16-byte rows."""
-    return (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9 and x.dtype == weight.dtype
-            and shape_ok(weight, config, gated) and weight.is_contiguous() and x.shape[-1] % 8 == 0)
+    return (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9 and x.dtype == interleaved.dtype
+            and shape_ok(interleaved, config) and interleaved.is_contiguous() and x.shape[-1] % 8 == 0)
 
 
 def gated_gemm_persistent(x: torch.Tensor, interleaved: torch.Tensor, config: GatedGemmConfig = DEFAULT_CONFIG,
                           warp_specialize: bool = True, programs: int | None = None) -> torch.Tensor:
     """`gated_gemm` as a persistent kernel over tensor descriptors (Hopper's TMA), its loads in warps of their own
     where `warp_specialize`; `programs` None: one per SM (at most one per tile)."""
-    return _persistent(x, interleaved, True, config, warp_specialize, programs)
-
-
-def persistent_linear(x: torch.Tensor, weight: torch.Tensor, config: GatedGemmConfig | None = None,
-                      warp_specialize: bool | None = None, programs: int | None = None) -> torch.Tensor:
-    """x @ weight.T (bias-free, weight (N, K)) on the persistent kernel, in x's dtype with fp32 accumulation; config
-    and warp_specialize None: PERSISTENT_PLAIN's."""
-    default_config, default_split = PERSISTENT_PLAIN or (DEFAULT_CONFIG, False)
-    return _persistent(x, weight, False, config or default_config,
-                       default_split if warp_specialize is None else warp_specialize, programs)
-
-
-def _persistent(x: torch.Tensor, weight: torch.Tensor, gated: bool, config: GatedGemmConfig, warp_specialize: bool,
-                programs: int | None) -> torch.Tensor:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     block_m, block_n, block_k, stages, warps, group = config
     k_dim = x.shape[-1]
     x2 = x.reshape(-1, k_dim).contiguous()
-    rows, n = x2.shape[0], weight.shape[0] // (1 + gated)
+    rows, n = x2.shape[0], interleaved.shape[0] // 2
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows:
         tiles = triton.cdiv(rows, block_m) * (n // block_n)
         programs = min(programs or torch.cuda.get_device_properties(x.device).multi_processor_count, tiles)
-        _persistent_gemm_kernel[(programs,)](
+        _gated_gemm_persistent_kernel[(programs,)](
             TensorDescriptor.from_tensor(x2, [block_m, block_k]),
-            TensorDescriptor.from_tensor(weight, [(1 + gated) * block_n, block_k]),
+            TensorDescriptor.from_tensor(interleaved, [2 * block_n, block_k]),
             TensorDescriptor.from_tensor(out, [block_m, block_n]), rows, n, tiles, K=k_dim, BLOCK_M=block_m,
             BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group, PROGRAMS=programs, WARP_SPECIALIZE=warp_specialize,
-            GATED=gated, num_stages=stages, num_warps=warps)
+            num_stages=stages, num_warps=warps)
     return out.view(*x.shape[:-1], n)

@@ -24,8 +24,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return fp8.fp8_linear(x, quantized)
     if platform.kernels(x) and (out := _gemv(x, weight)) is not None:
         return out
-    if gated_gemm.plain_takes(x, weight):
-        return gated_gemm.persistent_linear(x, weight)
     return F.linear(x, weight)
 
 
@@ -88,8 +86,6 @@ def residual_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return fp8.fp8_linear(x, quantized)
     if platform.kernels(x) and (out := _gemv(x, weight, partials=True)) is not None:
         return out
-    if gated_gemm.plain_takes(x, weight):
-        return gated_gemm.persistent_linear(x, weight)
     k_dim, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k_dim)
     splits = residual_splits(x2.shape[0], k_dim, n) if current().split_k and platform.kernels(x) else 1

@@ -10,8 +10,6 @@
 - mlp: the DiT's MLP (gate/up GEMM, `silu_mul`, down GEMM) at each batch's rows, whole and in 2-8 row chunks (each
   chunk's gate/up output small enough to stay in L2), with its three parts alone, and the gate/up GEMM with `silu_mul`
   in its epilogue as one Triton GEMM (`engine.ops.gated_gemm`) over its tile configurations;
-- plain: the DiT's q/k/v, o and down projections at each batch's rows, cuBLAS against the same persistent kernel
-  without the gate (`gated_gemm.persistent_linear`) over its tile configurations;
 - vae: the streaming VAE decoder's residual units at a step's shapes (each decoder block's channels, a patch's samples
   at its rate, dilations 1 / 3 / 9): the depthwise conv kernel as the decoder runs it (both Snakes, every stream's
   context read and replaced in place), without the Snake on its input (what recomputing it on every tap costs),
@@ -208,38 +206,6 @@ GATED_GEMM_CONFIGS: list[gated_gemm.GatedGemmConfig] = [
 PERSISTENT_VARIANTS: list[tuple[gated_gemm.GatedGemmConfig, bool]] = [
     (c, split) for split in (False, True)
     for c in (gated_gemm.DEFAULT_CONFIG, (128, 128, 64, 4, 8, 8), (128, 64, 64, 4, 4, 8), (128, 128, 64, 3, 8, 16))]
-
-
-def bench_plain(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, dtype: torch.dtype) -> list[dict]:
-    """The DiT's plain projections (q/k/v, o, down) at each batch's rows: cuBLAS (F.linear, with whatever it launches
-    beside its GEMM) against the persistent kernel (`gated_gemm.persistent_linear`) over its tile configurations."""
-    (qkv_n, qkv_k), (o_n, o_k), _, (down_n, down_k) = layer_shapes(cfg.dit)
-    rows = []
-    for name, n, k in (("qkv", qkv_n, qkv_k), ("o", o_n, o_k), ("down", down_n, down_k)):
-        weight = torch.randn(n, k, device=dev, dtype=dtype) * k ** -0.5
-        for b in batches:
-            m = b * dit_rows_per_stream(cfg)
-            x = torch.randn(m, k, device=dev, dtype=dtype)
-            reference = F.linear(x, weight)
-            row: dict[str, object] = {"projection": name, "batch": b, "rows": m, "n": n, "k": k,
-                                      "cublas_us": round(replay_us(lambda x=x, w=weight: F.linear(x, w)), 2)}
-            for config, split in PLAIN_VARIANTS:
-                if not gated_gemm.shape_ok(weight, config, gated=False):
-                    continue
-                fn = partial(gated_gemm.persistent_linear, x, weight, config, split)
-                row[f"persistent_{'x'.join(map(str, config))}{'_ws' if split else ''}"] = {
-                    "us": round(replay_us(fn), 2), "max_abs_err": (fn().float() - reference.float()).abs().max().item()}
-            rows.append(row)
-            print("plain:", json.dumps(row), flush=True)
-    return rows
-
-
-# the persistent kernel's plain (tiles, warp-specialised loads) swept; PERSISTENT_PLAIN's first
-PLAIN_VARIANTS: list[tuple[gated_gemm.GatedGemmConfig, bool]] = [
-    *([gated_gemm.PERSISTENT_PLAIN] if gated_gemm.PERSISTENT_PLAIN else []),
-    ((128, 128, 64, 4, 8, 8), True), ((128, 128, 64, 5, 8, 8), False), ((128, 256, 64, 3, 8, 8), False),
-    ((256, 128, 64, 3, 8, 8), False), ((128, 64, 64, 4, 4, 8), False), ((64, 128, 64, 4, 4, 8), False),
-    ((128, 128, 64, 4, 4, 8), False), ((128, 128, 64, 4, 8, 16), False)]
 
 
 def _mlp_in_chunks(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, out: torch.Tensor, chunks: int) -> None:
@@ -446,7 +412,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--batch", default="1,8,64,128")
     ap.add_argument("--only", default="attention,gemm,layer",
                     help="which benchmarks: attention, gemm, layer, barrier, splitk, mlp (with the fused gated GEMM), "
-                         "plain (the DiT's plain projections on the persistent GEMM), vae")
+                         "vae")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     cfg = VoxCPMConfig.from_dir(a.model)
@@ -458,7 +424,6 @@ def main(argv: list[str]) -> None:
     layer_rows = bench_layer(cfg, batches, dev, dtype) if "layer" in only else []
     barrier = bench_barrier(dev) if "barrier" in only else {}
     mlp_rows = bench_mlp_chunks(cfg, batches, dev, dtype) if "mlp" in only else []
-    plain_rows = bench_plain(cfg, batches, dev, dtype) if "plain" in only else []
     vae_rows = bench_vae(cfg, batches, dev) if "vae" in only else []
     with torch.inference_mode():  # residual_linear splits only without autograd
         splitk_rows = bench_splitk(cfg, batches, dev, dtype) if "splitk" in only else []
@@ -489,6 +454,6 @@ def main(argv: list[str]) -> None:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows, "gemm": gemm_rows,
               "layer": layer_rows, "barrier": barrier, "splitk": splitk_rows, "mlp": mlp_rows,
-              "plain": plain_rows, "vae": vae_rows}
+              "vae": vae_rows}
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
