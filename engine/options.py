@@ -82,9 +82,6 @@ class EngineOptions:
     attn_split_keys: int = _option("VOXCPM_ATTN_SPLIT_KEYS", 128, _split_keys, "Keys per program when the paged "
                                    "attention splits a token's context across programs; 0: never split.")
     fast_sin: bool = _option("VOXCPM_FAST_SIN", True, _flag, "The hardware sin approximation in the Snake kernels.")
-    vae_pointwise_kernel: bool = _option("VOXCPM_VAE_POINTWISE_KERNEL", False, _flag, "The VAE residual units' 1x1 "
-                                         "conv + residual as one Triton GEMM over every stream's samples instead of "
-                                         "cuBLAS's batched GEMM (a GEMM a stream, the weight read again by each).")
     # --- FP8 weights (EngineConfig.quantization) ---------------------------------------------------------------------
     fp8_min_rows: int = _option("VOXCPM_FP8_MIN_ROWS", 1024, _min_rows, "With quantization='fp8' on a GPU with "
                                 "FP8 GEMMs: activation rows from which a projection runs as the FP8 GEMM (fewer rows: "
@@ -117,9 +114,6 @@ class EngineOptions:
                                 "step (from vae_overlap_min_batch on), instead of joined inside the step graph.")
     vae_overlap_min_batch: int = _option("VOXCPM_VAE_OVERLAP_MIN_BATCH", 32, int, "Batch buckets from which the "
                                          "VAE graph runs behind the step.")
-    vae_fused_snakes: bool = _option("VOXCPM_VAE_FUSED_SNAKES", False, _flag, "Each decoder block's Snake computed "
-                                     "as the upsampler's input kernel loads its input, and the decoder's last Snake "
-                                     "and conv to one channel as one kernel (a pass less over each block's input).")
     early_outputs: bool = _option("VOXCPM_EARLY_OUTPUTS", True, _flag, "Where the VAE runs inside the step "
                                   "(beside the LMs), the step's audio, patches and stop flags go to the host once "
                                   "they are made (an event the step graph records), not when the LMs' advance "

@@ -291,9 +291,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
 
     def residual_unit(dtype: torch.dtype) -> float:
         """The VAE residual unit's kernel path (Snake, conv + Snake, GEMM + residual) against its layers, over
-        three streamed chunks and a full-sequence pass (exact fp32 GEMMs/convs on both sides), with the 1x1 conv as
-        cuBLAS's batched GEMM and as the Triton GEMM (EngineOptions.vae_pointwise_kernel); that kernel also alone in
-        small tiles (several tiles of channels, of columns across streams, and of K; a bias; strided inputs)."""
+        three streamed chunks and a full-sequence pass (exact fp32 GEMMs/convs on both sides)."""
         from engine.models.vae_layers import ResidualUnit
 
         torch.manual_seed(70)
@@ -303,45 +301,30 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         unit.block[1].state_slot = 0
         chunks = [rand(2, 8, n, dtype=dtype, seed=71 + n) for n in (4, 9, 30)]
         errs = []
-        for triton_gemm in (False, True):
-            with exact_fp32_on_cuda(), torch.no_grad(), mock.patch.object(platform, "kernels", platform.usable), \
-                    options.override(vae_pointwise_kernel=triton_gemm), \
-                    mock.patch.object(vae_conv, "pointwise_conv_residual", wraps=vae_conv.pointwise_conv_residual) \
-                    as spy, mock.patch.object(vae_conv, "pointwise_conv_residual_triton",
-                                              wraps=vae_conv.pointwise_conv_residual_triton) as spy_triton:
-                states_ref, states = [torch.zeros(2, 8, 18, dtype=dtype, device=device)], [None]
-                states[0] = states_ref[0].clone()
-                for x in chunks:
-                    ref = x + unit.block(x, states_ref)  # the layers one by one
-                    errs += [relative_error(unit(x.clone(), states), ref),  # (the kernel path consumes its input)
-                             relative_error(states[0], states_ref[0])]
-                full = torch.cat(chunks, dim=-1)
-                errs.append(relative_error(unit(full.clone()), full + unit.block(full)))
-                # a strided input (a block's first unit gets a trimmed transposed-conv output): out of place
-                wide = rand(2, 8, 40, dtype=dtype, seed=79)
-                strided = wide[..., 3:33]
-                errs.append(relative_error(unit(strided), strided + unit.block(strided)))
-                assert torch.equal(wide, rand(2, 8, 40, dtype=dtype, seed=79))  # its storage left alone
-                assert spy.call_count == len(chunks) + 2, "the residual unit did not take its kernel path"
-                assert spy_triton.call_count == (len(chunks) + 2) * triton_gemm, spy_triton.call_count
-        with exact_fp32_on_cuda(), torch.no_grad():
-            h = rand(3, 40, 50, dtype=dtype, seed=80)[:, :, 5:35]  # strided samples
-            x = rand(3, 36, 30, dtype=dtype, seed=81)
-            w, bias = rand(36, 40, 1, dtype=dtype, seed=82) * 0.2, rand(36, dtype=dtype, seed=83)
-            ref = (x.float() + F.conv1d(h.float(), w.float())).to(dtype)
-            ref = (ref.float() + bias.float()[:, None]).to(dtype)
-            out = vae_conv.pointwise_conv_residual_triton(h, w, bias, x.clone(), config=(16, 32, 16, 4, 2))
-            errs.append(relative_error(out, ref))
+        with exact_fp32_on_cuda(), torch.no_grad(), mock.patch.object(platform, "kernels", platform.usable), \
+                mock.patch.object(vae_conv, "pointwise_conv_residual", wraps=vae_conv.pointwise_conv_residual) as spy:
+            states_ref, states = [torch.zeros(2, 8, 18, dtype=dtype, device=device)], [None]
+            states[0] = states_ref[0].clone()
+            for x in chunks:
+                ref = x + unit.block(x, states_ref)  # the layers one by one
+                errs += [relative_error(unit(x.clone(), states), ref),  # (the kernel path consumes its input)
+                         relative_error(states[0], states_ref[0])]
+            full = torch.cat(chunks, dim=-1)
+            errs.append(relative_error(unit(full.clone()), full + unit.block(full)))
+            # a strided input (a block's first unit gets a trimmed transposed-conv output): out of place
+            wide = rand(2, 8, 40, dtype=dtype, seed=79)
+            strided = wide[..., 3:33]
+            errs.append(relative_error(unit(strided), strided + unit.block(strided)))
+            assert torch.equal(wide, rand(2, 8, 40, dtype=dtype, seed=79))  # its storage left alone
+            assert spy.call_count == len(chunks) + 2, "the residual unit did not take its kernel path"
         return max(errs)
 
     def conv_transpose(dtype: torch.dtype) -> float:
         """The VAE upsampler's kernel path (one GEMM of every tap + the overlap-add kernel) against the module's
         cuDNN path, over streamed chunks of 1, 3 and 7 frames (strided views) and a full-sequence pass, with the new
-        context; and with a decoder block's Snake (scale, shift) on its input load against Snake, then cuDNN. The
-        shipped geometry (kernel 2 x stride) carries one frame of context; a kernel of 3 x stride carries two, so a
-        chunk of one frame is shorter than its context (the new context then spans both)."""
+        context. The shipped geometry (kernel 2 x stride) carries one frame of context; a kernel of 3 x stride
+        carries two, so a chunk of one frame is shorter than its context (the new context then spans both)."""
         from engine.models.vae_layers import CausalConvTranspose1d, SlotStates
-        from engine.ops.snake import snake
 
         errs = []
         with exact_fp32_on_cuda():
@@ -358,62 +341,28 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                 buffers = rand(4, c_in, conv.context, dtype=dtype, seed=115 + seed)
                 buffers[slots] = states_ref[0]
                 untouched = buffers[1:3].clone()
-                in_snake = (rand(1, c_in, 1, dtype=dtype, seed=140 + seed).abs() + 0.3,
-                            rand(c_in, dtype=dtype, seed=141 + seed) * 0.5 + 1.0, rand(c_in, dtype=dtype, seed=142))
-                snaked_ref, snaked = [states_ref[0].clone()], [states_ref[0].clone()]
                 with torch.no_grad(), \
                         mock.patch.object(upsampler, "overlap_add", wraps=upsampler.overlap_add) as spy:
                     for n in (1, 3, 7):
                         x = rand(2, c_in, n + 2, dtype=dtype, seed=120 + n)[..., 1:n + 1]  # a strided view
                         with mock.patch.object(platform, "kernels", lambda x: False):
                             ref = conv(x, states_ref)
-                            ref_snaked = conv(snake(x, *in_snake), snaked_ref)
                         with mock.patch.object(platform, "kernels", platform.usable):
                             errs += [relative_error(conv(x, states), ref), relative_error(states[0], states_ref[0]),
                                      relative_error(conv(x, SlotStates([buffers], slots)), ref),
-                                     relative_error(buffers[slots], states_ref[0]),
-                                     relative_error(conv(x, snaked, in_snake), ref_snaked),
-                                     relative_error(snaked[0], snaked_ref[0])]
+                                     relative_error(buffers[slots], states_ref[0])]
                     assert torch.equal(buffers[1:3], untouched), "rows of other slots changed"
                     x = rand(2, c_in, 9, dtype=dtype, seed=130)
                     with mock.patch.object(platform, "kernels", lambda x: False):
                         ref = conv(x)
                     with mock.patch.object(platform, "kernels", platform.usable):
                         errs.append(relative_error(conv(x), ref))
-                    assert spy.call_count == 10, "the upsampler did not take its kernel path"
-        return max(errs)
-
-    def output_conv(dtype: torch.dtype) -> float:
-        """The decoder's last Snake and its conv to one channel as one kernel against the Snake kernel's output fed to
-        the conv: chunks shorter than the context, one time block and two, with and without a shift and a bias, from
-        a context (also in per-slot buffers, replaced in place) and from zeros."""
-        errs = []
-        for seed, (length, streaming) in enumerate(((3, True), (40, True), (1030, True), (40, False), (5, False))):
-            x = rand(2, 5, length + 3, dtype=dtype, seed=150 + seed)[..., 2:length + 2]  # strided view
-            alpha = rand(1, 5, 1, dtype=dtype, seed=160 + seed).abs() + 0.2
-            weight = rand(1, 5, 7, dtype=dtype, seed=170 + seed) * 0.3
-            bias = rand(1, dtype=dtype, seed=180 + seed) if seed % 2 else None
-            shift = rand(5, dtype=dtype, seed=190 + seed) if seed != 1 else None
-            state = rand(2, 5, 6, dtype=dtype, seed=200 + seed) if streaming else None
-            xs_cat = torch.cat([state if streaming else x.new_zeros(2, 5, 6),
-                                snake_ops.snake_triton(x, alpha, None, shift)], dim=-1)
-            y_ref = F.conv1d(xs_cat.float(), weight.float(), None if bias is None else bias.float()).to(dtype)
-            y, new_state = vae_conv.snake_output_conv(x, state, weight, bias, alpha, shift)
-            errs.append(relative_error(y, y_ref))
-            if streaming:
-                errs.append(relative_error(new_state, xs_cat[..., length:]))
-                slots = torch.tensor([3, 0], device=device)
-                buffers = rand(4, 5, 6, dtype=dtype, seed=210 + seed)
-                buffers[slots] = state
-                untouched = buffers[1:3].clone()
-                y, returned = vae_conv.snake_output_conv(x, buffers, weight, bias, alpha, shift, slots)
-                assert returned is buffers and torch.equal(buffers[1:3], untouched), "rows of other slots changed"
-                errs += [relative_error(y, y_ref), relative_error(buffers[slots], xs_cat[..., length:])]
-            else:
-                assert new_state is None
+                    assert spy.call_count == 7, "the upsampler did not take its kernel path"
         return max(errs)
 
     def vae_decoder(dtype: torch.dtype) -> float:
+        """The streaming VAE decoder's kernel path (biases and the sample-rate condition carried into the next
+        Snake kernel) against its layers one by one, over three streamed chunks."""
         from engine.config import AudioVAEConfig
         from engine.models.audio_vae import AudioVAE
         from engine.models.vae_decoder import Decoder
@@ -671,29 +620,13 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             return max(case(dtype), packed)
         return run
 
-    snake, dwconv_snake, residual_unit, conv_transpose, vae_decoder_unfused = map(
+    snake, dwconv_snake, residual_unit, conv_transpose, vae_decoder = map(
         both_row_tilings, (snake, dwconv_snake, residual_unit, conv_transpose, vae_decoder))
-
-    def vae_decoder_cases(dtype: torch.dtype) -> float:
-        """The decoder case, and in fp32 again with EngineOptions.vae_fused_snakes in the default tiling (its kernels'
-        own cases, conv_transpose and output_conv, run both dtypes and tilings; the interpreter's time is CI's)."""
-        with options.override(vae_fused_snakes=False):
-            unfused = vae_decoder_unfused(dtype)
-        if dtype != torch.float32:
-            return unfused
-        with options.override(vae_fused_snakes=True), \
-                mock.patch.object(vae_conv, "snake_output_conv", wraps=vae_conv.snake_output_conv) as tail, \
-                mock.patch.object(upsampler, "upsampler_input", wraps=upsampler.upsampler_input) as inputs:
-            fused = vae_decoder(dtype)
-        assert tail.call_count and inputs.call_count and all(c.args[-1] is not None for c in inputs.call_args_list), \
-            "the decoder did not take the fused Snakes' kernels"
-        return max(unfused, fused)
-
     return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "skinny_matmul": skinny_matmul, "gemv": gemv,
             "rotary_qk": rotary_qk,
             "rotary_store_kv": rotary_store_kv, "dispatch": dispatch, "dense_attention": dense,
             "snake": snake, "dwconv_snake": dwconv_snake, "residual_unit": residual_unit,
-            "conv_transpose": conv_transpose, "output_conv": output_conv, "vae_decoder": vae_decoder_cases,
+            "conv_transpose": conv_transpose, "vae_decoder": vae_decoder,
             "cfg_euler": cfg_euler, "dit_step": dit_step,
             "gated_gemm": gated_gemm, "dense_layer_stack": dense_layer_stack, "lora": lora, "fp8_weights": fp8_weights}
 
@@ -716,7 +649,7 @@ def _interpreter_main(shard: int = 0, shards: int = 1) -> None:
 # Seconds each case took in the interpreter (both dtypes, one process of a 2-core machine, 2026-11-30): the shards'
 # cases are dealt longest first to the least loaded shard (the four slow cases by index would share one shard).
 INTERPRETER_SECONDS = {"vae_decoder": 105, "conv_transpose": 69, "dwconv_snake": 54, "dense_attention": 42,
-                       "residual_unit": 13, "dense_layer_stack": 9, "output_conv": 4}
+                       "residual_unit": 13, "dense_layer_stack": 9}
 
 
 def interpreter_shard(shard: int, shards: int) -> set[str]:
@@ -738,8 +671,7 @@ def interpreter_results() -> dict[str, float]:
 
 
 CASES = ("add_rms_norm", "silu_mul", "skinny_matmul", "gemv", "rotary_qk", "rotary_store_kv", "dispatch",
-         "dense_attention", "snake", "dwconv_snake", "residual_unit", "conv_transpose", "output_conv", "vae_decoder",
-         "cfg_euler",
+         "dense_attention", "snake", "dwconv_snake", "residual_unit", "conv_transpose", "vae_decoder", "cfg_euler",
          "dit_step", "gated_gemm", "dense_layer_stack", "lora", "fp8_weights")
 CASE_NAMES = [f"{c}-{d}" for c in CASES for d in INTERPRETED]
 

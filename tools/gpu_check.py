@@ -60,8 +60,6 @@ def rel_err(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 # each, forced on
 FORCED_ON: dict[str, dict[str, object]] = {
     "graph triton, gated GEMM": {"gated_gemm_min_rows": 1},  # the DiT's gate/up from its first row (16-bit weights)
-    "graph triton, Triton 1x1 convs": {"vae_pointwise_kernel": True},
-    "graph triton, fused VAE Snakes": {"vae_fused_snakes": True},
 }
 
 

@@ -13,18 +13,9 @@ from torch import Tensor, nn
 
 from engine.config import AudioVAEConfig
 from engine.models.minicpm import embedding
-from engine.models.vae_layers import (
-    CausalConv1d,
-    CausalConvTranspose1d,
-    Chain,
-    ResidualUnit,
-    Snake1d,
-    StreamStates,
-    layer_context,
-)
-from engine.ops import platform, vae_conv
+from engine.models.vae_layers import CausalConv1d, CausalConvTranspose1d, Chain, ResidualUnit, Snake1d, StreamStates
+from engine.ops import platform
 from engine.ops.snake import snake
-from engine.options import current
 
 
 class _Tanh(nn.Module):
@@ -64,14 +55,10 @@ class DecoderBlock(nn.Module):
 
     def forward_deferred(self, x: Tensor, states: StreamStates | None, scale: Tensor | None,
                          shift: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """The block of the input x * scale + shift (per-channel, each optional, applied with the block's Snake as
-        the upsampler loads x) with the residual units' biases left out: (y, bias) with output = y + bias (see
-        ResidualUnit)."""
+        """The block of the input x * scale + shift (per-channel, each optional, applied inside the Snake kernel)
+        with the residual units' biases left out: (y, bias) with output = y + bias (see ResidualUnit)."""
         activation, upsample, *units = self.block
-        if current().vae_fused_snakes:  # the Snake on the upsampler's input load
-            x = upsample(x, states, (activation.alpha, scale, shift))
-        else:
-            x = upsample(snake(x, activation.alpha, scale, shift), states)
+        x = upsample(snake(x, activation.alpha, scale, shift), states)
         pending = None
         for unit in units:
             y = unit.forward_deferred(x, states, pending)
@@ -172,11 +159,6 @@ class Decoder(nn.Module):
         # Whether the CUDA kernel path (`_forward_deferred`) fits this layout: fixed by the config, so decided once.
         self.deferrable = (all(layer.deferrable for layer in layers if isinstance(layer, DecoderBlock))
                            and all(cond.is_affine for cond in self.sr_cond_model or [] if cond is not None))
-        # ... and whether its last Snake and conv to one channel run as one kernel there (`_output_tail`)
-        snake_layer, conv, _ = layers[-3:]
-        self.fused_tail = (isinstance(snake_layer, Snake1d) and isinstance(conv, CausalConv1d)
-                           and conv.out_channels == 1 and conv.groups == 1 and conv.stride[0] == 1
-                           and conv.dilation[0] == 1 and conv.left_pad == conv.kernel_size[0] - 1)
 
         # Fixed slot per stateful layer (module order); shapes let a stream allocate its states.
         self.state_shapes: list[tuple[int, int]] = []
@@ -213,12 +195,7 @@ class Decoder(nn.Module):
         applied inside the next Snake kernel (a per-channel shift / scale) instead of as passes of their own
         over the activations (~30 full-size passes per step)."""
         pending: Tensor | None = None  # per-channel bias not yet added to x
-        tail_at = len(self.model) - 3 if self.fused_tail and current().vae_fused_snakes else -1
-        for i, (layer, cond) in enumerate(zip(self.model, conds, strict=True)):
-            if i == tail_at:
-                y = self._output_tail(x, pending, states)
-                if y is not None:
-                    return y
+        for layer, cond in zip(self.model, conds, strict=True):
             if isinstance(layer, DecoderBlock):
                 scale, shift = cond.affine(sr_idx) if cond is not None and sr_idx is not None else (None, None)
                 if pending is not None:  # (x + pending) * scale + shift
@@ -231,15 +208,3 @@ class Decoder(nn.Module):
                     x, pending = x + pending[:, None], None
                 x = layer(x, states)
         return x if pending is None else x + pending[:, None]
-
-    def _output_tail(self, x: Tensor, shift: Tensor | None, states: StreamStates | None) -> Tensor | None:
-        """The last Snake (of x + shift), the conv to one channel and tanh: one kernel that reads x once, then tanh of
-        its one channel; None where the kernel does not apply (nothing changed)."""
-        snake_layer, conv = self.model[-3], self.model[-2]
-        state, slots = layer_context(states, conv.state_slot)
-        if not vae_conv.output_conv_supported(x, state, conv.weight, slots):
-            return None
-        y, new_state = vae_conv.snake_output_conv(x, state, conv.weight, conv.bias, snake_layer.alpha, shift, slots)
-        if states is not None and slots is None and conv.state_slot is not None:
-            states[conv.state_slot] = new_state
-        return torch.tanh(y)

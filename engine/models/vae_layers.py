@@ -104,10 +104,7 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
             self._tap_weight = cached
         return cached[1]
 
-    def forward(self, x: Tensor, states: StreamStates | None = None,  # type: ignore[override]
-                in_snake: upsampler.InputSnake | None = None) -> Tensor:
-        """The upsampled x, or with `in_snake` (a decoder block's Snake: alpha, scale, shift) of snake(x, ...): on the
-        kernel path computed as the conv's input is loaded, else first."""
+    def forward(self, x: Tensor, states: StreamStates | None = None) -> Tensor:  # type: ignore[override]
         stride = self.stride[0]
         streaming = states is not None and self.state_slot is not None
         # The kernel path's GEMM carries the batch in its columns: in CUDA's batch-invariant mode the conv runs per
@@ -115,14 +112,12 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
         if platform.kernels(x) and not (x.is_cuda and batch_invariant("cuda")):
             state, slots = layer_context(states, self.state_slot)
             out = upsampler.causal_conv_transpose(x, state, self.tap_weight(), self.bias, stride, self.kernel_size[0],
-                                              slots, in_snake)
+                                              slots)
             if out is not None:
                 y, new_state = out
                 if streaming and slots is None:  # (per-slot buffers: the kernel replaced the context in place)
                     states[self.state_slot] = new_state
                 return y
-        if in_snake is not None:
-            x = snake(x, *in_snake)
         if not streaming:
             y = F.conv_transpose1d(x, self.weight, self.bias, stride)
             return y[..., : y.shape[-1] - self.right_trim]

@@ -10,16 +10,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.ops import platform
-from engine.ops.platform import HAVE_TRITON, MAX_TIME_BLOCK, fast_sin, row_tile
+from engine.ops.platform import HAVE_TRITON, MAX_TIME_BLOCK, row_tile
 from engine.ops.vae_conv import context_args, context_fits, new_context
 
 if TYPE_CHECKING:
     import torch
 else:
     from engine.lazy_torch import torch  # the kernel-compiling children never load it
-
-# a decoder block's Snake on the upsampler's input load: (alpha (1, C, 1), scale (C,) or None, shift (C,) or None)
-InputSnake = tuple["torch.Tensor", "torch.Tensor | None", "torch.Tensor | None"]
 
 if HAVE_TRITON:
     import triton
@@ -37,48 +34,16 @@ if HAVE_TRITON:
         # the new context (the concat's last ctx frames) is written by the program that read the old one (the first
         # frame block, BLOCK >= ctx): with HAS_SLOTS in place of slot_ptr[b]'s row of the per-slot buffer, else to
         # new_state_ptr's row.
-        upsampler_input_tile(x_ptr, state_ptr, slot_ptr, x_ptr, x_ptr, x_ptr, xin_ptr, new_state_ptr, rows, channels,
-                             batch, length, ctx, frames, stride_xb, stride_xc, stride_xt, stride_sb, stride_sc,
-                             stride_st, HAS_STATE, HAS_SLOTS, False, False, False, False, BLOCK_R, BLOCK, BLOCK_P)
-
-    @triton.jit
-    def _upsampler_snake_input_kernel(x_ptr, state_ptr, slot_ptr, alpha_ptr, scale_ptr, shift_ptr, xin_ptr,
-                                      new_state_ptr, rows, channels, batch, length, ctx, frames, stride_xb, stride_xc,
-                                      stride_xt, stride_sb, stride_sc, stride_st, HAS_STATE: tl.constexpr,
-                                      HAS_SLOTS: tl.constexpr, IN_SCALE: tl.constexpr, IN_SHIFT: tl.constexpr,
-                                      FAST_SIN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
-                                      BLOCK_P: tl.constexpr):
-        # `_upsampler_input_kernel` of x' = the decoder block's Snake of x [* scale] [+ shift] (the context holds
-        # earlier x'): its own kernel, so that the plain one's shipped kernel records stay valid.
-        upsampler_input_tile(x_ptr, state_ptr, slot_ptr, alpha_ptr, scale_ptr, shift_ptr, xin_ptr, new_state_ptr,
-                             rows, channels, batch, length, ctx, frames, stride_xb, stride_xc, stride_xt, stride_sb,
-                             stride_sc, stride_st, HAS_STATE, HAS_SLOTS, True, IN_SCALE, IN_SHIFT, FAST_SIN, BLOCK_R,
-                             BLOCK, BLOCK_P)
-
-    @triton.jit
-    def upsampler_input_tile(x_ptr, state_ptr, slot_ptr, alpha_ptr, scale_ptr, shift_ptr, xin_ptr, new_state_ptr,
-                             rows, channels, batch, length, ctx, frames, stride_xb, stride_xc, stride_xt, stride_sb,
-                             stride_sc, stride_st, HAS_STATE: tl.constexpr, HAS_SLOTS: tl.constexpr,
-                             IN_SNAKE: tl.constexpr, IN_SCALE: tl.constexpr, IN_SHIFT: tl.constexpr,
-                             FAST_SIN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
-                             BLOCK_P: tl.constexpr):
-        """The two upsampler input kernels' program (see them)."""
         bc, b, c, row_mask, f = row_tile_program(rows, channels, BLOCK_R, BLOCK)
         x_row = x_ptr + b * stride_xb + c * stride_xc
         s_b = tl.load(slot_ptr + b, mask=row_mask, other=0).to(tl.int64) if HAS_SLOTS else b
         s_row = state_ptr + s_b * stride_sb + c * stride_sc
-        alpha = tl.load(alpha_ptr + c, mask=row_mask, other=1.0).to(tl.float32) if IN_SNAKE else 0.0
-        scale = tl.load(scale_ptr + c, mask=row_mask, other=1.0).to(tl.float32) if IN_SCALE else 1.0
-        shift = tl.load(shift_ptr + c, mask=row_mask, other=0.0).to(tl.float32) if IN_SHIFT else 0.0
-        kept = f < ctx + length
-        v = cat_load(x_row, s_row, f, row_mask & kept, ctx, stride_xt, stride_st, alpha, shift, HAS_STATE, IN_SNAKE,
-                      IN_SHIFT, FAST_SIN, scale, IN_SCALE)
-        if IN_SNAKE:  # the padding frames (a Snake of a masked load is not 0)
-            v = tl.where(kept, v, 0.0)
+        v = cat_load(x_row, s_row, f, row_mask & (f < ctx + length), ctx, stride_xt, stride_st, 0.0, 0.0, HAS_STATE,
+                      False, False, False)
         tl.store(xin_ptr + (c * batch + b) * frames + f, v.to(xin_ptr.dtype.element_ty), mask=row_mask & (f < frames))
         if HAS_STATE and tl.program_id(1) == 0:
-            store_context(x_row, s_row, new_state_ptr + bc * ctx, row_mask, length, ctx, stride_xt, stride_st, alpha,
-                           shift, HAS_STATE, HAS_SLOTS, IN_SNAKE, IN_SHIFT, FAST_SIN, BLOCK_P, scale, IN_SCALE)
+            store_context(x_row, s_row, new_state_ptr + bc * ctx, row_mask, length, ctx, stride_xt, stride_st, 0.0,
+                           0.0, HAS_STATE, HAS_SLOTS, False, False, False, BLOCK_P)
 
     @triton.jit
     def _overlap_add_kernel(g_ptr, bias_ptr, y_ptr, rows, c_out, out_len, ctx, stride_gb, stride_gr,
@@ -102,14 +67,12 @@ if HAVE_TRITON:
 
 
 def upsampler_input(x: torch.Tensor, state: torch.Tensor | None, ctx: int, frames: int,
-                    slots: torch.Tensor | None = None,
-                    in_snake: InputSnake | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The upsampler GEMM's input and the new carried context: x' (B, C, n) any strides after its context `state`
+                    slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The upsampler GEMM's input and the new carried context: x (B, C, n) any strides after its context `state`
     (B, C, ctx) (None: zeros), zero-padded to `frames` >= ctx + n -> ((C, B, frames) contiguous, every stream's frames
-    side by side; the last ctx frames of cat(context, x') as (B, C, ctx), None without a state). x' is x, or with
-    `in_snake` (alpha (1, C, 1), scale, shift (C,) or None) `snake(x, alpha, scale, shift)` computed on load. With
-    `slots` (B,): state is (slots, C, ctx), row b's context is state[slots[b]], and it is replaced there in place
-    (returned: state), as `causal_depthwise_conv` does."""
+    side by side; the last ctx frames of cat(context, x) as (B, C, ctx), None without a state). With `slots` (B,):
+    state is (slots, C, ctx), row b's context is state[slots[b]], and it is replaced there in place (returned:
+    state), as `causal_depthwise_conv` does."""
     b, c, n = x.shape
     xin = torch.empty((c, b, frames), dtype=x.dtype, device=x.device)
     source, slots, state_strides = context_args(x, state, slots)
@@ -119,21 +82,10 @@ def upsampler_input(x: torch.Tensor, state: torch.Tensor | None, ctx: int, frame
         block_p = triton.next_power_of_2(max(ctx, 1))
         # frames >= ctx, so the first frame block covers the context (its program alone reads and replaces it)
         block_rows, block = row_tile(b * c, frames, max(MAX_TIME_BLOCK, block_p))
-        grid = (triton.cdiv(b * c, block_rows), triton.cdiv(frames, block))
-        slot_arg, new_state_arg = slots if in_place else x, new_state if new_state is not None else xin
-        if in_snake is None:
-            _upsampler_input_kernel[grid](
-                x, source, slot_arg, xin, new_state_arg, b * c, c, b, n, ctx, frames, *x.stride(), *state_strides,
-                HAS_STATE=state is not None, HAS_SLOTS=in_place, BLOCK_R=block_rows, BLOCK=block, BLOCK_P=block_p,
-                num_warps=4)
-        else:
-            alpha, scale, shift = in_snake
-            _upsampler_snake_input_kernel[grid](
-                x, source, slot_arg, alpha.reshape(-1), x if scale is None else scale, x if shift is None else shift,
-                xin, new_state_arg, b * c, c, b, n, ctx, frames, *x.stride(), *state_strides,
-                HAS_STATE=state is not None, HAS_SLOTS=in_place, IN_SCALE=scale is not None,
-                IN_SHIFT=shift is not None, FAST_SIN=fast_sin(), BLOCK_R=block_rows, BLOCK=block, BLOCK_P=block_p,
-                num_warps=4)
+        _upsampler_input_kernel[(triton.cdiv(b * c, block_rows), triton.cdiv(frames, block))](
+            x, source, slots if in_place else x, xin, new_state if new_state is not None else xin, b * c, c, b, n,
+            ctx, frames, *x.stride(), *state_strides, HAS_STATE=state is not None, HAS_SLOTS=in_place,
+            BLOCK_R=block_rows, BLOCK=block, BLOCK_P=block_p, num_warps=4)
     return xin, new_state
 
 
@@ -155,16 +107,16 @@ def overlap_add(g: torch.Tensor, bias: torch.Tensor | None, stride: int, kernel:
 
 
 def causal_conv_transpose(x: torch.Tensor, state: torch.Tensor | None, weight_taps: torch.Tensor,
-                          bias: torch.Tensor | None, stride: int, kernel: int, slots: torch.Tensor | None = None,
-                          in_snake: InputSnake | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                          bias: torch.Tensor | None, stride: int, kernel: int,
+                          slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The VAE's streaming upsampler (vae_layers.CausalConvTranspose1d) as one GEMM of every tap over the context
     and the new frames of all streams (cuBLAS, under the matmul TF32 policy that the runner aligns with cuDNN's)
     and one Triton overlap-add writing only the kept outputs, contiguous: no cuDNN algorithm search per batch size
     at start-up, no trimmed view. weight_taps: (kernel * C_out, C_in), rows ordered (tap, channel). state
     (B, C_in, ctx) or None (zeros, no context kept) -> (output, new context (B, C_in, ctx) or None); with `slots`
     (B,), state is every slot's context (slots, C_in, ctx), rows slots[b] are read and replaced in place by the new
-    context (returned: state), as `causal_depthwise_conv` does. With `in_snake` the conv's input is that Snake of x
-    (see `upsampler_input`). None where it does not apply (nothing changed; the caller then runs cuDNN)."""
+    context (returned: state), as `causal_depthwise_conv` does. None where it does not apply (nothing changed; the
+    caller then runs cuDNN)."""
     if not (platform.kernels(x) and x.dim() == 3 and weight_taps.dtype == x.dtype):
         return None
     b, c, n = x.shape
@@ -175,7 +127,7 @@ def causal_conv_transpose(x: torch.Tensor, state: torch.Tensor | None, weight_ta
     # (cuBLAS's fast kernels need 16-byte aligned rows): a handful of frames per stream is far too narrow for a
     # GEMM of its own.
     frames = ctx + n + (-(ctx + n) % 4)
-    xin, new_state = upsampler_input(x, state, ctx, frames, slots, in_snake)
+    xin, new_state = upsampler_input(x, state, ctx, frames, slots)
     g = torch.mm(weight_taps, xin.view(c, b * frames)).view(-1, b, frames).transpose(0, 1)
     return overlap_add(g, bias, stride, kernel, ctx, n), new_state
 

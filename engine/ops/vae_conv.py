@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 from engine.ops import platform
 from engine.ops.platform import HAVE_TRITON, fast_sin, row_tile
-from engine.options import current
 
 if TYPE_CHECKING:
     import torch
@@ -29,13 +28,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def x_load(x_row, i, mask, stride_xt, in_alpha, in_shift, IN_SNAKE: tl.constexpr, IN_SHIFT: tl.constexpr,
-               FAST_SIN: tl.constexpr, in_scale=1.0, IN_SCALE: tl.constexpr = False):
+               FAST_SIN: tl.constexpr):
         """x'[i] in fp32 where mask (see `cat_load`; elsewhere x' of 0)."""
         v = tl.load(x_row + i * stride_xt, mask=mask, other=0.0)
         if IN_SNAKE:
             vf = v.to(tl.float32)
-            if IN_SCALE:  # the order of the separate Snake kernel's affine map: scale, then shift
-                vf = vf * in_scale
             if IN_SHIFT:
                 vf = vf + in_shift
             v = snake_math(vf, in_alpha, FAST_SIN).to(v.dtype)
@@ -43,14 +40,12 @@ if HAVE_TRITON:
 
     @triton.jit
     def cat_load(x_row, s_row, idx, mask, pad, stride_xt, stride_st, in_alpha, in_shift, HAS_STATE: tl.constexpr,
-                  IN_SNAKE: tl.constexpr, IN_SHIFT: tl.constexpr, FAST_SIN: tl.constexpr, in_scale=1.0,
-                  IN_SCALE: tl.constexpr = False):
+                  IN_SNAKE: tl.constexpr, IN_SHIFT: tl.constexpr, FAST_SIN: tl.constexpr):
         """cat(state, x')[idx] along time (idx in [0, pad + length)) in fp32, x' = x or, with IN_SNAKE,
-        Snake(x [* in_scale] [+ in_shift]) rounded to x's dtype (the separate Snake kernel's output; the state holds
-        earlier x'); without state the zero left-padding of a full-sequence pass."""
+        Snake(x [+ in_shift]) rounded to x's dtype (the separate Snake kernel's output; the state holds earlier x');
+        without state the zero left-padding of a full-sequence pass."""
         in_x = idx >= pad
-        v = x_load(x_row, idx - pad, mask & in_x, stride_xt, in_alpha, in_shift, IN_SNAKE, IN_SHIFT, FAST_SIN,
-                   in_scale, IN_SCALE)
+        v = x_load(x_row, idx - pad, mask & in_x, stride_xt, in_alpha, in_shift, IN_SNAKE, IN_SHIFT, FAST_SIN)
         if HAS_STATE:
             old = tl.load(s_row + idx * stride_st, mask=mask & (idx < pad), other=0.0).to(tl.float32)
             v = tl.where(in_x, v, old)
@@ -61,8 +56,7 @@ if HAVE_TRITON:
     @triton.jit
     def store_context(x_row, s_row, new_row, row_mask, length, pad, stride_xt, stride_st, in_alpha, in_shift,
                        HAS_STATE: tl.constexpr, HAS_SLOTS: tl.constexpr, IN_SNAKE: tl.constexpr,
-                       IN_SHIFT: tl.constexpr, FAST_SIN: tl.constexpr, BLOCK_P: tl.constexpr, in_scale=1.0,
-                       IN_SCALE: tl.constexpr = False):
+                       IN_SHIFT: tl.constexpr, FAST_SIN: tl.constexpr, BLOCK_P: tl.constexpr):
         """The new carried contexts of a program's rows ((R, 1) pointers, row_mask), the last `pad` frames of
         cat(state, x') (see `cat_load`): with HAS_SLOTS in place of the old ones at s_row, once every thread of the
         program has read them (the caller is the rows' only program that reads them; rows sharing a slot, the
@@ -71,41 +65,12 @@ if HAVE_TRITON:
         i = tl.arange(0, BLOCK_P)[None, :]
         pmask = row_mask & (i < pad)
         tail = cat_load(x_row, s_row, length + i, pmask, pad, stride_xt, stride_st, in_alpha, in_shift, HAS_STATE,
-                         IN_SNAKE, IN_SHIFT, FAST_SIN, in_scale, IN_SCALE)
+                         IN_SNAKE, IN_SHIFT, FAST_SIN)
         if HAS_SLOTS:
             tl.debug_barrier()
             tl.store(s_row + i * stride_st, tail.to(s_row.dtype.element_ty), mask=pmask)
         else:
             tl.store(new_row + i, tail.to(new_row.dtype.element_ty), mask=pmask)
-
-    @triton.jit
-    def _pointwise_residual_kernel(h_ptr, w_ptr, bias_ptr, x_ptr, o_ptr, c_in, c_out, length, cols, stride_hb,
-                                   stride_hc, stride_ht, stride_xb, stride_xc, stride_xt, HAS_BIAS: tl.constexpr,
-                                   DOT_PRECISION: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_N: tl.constexpr,
-                                   BLOCK_K: tl.constexpr):
-        # Output tile (BLOCK_O channels, BLOCK_N columns) of x + w @ h, a column n being (stream n // length, sample
-        # n % length): one GEMM over every stream, each h tile read once for all its output channels (the column
-        # tiles' programs are adjacent: their h tile is shared in L2), the small weight from L2.
-        o = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        b, t = (n // length).to(tl.int64), n % length
-        o_mask, n_mask = o < c_out, n < cols
-        h_cols = h_ptr + b * stride_hb + t * stride_ht
-        acc = tl.zeros((BLOCK_O, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, c_in, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + o[:, None] * c_in + k[None, :], mask=o_mask[:, None] & (k < c_in)[None, :], other=0.0)
-            h = tl.load(h_cols[None, :] + k[:, None].to(tl.int64) * stride_hc,
-                        mask=(k < c_in)[:, None] & n_mask[None, :], other=0.0)
-            acc = tl.dot(w, h, acc, input_precision=DOT_PRECISION)
-        mask = o_mask[:, None] & n_mask[None, :]
-        x_at = b[None, :] * stride_xb + o[:, None].to(tl.int64) * stride_xc + t[None, :] * stride_xt
-        out = (acc + tl.load(x_ptr + x_at, mask=mask, other=0.0).to(tl.float32)).to(o_ptr.dtype.element_ty)
-        if HAS_BIAS:  # after the GEMM's own rounding, as the eager add after it
-            out = (out.to(tl.float32) + tl.load(bias_ptr + o, mask=o_mask, other=0.0).to(tl.float32)[:, None]).to(
-                o_ptr.dtype.element_ty)
-        tl.store(o_ptr + b[None, :] * (c_out * length) + o[:, None].to(tl.int64) * length + t[None, :], out,
-                 mask=mask)
 
     @triton.jit
     def conv_finish(acc, c, row_mask, bias_ptr, alpha_ptr, out_dtype, HAS_BIAS: tl.constexpr,
@@ -161,38 +126,6 @@ if HAVE_TRITON:
             tl.store(y_ptr + bc * length + th, head_out, mask=head_mask)
             store_context(x_row, s_row, new_state_ptr + bc * PAD, row_mask, length, PAD, stride_xt, stride_st,
                            in_alpha, in_shift, HAS_STATE, HAS_SLOTS, IN_SNAKE, IN_SHIFT, FAST_SIN, BLOCK_P)
-
-    @triton.jit
-    def _output_conv_kernel(x_ptr, state_ptr, slot_ptr, w_ptr, bias_ptr, alpha_ptr, shift_ptr, y_ptr, new_state_ptr,
-                            channels, length, stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
-                            K: tl.constexpr, HAS_STATE: tl.constexpr, HAS_SLOTS: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr, FAST_SIN: tl.constexpr,
-                            BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
-        # A program: one stream's BLOCK output samples, y[t] = bias + sum over channels c and taps j of
-        # w[c, j] * cat(context, x')[c, t + j], x' = Snake(x [+ shift]) computed on load. The first block (BLOCK >= the
-        # context) alone reads the old context and writes the new one, channel by channel after its reads.
-        PAD: tl.constexpr = K - 1
-        b = tl.program_id(0)
-        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
-        mask = t < length
-        s_b = tl.load(slot_ptr + b).to(tl.int64) if HAS_SLOTS else b
-        first = tl.program_id(1) == 0
-        acc = tl.zeros((1, BLOCK), dtype=tl.float32)
-        for c in range(channels):
-            x_row = x_ptr + b * stride_xb + c * stride_xc
-            s_row = state_ptr + s_b * stride_sb + c * stride_sc
-            alpha = tl.load(alpha_ptr + c).to(tl.float32)
-            shift = tl.load(shift_ptr + c).to(tl.float32) if HAS_SHIFT else 0.0
-            for j in tl.static_range(K):
-                acc += tl.load(w_ptr + c * K + j).to(tl.float32) * cat_load(
-                    x_row, s_row, t + j, mask, PAD, stride_xt, stride_st, alpha, shift, HAS_STATE, True, HAS_SHIFT,
-                    FAST_SIN)
-            if HAS_STATE and first:
-                store_context(x_row, s_row, new_state_ptr + (b * channels + c) * PAD, True, length, PAD, stride_xt,
-                              stride_st, alpha, shift, HAS_STATE, HAS_SLOTS, True, HAS_SHIFT, FAST_SIN, BLOCK_P)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr).to(tl.float32)
-        tl.store(y_ptr + b * length + t, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # The depthwise conv's most samples a row in a program: long rows, one a program, were the fastest tiling of a
@@ -293,39 +226,6 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
     return causal_depthwise_conv_triton(x, state, weight, bias, dilation, out_alpha, slots, in_alpha, in_shift)
 
 
-def output_conv_supported(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor,
-                          slots: torch.Tensor | None = None) -> bool:
-    """Whether `snake_output_conv` runs its kernel: a (1, C, K) weight over x (B, C, T) and its context."""
-    return (platform.kernels(x) and x.dim() == 3 and weight.dim() == 3 and weight.shape[:2] == (1, x.shape[1])
-            and weight.dtype == x.dtype and context_fits(state, slots, x, weight.shape[-1] - 1))
-
-
-def snake_output_conv(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
-                      alpha: torch.Tensor, shift: torch.Tensor | None = None,
-                      slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The decoder's last Snake (alpha (1, C, 1), of x + shift with `shift` (C,)) and its causal conv to one channel
-    (weight (1, C, K)) as one kernel that reads x once: (y (B, 1, T), the new context (B, C, K - 1) of Snake'd frames;
-    None without `state`). state (B, C, K - 1) or None (zero padding); with `slots` (B,), every slot's contexts,
-    rows slots[b] read and replaced in place (returned: state). Only where `output_conv_supported`."""
-    b, c, t = x.shape
-    k = weight.shape[-1]
-    pad = k - 1
-    y = torch.empty((b, 1, t), dtype=x.dtype, device=x.device)
-    source, slots, state_strides = context_args(x, state, slots)
-    in_place = slots is not None
-    new_state = new_context(x, state, source, in_place, pad)
-    if b and t:
-        block = max(min(platform.MAX_TIME_BLOCK, triton.next_power_of_2(t)), triton.next_power_of_2(pad))
-        w = weight.reshape(c, k).contiguous()
-        _output_conv_kernel[(b, triton.cdiv(t, block))](
-            x, source, slots if in_place else w, w, bias if bias is not None else w, alpha.reshape(-1),
-            shift if shift is not None else w, y, new_state if new_state is not None else y, c, t, *x.stride(),
-            *state_strides, K=k, HAS_STATE=state is not None, HAS_SLOTS=in_place, HAS_BIAS=bias is not None,
-            HAS_SHIFT=shift is not None, FAST_SIN=fast_sin(), BLOCK=block,
-            BLOCK_P=triton.next_power_of_2(max(pad, 1)), num_warps=4)
-    return y, new_state
-
-
 def match_cudnn_tf32() -> None:
     """The VAE's 1x1 convolutions run as fp32 GEMMs (`pointwise_conv_residual`): give this process's matmuls cuDNN's
     TF32 policy, as the convolutions they replace had. A process on torch's newer fp32_precision API refuses the
@@ -334,47 +234,12 @@ def match_cudnn_tf32() -> None:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32
 
 
-# (BLOCK_O output channels, BLOCK_N columns, BLOCK_K, warps, stages) of the 1x1 conv kernel
-PointwiseConfig = tuple[int, int, int, int, int]
-
-
-def pointwise_config(c_out: int, c_in: int) -> PointwiseConfig:
-    """The 1x1 conv kernel's tiles for a (c_out, c_in) weight (at least 16 a dot dimension). 32 output channels a
-    program: on an H200 at a step's shapes 30-40% faster than 64 or 128 (`bench.py kernels --only vae`)."""
-    return (min(32, max(16, triton.next_power_of_2(c_out))), 128, min(32, max(16, triton.next_power_of_2(c_in))), 4, 3)
-
-
-def pointwise_conv_residual_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                                   residual: torch.Tensor, config: PointwiseConfig | None = None) -> torch.Tensor:
-    """`pointwise_conv_residual` as one Triton GEMM over every stream's samples (h and residual of any strides);
-    in place into a contiguous `residual` without autograd, as the batched GEMM."""
-    b, c_in, t = h.shape
-    c_out = weight.shape[0]
-    out = residual if residual.is_contiguous() and not torch.is_grad_enabled() else torch.empty(
-        (b, c_out, t), dtype=residual.dtype, device=residual.device)
-    w = weight.reshape(c_out, c_in)
-    if w.stride(-1) != 1 or w.stride(0) != c_in:
-        w = w.contiguous()
-    if b and t and c_out:
-        block_o, block_n, block_k, warps, stages = config or pointwise_config(c_out, c_in)
-        fp32_dots = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
-        _pointwise_residual_kernel[(triton.cdiv(c_out, block_o), triton.cdiv(b * t, block_n))](
-            h, w, bias if bias is not None else w, residual, out, c_in, c_out, t, b * t, *h.stride(),
-            *residual.stride(), HAS_BIAS=bias is not None,
-            DOT_PRECISION=fp32_dots if h.dtype == torch.float32 else "tf32", BLOCK_O=block_o, BLOCK_N=block_n,
-            BLOCK_K=block_k, num_warps=warps, num_stages=stages)
-    return out
-
-
 def pointwise_conv_residual(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             residual: torch.Tensor) -> torch.Tensor:
     """residual + conv1d(h, weight (O, C, 1), bias) as one batched GEMM that adds the residual in its
-    epilogue (no layout copies around a cuDNN conv, no separate add), or with EngineOptions.vae_pointwise_kernel
-    as one Triton GEMM over every stream (`pointwise_conv_residual_triton`). Without autograd a contiguous
-    `residual` is consumed: the GEMM accumulates into it in place (out of place, the GEMM would first copy it).
-    fp32 GEMMs follow the process's matmul TF32 setting, which the CUDA model runner aligns with cuDNN's."""
-    if current().vae_pointwise_kernel and platform.kernels(h) and h.dtype == residual.dtype == weight.dtype:
-        return pointwise_conv_residual_triton(h, weight, bias, residual)
+    epilogue (no layout copies around a cuDNN conv, no separate add). Without autograd a contiguous `residual` is
+    consumed: the GEMM accumulates into it in place (out of place, the GEMM would first copy it). fp32 GEMMs follow
+    the process's matmul TF32 setting, which the CUDA model runner aligns with cuDNN's."""
     w = weight[:, :, 0].expand(h.shape[0], -1, -1)  # stride 0 over the batch: no copy
     if residual.is_contiguous() and not torch.is_grad_enabled():
         out = residual.baddbmm_(w, h)

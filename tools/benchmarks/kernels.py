@@ -14,8 +14,8 @@
   at its rate, dilations 1 / 3 / 9): the depthwise conv kernel as the decoder runs it (both Snakes, every stream's
   context read and replaced in place), without the Snake on its input (what recomputing it on every tap costs),
   without either Snake, with other time blocks and rows a program; the 1x1 conv + residual after it as cuBLAS's
-  batched GEMM and as the Triton GEMM over its tile configurations (each after a copy of x, as the unit consumes its
-  input); a copy of x alone, the memory floor of one read and one write of the unit's activations;
+  batched GEMM (after a copy of x, as the unit consumes its input); a copy of x alone, the memory floor of one read and
+  one write of the unit's activations;
 - barrier: what one of the layer kernel's grid barriers costs (a grid of one or two programs per SM through 84
   barriers, with and without a store and a load of another program's data between them), against a kernel boundary
   in a CUDA graph (84 dependent launches of the same grid).
@@ -24,7 +24,9 @@ side branch while the GEMM before runs, 2-16x slower (d3fa620); programmatic dep
 with and without an L2 prefetch of each GEMM's weights before it waits, never faster than plain launches (f5283e3);
 a split-K Triton GEMM with a deterministic last-arrival reduction at the DiT's 88-352 rows, 6-60% slower than cuBLAS
 at every shape (9842888); the gated GEMM with two accumulators over [gate; up] (H200: 1-3% slower than one over
-interleaved rows) or reading its interleaved tiles by tensor descriptors (no faster) (6dfd008).)
+interleaved rows) or reading its interleaved tiles by tensor descriptors (no faster) (6dfd008); the VAE's 1x1 conv +
+residual as a Triton GEMM over every stream, faster than the batched GEMM here but not in the engine's VAE graph
+(2855e5b).)
 Times come from CUDA events over CUDA-graph replays (launch cost excluded, as inside the captured step); the
 GEMMs cycle through enough weight copies that each call reads its weight from HBM, not from L2.
 
@@ -335,10 +337,6 @@ def bench_barrier(dev: torch.device, n: int = 84) -> dict[str, float]:
     return out
 
 
-# the 1x1 conv's Triton GEMM tiles swept (vae_conv.PointwiseConfig) beside its default (`pointwise_config`)
-POINTWISE_CONFIGS: list[vae_conv.PointwiseConfig] = [
-    (32, 128, 32, 4, 4), (32, 256, 32, 8, 3), (32, 64, 32, 4, 3), (16, 128, 32, 4, 3), (32, 128, 64, 4, 3),
-    (64, 128, 32, 4, 3), (128, 256, 32, 8, 3)]
 DILATIONS = (1, 3, 9)
 KERNEL_TAPS = 7
 
@@ -380,18 +378,10 @@ def bench_vae(cfg: VoxCPMConfig, batches: list[int], dev: torch.device) -> list[
                         "pointwise_residual": lambda h=h, w=pointwise, r=residual, x=x: (
                             r.copy_(x), vae_conv.pointwise_conv_residual(h, w, None, r)),
                         "copy_of_x": lambda x=x, y=y: y.copy_(x)}
-                for config in (None, *POINTWISE_CONFIGS):  # the Triton GEMM, its default tiles first
-                    runs[f"pointwise_triton{'_' + 'x'.join(map(str, config)) if config else ''}"] = (
-                        lambda h=h, w=pointwise, r=residual, x=x, config=config: (
-                            r.copy_(x), vae_conv.pointwise_conv_residual_triton(h, w, None, r, config)))
                 row: dict[str, object] = {"batch": b, "channels": channels, "samples": length, "dilation": dilation,
                                           "mb_of_x": round(x.numel() * 4 / 2 ** 20, 1)}
-                with options.override(vae_pointwise_kernel=False):  # "pointwise_residual": cuBLAS's batched GEMM
-                    for name, fn in runs.items():
-                        row[f"{name}_us"] = round(1000 * graph_ms(fn, reps=50), 2)
-                    cublas = vae_conv.pointwise_conv_residual(h, pointwise, None, x.clone())
-                row["pointwise_triton_max_abs_diff"] = float(
-                    (vae_conv.pointwise_conv_residual_triton(h, pointwise, None, x.clone()) - cublas).abs().max())
+                for name, fn in runs.items():
+                    row[f"{name}_us"] = round(1000 * graph_ms(fn, reps=50), 2)
                 for time_block, tile in ((64, 1024), (256, 1024)):
                     with (mock.patch.object(vae_conv, "DWCONV_TIME_BLOCK", time_block),
                           mock.patch.object(platform, "ROW_TILE_ELEMENTS", tile)):
