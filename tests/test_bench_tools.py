@@ -19,7 +19,7 @@ import pytest
 from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, free_port, live_server
 from tools import bench
 from tools.benchmarks import encode, harness, serving_report, tune_coalesce
-from tools.profiling import pyspy, timeline
+from tools.profiling import pyspy, step, timeline
 
 PATCH_S = SAMPLES_PER_PATCH / SAMPLE_RATE  # 0.16 s
 PATCHES = 3
@@ -461,3 +461,18 @@ def test_vae_dtype(checkpoint_factory, tmp_path):
     assert doc["patches_equal"] is True and doc["device"] == "cpu" and len(doc["snr_db"]) == 2
     assert 30 < doc["snr_db_min"] <= doc["snr_db_mean"] < 200 and 0 < doc["max_abs_diff"] < doc["audio_peak"]
     assert doc["vae_ms"]["2"]["float32"] > 0 and doc["vae_ms"]["2"]["bfloat16"] > 0
+
+
+@pytest.mark.parametrize(("euler_us", "between_us"), [(310.0, 1900.0), (2000.0, 9500.0), (3850.0, 18000.0)])
+def test_trace_finds_each_step_by_its_cluster_of_euler_updates(euler_us: float, between_us: float):
+    # 9 Euler updates a step, an update's solve apart, then the rest of the step: B=1, 128 and 256 on an H200
+    marks, starts, t = [], [], 100.0
+    for _ in range(6):
+        starts.append(t)
+        for _ in range(9):
+            marks.append(t)
+            t += euler_us
+        t += between_us - euler_us
+    assert step.step_starts(marks) == starts
+    assert step.step_starts(marks[:1]) == marks[:1] and step.step_starts([]) == []
+

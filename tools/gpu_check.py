@@ -56,8 +56,7 @@ def rel_err(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return max(float(np.abs(x - y).max() / np.abs(y).max()) for x, y in zip(a, b, strict=True))
 
 
-# The kernels a small check would not reach (an option off by default, or one taken from many rows only): a variant
-# each, forced on
+# The kernels a small check would not reach (taken from many rows only): a variant each, forced on
 FORCED_ON: dict[str, dict[str, object]] = {
     "graph triton, gated GEMM": {"gated_gemm_min_rows": 1},  # the DiT's gate/up from its first row (16-bit weights)
 }
