@@ -475,4 +475,3 @@ def test_trace_finds_each_step_by_its_cluster_of_euler_updates(euler_us: float, 
         t += between_us - euler_us
     assert step.step_starts(marks) == starts
     assert step.step_starts(marks[:1]) == marks[:1] and step.step_starts([]) == []
-

@@ -41,7 +41,7 @@ CASES = [("mp3", {"mp3_bitrate_kbps": 192, "mp3_quality": q}, f"mp3 192 kbps q{q
     ("mp3", {"mp3_bitrate_kbps": 128, "mp3_quality": 2}, "mp3 128 kbps q2"),
     ("pcm", {}, "pcm s16le"), ("wav", {}, "wav"), ("flac", {}, "flac"), ("opus", {}, "opus"),
 ]
-SERVICE_QUALITY: int = BaseServiceSettings.model_fields["mp3_quality"].default  # the threads' and the burst's MP3
+SERVICE_QUALITY: int = BaseServiceSettings.model_fields["mp3_quality"].default  # the MP3 of all but CASES
 
 
 def speech_like(seconds: float, sr: int, seed: int = 0) -> np.ndarray:
@@ -94,7 +94,7 @@ def _play_worker(conn: Any, request_ids: list[str], step_s: float, steps: int, c
 
 
 async def client_path(fmt: str, streams: int, step_s: float, steps: int, threads: int, chunk: int,
-                      sr: int) -> dict[str, Any]:
+                      sr: int, quality: int) -> dict[str, Any]:
     """CPU of this process per audio second while a real EngineClient turns a worker's steps into encoded streams."""
     from engine.serving import protocol as p
     from engine.serving.client import EngineClient, _WorkerLink
@@ -109,7 +109,7 @@ async def client_path(fmt: str, streams: int, step_s: float, steps: int, threads
     request = p.SynthesisRequest("", "", None, None, None, SamplingParams(), None)
     runs = []
     for _ in range(streams):
-        stream = GenerationStream(client, request, make_encoder(fmt, sr))
+        stream = GenerationStream(client, request, make_encoder(fmt, sr, mp3_quality=quality))
         stream.attach(link)  # routed to the played worker (nothing is sent: it plays the request's steps)
         runs.append(stream)
     worker = mp.get_context("spawn").Process(target=_play_worker, args=(
@@ -177,7 +177,7 @@ def main(argv: list[str]) -> dict[str, Any]:
                     help="also time a burst of this many new MP3 streams' first chunks (0: not)")
     ap.add_argument("--burst-threads", default="14", help="--burst: thread counts (the API processes' cores)")
     ap.add_argument("--quality", type=int, default=SERVICE_QUALITY,
-                    help="LAME quality of the thread and burst measurements (the service's default)")
+                    help="LAME quality of the thread, client-path and burst measurements (the service's default)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     sr = a.sample_rate
@@ -210,7 +210,8 @@ def main(argv: list[str]) -> dict[str, Any]:
         print(f"mp3 q{a.quality} on {n} threads: {n * a.seconds / wall:.0f} audio-s/s", flush=True)
     steps = max(1, round(a.seconds * sr / a.chunk))
     for fmt in ("pcm", "mp3") if a.client_path else ():
-        row = asyncio.run(client_path(fmt, a.client_path, a.step_ms / 1000, steps, a.encoder_threads, a.chunk, sr))
+        row = asyncio.run(client_path(fmt, a.client_path, a.step_ms / 1000, steps, a.encoder_threads, a.chunk, sr,
+                                     a.quality))
         doc["client_path"].append(row)
         print(f"client path, {fmt}, {a.client_path} streams: {row['core_s_per_audio_s']:.5f} core-s per audio-s "
               f"({row['cores']:.2f} cores)", flush=True)

@@ -91,8 +91,8 @@ def host_lame(run: Path) -> str:
     best = max(threads, key=lambda n: threads[n])
     line = (f"Host LAME (192 kbps q{doc.get('mp3_quality', 2)}, {doc.get('cpus', '?')} vCPUs): 1 thread "
             f"{threads.get(1, float('nan')):.1f} audio-s/s; at most {threads[best]:.1f} audio-s/s, on {best} threads "
-            f"({threads[best] / best:.1f} per "
-            f"thread busy; threads measured: {', '.join(str(n) for n in sorted(threads))})")
+            f"({threads[best] / best:.1f} per thread busy; threads measured: "
+            f"{', '.join(str(n) for n in sorted(threads))})")
     for row in doc.get("client_path", []):
         cost = row.get("core_s_per_audio_s", float("nan"))
         line += f"; the client path, {row.get('format')}: {cost:.4f} core-s per audio-s"
