@@ -114,10 +114,6 @@ class EngineOptions:
                                 "step (from vae_overlap_min_batch on), instead of joined inside the step graph.")
     vae_overlap_min_batch: int = _option("VOXCPM_VAE_OVERLAP_MIN_BATCH", 32, int, "Batch buckets from which the "
                                          "VAE graph runs behind the step.")
-    vae_fused_unit_channels: int = _option("VOXCPM_VAE_FUSED_UNIT_CHANNELS", 256, _rows, "Channels up to which a "
-                                           "VAE residual unit runs as one kernel, its 1x1 conv on the depthwise "
-                                           "conv's output in registers (engine.ops.residual_unit); wider units, and "
-                                           "all at 0: the depthwise-conv kernel, then a cuBLAS GEMM.")
     early_outputs: bool = _option("VOXCPM_EARLY_OUTPUTS", True, _flag, "Where the VAE runs inside the step "
                                   "(beside the LMs), the step's audio, patches and stop flags go to the host once "
                                   "they are made (an event the step graph records), not when the LMs' advance "

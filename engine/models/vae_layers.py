@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.ops import platform, residual_unit, upsampler, vae_conv
+from engine.ops import platform, upsampler, vae_conv
 from engine.ops.snake import snake
 from engine.options import batch_invariant
 
@@ -172,26 +172,19 @@ class ResidualUnit(nn.Module):
 
     def forward_deferred(self, x: Tensor, states: StreamStates | None,
                          pending: Tensor | None = None) -> tuple[Tensor, Tensor | None] | None:
-        """The block as kernels (see `fusable`) with its output bias left out: for the input x + pending (pending: a
-        per-channel bias (C,) not yet added to x, or None), (y, bias) with output = y + bias. None where the conv
-        kernel does not apply (nothing consumed). Up to `vae_fused_unit_channels` one kernel
-        (`residual_unit.fused_residual_unit`), else two that consume x (the GEMM adds into it in place): a residual
+        """The block in two kernels (see `fusable`) with its output bias left out: for the input x + pending
+        (pending: a per-channel bias (C,) not yet added to x, or None), (y, bias) with output = y + bias. None where
+        the conv kernel does not apply (nothing consumed). Consumes x (the GEMM adds into it in place): a residual
         unit's input is always an intermediate of the VAE."""
         snake1, conv, snake2, pointwise = self.block
         streaming = states is not None and conv.state_slot is not None
         state, slots = layer_context(states, conv.state_slot)
-        dilation = conv.dilation[0]
-        if residual_unit.residual_unit_supported(x, state, conv.weight, conv.bias, pointwise.weight, dilation, slots):
-            out, new_state = residual_unit.fused_residual_unit(x, state, conv.weight, conv.bias, dilation,
-                                                               snake1.alpha, pending, snake2.alpha, pointwise.weight,
-                                                               slots)
-        elif vae_conv.depthwise_conv_supported(x, state, conv.weight, conv.bias, dilation, slots):
-            h, new_state = vae_conv.causal_depthwise_conv(x, state, conv.weight, conv.bias, dilation, snake2.alpha,
-                                                       slots, in_alpha=snake1.alpha, in_shift=pending)
-            out = vae_conv.pointwise_conv_residual(h, pointwise.weight, None, x)
-        else:
+        if not vae_conv.depthwise_conv_supported(x, state, conv.weight, conv.bias, conv.dilation[0], slots):
             return None
+        h, new_state = vae_conv.causal_depthwise_conv(x, state, conv.weight, conv.bias, conv.dilation[0], snake2.alpha,
+                                                   slots, in_alpha=snake1.alpha, in_shift=pending)
         if streaming and slots is None:
             states[conv.state_slot] = new_state
+        out = vae_conv.pointwise_conv_residual(h, pointwise.weight, None, x)
         bias = pointwise.bias
         return out, (bias if pending is None else pending if bias is None else pending + bias)

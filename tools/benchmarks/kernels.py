@@ -14,9 +14,8 @@
   at its rate, dilations 1 / 3 / 9): the depthwise conv kernel as the decoder runs it (both Snakes, every stream's
   context read and replaced in place), without the Snake on its input (what recomputing it on every tap costs),
   without either Snake, with other time blocks and rows a program; the 1x1 conv + residual after it as cuBLAS's
-  batched GEMM (after a copy of x, as the unit consumes its input); the whole unit as one kernel
-  (`engine.ops.residual_unit`, units of at most 256 channels) over its tiles, with its error against the two; a copy
-  of x alone, the memory floor of one read and one write of the unit's activations;
+  batched GEMM (after a copy of x, as the unit consumes its input); a copy of x alone, the memory floor of one read and
+  one write of the unit's activations;
 - barrier: what one of the layer kernel's grid barriers costs (a grid of one or two programs per SM through 84
   barriers, with and without a store and a load of another program's data between them), against a kernel boundary
   in a CUDA graph (84 dependent launches of the same grid).
@@ -54,18 +53,7 @@ from engine import options
 from engine.config import AudioVAEConfig, TransformerConfig, VoxCPMConfig
 from engine.models import dit_rows_per_stream
 from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
-from engine.ops import (
-    dense_attention,
-    gated_gemm,
-    layer_stack,
-    linear,
-    norm,
-    platform,
-    residual_unit,
-    silu_mul,
-    skinny_gemm,
-    vae_conv,
-)
+from engine.ops import dense_attention, gated_gemm, layer_stack, linear, norm, platform, silu_mul, skinny_gemm, vae_conv
 from tools.benchmarks.harness import subcommand_parser
 from tools.profiling.step import graph_ms
 
@@ -392,27 +380,8 @@ def bench_vae(cfg: VoxCPMConfig, batches: list[int], dev: torch.device) -> list[
                         "copy_of_x": lambda x=x, y=y: y.copy_(x)}
                 row: dict[str, object] = {"batch": b, "channels": channels, "samples": length, "dilation": dilation,
                                           "mb_of_x": round(x.numel() * 4 / 2 ** 20, 1)}
-                if channels <= 256:  # the fused unit's accumulator holds every output channel
-                    fused = partial(residual_unit.fused_residual_unit, x, state, weight, bias, dilation, alpha1, None,
-                                    alpha2, pointwise, slots)
-                    runs["fused_unit"] = fused
-                    saved = state.clone()
-                    y_fused, _ = fused()
-                    state.copy_(saved)
-                    h, _ = conv(alpha2, in_alpha=alpha1)
-                    two = vae_conv.pointwise_conv_residual(h, pointwise, None, x.clone())
-                    row["fused_unit_rel_err"] = float((y_fused - two).abs().max() / two.abs().max())
                 for name, fn in runs.items():
                     row[f"{name}_us"] = round(1000 * graph_ms(fn, reps=50), 2)
-                for tile, block_k, warps in ((8192, 32, 4), (8192, 32, 8), (32768, 32, 8), (16384, 64, 8),
-                                             (16384, 16, 8), (16384, 32, 4)):
-                    if channels > 256 or dilation != 3:
-                        continue
-                    with (mock.patch.object(residual_unit, "RESIDUAL_UNIT_TILE", tile),
-                          mock.patch.object(residual_unit, "RESIDUAL_UNIT_BLOCK_K", block_k),
-                          mock.patch.object(residual_unit, "RESIDUAL_UNIT_WARPS", warps)):
-                        row[f"fused_unit_tile_{tile}_k_{block_k}_warps_{warps}_us"] = round(
-                            1000 * graph_ms(runs["fused_unit"], reps=50), 2)
                 for time_block, tile in ((64, 1024), (256, 1024)):
                     with (mock.patch.object(vae_conv, "DWCONV_TIME_BLOCK", time_block),
                           mock.patch.object(platform, "ROW_TILE_ELEMENTS", tile)):
