@@ -114,6 +114,10 @@ class EngineOptions:
                                 "step (from vae_overlap_min_batch on), instead of joined inside the step graph.")
     vae_overlap_min_batch: int = _option("VOXCPM_VAE_OVERLAP_MIN_BATCH", 32, int, "Batch buckets from which the "
                                          "VAE graph runs behind the step.")
+    vae_fp16_gemm: bool = _option("VOXCPM_VAE_FP16_GEMM", True, _flag, "The fp32 VAE decoder's upsampler GEMMs and "
+                                  "1x1 convs of >= 256 channels on fp16 operands (fp32 accumulation and output) where "
+                                  "the process's matmuls may use TF32: TF32's 10-bit mantissa at twice its rate; "
+                                  "activations beyond fp16's range saturate. 0: TF32.")
     early_outputs: bool = _option("VOXCPM_EARLY_OUTPUTS", True, _flag, "Where the VAE runs inside the step "
                                   "(beside the LMs), the step's audio, patches and stop flags go to the host once "
                                   "they are made (an event the step graph records), not when the LMs' advance "

@@ -8,6 +8,8 @@ full-sequence one. On CUDA the upsampler and each residual unit run as the kerne
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -48,6 +50,17 @@ def layer_context(states: StreamStates | None, slot: int | None) -> tuple[Tensor
     if isinstance(states, SlotStates):
         return states.buffers[slot], states.index
     return states[slot], None
+
+
+def derived_weight(module: nn.Module, make: Callable[[Tensor], Tensor], dtype: torch.dtype) -> Tensor:
+    """`make(module.weight)` in `dtype`, contiguous, made once per weight version and dtype (a kernel path's layout
+    or GEMM operand dtype of the weight; the last one made is kept)."""
+    key = (module.weight.data_ptr(), module.weight._version, dtype)
+    cached = module.__dict__.get("_derived_weight")
+    if cached is None or cached[0] != key:
+        cached = (key, make(module.weight.detach()).to(dtype).contiguous())
+        module.__dict__["_derived_weight"] = cached
+    return cached[1]
 
 
 class CausalConv1d(nn.Conv1d):
@@ -93,16 +106,12 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
     def state_shape(self) -> tuple[int, int] | None:
         return (self.in_channels, self.context) if self.context > 0 else None
 
-    def tap_weight(self) -> Tensor:
-        """The weight as (K * C_out, C_in), rows ordered (tap, channel), for `upsampler.causal_conv_transpose`; made
-        once per weight version (VoxCPM2's fp32 upsamplers: ~165 MB beside their own ~165 MB)."""
-        key = (self.weight.data_ptr(), self.weight._version)
-        cached = getattr(self, "_tap_weight", None)
-        if cached is None or cached[0] != key:
-            k, c_out = self.kernel_size[0], self.out_channels
-            cached = (key, self.weight.detach().permute(2, 1, 0).reshape(k * c_out, self.in_channels).contiguous())
-            self._tap_weight = cached
-        return cached[1]
+    def tap_weight(self, dtype: torch.dtype) -> Tensor:
+        """The weight as (K * C_out, C_in) in `dtype`, rows ordered (tap, channel), for
+        `upsampler.causal_conv_transpose` (VoxCPM2's upsamplers as fp16 GEMM operands: ~83 MB beside their own fp32
+        ~165 MB)."""
+        c_in = self.in_channels
+        return derived_weight(self, lambda w: w.permute(2, 1, 0).reshape(-1, c_in), dtype)
 
     def forward(self, x: Tensor, states: StreamStates | None = None) -> Tensor:  # type: ignore[override]
         stride = self.stride[0]
@@ -111,8 +120,8 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
         # sample instead.
         if platform.kernels(x) and not (x.is_cuda and batch_invariant("cuda")):
             state, slots = layer_context(states, self.state_slot)
-            out = upsampler.causal_conv_transpose(x, state, self.tap_weight(), self.bias, stride, self.kernel_size[0],
-                                              slots)
+            out = upsampler.causal_conv_transpose(x, state, self.tap_weight(vae_conv.gemm_operand_dtype(x)),
+                                                  self.bias, stride, self.kernel_size[0], slots)
             if out is not None:
                 y, new_state = out
                 if streaming and slots is None:  # (per-slot buffers: the kernel replaced the context in place)
@@ -181,10 +190,11 @@ class ResidualUnit(nn.Module):
         state, slots = layer_context(states, conv.state_slot)
         if not vae_conv.depthwise_conv_supported(x, state, conv.weight, conv.bias, conv.dilation[0], slots):
             return None
+        operand = vae_conv.gemm_operand_dtype(x, pointwise.in_channels)  # the conv writes h as the GEMM reads it
         h, new_state = vae_conv.causal_depthwise_conv(x, state, conv.weight, conv.bias, conv.dilation[0], snake2.alpha,
-                                                   slots, in_alpha=snake1.alpha, in_shift=pending)
+                                                   slots, in_alpha=snake1.alpha, in_shift=pending, out_dtype=operand)
         if streaming and slots is None:
             states[conv.state_slot] = new_state
-        out = vae_conv.pointwise_conv_residual(h, pointwise.weight, None, x)
+        out = vae_conv.pointwise_conv_residual(h, derived_weight(pointwise, lambda w: w, operand), None, x)
         bias = pointwise.bias
         return out, (bias if pending is None else pending if bias is None else pending + bias)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from engine.ops import platform
 from engine.ops.platform import HAVE_TRITON, MAX_TIME_BLOCK, row_tile
-from engine.ops.vae_conv import context_args, context_fits, new_context
+from engine.ops.vae_conv import context_args, context_fits, mm_out, new_context, saturates
 
 if TYPE_CHECKING:
     import torch
@@ -23,13 +23,13 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from engine.ops.platform import row_tile_program
-    from engine.ops.vae_conv import cat_load, store_context
+    from engine.ops.vae_conv import cat_load, narrow, store_context
 
     @triton.jit
     def _upsampler_input_kernel(x_ptr, state_ptr, slot_ptr, xin_ptr, new_state_ptr, rows, channels, batch, length,
                                 ctx, frames, stride_xb, stride_xc, stride_xt, stride_sb, stride_sc, stride_st,
-                                HAS_STATE: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_R: tl.constexpr,
-                                BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+                                HAS_STATE: tl.constexpr, HAS_SLOTS: tl.constexpr, SATURATE: tl.constexpr,
+                                BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
         # BLOCK_R (batch, channel) rows: xin[c, b, :] = cat(context, x row) zero-padded to `frames`. With HAS_STATE
         # the new context (the concat's last ctx frames) is written by the program that read the old one (the first
         # frame block, BLOCK >= ctx): with HAS_SLOTS in place of slot_ptr[b]'s row of the per-slot buffer, else to
@@ -40,7 +40,8 @@ if HAVE_TRITON:
         s_row = state_ptr + s_b * stride_sb + c * stride_sc
         v = cat_load(x_row, s_row, f, row_mask & (f < ctx + length), ctx, stride_xt, stride_st, 0.0, 0.0, HAS_STATE,
                       False, False, False)
-        tl.store(xin_ptr + (c * batch + b) * frames + f, v.to(xin_ptr.dtype.element_ty), mask=row_mask & (f < frames))
+        tl.store(xin_ptr + (c * batch + b) * frames + f, narrow(v, xin_ptr.dtype.element_ty, SATURATE),
+                 mask=row_mask & (f < frames))
         if HAS_STATE and tl.program_id(1) == 0:
             store_context(x_row, s_row, new_state_ptr + bc * ctx, row_mask, length, ctx, stride_xt, stride_st, 0.0,
                            0.0, HAS_STATE, HAS_SLOTS, False, False, False, BLOCK_P)
@@ -67,14 +68,15 @@ if HAVE_TRITON:
 
 
 def upsampler_input(x: torch.Tensor, state: torch.Tensor | None, ctx: int, frames: int,
-                    slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    slots: torch.Tensor | None = None,
+                    dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The upsampler GEMM's input and the new carried context: x (B, C, n) any strides after its context `state`
     (B, C, ctx) (None: zeros), zero-padded to `frames` >= ctx + n -> ((C, B, frames) contiguous, every stream's frames
     side by side; the last ctx frames of cat(context, x) as (B, C, ctx), None without a state). With `slots` (B,):
     state is (slots, C, ctx), row b's context is state[slots[b]], and it is replaced there in place (returned:
-    state), as `causal_depthwise_conv` does."""
+    state), as `causal_depthwise_conv` does. `dtype`: the GEMM input's, when not x's (the context keeps x's)."""
     b, c, n = x.shape
-    xin = torch.empty((c, b, frames), dtype=x.dtype, device=x.device)
+    xin = torch.empty((c, b, frames), dtype=dtype or x.dtype, device=x.device)
     source, slots, state_strides = context_args(x, state, slots)
     in_place = slots is not None
     new_state = new_context(x, state, source, in_place, ctx)
@@ -85,7 +87,7 @@ def upsampler_input(x: torch.Tensor, state: torch.Tensor | None, ctx: int, frame
         _upsampler_input_kernel[(triton.cdiv(b * c, block_rows), triton.cdiv(frames, block))](
             x, source, slots if in_place else x, xin, new_state if new_state is not None else xin, b * c, c, b, n,
             ctx, frames, *x.stride(), *state_strides, HAS_STATE=state is not None, HAS_SLOTS=in_place,
-            BLOCK_R=block_rows, BLOCK=block, BLOCK_P=block_p, num_warps=4)
+            SATURATE=saturates(x, xin), BLOCK_R=block_rows, BLOCK=block, BLOCK_P=block_p, num_warps=4)
     return xin, new_state
 
 
@@ -116,8 +118,10 @@ def causal_conv_transpose(x: torch.Tensor, state: torch.Tensor | None, weight_ta
     (B, C_in, ctx) or None (zeros, no context kept) -> (output, new context (B, C_in, ctx) or None); with `slots`
     (B,), state is every slot's context (slots, C_in, ctx), rows slots[b] are read and replaced in place by the new
     context (returned: state), as `causal_depthwise_conv` does. None where it does not apply (nothing changed; the
-    caller then runs cuDNN)."""
-    if not (platform.kernels(x) and x.dim() == 3 and weight_taps.dtype == x.dtype):
+    caller then runs cuDNN). weight_taps may be fp16 for fp32 x (`vae_conv.gemm_operand_dtype`): the GEMM's input
+    is then made in fp16, its accumulation and output stay fp32."""
+    if not (platform.kernels(x) and x.dim() == 3
+            and (weight_taps.dtype == x.dtype or (weight_taps.dtype, x.dtype) == (torch.float16, torch.float32))):
         return None
     b, c, n = x.shape
     ctx = (kernel - 1) // stride
@@ -127,7 +131,7 @@ def causal_conv_transpose(x: torch.Tensor, state: torch.Tensor | None, weight_ta
     # (cuBLAS's fast kernels need 16-byte aligned rows): a handful of frames per stream is far too narrow for a
     # GEMM of its own.
     frames = ctx + n + (-(ctx + n) % 4)
-    xin, new_state = upsampler_input(x, state, ctx, frames, slots)
-    g = torch.mm(weight_taps, xin.view(c, b * frames)).view(-1, b, frames).transpose(0, 1)
+    xin, new_state = upsampler_input(x, state, ctx, frames, slots, weight_taps.dtype)
+    g = mm_out(weight_taps, xin.view(c, b * frames), x.dtype).view(-1, b, frames).transpose(0, 1)
     return overlap_add(g, bias, stride, kernel, ctx, n), new_state
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from engine.ops import platform
 from engine.ops.platform import HAVE_TRITON, fast_sin, row_tile
+from engine.options import current
 
 if TYPE_CHECKING:
     import torch
@@ -84,12 +85,20 @@ if HAVE_TRITON:
         return acc.to(out_dtype)
 
     @triton.jit
+    def narrow(v, dtype, SATURATE: tl.constexpr):
+        """v as a GEMM operand of `dtype`; SATURATE (fp32 activations to fp16 operands): clamped to fp16's range
+        first, so that an activation beyond it costs its precision, not an infinity."""
+        if SATURATE:
+            v = tl.clamp(v.to(tl.float32), -65504.0, 65504.0)
+        return v.to(dtype)
+
+    @triton.jit
     def _dwconv_kernel(x_ptr, state_ptr, slot_ptr, w_ptr, bias_ptr, alpha_ptr, in_alpha_ptr, in_shift_ptr, y_ptr,
                        new_state_ptr, rows, channels, length, stride_xb, stride_xc, stride_xt, stride_sb, stride_sc,
                        stride_st, K: tl.constexpr, DILATION: tl.constexpr, HAS_STATE: tl.constexpr,
                        HAS_SLOTS: tl.constexpr, HAS_BIAS: tl.constexpr, IN_SNAKE: tl.constexpr,
                        IN_SHIFT: tl.constexpr, OUT_SNAKE: tl.constexpr, FAST_SIN: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+                       SATURATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
         # A program: BLOCK_R rows (stream, channel) by BLOCK samples. HAS_SLOTS: state holds every slot's context;
         # row b's is slot_ptr[b]'s, replaced in place at the end. IN_SNAKE: the residual unit's first Snake applied
         # to x on load (each sample once per tap: recomputing is cheaper than the separate kernel's pass over the
@@ -107,9 +116,10 @@ if HAVE_TRITON:
             i = t + (j * DILATION - PAD)
             acc += tl.load(w_ptr + c * K + j, mask=row_mask, other=0.0).to(tl.float32) * x_load(
                 x_row, i, mask & (i >= 0), stride_xt, in_alpha, in_shift, IN_SNAKE, IN_SHIFT, FAST_SIN)
-        out = conv_finish(acc, c, row_mask, bias_ptr, alpha_ptr, y_ptr.dtype.element_ty, HAS_BIAS, OUT_SNAKE,
+        # rounded as x's dtype (the eager conv's output), then to y's (a GEMM operand's)
+        out = conv_finish(acc, c, row_mask, bias_ptr, alpha_ptr, x_ptr.dtype.element_ty, HAS_BIAS, OUT_SNAKE,
                           FAST_SIN)
-        tl.store(y_ptr + bc * length + t, out, mask=mask & (t >= PAD))
+        tl.store(y_ptr + bc * length + t, narrow(out, y_ptr.dtype.element_ty, SATURATE), mask=mask & (t >= PAD))
         if first:  # only this program of the rows reads the old context, then replaces it
             s_b = tl.load(slot_ptr + b, mask=row_mask, other=0).to(tl.int64) if HAS_SLOTS else b
             s_row = state_ptr + s_b * stride_sb + c * stride_sc
@@ -121,9 +131,9 @@ if HAVE_TRITON:
                 head += tl.load(w_ptr + c * K + j, mask=row_mask, other=0.0).to(tl.float32) * cat_load(
                     x_row, s_row, th + j * DILATION, head_mask, PAD, stride_xt, stride_st, in_alpha, in_shift,
                     HAS_STATE, IN_SNAKE, IN_SHIFT, FAST_SIN)
-            head_out = conv_finish(head, c, row_mask, bias_ptr, alpha_ptr, y_ptr.dtype.element_ty, HAS_BIAS,
+            head_out = conv_finish(head, c, row_mask, bias_ptr, alpha_ptr, x_ptr.dtype.element_ty, HAS_BIAS,
                                    OUT_SNAKE, FAST_SIN)
-            tl.store(y_ptr + bc * length + th, head_out, mask=head_mask)
+            tl.store(y_ptr + bc * length + th, narrow(head_out, y_ptr.dtype.element_ty, SATURATE), mask=head_mask)
             store_context(x_row, s_row, new_state_ptr + bc * PAD, row_mask, length, PAD, stride_xt, stride_st,
                            in_alpha, in_shift, HAS_STATE, HAS_SLOTS, IN_SNAKE, IN_SHIFT, FAST_SIN, BLOCK_P)
 
@@ -178,18 +188,19 @@ def depthwise_conv_supported(x: torch.Tensor, state: torch.Tensor | None, weight
 def causal_depthwise_conv_triton(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor,
                                  bias: torch.Tensor | None, dilation: int, out_alpha: torch.Tensor | None = None,
                                  slots: torch.Tensor | None = None, in_alpha: torch.Tensor | None = None,
-                                 in_shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                 in_shift: torch.Tensor | None = None,
+                                 out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The carried context `state` (B, C, P) prepended to x' (None: zeros), then the depthwise conv with weight
     (C, 1, K), P = (K - 1) * dilation -> (y (B, C, T), the new context (B, C, P)), both contiguous in x's
     dtype. x' is x, or with `in_alpha` (1, C, 1) `snake(x, in_alpha, shift=in_shift)` (in_shift (C,) or None),
     computed on load: the context holds x' as it would after a separate Snake. With `out_alpha` (1, C, 1), y is
     Snake of the conv's output. x and state may have any strides. No copy of the concatenation is made. With
     `slots` (B,): state is (slots, C, P), row b's context is state[slots[b]], and it is replaced there in place
-    (returned: state)."""
+    (returned: state). `out_dtype`: y's dtype when not x's (`gemm_operand_dtype`: computed as x's, then narrowed)."""
     b, c, t = x.shape
     k = weight.shape[-1]
     pad = (k - 1) * dilation
-    y = torch.empty((b, c, t), dtype=x.dtype, device=x.device)
+    y = torch.empty((b, c, t), dtype=out_dtype or x.dtype, device=x.device)
     source, slots, state_strides = context_args(x, state, slots)
     in_place = slots is not None
     new_state = source if in_place else torch.empty((b, c, pad), dtype=x.dtype, device=x.device)
@@ -209,21 +220,23 @@ def causal_depthwise_conv_triton(x: torch.Tensor, state: torch.Tensor | None, we
             in_shift if in_shift is not None else w, y, new_state, b * c, c, t, *x.stride(), *state_strides, K=k,
             DILATION=dilation, HAS_STATE=state is not None, HAS_SLOTS=in_place,
             HAS_BIAS=bias is not None, IN_SNAKE=in_alpha is not None, IN_SHIFT=in_shift is not None,
-            OUT_SNAKE=out_alpha is not None, FAST_SIN=fast_sin(), BLOCK_R=block_rows, BLOCK=block,
+            OUT_SNAKE=out_alpha is not None, FAST_SIN=fast_sin(), SATURATE=saturates(x, y), BLOCK_R=block_rows,
+            BLOCK=block,
             BLOCK_P=block_p, num_warps=4)
     return y, new_state
 
 
 def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
                           dilation: int, out_alpha: torch.Tensor | None = None, slots: torch.Tensor | None = None,
-                          in_alpha: torch.Tensor | None = None,
-                          in_shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          in_alpha: torch.Tensor | None = None, in_shift: torch.Tensor | None = None,
+                          out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A residual unit's [Snake with `in_alpha` of x + `in_shift`] -> cat(carried context, that) -> dilated
     depthwise causal conv (stride 1) [-> Snake with `out_alpha`] as one kernel: (output, new context). state
     (B, C, (K - 1) * dilation) or None for a full-sequence pass; with `slots` (B,), state holds every slot's
     context, rows slots[b] are read and replaced in place (the new context returned is state itself). Only where
-    `depthwise_conv_supported` (the caller checks)."""
-    return causal_depthwise_conv_triton(x, state, weight, bias, dilation, out_alpha, slots, in_alpha, in_shift)
+    `depthwise_conv_supported` (the caller checks). `out_dtype`: the output's, when not x's."""
+    return causal_depthwise_conv_triton(x, state, weight, bias, dilation, out_alpha, slots, in_alpha, in_shift,
+                                        out_dtype)
 
 
 def match_cudnn_tf32() -> None:
@@ -234,15 +247,46 @@ def match_cudnn_tf32() -> None:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32
 
 
+# The narrowest 1x1 conv whose GEMM takes fp16 operands (H200, B=256: 256-1024 channels 1.5-4.7x faster than TF32;
+# 32-128 channels, bound by the fp32 residual's traffic, no faster).
+FP16_GEMM_MIN_CHANNELS = 256
+
+
+def gemm_operand_dtype(x: torch.Tensor, channels: int | None = None) -> torch.dtype:
+    """The dtype of the GEMM operands made from activations x (a 1x1 conv of `channels` inputs; None: an upsampler):
+    fp16 for an fp32 VAE where the process's matmuls may use TF32 (fp16's 10-bit mantissa is TF32's, at twice its
+    tensor-core rate; accumulation and output stay fp32) and EngineOptions.vae_fp16_gemm, else x's."""
+    if (x.dtype == torch.float32 and current().vae_fp16_gemm and torch.get_float32_matmul_precision() != "highest"
+            and (channels is None or channels >= FP16_GEMM_MIN_CHANNELS)):
+        return torch.float16
+    return x.dtype
+
+
+def saturates(x: torch.Tensor, operand: torch.Tensor) -> bool:
+    """Whether a kernel narrowing x to a GEMM operand clamps to fp16's range (fp32 activations, fp16 operands)."""
+    return x.dtype == torch.float32 and operand.dtype == torch.float16
+
+
 def pointwise_conv_residual(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             residual: torch.Tensor) -> torch.Tensor:
     """residual + conv1d(h, weight (O, C, 1), bias) as one batched GEMM that adds the residual in its
     epilogue (no layout copies around a cuDNN conv, no separate add). Without autograd a contiguous `residual` is
     consumed: the GEMM accumulates into it in place (out of place, the GEMM would first copy it). fp32 GEMMs follow
-    the process's matmul TF32 setting, which the CUDA model runner aligns with cuDNN's."""
+    the process's matmul TF32 setting, which the CUDA model runner aligns with cuDNN's. h and weight may be fp16
+    for an fp32 residual (`gemm_operand_dtype`): fp32 accumulation and output."""
     w = weight[:, :, 0].expand(h.shape[0], -1, -1)  # stride 0 over the batch: no copy
-    if residual.is_contiguous() and not torch.is_grad_enabled():
-        out = residual.baddbmm_(w, h)
-    else:
-        out = torch.baddbmm(residual, w, h)
+    out = residual if residual.is_contiguous() and not torch.is_grad_enabled() else residual.clone()
+    if h.dtype == residual.dtype:
+        out.baddbmm_(w, h)
+    elif out.is_cuda:
+        torch.baddbmm(out, w, h, out_dtype=out.dtype, out=out)
+    else:  # the same products and fp32 sums (torch's mixed-dtype GEMM is CUDA's)
+        out.baddbmm_(w.to(out.dtype), h.to(out.dtype))
     return out if bias is None else out.add_(bias[:, None])
+
+
+def mm_out(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b in `out_dtype`: on CUDA fp16 operands' one GEMM with fp32 accumulation; elsewhere the operands widened."""
+    if a.dtype == out_dtype:
+        return torch.mm(a, b)
+    return torch.mm(a, b, out_dtype=out_dtype) if a.is_cuda else torch.mm(a.to(out_dtype), b.to(out_dtype))
