@@ -699,7 +699,7 @@ def _interpreter_main(shard: int = 0, shards: int = 1) -> None:
 # re-timed after two VAE options went, scaled by dwconv_snake's time): the shards' cases are dealt longest first to
 # the least loaded shard (the four slow cases by index would share one shard).
 INTERPRETER_SECONDS = {"vae_decoder": 75, "conv_transpose": 49, "dwconv_snake": 54, "dense_attention": 42,
-                       "residual_unit": 7, "dense_layer_stack": 9}
+                       "residual_unit": 7, "dense_layer_stack": 9, "vae_fp16_gemm": 13}
 
 
 def interpreter_shard(shard: int, shards: int) -> set[str]:
