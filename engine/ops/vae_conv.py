@@ -221,8 +221,7 @@ def causal_depthwise_conv_triton(x: torch.Tensor, state: torch.Tensor | None, we
             DILATION=dilation, HAS_STATE=state is not None, HAS_SLOTS=in_place,
             HAS_BIAS=bias is not None, IN_SNAKE=in_alpha is not None, IN_SHIFT=in_shift is not None,
             OUT_SNAKE=out_alpha is not None, FAST_SIN=fast_sin(), SATURATE=saturates(x, y), BLOCK_R=block_rows,
-            BLOCK=block,
-            BLOCK_P=block_p, num_warps=4)
+            BLOCK=block, BLOCK_P=block_p, num_warps=4)
     return y, new_state
 
 
