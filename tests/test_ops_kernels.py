@@ -366,14 +366,14 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         return max(errs)
 
     def vae_fp16_gemm(dtype: torch.dtype) -> float:
-        """An fp32 VAE's GEMMs on fp16 operands (`vae_conv.gemm_operand_dtype`, where matmuls may use TF32): a
+        """An fp32 VAE decoder's GEMMs on fp16 operands (`vae_conv.gemm_operand_dtype`, where matmuls use TF32): a
         residual unit's 1x1 conv (its minimum channels lowered to this unit's 16) and an upsampler, streamed over
         three chunks, against the exact fp32 layers; an activation beyond fp16's range saturates (finite output).
         Other dtypes keep their own operands."""
         from engine.models.vae_layers import CausalConvTranspose1d, ResidualUnit
 
         torch.manual_seed(140)
-        unit = ResidualUnit(16, dilation=3, groups=16).to(device, dtype)
+        unit = ResidualUnit(16, dilation=3, groups=16, fp16_gemm=True).to(device, dtype)
         for snake_layer in (unit.block[0], unit.block[2]):
             snake_layer.alpha.data.uniform_(0.3, 1.5)
         unit.block[1].state_slot = 0
@@ -382,29 +382,32 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         errs, operands = [], set()
         unit_states = [[rand(2, 16, 18, dtype=dtype, seed=141)] for _ in range(2)]
         up_states = [[rand(2, 32, 1, dtype=dtype, seed=142)] for _ in range(2)]
-        saved = torch.get_float32_matmul_precision()
+        saved = torch.backends.cuda.matmul.allow_tf32
         with torch.no_grad(), mock.patch.object(vae_conv, "FP16_GEMM_MIN_CHANNELS", 16), \
                 mock.patch.object(vae_conv, "pointwise_conv_residual", wraps=vae_conv.pointwise_conv_residual) as pw, \
-                mock.patch.object(vae_conv, "mm_out", wraps=vae_conv.mm_out) as mm:
+                mock.patch.object(upsampler, "mm_out", wraps=upsampler.mm_out) as mm:
             try:
                 for seed, n in enumerate((4, 9, 30)):
                     x, z = rand(2, 16, n, dtype=dtype, seed=143 + seed), rand(2, 32, n, dtype=dtype, seed=146 + seed)
-                    torch.set_float32_matmul_precision("highest")
-                    with mock.patch.object(platform, "kernels", lambda x: False):  # the exact layers
+                    with exact_fp32_on_cuda(), mock.patch.object(platform, "kernels", lambda x: False):  # exact layers
                         refs = (x + unit.block(x, unit_states[0]), up(z, up_states[0]))
-                    torch.set_float32_matmul_precision("high")
+                    torch.backends.cuda.matmul.allow_tf32 = True  # (as the CUDA runner has it)
                     with mock.patch.object(platform, "kernels", platform.usable):
                         ours = (unit(x.clone(), unit_states[1]), up(z, up_states[1]))
                     errs += [relative_error(a, b) for a, b in zip(ours, refs, strict=True)]
                     errs += [relative_error(unit_states[1][0], unit_states[0][0]),
                              relative_error(up_states[1][0], up_states[0][0])]
-                if dtype == torch.float32:  # far beyond fp16's range: clamped operands, no infinity
+                if dtype == torch.float32:  # far beyond fp16's range: clamped operands, no infinity; a NaN stays one
                     with mock.patch.object(platform, "kernels", platform.usable):
                         huge = unit(rand(2, 16, 9, dtype=dtype, seed=149) * 1e6), up(z * 1e6)
+                        z[0, 0, 0] = float("nan")
+                        poisoned = up(z)
                     assert all(torch.isfinite(h).all() for h in huge), "an fp16 operand overflowed"
+                    assert poisoned[0].isnan().any(), "a NaN activation was clamped to a number"
             finally:
-                torch.set_float32_matmul_precision(saved)
-            operands = {c.args[0].dtype for c in pw.call_args_list} | {c.args[0].dtype for c in mm.call_args_list}
+                torch.backends.cuda.matmul.allow_tf32 = saved
+        assert pw.call_count and mm.call_count, "a GEMM did not take the kernel path"
+        operands = {c.args[0].dtype for c in pw.call_args_list} | {c.args[0].dtype for c in mm.call_args_list}
         expected = torch.float16 if dtype == torch.float32 else dtype
         assert operands == {expected}, f"GEMM operands {operands}, not {expected}"
         return max(errs)

@@ -44,8 +44,7 @@ class DecoderBlock(nn.Module):
         ]
         if use_noise_block:
             layers.append(NoiseBlock(out_dim))
-        layers += [ResidualUnit(out_dim, 1, groups), ResidualUnit(out_dim, 3, groups),
-                   ResidualUnit(out_dim, 9, groups)]
+        layers += [ResidualUnit(out_dim, dilation, groups, fp16_gemm=True) for dilation in (1, 3, 9)]
         self.block = Chain(layers)
         self.input_channels = in_dim
         self.deferrable = not use_noise_block and all(unit.fusable for unit in layers[2:])

@@ -52,10 +52,10 @@ def layer_context(states: StreamStates | None, slot: int | None) -> tuple[Tensor
     return states[slot], None
 
 
-def derived_weight(module: nn.Module, make: Callable[[Tensor], Tensor], dtype: torch.dtype) -> Tensor:
-    """`make(module.weight)` in `dtype`, contiguous, made once per weight version and dtype (a kernel path's layout
-    or GEMM operand dtype of the weight; the last one made is kept)."""
-    key = (module.weight.data_ptr(), module.weight._version, dtype)
+def derived_weight(module: nn.Module, layout: str, make: Callable[[Tensor], Tensor], dtype: torch.dtype) -> Tensor:
+    """`make(module.weight)` (named `layout`) in `dtype`, contiguous and detached, made once per weight version,
+    layout and dtype (a kernel path's layout or GEMM operand dtype of the weight; the last one made is kept)."""
+    key = (module.weight.data_ptr(), module.weight._version, layout, dtype)
     cached = module.__dict__.get("_derived_weight")
     if cached is None or cached[0] != key:
         cached = (key, make(module.weight.detach()).to(dtype).contiguous())
@@ -108,10 +108,10 @@ class CausalConvTranspose1d(nn.ConvTranspose1d):
 
     def tap_weight(self, dtype: torch.dtype) -> Tensor:
         """The weight as (K * C_out, C_in) in `dtype`, rows ordered (tap, channel), for
-        `upsampler.causal_conv_transpose` (VoxCPM2's upsamplers as fp16 GEMM operands: ~83 MB beside their own fp32
-        ~165 MB)."""
+        `upsampler.causal_conv_transpose` (beside VoxCPM2's own fp32 upsamplers, ~165 MB: ~83 MB as fp16 operands,
+        ~165 MB in fp32)."""
         c_in = self.in_channels
-        return derived_weight(self, lambda w: w.permute(2, 1, 0).reshape(-1, c_in), dtype)
+        return derived_weight(self, "taps", lambda w: w.permute(2, 1, 0).reshape(-1, c_in), dtype)
 
     def forward(self, x: Tensor, states: StreamStates | None = None) -> Tensor:  # type: ignore[override]
         stride = self.stride[0]
@@ -157,8 +157,9 @@ class Chain(nn.ModuleList):
 
 
 class ResidualUnit(nn.Module):
-    def __init__(self, dim: int, dilation: int, groups: int) -> None:
+    def __init__(self, dim: int, dilation: int, groups: int, fp16_gemm: bool = False) -> None:
         super().__init__()
+        self.fp16_gemm = fp16_gemm  # the decoder's: its 1x1 conv may take fp16 operands (`gemm_operand_dtype`)
         self.block = Chain([
             Snake1d(dim),
             CausalConv1d(dim, dim, 7, left_pad=6 * dilation, dilation=dilation, groups=groups),
@@ -190,11 +191,14 @@ class ResidualUnit(nn.Module):
         state, slots = layer_context(states, conv.state_slot)
         if not vae_conv.depthwise_conv_supported(x, state, conv.weight, conv.bias, conv.dilation[0], slots):
             return None
-        operand = vae_conv.gemm_operand_dtype(x, pointwise.in_channels)  # the conv writes h as the GEMM reads it
+        # the conv writes h as the GEMM reads it
+        operand = vae_conv.gemm_operand_dtype(x, pointwise.in_channels) if self.fp16_gemm else x.dtype
         h, new_state = vae_conv.causal_depthwise_conv(x, state, conv.weight, conv.bias, conv.dilation[0], snake2.alpha,
                                                    slots, in_alpha=snake1.alpha, in_shift=pending, out_dtype=operand)
         if streaming and slots is None:
             states[conv.state_slot] = new_state
-        out = vae_conv.pointwise_conv_residual(h, derived_weight(pointwise, lambda w: w, operand), None, x)
+        weight = (pointwise.weight if operand == pointwise.weight.dtype
+                  else derived_weight(pointwise, "cast", lambda w: w, operand))
+        out = vae_conv.pointwise_conv_residual(h, weight, None, x)
         bias = pointwise.bias
         return out, (bias if pending is None else pending if bias is None else pending + bias)

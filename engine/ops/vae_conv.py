@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from engine.ops import platform
 from engine.ops.platform import HAVE_TRITON, fast_sin, row_tile
-from engine.options import current
+from engine.options import batch_invariant, current
 
 if TYPE_CHECKING:
     import torch
@@ -87,9 +87,9 @@ if HAVE_TRITON:
     @triton.jit
     def narrow(v, dtype, SATURATE: tl.constexpr):
         """v as a GEMM operand of `dtype`; SATURATE (fp32 activations to fp16 operands): clamped to fp16's range
-        first, so that an activation beyond it costs its precision, not an infinity."""
+        first, so that an activation beyond it costs its precision, not an infinity (a NaN stays one)."""
         if SATURATE:
-            v = tl.clamp(v.to(tl.float32), -65504.0, 65504.0)
+            v = tl.clamp(v.to(tl.float32), -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL)
         return v.to(dtype)
 
     @triton.jit
@@ -191,12 +191,13 @@ def causal_depthwise_conv_triton(x: torch.Tensor, state: torch.Tensor | None, we
                                  in_shift: torch.Tensor | None = None,
                                  out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The carried context `state` (B, C, P) prepended to x' (None: zeros), then the depthwise conv with weight
-    (C, 1, K), P = (K - 1) * dilation -> (y (B, C, T), the new context (B, C, P)), both contiguous in x's
-    dtype. x' is x, or with `in_alpha` (1, C, 1) `snake(x, in_alpha, shift=in_shift)` (in_shift (C,) or None),
-    computed on load: the context holds x' as it would after a separate Snake. With `out_alpha` (1, C, 1), y is
+    (C, 1, K), P = (K - 1) * dilation -> (y (B, C, T), the new context (B, C, P)), both contiguous, y in
+    `out_dtype` (None: x's), the context in x's. x' is x, or with `in_alpha` (1, C, 1) `snake(x, in_alpha,
+    shift=in_shift)` (in_shift (C,) or None), computed on load: the context holds x' as it would after a separate
+    Snake. With `out_alpha` (1, C, 1), y is
     Snake of the conv's output. x and state may have any strides. No copy of the concatenation is made. With
     `slots` (B,): state is (slots, C, P), row b's context is state[slots[b]], and it is replaced there in place
-    (returned: state). `out_dtype`: y's dtype when not x's (`gemm_operand_dtype`: computed as x's, then narrowed)."""
+    (returned: state). With `out_dtype` (`gemm_operand_dtype`), y is computed as x's dtype, then narrowed."""
     b, c, t = x.shape
     k = weight.shape[-1]
     pad = (k - 1) * dilation
@@ -239,24 +240,26 @@ def causal_depthwise_conv(x: torch.Tensor, state: torch.Tensor | None, weight: t
 
 
 def match_cudnn_tf32() -> None:
-    """The VAE's 1x1 convolutions run as fp32 GEMMs (`pointwise_conv_residual`): give this process's matmuls cuDNN's
-    TF32 policy, as the convolutions they replace had. A process on torch's newer fp32_precision API refuses the
-    legacy flags: its own choice then stands."""
+    """The VAE's 1x1 convolutions run as GEMMs (`pointwise_conv_residual`; fp32, or on fp16 operands where
+    `gemm_operand_dtype` says): give this process's matmuls cuDNN's TF32 policy, as the convolutions they replace
+    had. A process on torch's newer fp32_precision API refuses the legacy flags: its own choice then stands."""
     with contextlib.suppress(RuntimeError):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32
 
 
-# The narrowest 1x1 conv whose GEMM takes fp16 operands (H200, B=256: 256-1024 channels 1.5-4.7x faster than TF32;
-# 32-128 channels, bound by the fp32 residual's traffic, no faster).
+# The narrowest 1x1 conv whose GEMM takes fp16 operands (H200, B=128 / 256: 256-1024 channels 1.5-4.7x faster than
+# TF32; 64-128 slower and 32 1.1x faster, bound by the fp32 residual's traffic).
 FP16_GEMM_MIN_CHANNELS = 256
 
 
 def gemm_operand_dtype(x: torch.Tensor, channels: int | None = None) -> torch.dtype:
-    """The dtype of the GEMM operands made from activations x (a 1x1 conv of `channels` inputs; None: an upsampler):
-    fp16 for an fp32 VAE where the process's matmuls may use TF32 (fp16's 10-bit mantissa is TF32's, at twice its
-    tensor-core rate; accumulation and output stay fp32) and EngineOptions.vae_fp16_gemm, else x's."""
-    if (x.dtype == torch.float32 and current().vae_fp16_gemm and torch.get_float32_matmul_precision() != "highest"
-            and (channels is None or channels >= FP16_GEMM_MIN_CHANNELS)):
+    """The dtype of the GEMM operands made from the VAE decoder's activations x (a 1x1 conv of `channels` inputs;
+    None: an upsampler): fp16 for fp32 x where the process's matmuls use TF32 (fp16's 10-bit mantissa is TF32's, at
+    twice its tensor-core rate; accumulation and output stay fp32) and EngineOptions.vae_fp16_gemm, without autograd
+    and not in CUDA's batch-invariant mode (its GEMMs are fixed-shape fp32 tiles); else x's."""
+    if (x.dtype == torch.float32 and current().vae_fp16_gemm and torch.backends.cuda.matmul.fp32_precision == "tf32"
+            and (channels is None or channels >= FP16_GEMM_MIN_CHANNELS) and not torch.is_grad_enabled()
+            and not (x.is_cuda and batch_invariant("cuda"))):
         return torch.float16
     return x.dtype
 
