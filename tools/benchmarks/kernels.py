@@ -14,8 +14,9 @@
   at its rate, dilations 1 / 3 / 9): the depthwise conv kernel as the decoder runs it (both Snakes, every stream's
   context read and replaced in place), without the Snake on its input (what recomputing it on every tap costs),
   without either Snake, with other time blocks and rows a program; the 1x1 conv + residual after it as cuBLAS's
-  batched GEMM (after a copy of x, as the unit consumes its input); a copy of x alone, the memory floor of one read and
-  one write of the unit's activations;
+  batched GEMM (after a copy of x, as the unit consumes its input), also on fp16 operands (the depthwise conv then
+  writes fp16); a copy of x alone, the memory floor of one read and one write of the unit's activations; each block's
+  upsampler (input kernel, GEMM of every tap, overlap-add) on fp32 (TF32) and on fp16 operands;
 - barrier: what one of the layer kernel's grid barriers costs (a grid of one or two programs per SM through 84
   barriers, with and without a store and a load of another program's data between them), against a kernel boundary
   in a CUDA graph (84 dependent launches of the same grid).
@@ -53,7 +54,18 @@ from engine import options
 from engine.config import AudioVAEConfig, TransformerConfig, VoxCPMConfig
 from engine.models import dit_rows_per_stream
 from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
-from engine.ops import dense_attention, gated_gemm, layer_stack, linear, norm, platform, silu_mul, skinny_gemm, vae_conv
+from engine.ops import (
+    dense_attention,
+    gated_gemm,
+    layer_stack,
+    linear,
+    norm,
+    platform,
+    silu_mul,
+    skinny_gemm,
+    upsampler,
+    vae_conv,
+)
 from tools.benchmarks.harness import subcommand_parser
 from tools.profiling.step import graph_ms
 
@@ -343,11 +355,16 @@ KERNEL_TAPS = 7
 
 def unit_shapes(cfg: VoxCPMConfig) -> list[tuple[int, int]]:
     """(channels, samples of one step's patch) at each decoder block's output, where its residual units run."""
+    return [(channels // 2, frames * rate) for channels, rate, frames in upsampler_shapes(cfg)]
+
+
+def upsampler_shapes(cfg: VoxCPMConfig) -> list[tuple[int, int, int]]:
+    """(input channels, stride, input frames of one step's patch) of each decoder block's upsampler."""
     vae = AudioVAEConfig.from_dict(cfg.audio_vae, cfg.version)
     shapes, length, channels = [], cfg.patch_size, vae.decoder_dim
     for rate in vae.decoder_rates:
+        shapes.append((channels, rate, length))
         length, channels = length * rate, channels // 2
-        shapes.append((channels, length))
     return shapes
 
 
@@ -375,7 +392,10 @@ def bench_vae(cfg: VoxCPMConfig, batches: list[int], dev: torch.device) -> list[
                 runs = {"dwconv": partial(conv, alpha2, in_alpha=alpha1),
                         "dwconv_out_snake_only": partial(conv, alpha2),
                         "dwconv_no_snake": partial(conv, None),
+                        "dwconv_fp16_out": partial(conv, alpha2, in_alpha=alpha1, out_dtype=torch.float16),
                         "pointwise_residual": lambda h=h, w=pointwise, r=residual, x=x: (
+                            r.copy_(x), vae_conv.pointwise_conv_residual(h, w, None, r)),
+                        "pointwise_residual_fp16": lambda h=h.half(), w=pointwise.half(), r=residual, x=x: (
                             r.copy_(x), vae_conv.pointwise_conv_residual(h, w, None, r)),
                         "copy_of_x": lambda x=x, y=y: y.copy_(x)}
                 row: dict[str, object] = {"batch": b, "channels": channels, "samples": length, "dilation": dilation,
@@ -391,7 +411,21 @@ def bench_vae(cfg: VoxCPMConfig, batches: list[int], dev: torch.device) -> list[
                     if key.endswith("_us"):
                         sums[key] = round(sums.get(key, 0.0) + float(value), 1)  # type: ignore[arg-type]
                 rows.append(row)
-        print(f"vae B={b} sums over the residual units:", json.dumps(sums), flush=True)
+        for c_in, rate, n in upsampler_shapes(cfg):
+            c_out, taps = c_in // 2, 2 * rate  # the official geometry: kernel 2 x stride, one frame of context
+            x = torch.randn(b, c_in, n, device=dev)
+            state = torch.randn(b, c_in, (taps - 1) // rate, device=dev)
+            slots = torch.arange(b, device=dev, dtype=torch.int32)
+            weight = torch.randn(taps * c_out, c_in, device=dev) * c_in ** -0.5
+            bias = torch.randn(c_out, device=dev)
+            row = {"batch": b, "upsampler_in": c_in, "upsampler_out": c_out, "frames": n}
+            for name, dtype in (("tf32", torch.float32), ("fp16", torch.float16)):
+                key = f"upsampler_{name}_us"
+                row[key] = round(1000 * graph_ms(partial(
+                    upsampler.causal_conv_transpose, x, state, weight.to(dtype), bias, rate, taps, slots), reps=50), 2)
+                sums[key] = round(sums.get(key, 0.0) + row[key], 1)
+            rows.append(row)
+        print(f"vae B={b} sums over the residual units and the upsamplers:", json.dumps(sums), flush=True)
         rows.append({"batch": b, "sums_us": sums})
     return rows
 
