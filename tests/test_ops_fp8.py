@@ -264,6 +264,61 @@ def test_the_fp8_mlp_matches_its_dequantised_reference_cuda():
     assert relative_error(out, ref) <= 2.0**-5
 
 
+@pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability() >= (9, 0)),
+                    reason="the gated FP8 GEMM runs on tensor descriptors (sm90+)")
+def test_the_dit_mlp_runs_the_gated_fp8_gemm_cuda():
+    """`attach_gated_gemm` gives an FP8 MLP's fused gate/up weight the gated FP8 companion (not the bf16 one); the
+    MLP then runs the FP8 GEMM with the gate in its epilogue instead of the gated quantiser, within the FP8 chain's
+    bound of its dequantised reference and of the chain itself; with the gated GEMMs off (as the batch-invariant
+    mode turns them) the chain runs."""
+    from engine import options
+    from engine.config import TransformerConfig
+    from engine.models.minicpm import MLP, attach_gated_gemm
+    from engine.ops import fp8_gemm, gated_gemm
+
+    torch.manual_seed(11)
+    mlp = MLP(TransformerConfig(hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1,
+                                num_hidden_layers=1, rms_norm_eps=1e-6)).to("cuda", torch.bfloat16)
+    mlp.fuse_projections()
+    fp8.attach(mlp.gate_up_weight)
+    fp8.attach(mlp.down_proj.weight)
+    assert attach_gated_gemm(mlp) == 1 and fp8.gated_companion_of(mlp.gate_up_weight) is not None
+    assert gated_gemm.companion_of(mlp.gate_up_weight) is None
+    x = torch.randn(300, 256, device="cuda").bfloat16()
+    runs = {}
+    for gated_rows in (2048, 0):
+        with options.override(fp8_min_rows=256, gated_gemm_min_rows=gated_rows), \
+                mock.patch.object(fp8_gemm, "fp8_matmul", wraps=fp8_gemm.fp8_matmul) as gemm, \
+                mock.patch.object(fp8, "silu_mul_quantized", wraps=fp8.silu_mul_quantized) as chain:
+            runs[gated_rows] = mlp(x)
+        assert (gemm.call_count, chain.call_count) == ((1, 0) if gated_rows else (0, 1))
+    h = fp8.fp8_linear_reference(x, fp8.companion_of(mlp.gate_up_weight))
+    ref = fp8.fp8_linear_reference(torch.nn.functional.silu(h[:, :512]) * h[:, 512:],
+                                   fp8.companion_of(mlp.down_proj.weight))
+    assert relative_error(runs[2048], ref) <= 2.0**-5
+    assert relative_error(runs[2048], runs[0]) <= 2.0**-5
+
+
+def test_requantize_rewrites_the_gated_companion_in_place():
+    """A merge that rewrites a fused gate/up weight also rewrites its gated companion (the FP8 companion's rows and
+    scales as (gate_i, up_i) pairs), in the memory the captured graphs read."""
+    from engine.ops import fp8_gemm
+
+    weight = torch.randn(64, 32)
+    fp8.attach(weight)
+    fp8.attach_gated(weight)
+    gated = fp8.gated_companion_of(weight)
+    assert gated is not None
+    weight.mul_(3.0).add_(1.0)
+    fp8.requantize(weight)
+    companion = fp8.companion_of(weight)
+    assert companion is not None and fp8.gated_companion_of(weight) is gated
+    fresh = fp8_gemm.interleave(companion)
+    assert torch.equal(gated.data.view(torch.uint8), fresh.data.view(torch.uint8))
+    assert torch.equal(gated.scale, fresh.scale)
+    assert torch.equal(gated.scale.view(-1)[1::2], companion.scale.view(-1)[32:])  # the up half's scales
+
+
 @needs_fp8_gpu
 @pytest.mark.parametrize("cols", [16, 100, 2048, 6144])
 def test_triton_activation_quantiser_matches_torch_cuda(cols):

@@ -662,6 +662,30 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         assert all(c.kwargs.get("scale") is not None for c in spy.call_args_list), "a GEMV read 16-bit weights"
         return max(errs)
 
+    def fp8_gemm(dtype: torch.dtype) -> float:
+        """The Triton FP8 GEMM (`engine.ops.fp8_gemm`), tiled and persistent, plain and with the SiLU gate over the
+        interleaved weight, against the same product of the e4m3 values times their scales in float64, rounded where
+        `_scaled_mm` and `silu_mul` round (the output; each half, then SiLU and the product): 37 rows (a partial row
+        tile, several column tiles, row tiles grouped), x rows with a stride."""
+        from engine.ops import fp8 as fp8_ops
+        from engine.ops import fp8_gemm as fp8_gemm_ops
+
+        x = rand(37, 80, dtype=dtype, seed=170)[:, 8:72]
+        weight = fp8_ops.quantize_weight(rand(64, 64, dtype=dtype, seed=171) * 0.125)
+        x_fp8, x_scale = fp8_ops.quantize_rows_reference(x)
+        exact = ((x_fp8.double() * x_scale.double()) @ (weight.data.double() * weight.scale.double().view(-1, 1)).t())
+        plain_ref = exact.to(dtype)
+        gate, up = plain_ref.chunk(2, dim=-1)
+        gated_ref = F.silu(gate.float()).to(dtype).float().mul(up.float()).to(dtype)
+        gated_weight = fp8_gemm_ops.interleave(weight)
+        errs = []
+        for tiles in ((16, 16, 32, 2, 4, 2, False), (32, 16, 64, 2, 4, 1, True)):
+            out = fp8_gemm_ops.fp8_matmul(x_fp8, x_scale, weight, dtype, tiles, programs=3)
+            errs.append(relative_error(out, plain_ref))
+            out = fp8_gemm_ops.fp8_matmul(x_fp8, x_scale, gated_weight, dtype, tiles, gated=True, programs=3)
+            errs.append(relative_error(out, gated_ref))
+        return max(errs)
+
     def both_row_tilings(case: Callable[[torch.dtype], float]) -> Callable[[torch.dtype], float]:
         """A VAE row kernel's case with the default tiling (one row a program at these small sizes) and again with
         rows packed up to `platform.ROW_TILE_ELEMENTS` a program, as a large batch packs them (rows across streams,
@@ -680,7 +704,8 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             "snake": snake, "dwconv_snake": dwconv_snake, "residual_unit": residual_unit,
             "conv_transpose": conv_transpose, "vae_decoder": vae_decoder, "vae_fp16_gemm": vae_fp16_gemm,
             "cfg_euler": cfg_euler, "dit_step": dit_step,
-            "gated_gemm": gated_gemm, "dense_layer_stack": dense_layer_stack, "lora": lora, "fp8_weights": fp8_weights}
+            "gated_gemm": gated_gemm, "dense_layer_stack": dense_layer_stack, "lora": lora, "fp8_weights": fp8_weights,
+            "fp8_gemm": fp8_gemm}
 
 
 def _interpreter_main(shard: int = 0, shards: int = 1) -> None:
@@ -726,7 +751,7 @@ def interpreter_results() -> dict[str, float]:
 CASES = ("add_rms_norm", "silu_mul", "skinny_matmul", "gemv", "rotary_qk", "rotary_store_kv", "dispatch",
          "dense_attention", "snake", "dwconv_snake", "residual_unit", "conv_transpose", "vae_decoder",
          "vae_fp16_gemm", "cfg_euler",
-         "dit_step", "gated_gemm", "dense_layer_stack", "lora", "fp8_weights")
+         "dit_step", "gated_gemm", "dense_layer_stack", "lora", "fp8_weights", "fp8_gemm")
 CASE_NAMES = [f"{c}-{d}" for c in CASES for d in INTERPRETED]
 
 

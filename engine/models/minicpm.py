@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.config import TransformerConfig
-from engine.ops import fp8, gated_gemm, layer_stack, linear, platform
+from engine.ops import fp8, fp8_gemm, gated_gemm, layer_stack, linear, platform
 from engine.ops.dense_attention import dense_attention as dense_attention_op
 from engine.ops.linear import residual_linear
 from engine.ops.lora import LoRAContext, add_lora, add_lora_qkv
@@ -137,7 +137,7 @@ class MLP(nn.Module):
         """The MLP branch's output, or its split-K partials (`linear.residual_linear`) for `add_rms_norm`."""
         if self.gate_up_weight is not None:
             if (quantized := fp8.mlp_companions(x, self.gate_up_weight, self.down_proj.weight)) is not None:
-                return fp8.fp8_mlp(x, *quantized)  # the gated product quantised by the kernel that makes it
+                return fp8.fp8_mlp(x, *quantized)  # the gate in the gate/up GEMM or in the quantiser after it
             gated = linear.silu_gate_linear(x, self.gate_up_weight)
         else:
             gated = silu_mul(self.gate_proj(x), self.up_proj(x))
@@ -178,14 +178,22 @@ def fuse_projections(module: nn.Module) -> None:
 
 
 def attach_gated_gemm(module: nn.Module) -> int:
-    """Give the fused gate/up weight of every MLP under `module` (after `fuse_projections`) the interleaved companion
-    the gated GEMM reads (`engine.ops.gated_gemm`), where its tiles divide the weight; idempotent. Returns how many
-    weights have one."""
+    """Give the fused gate/up weight of every MLP under `module` (after `fuse_projections`, and after
+    `quantize_projections`) the interleaved companion its gated GEMM reads: on FP8 weights the gated FP8 GEMM's
+    (`fp8.attach_gated`, where `fp8_gemm.gated_supported`), else the bf16 one (`engine.ops.gated_gemm`, where its
+    tiles divide the weight); idempotent. Returns how many weights have one."""
     count = 0
     for m in module.modules():
-        if isinstance(m, MLP) and m.gate_up_weight is not None and gated_gemm.shape_ok(m.gate_up_weight):
-            if gated_gemm.companion_of(m.gate_up_weight) is None:
-                gated_gemm.attach(m.gate_up_weight)
+        if not isinstance(m, MLP) or (w := m.gate_up_weight) is None:
+            continue
+        if fp8.companion_of(w) is not None:
+            if fp8_gemm.gated_supported(w.device, w.shape[1], w.shape[0]):
+                if fp8.gated_companion_of(w) is None:
+                    fp8.attach_gated(w)
+                count += 1
+        elif gated_gemm.shape_ok(w):
+            if gated_gemm.companion_of(w) is None:
+                gated_gemm.attach(w)
             count += 1
     return count
 

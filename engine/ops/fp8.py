@@ -11,6 +11,8 @@
   GPUs where torch runs it (sm89, sm90, sm100: `gemm_supported` probes it once per device).
 - The MLP (`fp8_mlp`): the gate/up GEMM's output goes through one kernel that makes the SiLU-gated product and
   quantises it per row for the down GEMM (`silu_mul_quantized`; its reference: `silu_mul`, then `quantize_rows`).
+  Where the fused weight has the gated companion (`attach_gated`: the DiT's, on Hopper), the gate/up GEMM is the
+  Triton FP8 GEMM with the gate in its epilogue (`engine.ops.fp8_gemm`), and only the product is quantised.
 
 A weight's companion (`Fp8Weight`) is an attribute of the weight tensor itself (`FP8_ATTR`): `engine.ops.linear`
 is handed the same tensor objects every call, so finding it costs a getattr, allocates nothing and never waits for
@@ -32,7 +34,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.ops import platform
+from engine.ops import fp8_gemm, platform
 from engine.ops.platform import HAVE_TRITON
 from engine.ops.silu_mul import silu_mul
 from engine.options import current
@@ -47,6 +49,7 @@ log = logging.getLogger(__name__)
 E4M3_MAX = 448.0
 SCALE_FLOOR = 1e-12  # an all-zero row's amax: its scale stays finite and its values zero
 FP8_ATTR = "fp8"  # the companion's attribute on a weight tensor
+GATED_ATTR = "fp8_gated"  # the gated FP8 GEMM's companion on a fused gate/up weight (`attach_gated`)
 MAX_KERNEL_COLS = 16384  # the kernel holds a row in registers; longer rows take the torch ops
 
 if HAVE_TRITON:
@@ -199,6 +202,18 @@ def companion_of(weight: torch.Tensor | None) -> Fp8Weight | None:
     return getattr(weight, FP8_ATTR, None)
 
 
+def attach_gated(gate_up: torch.Tensor) -> None:
+    """Give a fused gate/up weight with an FP8 companion the gated FP8 GEMM's: that companion's rows and scales as
+    (gate_i, up_i) pairs (`fp8_gemm.interleave`; e4m3, a quarter of the bf16 weight's bytes again)."""
+    fp8 = companion_of(gate_up)
+    assert fp8 is not None
+    setattr(gate_up, GATED_ATTR, fp8_gemm.interleave(fp8))
+
+
+def gated_companion_of(gate_up: torch.Tensor | None) -> Fp8Weight | None:
+    return getattr(gate_up, GATED_ATTR, None)
+
+
 def small_rows_companion(weight: torch.Tensor | None) -> Fp8Weight | None:
     """The FP8 weight a weight-streaming kernel reads for a call below `fp8_min_rows` rows (the caller knows its
     rows): the weight's companion where it has one and EngineOptions.fp8_small_rows is on, else None."""
@@ -213,6 +228,10 @@ def requantize(weight: torch.Tensor) -> None:
     q, scale = quantize_rows(weight.detach())
     fp8.data.copy_(q)
     fp8.scale.copy_(scale.view(1, -1))
+    if (gated := gated_companion_of(weight)) is not None:
+        fresh = fp8_gemm.interleave(fp8)
+        gated.data.copy_(fresh.data)
+        gated.scale.copy_(fresh.scale)
 
 
 def dequantize_in_place(weight: torch.Tensor) -> None:
@@ -244,18 +263,28 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
 
 
 def mlp_companions(x: torch.Tensor, gate_up_weight: torch.Tensor,
-                   down_weight: torch.Tensor) -> tuple[Fp8Weight, Fp8Weight] | None:
+                   down_weight: torch.Tensor) -> tuple[Fp8Weight, Fp8Weight, Fp8Weight | None] | None:
     """The FP8 weights an MLP call on x runs `fp8_mlp` with: both projections' companions where both take these
-    rows (`companion`), else None (the MLP's other paths)."""
+    rows (`companion`), and the gate/up weight's gated companion where it has one and the gated GEMMs are on
+    (EngineOptions.gated_gemm_min_rows not 0: the batch-invariant mode turns them off); else None (the MLP's other
+    paths)."""
     gate_up, down = companion(x, gate_up_weight), companion(x, down_weight)
-    return None if gate_up is None or down is None else (gate_up, down)
+    if gate_up is None or down is None:
+        return None
+    return gate_up, down, gated_companion_of(gate_up_weight) if current().gated_gemm_min_rows else None
 
 
-def fp8_mlp(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight) -> torch.Tensor:
+def fp8_mlp(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, gated: Fp8Weight | None = None) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) on the FP8 GEMMs: x (..., K) quantised per token, the gated product quantised
-    as it is made (`silu_mul_quantized`), the output in x's dtype."""
-    gate_up_out = fp8_linear(x, gate_up)
-    act, act_scale = silu_mul_quantized(gate_up_out.reshape(-1, gate_up_out.shape[-1]))
+    per token for the down GEMM, the output in x's dtype. With `gated` (the gate/up weight `interleave`d) the gate is
+    in the gate/up GEMM's epilogue (`fp8_gemm.fp8_matmul`), else in the quantiser after it (`silu_mul_quantized`)."""
+    if gated is not None:
+        x_fp8, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+        act, act_scale = quantize_rows(fp8_gemm.fp8_matmul(x_fp8, x_scale, gated, x.dtype, fp8_gemm.GATED_TILES,
+                                                           gated=True))
+    else:
+        gate_up_out = fp8_linear(x, gate_up)
+        act, act_scale = silu_mul_quantized(gate_up_out.reshape(-1, gate_up_out.shape[-1]))
     return scaled_matmul(act, act_scale, down, x.dtype).view(*x.shape[:-1], down.data.shape[0])
 
 

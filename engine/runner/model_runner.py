@@ -70,13 +70,13 @@ class ModelRunner:
         if device.type == "cuda" and opts.fuse:
             fuse_projections(model.backbone)
             layer_stack.prepare(device)  # the layer kernels' barrier counters, before any graph capture
-            dit_rows = max_num_seqs * dit_rows_per_stream(model.config)  # only the DiT's MLPs reach such rows
-            if opts.gated_gemm_min_rows and not config.quantization and dit_rows >= opts.gated_gemm_min_rows:
-                attach_gated_gemm(model.backbone.feat_decoder)
         # FP8 weights after the merged adapter, fusing and stacking; before runtime adapters' base copies and capture.
         quantized = quantize_projections(model.backbone, config.quantization, device)
         if config.quantization:
             log.info("quantization %s: projection weights %s", config.quantization, quantized)
+        if device.type == "cuda" and opts.fuse and opts.gated_gemm_min_rows and max_num_seqs * dit_rows_per_stream(
+                model.config) >= (opts.fp8_min_rows if config.quantization else opts.gated_gemm_min_rows):
+            attach_gated_gemm(model.backbone.feat_decoder)  # only the DiT's MLPs reach such rows; bf16 or FP8
         # Runtime LoRA adapters: their slots exist before KV sizing and graph capture, which then include them.
         self.lora = LoRASlots(model.backbone, model.config.architecture, config.max_loras,
                               config.max_lora_rank, device, self.dtype,

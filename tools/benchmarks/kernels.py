@@ -56,6 +56,8 @@ from engine.models import dit_rows_per_stream
 from engine.models.minicpm import MiniCPM, fuse_projections, rotary_table
 from engine.ops import (
     dense_attention,
+    fp8,
+    fp8_gemm,
     gated_gemm,
     layer_stack,
     linear,
@@ -207,6 +209,61 @@ def bench_mlp_chunks(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, d
                 "us": round(replay_us(fn), 2), "max_abs_err": (fn().float() - gated.float()).abs().max().item()}
         rows.append(row)
         print("mlp:", json.dumps(row), flush=True)
+    return rows
+
+
+# FP8 GEMM tiles swept (engine.ops.fp8_gemm.Fp8Tiles): (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, GROUP_M, persistent)
+FP8_SWEEP: list[fp8_gemm.Fp8Tiles] = [
+    (128, 128, 128, 4, 8, 8, False), (128, 64, 128, 4, 4, 8, False), (64, 128, 128, 4, 4, 8, False),
+    (128, 256, 128, 3, 8, 8, False), (128, 128, 64, 5, 8, 8, False), (128, 128, 128, 4, 8, 8, True),
+    (128, 64, 128, 4, 4, 8, True)]
+
+
+def bench_fp8(cfg: VoxCPMConfig, batches: list[int], dev: torch.device) -> list[dict]:
+    """The DiT's projections on FP8 weights at each batch's rows: `torch._scaled_mm` (cuBLAS) against the Triton FP8
+    GEMM at each of FP8_SWEEP's tiles; the gate/up projection also as cuBLAS + the fused SiLU-gated quantiser
+    against the Triton GEMM with the gate in its epilogue + the row quantiser (what the down projection reads)."""
+    rows = []
+    for name, (n, k_dim) in zip(("qkv", "o", "gate_up", "down"), layer_shapes(cfg.dit), strict=True):
+        weight = fp8.quantize_weight(torch.randn(n, k_dim, device=dev, dtype=torch.bfloat16) * k_dim ** -0.5)
+        gated = name == "gate_up"
+        if gated:
+            weight = fp8_gemm.interleave(weight)
+        weights = [fp8.Fp8Weight(d, weight.scale.clone()) for d in weight_copies(weight.data)]
+        for b in batches:
+            m = b * dit_rows_per_stream(cfg)
+            xq, xs = fp8.quantize_rows(torch.randn(m, k_dim, device=dev, dtype=torch.bfloat16))
+            row: dict[str, object] = {"projection": f"DiT {name}", "batch": b, "rows": m, "n": n, "k": k_dim}
+            if gated:  # cuBLAS on the plain weight (the interleaved rows' order does not change its time)
+                row["cublas_silu_quant_us"] = round(gemm_us(
+                    lambda w, q=xq, s=xs: fp8.silu_mul_quantized(fp8.scaled_matmul(q, s, w, torch.bfloat16)),
+                    weights), 2)
+            row["cublas_us"] = round(gemm_us(lambda w, q=xq, s=xs: fp8.scaled_matmul(q, s, w, torch.bfloat16),
+                                             weights), 2)
+            best = None
+            for tiles in FP8_SWEEP:
+                if not fp8_gemm.tiles_fit(k_dim, n, tiles, gated):
+                    continue
+                try:
+                    us = gemm_us(lambda w, t=tiles, q=xq, s=xs, g=gated: fp8_gemm.fp8_matmul(q, s, w, torch.bfloat16,
+                                                                                             t, g), weights)
+                except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is reported
+                    row["x".join(map(str, tiles))] = type(e).__name__
+                    continue
+                row["x".join(map(str, tiles))] = round(us, 2)
+                if best is None or us < best[0]:
+                    best = (us, tiles)
+            if best is not None:
+                out = fp8_gemm.fp8_matmul(xq, xs, weight, torch.bfloat16, best[1], gated)
+                row |= {"best_us": round(best[0], 2), "best_tiles": list(best[1])}
+                ref = fp8.scaled_matmul(xq, xs, weight, torch.bfloat16)
+                if gated:  # the interleaved weight's halves as (gate_i, up_i) column pairs
+                    ref = silu_mul.silu_mul(ref[:, 0::2], ref[:, 1::2])
+                    row["triton_gated_quant_us"] = round(gemm_us(lambda w, t=best[1], q=xq, s=xs: fp8.quantize_rows(
+                        fp8_gemm.fp8_matmul(q, s, w, torch.bfloat16, t, True)), weights), 2)
+                row["max_rel_err"] = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            rows.append(row)
+            print("fp8:", json.dumps(row), flush=True)
     return rows
 
 
@@ -436,7 +493,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--batch", default="1,8,64,128")
     ap.add_argument("--only", default="attention,gemm,layer",
                     help="which benchmarks: attention, gemm, layer, barrier, splitk, mlp (with the fused gated GEMM), "
-                         "vae")
+                         "vae, fp8 (the DiT's FP8 projections: cuBLAS against the Triton FP8 GEMM's tiles)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     cfg = VoxCPMConfig.from_dir(a.model)
@@ -449,6 +506,7 @@ def main(argv: list[str]) -> None:
     barrier = bench_barrier(dev) if "barrier" in only else {}
     mlp_rows = bench_mlp_chunks(cfg, batches, dev, dtype) if "mlp" in only else []
     vae_rows = bench_vae(cfg, batches, dev) if "vae" in only else []
+    fp8_rows = bench_fp8(cfg, batches, dev) if "fp8" in only else []
     with torch.inference_mode():  # residual_linear splits only without autograd
         splitk_rows = bench_splitk(cfg, batches, dev, dtype) if "splitk" in only else []
     attention = (("DiT", cfg.dit, dit_rows_per_stream(cfg) // 2, 2), ("LocEnc", cfg.encoder, cfg.patch_size + 1, 1))
@@ -478,6 +536,6 @@ def main(argv: list[str]) -> None:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows, "gemm": gemm_rows,
               "layer": layer_rows, "barrier": barrier, "splitk": splitk_rows, "mlp": mlp_rows,
-              "vae": vae_rows}
+              "vae": vae_rows, "fp8": fp8_rows}
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))

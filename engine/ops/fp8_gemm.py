@@ -1,0 +1,142 @@
+"""The FP8 (e4m3, rowwise-scaled) projections as Triton GEMMs, where they beat `torch._scaled_mm` (`engine.ops.fp8`).
+
+cuBLAS runs every FP8 projection of the DiT in 128 x 128 tiles: the o and down projections (N = 1024) then fill 1.3
+waves of an H200's 132 SMs at a 128-request step (176 tiles), and the gate/up output (rows x 2I, bf16) is written
+and read back by the SiLU-gated quantiser (B=128: 46 MB a layer). These kernels compute the same
+`(x_fp8 @ w_fp8.T) * x_scale * w_scale` in fp32:
+- `fp8_matmul`: tiles of the caller's choice (`FP8_TILES`, by weight shape), so that N = 1024 is cut finer;
+- `fp8_gated_matmul`: the SiLU gate in the epilogue, on the weight's companion with its rows as (gate_i, up_i) pairs
+  and its scales alike (`interleave`, the bf16 gated GEMM's layout), so only the gated product is written (rounded
+  as `_scaled_mm`'s bf16 output and `silu_mul` round it: each half to the dtype, then SiLU and the product).
+Both are tiled over pointers (the CPU interpreter runs them) and, on Hopper, persistent over tensor descriptors.
+Their eager reference is `fp8.fp8_linear_reference` (and `silu_mul` of it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.ops.platform import HAVE_TRITON
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.ops.fp8 import Fp8Weight
+else:
+    from engine.lazy_torch import torch  # the kernel-compiling children never load it
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from engine.ops.gated_gemm import grouped_tile
+    from engine.ops.silu_mul import silu_mul_math
+
+    @triton.jit
+    def _scaled_epilogue(acc, xs_ptr, ws_ptr, m, w_cols, rows, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         GATED: tl.constexpr, dtype: tl.constexpr):
+        # acc (BLOCK_M, W_COLS) fp32 times each row's and each weight row's scale; gated: the interleaved halves
+        # rounded to the dtype, then SiLU(gate) * up.
+        acc = acc * tl.load(xs_ptr + m, mask=m < rows, other=0.0)[:, None] * tl.load(ws_ptr + w_cols)[None, :]
+        if GATED:  # a constexpr branch: the one return sees only the taken side's shape
+            gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+            y = silu_mul_math(gate.to(dtype).to(tl.float32), up.to(dtype))
+        else:
+            y = acc.to(dtype)
+        return y
+
+    @triton.jit
+    def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, rows, n, stride_x, stride_o, K: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                         GATED: tl.constexpr, W_COLS: tl.constexpr):
+        # Output tile (BLOCK_M rows, BLOCK_N columns) from W_COLS weight rows (2 * BLOCK_N when gated).
+        tile_m, tile_n = grouped_tile(tl.program_id(0), rows, n, BLOCK_M, BLOCK_N, GROUP_M)
+        m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        kk = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + (m % rows)[:, None].to(tl.int64) * stride_x + kk[None, :]  # extra rows repeat real ones
+        w_cols = tile_n * W_COLS + tl.arange(0, W_COLS)
+        w_ptrs = w_ptr + w_cols[None, :].to(tl.int64) * K + kk[:, None]
+        acc = tl.zeros((BLOCK_M, W_COLS), dtype=tl.float32)
+        for _ in range(0, K, BLOCK_K):
+            acc = tl.dot(tl.load(x_ptrs), tl.load(w_ptrs), acc)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        y = _scaled_epilogue(acc, xs_ptr, ws_ptr, m, w_cols, rows, BLOCK_M, BLOCK_N, GATED, o_ptr.dtype.element_ty)
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(o_ptr + m[:, None].to(tl.int64) * stride_o + cols[None, :], y, mask=m[:, None] < rows)
+
+    @triton.jit
+    def _fp8_gemm_persistent_kernel(x_desc, xs_ptr, w_desc, ws_ptr, o_desc, rows, n, tiles, K: tl.constexpr,
+                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                    GROUP_M: tl.constexpr, GATED: tl.constexpr, W_COLS: tl.constexpr,
+                                    PROGRAMS: tl.constexpr):
+        # `_fp8_gemm_kernel`'s tiles, every PROGRAMS-th to a program, through tensor descriptors (TMA: rows past the
+        # end read as zeros and are not written).
+        for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
+            tile_m, tile_n = grouped_tile(tile, rows, n, BLOCK_M, BLOCK_N, GROUP_M)
+            acc = tl.zeros((BLOCK_M, W_COLS), dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                acc = tl.dot(x_desc.load([tile_m * BLOCK_M, k]), w_desc.load([tile_n * W_COLS, k]).T, acc)
+            m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            w_cols = tile_n * W_COLS + tl.arange(0, W_COLS)
+            o_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N],
+                         _scaled_epilogue(acc, xs_ptr, ws_ptr, m, w_cols, rows, BLOCK_M, BLOCK_N, GATED, o_desc.dtype))
+
+
+# (BLOCK_M, BLOCK_N output columns, BLOCK_K, stages, warps, GROUP_M, persistent)
+Fp8Tiles = tuple[int, int, int, int, int, int, bool]
+DEFAULT_TILES: Fp8Tiles = (128, 128, 128, 4, 8, 8, False)
+# The gated GEMM's tiles: the fastest swept on an H200 at the DiT's 1408-5632 rows (`bench.py kernels --only fp8`;
+# with the row quantiser after it 33.4 / 61.6 / 117.6 us against cuBLAS + the gated quantiser's 39.2 / 67.9 / 135.6).
+GATED_TILES: Fp8Tiles = (128, 128, 128, 4, 8, 8, True)
+
+
+def gated_supported(device: torch.device, k_dim: int, w_rows: int) -> bool:
+    """Whether the gated GEMM at GATED_TILES runs for a fused gate/up weight (2I, K) on `device`: CUDA with tensor
+    descriptors (compute capability 9 on), the tiles dividing the weight."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+            and tiles_fit(k_dim, w_rows, GATED_TILES, gated=True))
+
+
+def interleave(weight: Fp8Weight) -> Fp8Weight:
+    """A fused [gate; up] FP8 weight (2I, K) and its scales with rows as (gate_i, up_i) pairs (copies)."""
+    from engine.ops.fp8 import Fp8Weight
+    from engine.ops.gated_gemm import interleave as interleave_rows
+
+    return Fp8Weight(interleave_rows(weight.data), interleave_rows(weight.scale.view(-1, 1)).view(1, -1))
+
+
+def tiles_fit(k_dim: int, w_rows: int, tiles: Fp8Tiles, gated: bool) -> bool:
+    """Whether `tiles` divide the weight: its rows (by BLOCK_N, twice that gated) and K (by BLOCK_K)."""
+    return w_rows % (tiles[1] * (2 if gated else 1)) == 0 and k_dim % tiles[2] == 0
+
+
+def fp8_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: Fp8Weight, out_dtype: torch.dtype,
+               tiles: Fp8Tiles = DEFAULT_TILES, gated: bool = False, programs: int | None = None) -> torch.Tensor:
+    """(M, K) e4m3 rows times the (N, K) e4m3 weight's transpose, each side's rows scaled (x_scale (M, 1), the weight's
+    (1, N)), out (M, N) in out_dtype; `gated`: the weight `interleave`d, out silu(gate) * up, (M, N / 2). Persistent
+    tiles: `programs` programs (None: one per SM, at most one per tile)."""
+    block_m, block_n, block_k, stages, warps, group, persistent = tiles
+    rows, k_dim = x_fp8.shape
+    w_cols = 2 * block_n if gated else block_n
+    n = weight.data.shape[0] // (2 if gated else 1)
+    if x_fp8.stride(-1) != 1:
+        x_fp8 = x_fp8.contiguous()
+    out = torch.empty((rows, n), dtype=out_dtype, device=x_fp8.device)
+    if not rows:
+        return out
+    tile_count = triton.cdiv(rows, block_m) * (n // block_n)
+    common = dict(K=k_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group, GATED=gated,
+                  W_COLS=w_cols, num_stages=stages, num_warps=warps)
+    if persistent:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        programs = min(programs or torch.cuda.get_device_properties(x_fp8.device).multi_processor_count, tile_count)
+        _fp8_gemm_persistent_kernel[(programs,)](
+            TensorDescriptor.from_tensor(x_fp8.contiguous(), [block_m, block_k]), x_scale,
+            TensorDescriptor.from_tensor(weight.data, [w_cols, block_k]), weight.scale,
+            TensorDescriptor.from_tensor(out, [block_m, block_n]), rows, n, tile_count, PROGRAMS=programs, **common)
+    else:
+        _fp8_gemm_kernel[(tile_count,)](x_fp8, x_scale, weight.data, weight.scale, out, rows, n, x_fp8.stride(0),
+                                        out.stride(0), **common)
+    return out
