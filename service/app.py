@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import AsyncVoxCPMServerPool, VoxCPM
 from engine.io.tokenizer import TextTokenizer
+from engine.serving.collector import freeze_startup_heap
 from engine.serving.devices import device_names
 from engine.serving.pool import checked_model_path
 from engine.serving.routing import LoadTable
@@ -101,6 +102,9 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
                 # the supervisor's first word of a shutdown: stop taking work, finish the rest (an app served from
                 # another thread, as in tests, is not one of its API processes)
                 asyncio.get_running_loop().add_signal_handler(DRAIN_SIGNAL, lifecycle.drain, state)
+                # its imports, app and tokenizer stay for the process's life: out of the garbage collector, whose full
+                # pass over them would stall every stream of this process (engine.serving.collector)
+                freeze_startup_heap()
             task = asyncio.create_task(lifecycle.bring_up(state), name="voxcpm-bring-up")
             watch = asyncio.create_task(watch_store(store, metrics.voice_store_up), name="voxcpm-voice-store")
             try:

@@ -67,6 +67,8 @@ class Metrics:
         self.steps = Gauge("voxcpm_engine_steps", "Engine steps since the worker started", ["worker"], **latest)
         self.send_seconds = Gauge("voxcpm_worker_send_seconds", "Mean time a worker's message to an API process "
                                   "waited from queued to written since the last scrape", ["worker"], **latest)
+        self.gc_longest = Gauge("voxcpm_worker_gc_longest_seconds", "The longest pause of a worker process's garbage "
+                                "collector since it started (its step loop waits for each)", ["worker"], **latest)
         self.preemptions = Gauge("voxcpm_engine_preemptions", "Preemptions since the worker started", ["worker"],
                                  **latest)
         self.workers_up = Gauge("voxcpm_workers_up", "Workers running and loaded", **latest)
@@ -114,6 +116,7 @@ class Metrics:
             self.lora_requests.labels(w).set(sum(a.requests for a in s.loras))
             self._mean_since_last(self.step_seconds, self._last_steps, w, s.steps, s.step_seconds)
             self._mean_since_last(self.send_seconds, self._last_sends, w, s.messages_sent, s.send_seconds)
+            self.gc_longest.labels(w).set(s.gc_longest_s)
         self.running.set(running)
         self.queue_depth.set(waiting)
         self.workers_up.set(up)

@@ -6,6 +6,7 @@ patch duration, no failures, ordered percentiles), never on timings."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import shutil
@@ -81,6 +82,7 @@ def test_stream_protocol_rows_and_the_workers_send_waits(checkpoint_factory, tmp
     for row in doc["results"]:
         assert row["failed"] == 0 and row["throughput_audio_s_per_s"] > 0 and row["ttfb_p50"] > 0
         assert 0 < row["worker_send_ms_mean"] < 1000
+        assert row["worker_gc_passes"] >= 0 and 0 <= row["worker_gc_longest_ms"] < 10_000
 
 
 def test_latents_pool(checkpoint_factory, tmp_path):
@@ -461,6 +463,22 @@ def test_vae_dtype(checkpoint_factory, tmp_path):
     assert doc["patches_equal"] is True and doc["device"] == "cpu" and len(doc["snr_db"]) == 2
     assert 30 < doc["snr_db_min"] <= doc["snr_db_mean"] < 200 and 0 < doc["max_abs_diff"] < doc["audio_peak"]
     assert doc["vae_ms"]["2"]["float32"] > 0 and doc["vae_ms"]["2"]["bfloat16"] > 0
+
+
+def test_gc_pauses_before_and_after_freezing_the_start_up_heap(checkpoint_factory, tmp_path):
+    """`bench.py gc`: a warmed engine's heap, a forced full collection of it, then the same with it frozen (the
+    collector then walks a few objects), and an API process's heap; the benchmark's own process is left unfrozen."""
+    out = tmp_path / "gc.json"
+    doc = bench.main(["gc", "--model", str(checkpoint_factory("tiny-voxcpm2", stop="never")), "--requests", "2",
+                      "--patches", str(PATCHES), "--rounds", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
+    before, after = doc["as_started"], doc["frozen"]
+    assert doc["frozen_at_start"] > 50_000 and before["frozen_objects"] == 0
+    assert after["frozen_objects"] >= doc["frozen_at_start"]
+    assert after["tracked_objects"] < before["tracked_objects"] / 10
+    assert 0 < after["full_collection_forced_ms"] < before["full_collection_forced_ms"]
+    assert doc["api_process"]["tracked_objects"] > 10_000 and doc["api_process"]["full_collection_ms"] > 0
+    assert gc.get_freeze_count() == 0
 
 
 @pytest.mark.parametrize(("euler_us", "between_us"), [(310.0, 1900.0), (2000.0, 9500.0), (3850.0, 18000.0)])

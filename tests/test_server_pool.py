@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import multiprocessing
 import multiprocessing.connection
 import shutil
@@ -67,6 +68,27 @@ def _free_blocks_restored(pool) -> None:
             return
         assert time.monotonic() < deadline, f"blocks not freed: {s}"
         time.sleep(0.05)
+
+
+def test_the_worker_froze_its_start_up_heap_and_counts_its_collector_passes(pool):
+    """A worker's start-up objects (torch, the model's modules, the tokenizer) are out of its garbage collector once
+    it is ready (engine.serving.collector); the passes that still run are counted with their time."""
+    for _ in pool.generate("Anything at all.", max_generate_length=2):
+        pass
+    s = pool.stats()[0]
+    assert s.gc_frozen_objects > 50_000
+    assert s.gc_collections >= 0 and 0 <= s.gc_longest_s <= s.gc_seconds < 60
+
+
+def test_collector_pauses_count_each_pass_until_closed():
+    from engine.serving.collector import CollectorPauses
+
+    pauses = CollectorPauses()
+    gc.collect()
+    assert pauses.collections == 1 and 0 < pauses.longest_s == pauses.seconds
+    pauses.close()
+    gc.collect()
+    assert pauses.collections == 1
 
 
 def test_model_info(pool):

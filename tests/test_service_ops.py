@@ -47,6 +47,7 @@ def test_metrics(server):
     assert later is not None and float(later[1]) >= 1 and busy is not None and float(busy[1]) > 0
     for name in ("voxcpm_queue_depth", "voxcpm_running_sequences", 'voxcpm_kv_cache_usage_ratio{worker="0"}',
                  'voxcpm_engine_step_seconds{worker="0"}', 'voxcpm_worker_send_seconds{worker="0"}',
+                 'voxcpm_worker_gc_longest_seconds{worker="0"}',
                  'voxcpm_voice_cache_entries{kind="hifi"}',
                  "voxcpm_voice_cache_bytes", "voxcpm_ready 1.0"):
         assert name in text, name

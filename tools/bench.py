@@ -45,6 +45,7 @@ SUBCOMMANDS: subcommands.Table = {
     "vae-dtype": ("vae_dtype:main", "the VAE decoder in bfloat16 or float16: audio SNR against float32, VAE ms"),
     "fp8-accuracy": ("fp8_accuracy:main", "how far FP8 weights move each projection and the generated patches"),
     "drift": ("drift:main", "voice drift over a long text's segments for each continuation-prompt rule"),
+    "gc": ("gc_pauses:main", "the garbage collector's pauses in a worker, its start-up heap frozen or not"),
     "compare": ("compare:main", "two stream results side by side, with ratios"),
     "serving-report": ("serving_report:main", "the serving-path table of a tools/gpu_host/bench.sh output folder"),
 }

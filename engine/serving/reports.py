@@ -99,6 +99,10 @@ class WorkerStats(WorkerLoad):
     step_seconds: float = 0.0  # summed over the steps
     messages_sent: int = 0  # to its clients (a step's events, replies)
     send_seconds: float = 0.0  # summed over those: from queued for a client to written to it
+    gc_collections: int = 0  # the garbage collector's passes in the worker process (engine.serving.collector)
+    gc_seconds: float = 0.0  # summed over those: the process, its step loop included, waited for each
+    gc_longest_s: float = 0.0
+    gc_frozen_objects: int = 0  # the start-up's objects frozen out of the collector once the worker was ready
     loras: list[AdapterInfo] = field(default_factory=list)
 
 

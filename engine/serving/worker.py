@@ -14,6 +14,7 @@ does not read makes its sender's bounded queue fill up and the engine wait, rath
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import queue
@@ -34,6 +35,7 @@ from engine.io.lora import weights_file
 from engine.llm_engine import LLMEngine, StepEvent
 from engine.prompt import PromptError
 from engine.serving import protocol as p
+from engine.serving.collector import CollectorPauses
 from engine.serving.reports import SendWaits, WorkerInfo, WorkerStats, describe
 from engine.vocabulary import AdapterInfo
 
@@ -163,6 +165,7 @@ class Worker:
         self.steps = 0
         self.step_seconds = 0.0
         self.send_waits = SendWaits()
+        self.collector = CollectorPauses()  # the garbage collector's pauses of this process, from here on
         self._link_ids = 0
 
     # --- connections ------------------------------------------------------------------------------
@@ -295,6 +298,8 @@ class Worker:
                            preemptions=self.engine.scheduler.num_preemptions, prompts=len(self.prompts),
                            clients=len(self.links), steps=self.steps, step_seconds=self.step_seconds,
                            messages_sent=self.send_waits.messages, send_seconds=self.send_waits.seconds,
+                           gc_collections=self.collector.collections, gc_seconds=self.collector.seconds,
+                           gc_longest_s=self.collector.longest_s, gc_frozen_objects=gc.get_freeze_count(),
                            loras=self.engine.list_loras())
 
     # --- the loop -----------------------------------------------------------------------------------
@@ -431,6 +436,7 @@ class Worker:
                 link.send(p.Goodbye(goodbye))
             link.close()
         self.links.clear()
+        self.collector.close()
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ import torch
 from engine.io.audio import encode_latents
 from engine.llm_engine import LLMEngine
 from engine.serving import protocol as p
+from engine.serving.collector import freeze_startup_heap
 from engine.serving.protocol import WorkerOptions, name_process
 from engine.serving.reports import describe
 from engine.serving.worker import Acceptor, DeviceLostError, Worker
@@ -119,6 +120,8 @@ def worker_main(control: Connection, options: WorkerOptions) -> None:
             info.startup.process_import_s = imported_s
             info.startup.spawn_to_ready_s = time.time() - options.spawned_at
         worker = Worker(engine, control, info, acceptor)
+        frozen = freeze_startup_heap()  # a full collection of it would stop every stream (engine.serving.collector)
+        log.debug("%d objects of the start-up frozen out of the garbage collector", frozen)
         ready.set()
         watcher.join()  # from here on the main loop reads the control pipe; a Stop the watcher took raises here
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)

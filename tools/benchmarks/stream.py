@@ -166,12 +166,16 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
         with tqdm(total=len(a.conc) * (a.iters + 1), desc="bursts", unit="burst", file=sys.stderr) as bar:
             for c in a.conc:
                 sent = await send_waits(pool) if a.engine == "voxcpm-serve" else None
+                collected = await gc_passes(pool) if sent is not None else 0
                 row = await bursts(target, lambda it, n: [Req(TEXT, a.patches, {**cond, **lora_of(it * n + i)})
                                                           for i in range(n)], c, a.iters, bar)
                 del row["label"]  # the anchor files' rows have none
                 if sent is not None:  # ours: how long the workers' messages waited from queued to written
                     messages, seconds = await send_waits(pool)
                     row["worker_send_ms_mean"] = round(1000 * (seconds - sent[1]) / max(1, messages - sent[0]), 3)
+                    # the workers' garbage-collector passes during this concurrency, and the longest since start
+                    row["worker_gc_passes"] = await gc_passes(pool) - collected
+                    row["worker_gc_longest_ms"] = round(1000 * max(s.gc_longest_s for s in await worker_stats(pool)), 3)
                 doc["results"].append(row)
                 tqdm.write(json.dumps({k: row[k] for k in ("concurrency", "ttfb_p50", "ttfb_p95", "rtf_mean",
                                                          "throughput_audio_s_per_s", "streams_with_underrun",
@@ -183,10 +187,19 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
     return doc
 
 
+async def worker_stats(pool: Any) -> list[Any]:
+    return [s for s in await pool.stats() if s is not None]
+
+
 async def send_waits(pool: Any) -> tuple[int, float]:
     """Our workers' messages written to clients so far and the seconds they waited from queued to written."""
-    stats = [s for s in await pool.stats() if s is not None]
+    stats = await worker_stats(pool)
     return sum(s.messages_sent for s in stats), sum(s.send_seconds for s in stats)
+
+
+async def gc_passes(pool: Any) -> int:
+    """Our workers' garbage-collector passes so far (engine.serving.collector)."""
+    return sum(s.gc_collections for s in await worker_stats(pool))
 
 
 def main(argv: list[str]) -> None:

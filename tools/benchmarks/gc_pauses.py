@@ -1,0 +1,115 @@
+"""What Python's garbage collector costs a serving process, before and after its start-up heap is frozen.
+
+    python tools/bench.py gc --model CKPT --requests 16 --patches 20 --out gc.json
+
+An engine is built in this process on the device (the GPU when there is one) and warmed up, as a worker is; then
+--rounds rounds of --requests seeded requests run to completion, every collector pass timed by `gc.callbacks` (its
+generation, its milliseconds), and one full collection forced and timed after them. Then the start-up heap is frozen
+as the worker freezes it once ready (`engine.serving.collector.freeze_startup_heap`) and the same rounds run again.
+The objects the collector tracks are counted at each point. In process the engine's loop makes few objects the
+collector tracks (on a CPU no pass ran in 32 requests); a worker's messages to its clients make more (its passes and
+the longest: `bench.py stream`'s worker_gc_* columns). An API process's heap is counted in a fresh process: the
+service's imports, its app and the model's tokenizer (what a full collection there walks).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import gc
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.io.checkpoint import load_model
+from engine.serving.collector import freeze_startup_heap
+from engine.serving.worker_startup import warm_up
+from tools.benchmarks.harness import REPO, TEXT, command_line, subcommand_parser, torch_facts, write_json
+
+
+def timed_rounds(engine: LLMEngine, rounds: int, requests: int, patches: int) -> dict[str, Any]:
+    """The collector's passes while `rounds` rounds of requests run, then a forced full collection's ms."""
+    passes: list[tuple[int, float]] = []
+    started = [0.0]
+
+    def observe(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            passes.append((info["generation"], 1000 * (time.perf_counter() - started[0])))
+
+    gc.callbacks.append(observe)
+    t0 = time.perf_counter()
+    try:
+        for r in range(rounds):
+            params = [SamplingParams(seed=i, max_generate_length=patches) for i in range(requests)]
+            ids = [engine.add_request(f"Round {r}, number {i}. {TEXT}", p) for i, p in enumerate(params)]
+            engine.run_to_completion(ids)
+    finally:
+        gc.callbacks.remove(observe)
+    wall = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    gc.collect()
+    forced_ms = 1000 * (time.perf_counter() - t1)
+    by_gen = {g: [ms for gen, ms in passes if gen == g] for g in (0, 1, 2)}
+    return {"wall_s": wall, "tracked_objects": len(gc.get_objects()), "frozen_objects": gc.get_freeze_count(),
+            "full_collection_forced_ms": forced_ms,
+            "passes": {str(g): {"count": len(v), "longest_ms": max(v, default=0.0), "total_ms": sum(v)}
+                       for g, v in by_gen.items()}}
+
+
+API_PROCESS_PROBE = """
+import gc, json, sys, time
+from engine.io.tokenizer import TextTokenizer
+from service.app import create_app
+from service.settings import Settings
+app, tokenizer = create_app(Settings()), TextTokenizer.from_dir(sys.argv[1])
+t0 = time.perf_counter()
+gc.collect()
+print(json.dumps({"tracked_objects": len(gc.get_objects()), "full_collection_ms": 1000 * (time.perf_counter() - t0)}))
+"""
+
+
+def api_process_heap(model: str) -> dict[str, Any]:
+    """In a fresh process: the objects an API process's collector tracks once started (the service's imports, its
+    app, the tokenizer) and a full pass's ms."""
+    done = subprocess.run([sys.executable, "-c", API_PROCESS_PROBE, model], capture_output=True, text=True, check=True,
+                          cwd=REPO, timeout=300)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str]) -> dict[str, Any]:
+    ap = subcommand_parser("gc", __doc__)
+    ap.add_argument("--model", required=True, help="checkpoint directory (official VoxCPM layout)")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--patches", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", help="write the results JSON here")
+    a = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    doc: dict[str, Any] = {"tool": "gc_pauses", "command": "python " + " ".join(command_line("gc", argv)),
+                           "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                           "device": device, "requests": a.requests, "patches": a.patches, "rounds": a.rounds,
+                           **torch_facts(0 if device == "cuda" else None, touch_cuda=device == "cuda")}
+    engine = LLMEngine(load_model(a.model, device), EngineConfig(max_num_seqs=a.requests, max_model_len=1024),
+                       device=device)
+    warm_up(engine)
+    doc["as_started"] = timed_rounds(engine, a.rounds, a.requests, a.patches)
+    doc["frozen_at_start"] = freeze_startup_heap()
+    doc["frozen"] = timed_rounds(engine, a.rounds, a.requests, a.patches)
+    gc.unfreeze()  # this process is a benchmark (or a test), not a worker
+    doc["api_process"] = api_process_heap(a.model)
+    write_json(a.out, doc)
+    for phase in ("as_started", "frozen"):
+        d = doc[phase]
+        passes = ", ".join(f"gen {g}: {p['count']} passes, longest {p['longest_ms']:.1f} ms"
+                           for g, p in d["passes"].items())
+        print(f"{phase}: {d['tracked_objects']} objects tracked ({d['frozen_objects']} frozen); {passes}; a forced "
+              f"full collection {d['full_collection_forced_ms']:.1f} ms; rounds {d['wall_s']:.1f} s")
+    print(f"an API process's heap: {doc['api_process']['tracked_objects']} objects tracked, a full collection "
+          f"{doc['api_process']['full_collection_ms']:.1f} ms")
+    return doc
