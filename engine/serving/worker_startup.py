@@ -119,9 +119,9 @@ def worker_main(control: Connection, options: WorkerOptions) -> None:
         if imported_s is not None:
             info.startup.process_import_s = imported_s
             info.startup.spawn_to_ready_s = time.time() - options.spawned_at
-        worker = Worker(engine, control, info, acceptor)
         frozen = freeze_startup_heap()  # a full collection of it would stop every stream (engine.serving.collector)
         log.debug("%d objects of the start-up frozen out of the garbage collector", frozen)
+        worker = Worker(engine, control, info, acceptor)  # its collector count starts after the freeze's own pass
         ready.set()
         watcher.join()  # from here on the main loop reads the control pipe; a Stop the watcher took raises here
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
