@@ -302,8 +302,6 @@ def test_the_dit_mlp_runs_the_gated_fp8_gemm_cuda():
 def test_requantize_rewrites_the_gated_companion_in_place():
     """A merge that rewrites a fused gate/up weight also rewrites its gated companion (the FP8 companion's rows and
     scales as (gate_i, up_i) pairs), in the memory the captured graphs read."""
-    from engine.ops import fp8_gemm
-
     weight = torch.randn(64, 32)
     fp8.attach(weight)
     fp8.attach_gated(weight)
@@ -313,7 +311,7 @@ def test_requantize_rewrites_the_gated_companion_in_place():
     fp8.requantize(weight)
     companion = fp8.companion_of(weight)
     assert companion is not None and fp8.gated_companion_of(weight) is gated
-    fresh = fp8_gemm.interleave(companion)
+    fresh = fp8.interleaved(companion)
     assert torch.equal(gated.data.view(torch.uint8), fresh.data.view(torch.uint8))
     assert torch.equal(gated.scale, fresh.scale)
     assert torch.equal(gated.scale.view(-1)[1::2], companion.scale.view(-1)[32:])  # the up half's scales

@@ -677,12 +677,13 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         plain_ref = exact.to(dtype)
         gate, up = plain_ref.chunk(2, dim=-1)
         gated_ref = F.silu(gate.float()).to(dtype).float().mul(up.float()).to(dtype)
-        gated_weight = fp8_gemm_ops.interleave(weight)
+        gated_weight = fp8_ops.interleaved(weight)
         errs = []
         for tiles in ((16, 16, 32, 2, 4, 2, False), (32, 16, 64, 2, 4, 1, True)):
-            out = fp8_gemm_ops.fp8_matmul(x_fp8, x_scale, weight, dtype, tiles, programs=3)
+            out = fp8_gemm_ops.fp8_matmul(x_fp8, x_scale, weight.data, weight.scale, dtype, tiles, programs=3)
             errs.append(relative_error(out, plain_ref))
-            out = fp8_gemm_ops.fp8_matmul(x_fp8, x_scale, gated_weight, dtype, tiles, gated=True, programs=3)
+            out = fp8_gemm_ops.fp8_matmul(x_fp8, x_scale, gated_weight.data, gated_weight.scale, dtype, tiles,
+                                          gated=True, programs=3)
             errs.append(relative_error(out, gated_ref))
         return max(errs)
 

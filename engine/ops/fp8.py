@@ -34,7 +34,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.ops import fp8_gemm, platform
+from engine.ops import fp8_gemm, gated_gemm, platform
 from engine.ops.platform import HAVE_TRITON
 from engine.ops.silu_mul import silu_mul
 from engine.options import current
@@ -202,12 +202,18 @@ def companion_of(weight: torch.Tensor | None) -> Fp8Weight | None:
     return getattr(weight, FP8_ATTR, None)
 
 
+def interleaved(weight: Fp8Weight) -> Fp8Weight:
+    """A fused [gate; up] FP8 weight (2I, K) and its scales with rows as (gate_i, up_i) pairs (copies), the layout of
+    the gated GEMMs (`gated_gemm.interleave`)."""
+    return Fp8Weight(gated_gemm.interleave(weight.data), gated_gemm.interleave(weight.scale.view(-1, 1)).view(1, -1))
+
+
 def attach_gated(gate_up: torch.Tensor) -> None:
-    """Give a fused gate/up weight with an FP8 companion the gated FP8 GEMM's: that companion's rows and scales as
-    (gate_i, up_i) pairs (`fp8_gemm.interleave`; e4m3, a quarter of the bf16 weight's bytes again)."""
+    """Give a fused gate/up weight with an FP8 companion the gated FP8 GEMM's: that companion `interleaved` (e4m3, a
+    quarter of the bf16 weight's bytes again)."""
     fp8 = companion_of(gate_up)
     assert fp8 is not None
-    setattr(gate_up, GATED_ATTR, fp8_gemm.interleave(fp8))
+    setattr(gate_up, GATED_ATTR, interleaved(fp8))
 
 
 def gated_companion_of(gate_up: torch.Tensor | None) -> Fp8Weight | None:
@@ -229,7 +235,7 @@ def requantize(weight: torch.Tensor) -> None:
     fp8.data.copy_(q)
     fp8.scale.copy_(scale.view(1, -1))
     if (gated := gated_companion_of(weight)) is not None:
-        fresh = fp8_gemm.interleave(fp8)
+        fresh = interleaved(fp8)
         gated.data.copy_(fresh.data)
         gated.scale.copy_(fresh.scale)
 
@@ -280,8 +286,8 @@ def fp8_mlp(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, gated: Fp8Weig
     in the gate/up GEMM's epilogue (`fp8_gemm.fp8_matmul`), else in the quantiser after it (`silu_mul_quantized`)."""
     if gated is not None:
         x_fp8, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
-        act, act_scale = quantize_rows(fp8_gemm.fp8_matmul(x_fp8, x_scale, gated, x.dtype, fp8_gemm.GATED_TILES,
-                                                           gated=True))
+        act, act_scale = quantize_rows(fp8_gemm.fp8_matmul(x_fp8, x_scale, gated.data, gated.scale, x.dtype,
+                                                           fp8_gemm.GATED_TILES, gated=True))
     else:
         gate_up_out = fp8_linear(x, gate_up)
         act, act_scale = silu_mul_quantized(gate_up_out.reshape(-1, gate_up_out.shape[-1]))

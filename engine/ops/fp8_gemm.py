@@ -5,8 +5,8 @@ waves of an H200's 132 SMs at a 128-request step (176 tiles), and the gate/up ou
 and read back by the SiLU-gated quantiser (B=128: 46 MB a layer). These kernels compute the same
 `(x_fp8 @ w_fp8.T) * x_scale * w_scale` in fp32:
 - `fp8_matmul`: tiles of the caller's choice (`FP8_TILES`, by weight shape), so that N = 1024 is cut finer;
-- `fp8_gated_matmul`: the SiLU gate in the epilogue, on the weight's companion with its rows as (gate_i, up_i) pairs
-  and its scales alike (`interleave`, the bf16 gated GEMM's layout), so only the gated product is written (rounded
+- `fp8_matmul(..., gated=True)`: the SiLU gate in the epilogue, on a weight with its rows as (gate_i, up_i) pairs and
+  its scales alike (`fp8.interleaved`, the bf16 gated GEMM's layout), so only the gated product is written (rounded
   as `_scaled_mm`'s bf16 output and `silu_mul` round it: each half to the dtype, then SiLU and the product).
 Both are tiled over pointers (the CPU interpreter runs them) and, on Hopper, persistent over tensor descriptors.
 Their eager reference is `fp8.fp8_linear_reference` (and `silu_mul` of it).
@@ -20,8 +20,6 @@ from engine.ops.platform import HAVE_TRITON
 
 if TYPE_CHECKING:
     import torch
-
-    from engine.ops.fp8 import Fp8Weight
 else:
     from engine.lazy_torch import torch  # the kernel-compiling children never load it
 
@@ -98,28 +96,21 @@ def gated_supported(device: torch.device, k_dim: int, w_rows: int) -> bool:
             and tiles_fit(k_dim, w_rows, GATED_TILES, gated=True))
 
 
-def interleave(weight: Fp8Weight) -> Fp8Weight:
-    """A fused [gate; up] FP8 weight (2I, K) and its scales with rows as (gate_i, up_i) pairs (copies)."""
-    from engine.ops.fp8 import Fp8Weight
-    from engine.ops.gated_gemm import interleave as interleave_rows
-
-    return Fp8Weight(interleave_rows(weight.data), interleave_rows(weight.scale.view(-1, 1)).view(1, -1))
-
-
 def tiles_fit(k_dim: int, w_rows: int, tiles: Fp8Tiles, gated: bool) -> bool:
     """Whether `tiles` divide the weight: its rows (by BLOCK_N, twice that gated) and K (by BLOCK_K)."""
     return w_rows % (tiles[1] * (2 if gated else 1)) == 0 and k_dim % tiles[2] == 0
 
 
-def fp8_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: Fp8Weight, out_dtype: torch.dtype,
-               tiles: Fp8Tiles = DEFAULT_TILES, gated: bool = False, programs: int | None = None) -> torch.Tensor:
-    """(M, K) e4m3 rows times the (N, K) e4m3 weight's transpose, each side's rows scaled (x_scale (M, 1), the weight's
-    (1, N)), out (M, N) in out_dtype; `gated`: the weight `interleave`d, out silu(gate) * up, (M, N / 2). Persistent
-    tiles: `programs` programs (None: one per SM, at most one per tile)."""
+def fp8_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+               out_dtype: torch.dtype, tiles: Fp8Tiles = DEFAULT_TILES, gated: bool = False,
+               programs: int | None = None) -> torch.Tensor:
+    """(M, K) e4m3 rows times the (N, K) e4m3 weight's transpose (contiguous), each side's rows scaled (x_scale (M, 1),
+    w_scale (1, N)), out (M, N) in out_dtype; `gated`: the weight's rows (gate_i, up_i) pairs, out silu(gate) * up,
+    (M, N / 2). Persistent tiles: `programs` programs (None: one per SM, at most one per tile)."""
     block_m, block_n, block_k, stages, warps, group, persistent = tiles
     rows, k_dim = x_fp8.shape
     w_cols = 2 * block_n if gated else block_n
-    n = weight.data.shape[0] // (2 if gated else 1)
+    n = w_fp8.shape[0] // (2 if gated else 1)
     if x_fp8.stride(-1) != 1:
         x_fp8 = x_fp8.contiguous()
     out = torch.empty((rows, n), dtype=out_dtype, device=x_fp8.device)
@@ -134,9 +125,9 @@ def fp8_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: Fp8Weight, ou
         programs = min(programs or torch.cuda.get_device_properties(x_fp8.device).multi_processor_count, tile_count)
         _fp8_gemm_persistent_kernel[(programs,)](
             TensorDescriptor.from_tensor(x_fp8.contiguous(), [block_m, block_k]), x_scale,
-            TensorDescriptor.from_tensor(weight.data, [w_cols, block_k]), weight.scale,
+            TensorDescriptor.from_tensor(w_fp8, [w_cols, block_k]), w_scale,
             TensorDescriptor.from_tensor(out, [block_m, block_n]), rows, n, tile_count, PROGRAMS=programs, **common)
     else:
-        _fp8_gemm_kernel[(tile_count,)](x_fp8, x_scale, weight.data, weight.scale, out, rows, n, x_fp8.stride(0),
+        _fp8_gemm_kernel[(tile_count,)](x_fp8, x_scale, w_fp8, w_scale, out, rows, n, x_fp8.stride(0),
                                         out.stride(0), **common)
     return out

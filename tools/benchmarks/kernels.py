@@ -228,7 +228,7 @@ def bench_fp8(cfg: VoxCPMConfig, batches: list[int], dev: torch.device) -> list[
         weight = fp8.quantize_weight(torch.randn(n, k_dim, device=dev, dtype=torch.bfloat16) * k_dim ** -0.5)
         gated = name == "gate_up"
         if gated:
-            weight = fp8_gemm.interleave(weight)
+            weight = fp8.interleaved(weight)
         weights = [fp8.Fp8Weight(d, weight.scale.clone()) for d in weight_copies(weight.data)]
         for b in batches:
             m = b * dit_rows_per_stream(cfg)
@@ -245,8 +245,9 @@ def bench_fp8(cfg: VoxCPMConfig, batches: list[int], dev: torch.device) -> list[
                 if not fp8_gemm.tiles_fit(k_dim, n, tiles, gated):
                     continue
                 try:
-                    us = gemm_us(lambda w, t=tiles, q=xq, s=xs, g=gated: fp8_gemm.fp8_matmul(q, s, w, torch.bfloat16,
-                                                                                             t, g), weights)
+                    us = gemm_us(lambda w, t=tiles, q=xq, s=xs, g=gated: fp8_gemm.fp8_matmul(q, s, w.data, w.scale,
+                                                                                             torch.bfloat16, t, g),
+                                 weights)
                 except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is reported
                     row["x".join(map(str, tiles))] = type(e).__name__
                     continue
@@ -254,13 +255,13 @@ def bench_fp8(cfg: VoxCPMConfig, batches: list[int], dev: torch.device) -> list[
                 if best is None or us < best[0]:
                     best = (us, tiles)
             if best is not None:
-                out = fp8_gemm.fp8_matmul(xq, xs, weight, torch.bfloat16, best[1], gated)
+                out = fp8_gemm.fp8_matmul(xq, xs, weight.data, weight.scale, torch.bfloat16, best[1], gated)
                 row |= {"best_us": round(best[0], 2), "best_tiles": list(best[1])}
                 ref = fp8.scaled_matmul(xq, xs, weight, torch.bfloat16)
                 if gated:  # the interleaved weight's halves as (gate_i, up_i) column pairs
                     ref = silu_mul.silu_mul(ref[:, 0::2], ref[:, 1::2])
                     row["triton_gated_quant_us"] = round(gemm_us(lambda w, t=best[1], q=xq, s=xs: fp8.quantize_rows(
-                        fp8_gemm.fp8_matmul(q, s, w, torch.bfloat16, t, True)), weights), 2)
+                        fp8_gemm.fp8_matmul(q, s, w.data, w.scale, torch.bfloat16, t, True)), weights), 2)
                 row["max_rel_err"] = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
             rows.append(row)
             print("fp8:", json.dumps(row), flush=True)
