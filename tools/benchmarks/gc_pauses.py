@@ -14,7 +14,6 @@ service's imports, its app and the model's tokenizer (what a full collection the
 
 from __future__ import annotations
 
-import datetime as dt
 import gc
 import json
 import subprocess
@@ -22,13 +21,11 @@ import sys
 import time
 from typing import Any
 
-import torch
-
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.io.checkpoint import load_model
 from engine.serving.collector import freeze_startup_heap
 from engine.serving.worker_startup import warm_up
-from tools.benchmarks.harness import REPO, TEXT, command_line, subcommand_parser, torch_facts, write_json
+from tools.benchmarks.harness import REPO, TEXT, device_doc, subcommand_parser, write_json
 
 
 def timed_rounds(engine: LLMEngine, rounds: int, requests: int, patches: int) -> dict[str, Any]:
@@ -90,11 +87,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", help="write the results JSON here")
     a = ap.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    doc: dict[str, Any] = {"tool": "gc_pauses", "command": "python " + " ".join(command_line("gc", argv)),
-                           "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                           "device": device, "requests": a.requests, "patches": a.patches, "rounds": a.rounds,
-                           **torch_facts(0 if device == "cuda" else None, touch_cuda=device == "cuda")}
+    device, doc = device_doc("gc_pauses", "gc", argv, requests=a.requests, patches=a.patches, rounds=a.rounds)
     engine = LLMEngine(load_model(a.model, device), EngineConfig(max_num_seqs=a.requests, max_model_len=1024),
                        device=device)
     warm_up(engine)

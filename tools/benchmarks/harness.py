@@ -775,6 +775,17 @@ def command_line(command: str, argv: list[str]) -> list[str]:
     return [BENCH, command, *argv]
 
 
+def device_doc(tool: str, command: str, argv: list[str], **params: Any) -> tuple[str, dict[str, Any]]:
+    """An in-process benchmark's device (the GPU when there is one) and its results document's head: the tool, the
+    command as typed, the date, its parameters, the device, torch and the GPU."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device, {"tool": tool, "command": "python " + " ".join(command_line(command, argv)),
+                    "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **params,
+                    "device": device, **torch_facts(0 if device == "cuda" else None, touch_cuda=device == "cuda")}
+
+
 def subcommand_parser(command: str, doc: str | None) -> argparse.ArgumentParser:
     """The parser of one subcommand of tools/bench.py, its description the benchmark's docstring."""
     return argparse.ArgumentParser(prog=f"bench.py {command}", description=inspect.cleandoc(doc or ""),

@@ -11,7 +11,6 @@ difference. Then the VAE decode of a step's patches alone, for each batch of --b
 
 from __future__ import annotations
 
-import datetime as dt
 import time
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.io.checkpoint import load_model
-from tools.benchmarks.harness import TEXT, command_line, positive_ints, subcommand_parser, torch_facts, write_json
+from tools.benchmarks.harness import TEXT, device_doc, positive_ints, subcommand_parser, write_json
 
 
 def generate(engine: LLMEngine, n: int, patches: int) -> tuple[list[np.ndarray], list[torch.Tensor]]:
@@ -64,11 +63,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", help="write the results JSON here")
     a = ap.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    doc: dict[str, Any] = {"tool": "vae_dtype", "command": "python " + " ".join(command_line("vae-dtype", argv)),
-                           "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                           "dtype": a.dtype, "requests": a.requests, "patches": a.patches, "device": device,
-                           **torch_facts(0 if device == "cuda" else None, touch_cuda=device == "cuda")}
+    device, doc = device_doc("vae_dtype", "vae-dtype", argv, dtype=a.dtype, requests=a.requests, patches=a.patches)
     runs = {}
     for vae_dtype in (None, a.dtype):
         # The first engine stays on the device beside the second: it sizes its KV within 0.3 of the memory, the
