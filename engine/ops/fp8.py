@@ -234,10 +234,10 @@ def requantize(weight: torch.Tensor) -> None:
     q, scale = quantize_rows(weight.detach())
     fp8.data.copy_(q)
     fp8.scale.copy_(scale.view(1, -1))
-    if (gated := gated_companion_of(weight)) is not None:
-        fresh = interleaved(fp8)
-        gated.data.copy_(fresh.data)
-        gated.scale.copy_(fresh.scale)
+    if (gated := gated_companion_of(weight)) is not None:  # row pairs (gate_i, up_i), copied in place (capturable)
+        half = fp8.data.shape[0] // 2
+        gated.data.view(half, 2, -1).copy_(fp8.data.view(2, half, -1).transpose(0, 1))
+        gated.scale.view(half, 2).copy_(fp8.scale.view(2, half).t())
 
 
 def dequantize_in_place(weight: torch.Tensor) -> None:
@@ -277,7 +277,8 @@ def mlp_companions(x: torch.Tensor, gate_up_weight: torch.Tensor,
     gate_up, down = companion(x, gate_up_weight), companion(x, down_weight)
     if gate_up is None or down is None:
         return None
-    return gate_up, down, gated_companion_of(gate_up_weight) if current().gated_gemm_min_rows else None
+    gated = gated_companion_of(gate_up_weight) if current().gated_gemm_min_rows and platform.kernels(x) else None
+    return gate_up, down, gated
 
 
 def fp8_mlp(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, gated: Fp8Weight | None = None) -> torch.Tensor:

@@ -1,15 +1,13 @@
-"""The FP8 (e4m3, rowwise-scaled) projections as Triton GEMMs, where they beat `torch._scaled_mm` (`engine.ops.fp8`).
+"""The FP8 (e4m3, rowwise-scaled) GEMM as a Triton kernel, for the DiT's gate/up projection with its SiLU gate.
 
-cuBLAS runs every FP8 projection of the DiT in 128 x 128 tiles: the o and down projections (N = 1024) then fill 1.3
-waves of an H200's 132 SMs at a 128-request step (176 tiles), and the gate/up output (rows x 2I, bf16) is written
-and read back by the SiLU-gated quantiser (B=128: 46 MB a layer). These kernels compute the same
-`(x_fp8 @ w_fp8.T) * x_scale * w_scale` in fp32:
-- `fp8_matmul`: tiles of the caller's choice (`FP8_TILES`, by weight shape), so that N = 1024 is cut finer;
-- `fp8_matmul(..., gated=True)`: the SiLU gate in the epilogue, on a weight with its rows as (gate_i, up_i) pairs and
-  its scales alike (`fp8.interleaved`, the bf16 gated GEMM's layout), so only the gated product is written (rounded
-  as `_scaled_mm`'s bf16 output and `silu_mul` round it: each half to the dtype, then SiLU and the product).
-Both are tiled over pointers (the CPU interpreter runs them) and, on Hopper, persistent over tensor descriptors.
-Their eager reference is `fp8.fp8_linear_reference` (and `silu_mul` of it).
+cuBLAS (`torch._scaled_mm`, `engine.ops.fp8`) writes the gate/up output (rows x 2I, bf16) that the SiLU-gated
+quantiser reads back (B=128: 46 MB a layer). `fp8_matmul` computes `(x_fp8 @ w_fp8.T) * x_scale * w_scale` in fp32,
+the scales in its epilogue; with `gated=True`, on a weight with its rows as (gate_i, up_i) pairs and its scales alike
+(`fp8.interleaved`, the bf16 gated GEMM's layout), the epilogue makes silu(gate) * up, so only that product is written
+(rounded as `_scaled_mm`'s bf16 output and `silu_mul` round it: each half to the dtype, then SiLU and the product).
+It is tiled over pointers (the CPU interpreter runs it) or persistent over tensor descriptors (Hopper). For the plain
+projections it measured no faster than cuBLAS (docs/benchmarks.md, Refuted): only the gated form is used. Its eager
+reference is `fp8.fp8_linear_reference` (and `silu_mul` of it).
 """
 
 from __future__ import annotations
@@ -90,9 +88,10 @@ GATED_TILES: Fp8Tiles = (128, 128, 128, 4, 8, 8, True)
 
 
 def gated_supported(device: torch.device, k_dim: int, w_rows: int) -> bool:
-    """Whether the gated GEMM at GATED_TILES runs for a fused gate/up weight (2I, K) on `device`: CUDA with tensor
-    descriptors (compute capability 9 on), the tiles dividing the weight."""
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    """Whether the gated GEMM at GATED_TILES runs for a fused gate/up weight (2I, K) on `device`: Triton, a data-centre
+    GPU with tensor descriptors and the ~200 KB of shared memory its four stages take (compute capability 9 or 10:
+    Hopper, Blackwell; not the consumer sm120's ~100 KB), the tiles dividing the weight."""
+    return (HAVE_TRITON and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10)
             and tiles_fit(k_dim, w_rows, GATED_TILES, gated=True))
 
 
@@ -109,6 +108,10 @@ def fp8_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, 
     (M, N / 2). Persistent tiles: `programs` programs (None: one per SM, at most one per tile)."""
     block_m, block_n, block_k, stages, warps, group, persistent = tiles
     rows, k_dim = x_fp8.shape
+    if (not tiles_fit(k_dim, w_fp8.shape[0], tiles, gated) or w_fp8.shape[1] != k_dim or not w_fp8.is_contiguous()
+            or not w_scale.is_contiguous() or not x_scale.is_contiguous()):
+        raise ValueError(f"fp8_matmul: tiles {tiles} (gated={gated}) do not divide the weight {tuple(w_fp8.shape)} "
+                         f"for x {tuple(x_fp8.shape)}, or an operand is not contiguous")
     w_cols = 2 * block_n if gated else block_n
     n = w_fp8.shape[0] // (2 if gated else 1)
     if x_fp8.stride(-1) != 1:

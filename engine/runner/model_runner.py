@@ -75,7 +75,7 @@ class ModelRunner:
         if config.quantization:
             log.info("quantization %s: projection weights %s", config.quantization, quantized)
         if device.type == "cuda" and opts.fuse and opts.gated_gemm_min_rows and max_num_seqs * dit_rows_per_stream(
-                model.config) >= (opts.fp8_min_rows if config.quantization else opts.gated_gemm_min_rows):
+                model.config) >= (opts.fp8_min_rows if quantized["fp8_gemm"] else opts.gated_gemm_min_rows):
             attach_gated_gemm(model.backbone.feat_decoder)  # only the DiT's MLPs reach such rows; bf16 or FP8
         # Runtime LoRA adapters: their slots exist before KV sizing and graph capture, which then include them.
         self.lora = LoRASlots(model.backbone, model.config.architecture, config.max_loras,

@@ -4,7 +4,9 @@ A full collection walks every object the collector tracks, and a worker's start-
 them (torch, the model's modules, the tokenizer) that live as long as the process. Walking them stops the step loop,
 and with it every stream the worker serves (`tools/bench.py gc`, docs/benchmarks.md). `freeze_startup_heap` moves
 them to the permanent generation (`gc.freeze`) once the process is ready, so a collection while serving walks what
-requests made; objects frozen are still freed by their reference counts, only cycles among them are never collected.
+requests made. Objects frozen are still freed by their reference counts; only cycles among them are never collected:
+what the start-up made and a process later drops (an API process's connections to a worker that restarted) stays
+in memory if it is in a cycle, a bounded cost against a pause of every stream.
 `CollectorPauses` counts the collections that still run and their time (the worker's `WorkerStats`).
 """
 

@@ -102,7 +102,7 @@ class WorkerStats(WorkerLoad):
     gc_collections: int = 0  # the garbage collector's passes in the worker process (engine.serving.collector)
     gc_seconds: float = 0.0  # summed over those: the process, its step loop included, waited for each
     gc_longest_s: float = 0.0
-    gc_frozen_objects: int = 0  # the start-up's objects frozen out of the collector once the worker was ready
+    gc_frozen_objects: int = 0  # objects out of the collector now: the start-up's, frozen once ready, less those freed
     loras: list[AdapterInfo] = field(default_factory=list)
 
 

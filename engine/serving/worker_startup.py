@@ -116,11 +116,11 @@ def worker_main(control: Connection, options: WorkerOptions) -> None:
         info = describe(engine)
         if options.warmup:
             info.startup = dataclasses.replace(info.startup, **warm_up(engine))
+        frozen = freeze_startup_heap()  # a full collection of it would stop every stream (engine.serving.collector)
+        log.debug("%d objects of the start-up frozen out of the garbage collector", frozen)
         if imported_s is not None:
             info.startup.process_import_s = imported_s
             info.startup.spawn_to_ready_s = time.time() - options.spawned_at
-        frozen = freeze_startup_heap()  # a full collection of it would stop every stream (engine.serving.collector)
-        log.debug("%d objects of the start-up frozen out of the garbage collector", frozen)
         worker = Worker(engine, control, info, acceptor)  # its collector count starts after the freeze's own pass
         ready.set()
         watcher.join()  # from here on the main loop reads the control pipe; a Stop the watcher took raises here

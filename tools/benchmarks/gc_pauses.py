@@ -93,8 +93,10 @@ def main(argv: list[str]) -> dict[str, Any]:
     warm_up(engine)
     doc["as_started"] = timed_rounds(engine, a.rounds, a.requests, a.patches)
     doc["frozen_at_start"] = freeze_startup_heap()
-    doc["frozen"] = timed_rounds(engine, a.rounds, a.requests, a.patches)
-    gc.unfreeze()  # this process is a benchmark (or a test), not a worker
+    try:
+        doc["frozen"] = timed_rounds(engine, a.rounds, a.requests, a.patches)
+    finally:
+        gc.unfreeze()  # this process is a benchmark (or a test), not a worker
     doc["api_process"] = api_process_heap(a.model)
     write_json(a.out, doc)
     for phase in ("as_started", "frozen"):

@@ -175,7 +175,8 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
                     row["worker_send_ms_mean"] = round(1000 * (seconds - sent[1]) / max(1, messages - sent[0]), 3)
                     # the workers' garbage-collector passes during this concurrency, and the longest since start
                     row["worker_gc_passes"] = await gc_passes(pool) - collected
-                    row["worker_gc_longest_ms"] = round(1000 * max(s.gc_longest_s for s in await worker_stats(pool)), 3)
+                    row["worker_gc_longest_ms"] = round(1000 * max((s.gc_longest_s for s in await worker_stats(pool)),
+                                                                   default=0.0), 3)
                 doc["results"].append(row)
                 tqdm.write(json.dumps({k: row[k] for k in ("concurrency", "ttfb_p50", "ttfb_p95", "rtf_mean",
                                                          "throughput_audio_s_per_s", "streams_with_underrun",
