@@ -202,10 +202,12 @@ def companion_of(weight: torch.Tensor | None) -> Fp8Weight | None:
     return getattr(weight, FP8_ATTR, None)
 
 
-def interleaved(weight: Fp8Weight) -> Fp8Weight:
-    """A fused [gate; up] FP8 weight (2I, K) and its scales with rows as (gate_i, up_i) pairs (copies), the layout of
-    the gated GEMMs (`gated_gemm.interleave`)."""
-    return Fp8Weight(gated_gemm.interleave(weight.data), gated_gemm.interleave(weight.scale.view(-1, 1)).view(1, -1))
+def interleaved(weight: Fp8Weight, into: Fp8Weight | None = None) -> Fp8Weight:
+    """A fused [gate; up] FP8 weight (2I, K) and its scales with rows as (gate_i, up_i) pairs, the layout of the gated
+    GEMMs (`gated_gemm.interleave`): copies, or written in place into `into` (capturable)."""
+    data = gated_gemm.interleave(weight.data, None if into is None else into.data)
+    scale = gated_gemm.interleave(weight.scale.view(-1, 1), None if into is None else into.scale.view(-1, 1))
+    return Fp8Weight(data, scale.view(1, -1)) if into is None else into
 
 
 def attach_gated(gate_up: torch.Tensor) -> None:
@@ -234,10 +236,8 @@ def requantize(weight: torch.Tensor) -> None:
     q, scale = quantize_rows(weight.detach())
     fp8.data.copy_(q)
     fp8.scale.copy_(scale.view(1, -1))
-    if (gated := gated_companion_of(weight)) is not None:  # row pairs (gate_i, up_i), copied in place (capturable)
-        half = fp8.data.shape[0] // 2
-        gated.data.view(half, 2, -1).copy_(fp8.data.view(2, half, -1).transpose(0, 1))
-        gated.scale.view(half, 2).copy_(fp8.scale.view(2, half).t())
+    if (gated := gated_companion_of(weight)) is not None:
+        interleaved(fp8, into=gated)
 
 
 def dequantize_in_place(weight: torch.Tensor) -> None:

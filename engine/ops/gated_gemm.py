@@ -86,10 +86,13 @@ DEFAULT_CONFIG: GatedGemmConfig = (128, 128, 64, 3, 8, 8)
 INTERLEAVED_ATTR = "gate_up_interleaved"  # the companion's attribute on a fused gate/up weight
 
 
-def interleave(gate_up: torch.Tensor) -> torch.Tensor:
-    """The fused [gate; up] weight (2I, K) with its rows as (gate_i, up_i) pairs (a contiguous copy)."""
+def interleave(gate_up: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused [gate; up] weight (2I, K) with its rows as (gate_i, up_i) pairs: a contiguous copy, or written in
+    place into `into` (contiguous, the same shape; no allocation, so a captured graph may do it)."""
     two_n, k_dim = gate_up.shape
-    return gate_up.detach().view(2, two_n // 2, k_dim).transpose(0, 1).reshape(two_n, k_dim).contiguous()
+    out = torch.empty_like(gate_up, memory_format=torch.contiguous_format) if into is None else into
+    out.view(two_n // 2, 2, k_dim).copy_(gate_up.detach().view(2, two_n // 2, k_dim).transpose(0, 1))
+    return out
 
 
 def shape_ok(gate_up: torch.Tensor, config: GatedGemmConfig = DEFAULT_CONFIG) -> bool:

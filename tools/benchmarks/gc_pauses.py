@@ -23,23 +23,15 @@ from typing import Any
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.io.checkpoint import load_model
-from engine.serving.collector import freeze_startup_heap
+from engine.serving.collector import CollectorPauses, freeze_startup_heap
 from engine.serving.worker_startup import warm_up
 from tools.benchmarks.harness import REPO, TEXT, device_doc, subcommand_parser, write_json
 
 
 def timed_rounds(engine: LLMEngine, rounds: int, requests: int, patches: int) -> dict[str, Any]:
-    """The collector's passes while `rounds` rounds of requests run, then a forced full collection's ms."""
-    passes: list[tuple[int, float]] = []
-    started = [0.0]
-
-    def observe(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            started[0] = time.perf_counter()
-        else:
-            passes.append((info["generation"], 1000 * (time.perf_counter() - started[0])))
-
-    gc.callbacks.append(observe)
+    """The collector's passes while `rounds` rounds of requests run (counted as the worker counts them), then a
+    forced full collection's ms."""
+    pauses = CollectorPauses()
     t0 = time.perf_counter()
     try:
         for r in range(rounds):
@@ -47,16 +39,14 @@ def timed_rounds(engine: LLMEngine, rounds: int, requests: int, patches: int) ->
             ids = [engine.add_request(f"Round {r}, number {i}. {TEXT}", p) for i, p in enumerate(params)]
             engine.run_to_completion(ids)
     finally:
-        gc.callbacks.remove(observe)
+        pauses.close()
     wall = time.perf_counter() - t0
     t1 = time.perf_counter()
     gc.collect()
     forced_ms = 1000 * (time.perf_counter() - t1)
-    by_gen = {g: [ms for gen, ms in passes if gen == g] for g in (0, 1, 2)}
     return {"wall_s": wall, "tracked_objects": len(gc.get_objects()), "frozen_objects": gc.get_freeze_count(),
-            "full_collection_forced_ms": forced_ms,
-            "passes": {str(g): {"count": len(v), "longest_ms": max(v, default=0.0), "total_ms": sum(v)}
-                       for g, v in by_gen.items()}}
+            "full_collection_forced_ms": forced_ms, "passes": pauses.collections,
+            "passes_longest_ms": 1000 * pauses.longest_s, "passes_total_ms": 1000 * pauses.seconds}
 
 
 API_PROCESS_PROBE = """
@@ -101,10 +91,9 @@ def main(argv: list[str]) -> dict[str, Any]:
     write_json(a.out, doc)
     for phase in ("as_started", "frozen"):
         d = doc[phase]
-        passes = ", ".join(f"gen {g}: {p['count']} passes, longest {p['longest_ms']:.1f} ms"
-                           for g, p in d["passes"].items())
-        print(f"{phase}: {d['tracked_objects']} objects tracked ({d['frozen_objects']} frozen); {passes}; a forced "
-              f"full collection {d['full_collection_forced_ms']:.1f} ms; rounds {d['wall_s']:.1f} s")
+        print(f"{phase}: {d['tracked_objects']} objects tracked ({d['frozen_objects']} frozen); {d['passes']} passes, "
+              f"the longest {d['passes_longest_ms']:.1f} ms; a forced full collection "
+              f"{d['full_collection_forced_ms']:.1f} ms; rounds {d['wall_s']:.1f} s")
     print(f"an API process's heap: {doc['api_process']['tracked_objects']} objects tracked, a full collection "
           f"{doc['api_process']['full_collection_ms']:.1f} ms")
     return doc

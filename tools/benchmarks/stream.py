@@ -165,18 +165,17 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
 
         with tqdm(total=len(a.conc) * (a.iters + 1), desc="bursts", unit="burst", file=sys.stderr) as bar:
             for c in a.conc:
-                sent = await send_waits(pool) if a.engine == "voxcpm-serve" else None
-                collected = await gc_passes(pool) if sent is not None else 0
+                before = await worker_counters(pool) if a.engine == "voxcpm-serve" else None
                 row = await bursts(target, lambda it, n: [Req(TEXT, a.patches, {**cond, **lora_of(it * n + i)})
                                                           for i in range(n)], c, a.iters, bar)
                 del row["label"]  # the anchor files' rows have none
-                if sent is not None:  # ours: how long the workers' messages waited from queued to written
-                    messages, seconds = await send_waits(pool)
-                    row["worker_send_ms_mean"] = round(1000 * (seconds - sent[1]) / max(1, messages - sent[0]), 3)
-                    # the workers' garbage-collector passes during this concurrency, and the longest since start
-                    row["worker_gc_passes"] = await gc_passes(pool) - collected
-                    row["worker_gc_longest_ms"] = round(1000 * max((s.gc_longest_s for s in await worker_stats(pool)),
-                                                                   default=0.0), 3)
+                if before is not None:  # ours: how long the workers' messages waited from queued to written, their
+                    # garbage collector's passes during this concurrency and the longest since they started
+                    after = await worker_counters(pool)
+                    messages, seconds, passes = (now - then for now, then in zip(after[:3], before[:3], strict=True))
+                    row["worker_send_ms_mean"] = round(1000 * seconds / max(1, messages), 3)
+                    row["worker_gc_passes"] = int(passes)
+                    row["worker_gc_longest_ms"] = round(1000 * after[3], 3)
                 doc["results"].append(row)
                 tqdm.write(json.dumps({k: row[k] for k in ("concurrency", "ttfb_p50", "ttfb_p95", "rtf_mean",
                                                          "throughput_audio_s_per_s", "streams_with_underrun",
@@ -188,19 +187,12 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
     return doc
 
 
-async def worker_stats(pool: Any) -> list[Any]:
-    return [s for s in await pool.stats() if s is not None]
-
-
-async def send_waits(pool: Any) -> tuple[int, float]:
-    """Our workers' messages written to clients so far and the seconds they waited from queued to written."""
-    stats = await worker_stats(pool)
-    return sum(s.messages_sent for s in stats), sum(s.send_seconds for s in stats)
-
-
-async def gc_passes(pool: Any) -> int:
-    """Our workers' garbage-collector passes so far (engine.serving.collector)."""
-    return sum(s.gc_collections for s in await worker_stats(pool))
+async def worker_counters(pool: Any) -> tuple[int, float, int, float]:
+    """Our workers' counters so far, from one stats call: messages written to clients, the seconds they waited from
+    queued to written, garbage-collector passes, the longest pass (s)."""
+    stats = [s for s in await pool.stats() if s is not None]
+    return (sum(s.messages_sent for s in stats), sum(s.send_seconds for s in stats),
+            sum(s.gc_collections for s in stats), max((s.gc_longest_s for s in stats), default=0.0))
 
 
 def main(argv: list[str]) -> None:
