@@ -317,6 +317,33 @@ def test_requantize_rewrites_the_gated_companion_in_place():
 
 
 @needs_fp8_gpu
+def test_the_norms_quantise_the_rows_the_fp8_gemms_read_cuda():
+    """On FP8 weights the add + RMSNorm before gate/up and before the next layer's q/k/v also quantises its rows (one
+    kernel): the stack's output is bitwise the one where every FP8 GEMM quantises its rows itself, with two quantiser
+    launches fewer per layer (one fewer in the last: the final norm feeds no FP8 GEMM)."""
+    from engine import options
+    from engine.config import TransformerConfig
+    from engine.models.minicpm import MiniCPM, quantize_projections
+
+    torch.manual_seed(12)
+    layers = 3
+    stack = MiniCPM(TransformerConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=layers, rms_norm_eps=1e-6,
+                                      no_rope=True)).to("cuda", torch.bfloat16)
+    assert quantize_projections(stack, "fp8", torch.device("cuda"))["fp8_gemm"] == 4 * layers
+    x = torch.randn(64, 11, 256, device="cuda").bfloat16()  # 704 rows: 64 short sequences, as the DiT's
+    runs, launches = {}, {}
+    for fused in (True, False):
+        with options.override(fp8_min_rows=256), \
+                mock.patch.object(fp8, "quantize_rows_triton", wraps=fp8.quantize_rows_triton) as quantiser, \
+                mock.patch.object(fp8, "attach_rows", wraps=fp8.attach_rows if fused else lambda *a: None):
+            runs[fused] = stack.forward_local(x, None)
+        launches[fused] = quantiser.call_count
+    assert torch.equal(runs[True], runs[False])
+    assert launches[False] - launches[True] == 2 * layers - 1, launches
+
+
+@needs_fp8_gpu
 @pytest.mark.parametrize("cols", [16, 100, 2048, 6144])
 def test_triton_activation_quantiser_matches_torch_cuda(cols):
     """IEEE division and round-to-nearest-even on both sides: the same scales and the same e4m3 codes, also for a

@@ -80,6 +80,14 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             errs += [relative_error(xs, xs_ref), relative_error(y, norm.rms_norm_eager(xs_ref, w, 1e-5))]
         _, y = norm.add_rms_norm_triton(x, None, None, w, 1e-6)
         errs.append(relative_error(y, norm.rms_norm_eager(x, w, 1e-6)))
+        from engine.ops import fp8 as fp8_ops  # quantize=True: the same two outputs, and the norm's rows quantised
+        xs, y = norm.add_rms_norm_triton(x, h, 0.37, w, 1e-5)  # by the row quantiser's rule, attached to it
+        xs_q, y_q = norm.add_rms_norm_triton(x, h, 0.37, w, 1e-5, quantize=True)
+        assert torch.equal(xs_q, xs) and torch.equal(y_q, y)
+        q, q_scale = getattr(y_q, fp8_ops.ROWS_ATTR)
+        ref_q, ref_scale = fp8_ops.quantize_rows_triton(y.reshape(-1, 96))
+        assert torch.equal(q_scale, ref_scale) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+        assert fp8_ops.quantized(y_q)[0] is q and not hasattr(y, fp8_ops.ROWS_ATTR)
         for splits in (1, 2, 4):  # h as a split-K GEMM's fp32 partials: summed, rounded to the dtype, then added
             parts = rand(splits, 3, 7, 96, dtype=torch.float32, seed=20 + splits)
             h_sum = parts.sum(0).to(dtype)

@@ -154,16 +154,19 @@ class DecoderLayer(nn.Module):
         self.residual_scale: float | None = cfg.residual_scale if cfg.use_mup else None
 
     def forward(self, x: torch.Tensor, normed: torch.Tensor, rope: torch.Tensor | None, attend: AttendFn, layer: int,
-                next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+                next_norm: RMSNorm, next_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream; normed: input_layernorm(x), already computed by whoever updated x
         last. Returns the updated stream and `next_norm` of it (the next layer's input norm, or the
-        stack's final norm), each residual add fused with the norm that follows it."""
+        stack's final norm), each residual add fused with the norm that follows it. next_weight: the projection
+        that reads `next_norm`'s output (the next layer's q/k/v), its FP8 GEMM then reads rows the norm quantised."""
         # Each branch's output may come back as split-K partials, which the add + norm sums.
         h = self.self_attn(normed, rope, attend, layer)
         norm = self.post_attention_layernorm
-        x, normed = add_rms_norm(x, h, self.residual_scale, norm.weight, norm.eps)
+        x, normed = add_rms_norm(x, h, self.residual_scale, norm.weight, norm.eps,
+                                 quantize=fp8.companion(x, self.mlp.gate_up_weight) is not None)
         h = self.mlp(normed)
-        return add_rms_norm(x, h, self.residual_scale, next_norm.weight, next_norm.eps)
+        return add_rms_norm(x, h, self.residual_scale, next_norm.weight, next_norm.eps,
+                            quantize=fp8.companion(x, next_weight) is not None)
 
 
 def fuse_projections(module: nn.Module) -> None:
@@ -305,8 +308,9 @@ class MiniCPM(nn.Module):
             return self.norm(x)
         normed = self.layers[0].input_layernorm(x)
         for i, layer in enumerate(self.layers):
-            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            x, normed = layer(x, normed, rope, attend, i, next_norm)
+            after = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            x, normed = layer(x, normed, rope, attend, i, after.input_layernorm if after else self.norm,
+                              after.self_attn.qkv_weight if after else None)
         return normed
 
     def forward_local(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:

@@ -50,6 +50,8 @@ E4M3_MAX = 448.0
 SCALE_FLOOR = 1e-12  # an all-zero row's amax: its scale stays finite and its values zero
 FP8_ATTR = "fp8"  # the companion's attribute on a weight tensor
 GATED_ATTR = "fp8_gated"  # the gated FP8 GEMM's companion on a fused gate/up weight (`attach_gated`)
+ROWS_ATTR = "fp8_rows"  # an activation's rows quantised by the kernel that made it (`attach_rows`)
+QUANTISER_CONSTANTS = {"FLOOR": SCALE_FLOOR, "FP8_MAX": E4M3_MAX, "INV_MAX": 1.0 / E4M3_MAX}  # the kernels' rule
 MAX_KERNEL_COLS = 16384  # the kernel holds a row in registers; longer rows take the torch ops
 
 if HAVE_TRITON:
@@ -59,7 +61,7 @@ if HAVE_TRITON:
     from engine.ops.silu_mul import silu_mul_math
 
     @triton.jit
-    def _store_quantized_row(x, q_ptr, s_ptr, row, n_cols, cols, mask, FLOOR: tl.constexpr, FP8_MAX: tl.constexpr,
+    def store_quantized_row(x, q_ptr, s_ptr, row, n_cols, cols, mask, FLOOR: tl.constexpr, FP8_MAX: tl.constexpr,
                              INV_MAX: tl.constexpr):
         # A row's fp32 values x: its amax, its scale, its values divided (IEEE division, as torch's) and cast.
         scale = tl.maximum(tl.max(tl.abs(x), axis=0), FLOOR) * INV_MAX
@@ -75,7 +77,7 @@ if HAVE_TRITON:
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        _store_quantized_row(x, q_ptr, s_ptr, row, n_cols, cols, mask, FLOOR, FP8_MAX, INV_MAX)
+        store_quantized_row(x, q_ptr, s_ptr, row, n_cols, cols, mask, FLOOR, FP8_MAX, INV_MAX)
 
     @triton.jit
     def _silu_mul_quantize_kernel(gu_ptr, q_ptr, s_ptr, n_cols, stride_gu, FLOOR: tl.constexpr,
@@ -88,7 +90,7 @@ if HAVE_TRITON:
         g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0)
         x = silu_mul_math(g, u).to(tl.float32)
-        _store_quantized_row(x, q_ptr, s_ptr, row, n_cols, cols, mask, FLOOR, FP8_MAX, INV_MAX)
+        store_quantized_row(x, q_ptr, s_ptr, row, n_cols, cols, mask, FLOOR, FP8_MAX, INV_MAX)
 
 
 def quantize_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,23 +101,33 @@ def quantize_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return (x32 / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
+def empty_rows(rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Room for `rows` quantised rows of `cols` values and their scales, as the quantisers return them."""
+    return (torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=device),
+            torch.empty((rows, 1), dtype=torch.float32, device=device))
+
+
 def quantize_rows_triton(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows_reference` as one kernel launch (rows of at most MAX_KERNEL_COLS, unit column stride)."""
     rows, k_dim = x2.shape
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    q = torch.empty((rows, k_dim), dtype=torch.float8_e4m3fn, device=x2.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=x2.device)
+    q, scale = empty_rows(rows, k_dim, x2.device)
     if rows:
         block = triton.next_power_of_2(k_dim)
-        _quantize_rows_kernel[(rows,)](x2, q, scale, k_dim, x2.stride(0), FLOOR=SCALE_FLOOR, FP8_MAX=E4M3_MAX,
-                                       INV_MAX=1.0 / E4M3_MAX, BLOCK=block, num_warps=max(4, min(16, block // 1024)))
+        _quantize_rows_kernel[(rows,)](x2, q, scale, k_dim, x2.stride(0), **QUANTISER_CONSTANTS, BLOCK=block,
+                                       num_warps=max(4, min(16, block // 1024)))
     return q, scale
 
 
 def _quant_kernel(x2: torch.Tensor, cols: int) -> bool:
     """Whether the Triton quantisers take rows of `cols` values of x2 (EngineOptions.fp8_quant_kernel)."""
     return platform.kernels(x2) and current().fp8_quant_kernel and cols <= MAX_KERNEL_COLS
+
+
+def kernel_quantises(x: torch.Tensor) -> bool:
+    """Whether x's rows are quantised by a Triton kernel (so one that makes x may do it: `attach_rows`)."""
+    return _quant_kernel(x, x.shape[-1])
 
 
 def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,19 +137,30 @@ def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows_reference(x2)
 
 
+def attach_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Hand the FP8 GEMM that reads x its rows already quantised (`quantize_rows` of them, bitwise), made by the
+    kernel that wrote x (`norm.add_rms_norm`): an attribute of the tensor object, as weights carry their companions,
+    so the layers in between pass x on unchanged and a capture records nothing extra."""
+    setattr(x, ROWS_ATTR, (q, scale))
+
+
+def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., K)'s rows quantised: the pair its kernel attached, else `quantize_rows` of them."""
+    attached = getattr(x, ROWS_ATTR, None)
+    return attached if attached is not None else quantize_rows(x.reshape(-1, x.shape[-1]))
+
+
 def silu_mul_quantized_triton(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`silu_mul_quantized` as one kernel launch (halves of at most MAX_KERNEL_COLS, unit column stride)."""
     rows, width = gate_up.shape
     if gate_up.stride(-1) != 1:
         gate_up = gate_up.contiguous()
     n = width // 2
-    q = torch.empty((rows, n), dtype=torch.float8_e4m3fn, device=gate_up.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=gate_up.device)
+    q, scale = empty_rows(rows, n, gate_up.device)
     if rows:
         block = triton.next_power_of_2(n)
-        _silu_mul_quantize_kernel[(rows,)](gate_up, q, scale, n, gate_up.stride(0), FLOOR=SCALE_FLOOR,
-                                           FP8_MAX=E4M3_MAX, INV_MAX=1.0 / E4M3_MAX, BLOCK=block,
-                                           num_warps=max(4, min(16, block // 1024)))
+        _silu_mul_quantize_kernel[(rows,)](gate_up, q, scale, n, gate_up.stride(0), **QUANTISER_CONSTANTS,
+                                           BLOCK=block, num_warps=max(4, min(16, block // 1024)))
     return q, scale
 
 
@@ -263,8 +286,7 @@ def scaled_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: Fp8Weight,
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     """x (..., K) @ W.T by the FP8 GEMM: x quantised per token, the product accumulated in fp32, out in x's dtype."""
-    k_dim = x.shape[-1]
-    x_fp8, x_scale = quantize_rows(x.reshape(-1, k_dim))
+    x_fp8, x_scale = quantized(x)
     return scaled_matmul(x_fp8, x_scale, weight, x.dtype).view(*x.shape[:-1], weight.data.shape[0])
 
 
@@ -286,7 +308,7 @@ def fp8_mlp(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, gated: Fp8Weig
     per token for the down GEMM, the output in x's dtype. With `gated` (the gate/up weight `interleave`d) the gate is
     in the gate/up GEMM's epilogue (`fp8_gemm.fp8_matmul`), else in the quantiser after it (`silu_mul_quantized`)."""
     if gated is not None:
-        x_fp8, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+        x_fp8, x_scale = quantized(x)
         act, act_scale = quantize_rows(fp8_gemm.fp8_matmul(x_fp8, x_scale, gated.data, gated.scale, x.dtype,
                                                            fp8_gemm.GATED_TILES, gated=True))
     else:
