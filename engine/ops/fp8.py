@@ -5,7 +5,8 @@
   (nearest, ties to even: 3 mantissa bits, so each element is off by at most 2^-4 of its own size, or 2^-10 of the
   scale where it falls below e4m3's normal range).
 - Activations: the same rule per token (row), computed for each call (`quantize_rows`: one Triton kernel per call on
-  CUDA, `EngineOptions.fp8_quant_kernel`; its eager torch reference beside it).
+  CUDA, `EngineOptions.fp8_quant_kernel`; its eager torch reference beside it), or by the add + RMSNorm kernel that
+  makes them, which attaches them to its output (`attach_rows`; `quantized` finds them).
 - The GEMM: `torch._scaled_mm(x_fp8, w_fp8.t(), scale_a (M, 1), scale_b (1, N), out_dtype=bf16)`, rowwise scaling,
   use_fast_accum as `EngineOptions.fp8_fast_accum` says (off: the tensor cores' partial sums promoted to fp32), on
   GPUs where torch runs it (sm89, sm90, sm100: `gemm_supported` probes it once per device).
@@ -62,7 +63,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def store_quantized_row(x, q_ptr, s_ptr, row, n_cols, cols, mask, FLOOR: tl.constexpr, FP8_MAX: tl.constexpr,
-                             INV_MAX: tl.constexpr):
+                            INV_MAX: tl.constexpr):
         # A row's fp32 values x: its amax, its scale, its values divided (IEEE division, as torch's) and cast.
         scale = tl.maximum(tl.max(tl.abs(x), axis=0), FLOOR) * INV_MAX
         q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)

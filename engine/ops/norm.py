@@ -2,7 +2,9 @@
 
 A residual update and the norm after it sit between every pair of GEMMs of a transformer layer; fusing them halves
 the launches there. The kernel follows the eager op order and rounding points (fp32 variance, the normalised row
-rounded to the dtype before the weight).
+rounded to the dtype before the weight). Where the next GEMM runs on FP8 weights (`engine.ops.fp8`), a second kernel
+also quantises the norm's rows as the FP8 GEMM would (`fp8.quantize_rows`, bitwise) and hands them on with the tensor
+(`fp8.attach_rows`): one launch and one read of the rows fewer before each such GEMM.
 """
 
 from __future__ import annotations
