@@ -20,7 +20,7 @@ from engine.engine_config import EngineConfig
 from engine.errors import LoRANotFoundError, OverloadedError, RequestError
 from engine.io.checkpoint import LoadedModel, load_model
 from engine.io.lora import merge_adapter, read_adapter
-from engine.ops.batch_invariant import BatchInvariantMode
+from engine.ops.batch_invariant import BatchInvariantCalls
 from engine.prompt import build_prompt, max_patches
 from engine.runner.lora import LoRASlots
 from engine.runner.model_runner import LaunchedDecode, ModelRunner
@@ -42,7 +42,7 @@ class LLMEngine:
         # This process's kernels follow the config's switches (on a GPU in exact mode, less those chosen by the batch).
         options.install(cfg.options.batch_invariant_kernels() if invariant and self.device.type == "cuda"
                         else cfg.options)
-        self.invariance = BatchInvariantMode if invariant else contextlib.nullcontext
+        self.invariance = BatchInvariantCalls if invariant else contextlib.nullcontext
         t0 = time.perf_counter()
         if self.device.type == "cuda":
             kernel_cache.RECORDER.install()  # which kernels compile, from cache or not (the manifest tool reads it)

@@ -6,17 +6,22 @@ CPU's kernels would do."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.io.checkpoint import load_model
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.ops import batch_invariant
+from engine.ops.batch_invariant import BatchInvariantMode
 from engine.sequence import SamplingParams
 from tests.conftest import clip_latents
 
@@ -150,6 +155,53 @@ def test_the_thread_count_does_not_change_the_bytes(model):
     assert threads > 1 or os.cpu_count() == 1
     for n, audio in enumerate(_engine(model).generate_all(reqs)):
         _equal_bytes(one[n], audio, f"request {n} on one thread")
+
+
+class _RowMixingOutsideTheHandlers(TorchDispatchMode):
+    """Counts the aten ops of `batch_invariant.HANDLERS` run outside its handlers (a step's projections, GEMMs,
+    convolutions and attention that the engine's function mode let through as they are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.escaped: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in batch_invariant.HANDLERS and not _HANDLING:
+            self.escaped[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+_HANDLING: list[int] = []  # non-empty while a batch-invariant handler runs
+
+
+def _handling(fn):
+    def wrapped(*args, **kwargs):
+        _HANDLING.append(1)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _HANDLING.pop()
+    return wrapped
+
+
+def test_every_row_mixing_op_of_a_step_runs_batch_invariantly(model, monkeypatch):
+    """The engine's function mode (`BatchInvariantCalls`) sends only some calls to the dispatch mode: no aten op that
+    mixes rows may reach the kernels outside it, and the bytes are those of the dispatch mode around every op. The
+    check fails where nothing is invariant (the last run)."""
+    monkeypatch.setattr(BatchInvariantMode, "__torch_dispatch__", _handling(BatchInvariantMode.__torch_dispatch__))
+    monkeypatch.setattr(batch_invariant, "tiled_linear", _handling(batch_invariant.tiled_linear))
+    reqs = _requests(model)
+    runs = {}
+    for name, invariance in [("calls", None), ("every op", BatchInvariantMode), ("none", contextlib.nullcontext)]:
+        engine = _engine(model)
+        if invariance is not None:
+            engine.invariance = invariance
+        with _RowMixingOutsideTheHandlers() as seen:
+            runs[name] = (engine.generate_all(reqs), seen.escaped)
+    assert not runs["calls"][1], f"row-mixing ops outside the batch-invariant handlers: {dict(runs['calls'][1])}"
+    assert not runs["every op"][1] and runs["none"][1]["aten.linear.default"] > 0
+    for n, (a, b) in enumerate(zip(runs["calls"][0], runs["every op"][0], strict=True)):
+        _equal_bytes(a, b, f"request {n}, function mode against the dispatch mode around every op")
 
 
 @pytest.mark.parametrize("capability", ORDER)
