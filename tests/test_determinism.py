@@ -185,11 +185,12 @@ def _handling(fn):
 
 
 def test_every_row_mixing_op_of_a_step_runs_batch_invariantly(model, monkeypatch):
-    """The engine's function mode (`BatchInvariantCalls`) sends only some calls to the dispatch mode: no aten op that
-    mixes rows may reach the kernels outside it, and the bytes are those of the dispatch mode around every op. The
-    check fails where nothing is invariant (the last run)."""
+    """The engine's function mode (`BatchInvariantCalls`) gives some calls their handlers and sends others to the
+    dispatch mode: no aten op that mixes rows may reach the kernels outside a handler, and the bytes are those of the
+    dispatch mode around every op. The check fails where nothing is invariant (the last run)."""
     monkeypatch.setattr(BatchInvariantMode, "__torch_dispatch__", _handling(BatchInvariantMode.__torch_dispatch__))
-    monkeypatch.setattr(batch_invariant, "tiled_linear", _handling(batch_invariant.tiled_linear))
+    for call, handler in list(batch_invariant.CALL_HANDLERS.items()):
+        monkeypatch.setitem(batch_invariant.CALL_HANDLERS, call, _handling(handler))
     reqs = _requests(model)
     runs = {}
     for name, invariance in [("calls", None), ("every op", BatchInvariantMode), ("none", contextlib.nullcontext)]:
@@ -207,7 +208,8 @@ def test_every_row_mixing_op_of_a_step_runs_batch_invariantly(model, monkeypatch
 @pytest.mark.parametrize("capability", ORDER)
 def test_exact_under_each_cpu_capability(capability):
     """This module again in a child process whose torch, oneDNN and MKL kernels are forced down to `capability`
-    (a CPU is forced only down from what it has: higher ones are skipped)."""
+    (a CPU is forced only down from what it has: higher ones are skipped). The check that every row-mixing op runs
+    in a handler is about the engine's code paths, not the kernels: it runs once, here."""
     if os.environ.get(FORCED) is not None:
         pytest.skip("already a forced run")
     have = torch.backends.cpu.get_cpu_capability().lower()
@@ -218,7 +220,7 @@ def test_exact_under_each_cpu_capability(capability):
         pytest.skip("this process runs under it: the tests above")
     env = {**os.environ, **CAPABILITIES[capability], FORCED: capability}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", __file__,
-                          "-k", "not test_exact_under_each_cpu_capability and not on_cuda"],
+                          "-k", "not test_exact_under_each_cpu_capability and not on_cuda and not row_mixing"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-2000:]

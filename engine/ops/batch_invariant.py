@@ -23,11 +23,13 @@ row count: not invariant). The engine turns off the CUDA kernels that choose by 
 token, without key splits). The mode is a `TorchDispatchMode`: it sees the ops before they are decomposed, and the
 calls it makes run below it (not intercepted again).
 
-The engine enters `BatchInvariantCalls` around a step and a graph capture: a `TorchFunctionMode` that runs only the
-calls that reach such an op (`ROW_MIXING_CALLS`: projections, GEMMs, convolutions, attention) inside the dispatch
-mode. A dispatch mode costs every op of an eager step ~14 us of Python, a function mode ~3 us (on the CPU, where every
-step is eager, the tiny model's steps ran 2.6x slower under the dispatch mode than without any mode; its tiles alone
-cost little). `tests/test_determinism.py` checks that no row-mixing op of a step escapes the dispatch mode.
+The engine enters `BatchInvariantCalls` around a step and a graph capture: a `TorchFunctionMode` that gives the
+engine's projections, convolutions and attention calls the handlers of their aten ops directly (`CALL_HANDLERS`), runs
+the other calls that reach such an op (`ROW_MIXING_CALLS`: GEMMs) inside the dispatch mode, and every other call as
+it is. A dispatch mode costs every op of an eager step ~14 us of Python, a function mode ~3 us: on the CPU, where
+every step is eager, the tiny model generated 2.6x slower in the dispatch mode than without any mode, 1.8x in this
+one; and a CPU step never enters the dispatch mode, whose first op imports torch._dynamo (~2 s of a worker's start).
+`tests/test_determinism.py` checks that no row-mixing op of a step escapes the handlers.
 """
 
 from __future__ import annotations
@@ -194,24 +196,34 @@ class BatchInvariantMode(TorchDispatchMode):
         return handler(func, *args, **kwargs)
 
 
-# The Python calls whose aten ops include one of HANDLERS' (F.conv1d is torch.conv1d, F.linear torch._C._nn.linear).
+# The Python calls the engine makes whose aten op is one of HANDLERS', with that op's handler (F.conv1d is torch.conv1d).
+CALL_HANDLERS: dict[Any, Callable[..., torch.Tensor]] = {
+    F.linear: lambda func, input, weight, bias=None: tiled_linear(input, weight, bias),
+    F.conv1d: _per_sample,
+    F.conv_transpose1d: _per_sample,
+    F.scaled_dot_product_attention: _sdpa,
+}
+# The other Python calls that reach one of HANDLERS' ops (a GEMM that a matmul decomposes into, ...): they run inside
+# the dispatch mode.
 ROW_MIXING_CALLS: frozenset[Any] = frozenset({
-    F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
+    torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
     torch.mm, torch.Tensor.mm, torch.addmm, torch.Tensor.addmm, torch.Tensor.addmm_,
     torch.bmm, torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.Tensor.baddbmm_, torch._scaled_mm,
-    torch.einsum, torch.tensordot, F.conv1d, F.conv_transpose1d, F.scaled_dot_product_attention,
+    torch.einsum, torch.tensordot,
 })
 
 
 class BatchInvariantCalls(TorchFunctionMode):
-    """Inside it, the calls that mix rows run in `BatchInvariantMode`, and every other call as it is (module
-    docstring: the same bytes as the dispatch mode around everything, at a fraction of its per-op cost)."""
+    """Inside it, the calls that mix rows run batch-invariantly and every other call as it is (module docstring: the
+    same bytes as the dispatch mode around everything, at a fraction of its per-op cost)."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.linear:  # most of them: straight to the handler the dispatch mode would pick (aten.linear's)
-            return tiled_linear(*args, **kwargs) if args[0].device.type in TILE_ROWS else func(*args, **kwargs)
-        if func in ROW_MIXING_CALLS:
+        handler = CALL_HANDLERS.get(func)
+        if handler is not None:
+            if isinstance(args[0], torch.Tensor) and args[0].device.type in TILE_ROWS:
+                return handler(func, *args, **kwargs)
+        elif func in ROW_MIXING_CALLS:
             with BatchInvariantMode():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
