@@ -196,7 +196,7 @@ class BatchInvariantMode(TorchDispatchMode):
         return handler(func, *args, **kwargs)
 
 
-# The Python calls the engine makes whose aten op is one of HANDLERS', with that op's handler (F.conv1d is torch.conv1d).
+# The Python calls the engine makes whose aten op is one of HANDLERS', with its handler (F.conv1d is torch.conv1d).
 CALL_HANDLERS: dict[Any, Callable[..., torch.Tensor]] = {
     F.linear: lambda func, input, weight, bias=None: tiled_linear(input, weight, bias),
     F.conv1d: _per_sample,
