@@ -214,13 +214,11 @@ def _parse_case(name: str) -> tuple[torch.dtype, tuple[int, int, int, int], str]
 
 
 def _patch_interpreter() -> None:
-    """Work around two bugs of the triton 3.6 interpreter (not of compiled kernels), and a cost; no-ops where absent.
+    """Work around two bugs of the triton 3.6 interpreter (not of compiled kernels); no-ops where absent.
 
     1. With numpy >= 2.4, `range(..., tensor, ...)` fails: it calls int() on a 1-element array
        (triton-lang/triton#9171, fixed upstream after 3.6).
     2. `tl.dot` on bf16 multiplies the raw uint16 storage of bf16 values; upcast them to fp32 first.
-    3. Every launch lists the members of triton.language's modules again (`inspect.getmembers`, four a launch) to
-       patch its builtins: ~12% of the interpreter cases' time. Listed once; each launch still patches and restores.
     """
     import numpy as np
     import triton.language as tl
@@ -234,21 +232,6 @@ def _patch_interpreter() -> None:
             scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
 
         interpreter._patch_lang_tensor = patched_lang_tensor
-
-    if hasattr(interpreter, "_patch_builtin") and hasattr(interpreter, "_patch_attr"):
-        import inspect
-
-        builtins_of: dict[int, list] = {}  # a module's (name, builtin) pairs, listed at the first launch
-
-        def patched_builtin(pkg: object, builder: object, scope: object) -> None:
-            members = builtins_of.get(id(pkg))
-            if members is None:
-                members = builtins_of[id(pkg)] = [(name, member) for name, member in inspect.getmembers(pkg)
-                                                  if tl.core.is_builtin(member)]
-            for name, member in members:
-                interpreter._patch_attr(pkg, name, member, builder, scope)
-
-        interpreter._patch_builtin = patched_builtin
 
     builder = getattr(interpreter, "InterpreterBuilder", None)
     if builder is not None and hasattr(builder, "create_dot"):
