@@ -40,9 +40,15 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in worker {share}'s share of {workers} after 1000 tries")
 
 
+# Euler steps a patch in the service tests: they test the service, and the parity tests the solver at the default 10;
+# with 4 a tiny model's CPU step costs about half (CI's two cores run ~30 modules' servers).
+SERVICE_TEST_TIMESTEPS = 4
+
+
 def service_settings(checkpoint: Path, cache_dir: Path, **overrides: Any) -> Settings:
     values = dict(model_path=str(checkpoint), cache_dir=cache_dir, serverpool_max_num_seqs=4,
-                  serverpool_max_model_len=512, serverpool_max_num_batched_tokens=2048, queue_coalesce_ms=5)
+                  serverpool_max_model_len=512, serverpool_max_num_batched_tokens=2048, queue_coalesce_ms=5,
+                  serverpool_inference_timesteps=SERVICE_TEST_TIMESTEPS)
     values.update(overrides)
     return Settings(**values)
 

@@ -23,7 +23,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.service_harness import free_port
+from tests.service_harness import SERVICE_TEST_TIMESTEPS, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 START_GUARD_S = 120  # the service up and every API process ready
@@ -49,7 +49,8 @@ class Service:
         env.update(NANOVLLM_MODEL_PATH=str(checkpoint), NANOVLLM_CACHE_DIR=str(tmp / "cache"),
                    NANOVLLM_HOST="127.0.0.1", NANOVLLM_PORT=str(self.port),
                    NANOVLLM_API_PROCESSES=str(api_processes), NANOVLLM_SERVERPOOL_MAX_NUM_SEQS="4",
-                   NANOVLLM_SERVERPOOL_MAX_MODEL_LEN="512", NANOVLLM_SERVERPOOL_MAX_NUM_BATCHED_TOKENS="2048")
+                   NANOVLLM_SERVERPOOL_MAX_MODEL_LEN="512", NANOVLLM_SERVERPOOL_MAX_NUM_BATCHED_TOKENS="2048",
+                   NANOVLLM_SERVERPOOL_INFERENCE_TIMESTEPS=str(SERVICE_TEST_TIMESTEPS))
         env.update({f"NANOVLLM_{k.upper()}": v for k, v in settings.items()}, **(engine_env or {}))
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "service.main"], cwd=ROOT, env=env, stdout=log,
