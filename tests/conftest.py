@@ -98,26 +98,12 @@ def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory):
     return make
 
 
-# The modules that take the most CPU on CI's two cores (2026-11-30: 100-340 s each, most of the others under 40),
-# collected first: pytest-xdist hands each worker whole modules in collection order, and one of these started last
-# left the other worker idle for minutes at the end.
-SLOWEST_MODULES = ("test_ops_kernels", "test_reliability", "test_bench_tools", "test_determinism", "test_fuzz",
-                   "test_ops_paged_attention", "test_service_longform", "test_service_lora", "test_server_pool")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test that skips without CUDA is marked `gpu`, so that the GPU routine (`pytest -m gpu`,
-    tools/gpu_host/bench.sh PARTS=test) runs each of them and none is forgotten by a hand-kept selection. The slowest
-    modules go first (`SLOWEST_MODULES`), each module's tests in their order."""
+    tools/gpu_host/bench.sh PARTS=test) runs each of them and none is forgotten by a hand-kept selection."""
     for item in items:
         if any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.gpu)
-
-    def rank(item: pytest.Item) -> int:
-        module = item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
-        return SLOWEST_MODULES.index(module) if module in SLOWEST_MODULES else len(SLOWEST_MODULES)
-
-    items.sort(key=rank)
 
 
 def interpreter_rows(module: str, timeout_s: float = 900) -> list[dict]:

@@ -27,8 +27,8 @@ The engine enters `BatchInvariantCalls` around a step and a graph capture: a `To
 engine's projections, convolutions and attention calls the handlers of their aten ops directly (`CALL_HANDLERS`), runs
 the other calls that reach such an op (`ROW_MIXING_CALLS`: GEMMs) inside the dispatch mode, and every other call as
 it is. A dispatch mode costs every op of an eager step ~14 us of Python, a function mode ~3 us: on the CPU, where
-every step is eager, the tiny model generated 2.6x slower in the dispatch mode than without any mode, 1.8x in this
-one; and a CPU step never enters the dispatch mode, whose first op imports torch._dynamo (~2 s of a worker's start).
+every step is eager, the tiny fp32 model generated ~3x slower in the dispatch mode than in none, ~1.8x in this one;
+and a CPU step never enters the dispatch mode, whose first op imports torch._dynamo (~2 s of a worker's start).
 `tests/test_determinism.py` checks that no row-mixing op of a step escapes the handlers.
 """
 
