@@ -715,26 +715,25 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             errs.append(relative_error(out, gated_ref))
         return max(errs)
 
-    def both_row_tilings(case: Callable[[torch.dtype], float]) -> Callable[[torch.dtype], float]:
-        """A VAE row kernel's case with the default tiling (one row a program at these small sizes) and again with
-        rows packed up to `platform.ROW_TILE_ELEMENTS` a program, as a large batch packs them (rows across streams,
-        the last program's rows partly masked; the depthwise conv's 11-channel rows in two programs)."""
+    def packed_rows(case: Callable[[torch.dtype], float]) -> Callable[[torch.dtype], float]:
+        """A VAE row kernel's case with rows packed up to `platform.ROW_TILE_ELEMENTS` a program, as a large batch
+        packs them (rows across streams, the last program's rows partly masked; the depthwise conv's 11-channel rows
+        in two programs)."""
         def run(dtype: torch.dtype) -> float:
             with mock.patch.object(platform, "ROW_TILE_MIN_PROGRAMS", 1):
-                packed = case(dtype)
-            return max(case(dtype), packed)
+                return case(dtype)
         return run
+
+    def both_row_tilings(case: Callable[[torch.dtype], float]) -> Callable[[torch.dtype], float]:
+        """The case with the default tiling (one row a program at these small sizes) and again packed."""
+        packed = packed_rows(case)
+        return lambda dtype: max(case(dtype), packed(dtype))
 
     snake, dwconv_snake, residual_unit, conv_transpose = map(
         both_row_tilings, (snake, dwconv_snake, residual_unit, conv_transpose))
-    if device == "cpu":  # the interpreter runs the whole decoder packed (its parts' cases run both): one row a
-        decoder = vae_decoder  # program, the default, took it 124 s of CPU, packed 6 s
-
-        def vae_decoder(dtype: torch.dtype) -> float:
-            with mock.patch.object(platform, "ROW_TILE_MIN_PROGRAMS", 1):
-                return decoder(dtype)
-    else:
-        vae_decoder = both_row_tilings(vae_decoder)
+    # The interpreter runs the whole decoder packed only (its parts' cases run both tilings): one row a program, the
+    # default, took it 124 s of CPU, packed 6 s.
+    vae_decoder = packed_rows(vae_decoder) if device == "cpu" else both_row_tilings(vae_decoder)
     return {"add_rms_norm": add_rms_norm, "silu_mul": silu_mul, "skinny_matmul": skinny_matmul, "gemv": gemv,
             "rotary_qk": rotary_qk,
             "rotary_store_kv": rotary_store_kv, "dispatch": dispatch, "dense_attention": dense,

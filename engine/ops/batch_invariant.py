@@ -171,8 +171,14 @@ def _baddbmm_(func: Callable[..., torch.Tensor], c: torch.Tensor, a: torch.Tenso
     return c
 
 
+def _linear(func: Callable[..., torch.Tensor], input: torch.Tensor, weight: torch.Tensor,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """aten.linear's and F.linear's handler (their parameters' names)."""
+    return tiled_linear(input, weight, bias)
+
+
 HANDLERS: dict[Any, Callable[..., torch.Tensor]] = {
-    aten.linear.default: lambda func, x, w, b=None: tiled_linear(x, w, b),
+    aten.linear.default: _linear,
     aten.mm.default: lambda func, a, b: tiled_mm(a, b),
     aten.addmm.default: lambda func, c, a, b, beta=1, alpha=1: beta * c + alpha * tiled_mm(a, b),
     aten.bmm.default: lambda func, a, b: _bmm(a, b),
@@ -198,7 +204,7 @@ class BatchInvariantMode(TorchDispatchMode):
 
 # The Python calls the engine makes whose aten op is one of HANDLERS', with its handler (F.conv1d is torch.conv1d).
 CALL_HANDLERS: dict[Any, Callable[..., torch.Tensor]] = {
-    F.linear: lambda func, input, weight, bias=None: tiled_linear(input, weight, bias),
+    F.linear: _linear,
     F.conv1d: _per_sample,
     F.conv_transpose1d: _per_sample,
     F.scaled_dot_product_attention: _sdpa,
