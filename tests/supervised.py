@@ -23,7 +23,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.service_harness import SERVICE_TEST_TIMESTEPS, free_port
+from tests.service_harness import SERVICE_TEST_TIMESTEPS, TLS, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 START_GUARD_S = 120  # the service up and every API process ready
@@ -106,7 +106,7 @@ class Service:
     def ask(self, method: str, path: str, **kwargs: Any) -> tuple[httpx.Response, int | None]:
         """One request on a new connection (so SO_REUSEPORT picks an API process afresh): the response and
         the pid of the API process that answered it."""
-        with httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT) as client:
+        with httpx.Client(verify=TLS, base_url=self.url, timeout=REQUEST_TIMEOUT) as client:
             r = client.request(method, path, **kwargs)
             return r, self.served_by(r)
 

@@ -22,7 +22,7 @@ import yaml
 from kubernetes_validate.utils import SchemaNotFoundError, latest_version
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.service_harness import live_server
+from tests.service_harness import TLS, live_server
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deployment" / "k8s"
@@ -319,7 +319,7 @@ def live_metric_names(checkpoint_factory, tmp_path_factory) -> set[str]:
     """The sample names the running service exposes after some traffic (a streamed MP3 for the TTFB and encoder
     histograms, a 404), with the names its declared families may take."""
     with (live_server(checkpoint_factory, tmp_path_factory.mktemp("deployment-cache")) as server,
-          httpx.Client(base_url=server.url, timeout=60) as c):
+          httpx.Client(verify=TLS, base_url=server.url, timeout=60) as c):
         assert c.post("/generate", json={"target_text": "Metrics.", "max_generate_length": 2}).status_code == 200
         assert c.delete("/prompts/some-id").status_code == 404
         text = c.get("/metrics").text

@@ -13,7 +13,7 @@ import pytest
 from engine.io.tokenizer import TextTokenizer, text_tokens
 from service.normalize import normalize, normalize_target
 from service.schemas import GenerateRequest, SpeechRequest
-from tests.service_harness import live_server
+from tests.service_harness import TLS, live_server
 
 CASES = [
     # cardinals, decimals, ordinals
@@ -104,7 +104,7 @@ def test_off_by_default_leaves_text_and_token_ids_unchanged(checkpoint_factory):
 @pytest.fixture(scope="module")
 def client(checkpoint_factory, tmp_path_factory):
     with live_server(checkpoint_factory, tmp_path_factory.mktemp("svc-normalize")) as s, \
-            httpx.Client(base_url=s.url, timeout=120) as c:
+            httpx.Client(verify=TLS, base_url=s.url, timeout=120) as c:
         yield c
 
 

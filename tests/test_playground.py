@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 from service.app import create_app
 from service.settings import Settings
 from tests.redis_server import RedisServer, require_server_binary
-from tests.service_harness import LiveServer, service_settings, wav_bytes
+from tests.service_harness import TLS, LiveServer, service_settings, wav_bytes
 
 KEY = "playground-key"
 MISSING = ("the playground's browser test needs Debian's chromium and chromium-driver (apt-get install chromium "
@@ -128,15 +128,15 @@ def shoot(driver, shots: Path, name: str, capsys: pytest.CaptureFixture) -> None
 
 def test_the_page_and_its_files_are_open_and_everything_else_keyed(replicas):
     server = replicas[0]
-    page = httpx.get(server.url + "/")
+    page = httpx.get(server.url + "/", verify=TLS)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert 'src="playground/app.js"' in page.text and "://" not in page.text  # nothing fetched from elsewhere
     for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css")):
-        r = httpx.get(f"{server.url}/playground/{name}")
+        r = httpx.get(f"{server.url}/playground/{name}", verify=TLS)
         assert r.status_code == 200 and r.headers["content-type"].startswith(kind) and "://" not in r.text
-    missing = httpx.get(server.url + "/playground/secrets.txt")
+    missing = httpx.get(server.url + "/playground/secrets.txt", verify=TLS)
     assert missing.status_code == 404 and "secrets.txt" in missing.json()["detail"]
-    assert httpx.get(server.url + "/hifi").status_code == 401
+    assert httpx.get(server.url + "/hifi", verify=TLS).status_code == 401
 
 
 @pytest.mark.parametrize("fmt, patches", [("mp3", 40), ("pcm", 12)])

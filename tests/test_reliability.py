@@ -22,7 +22,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.service_harness import SAMPLES_PER_PATCH
+from tests.service_harness import SAMPLES_PER_PATCH, TLS
 from tests.supervised import GUARD_S, REQUEST_TIMEOUT, STOP_GUARD_S, Service, metric
 from tools.soak import soak
 
@@ -97,7 +97,7 @@ def test_sigterm_during_16_live_streams(service: Service):
 
     def stream(i: int) -> None:
         try:
-            with httpx.Client(base_url=service.url, timeout=REQUEST_TIMEOUT) as client, \
+            with httpx.Client(verify=TLS, base_url=service.url, timeout=REQUEST_TIMEOUT) as client, \
                     client.stream("POST", "/generate", json={**body, "seed": i}) as r:
                 assert r.status_code == 200, r.read()
                 chunks = r.iter_raw()

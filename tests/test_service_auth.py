@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.service_harness import live_server
+from tests.service_harness import TLS, live_server
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def server(checkpoint_factory, tmp_path_factory):
     ("GET", "/metrics", None)])
 def test_keyed_routes(server, method, path, body):
     def call(headers: dict) -> httpx.Response:
-        return httpx.request(method, server.url + path, json=body, headers=headers, timeout=60)
+        return httpx.request(method, server.url + path, json=body, headers=headers, timeout=60, verify=TLS)
 
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "k1"}, {"X-API-Key": "k3"}):
         r = call(headers)
@@ -40,8 +40,8 @@ def test_keyed_routes(server, method, path, body):
 
 
 def test_probes_stay_open(server):
-    assert httpx.get(server.url + "/health").status_code == 200
-    assert httpx.get(server.url + "/ready").status_code == 200
+    assert httpx.get(server.url + "/health", verify=TLS).status_code == 200
+    assert httpx.get(server.url + "/ready", verify=TLS).status_code == 200
 
 
 def test_cors_only_for_the_configured_origin(server):

@@ -19,7 +19,7 @@ from engine.serving.processes import WorkerSet
 from engine.serving.voxcpm import engine_config
 from service.audio import make_encoder
 from service.engine_setup import WorkerEndpoint
-from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, LiveServer, service_settings
+from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, TLS, LiveServer, service_settings
 
 TEXT = "The same words, through the pool and over HTTP."
 PATCHES = 6
@@ -88,7 +88,8 @@ def body(fmt: str = "mp3") -> dict:
 
 @pytest.mark.parametrize("fmt", ["mp3", "pcm"])
 def test_streams_are_the_pools_chunks_encoded(server, reference, fmt):
-    with httpx.Client(base_url=server.url, timeout=120) as c, c.stream("POST", "/generate", json=body(fmt)) as r:
+    with httpx.Client(verify=TLS, base_url=server.url, timeout=120) as c, \
+            c.stream("POST", "/generate", json=body(fmt)) as r:
         assert r.status_code == 200, r.read()
         data = b"".join(r.iter_raw())
         request_id = r.headers["x-request-id"]
@@ -110,7 +111,7 @@ def test_streams_are_the_pools_chunks_encoded(server, reference, fmt):
 @pytest.mark.parametrize("route, fmt", [("/generate_blocking", "mp3"), ("/generate_blocking", "pcm"),
                                         ("/generate_blocking_wav", "wav")])
 def test_blocking_routes_are_the_pools_chunks_encoded(server, reference, route, fmt):
-    r = httpx.post(server.url + route, json=body("pcm" if fmt == "wav" else fmt), timeout=120)
+    r = httpx.post(server.url + route, json=body("pcm" if fmt == "wav" else fmt), timeout=120, verify=TLS)
     assert r.status_code == 200, r.text
     assert r.content == encoded(reference, fmt)
     assert r.headers["x-finish-reason"] == "length"
@@ -120,7 +121,7 @@ def test_blocking_routes_are_the_pools_chunks_encoded(server, reference, route, 
 def test_openai_formats_are_the_pools_chunks_encoded(server, reference, fmt):
     r = httpx.post(server.url + "/v1/audio/speech", timeout=120,
                    json={"model": "tts-1", "input": TEXT, "response_format": fmt, "seed": SEED,
-                         "max_generate_length": PATCHES})
+                         "max_generate_length": PATCHES}, verify=TLS)
     assert r.status_code == 200, r.text
     if fmt == "opus":  # an Ogg stream carries a random serial number: the same audio, not the same bytes
         ours, sr = sf.read(io.BytesIO(r.content))
@@ -137,7 +138,7 @@ def test_openai_formats_are_the_pools_chunks_encoded(server, reference, fmt):
 def test_sse_deltas_are_the_pools_chunks_encoded(server, reference, fmt):
     r = httpx.post(server.url + "/v1/audio/speech", timeout=120,
                    json={"model": "tts-1", "input": TEXT, "response_format": fmt, "stream_format": "sse",
-                         "seed": SEED, "max_generate_length": PATCHES})
+                         "seed": SEED, "max_generate_length": PATCHES}, verify=TLS)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = [json.loads(line[len("data: "):]) for line in r.text.splitlines() if line.startswith("data: ")]
     assert [e["type"] for e in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1)
@@ -150,7 +151,7 @@ def test_disconnect_frees_the_engine_at_once(server):
     the engine could have finished it (a generous hang guard, not a timing assertion)."""
     total = server.pool_stats().total_blocks
     long_text = "A longer sentence, so the stream could run a few hundred patches. " * 2  # ~200 patches
-    with httpx.Client(base_url=server.url, timeout=120) as c, \
+    with httpx.Client(verify=TLS, base_url=server.url, timeout=120) as c, \
             c.stream("POST", "/generate", json={**body("pcm"), "target_text": long_text,
                                                 "max_generate_length": 300}) as r:
         assert r.status_code == 200

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, LiveServer, live_server, wav_bytes
+from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, TLS, LiveServer, live_server, wav_bytes
 
 CLIP = base64.b64encode(wav_bytes(1.0)).decode()
 CLIP2 = base64.b64encode(wav_bytes(1.2, seed=1)).decode()
@@ -30,7 +30,7 @@ def server(checkpoint_factory, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
+    with httpx.Client(verify=TLS, base_url=server.url, timeout=120) as c:
         yield c
 
 
@@ -247,7 +247,7 @@ def test_client_disconnect_aborts_the_engine_request(server):
     come back long before it could have finished on its own)."""
     text = "A sentence repeated until the stream could run for two thousand patches. " * 25
     before = server.pool_stats()
-    with httpx.Client(base_url=server.url, timeout=120) as c, \
+    with httpx.Client(verify=TLS, base_url=server.url, timeout=120) as c, \
             c.stream("POST", "/generate", json={"target_text": text, "response_format": "pcm"}) as r:
         assert r.status_code == 200
         chunks = r.iter_raw()  # keep a reference: a discarded httpx iterator closes the connection itself

@@ -14,7 +14,7 @@ import pytest
 from engine import SamplingParams, SynthesisRequest
 from service.longform import next_seed
 from service.segmenter import split_text
-from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, LiveServer, service_settings, wav_bytes
+from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, TLS, LiveServer, service_settings, wav_bytes
 
 N = 2  # patches per segment (max_generate_length applies per segment)
 EN = ("Dr. Smith paid $3.14 for tea, e.g. at noon on Friday. \"Really?!\" she asked... Yes!\n\n" * 250)[:20000]
@@ -37,7 +37,7 @@ def server(checkpoint_factory, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with httpx.Client(base_url=server.url, timeout=300) as c:
+    with httpx.Client(verify=TLS, base_url=server.url, timeout=300) as c:
         yield c
 
 
@@ -182,7 +182,7 @@ def test_a_split_text_is_never_refused_mid_stream_for_a_full_queue(checkpoint_fa
     try:
         text = "One more sentence for a seat. " * 20
         assert len(split_text(text, 200)) >= 3
-        with httpx.Client(base_url=server.url, timeout=300) as c:
+        with httpx.Client(verify=TLS, base_url=server.url, timeout=300) as c:
             r = c.post("/generate_blocking", json={"target_text": text, "max_generate_length": N, "seed": 3,
                                                    "response_format": "pcm", "timings": True})
             assert r.status_code == 200 and r.headers["X-Finish-Reason"] == "length", r.text

@@ -23,7 +23,7 @@ from engine.io.checkpoint import load_model
 from engine.io.lora import LoRAConfig, random_adapter, sha256_of
 from service.engine_setup import adapter_path
 from service.lora_source import AdapterSourceError, fetch_adapter
-from tests.service_harness import LiveServer, service_settings
+from tests.service_harness import TLS, LiveServer, service_settings
 from tests.supervised import metric
 
 BODY = {"target_text": "An adapted voice.", "max_generate_length": 3, "seed": 4, "response_format": "pcm"}
@@ -54,7 +54,7 @@ def file_server(adapter):
 def generate(checkpoint: Path, cache: Path, **lora: object) -> tuple[bytes, dict]:
     server = LiveServer(service_settings(checkpoint, cache, **lora)).start()
     try:
-        with httpx.Client(base_url=server.url, timeout=120) as c:
+        with httpx.Client(verify=TLS, base_url=server.url, timeout=120) as c:
             r = c.post("/generate", json=BODY)
             assert r.status_code == 200, r.text
             return r.content, c.get("/info").json()["lora"]
@@ -77,7 +77,7 @@ def plain_server(adapter, checkpoint_factory, tmp_path_factory):
 @pytest.fixture(scope="module")
 def plain_audio(plain_server) -> bytes:
     """BODY's audio from the base model."""
-    with httpx.Client(base_url=plain_server.url, timeout=120) as c:
+    with httpx.Client(verify=TLS, base_url=plain_server.url, timeout=120) as c:
         assert not c.get("/info").json()["lora"]["enabled"]
         r = c.post("/generate", json=BODY)
         assert r.status_code == 200, r.text
@@ -253,8 +253,8 @@ def test_runtime_adapters_over_http(adapter, file_server, checkpoint_factory, tm
     server = LiveServer(settings).start()
     auth = {"Authorization": "Bearer k1"}
     try:
-        with httpx.Client(base_url=server.url, timeout=120, headers=auth) as c:
-            assert httpx.get(f"{server.url}/loras").status_code == 401
+        with httpx.Client(verify=TLS, base_url=server.url, timeout=120, headers=auth) as c:
+            assert httpx.get(f"{server.url}/loras", verify=TLS).status_code == 401
             r = c.post("/loras", json={"lora_name": "voice", "lora_uri": f"file://{adapter}"})
             assert r.status_code == 200 and r.json()["name"] == "voice" and r.json()["layers"] > 0, r.text
             url = f"{file_server}/{adapter.name}/lora_weights.safetensors"
@@ -319,7 +319,7 @@ def test_runtime_adapters_survive_a_restart_of_the_service(adapter, checkpoint_f
     def served(calls: Callable[[httpx.Client], bytes]) -> bytes:
         server = LiveServer(settings).start()
         try:
-            with httpx.Client(base_url=server.url, timeout=120) as c:
+            with httpx.Client(verify=TLS, base_url=server.url, timeout=120) as c:
                 return calls(c)
         finally:
             server.stop()
@@ -348,7 +348,7 @@ def test_runtime_adapters_survive_a_restart_of_the_service(adapter, checkpoint_f
 
 
 def test_loras_refused_without_runtime_slots(adapter, plain_server):
-    with httpx.Client(base_url=plain_server.url, timeout=120) as c:
+    with httpx.Client(verify=TLS, base_url=plain_server.url, timeout=120) as c:
         r = c.post("/loras", json={"lora_name": "voice", "lora_uri": str(adapter)})
         assert r.status_code == 400 and "NANOVLLM_MAX_LORAS=0" in r.text
         r = c.post("/generate", json={**BODY, "lora_name": "voice"})
@@ -385,7 +385,7 @@ def test_start_up_adapter_served_at_run_time(adapter, checkpoint_factory, tmp_pa
     server = LiveServer(service_settings(ckpt, tmp_path / "a", lora_uri=str(adapter), lora_id="house",
                                          lora_merge=False, max_loras=2, max_lora_rank=8)).start()
     try:
-        with httpx.Client(base_url=server.url, timeout=120) as c:
+        with httpx.Client(verify=TLS, base_url=server.url, timeout=120) as c:
             default = c.post("/generate", json=BODY)
             named = c.post("/generate", json={**BODY, "lora_name": "house"})
             assert default.status_code == named.status_code == 200 and default.content == named.content

@@ -13,7 +13,7 @@ import openai
 import pytest
 import soundfile as sf
 
-from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, live_server, wav_bytes
+from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, TLS, live_server, wav_bytes
 
 N = 3  # patches per request (max_generate_length)
 EXTRA = {"max_generate_length": N, "seed": 1}
@@ -55,7 +55,7 @@ def test_streaming_response_to_file(client, tmp_path):
 
 def test_sse_stream(server):
     body = {"model": "tts-1", "input": "Events.", "response_format": "pcm", "stream_format": "sse", **EXTRA}
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    with httpx.Client(verify=TLS, base_url=server.url, timeout=60) as c:
         r = c.post("/v1/audio/speech", json=body)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
@@ -78,7 +78,7 @@ def test_cached_voice_and_instructions(client, server):
     """`voice` and `instructions` reach the engine: each voice sounds like /generate with the same voice and
     unlike the default; instructions are voice design, '(instructions)input'."""
     clip = base64.b64encode(wav_bytes(1.0)).decode()
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    with httpx.Client(verify=TLS, base_url=server.url, timeout=60) as c:
         hifi = c.post("/add_hifi", json={"wav_base64": clip, "prompt_text": "A clip."}).json()
         voices = c.get("/v1/audio/voices").json()["voices"]
         models = c.get("/v1/models").json()
@@ -131,7 +131,7 @@ def test_rejections_name_the_field(client, kwargs, status, field):
 
 
 def test_zero_length_input_rejected(server):
-    with httpx.Client(base_url=server.url) as c:
+    with httpx.Client(verify=TLS, base_url=server.url) as c:
         r = c.post("/v1/audio/speech", json={"model": "tts-1", "input": ""})
     assert r.status_code == 422
     assert r.json()["error"]["param"] == "input" and r.json()["error"]["type"] == "invalid_request_error"
@@ -140,7 +140,7 @@ def test_zero_length_input_rejected(server):
 def test_openai_shaped_errors(server):
     """Under /v1 every error has OpenAI's shape, including the body limit, overload and unknown routes; the
     service's own routes keep FastAPI's {"detail": ...}."""
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    with httpx.Client(verify=TLS, base_url=server.url, timeout=60) as c:
         big = c.post("/v1/audio/speech", content=b"x" * (server.settings.max_request_bytes + 1),
                      headers={"content-type": "application/json"})
         missing = c.get("/v1/nothing-here")
@@ -152,5 +152,5 @@ def test_openai_shaped_errors(server):
 
 
 def test_voices_endpoint_lists_default_first(server):
-    with httpx.Client(base_url=server.url) as c:
+    with httpx.Client(verify=TLS, base_url=server.url) as c:
         assert c.get("/v1/audio/voices").json()["voices"][0]["id"] == "default"

@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from service.settings import Settings, describe_error
-from tests.service_harness import LiveServer, live_server
+from tests.service_harness import TLS, LiveServer, live_server
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def server(checkpoint_factory, tmp_path_factory):
 
 
 def test_health_info(server):
-    with httpx.Client(base_url=server.url) as c:
+    with httpx.Client(verify=TLS, base_url=server.url) as c:
         assert c.get("/health").json() == {"status": "ok"}
         info = c.get("/info").json()
     assert info["model"]["sample_rate"] == 48000 and info["model"]["feat_dim"] == 64
@@ -32,7 +32,7 @@ def test_health_info(server):
 
 
 def test_metrics(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    with httpx.Client(verify=TLS, base_url=server.url, timeout=60) as c:
         assert c.post("/generate", json={"target_text": "Metrics.", "max_generate_length": 2}).status_code == 200
         assert c.delete("/prompts/some-id").status_code == 404
         text = c.get("/metrics").text
@@ -56,14 +56,14 @@ def test_metrics(server):
 def test_ready_flips_when_a_worker_dies(server):
     """Killing the worker makes /ready 503 (and generation 503 + Retry-After); the supervisor restarts it."""
     server.state.pool.kill_worker(0)
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    with httpx.Client(verify=TLS, base_url=server.url, timeout=60) as c:
         LiveServer.wait(lambda: c.get("/ready").status_code == 503, "/ready stayed 200 after the worker died")
         assert c.get("/health").status_code == 200  # the process itself is fine
         r = c.post("/generate", json={"target_text": "x", "max_generate_length": 1})
         if r.status_code != 200:  # the restart may already be done
             assert r.status_code == 503 and "Retry-After" in r.headers
     server.wait_ready()
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    with httpx.Client(verify=TLS, base_url=server.url, timeout=60) as c:
         assert c.post("/generate", json={"target_text": "Back.", "max_generate_length": 1}).status_code == 200
 
 
@@ -123,9 +123,9 @@ def test_request_body_over_the_limit_is_413_while_reading(server):
             yield b"x" * 2**20
 
     r = httpx.post(server.url + "/generate", content=chunks(), headers={"content-type": "application/json"},
-                   timeout=60)
+                   timeout=60, verify=TLS)
     assert r.status_code == 413 and "request body" in r.json()["detail"]
-    assert httpx.get(server.url + "/ready").status_code == 200
+    assert httpx.get(server.url + "/ready", verify=TLS).status_code == 200
 
 
 def test_request_body_of_exactly_the_limit_is_accepted(server):
@@ -135,7 +135,8 @@ def test_request_body_of_exactly_the_limit_is_accepted(server):
     head = b'{"target_text": "Exactly at the limit.", "max_generate_length": 1, "response_format": "pcm"}'
     body = head + b" " * (limit - len(head))
     assert len(body) == limit
-    r = httpx.post(server.url + "/generate", content=body, headers={"content-type": "application/json"}, timeout=120)
+    r = httpx.post(server.url + "/generate", content=body, headers={"content-type": "application/json"}, timeout=120,
+                   verify=TLS)
     assert r.status_code == 200, r.text[:300]
 
     def chunks():
@@ -143,7 +144,7 @@ def test_request_body_of_exactly_the_limit_is_accepted(server):
             yield body[i:i + 2**20]
 
     r = httpx.post(server.url + "/generate", content=chunks(), headers={"content-type": "application/json"},
-                   timeout=120)
+                   timeout=120, verify=TLS)
     assert r.status_code == 200, r.text[:300]
 
 

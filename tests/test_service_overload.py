@@ -9,7 +9,7 @@ import asyncio
 import httpx
 
 from engine.serving.reports import WorkerStats
-from tests.service_harness import LiveServer, live_server
+from tests.service_harness import TLS, LiveServer, live_server
 
 BURST = 40  # ten times what the workers hold (running + queued)
 LONG = "A long enough sentence for a stream of about a hundred patches. " * 2
@@ -18,7 +18,7 @@ HOLD_PATCHES = 240  # the holders keep every seat far longer than the burst take
 
 
 def _overloads(server: LiveServer) -> float:
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics", verify=TLS).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("voxcpm_requests_overloaded_total{"))
 
@@ -40,7 +40,7 @@ def test_excess_requests_are_503_at_once_and_the_admitted_complete(checkpoint_fa
 
         async def scenario() -> tuple[list, list]:
             limits = httpx.Limits(max_connections=BURST + 4)
-            async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client:
+            async with httpx.AsyncClient(verify=TLS, base_url=server.url, timeout=120, limits=limits) as client:
                 holders = [asyncio.create_task(one(client, i, HOLD, HOLD_PATCHES)) for i in range(4)]
                 while (s := await server_stats()).running + s.waiting < 4:
                     assert not any(h.done() for h in holders), [h.result() for h in holders if h.done()]
@@ -63,7 +63,8 @@ def test_excess_requests_are_503_at_once_and_the_admitted_complete(checkpoint_fa
 
 def test_a_request_waiting_past_the_queue_timeout_is_503(checkpoint_factory, tmp_path):
     with live_server(checkpoint_factory, tmp_path, serverpool_max_num_seqs=1, queue_timeout_s=0.5,
-                     queue_coalesce_ms=0) as server, httpx.Client(base_url=server.url, timeout=120) as client:
+                     queue_coalesce_ms=0) as server, \
+            httpx.Client(verify=TLS, base_url=server.url, timeout=120) as client:
         body = {"target_text": LONG, "max_generate_length": 300, "response_format": "pcm", "seed": 1}
         with client.stream("POST", "/generate", json=body) as first:  # holds the only seat for seconds
             assert first.status_code == 200

@@ -24,7 +24,7 @@ from service.redis_store import RedisVoiceStore
 from service.settings import Settings, describe_error
 from service.voice_store import Voice, VoiceStoreUnavailable
 from tests.redis_server import RedisServer, require_server_binary
-from tests.service_harness import LiveServer, service_settings, wav_bytes
+from tests.service_harness import TLS, LiveServer, service_settings, wav_bytes
 
 MAX_ENTRIES = 12
 GEN = {"target_text": "Shared voices.", "max_generate_length": 2, "seed": 3, "response_format": "pcm"}
@@ -71,8 +71,8 @@ def replicas(checkpoint, server, adapter, tmp_path_factory):
 @pytest.fixture
 def clients(replicas, server):
     redis.Redis(port=server.port).flushdb()  # each test starts from no voices
-    with httpx.Client(base_url=replicas[0].url, timeout=60) as a, httpx.Client(base_url=replicas[1].url,
-                                                                               timeout=60) as b:
+    with httpx.Client(verify=TLS, base_url=replicas[0].url, timeout=60) as a, \
+            httpx.Client(verify=TLS, base_url=replicas[1].url, timeout=60) as b:
         yield a, b
 
 
@@ -143,7 +143,7 @@ def test_concurrent_adds_on_two_replicas_leave_exactly_the_distinct_voices(clien
     clips = [clip(300 + i % 10) for i in range(50)]  # 10 distinct clips, each added 5 times
 
     async def add_all() -> list[str]:
-        async with httpx.AsyncClient(timeout=120) as c:
+        async with httpx.AsyncClient(verify=TLS, timeout=120) as c:
             rs = await asyncio.gather(*(c.post(replicas[i % 2].url + "/add_reference", json={"wav_base64": w})
                                         for i, w in enumerate(clips)))
         assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
@@ -242,7 +242,7 @@ def test_voices_survive_restarting_every_replica_and_the_server(clients, replica
     server.start()
     again = start_replica(checkpoint, tmp_path_factory.mktemp("replica-c"), server, adapter)
     try:
-        with httpx.Client(base_url=again.url, timeout=60) as c:
+        with httpx.Client(verify=TLS, base_url=again.url, timeout=60) as c:
             assert {k: listed(c, k) for k in before} == before
             assert pcm(c, hifi_id=hid) == expected
     finally:

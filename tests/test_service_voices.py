@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from service.voice_store import SqliteVoiceStore, Voice, VoiceTooLargeError
-from tests.service_harness import LiveServer, service_settings, wav_bytes
+from tests.service_harness import TLS, LiveServer, service_settings, wav_bytes
 
 
 def clip(seed: int, seconds: float = 0.6) -> str:
@@ -32,7 +32,7 @@ def test_crud_bounds_and_restart(checkpoint, cache_dir):
     settings = service_settings(checkpoint, cache_dir, voice_cache_max_entries=6, warmup=False)
     server = LiveServer(settings).start()
     try:
-        with httpx.Client(base_url=server.url, timeout=60) as c:
+        with httpx.Client(verify=TLS, base_url=server.url, timeout=60) as c:
             lat = c.post("/encode_latents", json={"wav_base64": clip(0), "wav_format": "wav"}).json()
             assert lat["latents_dtype"] == "float32" and lat["feat_dim"] == 64 and lat["sample_rate"] == 48000
             frames = np.frombuffer(base64.b64decode(lat["prompt_latents_base64"]), np.float32).reshape(-1, 64)
@@ -69,7 +69,7 @@ def test_crud_bounds_and_restart(checkpoint, cache_dir):
 
     server = LiveServer(settings).start()  # same cache dir: the voices survive the restart
     try:
-        with httpx.Client(base_url=server.url, timeout=60) as c:
+        with httpx.Client(verify=TLS, base_url=server.url, timeout=60) as c:
             after = sorted(v["id"] for k in ("prompts", "references", "hifi") for v in c.get(f"/{k}").json()["voices"])
             assert after == before
             r = c.post("/generate_blocking_wav", json={"target_text": "x", "hifi_id": hifi["hifi_id"],

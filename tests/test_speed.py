@@ -12,7 +12,7 @@ import pytest
 import soundfile as sf
 
 from service.retime import Resample, TimeStretch
-from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, live_server
+from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, TLS, live_server
 
 N = 20  # patches per request: 3.2 s of audio, several stretch blocks
 BODY = {"target_text": "Speed.", "max_generate_length": N, "seed": 7}
@@ -22,7 +22,7 @@ SPEECH = {"model": "tts-1", "input": "Speed.", "max_generate_length": N, "seed":
 @pytest.fixture(scope="module")
 def http(checkpoint_factory, tmp_path_factory):
     with live_server(checkpoint_factory, tmp_path_factory.mktemp("svc-speed"), voice_store="memory") as s, \
-            httpx.Client(base_url=s.url, timeout=120) as c:
+            httpx.Client(verify=TLS, base_url=s.url, timeout=120) as c:
         yield c
 
 

@@ -18,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.service_harness import SAMPLES_PER_PATCH, wav_bytes
+from tests.service_harness import SAMPLES_PER_PATCH, TLS, wav_bytes
 from tests.supervised import GUARD_S, REQUEST_TIMEOUT, Service, metric
 
 API_PROCESSES = 2
@@ -154,7 +154,7 @@ def test_streaming_disconnect_frees_the_engine(service: Service):
     before, _ = service.scrape()
     aborted_before = metric(before, "voxcpm_generations_finished_total", route="/generate", reason="aborted")
     steps_before = metric(before, "voxcpm_engine_steps", worker="0")
-    with httpx.Client(base_url=service.url, timeout=REQUEST_TIMEOUT) as client, \
+    with httpx.Client(verify=TLS, base_url=service.url, timeout=REQUEST_TIMEOUT) as client, \
             client.stream("POST", "/generate", json=LONG) as r:
         assert r.status_code == 200, r.read()
         chunks = r.iter_raw()  # keep a reference: a discarded httpx iterator closes the connection itself
@@ -179,7 +179,7 @@ def test_worker_killed_then_recovers(service: Service, hifi_id: str):
     old_pid = worker.pid
     received = 0
     ended_by: Exception | None = None
-    with httpx.Client(base_url=service.url, timeout=httpx.Timeout(GUARD_S)) as client, \
+    with httpx.Client(verify=TLS, base_url=service.url, timeout=httpx.Timeout(GUARD_S)) as client, \
             client.stream("POST", "/generate", json=LONG) as r:
         assert r.status_code == 200, r.read()
         chunks = r.iter_raw()
@@ -256,7 +256,7 @@ def test_sigterm_stops_everything(service: Service):
     children = service.children()
     assert len(service.named("voxcpm-")) == API_PROCESSES + 1
     patches = 100  # about 2 s of streaming, most of it after the SIGTERM
-    with httpx.Client(base_url=service.url, timeout=REQUEST_TIMEOUT) as client, \
+    with httpx.Client(verify=TLS, base_url=service.url, timeout=REQUEST_TIMEOUT) as client, \
             client.stream("POST", "/generate", json={**LONG, "max_generate_length": patches}) as r:
         assert r.status_code == 200, r.read()
         chunks = r.iter_raw()
@@ -279,4 +279,4 @@ def test_sigterm_stops_everything(service: Service):
     assert not alive, f"left running after the supervisor exited: {alive}{service.log_tail()}"
     assert "stopping: API processes first" in service.log()
     with pytest.raises(httpx.TransportError):
-        httpx.get(service.url + "/health", timeout=5)
+        httpx.get(service.url + "/health", timeout=5, verify=TLS)
