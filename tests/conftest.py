@@ -98,12 +98,23 @@ def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory):
     return make
 
 
+# Seconds of CPU the costliest modules took on CI's two cores (2026-11-30; every other module under 50). xdist hands
+# each worker whole modules in collection order (`--no-loadscope-reorder`; its default deals the modules with the most
+# tests first, which left the few-test heavy ones, fuzzing and the soak, to the end and a worker idle for a minute):
+# these are collected first, the costliest first.
+MODULE_CPU_SECONDS = {"test_ops_kernels": 390, "test_reliability": 135, "test_bench_tools": 130,
+                      "test_determinism": 105, "test_fuzz": 105, "test_server_pool": 90, "test_service_longform": 85,
+                      "test_ops_paged_attention": 70, "test_service_lora": 65, "test_service_overload": 50}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test that skips without CUDA is marked `gpu`, so that the GPU routine (`pytest -m gpu`,
-    tools/gpu_host/bench.sh PARTS=test) runs each of them and none is forgotten by a hand-kept selection."""
+    tools/gpu_host/bench.sh PARTS=test) runs each of them and none is forgotten by a hand-kept selection. The costliest
+    modules go first (`MODULE_CPU_SECONDS`), each module's tests in their order."""
     for item in items:
         if any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.gpu)
+    items.sort(key=lambda item: -MODULE_CPU_SECONDS.get(item.path.stem, 0))
 
 
 def interpreter_rows(module: str, timeout_s: float = 900) -> list[dict]:
