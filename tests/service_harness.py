@@ -86,6 +86,10 @@ class LiveServer:
         return self
 
     def wait_ready(self) -> None:
+        """Until GET /ready answers 200: the service's readiness read in this process until it holds, then over HTTP
+        (a request every 50 ms while the worker starts cost the server and this client ~1 s of CPU a start)."""
+        self.wait(lambda: getattr(self.app.state, "service", None) is not None and self.state.ready,
+                  "service never became ready")
         self.wait(lambda: httpx.get(self.url + "/ready", verify=TLS).status_code == 200, "service never became ready")
 
     def stop(self) -> None:
