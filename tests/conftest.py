@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine import options
 from engine.io.random_checkpoint import make_random_checkpoint
 
 TINY_PRESETS = ("tiny-voxcpm2", "tiny-voxcpm1.5", "tiny-voxcpm0.5b")
@@ -80,6 +81,15 @@ def _restore_tf32_flags():
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.fixture(autouse=True)
+def _restore_engine_options():
+    """An engine installs its options as the process's (a worker owns its process; on CUDA in exact mode without the
+    kernels that choose by the batch, e.g. the attention's key splits): every test gets back the ones it found."""
+    saved = options.current()
+    yield
+    options.install(saved)
 
 
 @pytest.fixture(scope="session")
