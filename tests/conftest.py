@@ -87,9 +87,8 @@ def _restore_tf32_flags():
 def _restore_engine_options():
     """An engine installs its options as the process's (a worker owns its process; on CUDA in exact mode without the
     kernels that choose by the batch, e.g. the attention's key splits): every test gets back the ones it found."""
-    saved = options.current()
-    yield
-    options.install(saved)
+    with options.override():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -265,17 +265,18 @@ def _interpreter_main(shard: int = 0, shards: int = 1) -> None:
         case = make_case(h, kv, d, bs, INTERPRETER_LENS[mode], mode, dtype, seed=zlib.crc32(name.encode()),
                          num_padding_rows=2 if mode == "decode" else 0)
         try:
-            ref = reference_attention(*case.args())
+            args = case.args()
+            q, k_cache, _, block_tables = args[:4]
+            ref = reference_attention(*args)
             result = {"case": name}
             # the keys split across programs (the default for so few rows; 16: many splits per row) and not split;
             # a setting that launches what an earlier one did (no split for a prefill's many rows) is not run again
-            q, k_cache, _, block_tables = case.args()[:4]
             outs: dict[int, torch.Tensor] = {}
             for split_keys in (default_split, 16, 0):
                 with options.override(attn_split_keys=split_keys):
                     launched = ta.split_keys_for(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1])
                     if launched not in outs:
-                        outs[launched] = ta.paged_attention(*case.args())
+                        outs[launched] = ta.paged_attention(*args)
                     out = outs[launched]
                 result[f"split{split_keys}"] = {
                     "err": relative_error(out, ref), "padding_zero": bool((out[case.context_lens == 0] == 0).all()),
