@@ -759,13 +759,15 @@ def _interpreter_main(shard: int = 0, shards: int = 1) -> None:
                 print(json.dumps({"case": f"{name}-{dtype_name}", "err": case(DTYPES[dtype_name])}), flush=True)
 
 
-# Seconds each case took in the interpreter (the dtypes it runs there, one process of the 2-core AMD EPYC VM,
+# Seconds each case took in the interpreter (the dtypes it runs there, two processes on the 2-core AMD EPYC VM,
 # 2026-11-30; every other case took 2 s or less): the shards' cases are dealt longest first to the least loaded shard
 # (the slow cases by index would share one shard). The suite waited ~8.5 min for these before the VAE cases shared
 # their configurations between the dtypes and dense attention's large batch went from 64 sequences to 8; then ~6 min
-# (a 20-min suite's) before the whole decoder ran packed only and dense attention's tilings alternated between dtypes.
-INTERPRETER_SECONDS = {"dwconv_snake": 74, "conv_transpose": 63, "vae_fp16_gemm": 26, "dense_attention": 25,
-                       "dense_layer_stack": 22, "residual_unit": 17, "vae_decoder": 6}
+# (a 20-min suite's) before the whole decoder ran packed only and dense attention's tilings alternated between dtypes;
+# all cases took 303 s of CPU before the interpreter's helpers stopped re-patching the language (`_patch_interpreter`)
+# and 182 s after.
+INTERPRETER_SECONDS = {"dwconv_snake": 46, "conv_transpose": 45, "vae_fp16_gemm": 23, "dense_layer_stack": 20,
+                       "dense_attention": 19, "residual_unit": 13, "vae_decoder": 4}
 
 
 def interpreter_shard(shard: int, shards: int) -> set[str]:
