@@ -10,6 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+
+# OpenMP threads wait at a barrier asleep, not spinning (before torch loads its OpenMP runtime, here and in every
+# process started from here): with two test processes on CI's two cores, a module on two torch threads (the
+# determinism promise's) spun at each op's barrier for a thread descheduled by the other process. That module beside
+# a busy core: 81.7 s and 112 s of CPU spinning, 23.2 s and 33 s asleep (2026-11-30).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch
 
 from engine import options
