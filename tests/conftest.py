@@ -118,9 +118,9 @@ def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory):
 # each worker whole modules in collection order (`--no-loadscope-reorder`; its default deals the modules with the most
 # tests first, which left the few-test heavy ones, fuzzing and the soak, to the end and a worker idle for a minute):
 # these are collected first, the costliest first.
-MODULE_CPU_SECONDS = {"test_ops_kernels": 390, "test_reliability": 135, "test_bench_tools": 130,
-                      "test_determinism": 105, "test_fuzz": 105, "test_server_pool": 90, "test_service_longform": 85,
-                      "test_ops_paged_attention": 70, "test_service_lora": 65, "test_service_overload": 50}
+MODULE_CPU_SECONDS = {"test_ops_kernels": 210, "test_bench_tools": 135, "test_reliability": 130, "test_fuzz": 100,
+                      "test_server_pool": 85, "test_service_longform": 85, "test_service_lora": 70,
+                      "test_ops_paged_attention": 55, "test_determinism": 55, "test_service_overload": 50}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
