@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from engine import options
 from engine.ops.platform import HAVE_TRITON
-from tests.conftest import interpreter_rows, relative_error
+from tests.conftest import interpreter_rows, patch_triton_interpreter, relative_error
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1.6e-2}  # max relative error (a few ulps)
@@ -747,9 +747,7 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
 def _interpreter_main(shard: int = 0, shards: int = 1) -> None:
     """Entry point of a subprocess (TRITON_INTERPRET=1): one JSON line per case and dtype, of this shard's cases."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    from tests.test_ops_paged_attention import _patch_interpreter
-
-    _patch_interpreter()  # the paged attention kernel (in the dispatch case) needs it under triton 3.6
+    patch_triton_interpreter()  # the paged attention kernel (in the dispatch case) needs it under triton 3.6
     mine = interpreter_shard(shard, shards)
     for name, case in _cases("cpu").items():
         if name not in mine:
@@ -764,8 +762,8 @@ def _interpreter_main(shard: int = 0, shards: int = 1) -> None:
 # (the slow cases by index would share one shard). The suite waited ~8.5 min for these before the VAE cases shared
 # their configurations between the dtypes and dense attention's large batch went from 64 sequences to 8; then ~6 min
 # (a 20-min suite's) before the whole decoder ran packed only and dense attention's tilings alternated between dtypes;
-# all cases took 303 s of CPU before the interpreter's helpers stopped re-patching the language (`_patch_interpreter`)
-# and 182 s after.
+# all cases took 303 s of CPU before the interpreter's helpers stopped re-patching the language
+# (`patch_triton_interpreter`) and 182 s after.
 INTERPRETER_SECONDS = {"dwconv_snake": 46, "conv_transpose": 45, "vae_fp16_gemm": 23, "dense_layer_stack": 20,
                        "dense_attention": 19, "residual_unit": 13, "vae_decoder": 4}
 

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, is_dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,7 @@ import torch
 
 from engine import options
 from engine.ops.platform import HAVE_TRITON
-from tests.conftest import interpreter_rows, relative_error
+from tests.conftest import interpreter_rows, patch_triton_interpreter, relative_error
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # max relative error
@@ -213,78 +213,11 @@ def _parse_case(name: str) -> tuple[torch.dtype, tuple[int, int, int, int], str]
     return DTYPE_NAMES[dtype], (int(h[1:]), int(kv[2:]), int(d[1:]), int(bs[2:])), mode
 
 
-def _patch_interpreter() -> None:
-    """Work around two bugs of the triton 3.6 interpreter (not of compiled kernels), and take out two of its costs
-    that compiled kernels do not have; no-ops where absent.
-
-    1. With numpy >= 2.4, `range(..., tensor, ...)` fails: it calls int() on a 1-element array
-       (triton-lang/triton#9171, fixed upstream after 3.6).
-    2. `tl.dot` on bf16 multiplies the raw uint16 storage of bf16 values; upcast them to fp32 first.
-    3. Each call of a `@triton.jit` helper re-patches triton.language (`_patch_lang`: a walk over the members of
-       its modules), though the running kernel has patched those same modules until it returns. Inside a kernel, a
-       helper whose language modules the kernel has patched skips it (about a quarter of the VAE cases' CPU).
-    4. Integer overflow checks on every integer add, sub and mul (`sanitize_overflow`), an assert that compiled
-       kernels run only in debug builds and that cannot trip at these tests' sizes (about a fifth).
-    The kernel cases' errors are bitwise the same with 3 and 4 (all of them, 2026-11-30).
-    """
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    if all(hasattr(interpreter, name) for name in ("_patch_lang", "_LangPatchScope", "GridExecutor")):
-        patch_lang, grid_call = interpreter._patch_lang, interpreter.GridExecutor.__call__
-        running: list[tuple[object, frozenset[int]]] = []  # (kernel, ids of the language modules it patched)
-
-        def languages(fn: Callable) -> frozenset[int]:
-            return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
-
-        def helper_patch_lang(fn: Callable) -> object:
-            if running and fn is not running[-1][0] and languages(fn) <= running[-1][1]:
-                return interpreter._LangPatchScope()  # nothing to patch: the kernel's patches hold until it returns
-            return patch_lang(fn)
-
-        def kernel_call(self: object, *args: object, **kwargs: object) -> object:
-            running.append((self.fn, languages(self.fn)))
-            try:
-                return grid_call(self, *args, **kwargs)
-            finally:
-                running.pop()
-
-        interpreter._patch_lang = helper_patch_lang
-        interpreter.GridExecutor.__call__ = kernel_call
-    options = getattr(getattr(interpreter, "interpreter_builder", None), "options", None)
-    if is_dataclass(options) and hasattr(options, "sanitize_overflow"):
-        interpreter.interpreter_builder.options = replace(options, sanitize_overflow=False)
-
-    if hasattr(interpreter, "_patch_lang_tensor"):
-        patch_lang_tensor = interpreter._patch_lang_tensor
-
-        def patched_lang_tensor(tensor: type, scope: object) -> None:
-            patch_lang_tensor(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-        interpreter._patch_lang_tensor = patched_lang_tensor
-
-    builder = getattr(interpreter, "InterpreterBuilder", None)
-    if builder is not None and hasattr(builder, "create_dot"):
-        create_dot = builder.create_dot
-
-        def upcast(h: object) -> object:
-            if h.dtype != tl.bfloat16:
-                return h
-            return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-        def patched_dot(self: object, a: object, b: object, *args: object) -> object:
-            return create_dot(self, upcast(a), upcast(b), *args)
-
-        builder.create_dot = patched_dot
-
-
 def _interpreter_main(shard: int = 0, shards: int = 1) -> None:
     """Entry point of a subprocess (TRITON_INTERPRET=1): one JSON line per case of this shard's."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     torch.set_num_threads(1)
-    _patch_interpreter()
+    patch_triton_interpreter()
     import engine.ops.paged_attention as ta
 
     assert ta.interpreted(), "the kernel was compiled, not interpreted"
