@@ -15,8 +15,8 @@ import pytest
 
 # OpenMP threads wait at a barrier asleep, not spinning (before torch loads its OpenMP runtime, here and in every
 # process started from here): with two test processes on CI's two cores, a module on two torch threads (the
-# determinism promise's) spun at each op's barrier for a thread descheduled by the other process. That module beside
-# a busy core: 81.7 s and 112 s of CPU spinning, 23.2 s and 33 s asleep (2026-11-30).
+# determinism promise's) spun at each op's barrier for a thread descheduled by the other process. Its in-process tests
+# beside a busy core took 81.7 s (112 s of CPU) spinning, 23.2 s (33 s of CPU) asleep (2026-11-30).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
@@ -170,31 +170,6 @@ def patch_triton_interpreter() -> None:
     import triton.language as tl
     from triton.runtime import interpreter
 
-    if all(hasattr(interpreter, name) for name in ("_patch_lang", "_LangPatchScope", "GridExecutor")):
-        patch_lang, grid_call = interpreter._patch_lang, interpreter.GridExecutor.__call__
-        running: list[tuple[object, frozenset[int]]] = []  # (kernel, ids of the language modules it patched)
-
-        def languages(fn: Callable) -> frozenset[int]:
-            return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
-
-        def helper_patch_lang(fn: Callable) -> object:
-            if running and fn is not running[-1][0] and languages(fn) <= running[-1][1]:
-                return interpreter._LangPatchScope()  # nothing to patch: the kernel's patches hold until it returns
-            return patch_lang(fn)
-
-        def kernel_call(self: object, *args: object, **kwargs: object) -> object:
-            running.append((self.fn, languages(self.fn)))
-            try:
-                return grid_call(self, *args, **kwargs)
-            finally:
-                running.pop()
-
-        interpreter._patch_lang = helper_patch_lang
-        interpreter.GridExecutor.__call__ = kernel_call
-    options = getattr(getattr(interpreter, "interpreter_builder", None), "options", None)
-    if is_dataclass(options) and hasattr(options, "sanitize_overflow"):
-        interpreter.interpreter_builder.options = replace(options, sanitize_overflow=False)
-
     if hasattr(interpreter, "_patch_lang_tensor"):
         patch_lang_tensor = interpreter._patch_lang_tensor
 
@@ -217,3 +192,29 @@ def patch_triton_interpreter() -> None:
             return create_dot(self, upcast(a), upcast(b), *args)
 
         builder.create_dot = patched_dot
+
+    if all(hasattr(interpreter, name) for name in ("_patch_lang", "_LangPatchScope", "GridExecutor")):
+        patch_lang, grid_call = interpreter._patch_lang, interpreter.GridExecutor.__call__
+        running: list[tuple[object, frozenset[int]]] = []  # (kernel, ids of the language modules it patched)
+
+        def languages(fn: Callable) -> frozenset[int]:
+            return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+
+        def helper_patch_lang(fn: Callable) -> object:
+            if running and fn is not running[-1][0] and languages(fn) <= running[-1][1]:
+                return interpreter._LangPatchScope()  # nothing to patch: the kernel's patches hold until it returns
+            return patch_lang(fn)
+
+        def kernel_call(self: object, *args: object, **kwargs: object) -> object:
+            running.append((self.fn, languages(self.fn)))
+            try:
+                return grid_call(self, *args, **kwargs)
+            finally:
+                running.pop()
+
+        interpreter._patch_lang = helper_patch_lang
+        interpreter.GridExecutor.__call__ = kernel_call
+
+    built_with = getattr(getattr(interpreter, "interpreter_builder", None), "options", None)
+    if is_dataclass(built_with) and hasattr(built_with, "sanitize_overflow"):
+        interpreter.interpreter_builder.options = replace(built_with, sanitize_overflow=False)
