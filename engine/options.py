@@ -92,8 +92,9 @@ class EngineOptions:
     fp8_small_rows: bool = _option("VOXCPM_FP8_SMALL_ROWS", True, _flag, "With FP8 weights: below fp8_min_rows, "
                                    "the one-row GEMV reads the e4m3 weights (bf16 activations, each output channel "
                                    "scaled; H200, B=1: base LM 1.15 -> 0.89 ms); 0: the bf16 weights.")
-    fp8_fast_accum: bool = _option("VOXCPM_FP8_FAST_ACCUM", False, _flag, "The FP8 GEMM's fast accumulation (the "
-                                   "tensor cores' partial sums not promoted to fp32 along K).")
+    fp8_fast_accum: bool = _option("VOXCPM_FP8_FAST_ACCUM", False, _flag, "The FP8 GEMMs' fast accumulation (the "
+                                   "tensor cores' partial sums not promoted to fp32 along K; cuBLAS's and the Triton "
+                                   "FP8 GEMM's). On Hopper the DiT's gated FP8 GEMM runs only with it.")
     fp8_quant_kernel: bool = _option("VOXCPM_FP8_QUANT_KERNEL", True, _flag, "The FP8 GEMM's per-token activation "
                                      "quantisation as one Triton kernel; 0: torch ops (amax, divide, clamp, cast).")
     # --- the local modules' layer kernel -------------------------------------------------------------------------

@@ -210,6 +210,25 @@ def test_the_fast_accumulation_setting_reaches_the_gemm(fast):
     assert gemm.call_args.kwargs["use_fast_accum"] is fast
 
 
+@pytest.mark.parametrize("fast", [False, True])
+def test_the_fast_accumulation_setting_reaches_the_triton_fp8_gemm(fast):
+    """VOXCPM_FP8_FAST_ACCUM also decides how often the Triton FP8 GEMM's dots promote their partial sums (never, or
+    every K tile), and on Hopper, where promoted it is slower than cuBLAS + the gated quantiser, whether the gated
+    FP8 GEMM runs at all; on Blackwell it runs either way."""
+    from engine.ops import fp8_gemm
+
+    x_q, x_scale = fp8.quantize_rows(torch.randn(4, 256))
+    q = fp8.quantize_weight(torch.randn(256, 256))
+    with mock.patch.object(fp8_gemm, "current", return_value=EngineOptions(fp8_fast_accum=fast)):
+        with mock.patch.object(fp8_gemm, "_fp8_gemm_kernel") as kernel:
+            fp8_gemm.fp8_matmul(x_q, x_scale, q.data, q.scale, torch.bfloat16)
+        assert kernel.__getitem__.return_value.call_args.kwargs["IMPRECISE"] == (None if fast else 128)
+        cuda = torch.device("cuda")
+        for capability, runs in (((9, 0), fast), ((10, 0), True), ((8, 9), False)):
+            with mock.patch.object(torch.cuda, "get_device_capability", return_value=capability):
+                assert fp8_gemm.gated_supported(cuda, 1024, 8192) is runs, capability
+
+
 # --- CUDA -------------------------------------------------------------------------------------------------------------
 needs_fp8_gpu = pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability() >= (8, 9)),
                                    reason="needs CUDA with FP8 GEMMs (sm89+)")
@@ -229,6 +248,26 @@ def test_fp8_gemm_matches_its_dequantised_reference_cuda(shape, fast_accum):
         out = fp8.fp8_linear(x, q)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     assert relative_error(out, fp8.fp8_linear_reference(x, q)) <= (2.0**-5 if fast_accum else 2.0**-7)
+
+
+@pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability()[0] == 9),
+                    reason="Hopper's FP8 accumulator (sm90)")
+def test_the_triton_fp8_gemm_promotes_its_partial_sums_as_cublas_does_cuda():
+    """K=4096, the DiT's down projection: with the fast accumulation off the Triton FP8 GEMM's error against the exact
+    product of its e4m3 operands is cuBLAS's without it (its partial sums promoted every K tile), several times
+    smaller than with it on (never promoted; an H200: 1.7e-3 against 2.0e-4)."""
+    from engine.ops import fp8_gemm
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x_q, x_scale = fp8.quantize_rows(torch.randn(512, 4096, device="cuda", generator=g).bfloat16())
+    q = fp8.quantize_weight(torch.randn(1024, 4096, device="cuda", generator=g).bfloat16() * 4096**-0.5)
+    exact = (x_q.double() * x_scale.double()) @ (q.data.double() * q.scale.double().view(-1, 1)).t()
+    errs = {fast: relative_error(fp8_gemm.fp8_matmul(x_q, x_scale, q.data, q.scale, torch.float32, fast_accum=fast),
+                                 exact) for fast in (False, True)}
+    cublas = relative_error(torch._scaled_mm(x_q, q.data.t(), scale_a=x_scale, scale_b=q.scale,
+                                             out_dtype=torch.float32, use_fast_accum=False), exact)
+    assert errs[False] <= 1.25 * cublas
+    assert errs[False] * 3 <= errs[True]
 
 
 @needs_fp8_gpu
@@ -267,10 +306,11 @@ def test_the_fp8_mlp_matches_its_dequantised_reference_cuda():
 @pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability() >= (9, 0)),
                     reason="the gated FP8 GEMM runs on tensor descriptors (sm90+)")
 def test_the_dit_mlp_runs_the_gated_fp8_gemm_cuda():
-    """`attach_gated_gemm` gives an FP8 MLP's fused gate/up weight the gated FP8 companion (not the bf16 one); the
-    MLP then runs the FP8 GEMM with the gate in its epilogue instead of the gated quantiser, within the FP8 chain's
-    bound of its dequantised reference and of the chain itself; with the gated GEMMs off (as the batch-invariant
-    mode turns them) the chain runs."""
+    """With the fast accumulation (on Hopper the gated FP8 GEMM runs only with it; without it there the MLP keeps no
+    gated companion), `attach_gated_gemm` gives an FP8 MLP's fused gate/up weight the gated FP8 companion (not the
+    bf16 one); the MLP then runs the FP8 GEMM with the gate in its epilogue instead of the gated quantiser, within the
+    FP8 chain's bound of its dequantised reference and of the chain itself; with the gated GEMMs off (as the
+    batch-invariant mode turns them) the chain runs."""
     from engine import options
     from engine.config import TransformerConfig
     from engine.models.minicpm import MLP, attach_gated_gemm
@@ -282,12 +322,16 @@ def test_the_dit_mlp_runs_the_gated_fp8_gemm_cuda():
     mlp.fuse_projections()
     fp8.attach(mlp.gate_up_weight)
     fp8.attach(mlp.down_proj.weight)
-    assert attach_gated_gemm(mlp) == 1 and fp8.gated_companion_of(mlp.gate_up_weight) is not None
+    if torch.cuda.get_device_capability()[0] == 9:
+        with options.override(fp8_fast_accum=False):
+            assert attach_gated_gemm(mlp) == 0 and fp8.gated_companion_of(mlp.gate_up_weight) is None
+    with options.override(fp8_fast_accum=True):
+        assert attach_gated_gemm(mlp) == 1 and fp8.gated_companion_of(mlp.gate_up_weight) is not None
     assert gated_gemm.companion_of(mlp.gate_up_weight) is None
     x = torch.randn(300, 256, device="cuda").bfloat16()
     runs = {}
     for gated_rows in (2048, 0):
-        with options.override(fp8_min_rows=256, gated_gemm_min_rows=gated_rows), \
+        with options.override(fp8_min_rows=256, gated_gemm_min_rows=gated_rows, fp8_fast_accum=True), \
                 mock.patch.object(fp8_gemm, "fp8_matmul", wraps=fp8_gemm.fp8_matmul) as gemm, \
                 mock.patch.object(fp8, "silu_mul_quantized", wraps=fp8.silu_mul_quantized) as chain:
             runs[gated_rows] = mlp(x)

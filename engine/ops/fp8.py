@@ -12,8 +12,9 @@
   GPUs where torch runs it (sm89, sm90, sm100: `gemm_supported` probes it once per device).
 - The MLP (`fp8_mlp`): the gate/up GEMM's output goes through one kernel that makes the SiLU-gated product and
   quantises it per row for the down GEMM (`silu_mul_quantized`; its reference: `silu_mul`, then `quantize_rows`).
-  Where the fused weight has the gated companion (`attach_gated`: the DiT's, on Hopper), the gate/up GEMM is the
-  Triton FP8 GEMM with the gate in its epilogue (`engine.ops.fp8_gemm`), and only the product is quantised.
+  Where the fused weight has the gated companion (`attach_gated`: the DiT's, on Blackwell, and on Hopper with the fast
+  accumulation), the gate/up GEMM is the Triton FP8 GEMM with the gate in its epilogue (`engine.ops.fp8_gemm`, its
+  partial sums promoted as `fp8_fast_accum` says), and only the product is quantised.
 
 A weight's companion (`Fp8Weight`) is an attribute of the weight tensor itself (`FP8_ATTR`): `engine.ops.linear`
 is handed the same tensor objects every call, so finding it costs a getattr, allocates nothing and never waits for

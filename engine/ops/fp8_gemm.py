@@ -8,6 +8,14 @@ the scales in its epilogue; with `gated=True`, on a weight with its rows as (gat
 It is tiled over pointers (the CPU interpreter runs it) or persistent over tensor descriptors (Hopper). For the plain
 projections it measured no faster than cuBLAS (docs/benchmarks.md, Refuted): only the gated form is used. Its eager
 reference is `fp8.fp8_linear_reference` (and `silu_mul` of it).
+
+Accumulation: Hopper's FP8 tensor cores keep a dot's partial sums in an accumulator narrower than fp32, and Triton
+leaves them there on sm90 unless told how many products to accumulate before adding into fp32
+(`max_num_imprecise_acc`). The kernels take EngineOptions.fp8_fast_accum as cuBLAS does: off, the partial sums are
+promoted every K tile (BLOCK_K products: on an H200 the same error against an exact product as cuBLAS without fast
+accumulation, 2.0e-4 rms at K=1024 against 7.4e-4, 2.0e-4 against 1.7e-3 at K=4096); on, never. Promoted, the
+gated GEMM is slower on Hopper than cuBLAS + the gated quantiser (H200, 2816 rows, with the row quantiser after it:
+94.9 against 68.5 us), so there it runs only with the fast accumulation (`gated_supported`).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.ops.platform import HAVE_TRITON
+from engine.options import current
 
 if TYPE_CHECKING:
     import torch
@@ -44,8 +53,9 @@ if HAVE_TRITON:
     @triton.jit
     def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, rows, n, stride_x, stride_o, K: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                         GATED: tl.constexpr, W_COLS: tl.constexpr):
-        # Output tile (BLOCK_M rows, BLOCK_N columns) from W_COLS weight rows (2 * BLOCK_N when gated).
+                         GATED: tl.constexpr, W_COLS: tl.constexpr, IMPRECISE: tl.constexpr):
+        # Output tile (BLOCK_M rows, BLOCK_N columns) from W_COLS weight rows (2 * BLOCK_N when gated); IMPRECISE:
+        # products a dot accumulates before promoting them to fp32 (None: the backend's default; sm90: never).
         tile_m, tile_n = grouped_tile(tl.program_id(0), rows, n, BLOCK_M, BLOCK_N, GROUP_M)
         m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
         kk = tl.arange(0, BLOCK_K)
@@ -54,7 +64,7 @@ if HAVE_TRITON:
         w_ptrs = w_ptr + w_cols[None, :].to(tl.int64) * K + kk[:, None]
         acc = tl.zeros((BLOCK_M, W_COLS), dtype=tl.float32)
         for _ in range(0, K, BLOCK_K):
-            acc = tl.dot(tl.load(x_ptrs), tl.load(w_ptrs), acc)
+            acc = tl.dot(tl.load(x_ptrs), tl.load(w_ptrs), acc, max_num_imprecise_acc=IMPRECISE)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         y = _scaled_epilogue(acc, xs_ptr, ws_ptr, m, w_cols, rows, BLOCK_M, BLOCK_N, GATED, o_ptr.dtype.element_ty)
@@ -65,14 +75,15 @@ if HAVE_TRITON:
     def _fp8_gemm_persistent_kernel(x_desc, xs_ptr, w_desc, ws_ptr, o_desc, rows, n, tiles, K: tl.constexpr,
                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                     GROUP_M: tl.constexpr, GATED: tl.constexpr, W_COLS: tl.constexpr,
-                                    PROGRAMS: tl.constexpr):
+                                    IMPRECISE: tl.constexpr, PROGRAMS: tl.constexpr):
         # `_fp8_gemm_kernel`'s tiles, every PROGRAMS-th to a program, through tensor descriptors (TMA: rows past the
         # end read as zeros and are not written).
         for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
             tile_m, tile_n = grouped_tile(tile, rows, n, BLOCK_M, BLOCK_N, GROUP_M)
             acc = tl.zeros((BLOCK_M, W_COLS), dtype=tl.float32)
             for k in range(0, K, BLOCK_K):
-                acc = tl.dot(x_desc.load([tile_m * BLOCK_M, k]), w_desc.load([tile_n * W_COLS, k]).T, acc)
+                acc = tl.dot(x_desc.load([tile_m * BLOCK_M, k]), w_desc.load([tile_n * W_COLS, k]).T, acc,
+                             max_num_imprecise_acc=IMPRECISE)
             m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
             w_cols = tile_n * W_COLS + tl.arange(0, W_COLS)
             o_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N],
@@ -82,17 +93,22 @@ if HAVE_TRITON:
 # (BLOCK_M, BLOCK_N output columns, BLOCK_K, stages, warps, GROUP_M, persistent)
 Fp8Tiles = tuple[int, int, int, int, int, int, bool]
 DEFAULT_TILES: Fp8Tiles = (128, 128, 128, 4, 8, 8, False)
-# The gated GEMM's tiles: the fastest swept on an H200 at the DiT's 1408-5632 rows (`bench.py kernels --only fp8`;
-# with the row quantiser after it 33.4 / 61.6 / 117.6 us against cuBLAS + the gated quantiser's 39.2 / 67.9 / 135.6).
+# The gated GEMM's tiles: the fastest swept on an H200 at the DiT's 1408-5632 rows (`bench.py kernels --only fp8`).
+# With the row quantiser after it and its partial sums never promoted 33.5 / 63.1 / 119.8 us, against cuBLAS with the
+# fast accumulation + the gated quantiser's 34.7 / 61.4 / 120.9.
 GATED_TILES: Fp8Tiles = (128, 128, 128, 4, 8, 8, True)
 
 
 def gated_supported(device: torch.device, k_dim: int, w_rows: int) -> bool:
     """Whether the gated GEMM at GATED_TILES runs for a fused gate/up weight (2I, K) on `device`: Triton, a data-centre
     GPU with tensor descriptors and the ~200 KB of shared memory its four stages take (compute capability 9 or 10:
-    Hopper, Blackwell; not the consumer sm120's ~100 KB), the tiles dividing the weight."""
-    return (HAVE_TRITON and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10)
-            and tiles_fit(k_dim, w_rows, GATED_TILES, gated=True))
+    Hopper, Blackwell; not the consumer sm120's ~100 KB), on Hopper only with EngineOptions.fp8_fast_accum (its
+    partial sums promoted, the kernel is slower there than cuBLAS + the gated quantiser), the tiles dividing the
+    weight."""
+    if not (HAVE_TRITON and device.type == "cuda"):
+        return False
+    major = torch.cuda.get_device_capability(device)[0]
+    return (major == 10 or (major == 9 and current().fp8_fast_accum)) and tiles_fit(k_dim, w_rows, GATED_TILES, True)
 
 
 def tiles_fit(k_dim: int, w_rows: int, tiles: Fp8Tiles, gated: bool) -> bool:
@@ -102,10 +118,11 @@ def tiles_fit(k_dim: int, w_rows: int, tiles: Fp8Tiles, gated: bool) -> bool:
 
 def fp8_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
                out_dtype: torch.dtype, tiles: Fp8Tiles = DEFAULT_TILES, gated: bool = False,
-               programs: int | None = None) -> torch.Tensor:
+               programs: int | None = None, fast_accum: bool | None = None) -> torch.Tensor:
     """(M, K) e4m3 rows times the (N, K) e4m3 weight's transpose (contiguous), each side's rows scaled (x_scale (M, 1),
     w_scale (1, N)), out (M, N) in out_dtype; `gated`: the weight's rows (gate_i, up_i) pairs, out silu(gate) * up,
-    (M, N / 2). Persistent tiles: `programs` programs (None: one per SM, at most one per tile)."""
+    (M, N / 2). Persistent tiles: `programs` programs (None: one per SM, at most one per tile). `fast_accum` (None:
+    EngineOptions.fp8_fast_accum): the partial sums never promoted to fp32 on Hopper, else every BLOCK_K products."""
     block_m, block_n, block_k, stages, warps, group, persistent = tiles
     rows, k_dim = x_fp8.shape
     if (not tiles_fit(k_dim, w_fp8.shape[0], tiles, gated) or w_fp8.shape[1] != k_dim or not w_fp8.is_contiguous()
@@ -120,8 +137,9 @@ def fp8_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, 
     if not rows:
         return out
     tile_count = triton.cdiv(rows, block_m) * (n // block_n)
+    fast = current().fp8_fast_accum if fast_accum is None else fast_accum
     common = dict(K=k_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group, GATED=gated,
-                  W_COLS=w_cols, num_stages=stages, num_warps=warps)
+                  W_COLS=w_cols, IMPRECISE=None if fast else block_k, num_stages=stages, num_warps=warps)
     if persistent:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
