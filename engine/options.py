@@ -75,8 +75,9 @@ class EngineOptions:
     gated_gemm_min_rows: int = _option("VOXCPM_GATED_GEMM_MIN_ROWS", 2048, _rows, "Rows from which the DiT's gate/up "
                                        "projection and its SiLU gate run as one Triton GEMM over an interleaved "
                                        "copy of the weight (engine.ops.gated_gemm; the copy costs the DiT's gate/up "
-                                       "weights again); with FP8 weights on Hopper the FP8 GEMM with the gate in "
-                                       "its epilogue (engine.ops.fp8_gemm) wherever the FP8 GEMM runs; 0: off "
+                                       "weights again); with FP8 weights the FP8 GEMM with the gate in its "
+                                       "epilogue (engine.ops.fp8_gemm) wherever the FP8 GEMM runs, on Blackwell, "
+                                       "and on Hopper with fp8_fast_accum; 0: off "
                                        "(cuBLAS + silu_mul, or the FP8 GEMM + the gated quantiser).")
     gemv_max_rows: int = _option("VOXCPM_GEMV_MAX_ROWS", 1, _rows, "Activation rows up to which a bias-free "
                                  "projection runs on the weight-streaming GEMV kernel (0: cuBLAS / skinny).")
