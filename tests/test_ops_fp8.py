@@ -251,7 +251,7 @@ def test_fp8_gemm_matches_its_dequantised_reference_cuda(shape, fast_accum):
 
 
 @pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability()[0] == 9),
-                    reason="Hopper's FP8 accumulator (sm90)")
+                    reason="needs CUDA on Hopper (sm90: its FP8 accumulator)")
 def test_the_triton_fp8_gemm_promotes_its_partial_sums_as_cublas_does_cuda():
     """K=4096, the DiT's down projection: with the fast accumulation off the Triton FP8 GEMM's error against the exact
     product of its e4m3 operands is cuBLAS's without it (its partial sums promoted every K tile), several times
@@ -304,7 +304,7 @@ def test_the_fp8_mlp_matches_its_dequantised_reference_cuda():
 
 
 @pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability() >= (9, 0)),
-                    reason="the gated FP8 GEMM runs on tensor descriptors (sm90+)")
+                    reason="needs CUDA with tensor descriptors (sm90+): the gated FP8 GEMM")
 def test_the_dit_mlp_runs_the_gated_fp8_gemm_cuda():
     """With the fast accumulation (on Hopper the gated FP8 GEMM runs only with it; without it there the MLP keeps no
     gated companion), `attach_gated_gemm` gives an FP8 MLP's fused gate/up weight the gated FP8 companion (not the
