@@ -110,12 +110,17 @@ def test_a_variant_manifest_holds_what_its_settings_add_and_only_they_read_it(tm
     """A manifest recorded with FP8 weights (or another `manifest_variant` setting) keeps only the records the
     model's own manifests lack, and an engine reads it only when its settings include that variant."""
     from engine.engine_config import EngineConfig
+    from engine.options import EngineOptions
     from engine.startup import kernel_cache
 
     assert kernel_cache.manifest_variant(EngineConfig()) == {}
     assert kernel_cache.manifest_variant(EngineConfig(vae_dtype="fp32")) == {}  # the default, spelled out
     both = kernel_cache.manifest_variant(EngineConfig(quantization="fp8", vae_dtype="bf16"))
     assert both == {"quantization": "fp8", "vae_dtype": "bfloat16"}
+    fast = EngineOptions(fp8_fast_accum=True)  # the gated FP8 GEMM's kernels, on Hopper only with it
+    assert kernel_cache.manifest_variant(EngineConfig(options=fast)) == {}
+    assert kernel_cache.manifest_variant(EngineConfig(quantization="fp8", options=fast)) == {"quantization": "fp8",
+                                                                                            "fp8_fast_accum": "True"}
 
     model_recorder = kernel_cache.Recorder()
     model_recorder._on_jit_miss(compile={"specialization_data": _jit_record()})

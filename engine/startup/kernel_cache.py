@@ -12,10 +12,9 @@ module and name, so it survives edits of the kernel's code; a record that no lon
 and the JIT compiles whatever a manifest missed, as before.
 
 Manifests ship in engine/startup/kernel_manifests/ (recorded on the GPU by tools/record_kernel_manifest.py), or come
-from VOXCPM_KERNEL_MANIFEST (a file). Settings that add kernels (`manifest_variant`: FP8 weights, the VAE's dtype)
-have manifests holding only what they add, read only by engines with those settings. Every engine records what it
-compiles (`Recorder`), so a manifest for another GPU or model is one run of that tool. VOXCPM_PRECOMPILE=0 turns the
-precompile off.
+from VOXCPM_KERNEL_MANIFEST. Settings that add kernels (`manifest_variant`: FP8 weights, their fast accumulation, the
+VAE's dtype) have manifests of only what they add, read only by engines with those settings. Every engine records what
+it compiles (`Recorder`): a manifest for another GPU or model is one run of that tool. VOXCPM_PRECOMPILE=0: off.
 """
 
 from __future__ import annotations
@@ -65,10 +64,11 @@ def model_digest(cfg: VoxCPMConfig, dtype: str | torch.dtype) -> str:
 
 
 def manifest_variant(config: Any) -> dict[str, str]:
-    """The settings of an EngineConfig that make its engine compile kernels beyond those of the model's shape, as a
-    manifest names them (`"variant"`): those set away from their default (no torch needed)."""
+    """The settings that make an engine compile kernels beyond the model shape's, as manifests name them (`variant`):
+    the EngineConfig's away from their default (no torch needed); with FP8 weights, its options' fp8_fast_accum."""
     vae_dtype = DTYPE_NAMES.get(str(config.vae_dtype), str(config.vae_dtype)) if config.vae_dtype else "float32"
-    settings = {"quantization": config.quantization, "vae_dtype": None if vae_dtype == "float32" else vae_dtype}
+    settings = {"quantization": config.quantization, "vae_dtype": None if vae_dtype == "float32" else vae_dtype,
+                "fp8_fast_accum": config.quantization == "fp8" and config.options.fp8_fast_accum}
     return {name: str(value) for name, value in settings.items() if value}
 
 
