@@ -108,7 +108,8 @@ def test_manifest_round_trip_and_compile(tmp_path: Path, monkeypatch: pytest.Mon
 def test_a_variant_manifest_holds_what_its_settings_add_and_only_they_read_it(tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A manifest recorded with FP8 weights (or another `manifest_variant` setting) keeps only the records the
-    model's own manifests lack, and an engine reads it only when its settings include that variant."""
+    model's own manifests lack, one of FP8 with the fast accumulation only those the FP8 one lacks too (not the FP8
+    one's again), and an engine reads each only when its settings include that variant."""
     from engine.engine_config import EngineConfig
     from engine.options import EngineOptions
     from engine.startup import kernel_cache
@@ -142,6 +143,18 @@ def test_a_variant_manifest_holds_what_its_settings_add_and_only_they_read_it(tm
     assert names["plain"] == names["bf16 vae"] == ["engine.ops.silu_mul._silu_mul_kernel"]
     assert names["fp8"] == names["both"] == ["engine.ops.fp8._quantize_rows_kernel",
                                              "engine.ops.silu_mul._silu_mul_kernel"]
+
+    gated = {**json.loads(_jit_record()), "name": "engine.ops.fp8_gemm._fp8_gemm_persistent_kernel"}
+    recorder._on_jit_miss(compile={"specialization_data": json.dumps(gated)})
+    fast_variant = {"quantization": "fp8", "fp8_fast_accum": "True"}
+    fast_manifest = recorder.manifest("d" * 16, 90, fast_variant)
+    assert [e["name"] for e in fast_manifest["entries"]] == ["engine.ops.fp8_gemm._fp8_gemm_persistent_kernel"]
+    (shipped / "fp8_fast.json").write_text(json.dumps(fast_manifest))
+    # Recorded again, a variant keeps its records: neither its own manifest nor a wider variant's is subtracted.
+    assert (recorder.manifest("d" * 16, 90, {"quantization": "fp8"})["entries"]
+            == fp8_manifest["entries"] + fast_manifest["entries"])
+    assert len(kernel_cache.load_manifests("d" * 16, 90, {"quantization": "fp8"})) == 2
+    assert len(kernel_cache.load_manifests("d" * 16, 90, fast_variant)) == 3
 
 
 def test_a_compiler_child_never_imports_torch(tmp_path: Path) -> None:

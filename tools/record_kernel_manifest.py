@@ -10,8 +10,8 @@ on an empty kernel cache compiles all of them ahead, in parallel, and the first 
 The manifest is valid for every checkpoint of the same shape (real weights included) on GPUs of the same
 architecture; the file name is free (all manifests in engine/startup/kernel_manifests/ are read, matched by content).
 With --engine-kwargs naming settings that add kernels (`kernel_cache.manifest_variant`: quantization, vae_dtype; with
-FP8 also VOXCPM_FP8_FAST_ACCUM), the manifest holds only the variants the manifests without a variant lack (trim what
-another variant's manifest holds), and only engines with those settings read it:
+FP8 also VOXCPM_FP8_FAST_ACCUM), the manifest holds only the variants that the manifests of fewer of those settings (the
+model's own included) lack, and only engines with those settings read it:
 
     python tools/record_kernel_manifest.py --model /tmp/full --max-num-seqs 256 \
         --engine-kwargs '{"quantization": "fp8"}' --out engine/startup/kernel_manifests/voxcpm2-sm90-fp8.json

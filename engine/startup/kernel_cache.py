@@ -100,8 +100,7 @@ class Recorder:
         self.records: dict[str, dict[str, Any]] = {}
         self._last: dict[str, Any] | None = None  # the record of the JIT miss being compiled, and when it began
         self._t0 = 0.0
-        self.compiled = 0
-        self.cached = 0
+        self.compiled = self.cached = 0
         self.compiled_names: list[str] = []  # of the real compiles, in order
         self._installed = False
 
@@ -147,7 +146,7 @@ class Recorder:
     def manifest(self, digest: str, arch: int, variant: dict[str, str] | None = None) -> dict[str, Any]:
         """The records as a manifest; launch options reduced to those differing from Triton's defaults (the rest,
         such as library paths, belong to the installation that compiles). With a `variant` (`manifest_variant`),
-        only the records the manifests without it lack."""
+        only the records that the manifests of the variants it contains (the model's own included) lack."""
         import triton
         defaults = _default_options(arch)
         entries = []
@@ -156,7 +155,7 @@ class Recorder:
                        if k != "extern_libs" and json.loads(json.dumps(defaults.get(k))) != v}
             entries.append({**record, "options": options})
         if variant:
-            known = {_identity(e) for e in load_manifests(digest, arch)}
+            known = {_identity(e) for e in load_manifests(digest, arch, variant, strictly=True)}
             entries = [e for e in entries if _identity(e) not in known]
         entries.sort(key=lambda r: (r["name"], json.dumps(r, sort_keys=True)))
         return {"model": digest, "arch": arch, "triton": triton.__version__, "variant": dict(variant or {}),
@@ -199,16 +198,17 @@ def _entries(manifests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list({_identity(e): e for m in manifests for e in m.get("entries", [])}.values())  # each variant once
 
 
-def load_manifests(digest: str, arch: int, variant: dict[str, str] | None = None) -> list[dict[str, Any]]:
+def load_manifests(digest: str, arch: int, variant: dict[str, str] | None = None,
+                   strictly: bool = False) -> list[dict[str, Any]]:
     """The records of every manifest for this model shape, architecture and Triton release line (shipped ones,
-    VOXCPM_KERNEL_MANIFEST) whose variant the engine's settings include (`manifest_variant`; none: the model's
-    own)."""
+    VOXCPM_KERNEL_MANIFEST) whose variant the engine's settings include (`manifest_variant`; none: the model's own;
+    `strictly`: only those of fewer settings)."""
     paths = sorted(MANIFEST_DIR.glob("*.json"))
     if current().kernel_manifest:
         paths.append(Path(current().kernel_manifest))
     settings = (variant or {}).items()
     return _entries([m for m in _manifests(paths) if m.get("model") == digest and m.get("arch") == arch
-                     and m.get("variant", {}).items() <= settings])
+                     and ((v := m.get("variant", {}).items()) < settings or (v == settings and not strictly))])
 
 
 def shipped_records() -> dict[int, list[dict[str, Any]]]:
