@@ -208,7 +208,7 @@ def load_manifests(digest: str, arch: int, variant: dict[str, str] | None = None
         paths.append(Path(current().kernel_manifest))
     settings = (variant or {}).items()
     return _entries([m for m in _manifests(paths) if m.get("model") == digest and m.get("arch") == arch
-                     and ((v := m.get("variant", {}).items()) < settings or (v == settings and not strictly))])
+                     and ((have := m.get("variant", {}).items()) < settings or (have == settings and not strictly))])
 
 
 def shipped_records() -> dict[int, list[dict[str, Any]]]:
