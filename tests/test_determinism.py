@@ -87,6 +87,29 @@ def test_running_under_the_forced_capability():
     assert torch.backends.cpu.get_cpu_capability().lower() == ("default" if forced == "default" else forced)
 
 
+@pytest.mark.parametrize(("k_dim", "n"), [(32, 96), (256, 64), (1024, 1024)])
+def test_a_projection_row_has_the_same_bytes_at_every_position_of_every_batch(k_dim, n):
+    """The CPU projection's contract under this capability: a row's output bytes do not depend on where it sits in
+    its tile, how many tiles the call has, or how many threads torch runs on (what the engine-level tests rely on; on
+    a CPU whose GEMM computes some rows of a tile apart, this names the cause)."""
+    g = torch.Generator().manual_seed(k_dim + n)
+    weight, row = torch.randn(n, k_dim, generator=g), torch.randn(1, k_dim, generator=g)
+    tile = batch_invariant.TILE_ROWS["cpu"]
+    alone = batch_invariant.tiled_linear(row, weight)[0]
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in (tile, 2 * tile + 3):
+                for position in range(rows):
+                    batch = torch.randn(rows, k_dim, generator=g)
+                    batch[position] = row[0]
+                    out = batch_invariant.tiled_linear(batch, weight)[position]
+                    assert torch.equal(out, alone), f"row {position} of {rows} on {count} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_batched_requests_are_the_bytes_of_each_alone(model):
     reqs = _requests(model)
     together = _engine(model).generate_all(reqs)

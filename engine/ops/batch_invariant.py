@@ -9,8 +9,8 @@ shape:
 
 - a projection (`aten.linear`) in tiles of a fixed number of rows (the last tile zero-padded): every tile the same
   (rows, K) x (K, N) problem, whose rows the library computes alike at every position (on the CPU one batched GEMM of
-  8-row tiles; on CUDA one cuBLAS call per tile of `tile_rows` rows, since a batched call's kernel depends on the
-  count);
+  24-row tiles, a lone tile on one thread; on CUDA one cuBLAS call per tile of `tile_rows` rows, since a batched call's
+  kernel depends on the count);
 - the FP8 GEMM (`aten._scaled_mm`) likewise, each tile with its rows' scales;
 - another GEMM by its rows likewise (a batched one entry by entry), a convolution and SDPA one sample at a time, on
   the CPU on one thread (those kernels split a call across threads: the bytes would depend on the core count).
@@ -43,7 +43,11 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-TILE_ROWS = {"cpu": 8, "cuda": 64}  # the CPU's tile; CUDA's smallest (`tile_rows`)
+# The CPU's tile: rows MKL computes alike at every position of it. Its AVX2 GEMM takes rows six at a time and the rest
+# another way (the last two of an 8-row tile differed in the last bit); its AVX-512 and SSE4.2 kernels, in blocks of
+# eight or pairs. 24 rows were alike under all three (2026-12-01, a Xeon, `MKL_ENABLE_INSTRUCTIONS` forcing each; 8 and
+# 32 were not under AVX2). CUDA's: the smallest (`tile_rows`).
+TILE_ROWS = {"cpu": 24, "cuda": 64}
 TILE_MACS = 2**29  # CUDA: a tile of about this many multiply-adds (~1.4 us at an H100/H200's bf16 rate)
 aten = torch.ops.aten
 
@@ -73,13 +77,25 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     tile = tile_rows(x.device.type, k_dim, n)
     padded, count, tiles = _padded_rows(x, tile)
     if x.device.type == "cpu":
-        out = torch.bmm(padded.view(tiles, tile, k_dim), weight.t().expand(tiles, k_dim, n)).view(-1, n)
+        out = _cpu_tiles_bmm(padded.view(tiles, tile, k_dim), weight.t().expand(tiles, k_dim, n)).view(-1, n)
     else:
         out = torch.cat([F.linear(padded[i * tile:(i + 1) * tile], weight) for i in range(tiles)])
     out = out[:count]
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], n)
+
+
+def _cpu_tiles_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.bmm of CPU tiles (T, tile, K) x (T, K, N), every tile's GEMM computed alike. MKL runs a batch's entries
+    on a thread each, but a batch of one across its threads, splitting K under its AVX2 kernels: an (8, 256) x
+    (256, 64) tile alone on 2 threads differed in the last bit from the same tile among others or on one thread
+    (2026-12-01, `MKL_ENABLE_INSTRUCTIONS=AVX2` on a Xeon; never under AVX-512 or SSE4.2). So a lone tile runs on
+    one thread."""
+    if a.shape[0] > 1:
+        return torch.bmm(a, b)
+    with one_thread():
+        return torch.bmm(a, b)
 
 
 def tiled_scaled_mm(func: Callable[..., torch.Tensor], a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
@@ -111,7 +127,7 @@ def tiled_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a_t = F.pad(a, (0, 0, 0, tm * tile - m)).view(tm, 1, tile, k_dim).expand(tm, tn, tile, k_dim)
     b_t = F.pad(b, (0, tn * tile - n)).view(k_dim, tn, tile).permute(1, 0, 2)
     b_t = b_t.unsqueeze(0).expand(tm, tn, k_dim, tile)
-    out = torch.bmm(a_t.reshape(-1, tile, k_dim), b_t.reshape(-1, k_dim, tile))
+    out = _cpu_tiles_bmm(a_t.reshape(-1, tile, k_dim), b_t.reshape(-1, k_dim, tile))
     return out.view(tm, tn, tile, tile).transpose(1, 2).reshape(tm * tile, tn * tile)[:m, :n]
 
 
