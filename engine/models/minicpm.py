@@ -101,8 +101,10 @@ class Attention(nn.Module):
         if self.qkv_weight is None:
             self.qkv_weight = _fuse_rows(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, attend: AttendFn, layer: int) -> torch.Tensor:
-        """The attention branch's output, or its split-K partials (`linear.residual_linear`) for `add_rms_norm`."""
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, attend: AttendFn, layer: int,
+                keep: slice | None = None) -> torch.Tensor:
+        """The attention branch's output, or its split-K partials (`linear.residual_linear`) for `add_rms_norm`.
+        keep: the sequence positions (dim -2) whose output is wanted; every position is still attended to."""
         lead = x.shape[:-1]
         widths = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim]
         if self.qkv_weight is not None:
@@ -118,6 +120,8 @@ class Attention(nn.Module):
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
         attended = attend(layer, q, k, v, rope)
+        if keep is not None:
+            attended = attended[..., keep, :]
         return add_lora(self.o_proj, attended, residual_linear(attended, self.o_proj.weight))
 
 
@@ -154,13 +158,18 @@ class DecoderLayer(nn.Module):
         self.residual_scale: float | None = cfg.residual_scale if cfg.use_mup else None
 
     def forward(self, x: torch.Tensor, normed: torch.Tensor, rope: torch.Tensor | None, attend: AttendFn, layer: int,
-                next_norm: RMSNorm, next_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                next_norm: RMSNorm, next_weight: torch.Tensor | None = None,
+                keep: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream; normed: input_layernorm(x), already computed by whoever updated x
         last. Returns the updated stream and `next_norm` of it (the next layer's input norm, or the
         stack's final norm), each residual add fused with the norm that follows it. next_weight: the projection
-        that reads `next_norm`'s output (the next layer's q/k/v), its FP8 GEMM then reads rows the norm quantised."""
+        that reads `next_norm`'s output (the next layer's q/k/v), its FP8 GEMM then reads rows the norm quantised.
+        keep: in a stack's last layer, the sequence positions (dim -2) the caller reads: after the attention, which
+        reads every position, only these rows go on (the o projection, the MLP and the norms)."""
         # Each branch's output may come back as split-K partials, which the add + norm sums.
-        h = self.self_attn(normed, rope, attend, layer)
+        h = self.self_attn(normed, rope, attend, layer, keep)
+        if keep is not None:
+            x = x[..., keep, :]
         norm = self.post_attention_layernorm
         x, normed = add_rms_norm(x, h, self.residual_scale, norm.weight, norm.eps,
                                  quantize=fp8.companion(x, self.mlp.gate_up_weight) is not None)
@@ -301,28 +310,32 @@ class MiniCPM(nn.Module):
             out[kind] = first.as_strided((len(tensors), *first.shape), (first.numel(), *first.stride()))
         return out
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, attend: AttendFn) -> torch.Tensor:
-        """x: (..., L, hidden); rope: (L, 2, head_dim) rows for the positions of x, or None."""
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, attend: AttendFn,
+                keep: slice | None = None) -> torch.Tensor:
+        """x: (..., L, hidden); rope: (L, 2, head_dim) rows for the positions of x, or None. keep: the positions
+        (dim -2) whose output the caller reads (None: all); the last layer computes only those after its attention."""
         rope = rope if self.uses_rope else None
         if not len(self.layers):
-            return self.norm(x)
+            return self.norm(x if keep is None else x[..., keep, :])
         normed = self.layers[0].input_layernorm(x)
         for i, layer in enumerate(self.layers):
             after = self.layers[i + 1] if i + 1 < len(self.layers) else None
             x, normed = layer(x, normed, rope, attend, i, after.input_layernorm if after else self.norm,
-                              after.self_attn.qkv_weight if after else None)
+                              after.self_attn.qkv_weight if after else None, None if after else keep)
         return normed
 
-    def forward_local(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+    def forward_local(self, x: torch.Tensor, rope: torch.Tensor | None, keep: slice | None = None) -> torch.Tensor:
         """A local module's stack (LocEnc, DiT): bidirectional attention within each short sequence of x; where the
-        layer kernel takes these few rows, the whole stack is one kernel launch."""
+        layer kernel takes these few rows, the whole stack is one kernel launch. keep: the positions whose output
+        the caller reads (`forward`); the layer kernel computes every row and returns a view of these."""
         lora = self.lora_context is not None and self.lora_context.mask is not None  # the kernel reads base weights
         # Rows the FP8 GEMM takes (EngineOptions.fp8_min_rows) go the per-layer way, which runs it.
         takes_fp8_gemm = len(self.layers) > 0 and fp8.companion(x, self.layers[0].self_attn.qkv_weight) is not None
         if (len(self.layers) and not lora and not takes_fp8_gemm and platform.kernels(x)
                 and layer_stack.supported(self, x)):
-            return layer_stack.dense_stack(self, x, rope if self.uses_rope else None)
-        return self.forward(x, rope, dense_attention)
+            out = layer_stack.dense_stack(self, x, rope if self.uses_rope else None)
+            return out if keep is None else out[..., keep, :]
+        return self.forward(x, rope, dense_attention, keep)
 
 
 class DenseAttention:

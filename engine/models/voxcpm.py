@@ -134,14 +134,14 @@ class LocDiT(nn.Module):
         copies after `leading` (2B, T, hidden), then `cfg_euler_step` (on CUDA the DiT's input and its output
         projection with the step are one kernel each)."""
         seq = cfg_euler.dit_input(x, leading, self.in_proj)
-        h = self.decoder.forward_local(seq, rope[: seq.shape[1]])
-        return cfg_euler.dit_output_euler(h, leading.shape[1], self.out_proj, x, cfg, dt)
+        h = self.decoder.forward_local(seq, rope[: seq.shape[1]], keep=slice(leading.shape[1], None))
+        return cfg_euler.dit_output_euler(h, 0, self.out_proj, x, cfg, dt)
 
     def velocity_after(self, x: torch.Tensor, leading: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         """The velocity of the noisy patch x (N, D, P) after one step's `leading_tokens` (N, T, hidden)."""
         seq = torch.cat((leading, self.in_proj(x.transpose(1, 2))), dim=1)
-        h = self.decoder.forward_local(seq, rope[: seq.shape[1]])
-        return self.out_proj(h[:, leading.shape[1]:]).transpose(1, 2)
+        h = self.decoder.forward_local(seq, rope[: seq.shape[1]], keep=slice(leading.shape[1], None))
+        return self.out_proj(h).transpose(1, 2)
 
 
 def _version(t: torch.Tensor) -> int:
