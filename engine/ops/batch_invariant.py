@@ -43,10 +43,10 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# The CPU's tile: rows MKL computes alike at every position of it. Its AVX2 GEMM takes rows six at a time and the rest
-# another way (the last two of an 8-row tile differed in the last bit); its AVX-512 and SSE4.2 kernels, in blocks of
-# eight or pairs. 24 rows were alike under all three (2026-12-01, a Xeon, `MKL_ENABLE_INSTRUCTIONS` forcing each; 8 and
-# 32 were not under AVX2). CUDA's: the smallest (`tile_rows`).
+# The CPU's tile: rows MKL computes alike at every position of it. Measured on a Xeon (2026-12-01, each capability
+# forced by `MKL_ENABLE_INSTRUCTIONS`): under AVX2 the last two rows of an 8-row tile (and of a 32-row one) differed in
+# the last bit from the others, as if taken six at a time; under SSE4.2 the odd rows of 4- and 6-row tiles; under
+# AVX-512 none. 12, 16, 24 and 48 rows were alike under all three. CUDA's: the smallest (`tile_rows`).
 TILE_ROWS = {"cpu": 24, "cuda": 64}
 TILE_MACS = 2**29  # CUDA: a tile of about this many multiply-adds (~1.4 us at an H100/H200's bf16 rate)
 aten = torch.ops.aten
