@@ -75,21 +75,19 @@ def test_dit_velocity(models):
     check_parity(f"{name} LocDiT velocity", got, ref, BOUND)
 
 
-@pytest.mark.parametrize("stack", ["dit", "enc"])
-def test_the_last_layer_computes_only_the_kept_positions(models, stack):
-    """LocEnc reads one position of its stack's output and the DiT the noisy patch's: their last layer computes the
-    rest only as keys and values. The kept rows must be what the whole stack gives there, in shape and value."""
+def test_the_dit_last_layer_computes_only_the_noisy_patch(models):
+    """The DiT reads the noisy patch's positions of its stack's output: its last layer computes the others only as
+    keys and values. The kept rows must be what the whole stack gives there, in shape and value."""
     name, ours, _ = models
-    module = (ours.backbone.feat_decoder.estimator.decoder if stack == "dit"
-              else ours.backbone.feat_encoder.encoder)
-    rope = ours.backbone.rope_tables[stack]
-    keep = slice(-ours.config.patch_size, None) if stack == "dit" else slice(0, 1)
+    module = ours.backbone.feat_decoder.estimator.decoder
+    rope = ours.backbone.rope_tables["dit"]
+    keep = slice(-ours.config.patch_size, None)
     torch.manual_seed(6)
     x = torch.randn(3, rope.shape[0], module.layers[0].self_attn.o_proj.out_features)
     whole = module.forward_local(x, rope)
     kept = module.forward_local(x, rope, keep=keep)
     assert kept.shape == whole[:, keep].shape
-    check_parity(f"{name} {stack} kept positions", kept, whole[:, keep], BOUND)
+    check_parity(f"{name} DiT noisy patch", kept, whole[:, keep], BOUND)
 
 
 @pytest.mark.parametrize("cfg_value", [2.0, 1.3])

@@ -120,8 +120,8 @@ class Attention(nn.Module):
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
         attended = attend(layer, q, k, v, rope)
-        if keep is not None:
-            attended = attended[..., keep, :]
+        if keep is not None:  # contiguous: the LoRA kernel takes only such rows (the GEMM would copy them anyway)
+            attended = attended[..., keep, :].contiguous()
         return add_lora(self.o_proj, attended, residual_linear(attended, self.o_proj.weight))
 
 

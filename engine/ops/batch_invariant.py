@@ -116,7 +116,7 @@ def tiled_scaled_mm(func: Callable[..., torch.Tensor], a: torch.Tensor, b: torch
 
 def tiled_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a (M, K) @ b (K, N): on the CPU both sides tiled (either may carry the batch), every output tile one
-    (8, K) x (K, 8) problem; on CUDA a's rows tiled as a projection's (in the engine's exact mode no CUDA GEMM carries
+    (24, K) x (K, 24) problem; on CUDA a's rows tiled as a projection's (in the engine's exact mode no CUDA GEMM carries
     the batch in its columns: the VAE upsampler's column GEMM is off there)."""
     if a.device.type != "cpu":
         return tiled_linear(a, b.t())
