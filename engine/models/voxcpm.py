@@ -135,7 +135,7 @@ class LocDiT(nn.Module):
         projection with the step are one kernel each)."""
         seq = cfg_euler.dit_input(x, leading, self.in_proj)
         h = self.decoder.forward_local(seq, rope[: seq.shape[1]], keep=slice(leading.shape[1], None))
-        return cfg_euler.dit_output_euler(h, 0, self.out_proj, x, cfg, dt)
+        return cfg_euler.dit_output_euler(h, self.out_proj, x, cfg, dt)
 
     def velocity_after(self, x: torch.Tensor, leading: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         """The velocity of the noisy patch x (N, D, P) after one step's `leading_tokens` (N, T, hidden)."""

@@ -174,16 +174,16 @@ def dit_input(x: torch.Tensor, leading: torch.Tensor, in_proj: torch.nn.Linear) 
     return torch.cat((leading, in_proj(torch.cat((x, x)).transpose(1, 2))), dim=1)
 
 
-def dit_output_euler(h: torch.Tensor, lead_len: int, out_proj: torch.nn.Linear, x: torch.Tensor, cfg: torch.Tensor,
+def dit_output_euler(h: torch.Tensor, out_proj: torch.nn.Linear, x: torch.Tensor, cfg: torch.Tensor,
                      dt: float) -> torch.Tensor:
-    """The Euler step after a DiT evaluation: the velocities out_proj(h[:, lead_len:]) (conditional rows, then
-    unconditional) guided into x (`cfg_euler_step`). On CUDA one kernel instead of a copy, the GEMM and the step."""
+    """The Euler step after a DiT evaluation: the velocities out_proj(h) of the noisy patch's rows h (2B, P, H)
+    (conditional rows, then unconditional; any row strides) guided into x (`cfg_euler_step`). On CUDA one kernel
+    instead of a copy, the GEMM and the step."""
     b, d, p = x.shape
-    if (platform.kernels(x) and x.is_contiguous() and h.stride(-1) == 1 and h.shape[0] == 2 * b and h.dim() == 3
+    if (platform.kernels(x) and x.is_contiguous() and h.stride(-1) == 1 and h.dim() == 3 and h.shape[:2] == (2 * b, p)
             and x.dtype == h.dtype == cfg.dtype == out_proj.weight.dtype and out_proj.bias is not None
             and out_proj.weight.is_contiguous() and d <= 128 and p <= 16 and cfg.numel() == b
             and h.shape[-1] % 16 == 0):
-        return dit_output_euler_triton(h, lead_len, out_proj.weight, out_proj.bias, x,
-                                               cfg.reshape(b).contiguous(), dt)
-    return cfg_euler_step(x, out_proj(h[:, lead_len:]).transpose(1, 2), cfg, dt)
+        return dit_output_euler_triton(h, 0, out_proj.weight, out_proj.bias, x, cfg.reshape(b).contiguous(), dt)
+    return cfg_euler_step(x, out_proj(h).transpose(1, 2), cfg, dt)
 
