@@ -118,11 +118,11 @@ def tiles_fit(k_dim: int, w_rows: int, tiles: Fp8Tiles, gated: bool) -> bool:
 
 def fp8_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
                out_dtype: torch.dtype, tiles: Fp8Tiles = DEFAULT_TILES, gated: bool = False,
-               programs: int | None = None, fast_accum: bool | None = None) -> torch.Tensor:
+               programs: int | None = None) -> torch.Tensor:
     """(M, K) e4m3 rows times the (N, K) e4m3 weight's transpose (contiguous), each side's rows scaled (x_scale (M, 1),
     w_scale (1, N)), out (M, N) in out_dtype; `gated`: the weight's rows (gate_i, up_i) pairs, out silu(gate) * up,
-    (M, N / 2). Persistent tiles: `programs` programs (None: one per SM, at most one per tile). `fast_accum` (None:
-    EngineOptions.fp8_fast_accum): the partial sums never promoted to fp32 on Hopper, else every BLOCK_K products."""
+    (M, N / 2). Persistent tiles: `programs` programs (None: one per SM, at most one per tile). With
+    EngineOptions.fp8_fast_accum the partial sums are never promoted to fp32 on Hopper, else every BLOCK_K products."""
     block_m, block_n, block_k, stages, warps, group, persistent = tiles
     rows, k_dim = x_fp8.shape
     if (not tiles_fit(k_dim, w_fp8.shape[0], tiles, gated) or w_fp8.shape[1] != k_dim or not w_fp8.is_contiguous()
@@ -137,9 +137,9 @@ def fp8_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, 
     if not rows:
         return out
     tile_count = triton.cdiv(rows, block_m) * (n // block_n)
-    fast = current().fp8_fast_accum if fast_accum is None else fast_accum
     common = dict(K=k_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group, GATED=gated,
-                  W_COLS=w_cols, IMPRECISE=None if fast else block_k, num_stages=stages, num_warps=warps)
+                  W_COLS=w_cols, IMPRECISE=None if current().fp8_fast_accum else block_k, num_stages=stages,
+                  num_warps=warps)
     if persistent:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
