@@ -506,8 +506,8 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
             step_ref = cfg_euler_ops.cfg_euler_step(x.cpu(), cpu_out(hidden.cpu()[:, t:]).transpose(1, 2), cfg.cpu(),
                                             0.0917).to(device)
             seq = cfg_euler_ops.dit_input_triton(x, leading, in_proj.weight, in_proj.bias)
-            step = cfg_euler_ops.dit_output_euler_triton(hidden, t, out_proj.weight, out_proj.bias, x, cfg.reshape(b),
-                                                         0.0917)
+            step = cfg_euler_ops.dit_output_euler_triton(hidden[:, t:], out_proj.weight, out_proj.bias, x,
+                                                         cfg.reshape(b), 0.0917)
             errs = [relative_error(seq, seq_ref), relative_error(step, step_ref)]
             with mock.patch.object(platform, "kernels", platform.usable), \
                     mock.patch.object(cfg_euler_ops, "dit_input_triton",

@@ -132,16 +132,17 @@ def dit_input_triton(x: torch.Tensor, leading: torch.Tensor, weight: torch.Tenso
     return seq
 
 
-def dit_output_euler_triton(h: torch.Tensor, lead_len: int, weight: torch.Tensor, bias: torch.Tensor,
-                            x: torch.Tensor, cfg: torch.Tensor, dt: float) -> torch.Tensor:
-    """cfg_euler_step(x, out_proj(h[:, lead_len:]).transpose(1, 2), cfg, dt) in one kernel: h (2B, T + P, H) with
-    unit column stride, out_proj's weight (D, H) contiguous and bias (D,), x (B, D, P) contiguous, cfg (B,)."""
+def dit_output_euler_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor,
+                            cfg: torch.Tensor, dt: float) -> torch.Tensor:
+    """cfg_euler_step(x, out_proj(h).transpose(1, 2), cfg, dt) in one kernel: h (2B, P, H) the noisy patch's rows with
+    unit column stride (any row strides), out_proj's weight (D, H) contiguous and bias (D,), x (B, D, P) contiguous,
+    cfg (B,). The kernel's row offset (`lead_len`) stays 0: its shipped manifest records name that parameter."""
     b, d, p = x.shape
     hidden = h.shape[-1]
     out = torch.empty_like(x)
     block_k = next(k for k in (64, 32, 16) if hidden % k == 0)
     _dit_output_euler_kernel[(b,)](
-        h, weight, bias, x, cfg, out, b, lead_len, dt, h.stride(0), h.stride(1), D=d, P=p, H=hidden,
+        h, weight, bias, x, cfg, out, b, 0, dt, h.stride(0), h.stride(1), D=d, P=p, H=hidden,
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_K=block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
     return out
@@ -184,6 +185,6 @@ def dit_output_euler(h: torch.Tensor, out_proj: torch.nn.Linear, x: torch.Tensor
             and x.dtype == h.dtype == cfg.dtype == out_proj.weight.dtype and out_proj.bias is not None
             and out_proj.weight.is_contiguous() and d <= 128 and p <= 16 and cfg.numel() == b
             and h.shape[-1] % 16 == 0):
-        return dit_output_euler_triton(h, 0, out_proj.weight, out_proj.bias, x, cfg.reshape(b).contiguous(), dt)
+        return dit_output_euler_triton(h, out_proj.weight, out_proj.bias, x, cfg.reshape(b).contiguous(), dt)
     return cfg_euler_step(x, out_proj(h).transpose(1, 2), cfg, dt)
 
