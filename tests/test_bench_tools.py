@@ -72,12 +72,15 @@ def run_pool(checkpoint_factory, out: Path, command: str, args: list[str], rows:
 
 def test_stream_protocol_rows_and_the_workers_send_waits(checkpoint_factory, tmp_path):
     """`bench.py stream` (the anchors' protocol) on our pool: a row per concurrency with the anchor files' keys, and how
-    long the workers' messages waited from queued to written (ours only)."""
+    long the workers' messages waited from queued to written (ours only). --pool-kwargs twice: merged, the later
+    object's keys winning (a wrapper script adds its window beside the caller's settings)."""
     ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
     out = tmp_path / "stream.json"
     bench.main(["stream", "--engine", "voxcpm-serve", "--model", str(ckpt), "--conc", "1,2", "--iters", "1",
-                "--patches", "3", "--devices", "cpu", "--out", str(out)])
+                "--patches", "3", "--devices", "cpu", "--out", str(out),
+                "--pool-kwargs", '{"vae_dtype": "float32", "coalesce_ms": 0}', "--pool-kwargs", '{"coalesce_ms": 2}'])
     doc = json.loads(out.read_text())
+    assert doc["pool"]["vae_dtype"] == "float32" and doc["pool"]["coalesce_ms"] == 2
     assert doc["complete"] and [r["concurrency"] for r in doc["results"]] == [1, 2]
     for row in doc["results"]:
         assert row["failed"] == 0 and row["throughput_audio_s_per_s"] > 0 and row["ttfb_p50"] > 0

@@ -818,7 +818,7 @@ def parser(doc: str | None, command: str, conc: str | None = "1,8", patches: int
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--inference-timesteps", type=int, default=10)
-    p.add_argument("--pool-kwargs", default="{}", help="extra JSON keyword arguments for from_pretrained")
+    p.add_argument("--pool-kwargs", action="append", help=POOL_KWARGS_HELP)
     w = ap.add_argument_group("workload")
     if conc is not None:
         w.add_argument("--conc", type=positive_ints, default=positive_ints(conc),
@@ -832,6 +832,21 @@ def parser(doc: str | None, command: str, conc: str | None = "1,8", patches: int
     w.add_argument("--clip-seconds", type=float, default=5.0, help="length of the synthetic voice clips")
     w.add_argument("--out", help="write the results JSON here (rewritten after every row)")
     return ap
+
+
+POOL_KWARGS_HELP = ("extra JSON keyword arguments for from_pretrained; repeated, the objects are merged, later keys "
+                    "winning (a wrapper's own settings beside the caller's)")
+
+
+def merged_pool_kwargs(ap: argparse.ArgumentParser, values: list[str] | None) -> dict[str, Any]:
+    """The --pool-kwargs objects merged in order (a later one's keys win)."""
+    merged: dict[str, Any] = {}
+    for value in values or ():
+        obj = json.loads(value)
+        if not isinstance(obj, dict):
+            ap.error(f"--pool-kwargs must be a JSON object, got {value!r}")
+        merged.update(obj)
+    return merged
 
 
 def finish_args(ap: argparse.ArgumentParser, a: argparse.Namespace, max_conc: int, argv: list[str],
@@ -848,7 +863,7 @@ def finish_args(ap: argparse.ArgumentParser, a: argparse.Namespace, max_conc: in
     if a.gpu_index is None and gpu0:
         a.gpu_index = 0
     a.max_num_seqs = a.max_num_seqs or max_conc
-    a.pool_kwargs = json.loads(a.pool_kwargs)
+    a.pool_kwargs = merged_pool_kwargs(ap, a.pool_kwargs)
     if a.patches < 1:
         ap.error("--patches must be positive")
     return a

@@ -33,6 +33,7 @@ from tqdm import tqdm
 # The measurement helpers, the protocol's text and the environment facts are shared with the other benchmarks.
 from tools.benchmarks.harness import (
     CLIP_TEXT,
+    POOL_KWARGS_HELP,
     TEXT,
     PoolTarget,
     Req,
@@ -41,6 +42,7 @@ from tools.benchmarks.harness import (
     engine_version,
     gpu_index,
     gpu_mem_used_mib,
+    merged_pool_kwargs,
     nvidia_smi,
     subcommand_parser,
     synthetic_clip_wav,
@@ -68,7 +70,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--inference-timesteps", type=int, default=10)
     ap.add_argument("--devices", default="auto", help="comma-separated GPU indices for the pool; voxcpm-serve also "
                     "takes device names (cpu). auto: GPU 0 if nvidia-smi sees one, else cpu")
-    ap.add_argument("--pool-kwargs", default="{}", help="extra JSON keyword arguments for from_pretrained")
+    ap.add_argument("--pool-kwargs", action="append", help=POOL_KWARGS_HELP)
     ap.add_argument("--loras", type=int, default=0, help="voxcpm-serve: this many random runtime LoRA adapters "
                     "(the official VoxCPM2 recipe: LM and DiT, --lora-rank, alpha = rank) registered, the requests "
                     "using them in turn (max_loras defaults to it)")
@@ -84,7 +86,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.devices = [int(x) if x.strip().isdigit() else x.strip() for x in a.devices.split(",") if x.strip()]
     a.patches = a.patches or (40 if a.mode == "hifi" else 100)
     a.max_num_seqs = a.max_num_seqs or max(a.conc)
-    a.pool_kwargs = json.loads(a.pool_kwargs)
+    a.pool_kwargs = merged_pool_kwargs(ap, a.pool_kwargs)
     if a.loras:
         if a.engine != "voxcpm-serve":
             ap.error("--loras: runtime adapters are voxcpm-serve's")

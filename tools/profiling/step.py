@@ -97,7 +97,8 @@ def components(engine: LLMEngine, b: int) -> dict[str, float]:
         "base LM step + FSQ": graph_ms(lambda: bb.fsq_layer(bb.base_lm(embed, rope, r.base_cache.attend_fn(meta)))),
         "residual LM step": graph_ms(lambda: bb.residual_lm(res_in, rope, r.residual_cache.attend_fn(meta))),
         "stop head": graph_ms(lambda: bb.stop_logits(lm_h)),
-        "VAE decode (streaming, fp32)": graph_ms(lambda: r._decode_audio(idx, latents)),
+        f"VAE decode (streaming, {engine.config.vae_dtype or 'float32'})":
+            graph_ms(lambda: r._decode_audio(idx, latents)),
         # From VOXCPM_VAE_OVERLAP_MIN_BATCH on (32) the step graph stops at the LMs and the VAE graph runs behind it;
         # below, the VAE is inside the step graph.
         "whole step (one graph)" if b not in r.vae_stream.graphs else "step graph without the VAE":
