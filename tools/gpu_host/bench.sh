@@ -336,7 +336,8 @@ for part in $PARTS; do
                 done
             done
             ;;
-        ours_window)  # the pool with the service's coalescing window (the same engine settings as the service)
+        ours_window)  # the pool with the service's coalescing window (the same engine settings as the service); the
+            # window's --pool-kwargs comes after BENCH_ARGS', and bench.py merges the two (FP8 stays FP8)
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
             OURS_ARGS="${OURS_ARGS:-} --pool-kwargs {\"coalesce_ms\":5}" bench voxcpm-serve "$OUT/pool_window.json" "$T_OURS"
             RC[$part]=$?
