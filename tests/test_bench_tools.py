@@ -88,6 +88,13 @@ def test_stream_protocol_rows_and_the_workers_send_waits(checkpoint_factory, tmp
         assert isinstance(row["worker_gc_passes"], int) and 0 <= row["worker_gc_longest_ms"] < 10_000
 
 
+@pytest.mark.parametrize("value", ["{bad", "[1]"])
+def test_pool_kwargs_must_be_json_objects(value, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["stream", "--engine", "voxcpm-serve", "--model", "m", "--devices", "cpu", "--pool-kwargs", value])
+    assert "--pool-kwargs" in capsys.readouterr().err
+
+
 def test_latents_pool(checkpoint_factory, tmp_path):
     doc = run_pool(checkpoint_factory, tmp_path / "latents.json", "latents", ["--conc", "1,2", "--iters", "1"], rows=2)
     assert [r["concurrency"] for r in doc["results"]] == [1, 2] and [r["requests"] for r in doc["results"]] == [1, 2]

@@ -842,7 +842,10 @@ def merged_pool_kwargs(ap: argparse.ArgumentParser, values: list[str] | None) ->
     """The --pool-kwargs objects merged in order (a later one's keys win)."""
     merged: dict[str, Any] = {}
     for value in values or ():
-        obj = json.loads(value)
+        try:
+            obj = json.loads(value)
+        except json.JSONDecodeError as e:
+            ap.error(f"--pool-kwargs is not JSON ({e}): {value!r}")
         if not isinstance(obj, dict):
             ap.error(f"--pool-kwargs must be a JSON object, got {value!r}")
         merged.update(obj)
