@@ -792,6 +792,10 @@ def subcommand_parser(command: str, doc: str | None) -> argparse.ArgumentParser:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
+POOL_KWARGS_HELP = ("extra JSON keyword arguments for from_pretrained; repeated, the objects are merged, later keys "
+                    "winning (a wrapper's own settings beside the caller's)")
+
+
 def parser(doc: str | None, command: str, conc: str | None = "1,8", patches: int = 100, iters: int | None = 2,
            duration: float | None = None) -> argparse.ArgumentParser:
     """The flags every workload shares. conc/iters/duration None: the workload has no such flag."""
@@ -832,10 +836,6 @@ def parser(doc: str | None, command: str, conc: str | None = "1,8", patches: int
     w.add_argument("--clip-seconds", type=float, default=5.0, help="length of the synthetic voice clips")
     w.add_argument("--out", help="write the results JSON here (rewritten after every row)")
     return ap
-
-
-POOL_KWARGS_HELP = ("extra JSON keyword arguments for from_pretrained; repeated, the objects are merged, later keys "
-                    "winning (a wrapper's own settings beside the caller's)")
 
 
 def merged_pool_kwargs(ap: argparse.ArgumentParser, values: list[str] | None) -> dict[str, Any]:
