@@ -142,9 +142,6 @@ class EngineOptions:
                                            "or on what its prompt found in the prefix cache (`ops.batch_invariant`"
                                            "); unset: on the CPU yes, on CUDA no (there it turns off the kernels that "
                                            "choose by the batch: `batch_invariant_kernels`).")
-    cudnn_benchmark: bool = _option("VOXCPM_CUDNN_BENCHMARK", False, _flag, "cuDNN's algorithm search for the "
-                                    "VAE decode's remaining cuDNN convolutions (on: start-up slower, B=128 steps "
-                                    "slightly faster).")
     precompile: bool = _option("VOXCPM_PRECOMPILE", True, _flag, "Compile the kernel manifest's variants missing "
                                "from the kernel cache ahead of time, in parallel, during start-up.")
     kernel_manifest: str | None = _option("VOXCPM_KERNEL_MANIFEST", None, str, "A kernel manifest file used beside "

@@ -177,7 +177,9 @@ def test_a_compiler_child_never_imports_torch(tmp_path: Path) -> None:
 def test_every_shipped_record_names_its_kernels_parameters() -> None:
     """A kernel whose parameters change (an argument or a constexpr added, renamed or removed) leaves its shipped
     records stale: start-up skips them and the JIT compiles that kernel inside a cold start. Such a change re-records
-    the manifests on a GPU (tools/record_kernel_manifest.py, per settings variant) in the same commit."""
+    the manifests on a GPU (tools/record_kernel_manifest.py, per settings variant) in the same commit. A variant that
+    changes without its parameters (a pointer's dtype, a constexpr's value) passes here: the tool's --check, on a GPU,
+    finds it."""
     import importlib
 
     from engine.startup import kernel_cache

@@ -7,6 +7,12 @@ on an empty kernel cache compiles all of them ahead, in parallel, and the first 
     TRITON_CACHE_DIR=$(mktemp -d) python tools/record_kernel_manifest.py --model /tmp/full --max-num-seqs 128 \
         --out engine/startup/kernel_manifests/voxcpm2-sm90.json
 
+With --check it records nothing: the same exercise on an empty kernel cache with the shipped manifests precompiled (as
+a start-up does) counts the kernels the JIT still compiles itself, and fails unless that is none (a manifest edited or a
+kernel changed, checked on a GPU):
+
+    TRITON_CACHE_DIR=$(mktemp -d) python tools/record_kernel_manifest.py --model /tmp/full --max-num-seqs 128 --check
+
 The manifest is valid for every checkpoint of the same shape (real weights included) on GPUs of the same
 architecture; the file name is free (all manifests in engine/startup/kernel_manifests/ are read, matched by content).
 With --engine-kwargs naming settings that add kernels (`kernel_cache.manifest_variant`: quantization, vae_dtype; with
@@ -28,9 +34,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-# The JIT itself compiles every variant here (no manifest precompile), which times each compile for the manifest:
-# the precompiler starts the longest first. Run on an empty TRITON_CACHE_DIR for those times.
-os.environ["VOXCPM_PRECOMPILE"] = "0"
+# Recording, the JIT itself compiles every variant (no manifest precompile), which times each compile for the manifest:
+# the precompiler starts the longest first. Run on an empty TRITON_CACHE_DIR for those times. Read before argparse
+# because the engine's options are read when it is imported.
+CHECK = "--check" in sys.argv[1:]
+if not CHECK:
+    os.environ["VOXCPM_PRECOMPILE"] = "0"
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -49,12 +58,18 @@ def main() -> None:
     ap.add_argument("--patches", type=int, default=4, help="patches per request while exercising")
     ap.add_argument("--engine-kwargs", default="{}", help="JSON of other EngineConfig fields, e.g. "
                     "'{\"vae_dtype\": \"bfloat16\"}'")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="the manifest to write (not with --check)")
+    ap.add_argument("--check", action="store_true", help="record nothing: count what the JIT compiles itself beside "
+                    "the shipped manifests' precompile; exit 1 unless none")
     a = ap.parse_args()
+    if a.check == bool(a.out):
+        ap.error("give exactly one of --out and --check")
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU: a manifest is per GPU architecture")
     t0 = time.perf_counter()
     config = EngineConfig(max_num_seqs=a.max_num_seqs, **json.loads(a.engine_kwargs))
+    mark = kernel_cache.RECORDER.install().mark()
+    records_mark = len(kernel_cache.RECORDER.compiled_records)
     engine = LLMEngine(a.model, config, device="cuda")
     print(f"engine ready in {engine.startup_s:.1f} s; kernels: {engine.startup_phases['kernels']}", flush=True)
     print(f"warm-up: {warm_up(engine)}", flush=True)  # what a worker runs before it reports ready
@@ -72,6 +87,13 @@ def main() -> None:
         engine.generate_all([dict(target_text=texts[i % len(texts)], params=params) for i in range(conc)])
     engine.generate_all([dict(target_text=t, params=params, prompt_text="A prompt.", prompt_latents=prompt)
                          for t in texts])
+    if a.check:
+        jit = kernel_cache.RECORDER.since(mark)
+        missing = kernel_cache.RECORDER.compiled_records[records_mark:]  # what the manifests lack, in full
+        print(json.dumps({"check": "kernel manifests", "model": a.model, "engine_kwargs": json.loads(a.engine_kwargs),
+                          "max_num_seqs": a.max_num_seqs, "startup_kernels": engine.startup_phases["kernels"],
+                          **jit, "s": round(time.perf_counter() - t0, 1), "missing_records": missing}), flush=True)
+        sys.exit(1 if jit["jit_compiled"] else 0)
     manifest = kernel_cache.RECORDER.manifest_of(engine.model, variant=kernel_cache.manifest_variant(config))
     manifest.update(device=torch.cuda.get_device_name(), command=" ".join(sys.argv),
                     date=time.strftime("%Y-%m-%d", time.gmtime()))

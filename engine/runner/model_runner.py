@@ -83,9 +83,9 @@ class ModelRunner:
                               opts.lora_merged_steps) if config.max_loras else None
         self.lora_mixed = False  # whether the last decode step added terms (rows of different adapters)
         if device.type == "cuda":
-            # cuDNN's algorithm search (per conv shape, so per graph bucket) costs seconds of start-up for the few
-            # VAE convolutions not in our kernels; off by default (docs/benchmarks.md, VOXCPM_CUDNN_BENCHMARK).
-            torch.backends.cudnn.benchmark = opts.cudnn_benchmark
+            # cuDNN's algorithm search runs at a convolution shape's first call, which a graph capture cannot hold
+            # (a bucket's VAE meets it there), and it made the pool no faster (docs/benchmarks.md, Refuted).
+            torch.backends.cudnn.benchmark = False
             vae_conv.match_cudnn_tf32()  # process-wide: a worker owns its process
         self.use_graphs = device.type == "cuda" and not config.enforce_eager
         self.vae_stream = VaeStream(device, self.use_graphs)

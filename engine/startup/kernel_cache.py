@@ -99,9 +99,9 @@ class Recorder:
     def __init__(self) -> None:
         self.records: dict[str, dict[str, Any]] = {}
         self._last: dict[str, Any] | None = None  # the record of the JIT miss being compiled, and when it began
-        self._t0 = 0.0
-        self.compiled = self.cached = 0
+        self._t0, self.cached = 0.0, 0  # the miss's start; binaries found in the file cache
         self.compiled_names: list[str] = []  # of the real compiles, in order
+        self.compiled_records: list[dict[str, Any]] = []  # the records of those compiles that came from a JIT miss
         self._installed = False
 
     def install(self) -> Recorder:
@@ -115,11 +115,11 @@ class Recorder:
 
     def mark(self) -> tuple[int, int]:
         """A point to count from (`since`)."""
-        return self.compiled, self.cached
+        return len(self.compiled_names), self.cached
 
     def since(self, mark: tuple[int, int]) -> dict[str, Any]:
         """What the JIT did after `mark`: real compiles (and their kernels), binaries found in the file cache."""
-        return {"jit_compiled": self.compiled - mark[0], "jit_compiled_names": self.compiled_names[mark[0]:],
+        return {"jit_compiled": len(self.compiled_names) - mark[0], "jit_compiled_names": self.compiled_names[mark[0]:],
                 "jit_from_cache": self.cached - mark[1]}
 
     def _on_jit_miss(self, **kwargs: Any) -> bool:
@@ -133,10 +133,10 @@ class Recorder:
         if cache_hit:
             self.cached += 1
         else:
-            self.compiled += 1
             self.compiled_names.append(getattr(kwargs.get("src"), "name", "?"))
             if self._last is not None:  # the JIT compiles right after its miss, in the same thread
                 self._last["compile_s"] = round(time.perf_counter() - self._t0, 3)
+                self.compiled_records.append(self._last)
         self._last = None
 
     def manifest_of(self, model: LoadedModel, variant: dict[str, str] | None = None) -> dict[str, Any]:

@@ -16,7 +16,8 @@
 #   PARTS="http_base" BASELINE=old ...   # the service of an earlier tree (old/) at HTTP_BASE_CONC, with a profile
 #   PARTS="ours ours_base cold" BASELINE=old CONC=1,8,128 ...   # this tree against an earlier one: the pool, cold starts
 #   PARTS="cold" BASELINE=old COLD_ROUNDS=3 COLD_PYSPY=1 ...   # cold starts, then one more under py-spy (pyspy_start_*)
-#   PARTS="manifest cold" COLD_VARIANTS="-;VOXCPM_CUDNN_BENCHMARK=0" ...   # re-record the kernel manifest, then starts
+#   PARTS="manifest_check" CKPT=/tmp/half PRESET=full-voxcpm0.5b   # the shipped manifests cover that model's kernels
+#   PARTS="manifest cold" COLD_VARIANTS="-;VOXCPM_PRECOMPILE=0" ...   # re-record the kernel manifest, then starts
 #   PARTS="cold" COLD_PREBUILT=/tmp/kernels COLD_VARIANTS="-;NANOVLLM_PREBUILT_KERNELS_DIR=/tmp/kernels"   # the image's
 #       kernels built first (python -m engine.startup.prebuild; COLD_PREBUILT_ARGS=--link-stub links as an image build does),
 #       then starts on an empty cache without them and seeded with them
@@ -540,9 +541,18 @@ random_adapters('$CKPT', 1, ${LORA_RANK:-32}, Path('/tmp/lora_merged'))" \
             RC[$part]=$?
             cp "$target" "$OUT/" 2>/dev/null
             ;;
+        manifest_check)  # the shipped manifests cover what an engine of this tree compiles: the recording's exercise
+            # on an empty kernel cache with them precompiled, 0 JIT compiles or the part fails (MANIFEST_KWARGS: engine)
+            { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
+            kwargs="${MANIFEST_KWARGS:-}"; [[ -n "$kwargs" ]] || kwargs="{}"
+            TRITON_CACHE_DIR="$(mktemp -d)" run_limited "${T_MANIFEST:-300}" manifest-check python3 \
+                tools/record_kernel_manifest.py --model "$CKPT" --max-num-seqs "${MAXSEQS:-128}" --check \
+                --engine-kwargs "$kwargs"
+            RC[$part]=$?
+            ;;
         cold)  # cold start to /ready of the service (empty cache dir), BASELINE's tree and this one alternately,
             # COLD_ROUNDS times each (this tree once per ';'-separated COLD_VARIANTS entry: its environment, e.g.
-            # "-;VOXCPM_CUDNN_BENCHMARK=0", '-' for none); the times are the log's "service NAME ready in X s" lines
+            # "-;VOXCPM_PRECOMPILE=0", '-' for none); the times are the log's "service NAME ready in X s" lines
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
             RC[$part]=0
             if [[ -n "${COLD_PREBUILT:-}" ]]; then  # the image's kernels, for a variant naming this folder as
