@@ -796,6 +796,19 @@ POOL_KWARGS_HELP = ("extra JSON keyword arguments for from_pretrained; repeated,
                     "winning (a wrapper's own settings beside the caller's)")
 
 
+def add_pool_arguments(p: argparse._ActionsContainer) -> None:
+    """The engine pool's settings, as every pool benchmark (`parser`, `stream`) takes them."""
+    p.add_argument("--devices", default="auto", help="comma-separated GPU indices or device names (cpu; "
+                   "nano-vllm-voxcpm: GPU indices only); auto: GPU 0 if nvidia-smi sees one, else cpu")
+    p.add_argument("--max-num-seqs", type=int, help="default: the largest concurrency")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--inference-timesteps", type=int, default=10)
+    p.add_argument("--pool-kwargs", action="append", help=POOL_KWARGS_HELP)
+
+
 def parser(doc: str | None, command: str, conc: str | None = "1,8", patches: int = 100, iters: int | None = 2,
            duration: float | None = None) -> argparse.ArgumentParser:
     """The flags every workload shares. conc/iters/duration None: the workload has no such flag."""
@@ -813,16 +826,7 @@ def parser(doc: str | None, command: str, conc: str | None = "1,8", patches: int
                    help="http: the service's GPU for nvidia-smi memory readings (default: 0 if nvidia-smi sees one)")
     g.add_argument("--ready-timeout", type=float, default=900, help="http: seconds to wait for /ready")
     g.add_argument("--http-timeout", type=float, default=600, help="http: read timeout per request, seconds")
-    p = ap.add_argument_group("pool (pool target)")
-    p.add_argument("--devices", default="auto", help="comma-separated GPU indices or device names (cpu); "
-                   "auto: GPU 0 if nvidia-smi sees one, else cpu")
-    p.add_argument("--max-num-seqs", type=int, help="default: the largest concurrency")
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--inference-timesteps", type=int, default=10)
-    p.add_argument("--pool-kwargs", action="append", help=POOL_KWARGS_HELP)
+    add_pool_arguments(ap.add_argument_group("pool (pool target)"))
     w = ap.add_argument_group("workload")
     if conc is not None:
         w.add_argument("--conc", type=positive_ints, default=positive_ints(conc),

@@ -33,10 +33,10 @@ from tqdm import tqdm
 # The measurement helpers, the protocol's text and the environment facts are shared with the other benchmarks.
 from tools.benchmarks.harness import (
     CLIP_TEXT,
-    POOL_KWARGS_HELP,
     TEXT,
     PoolTarget,
     Req,
+    add_pool_arguments,
     bursts,
     command_line,
     engine_version,
@@ -62,15 +62,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--patches", type=int, help="patches per request (default 100; 40 in hifi mode)")
     ap.add_argument("--mode", choices=["zeroshot", "hifi"], default="zeroshot",
                     help="hifi: a synthetic 5 s clip as prompt and as reference")
-    ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--max-num-seqs", type=int, help="default: the largest --conc")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--inference-timesteps", type=int, default=10)
-    ap.add_argument("--devices", default="auto", help="comma-separated GPU indices for the pool; voxcpm-serve also "
-                    "takes device names (cpu). auto: GPU 0 if nvidia-smi sees one, else cpu")
-    ap.add_argument("--pool-kwargs", action="append", help=POOL_KWARGS_HELP)
+    add_pool_arguments(ap)
     ap.add_argument("--loras", type=int, default=0, help="voxcpm-serve: this many random runtime LoRA adapters "
                     "(the official VoxCPM2 recipe: LM and DiT, --lora-rank, alpha = rank) registered, the requests "
                     "using them in turn (max_loras defaults to it)")
