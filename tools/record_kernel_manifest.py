@@ -7,11 +7,11 @@ on an empty kernel cache compiles all of them ahead, in parallel, and the first 
     TRITON_CACHE_DIR=$(mktemp -d) python tools/record_kernel_manifest.py --model /tmp/full --max-num-seqs 128 \
         --out engine/startup/kernel_manifests/voxcpm2-sm90.json
 
-With --check it records nothing: the same exercise on an empty kernel cache with the shipped manifests precompiled (as
-a start-up does) counts the kernels the JIT still compiles itself, and fails unless that is none (a manifest edited or a
-kernel changed, checked on a GPU):
+With --check it records nothing: the same exercise on an empty kernel cache of its own with the shipped manifests
+precompiled (as a start-up does) counts the kernels the JIT still compiles itself, prints their records and fails
+unless there are none (a manifest edited, or a kernel whose variants changed since its recording):
 
-    TRITON_CACHE_DIR=$(mktemp -d) python tools/record_kernel_manifest.py --model /tmp/full --max-num-seqs 128 --check
+    python tools/record_kernel_manifest.py --model /tmp/full --max-num-seqs 128 --check
 
 The manifest is valid for every checkpoint of the same shape (real weights included) on GPUs of the same
 architecture; the file name is free (all manifests in engine/startup/kernel_manifests/ are read, matched by content).
@@ -26,10 +26,13 @@ model's own included) lack, and only engines with those settings read it:
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # the precompiler starts the longest first. Run on an empty TRITON_CACHE_DIR for those times. Read before argparse
 # because the engine's options are read when it is imported.
 CHECK = "--check" in sys.argv[1:]
-if not CHECK:
+if CHECK:  # on a warm kernel cache a stale manifest would pass: the check always starts on an empty one of its own
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="manifest-check-")  # as engine.startup.prebuild names one
+    atexit.register(shutil.rmtree, os.environ["TRITON_CACHE_DIR"], ignore_errors=True)
+else:
     os.environ["VOXCPM_PRECOMPILE"] = "0"
 
 import numpy as np  # noqa: E402

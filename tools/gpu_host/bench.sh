@@ -545,7 +545,7 @@ random_adapters('$CKPT', 1, ${LORA_RANK:-32}, Path('/tmp/lora_merged'))" \
             # on an empty kernel cache with them precompiled, 0 JIT compiles or the part fails (MANIFEST_KWARGS: engine)
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
             kwargs="${MANIFEST_KWARGS:-}"; [[ -n "$kwargs" ]] || kwargs="{}"
-            TRITON_CACHE_DIR="$(mktemp -d)" run_limited "${T_MANIFEST:-300}" manifest-check python3 \
+            run_limited "${T_MANIFEST:-300}" manifest-check python3 \
                 tools/record_kernel_manifest.py --model "$CKPT" --max-num-seqs "${MAXSEQS:-128}" --check \
                 --engine-kwargs "$kwargs"
             RC[$part]=$?
