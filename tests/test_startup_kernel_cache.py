@@ -122,6 +122,8 @@ def test_a_variant_manifest_holds_what_its_settings_add_and_only_they_read_it(tm
     assert kernel_cache.manifest_variant(EngineConfig(options=fast)) == {}
     assert kernel_cache.manifest_variant(EngineConfig(quantization="fp8", options=fast)) == {"quantization": "fp8",
                                                                                             "fp8_fast_accum": "True"}
+    # runtime LoRA slots: their count and rank are the LoRA kernels' constexprs
+    assert kernel_cache.manifest_variant(EngineConfig(max_loras=4, max_lora_rank=16)) == {"lora": "4x16"}
 
     model_recorder = kernel_cache.Recorder()
     model_recorder._on_jit_miss(compile={"specialization_data": _jit_record()})

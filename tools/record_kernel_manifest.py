@@ -15,9 +15,10 @@ unless there are none (a manifest edited, or a kernel whose variants changed sin
 
 The manifest is valid for every checkpoint of the same shape (real weights included) on GPUs of the same
 architecture; the file name is free (all manifests in engine/startup/kernel_manifests/ are read, matched by content).
-With --engine-kwargs naming settings that add kernels (`kernel_cache.manifest_variant`: quantization, vae_dtype; with
-FP8 also VOXCPM_FP8_FAST_ACCUM), the manifest holds only the variants that the manifests of fewer of those settings (the
-model's own included) lack, and only engines with those settings read it:
+With --engine-kwargs naming settings that add kernels (`kernel_cache.manifest_variant`: quantization, vae_dtype,
+max_loras with max_lora_rank; with FP8 also VOXCPM_FP8_FAST_ACCUM), the manifest holds only the variants that the
+manifests of fewer of those settings (the model's own included) lack, and only engines with those settings read it
+(runtime LoRA slots: the exercise's requests use random adapters in every slot, and the base weights):
 
     python tools/record_kernel_manifest.py --model /tmp/full --max-num-seqs 256 \
         --engine-kwargs '{"quantization": "fp8"}' --out engine/startup/kernel_manifests/voxcpm2-sm90-fp8.json
@@ -51,10 +52,22 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from engine.io.audio import encode_latents  # noqa: E402
+from engine.io.lora import LoRAConfig, random_adapter  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.sequence import SamplingParams  # noqa: E402
 from engine.serving.worker_startup import warm_up  # noqa: E402
 from engine.startup import kernel_cache  # noqa: E402
+
+
+def exercise_adapters(engine: LLMEngine, config: EngineConfig) -> list[Path]:
+    """One random adapter per runtime LoRA slot (none without slots), of the slots' rank, on every layer the official
+    VoxCPM2 recipe adapts (the LMs' and the DiT's projections)."""
+    if not config.max_loras:
+        return []
+    out = Path(tempfile.mkdtemp(prefix="manifest-loras-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    lora = LoRAConfig(enable_lm=True, enable_dit=True, r=config.max_lora_rank, alpha=config.max_lora_rank)
+    return [random_adapter(engine.model.backbone, out / str(i), lora, seed=i) for i in range(config.max_loras)]
 
 
 def main() -> None:
@@ -89,8 +102,16 @@ def main() -> None:
                             vae.sample_rate, patch, "left")
     texts = ["Hello.", "A sentence of ordinary length for a voice to speak aloud. " * 3,
              "A long paragraph, so that the prefill runs well beyond the captured token buckets. " * 40]
+    # Runtime LoRA slots: random adapters in every slot, each request naming one in turn or none (the base), so that
+    # steps of one adapter (merged) and of several (their terms per layer) both run, in the prefill and the decode.
+    names = [engine.register_lora(f"exercise{i}", str(path)).name
+             for i, path in enumerate(exercise_adapters(engine, config))]
+    adapters = [None, *names]
     for conc in (1, 8, a.max_num_seqs):
-        engine.generate_all([dict(target_text=texts[i % len(texts)], params=params) for i in range(conc)])
+        engine.generate_all([dict(target_text=texts[i % len(texts)], params=params,
+                                  lora_name=adapters[i % len(adapters)]) for i in range(conc)])
+    for name in names[:1]:  # one request alone on an adapter: a merged step
+        engine.generate_all([dict(target_text=texts[1], params=params, lora_name=name)])
     engine.generate_all([dict(target_text=t, params=params, prompt_text="A prompt.", prompt_latents=prompt)
                          for t in texts])
     if a.check:

@@ -13,8 +13,8 @@ and the JIT compiles whatever a manifest missed, as before.
 
 Manifests ship in engine/startup/kernel_manifests/ (recorded on the GPU by tools/record_kernel_manifest.py), or come
 from VOXCPM_KERNEL_MANIFEST. Settings that add kernels (`manifest_variant`: FP8 weights, their fast accumulation, the
-VAE's dtype) have manifests of only what they add, read only by engines with those settings. Every engine records what
-it compiles (`Recorder`): a manifest for another GPU or model is one run of that tool. VOXCPM_PRECOMPILE=0: off.
+VAE's dtype, runtime LoRA slots) have manifests of only what they add, read only by engines with those settings. Every
+engine records what it compiles (`Recorder`): a manifest for another GPU or model is one run of that tool.
 """
 
 from __future__ import annotations
@@ -65,10 +65,12 @@ def model_digest(cfg: VoxCPMConfig, dtype: str | torch.dtype) -> str:
 
 def manifest_variant(config: Any) -> dict[str, str]:
     """The settings that make an engine compile kernels beyond the model shape's, as manifests name them (`variant`):
-    the EngineConfig's away from their default (no torch needed); with FP8 weights, its options' fp8_fast_accum."""
+    the EngineConfig's away from their default (no torch needed); with FP8 weights, its options' fp8_fast_accum; with
+    runtime LoRA slots, their count and rank ("4x32": the LoRA kernels' constexprs, `engine.ops.lora`)."""
     vae_dtype = DTYPE_NAMES.get(str(config.vae_dtype), str(config.vae_dtype)) if config.vae_dtype else "float32"
     settings = {"quantization": config.quantization, "vae_dtype": None if vae_dtype == "float32" else vae_dtype,
-                "fp8_fast_accum": config.quantization == "fp8" and config.options.fp8_fast_accum}
+                "fp8_fast_accum": config.quantization == "fp8" and config.options.fp8_fast_accum,
+                "lora": config.max_loras > 0 and f"{config.max_loras}x{config.max_lora_rank}"}
     return {name: str(value) for name, value in settings.items() if value}
 
 
@@ -113,8 +115,7 @@ class Recorder:
             self._installed = True
         return self
 
-    def mark(self) -> tuple[int, int]:
-        """A point to count from (`since`)."""
+    def mark(self) -> tuple[int, int]:  # a point to count from (`since`)
         return len(self.compiled_names), self.cached
 
     def since(self, mark: tuple[int, int]) -> dict[str, Any]:
@@ -181,9 +182,8 @@ def _manifests(paths: list[Path]) -> list[dict[str, Any]]:
         except (OSError, json.JSONDecodeError) as e:
             log.warning("kernel manifest %s unreadable: %s", path, e)
             continue
-        if not _same_minor_version(m.get("triton", ""), triton_version()):
-            log.info("kernel manifest %s is for triton %s, this is %s: not used", path, m.get("triton"),
-                     triton_version())
+        if not _same_minor_version(m.get("triton", ""), this := triton_version()):
+            log.info("kernel manifest %s is for triton %s, this is %s: not used", path, m.get("triton"), this)
             continue
         manifests.append(m)
     return manifests

@@ -533,11 +533,14 @@ random_adapters('$CKPT', 1, ${LORA_RANK:-32}, Path('/tmp/lora_merged'))" \
                 bench_ours "$OUT/rounds_tree_$r.json" || RC[$part]=$?
             done
             ;;
-        manifest)  # re-record this tree's kernel manifest (MANIFEST_NAME) on an empty kernel cache; a copy in $OUT
+        manifest)  # re-record this tree's kernel manifest (MANIFEST_NAME; a variant's: MANIFEST_KWARGS) on an empty
+            # kernel cache; a copy in $OUT
             { setup_wheels && setup_checkpoint; } || { RC[$part]=setup; continue; }
             target="engine/startup/kernel_manifests/${MANIFEST_NAME:-voxcpm2-sm90}.json"
+            kwargs="${MANIFEST_KWARGS:-}"; [[ -n "$kwargs" ]] || kwargs="{}"
             TRITON_CACHE_DIR="$(mktemp -d)" run_limited "${T_MANIFEST:-300}" manifest python3 \
-                tools/record_kernel_manifest.py --model "$CKPT" --max-num-seqs "${MAXSEQS:-128}" --out "$target"
+                tools/record_kernel_manifest.py --model "$CKPT" --max-num-seqs "${MAXSEQS:-128}" --out "$target" \
+                --engine-kwargs "$kwargs"
             RC[$part]=$?
             cp "$target" "$OUT/" 2>/dev/null
             ;;
