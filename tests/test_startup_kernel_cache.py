@@ -209,6 +209,24 @@ def test_the_shipped_manifests_match_the_presets_digests() -> None:
         assert kernel_cache.model_digest(cfg, torch.bfloat16) == shipped["model"], preset  # a dtype or its name
 
 
+def test_every_shipped_variant_manifest_is_read_by_the_settings_it_names() -> None:
+    """A variant manifest is read only by engines whose `manifest_variant` includes its variant: each shipped one's
+    variant is what the settings it names give (a renamed key or value spelling would turn it off silently)."""
+    from engine.engine_config import EngineConfig
+    from engine.options import EngineOptions
+    from engine.startup import kernel_cache
+
+    manifests = [json.loads(path.read_text()) for path in kernel_cache.MANIFEST_DIR.glob("*.json")]
+    variants = [m["variant"] for m in manifests if m.get("variant")]
+    assert {key for v in variants for key in v} == {"quantization", "vae_dtype", "fp8_fast_accum", "lora"}
+    for variant in variants:
+        loras, rank = (int(n) for n in variant.get("lora", "0x32").split("x"))
+        config = EngineConfig(quantization=variant.get("quantization"), vae_dtype=variant.get("vae_dtype"),
+                              max_loras=loras, max_lora_rank=rank,
+                              options=EngineOptions(fp8_fast_accum=variant.get("fp8_fast_accum") == "True"))
+        assert kernel_cache.manifest_variant(config) == variant
+
+
 def test_the_precompile_starts_without_torch(tmp_path: Path) -> None:
     """The service's supervisor starts the precompile of the shipped VoxCPM2 manifest (sm_90, empty kernel cache)
     from the checkpoint's config alone, with no torch imported (a fresh interpreter: this one has torch): it then
