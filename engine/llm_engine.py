@@ -96,11 +96,23 @@ class LLMEngine:
         times = self.runner.capture_times.values()
         self.startup_phases = {"load_s": load_s, "precompile_wait_s": wait_s, "kv_s": kv_s, "graphs_s": graph_s,
                                "graph_warmup_s": sum(w for w, _ in times), "graph_capture_s": sum(c for _, c in times),
-                               "kernels": {**kernel_stats, **kernel_cache.RECORDER.since(kernels_mark)}}
+                               "kernels": {**kernel_stats, **self.kernel_compiles_since(kernels_mark, "start-up")}}
         log.info("engine ready on %s in %.1f s (load %.1f s, KV sizing %.1f s, %s): %d KV blocks of %d tokens, "
                  "attention %s", self.device, self.startup_s, load_s, kv_s,
                  f"{len(self.runner.capture_times)} CUDA graphs in {graph_s:.1f} s"
                  if self.runner.graphs else "eager", num_blocks, cfg.block_size, self.runner.backend)
+
+    def kernel_compiles_since(self, mark: tuple[int, int], stage: str) -> dict[str, Any]:
+        """What the JIT compiled since `mark` (`kernel_cache.Recorder.since`). Anything it compiled with the precompile
+        on is a variant that no kernel manifest holds for this model, GPU and settings, which every start on an empty
+        kernel cache waits for: a warning (`tools/record_kernel_manifest.py --check` lists them; it records them)."""
+        since = kernel_cache.RECORDER.since(mark)
+        if since["jit_compiled"] and options.current().precompile:  # the recorder listens on CUDA only
+            log.warning("%s compiled %d Triton kernel variants that no kernel manifest holds for this model, GPU and "
+                        "settings %s: %s", stage, since["jit_compiled"],
+                        kernel_cache.manifest_variant(self.config) or "(defaults)",
+                        ", ".join(sorted(set(since["jit_compiled_names"]))))
+        return since
 
     def _set_vae_dtype(self, dtype: torch.dtype) -> None:
         """The VAE decoder in `dtype` (the decoder only: prompt latents keep the encoder's float32), once per loaded
