@@ -63,6 +63,7 @@ class LLMEngine:
         self._set_vae_dtype(parse_dtype(cfg.vae_dtype) if cfg.vae_dtype is not None else torch.float32)
         load_s = time.perf_counter() - t0
         kernel_stats = precompiler.wait()
+        self.manifest_records = kernel_stats.get("manifest_records", 0)  # what the manifests held for this engine
         wait_s = time.perf_counter() - t0 - load_s  # for kernels still compiling when the model is in
         self.runner = ModelRunner(self.model, cfg, self.device)
         num_blocks = cfg.num_kv_blocks
@@ -103,15 +104,22 @@ class LLMEngine:
                  if self.runner.graphs else "eager", num_blocks, cfg.block_size, self.runner.backend)
 
     def kernel_compiles_since(self, mark: tuple[int, int], stage: str) -> dict[str, Any]:
-        """What the JIT compiled since `mark` (`kernel_cache.Recorder.since`). Anything it compiled with the precompile
-        on is a variant that no kernel manifest holds for this model, GPU and settings, which every start on an empty
-        kernel cache waits for: a warning (`tools/record_kernel_manifest.py --check` lists them; it records them)."""
+        """What the JIT compiled since `mark` (`kernel_cache.Recorder.since`; it listens on CUDA only, and counts real
+        compiles, not kernel-cache hits). Where the precompile read kernel manifests for this model, GPU and settings,
+        a compile means they lack a variant, which every start on an empty kernel cache waits for: a warning naming
+        the kernels (`tools/record_kernel_manifest.py --check` lists their records; without `--check` it records
+        them). Without such manifests (another GPU or model, the precompile off) compiling is expected: info."""
         since = kernel_cache.RECORDER.since(mark)
-        if since["jit_compiled"] and options.current().precompile:  # the recorder listens on CUDA only
-            log.warning("%s compiled %d Triton kernel variants that no kernel manifest holds for this model, GPU and "
-                        "settings %s: %s", stage, since["jit_compiled"],
-                        kernel_cache.manifest_variant(self.config) or "(defaults)",
-                        ", ".join(sorted(set(since["jit_compiled_names"]))))
+        if since["jit_compiled"]:
+            names = ", ".join(sorted(set(since["jit_compiled_names"])))
+            variant = kernel_cache.manifest_variant(self.config) or "(defaults)"
+            if self.manifest_records:
+                log.warning("%s compiled %d Triton kernel variants that the kernel manifests for this model, GPU and "
+                            "settings %s lack (a manifest out of date, or kernel options away from their defaults): "
+                            "%s", stage, since["jit_compiled"], variant, names)
+            else:
+                log.info("%s compiled %d Triton kernel variants (no kernel manifest read for this model, GPU and "
+                         "settings %s): %s", stage, since["jit_compiled"], variant, names)
         return since
 
     def _set_vae_dtype(self, dtype: torch.dtype) -> None:

@@ -102,8 +102,9 @@ def main() -> None:
                             vae.sample_rate, patch, "left")
     texts = ["Hello.", "A sentence of ordinary length for a voice to speak aloud. " * 3,
              "A long paragraph, so that the prefill runs well beyond the captured token buckets. " * 40]
-    # Runtime LoRA slots: random adapters in every slot, each request naming one in turn or none (the base), so that
-    # steps of one adapter (merged) and of several (their terms per layer) both run, in the prefill and the decode.
+    # Runtime LoRA slots: random adapters in every slot, each request naming one in turn or none (the base weights, or
+    # a start-up adapter served at run time), so that steps of one adapter (merged) and of several (their terms per
+    # layer) both run, in the prefill and the decode.
     names = [engine.register_lora(f"exercise{i}", str(path)).name
              for i, path in enumerate(exercise_adapters(engine, config))]
     adapters = [None, *names]
