@@ -63,7 +63,6 @@ class LLMEngine:
         self._set_vae_dtype(parse_dtype(cfg.vae_dtype) if cfg.vae_dtype is not None else torch.float32)
         load_s = time.perf_counter() - t0
         kernel_stats = precompiler.wait()
-        self.manifest_records = kernel_stats.get("manifest_records", 0)  # what the manifests held for this engine
         wait_s = time.perf_counter() - t0 - load_s  # for kernels still compiling when the model is in
         self.runner = ModelRunner(self.model, cfg, self.device)
         num_blocks = cfg.num_kv_blocks
@@ -97,7 +96,8 @@ class LLMEngine:
         times = self.runner.capture_times.values()
         self.startup_phases = {"load_s": load_s, "precompile_wait_s": wait_s, "kv_s": kv_s, "graphs_s": graph_s,
                                "graph_warmup_s": sum(w for w, _ in times), "graph_capture_s": sum(c for _, c in times),
-                               "kernels": {**kernel_stats, **self.kernel_compiles_since(kernels_mark, "start-up")}}
+                               "kernels": kernel_stats}
+        kernel_stats.update(self.kernel_compiles_since(kernels_mark, "start-up"))
         log.info("engine ready on %s in %.1f s (load %.1f s, KV sizing %.1f s, %s): %d KV blocks of %d tokens, "
                  "attention %s", self.device, self.startup_s, load_s, kv_s,
                  f"{len(self.runner.capture_times)} CUDA graphs in {graph_s:.1f} s"
@@ -113,7 +113,7 @@ class LLMEngine:
         if since["jit_compiled"]:
             names = ", ".join(sorted(set(since["jit_compiled_names"])))
             variant = kernel_cache.manifest_variant(self.config) or "(defaults)"
-            if self.manifest_records:
+            if self.startup_phases["kernels"].get("manifest_records"):  # the precompile read manifests
                 log.warning("%s compiled %d Triton kernel variants that the kernel manifests for this model, GPU and "
                             "settings %s lack (a manifest out of date, or kernel options away from their defaults): "
                             "%s", stage, since["jit_compiled"], variant, names)

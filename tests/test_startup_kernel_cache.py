@@ -400,7 +400,7 @@ def test_a_kernel_compiled_at_start_is_a_warning_naming_it(checkpoint_factory, m
     monkeypatch.setattr(kernel_cache, "RECORDER", recorder)
     engine = LLMEngine(str(checkpoint_factory("tiny-voxcpm2")), EngineConfig(max_loras=2, max_lora_rank=8))
     assert engine.startup_phases["kernels"]["jit_compiled"] == 0  # nothing listens on the CPU
-    assert engine.manifest_records == 0  # and no precompile runs there
+    assert "manifest_records" not in engine.startup_phases["kernels"]  # and no precompile runs there
     mark = recorder.mark()
     recorder._on_jit_miss(compile={"specialization_data": _jit_record()})
     recorder._on_compile(cache_hit=False, src=type("Src", (), {"name": "_silu_mul_kernel"})())
@@ -411,7 +411,7 @@ def test_a_kernel_compiled_at_start_is_a_warning_naming_it(checkpoint_factory, m
     with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
         assert engine.kernel_compiles_since(mark, "warm-up")["jit_compiled_names"] == ["_silu_mul_kernel"]
         assert logged(logging.WARNING) == [] and "no kernel manifest read" in logged(logging.INFO)[-1]
-        engine.manifest_records = 116  # as a CUDA start whose precompile read the shipped manifests
+        engine.startup_phases["kernels"]["manifest_records"] = 116  # as a CUDA start that read the shipped ones
         engine.kernel_compiles_since(mark, "warm-up")
     (warning,) = logged(logging.WARNING)
     assert "warm-up compiled 1 Triton kernel variants" in warning and warning.endswith(": _silu_mul_kernel")

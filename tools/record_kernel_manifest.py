@@ -52,22 +52,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from engine.io.audio import encode_latents  # noqa: E402
-from engine.io.lora import LoRAConfig, random_adapter  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.sequence import SamplingParams  # noqa: E402
 from engine.serving.worker_startup import warm_up  # noqa: E402
 from engine.startup import kernel_cache  # noqa: E402
-
-
-def exercise_adapters(engine: LLMEngine, config: EngineConfig) -> list[Path]:
-    """One random adapter per runtime LoRA slot (none without slots), of the slots' rank, on every layer the official
-    VoxCPM2 recipe adapts (the LMs' and the DiT's projections)."""
-    if not config.max_loras:
-        return []
-    out = Path(tempfile.mkdtemp(prefix="manifest-loras-"))
-    atexit.register(shutil.rmtree, out, ignore_errors=True)
-    lora = LoRAConfig(enable_lm=True, enable_dit=True, r=config.max_lora_rank, alpha=config.max_lora_rank)
-    return [random_adapter(engine.model.backbone, out / str(i), lora, seed=i) for i in range(config.max_loras)]
+from tools.benchmarks.stream import random_adapters  # noqa: E402
 
 
 def main() -> None:
@@ -105,8 +94,10 @@ def main() -> None:
     # Runtime LoRA slots: random adapters in every slot, each request naming one in turn or none (the base weights, or
     # a start-up adapter served at run time), so that steps of one adapter (merged) and of several (their terms per
     # layer) both run, in the prefill and the decode.
-    names = [engine.register_lora(f"exercise{i}", str(path)).name
-             for i, path in enumerate(exercise_adapters(engine, config))]
+    adapter_dir = Path(tempfile.mkdtemp(prefix="manifest-loras-"))
+    atexit.register(shutil.rmtree, adapter_dir, ignore_errors=True)
+    names = [engine.register_lora(f"exercise{i}", str(path)).name for i, path in enumerate(
+        random_adapters(engine.model.backbone, config.max_loras, config.max_lora_rank, adapter_dir))]
     adapters = [None, *names]
     for conc in (1, 8, a.max_num_seqs):
         engine.generate_all([dict(target_text=texts[i % len(texts)], params=params,

@@ -26,9 +26,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    import torch
 
 # The measurement helpers, the protocol's text and the environment facts are shared with the other benchmarks.
 from tools.benchmarks.harness import (
@@ -87,12 +90,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return a
 
 
-def random_adapters(model: str, count: int, rank: int, out: Path) -> list[Path]:
-    """`count` random adapters for the checkpoint in the official format (LM and DiT targets, alpha = rank)."""
+def random_adapters(model: str | torch.nn.Module, count: int, rank: int, out: Path) -> list[Path]:
+    """`count` random adapters in the official format (LM and DiT targets, alpha = rank) for the checkpoint at
+    `model`, or for a loaded backbone."""
     from engine.io.checkpoint import load_model
     from engine.io.lora import LoRAConfig, random_adapter
 
-    backbone = load_model(model, "cpu").backbone
+    backbone = load_model(model, "cpu").backbone if isinstance(model, str) else model
     config = LoRAConfig(enable_lm=True, enable_dit=True, r=rank, alpha=rank)
     return [random_adapter(backbone, out / f"bench{i}", config, seed=i) for i in range(count)]
 
