@@ -141,6 +141,8 @@ class Supervisor:
                                                    load_table=runtime / "load",
                                                    encoder_threads=s.encoder_thread_count(count, len(devices)),
                                                    engine_log_level=worker_log_level(workers.config.options))
+            if not await self._after_precompile(workers):
+                return 0
             self.api = [self._spawn_api(endpoint, i) for i in range(count)]
             log.info("%d engine worker(s) on %s, %d API process(es) with %d encoder threads each on %s:%d (%.1f s "
                      "after start)", len(devices), ", ".join(devices), len(self.api), endpoint.encoder_threads, s.host,
@@ -150,6 +152,22 @@ class Supervisor:
             await self._shutdown(workers, runtime / "load")
             port_guard.close()
             shutil.rmtree(runtime, ignore_errors=True)
+
+    async def _after_precompile(self, workers: WorkerSet) -> bool:
+        """Hold the API processes back while the kernel precompile (an empty kernel cache) compiles: fourteen imports
+        beside its compile processes slowed the workers' own start more than an API process takes to start after it
+        (docs/benchmarks.md, cold start). A worker cannot be ready before the precompile ends (its engine waits for
+        it), so this ends earlier only when one fails to start. False: asked to stop meanwhile."""
+        waited = time.monotonic()
+        while workers.precompile is not None and workers.precompile.is_alive() and not self.stopping.is_set():
+            if any(w.started.done() for w in workers.processes):
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), 0.05)
+        if workers.precompile is not None:
+            log.info("kernel precompile done: API processes start (%.1f s after start, %.1f s held back)",
+                     time.monotonic() - self.t0, time.monotonic() - waited)
+        return not self.stopping.is_set()
 
     def _spawn_api(self, endpoint: engine_setup.WorkerEndpoint, index: int) -> mp.process.BaseProcess:
         endpoint = dataclasses.replace(endpoint, row=index)

@@ -164,42 +164,43 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         rows than one program's."""
         from engine.ops import lora as lora_ops
 
-        slots_n, rank, k_dim = 2, 8, 96
-        column_slots = torch.arange(slots_n, device=device).repeat_interleave(rank)
+        rank, k_dim = 8, 96
         errs = []
-        for lead, inner, outs, partial in ((3, 1, (40,), False), (2, 5, (40,), False), (2, 5, (48, 16, 16), False),
-                                           (1, 1, (48, 16, 16), False), (3, 1, (40,), True),
-                                           (13, 7, (48, 16, 16), False), (9, 1, (72,), True),
-                                           (40, 7, (48, 16, 16), False)):
-            groups = len(outs)
-            a = rand(groups * slots_n * rank, k_dim, dtype=dtype, seed=300 + lead) * k_dim ** -0.5
-            b = torch.zeros(sum(outs), groups * slots_n * rank, dtype=dtype, device=device)
-            starts = [0, *itertools.accumulate(outs)]  # each group's first output column (B is block-diagonal)
-            for g, width in enumerate(outs):
-                cols = slice(g * slots_n * rank, (g + 1) * slots_n * rank)
-                b[starts[g]:starts[g] + width, cols] = rand(width, slots_n * rank, dtype=dtype, seed=310 + g) * 0.5
-            a[rank + 5:2 * rank], b[:, rank + 5:2 * rank] = 0, 0  # slot 1 holds a rank-5 adapter
-            slots = torch.tensor([1, -1, 0] * 14, device=device)[:lead]
-            x = rand(lead, inner, k_dim, dtype=dtype, seed=320 + inner).squeeze(1)
-            mask = lora_ops.slot_mask(slots, column_slots, dtype)
-            delta = lora_ops.lora_delta(x, a, b, mask)
-            ends = (starts[1], starts[2]) if groups > 1 else None
-            paths = [lambda y, x=x, a=a, b=b, slots=slots, ends=ends: lora_ops.add_lora_expand(
-                x, y, a, b, slots, rank, slots_n * rank, ends)]
-            if lead <= lora_ops.KERNEL_MAX_LEAD:
-                paths.append(lambda y, x=x, a=a, b=b, slots=slots, ends=ends:
-                             lora_ops.add_lora_kernel(x, y, a, b, slots, rank, ends))
-            for add_term in paths:
-                if partial:
-                    out = rand(2, *x.shape[:-1], sum(outs), dtype=torch.float32, seed=330)
-                    ref = out.clone()
-                    ref[0] += delta.float()
-                    add_term(out[0])
-                else:
-                    out = rand(*x.shape[:-1], sum(outs), dtype=dtype, seed=330)
-                    ref = out + delta
-                    add_term(out)
-                errs.append(relative_error(out, ref))
+        for slots_n in (2, 3):  # the slot count is a runtime value of the kernels: 3 x 8 columns cross tiles
+            column_slots = torch.arange(slots_n, device=device).repeat_interleave(rank)
+            for lead, inner, outs, partial in ((3, 1, (40,), False), (2, 5, (40,), False), (2, 5, (48, 16, 16), False),
+                                               (1, 1, (48, 16, 16), False), (3, 1, (40,), True),
+                                               (13, 7, (48, 16, 16), False), (9, 1, (72,), True),
+                                               (40, 7, (48, 16, 16), False)):
+                groups = len(outs)
+                a = rand(groups * slots_n * rank, k_dim, dtype=dtype, seed=300 + lead) * k_dim ** -0.5
+                b = torch.zeros(sum(outs), groups * slots_n * rank, dtype=dtype, device=device)
+                starts = [0, *itertools.accumulate(outs)]  # each group's first output column (B is block-diagonal)
+                for g, width in enumerate(outs):
+                    cols = slice(g * slots_n * rank, (g + 1) * slots_n * rank)
+                    b[starts[g]:starts[g] + width, cols] = rand(width, slots_n * rank, dtype=dtype, seed=310 + g) * 0.5
+                a[rank + 5:2 * rank], b[:, rank + 5:2 * rank] = 0, 0  # slot 1 holds a rank-5 adapter
+                slots = torch.tensor([1, -1, 0, slots_n - 1] * 10, device=device)[:lead]
+                x = rand(lead, inner, k_dim, dtype=dtype, seed=320 + inner).squeeze(1)
+                mask = lora_ops.slot_mask(slots, column_slots, dtype)
+                delta = lora_ops.lora_delta(x, a, b, mask)
+                ends = (starts[1], starts[2]) if groups > 1 else None
+                paths = [lambda y, x=x, a=a, b=b, slots=slots, ends=ends, columns=slots_n * rank:
+                         lora_ops.add_lora_expand(x, y, a, b, slots, rank, columns, ends)]
+                if lead <= lora_ops.KERNEL_MAX_LEAD:
+                    paths.append(lambda y, x=x, a=a, b=b, slots=slots, ends=ends:
+                                 lora_ops.add_lora_kernel(x, y, a, b, slots, rank, ends))
+                for add_term in paths:
+                    if partial:
+                        out = rand(2, *x.shape[:-1], sum(outs), dtype=torch.float32, seed=330)
+                        ref = out.clone()
+                        ref[0] += delta.float()
+                        add_term(out[0])
+                    else:
+                        out = rand(*x.shape[:-1], sum(outs), dtype=dtype, seed=330)
+                        ref = out + delta
+                        add_term(out)
+                    errs.append(relative_error(out, ref))
         return max(errs)
 
     def rotary_qk(dtype: torch.dtype) -> float:

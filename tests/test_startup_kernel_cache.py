@@ -123,8 +123,9 @@ def test_a_variant_manifest_holds_what_its_settings_add_and_only_they_read_it(tm
     assert kernel_cache.manifest_variant(EngineConfig(options=fast)) == {}
     assert kernel_cache.manifest_variant(EngineConfig(quantization="fp8", options=fast)) == {"quantization": "fp8",
                                                                                             "fp8_fast_accum": "True"}
-    # runtime LoRA slots: their count and rank are the LoRA kernels' constexprs
-    assert kernel_cache.manifest_variant(EngineConfig(max_loras=4, max_lora_rank=16)) == {"lora": "4x16"}
+    # runtime LoRA slots: their rank is a constexpr of the LoRA kernels, their count a runtime value
+    assert kernel_cache.manifest_variant(EngineConfig(max_loras=4, max_lora_rank=16)) == {"lora": "r16"}
+    assert kernel_cache.manifest_variant(EngineConfig(max_loras=7, max_lora_rank=16)) == {"lora": "r16"}
 
     model_recorder = kernel_cache.Recorder()
     model_recorder._on_jit_miss(compile={"specialization_data": _jit_record()})
@@ -223,9 +224,9 @@ def test_every_shipped_variant_manifest_is_read_by_the_settings_it_names() -> No
     assert {key for m in manifests for key in m["variant"]} == {"quantization", "vae_dtype", "fp8_fast_accum", "lora"}
     for m in manifests:
         variant = m["variant"]
-        loras, rank = (int(n) for n in variant.get("lora", "0x32").split("x"))
+        lora = variant.get("lora")
         config = EngineConfig(quantization=variant.get("quantization"), vae_dtype=variant.get("vae_dtype"),
-                              max_loras=loras, max_lora_rank=rank,
+                              max_loras=4 if lora else 0, max_lora_rank=int(lora[1:]) if lora else 32,
                               options=EngineOptions(fp8_fast_accum=variant.get("fp8_fast_accum") == "True"))
         assert kernel_cache.manifest_variant(config) == variant
         read = kernel_cache.load_manifests(m["model"], m["arch"], kernel_cache.manifest_variant(config))
@@ -415,7 +416,7 @@ def test_a_kernel_compiled_at_start_is_a_warning_naming_it(checkpoint_factory, m
         engine.kernel_compiles_since(mark, "warm-up")
     (warning,) = logged(logging.WARNING)
     assert "warm-up compiled 1 Triton kernel variants" in warning and warning.endswith(": _silu_mul_kernel")
-    assert "'lora': '2x8'" in warning  # the settings whose manifests lack it
+    assert "'lora': 'r8'" in warning  # the settings whose manifests lack it
 
 
 def test_precompiler_is_off_without_cuda() -> None:

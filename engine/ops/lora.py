@@ -55,12 +55,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def _lora_kernel(x_ptr, slot_ptr, a_ptr, b_ptr, out_ptr, inner, in_features, out_features, q_end, k_end,
-                     stride_x, stride_out, RANK: tl.constexpr, GROUP_COLUMNS: tl.constexpr, GROUPS: tl.constexpr,
+                     stride_x, stride_out, group_columns, RANK: tl.constexpr, GROUPS: tl.constexpr,
                      BLOCK_I: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                      DOT_PRECISION: tl.constexpr):
         # One leading row (its `inner` rows of x share its slot) and BLOCK_N output columns. GROUPS = 3: q, k and v
-        # as one term, A stacked (group g's slots at rows g * GROUP_COLUMNS), B block-diagonal: output columns below
-        # q_end take group 0's t, below k_end group 1's, the rest group 2's.
+        # as one term, A stacked (group g's slots at rows g * group_columns), B block-diagonal: output columns below
+        # q_end take group 0's t, below k_end group 1's, the rest group 2's. The slot count (group_columns / RANK) is
+        # a runtime value so that one compiled variant (one kernel manifest) serves every max_loras of a rank.
         lead = tl.program_id(0)
         slot = tl.load(slot_ptr + lead)
         if slot >= 0:
@@ -82,19 +83,19 @@ if HAVE_TRITON:
                 amask = kmask[:, None] & rmask[None, :]
                 t0 = _shrink(x, a_ptr, own, k, amask, in_features, t0, DOT_PRECISION)
                 if GROUPS == 3:
-                    t1 = _shrink(x, a_ptr, own + GROUP_COLUMNS, k, amask, in_features, t1, DOT_PRECISION)
-                    t2 = _shrink(x, a_ptr, own + 2 * GROUP_COLUMNS, k, amask, in_features, t2, DOT_PRECISION)
+                    t1 = _shrink(x, a_ptr, own + group_columns, k, amask, in_features, t1, DOT_PRECISION)
+                    t2 = _shrink(x, a_ptr, own + 2 * group_columns, k, amask, in_features, t2, DOT_PRECISION)
             cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             cmask = cols < out_features
-            width = GROUPS * GROUP_COLUMNS
+            width = GROUPS * group_columns
             delta = _expand(t0, b_ptr, own, cols, rmask[:, None] & (cmask & (cols < q_end))[None, :], width,
                             DOT_PRECISION)
             if GROUPS == 3:
                 in_k = cmask & (cols >= q_end) & (cols < k_end)
-                delta += _expand(t1, b_ptr, own + GROUP_COLUMNS, cols, rmask[:, None] & in_k[None, :], width,
+                delta += _expand(t1, b_ptr, own + group_columns, cols, rmask[:, None] & in_k[None, :], width,
                                  DOT_PRECISION)
                 in_v = cmask & (cols >= k_end)
-                delta += _expand(t2, b_ptr, own + 2 * GROUP_COLUMNS, cols, rmask[:, None] & in_v[None, :], width,
+                delta += _expand(t2, b_ptr, own + 2 * group_columns, cols, rmask[:, None] & in_v[None, :], width,
                                  DOT_PRECISION)
             ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
             omask = imask[:, None] & cmask[None, :]
@@ -104,12 +105,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _lora_expand_kernel(t_ptr, slot_ptr, b_ptr, out_ptr, rows, inner, width, out_features, q_end, k_end,
-                            stride_out, RANK: tl.constexpr, GROUP_COLUMNS: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                            stride_out, group_columns, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
         # out (rows, N) += (t masked to each row's slot) @ b^T for BLOCK_M rows and BLOCK_N columns: t = x a^T
-        # (rows, width), width = groups * GROUP_COLUMNS; column c of t is slot (c % GROUP_COLUMNS) // RANK's. Row r's
-        # slot is its leading row's, r // inner. q/k/v as one term (b block-diagonal): output columns below q_end
-        # read group 0's columns of t only, below k_end group 1's, the rest group 2's.
+        # (rows, width), width = groups * group_columns, slot s's columns of group g at g * group_columns + s * RANK.
+        # Row r's slot is its leading row's, r // inner. q/k/v as one term (b block-diagonal): output columns below
+        # q_end read group 0's columns of t only, below k_end group 1's, the rest group 2's. One slot's columns a
+        # dot, so that a row's mask is constant along them (vector loads) whatever the slot count, a runtime value
+        # (one compiled variant, one kernel manifest, serves every max_loras of a rank).
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         mmask = m < rows
         slot = tl.load(slot_ptr + m // inner, mask=mmask, other=-1)
@@ -120,15 +123,17 @@ if HAVE_TRITON:
         last = tl.minimum(first + BLOCK_N, out_features) - 1
         group_lo = (first >= q_end).to(tl.int32) + (first >= k_end).to(tl.int32)
         group_hi = (last >= q_end).to(tl.int32) + (last >= k_end).to(tl.int32)
+        r = tl.arange(0, BLOCK_R)
+        rmask = r < RANK
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(group_lo * GROUP_COLUMNS, (group_hi + 1) * GROUP_COLUMNS, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            kmask = k < width
-            own = mmask[:, None] & kmask[None, :] & (((k % GROUP_COLUMNS) // RANK)[None, :] == slot[:, None])
-            t = tl.load(t_ptr + m64[:, None] * width + k[None, :], mask=own, other=0.0)
-            bt = tl.load(b_ptr + cols[None, :].to(tl.int64) * width + k[:, None],
-                         mask=kmask[:, None] & cmask[None, :], other=0.0)
-            acc = tl.dot(t, bt, acc, input_precision=DOT_PRECISION)
+        for g in range(group_lo, group_hi + 1):
+            for s in range(0, group_columns // RANK):
+                own = mmask & (slot == s)
+                k = g * group_columns + s * RANK + r
+                t = tl.load(t_ptr + m64[:, None] * width + k[None, :], mask=own[:, None] & rmask[None, :], other=0.0)
+                bt = tl.load(b_ptr + cols[None, :].to(tl.int64) * width + k[:, None],
+                             mask=rmask[:, None] & cmask[None, :], other=0.0)
+                acc = tl.dot(t, bt, acc, input_precision=DOT_PRECISION)
         ptrs = out_ptr + m64[:, None] * stride_out + cols[None, :]
         omask = mmask[:, None] & cmask[None, :]
         o = tl.load(ptrs, mask=omask, other=0.0)
@@ -181,7 +186,7 @@ def add_lora_kernel(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
     block_n = 64
     _lora_kernel[(n_lead, triton.cdiv(out_features, block_n))](
         x, slots, a, b, out, inner, in_features, out_features, q_end, k_end, in_features, out_features,
-        RANK=rank, GROUP_COLUMNS=a.shape[0] // groups, GROUPS=groups,
+        a.shape[0] // groups, RANK=rank, GROUPS=groups,
         BLOCK_I=max(16, triton.next_power_of_2(inner)), BLOCK_R=max(16, triton.next_power_of_2(rank)),
         # Wide K tiles: a program walks all of `in` alone, so few long loads in flight beat many short round trips.
         BLOCK_K=min(256, max(16, triton.next_power_of_2(in_features))), BLOCK_N=block_n,
@@ -201,9 +206,8 @@ def add_lora_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
     q_end, k_end = group_ends or (out_features, out_features)
     block_m, block_n = 64, 64  # 128 x 128 past 256 rows measured the same (docs/benchmarks.md, Refuted)
     _lora_expand_kernel[(triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n))](
-        t, slots, b, out, rows, _inner_rows(x), width, out_features, q_end, k_end, out_features, RANK=rank,
-        GROUP_COLUMNS=slot_columns, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=min(64, max(16, triton.next_power_of_2(slot_columns))),
+        t, slots, b, out, rows, _inner_rows(x), width, out_features, q_end, k_end, out_features, slot_columns,
+        RANK=rank, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
     return out
 

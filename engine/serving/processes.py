@@ -145,22 +145,23 @@ class WorkerSet:
         self.authkey = os.urandom(32)
         self._on_exit = on_exit
         self.processes = [self._spawn(i) for i in range(len(devices))]
-        self._precompile_early()
+        self.precompile = self._precompile_early()
 
     @property
     def addresses(self) -> list[str]:
         return [socket_address(self.directory, i) for i in range(len(self.devices))]
 
-    def _precompile_early(self) -> None:
+    def _precompile_early(self) -> threading.Thread | None:
         """Start compiling the kernel manifest here, while the workers import and load (seconds before an engine
         starts); a worker's engine waits for it before its first kernel (or compiles itself what is
         left, if it gets there first). No device: this process never initialises CUDA (the architecture comes
-        from nvidia-smi)."""
-        if any(d.startswith("cuda") for d in self.devices):
-            from engine.startup import kernel_cache
+        from nvidia-smi). The thread that waits for the compiling children, None when nothing compiles."""
+        if not any(d.startswith("cuda") for d in self.devices):
+            return None
+        from engine.startup import kernel_cache
 
-            kernel_cache.Precompiler(self.model_path, self.config.dtype, None, background=True,
-                                     variant=kernel_cache.manifest_variant(self.config))
+        return kernel_cache.Precompiler(self.model_path, self.config.dtype, None, background=True,
+                                        variant=kernel_cache.manifest_variant(self.config)).background
 
     def _spawn(self, index: int) -> WorkerProcess:
         options = p.WorkerOptions(model_path=self.model_path, device=self.devices[index], engine=self.config,

@@ -52,8 +52,7 @@ MANIFEST_DIR = Path(__file__).parent / "kernel_manifests"
 
 def model_digest(cfg: VoxCPMConfig, dtype: str | torch.dtype) -> str:
     """What a kernel's shapes depend on: the parsed model configuration (not the raw file, whose extra keys vary
-    between copies of one model) and the activation dtype. Needs no torch (the service's supervisor starts the
-    precompile before it imports torch)."""
+    between copies of one model) and the activation dtype. No torch (the supervisor precompiles before its import)."""
     def spelled(d: str | torch.dtype) -> str:  # as torch prints a dtype: the shipped manifests were digested so
         return f"torch.{dtype_name(d)}" if isinstance(d, str) else str(d)
 
@@ -66,11 +65,11 @@ def model_digest(cfg: VoxCPMConfig, dtype: str | torch.dtype) -> str:
 def manifest_variant(config: Any) -> dict[str, str]:
     """The settings that make an engine compile kernels beyond the model shape's, as manifests name them (`variant`):
     the EngineConfig's away from their default (no torch needed); with FP8 weights, its options' fp8_fast_accum; with
-    runtime LoRA slots, their count and rank ("4x32": the LoRA kernels' constexprs, `engine.ops.lora`)."""
+    runtime LoRA slots, their rank ("r32": a constexpr of the LoRA kernels; their count is not, `engine.ops.lora`)."""
     vae_dtype = DTYPE_NAMES.get(str(config.vae_dtype), str(config.vae_dtype)) if config.vae_dtype else "float32"
     settings = {"quantization": config.quantization, "vae_dtype": None if vae_dtype == "float32" else vae_dtype,
                 "fp8_fast_accum": config.quantization == "fp8" and config.options.fp8_fast_accum,
-                "lora": config.max_loras > 0 and f"{config.max_loras}x{config.max_lora_rank}"}
+                "lora": config.max_loras > 0 and f"r{config.max_lora_rank}"}
     return {name: str(value) for name, value in settings.items() if value}
 
 
@@ -314,8 +313,7 @@ class CompilerProcesses:
 
 
 def gpu_arch_from_nvidia_smi() -> int | None:
-    """The GPUs' compute capability as nvidia-smi reports it (the pool's parent process must not initialise CUDA);
-    None when unknown or when the GPUs differ."""
+    """The GPUs' compute capability per nvidia-smi (the pool's parent never initialises CUDA); None: unknown, mixed."""
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
                              text=True, timeout=10, check=True).stdout.split()
@@ -351,6 +349,7 @@ class Precompiler:
         self._compilers: CompilerProcesses | None = None
         self._records: list[dict[str, Any]] = []
         self._lock: int | None = None
+        self.background: threading.Thread | None = None  # `background`'s waiter, alive while the children compile
         if not (current().precompile and HAVE_TRITON and (device is None or _is_nvidia(device))):
             return
         try:
@@ -362,7 +361,8 @@ class Precompiler:
                     self._unlock()
                     self._records = []
                 elif background:
-                    threading.Thread(target=self._wait_and_log, name="voxcpm-precompile", daemon=True).start()
+                    self.background = threading.Thread(target=self._wait_and_log, name="voxcpm-precompile", daemon=True)
+                    self.background.start()
         except Exception as e:  # never fail a start-up over an optimisation
             log.warning("kernel precompile off: %s: %s", type(e).__name__, e)
             self.close()
