@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -264,6 +265,50 @@ def test_a_record_that_no_longer_fits_its_kernel_is_skipped(tmp_path: Path, monk
     _use_only_manifest(tmp_path / "m.json", kernel_cache.model_digest(cfg, cfg.dtype), [broken, entry], monkeypatch)
     stats = kernel_cache.Precompiler(ckpt, None, None, arch=90).wait()
     assert (stats["missing"], stats["precompiled"], stats["precompile_failed"]) == (1, 1, 1)
+
+
+def test_the_service_starts_its_api_processes_after_the_background_precompile(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checkpoint_factory) -> None:
+    """The supervisor holds its API processes back while the pool's background precompile compiles (a real one: a
+    manifest of one record, sm_90, an empty cache), not past a worker's start-up ending, nor past a stop."""
+    import asyncio
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from engine.config import VoxCPMConfig
+    from engine.startup import kernel_cache
+    from service.settings import Settings
+    from service.supervisor import Supervisor
+    ckpt = checkpoint_factory("tiny-voxcpm2")
+    cfg = VoxCPMConfig.from_dir(ckpt)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    _use_only_manifest(tmp_path / "m.json", kernel_cache.model_digest(cfg, cfg.dtype), [json.loads(_jit_record())],
+                       monkeypatch)
+
+    async def held_back(workers: SimpleNamespace, stop: bool = False) -> tuple[bool, bool]:
+        supervisor = Supervisor(Settings())
+        if stop:
+            supervisor.stopping.set()
+        go_on = await supervisor._after_precompile(workers)  # type: ignore[arg-type]
+        return go_on, workers.precompile is not None and workers.precompile.is_alive()
+
+    precompile = kernel_cache.Precompiler(ckpt, None, None, arch=90, background=True)
+    assert precompile.background is not None and precompile.background.is_alive()
+    worker = SimpleNamespace(started=concurrent.futures.Future())
+    assert asyncio.run(held_back(SimpleNamespace(precompile=precompile.background, processes=[worker]))) == (True,
+                                                                                                            False)
+    assert precompile.stats["precompiled"] == 1  # what it compiled was in the cache before the API processes started
+    assert kernel_cache.Precompiler(ckpt, None, None, arch=90, background=True).background is None  # nothing left
+
+    # a worker's start-up that ended (here: failed) lets them start at once; a stop returns False at once
+    shutil.rmtree(tmp_path / "cache")
+    precompile = kernel_cache.Precompiler(ckpt, None, None, arch=90, background=True)
+    worker.started.set_exception(RuntimeError("the worker died while starting"))
+    assert asyncio.run(held_back(SimpleNamespace(precompile=precompile.background, processes=[worker]))) == (True,
+                                                                                                            True)
+    assert asyncio.run(held_back(SimpleNamespace(precompile=precompile.background, processes=[]), stop=True)) == (
+        False, True)
+    precompile.background.join(timeout=120)
 
 
 def test_one_precompile_per_cache_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
