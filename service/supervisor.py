@@ -39,6 +39,7 @@ CHECK_EVERY_S = 0.5
 RESTART_BACKOFF_S = (1.0, 30.0)  # first and longest pause before restarting a worker that died again
 MAX_DEATHS = 5  # a worker dying more often than this in ten minutes stops the service (the orchestrator sees it)
 MAX_START_FAILURES = 3  # restarts in a row that died before loading: the device or the host is broken, stop
+API_HOLD_MAX_S = 60.0  # longest the API processes wait for the kernel precompile (/health answers only after them)
 
 
 def listening_socket(host: str, port: int, listen: bool = True) -> socket.socket:
@@ -157,16 +158,22 @@ class Supervisor:
         """Hold the API processes back while the kernel precompile (an empty kernel cache) compiles: fourteen imports
         beside its compile processes slowed the workers' own start more than an API process takes to start after it
         (docs/benchmarks.md, cold start). A worker cannot be ready before the precompile ends (its engine waits for
-        it), so this ends earlier only when one fails to start. False: asked to stop meanwhile."""
-        waited = time.monotonic()
-        while workers.precompile is not None and workers.precompile.is_alive() and not self.stopping.is_set():
-            if any(w.started.done() for w in workers.processes):
-                break
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), 0.05)
-        if workers.precompile is not None:
-            log.info("kernel precompile done: API processes start (%.1f s after start, %.1f s held back)",
-                     time.monotonic() - self.t0, time.monotonic() - waited)
+        it), so only a worker's failed start, a stop or API_HOLD_MAX_S end the wait earlier. False: asked to stop."""
+        held = time.monotonic()
+        while workers.precompile is not None and not self.stopping.is_set():
+            if not workers.precompile.is_alive():
+                reason = "kernel precompile done"
+            elif any(w.started.done() for w in workers.processes):
+                reason = "a worker's start-up ended"
+            elif time.monotonic() - held > API_HOLD_MAX_S:
+                reason = f"kernel precompile still running after {API_HOLD_MAX_S:.0f} s"
+            else:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), 0.05)
+                continue
+            log.info("%s: API processes start (%.1f s after start, %.1f s held back)", reason,
+                     time.monotonic() - self.t0, time.monotonic() - held)
+            break
         return not self.stopping.is_set()
 
     def _spawn_api(self, endpoint: engine_setup.WorkerEndpoint, index: int) -> mp.process.BaseProcess:

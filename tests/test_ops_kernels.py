@@ -164,9 +164,11 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
         rows than one program's."""
         from engine.ops import lora as lora_ops
 
-        rank, k_dim = 8, 96
+        k_dim = 96
         errs = []
-        for slots_n in (2, 3):  # the slot count is a runtime value of the kernels: 3 x 8 columns cross tiles
+        # the slot count is a runtime value of the kernels: 2 or 3 slots, a rank of 8 (below one dot's 16) or 24 (no
+        # power of two)
+        for slots_n, rank in ((2, 8), (3, 24)):
             column_slots = torch.arange(slots_n, device=device).repeat_interleave(rank)
             for lead, inner, outs, partial in ((3, 1, (40,), False), (2, 5, (40,), False), (2, 5, (48, 16, 16), False),
                                                (1, 1, (48, 16, 16), False), (3, 1, (40,), True),
@@ -185,11 +187,11 @@ def _cases(device: str) -> dict[str, Callable[[torch.dtype], float]]:
                 mask = lora_ops.slot_mask(slots, column_slots, dtype)
                 delta = lora_ops.lora_delta(x, a, b, mask)
                 ends = (starts[1], starts[2]) if groups > 1 else None
-                paths = [lambda y, x=x, a=a, b=b, slots=slots, ends=ends, columns=slots_n * rank:
-                         lora_ops.add_lora_expand(x, y, a, b, slots, rank, columns, ends)]
+                paths = [lambda y, x=x, a=a, b=b, slots=slots, ends=ends, r=rank, columns=slots_n * rank:
+                         lora_ops.add_lora_expand(x, y, a, b, slots, r, columns, ends)]
                 if lead <= lora_ops.KERNEL_MAX_LEAD:
-                    paths.append(lambda y, x=x, a=a, b=b, slots=slots, ends=ends:
-                                 lora_ops.add_lora_kernel(x, y, a, b, slots, rank, ends))
+                    paths.append(lambda y, x=x, a=a, b=b, slots=slots, ends=ends, r=rank:
+                                 lora_ops.add_lora_kernel(x, y, a, b, slots, r, ends))
                 for add_term in paths:
                     if partial:
                         out = rand(2, *x.shape[:-1], sum(outs), dtype=torch.float32, seed=330)

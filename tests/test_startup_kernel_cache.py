@@ -124,9 +124,11 @@ def test_a_variant_manifest_holds_what_its_settings_add_and_only_they_read_it(tm
     assert kernel_cache.manifest_variant(EngineConfig(options=fast)) == {}
     assert kernel_cache.manifest_variant(EngineConfig(quantization="fp8", options=fast)) == {"quantization": "fp8",
                                                                                             "fp8_fast_accum": "True"}
-    # runtime LoRA slots: their rank is a constexpr of the LoRA kernels, their count a runtime value
+    # runtime LoRA slots: their rank is a constexpr of the LoRA kernels, their count a runtime value, which changes
+    # the compiled variants (Triton's divisibility by 16 of the slot columns) only for ranks no multiple of 16
     assert kernel_cache.manifest_variant(EngineConfig(max_loras=4, max_lora_rank=16)) == {"lora": "r16"}
-    assert kernel_cache.manifest_variant(EngineConfig(max_loras=7, max_lora_rank=16)) == {"lora": "r16"}
+    assert kernel_cache.manifest_variant(EngineConfig(max_loras=7, max_lora_rank=32)) == {"lora": "r32"}
+    assert kernel_cache.manifest_variant(EngineConfig(max_loras=3, max_lora_rank=8)) == {"lora": "r8x3"}
 
     model_recorder = kernel_cache.Recorder()
     model_recorder._on_jit_miss(compile={"specialization_data": _jit_record()})
@@ -225,9 +227,9 @@ def test_every_shipped_variant_manifest_is_read_by_the_settings_it_names() -> No
     assert {key for m in manifests for key in m["variant"]} == {"quantization", "vae_dtype", "fp8_fast_accum", "lora"}
     for m in manifests:
         variant = m["variant"]
-        lora = variant.get("lora")
+        rank, _, count = variant.get("lora", "r32x0").removeprefix("r").partition("x")
         config = EngineConfig(quantization=variant.get("quantization"), vae_dtype=variant.get("vae_dtype"),
-                              max_loras=4 if lora else 0, max_lora_rank=int(lora[1:]) if lora else 32,
+                              max_loras=int(count or 4) if "lora" in variant else 0, max_lora_rank=int(rank),
                               options=EngineOptions(fp8_fast_accum=variant.get("fp8_fast_accum") == "True"))
         assert kernel_cache.manifest_variant(config) == variant
         read = kernel_cache.load_manifests(m["model"], m["arch"], kernel_cache.manifest_variant(config))
@@ -277,6 +279,7 @@ def test_the_service_starts_its_api_processes_after_the_background_precompile(
 
     from engine.config import VoxCPMConfig
     from engine.startup import kernel_cache
+    from service import supervisor as supervisor_module
     from service.settings import Settings
     from service.supervisor import Supervisor
     ckpt = checkpoint_factory("tiny-voxcpm2")
@@ -300,15 +303,20 @@ def test_the_service_starts_its_api_processes_after_the_background_precompile(
     assert precompile.stats["precompiled"] == 1  # what it compiled was in the cache before the API processes started
     assert kernel_cache.Precompiler(ckpt, None, None, arch=90, background=True).background is None  # nothing left
 
-    # a worker's start-up that ended (here: failed) lets them start at once; a stop returns False at once
+    # a worker's start-up that ended (here: failed) lets them start at once, as does the hold's limit; a stop
+    # returns False at once
     shutil.rmtree(tmp_path / "cache")
     precompile = kernel_cache.Precompiler(ckpt, None, None, arch=90, background=True)
-    worker.started.set_exception(RuntimeError("the worker died while starting"))
-    assert asyncio.run(held_back(SimpleNamespace(precompile=precompile.background, processes=[worker]))) == (True,
-                                                                                                            True)
-    assert asyncio.run(held_back(SimpleNamespace(precompile=precompile.background, processes=[]), stop=True)) == (
-        False, True)
-    precompile.background.join(timeout=120)
+    try:
+        worker.started.set_exception(RuntimeError("the worker died while starting"))
+        running = SimpleNamespace(precompile=precompile.background, processes=[])
+        assert asyncio.run(held_back(SimpleNamespace(precompile=precompile.background, processes=[worker]))) == (
+            True, True)
+        assert asyncio.run(held_back(running, stop=True)) == (False, True)
+        monkeypatch.setattr(supervisor_module, "API_HOLD_MAX_S", 0.0)
+        assert asyncio.run(held_back(running)) == (True, True)
+    finally:
+        precompile.close() if precompile.background is None else precompile.background.join(timeout=120)
 
 
 def test_one_precompile_per_cache_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -461,7 +469,7 @@ def test_a_kernel_compiled_at_start_is_a_warning_naming_it(checkpoint_factory, m
         engine.kernel_compiles_since(mark, "warm-up")
     (warning,) = logged(logging.WARNING)
     assert "warm-up compiled 1 Triton kernel variants" in warning and warning.endswith(": _silu_mul_kernel")
-    assert "'lora': 'r8'" in warning  # the settings whose manifests lack it
+    assert "'lora': 'r8x2'" in warning  # the settings whose manifests lack it
 
 
 def test_precompiler_is_off_without_cuda() -> None:

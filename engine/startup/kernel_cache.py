@@ -65,11 +65,13 @@ def model_digest(cfg: VoxCPMConfig, dtype: str | torch.dtype) -> str:
 def manifest_variant(config: Any) -> dict[str, str]:
     """The settings that make an engine compile kernels beyond the model shape's, as manifests name them (`variant`):
     the EngineConfig's away from their default (no torch needed); with FP8 weights, its options' fp8_fast_accum; with
-    runtime LoRA slots, their rank ("r32": a constexpr of the LoRA kernels; their count is not, `engine.ops.lora`)."""
+    runtime LoRA slots, their rank ("r32": a constexpr of the LoRA kernels; the count only where the rank is no multiple
+    of 16, "r8x3": the kernels' slot columns then vary in Triton's divisibility by 16, `engine.ops.lora`)."""
     vae_dtype = DTYPE_NAMES.get(str(config.vae_dtype), str(config.vae_dtype)) if config.vae_dtype else "float32"
+    rank, count = config.max_lora_rank, config.max_loras
     settings = {"quantization": config.quantization, "vae_dtype": None if vae_dtype == "float32" else vae_dtype,
                 "fp8_fast_accum": config.quantization == "fp8" and config.options.fp8_fast_accum,
-                "lora": config.max_loras > 0 and f"r{config.max_lora_rank}"}
+                "lora": count > 0 and (f"r{rank}" if rank % 16 == 0 else f"r{rank}x{count}")}
     return {name: str(value) for name, value in settings.items() if value}
 
 
@@ -105,8 +107,7 @@ class Recorder:
         self.compiled_records: list[dict[str, Any]] = []  # the records of those compiles that came from a JIT miss
         self._installed = False
 
-    def install(self) -> Recorder:
-        """Hook into Triton's JIT (idempotent; nothing to do without Triton)."""
+    def install(self) -> Recorder:  # hook into Triton's JIT (idempotent; nothing to do without Triton)
         if HAVE_TRITON and not self._installed:
             from triton import knobs
             knobs.runtime.jit_cache_hook = self._on_jit_miss
@@ -140,13 +141,12 @@ class Recorder:
         self._last = None
 
     def manifest_of(self, model: LoadedModel, variant: dict[str, str] | None = None) -> dict[str, Any]:
-        """The manifest of what this process compiled for a loaded model on the current CUDA device (`manifest`)."""
         return self.manifest(loaded_model_digest(model), cuda_arch(), variant)
 
     def manifest(self, digest: str, arch: int, variant: dict[str, str] | None = None) -> dict[str, Any]:
-        """The records as a manifest; launch options reduced to those differing from Triton's defaults (the rest,
-        such as library paths, belong to the installation that compiles). With a `variant` (`manifest_variant`),
-        only the records that the manifests of the variants it contains (the model's own included) lack."""
+        """The records as a manifest (`manifest_of`: a loaded model's, on the current CUDA device); launch options only
+        where not Triton's defaults (the rest, such as library paths, are the compiling installation's). With a
+        `variant` (`manifest_variant`), only the records the manifests of its variants (the model's own too) lack."""
         import triton
         defaults = _default_options(arch)
         entries = []
