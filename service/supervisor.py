@@ -160,8 +160,8 @@ class Supervisor:
         (docs/benchmarks.md, cold start). A worker cannot be ready before the precompile ends (its engine waits for
         it), so only a worker's failed start, a stop or API_HOLD_MAX_S end the wait earlier. False: asked to stop."""
         held = time.monotonic()
-        while workers.precompile is not None and not self.stopping.is_set():
-            if not workers.precompile.is_alive():
+        while workers.precompile_thread is not None and not self.stopping.is_set():
+            if not workers.precompile_thread.is_alive():
                 reason = "kernel precompile done"
             elif any(w.started.done() for w in workers.processes):
                 reason = "a worker's start-up ended"

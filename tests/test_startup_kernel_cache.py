@@ -293,13 +293,13 @@ def test_the_service_starts_its_api_processes_after_the_background_precompile(
         if stop:
             supervisor.stopping.set()
         go_on = await supervisor._after_precompile(workers)  # type: ignore[arg-type]
-        return go_on, workers.precompile is not None and workers.precompile.is_alive()
+        return go_on, workers.precompile_thread is not None and workers.precompile_thread.is_alive()
 
     precompile = kernel_cache.Precompiler(ckpt, None, None, arch=90, background=True)
     assert precompile.background is not None and precompile.background.is_alive()
     worker = SimpleNamespace(started=concurrent.futures.Future())
-    assert asyncio.run(held_back(SimpleNamespace(precompile=precompile.background, processes=[worker]))) == (True,
-                                                                                                            False)
+    workers = SimpleNamespace(precompile_thread=precompile.background, processes=[worker])
+    assert asyncio.run(held_back(workers)) == (True, False)
     assert precompile.stats["precompiled"] == 1  # what it compiled was in the cache before the API processes started
     assert kernel_cache.Precompiler(ckpt, None, None, arch=90, background=True).background is None  # nothing left
 
@@ -309,14 +309,16 @@ def test_the_service_starts_its_api_processes_after_the_background_precompile(
     precompile = kernel_cache.Precompiler(ckpt, None, None, arch=90, background=True)
     try:
         worker.started.set_exception(RuntimeError("the worker died while starting"))
-        running = SimpleNamespace(precompile=precompile.background, processes=[])
-        assert asyncio.run(held_back(SimpleNamespace(precompile=precompile.background, processes=[worker]))) == (
-            True, True)
+        running = SimpleNamespace(precompile_thread=precompile.background, processes=[])
+        workers = SimpleNamespace(precompile_thread=precompile.background, processes=[worker])
+        assert asyncio.run(held_back(workers)) == (True, True)
         assert asyncio.run(held_back(running, stop=True)) == (False, True)
         monkeypatch.setattr(supervisor_module, "API_HOLD_MAX_S", 0.0)
         assert asyncio.run(held_back(running)) == (True, True)
     finally:
-        precompile.close() if precompile.background is None else precompile.background.join(timeout=120)
+        if precompile.background is not None:
+            precompile.background.join(timeout=120)
+        precompile.close()
 
 
 def test_one_precompile_per_cache_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

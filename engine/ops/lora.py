@@ -174,6 +174,11 @@ def expand_fits(x: torch.Tensor, out: torch.Tensor, slots: torch.Tensor | None) 
             and out.is_contiguous() and x.numel() > 0)
 
 
+def _rank_tile(rank: int) -> int:
+    """The kernels' tile over a slot's `rank` columns (a dot's K or N: at least 16)."""
+    return max(16, triton.next_power_of_2(rank))
+
+
 def add_lora_kernel(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
                     rank: int, group_ends: tuple[int, int] | None = None) -> torch.Tensor:
     """out (x's leading shape, out) += each leading row's term, in place, by `_lora_kernel`: slots (N,) per leading
@@ -187,7 +192,7 @@ def add_lora_kernel(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
     _lora_kernel[(n_lead, triton.cdiv(out_features, block_n))](
         x, slots, a, b, out, inner, in_features, out_features, q_end, k_end, in_features, out_features,
         a.shape[0] // groups, RANK=rank, GROUPS=groups,
-        BLOCK_I=max(16, triton.next_power_of_2(inner)), BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        BLOCK_I=max(16, triton.next_power_of_2(inner)), BLOCK_R=_rank_tile(rank),
         # Wide K tiles: a program walks all of `in` alone, so few long loads in flight beat many short round trips.
         BLOCK_K=min(256, max(16, triton.next_power_of_2(in_features))), BLOCK_N=block_n,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=8)
@@ -207,7 +212,7 @@ def add_lora_expand(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torc
     block_m, block_n = 64, 64  # 128 x 128 past 256 rows measured the same (docs/benchmarks.md, Refuted)
     _lora_expand_kernel[(triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n))](
         t, slots, b, out, rows, _inner_rows(x), width, out_features, q_end, k_end, out_features, slot_columns,
-        RANK=rank, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        RANK=rank, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_rank_tile(rank),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
     return out
 

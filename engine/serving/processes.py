@@ -145,7 +145,7 @@ class WorkerSet:
         self.authkey = os.urandom(32)
         self._on_exit = on_exit
         self.processes = [self._spawn(i) for i in range(len(devices))]
-        self.precompile = self._precompile_early()
+        self.precompile_thread = self._precompile_early()
 
     @property
     def addresses(self) -> list[str]:
