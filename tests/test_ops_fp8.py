@@ -346,6 +346,76 @@ def test_the_dit_mlp_runs_the_gated_fp8_gemm_cuda():
     assert relative_error(runs[2048], runs[0]) <= 2.0**-5
 
 
+@pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability()[0] == 9),
+                    reason="needs CUDA on Hopper: the gated FP8 GEMM and cuBLAS's blockwise-scaled FP8 GEMM")
+def test_the_dit_mlp_with_the_block_scaled_down_gemm_cuda():
+    """With VOXCPM_FP8_BLOCK_DOWN the down weight of an MLP with the gated FP8 GEMM takes a block companion (its
+    1 x 128 blocks' scales in cuBLAS's layout); the MLP then runs the gated GEMM quantising its product in blocks and
+    the blockwise-scaled down GEMM (no row quantiser), within the FP8 chain's bound of the reference with block-scaled
+    operands and of the rowwise path; without the option nothing changes."""
+    from engine import options
+    from engine.config import TransformerConfig
+    from engine.models.minicpm import MLP, attach_gated_gemm
+
+    torch.manual_seed(12)
+    mlp = MLP(TransformerConfig(hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1,
+                                num_hidden_layers=1, rms_norm_eps=1e-6)).to("cuda", torch.bfloat16)
+    mlp.fuse_projections()
+    fp8.attach(mlp.gate_up_weight)
+    fp8.attach(mlp.down_proj.weight)
+    with options.override(fp8_fast_accum=True):
+        attach_gated_gemm(mlp)
+        assert fp8.blocks_companion_of(mlp.down_proj.weight) is None
+        with options.override(fp8_block_down=True):
+            attach_gated_gemm(mlp)
+    blocks = fp8.blocks_companion_of(mlp.down_proj.weight)
+    assert blocks is not None and blocks.scale.shape == (256, 4) and blocks.scale.stride() == (1, 256)
+    x = torch.randn(300, 256, device="cuda").bfloat16()
+    with options.override(fp8_min_rows=256, fp8_fast_accum=True), \
+            mock.patch.object(fp8, "quantize_rows", wraps=fp8.quantize_rows) as row_quantiser, \
+            mock.patch.object(fp8, "block_matmul", wraps=fp8.block_matmul) as block_gemm:
+        out = mlp(x)
+    assert (block_gemm.call_count, row_quantiser.call_count) == (1, 1)  # the row quantiser: x's, before gate/up
+    h = fp8.fp8_linear_reference(x, fp8.companion_of(mlp.gate_up_weight))
+    act = (torch.nn.functional.silu(h[:, :512].float()).bfloat16().float() * h[:, 512:].float()).bfloat16()
+    act_q, act_scale = fp8.quantize_blocks_reference(act)
+    ref = ((act_q.float() * act_scale.repeat_interleave(128, 1)) @ blocks.dequantized(torch.float32).t()).bfloat16()
+    assert relative_error(out, ref) <= 2.0**-5
+    rowwise = fp8.fp8_linear_reference(act, fp8.companion_of(mlp.down_proj.weight))
+    assert relative_error(out, rowwise) <= 2.0**-4
+
+
+def test_block_quantisation_is_the_row_rule_per_block():
+    """`quantize_blocks_reference`: each row's 128-value blocks over their own amax (an all-zero block keeps a finite
+    scale and zero codes), the scales (rows, blocks) outer-dim-major; one block per row is the row quantiser."""
+    x = torch.randn(5, 384) * torch.tensor([1.0, 1e-3, 1e3]).repeat_interleave(128)
+    x[2, 128:256] = 0.0
+    q, scale = fp8.quantize_blocks_reference(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (5, 3) and scale.stride() == (1, 5)
+    for b in range(3):
+        rq, rs = fp8.quantize_rows_reference(x[:, 128 * b:128 * (b + 1)])
+        assert torch.equal(scale[:, b:b + 1], rs)
+        assert torch.equal(q[:, 128 * b:128 * (b + 1)].view(torch.uint8), rq.view(torch.uint8))
+    assert scale[2, 1] == fp8.SCALE_FLOOR / fp8.E4M3_MAX and not q[2, 128:256].float().any()
+    weight = fp8.Fp8Weight(q, scale)
+    assert relative_error(weight.dequantized(torch.float32), x) <= 2.0**-4
+
+
+def test_requantize_rewrites_the_block_companion_in_place():
+    """A merge that rewrites a down weight also rewrites its block companion, in the same memory."""
+    weight = torch.randn(64, 256)
+    fp8.attach(weight)
+    fp8.attach_blocks(weight)
+    blocks = fp8.blocks_companion_of(weight)
+    assert blocks is not None
+    data, scale = blocks.data.data_ptr(), blocks.scale.data_ptr()
+    weight.mul_(3.0)
+    fp8.requantize(weight)
+    q, s = fp8.quantize_blocks_reference(weight)
+    assert blocks.data.data_ptr() == data and blocks.scale.data_ptr() == scale
+    assert torch.equal(blocks.data.view(torch.uint8), q.view(torch.uint8)) and torch.equal(blocks.scale, s)
+
+
 def test_requantize_rewrites_the_gated_companion_in_place():
     """A merge that rewrites a fused gate/up weight also rewrites its gated companion (the FP8 companion's rows and
     scales as (gate_i, up_i) pairs), in the memory the captured graphs read."""
