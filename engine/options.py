@@ -96,10 +96,6 @@ class EngineOptions:
     fp8_fast_accum: bool = _option("VOXCPM_FP8_FAST_ACCUM", False, _flag, "The FP8 GEMMs' fast accumulation (the "
                                    "tensor cores' partial sums not promoted to fp32 along K; cuBLAS's and the Triton "
                                    "FP8 GEMM's). On Hopper the DiT's gated FP8 GEMM runs only with it.")
-    fp8_block_down: bool = _option("VOXCPM_FP8_BLOCK_DOWN", False, _flag, "Where the DiT's gated FP8 GEMM runs: "
-                                   "its epilogue quantises the SiLU-gated product in 1 x 128 blocks and the down "
-                                   "projection reads it with block-scaled e4m3 weights (cuBLAS's blockwise scaling), "
-                                   "instead of the bf16 product and a row quantiser kernel.")
     fp8_quant_kernel: bool = _option("VOXCPM_FP8_QUANT_KERNEL", True, _flag, "The FP8 GEMM's per-token activation "
                                      "quantisation as one Triton kernel; 0: torch ops (amax, divide, clamp, cast).")
     # --- the local modules' layer kernel -------------------------------------------------------------------------

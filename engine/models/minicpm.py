@@ -202,9 +202,6 @@ def attach_gated_gemm(module: nn.Module) -> int:
             if fp8_gemm.gated_supported(w.device, w.shape[1], w.shape[0]):
                 if fp8.gated_companion_of(w) is None:
                     fp8.attach_gated(w)
-                down = m.down_proj.weight
-                if fp8.blocks_companion_of(down) is None and fp8.blocks_supported(down.device, down.shape[1]):
-                    fp8.attach_blocks(down)
                 count += 1
         elif gated_gemm.shape_ok(w):
             if gated_gemm.companion_of(w) is None:

@@ -53,8 +53,6 @@ SCALE_FLOOR = 1e-12  # an all-zero row's amax: its scale stays finite and its va
 FP8_ATTR = "fp8"  # the companion's attribute on a weight tensor
 GATED_ATTR = "fp8_gated"  # the gated FP8 GEMM's companion on a fused gate/up weight (`attach_gated`)
 ROWS_ATTR = "fp8_rows"  # an activation's rows quantised by the kernel that made it (`attach_rows`)
-BLOCKS_ATTR = "fp8_blocks"  # a down weight's companion in 1 x BLOCK blocks (`attach_blocks`)
-BLOCK = 128  # the blockwise scaling's block: cuBLAS's 1 x 128
 QUANTISER_CONSTANTS = {"FLOOR": SCALE_FLOOR, "FP8_MAX": E4M3_MAX, "INV_MAX": 1.0 / E4M3_MAX}  # the kernels' rule
 MAX_KERNEL_COLS = 16384  # the kernel holds a row in registers; longer rows take the torch ops
 
@@ -103,16 +101,6 @@ def quantize_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     # Times 1/448 rounded to fp32 (torch's CUDA division by a scalar multiplies by its reciprocal: so does the kernel).
     scale = x32.abs().amax(dim=-1, keepdim=True).clamp_min(SCALE_FLOOR) * (1.0 / E4M3_MAX)
     return (x32 / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
-
-
-def quantize_blocks_reference(x2: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """x2 (M, K) -> (float8_e4m3fn (M, K), fp32 scales (M, K / block) outer-dim-major): each row's blocks of `block`
-    values over their own amax / 448, `quantize_rows_reference`'s rule per block (eager torch)."""
-    rows, k_dim = x2.shape
-    x32 = x2.float().view(rows, k_dim // block, block)
-    scale = x32.abs().amax(dim=-1, keepdim=True).clamp_min(SCALE_FLOOR) * (1.0 / E4M3_MAX)
-    q = (x32 / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(rows, k_dim)
-    return q, scale.view(rows, -1).t().contiguous().t()
 
 
 def empty_rows(rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,10 +184,8 @@ class Fp8Weight:
     scale: torch.Tensor
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight the FP8 values stand for, rounded once to `dtype` (a block companion's: each block's scale)."""
-        if self.scale.shape == (1, self.data.shape[0]):  # per output channel
-            return (self.data.float() * self.scale.view(-1, 1)).to(dtype)
-        return (self.data.float() * self.scale.repeat_interleave(BLOCK, dim=1)).to(dtype)  # (N, K / BLOCK) blocks
+        """The weight the FP8 values stand for, rounded once to `dtype`."""
+        return (self.data.float() * self.scale.view(-1, 1)).to(dtype)
 
 
 def quantize_weight(weight: torch.Tensor) -> Fp8Weight:
@@ -261,43 +247,6 @@ def gated_companion_of(gate_up: torch.Tensor | None) -> Fp8Weight | None:
     return getattr(gate_up, GATED_ATTR, None)
 
 
-_blocks_probed: dict[torch.device, bool] = {}
-
-
-def blocks_supported(device: torch.device, k_dim: int) -> bool:
-    """Whether a down weight of K = k_dim takes the block companion (EngineOptions.fp8_block_down): on CUDA, K a
-    multiple of BLOCK, and cuBLAS's blockwise-scaled FP8 GEMM runs there (probed once per device)."""
-    if not current().fp8_block_down or device.type != "cuda" or k_dim % BLOCK:
-        return False
-    if device not in _blocks_probed:
-        try:
-            a, scale = quantize_blocks_reference(torch.ones(BLOCK, BLOCK, device=device))
-            block_matmul(a, scale, Fp8Weight(a, scale), torch.bfloat16)
-            _blocks_probed[device] = True
-        except (RuntimeError, NotImplementedError) as e:
-            log.warning("no blockwise-scaled FP8 GEMM on %s (%s): the down projections keep rowwise scales", device, e)
-            _blocks_probed[device] = False
-    return _blocks_probed[device]
-
-
-def attach_blocks(down: torch.Tensor) -> None:
-    """Give a down weight (N, K) its block companion: e4m3 in 1 x BLOCK blocks, the scales (N, K / BLOCK)
-    outer-dim-major, which the down GEMM after the gated FP8 GEMM's block-quantised output reads (`fp8_mlp`)."""
-    setattr(down, BLOCKS_ATTR, Fp8Weight(*quantize_blocks_reference(down.detach())))
-
-
-def blocks_companion_of(down: torch.Tensor | None) -> Fp8Weight | None:
-    return getattr(down, BLOCKS_ATTR, None)
-
-
-def block_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: Fp8Weight, out_dtype: torch.dtype) -> torch.Tensor:
-    """(M, K) e4m3 in 1 x BLOCK blocks (scales (M, K / BLOCK) outer-dim-major) times a block companion's transpose."""
-    from torch.nn.functional import ScalingType, scaled_mm
-
-    return scaled_mm(x_fp8, weight.data.t(), x_scale, ScalingType.BlockWise1x128, weight.scale,
-                     ScalingType.BlockWise1x128, output_dtype=out_dtype)
-
-
 def small_rows_companion(weight: torch.Tensor | None) -> Fp8Weight | None:
     """The FP8 weight a weight-streaming kernel reads for a call below `fp8_min_rows` rows (the caller knows its
     rows): the weight's companion where it has one and EngineOptions.fp8_small_rows is on, else None."""
@@ -314,10 +263,6 @@ def requantize(weight: torch.Tensor) -> None:
     fp8.scale.copy_(scale.view(1, -1))
     if (gated := gated_companion_of(weight)) is not None:
         interleaved(fp8, into=gated)
-    if (blocks := blocks_companion_of(weight)) is not None:
-        q, scale = quantize_blocks_reference(weight.detach())
-        blocks.data.copy_(q)
-        blocks.scale.copy_(scale)
 
 
 def dequantize_in_place(weight: torch.Tensor) -> None:
@@ -347,32 +292,25 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     return scaled_matmul(x_fp8, x_scale, weight, x.dtype).view(*x.shape[:-1], weight.data.shape[0])
 
 
-def mlp_companions(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor
-                   ) -> tuple[Fp8Weight, Fp8Weight, Fp8Weight | None, Fp8Weight | None] | None:
+def mlp_companions(x: torch.Tensor, gate_up_weight: torch.Tensor,
+                   down_weight: torch.Tensor) -> tuple[Fp8Weight, Fp8Weight, Fp8Weight | None] | None:
     """The FP8 weights an MLP call on x runs `fp8_mlp` with: both projections' companions where both take these
-    rows (`companion`), the gate/up weight's gated companion where it has one and the gated GEMMs are on
-    (EngineOptions.gated_gemm_min_rows not 0: the batch-invariant mode turns them off), and then the down weight's
-    block companion where it has one; else None (the MLP's other paths)."""
+    rows (`companion`), and the gate/up weight's gated companion where it has one and the gated GEMMs are on
+    (EngineOptions.gated_gemm_min_rows not 0: the batch-invariant mode turns them off); else None (the MLP's other
+    paths)."""
     gate_up, down = companion(x, gate_up_weight), companion(x, down_weight)
     if gate_up is None or down is None:
         return None
     gated = gated_companion_of(gate_up_weight) if current().gated_gemm_min_rows and platform.kernels(x) else None
-    return gate_up, down, gated, blocks_companion_of(down_weight) if gated is not None else None
+    return gate_up, down, gated
 
 
-def fp8_mlp(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, gated: Fp8Weight | None = None,
-            down_blocks: Fp8Weight | None = None) -> torch.Tensor:
+def fp8_mlp(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, gated: Fp8Weight | None = None) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) on the FP8 GEMMs: x (..., K) quantised per token, the gated product quantised
     per token for the down GEMM, the output in x's dtype. With `gated` (the gate/up weight `interleave`d) the gate is
-    in the gate/up GEMM's epilogue (`fp8_gemm.fp8_matmul`), else in the quantiser after it (`silu_mul_quantized`).
-    With `down_blocks` too, that epilogue quantises the product in 1 x BLOCK blocks, which the down GEMM reads with
-    the down weight's block companion (blockwise scaling): no bf16 product, no quantiser kernel."""
+    in the gate/up GEMM's epilogue (`fp8_gemm.fp8_matmul`), else in the quantiser after it (`silu_mul_quantized`)."""
     if gated is not None:
         x_fp8, x_scale = quantized(x)
-        if down_blocks is not None:
-            act, act_scale = fp8_gemm.fp8_matmul(x_fp8, x_scale, gated.data, gated.scale, x.dtype,
-                                                 fp8_gemm.GATED_TILES, gated=True, quantize_blocks=True)
-            return block_matmul(act, act_scale, down_blocks, x.dtype).view(*x.shape[:-1], down.data.shape[0])
         act, act_scale = quantize_rows(fp8_gemm.fp8_matmul(x_fp8, x_scale, gated.data, gated.scale, x.dtype,
                                                            fp8_gemm.GATED_TILES, gated=True))
     else:

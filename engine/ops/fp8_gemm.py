@@ -51,21 +51,9 @@ if HAVE_TRITON:
         return y
 
     @triton.jit
-    def _block_quantized(y, qs_ptr, m, rows, tile_n, FLOOR: tl.constexpr, FP8_MAX: tl.constexpr,
-                         INV_MAX: tl.constexpr):
-        # The tile's output (BLOCK_M, BLOCK_N) in the model's dtype quantised per row of the tile (a 1 x BLOCK_N block,
-        # `fp8.quantize_blocks_reference`'s rule): the e4m3 values returned, each block's scale stored at
-        # qs_ptr[tile_n, m] (the scales (rows, n / BLOCK_N) outer-dim-major, as cuBLAS's blockwise scaling reads them).
-        y = y.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(y), axis=1), FLOOR) * INV_MAX
-        tl.store(qs_ptr + tile_n * rows + m, scale, mask=m < rows)
-        return tl.clamp(tl.math.div_rn(y, scale[:, None]), -FP8_MAX, FP8_MAX)
-
-    @triton.jit
-    def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, qs_ptr, rows, n, stride_x, stride_o, K: tl.constexpr,
+    def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, rows, n, stride_x, stride_o, K: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                         GATED: tl.constexpr, W_COLS: tl.constexpr, IMPRECISE: tl.constexpr, QUANT: tl.constexpr,
-                         FLOOR: tl.constexpr, FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr):
+                         GATED: tl.constexpr, W_COLS: tl.constexpr, IMPRECISE: tl.constexpr):
         # Output tile (BLOCK_M rows, BLOCK_N columns) from W_COLS weight rows (2 * BLOCK_N when gated); IMPRECISE:
         # products a dot accumulates before promoting them to fp32 (None: the backend's default; sm90: never).
         tile_m, tile_n = grouped_tile(tl.program_id(0), rows, n, BLOCK_M, BLOCK_N, GROUP_M)
@@ -79,21 +67,15 @@ if HAVE_TRITON:
             acc = tl.dot(tl.load(x_ptrs), tl.load(w_ptrs), acc, max_num_imprecise_acc=IMPRECISE)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        y = _scaled_epilogue(acc, xs_ptr, ws_ptr, m, w_cols, rows, BLOCK_M, BLOCK_N, GATED,
-                             tl.bfloat16 if QUANT else o_ptr.dtype.element_ty)
-        if QUANT:
-            y = _block_quantized(y, qs_ptr, m, rows, tile_n, FLOOR, FP8_MAX, INV_MAX)
+        y = _scaled_epilogue(acc, xs_ptr, ws_ptr, m, w_cols, rows, BLOCK_M, BLOCK_N, GATED, o_ptr.dtype.element_ty)
         cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(o_ptr + m[:, None].to(tl.int64) * stride_o + cols[None, :], y.to(o_ptr.dtype.element_ty),
-                 mask=m[:, None] < rows)
+        tl.store(o_ptr + m[:, None].to(tl.int64) * stride_o + cols[None, :], y, mask=m[:, None] < rows)
 
     @triton.jit
-    def _fp8_gemm_persistent_kernel(x_desc, xs_ptr, w_desc, ws_ptr, o_desc, qs_ptr, rows, n, tiles, K: tl.constexpr,
+    def _fp8_gemm_persistent_kernel(x_desc, xs_ptr, w_desc, ws_ptr, o_desc, rows, n, tiles, K: tl.constexpr,
                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                     GROUP_M: tl.constexpr, GATED: tl.constexpr, W_COLS: tl.constexpr,
-                                    IMPRECISE: tl.constexpr, QUANT: tl.constexpr,
-                                    FLOOR: tl.constexpr, FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr,
-                                    PROGRAMS: tl.constexpr):
+                                    IMPRECISE: tl.constexpr, PROGRAMS: tl.constexpr):
         # `_fp8_gemm_kernel`'s tiles, every PROGRAMS-th to a program, through tensor descriptors (TMA: rows past the
         # end read as zeros and are not written).
         for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
@@ -104,11 +86,8 @@ if HAVE_TRITON:
                              max_num_imprecise_acc=IMPRECISE)
             m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
             w_cols = tile_n * W_COLS + tl.arange(0, W_COLS)
-            y = _scaled_epilogue(acc, xs_ptr, ws_ptr, m, w_cols, rows, BLOCK_M, BLOCK_N, GATED,
-                                 tl.bfloat16 if QUANT else o_desc.dtype)
-            if QUANT:
-                y = _block_quantized(y, qs_ptr, m, rows, tile_n, FLOOR, FP8_MAX, INV_MAX)
-            o_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N], y.to(o_desc.dtype))
+            o_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N],
+                         _scaled_epilogue(acc, xs_ptr, ws_ptr, m, w_cols, rows, BLOCK_M, BLOCK_N, GATED, o_desc.dtype))
 
 
 # (BLOCK_M, BLOCK_N output columns, BLOCK_K, stages, warps, GROUP_M, persistent)
@@ -139,21 +118,13 @@ def tiles_fit(k_dim: int, w_rows: int, tiles: Fp8Tiles, gated: bool) -> bool:
 
 def fp8_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
                out_dtype: torch.dtype, tiles: Fp8Tiles = DEFAULT_TILES, gated: bool = False,
-               programs: int | None = None, quantize_blocks: bool = False
-               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+               programs: int | None = None) -> torch.Tensor:
     """(M, K) e4m3 rows times the (N, K) e4m3 weight's transpose (contiguous), each side's rows scaled (x_scale (M, 1),
     w_scale (1, N)), out (M, N) in out_dtype; `gated`: the weight's rows (gate_i, up_i) pairs, out silu(gate) * up,
-    (M, N / 2). `quantize_blocks` (out_dtype bf16): the output, rounded to bf16, quantised in blocks of one row and
-    BLOCK_N columns for the next FP8 GEMM instead: (e4m3 (M, N), fp32 scales (M, N / BLOCK_N) outer-dim-major), the
-    values and scales of `fp8.quantize_blocks_reference` of that output. Persistent tiles: `programs` programs (None:
-    one per SM, at most one per tile). With EngineOptions.fp8_fast_accum the partial sums are never promoted to fp32 on
-    Hopper, else every BLOCK_K products."""
-    from engine.ops.fp8 import QUANTISER_CONSTANTS  # (engine.ops.fp8 imports this module)
-
+    (M, N / 2). Persistent tiles: `programs` programs (None: one per SM, at most one per tile). With
+    EngineOptions.fp8_fast_accum the partial sums are never promoted to fp32 on Hopper, else every BLOCK_K products."""
     block_m, block_n, block_k, stages, warps, group, persistent = tiles
     rows, k_dim = x_fp8.shape
-    if quantize_blocks and out_dtype != torch.bfloat16:
-        raise ValueError("fp8_matmul: quantize_blocks rounds the output to bf16 (FP8 weights serve bf16 models)")
     if (not tiles_fit(k_dim, w_fp8.shape[0], tiles, gated) or w_fp8.shape[1] != k_dim or not w_fp8.is_contiguous()
             or not w_scale.is_contiguous() or not x_scale.is_contiguous()):
         raise ValueError(f"fp8_matmul: tiles {tiles} (gated={gated}) do not divide the weight {tuple(w_fp8.shape)} "
@@ -162,17 +133,13 @@ def fp8_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, 
     n = w_fp8.shape[0] // (2 if gated else 1)
     if x_fp8.stride(-1) != 1:
         x_fp8 = x_fp8.contiguous()
-    out = torch.empty((rows, n), dtype=torch.float8_e4m3fn if quantize_blocks else out_dtype, device=x_fp8.device)
-    # The block scales (n / BLOCK_N, rows) row-major: as (rows, n / BLOCK_N) the outer-dim-major layout.
-    block_scales = torch.empty((n // block_n if quantize_blocks else 0, rows), dtype=torch.float32,
-                               device=x_fp8.device)
-    result = (out, block_scales.t()) if quantize_blocks else out
+    out = torch.empty((rows, n), dtype=out_dtype, device=x_fp8.device)
     if not rows:
-        return result
+        return out
     tile_count = triton.cdiv(rows, block_m) * (n // block_n)
     common = dict(K=k_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group, GATED=gated,
-                  W_COLS=w_cols, IMPRECISE=None if current().fp8_fast_accum else block_k, QUANT=quantize_blocks,
-                  **QUANTISER_CONSTANTS, num_stages=stages, num_warps=warps)
+                  W_COLS=w_cols, IMPRECISE=None if current().fp8_fast_accum else block_k, num_stages=stages,
+                  num_warps=warps)
     if persistent:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -180,9 +147,8 @@ def fp8_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, 
         _fp8_gemm_persistent_kernel[(programs,)](
             TensorDescriptor.from_tensor(x_fp8.contiguous(), [block_m, block_k]), x_scale,
             TensorDescriptor.from_tensor(w_fp8, [w_cols, block_k]), w_scale,
-            TensorDescriptor.from_tensor(out, [block_m, block_n]), block_scales, rows, n, tile_count,
-            PROGRAMS=programs, **common)
+            TensorDescriptor.from_tensor(out, [block_m, block_n]), rows, n, tile_count, PROGRAMS=programs, **common)
     else:
-        _fp8_gemm_kernel[(tile_count,)](x_fp8, x_scale, w_fp8, w_scale, out, block_scales, rows, n, x_fp8.stride(0),
+        _fp8_gemm_kernel[(tile_count,)](x_fp8, x_scale, w_fp8, w_scale, out, rows, n, x_fp8.stride(0),
                                         out.stride(0), **common)
-    return result
+    return out
