@@ -321,6 +321,32 @@ def test_the_service_starts_its_api_processes_after_the_background_precompile(
         precompile.close()
 
 
+def test_a_stop_during_the_background_precompile_kills_its_children(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    checkpoint_factory) -> None:
+    """`close()` from another thread while the background waiter collects (the service stopped during its start,
+    `WorkerSet.stop`): the compiling children are killed at once, the waiter ends and cleans up (work folder gone,
+    lock released: the next precompile compiles), and the killed record counts as failed."""
+    from engine.config import VoxCPMConfig
+    from engine.startup import kernel_cache
+    ckpt = checkpoint_factory("tiny-voxcpm2")
+    cfg = VoxCPMConfig.from_dir(ckpt)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    _use_only_manifest(tmp_path / "m.json", kernel_cache.model_digest(cfg, cfg.dtype), [json.loads(_jit_record())],
+                       monkeypatch)
+    precompile = kernel_cache.Precompiler(ckpt, None, None, arch=90, background=True)
+    compilers, waiter = precompile._compilers, precompile.background
+    assert compilers is not None and waiter is not None and waiter.is_alive()
+    t0 = time.monotonic()
+    precompile.close()  # the children are still importing: none has compiled the record
+    waiter.join(timeout=30)
+    assert not waiter.is_alive() and time.monotonic() - t0 < 10
+    assert all(proc.returncode is not None and proc.returncode < 0 for proc in compilers.procs)  # killed
+    assert not compilers.workdir.exists()
+    assert (precompile.stats["precompiled"], precompile.stats["precompile_failed"]) == (0, 1)
+    again = kernel_cache.Precompiler(ckpt, None, None, arch=90)  # the lock was released
+    assert again.wait()["precompiled"] == 1
+
+
 def test_one_precompile_per_cache_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                             checkpoint_factory) -> None:
     """Two precompilers of one cache (the pool's parent and a worker's engine): the first takes the lock and

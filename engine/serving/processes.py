@@ -26,6 +26,7 @@ from engine.serving.reports import WorkerInfo
 if TYPE_CHECKING:
     from engine.engine_config import EngineConfig
     from engine.options import EngineOptions
+    from engine.startup.kernel_cache import Precompiler
 
 log = logging.getLogger(__name__)
 
@@ -145,23 +146,28 @@ class WorkerSet:
         self.authkey = os.urandom(32)
         self._on_exit = on_exit
         self.processes = [self._spawn(i) for i in range(len(devices))]
-        self.precompile_thread = self._precompile_early()
+        self.precompiler = self._precompile_early()
 
     @property
     def addresses(self) -> list[str]:
         return [socket_address(self.directory, i) for i in range(len(self.devices))]
 
-    def _precompile_early(self) -> threading.Thread | None:
+    @property
+    def precompile_thread(self) -> threading.Thread | None:
+        """The thread that waits for the early precompile's compiling children; None when nothing compiles."""
+        return self.precompiler.background if self.precompiler is not None else None
+
+    def _precompile_early(self) -> Precompiler | None:
         """Start compiling the kernel manifest here, while the workers import and load (seconds before an engine
         starts); a worker's engine waits for it before its first kernel (or compiles itself what is
         left, if it gets there first). No device: this process never initialises CUDA (the architecture comes
-        from nvidia-smi). The thread that waits for the compiling children, None when nothing compiles."""
+        from nvidia-smi)."""
         if not any(d.startswith("cuda") for d in self.devices):
             return None
         from engine.startup import kernel_cache
 
         return kernel_cache.Precompiler(self.model_path, self.config.dtype, None, background=True,
-                                        variant=kernel_cache.manifest_variant(self.config)).background
+                                        variant=kernel_cache.manifest_variant(self.config))
 
     def _spawn(self, index: int) -> WorkerProcess:
         options = p.WorkerOptions(model_path=self.model_path, device=self.devices[index], engine=self.config,
@@ -187,7 +193,10 @@ class WorkerSet:
         return dead
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop every worker (they say Goodbye to their clients first), then remove the socket directory."""
+        """Stop the early precompile's children if they still compile (a stop during start-up), then every worker
+        (they say Goodbye to their clients first), then remove the socket directory."""
+        if self.precompiler is not None:
+            self.precompiler.close()
         for w in self.processes:
             w.request_stop()
         for w in self.processes:

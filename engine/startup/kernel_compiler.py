@@ -1,4 +1,5 @@
-"""The kernel-compiling child process of the start-up precompile (`engine.startup.kernel_cache.CompilerProcesses`).
+"""The kernel-compiling child process of the start-up precompile and the parent's handle on a set of them
+(`CompilerProcesses`).
 
 Kept apart from `engine.startup.kernel_cache` and free of torch: fifteen of these start at once while the workers import
 and load, and torch's import (~2 s alone, more with fifteen at once) was most of a child's start. The kernel
@@ -9,11 +10,17 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 COMPILER_NICENESS = 10
 
@@ -98,3 +105,67 @@ def compiler_main() -> None:
         except Exception as e:  # one bad record costs only itself
             print(json.dumps({"ok": False, "name": record.get("name"), "error": f"{type(e).__name__}: {e}"[:500]}),
                   flush=True)
+
+
+class CompilerProcesses:
+    """Child processes compiling records into the kernel cache. Each child claims the next record nobody has taken
+    (an exclusive create of a file named by its index), so long and short compiles spread evenly. Subprocesses rather
+    than multiprocessing: the engine runs in a daemonic process, which may not start multiprocessing children; and
+    none of them may touch the parent's CUDA state."""
+
+    def __init__(self, records: list[dict[str, Any]], arch: int, workers: int,
+                 env: dict[str, str] | None = None) -> None:
+        """env: the children's environment (default: this process's)."""
+        self.records = len(records)
+        self.workdir = Path(tempfile.mkdtemp(prefix="voxcpm-precompile-"))
+        (self.workdir / "records.json").write_text(json.dumps(records), encoding="utf-8")
+        root = str(Path(__file__).resolve().parent.parent)  # where `engine` is importable from
+        command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {root!r}); "
+                   "from engine.startup.kernel_compiler import compiler_main; compiler_main()", str(arch),
+                   str(self.workdir)]
+        self.procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                      for _ in range(max(1, min(workers, len(records))))]
+
+    def collect(self, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Wait for every child (a child still running after `timeout_s` in all is killed): records compiled and
+        failed (a record a child claimed but never reported, crashed or killed, counts as failed), launchers
+        ready, and the slowest record's seconds."""
+        deadline = time.monotonic() + timeout_s
+        results = []
+        for proc in self.procs:
+            try:
+                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            for line in out.splitlines():
+                try:
+                    results.append(json.loads(line))
+                except json.JSONDecodeError:  # anything else a compiler printed
+                    continue
+            if proc.returncode != 0:
+                log.warning("kernel compiler process exited with %s: %s", proc.returncode, err[-2000:])
+        self.close()
+        records = [r for r in results if isinstance(r, dict) and "ok" in r]
+        ok = [r for r in records if r["ok"]]
+        for r in records:
+            if not r["ok"]:
+                log.info("precompiling %s failed (the JIT will compile it): %s", r.get("name"), r.get("error"))
+        return {"precompiled": len(ok), "precompile_failed": self.records - len(ok),
+                "launchers_ready": sum(bool(r.get("launcher")) for r in ok),
+                "driver_utils_ready": any(isinstance(r, dict) and r.get("driver_utils") for r in results),
+                "slowest_record_s": max((r.get("s", 0.0) for r in ok), default=0.0)}
+
+    def kill(self) -> None:
+        """Kill the children still running (safe beside a thread in `collect`, which then returns)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+
+    def close(self) -> None:
+        """Kill what still runs and remove the work folder (also when the engine gives up on start-up)."""
+        running = [proc for proc in self.procs if proc.poll() is None]
+        self.kill()
+        for proc in running:
+            proc.communicate()
+        shutil.rmtree(self.workdir, ignore_errors=True)

@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.startup.kernel_cache import CompilerProcesses, compiler_count, missing_records, shipped_records
+from engine.startup.kernel_cache import compiler_count, missing_records, shipped_records
+from engine.startup.kernel_compiler import CompilerProcesses
 
 log = logging.getLogger(__name__)
 
