@@ -501,3 +501,21 @@ def test_trace_finds_each_step_by_its_cluster_of_euler_updates(euler_us: float, 
         t += between_us - euler_us
     assert step.step_starts(marks) == starts
     assert step.step_starts(marks[:1]) == marks[:1] and step.step_starts([]) == []
+
+
+def test_a_whole_burst_in_process_reports_what_it_costs_beyond_its_steps(checkpoint_factory):
+    """`profiler.py step --burst-patches N`'s burst (here on the CPU): the adds, each step until every request has its
+    first audio, and for a whole burst its wall, its audio-s/s (the audio it made over that wall), the step count
+    (a prefill step, then one a patch, pipelined or not) and its last steps."""
+    from engine import EngineConfig, LLMEngine
+    engine = LLMEngine(checkpoint_factory("tiny-voxcpm2", stop="never"),
+                       EngineConfig(max_num_seqs=4, max_model_len=512), device="cpu")
+    first = step.burst_first_audio(engine, 4, patches=3)
+    assert "wall_s" not in first and first["add_ms"] > 0 and first["step_ms"]
+    whole = step.burst_first_audio(engine, 4, first=4, patches=6)
+    assert whole["patches"] == 6 and 1 <= len(whole["step_ms"]) <= whole["steps"]
+    assert whole["steps"] in (6, 7) and len(whole["last_step_ms"]) == 4
+    assert 0 < whole["ttfb_ms_p50"] <= whole["ttfb_ms_max"] <= 1000 * whole["wall_s"]
+    audio_s = 4 * 6 * SAMPLES_PER_PATCH / SAMPLE_RATE
+    assert whole["audio_s_per_s"] == pytest.approx(audio_s / whole["wall_s"], abs=0.051)  # rounded to 0.1
+    assert not engine.has_unfinished()

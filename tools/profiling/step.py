@@ -141,27 +141,38 @@ def host_step_ms(engine: LLMEngine, b: int, patches: int = 40) -> tuple[float, f
     return ms, statistics.median(cached), statistics.median(uncached)
 
 
-def burst_first_audio(engine: LLMEngine, n: int, first: int = 0, uncached: bool = False) -> dict:
-    """n requests added at once (the benchmark's burst): wall ms until each has its first audio, and the wall
-    ms of every engine.step() until the last one has (where a burst's TTFB goes: prefills, then decodes).
-    Request i (from `first`) has its own seed and its number after the text, or with `uncached` before it (so no
-    block of its prompt is in the prefix cache)."""
+def burst_first_audio(engine: LLMEngine, n: int, first: int = 0, uncached: bool = False, patches: int = 3) -> dict:
+    """n requests of `patches` patches added at once (the benchmark's burst): wall ms until each has its first audio,
+    the ms the adds took, and the wall ms of every engine.step() until the last one has (where a burst's TTFB goes:
+    prefills, then decodes). With more than 3 patches also the whole burst (its wall, audio-s/s, its last steps and
+    the median step: what a burst costs beyond its steps). Request i (from `first`) has its own seed and its number
+    after the text, or with `uncached` before it (so no block of its prompt is in the prefix cache)."""
     t0 = time.perf_counter()
     texts = {i: f"{i}. {TEXT}" if uncached else f"{TEXT} {i}" for i in range(first, first + n)}
-    ids = {engine.add_request(text, SamplingParams(seed=i, max_generate_length=3)) for i, text in texts.items()}
+    ids = {engine.add_request(text, SamplingParams(seed=i, max_generate_length=patches)) for i, text in texts.items()}
+    add_ms = 1000 * (time.perf_counter() - t0)
     firsts: dict[int, float] = {}
-    steps = []
-    while len(firsts) < n:
+    steps: list[float] = []
+    first_audio_steps = 1
+    samples = 0
+    while engine.has_unfinished():
         s0 = time.perf_counter()
         events = engine.step()
         steps.append(round(1000 * (time.perf_counter() - s0), 2))
         for ev in events:
-            if ev.seq_id in ids and ev.seq_id not in firsts:
-                firsts[ev.seq_id] = 1000 * (time.perf_counter() - t0)
-    while engine.has_unfinished():
-        engine.step()
+            if ev.seq_id in ids:
+                firsts.setdefault(ev.seq_id, 1000 * (time.perf_counter() - t0))
+                samples += len(ev.audio) if ev.audio is not None else 0
+        if len(firsts) < n:
+            first_audio_steps = len(steps) + 1
+    wall = time.perf_counter() - t0
     ttfb = sorted(firsts.values())
-    return {"n": n, "ttfb_ms_p50": ttfb[n // 2], "ttfb_ms_max": ttfb[-1], "step_ms": steps}
+    out = {"n": n, "patches": patches, "add_ms": round(add_ms, 2), "ttfb_ms_p50": ttfb[n // 2],
+           "ttfb_ms_max": ttfb[-1], "step_ms": steps[:first_audio_steps]}
+    if patches > 3:
+        out.update(wall_s=round(wall, 4), audio_s_per_s=round(samples / engine.sample_rate / wall, 1),
+                   steps=len(steps), median_step_ms=statistics.median(steps), last_step_ms=steps[-4:])
+    return out
 
 
 # ---------------------------------------------------------------- trace
@@ -302,6 +313,8 @@ def step_main(argv: list[str]) -> None:
     ap.add_argument("--top", type=int, default=15, help="with --kernels: how many kernel names, by time")
     ap.add_argument("--engine-kwargs", default="{}", help="JSON of other EngineConfig fields, e.g. "
                     "'{\"vae_dtype\": \"bfloat16\"}'")
+    ap.add_argument("--burst-patches", type=int, default=3, help="patches a request of the bursts (B >= 8) makes; "
+                    "more than 3: the whole burst's wall and steps too")
     a = ap.parse_args(argv)
     batches = [int(x) for x in a.batch.split(",")]
     engine = gpu_engine(a.model, max(batches), **json.loads(a.engine_kwargs))
@@ -340,10 +353,12 @@ def step_main(argv: list[str]) -> None:
                 print(f"    {row['ms_per_step']:7.3f} ms {row['calls_per_step']:6.0f}x  {row['name']}")
     for b in batches:
         if b >= 8:
-            burst_first_audio(engine, b)  # warm-up (prefill shapes)
-            res.setdefault("bursts", {})[str(b)] = burst = burst_first_audio(engine, b)
-            print(f"burst of {b}: first audio p50 {burst['ttfb_ms_p50']:.1f} ms, last {burst['ttfb_ms_max']:.1f} ms; "
-                  f"steps {burst['step_ms']}")
+            burst_first_audio(engine, b, patches=a.burst_patches)  # warm-up (prefill shapes)
+            res.setdefault("bursts", {})[str(b)] = burst = burst_first_audio(engine, b, patches=a.burst_patches)
+            print(f"burst of {b}: adds {burst['add_ms']:.1f} ms, first audio p50 {burst['ttfb_ms_p50']:.1f} ms, last "
+                  f"{burst['ttfb_ms_max']:.1f} ms; steps {burst['step_ms']}"
+                  + (f"; wall {burst['wall_s']:.3f} s ({burst['audio_s_per_s']} audio-s/s), median step "
+                     f"{burst['median_step_ms']} ms, the last {burst['last_step_ms']}" if "wall_s" in burst else ""))
     write_json(a.out, res)
 
 
