@@ -80,9 +80,11 @@ def build_prompt(tokenizer: TextTokenizer, cfg: VoxCPMConfig, target_text: str, 
         target_ids, both = text_tokens(tokenizer, target_text, prompt_text, prompt_latents is not None)
     else:
         target_ids, both = text_ids.target, text_ids.text
-        vocab = cfg.lm.vocab_size
-        if (prompt_latents is not None) != (both is not None) or not target_ids or not all(
-                type(i) is int and 0 <= i < vocab for i in (*target_ids, *(both or ()))):
+        given = (*target_ids, *(both or ()))
+        # Each an int (not a bool or a float) of the vocabulary, checked at C speed: a worker checks a burst's requests
+        # one after another before its first step (a 230-token request: 31 us as a generator, 15 us so; CI VM).
+        if ((prompt_latents is not None) != (both is not None) or not target_ids or set(map(type, given)) != {int}
+                or min(given) < 0 or max(given) >= cfg.lm.vocab_size):
             raise PromptError("text_ids: not this request's text tokenized for this model")
     add_text((both if both is not None else target_ids) + [AUDIO_START_TOKEN])
     context = torch.zeros(0, p, d)

@@ -719,7 +719,8 @@ def test_text_ids_are_the_workers_own_tokens_and_bad_ones_fail_the_request_alone
         [_ async for _ in pool.pool.client.generate(request)]
 
     for ids in (msgs.TextIds([cfg.lm.vocab_size + 5]), msgs.TextIds([-1]), msgs.TextIds([1.5]),  # type: ignore[list-item]
-                msgs.TextIds([1, 2], [3])):  # out of range, negative, not an int; a prompt's ids without a prompt
+                msgs.TextIds([1, True]), msgs.TextIds([1, 2], [3])):  # out of range, negative, not an int, a bool; a
+        # prompt's ids without a prompt
         with pytest.raises(RequestError, match="text_ids: not this request's text"):
             asyncio.run_coroutine_threadsafe(bad(ids), pool._loop).result(60)
     assert list(pool.generate("Still serving.", max_generate_length=2, seed=1))
