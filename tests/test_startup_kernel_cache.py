@@ -346,6 +346,18 @@ def test_a_stop_during_the_background_precompile_kills_its_children(tmp_path: Pa
     again = kernel_cache.Precompiler(ckpt, None, None, arch=90)  # the lock was released
     assert again.wait()["precompiled"] == 1
 
+    # the pool's and the supervisor's stop does that to the early precompile of their WorkerSet
+    from engine.serving.processes import WorkerSet
+    shutil.rmtree(tmp_path / "cache")
+    workers = WorkerSet.__new__(WorkerSet)  # its worker processes left out: only the precompile is stopped here
+    workers.processes, workers.directory = [], str(tmp_path / "sockets")
+    workers.precompiler = kernel_cache.Precompiler(ckpt, None, None, arch=90, background=True)
+    compilers, waiter = workers.precompiler._compilers, workers.precompile_thread
+    assert compilers is not None and waiter is not None and waiter.is_alive()
+    workers.stop()
+    waiter.join(timeout=30)
+    assert not waiter.is_alive() and all(proc.returncode is not None for proc in compilers.procs)
+
 
 def test_one_precompile_per_cache_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                             checkpoint_factory) -> None:
