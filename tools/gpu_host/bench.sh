@@ -49,7 +49,7 @@
 # (empty: no py-spy profile during the MP3 sweep's last level, which costs the host CPU), PARTS, CONC (1,8,32,64), ITERS (2), PATCHES (100), MODE (zeroshot|hifi),
 # PRESET (full-voxcpm2), CKPT (/tmp/full), BUDGET_S (total seconds this run may use, 580), T_CHECK / T_OURS / T_NANO (per-part
 # time limits, seconds; T_TEST for the CUDA tests, TEST_PROCS (6) processes for their kernel cases), BENCH_ARGS (extra flags for both benchmarks), OURS_ARGS / NANO_ARGS (per engine),
-# CHECK_ARGS (extra flags for gpu_check.py), PROFILE_BATCH (1,8,64), BASELINE, T_PROFILE, FRESH_KERNELS (1: our
+# CHECK_ARGS (extra flags for gpu_check.py), PROFILE_BATCH (1,8,64), PROFILE_ARGS (e.g. "--burst-patches 100"), BASELINE, T_PROFILE, FRESH_KERNELS (1: our
 # benchmark starts on an empty Triton kernel cache, for the cold start of a fresh GPU host). Files in $OUT:
 # bench.log, gpu_check.json, profile.json, profile_before.json, ours.json, nano.json, compare.md.
 # The service parts (http, http_base) start `python3 -m service.main` on the checkpoint with the pool benchmark's
@@ -366,11 +366,13 @@ for part in $PARTS; do
                 # today's profiler (and the harness and check it imports), old engine
                 cp -r tools/profiler.py tools/subcommands.py tools/gpu_check.py tools/profiling tools/benchmarks \
                     "$BASELINE/tools/"
+                # shellcheck disable=SC2086  # PROFILE_ARGS: extra flags, one word each
                 run_limited "$T_PROFILE" profile-baseline python3 "$BASELINE/tools/profiler.py" step --model "$CKPT" \
-                    --batch "$PROFILE_BATCH" --kernels --out "$OUT/profile_before.json" || RC[$part]=$?
+                    --batch "$PROFILE_BATCH" --kernels ${PROFILE_ARGS:-} --out "$OUT/profile_before.json" || RC[$part]=$?
             fi
+            # shellcheck disable=SC2086
             run_limited "$T_PROFILE" profile python3 tools/profiler.py step --model "$CKPT" --batch "$PROFILE_BATCH" \
-                --kernels --out "$OUT/profile.json" || RC[$part]=$?
+                --kernels ${PROFILE_ARGS:-} --out "$OUT/profile.json" || RC[$part]=$?
             ;;
         encode)
             setup_wheels || { RC[$part]=setup; continue; }
