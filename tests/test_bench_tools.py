@@ -374,6 +374,38 @@ def test_burst_timeline_begins_a_burst_after_requests_refused_before_any_step():
     assert bursts[1]["spread_ms"] == pytest.approx(2.0) and bursts[1]["rounds"][0]["seqs"] == 2
 
 
+def test_burst_timeline_reads_the_bench_clients_handoffs_as_an_api_processes(capfd):
+    """`bench.py stream` at VOXCPM_LOG_LEVEL=DEBUG: its engine client logs each request's hand-off and send, labelled
+    `client`, once however many pools it starts; `profiler.py timeline` reads them as it reads an API process's."""
+    import logging
+
+    from engine import options
+
+    logger = logging.getLogger("engine.serving")
+    level, handlers = logger.level, list(logger.handlers)
+    try:
+        harness.log_client_handoffs()  # not at DEBUG: nothing
+        assert logger.handlers == handlers
+        with options.override(log_level="DEBUG"):
+            harness.log_client_handoffs()
+            harness.log_client_handoffs()
+        assert len(logger.handlers) == len(handlers) + 1
+        logging.getLogger("engine.serving.stream").debug("generate b-0 to worker 0")
+        logging.getLogger("engine.serving.client").debug("generate b-0 sent")
+    finally:
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+    client = capfd.readouterr().err.splitlines()
+    assert [line.split(" client DEBUG ")[1] for line in client] == [
+        "engine.serving.stream: generate b-0 to worker 0", "engine.serving.client: generate b-0 sent"]
+    stamp = client[-1][:23]  # the worker reads it in the same millisecond
+    worker = [f"{stamp} worker[cuda:0] DEBUG engine.serving.worker: generate b-0 received",
+              f"{stamp} worker[cuda:0] DEBUG engine.serving.worker: step 1: 9.0 ms, 0 events, 0 waiting, 1 running"]
+    (burst,) = timeline.timeline(client + worker)
+    assert burst["api"]["requests"] == 1 and burst["api"]["worker_read_max_ms"] == 0.0
+    assert "first step ended 0 ms after the first arrival" in timeline.describe(burst)
+
+
 def test_pyspy_start_phases_attribute_the_worker_main_thread_by_its_outermost_phase(tmp_path):
     """`profiler.py pyspy --phases`: only stacks under the worker's entry point count; a stack is in the first
     phase whose function it holds (graph capture inside the engine's constructor is "graphs", not "engine_other");

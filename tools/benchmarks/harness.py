@@ -340,6 +340,27 @@ class Target:
         return None
 
 
+CLIENT_LOG_HANDLER = "voxcpm-bench-client"
+
+
+def log_client_handoffs() -> None:
+    """With VOXCPM_LOG_LEVEL=DEBUG (the workers then log each arrival and step), this process's engine client logs when
+    each request goes to its worker and when it was sent, as a service's API processes do: `profiler.py timeline` reads
+    the three together (stderr, labelled `client`)."""
+    import logging
+
+    from engine.options import current
+
+    logger = logging.getLogger("engine.serving")
+    if current().log_level != "DEBUG" or any(h.name == CLIENT_LOG_HANDLER for h in logger.handlers):
+        return
+    handler = logging.StreamHandler()
+    handler.name = CLIENT_LOG_HANDLER
+    handler.setFormatter(logging.Formatter("%(asctime)s client %(levelname)s %(name)s: %(message)s"))
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+
+
 class PoolTarget(Target):
     name = "pool"
 
@@ -357,6 +378,7 @@ class PoolTarget(Target):
             from nanovllm_voxcpm import VoxCPM
         else:
             from engine import VoxCPM
+            log_client_handoffs()
         self.pool = VoxCPM.from_pretrained(
             model=a.model, devices=a.devices, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
             max_num_batched_tokens=a.max_num_batched_tokens, gpu_memory_utilization=a.gpu_memory_utilization,

@@ -6,7 +6,8 @@
 A worker at DEBUG logs each request's arrival ("generate ID received"), each step ("step N: ... W waiting, R
 running") and each admission round ("step: prefill K seqs ..."); an API process's engine client at DEBUG (the
 service sets it from the same VOXCPM_LOG_LEVEL) logs when its event loop hands a request to the sender thread
-("generate ID to worker N") and when the sender has written it ("generate ID sent"). A burst here is the arrivals
+("generate ID to worker N") and when the sender has written it ("generate ID sent"), as does the in-process pool's
+client of `bench.py stream` at DEBUG (labelled `client`, on stderr). A burst here is the arrivals
 at an idle worker (nothing running or waiting) and what follows until it is idle again (or, for requests refused
 before any step, until an arrival more than a second after the last). Per burst: how many requests
 arrived, over how long (first to last, and to the half), and each admission round's size and time after the first
@@ -26,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 _LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) worker\[(?P<worker>[^\]]+)\] DEBUG \S+: (?P<msg>.*)$")
-_API_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) api\[\d+\] DEBUG \S+: generate (\S+) (to worker|sent)")
+_API_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (?:api\[\d+\]|client) DEBUG \S+: generate (\S+) "
+                       r"(to worker|sent)")
 _ARRIVAL = re.compile(r"generate (\S+) received")
 _ROUND = re.compile(r"step: prefill (\d+) seqs")
 IDLE_GAP_MS = 1000.0  # an arrival this long after the last, with no step between them, begins another burst
@@ -90,8 +92,10 @@ def timeline(lines: list[str]) -> list[dict[str, Any]]:
 
 def describe(b: dict[str, Any]) -> str:
     rounds = ", ".join(f"{r['seqs']} at {r['at_ms']:.0f} ms" for r in b["rounds"]) or "none"
+    first_step = "none" if b["first_step_ms"] is None else f"{b['first_step_ms']:.0f} ms"
     line = (f"worker {b['worker']}: {b['requests']} requests over {b['spread_ms']:.0f} ms (half by "
-            f"{b['half_ms']:.0f} ms); admitted in {len(b['rounds'])} round(s): {rounds}")
+            f"{b['half_ms']:.0f} ms); admitted in {len(b['rounds'])} round(s): {rounds}; first step ended {first_step} "
+            "after the first arrival")
     if a := b.get("api"):
         line += (f"; API processes handed them over in {a['handed_spread_ms']:.0f} ms (half by "
                  f"{a['handed_half_ms']:.0f}), sender threads {a['sender_p50_ms']:.1f} / {a['sender_max_ms']:.1f} ms "
