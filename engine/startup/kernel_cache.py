@@ -104,7 +104,8 @@ class Recorder:
         self.compiled_records: list[dict[str, Any]] = []  # the records of those compiles that came from a JIT miss
         self._installed = False
 
-    def install(self) -> Recorder:  # hook into Triton's JIT (idempotent; nothing to do without Triton)
+    def install(self) -> Recorder:
+        """Hook into Triton's JIT (idempotent; nothing to do without Triton)."""
         if HAVE_TRITON and not self._installed:
             from triton import knobs
             knobs.runtime.jit_cache_hook = self._on_jit_miss
@@ -138,6 +139,7 @@ class Recorder:
         self._last = None
 
     def manifest_of(self, model: LoadedModel, variant: dict[str, str] | None = None) -> dict[str, Any]:
+        """The manifest of what this process compiled for a loaded model on the current CUDA device (`manifest`)."""
         return self.manifest(loaded_model_digest(model), cuda_arch(), variant)
 
     def manifest(self, digest: str, arch: int, variant: dict[str, str] | None = None) -> dict[str, Any]:

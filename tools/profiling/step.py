@@ -153,7 +153,7 @@ def burst_first_audio(engine: LLMEngine, n: int, first: int = 0, uncached: bool 
     add_ms = 1000 * (time.perf_counter() - t0)
     firsts: dict[int, float] = {}
     steps: list[float] = []
-    first_audio_steps = 1
+    first_audio_steps = 0  # steps until every request had its first audio
     samples = 0
     while engine.has_unfinished():
         s0 = time.perf_counter()
@@ -163,8 +163,8 @@ def burst_first_audio(engine: LLMEngine, n: int, first: int = 0, uncached: bool 
             if ev.seq_id in ids:
                 firsts.setdefault(ev.seq_id, 1000 * (time.perf_counter() - t0))
                 samples += len(ev.audio) if ev.audio is not None else 0
-        if len(firsts) < n:
-            first_audio_steps = len(steps) + 1
+        if not first_audio_steps and len(firsts) == n:
+            first_audio_steps = len(steps)
     wall = time.perf_counter() - t0
     ttfb = sorted(firsts.values())
     out = {"n": n, "patches": patches, "add_ms": round(add_ms, 2), "ttfb_ms_p50": ttfb[n // 2],
