@@ -350,9 +350,10 @@ def log_client_handoffs() -> None:
     import logging
 
     from engine.options import current
+    from engine.serving.processes import worker_log_level
 
     logger = logging.getLogger("engine.serving")
-    if current().log_level != "DEBUG" or any(h.name == CLIENT_LOG_HANDLER for h in logger.handlers):
+    if worker_log_level(current()) > logging.DEBUG or any(h.name == CLIENT_LOG_HANDLER for h in logger.handlers):
         return
     handler = logging.StreamHandler()
     handler.name = CLIENT_LOG_HANDLER
