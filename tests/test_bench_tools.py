@@ -374,6 +374,25 @@ def test_burst_timeline_begins_a_burst_after_requests_refused_before_any_step():
     assert bursts[1]["spread_ms"] == pytest.approx(2.0) and bursts[1]["rounds"][0]["seqs"] == 2
 
 
+def test_burst_timeline_spaces_the_steady_steps_leaving_out_admission_and_the_last():
+    """`profiler.py timeline`: a burst's decode period is its step lines' mean spacing after the two admission steps
+    and before the last; too few steps give none."""
+
+    def line(ms: int, msg: str) -> str:
+        return f"2026-11-27 10:00:{ms // 1000:02d},{ms % 1000:03d} worker[cuda:0] DEBUG engine.serving.worker: {msg}"
+
+    stamps = [10, 40, *range(70, 70 + 24 * 12, 24), 400]  # admission, twelve steps 24 ms apart, a late last one
+    lines = [line(0, "generate a-0 received")]
+    lines += [line(t, f"step {i + 1}: 5.0 ms, 1 events, 0 waiting, {int(i + 1 < len(stamps))} running")
+              for i, t in enumerate(stamps)]
+    (burst,) = timeline.timeline(lines)
+    assert burst["steps"] == len(stamps) and burst["step_period_ms_mean"] == pytest.approx(24.0)
+    assert burst["step_period_ms_p50"] == pytest.approx(24.0)
+    assert "15 steps, 24.00 ms apart (mean)" in timeline.describe(burst)
+    (short,) = timeline.timeline(lines[:6] + [line(500, "step 9: 5.0 ms, 1 events, 0 waiting, 0 running")])
+    assert "step_period_ms_mean" not in short
+
+
 def test_burst_timeline_reads_the_bench_clients_handoffs_as_an_api_processes(capfd):
     """`bench.py stream` at VOXCPM_LOG_LEVEL=DEBUG: its engine client logs each request's hand-off and send, labelled
     `client`, once however many pools it starts; `profiler.py timeline` reads them as it reads an API process's."""

@@ -371,11 +371,12 @@ def trace_main(argv: list[str]) -> None:
                     "benchmark's first patches)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--sequence", action="store_true", help="also print one step's device events in order")
+    ap.add_argument("--engine-kwargs", default="{}", help="JSON of other EngineConfig fields, as for `step`")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     concs = [int(x) for x in a.conc.split(",")]
-    engine = gpu_engine(a.model, max(concs))
-    res: dict = {**run_facts(), "conc": {}}
+    engine = gpu_engine(a.model, max(concs), **json.loads(a.engine_kwargs))
+    res: dict = {**run_facts(), "engine_kwargs": json.loads(a.engine_kwargs), "conc": {}}
     for c in concs:
         trace(engine, c, 5, 5)  # warm-up of the profiler and the shapes
         r = res["conc"][str(c)] = trace(engine, c, a.warm, a.steps)

@@ -14,7 +14,8 @@ arrived, over how long (first to last, and to the half), and each admission roun
 arrival (a burst the in-process pool admits in one round but HTTP in two has its late round's requests wait one
 step more); with the API processes' lines, where the arrivals' spread comes from: the API processes handing the
 requests over (spread from the first), the sender threads (hand-off to written) and the worker (written to read).
-Times are the log's (millisecond resolution). Prints one line per burst; --out writes them as JSON.
+With enough steps, their mean spacing after admission (the engine's steady period as the worker ran it). Times are
+the log's (millisecond resolution). Prints one line per burst; --out writes them as JSON.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def timeline(lines: list[str]) -> list[dict[str, Any]]:
                 burst = None  # its requests were refused before any step: this arrival begins the next burst
             if burst is None:
                 burst = current[worker] = {"worker": worker, "start": t, "rounds": [], "first_step_ms": None,
-                                           "read": []}
+                                           "read": [], "steps": []}
                 bursts.append(burst)
             burst["read"].append((arrival[1], t))  # (request id, when the worker read it)
         elif burst is not None and (r := _ROUND.match(msg)):
@@ -71,12 +72,19 @@ def timeline(lines: list[str]) -> list[dict[str, Any]]:
         elif burst is not None and (s := _STEP.match(msg)):
             if burst["first_step_ms"] is None:
                 burst["first_step_ms"] = t - burst["start"]
+            burst["steps"].append(t)
             if s[2] == "0" and s[3] == "0":  # idle again: the burst is over
                 del current[worker]
     for b in bursts:
-        start, read = b.pop("start"), b.pop("read")
+        start, read, steps = b.pop("start"), b.pop("read"), b.pop("steps")
         after = [t - start for _, t in read]
-        b.update(requests=len(read), spread_ms=after[-1], half_ms=_pct(after, 0.5))
+        b.update(requests=len(read), spread_ms=after[-1], half_ms=_pct(after, 0.5), steps=len(steps))
+        # The steady decode period, as the log's stamps space the step lines: the admission's steps and the last
+        # (its audio behind no step) left out.
+        periods = [y - x for x, y in zip(steps[2:-2], steps[3:-1], strict=True)]
+        if len(periods) >= 10:
+            b["step_period_ms_mean"] = round((steps[-2] - steps[2]) / (len(steps) - 4), 3)
+            b["step_period_ms_p50"] = _pct(periods, 0.5)
         paths = [(api[rid], t) for rid, t in read if {"to worker", "sent"} <= api.get(rid, {}).keys()]
         if paths:  # the API processes' side of this burst
             first = min(x["to worker"] for x, _ in paths)
@@ -96,6 +104,8 @@ def describe(b: dict[str, Any]) -> str:
     line = (f"worker {b['worker']}: {b['requests']} requests over {b['spread_ms']:.0f} ms (half by "
             f"{b['half_ms']:.0f} ms); admitted in {len(b['rounds'])} round(s): {rounds}; first step ended {first_step} "
             "after the first arrival")
+    if "step_period_ms_mean" in b:
+        line += f"; {b['steps']} steps, {b['step_period_ms_mean']:.2f} ms apart (mean)"
     if a := b.get("api"):
         line += (f"; API processes handed them over in {a['handed_spread_ms']:.0f} ms (half by "
                  f"{a['handed_half_ms']:.0f}), sender threads {a['sender_p50_ms']:.1f} / {a['sender_max_ms']:.1f} ms "
