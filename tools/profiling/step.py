@@ -32,6 +32,7 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.runner.attention import AttentionMetadata
 from engine.runner.buffers import StepInputs
+from engine.serving.collector import freeze_startup_heap
 from tools.benchmarks.harness import TEXT as PROTOCOL_TEXT
 from tools.gpu_check import TEXT, step_ms
 
@@ -141,14 +142,17 @@ def host_step_ms(engine: LLMEngine, b: int, patches: int = 40) -> tuple[float, f
     return ms, statistics.median(cached), statistics.median(uncached)
 
 
-def burst_first_audio(engine: LLMEngine, n: int, first: int = 0, uncached: bool = False, patches: int = 3) -> dict:
+def burst_first_audio(engine: LLMEngine, n: int, first: int = 0, uncached: bool = False, patches: int = 3,
+                      text: str | None = None) -> dict:
     """n requests of `patches` patches added at once (the benchmark's burst): wall ms until each has its first audio,
     the ms the adds took, and the wall ms of every engine.step() until the last one has (where a burst's TTFB goes:
     prefills, then decodes). With more than 3 patches also the whole burst (its wall, audio-s/s, its last steps and
     the median step: what a burst costs beyond its steps). Request i (from `first`) has its own seed and its number
-    after the text, or with `uncached` before it (so no block of its prompt is in the prefix cache)."""
+    after the text, or with `uncached` before it (so no block of its prompt is in the prefix cache); with `text`, every
+    request that text as it is (as `bench.py stream` sends the protocol's)."""
     t0 = time.perf_counter()
-    texts = {i: f"{i}. {TEXT}" if uncached else f"{TEXT} {i}" for i in range(first, first + n)}
+    texts = {i: text if text is not None else f"{i}. {TEXT}" if uncached else f"{TEXT} {i}"
+             for i in range(first, first + n)}
     ids = {engine.add_request(text, SamplingParams(seed=i, max_generate_length=patches)) for i, text in texts.items()}
     add_ms = 1000 * (time.perf_counter() - t0)
     firsts: dict[int, float] = {}
@@ -315,7 +319,11 @@ def step_main(argv: list[str]) -> None:
                     "'{\"vae_dtype\": \"bfloat16\"}'")
     ap.add_argument("--burst-patches", type=int, default=3, help="patches a request of the bursts (B >= 8) makes; "
                     "more than 3: the whole burst's wall and steps too")
+    ap.add_argument("--burst-text", choices=("check", "protocol"), default="check",
+                    help="the bursts' text: gpu_check's sentence with each request's number after it, or the "
+                    "protocol's paragraph as `bench.py stream` sends it (~5x the prompt: the same work as its bursts)")
     a = ap.parse_args(argv)
+    burst_text = PROTOCOL_TEXT if a.burst_text == "protocol" else None
     batches = [int(x) for x in a.batch.split(",")]
     engine = gpu_engine(a.model, max(batches), **json.loads(a.engine_kwargs))
     res: dict = {**run_facts(), "engine_kwargs": json.loads(a.engine_kwargs), "startup_s": engine.startup_s,
@@ -351,10 +359,14 @@ def step_main(argv: list[str]) -> None:
                   f"{table['kernel_ms_per_step']:.2f} ms of kernel time")
             for row in table["top"]:
                 print(f"    {row['ms_per_step']:7.3f} ms {row['calls_per_step']:6.0f}x  {row['name']}")
+    # The heap so far out of the collector, as a worker's is after its start-up: a full pass over the engine's
+    # objects inside a burst would be timed as the engine's.
+    freeze_startup_heap()
     for b in batches:
         if b >= 8:
-            burst_first_audio(engine, b, patches=a.burst_patches)  # warm-up (prefill shapes)
-            res.setdefault("bursts", {})[str(b)] = burst = burst_first_audio(engine, b, patches=a.burst_patches)
+            burst_first_audio(engine, b, patches=a.burst_patches, text=burst_text)  # warm-up (prefill shapes)
+            res.setdefault("bursts", {})[str(b)] = burst = burst_first_audio(engine, b, patches=a.burst_patches,
+                                                                             text=burst_text)
             print(f"burst of {b}: adds {burst['add_ms']:.1f} ms, first audio p50 {burst['ttfb_ms_p50']:.1f} ms, last "
                   f"{burst['ttfb_ms_max']:.1f} ms; steps {burst['step_ms']}"
                   + (f"; wall {burst['wall_s']:.3f} s ({burst['audio_s_per_s']} audio-s/s), median step "
