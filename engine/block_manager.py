@@ -30,14 +30,15 @@ def block_hashes(token_ids: list[int], feats: torch.Tensor, audio_mask: torch.Te
     """Chained hashes of each full block of a prefill input (a block's token ids; with audio rows, also
     the mask and those rows' features), the chain started from `salt` (what else the KV depends on: an adapter)."""
     n = len(token_ids) // block_size * block_size
-    ids = np.asarray(token_ids[:n], dtype=np.int64).reshape(-1, block_size)
+    ids = np.asarray(token_ids[:n], dtype=np.int64).tobytes()  # block i: bytes [i * stride, (i + 1) * stride)
+    stride = 8 * block_size
     mask = audio_mask[:n].numpy().reshape(-1, block_size)
-    has_audio = mask.any(axis=1)
     hashes, prev = [], salt
-    for i in range(len(ids)):
+    # Python bools and byte slices in the loop: a worker hashes a burst's prompts one after another in its first step.
+    for i, has_audio in enumerate(mask.any(axis=1).tolist()):
         h = hashlib.blake2b(prev, digest_size=16)
-        h.update(ids[i].tobytes())
-        if has_audio[i]:
+        h.update(ids[i * stride:(i + 1) * stride])
+        if has_audio:
             rows = audio_mask[i * block_size:(i + 1) * block_size]
             h.update(mask[i].tobytes())
             h.update(feats[i * block_size:(i + 1) * block_size][rows].float().contiguous().numpy().tobytes())

@@ -7,7 +7,7 @@ Torch-free: the service's API processes import it without loading torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "aborted", "error"]
@@ -43,16 +43,15 @@ class SamplingParams:
     seed: int | None = None
 
     def validate(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is None and f.name == "seed":
+        for name, bound in SAMPLING_LIMITS.items():  # every field, in declaration order
+            value = getattr(self, name)
+            if value is None and name == "seed":
                 continue
-            kind = int if f.name in INTEGER_FIELDS else int | float
+            kind = int if name in INTEGER_FIELDS else int | float
             if isinstance(value, bool) or not isinstance(value, kind) or value != value:  # NaN != NaN
-                raise ValueError(f"{f.name}: must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-            bound = SAMPLING_LIMITS[f.name]
+                raise ValueError(f"{name}: must be {'an integer' if kind is int else 'a number'}, got {value!r}")
             if not bound.low <= value <= bound.high:
-                raise ValueError(f"{f.name}: must be in [{_num(bound.low)}, {_num(bound.high)}], got {value!r}")
+                raise ValueError(f"{name}: must be in [{_num(bound.low)}, {_num(bound.high)}], got {value!r}")
 
 
 def _num(x: float) -> str:

@@ -250,6 +250,21 @@ def test_recycled_prefix_cache_block_never_serves_stale_kv(model):
     np.testing.assert_array_equal(again, before)
 
 
+def test_sampling_params_validate_checks_every_field_and_names_it():
+    """validate() walks SAMPLING_LIMITS: each field of SamplingParams has its bound there, and a value out of it, or of
+    the wrong type, is refused naming that field."""
+    import dataclasses
+
+    from engine.vocabulary import SAMPLING_LIMITS
+
+    assert list(SAMPLING_LIMITS) == [f.name for f in dataclasses.fields(SamplingParams)]
+    SamplingParams().validate()
+    for name, bound in SAMPLING_LIMITS.items():
+        for value in (bound.low - 1, bound.high + 1, "1", True, float("nan")):
+            with pytest.raises(ValueError, match=f"^{name}: must be"):
+                SamplingParams(**{name: value}).validate()
+
+
 def test_free_list_stays_bounded_under_prefix_cache_hits():
     """Cache hits take blocks from the middle of the free list (lazily); its queue must not grow without
     bound, and every block stays allocatable exactly once."""

@@ -207,8 +207,7 @@ class Worker:
                 raise PromptNotFoundError(f"prompt_id {req.prompt_id!r} is not registered")
             prompt_latents, prompt_text = pr.latents, pr.text
         ref_latents = as_tensor(req.ref_latents, feat_dim, "ref_audio_latents")
-        try:
-            req.params.validate()
+        try:  # add_request validates the params
             seq_id = self.engine.add_request(req.target_text, req.params, prompt_text, prompt_latents, ref_latents,
                                              lora_name=req.lora_name,
                                              text_ids=req.text_ids if req.prompt_id is None else None)
