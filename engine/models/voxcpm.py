@@ -295,19 +295,19 @@ class VoxCPMBackbone(nn.Module):
         return x.transpose(1, 2)
 
     # --- runtime entry points -----------------------------------------------------------------
-    def prefill(self, token_ids: torch.Tensor, feats: torch.Tensor, audio_mask: torch.Tensor,
+    def prefill(self, token_ids: torch.Tensor, audio_feats: torch.Tensor, audio_mask: torch.Tensor,
                 positions: torch.Tensor, last_rows: torch.Tensor, base_attend: AttendFn,
                 residual_attend: AttendFn, lora_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the prompt tokens of several sequences (flattened, T rows) through both LMs, filling
-        their KV caches. token_ids (T,), feats (T, P, D), audio_mask (T,) bool, positions (T,),
-        last_rows (B,) index of each sequence's last token. Returns lm and residual hidden (B, H).
-        lora_slots (T,): each row's adapter slot."""
+        their KV caches. token_ids (T,), audio_mask (T,) bool, audio_feats (K, P, D) the features of its K
+        audio rows in row order, positions (T,), last_rows (B,) index of each sequence's last token.
+        Returns lm and residual hidden (B, H). lora_slots (T,): each row's adapter slot."""
         weight = self.base_lm.embed_tokens.weight
         audio_embed = torch.zeros(len(token_ids), weight.shape[1], dtype=weight.dtype, device=token_ids.device)
         audio_rows = audio_mask.nonzero().squeeze(1)
         if audio_rows.numel():
             audio_embed[audio_rows] = self.encode_patches(
-                feats[audio_rows], lora_slots[audio_rows] if lora_slots is not None else None).to(audio_embed.dtype)
+                audio_feats, lora_slots[audio_rows] if lora_slots is not None else None).to(audio_embed.dtype)
         return self.prefill_lms(token_ids, audio_embed, audio_mask, positions, last_rows, base_attend,
                                 residual_attend, lora_slots)
 

@@ -298,7 +298,7 @@ class ModelRunner:
         self.lm_hidden[index] = lm_h
         self.residual_hidden[index] = res_h
         # The previous patch of the first decode step: the last input row's features.
-        self.prev_patch[index] = queued_copy(x.feats[x.last_rows], self.device).to(self.dtype)
+        self.prev_patch[index] = queued_copy(x.last_feats, self.device).to(self.dtype)
 
     # --- decode step ------------------------------------------------------------------------
     def _latents(self, patches: torch.Tensor) -> torch.Tensor:

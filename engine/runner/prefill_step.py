@@ -5,6 +5,7 @@ runs on the audio rows alone, packed (a graph per row bucket): a text-only promp
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.io.checkpoint import LoadedModel
@@ -25,25 +26,33 @@ class PrefillStep:
         self.device = device
 
     def inputs(self, seqs: list[Sequence]) -> PrefillInputs:
-        ids, feats, mask, positions, slots, rows, last_rows, qlens, klens = [], [], [], [], [], [], [], [], []
+        """The sequences' uncached tokens flattened. A worker builds these for a whole burst before its first step, so
+        per token only C loops run, and of the features only the audio rows' travel (LocEnc's input: a burst's text
+        rows would be megabytes of zeros)."""
+        ids, audio, last, mask, positions, slots, rows, last_rows, qlens, klens = [], [], [], [], [], [], [], [], [], []
         loras: list[int] = []
+        bs = self.block_size
         for i, seq in enumerate(seqs):
             seq_ids, seq_feats, seq_mask = seq.prefill_inputs()
             start, n = seq.num_cached_tokens, len(seq_ids)
             ids += seq_ids[start:]
-            feats.append(seq_feats[start:])
+            if seq_mask[start:].any():
+                audio.append(seq_feats[start:][seq_mask[start:]])
+            last.append(seq_feats[-1])
             mask.append(seq_mask[start:])
             positions += range(start, n)
-            slots += [seq.block_table[j // self.block_size] * self.block_size + j % self.block_size
-                      for j in range(start, n)]
+            j = np.arange(start, n)
+            slots.append(np.asarray(seq.block_table, dtype=np.int64)[j // bs] * bs + j % bs)
             rows += [i] * (n - start)
             loras += [seq.lora_slot] * (n - start)
             qlens.append(n - start)
             klens.append(n)
-            last_rows.append(sum(qlens) - 1)
+            last_rows.append(len(ids) - 1)
+        empty = torch.zeros(0, self.cfg.patch_size, self.cfg.feat_dim)
         return PrefillInputs(
-            token_ids=torch.tensor(ids, dtype=torch.long), feats=torch.cat(feats), audio_mask=torch.cat(mask),
-            positions=torch.tensor(positions, dtype=torch.long), slot_mapping=torch.tensor(slots, dtype=torch.long),
+            token_ids=torch.tensor(ids, dtype=torch.long), audio_feats=torch.cat(audio) if audio else empty,
+            last_feats=torch.stack(last), audio_mask=torch.cat(mask),
+            positions=torch.tensor(positions, dtype=torch.long), slot_mapping=torch.from_numpy(np.concatenate(slots)),
             row_index=torch.tensor(rows, dtype=torch.int32),
             block_tables=host_block_tables(seqs, max(len(s.block_table) for s in seqs)),
             last_rows=torch.tensor(last_rows, dtype=torch.long), query_lens=qlens, key_lens=klens,
@@ -57,7 +66,7 @@ class PrefillStep:
         meta = AttentionMetadata(True, x.slot_mapping.to(dev), x.block_tables.to(dev), x.row_index.to(dev),
                                  (pos + 1).to(torch.int32), x.query_lens, x.key_lens)
         return self.model.backbone.prefill(
-            x.token_ids.to(dev), x.feats.to(dev), x.audio_mask.to(dev), pos, x.last_rows.to(dev),
+            x.token_ids.to(dev), x.audio_feats.to(dev), x.audio_mask.to(dev), pos, x.last_rows.to(dev),
             base_cache.attend_fn(meta), residual_cache.attend_fn(meta),
             lora_slots=x.lora_slots.to(dev) if terms else None)
 
@@ -99,7 +108,7 @@ class PrefillStep:
             field[:n] = values
         s.block_tables[:rows, :x.block_tables.shape[1]] = x.block_tables
         s.last_rows[:rows] = x.last_rows
-        s.audio_feats[:k] = x.feats[audio_rows]
+        s.audio_feats[:k] = x.audio_feats
         s.audio_rows[:k] = audio_rows
         s.audio_lora_slots[:k] = x.lora_slots[audio_rows]
         b.send_inputs(audio_bucket)
@@ -118,7 +127,7 @@ class PrefillStep:
         row_index = torch.cat([torch.full((k,), i, dtype=torch.int32, device=dev) for i, k in enumerate(lens)])
         meta = AttentionMetadata(True, slots, table, row_index, (positions + 1).to(torch.int32), lens, lens)
         self.model.backbone.prefill(torch.zeros(n, dtype=torch.long, device=dev),
-                                    torch.zeros(n, p, d, dtype=self.dtype, device=dev), mask, positions,
+                                    torch.zeros(n // 2, p, d, dtype=self.dtype, device=dev), mask, positions,
                                     torch.tensor([n - 1], device=dev), base_cache.attend_fn(meta),
                                     residual_cache.attend_fn(meta),
                                     lora_slots=torch.full((n,), -1, device=dev) if lora else None)
