@@ -107,9 +107,10 @@ def describe(b: dict[str, Any]) -> str:
     if "step_period_ms_mean" in b:
         line += f"; {b['steps']} steps, {b['step_period_ms_mean']:.2f} ms apart (mean)"
     if a := b.get("api"):
-        line += (f"; API processes handed them over in {a['handed_spread_ms']:.0f} ms (half by "
-                 f"{a['handed_half_ms']:.0f}), sender threads {a['sender_p50_ms']:.1f} / {a['sender_max_ms']:.1f} ms "
-                 f"(p50 / max), worker read {a['worker_read_p50_ms']:.1f} / {a['worker_read_max_ms']:.1f} ms")
+        line += (f"; their clients (API processes or bench.py's) handed them over in {a['handed_spread_ms']:.0f} ms "
+                 f"(half by {a['handed_half_ms']:.0f}), sender threads {a['sender_p50_ms']:.1f} / "
+                 f"{a['sender_max_ms']:.1f} ms (p50 / max), worker read {a['worker_read_p50_ms']:.1f} / "
+                 f"{a['worker_read_max_ms']:.1f} ms")
     return line
 
 
