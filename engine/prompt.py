@@ -67,7 +67,7 @@ def build_prompt(tokenizer: TextTokenizer, cfg: VoxCPMConfig, target_text: str, 
         ids.extend(tokens)
         # Text rows' features are zeros: one row broadcast, not a fresh (T, P, D) fill. A worker builds a burst's
         # prompts one after another before its first step, and on a GPU host's VM ~200 KB of new zeroed pages cost
-        # ~45 us a request (the fill is what every consumer copies or indexes anyway: prefill's cat, audio rows).
+        # ~45 us a request; what reads them (block hashes, the prefill's inputs) reads audio rows and the last row.
         feats.append(torch.zeros(1, p, d).expand(len(tokens), p, d))
 
     def add_audio(patches: torch.Tensor) -> None:

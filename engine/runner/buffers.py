@@ -61,7 +61,7 @@ class PrefillInputs:
     """The host-side inputs of one prefill: the uncached tokens of several sequences, flattened."""
 
     token_ids: torch.Tensor  # (T,) long
-    audio_feats: torch.Tensor  # (K, P, D) float32: the K audio rows' features, in row order (text rows' are zeros)
+    audio_feats: torch.Tensor  # (K, P, D) float32: the K audio rows' features in row order (text rows' zeros: left out)
     last_feats: torch.Tensor  # (B, P, D) float32: each sequence's last row's (the previous patch of its first decode)
     audio_mask: torch.Tensor  # (T,) bool
     positions: torch.Tensor  # (T,) long
