@@ -146,10 +146,10 @@ def burst_first_audio(engine: LLMEngine, n: int, first: int = 0, uncached: bool 
                       text: str | None = None) -> dict:
     """n requests of `patches` patches added at once (the benchmark's burst): wall ms until each has its first audio,
     the ms the adds took, and the wall ms of every engine.step() until the last one has (where a burst's TTFB goes:
-    prefills, then decodes). With more than 3 patches also the whole burst (its wall, audio-s/s, its last steps and
-    the median step: what a burst costs beyond its steps). Request i (from `first`) has its own seed and its number
-    after the text, or with `uncached` before it (so no block of its prompt is in the prefix cache); with `text`, every
-    request that text as it is (as `bench.py stream` sends the protocol's)."""
+    prefills, then decodes). With more than 3 patches also the whole burst (its wall, audio-s/s, its last steps, the
+    median step and the mean of the steady ones: what a burst costs beyond its steps). Request i (from `first`) has its
+    own seed and its number after the text, or with `uncached` before it (so no block of its prompt is in the prefix
+    cache); with `text`, every request that text as it is (as `bench.py stream` sends the protocol's)."""
     t0 = time.perf_counter()
     texts = {i: text if text is not None else f"{i}. {TEXT}" if uncached else f"{TEXT} {i}"
              for i in range(first, first + n)}
@@ -174,8 +174,10 @@ def burst_first_audio(engine: LLMEngine, n: int, first: int = 0, uncached: bool 
     out = {"n": n, "patches": patches, "add_ms": round(add_ms, 2), "ttfb_ms_p50": ttfb[n // 2],
            "ttfb_ms_max": ttfb[-1], "step_ms": steps[:first_audio_steps]}
     if patches > 3:
+        steady = steps[first_audio_steps:-1]  # after every request's first audio, before the last step
         out.update(wall_s=round(wall, 4), audio_s_per_s=round(samples / engine.sample_rate / wall, 1),
-                   steps=len(steps), median_step_ms=statistics.median(steps), last_step_ms=steps[-4:])
+                   steps=len(steps), median_step_ms=statistics.median(steps), last_step_ms=steps[-4:],
+                   steady_step_ms_mean=round(statistics.fmean(steady), 3) if steady else None)
     return out
 
 
@@ -370,7 +372,8 @@ def step_main(argv: list[str]) -> None:
             print(f"burst of {b}: adds {burst['add_ms']:.1f} ms, first audio p50 {burst['ttfb_ms_p50']:.1f} ms, last "
                   f"{burst['ttfb_ms_max']:.1f} ms; steps {burst['step_ms']}"
                   + (f"; wall {burst['wall_s']:.3f} s ({burst['audio_s_per_s']} audio-s/s), median step "
-                     f"{burst['median_step_ms']} ms, the last {burst['last_step_ms']}" if "wall_s" in burst else ""))
+                     f"{burst['median_step_ms']} ms, steady mean {burst['steady_step_ms_mean']} ms, the last "
+                     f"{burst['last_step_ms']}" if "wall_s" in burst else ""))
     write_json(a.out, res)
 
 
