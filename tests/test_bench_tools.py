@@ -10,6 +10,7 @@ import gc
 import json
 import math
 import shutil
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -552,6 +553,20 @@ def test_trace_finds_each_step_by_its_cluster_of_euler_updates(euler_us: float, 
         t += between_us - euler_us
     assert step.step_starts(marks) == starts
     assert step.step_starts(marks[:1]) == marks[:1] and step.step_starts([]) == []
+
+
+def test_intake_times_a_workers_burst_from_its_messages_to_its_first_steps(checkpoint_factory, tmp_path):
+    """`bench.py intake` (here on the CPU): a real Worker handed one pickled batch of Generate messages, each round's
+    intake, admission step and the step after it, their medians without the warm-up round; every request admitted
+    (the worker took the whole burst) and run to its end between rounds."""
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    out = tmp_path / "intake.json"
+    doc = bench.main(["intake", "--model", str(ckpt), "--burst", "3", "--rounds", "2", "--distinct",
+                      "--out", str(out)])
+    assert json.loads(out.read_text()) == doc and doc["device"] == "cpu" and doc["distinct"] is True
+    assert len(doc["rounds"]) == 3 and all(v > 0 for r in doc["rounds"] for v in r.values())
+    for key in ("intake_ms", "admission_step_ms", "next_step_ms"):
+        assert doc[f"{key}_median"] == pytest.approx(statistics.median(r[key] for r in doc["rounds"][1:]), abs=0.01)
 
 
 def test_a_whole_burst_in_process_reports_what_it_costs_beyond_its_steps(checkpoint_factory):

@@ -39,6 +39,7 @@ SUBCOMMANDS: subcommands.Table = {
     "encode": ("encode:main", "what encoding each response format costs the host"),
     "retime": ("retime:main", "what speed (time-stretch) and sample_rate (resampling) cost the host"),
     "tokenize": ("tokenize:main", "what the client's tokenization of a request and of a burst costs the host"),
+    "intake": ("intake:main", "what a burst costs a worker's host before its first audio: reading, admitting it"),
     "kernels": ("kernels:main", "the decode step's kernels over their launch parameters (GPU)"),
     "pdl-chain": ("pdl_chain:main", "decode chains of layers, each way the engine can run them (GPU)"),
     "lora-step": ("lora_step:main", "what runtime LoRA adapters cost a decode step (GPU)"),
