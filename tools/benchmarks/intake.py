@@ -1,24 +1,28 @@
 """What a burst costs a worker's host before its first audio: reading the requests, admitting them, the first step.
 
-    python tools/bench.py intake --model CKPT --burst 256 --device cuda --out intake.json
+    python tools/bench.py intake --model CKPT --burst 256 --out intake.json
     python tools/bench.py intake --model CKPT --burst 256 --distinct     # each request its own text
 
 A real `Worker` over a real engine is handed one `MessageBatch` of --burst `Generate` messages, pickled as a client
-sends them (the protocol's text, tokenized by the client as `engine.serving.stream` does). Timed per round: the intake
-(unpickling the batch and `Worker.handle` of each request: their prompts, params, sequences), the admission step (the
-first `engine.step()`: schedule, block hashes, the prefill's inputs and launch, the first decode's launch) and the
-step after it (the prefill's and first decode's end, synchronised). The rounds' medians, the first round (warm-up)
-left out. The benchmark's bursts share one text, so their prompts share prefix-cache blocks; --distinct numbers each
-request's text, as a burst of different users' texts would be. On the GPU when there is one, with a worker's own
-settings: one torch thread, the start-up heap frozen.
+sends them (the protocol's text, tokenized by the client as `engine.serving.stream` does), and a client thread reads
+what it sends back. Timed per round: the intake (unpickling the batch and `Worker.handle` of each request: their
+prompts, params, sequences), the admission step (the first `Worker.step()`: schedule, block hashes, the prefill's
+inputs and launch, the first decode's launch) and the step after it (the prefill's and first decode's end,
+synchronised, its events routed to the client). The rounds' medians, the first round (warm-up) left out; a round in
+which any request fails stops the benchmark. The benchmark's bursts share one text, so their prompts share
+prefix-cache blocks; --distinct numbers each request's text, as a burst of different users' texts would be. On the
+GPU when there is one, with a worker's own settings: one torch thread, the start-up heap frozen.
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import statistics
+import threading
 import time
 from multiprocessing import Pipe
+from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -27,7 +31,6 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.serving import protocol as p
 from engine.serving.collector import freeze_startup_heap
-from engine.serving.reports import SendWaits
 from engine.serving.stream import text_ids_many
 from engine.serving.worker import ClientLink, Worker
 from tools.benchmarks.harness import TEXT, device_doc, subcommand_parser, write_json
@@ -45,25 +48,38 @@ def burst_blob(engine: LLMEngine, n: int, tag: str, distinct: bool) -> bytes:
     return bytes(ForkingPickler.dumps(batch))
 
 
-def one_round(worker: Worker, link: ClientLink, blob: bytes) -> dict[str, float]:
-    engine = worker.engine
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+def read_events(conn: Connection, finished: queue.SimpleQueue[p.AudioEvent]) -> None:
+    """The client's side: read the worker's messages until it closes, handing on each request's last event."""
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if isinstance(msg, p.StepEvents):
+            for ev in msg.events:
+                if ev.finished:
+                    finished.put(ev)
+
+
+def one_round(worker: Worker, link: ClientLink, blob: bytes, finished: queue.SimpleQueue[p.AudioEvent]
+              ) -> dict[str, float]:
+    sync = torch.cuda.synchronize if worker.engine.device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     messages = p.unbatched(ForkingPickler.loads(blob))
     for msg in messages:
         worker.handle(link, msg)
     t1 = time.perf_counter()
-    if len(link.requests) != len(messages):  # a refused request answers on the link: this burst is not the one timed
-        raise RuntimeError(f"the worker took {len(link.requests)} of the burst's {len(messages)} requests")
-    engine.step()
+    worker.step()
     t2 = time.perf_counter()
-    engine.step()
+    worker.step()
     sync()
     t3 = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-    link.requests.clear()  # the engine was stepped here, not through Worker.step, which forgets finished requests
-    worker.owner.clear()
+    while worker.engine.has_work():
+        worker.step()
+    last = [finished.get(timeout=60) for _ in messages]  # every request ends with one finished event, read
+    failed = [ev for ev in last if ev.finish_reason == "error"]
+    if failed:  # a refused or failed request: this burst is not the one meant to be timed
+        raise RuntimeError(f"{len(failed)} of the burst's requests failed, e.g. {failed[0].error}")
     return {"intake_ms": 1000 * (t1 - t0), "admission_step_ms": 1000 * (t2 - t1), "next_step_ms": 1000 * (t3 - t2)}
 
 
@@ -88,10 +104,17 @@ def main(argv: list[str]) -> dict[str, Any]:
     if gpu:
         freeze_startup_heap()
     worker = Worker(engine)
-    mine, theirs = Pipe()  # the worker's link to a client that never reads: nothing is sent while all goes well
-    link = ClientLink(mine, 1, SendWaits())
-    rounds = [one_round(worker, link, burst_blob(engine, a.burst, f"r{i}", a.distinct)) for i in range(a.rounds + 1)]
-    link.close()
+    mine, theirs = Pipe()
+    worker.acceptor.attach(mine)  # connected as a client's socket is: the worker's link, its sender, Ready sent
+    worker._take_new_links()
+    (link,) = worker.links.values()
+    finished: queue.SimpleQueue[p.AudioEvent] = queue.SimpleQueue()
+    reader = threading.Thread(target=read_events, args=(theirs, finished), name="intake-client", daemon=True)
+    reader.start()
+    rounds = [one_round(worker, link, burst_blob(engine, a.burst, f"r{i}", a.distinct), finished)
+              for i in range(a.rounds + 1)]
+    worker.close(goodbye=None)
+    reader.join(timeout=10)
     theirs.close()
     doc["rounds"] = [{k: round(v, 2) for k, v in r.items()} for r in rounds]
     for key in rounds[0]:

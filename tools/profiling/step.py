@@ -327,8 +327,9 @@ def step_main(argv: list[str]) -> None:
     a = ap.parse_args(argv)
     burst_text = PROTOCOL_TEXT if a.burst_text == "protocol" else None
     batches = [int(x) for x in a.batch.split(",")]
-    engine = gpu_engine(a.model, max(batches), **json.loads(a.engine_kwargs))
-    res: dict = {**run_facts(), "engine_kwargs": json.loads(a.engine_kwargs), "startup_s": engine.startup_s,
+    kwargs = json.loads(a.engine_kwargs)
+    engine = gpu_engine(a.model, max(batches), **kwargs)
+    res: dict = {**run_facts(), "engine_kwargs": kwargs, "startup_s": engine.startup_s,
                  "startup_phases": engine.startup_phases, "capture_times": engine.runner.capture_times,
                  "options": dataclasses.asdict(engine.config.options), "batches": {}}
     # The prefill's graphs alone, per bucket (its LocEnc's: for prompts with audio rows), every token row padding (it
@@ -390,8 +391,9 @@ def trace_main(argv: list[str]) -> None:
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     concs = [int(x) for x in a.conc.split(",")]
-    engine = gpu_engine(a.model, max(concs), **json.loads(a.engine_kwargs))
-    res: dict = {**run_facts(), "engine_kwargs": json.loads(a.engine_kwargs), "conc": {}}
+    kwargs = json.loads(a.engine_kwargs)
+    engine = gpu_engine(a.model, max(concs), **kwargs)
+    res: dict = {**run_facts(), "engine_kwargs": kwargs, "conc": {}}
     for c in concs:
         trace(engine, c, 5, 5)  # warm-up of the profiler and the shapes
         r = res["conc"][str(c)] = trace(engine, c, a.warm, a.steps)
