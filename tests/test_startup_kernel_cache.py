@@ -346,17 +346,23 @@ def test_a_stop_during_the_background_precompile_kills_its_children(tmp_path: Pa
     again = kernel_cache.Precompiler(ckpt, None, None, arch=90)  # the lock was released
     assert again.wait()["precompiled"] == 1
 
-    # the pool's and the supervisor's stop does that to the early precompile of their WorkerSet
+    # the pool's and the supervisor's stop does that to the early precompile of their WorkerSet: a real one, its
+    # worker still loading; only its precompile's architecture is given (a CPU device starts none: no CUDA here)
     from engine.serving.processes import WorkerSet
+    from engine.serving.voxcpm import engine_config
     shutil.rmtree(tmp_path / "cache")
-    workers = WorkerSet.__new__(WorkerSet)  # its worker processes left out: only the precompile is stopped here
-    workers.processes, workers.directory = [], str(tmp_path / "sockets")
-    workers.precompiler = kernel_cache.Precompiler(ckpt, None, None, arch=90, background=True)
+    monkeypatch.setattr(WorkerSet, "_precompile_early",
+                        lambda self: kernel_cache.Precompiler(ckpt, None, None, arch=90, background=True))
+    workers = WorkerSet(str(ckpt), ["cpu"], engine_config(max_num_seqs=2, max_model_len=256))
+    assert workers.precompiler is not None
     compilers, waiter = workers.precompiler._compilers, workers.precompile_thread
     assert compilers is not None and waiter is not None and waiter.is_alive()
+    t0 = time.monotonic()
     workers.stop()
     waiter.join(timeout=30)
     assert not waiter.is_alive() and all(proc.returncode is not None for proc in compilers.procs)
+    assert not workers.processes[0].alive and not os.path.exists(workers.directory)
+    assert time.monotonic() - t0 < 20
 
 
 def test_one_precompile_per_cache_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
