@@ -58,7 +58,9 @@ class EngineConfig:
     vae_dtype: str | None = setting(None, "The streaming VAE decoder's dtype, a name of DTYPE_NAMES; unset: "
                                           "float32, as the official package runs it. bfloat16 is faster at high "
                                           "batch (docs/benchmarks.md) and changes the audio by its rounding; the "
-                                          "patches, and so what is said, do not depend on it.",
+                                          "patches, and so what is said, do not depend on it. float16 is first "
+                                          "checked on the model's latents of a test clip (at least 40 dB from "
+                                          "float32's audio, else the start fails naming this field).",
                                     choices=tuple(DTYPE_NAMES))
     quantization: str | None = setting(None, "Weights of the LMs', LocEnc's and DiT's projections: 'fp8' (e4m3, a "
                                              "scale per output channel): on a GPU with FP8 GEMMs (sm89+, a bf16 "

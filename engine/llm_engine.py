@@ -20,6 +20,7 @@ from engine.engine_config import EngineConfig
 from engine.errors import LoRANotFoundError, OverloadedError, RequestError
 from engine.io.checkpoint import LoadedModel, load_model
 from engine.io.lora import merge_adapter, read_adapter
+from engine.models.audio_vae import decoder_snr_db
 from engine.ops.batch_invariant import BatchInvariantCalls
 from engine.prompt import build_prompt, max_patches
 from engine.runner.lora import LoRASlots
@@ -30,6 +31,10 @@ from engine.startup import kernel_cache
 from engine.vocabulary import AdapterInfo, SamplingParams, TextIds
 
 log = logging.getLogger(__name__)
+
+# The least SNR (dB) of a float16 VAE decoder's audio from float32's at start-up: its rounding alone gives ~60 dB
+# (H200, full-size VoxCPM2: 62.6), activations past 65504 give infinities or clipped audio.
+MIN_VAE_SNR_DB = 40.0
 
 
 class LLMEngine:
@@ -131,6 +136,13 @@ class LLMEngine:
             raise ValueError(f"vae_dtype: this loaded model's VAE decoder runs in {held} for another engine: load it "
                              f"again for {dtype}")
         if held is None:
+            if torch.finfo(dtype).max < 1e38:  # float16's 65504: another range, not only rounding (bfloat16: float32's)
+                snr_db = decoder_snr_db(self.model.vae, dtype)
+                log.info("vae_dtype %s: the decoder's audio of a test clip is %.1f dB from float32's", dtype, snr_db)
+                if not snr_db >= MIN_VAE_SNR_DB:
+                    raise ValueError(f"vae_dtype: this model's VAE decoder in {dtype} is {snr_db:.1f} dB from its "
+                                     f"float32 audio on a test clip (at least {MIN_VAE_SNR_DB:.0f} dB needed; "
+                                     "its activations leave the dtype's range): use float32 or bfloat16")
             decoder.to(dtype)
             decoder.engine_dtype = dtype
 

@@ -63,3 +63,19 @@ def test_a_loaded_model_decodes_in_one_dtype_only(checkpoint_factory):
     with pytest.raises(ValueError, match="vae_dtype: this loaded model's VAE decoder runs in torch.float32"):
         LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=128, vae_dtype="bfloat16"))
     LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=128, vae_dtype="float32"))  # the same dtype: fine
+
+
+def test_a_float16_decoder_that_leaves_its_range_is_refused_at_start_up(checkpoint_factory):
+    """float16 is checked against float32 on the model's own latents of a test clip before the decoder is cast: a
+    decoder whose activations pass 65504 (its first conv's weight scaled up; float32 stays finite) is refused, naming
+    the field, and the loaded model keeps its float32 decoder for an engine that asks for no narrower dtype."""
+    from engine.models.audio_vae import decoder_snr_db
+    model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
+    assert decoder_snr_db(model.vae, torch.float16) > MIN_SNR_DB["float16"]  # as it is: its rounding only
+    first_conv = next(p for p in model.vae.decoder.parameters() if p.dim() == 3)
+    with torch.no_grad():
+        first_conv.mul_(1e6)
+    with pytest.raises(ValueError, match=r"vae_dtype: this model's VAE decoder in torch.float16 is -inf dB"):
+        LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=128, vae_dtype="float16"))
+    assert next(model.vae.decoder.parameters()).dtype == torch.float32
+    LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=128, vae_dtype="bfloat16"))  # float32's range

@@ -17,12 +17,14 @@ halves share and their stream states are `vae_layers`, the decoder is `vae_decod
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine import options
 from engine.config import AudioVAEConfig
 from engine.models.vae_decoder import Decoder
 from engine.models.vae_layers import CausalConv1d, Chain, ResidualUnit, Snake1d, StreamStates
@@ -196,3 +198,32 @@ class StreamingDecoder:
     def prime(self, z: Tensor) -> None:
         """Feed context latents (e.g. the last prompt patches in continuation mode); audio is dropped."""
         self.decode_chunk(z, discard=True)
+
+
+def probe_audio(sample_rate: int, seconds: float = 1.0) -> Tensor:
+    """A loud voiced test signal (1, T): a 140 Hz voice with a vibrato and twelve harmonics under syllable-rate
+    swells, breath noise between them, peaking near full scale (larger activations test a decoder's range harder)."""
+    t = torch.arange(int(seconds * sample_rate), dtype=torch.float64) / sample_rate
+    phase = 2 * math.pi * (140.0 * t + 0.4 * torch.sin(2 * math.pi * 5.0 * t))  # +-2 Hz of vibrato
+    voice = sum(torch.sin(k * phase) / k for k in range(1, 13))
+    swell = torch.sin(math.pi * 4.0 * t) ** 2  # four syllables a second
+    noise = torch.randn(t.numel(), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = swell * voice + 0.05 * (1 - swell) * noise
+    return (0.95 * x / x.abs().max()).to(torch.float32).unsqueeze(0)
+
+
+@torch.no_grad()
+def decoder_snr_db(vae: AudioVAE, dtype: torch.dtype) -> float:
+    """How far the VAE decoder's audio in `dtype` is from float32's, in dB (-inf: not finite), on the latents that the
+    model's own encoder makes of `probe_audio`: what this model's weights do to the dtype's range and rounding. On a
+    copy of the float32 decoder; eager torch ops (no kernel to compile), float32 matmuls without TF32's shortcuts."""
+    device = next(vae.parameters()).device
+    with options.override(fuse=False, vae_fp16_gemm=False):
+        z = vae.encode(probe_audio(vae.sample_rate).to(device))
+        ref = vae.decode(z).double()
+        cast = copy.deepcopy(vae.decoder).to(dtype)
+        out = cast(z.to(dtype), vae._sr_idx(None)).double()
+    err = float(((out - ref) ** 2).sum())
+    if not math.isfinite(err):
+        return -math.inf
+    return math.inf if err == 0 else 10 * math.log10(float((ref**2).sum()) / err)
