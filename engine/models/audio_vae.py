@@ -216,9 +216,11 @@ def probe_audio(sample_rate: int, seconds: float = 1.0) -> Tensor:
 def decoder_snr_db(vae: AudioVAE, dtype: torch.dtype) -> float:
     """How far the VAE decoder's audio in `dtype` is from float32's, in dB (-inf: not finite), on the latents that the
     model's own encoder makes of `probe_audio`: what this model's weights do to the dtype's range and rounding. On a
-    copy of the float32 decoder; eager torch ops (no kernel to compile), float32 matmuls without TF32's shortcuts."""
+    copy of the float32 decoder; eager torch ops (no Triton kernel to compile), float32 matmuls without TF32's
+    shortcuts, and no cuDNN (H200, full-size VoxCPM2: its float16 convs' first calls took 1.4-1.9 s of start-up, the
+    probe without it 0.4 s the first time, 0.03 s after)."""
     device = next(vae.parameters()).device
-    with options.override(fuse=False, vae_fp16_gemm=False):
+    with options.override(fuse=False, vae_fp16_gemm=False), torch.backends.cudnn.flags(enabled=False):
         z = vae.encode(probe_audio(vae.sample_rate).to(device))
         ref = vae.decode(z).double()
         cast = copy.deepcopy(vae.decoder).to(dtype)
