@@ -58,14 +58,14 @@ class LLMEngine:
         try:
             self.model = model if isinstance(model, LoadedModel) else load_model(
                 model, self.device, dtype, max_positions=cfg.max_model_len)
+            self.lora_layers = 0  # layers a merged LoRA adapter changed
+            if cfg.lora_path and cfg.lora_merge:
+                self.lora_layers = merge_adapter(self.model.backbone, read_adapter(cfg.lora_path),
+                                                 self.model.config.architecture)
+            self._set_vae_dtype(parse_dtype(cfg.vae_dtype) if cfg.vae_dtype is not None else torch.float32)
         except BaseException:
             precompiler.close()  # its children and its lock must not outlive a failed start-up
             raise
-        self.lora_layers = 0  # layers a merged LoRA adapter changed
-        if cfg.lora_path and cfg.lora_merge:
-            self.lora_layers = merge_adapter(self.model.backbone, read_adapter(cfg.lora_path),
-                                             self.model.config.architecture)
-        self._set_vae_dtype(parse_dtype(cfg.vae_dtype) if cfg.vae_dtype is not None else torch.float32)
         load_s = time.perf_counter() - t0
         kernel_stats = precompiler.wait()
         wait_s = time.perf_counter() - t0 - load_s  # for kernels still compiling when the model is in

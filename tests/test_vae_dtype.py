@@ -3,14 +3,17 @@ within that dtype's rounding of float32's, and not the same audio (the option ac
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 
 from engine.io.checkpoint import load_model
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.models.audio_vae import decoder_snr_db
 from engine.sequence import SamplingParams
-from tests.conftest import clip_latents
+from tests.conftest import TINY_PRESETS, clip_latents
 
 
 def _run(model, vae_dtype: str | None) -> tuple[np.ndarray, list[torch.Tensor]]:
@@ -65,13 +68,19 @@ def test_a_loaded_model_decodes_in_one_dtype_only(checkpoint_factory):
     LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=128, vae_dtype="float32"))  # the same dtype: fine
 
 
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_every_familys_float16_decoder_passes_its_check_as_made(checkpoint_factory, preset: str):
+    """v1 (no sample-rate condition) and v2 VAEs: the check's float16 audio lies within its rounding of float32's."""
+    vae = load_model(checkpoint_factory(preset, stop="never")).vae
+    assert MIN_SNR_DB["float16"] < decoder_snr_db(vae, torch.float16) < math.inf  # cast: not the same audio
+    assert next(vae.decoder.parameters()).dtype == torch.float32  # the check casts a copy
+
+
 def test_a_float16_decoder_that_leaves_its_range_is_refused_at_start_up(checkpoint_factory):
     """float16 is checked against float32 on the model's own latents of a test clip before the decoder is cast: a
     decoder whose activations pass 65504 (its first conv's weight scaled up; float32 stays finite) is refused, naming
     the field, and the loaded model keeps its float32 decoder for an engine that asks for no narrower dtype."""
-    from engine.models.audio_vae import decoder_snr_db
     model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
-    assert decoder_snr_db(model.vae, torch.float16) > MIN_SNR_DB["float16"]  # as it is: its rounding only
     first_conv = next(p for p in model.vae.decoder.parameters() if p.dim() == 3)
     with torch.no_grad():
         first_conv.mul_(1e6)
