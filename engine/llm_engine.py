@@ -135,16 +135,17 @@ class LLMEngine:
         if held is not None and held != dtype:
             raise ValueError(f"vae_dtype: this loaded model's VAE decoder runs in {held} for another engine: load it "
                              f"again for {dtype}")
+        self.vae_check_db: float | None = getattr(decoder, "engine_check_db", None)  # the check, when there was one
         if held is None:
             if torch.finfo(dtype).max < 1e38:  # float16's 65504: another range, not only rounding (bfloat16: float32's)
-                snr_db = decoder_snr_db(self.model.vae, dtype)
+                self.vae_check_db = snr_db = decoder_snr_db(self.model.vae, dtype)
                 log.info("vae_dtype %s: the decoder's audio of a test clip is %.1f dB from float32's", dtype, snr_db)
                 if not snr_db >= MIN_VAE_SNR_DB:
                     raise ValueError(f"vae_dtype: this model's VAE decoder in {dtype} is {snr_db:.1f} dB from its "
                                      f"float32 audio on a test clip (at least {MIN_VAE_SNR_DB:.0f} dB needed; "
                                      "its activations leave the dtype's range): use float32 or bfloat16")
             decoder.to(dtype)
-            decoder.engine_dtype = dtype
+            decoder.engine_dtype, decoder.engine_check_db = dtype, self.vae_check_db
 
     @property
     def sample_rate(self) -> int:

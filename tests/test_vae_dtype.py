@@ -13,6 +13,7 @@ from engine.io.checkpoint import load_model
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.models.audio_vae import decoder_snr_db
 from engine.sequence import SamplingParams
+from engine.serving.reports import describe
 from tests.conftest import TINY_PRESETS, clip_latents
 
 
@@ -87,4 +88,14 @@ def test_a_float16_decoder_that_leaves_its_range_is_refused_at_start_up(checkpoi
     with pytest.raises(ValueError, match=r"vae_dtype: this model's VAE decoder in torch.float16 is -inf dB"):
         LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=128, vae_dtype="float16"))
     assert next(model.vae.decoder.parameters()).dtype == torch.float32
-    LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=128, vae_dtype="bfloat16"))  # float32's range
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=128, vae_dtype="bfloat16"))  # float32's range
+    info = describe(engine)
+    assert (info.vae_dtype, info.vae_check_db) == ("bfloat16", None)
+
+
+def test_the_float16_checks_result_is_in_the_workers_info(checkpoint_factory):
+    model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
+    info = describe(LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=128, vae_dtype="fp16"))).as_dict()
+    assert info["vae_dtype"] == "float16" and info["vae_check_db"] > MIN_SNR_DB["float16"]
+    again = describe(LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=128, vae_dtype="float16")))
+    assert again.vae_check_db == info["vae_check_db"]  # the loaded model's, checked once

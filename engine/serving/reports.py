@@ -53,6 +53,8 @@ class WorkerInfo:
     patch_size: int
     samples_per_patch: int
     dtype: str
+    vae_dtype: str  # the VAE decoder's
+    vae_check_db: float | None  # a float16 decoder's start-up check: its test clip's audio from float32's (None: none)
     device: str
     max_num_seqs: int
     max_model_len: int
@@ -129,6 +131,7 @@ def describe(engine: LLMEngine) -> WorkerInfo:
         architecture=m.config.architecture, version=m.config.version, sample_rate=m.vae.out_sample_rate,
         encoder_sample_rate=m.vae.sample_rate, feat_dim=m.config.feat_dim, patch_size=m.config.patch_size,
         samples_per_patch=engine.runner.samples_per_patch, dtype=str(engine.runner.dtype).removeprefix("torch."),
+        vae_dtype=str(engine.model.vae.decoder.engine_dtype).removeprefix("torch."), vae_check_db=engine.vae_check_db,
         device=str(engine.device), max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
         inference_timesteps=cfg.inference_timesteps, coalesce_ms=cfg.coalesce_ms,
         attention_backend=engine.runner.backend, cuda_graphs=len(engine.runner.graphs),
