@@ -33,7 +33,8 @@ from engine.vocabulary import AdapterInfo, SamplingParams, TextIds
 log = logging.getLogger(__name__)
 
 # The least SNR (dB) of a float16 VAE decoder's audio from float32's at start-up: its rounding alone gives ~60 dB
-# (H200, full-size VoxCPM2: 62.6), activations past 65504 give infinities or clipped audio.
+# (H200, full-size VoxCPM2 with random weights: 62.6 from the engine's audio, 63.7 in the check), activations past
+# 65504 give infinities or clipped audio.
 MIN_VAE_SNR_DB = 40.0
 
 
@@ -58,11 +59,12 @@ class LLMEngine:
         try:
             self.model = model if isinstance(model, LoadedModel) else load_model(
                 model, self.device, dtype, max_positions=cfg.max_model_len)
+            # The VAE first: its check may refuse the start, and a merge cannot be undone on a model loaded for reuse.
+            self._set_vae_dtype(parse_dtype(cfg.vae_dtype) if cfg.vae_dtype is not None else torch.float32)
             self.lora_layers = 0  # layers a merged LoRA adapter changed
             if cfg.lora_path and cfg.lora_merge:
                 self.lora_layers = merge_adapter(self.model.backbone, read_adapter(cfg.lora_path),
                                                  self.model.config.architecture)
-            self._set_vae_dtype(parse_dtype(cfg.vae_dtype) if cfg.vae_dtype is not None else torch.float32)
         except BaseException:
             precompiler.close()  # its children and its lock must not outlive a failed start-up
             raise
@@ -138,7 +140,10 @@ class LLMEngine:
         self.vae_check_db: float | None = getattr(decoder, "engine_check_db", None)  # the check, when there was one
         if held is None:
             if torch.finfo(dtype).max < 1e38:  # float16's 65504: another range, not only rounding (bfloat16: float32's)
-                self.vae_check_db = snr_db = decoder_snr_db(self.model.vae, dtype)
+                try:
+                    self.vae_check_db = snr_db = decoder_snr_db(self.model.vae, dtype)
+                except ValueError as e:
+                    raise ValueError(f"vae_dtype: {e}") from e
                 log.info("vae_dtype %s: the decoder's audio of a test clip is %.1f dB from float32's", dtype, snr_db)
                 if not snr_db >= MIN_VAE_SNR_DB:
                     raise ValueError(f"vae_dtype: this model's VAE decoder in {dtype} is {snr_db:.1f} dB from its "

@@ -3,15 +3,13 @@ within that dtype's rounding of float32's, and not the same audio (the option ac
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
 
 from engine.io.checkpoint import load_model
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.models.audio_vae import decoder_snr_db
+from engine.models.audio_vae import IDENTICAL_DB, decoder_snr_db, probe_audio
 from engine.sequence import SamplingParams
 from engine.serving.reports import describe
 from tests.conftest import TINY_PRESETS, clip_latents
@@ -70,32 +68,51 @@ def test_a_loaded_model_decodes_in_one_dtype_only(checkpoint_factory):
 
 
 @pytest.mark.parametrize("preset", TINY_PRESETS)
-def test_every_familys_float16_decoder_passes_its_check_as_made(checkpoint_factory, preset: str):
+def test_every_family_s_float16_decoder_passes_its_check_as_made(checkpoint_factory, preset: str):
     """v1 (no sample-rate condition) and v2 VAEs: the check's float16 audio lies within its rounding of float32's."""
     vae = load_model(checkpoint_factory(preset, stop="never")).vae
-    assert MIN_SNR_DB["float16"] < decoder_snr_db(vae, torch.float16) < math.inf  # cast: not the same audio
+    assert MIN_SNR_DB["float16"] < decoder_snr_db(vae, torch.float16) < IDENTICAL_DB  # cast: not the same audio
     assert next(vae.decoder.parameters()).dtype == torch.float32  # the check casts a copy
 
 
-def test_a_float16_decoder_that_leaves_its_range_is_refused_at_start_up(checkpoint_factory):
+def test_a_float16_decoder_that_leaves_its_range_is_refused_at_start_up(checkpoint_factory, monkeypatch):
     """float16 is checked against float32 on the model's own latents of a test clip before the decoder is cast: a
     decoder whose activations pass 65504 (its first conv's weight scaled up; float32 stays finite) is refused, naming
-    the field, and the loaded model keeps its float32 decoder for an engine that asks for no narrower dtype."""
+    the field; the start's precompiler is closed, and the loaded model keeps its float32 decoder for an engine that
+    asks for no narrower dtype."""
+    from engine.startup import kernel_cache
     model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
     first_conv = next(p for p in model.vae.decoder.parameters() if p.dim() == 3)
     with torch.no_grad():
         first_conv.mul_(1e6)
+        assert model.vae.decode(model.vae.encode(probe_audio(model.vae.sample_rate))).isfinite().all()
+    closed = []
+    close = kernel_cache.Precompiler.close
+    monkeypatch.setattr(kernel_cache.Precompiler, "close", lambda self: (closed.append(self), close(self)))
     with pytest.raises(ValueError, match=r"vae_dtype: this model's VAE decoder in torch.float16 is -inf dB"):
         LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=128, vae_dtype="float16"))
+    assert len(closed) == 1
     assert next(model.vae.decoder.parameters()).dtype == torch.float32
     engine = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=128, vae_dtype="bfloat16"))  # float32's range
     info = describe(engine)
     assert (info.vae_dtype, info.vae_check_db) == ("bfloat16", None)
 
 
-def test_the_float16_checks_result_is_in_the_workers_info(checkpoint_factory):
+def test_a_silent_float32_decoder_cannot_be_checked(checkpoint_factory):
+    model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
+    with torch.no_grad():
+        for p in model.vae.decoder.parameters():
+            p.zero_()
+    with pytest.raises(ValueError, match="vae_dtype: the VAE decoder's float32 audio of the test clip is silent"):
+        LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=128, vae_dtype="float16"))
+
+
+def test_the_float16_checks_result_is_in_the_workers_info_once_per_loaded_model(checkpoint_factory, monkeypatch):
+    import engine.llm_engine as llm_engine
+    calls = []
+    monkeypatch.setattr(llm_engine, "decoder_snr_db", lambda *a: calls.append(a) or decoder_snr_db(*a))
     model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
     info = describe(LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=128, vae_dtype="fp16"))).as_dict()
     assert info["vae_dtype"] == "float16" and info["vae_check_db"] > MIN_SNR_DB["float16"]
     again = describe(LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=128, vae_dtype="float16")))
-    assert again.vae_check_db == info["vae_check_db"]  # the loaded model's, checked once
+    assert again.vae_check_db == info["vae_check_db"] and len(calls) == 1  # the loaded model's, checked once

@@ -17,8 +17,10 @@ halves share and their stream states are `vae_layers`, the decoder is `vae_decod
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -201,10 +203,11 @@ class StreamingDecoder:
 
 
 def probe_audio(sample_rate: int, seconds: float = 1.0) -> Tensor:
-    """A loud voiced test signal (1, T): a 140 Hz voice with a vibrato and twelve harmonics under syllable-rate
-    swells, breath noise between them, peaking near full scale (larger activations test a decoder's range harder)."""
+    """A loud voiced test signal (1, T): a 140 Hz voice (its fundamental and eleven harmonics) with a vibrato, under
+    syllable-rate swells, breath noise between them, peaking near full scale (larger activations test a decoder's
+    range harder)."""
     t = torch.arange(int(seconds * sample_rate), dtype=torch.float64) / sample_rate
-    phase = 2 * math.pi * (140.0 * t + 0.4 * torch.sin(2 * math.pi * 5.0 * t))  # +-2 Hz of vibrato
+    phase = 2 * math.pi * (140.0 * t + 0.4 * torch.sin(2 * math.pi * 5.0 * t))  # +-12.6 Hz of vibrato, 5 times a second
     voice = sum(torch.sin(k * phase) / k for k in range(1, 13))
     swell = torch.sin(math.pi * 4.0 * t) ** 2  # four syllables a second
     noise = torch.randn(t.numel(), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -212,20 +215,47 @@ def probe_audio(sample_rate: int, seconds: float = 1.0) -> Tensor:
     return (0.95 * x / x.abs().max()).to(torch.float32).unsqueeze(0)
 
 
+# What decoder_snr_db reports for identical audio (JSON, where the result goes, has no infinity).
+IDENTICAL_DB = 200.0
+
+
+@contextlib.contextmanager
+def _full_fp32_matmuls() -> Iterator[None]:
+    """This process's float32 matmuls without TF32 for the block (cuBLAS runs the convolutions when cuDNN is off; an
+    engine built earlier turns TF32 on), as they were after. A process on torch's newer fp32_precision API refuses the
+    legacy flag: its own choice then stands."""
+    try:
+        before = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+    except RuntimeError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
 @torch.no_grad()
 def decoder_snr_db(vae: AudioVAE, dtype: torch.dtype) -> float:
-    """How far the VAE decoder's audio in `dtype` is from float32's, in dB (-inf: not finite), on the latents that the
-    model's own encoder makes of `probe_audio`: what this model's weights do to the dtype's range and rounding. On a
-    copy of the float32 decoder; eager torch ops (no Triton kernel to compile), float32 matmuls without TF32's
-    shortcuts, and no cuDNN (H200, full-size VoxCPM2: its float16 convs' first calls took 1.4-1.9 s of start-up, the
-    probe without it 0.4 s the first time, 0.03 s after)."""
+    """How far the VAE decoder's audio in `dtype` is from float32's, in dB (-inf: not finite; IDENTICAL_DB at most),
+    on the latents that the model's own encoder makes of `probe_audio`: what this model's weights do to the dtype's
+    range and rounding. On a copy of the float32 decoder; eager torch ops (no Triton kernel to compile: the options
+    are this process's, so for the check's ~0.4 s another engine here runs eager too), float32 matmuls without TF32,
+    and no cuDNN (H200, full-size VoxCPM2: its float16 convs' first calls took 1.4-1.9 s of start-up, the check
+    without it 0.4 s the first time, 0.03 s after). A float32 decode that is silent or not finite raises ValueError."""
     device = next(vae.parameters()).device
-    with options.override(fuse=False, vae_fp16_gemm=False), torch.backends.cudnn.flags(enabled=False):
+    with (options.override(fuse=False, vae_fp16_gemm=False), torch.backends.cudnn.flags(enabled=False),
+          _full_fp32_matmuls()):
         z = vae.encode(probe_audio(vae.sample_rate).to(device))
         ref = vae.decode(z).double()
         cast = copy.deepcopy(vae.decoder).to(dtype)
         out = cast(z.to(dtype), vae._sr_idx(None)).double()
+    power = float((ref**2).sum())
+    if not (math.isfinite(power) and power > 0):
+        state = "silent" if power == 0 else "not finite"
+        raise ValueError(f"the VAE decoder's float32 audio of the test clip is {state}: no precision to check")
     err = float(((out - ref) ** 2).sum())
     if not math.isfinite(err):
         return -math.inf
-    return math.inf if err == 0 else 10 * math.log10(float((ref**2).sum()) / err)
+    return min(IDENTICAL_DB, 10 * math.log10(power / err)) if err > 0 else IDENTICAL_DB
