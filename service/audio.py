@@ -47,7 +47,8 @@ class Mp3Encoder:
         self._enc.encode(b"")
 
     def __call__(self, samples: np.ndarray, last: bool) -> bytes | None:
-        out = bytes(self._enc.encode(pcm16(samples))) if len(samples) else b""
+        # LAME refuses to flush a stream that never encoded (an empty live session): encoding nothing starts it.
+        out = bytes(self._enc.encode(pcm16(samples))) if len(samples) or last else b""
         if last:
             out += bytes(self._enc.flush())
         return out or None

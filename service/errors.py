@@ -46,6 +46,13 @@ OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_
 OPENAI_CODES = {401: "invalid_api_key", 404: "not_found", 413: "request_too_large", 503: "overloaded"}
 
 
+def in_route_terms(message: str, text_field: str) -> str:
+    """An engine message names the request's text `target_text` (the native routes' field): a route whose text is
+    another field (`input`, a live session's `input.text`) names its own."""
+    head = "target_text:"
+    return text_field + message[len(head) - 1:] if message.startswith(head) else message
+
+
 def _param_of(message: str) -> str | None:
     """Our messages start with the field they concern ("voice: unknown voice ..."): OpenAI's `param`."""
     head, sep, _ = message.partition(":")
@@ -57,12 +64,14 @@ def error_payload(path: str, status: int, detail: object) -> dict:
     or in OpenAI's shape under /v1/."""
     if not path.startswith(OPENAI_PREFIX):
         return {"detail": detail}
-    if isinstance(detail, list):  # validation errors: one message naming each field
-        fields = [".".join(str(p) for p in e["loc"] if p != "body") for e in detail]
+    if isinstance(detail, list):  # validation errors: one message naming each field (an unparseable body: "body")
+        fields = ["body" if e.get("type") == "json_invalid" else ".".join(str(p) for p in e["loc"] if p != "body")
+                  for e in detail]
         message = "; ".join(f"{f}: {e['msg']}" if f else e["msg"] for f, e in zip(fields, detail, strict=True))
         param = (fields[0] or _param_of(detail[0]["msg"])) if detail else None
     else:
-        message, param = str(detail), _param_of(str(detail))
+        message = in_route_terms(str(detail), "input")
+        param = _param_of(message)
     kind = OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": OPENAI_CODES.get(status)}}
 

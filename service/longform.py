@@ -414,11 +414,12 @@ async def start(state: ServiceState, route: str, segments: list[Segment], cond: 
     return gen
 
 
-def check_length(state: ServiceState, text: str, field: str) -> None:
+def check_length(state: ServiceState, text: str, field: str, counted: str = "") -> None:
+    """`counted`: what the count covers when more than `field` ("input and instructions")."""
     limit = state.settings.max_text_chars
     if len(text) > limit:
-        raise HTTPException(422, f"{field}: {len(text)} characters is more than this service speaks in one request "
-                                 f"(NANOVLLM_MAX_TEXT_CHARS = {limit})")
+        raise HTTPException(422, f"{field}: {len(text)} characters{f' ({counted})' if counted else ''} is more than "
+                                 f"this service speaks in one request (NANOVLLM_MAX_TEXT_CHARS = {limit})")
 
 
 async def generate(state: ServiceState, route: str, text: str, cond: Conditioning, params: SamplingParams, fmt: str,
@@ -429,9 +430,16 @@ async def generate(state: ServiceState, route: str, text: str, cond: Conditionin
     """Any text: one segment (and no guard or timings asked) -> today's single generation, byte for byte; more ->
     the segmented path. `text` excludes a voice-design `design` prefix; offsets are into `text` as written, plus
     `len(design)` where the design leads the text the client sent (`field` names it in errors)."""
-    check_length(state, design + text, field)
-    base = len(design) if field == "target_text" else 0
+    own_design = field == "target_text"  # the description leads the text the client sent, else it came separately
+    if own_design or not design:
+        check_length(state, design + text, field)
+    else:  # the longer of the two is named
+        check_length(state, design + text, "instructions" if len(design) > len(text) else field,
+                     f"{field} and instructions")
+    base = len(design) if own_design else 0
     segments = split_text(text, state.settings.segment_chars, granularity, base=base)
+    if not segments:  # the schemas refuse a blank text: here a voice description was all of it
+        raise HTTPException(422, f"{field}: nothing to speak after the voice description {design!r}")
     if len(segments) <= 1 and not retry_badcase and not timings:
         return await synthesis.start(state, route, design + text, cond, params, fmt, sse=sse, lora_name=lora_name,
                                      normalize=normalize, speed=speed, sample_rate=sample_rate)

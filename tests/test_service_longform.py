@@ -189,3 +189,13 @@ def test_a_split_text_is_never_refused_mid_stream_for_a_full_queue(checkpoint_fa
             assert len(json.loads(r.headers["X-Segment-Timings"])) == len(split_text(text, 200))
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("extra", [{}, {"timings": True}, {"retry_badcase": True}])
+@pytest.mark.parametrize("route", ["/generate", "/generate_blocking", "/generate_blocking_wav"])
+def test_a_voice_description_with_nothing_after_it_is_refused(client, route, extra):
+    """'(calm voice)' alone leaves nothing to speak, on the single and the segmented path alike (the latter flushed an
+    MP3 encoder that never encoded: a 500)."""
+    r = client.post(route, json={"target_text": "(calm voice)", "max_generate_length": N, **extra})
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"] == "target_text: nothing to speak after the voice description '(calm voice)'"

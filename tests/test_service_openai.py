@@ -137,6 +137,24 @@ def test_zero_length_input_rejected(server):
     assert r.json()["error"]["param"] == "input" and r.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_errors_name_the_field_the_client_sent(server):
+    """The engine's "target_text" is `input` here; an over-long description names `instructions`; an unparseable
+    body names the body, not a JSON position."""
+    with httpx.Client(verify=TLS, base_url=server.url, timeout=60) as c:
+        long_prompt = c.post("/v1/audio/speech", json={"model": "tts-1", "input": "Hi.", "instructions": "word " * 400})
+        long_design = c.post("/v1/audio/speech", json={"model": "tts-1", "input": "Hi.",
+                                                       "instructions": "x" * server.settings.max_text_chars})
+        garbage = c.post("/v1/audio/speech", content=b"garbage", headers={"content-type": "application/json"})
+    err = long_prompt.json()["error"]
+    assert long_prompt.status_code == 400 and err["param"] == "input", err
+    assert err["message"].startswith("input: the prompt (text and voice) is"), err
+    err = long_design.json()["error"]
+    assert long_design.status_code == 422 and err["param"] == "instructions", err
+    assert "characters (input and instructions) is more than" in err["message"], err
+    err = garbage.json()["error"]
+    assert garbage.status_code == 422 and err["param"] == "body" and err["message"].startswith("body: "), err
+
+
 def test_openai_shaped_errors(server):
     """Under /v1 every error has OpenAI's shape, including the body limit, overload and unknown routes; the
     service's own routes keep FastAPI's {"detail": ...}."""

@@ -151,6 +151,22 @@ def test_every_format(server, fmt):
         assert len(audio) > 0
 
 
+@pytest.mark.parametrize("fmt", ["mp3", "pcm"])
+def test_a_session_with_nothing_to_speak_ends_normally(server, fmt):
+    """input.done before any text (or only blanks): no segment, session.done and a normal close; no audio, but for
+    the MP3 stream's flush (LAME's padding frame of silence)."""
+    with open_session(server, response_format=fmt) as ws:
+        ws.send(json.dumps({"type": "input.text", "text": "   "}))
+        ws.send(json.dumps({"type": "input.done"}))
+        messages = until_session_done(ws)
+    assert messages[-1]["segments"] == 0
+    data = b"".join(m for m in messages if isinstance(m, bytes))
+    if fmt == "pcm":
+        assert data == b""
+    else:  # too short a file for libsndfile: an MPEG-1 layer III frame header, at most two frames of 192 kbps
+        assert data[:2] == b"\xff\xfb" and len(data) <= 2 * 576
+
+
 @pytest.mark.parametrize("leave", ["close", "drop"])
 def test_a_client_leaving_mid_stream_frees_every_kv_block(server, leave):
     before = server.pool_stats()
@@ -192,12 +208,17 @@ def test_a_client_leaving_mid_stream_frees_every_kv_block(server, leave):
      "bytes exceeds the limit of 2048 bytes (NANOVLLM_WS_MAX_MESSAGE_BYTES)"),
     ([{"type": "session.config"}] + [{"type": "input.text", "text": "word " * 300}] * 3, 1008,
      "input.text: 4500 characters is more than this service speaks in one session (NANOVLLM_MAX_TEXT_CHARS = 3000)"),
+    ([{"type": "session.config"}, {"type": "input.text", "text": "hi \ud800 there."}], 1008,
+     "input.text: text holds an unpaired surrogate"),
+    ([{"type": "session.config", "voice": "\udc00"}], 1008, "session.config: voice holds an unpaired surrogate"),
+    ([{"type": "\udc00"}], 1008, "message: type holds an unpaired surrogate"),
     ([], 1008, "session.config: nothing received for 1 s"),
     ([{"type": "session.config"}, {"type": "input.text", "text": "Then silence"}], 1008,
      "idle: nothing received for 2 s"),
 ], ids=["not-json", "binary", "text-first", "unknown-field", "bad-speed", "rate-with-mp3", "unknown-voice",
         "too-long-for-the-model", "unknown-type", "text-not-string", "config-twice", "not-an-object",
-        "after-done", "message-cap", "text-cap", "config-timeout", "idle-timeout"])
+        "after-done", "message-cap", "text-cap", "lone-surrogate-text", "lone-surrogate-voice", "lone-surrogate-type",
+        "config-timeout", "idle-timeout"])
 def test_malformed_messages_and_limits(server, messages, code, expected):
     with connect(ws_url(server), open_timeout=GUARD_S) as ws:
         for m in messages:

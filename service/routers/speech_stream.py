@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from service.audio import STREAMED, Encoder, make_encoder, output_rate
 from service.deps import key_matches, key_of, unavailable_reason
-from service.errors import http_error
+from service.errors import http_error, in_route_terms
 from service.longform import LongFormOptions, LongFormSpeech, SegmentStarted, SegmentTiming
 from service.routers.openai import _voice, adapter_ids, model_ids
 from service.schemas import SpeechStreamConfig
@@ -62,7 +62,7 @@ def close_code(status: int) -> int:
 def session_error(e: Exception) -> SessionError:
     """An HTTP refusal or an engine (or voice store) error as the session's end."""
     http = e if isinstance(e, HTTPException) else http_error(e)
-    return SessionError(str(http.detail), close_code(http.status_code))
+    return SessionError(in_route_terms(str(http.detail), "input.text"), close_code(http.status_code))
 
 
 def chosen_subprotocol(offered: list[str]) -> str | None:
@@ -131,6 +131,13 @@ class LiveSession:
             raise SessionError(f"message: not JSON ({e})", POLICY) from None
         if not isinstance(body, dict) or not isinstance(body.get("type"), str):
             raise SessionError("message: a JSON object with a string field 'type' is expected", POLICY)
+        for key, value in body.items():  # JSON's escapes can spell a lone UTF-16 half, which no text encodes
+            try:
+                json.dumps(value, ensure_ascii=False).encode()
+            except UnicodeEncodeError:
+                where = "message: type" if key == "type" else f"{body['type']}: {key}"
+                raise SessionError(f"{where} holds an unpaired surrogate (a lone \\ud800-\\udfff escape)",
+                                   POLICY) from None
         return body
 
     async def configure(self) -> None:
@@ -298,6 +305,9 @@ class LiveSession:
             await self.fail(e)
         except (WebSocketDisconnect, OSError):
             pass  # the client left: the speech is ended, its segments aborted
+        except Exception as e:  # a fault of ours: the client still gets an error and a close frame
+            log.exception("speech stream session failed")
+            await self.fail(SessionError(f"server: the session failed ({type(e).__name__})", SERVER_ERROR))
         finally:
             for task in tasks:
                 task.cancel()
