@@ -160,3 +160,22 @@ def _put_voices(path, ids: list[int]) -> None:
         store.close()
 
     asyncio.run(run())
+
+
+def test_a_prompt_that_could_never_be_used_is_not_cached(checkpoint, tmp_path):
+    """A transcript (or clip) that alone fills max_model_len is refused at /add_prompt and /add_hifi, naming it; the
+    refused voice is not listed, and one that fits is cached as before."""
+    settings = service_settings(checkpoint, tmp_path, serverpool_max_model_len=256, warmup=False)
+    server = LiveServer(settings).start()
+    try:
+        with httpx.Client(verify=TLS, base_url=server.url, timeout=60) as c:
+            long_text = "word " * 400
+            for route in ("/add_prompt", "/add_hifi"):
+                r = c.post(route, json={"wav_base64": clip(5), "prompt_text": long_text})
+                assert r.status_code == 422, r.text
+                assert r.json()["detail"].startswith("prompt_text: the prompt is "), r.text
+                assert "within max_model_len=256" in r.json()["detail"]
+            assert c.get("/prompts").json()["voices"] == [] and c.get("/hifi").json()["voices"] == []
+            assert c.post("/add_prompt", json={"wav_base64": clip(5), "prompt_text": "Fits."}).status_code == 200
+    finally:
+        server.stop()

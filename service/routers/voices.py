@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 
-from fastapi import APIRouter
+from fastapi import APIRouter, HTTPException
 
 from service.conditioning import b64decode, encode_clip, voice_of
 from service.deps import LoadedState, State
@@ -40,6 +40,20 @@ def voice_info(state: ServiceState, v: VoiceSummary) -> VoiceInfo:
                      ref_frames=v.ref_bytes // row, nbytes=v.nbytes, created=v.created)
 
 
+async def _check_fits(state: ServiceState, prompt_text: str, latents: bytes) -> None:
+    """A continuation prompt that alone fills the model's context could never be used: refused before it is cached,
+    naming the larger part (its transcript's tokens, or its audio's patches)."""
+    info, tokenizer = state.model, state.pool.client.tokenizer
+    if tokenizer is None:  # the worker tokenizes (and refuses at the first use)
+        return
+    text = len(await asyncio.to_thread(tokenizer.encode, prompt_text))  # megabytes of transcript: off the loop
+    audio = len(latents) // (4 * info.feat_dim * info.patch_size)  # float32 (frames, feat_dim), whole patches
+    if text + audio + 1 >= info.max_model_len:  # + one token of a text to speak
+        field = "prompt_text" if text >= audio else "wav_base64"
+        raise HTTPException(422, f"{field}: the prompt is {text + audio} tokens ({text} of transcript, {audio} of "
+                                 f"audio), which leaves no room for a text within max_model_len={info.max_model_len}")
+
+
 async def _cached(state: ServiceState, vid: str) -> bool:
     return await state.store.get(vid) is not None
 
@@ -59,6 +73,7 @@ async def add_prompt(req: AddPromptRequest, state: LoadedState) -> AddPromptResp
     pid = await asyncio.to_thread(voice_id, "prompt", data, req.prompt_text)  # hashing megabytes: off the loop
     if not await _cached(state, pid):
         lat = await encode_clip(state, data, req.wav_format, "left", "wav_base64")
+        await _check_fits(state, req.prompt_text, lat)
         await state.store.put(Voice("prompt", pid, prompt_text=req.prompt_text, prompt_latents=lat))
     return AddPromptResponse(prompt_id=pid, **_facts(state))
 
@@ -86,6 +101,7 @@ async def add_hifi(req: AddHifiRequest, state: LoadedState) -> AddHifiResponse:
         # one upload, one decode on our side; the engine pads the clip differently for each role
         prompt_lat, ref_lat = await asyncio.gather(encode_clip(state, data, req.wav_format, "left", "wav_base64"),
                                                    encode_clip(state, data, req.wav_format, "right", "wav_base64"))
+        await _check_fits(state, req.prompt_text, prompt_lat)
         await state.store.put(Voice("prompt", pid, prompt_text=req.prompt_text, prompt_latents=prompt_lat))
         await state.store.put(Voice("reference", rid, ref_latents=ref_lat))
         await state.store.put(Voice("hifi", hid, prompt_text=req.prompt_text, prompt_latents=prompt_lat,
