@@ -51,10 +51,12 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # Free block ids, least recently freed first (so cached blocks live longest). A cache hit takes a
-        # block from the middle: it leaves the set at once and its stale queue entry is skipped later
-        # (removing it from the deque would scan the whole free list: ~190k entries on a large GPU).
-        self.free_queue: deque[int] = deque(range(num_blocks))
+        # Free blocks, least recently freed first (so cached blocks live longest), as (block id, how many times it
+        # had been freed). A cache hit takes a block from the middle: it leaves the set at once and its queue entry
+        # goes stale, skipped later (removing it from the deque would scan the whole free list: ~190k entries on a
+        # large GPU); freed again, the block is queued at the back with its new count, and only that entry counts.
+        self.frees = [0] * num_blocks
+        self.free_queue: deque[tuple[int, int]] = deque((i, 0) for i in range(num_blocks))
         self.free_ids: set[int] = set(range(num_blocks))
         self.cached: dict[bytes, int] = {}  # hash -> block id (block may be free but still holds the data)
 
@@ -67,9 +69,9 @@ class BlockManager:
 
     def _take(self, block_id: int | None = None) -> Block:
         if block_id is None:
-            block_id = self.free_queue.popleft()
-            while block_id not in self.free_ids:  # stale: taken as a cache hit since it was queued
-                block_id = self.free_queue.popleft()
+            block_id, frees = self.free_queue.popleft()
+            while not self._current(block_id, frees):  # stale: taken as a cache hit (and maybe freed) since
+                block_id, frees = self.free_queue.popleft()
         self.free_ids.remove(block_id)
         block = self.blocks[block_id]
         if block.hash is not None and self.cached.get(block.hash) == block_id:
@@ -106,16 +108,17 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
+                self.frees[block_id] += 1
                 self.free_ids.add(block_id)
-                self.free_queue.append(block_id)  # its hash stays valid until the block is reused
+                self.free_queue.append((block_id, self.frees[block_id]))  # its hash stays valid until it is reused
         seq.block_table = []
         seq.num_cached_tokens = 0
         if len(self.free_queue) > 2 * len(self.blocks):  # drop stale entries left by cache hits
-            kept: dict[int, None] = {}  # first occurrence of each id that is still free, in order
-            for i in self.free_queue:
-                if i in self.free_ids:
-                    kept.setdefault(i)
-            self.free_queue = deque(kept)
+            self.free_queue = deque(entry for entry in self.free_queue if self._current(*entry))
+
+    def _current(self, block_id: int, frees: int) -> bool:
+        """Whether a free-queue entry stands for its block now: free, and queued by its latest free."""
+        return block_id in self.free_ids and frees == self.frees[block_id]
 
     def forget_uncomputed(self, seq: Sequence) -> None:
         """A prefill that failed: its blocks past the cached prefix were entered in the cache when

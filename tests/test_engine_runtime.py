@@ -285,6 +285,38 @@ def test_free_list_stays_bounded_under_prefix_cache_hits():
     assert taken == set(range(8)) and blocks.num_free == 0
 
 
+def test_a_reused_prefix_is_freed_last_so_it_outlives_colder_blocks():
+    """A prefix served from the cache and freed again goes to the back of the free list: new allocations take the
+    blocks freed before it (a stale entry of its earlier free must not put it first), and it is found a third time."""
+    from engine.block_manager import BlockManager
+    from engine.prompt import Prompt
+    from engine.sequence import Sequence
+
+    def sequence(ids: list[int]) -> Sequence:
+        n = len(ids)
+        return Sequence(prompt=Prompt(token_ids=ids, feats=torch.zeros(n, 4, 64), target_tokens=n,
+                                      audio_mask=torch.zeros(n, dtype=torch.bool), context=torch.zeros(0, 4, 64)),
+                        params=SamplingParams(), max_patches=1)
+
+    blocks = BlockManager(num_blocks=6, block_size=4)
+    hot = list(range(100, 109))  # two full blocks and a partial one
+    hits = []
+    for _ in range(2):
+        seq = sequence(hot)
+        blocks.allocate(seq)
+        hits.append(seq.num_cached_tokens)
+        blocks.free(seq)
+    assert hits == [0, 8]  # the second time from the cache: taken from the middle of the free list, freed again
+    others = [sequence(list(range(200, 212))), sequence(list(range(300, 303)))]  # four blocks: all but hot's two
+    for seq in others:
+        blocks.allocate(seq)
+    for seq in others:
+        blocks.free(seq)
+    again = sequence(hot)
+    blocks.allocate(again)
+    assert again.num_cached_tokens == 8
+
+
 def _run_events(engine: LLMEngine, reqs: list[dict], late: tuple[dict, ...] = (), abort_after: int | None = None
                 ) -> tuple[dict[int, np.ndarray], dict[int, str | None]]:
     """Run to completion; `late` requests join after two steps; request 0 is aborted after `abort_after`
