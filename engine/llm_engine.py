@@ -38,6 +38,15 @@ log = logging.getLogger(__name__)
 MIN_VAE_SNR_DB = 40.0
 
 
+def noise_seed(seed: int | None) -> int:
+    """The noise generator's seed for a request's: torch's CPU generator keeps a seed's low 32 bits only, so a seed's
+    high half is folded into them (seeds below 2^32 are their own, and s and s + 2^32 no longer share their noise);
+    none: a random one."""
+    if seed is None:
+        return int(torch.randint(0, 2**32, ()).item())
+    return (seed ^ (seed >> 32)) & 0xFFFFFFFF
+
+
 class LLMEngine:
     def __init__(self, model: LoadedModel | str, config: EngineConfig | None = None,
                  device: torch.device | str = "cpu") -> None:
@@ -188,8 +197,7 @@ class LLMEngine:
                               prompt_latents, ref_latents, text_ids)
         seq = Sequence(prompt=prompt, params=params, max_patches=max_patches(prompt, params.max_generate_length))
         # The request's own noise source, made here so that a bad seed fails this request, not a step.
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
-        seq.noise = torch.Generator().manual_seed(seed)
+        seq.noise = torch.Generator().manual_seed(noise_seed(params.seed))
         seq.injected_noise = injected_noise
         lora_name = lora_name if lora_name is not None else self.default_lora
         if lora_name is not None:  # its slot is taken at admission (`_admit`)

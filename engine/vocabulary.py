@@ -27,7 +27,8 @@ SAMPLING_LIMITS: dict[str, Bound] = {
     "temperature": Bound(0.0, 10.0, "Scale of the initial CFM noise; 0 = deterministic."),
     "cfg_value": Bound(0.0, 20.0, "Classifier-free guidance strength."),
     "min_len": Bound(0, 2**31 - 1, "The stop head is honoured only after this many patches."),
-    "seed": Bound(0, 2**64 - 1, "Makes the request reproducible (same seed, same audio)."),
+    "seed": Bound(0, 2**64 - 1, "Makes the request reproducible (same seed, same audio); the noise generator takes "
+                                "32 bits, a seed's high half folded into its low."),
 }
 INTEGER_FIELDS = frozenset({"max_generate_length", "min_len", "seed"})
 

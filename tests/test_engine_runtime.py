@@ -64,9 +64,21 @@ def test_seed_reproducible_and_temperature_zero_deterministic(model):
     c = engine.generate("Same seed.", SamplingParams(seed=8, max_generate_length=4))
     np.testing.assert_array_equal(a, b)
     assert np.abs(a - c).max() > 1e-3
+    high = engine.generate("Same seed.", SamplingParams(seed=7 + 2**32, max_generate_length=4))
+    assert np.abs(a - high).max() > 1e-3  # the generator's 32 bits: the high half is folded in, not dropped
+    biggest = engine.generate("Same seed.", SamplingParams(seed=2**64 - 1, max_generate_length=4))
+    assert np.isfinite(biggest).all()
     d = engine.generate("No noise.", SamplingParams(seed=1, temperature=0.0, max_generate_length=4))
     e = engine.generate("No noise.", SamplingParams(seed=2, temperature=0.0, max_generate_length=4))
     np.testing.assert_array_equal(d, e)
+
+
+def test_noise_seeds_below_2_to_the_32_are_their_own():
+    """Seeds the generator took whole before the fold keep their noise (and so their audio)."""
+    from engine.llm_engine import noise_seed
+    assert [noise_seed(s) for s in (0, 7, 2**32 - 1)] == [0, 7, 2**32 - 1]
+    assert noise_seed(7 + 2**32) != noise_seed(7) and 0 <= noise_seed(2**64 - 1) < 2**32
+    assert 0 <= noise_seed(None) < 2**32
 
 
 def test_abort_frees_blocks(model):
