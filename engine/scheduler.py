@@ -105,8 +105,10 @@ class Scheduler:
         """Why the request can never run here, starting with the request field to change, or None."""
         longest = seq.num_prompt_tokens + seq.max_patches
         if seq.num_prompt_tokens >= self.max_model_len:
-            return (f"target_text: the prompt (text and voice) is {seq.num_prompt_tokens} tokens, which leaves no "
-                    f"room to generate within max_model_len={self.max_model_len}")
+            text = seq.prompt.target_tokens  # the rest: the voice (its transcript and audio) and the markers
+            return (f"target_text: the prompt (text and voice) is {seq.num_prompt_tokens} tokens ({text} of text, "
+                    f"{seq.num_prompt_tokens - text} of voice), which leaves no room to generate within "
+                    f"max_model_len={self.max_model_len}")
         if longest > self.max_model_len:
             return (f"max_generate_length: a prompt of {seq.num_prompt_tokens} tokens (text and voice) plus up to "
                     f"{seq.max_patches} patches exceeds max_model_len={self.max_model_len}")

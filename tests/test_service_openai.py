@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 
 import httpx
 import numpy as np
@@ -145,9 +146,16 @@ def test_errors_name_the_field_the_client_sent(server):
         long_design = c.post("/v1/audio/speech", json={"model": "tts-1", "input": "Hi.",
                                                        "instructions": "x" * server.settings.max_text_chars})
         garbage = c.post("/v1/audio/speech", content=b"garbage", headers={"content-type": "application/json"})
+        latents = base64.b64encode(np.zeros((4, 64), np.float32).tobytes()).decode()
+        long_voice = c.post("/generate_blocking", json={"target_text": "Hi.", "prompt_latents_base64": latents,
+                                                        "prompt_text": "word " * 400})
+    detail = long_voice.json()["detail"]  # the native route: the message says which part is long
+    assert long_voice.status_code == 400 and re.search(r"^target_text: .* tokens \(\d of text, \d{3,} of voice\)",
+                                                       detail), detail
     err = long_prompt.json()["error"]
     assert long_prompt.status_code == 400 and err["param"] == "input", err
     assert err["message"].startswith("input: the prompt (text and voice) is"), err
+    assert re.search(r"tokens \(\d{3,} of text, \d of voice\)", err["message"]), err  # instructions lead the text
     err = long_design.json()["error"]
     assert long_design.status_code == 422 and err["param"] == "instructions", err
     assert "characters (input and instructions) is more than" in err["message"], err
