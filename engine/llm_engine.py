@@ -54,9 +54,9 @@ class LLMEngine:
         cfg.validate()
         self.device = torch.device(device)
         invariant = options.batch_invariant(self.device.type, cfg.options)
-        # This process's kernels follow the config's switches (on a GPU in exact mode, less those chosen by the batch).
-        options.install(cfg.options.batch_invariant_kernels() if invariant and self.device.type == "cuda"
-                        else cfg.options)
+        # This process's kernels follow the config's switches, in exact mode less those chosen by the batch (on the CPU
+        # only merged-adapter steps are such a choice: a step merged or not by its batch's adapters rounds otherwise).
+        options.install(cfg.options.batch_invariant_kernels() if invariant else cfg.options)
         self.invariance = BatchInvariantCalls if invariant else contextlib.nullcontext
         t0 = time.perf_counter()
         if self.device.type == "cuda":

@@ -134,7 +134,8 @@ class EngineOptions:
                                       "runtime LoRA adapter (or none) runs on the weights with that adapter merged, "
                                       "with every fused kernel; the adapted weights are rewritten from a base copy "
                                       "kept on the device when the step's adapter changes. Off: every step of an "
-                                      "engine with runtime adapters adds their terms.")
+                                      "engine with runtime adapters adds their terms (always in batch-invariant "
+                                      "steps: a merged step rounds otherwise).")
     pipeline_decode: bool | None = _option("VOXCPM_PIPELINE_DECODE", None, _flag, "Launch the next decode step "
                                            "before reading the previous one; unset: on CUDA yes, on the CPU no.")
     batch_invariant: bool | None = _option("VOXCPM_BATCH_INVARIANT", None, _flag, "Batch-invariant steps: a "

@@ -119,6 +119,19 @@ Q = "base_lm.layers.0.self_attn.q_proj"
     (lambda s, c: ({**s, f"{Q}.lora_B": s[f"{Q}.lora_B"] * float("nan")}, c), f"{Q}.lora_B: contains NaN"),
     (lambda s, c: ({k: v for k, v in s.items() if k != f"{Q}.lora_B"}, c), f"{Q}.lora_B: missing"),
     (lambda s, c: ({**s, "base_lm.layers.0.self_attn.q_proj.weight": s[f"{Q}.lora_A"]}, c), "not a LoRA tensor"),
+    (lambda s, c: (s, {**c, "lora_config": {**c["lora_config"], "r": 2.0}}),
+     "lora_config: r must be an integer >= 1, got 2.0"),
+    (lambda s, c: (s, {**c, "lora_config": {**c["lora_config"], "r": "2"}}),
+     "lora_config: r must be an integer >= 1, got '2'"),
+    (lambda s, c: (s, {**c, "lora_config": {**c["lora_config"], "r": True}}),
+     "lora_config: r must be an integer >= 1, got True"),
+    (lambda s, c: (s, {**c, "lora_config": {**c["lora_config"], "alpha": float("nan")}}),
+     "lora_config: alpha must be a finite number, got nan"),
+    (lambda s, c: (s, {**c, "lora_config": {**c["lora_config"], "alpha": "4"}}),
+     "lora_config: alpha must be a finite number, got '4'"),
+    (lambda s, c: (s, {**c, "lora_config": {**c["lora_config"], "enable_lm": "yes"}}),
+     "lora_config: enable_lm must be true or false, got 'yes'"),
+    (lambda s, c: (s, {**c, "lora_config": None}), "lora_config: must be an object, got NoneType"),
 ])
 def test_a_bad_adapter_is_refused_naming_the_key(change, message, checkpoint_factory, tmp_path):
     model = load_model(checkpoint_factory("tiny-voxcpm2"))

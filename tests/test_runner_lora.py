@@ -6,13 +6,14 @@ first; unregistering lets running requests finish; an adapter's prompts never sh
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
 
 from engine.errors import RequestError
 from engine.io.checkpoint import load_model
-from engine.io.lora import LoRAConfig, LoRAError, random_adapter
+from engine.io.lora import LoRAConfig, LoRAError, random_adapter, read_adapter
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.models.minicpm import fuse_projections
 from engine.options import EngineOptions
@@ -56,11 +57,13 @@ def test_runtime_adapter_equals_the_official_lora(preset, checkpoint_factory, tm
     with injected_noise(noises):
         _, _, ref = off.generate_with_prompt_cache(target_text=TEXT, prompt_cache=None, min_len=2, max_len=PATCHES,
                                                    inference_timesteps=10, cfg_value=2.0, retry_badcase=False)
-    # A request alone runs on the weights with its adapter merged; with merged steps off, the terms are added.
+    # A request alone runs on the weights with its adapter merged; with merged steps off, the terms are added (the
+    # CPU's exact mode keeps them off: batch_invariant=False to have them here).
     for merged_steps in (True, False):
         engine = LLMEngine(load_model(ckpt), EngineConfig(max_num_seqs=2, max_model_len=256, max_loras=2,
                                                           max_lora_rank=8,
-                                                          options=EngineOptions(lora_merged_steps=merged_steps)))
+                                                          options=EngineOptions(lora_merged_steps=merged_steps,
+                                                                                batch_invariant=False)))
         engine.register_lora("voice", str(adapter_dir))
         [ours] = patches_of(engine, [dict(target_text=TEXT, params=params, injected_noise=noises, lora_name="voice")])
         path = "merged steps" if merged_steps else "terms"
@@ -79,7 +82,8 @@ def test_merged_steps_follow_the_slots_and_restore_the_base(checkpoint_factory, 
     def engine(merged_steps: bool) -> LLMEngine:
         e = LLMEngine(load_model(ckpt), EngineConfig(max_num_seqs=2, max_model_len=256, max_loras=1,
                                                      max_lora_rank=4,
-                                                     options=EngineOptions(lora_merged_steps=merged_steps)))
+                                                     options=EngineOptions(lora_merged_steps=merged_steps,
+                                                                           batch_invariant=False)))
         for name, path in paths.items():
             e.register_lora(name, str(path))
         return e
@@ -216,6 +220,44 @@ def test_bad_names_and_adapters_are_refused(checkpoint_factory, tmp_path):
     with pytest.raises(RequestError, match=r"lora_name: no adapter named 'other' \(registered: \['ok'\]\)"):
         engine.add_request(TEXT, lora_name="other")
     assert not engine.sequences and not engine.has_unfinished()  # nothing half-added
+
+
+def test_an_adapter_that_overflows_once_scaled_or_fails_to_load_takes_no_slot(checkpoint_factory, tmp_path,
+                                                                             monkeypatch):
+    from engine.runner.lora import LoRASlots
+    engine = LLMEngine(load_model(checkpoint_factory("tiny-voxcpm2", stop="never")),
+                       EngineConfig(max_num_seqs=2, max_model_len=256, max_loras=1, max_lora_rank=4))
+    slots = engine.runner.lora
+    adapter = read_adapter(str(adapter_for(engine.model, tmp_path / "ok", seed=1)))
+    huge = dataclasses.replace(adapter, config=dataclasses.replace(adapter.config, alpha=1e45))  # finite as a double
+    scale = re.escape(f"{1e45 / adapter.config.r:g}")
+    with pytest.raises(LoRAError, match=rf"lora_B: not finite once scaled by alpha / r = {scale} \(lora_config\)"):
+        slots.register("huge", huge)
+    slots.register("ok", adapter)
+    free = list(slots.free_slots)
+    monkeypatch.setattr(LoRASlots, "_load", lambda self, reg, slot: (_ for _ in ()).throw(RuntimeError("load")))
+    with pytest.raises(RuntimeError, match="load"):
+        slots.acquire("ok")
+    assert sorted(slots.free_slots) == sorted(free) and not slots.resident  # the slot came back
+    monkeypatch.undo()
+    slot, _ = slots.acquire("ok")
+    slots.release("ok", slot)
+
+
+def test_on_the_cpu_an_adapters_audio_does_not_depend_on_its_batch(checkpoint_factory, tmp_path):
+    """The CPU's exact mode: a request of adapter a alone, beside one of adapter b (a step of mixed adapters adds
+    their terms) and alone again are bit-equal (merged-adapter steps would round otherwise: they are off there)."""
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    model = load_model(ckpt)
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=256, max_loras=2, max_lora_rank=8))
+    for name, seed in (("a", 21), ("b", 22)):
+        engine.register_lora(name, str(adapter_for(model, tmp_path / name, seed=seed, r=4, alpha=8)))
+    mine = dict(target_text=TEXT, params=SamplingParams(max_generate_length=3, seed=1), lora_name="a")
+    other = dict(target_text=TEXT + " Another.", params=SamplingParams(max_generate_length=3, seed=2), lora_name="b")
+    alone = patches_of(engine, [mine])[0]
+    mixed = patches_of(engine, [mine, other])[0]
+    again = patches_of(engine, [mine])[0]
+    assert torch.equal(alone, mixed) and torch.equal(alone, again)
 
 
 def test_pool_adapters_survive_a_worker_restart(checkpoint_factory, tmp_path):

@@ -53,13 +53,25 @@ class LoRAConfig:
                                             "fusion_concat_proj")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> LoRAConfig:
+    def from_dict(cls, data: Any) -> LoRAConfig:
+        """The official config's fields, each checked for its type (a rank 4.0 or "4" would fail a step, not this)."""
+        if not isinstance(data, dict):
+            raise LoRAError(f"lora_config: must be an object, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in known}
-        cfg = cls(**values)
-        if cfg.r < 1:
-            raise LoRAError(f"lora_config: r must be >= 1, got {cfg.r}")
-        return cfg
+        r, alpha = values.get("r", cls.r), values.get("alpha", cls.alpha)
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise LoRAError(f"lora_config: r must be an integer >= 1, got {r!r}")
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+            raise LoRAError(f"lora_config: alpha must be a finite number, got {alpha!r}")
+        for name in ("enable_lm", "enable_dit", "enable_proj"):
+            if not isinstance(values.get(name, True), bool):
+                raise LoRAError(f"lora_config: {name} must be true or false, got {values[name]!r}")
+        for name in ("target_modules_lm", "target_modules_dit", "target_proj_modules"):
+            if name in values and not (isinstance(values[name], tuple)
+                                       and all(isinstance(m, str) for m in values[name])):
+                raise LoRAError(f"lora_config: {name} must be a list of module names, got {values[name]!r}")
+        return cls(**values)
 
     @property
     def scale(self) -> float:

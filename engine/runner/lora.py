@@ -199,6 +199,9 @@ class LoRASlots:
                             f"{self.max_rank}")
         scale = adapter.config.scale
         pairs = {m: (a.contiguous(), (b * scale).contiguous()) for m, (a, b) in adapter.pairs.items()}
+        for module, (_, b) in pairs.items():  # finite weights may still overflow once scaled
+            if not torch.isfinite(b).all():
+                raise LoRAError(f"{module}.lora_B: not finite once scaled by alpha / r = {scale:g} (lora_config)")
         self.registered[name] = Registered(name, adapter.source, adapter.config.r, next(self._generations), pairs)
         log.info("registered LoRA adapter %r (%s): r=%d, %d layers", name, adapter.source, adapter.config.r,
                  len(pairs))
@@ -236,7 +239,11 @@ class LoRASlots:
         held = self.resident.get(name)
         if held is None:
             slot = self._free_slot()
-            self._load(reg, slot)
+            try:
+                self._load(reg, slot)
+            except BaseException:
+                self.free_slots.append(slot)  # a failed load must not take the slot with it
+                raise
             held = self.resident[name] = Resident(slot)
         held.refs += 1
         held.last_used = time.monotonic()
