@@ -49,9 +49,12 @@ def test_the_config_carries_them_and_the_engine_installs_them(checkpoint_factory
     assert carried.options.pipeline_decode is True
     model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
     engine = LLMEngine(model, carried)
-    assert engine.pipeline and options.current() is carried.options
+    assert engine.pipeline and options.current() == carried.options.batch_invariant_kernels()  # the CPU's exact mode
     plain = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=128, options=EngineOptions(fuse=False)))
     assert not plain.pipeline and options.current().fuse is False
+    loose = EngineOptions(batch_invariant=False)
+    LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=128, options=loose))
+    assert options.current() is loose  # not exact: the options as they are
 
 
 def test_override_is_scoped():
