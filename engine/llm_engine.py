@@ -292,13 +292,17 @@ class LLMEngine:
             self._finish(self.sequences[event.seq_id], event.finish_reason or "stop")
         return event
 
-    def _admit(self, seq: Sequence) -> bool:
+    def _admit(self, seq: Sequence, behind_waiter: bool = False) -> bool:
         """The scheduler's admission check: a request of a runtime adapter takes its slot now (loading it if it is
         not resident), or waits while every slot holds the adapters of running requests; one whose adapter was
-        unregistered meanwhile fails."""
+        unregistered meanwhile fails. Behind a request waiting for a slot, one that would add a hold on a busy slot
+        waits too: else a steady stream of the resident adapter's requests starves the waiter."""
         if seq.lora_name is None or seq.lora_slot >= 0:  # none, or held since before a preemption
             return True
         assert self.runner.lora is not None
+        resident = self.runner.lora.resident.get(seq.lora_name)
+        if behind_waiter and resident is not None and resident.refs > 0:
+            return False
         try:
             seq.lora_slot, seq.cache_salt = self.runner.lora.acquire(seq.lora_name)
         except OverloadedError:

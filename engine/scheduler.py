@@ -8,7 +8,8 @@ blocks run out mid-stream the most recently started sequence is preempted (its K
 recomputed later). A request that can never fit fails instead of waiting forever.
 
 A request may also wait for what only it needs (`Admission`: its runtime LoRA adapter's slot, while every slot holds
-the adapters of running requests): it keeps its place in the queue while the requests behind it go ahead.
+the adapters of running requests): it keeps its place in the queue while the requests behind it go ahead, except
+those that would hold what it waits for (another request of a busy slot's adapter: the slot would never drain).
 
 With a coalescing window, a request reaching an idle engine opens it: admissions wait until no request has
 arrived for that long (at most a few windows), so requests arriving together are admitted in one round, one
@@ -32,8 +33,9 @@ class Rejected(Exception):
     """From an `Admission`: the waiting request can never start now; the message (naming its field) says why."""
 
 
-# Whether a waiting request that fits may start now (taking what it needs), or waits; raises Rejected.
-Admission = Callable[[Sequence], bool]
+# Whether a waiting request that fits may start now (taking what it needs), or waits; raises Rejected. The flag: a
+# request ahead of it in this round waits (held), so it must take nothing that one waits for.
+Admission = Callable[[Sequence, bool], bool]
 
 
 @dataclass
@@ -156,7 +158,7 @@ class Scheduler:
                 break
             if self.admit is not None:
                 try:
-                    ready = self.admit(seq)
+                    ready = self.admit(seq, bool(held))
                 except Rejected as e:
                     self.waiting.popleft()
                     out.rejected.append((seq, str(e)))

@@ -197,6 +197,33 @@ def test_slots_reused_least_recently_used_and_unregister_waits(checkpoint_factor
                  patches_of(fresh, [request])[0], 1e-5)
 
 
+def test_a_request_waiting_for_a_slot_is_not_starved_by_the_resident_adapters_stream(checkpoint_factory, tmp_path):
+    """One slot, adapter a's requests arriving as fast as they finish: a request of adapter b, behind two running a's,
+    starts once they are done (the a's that came after it wait behind it), then the later a's run."""
+    model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=256, max_loras=1, max_lora_rank=8))
+    for i, name in enumerate(("a", "b")):
+        engine.register_lora(name, str(adapter_for(model, tmp_path / name, seed=50 + i, r=4, alpha=8)))
+    params = SamplingParams(max_generate_length=3, seed=0)
+    for _ in range(2):
+        engine.add_request(TEXT, params, lora_name="a")
+        engine.step()  # staggered: one of them is always running
+    waiter = engine.add_request(TEXT, params, lora_name="b")
+    started_at, steps = None, 0
+    while steps < 60 and started_at is None:
+        for e in engine.step():
+            if e.finished and e.seq_id != waiter:
+                engine.add_request(TEXT, params, lora_name="a")  # another a for each that ends
+            if e.seq_id == waiter:
+                started_at = steps
+        steps += 1
+    assert started_at is not None and started_at <= 8, started_at  # the two a's ahead of it: 3 patches each
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.blocks.num_free == len(engine.blocks.blocks) and not any(
+        h.refs for h in engine.runner.lora.resident.values())
+
+
 def test_bad_names_and_adapters_are_refused(checkpoint_factory, tmp_path):
     model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
     plain = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=256))
