@@ -609,7 +609,7 @@ def test_a_round_stopped_by_the_budget_admits_more_next_step_beside_a_held_reque
     engine.add_request("The stream that runs first.", SamplingParams(seed=40, max_generate_length=20))
     engine.step()
     held = engine.sequences[engine.add_request("Held for its slot.", SamplingParams(seed=41, max_generate_length=2))]
-    sched.admit = lambda seq: seq is not held  # as `LLMEngine._admit` answers while every adapter slot is taken
+    sched.admit = lambda seq, behind: seq is not held  # as `LLMEngine._admit` answers while every slot is taken
     arrivals = [engine.sequences[engine.add_request(f"Arrival number {i}.",
                                                     SamplingParams(seed=42 + i, max_generate_length=2))]
                 for i in range(3)]
