@@ -300,8 +300,7 @@ class LLMEngine:
         if seq.lora_name is None or seq.lora_slot >= 0:  # none, or held since before a preemption
             return True
         assert self.runner.lora is not None
-        resident = self.runner.lora.resident.get(seq.lora_name)
-        if behind_waiter and resident is not None and resident.refs > 0:
+        if behind_waiter and self.runner.lora.holds_busy_slot(seq.lora_name):
             return False
         try:
             seq.lora_slot, seq.cache_salt = self.runner.lora.acquire(seq.lora_name)

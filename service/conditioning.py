@@ -68,7 +68,7 @@ async def encode_clip(state: ServiceState, data: bytes, fmt: str, padding: str, 
 
 def check_latents(state: ServiceState, raw: bytes, field: str) -> bytes:
     """float32 (frames, feat_dim), frames a positive multiple of the patch size, all finite."""
-    row = 4 * state.feat_dim
+    row = state.frame_bytes
     patch = state.model.patch_size
     if len(raw) % row:
         raise HTTPException(400, f"{field}: {len(raw)} bytes is not float32 rows of feat_dim={state.feat_dim} "

@@ -64,3 +64,8 @@ class ServiceState:
     @property
     def feat_dim(self) -> int:
         return self.model.feat_dim
+
+    @property
+    def frame_bytes(self) -> int:
+        """Bytes of one latent frame as voices carry them: float32 (feat_dim,)."""
+        return 4 * self.model.feat_dim

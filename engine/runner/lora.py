@@ -231,6 +231,11 @@ class LoRASlots:
         if name not in self.registered:
             raise LoRANotFoundError(f"lora_name: no adapter named {name!r} (registered: {sorted(self.registered)})")
 
+    def holds_busy_slot(self, name: str) -> bool:
+        """Whether adapter `name` is resident in a slot that running requests hold."""
+        held = self.resident.get(name)
+        return held is not None and held.refs > 0
+
     def acquire(self, name: str) -> tuple[int, bytes]:
         """A request's hold on adapter `name`: its slot (loaded now if it is not resident) and the salt of its
         prompts' prefix-cache hashes."""

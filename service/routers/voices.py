@@ -35,7 +35,7 @@ def _facts(state: ServiceState) -> dict:
 
 
 def voice_info(state: ServiceState, v: VoiceSummary) -> VoiceInfo:
-    row = 4 * state.feat_dim
+    row = state.frame_bytes
     return VoiceInfo(id=v.id, kind=v.kind, prompt_text=v.prompt_text, prompt_frames=v.prompt_bytes // row,
                      ref_frames=v.ref_bytes // row, nbytes=v.nbytes, created=v.created)
 
@@ -47,7 +47,7 @@ async def _check_fits(state: ServiceState, prompt_text: str, latents: bytes) -> 
     if tokenizer is None:  # the worker tokenizes (and refuses at the first use)
         return
     text = len(await asyncio.to_thread(tokenizer.encode, prompt_text))  # megabytes of transcript: off the loop
-    audio = len(latents) // (4 * info.feat_dim * info.patch_size)  # float32 (frames, feat_dim), whole patches
+    audio = len(latents) // (state.frame_bytes * info.patch_size)  # whole patches
     if text + audio + 1 >= info.max_model_len:  # + one token of a text to speak
         field = "prompt_text" if text >= audio else "wav_base64"
         raise HTTPException(422, f"{field}: the prompt is {text + audio} tokens ({text} of transcript, {audio} of "
