@@ -92,6 +92,13 @@ class EngineConfig:
                                 "off (no per-step cost).", ge=0, le=64)
     max_lora_rank: int = setting(32, "Largest rank a runtime adapter may have (its slots are sized for it).",
                                  ge=1, le=256)
+    lora_slot_wait_s: float = setting(0.5, "While a request waits for a LoRA slot (every slot held by running "
+                                           "requests), later requests of resident adapters start before it for this "
+                                           "long; then the busy slot with the fewest holds takes no new ones until "
+                                           "it drains and the waiting request has it (a burst of more adapters than "
+                                           "slots runs as many requests at once as fit; a steady stream of a "
+                                           "resident adapter's requests starves no one). 0: at once.",
+                                      ge=0.0, le=3600.0)
     # The engine switches, read from the VOXCPM_* variables when the config is made (here, not in the workers).
     options: EngineOptions = field(default_factory=EngineOptions.from_env)
 

@@ -295,19 +295,25 @@ class LLMEngine:
     def _admit(self, seq: Sequence, behind_waiter: bool = False) -> bool:
         """The scheduler's admission check: a request of a runtime adapter takes its slot now (loading it if it is
         not resident), or waits while every slot holds the adapters of running requests; one whose adapter was
-        unregistered meanwhile fails. Behind a request waiting for a slot, one that would add a hold on a busy slot
-        waits too: else a steady stream of the resident adapter's requests starves the waiter."""
+        unregistered meanwhile fails. Behind a request waiting for a slot, requests of resident adapters start for
+        `lora_slot_wait_s`, then those of the slot chosen to drain wait too (`LoRASlots.closed_to_new_holds`): a
+        burst of more adapters than slots runs all it can at once, and a steady stream of one adapter's requests
+        starves no one."""
         if seq.lora_name is None or seq.lora_slot >= 0:  # none, or held since before a preemption
             return True
-        assert self.runner.lora is not None
-        if behind_waiter and self.runner.lora.holds_busy_slot(seq.lora_name):
+        lora = self.runner.lora
+        assert lora is not None
+        if behind_waiter and lora.closed_to_new_holds(seq.lora_name):
             return False
         try:
-            seq.lora_slot, seq.cache_salt = self.runner.lora.acquire(seq.lora_name)
+            seq.lora_slot, seq.cache_salt = lora.acquire(seq.lora_name)
         except OverloadedError:
+            lora.note_waiter()
             return False
         except LoRANotFoundError as e:
             raise Rejected(str(e)) from e
+        if not behind_waiter:  # the queue's first request of an adapter (waiters stay at its head)
+            lora.note_served()
         return True
 
     def _finish(self, seq: Sequence, reason: str) -> None:

@@ -37,6 +37,7 @@ ENGINE_SETTINGS: dict[str, str] = {
     "lora_merge": "lora_merge",
     "max_loras": "max_loras",
     "max_lora_rank": "max_lora_rank",
+    "lora_slot_wait_s": "lora_slot_wait_s",
     "quantization": "quantization",
 }
 # Where the service's default is not the library's, and why.

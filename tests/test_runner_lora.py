@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 
 import pytest
 import torch
@@ -197,11 +198,15 @@ def test_slots_reused_least_recently_used_and_unregister_waits(checkpoint_factor
                  patches_of(fresh, [request])[0], 1e-5)
 
 
-def test_a_request_waiting_for_a_slot_is_not_starved_by_the_resident_adapters_stream(checkpoint_factory, tmp_path):
+@pytest.mark.parametrize("slot_wait_s", [0.0, 0.2])
+def test_a_request_waiting_for_a_slot_is_not_starved_by_the_resident_adapters_stream(checkpoint_factory, tmp_path,
+                                                                                    slot_wait_s):
     """One slot, adapter a's requests arriving as fast as they finish: a request of adapter b, behind two running a's,
-    starts once they are done (the a's that came after it wait behind it), then the later a's run."""
+    starts once they are done (with lora_slot_wait_s 0 the a's that came after it wait behind it at once), then the
+    later a's run. With a wait of 0.2 s, later a's start before it for that long, then it starts all the same."""
     model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=256, max_loras=1, max_lora_rank=8))
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=256, max_loras=1, max_lora_rank=8,
+                                           lora_slot_wait_s=slot_wait_s))
     for i, name in enumerate(("a", "b")):
         engine.register_lora(name, str(adapter_for(model, tmp_path / name, seed=50 + i, r=4, alpha=8)))
     params = SamplingParams(max_generate_length=3, seed=0)
@@ -209,17 +214,43 @@ def test_a_request_waiting_for_a_slot_is_not_starved_by_the_resident_adapters_st
         engine.add_request(TEXT, params, lora_name="a")
         engine.step()  # staggered: one of them is always running
     waiter = engine.add_request(TEXT, params, lora_name="b")
-    started_at, steps = None, 0
-    while steps < 60 and started_at is None:
+    started_at, steps, deadline = None, 0, time.monotonic() + 60
+    while (steps < 60 or slot_wait_s) and started_at is None and time.monotonic() < deadline:
         for e in engine.step():
             if e.finished and e.seq_id != waiter:
                 engine.add_request(TEXT, params, lora_name="a")  # another a for each that ends
             if e.seq_id == waiter:
                 started_at = steps
         steps += 1
-    assert started_at is not None and started_at <= 8, started_at  # the two a's ahead of it: 3 patches each
+    assert started_at is not None, steps
+    if not slot_wait_s:
+        assert started_at <= 8, started_at  # the two a's ahead of it: 3 patches each
     while engine.has_unfinished():
         engine.step()
+    assert engine.blocks.num_free == len(engine.blocks.blocks) and not any(
+        h.refs for h in engine.runner.lora.resident.values())
+
+
+def test_a_burst_of_more_adapters_than_slots_runs_what_fits_at_once(checkpoint_factory, tmp_path):
+    """16 requests over 4 adapters in turn, 2 slots: the first round starts all 8 of the two adapters it loads (the
+    requests behind the first waiting one pass it: its wait is younger than lora_slot_wait_s), and the rest start
+    when those end. The burst takes two requests' lengths, not eight (one request an adapter at a time)."""
+    model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=16, max_model_len=256, max_loras=2, max_lora_rank=8))
+    for i, name in enumerate("abcd"):
+        engine.register_lora(name, str(adapter_for(model, tmp_path / name, seed=60 + i, r=4, alpha=8)))
+    patches = 5
+    ids = [engine.add_request(TEXT, SamplingParams(max_generate_length=patches, seed=i), lora_name="abcd"[i % 4])
+           for i in range(16)]
+    running, steps = [], 0
+    while engine.has_unfinished() and steps < 100:
+        events = engine.step()
+        assert all(e.error is None for e in events)
+        running.append(len(engine.scheduler.running))
+        steps += 1
+    assert running[0] == 8, running  # a and b: every one of their requests
+    assert not engine.has_unfinished() and steps <= 2 * (patches + 2), running
+    assert all(i not in engine.sequences for i in ids)
     assert engine.blocks.num_free == len(engine.blocks.blocks) and not any(
         h.refs for h in engine.runner.lora.resident.values())
 

@@ -77,7 +77,7 @@ class Resident:
 
 class LoRASlots:
     def __init__(self, backbone: nn.Module, family: str, max_loras: int, max_rank: int, device: torch.device,
-                 dtype: torch.dtype, merged_steps: bool = True) -> None:
+                 dtype: torch.dtype, merged_steps: bool = True, slot_wait_s: float = 0.5) -> None:
         if getattr(backbone, "lora_context", None) is not None:
             raise ValueError("this model carries another engine's LoRA slots: load it again for a new engine")
         self.backbone, self.family = backbone, family
@@ -121,6 +121,11 @@ class LoRASlots:
         self.free_slots = list(range(max_loras - 1, -1, -1))
         # Slots of adapters unregistered while requests held them: freed after the last (the name is free at once).
         self.retiring: dict[int, Resident] = {}
+        # A request waiting for a slot: since when (None: none waits), and the adapter whose slot then takes no new
+        # holds until it drains (`closed_to_new_holds`).
+        self.slot_wait_s = slot_wait_s
+        self.waiter_since: float | None = None
+        self.draining: str | None = None
         self._generations = itertools.count(1)
         # `merge`: the base weights of the adapted layers, and the slot merged into the live ones (-1: none; None:
         # unknown, after that slot was loaded again).
@@ -231,10 +236,30 @@ class LoRASlots:
         if name not in self.registered:
             raise LoRANotFoundError(f"lora_name: no adapter named {name!r} (registered: {sorted(self.registered)})")
 
-    def holds_busy_slot(self, name: str) -> bool:
-        """Whether adapter `name` is resident in a slot that running requests hold."""
-        held = self.resident.get(name)
-        return held is not None and held.refs > 0
+    def note_waiter(self) -> None:
+        """A request found every slot held by running requests (its wait starts now unless one already waits)."""
+        if self.waiter_since is None:
+            self.waiter_since = time.monotonic()
+
+    def note_served(self) -> None:
+        """The queue's first request of an adapter has its slot: no request waits ahead of the others."""
+        self.waiter_since = self.draining = None
+
+    def closed_to_new_holds(self, name: str) -> bool:
+        """Whether a request of adapter `name` behind a waiting one must wait too: once that one has waited
+        `slot_wait_s`, the busy slot that drains first (the fewest holds; the least recently used of equals) takes
+        no new holds, so that it frees for the waiting request however fast its adapter's requests arrive."""
+        if self.waiter_since is None or time.monotonic() - self.waiter_since < self.slot_wait_s:
+            return False
+        held = self.resident.get(self.draining) if self.draining is not None else None
+        if held is None:  # none chosen yet, or the chosen one was unregistered
+            busy = [(h.refs, h.last_used, n) for n, h in self.resident.items() if h.refs > 0]
+            if not busy:
+                return False
+            self.draining = min(busy)[2]
+            log.info("LoRA adapter %r takes no new requests until its slot drains (a request waits for a slot)",
+                     self.draining)
+        return name == self.draining
 
     def acquire(self, name: str) -> tuple[int, bytes]:
         """A request's hold on adapter `name`: its slot (loaded now if it is not resident) and the salt of its

@@ -79,8 +79,8 @@ class ModelRunner:
             attach_gated_gemm(model.backbone.feat_decoder)  # only the DiT's MLPs reach such rows; bf16 or FP8
         # Runtime LoRA adapters: their slots exist before KV sizing and graph capture, which then include them.
         self.lora = LoRASlots(model.backbone, model.config.architecture, config.max_loras,
-                              config.max_lora_rank, device, self.dtype,
-                              opts.lora_merged_steps) if config.max_loras else None
+                              config.max_lora_rank, device, self.dtype, opts.lora_merged_steps,
+                              config.lora_slot_wait_s) if config.max_loras else None
         self.lora_mixed = False  # whether the last decode step added terms (rows of different adapters)
         if device.type == "cuda":
             # cuDNN's algorithm search runs at a convolution shape's first call, which a graph capture cannot hold
