@@ -6,6 +6,7 @@ first; unregistering lets running requests finish; an adapter's prompts never sh
 from __future__ import annotations
 
 import dataclasses
+import random
 import re
 import time
 
@@ -253,6 +254,42 @@ def test_a_burst_of_more_adapters_than_slots_runs_what_fits_at_once(checkpoint_f
     assert all(i not in engine.sequences for i in ids)
     assert engine.blocks.num_free == len(engine.blocks.blocks) and not any(
         h.refs for h in engine.runner.lora.resident.values())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_traffic_over_more_adapters_than_slots_finishes_every_request(checkpoint_factory, tmp_path, seed):
+    """Random arrivals over 3 adapters and none, 1-2 slots, random lengths and aborts, slot waits of 0 and 20 ms:
+    every request ends (none waits forever), each once, and when idle every slot hold and KV block is free."""
+    rng = random.Random(seed)
+    model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=6, max_model_len=256, max_loras=1 + seed % 2,
+                                           max_lora_rank=8, lora_slot_wait_s=0.02 * (seed // 2)))
+    for i, name in enumerate("abc"):
+        engine.register_lora(name, str(adapter_for(model, tmp_path / name, seed=70 + i, r=4, alpha=8)))
+    live: set[int] = set()
+    ended: list[int] = []
+    added = steps = 0
+    while (added < 40 or live) and steps < 1500:
+        for _ in range(rng.choice((0, 0, 1, 2)) if added < 40 else 0):
+            name = rng.choice(("a", "a", "a", "b", "c", None))  # a's stream is the busiest
+            params = SamplingParams(max_generate_length=rng.randint(1, 4), seed=added)
+            live.add(engine.add_request(TEXT, params, lora_name=name))
+            added += 1
+        if live and rng.random() < 0.05:
+            victim = rng.choice(sorted(live))
+            engine.abort(victim)
+            live.discard(victim)
+            ended.append(victim)
+        for e in engine.step():
+            assert e.error is None, e.error
+            if e.finished and e.seq_id in live:
+                live.discard(e.seq_id)
+                ended.append(e.seq_id)
+        steps += 1
+    assert not live and not engine.has_unfinished(), (steps, sorted(live))
+    assert len(ended) == len(set(ended)) == added
+    assert engine.blocks.num_free == len(engine.blocks.blocks)
+    assert not any(h.refs for h in engine.runner.lora.resident.values()) and not engine.runner.lora.retiring
 
 
 def test_bad_names_and_adapters_are_refused(checkpoint_factory, tmp_path):
