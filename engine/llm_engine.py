@@ -308,11 +308,11 @@ class LLMEngine:
         try:
             seq.lora_slot, seq.cache_salt = lora.acquire(seq.lora_name)
         except OverloadedError:
-            lora.note_waiter()
+            lora.note_waiter(seq.seq_id, at_head=not behind_waiter)
             return False
         except LoRANotFoundError as e:
             raise Rejected(str(e)) from e
-        if not behind_waiter:  # the queue's first request of an adapter (waiters stay at its head)
+        if not behind_waiter:  # the round's first request to ask for a slot: none waits for one now
             lora.note_served()
         return True
 

@@ -8,8 +8,9 @@ blocks run out mid-stream the most recently started sequence is preempted (its K
 recomputed later). A request that can never fit fails instead of waiting forever.
 
 A request may also wait for what only it needs (`Admission`: its runtime LoRA adapter's slot, while every slot holds
-the adapters of running requests): it keeps its place in the queue while the requests behind it go ahead, except
-those that would hold what it waits for (another request of a busy slot's adapter: the slot would never drain).
+the adapters of running requests): it keeps its place in the queue while the requests behind it go ahead; after
+`lora_slot_wait_s`, those that would hold the slot chosen to drain for it wait too (else a steady stream of that
+slot's adapter would keep it from ever draining).
 
 With a coalescing window, a request reaching an idle engine opens it: admissions wait until no request has
 arrived for that long (at most a few windows), so requests arriving together are admitted in one round, one
@@ -34,7 +35,7 @@ class Rejected(Exception):
 
 
 # Whether a waiting request that fits may start now (taking what it needs), or waits; raises Rejected. The flag: a
-# request ahead of it in this round waits (held), so it must take nothing that one waits for.
+# request ahead of it in this round waits (held), so it may have to leave alone what that one waits for.
 Admission = Callable[[Sequence, bool], bool]
 
 

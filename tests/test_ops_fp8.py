@@ -164,7 +164,7 @@ def test_runtime_lora_merges_requantise_the_companions(checkpoint_factory, tmp_p
     attention = bb.base_lm.layers[0].self_attn
     for weight in (attention.qkv_weight, attention.o_proj.weight, bb.base_lm.layers[0].mlp.down_proj.weight):
         fp8.attach(weight)  # as on a GPU with the FP8 GEMM
-    slots = LoRASlots(bb, model.config.architecture, 1, 4, torch.device("cpu"), torch.float32)
+    slots = LoRASlots(bb, model.config.architecture, 1, 4, torch.device("cpu"), torch.float32, True, 0.5)
     assert [id(w) for w in slots.quantized] == [id(attention.qkv_weight), id(attention.o_proj.weight)]  # adapted
     adapter = random_adapter(bb, tmp_path / "adapter", LoRAConfig(r=4, alpha=8), seed=1, std=0.2)
     slots.register("a", read_adapter(adapter))

@@ -77,7 +77,7 @@ class Resident:
 
 class LoRASlots:
     def __init__(self, backbone: nn.Module, family: str, max_loras: int, max_rank: int, device: torch.device,
-                 dtype: torch.dtype, merged_steps: bool = True, slot_wait_s: float = 0.5) -> None:
+                 dtype: torch.dtype, merged_steps: bool, slot_wait_s: float) -> None:
         if getattr(backbone, "lora_context", None) is not None:
             raise ValueError("this model carries another engine's LoRA slots: load it again for a new engine")
         self.backbone, self.family = backbone, family
@@ -121,9 +121,10 @@ class LoRASlots:
         self.free_slots = list(range(max_loras - 1, -1, -1))
         # Slots of adapters unregistered while requests held them: freed after the last (the name is free at once).
         self.retiring: dict[int, Resident] = {}
-        # A request waiting for a slot: since when (None: none waits), and the adapter whose slot then takes no new
-        # holds until it drains (`closed_to_new_holds`).
+        # The request at the queue's head waiting for a slot (its id; None: none waits), since when, and the adapter
+        # whose slot then takes no new holds until it drains (`closed_to_new_holds`).
         self.slot_wait_s = slot_wait_s
+        self.waiter: int | None = None
         self.waiter_since: float | None = None
         self.draining: str | None = None
         self._generations = itertools.count(1)
@@ -236,20 +237,23 @@ class LoRASlots:
         if name not in self.registered:
             raise LoRANotFoundError(f"lora_name: no adapter named {name!r} (registered: {sorted(self.registered)})")
 
-    def note_waiter(self) -> None:
-        """A request found every slot held by running requests (its wait starts now unless one already waits)."""
-        if self.waiter_since is None:
-            self.waiter_since = time.monotonic()
+    def note_waiter(self, seq_id: int, at_head: bool) -> None:
+        """Request `seq_id` found every slot held by running requests. At the queue's head (the round's first to ask
+        for a slot) it is the waiter the others may pass for `slot_wait_s`: its wait starts now unless it is the one
+        already waiting (a waiter that left unserved, aborted or its adapter unregistered, takes its clock along)."""
+        if at_head and seq_id != self.waiter:
+            self.waiter, self.waiter_since, self.draining = seq_id, time.monotonic(), None
 
     def note_served(self) -> None:
-        """The queue's first request of an adapter has its slot: no request waits ahead of the others."""
-        self.waiter_since = self.draining = None
+        """The round's first request to ask for a slot has it: no request waits for one now."""
+        self.waiter = self.waiter_since = self.draining = None
 
     def closed_to_new_holds(self, name: str) -> bool:
-        """Whether a request of adapter `name` behind a waiting one must wait too: once that one has waited
-        `slot_wait_s`, the busy slot that drains first (the fewest holds; the least recently used of equals) takes
-        no new holds, so that it frees for the waiting request however fast its adapter's requests arrive."""
-        if self.waiter_since is None or time.monotonic() - self.waiter_since < self.slot_wait_s:
+        """Whether a request of adapter `name` behind the waiting one must wait too: once that one has waited
+        `slot_wait_s`, the busy slot expected to drain first (the fewest holds; the least recently used of equals) takes
+        no new holds, so that it frees for the waiting request however fast its adapter's requests arrive. Chooses
+        (and logs) that slot the first time; none while a slot of an unregistered adapter is still to free itself."""
+        if self.waiter_since is None or time.monotonic() - self.waiter_since < self.slot_wait_s or self.retiring:
             return False
         held = self.resident.get(self.draining) if self.draining is not None else None
         if held is None:  # none chosen yet, or the chosen one was unregistered
