@@ -9,7 +9,7 @@ Audio positions carry token id 0 and a latent patch; the others carry text ids a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,9 @@ class Prompt:
     audio_mask: torch.Tensor  # (T,) bool
     target_tokens: int  # number of text tokens of the target text alone (caps generation length)
     context: torch.Tensor  # (C, P, D) last prompt patches, decoded as VAE left context then cut
+    # The voice's tokens by the request field they came from (prompt_text, prompt_latents, ref_latents): an over-long
+    # prompt's error names the longest part.
+    voice_tokens: dict[str, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -75,10 +78,12 @@ def build_prompt(tokenizer: TextTokenizer, cfg: VoxCPMConfig, target_text: str, 
         ids.extend([0] * len(patches))
         feats.append(patches)
 
+    voice: dict[str, int] = {}
     if ref_latents is not None:
         add_text([REF_AUDIO_START_TOKEN])
         add_audio(latents_to_patches(ref_latents, cfg, "ref_audio_latents"))
         add_text([REF_AUDIO_END_TOKEN])
+        voice["ref_latents"] = len(feats[-2])
     if text_ids is None:
         target_ids, both = text_tokens(tokenizer, target_text, prompt_text, prompt_latents is not None)
     else:
@@ -95,11 +100,13 @@ def build_prompt(tokenizer: TextTokenizer, cfg: VoxCPMConfig, target_text: str, 
         patches = latents_to_patches(prompt_latents, cfg, "prompt_latents")
         add_audio(patches)
         context = patches[-cfg.decode_context_patches:]
+        voice["prompt_text"] = max(0, len(both or ()) - len(target_ids))  # (tokenized together: about its share)
+        voice["prompt_latents"] = len(patches)
     audio_mask = torch.zeros(len(ids), dtype=torch.bool)
     for rows in audio:
         audio_mask[rows] = True
     return Prompt(token_ids=ids, feats=feats[0] if len(feats) == 1 else torch.cat(feats), audio_mask=audio_mask,
-                  target_tokens=len(target_ids), context=context)
+                  target_tokens=len(target_ids), context=context, voice_tokens=voice)
 
 
 def max_patches(prompt: Prompt, max_generate_length: int) -> int:

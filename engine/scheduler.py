@@ -30,6 +30,20 @@ from engine.sequence import Sequence, Status
 COALESCE_CAP = 4  # the window closes at most this many windows after the first request it holds
 
 
+VOICE_PARTS = {"prompt_text": "transcript", "prompt_latents": "prompt audio", "ref_latents": "reference audio"}
+
+
+def prompt_parts(seq: Sequence) -> tuple[str, str]:
+    """The request field of a prompt's longest part (the target text, or the voice's transcript, prompt audio or
+    reference audio: the one to shorten) and the prompt's tokens by part, in words."""
+    text, voice = seq.prompt.target_tokens, seq.prompt.voice_tokens
+    words = ", ".join(f"{n} of {VOICE_PARTS[f]}" for f, n in voice.items() if n)
+    longest = max(voice, key=voice.__getitem__, default="")
+    field = longest if longest and voice[longest] > text else "target_text"
+    rest = seq.num_prompt_tokens - text  # the voice's parts and the markers
+    return field, f"{text} of text, {rest} of voice" + (f": {words}" if words else "")
+
+
 class Rejected(Exception):
     """From an `Admission`: the waiting request can never start now; the message (naming its field) says why."""
 
@@ -108,10 +122,9 @@ class Scheduler:
         """Why the request can never run here, starting with the request field to change, or None."""
         longest = seq.num_prompt_tokens + seq.max_patches
         if seq.num_prompt_tokens >= self.max_model_len:
-            text = seq.prompt.target_tokens  # the rest: the voice (its transcript and audio) and the markers
-            return (f"target_text: the prompt (text and voice) is {seq.num_prompt_tokens} tokens ({text} of text, "
-                    f"{seq.num_prompt_tokens - text} of voice), which leaves no room to generate within "
-                    f"max_model_len={self.max_model_len}")
+            field, parts = prompt_parts(seq)
+            return (f"{field}: the prompt (text and voice) is {seq.num_prompt_tokens} tokens ({parts}), which leaves "
+                    f"no room to generate within max_model_len={self.max_model_len}")
         if longest > self.max_model_len:
             return (f"max_generate_length: a prompt of {seq.num_prompt_tokens} tokens (text and voice) plus up to "
                     f"{seq.max_patches} patches exceeds max_model_len={self.max_model_len}")
@@ -119,7 +132,8 @@ class Scheduler:
             return (f"max_generate_length: the request needs {self.blocks.blocks_needed(longest)} KV blocks, the "
                     f"cache has {len(self.blocks.blocks)}")
         if seq.num_tokens > self.max_num_batched_tokens:
-            return (f"target_text: the prompt of {seq.num_tokens} tokens exceeds max_num_batched_tokens="
+            field, parts = prompt_parts(seq)
+            return (f"{field}: the prompt of {seq.num_tokens} tokens ({parts}) exceeds max_num_batched_tokens="
                     f"{self.max_num_batched_tokens}")
         return None
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from fastapi import HTTPException
@@ -23,6 +23,8 @@ class Conditioning:
     prompt_latents: bytes | None = None
     prompt_text: str = ""
     ref_latents: bytes | None = None
+    # The engine's voice fields -> the request fields they came from, for the engine's messages (`in_route_terms`).
+    terms: dict[str, str] = field(default_factory=dict)
 
 
 INLINE_B64_CHARS = 64 * 1024  # larger payloads (audio clips: megabytes) are decoded in a thread
@@ -97,27 +99,34 @@ async def resolve(state: ServiceState, req: GenerateRequest) -> Conditioning:
             data = await b64decode(req.prompt_wav_base64, "prompt_wav_base64")
             cond.prompt_latents = await encode_clip(state, data, req.prompt_wav_format, "left", "prompt_wav_base64")
             cond.prompt_text = req.prompt_text or ""
+            cond.terms["prompt_latents"] = "prompt_wav_base64"
         elif req.prompt_latents_base64 is not None:
             raw = await b64decode(req.prompt_latents_base64, "prompt_latents_base64")
             cond.prompt_latents = check_latents(state, raw, "prompt_latents_base64")
             cond.prompt_text = req.prompt_text or ""
+            cond.terms["prompt_latents"] = "prompt_latents_base64"
         elif req.prompt_id is not None:
             v = await voice_of(state, req.prompt_id, "prompt", "prompt_id")
             cond.prompt_latents, cond.prompt_text = v.prompt_latents, v.prompt_text
+            cond.terms.update(prompt_text="prompt_id", prompt_latents="prompt_id")
         elif req.hifi_id is not None:
             v = await voice_of(state, req.hifi_id, "hifi", "hifi_id")
             cond.prompt_latents, cond.prompt_text, cond.ref_latents = v.prompt_latents, v.prompt_text, v.ref_latents
+            cond.terms.update(prompt_text="hifi_id", prompt_latents="hifi_id", ref_latents="hifi_id")
 
     async def reference() -> None:
         if req.ref_audio_wav_base64 is not None:
             data = await b64decode(req.ref_audio_wav_base64, "ref_audio_wav_base64")
             cond.ref_latents = await encode_clip(state, data, req.ref_audio_wav_format, "right",
                                                  "ref_audio_wav_base64")
+            cond.terms["ref_latents"] = "ref_audio_wav_base64"
         elif req.ref_audio_latents_base64 is not None:
             raw = await b64decode(req.ref_audio_latents_base64, "ref_audio_latents_base64")
             cond.ref_latents = check_latents(state, raw, "ref_audio_latents_base64")
+            cond.terms["ref_latents"] = "ref_audio_latents_base64"
         elif req.ref_audio_id is not None:
             cond.ref_latents = (await voice_of(state, req.ref_audio_id, "reference", "ref_audio_id")).ref_latents
+            cond.terms["ref_latents"] = "ref_audio_id"
 
     await asyncio.gather(prompt(), reference())  # both clips encode concurrently
     return cond

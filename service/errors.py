@@ -4,6 +4,8 @@ where they take OpenAI's shape `{"error": {"message", "type", "param", "code"}}`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -28,10 +30,11 @@ def status_of(err: Exception) -> int:
     return 500  # EngineError and anything unmapped
 
 
-def http_error(err: Exception, field: str | None = None) -> HTTPException:
-    """An HTTPException for an engine error, the message prefixed with the request field it concerns."""
+def http_error(err: Exception, field: str | None = None, terms: Mapping[str, str] | None = None) -> HTTPException:
+    """An HTTPException for an engine error, the message prefixed with the request field it concerns, or its leading
+    engine field put in the route's `terms` (`in_route_terms`)."""
     status = status_of(err)
-    detail = f"{field}: {err}" if field else str(err)
+    detail = f"{field}: {err}" if field else in_route_terms(str(err), terms or {})
     headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
     return HTTPException(status, detail, headers=headers)
 
@@ -46,11 +49,19 @@ OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_
 OPENAI_CODES = {401: "invalid_api_key", 404: "not_found", 413: "request_too_large", 503: "overloaded"}
 
 
-def in_route_terms(message: str, text_field: str) -> str:
-    """An engine message names the request's text `target_text` (the native routes' field): a route whose text is
-    another field (`input`, a live session's `input.text`) names its own."""
-    head = "target_text:"
-    return text_field + message[len(head) - 1:] if message.startswith(head) else message
+# The engine's request fields a message may start with (`prompt_parts` names the longest part of an over-long
+# prompt), in the words of the routes whose fields differ: OpenAI's speech route and the live session take the text as
+# `input` / `input.text` and every voice as one `voice`; a native request's voice fields are its own (`Conditioning`).
+OPENAI_TERMS = {"target_text": "input", "prompt_text": "voice", "prompt_latents": "voice", "ref_latents": "voice"}
+LIVE_TERMS = {"target_text": "input.text", "prompt_text": "session.config: voice",
+              "prompt_latents": "session.config: voice", "ref_latents": "session.config: voice"}
+
+
+def in_route_terms(message: str, terms: Mapping[str, str]) -> str:
+    """An engine message starts with the engine's name of the request field it concerns: a route that names that
+    field otherwise (`terms`: engine field -> the route's) gets its own name."""
+    head, sep, rest = message.partition(":")
+    return f"{terms[head]}:{rest}" if sep and head in terms else message
 
 
 def _param_of(message: str) -> str | None:
@@ -70,7 +81,7 @@ def error_payload(path: str, status: int, detail: object) -> dict:
         message = "; ".join(f"{f}: {e['msg']}" if f else e["msg"] for f, e in zip(fields, detail, strict=True))
         param = (fields[0] or _param_of(detail[0]["msg"])) if detail else None
     else:
-        message = in_route_terms(str(detail), "input")
+        message = in_route_terms(str(detail), OPENAI_TERMS)
         param = _param_of(message)
     kind = OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": OPENAI_CODES.get(status)}}

@@ -374,7 +374,7 @@ class LongGeneration:
             await self.close()
             if isinstance(e, OverloadedError):
                 self.state.metrics.overloaded.labels(self.route).inc()
-            raise http_error(e) from e
+            raise http_error(e, terms=self.speech.cond.terms) from e
         except BaseException:
             await self.close()
             raise

@@ -83,7 +83,7 @@ async def start(state: ServiceState, route: str, text: str, cond: Conditioning, 
         stream.close()
         if isinstance(e, OverloadedError):
             state.metrics.overloaded.labels(route).inc()
-        raise http_error(e) from e
+        raise http_error(e, terms=cond.terms) from e
     except BaseException:  # cancelled while waiting: the engine request must not outlive us
         stream.close()
         raise

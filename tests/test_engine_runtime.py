@@ -3,6 +3,8 @@ blocks are never leaked (finish, abort, rejection, preemption)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -98,6 +100,29 @@ def test_request_that_never_fits_is_rejected_with_reason(model):
     events = engine.step()
     assert [(e.seq_id, e.finished) for e in events] == [(seq_id, True)]
     assert "max_model_len=32" in events[0].error
+    assert engine.blocks.num_free == len(engine.blocks.blocks)
+
+
+def test_an_over_long_prompt_names_its_longest_part(model):
+    """The part to shorten (the target text, or the voice's transcript, prompt audio or reference audio) starts the
+    message by its request field, and each part's tokens follow."""
+    cfg = model.config
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=48, block_size=4))
+
+    def frames(patches: int) -> torch.Tensor:
+        return torch.zeros(patches * cfg.patch_size, cfg.feat_dim)
+
+    cases = {"target_text": dict(target_text="word " * 60),
+             "prompt_text": dict(target_text="Hi.", prompt_text="word " * 60, prompt_latents=frames(2)),
+             "prompt_latents": dict(target_text="Hi.", prompt_text="Hi.", prompt_latents=frames(60)),
+             "ref_latents": dict(target_text="Hi.", ref_latents=frames(60))}
+    for field, request in cases.items():
+        seq_id = engine.add_request(**request, params=SamplingParams(max_generate_length=4))
+        (event,) = [e for e in engine.step() if e.seq_id == seq_id]
+        assert event.finished and event.error.startswith(f"{field}: the prompt (text and voice) is "), event.error
+        assert "max_model_len=48" in event.error
+        if field == "ref_latents":
+            assert re.search(r"\(\d+ of text, \d+ of voice: 60 of reference audio\)", event.error), event.error
     assert engine.blocks.num_free == len(engine.blocks.blocks)
 
 

@@ -140,7 +140,8 @@ def test_zero_length_input_rejected(server):
 
 def test_errors_name_the_field_the_client_sent(server):
     """The engine's "target_text" is `input` here; an over-long description names `instructions`; an unparseable
-    body names the body, not a JSON position."""
+    body names the body, not a JSON position. A native request whose voice's transcript is the long part names
+    `prompt_text`."""
     with httpx.Client(verify=TLS, base_url=server.url, timeout=60) as c:
         long_prompt = c.post("/v1/audio/speech", json={"model": "tts-1", "input": "Hi.", "instructions": "word " * 400})
         long_design = c.post("/v1/audio/speech", json={"model": "tts-1", "input": "Hi.",
@@ -149,9 +150,10 @@ def test_errors_name_the_field_the_client_sent(server):
         latents = base64.b64encode(np.zeros((4, 64), np.float32).tobytes()).decode()
         long_voice = c.post("/generate_blocking", json={"target_text": "Hi.", "prompt_latents_base64": latents,
                                                         "prompt_text": "word " * 400})
-    detail = long_voice.json()["detail"]  # the native route: the message says which part is long
-    assert long_voice.status_code == 400 and re.search(r"^target_text: .* tokens \(\d of text, \d{3,} of voice\)",
-                                                       detail), detail
+    detail = long_voice.json()["detail"]  # the native route: the longest part's field, and each part's tokens
+    assert long_voice.status_code == 400 and re.search(
+        r"^prompt_text: .* tokens \(\d of text, \d{3,} of voice: \d{3,} of transcript, \d+ of prompt audio\)",
+        detail), detail
     err = long_prompt.json()["error"]
     assert long_prompt.status_code == 400 and err["param"] == "input", err
     assert err["message"].startswith("input: the prompt (text and voice) is"), err
@@ -180,3 +182,17 @@ def test_openai_shaped_errors(server):
 def test_voices_endpoint_lists_default_first(server):
     with httpx.Client(verify=TLS, base_url=server.url) as c:
         assert c.get("/v1/audio/voices").json()["voices"][0]["id"] == "default"
+
+
+@pytest.mark.parametrize("engine_field", ["prompt_text", "prompt_latents", "ref_latents"])
+def test_an_engine_message_about_the_voice_names_voice_here(engine_field):
+    """The engine names the longest part of an over-long prompt by its own field; OpenAI's route (and the live
+    session) take every voice as one `voice`."""
+    from engine.errors import RequestError
+    from service.errors import error_payload
+    from service.routers.speech_stream import session_error
+    message = f"{engine_field}: the prompt (text and voice) is 900 tokens (3 of text, 897 of voice: ...)"
+    err = error_payload("/v1/audio/speech", 400, message)["error"]
+    assert err["param"] == "voice" and err["message"] == "voice" + message[len(engine_field):], err
+    assert session_error(RequestError(message)).message == "session.config: voice" + message[len(engine_field):]
+    assert error_payload("/generate", 400, message) == {"detail": message}  # a native route keeps its own terms

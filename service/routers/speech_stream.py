@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from service.audio import STREAMED, Encoder, make_encoder, output_rate
 from service.deps import key_matches, key_of, unavailable_reason
-from service.errors import http_error, in_route_terms
+from service.errors import LIVE_TERMS, http_error, in_route_terms
 from service.longform import LongFormOptions, LongFormSpeech, SegmentStarted, SegmentTiming
 from service.routers.openai import _voice, adapter_ids, model_ids
 from service.schemas import SpeechStreamConfig
@@ -62,7 +62,7 @@ def close_code(status: int) -> int:
 def session_error(e: Exception) -> SessionError:
     """An HTTP refusal or an engine (or voice store) error as the session's end."""
     http = e if isinstance(e, HTTPException) else http_error(e)
-    return SessionError(in_route_terms(str(http.detail), "input.text"), close_code(http.status_code))
+    return SessionError(in_route_terms(str(http.detail), LIVE_TERMS), close_code(http.status_code))
 
 
 def chosen_subprotocol(offered: list[str]) -> str | None:
