@@ -67,6 +67,22 @@ def uri_scheme(uri: str) -> str:
     return urlparse(uri).scheme or "file"
 
 
+def local_refusal(lora_dir: Path | None, uri: str) -> str | None:
+    """Why a local adapter (a path or file://) may not be read (None: it may, or the URI is not local): only from
+    inside NANOVLLM_LORA_DIR, so that no API caller, nor another replica's registration, makes the service read any
+    file."""
+    if uri_scheme(uri) != "file":
+        return None
+    parsed = urlparse(uri)
+    path = Path(unquote(parsed.path) if parsed.scheme else uri).expanduser()
+    if lora_dir is None:
+        return ("local adapters are not accepted here (NANOVLLM_LORA_DIR is unset); give an https://, s3:// or "
+                "hf:// URI")
+    if not path.resolve().is_relative_to(Path(lora_dir).expanduser().resolve()):
+        return f"{path} is outside NANOVLLM_LORA_DIR"
+    return None
+
+
 def unsupported_scheme(scheme: str) -> str:
     """Why a URI of this scheme cannot be fetched (without the field's name)."""
     return f"{scheme}:// is not supported (use a path, file://, https://, s3:// or hf://)"

@@ -76,24 +76,29 @@ if adding == 1 then
 end
 return evicted
 """
-# KEYS: lru, use. ARGV: voice key prefix, id, '1' for the fields too. Marks the voice used; nil if there is none.
+# KEYS: lru, use. ARGV: voice key prefix, id, '1' for the fields too. Marks the voice used (where the server takes
+# writes: a full one refuses them, and its voices must still be read); nil if there is none.
 GET = """
 local vkey = ARGV[1] .. ARGV[2]
 if redis.call('EXISTS', vkey) == 0 then return false end
-redis.call('ZADD', KEYS[1], redis.call('INCR', KEYS[2]), ARGV[2])
+local use = redis.pcall('INCR', KEYS[2])
+if type(use) == 'number' then redis.pcall('ZADD', KEYS[1], use, ARGV[2]) end
 if ARGV[3] == '1' then
   return redis.call('HMGET', vkey, 'kind', 'prompt_text', 'prompt_latents', 'ref_latents', 'created', 'parts')
 end
 return 1
 """
-# KEYS: lru, usage. ARGV: voice key prefix, id. 1 if it was there.
+# KEYS: lru, usage. ARGV: voice key prefix, id. 0 if it was not there, else 1; or {kind, nbytes} where a full server
+# refused the counters' writes (it takes deletes, and a script that began full stays so): the caller then counts the
+# voice out once the delete has freed its memory.
 DELETE = """
 local vkey = ARGV[1] .. ARGV[2]
 local meta = redis.call('HMGET', vkey, 'kind', 'nbytes')
 if not meta[1] then return 0 end
 redis.call('DEL', vkey)
 redis.call('ZREM', KEYS[1], ARGV[2])
-redis.call('HINCRBY', KEYS[2], meta[1], -1)
+local done = redis.pcall('HINCRBY', KEYS[2], meta[1], -1)
+if type(done) ~= 'number' then return meta end
 redis.call('HINCRBY', KEYS[2], 'bytes', -tonumber(meta[2]))
 return 1
 """
@@ -220,8 +225,13 @@ class RedisVoiceStore(VoiceStore):
 
     async def delete(self, voice_id: str) -> bool:
         self._forget(voice_id)
-        return bool(await self.call("delete", self._delete(keys=[self.lru, self.usage_key],
-                                                            args=[self.voice_prefix, voice_id])))
+        out = await self.call("delete", self._delete(keys=[self.lru, self.usage_key],
+                                                     args=[self.voice_prefix, voice_id]))
+        if isinstance(out, list):  # deleted on a full server: its counts now (the delete freed its memory)
+            kind, nbytes = out[0].decode(), int(out[1])
+            await self.call("delete", self.redis.hincrby(self.usage_key, kind, -1))
+            await self.call("delete", self.redis.hincrby(self.usage_key, "bytes", -nbytes))
+        return bool(out)
 
     async def list(self, kind: str | None = None) -> list[VoiceSummary]:
         rows = await self.call("list", self._list(keys=[self.lru], args=[self.voice_prefix, kind or ""]))

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from engine import LoRANotFoundError, PoolError
 from service.engine_setup import source_endpoints
-from service.lora_source import AdapterSourceError, fetch_adapter
+from service.lora_source import AdapterSourceError, fetch_adapter, local_refusal
 from service.redis_store import RedisVoiceStore
 
 if TYPE_CHECKING:
@@ -39,10 +39,17 @@ class SharedAdapters:
         raw = await self.store.call("adapters", self.store.redis.hgetall(self.key))
         return {k.decode(): json.loads(v) for k, v in raw.items()}
 
-    async def add(self, name: str, uri: str, sha256: str | None) -> None:
+    async def add(self, name: str, uri: str, sha256: str | None) -> bool:
+        """Share this replica's new registration; False if another replica registered the name first from another
+        source (two registering it at once: the first write stands, the other answers 409 and converges to it)."""
         source = {"uri": uri, "sha256": sha256}
-        await self.store.call("adapters", self.store.redis.hset(self.key, name, json.dumps(source)))
+        value = json.dumps(source)
+        if not await self.store.call("adapters", self.store.redis.hsetnx(self.key, name, value)):
+            held = await self.store.call("adapters", self.store.redis.hget(self.key, name))
+            if held is not None and json.loads(held) != source:
+                return False
         self.sources[name] = source
+        return True
 
     async def remove(self, name: str) -> bool:
         self.sources.pop(name, None)
@@ -64,9 +71,16 @@ class SharedAdapters:
                 if name in local and self.sources.get(name) == source:
                     continue
                 s = state.settings
+                refusal = local_refusal(s.lora_dir, source["uri"])
+                if refusal is not None:  # this replica's policy on local files holds for others' registrations too
+                    log.error("adapter %s registered on another replica not taken here: %s", name, refusal)
+                    continue
                 try:
                     path = await asyncio.to_thread(fetch_adapter, source["uri"], s.cache_path, source["sha256"],
                                                    source_endpoints(s))
+                    if name in local:  # registered again elsewhere (or replayed from before): another adapter now
+                        with contextlib.suppress(LoRANotFoundError):
+                            await state.pool.unregister_lora(name)
                     await state.pool.register_lora(name, str(path))
                 except (AdapterSourceError, PoolError) as e:  # requests naming it get 404 from the workers
                     log.error("adapter %s registered on another replica not taken here: %s", name, e)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -215,6 +216,27 @@ def test_outage_answers_503_and_heals_without_restart(clients, server):
     assert a.get("/info").json()["voice_cache"]["up"] is True
 
 
+def test_a_full_server_still_serves_and_deletes_its_voices(clients, server):
+    """A server at its maxmemory (noeviction) refuses writes: a voice is still read (its use not recorded) and
+    deleted, its counts with it, and a delete that finds the voice gone is a 404."""
+    a, b = clients
+    pid = a.post("/add_prompt", json={"wav_base64": clip(11), "prompt_text": "Full."}).json()["prompt_id"]
+    r = redis.Redis(port=server.port)
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", max(1, r.info("memory")["used_memory"] - 1024))
+    try:
+        with pytest.raises(redis.exceptions.ResponseError, match="maxmemory"):
+            r.set("probe", "x")  # full indeed
+        assert pcm(b, prompt_id=pid)  # B has no copy of its own: read from the server
+        assert a.delete(f"/prompts/{pid}").json() == {"deleted": pid}
+    finally:
+        r.config_set("maxmemory", 0)
+    assert b.post("/generate_blocking", json={**GEN, "prompt_id": pid}).status_code == 404
+    assert b.delete(f"/prompts/{pid}").status_code == 404
+    (usage,) = r.keys("voxcpm:*:usage")
+    assert {k: int(v) for k, v in r.hgetall(usage).items()} == {b"prompt": 0, b"bytes": 0}
+
+
 def test_adapter_registered_on_one_replica_is_served_by_the_other(clients, adapter):
     a, b = clients
     base = pcm(b)
@@ -228,6 +250,44 @@ def test_adapter_registered_on_one_replica_is_served_by_the_other(clients, adapt
     assert r.status_code == 404 and "lora_name" in r.text
     assert [d["name"] for d in a.get("/loras").json()["loras"]] == []
     assert a.delete("/loras/shared").status_code == 404
+
+
+@pytest.fixture(scope="module")
+def other_adapter(checkpoint, adapter) -> Path:
+    """Another adapter beside the first (inside the replicas' NANOVLLM_LORA_DIR)."""
+    return random_adapter(load_model(checkpoint).backbone, adapter.parent / "other", LoRAConfig(
+        enable_lm=True, enable_dit=True, enable_proj=True, r=4, alpha=8), seed=8)
+
+
+def test_a_name_registered_again_is_the_new_adapter_on_every_replica(clients, adapter, other_adapter):
+    """A name unregistered and registered again from another source: the replica that served the old one serves
+    the new one (it held the old registration under that name)."""
+    a, b = clients
+    assert a.post("/loras", json={"lora_name": "again", "lora_uri": f"file://{adapter}"}).status_code == 200
+    old = pcm(b, lora_name="again")
+    assert a.delete("/loras/again").status_code == 200
+    r = a.post("/loras", json={"lora_name": "again", "lora_uri": f"file://{other_adapter}"})
+    assert r.status_code == 200, r.text
+    new = pcm(a, lora_name="again")
+    assert new != old and pcm(b, lora_name="again") == new
+    assert a.delete("/loras/again").status_code == 200
+
+
+def test_one_name_registered_on_two_replicas_at_once_ends_as_one_adapter(clients, adapter, other_adapter):
+    """Both replicas register one name from different sources at the same time: one answers 200, the other 409
+    naming lora_name, and both then serve the winner's adapter."""
+    a, b = clients
+    for attempt in range(3):
+        name = f"race{attempt}"
+        with ThreadPoolExecutor(2) as pool:
+            ra, rb = pool.map(lambda c, path, n=name: c.post("/loras", json={"lora_name": n, "lora_uri": f"file://{path}"}),
+                              (a, b), (adapter, other_adapter))
+        codes = sorted((ra.status_code, rb.status_code))
+        assert codes in ([200, 409], [200, 400]), (ra.text, rb.text)  # 400: the loser's workers saw it first
+        loser = ra if ra.status_code != 200 else rb
+        assert loser.json()["detail"].startswith("lora_name: "), loser.text
+        assert pcm(a, lora_name=name) == pcm(b, lora_name=name)
+        assert a.delete(f"/loras/{name}").status_code == 200
 
 
 def test_voices_survive_restarting_every_replica_and_the_server(clients, replicas, server, checkpoint, adapter,

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 from fastapi import APIRouter, HTTPException
 
@@ -15,25 +13,12 @@ from engine import LoRANotFoundError, PoolError
 from service.deps import LoadedState
 from service.engine_setup import source_endpoints
 from service.errors import http_error
-from service.lora_source import AdapterSourceError, fetch_adapter, uri_scheme
+from service.lora_source import AdapterSourceError, fetch_adapter, local_refusal
 from service.schemas import Deleted, LoRAInfo, LoRAList, RegisterLoRARequest
-from service.settings import Settings
 from service.shared_adapters import sync_adapters
 from service.voice_store import VoiceStoreUnavailable
 
 router = APIRouter(tags=["loras"])
-
-
-def _local_allowed(settings: Settings, uri: str) -> None:
-    """A local adapter only from inside NANOVLLM_LORA_DIR: an API caller must not make the service read any file."""
-    parsed = urlparse(uri)
-    path = Path(unquote(parsed.path) if parsed.scheme else uri).expanduser()
-    root = settings.lora_dir
-    if root is None:
-        raise HTTPException(400, "lora_uri: local adapters are not accepted here (NANOVLLM_LORA_DIR is unset); give "
-                                 "an https://, s3:// or hf:// URI")
-    if not path.resolve().is_relative_to(Path(root).expanduser().resolve()):
-        raise HTTPException(400, f"lora_uri: {path} is outside NANOVLLM_LORA_DIR")
 
 
 @router.post("/loras", response_model=LoRAInfo)
@@ -41,8 +26,9 @@ async def register_lora(req: RegisterLoRARequest, state: LoadedState) -> LoRAInf
     s = state.settings
     if not state.model.max_loras:
         raise HTTPException(400, "lora_name: this service runs no runtime LoRA adapters (NANOVLLM_MAX_LORAS=0)")
-    if uri_scheme(req.lora_uri) == "file":
-        _local_allowed(s, req.lora_uri)
+    refusal = local_refusal(s.lora_dir, req.lora_uri)
+    if refusal is not None:
+        raise HTTPException(400, f"lora_uri: {refusal}")
     try:
         local = await asyncio.to_thread(fetch_adapter, req.lora_uri, s.cache_path, req.sha256, source_endpoints(s))
     except AdapterSourceError as e:
@@ -54,11 +40,16 @@ async def register_lora(req: RegisterLoRARequest, state: LoadedState) -> LoRAInf
         raise http_error(e) from e
     if state.shared_adapters is not None:
         try:
-            await state.shared_adapters.add(req.lora_name, req.lora_uri, req.sha256)
+            shared = await state.shared_adapters.add(req.lora_name, req.lora_uri, req.sha256)
         except VoiceStoreUnavailable:  # not shared: not registered anywhere
             with contextlib.suppress(PoolError):
                 await state.pool.unregister_lora(req.lora_name)
             raise
+        if not shared:  # another replica registered the name first, with another source: theirs stands
+            with contextlib.suppress(PoolError):
+                await state.pool.unregister_lora(req.lora_name)
+            raise HTTPException(409, f"lora_name: {req.lora_name!r} was registered on another replica meanwhile, "
+                                     "from another source; unregister it first")
     return described
 
 

@@ -111,7 +111,8 @@ async def add_hifi(req: AddHifiRequest, state: LoadedState) -> AddHifiResponse:
 
 async def _delete(state: ServiceState, vid: str, kind: str, field: str) -> Deleted:
     await voice_of(state, vid, kind, field)
-    await state.store.delete(vid)
+    if not await state.store.delete(vid):  # deleted meanwhile (by another request or replica): one of them did it
+        raise HTTPException(404, f"{field}: no cached {kind} {vid!r} (deleted meanwhile)")
     return Deleted(deleted=vid)
 
 
