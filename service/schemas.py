@@ -90,6 +90,7 @@ class Deleted(BaseModel):
 # --- LoRA adapters --------------------------------------------------------------------------------
 
 LORA_NAME = LORA_NAME_PATTERN
+VOICE_ID_MAX_CHARS = 128  # a cached voice's id is 24 hex digits; a longer one is no id (and is not echoed back)
 
 
 class RegisterLoRARequest(BaseModel):
@@ -214,12 +215,14 @@ class GenerateRequest(SamplingFields, PlaybackFields, LongFormFields):
     prompt_wav_format: str = Field("wav", description="Container of prompt_wav_base64.")
     prompt_text: str | None = Field(None, description="Transcript of the prompt audio (with a prompt form).")
     prompt_latents_base64: str | None = Field(None, description="Continuation prompt as /encode_latents latents.")
-    prompt_id: str | None = Field(None, description="A prompt from /add_prompt.")
-    hifi_id: str | None = Field(None, description="A bundle from /add_hifi: its prompt and its reference.")
+    prompt_id: str | None = Field(None, max_length=VOICE_ID_MAX_CHARS, description="A prompt from /add_prompt.")
+    hifi_id: str | None = Field(None, max_length=VOICE_ID_MAX_CHARS,
+                                description="A bundle from /add_hifi: its prompt and its reference.")
     ref_audio_wav_base64: str | None = Field(None, description="Reference audio (VoxCPM2): base64 audio file.")
     ref_audio_wav_format: str = Field("wav", description="Container of ref_audio_wav_base64.")
     ref_audio_latents_base64: str | None = Field(None, description="Reference as float32 latents bytes.")
-    ref_audio_id: str | None = Field(None, description="A reference from /add_reference.")
+    ref_audio_id: str | None = Field(None, max_length=VOICE_ID_MAX_CHARS,
+                                     description="A reference from /add_reference.")
     lora_name: str | None = Field(None, pattern=LORA_NAME, description="A runtime LoRA adapter registered with POST "
                                                                        "/loras (404 if unknown; 503 while every "
                                                                        "adapter slot is held).")
@@ -256,7 +259,8 @@ class SpeechRequest(SamplingFields, PlaybackFields, LongFormFields):
     input: str = Field(..., min_length=1, max_length=TEXT_CHARS_CEILING,
                        description="Text to speak, up to NANOVLLM_MAX_TEXT_CHARS characters (split into segments "
                                    "when long).")
-    voice: str = Field("default", description="'default' (zero-shot) or a cached hifi/prompt/reference id.")
+    voice: str = Field("default", max_length=VOICE_ID_MAX_CHARS,
+                       description="'default' (zero-shot) or a cached hifi/prompt/reference id.")
     instructions: str | None = Field(None, description="Voice design: spoken as '(instructions)input'.")
     response_format: Literal["mp3", "wav", "pcm", "flac", "opus"] = Field("mp3", description="Audio format.")
     stream_format: Literal["audio", "sse"] = Field("audio", description="Raw audio bytes, or server-sent events "
@@ -283,7 +287,8 @@ class SpeechStreamConfig(SamplingFields, PlaybackFields):
 
     type: Literal["session.config"]
     model: str = Field("tts-1", description="Any id from /v1/models; a runtime LoRA adapter's name selects it.")
-    voice: str = Field("default", description="'default' (zero-shot) or a cached hifi/prompt/reference id.")
+    voice: str = Field("default", max_length=VOICE_ID_MAX_CHARS,
+                       description="'default' (zero-shot) or a cached hifi/prompt/reference id.")
     instructions: str | None = Field(None, description="Voice design: the first segment is spoken as "
                                                        "'(instructions)text'.")
     response_format: Literal["pcm", "mp3", "wav", "flac", "opus"] = Field(

@@ -89,7 +89,8 @@ class BaseServiceSettings(BaseSettings):
                                                                 "start where it lacks them, so a start on an empty "
                                                                 "volume compiles none.")
     voice_store: Literal["disk", "memory"] = Field("disk", description="Where cached voices live.")
-    voice_cache_max_entries: int = Field(1024, ge=1, description="Most cached voices (all kinds together).")
+    voice_cache_max_entries: int = Field(1024, ge=3, description="Most cached voices (all kinds together; at least "
+                                         "3: /add_hifi caches a prompt, a reference and their bundle).")
     voice_cache_max_bytes: int = Field(256 * 2**20, ge=1024, description="Most latent bytes cached.")
     redis_url: str | None = Field(None, pattern=r"^(redis|rediss|unix)://", description="A Redis (or Valkey) shared "
                                   "by every replica, e.g. redis://host:6379/0: the voices and the runtime LoRA "

@@ -196,3 +196,14 @@ def test_an_engine_message_about_the_voice_names_voice_here(engine_field):
     assert err["param"] == "voice" and err["message"] == "voice" + message[len(engine_field):], err
     assert session_error(RequestError(message)).message == "session.config: voice" + message[len(engine_field):]
     assert error_payload("/generate", 400, message) == {"detail": message}  # a native route keeps its own terms
+
+
+def test_a_voice_id_longer_than_any_id_is_refused_not_echoed(server):
+    """Cached voices' ids are 24 hex digits: a megabyte "id" is a 422 naming the field, its value not sent back."""
+    huge = "v" * 1_000_000
+    with httpx.Client(verify=TLS, base_url=server.url, timeout=60) as c:
+        openai_route = c.post("/v1/audio/speech", json={"model": "tts-1", "input": "Hi.", "voice": huge})
+        native = c.post("/generate_blocking", json={"target_text": "Hi.", "prompt_id": huge})
+    assert openai_route.status_code == 422 and openai_route.json()["error"]["param"] == "voice", openai_route.text[:300]
+    assert native.status_code == 422 and native.json()["detail"][0]["loc"][-1] == "prompt_id", native.text[:300]
+    assert len(openai_route.content) < 10_000 and len(native.content) < 10_000
