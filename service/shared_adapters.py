@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from engine import LoRANotFoundError, PoolError
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+RETRY_S = 30  # an adapter registered elsewhere that this replica could not fetch or load: tried again after this
+
 
 class SharedAdapters:
     def __init__(self, store: RedisVoiceStore) -> None:
@@ -34,6 +37,8 @@ class SharedAdapters:
         self.key = store.voice_prefix.removesuffix("v:") + "loras"
         self.lock = asyncio.Lock()  # one reconciliation at a time in this process
         self.sources: dict[str, dict] = {}  # name -> the registration this process's workers hold
+        # name -> (a registration this process could not take, when to try it again): not every request re-fetches
+        self.failed: dict[str, tuple[dict, float]] = {}
 
     async def registered(self) -> dict[str, dict]:
         raw = await self.store.call("adapters", self.store.redis.hgetall(self.key))
@@ -70,10 +75,14 @@ class SharedAdapters:
             for name, source in shared.items():
                 if name in local and self.sources.get(name) == source:
                     continue
+                failed = self.failed.get(name)
+                if failed is not None and failed[0] == source and time.monotonic() < failed[1]:
+                    continue
                 s = state.settings
                 refusal = local_refusal(s.lora_dir, source["uri"])
                 if refusal is not None:  # this replica's policy on local files holds for others' registrations too
                     log.error("adapter %s registered on another replica not taken here: %s", name, refusal)
+                    self.failed[name] = (source, time.monotonic() + RETRY_S)
                     continue
                 try:
                     path = await asyncio.to_thread(fetch_adapter, source["uri"], s.cache_path, source["sha256"],
@@ -83,8 +92,11 @@ class SharedAdapters:
                             await state.pool.unregister_lora(name)
                     await state.pool.register_lora(name, str(path))
                 except (AdapterSourceError, PoolError) as e:  # requests naming it get 404 from the workers
-                    log.error("adapter %s registered on another replica not taken here: %s", name, e)
+                    log.error("adapter %s registered on another replica not taken here (tried again in %d s): %s",
+                              name, RETRY_S, e)
+                    self.failed[name] = (source, time.monotonic() + RETRY_S)
                     continue
+                self.failed.pop(name, None)
                 self.sources[name] = source
                 log.info("adapter %s registered (from another replica)", name)
 
