@@ -43,6 +43,9 @@ from service.state import ServiceState
 SILENCE = 10 ** (-50 / 20)  # -50 dBFS: quieter edge samples are trimmed where two segments meet
 FINISH_ORDER = ("stop", "length", "aborted", "error")  # the request's reason: its segments' worst
 TIMINGS_HEADER = "X-Segment-Timings"
+# Segments whose timings a blocking response's header may carry (~110 bytes each: ~14 KiB; a reverse proxy's header
+# buffer must hold it, e.g. nginx `proxy_buffer_size 16k`; Python's http.client refuses a header line past 64 KiB).
+MAX_HEADER_TIMINGS = 128
 VOICE_DESIGN = re.compile(r"^\s*\([^()]*\)")  # "(description)text": the description leads the first segment only
 
 
@@ -433,13 +436,18 @@ async def generate(state: ServiceState, route: str, text: str, cond: Conditionin
     own_design = field == "target_text"  # the description leads the text the client sent, else it came separately
     if own_design or not design:
         check_length(state, design + text, field)
-    else:  # the longer of the two is named
-        check_length(state, design + text, "instructions" if len(design) > len(text) else field,
+    else:  # the longer of the two is named; the count is of what the client sent (not the parentheses added)
+        check_length(state, design[1:-1] + text, "instructions" if len(design) - 2 > len(text) else field,
                      f"{field} and instructions")
     base = len(design) if own_design else 0
     segments = split_text(text, state.settings.segment_chars, granularity, base=base)
     if not segments:  # the schemas refuse a blank text: here a voice description was all of it
         raise HTTPException(422, f"{field}: nothing to speak after the voice description {design!r}")
+    if timings and blocking and len(segments) > MAX_HEADER_TIMINGS:
+        raise HTTPException(422, f"timings: the text is {len(segments)} segments, more than the X-Segment-Timings "
+                                 f"header holds ({MAX_HEADER_TIMINGS}, ~{MAX_HEADER_TIMINGS * 110 // 1024} KiB); "
+                                 "send shorter texts, or stream from /v1/audio/speech with stream_format 'sse' "
+                                 "(a speech.segment event for each segment)")
     if len(segments) <= 1 and not retry_badcase and not timings:
         return await synthesis.start(state, route, design + text, cond, params, fmt, sse=sse, lora_name=lora_name,
                                      normalize=normalize, speed=speed, sample_rate=sample_rate)

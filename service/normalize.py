@@ -134,10 +134,11 @@ def _runs(text: str) -> list[tuple[str, str]]:
 def _grammar(grammar: Any, text: str) -> str:
     """wetext's normalisation; text its grammar cannot parse is kept as it is rather than failing the request."""
     try:
-        return grammar.normalize(text) or text
+        out = grammar.normalize(text)
     except Exception:  # an assertion or a parse failure inside the grammar's token parser
         log.warning("normalisation kept a run as written: the grammar failed on %r", text[:80], exc_info=True)
         return text
+    return _GRAMMAR_ESCAPE.sub(r"\1", out) if out else text  # its token parser escapes " and \\ in what it writes
 
 
 # --- English ----------------------------------------------------------------------------------------
@@ -146,8 +147,9 @@ _CURRENCY = {"$": ("dollar", "dollars", "cent", "cents"), "€": ("euro", "euros
              "£": ("pound", "pounds", "penny", "pence"), "¥": ("yen", "yen", None, None)}
 _MONEY = re.compile(r"(?<![\w.])([$€£¥])\s?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d{1,2}))?(?!\.?\d)"
                     r"(?:\s?(thousand|million|billion|trillion)\b)?", re.ASCII)
-_DECADE = re.compile(r"\b(1[1-9]|20)([1-9]0)s\b", re.ASCII)
+_DECADE = re.compile(r"\b(1[1-9]|20)([0-9]0)s\b", re.ASCII)
 _DOTTED = re.compile(r"(?<![\d.])\d+(?:\.\d+){2,}(?![\d.])", re.ASCII)
+_GRAMMAR_ESCAPE = re.compile(r'\\(["\\])')
 _NUMBER_ABBREV = re.compile(r"\bNo\.\s*(?=\d)", re.ASCII)
 _DIGITS = re.compile(r"\d+", re.ASCII)
 # +86 138 1234 5678, +44-20-7946-0958: a plus, a country code and two or more groups (the grammars miss spaced ones)
@@ -187,15 +189,23 @@ def _money(m: re.Match[str]) -> str:
 
 
 def _decade(m: re.Match[str]) -> str:
+    if m.group(2) == "00":  # 1900s: nineteen hundreds
+        return _words(m.group(1)) + " hundreds"
     words = _words(m.group(1)) + " " + _words(m.group(2))  # 1990s: nineteen nineties
     return words[:-1] + "ies" if words.endswith("y") else words + "s"
+
+
+def _dotted(m: re.Match[str]) -> str:
+    """A version or an address (2.0.1): its numbers with "dot" between, apart from a word it follows (v2.0.1)."""
+    lead = " " if m.start() and m.string[m.start() - 1].isalpha() else ""
+    return lead + " dot ".join(_words(p) for p in m.group().split("."))
 
 
 def _english(grammar: Any, text: str) -> str:
     text = _INTL_PHONE.sub(_phone_en, text)
     text = _MONEY.sub(_money, text)
     text = _DECADE.sub(_decade, text)
-    text = _DOTTED.sub(lambda m: " dot ".join(_words(p) for p in m.group().split(".")), text)
+    text = _DOTTED.sub(_dotted, text)
     text = _NUMBER_ABBREV.sub("number ", text)
     text = _grammar(grammar, text)
     return _DIGITS.sub(lambda m: _words(m.group()), text)  # what the grammar left

@@ -22,6 +22,8 @@ CJK_WEIGHT = 3
 CLAUSE_MARKS = ",;:，、；：—–…"
 CLOSERS = "\"'”’»)]}）」』》】"
 CJK_TERMINALS = "。！？"
+SENTENCE_TERMINALS = ".!?…" + CJK_TERMINALS  # a flushed buffer ending otherwise is an unfinished sentence
+CLOSERS = "\"')]}’”」』）"  # may follow a sentence's terminal
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\uff00-\uffef]")
 _CLAUSE_END = re.compile(f"[{re.escape(CLAUSE_MARKS)}]+[{re.escape(CLOSERS)}]*")
 
@@ -74,6 +76,13 @@ def _sentences(text: str, base: int = 0) -> list[_Unit]:
     return units
 
 
+def _ends_clause(text: str, m: re.Match[str]) -> bool:
+    """Whether a clause mark ends a clause: followed by space or CJK text, or itself CJK (not the comma of 1,234, the
+    colon of 10:45)."""
+    cut = m.end()
+    return cut >= len(text) or text[cut].isspace() or bool(_CJK.match(text[m.start()]) or _CJK.match(text[cut]))
+
+
 def _clauses(text: str, unit: _Unit) -> list[_Unit]:
     """A sentence's clauses (a comma, semicolon, colon, dash or CJK clause mark followed by space or CJK text)."""
     out: list[_Unit] = []
@@ -82,7 +91,7 @@ def _clauses(text: str, unit: _Unit) -> list[_Unit]:
         cut = m.end()
         if cut >= unit.end:
             break
-        if text[cut].isspace() or _CJK.match(text[m.start()]) or _CJK.match(text[cut]):
+        if _ends_clause(text, m):
             out.append(_Unit(s, cut, "none"))
             s = cut
             while s < unit.end and text[s].isspace():
@@ -91,10 +100,10 @@ def _clauses(text: str, unit: _Unit) -> list[_Unit]:
     return [u for u in out if u.end > u.start]
 
 
-def _cut_point(text: str, start: int, end: int, max_chars: int) -> int:
-    """Where to cut text[start:end] (too long): near an equal share of it, never past max_chars of weight, at the
-    last clause mark, else the last space, else anywhere (hard cut)."""
-    total = weight(text[start:end])
+def _cut_point(text: str, start: int, end: int, max_chars: int, total: int) -> int:
+    """Where to cut text[start:end] (too long; `total`: its weight): near an equal share of it, never past max_chars
+    of weight, at the clause mark nearest that share, else the space nearest it, else anywhere (hard cut). Reads
+    only max_chars of text, so that a long sentence's cuts cost linear time."""
     parts = math.ceil(total / max_chars)
     share = total / parts
     limit, acc = start, 0
@@ -109,7 +118,7 @@ def _cut_point(text: str, start: int, end: int, max_chars: int) -> int:
     low = start + max(1, (ideal - start) // 2)
     best_clause = best_space = None
     for m in _CLAUSE_END.finditer(text, low, limit):
-        if m.end() <= limit:
+        if m.end() <= limit and _ends_clause(text, m):
             best_clause = m.end() if abs(m.end() - ideal) < abs((best_clause or -10**9) - ideal) else best_clause
     if best_clause is not None:
         return best_clause
@@ -125,15 +134,18 @@ def _fit(text: str, unit: _Unit, max_chars: int) -> list[_Unit]:
     """A unit -> pieces of at most max_chars weight, cut at clause marks, spaces, then anywhere."""
     out: list[_Unit] = []
     s = unit.start
-    while weight(text[s:unit.end]) > max_chars:
-        cut = _cut_point(text, s, unit.end, max_chars)
+    rest = weight(text[s:unit.end])  # of text[s:unit.end], kept up to date (not recounted: linear time)
+    while rest > max_chars:
+        cut = _cut_point(text, s, unit.end, max_chars, rest)
         end = cut
         while end > s and text[end - 1].isspace():
             end -= 1
         out.append(_Unit(s, end, "none"))
-        s = cut
-        while s < unit.end and text[s].isspace():
-            s += 1
+        following = cut
+        while following < unit.end and text[following].isspace():
+            following += 1
+        rest -= weight(text[s:following])
+        s = following
     if unit.end > s:
         out.append(_Unit(s, unit.end, unit.pause))
     return out
@@ -205,6 +217,9 @@ class LiveSegmenter:
         self.buffer += delta
         units = _sentences(self.buffer)
         if not units:
+            if not self.buffer.strip():  # white space alone: nothing of it is spoken, so it need not be read again
+                self.offset += len(self.buffer)
+                self.buffer = ""
             return []
         complete = units[:-1]
         last = units[-1]
@@ -232,6 +247,8 @@ class LiveSegmenter:
             out.extend(_fit(self.buffer, u, self.max_chars))
         if out:  # the buffered sentences as one segment where they fit
             out = _pack(self.buffer, out, self.max_chars)
+            if self.buffer.rstrip().rstrip(CLOSERS)[-1:] not in SENTENCE_TERMINALS:  # cut mid-sentence: no pause
+                out[-1].pause = "none"
         return self._emit(out, consume_all=True)
 
     def done(self) -> list[Segment]:

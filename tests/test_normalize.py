@@ -40,6 +40,12 @@ CASES = [
     # phone numbers
     ("Call 555-123-4567.", "Call five five five, one two three, four five six seven."),
     ("Call +44 20 7946 0958 now", "Call plus four four, two zero, seven nine four six, zero nine five eight now"),
+    # the grammars' escaping undone (quotes and backslashes reach the model as written); centuries; a version after a
+    # word
+    ('She said "I have 5 cats" to me.', 'She said "I have five cats" to me.'),
+    ("A back\\slash and 3 dogs.", "A back\\slash and three dogs."),
+    ("The 1900s and the 2000s.", "The nineteen hundreds and the twenty hundreds."),
+    ("Use v2.0.1 now.", "Use v two dot zero dot one now."),
     # words in capitals: spoken when pronounceable, spelled when not, shouting read as words
     ("The NASA and FBI and the USA.", "The nasa and F B I and the U S A."),
     ("HTML over HTTP", "H T M L over H T T P"),
@@ -47,6 +53,7 @@ CASES = [
     ("World War II", "World War two"),
     # Chinese
     ("我有3个苹果。", "我有三个苹果。"),
+    ('他说"我有3个苹果"。', '他说"我有三个苹果"。'),
     ("价格是¥20", "价格是二十元"),
     ("今天是2025-09-28", "今天是二零二五年九月二十八日"),
     ("2025年9月28日", "二零二五年九月二十八日"),

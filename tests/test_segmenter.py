@@ -82,3 +82,40 @@ def test_live_flush_speaks_the_buffer():
     flushed = live.flush()
     assert [s.text for s in flushed] == ["no boundary yet"] and live.feed(" more") == []
     assert [(s.text, s.start) for s in live.done()] == [("more", 16)]
+
+
+def test_a_cut_never_falls_inside_a_number_or_a_time():
+    """A long sentence is cut at clause marks followed by space, not at the comma of 1,234,567 or the colon of 10:45."""
+    text = "We paid a total of 1,234,567,890 dollars for the building at 10:45 in the morning, " * 4
+    segments = split_text(text, 100)
+    assert len(segments) > 1
+    for seg in segments:
+        assert not seg.text[-1:].isdigit() and not text[seg.end:seg.end + 1].isdigit(), seg
+
+
+def test_a_long_sentence_without_marks_is_cut_into_pieces_that_cover_it():
+    """100,000 CJK characters with no mark (the longest text a request may have): pieces of at most max_chars weight
+    that cover the text exactly (the cuts are found in a window each, not by re-reading the rest)."""
+    text = "字" * 100_000
+    segments = split_text(text, 250)
+    assert "".join(s.text for s in segments) == text
+    assert max(weight(s.text) for s in segments) <= 250 * 3 // 2
+
+
+def test_live_white_space_is_read_once():
+    """A session sending only line breaks keeps no buffer (each message would re-read it all), and the offsets
+    after it still point into the whole text."""
+    live = LiveSegmenter(200)
+    for _ in range(1000):
+        assert live.feed("\n") == []
+    assert live.buffer == ""
+    assert [(s.text, s.start) for s in live.feed("Hello. ") + live.done()] == [("Hello.", 1000)]
+
+
+def test_live_flush_mid_sentence_adds_no_pause():
+    """A flush that cuts a sentence (or a word) pauses for nothing; one after a sentence's end, as a sentence."""
+    live = LiveSegmenter(200)
+    live.feed("Hel")
+    assert [(s.text, s.pause) for s in live.flush()] == [("Hel", "none")]
+    assert [(s.text, s.pause) for s in live.feed('lo. She said "yes."')] == [("lo.", "sentence")]
+    assert [(s.text, s.pause) for s in live.flush()] == [('She said "yes."', "sentence")]

@@ -199,3 +199,24 @@ def test_a_voice_description_with_nothing_after_it_is_refused(client, route, ext
     r = client.post(route, json={"target_text": "(calm voice)", "max_generate_length": N, **extra})
     assert r.status_code == 422, r.text
     assert r.json()["detail"] == "target_text: nothing to speak after the voice description '(calm voice)'"
+
+
+def test_timings_past_what_a_header_holds_are_refused_naming_the_field(client):
+    """A blocking response's timings travel in one header: a text of more segments than it holds (each paragraph is
+    one here) is a 422 naming `timings` before anything is generated; as many as it holds are answered."""
+    from service.longform import MAX_HEADER_TIMINGS
+    over = client.post("/generate_blocking", json={"target_text": "Hi.\n\n" * (MAX_HEADER_TIMINGS + 1),
+                                                   "max_generate_length": 1, "timings": True})
+    expected = f"timings: the text is {MAX_HEADER_TIMINGS + 1} segments, more than the X-Segment-Timings header holds"
+    assert over.status_code == 422 and over.json()["detail"].startswith(expected), over.text
+    fits = client.post("/generate_blocking", json={"target_text": "Hi.\n\n" * 3, "max_generate_length": 1,
+                                                   "timings": True})
+    assert fits.status_code == 200 and len(json.loads(fits.headers["X-Segment-Timings"])) == 3
+
+
+def test_the_text_limit_counts_input_and_instructions_as_sent(client, server):
+    """The limit counts the characters the client sent (not the parentheses the service puts around instructions)."""
+    limit = server.settings.max_text_chars
+    body = {"model": "tts-1", "input": "x" * (limit - 10), "instructions": "y" * 11}
+    r = client.post("/v1/audio/speech", json=body)
+    assert r.status_code == 422 and f"{limit + 1} characters (input and instructions)" in r.json()["error"]["message"]
