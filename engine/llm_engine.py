@@ -263,7 +263,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         for seq in sched.preempted:
             self.runner.release_slot(seq, keep_state=True)
-        events = [self._fail(seq, reason) for seq, reason in sched.rejected]
+        events = [self._fail(seq, reason, kind) for seq, reason, kind in sched.rejected]
         t0 = time.perf_counter()
         try:
             if sched.prefill:
@@ -311,7 +311,7 @@ class LLMEngine:
             lora.note_waiter(seq.seq_id, at_head=not behind_waiter)
             return False
         except LoRANotFoundError as e:
-            raise Rejected(str(e)) from e
+            raise Rejected(str(e), e.kind) from e
         if not behind_waiter:  # the round's first request to ask for a slot: none waits for one now
             lora.note_served()
         return True
@@ -325,9 +325,9 @@ class LLMEngine:
         seq.lora_name, seq.lora_slot = None, -1
         self.sequences.pop(seq.seq_id, None)
 
-    def _fail(self, seq: Sequence, reason: str) -> StepEvent:
+    def _fail(self, seq: Sequence, reason: str, kind: str) -> StepEvent:
         self._finish(seq, "error")
-        return StepEvent(seq.seq_id, None, None, True, "error", reason)
+        return StepEvent(seq.seq_id, None, None, True, "error", reason, kind)
 
     def generate(self, target_text: str, params: SamplingParams | None = None, **kwargs: object) -> np.ndarray:
         """Convenience for scripts and tests: run one request to completion, return its waveform."""

@@ -45,7 +45,12 @@ def prompt_parts(seq: Sequence) -> tuple[str, str]:
 
 
 class Rejected(Exception):
-    """From an `Admission`: the waiting request can never start now; the message (naming its field) says why."""
+    """From an `Admission`: the waiting request can never start now; the message (naming its field) says why, and
+    `kind` which error its caller gets (an `engine.errors` kind: an adapter unregistered meanwhile is not found)."""
+
+    def __init__(self, message: str, kind: str = "request") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 # Whether a waiting request that fits may start now (taking what it needs), or waits; raises Rejected. The flag: a
@@ -57,7 +62,7 @@ Admission = Callable[[Sequence, bool], bool]
 class Schedule:
     prefill: list[Sequence] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
-    rejected: list[tuple[Sequence, str]] = field(default_factory=list)  # can never run: (seq, reason)
+    rejected: list[tuple[Sequence, str, str]] = field(default_factory=list)  # can never run: (seq, reason, kind)
     preempted: list[Sequence] = field(default_factory=list)  # lost their KV this round, back to waiting
 
     @property
@@ -156,7 +161,7 @@ class Scheduler:
             reason = self.never_fits(seq)
             if reason is not None:
                 self.waiting.popleft()
-                out.rejected.append((seq, reason))
+                out.rejected.append((seq, reason, "request"))
                 continue
             # Keep one free block per running sequence for its next patch. With nothing running, what it
             # needs exactly (its prefill and its first patch): never_fits let in a request that fills the
@@ -176,7 +181,7 @@ class Scheduler:
                     ready = self.admit(seq, bool(held))
                 except Rejected as e:
                     self.waiting.popleft()
-                    out.rejected.append((seq, str(e)))
+                    out.rejected.append((seq, str(e), e.kind))
                     continue
                 if not ready:
                     held.append(self.waiting.popleft())

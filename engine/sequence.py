@@ -35,6 +35,7 @@ class StepEvent:
     finished: bool
     finish_reason: str | None = None
     error: str | None = None
+    error_kind: str = "request"  # with an error: which `engine.errors` class its caller gets (ERROR_KINDS)
 
 
 @dataclass(eq=False)

@@ -173,6 +173,7 @@ def test_slots_reused_least_recently_used_and_unregister_waits(checkpoint_factor
         events.setdefault(e.seq_id, []).append(e)
     assert engine.sequences[waiting].lora_slot == -1 and engine.sequences[waiting].status == Status.WAITING
     assert events[doomed][-1].finish_reason == "error" and "lora_name: no adapter named 'd'" in events[doomed][-1].error
+    assert events[doomed][-1].error_kind == "lora_not_found"  # a 404 over HTTP, as when it is named unregistered
     # unregistering a held adapter lets its request finish; its slot frees after it, and the name is free at once:
     # registered again it is another adapter (it needs a slot of its own: its request waits for the old one's)
     engine.unregister_lora("a")

@@ -341,7 +341,7 @@ class Worker:
             self.latents_wanted.discard(ev.seq_id)
             link.requests.pop(rid, None)
         if ev.error is not None:
-            link.pending.append(p.AudioEvent(rid, None, True, "error", p.ErrorInfo("request", ev.error)))
+            link.pending.append(p.AudioEvent(rid, None, True, "error", p.ErrorInfo(ev.error_kind, ev.error)))
         else:
             link.pending.append(p.AudioEvent(rid, ev.audio, ev.finished, ev.finish_reason, latents=latents))
 
