@@ -53,8 +53,7 @@ OPENAI_CODES = {401: "invalid_api_key", 404: "not_found", 413: "request_too_larg
 # prompt), in the words of the routes whose fields differ: OpenAI's speech route and the live session take the text as
 # `input` / `input.text` and every voice as one `voice`; a native request's voice fields are its own (`Conditioning`).
 OPENAI_TERMS = {"target_text": "input", "prompt_text": "voice", "prompt_latents": "voice", "ref_latents": "voice"}
-LIVE_TERMS = {"target_text": "input.text", "prompt_text": "session.config: voice",
-              "prompt_latents": "session.config: voice", "ref_latents": "session.config: voice"}
+LIVE_TERMS = {**OPENAI_TERMS, "target_text": "input.text"}  # (its config's voice errors say "voice: ..." too)
 
 
 def in_route_terms(message: str, terms: Mapping[str, str]) -> str:

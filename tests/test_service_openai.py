@@ -194,7 +194,7 @@ def test_an_engine_message_about_the_voice_names_voice_here(engine_field):
     message = f"{engine_field}: the prompt (text and voice) is 900 tokens (3 of text, 897 of voice: ...)"
     err = error_payload("/v1/audio/speech", 400, message)["error"]
     assert err["param"] == "voice" and err["message"] == "voice" + message[len(engine_field):], err
-    assert session_error(RequestError(message)).message == "session.config: voice" + message[len(engine_field):]
+    assert session_error(RequestError(message)).message == "voice" + message[len(engine_field):]
     assert error_payload("/generate", 400, message) == {"detail": message}  # a native route keeps its own terms
 
 
