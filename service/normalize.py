@@ -138,7 +138,9 @@ def _grammar(grammar: Any, text: str) -> str:
     except Exception:  # an assertion or a parse failure inside the grammar's token parser
         log.warning("normalisation kept a run as written: the grammar failed on %r", text[:80], exc_info=True)
         return text
-    return _GRAMMAR_ESCAPE.sub(r"\1", out) if out else text  # its token parser escapes " and \\ in what it writes
+    if not out or out == text:  # the grammar passed the run through (nothing to normalise): nothing escaped
+        return text
+    return _GRAMMAR_ESCAPE.sub(r"\1", out)  # its token parser escapes " and \\ in what it writes
 
 
 # --- English ----------------------------------------------------------------------------------------

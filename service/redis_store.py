@@ -88,9 +88,9 @@ if ARGV[3] == '1' then
 end
 return 1
 """
-# KEYS: lru, usage. ARGV: voice key prefix, id. 0 if it was not there, else 1; or {kind, nbytes} where a full server
-# refused the counters' writes (it takes deletes, and a script that began full stays so): the caller then counts the
-# voice out once the delete has freed its memory.
+# KEYS: lru, usage. ARGV: voice key prefix, id. 0 if it was not there, else 1; or {kind, nbytes} where the server
+# refused the counters' writes (Redis 7 and Valkey take them after the DEL even when full; an older or stricter server
+# may not): the caller then counts the voice out in calls of their own.
 DELETE = """
 local vkey = ARGV[1] .. ARGV[2]
 local meta = redis.call('HMGET', vkey, 'kind', 'nbytes')

@@ -23,7 +23,6 @@ CLAUSE_MARKS = ",;:，、；：—–…"
 CLOSERS = "\"'”’»)]}）」』》】"
 CJK_TERMINALS = "。！？"
 SENTENCE_TERMINALS = ".!?…" + CJK_TERMINALS  # a flushed buffer ending otherwise is an unfinished sentence
-CLOSERS = "\"')]}’”」』）"  # may follow a sentence's terminal
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\uff00-\uffef]")
 _CLAUSE_END = re.compile(f"[{re.escape(CLAUSE_MARKS)}]+[{re.escape(CLOSERS)}]*")
 

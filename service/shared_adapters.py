@@ -49,10 +49,13 @@ class SharedAdapters:
         source (two registering it at once: the first write stands, the other answers 409 and converges to it)."""
         source = {"uri": uri, "sha256": sha256}
         value = json.dumps(source)
-        if not await self.store.call("adapters", self.store.redis.hsetnx(self.key, name, value)):
+        while not await self.store.call("adapters", self.store.redis.hsetnx(self.key, name, value)):
             held = await self.store.call("adapters", self.store.redis.hget(self.key, name))
-            if held is not None and json.loads(held) != source:
+            if held is None:  # removed between the two calls: try the write again
+                continue
+            if json.loads(held) != source:
                 return False
+            break
         self.sources[name] = source
         return True
 
@@ -78,6 +81,11 @@ class SharedAdapters:
                 failed = self.failed.get(name)
                 if failed is not None and failed[0] == source and time.monotonic() < failed[1]:
                     continue
+                if name in local and name not in self.failed:  # registered again elsewhere (or replayed from
+                    # before): the adapter held under the name is another one, never to be served again
+                    self.sources.pop(name, None)
+                    with contextlib.suppress(LoRANotFoundError):
+                        await state.pool.unregister_lora(name)
                 s = state.settings
                 refusal = local_refusal(s.lora_dir, source["uri"])
                 if refusal is not None:  # this replica's policy on local files holds for others' registrations too
@@ -87,9 +95,6 @@ class SharedAdapters:
                 try:
                     path = await asyncio.to_thread(fetch_adapter, source["uri"], s.cache_path, source["sha256"],
                                                    source_endpoints(s))
-                    if name in local:  # registered again elsewhere (or replayed from before): another adapter now
-                        with contextlib.suppress(LoRANotFoundError):
-                            await state.pool.unregister_lora(name)
                     await state.pool.register_lora(name, str(path))
                 except (AdapterSourceError, PoolError) as e:  # requests naming it get 404 from the workers
                     log.error("adapter %s registered on another replica not taken here (tried again in %d s): %s",

@@ -119,3 +119,8 @@ def test_live_flush_mid_sentence_adds_no_pause():
     assert [(s.text, s.pause) for s in live.flush()] == [("Hel", "none")]
     assert [(s.text, s.pause) for s in live.feed('lo. She said "yes."')] == [("lo.", "sentence")]
     assert [(s.text, s.pause) for s in live.flush()] == [('She said "yes."', "sentence")]
+
+
+def test_clause_cuts_follow_closing_guillemets_and_cjk_brackets():
+    text = "«Bonjour, mon ami,» dit-il lentement, «comment allez-vous?»"
+    assert [s.text for s in split_text(text, 20, "clause")][:2] == ["«Bonjour, mon ami,»", "dit-il lentement,"]
