@@ -88,17 +88,15 @@ if ARGV[3] == '1' then
 end
 return 1
 """
-# KEYS: lru, usage. ARGV: voice key prefix, id. 0 if it was not there, else 1; or {kind, nbytes} where the server
-# refused the counters' writes (Redis 7 and Valkey take them after the DEL even when full; an older or stricter server
-# may not): the caller then counts the voice out in calls of their own.
+# KEYS: lru, usage. ARGV: voice key prefix, id. 1 if it was there. (A full server takes it: once a script has
+# deleted, Redis 7 and Valkey let it write the counters.)
 DELETE = """
 local vkey = ARGV[1] .. ARGV[2]
 local meta = redis.call('HMGET', vkey, 'kind', 'nbytes')
 if not meta[1] then return 0 end
 redis.call('DEL', vkey)
 redis.call('ZREM', KEYS[1], ARGV[2])
-local done = redis.pcall('HINCRBY', KEYS[2], meta[1], -1)
-if type(done) ~= 'number' then return meta end
+redis.call('HINCRBY', KEYS[2], meta[1], -1)
 redis.call('HINCRBY', KEYS[2], 'bytes', -tonumber(meta[2]))
 return 1
 """
@@ -225,13 +223,8 @@ class RedisVoiceStore(VoiceStore):
 
     async def delete(self, voice_id: str) -> bool:
         self._forget(voice_id)
-        out = await self.call("delete", self._delete(keys=[self.lru, self.usage_key],
-                                                     args=[self.voice_prefix, voice_id]))
-        if isinstance(out, list):  # deleted on a full server: its counts now (the delete freed its memory)
-            kind, nbytes = out[0].decode(), int(out[1])
-            await self.call("delete", self.redis.hincrby(self.usage_key, kind, -1))
-            await self.call("delete", self.redis.hincrby(self.usage_key, "bytes", -nbytes))
-        return bool(out)
+        return bool(await self.call("delete", self._delete(keys=[self.lru, self.usage_key],
+                                                            args=[self.voice_prefix, voice_id])))
 
     async def list(self, kind: str | None = None) -> list[VoiceSummary]:
         rows = await self.call("list", self._list(keys=[self.lru], args=[self.voice_prefix, kind or ""]))

@@ -69,6 +69,7 @@ class SharedAdapters:
             return
         async with self.lock:
             shared = await self.registered()
+            self.failed = {n: f for n, f in self.failed.items() if n in shared}
             local = state.pool.client.loras
             for name in [n for n in local if n not in shared]:
                 self.sources.pop(name, None)
@@ -81,8 +82,8 @@ class SharedAdapters:
                 failed = self.failed.get(name)
                 if failed is not None and failed[0] == source and time.monotonic() < failed[1]:
                     continue
-                if name in local and name not in self.failed:  # registered again elsewhere (or replayed from
-                    # before): the adapter held under the name is another one, never to be served again
+                if name in local:  # registered again elsewhere (or replayed from before): the adapter held under
+                    # the name is another one, never to be served again, whether the new one can be taken or not
                     self.sources.pop(name, None)
                     with contextlib.suppress(LoRANotFoundError):
                         await state.pool.unregister_lora(name)

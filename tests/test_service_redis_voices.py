@@ -290,6 +290,22 @@ def test_one_name_registered_on_two_replicas_at_once_ends_as_one_adapter(clients
         assert a.delete(f"/loras/{name}").status_code == 200
 
 
+def test_the_shared_registration_is_first_come(server):
+    """Two replicas' writes of one name: the first stands; the same source again is accepted (idempotent), another is
+    refused (the route's 409), and after a removal the name is free again."""
+    from service.shared_adapters import SharedAdapters
+
+    async def run() -> None:
+        one, two = (SharedAdapters(RedisVoiceStore(server.url, "first-come", 10, 10_000, 0.5)) for _ in range(2))
+        await one.store.redis.flushdb()
+        assert await one.add("n", "file:///a", None) and await two.add("n", "file:///a", None)
+        assert not await two.add("n", "file:///b", None) and await one.registered() == {
+            "n": {"uri": "file:///a", "sha256": None}}
+        assert await one.remove("n") and await two.add("n", "file:///b", None)
+
+    asyncio.run(run())
+
+
 def test_voices_survive_restarting_every_replica_and_the_server(clients, replicas, server, checkpoint, adapter,
                                                                 tmp_path_factory):
     a, b = clients
