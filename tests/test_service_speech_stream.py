@@ -196,7 +196,7 @@ def test_a_client_leaving_mid_stream_frees_every_kv_block(server, leave):
      "session.config: sample_rate: only pcm and wav output can be resampled"),
     ([{"type": "session.config", "voice": "alloy"}], 1008, "voice: unknown voice 'alloy'"),
     ([{"type": "session.config", "max_generate_length": 100000}], 1008,
-     "max_generate_length: 100000 is more than this service can generate"),
+     "session.config: max_generate_length: 100000 is more than this service can generate"),
     ([{"type": "session.config"}, {"type": "input.audio"}], 1008, "type: unknown message type 'input.audio'"),
     ([{"type": "session.config"}, {"type": "input.text", "text": 3}], 1008, "input.text: text must be a string"),
     ([{"type": "session.config"}, {"type": "session.config"}], 1008, "session.config: the session is already"),

@@ -151,6 +151,11 @@ class LiveSession:
         except ValidationError as e:
             raise SessionError(config_error(e), POLICY) from None
         try:
+            params = config.sampling(self.state.model.max_model_len)
+            out_rate = config.output_rate(config.response_format)
+        except HTTPException as e:  # its fields' rules that depend on the deployment: named as the schema's are
+            raise SessionError(f"session.config: {e.detail}", close_code(e.status_code)) from None
+        try:
             lora_name = None
             if config.model not in model_ids(self.state):
                 if config.model not in await adapter_ids(self.state):
@@ -158,8 +163,6 @@ class LiveSession:
                 lora_name = config.model
                 await sync_adapters(self.state)
             cond = await _voice(self.state, config.voice)
-            params = config.sampling(self.state.model.max_model_len)
-            out_rate = config.output_rate(config.response_format)
         except (WebSocketDisconnect, OSError):
             raise
         except Exception as e:
