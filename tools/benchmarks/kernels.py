@@ -217,23 +217,44 @@ FP8_SWEEP: list[fp8_gemm.Fp8Tiles] = [
     (128, 128, 128, 4, 8, 8, False), (128, 64, 128, 4, 4, 8, False), (64, 128, 128, 4, 4, 8, False),
     (128, 256, 128, 3, 8, 8, False), (128, 128, 64, 5, 8, 8, False), (128, 128, 128, 4, 8, 8, True),
     (128, 64, 128, 4, 4, 8, True)]
+# and for the LMs' and LocEnc's few rows (weight-streaming: narrow tiles, many programs)
+FP8_FEW_ROWS_SWEEP: list[fp8_gemm.Fp8Tiles] = [
+    (64, 64, 128, 4, 4, 8, False), (64, 32, 128, 4, 4, 8, False), (128, 32, 128, 4, 4, 8, False),
+    (64, 64, 256, 3, 4, 8, False), (128, 64, 256, 3, 8, 8, False), (64, 32, 256, 4, 4, 8, False),
+    (64, 64, 128, 4, 4, 8, True), (64, 32, 128, 5, 4, 8, True), (128, 32, 128, 5, 4, 8, True)]
+FP8_STACKS = {"fp8": ("DiT",), "fp8lm": ("LM", "LocEnc")}  # --only names -> stacks
 
 
-def bench_fp8(cfg: VoxCPMConfig, batches: list[int], dev: torch.device) -> list[dict]:
-    """The DiT's projections on FP8 weights at each batch's rows: `torch._scaled_mm` (cuBLAS) against the Triton FP8
-    GEMM at each of FP8_SWEEP's tiles; the gate/up projection also as cuBLAS + the fused SiLU-gated quantiser
-    against the Triton GEMM with the gate in its epilogue + the row quantiser (what the down projection reads)."""
+def bench_fp8(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, stacks: tuple[str, ...] = ("DiT",)
+              ) -> list[dict]:
+    """A stack's projections on FP8 weights at each batch's rows: `torch._scaled_mm` (cuBLAS) against the Triton FP8
+    GEMM at each of FP8_SWEEP's tiles (the LMs' and LocEnc's few rows: FP8_FEW_ROWS_SWEEP's too), beside the bf16
+    cuBLAS GEMM the step runs below `fp8_min_rows` and the row quantiser an FP8 GEMM's input needs where no kernel
+    before it quantised it; the gate/up projection also as cuBLAS + the fused SiLU-gated quantiser against the
+    Triton GEMM with the gate in its epilogue + the row quantiser (what the down projection reads)."""
     rows = []
-    for name, (n, k_dim) in zip(("qkv", "o", "gate_up", "down"), layer_shapes(cfg.dit), strict=True):
-        weight = fp8.quantize_weight(torch.randn(n, k_dim, device=dev, dtype=torch.bfloat16) * k_dim ** -0.5)
+    per_stack = {"DiT": (cfg.dit, dit_rows_per_stream(cfg)), "LM": (cfg.lm, 1),
+                 "LocEnc": (cfg.encoder, cfg.patch_size + 1)}
+    for stack, name, (n, k_dim) in ((s, name, shape) for s in stacks for name, shape in zip(
+            ("qkv", "o", "gate_up", "down"), layer_shapes(per_stack[s][0]), strict=True)):
+        bf16_weight = torch.randn(n, k_dim, device=dev, dtype=torch.bfloat16) * k_dim ** -0.5
+        weight = fp8.quantize_weight(bf16_weight)
         gated = name == "gate_up"
         if gated:
             weight = fp8.interleaved(weight)
         weights = [fp8.Fp8Weight(d, weight.scale.clone()) for d in weight_copies(weight.data)]
+        bf16_weights = weight_copies(bf16_weight) if stack != "DiT" else []
+        sweep = FP8_SWEEP + (FP8_FEW_ROWS_SWEEP if stack != "DiT" else [])
         for b in batches:
-            m = b * dit_rows_per_stream(cfg)
-            xq, xs = fp8.quantize_rows(torch.randn(m, k_dim, device=dev, dtype=torch.bfloat16))
-            row: dict[str, object] = {"projection": f"DiT {name}", "batch": b, "rows": m, "n": n, "k": k_dim}
+            m = b * per_stack[stack][1]
+            x = torch.randn(m, k_dim, device=dev, dtype=torch.bfloat16)
+            xq, xs = fp8.quantize_rows(x)
+            row: dict[str, object] = {"projection": f"{stack} {name}", "batch": b, "rows": m, "n": n, "k": k_dim}
+            if bf16_weights:
+                row["bf16_cublas_us"] = round(gemm_us(
+                    (lambda w, x=x, half=n // 2: silu_mul.silu_mul(*F.linear(x, w).split(half, -1))) if gated
+                    else (lambda w, x=x: F.linear(x, w)), bf16_weights), 2)
+                row["quantize_rows_us"] = round(replay_us(lambda x=x: fp8.quantize_rows(x)), 2)
             if gated:  # cuBLAS on the plain weight (the interleaved rows' order does not change its time)
                 row["cublas_silu_quant_us"] = round(gemm_us(
                     lambda w, q=xq, s=xs: fp8.silu_mul_quantized(fp8.scaled_matmul(q, s, w, torch.bfloat16)),
@@ -241,7 +262,7 @@ def bench_fp8(cfg: VoxCPMConfig, batches: list[int], dev: torch.device) -> list[
             row["cublas_us"] = round(gemm_us(lambda w, q=xq, s=xs: fp8.scaled_matmul(q, s, w, torch.bfloat16),
                                              weights), 2)
             best = None
-            for tiles in FP8_SWEEP:
+            for tiles in sweep:
                 if not fp8_gemm.tiles_fit(k_dim, n, tiles, gated):
                     continue
                 try:
@@ -494,7 +515,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--batch", default="1,8,64,128")
     ap.add_argument("--only", default="attention,gemm,layer",
                     help="which benchmarks: attention, gemm, layer, barrier, splitk, mlp (with the fused gated GEMM), "
-                         "vae, fp8 (the DiT's FP8 projections: cuBLAS against the Triton FP8 GEMM's tiles)")
+                         "vae, fp8 (the DiT's FP8 projections: cuBLAS against the Triton FP8 GEMM's tiles), "
+                         "fp8lm (the same for the LMs and LocEnc, beside their bf16 GEMMs)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     cfg = VoxCPMConfig.from_dir(a.model)
@@ -507,7 +529,7 @@ def main(argv: list[str]) -> None:
     barrier = bench_barrier(dev) if "barrier" in only else {}
     mlp_rows = bench_mlp_chunks(cfg, batches, dev, dtype) if "mlp" in only else []
     vae_rows = bench_vae(cfg, batches, dev) if "vae" in only else []
-    fp8_rows = bench_fp8(cfg, batches, dev) if "fp8" in only else []
+    fp8_rows = [r for key, stacks in FP8_STACKS.items() if key in only for r in bench_fp8(cfg, batches, dev, stacks)]
     with torch.inference_mode():  # residual_linear splits only without autograd
         splitk_rows = bench_splitk(cfg, batches, dev, dtype) if "splitk" in only else []
     attention = (("DiT", cfg.dit, dit_rows_per_stream(cfg) // 2, 2), ("LocEnc", cfg.encoder, cfg.patch_size + 1, 1))
