@@ -2,14 +2,15 @@
 
 Covered, in English and Chinese: cardinals, decimals, ordinals, fractions, currency ($ € £ ¥, with cents), dates
 (2025-09-28, 09/28/2025, September 28, 2025, 2025年9月28日), times (3:45 pm, 14:30), units (5 km, 3 kg, 100 km/h),
-percentages, temperatures, phone numbers (digit by digit), decades (1990s) and dotted versions (2.0.1). Words in
-capitals are spoken as words when they can be pronounced (HELLO, NASA) and spelled letter by letter when they cannot
-(FBI, HTML); a mostly-capitals sentence is read as shouting, i.e. as ordinary words.
+percentages, temperatures, phone numbers (digit by digit), years and decades as said (1905 "nineteen oh five", 2000s
+"two thousands") and dotted versions (2.0.1). Words in capitals are spoken as words when they can be pronounced
+(HELLO, NASA) and spelled letter by letter when they cannot (FBI, HTML); a mostly-capitals sentence is read as
+shouting, i.e. as ordinary words.
 
 Text is split into language runs: a run of Latin text with two or more words inside Chinese text (or any text
 without Chinese) goes through wetext's English grammar, everything else through its Chinese one. Our own rules fill
-the grammars' gaps (cents, decades, versions, US dates and phone numbers in Chinese, letter-hyphen-digit such as
-GPT-4, leftover digits through inflect).
+the grammars' gaps (cents, decades, the "oh" of 1905, versions, US dates and phone numbers in Chinese,
+letter-hyphen-digit such as GPT-4, leftover digits through inflect).
 
 Not covered: other languages (left as written), abbreviations beyond the grammars' few (Dr., Mr., No.), Roman
 numerals (left as written), phone numbers written with spaces only in English (read as numbers), context (a capital
@@ -149,7 +150,9 @@ _CURRENCY = {"$": ("dollar", "dollars", "cent", "cents"), "€": ("euro", "euros
              "£": ("pound", "pounds", "penny", "pence"), "¥": ("yen", "yen", None, None)}
 _MONEY = re.compile(r"(?<![\w.])([$€£¥])\s?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d{1,2}))?(?!\.?\d)"
                     r"(?:\s?(thousand|million|billion|trillion)\b)?", re.ASCII)
-_DECADE = re.compile(r"\b(1[1-9]|20)([0-9]0)s\b", re.ASCII)
+_DECADE = re.compile(r"\b(1[1-9]|2[0-9])([0-9]0)s\b", re.ASCII)
+# Years the grammar reads in pairs with "zero" for the 0 (1905: "nineteen zero five"); 2001-2009 it reads "two thousand"
+_YEAR_OH = re.compile(r"(?<![\d.,])(1[0-9]|2[1-9])0([1-9])(?![\d,]|\.\d)", re.ASCII)
 _DOTTED = re.compile(r"(?<![\d.])\d+(?:\.\d+){2,}(?![\d.])", re.ASCII)
 _GRAMMAR_ESCAPE = re.compile(r'\\(["\\])')
 _NUMBER_ABBREV = re.compile(r"\bNo\.\s*(?=\d)", re.ASCII)
@@ -191,6 +194,8 @@ def _money(m: re.Match[str]) -> str:
 
 
 def _decade(m: re.Match[str]) -> str:
+    if m.group(1) == "20" and m.group(2) == "00":  # 2000s: two thousands, as 2000-2009 are "two thousand ..."
+        return "two thousands"
     if m.group(2) == "00":  # 1900s: nineteen hundreds
         return _words(m.group(1)) + " hundreds"
     words = _words(m.group(1)) + " " + _words(m.group(2))  # 1990s: nineteen nineties
@@ -209,7 +214,11 @@ def _english(grammar: Any, text: str) -> str:
     text = _DECADE.sub(_decade, text)
     text = _DOTTED.sub(_dotted, text)
     text = _NUMBER_ABBREV.sub("number ", text)
+    years = {m.group(1, 2) for m in _YEAR_OH.finditer(text)}
     text = _grammar(grammar, text)
+    for century, digit in years:  # 1905: nineteen oh five, as people say it (the grammar says "zero")
+        pair = (_words(century), _words(digit))
+        text = re.sub(rf"\b{pair[0]} zero {pair[1]}\b", f"{pair[0]} oh {pair[1]}", text)
     return _DIGITS.sub(lambda m: _words(m.group()), text)  # what the grammar left
 
 

@@ -44,7 +44,7 @@ CASES = [
     # word
     ('She said "I have 5 cats" to me.', 'She said "I have five cats" to me.'),
     ("A back\\slash and 3 dogs.", "A back\\slash and three dogs."),
-    ("The 1900s and the 2000s.", "The nineteen hundreds and the twenty hundreds."),
+    ("The 1900s and the 2000s.", "The nineteen hundreds and the two thousands."),
     ("Use v2.0.1 now.", "Use v two dot zero dot one now."),
     # words in capitals: spoken when pronounceable, spelled when not, shouting read as words
     ("The NASA and FBI and the USA.", "The nasa and F B I and the U S A."),
@@ -75,6 +75,41 @@ CASES = [
 
 @pytest.mark.parametrize(("written", "spoken"), CASES, ids=[c[0] for c in CASES])
 def test_spoken_forms(written, spoken):
+    assert normalize(written) == spoken
+
+
+# Years and decades as people say them: in pairs, "oh" for a 0 in the tens, "two thousand" for 2000-2009.
+YEARS = [
+    ("the 2000s", "the two thousands"),
+    ("the 2010s", "the twenty tens"),
+    ("the 2020s", "the twenty twenties"),
+    ("the 1900s", "the nineteen hundreds"),
+    ("the 1990s", "the nineteen nineties"),
+    ("the 1800s", "the eighteen hundreds"),
+    ("the 2100s", "the twenty one hundreds"),
+    ("in 2005", "in two thousand five"),
+    ("in 2000", "in two thousand"),
+    ("in 1905", "in nineteen oh five"),
+    ("in 1001", "in ten oh one"),
+    ("in 2105", "in twenty one oh five"),
+    ("in 2020", "in twenty twenty"),
+    ("in 2019", "in twenty nineteen"),
+    ("in 1999", "in nineteen ninety nine"),
+    ("in 1900", "in nineteen hundred"),
+    ("from 1809 to 1909", "from eighteen oh nine to nineteen oh nine"),
+    ("May 1905", "May nineteen oh five"),
+    ("On 1905-09-28 we met.", "On the twenty eighth of september nineteen oh five we met."),
+    ("September 28, 2005", "the twenty eighth of september, two thousand five"),
+    # not years: left as they were
+    ("19050 cats", "nineteen thousand and fifty cats"),
+    ("190.5 cats", "one hundred and ninety point five cats"),
+    ("3005 cats", "three thousand and five cats"),
+    ("at 19:05", "at nineteen o five"),
+]
+
+
+@pytest.mark.parametrize(("written", "spoken"), YEARS, ids=[c[0] for c in YEARS])
+def test_years_and_decades(written, spoken):
     assert normalize(written) == spoken
 
 
