@@ -279,3 +279,45 @@ def test_client_disconnect_aborts_a_blocking_request(server, route):
     after = server.pool_stats()
     assert after.free_slots == before.free_slots
     assert after.steps - before.steps < 1000, (before, after)
+
+
+# A voice that fits max_model_len=256 alone but not with TARGET (~90 tokens; one segment), its longest part the voice's:
+# a ~160-token transcript, or a clip of 28 s (175 patches; a hifi's 16 s is 100 patches twice, prompt and reference).
+TARGET = "word " * 45
+LONG_TRANSCRIPT = "word " * 80
+OVER_LONG_VOICES = {
+    "prompt_id-transcript": ("/add_prompt", 1.0, LONG_TRANSCRIPT, "prompt_id"),
+    "prompt_id-clip": ("/add_prompt", 28.0, "A clip.", "prompt_id"),
+    "hifi_id-transcript": ("/add_hifi", 1.0, LONG_TRANSCRIPT, "hifi_id"),
+    "hifi_id-clip": ("/add_hifi", 16.0, "A clip.", "hifi_id"),
+    "ref_audio_id": ("/add_reference", 28.0, None, "ref_audio_id"),
+    "prompt_wav_base64": (None, 28.0, "A clip.", "prompt_wav_base64"),
+    "ref_audio_wav_base64": (None, 28.0, None, "ref_audio_wav_base64"),
+}
+
+
+@pytest.fixture(scope="module")
+def short_context(checkpoint_factory, tmp_path_factory):
+    with live_server(checkpoint_factory, tmp_path_factory.mktemp("svc-gen-256"), serverpool_max_model_len=256,
+                     warmup=False) as s, httpx.Client(verify=TLS, base_url=s.url, timeout=120) as c:
+        yield c
+
+
+@pytest.mark.parametrize("name", OVER_LONG_VOICES)
+def test_an_over_long_voice_names_the_request_field_it_came_from(short_context, name):
+    """The engine names an over-long prompt's longest part by its own field (prompt_text, prompt_latents,
+    ref_latents); a native route names the voice field of the request: the cached id, or the inline clip."""
+    add_route, seconds, transcript, field = OVER_LONG_VOICES[name]
+    clip = base64.b64encode(wav_bytes(seconds, seed=7)).decode()
+    if add_route is None:
+        voice = {field: clip, **({"prompt_text": transcript} if transcript else {})}
+    else:
+        added = short_context.post(add_route, json={"wav_base64": clip,
+                                                    **({"prompt_text": transcript} if transcript else {})})
+        assert added.status_code == 200, added.text
+        voice = {field: added.json()["reference_id" if field == "ref_audio_id" else field]}
+    r = short_context.post("/generate", json={"target_text": TARGET, "max_generate_length": 2, **voice})
+    assert r.status_code == 400, r.text
+    detail = r.json()["detail"]
+    assert detail.startswith(f"{field}: the prompt (text and voice) is "), detail
+    assert "within max_model_len=256" in detail, detail
