@@ -90,6 +90,11 @@ class EngineOptions:
                                 "FP8 GEMMs: activation rows from which a projection runs as the FP8 GEMM (fewer rows: "
                                 "the bf16 kernels, as without quantization; on an H200 the LMs' 128 rows and the "
                                 "LocEnc's 640 ran slower in FP8, the DiT's 2816 faster).")
+    fp8_gated_min_rows: int = _option("VOXCPM_FP8_GATED_MIN_ROWS", 64, _rows, "With FP8 weights where the gated "
+                                      "FP8 GEMM runs (gated_gemm_min_rows): rows from which a gate/up projection "
+                                      "of fewer than fp8_min_rows rows (the LMs' and LocEnc's decode rows) runs as "
+                                      "that GEMM on the e4m3 weight (an interleaved copy of every stack's), its "
+                                      "product in bf16 for the bf16 down projection; 0: the bf16 kernels.")
     fp8_small_rows: bool = _option("VOXCPM_FP8_SMALL_ROWS", True, _flag, "With FP8 weights: below fp8_min_rows, "
                                    "the one-row GEMV reads the e4m3 weights (bf16 activations, each output channel "
                                    "scaled; H200, B=1: base LM 1.15 -> 0.89 ms); 0: the bf16 weights.")
@@ -175,7 +180,7 @@ class EngineOptions:
         then runs at every row count, in fixed-shape tiles like the other GEMMs, instead of from a row count on."""
         return dataclasses.replace(self, gemv_max_rows=0, skinny_rows=0, gated_gemm_min_rows=0, split_k=False,
                                    attn_split_keys=0, layer_kernel="off", lora_kernel=False, lora_merged_steps=False,
-                                   fp8_min_rows=1)
+                                   fp8_min_rows=1, fp8_gated_min_rows=0)
 
     @property
     def layer_prefetch_bytes(self) -> int:

@@ -9,6 +9,7 @@ row's scale (amax / 448)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 from unittest import mock
@@ -344,6 +345,70 @@ def test_the_dit_mlp_runs_the_gated_fp8_gemm_cuda():
                                    fp8.companion_of(mlp.down_proj.weight))
     assert relative_error(runs[2048], ref) <= 2.0**-5
     assert relative_error(runs[2048], runs[0]) <= 2.0**-5
+
+
+def test_gate_up_calls_below_fp8_min_rows_take_the_gated_fp8_gemm_from_its_row_count():
+    """`fp8_gated_min_rows` <= rows < `fp8_min_rows` on a weight with the gated companion, where the kernels run: the
+    gated FP8 GEMM (the norm before it quantises its rows), over narrow tiles up to FEW_ROWS rows; elsewhere, with
+    the setting 0, without the companion or without the kernels, the bf16 kernels; the batch-invariant mode never."""
+    from engine.ops import fp8_gemm, platform
+
+    weight = torch.randn(256, 128)
+    fp8.attach(weight)
+    fp8.attach_gated(weight)
+    gated = fp8.gated_companion_of(weight)
+    opts = EngineOptions(fp8_min_rows=1024, fp8_gated_min_rows=64)
+    with mock.patch.object(fp8, "current", return_value=opts), \
+            mock.patch.object(platform, "kernels", return_value=True):
+        for lead, runs in (((63,), False), ((64,), True), ((2, 32), True), ((1023,), True), ((1024,), False)):
+            x = torch.zeros(*lead, 128)
+            assert (fp8.gated_few_rows(x, weight) is gated) is runs, lead
+            assert fp8.reads_quantized(x, weight) is (runs or x.numel() >= 1024 * 128), lead
+        assert fp8.gated_few_rows(torch.zeros(100, 128), torch.randn(256, 128)) is None  # no gated companion
+        for rows, tiles in ((64, fp8_gemm.FEW_ROWS_GATED_TILES), (fp8_gemm.FEW_ROWS, fp8_gemm.FEW_ROWS_GATED_TILES),
+                            (fp8_gemm.FEW_ROWS + 1, fp8_gemm.GATED_TILES)):
+            x = torch.randn(rows, 128)
+            fp8.attach_rows(x, *fp8.quantize_rows_reference(x))  # as the norm before it hands them on
+            with mock.patch.object(fp8_gemm, "fp8_matmul", return_value=torch.zeros(rows, 128)) as gemm:
+                assert fp8.gated_linear(x, gated).shape == (rows, 128)
+            assert gemm.call_args.args[5] == tiles and gemm.call_args.kwargs["gated"] is True
+    for other in (dataclasses.replace(opts, fp8_gated_min_rows=0), opts.batch_invariant_kernels()):
+        with mock.patch.object(fp8, "current", return_value=other), \
+                mock.patch.object(platform, "kernels", return_value=True):
+            assert fp8.gated_few_rows(torch.zeros(100, 128), weight) is None
+    with mock.patch.object(fp8, "current", return_value=opts):
+        assert fp8.gated_few_rows(torch.zeros(100, 128), weight) is None  # the CPU: no kernels
+
+
+@pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability() >= (9, 0)),
+                    reason="needs CUDA with tensor descriptors (sm90+): the gated FP8 GEMM")
+def test_an_fp8_mlp_below_fp8_min_rows_runs_the_gated_fp8_gemm_and_a_bf16_down_cuda():
+    """The LMs' decode rows with FP8 weights and the fast accumulation: from `fp8_gated_min_rows` rows the gate/up
+    projection is the gated FP8 GEMM (narrow tiles up to FEW_ROWS rows, the default ones above), its bf16 product
+    read by the bf16 down projection, within the FP8 GEMM's bound of that chain on the dequantised gate/up weight;
+    below it, the bf16 path alone."""
+    from engine import options
+    from engine.config import TransformerConfig
+    from engine.models.minicpm import MLP, attach_gated_companions
+    from engine.ops import fp8_gemm
+
+    torch.manual_seed(12)
+    mlp = MLP(TransformerConfig(hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1,
+                                num_hidden_layers=1, rms_norm_eps=1e-6)).to("cuda", torch.bfloat16)
+    mlp.fuse_projections()
+    fp8.attach(mlp.gate_up_weight)
+    fp8.attach(mlp.down_proj.weight)
+    with options.override(fp8_fast_accum=True, fp8_min_rows=1024, fp8_gated_min_rows=64):
+        assert attach_gated_companions(mlp, torch.nn.Module(), 0, fp8_weights=True) == 1
+        for rows in (32, 64, 128, 300):
+            x = torch.randn(rows, 256, device="cuda").bfloat16()
+            with mock.patch.object(fp8_gemm, "fp8_matmul", wraps=fp8_gemm.fp8_matmul) as gemm:
+                out = mlp(x)
+            assert gemm.call_count == (rows >= 64), rows
+            h = fp8.fp8_linear_reference(x, fp8.companion_of(mlp.gate_up_weight))
+            product = (torch.nn.functional.silu(h[:, :512].float()) * h[:, 512:].float()).bfloat16()
+            ref = product @ mlp.down_proj.weight.t()
+            assert relative_error(out, ref) <= (2.0**-5 if rows >= 64 else 2.0**-7), rows
 
 
 def test_requantize_rewrites_the_gated_companion_in_place():

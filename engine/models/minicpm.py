@@ -21,6 +21,7 @@ from engine.ops.linear import residual_linear
 from engine.ops.lora import LoRAContext, add_lora, add_lora_qkv
 from engine.ops.norm import add_rms_norm, rms_norm
 from engine.ops.silu_mul import silu_mul
+from engine.options import current
 
 # attend(layer_index, q, k, v, rope) -> output with q's leading shape and heads*head_dim last; rope: rotary rows
 # (L, 2, head_dim) that the attention applies to q and k first (inside its kernels where it can), or None.
@@ -142,7 +143,10 @@ class MLP(nn.Module):
         if self.gate_up_weight is not None:
             if (quantized := fp8.mlp_companions(x, self.gate_up_weight, self.down_proj.weight)) is not None:
                 return fp8.fp8_mlp(x, *quantized)  # the gate in the gate/up GEMM or in the quantiser after it
-            gated = linear.silu_gate_linear(x, self.gate_up_weight)
+            if (few_rows := fp8.gated_few_rows(x, self.gate_up_weight)) is not None:
+                gated = fp8.gated_linear(x, few_rows)  # the down projection stays bf16 (no quantiser before it)
+            else:
+                gated = linear.silu_gate_linear(x, self.gate_up_weight)
         else:
             gated = silu_mul(self.gate_proj(x), self.up_proj(x))
         return residual_linear(gated, self.down_proj.weight)
@@ -172,7 +176,7 @@ class DecoderLayer(nn.Module):
             x = x[..., keep, :]
         norm = self.post_attention_layernorm
         x, normed = add_rms_norm(x, h, self.residual_scale, norm.weight, norm.eps,
-                                 quantize=fp8.companion(x, self.mlp.gate_up_weight) is not None)
+                                 quantize=fp8.reads_quantized(x, self.mlp.gate_up_weight))
         h = self.mlp(normed)
         return add_rms_norm(x, h, self.residual_scale, next_norm.weight, next_norm.eps,
                             quantize=fp8.companion(x, next_weight) is not None)
@@ -189,11 +193,26 @@ def fuse_projections(module: nn.Module) -> None:
             m.stack_layer_weights()
 
 
-def attach_gated_gemm(module: nn.Module) -> int:
+def attach_gated_companions(backbone: nn.Module, dit: nn.Module, dit_rows: int, fp8_weights: bool) -> int:
+    """Which MLPs get their gated GEMM's companion (`attach_gated_gemm`): with FP8 weights and `fp8_gated_min_rows`
+    every stack's (their decode rows run the gated FP8 GEMM from that many rows), else the DiT's where its rows at
+    max_num_seqs (`dit_rows`) reach the gated GEMM's (`fp8_min_rows` on FP8 weights, `gated_gemm_min_rows` in bf16);
+    none where `gated_gemm_min_rows` is 0. Returns how many weights have one."""
+    opts = current()
+    if not opts.gated_gemm_min_rows:
+        return 0
+    if fp8_weights and opts.fp8_gated_min_rows:
+        return attach_gated_gemm(backbone, fp8_only=True)
+    if dit_rows >= (opts.fp8_min_rows if fp8_weights else opts.gated_gemm_min_rows):
+        return attach_gated_gemm(dit)
+    return 0
+
+
+def attach_gated_gemm(module: nn.Module, fp8_only: bool = False) -> int:
     """Give the fused gate/up weight of every MLP under `module` (after `fuse_projections`, and after
     `quantize_projections`) the interleaved companion its gated GEMM reads: on FP8 weights the gated FP8 GEMM's
-    (`fp8.attach_gated`, where `fp8_gemm.gated_supported`), else the bf16 one (`engine.ops.gated_gemm`, where its
-    tiles divide the weight); idempotent. Returns how many weights have one."""
+    (`fp8.attach_gated`, where `fp8_gemm.gated_supported`), else (unless `fp8_only`) the bf16 one
+    (`engine.ops.gated_gemm`, where its tiles divide the weight); idempotent. Returns how many weights have one."""
     count = 0
     for m in module.modules():
         if not isinstance(m, MLP) or (w := m.gate_up_weight) is None:
@@ -203,7 +222,7 @@ def attach_gated_gemm(module: nn.Module) -> int:
                 if fp8.gated_companion_of(w) is None:
                     fp8.attach_gated(w)
                 count += 1
-        elif gated_gemm.shape_ok(w):
+        elif not fp8_only and gated_gemm.shape_ok(w):
             if gated_gemm.companion_of(w) is None:
                 gated_gemm.attach(w)
             count += 1

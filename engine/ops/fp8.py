@@ -15,6 +15,10 @@
   Where the fused weight has the gated companion (`attach_gated`: the DiT's, on Blackwell, and on Hopper with the fast
   accumulation), the gate/up GEMM is the Triton FP8 GEMM with the gate in its epilogue (`engine.ops.fp8_gemm`, its
   partial sums promoted as `fp8_fast_accum` says), and only the product is quantised.
+- Below `fp8_min_rows`, from `fp8_gated_min_rows` rows (the LMs' and LocEnc's decode rows), a gate/up weight with the
+  gated companion (then attached to every stack's) runs as the gated FP8 GEMM over narrow tiles (`gated_linear`), its
+  rows quantised by the norm before it; the product stays bf16 for the bf16 down GEMM (a row quantiser before the
+  down GEMM costs what its FP8 GEMM saves at these rows).
 
 A weight's companion (`Fp8Weight`) is an attribute of the weight tensor itself (`FP8_ATTR`): `engine.ops.linear`
 is handed the same tensor objects every call, so finding it costs a getattr, allocates nothing and never waits for
@@ -245,6 +249,32 @@ def attach_gated(gate_up: torch.Tensor) -> None:
 
 def gated_companion_of(gate_up: torch.Tensor | None) -> Fp8Weight | None:
     return getattr(gate_up, GATED_ATTR, None)
+
+
+def gated_few_rows(x: torch.Tensor, gate_up: torch.Tensor | None) -> Fp8Weight | None:
+    """The gated companion a gate/up call on x of fewer than `fp8_min_rows` rows runs on (`gated_linear`): where the
+    weight has one, x has at least `fp8_gated_min_rows` rows (EngineOptions; 0: never) and the kernels run on its
+    device; else None (the bf16 kernels). Host-side shapes only."""
+    gated = gated_companion_of(gate_up)
+    opts = current()
+    rows = x.numel() // max(1, x.shape[-1])
+    if gated is None or not opts.fp8_gated_min_rows or not opts.fp8_gated_min_rows <= rows < opts.fp8_min_rows:
+        return None
+    return gated if platform.kernels(x) else None
+
+
+def reads_quantized(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """Whether the call of `weight` on x quantises x's rows (so the norm that makes x may do it: `attach_rows`)."""
+    return companion(x, weight) is not None or gated_few_rows(x, weight) is not None
+
+
+def gated_linear(x: torch.Tensor, gated: Fp8Weight) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) in x's dtype by the gated FP8 GEMM on the interleaved e4m3 weight, x's rows
+    quantised (by the norm that made them, where it did); narrow tiles up to `fp8_gemm.FEW_ROWS` rows."""
+    x_fp8, x_scale = quantized(x)
+    tiles = fp8_gemm.FEW_ROWS_GATED_TILES if x_fp8.shape[0] <= fp8_gemm.FEW_ROWS else fp8_gemm.GATED_TILES
+    out = fp8_gemm.fp8_matmul(x_fp8, x_scale, gated.data, gated.scale, x.dtype, tiles, gated=True)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def small_rows_companion(weight: torch.Tensor | None) -> Fp8Weight | None:

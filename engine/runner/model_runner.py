@@ -20,7 +20,7 @@ from engine.block_manager import BlockManager
 from engine.engine_config import EngineConfig
 from engine.io.checkpoint import LoadedModel
 from engine.models import dit_rows_per_stream
-from engine.models.minicpm import attach_gated_gemm, fuse_projections, quantize_projections
+from engine.models.minicpm import attach_gated_companions, fuse_projections, quantize_projections
 from engine.ops import layer_stack, vae_conv
 from engine.options import current
 from engine.runner.attention import PagedKVCache, select_backend
@@ -74,9 +74,9 @@ class ModelRunner:
         quantized = quantize_projections(model.backbone, config.quantization, device)
         if config.quantization:
             log.info("quantization %s: projection weights %s", config.quantization, quantized)
-        if device.type == "cuda" and opts.fuse and opts.gated_gemm_min_rows and max_num_seqs * dit_rows_per_stream(
-                model.config) >= (opts.fp8_min_rows if quantized["fp8_gemm"] else opts.gated_gemm_min_rows):
-            attach_gated_gemm(model.backbone.feat_decoder)  # only the DiT's MLPs reach such rows; bf16 or FP8
+        if device.type == "cuda" and opts.fuse:  # the gated GEMMs' interleaved weights, where rows will reach them
+            attach_gated_companions(model.backbone, model.backbone.feat_decoder,
+                                    max_num_seqs * dit_rows_per_stream(model.config), bool(quantized["fp8_gemm"]))
         # Runtime LoRA adapters: their slots exist before KV sizing and graph capture, which then include them.
         self.lora = LoRASlots(model.backbone, model.config.architecture, config.max_loras,
                               config.max_lora_rank, device, self.dtype, opts.lora_merged_steps,
