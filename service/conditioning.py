@@ -13,7 +13,7 @@ from fastapi import HTTPException
 
 from engine import RequestError
 from engine.io.audio import AudioError, clip_duration
-from service.errors import http_error
+from service.errors import ENGINE_REF_FIELDS, http_error
 from service.schemas import GenerateRequest
 from service.state import ServiceState
 
@@ -112,21 +112,21 @@ async def resolve(state: ServiceState, req: GenerateRequest) -> Conditioning:
         elif req.hifi_id is not None:
             v = await voice_of(state, req.hifi_id, "hifi", "hifi_id")
             cond.prompt_latents, cond.prompt_text, cond.ref_latents = v.prompt_latents, v.prompt_text, v.ref_latents
-            cond.terms.update(prompt_text="hifi_id", prompt_latents="hifi_id", ref_latents="hifi_id")
+            cond.terms.update(dict.fromkeys(("prompt_text", "prompt_latents", *ENGINE_REF_FIELDS), "hifi_id"))
 
     async def reference() -> None:
         if req.ref_audio_wav_base64 is not None:
             data = await b64decode(req.ref_audio_wav_base64, "ref_audio_wav_base64")
             cond.ref_latents = await encode_clip(state, data, req.ref_audio_wav_format, "right",
                                                  "ref_audio_wav_base64")
-            cond.terms["ref_latents"] = "ref_audio_wav_base64"
+            cond.terms.update(dict.fromkeys(ENGINE_REF_FIELDS, "ref_audio_wav_base64"))
         elif req.ref_audio_latents_base64 is not None:
             raw = await b64decode(req.ref_audio_latents_base64, "ref_audio_latents_base64")
             cond.ref_latents = check_latents(state, raw, "ref_audio_latents_base64")
-            cond.terms["ref_latents"] = "ref_audio_latents_base64"
+            cond.terms.update(dict.fromkeys(ENGINE_REF_FIELDS, "ref_audio_latents_base64"))
         elif req.ref_audio_id is not None:
             cond.ref_latents = (await voice_of(state, req.ref_audio_id, "reference", "ref_audio_id")).ref_latents
-            cond.terms["ref_latents"] = "ref_audio_id"
+            cond.terms.update(dict.fromkeys(ENGINE_REF_FIELDS, "ref_audio_id"))
 
     await asyncio.gather(prompt(), reference())  # both clips encode concurrently
     return cond

@@ -49,10 +49,14 @@ OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_
 OPENAI_CODES = {401: "invalid_api_key", 404: "not_found", 413: "request_too_large", 503: "overloaded"}
 
 
+# The engine names a request's reference audio by its latents (`ref_latents`, `ref_audio_latents`) or, refusing it on a
+# model without reference conditioning (VoxCPM1.x), as `ref_audio`: each is the route's field of the reference.
+ENGINE_REF_FIELDS = ("ref_latents", "ref_audio_latents", "ref_audio")
 # The engine's request fields a message may start with (`prompt_parts` names the longest part of an over-long
 # prompt), in the words of the routes whose fields differ: OpenAI's speech route and the live session take the text as
 # `input` / `input.text` and every voice as one `voice`; a native request's voice fields are its own (`Conditioning`).
-OPENAI_TERMS = {"target_text": "input", "prompt_text": "voice", "prompt_latents": "voice", "ref_latents": "voice"}
+OPENAI_TERMS = {"target_text": "input", "prompt_text": "voice", "prompt_latents": "voice",
+                **dict.fromkeys(ENGINE_REF_FIELDS, "voice")}
 LIVE_TERMS = {**OPENAI_TERMS, "target_text": "input.text"}  # (its config's voice errors say "voice: ..." too)
 
 

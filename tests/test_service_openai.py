@@ -14,7 +14,15 @@ import openai
 import pytest
 import soundfile as sf
 
-from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, TLS, live_server, wav_bytes
+from tests.service_harness import (
+    SAMPLE_RATE,
+    SAMPLES_PER_PATCH,
+    TLS,
+    LiveServer,
+    live_server,
+    service_settings,
+    wav_bytes,
+)
 
 N = 3  # patches per request (max_generate_length)
 EXTRA = {"max_generate_length": N, "seed": 1}
@@ -184,7 +192,8 @@ def test_voices_endpoint_lists_default_first(server):
         assert c.get("/v1/audio/voices").json()["voices"][0]["id"] == "default"
 
 
-@pytest.mark.parametrize("engine_field", ["prompt_text", "prompt_latents", "ref_latents"])
+@pytest.mark.parametrize("engine_field", ["prompt_text", "prompt_latents", "ref_latents", "ref_audio_latents",
+                                          "ref_audio"])
 def test_an_engine_message_about_the_voice_names_voice_here(engine_field):
     """The engine names the longest part of an over-long prompt by its own field; OpenAI's route (and the live
     session) take every voice as one `voice`."""
@@ -207,3 +216,26 @@ def test_a_voice_id_longer_than_any_id_is_refused_not_echoed(server):
     assert openai_route.status_code == 422 and openai_route.json()["error"]["param"] == "voice", openai_route.text[:300]
     assert native.status_code == 422 and native.json()["detail"][0]["loc"][-1] == "prompt_id", native.text[:300]
     assert len(openai_route.content) < 10_000 and len(native.content) < 10_000
+
+
+def test_a_reference_on_a_model_without_one_names_the_field_given(checkpoint_factory, tmp_path):
+    """VoxCPM1.x takes no reference audio: the engine refuses it as `ref_audio`, which is `voice` here and the
+    request's own reference field on a native route (a hifi or reference voice can be cached there all the same)."""
+    checkpoint = checkpoint_factory("tiny-voxcpm1.5", stop="never")
+    server = LiveServer(service_settings(checkpoint, tmp_path, voice_store="memory", warmup=False)).start()
+    refused = "reference audio is only supported by VoxCPM2 models"
+    clip = base64.b64encode(wav_bytes(1.0)).decode()
+    try:
+        with httpx.Client(verify=TLS, base_url=server.url, timeout=60) as c:
+            hifi = c.post("/add_hifi", json={"wav_base64": clip, "prompt_text": "A clip."}).json()
+            for voice in (hifi["hifi_id"], hifi["reference_id"]):
+                r = c.post("/v1/audio/speech", json={"model": "tts-1", "input": "Hi.", "voice": voice, **EXTRA})
+                err = r.json()["error"]
+                assert r.status_code == 400 and err["param"] == "voice", err
+                assert err["message"] == f"voice: {refused}", err
+            for field, value in (("hifi_id", hifi["hifi_id"]), ("ref_audio_id", hifi["reference_id"]),
+                                 ("ref_audio_wav_base64", clip)):
+                r = c.post("/generate", json={"target_text": "Hi.", field: value, **EXTRA})
+                assert r.status_code == 400 and r.json()["detail"] == f"{field}: {refused}", r.text
+    finally:
+        server.stop()
