@@ -273,6 +273,11 @@ def test_a_name_registered_again_is_the_new_adapter_on_every_replica(clients, ad
     assert a.delete("/loras/again").status_code == 200
 
 
+def registered_already(name: str) -> str:
+    return (f"lora_name: {name!r} is registered already from another source (replicas share their registrations); "
+            "unregister it first")
+
+
 def test_one_name_registered_on_two_replicas_at_once_ends_as_one_adapter(clients, adapter, other_adapter):
     """Both replicas register one name from different sources at the same time: one answers 200, the other 409
     naming lora_name, and both then serve the winner's adapter."""
@@ -288,6 +293,22 @@ def test_one_name_registered_on_two_replicas_at_once_ends_as_one_adapter(clients
         assert loser.json()["detail"].startswith("lora_name: "), loser.text
         assert pcm(a, lora_name=name) == pcm(b, lora_name=name)
         assert a.delete(f"/loras/{name}").status_code == 200
+
+
+def test_a_name_registered_long_ago_on_another_replica_is_a_409(clients, replicas, server, other_adapter):
+    """A name another replica registered earlier from another source, which this replica could not take (here: a
+    path outside its NANOVLLM_LORA_DIR): 409 naming lora_name, saying so without claiming it happened meanwhile; its
+    own adapter is served nowhere."""
+    a, b = clients
+    # as a replica that mounts another directory would have written it
+    redis.Redis(port=server.port).hset(replicas[1].state.shared_adapters.key, "old",
+                                       '{"uri": "file:///elsewhere/old", "sha256": null}')
+    r = b.post("/loras", json={"lora_name": "old", "lora_uri": f"file://{other_adapter}"})
+    assert r.status_code == 409 and r.json()["detail"] == (
+        "lora_name: 'old' is registered already from another source (replicas share their registrations); "
+        "unregister it first"), r.text
+    assert b.post("/generate_blocking", json={**GEN, "lora_name": "old"}).status_code == 404
+    assert b.delete("/loras/old").status_code == 200
 
 
 def test_the_shared_registration_is_first_come(server):

@@ -34,23 +34,26 @@ async def register_lora(req: RegisterLoRARequest, state: LoadedState) -> LoRAInf
     except AdapterSourceError as e:
         raise HTTPException(400, e.for_fields({"uri": "lora_uri", "sha256": "sha256"})) from e
     await sync_adapters(state)  # the store answers before anything changes
+    shared = state.shared_adapters
     try:
         described = LoRAInfo.model_validate(await state.pool.register_lora(req.lora_name, str(local)))
     except PoolError as e:
         raise http_error(e) from e
-    if state.shared_adapters is not None:
+    if shared is not None:
         try:
-            shared = await state.shared_adapters.add(req.lora_name, req.lora_uri, req.sha256)
-        except VoiceStoreUnavailable:  # not shared: not registered anywhere
+            if not await shared.add(req.lora_name, req.lora_uri, req.sha256):
+                raise registered_already(req.lora_name)  # another replica's registration, from another source
+        except (VoiceStoreUnavailable, HTTPException):  # not shared: registered on no replica, this one included
             with contextlib.suppress(PoolError):
                 await state.pool.unregister_lora(req.lora_name)
             raise
-        if not shared:  # another replica registered the name first, with another source: theirs stands
-            with contextlib.suppress(PoolError):
-                await state.pool.unregister_lora(req.lora_name)
-            raise HTTPException(409, f"lora_name: {req.lora_name!r} was registered on another replica meanwhile, "
-                                     "from another source; unregister it first")
     return described
+
+
+def registered_already(lora_name: str) -> HTTPException:
+    """The shared registration of the name, from another source, stands (registered just now or long ago)."""
+    return HTTPException(409, f"lora_name: {lora_name!r} is registered already from another source (replicas share "
+                              "their registrations); unregister it first")
 
 
 @router.get("/loras", response_model=LoRAList)
