@@ -59,6 +59,12 @@ class SharedAdapters:
         self.sources[name] = source
         return True
 
+    def holds_other(self, name: str, uri: str, sha256: str | None) -> bool:
+        """Whether this process's workers hold the name's shared registration from another source (as of the last
+        sync)."""
+        held = self.sources.get(name)
+        return held is not None and held != {"uri": uri, "sha256": sha256}
+
     async def remove(self, name: str) -> bool:
         self.sources.pop(name, None)
         return bool(await self.store.call("adapters", self.store.redis.hdel(self.key, name)))

@@ -35,6 +35,8 @@ async def register_lora(req: RegisterLoRARequest, state: LoadedState) -> LoRAInf
         raise HTTPException(400, e.for_fields({"uri": "lora_uri", "sha256": "sha256"})) from e
     await sync_adapters(state)  # the store answers before anything changes
     shared = state.shared_adapters
+    if shared is not None and shared.holds_other(req.lora_name, req.lora_uri, req.sha256):
+        raise registered_already(req.lora_name)  # taken by the sync (not the engine's 400 of a name it holds)
     try:
         described = LoRAInfo.model_validate(await state.pool.register_lora(req.lora_name, str(local)))
     except PoolError as e:
@@ -42,7 +44,7 @@ async def register_lora(req: RegisterLoRARequest, state: LoadedState) -> LoRAInf
     if shared is not None:
         try:
             if not await shared.add(req.lora_name, req.lora_uri, req.sha256):
-                raise registered_already(req.lora_name)  # another replica's registration, from another source
+                raise registered_already(req.lora_name)  # by another replica since the sync: the first stands
         except (VoiceStoreUnavailable, HTTPException):  # not shared: registered on no replica, this one included
             with contextlib.suppress(PoolError):
                 await state.pool.unregister_lora(req.lora_name)
