@@ -7,6 +7,9 @@ stream, in order. docs/long-form.md has the rules; in short:
   its chunks are read into a queue as they come, whatever the listener's pace.
 - Joined: silence trimmed at the edges where two segments meet, short fades there, a pause between them (longer
   after a paragraph); no loudness normalisation. The first segment's start and the last one's end stay as generated.
+- Fitted: every segment fits max_model_len. One that cannot with the request's own voice is refused before any
+  audio; where a later one with the first segment carried would not fit, less is carried (the first segment's
+  audio as a reference, or nothing), never less text.
 - Bad cases: a segment whose patches reach `badcase_ratio` per text token is generated again with the next seed, up
   to `badcase_tries` times; a segment is then held back until it is done.
 
@@ -20,6 +23,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import re
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator
@@ -29,11 +33,13 @@ import numpy as np
 from fastapi import HTTPException
 
 from engine import GenerationStream, OverloadedError, PoolError, SamplingParams, SynthesisRequest
-from engine.vocabulary import SAMPLING_LIMITS
+from engine.io.tokenizer import text_tokens_many
+from engine.serving.stream import text_ids, tokenizable
+from engine.vocabulary import SAMPLING_LIMITS, TextIds
 from service import synthesis
 from service.audio import make_encoder, sse_event
 from service.conditioning import Conditioning
-from service.errors import http_error
+from service.errors import http_error, in_route_terms
 from service.normalize import normalize
 from service.segmenter import Granularity, Segment, split_text
 from service.settings import BaseServiceSettings
@@ -47,6 +53,11 @@ TIMINGS_HEADER = "X-Segment-Timings"
 # buffer must hold it, e.g. nginx `proxy_buffer_size 16k`; Python's http.client refuses a header line past 64 KiB).
 MAX_HEADER_TIMINGS = 128
 VOICE_DESIGN = re.compile(r"^\s*\([^()]*\)")  # "(description)text": the description leads the first segment only
+# The engine's length cap of one generation (engine/prompt.py, max_patches): 6 patches per target text token plus 10.
+CAP_PER_TOKEN, CAP_EXTRA = 6.0, 10
+REF_MARKERS = 2  # the reference's start and end tokens around its patches (engine/prompt.py)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -102,6 +113,42 @@ def split_design(text: str) -> tuple[str, str]:
     """'(description)text' -> ('(description)', 'text'); no description -> ('', text)."""
     m = VOICE_DESIGN.match(text)
     return (m.group(0), text[m.end():]) if m else ("", text)
+
+
+@dataclass(frozen=True)
+class Positions:
+    """What one generation takes of a sequence, counted as the engine counts it (engine/prompt.py and the scheduler's
+    never_fits): its prompt (text, voice and markers) and the patches it may generate."""
+
+    prompt: int
+    cap: int
+    text: int  # the prompt's text tokens (the target's, with a continuation prompt's transcript)
+
+    def fits(self, limit: int) -> bool:
+        return self.prompt < limit and self.prompt + self.cap <= limit
+
+
+def position_limit(state: ServiceState) -> int:
+    """The longest sequence a worker runs: max_model_len, or fewer where its KV cache holds fewer positions."""
+    info = state.model
+    cache = info.kv_blocks * info.block_size
+    return min(info.max_model_len, cache) if cache > 0 else info.max_model_len
+
+
+def latent_patches(state: ServiceState, latents: np.ndarray | bytes | None) -> int:
+    if latents is None:
+        return 0
+    frames = len(latents) // state.frame_bytes if isinstance(latents, bytes) else len(latents)
+    return frames // state.model.patch_size
+
+
+def positions(state: ServiceState, request: SynthesisRequest, ids: TextIds) -> Positions:
+    text = len(ids.text if ids.text is not None else ids.target)
+    ref = request.ref_latents
+    prompt = ((latent_patches(state, ref) + REF_MARKERS if ref is not None else 0) + text + 1
+              + latent_patches(state, request.prompt_latents))
+    cap = min(int(len(ids.target) * CAP_PER_TOKEN + CAP_EXTRA), request.params.max_generate_length)
+    return Positions(prompt, cap, text)
 
 
 class EdgeShaper:
@@ -160,15 +207,18 @@ class SegmentJob:
         self.text = segment.text  # as spoken: normalised per segment when asked (timings stay on the written text)
         self.task = asyncio.ensure_future(self._run())
 
-    def request(self, attempt: int, prompt: tuple[np.ndarray, str] | None) -> SynthesisRequest:
+    async def request(self, attempt: int, prompt: tuple[np.ndarray, str] | None) -> SynthesisRequest:
         sp, cond = self.speech, self.speech.cond
         text = (sp.design + self.text) if self.segment.index == 0 else self.text
         params = dataclasses.replace(sp.params, seed=next_seed(sp.params.seed, attempt))
         prompt_latents, prompt_text = cond.prompt_latents, cond.prompt_text
         if prompt is not None:
             prompt_latents, prompt_text = prompt
-        return SynthesisRequest(text, prompt_text, prompt_latents, None, cond.ref_latents, params, sp.lora_name,
-                                return_latents=sp.continues and self.segment.index == 0)
+        request = SynthesisRequest(text, prompt_text, prompt_latents, None, cond.ref_latents, params, sp.lora_name,
+                                   return_latents=sp.continues and self.segment.index == 0)
+        # the first segment is refused before any audio if it does not fit; a later one must never fail mid-stream
+        anchor = prompt[0] if prompt is not None else None
+        return request if self.segment.index == 0 else await sp.fitted(request, self.segment, anchor)
 
     async def _run(self) -> None:
         sp = self.speech
@@ -179,7 +229,8 @@ class SegmentJob:
             for attempt in range(sp.options.badcase_tries if sp.options.retry_badcase else 1):
                 self.tries = attempt + 1
                 # only the first segment may be refused for a full queue: a later one continues an admitted stream
-                stream = sp.state.pool.submit(self.request(attempt, prompt), None, bounded=self.segment.index == 0)
+                stream = sp.state.pool.submit(await self.request(attempt, prompt), None,
+                                              bounded=self.segment.index == 0)
                 self.request_id = self.request_id or stream.request_id
                 held: list[np.ndarray] = []
                 try:
@@ -246,6 +297,43 @@ class LongFormSpeech:
     def count_audio(self, samples: int) -> None:
         if samples:
             self.state.metrics.audio_seconds.labels(self.route).inc(samples / self.sample_rate)
+
+    async def fitted(self, request: SynthesisRequest, segment: Segment, anchor: np.ndarray | None) -> SynthesisRequest:
+        """A later segment's request made to fit the sequence the engine runs (refused there, it would cut the stream
+        half-way). `anchor`: the first segment's latents it carries as its continuation prompt, kept whole where
+        they fit with their transcript; else carried alone as the reference (VoxCPM2: as many of its first patches as
+        fit; a request's own reference is kept instead); else not carried. A text that cannot fit even alone (known
+        only at its turn: a normalised one, a live session's; written ones were checked before any audio) gets the
+        length cap that fits. Tokenized here, so the client sends these ids as they are."""
+        tokenizer = self.state.pool.client.tokenizer
+        if tokenizer is None or not tokenizable(request):
+            return request
+        ids = await asyncio.to_thread(text_ids, tokenizer, request)
+        if ids is None:  # a text the tokenizer refuses: the engine refuses it, naming the field
+            return request
+        request = dataclasses.replace(request, text_ids=ids)
+        limit = position_limit(self.state)
+        if positions(self.state, request, ids).fits(limit):
+            return request
+        if anchor is not None:
+            ids = TextIds(ids.target)
+            request = dataclasses.replace(request, prompt_text="", prompt_latents=None, text_ids=ids)
+            alone = positions(self.state, request, ids)
+            room = limit - alone.prompt - alone.cap - REF_MARKERS
+            if request.ref_latents is None and self.state.model.version >= 2 and room > 0:
+                kept = min(latent_patches(self.state, anchor), room)
+                log.info("%s segment %d: the first segment's audio carried as a %d-patch reference (with its "
+                         "transcript it exceeds %d positions)", self.request_id, segment.index, kept, limit)
+                return dataclasses.replace(request, ref_latents=anchor[:kept * self.state.model.patch_size])
+            log.info("%s segment %d: the first segment's audio not carried (it exceeds %d positions)",
+                     self.request_id, segment.index, limit)
+        need = positions(self.state, request, ids)
+        if need.fits(limit) or need.prompt >= limit:  # no room at all: the engine refuses it, naming the field
+            return request
+        log.warning("%s segment %d: its length cap lowered from %d to %d patches to fit %d positions",
+                    self.request_id, segment.index, need.cap, limit - need.prompt, limit)
+        return dataclasses.replace(request, params=dataclasses.replace(request.params,
+                                                                       max_generate_length=limit - need.prompt))
 
     async def _next_job(self, first: SegmentJob | None) -> SegmentJob | None:
         segment = await anext(self.segments, None)
@@ -417,6 +505,47 @@ async def start(state: ServiceState, route: str, segments: list[Segment], cond: 
     return gen
 
 
+def _limit_words(state: ServiceState, limit: int) -> str:
+    mml = state.model.max_model_len
+    return f"max_model_len={mml}" if limit == mml else f"the KV cache's {limit} positions (max_model_len={mml})"
+
+
+async def check_segments_fit(state: ServiceState, segments: list[Segment], cond: Conditioning,
+                             params: SamplingParams, design: str) -> None:
+    """Refuse before any audio a text with a segment that cannot be generated with the request's own voice: the engine
+    would refuse it only when its turn comes, mid-stream. (What a later segment carries of the first is shortened
+    to fit as it goes: `LongFormSpeech.fitted`.) The message starts with the field to change, in engine terms."""
+    tokenizer = state.pool.client.tokenizer
+    if tokenizer is None:
+        return
+    continuation = cond.prompt_latents is not None
+    texts = [((design if s.index == 0 else "") + s.text, cond.prompt_text, continuation) for s in segments]
+    tokens = await asyncio.to_thread(text_tokens_many, tokenizer, texts)
+    voice = SynthesisRequest("", cond.prompt_text, cond.prompt_latents, None, cond.ref_latents, params)
+    limit = position_limit(state)
+    for segment, ids in zip(segments, tokens, strict=True):
+        if isinstance(ids, Exception):  # a text the tokenizer refuses: the engine refuses it, naming the field
+            continue
+        need = positions(state, voice, TextIds(*ids))
+        if need.fits(limit):
+            continue
+        where = f"segment {segment.index + 1} of {len(segments)} (characters {segment.start}-{segment.end})"
+        if need.prompt < limit:
+            message = (f"max_generate_length: {where} is a prompt of {need.prompt} tokens (text and voice) plus up "
+                       f"to {need.cap} patches, which exceeds {_limit_words(state, limit)}: each segment of a long "
+                       f"text is one generation, here of at most {limit - need.prompt} patches")
+        else:
+            target = len(ids[0])
+            parts = {"prompt_text": need.text - target, "prompt_latents": latent_patches(state, cond.prompt_latents),
+                     "ref_latents": latent_patches(state, cond.ref_latents)}
+            longest = max(parts, key=parts.__getitem__)
+            field = longest if parts[longest] > target else "target_text"
+            message = (f"{field}: {where} is a prompt of {need.prompt} tokens ({target} of text, "
+                       f"{need.prompt - target} of voice), which leaves no room to generate within "
+                       f"{_limit_words(state, limit)}")
+        raise HTTPException(422, in_route_terms(message, cond.terms))
+
+
 def check_length(state: ServiceState, text: str, field: str, counted: str = "") -> None:
     """`counted`: what the count covers when more than `field` ("input and instructions")."""
     limit = state.settings.max_text_chars
@@ -451,6 +580,8 @@ async def generate(state: ServiceState, route: str, text: str, cond: Conditionin
     if len(segments) <= 1 and not retry_badcase and not timings:
         return await synthesis.start(state, route, design + text, cond, params, fmt, sse=sse, lora_name=lora_name,
                                      normalize=normalize, speed=speed, sample_rate=sample_rate)
+    if not normalize:  # a normalised segment is known only when its turn comes (`LongFormSpeech.fitted`)
+        await check_segments_fit(state, segments, cond, params, design)
     options = LongFormOptions.from_settings(state.settings, blocking if retry_badcase is None else retry_badcase)
     return await start(state, route, segments, cond, params, fmt, options, sse=sse, lora_name=lora_name,
                        design=design, normalize=normalize, speed=speed, sample_rate=sample_rate)

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from engine import SamplingParams, SynthesisRequest
+from engine.io.tokenizer import text_tokens
 from service.longform import next_seed
+from service.normalize import normalize
 from service.segmenter import split_text
 from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, TLS, LiveServer, service_settings, wav_bytes
 
@@ -220,3 +222,126 @@ def test_the_text_limit_counts_input_and_instructions_as_sent(client, server):
     body = {"model": "tts-1", "input": "x" * (limit - 10), "instructions": "y" * 11}
     r = client.post("/v1/audio/speech", json=body)
     assert r.status_code == 422 and f"{limit + 1} characters (input and instructions)" in r.json()["error"]["message"]
+
+
+# --- every segment fits max_model_len -----------------------------------------------------------------------------
+# Segments near the largest size (1000) on a model of max_model_len 512: a later segment's prompt with the first
+# segment carried (its text and audio) exceeds it, which the engine refused when that segment's turn came (the stream
+# cut half-way, or a blocking route's 400 after the whole text was generated).
+FIT_LEN = 512
+PARAGRAPH = "The quick brown fox jumps over the lazy dog near the river bank today. " * 13
+
+
+@pytest.fixture(scope="module")
+def fit_server(checkpoint_factory, tmp_path_factory):
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    s = LiveServer(service_settings(ckpt, tmp_path_factory.mktemp("svc-long-fit"), serverpool_max_model_len=FIT_LEN,
+                                    voice_store="memory", segment_chars=1000, segment_pause_ms=0,
+                                    paragraph_pause_ms=0, segment_fade_ms=0)).start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def fit_client(fit_server):
+    with httpx.Client(verify=TLS, base_url=fit_server.url, timeout=300) as c:
+        yield c
+
+
+def tokens(server: LiveServer, text: str, prompt_text: str = "") -> int:
+    """The prompt's text tokens as the engine counts them (the target's, with a transcript's)."""
+    target, both = text_tokens(server.state.pool.client.tokenizer, text, prompt_text, bool(prompt_text))
+    return len(both if both is not None else target)
+
+
+def cap(n_tokens: int, max_generate_length: int) -> int:
+    return min(int(n_tokens * 6 + 10), max_generate_length)
+
+
+def latents_b64(server: LiveServer, patches: int, seed: int) -> str:
+    info = server.state.model
+    values = np.random.default_rng(seed).standard_normal((patches * info.patch_size, info.feat_dim))
+    return base64.b64encode(values.astype(np.float32).tobytes()).decode()
+
+
+def test_a_later_segment_carries_the_first_as_a_reference_cut_to_fit(fit_client, fit_server):
+    """Zero-shot: the first segment's text and audio with the second's text exceed max_model_len, so the second
+    carries the first one's audio alone as its reference, its first patches that fit: the stream is whole, and the
+    second segment is exactly that segment generated alone with that reference."""
+    text = PARAGRAPH + "\n\n" + PARAGRAPH
+    segments = split_text(text, 1000)
+    mgl = 130
+    t0, t1 = tokens(fit_server, segments[0].text), tokens(fit_server, segments[1].text)
+    assert len(segments) == 2 and t0 + 1 + cap(t0, mgl) <= FIT_LEN  # the first fits alone
+    assert tokens(fit_server, segments[1].text, segments[0].text) + 1 + mgl + cap(t1, mgl) > FIT_LEN  # carried: not
+    kept = FIT_LEN - (t1 + 1 + cap(t1, mgl)) - 2  # the reference's patches that fit beside its markers
+    assert 0 < kept < mgl
+    body = {"max_generate_length": mgl, "seed": 2, "response_format": "pcm"}
+    with fit_client.stream("POST", "/generate", json={"target_text": text, **body}) as r:
+        assert r.status_code == 200
+        whole = np.frombuffer(b"".join(r.iter_bytes()), "<i2")
+    latents = first_segment_latents(fit_server, segments[0].text, SamplingParams(max_generate_length=mgl, seed=2))
+    frames = kept * fit_server.state.model.patch_size * fit_server.state.frame_bytes
+    ref = base64.b64encode(latents[:frames]).decode()
+    alone = [pcm(fit_client.post("/generate", json={"target_text": segments[0].text, **body})),
+             pcm(fit_client.post("/generate", json={"target_text": segments[1].text, "ref_audio_latents_base64": ref,
+                                                    **body}))]
+    assert len(whole) == 2 * mgl * SAMPLES_PER_PATCH
+    assert np.array_equal(whole, np.concatenate(alone))
+
+
+def test_a_request_reference_is_kept_and_the_first_segment_not_carried_where_both_exceed(fit_client, fit_server):
+    """A reference alone: the later segment would carry the first one's text and audio beside the request's reference;
+    where that exceeds max_model_len it keeps the request's reference only (the same voice), exactly as alone."""
+    text = PARAGRAPH + "\n\n" + PARAGRAPH
+    segments = split_text(text, 1000)
+    body = {"max_generate_length": 20, "seed": 3, "response_format": "pcm",
+            "ref_audio_latents_base64": latents_b64(fit_server, 10, seed=1)}
+    t1 = tokens(fit_server, segments[1].text)
+    assert 10 + 2 + tokens(fit_server, segments[1].text, segments[0].text) + 1 + 20 + cap(t1, 20) > FIT_LEN
+    r = fit_client.post("/generate_blocking", json={"target_text": text, "timings": True, **body})
+    whole = pcm(r)
+    assert [t["finish_reason"] for t in json.loads(r.headers["X-Segment-Timings"])] == ["length", "length"]
+    alone = [pcm(fit_client.post("/generate", json={"target_text": s.text, **body})) for s in segments]
+    assert np.array_equal(whole, np.concatenate(alone))
+
+
+@pytest.mark.parametrize(("route", "text_field", "extra"), [("/generate", "target_text", {}),
+                                                            ("/v1/audio/speech", "input", {"model": "tts-1"})])
+def test_a_segment_that_cannot_fit_is_refused_before_any_audio(fit_client, fit_server, route, text_field, extra):
+    """A short first segment that fits and a long second one that cannot, whatever is carried: a 422 naming the field
+    and the rule before anything is generated (it was a stream cut at the second segment)."""
+    text = "Hi.\n\n" + PARAGRAPH
+    segments = split_text(text, 1000)
+    t1 = tokens(fit_server, segments[1].text)
+    assert len(segments) == 2 and t1 + 1 + cap(t1, 300) > FIT_LEN
+    r = fit_client.post(route, json={text_field: text, "max_generate_length": 300, "response_format": "pcm", **extra})
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"] if route == "/generate" else r.json()["error"]["message"]
+    assert detail == (f"max_generate_length: segment 2 of 2 (characters {segments[1].start}-{segments[1].end}) is a "
+                      f"prompt of {t1 + 1} tokens (text and voice) plus up to 300 patches, which exceeds "
+                      f"max_model_len={FIT_LEN}: each segment of a long text is one generation, here of at most "
+                      f"{FIT_LEN - t1 - 1} patches")
+    # a voice that leaves the second segment no room at all is named in the request's words
+    voice = {"prompt_latents_base64": latents_b64(fit_server, 300, seed=2), "prompt_text": "Hi."}
+    r = fit_client.post("/generate", json={"target_text": text, "max_generate_length": 5, **voice})
+    assert r.status_code == 422 and r.json()["detail"].startswith(
+        "prompt_latents_base64: segment 2 of 2 (characters 5-"), r.text
+
+
+def test_a_normalised_segment_longer_than_written_gets_a_lower_cap_not_a_cut_stream(fit_client, fit_server):
+    """normalize: a segment is known only when its turn comes; one whose spoken form cannot fit alone is generated
+    with the length cap that fits (it ends 'length'), and the stream ends whole."""
+    text = "Hi.\n\n" + "Call 1234567 now. " * 10
+    segments = split_text(text, 1000)
+    t1 = tokens(fit_server, normalize(segments[1].text))
+    mgl = 400
+    assert len(segments) == 2 and t1 + 1 < FIT_LEN < t1 + 1 + cap(t1, mgl)
+    r = fit_client.post("/generate_blocking", json={"target_text": text, "normalize": True, "timings": True,
+                                                    "max_generate_length": mgl, "seed": 1, "response_format": "pcm"})
+    timings = json.loads(r.headers["X-Segment-Timings"])
+    assert [t["finish_reason"] for t in timings] == ["length", "length"]
+    assert round(timings[1]["duration_s"] * SAMPLE_RATE) == (FIT_LEN - t1 - 1) * SAMPLES_PER_PATCH
+    assert len(pcm(r)) == (cap(tokens(fit_server, "Hi."), mgl) + FIT_LEN - t1 - 1) * SAMPLES_PER_PATCH
