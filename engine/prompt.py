@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import vocabulary
 from engine.config import VoxCPMConfig
 from engine.io.tokenizer import TextTokenizer, text_tokens
 from engine.models.voxcpm import AUDIO_START_TOKEN, REF_AUDIO_END_TOKEN, REF_AUDIO_START_TOKEN
@@ -110,5 +111,5 @@ def build_prompt(tokenizer: TextTokenizer, cfg: VoxCPMConfig, target_text: str, 
 
 
 def max_patches(prompt: Prompt, max_generate_length: int) -> int:
-    """The official cap: at most 6 patches per target text token plus 10."""
-    return min(int(prompt.target_tokens * 6.0 + 10), max_generate_length)
+    """The official cap (`vocabulary.max_patches`) for this prompt's target text."""
+    return vocabulary.max_patches(prompt.target_tokens, max_generate_length)

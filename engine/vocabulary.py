@@ -31,6 +31,12 @@ SAMPLING_LIMITS: dict[str, Bound] = {
                                 "32 bits, a seed's high half folded into its low."),
 }
 INTEGER_FIELDS = frozenset({"max_generate_length", "min_len", "seed"})
+REF_MARKER_TOKENS = 2  # a reference clip's start and end tokens around its patches in the prompt (engine/prompt.py)
+
+
+def max_patches(target_tokens: int, max_generate_length: int) -> int:
+    """The official length cap of one generation: at most 6 patches per target text token plus 10."""
+    return min(int(target_tokens * 6.0 + 10), max_generate_length)
 
 
 @dataclass

@@ -35,7 +35,7 @@ from fastapi import HTTPException
 from engine import GenerationStream, OverloadedError, PoolError, SamplingParams, SynthesisRequest
 from engine.io.tokenizer import text_tokens_many
 from engine.serving.stream import text_ids, tokenizable
-from engine.vocabulary import SAMPLING_LIMITS, TextIds
+from engine.vocabulary import REF_MARKER_TOKENS, SAMPLING_LIMITS, TextIds, max_patches
 from service import synthesis
 from service.audio import make_encoder, sse_event
 from service.conditioning import Conditioning
@@ -53,9 +53,6 @@ TIMINGS_HEADER = "X-Segment-Timings"
 # buffer must hold it, e.g. nginx `proxy_buffer_size 16k`; Python's http.client refuses a header line past 64 KiB).
 MAX_HEADER_TIMINGS = 128
 VOICE_DESIGN = re.compile(r"^\s*\([^()]*\)")  # "(description)text": the description leads the first segment only
-# The engine's length cap of one generation (engine/prompt.py, max_patches): 6 patches per target text token plus 10.
-CAP_PER_TOKEN, CAP_EXTRA = 6.0, 10
-REF_MARKERS = 2  # the reference's start and end tokens around its patches (engine/prompt.py)
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +142,9 @@ def latent_patches(state: ServiceState, latents: np.ndarray | bytes | None) -> i
 def positions(state: ServiceState, request: SynthesisRequest, ids: TextIds) -> Positions:
     text = len(ids.text if ids.text is not None else ids.target)
     ref = request.ref_latents
-    prompt = ((latent_patches(state, ref) + REF_MARKERS if ref is not None else 0) + text + 1
+    prompt = ((latent_patches(state, ref) + REF_MARKER_TOKENS if ref is not None else 0) + text + 1
               + latent_patches(state, request.prompt_latents))
-    cap = min(int(len(ids.target) * CAP_PER_TOKEN + CAP_EXTRA), request.params.max_generate_length)
+    cap = max_patches(len(ids.target), request.params.max_generate_length)
     return Positions(prompt, cap, text)
 
 
@@ -319,7 +316,7 @@ class LongFormSpeech:
             ids = TextIds(ids.target)
             request = dataclasses.replace(request, prompt_text="", prompt_latents=None, text_ids=ids)
             alone = positions(self.state, request, ids)
-            room = limit - alone.prompt - alone.cap - REF_MARKERS
+            room = limit - alone.prompt - alone.cap - REF_MARKER_TOKENS
             if request.ref_latents is None and self.state.model.version >= 2 and room > 0:
                 kept = min(latent_patches(self.state, anchor), room)
                 log.info("%s segment %d: the first segment's audio carried as a %d-patch reference (with its "
