@@ -321,3 +321,4 @@ def test_an_over_long_voice_names_the_request_field_it_came_from(short_context, 
     detail = r.json()["detail"]
     assert detail.startswith(f"{field}: the prompt (text and voice) is "), detail
     assert "within max_model_len=256" in detail, detail
+

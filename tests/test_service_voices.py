@@ -163,8 +163,9 @@ def _put_voices(path, ids: list[int]) -> None:
 
 
 def test_a_prompt_that_could_never_be_used_is_not_cached(checkpoint, tmp_path):
-    """A transcript (or clip) that alone fills max_model_len is refused at /add_prompt and /add_hifi, naming it; the
-    refused voice is not listed, and one that fits is cached as before."""
+    """A transcript (or clip) that alone fills max_model_len is refused at /add_prompt, /add_hifi and /add_reference,
+    naming it (a HiFi voice counts its clip as prompt and as reference, with the reference's two marker tokens: 20 s
+    fit as a prompt, not as HiFi); the refused voice is not listed, and one that fits is cached as before."""
     settings = service_settings(checkpoint, tmp_path, serverpool_max_model_len=256, warmup=False)
     server = LiveServer(settings).start()
     try:
@@ -173,9 +174,16 @@ def test_a_prompt_that_could_never_be_used_is_not_cached(checkpoint, tmp_path):
             for route in ("/add_prompt", "/add_hifi"):
                 r = c.post(route, json={"wav_base64": clip(5), "prompt_text": long_text})
                 assert r.status_code == 422, r.text
-                assert r.json()["detail"].startswith("prompt_text: the prompt is "), r.text
+                assert r.json()["detail"].startswith("prompt_text: the voice is "), r.text
                 assert "within max_model_len=256" in r.json()["detail"]
-            assert c.get("/prompts").json()["voices"] == [] and c.get("/hifi").json()["voices"] == []
-            assert c.post("/add_prompt", json={"wav_base64": clip(5), "prompt_text": "Fits."}).status_code == 200
+            for route, seconds, counted in (
+                    ("/add_hifi", 20, "125 of audio as the prompt, 125 of audio as the reference and its 2 marker"),
+                    ("/add_reference", 41, "(257 of audio as the reference and its 2 marker tokens)")):
+                r = c.post(route, json={"wav_base64": clip(8, seconds), "prompt_text": "A clip."})
+                assert r.status_code == 422, r.text
+                detail = r.json()["detail"]
+                assert detail.startswith("wav_base64: the voice is ") and counted in detail, detail
+            assert c.post("/add_prompt", json={"wav_base64": clip(8, 20), "prompt_text": "A clip."}).status_code == 200
+            assert [c.get(f"/{kind}").json()["voices"] for kind in ("hifi", "references")] == [[], []]
     finally:
         server.stop()

@@ -9,6 +9,7 @@ import base64
 
 from fastapi import APIRouter, HTTPException
 
+from engine.vocabulary import REF_MARKER_TOKENS
 from service.conditioning import b64decode, encode_clip, voice_of
 from service.deps import LoadedState, State
 from service.schemas import (
@@ -40,18 +41,30 @@ def voice_info(state: ServiceState, v: VoiceSummary) -> VoiceInfo:
                      ref_frames=v.ref_bytes // row, nbytes=v.nbytes, created=v.created)
 
 
-async def _check_fits(state: ServiceState, prompt_text: str, latents: bytes) -> None:
-    """A continuation prompt that alone fills the model's context could never be used: refused before it is cached,
-    naming the larger part (its transcript's tokens, or its audio's patches)."""
+async def _check_fits(state: ServiceState, prompt_text: str, latents: bytes | None,
+                      ref_latents: bytes | None = None) -> None:
+    """A voice that alone fills the model's context could never be used: refused before it is cached, naming the
+    larger part (its transcript's tokens, or its audio's patches: as continuation prompt and, for a HiFi voice, as
+    reference too, with the reference's two marker tokens)."""
     info, tokenizer = state.model, state.pool.client.tokenizer
     if tokenizer is None:  # the worker tokenizes (and refuses at the first use)
         return
-    text = len(await asyncio.to_thread(tokenizer.encode, prompt_text))  # megabytes of transcript: off the loop
-    audio = len(latents) // (state.frame_bytes * info.patch_size)  # whole patches
-    if text + audio + 1 >= info.max_model_len:  # + one token of a text to speak
-        field = "prompt_text" if text >= audio else "wav_base64"
-        raise HTTPException(422, f"{field}: the prompt is {text + audio} tokens ({text} of transcript, {audio} of "
-                                 f"audio), which leaves no room for a text within max_model_len={info.max_model_len}")
+    text = len(await asyncio.to_thread(tokenizer.encode, prompt_text)) if prompt_text else 0  # megabytes: off the loop
+    patch_bytes = state.frame_bytes * info.patch_size
+    audio = len(latents) // patch_bytes if latents is not None else 0  # whole patches
+    ref = len(ref_latents) // patch_bytes if ref_latents is not None else 0
+    markers = REF_MARKER_TOKENS if ref_latents is not None else 0
+    total = text + audio + ref + markers
+    if total + 1 >= info.max_model_len:  # + one token of a text to speak
+        field = "prompt_text" if text >= audio + ref else "wav_base64"
+        parts = []
+        if latents is not None:
+            role = " as the prompt" if ref_latents is not None else ""
+            parts += [f"{text} of transcript", f"{audio} of audio{role}"]
+        if ref_latents is not None:
+            parts.append(f"{ref} of audio as the reference and its {markers} marker tokens")
+        raise HTTPException(422, f"{field}: the voice is {total} tokens ({', '.join(parts)}), which leaves no room "
+                                 f"for a text within max_model_len={info.max_model_len}")
 
 
 async def _cached(state: ServiceState, vid: str) -> bool:
@@ -85,6 +98,7 @@ async def add_reference(req: AddReferenceRequest, state: LoadedState) -> AddRefe
     rid = await asyncio.to_thread(voice_id, "reference", data)
     if not await _cached(state, rid):
         lat = await encode_clip(state, data, req.wav_format, "right", "wav_base64")
+        await _check_fits(state, "", None, lat)
         await state.store.put(Voice("reference", rid, ref_latents=lat))
     return AddReferenceResponse(reference_id=rid, **_facts(state))
 
@@ -101,7 +115,7 @@ async def add_hifi(req: AddHifiRequest, state: LoadedState) -> AddHifiResponse:
         # one upload, one decode on our side; the engine pads the clip differently for each role
         prompt_lat, ref_lat = await asyncio.gather(encode_clip(state, data, req.wav_format, "left", "wav_base64"),
                                                    encode_clip(state, data, req.wav_format, "right", "wav_base64"))
-        await _check_fits(state, req.prompt_text, prompt_lat)
+        await _check_fits(state, req.prompt_text, prompt_lat, ref_lat)  # as a HiFi voice: both roles at once
         await state.store.put(Voice("prompt", pid, prompt_text=req.prompt_text, prompt_latents=prompt_lat))
         await state.store.put(Voice("reference", rid, ref_latents=ref_lat))
         await state.store.put(Voice("hifi", hid, prompt_text=req.prompt_text, prompt_latents=prompt_lat,
