@@ -97,10 +97,11 @@ DEFAULT_TILES: Fp8Tiles = (128, 128, 128, 4, 8, 8, False)
 # With the row quantiser after it and its partial sums never promoted 33.5 / 63.1 / 119.8 us, against cuBLAS with the
 # fast accumulation + the gated quantiser's 34.7 / 61.4 / 120.9.
 GATED_TILES: Fp8Tiles = (128, 128, 128, 4, 8, 8, True)
-# Up to FEW_ROWS rows (the LMs' decode at B <= 128), narrow tiles: every SM streams its share of the weight. H200, the
-# LM's gate/up (K=2048) at 64 / 128 rows, the product not quantised: 11.1 / 11.8 us against GATED_TILES' 16.0 / 16.2
-# and bf16 cuBLAS + silu_mul's 18.1 / 19.2; at 256 rows GATED_TILES are the faster (16.5 against 19.6).
-FEW_ROWS = 128
+# Up to FEW_ROWS rows (the LMs' decode at B <= 192, the DiT's at B <= 8), narrow tiles: every SM streams its share of
+# the weight. H200, gate/up with the product not quantised: the LM's (K=2048) at 64 / 128 rows 11.1 / 11.8 us against
+# GATED_TILES' 16.0 / 16.2 and bf16 cuBLAS + silu_mul's 18.1 / 19.2, the DiT's (K=1024) at 176 rows 7.5 against 11.1
+# and bf16's 10.0; GATED_TILES the faster at the LM's 256 rows (16.5 against 19.6), the DiT's 352 (11.4 against 12.9).
+FEW_ROWS = 192
 FEW_ROWS_GATED_TILES: Fp8Tiles = (64, 32, 128, 4, 4, 8, False)
 
 

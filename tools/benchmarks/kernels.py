@@ -228,7 +228,7 @@ FP8_STACKS = {"fp8": ("DiT",), "fp8lm": ("LM", "LocEnc")}  # --only names -> sta
 def bench_fp8(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, stacks: tuple[str, ...] = ("DiT",)
               ) -> list[dict]:
     """A stack's projections on FP8 weights at each batch's rows: `torch._scaled_mm` (cuBLAS) against the Triton FP8
-    GEMM at each of FP8_SWEEP's tiles (the LMs' and LocEnc's few rows: FP8_FEW_ROWS_SWEEP's too), beside the bf16
+    GEMM at each of FP8_SWEEP's and FP8_FEW_ROWS_SWEEP's tiles, beside the bf16
     cuBLAS GEMM the step runs below `fp8_min_rows` and the row quantiser an FP8 GEMM's input needs where no kernel
     before it quantised it; the gate/up projection also as cuBLAS + the fused SiLU-gated quantiser against the
     Triton GEMM with the gate in its epilogue + the row quantiser (what the down projection reads)."""
@@ -243,8 +243,8 @@ def bench_fp8(cfg: VoxCPMConfig, batches: list[int], dev: torch.device, stacks: 
         if gated:
             weight = fp8.interleaved(weight)
         weights = [fp8.Fp8Weight(d, weight.scale.clone()) for d in weight_copies(weight.data)]
-        bf16_weights = weight_copies(bf16_weight) if stack != "DiT" else []
-        sweep = FP8_SWEEP + (FP8_FEW_ROWS_SWEEP if stack != "DiT" else [])
+        bf16_weights = weight_copies(bf16_weight)
+        sweep = FP8_SWEEP + FP8_FEW_ROWS_SWEEP
         for b in batches:
             m = b * per_stack[stack][1]
             x = torch.randn(m, k_dim, device=dev, dtype=torch.bfloat16)
