@@ -94,8 +94,8 @@ class EngineOptions:
                                       "FP8 GEMM runs (gated_gemm_min_rows): rows from which a gate/up projection "
                                       "of fewer than fp8_min_rows rows (the LMs' decode, the local modules' at a "
                                       "few sequences) runs as that GEMM on the e4m3 weight (an interleaved copy of "
-                                      "every stack's), its "
-                                      "product in bf16 for the bf16 down projection; 0: the bf16 kernels.")
+                                      "every stack's), its product in bf16 for the bf16 down projection; 0: the "
+                                      "bf16 kernels.")
     fp8_small_rows: bool = _option("VOXCPM_FP8_SMALL_ROWS", True, _flag, "With FP8 weights: below fp8_min_rows, "
                                    "the one-row GEMV reads the e4m3 weights (bf16 activations, each output channel "
                                    "scaled; H200, B=1: base LM 1.15 -> 0.89 ms); 0: the bf16 weights.")
