@@ -231,6 +231,20 @@ def test_the_fast_accumulation_setting_reaches_the_triton_fp8_gemm(fast):
 
 
 # --- CUDA -------------------------------------------------------------------------------------------------------------
+def fp8_mlp_module(seed: int) -> torch.nn.Module:
+    """A small bf16 MLP on CUDA (hidden 256, intermediate 512), its projections fused, with their FP8 companions."""
+    from engine.config import TransformerConfig
+    from engine.models.minicpm import MLP
+
+    torch.manual_seed(seed)
+    mlp = MLP(TransformerConfig(hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1,
+                                num_hidden_layers=1, rms_norm_eps=1e-6)).to("cuda", torch.bfloat16)
+    mlp.fuse_projections()
+    fp8.attach(mlp.gate_up_weight)
+    fp8.attach(mlp.down_proj.weight)
+    return mlp
+
+
 needs_fp8_gpu = pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability() >= (8, 9)),
                                    reason="needs CUDA with FP8 GEMMs (sm89+)")
 
@@ -316,16 +330,10 @@ def test_the_dit_mlp_runs_the_gated_fp8_gemm_cuda():
     FP8 chain's bound of its dequantised reference and of the chain itself; with the gated GEMMs off (as the
     batch-invariant mode turns them) the chain runs."""
     from engine import options
-    from engine.config import TransformerConfig
-    from engine.models.minicpm import MLP, attach_gated_gemm
+    from engine.models.minicpm import attach_gated_gemm
     from engine.ops import fp8_gemm, gated_gemm
 
-    torch.manual_seed(11)
-    mlp = MLP(TransformerConfig(hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1,
-                                num_hidden_layers=1, rms_norm_eps=1e-6)).to("cuda", torch.bfloat16)
-    mlp.fuse_projections()
-    fp8.attach(mlp.gate_up_weight)
-    fp8.attach(mlp.down_proj.weight)
+    mlp = fp8_mlp_module(seed=11)
     if torch.cuda.get_device_capability()[0] == 9:
         with options.override(fp8_fast_accum=False):
             assert attach_gated_gemm(mlp) == 0 and fp8.gated_companion_of(mlp.gate_up_weight) is None
@@ -388,16 +396,10 @@ def test_an_fp8_mlp_below_fp8_min_rows_runs_the_gated_fp8_gemm_and_a_bf16_down_c
     read by the bf16 down projection, within the FP8 GEMM's bound of that chain on the dequantised gate/up weight;
     below it, the bf16 path alone."""
     from engine import options
-    from engine.config import TransformerConfig
-    from engine.models.minicpm import MLP, attach_gated_companions
+    from engine.models.minicpm import attach_gated_companions
     from engine.ops import fp8_gemm
 
-    torch.manual_seed(12)
-    mlp = MLP(TransformerConfig(hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1,
-                                num_hidden_layers=1, rms_norm_eps=1e-6)).to("cuda", torch.bfloat16)
-    mlp.fuse_projections()
-    fp8.attach(mlp.gate_up_weight)
-    fp8.attach(mlp.down_proj.weight)
+    mlp = fp8_mlp_module(seed=12)
     with options.override(fp8_fast_accum=True, fp8_min_rows=1024, fp8_gated_min_rows=64):
         assert attach_gated_companions(mlp, torch.nn.Module(), 0, fp8_weights=True) == 1
         for rows in (64, 128, 300, 32):

@@ -16,25 +16,30 @@ from engine.io.tokenizer import text_tokens
 from service.longform import next_seed
 from service.normalize import normalize
 from service.segmenter import split_text
-from tests.service_harness import SAMPLE_RATE, SAMPLES_PER_PATCH, TLS, LiveServer, service_settings, wav_bytes
+from tests.service_harness import (
+    SAMPLE_RATE,
+    SAMPLES_PER_PATCH,
+    TLS,
+    LiveServer,
+    live_server,
+    service_settings,
+    wav_bytes,
+)
 
 N = 2  # patches per segment (max_generate_length applies per segment)
 EN = ("Dr. Smith paid $3.14 for tea, e.g. at noon on Friday. \"Really?!\" she asked... Yes!\n\n" * 250)[:20000]
 ZH = ("今天天气很好，我们去公园散步吧！你觉得怎么样？好的；我们走。然后喝一杯咖啡。" * 160)[:5000]
 
 
+JOINED_BACK_TO_BACK = {"voice_store": "memory", "segment_pause_ms": 0, "paragraph_pause_ms": 0, "segment_fade_ms": 0}
+
+
 @pytest.fixture(scope="module")
 def server(checkpoint_factory, tmp_path_factory):
     """Joins without pauses or fades, so the stream is the segments' audio back to back (segment == alone)."""
-    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
-    s = LiveServer(service_settings(ckpt, tmp_path_factory.mktemp("svc-long"), serverpool_max_model_len=2048,
-                                    serverpool_max_num_batched_tokens=4096, voice_store="memory",
-                                    segment_chars=200, segment_pause_ms=0, paragraph_pause_ms=0,
-                                    segment_fade_ms=0)).start()
-    try:
+    with live_server(checkpoint_factory, tmp_path_factory.mktemp("svc-long"), serverpool_max_model_len=2048,
+                     serverpool_max_num_batched_tokens=4096, segment_chars=200, **JOINED_BACK_TO_BACK) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -234,14 +239,9 @@ PARAGRAPH = "The quick brown fox jumps over the lazy dog near the river bank tod
 
 @pytest.fixture(scope="module")
 def fit_server(checkpoint_factory, tmp_path_factory):
-    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
-    s = LiveServer(service_settings(ckpt, tmp_path_factory.mktemp("svc-long-fit"), serverpool_max_model_len=FIT_LEN,
-                                    voice_store="memory", segment_chars=1000, segment_pause_ms=0,
-                                    paragraph_pause_ms=0, segment_fade_ms=0)).start()
-    try:
+    with live_server(checkpoint_factory, tmp_path_factory.mktemp("svc-long-fit"), serverpool_max_model_len=FIT_LEN,
+                     segment_chars=1000, **JOINED_BACK_TO_BACK) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
