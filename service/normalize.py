@@ -153,6 +153,8 @@ _MONEY = re.compile(r"(?<![\w.])([$€£¥])\s?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d{
 _DECADE = re.compile(r"\b(1[1-9]|2[0-9])([0-9]0)s\b", re.ASCII)
 # Years the grammar reads in pairs with "zero" for the 0 (1905: "nineteen zero five"); 2001-2009 it reads "two thousand"
 _YEAR_OH = re.compile(r"(?<![\d.,])(1[0-9]|2[1-9])0([1-9])(?![\d,]|\.\d)", re.ASCII)
+# 1,000-1,999 (a thousands comma) and 1000-1999 with decimals: the grammar drops their "one" ("thousand and one").
+_ONE_THOUSAND = re.compile(r"(?<![\d.,])(1,\d{3}(?:\.\d+)?|1\d{3}\.\d+)(?![\d,]|\.\d)", re.ASCII)
 _DOTTED = re.compile(r"(?<![\d.])\d+(?:\.\d+){2,}(?![\d.])", re.ASCII)
 _GRAMMAR_ESCAPE = re.compile(r'\\(["\\])')
 _NUMBER_ABBREV = re.compile(r"\bNo\.\s*(?=\d)", re.ASCII)
@@ -193,6 +195,15 @@ def _money(m: re.Match[str]) -> str:
     return spoken
 
 
+def _one_thousand(m: re.Match[str]) -> str:
+    """"one thousand" and the rest as digits, which the grammar still reads with what follows (a unit, a currency)."""
+    whole, _, frac = m.group(1).replace(",", "").partition(".")
+    rest = int(whole[1:])
+    if rest == 0:  # the grammar would read a bare "0.5" as "zero point five"
+        return "one thousand" + (" point " + " ".join(_EN_DIGITS[d] for d in frac) if frac else "")
+    return f"one thousand {rest}" + (f".{frac}" if frac else "")
+
+
 def _decade(m: re.Match[str]) -> str:
     if m.group(1) == "20" and m.group(2) == "00":  # 2000s: two thousands, as 2000-2009 are "two thousand ..."
         return "two thousands"
@@ -213,6 +224,7 @@ def _english(grammar: Any, text: str) -> str:
     text = _MONEY.sub(_money, text)
     text = _DECADE.sub(_decade, text)
     text = _DOTTED.sub(_dotted, text)
+    text = _ONE_THOUSAND.sub(_one_thousand, text)
     text = _NUMBER_ABBREV.sub("number ", text)
     years = {m.group(1, 2) for m in _YEAR_OH.finditer(text)}
     text = _grammar(grammar, text)

@@ -105,6 +105,14 @@ YEARS = [
     ("190.5 cats", "one hundred and ninety point five cats"),
     ("3005 cats", "three thousand and five cats"),
     ("at 19:05", "at nineteen o five"),
+    # 1,000-1,999 and such decimals with their "one" (the grammar drops it)
+    ("It cost 1,905 dollars.", "It cost one thousand nine hundred and five dollars."),
+    ("He scored 1,000 points", "He scored one thousand points"),
+    ("1,001 nights", "one thousand one nights"),
+    ("It weighs 1905.5 kg.", "It weighs one thousand nine hundred and five point five kilograms."),
+    ("1,050 km", "one thousand fifty kilometers"),
+    ("2,500 people", "two thousand five hundred people"),
+    ("1,234,567 people", "one million two hundred thirty four thousand five hundred and sixty seven people"),
 ]
 
 
