@@ -13,6 +13,7 @@ import pytest
 
 from engine import SamplingParams, SynthesisRequest
 from engine.io.tokenizer import text_tokens
+from engine.vocabulary import max_patches
 from service.longform import next_seed
 from service.normalize import normalize
 from service.segmenter import split_text
@@ -256,8 +257,7 @@ def tokens(server: LiveServer, text: str, prompt_text: str = "") -> int:
     return len(both if both is not None else target)
 
 
-def cap(n_tokens: int, max_generate_length: int) -> int:
-    return min(int(n_tokens * 6 + 10), max_generate_length)
+cap = max_patches  # the engine's length cap of one generation
 
 
 def latents_b64(server: LiveServer, patches: int, seed: int) -> str:
@@ -290,6 +290,31 @@ def test_a_later_segment_carries_the_first_as_a_reference_cut_to_fit(fit_client,
                                                     **body}))]
     assert len(whole) == 2 * mgl * SAMPLES_PER_PATCH
     assert np.array_equal(whole, np.concatenate(alone))
+
+
+def test_a_voxcpm1_later_segment_carries_nothing_where_the_first_would_not_fit(checkpoint_factory, tmp_path):
+    """VoxCPM1.x has no reference audio: where the first segment's text and audio with the second's text exceed
+    max_model_len, the second segment is generated without it, exactly as alone (the stream whole, never cut)."""
+    ckpt = checkpoint_factory("tiny-voxcpm1.5", stop="never")
+    server = LiveServer(service_settings(ckpt, tmp_path, serverpool_max_model_len=FIT_LEN, segment_chars=1000,
+                                         **JOINED_BACK_TO_BACK)).start()
+    try:
+        text = PARAGRAPH + "\n\n" + PARAGRAPH
+        segments = split_text(text, 1000)
+        mgl = 130
+        t0, t1 = tokens(server, segments[0].text), tokens(server, segments[1].text)
+        assert len(segments) == 2 and t0 + 1 + cap(t0, mgl) <= FIT_LEN and t1 + 1 + cap(t1, mgl) <= FIT_LEN
+        assert tokens(server, segments[1].text, segments[0].text) + 1 + mgl + cap(t1, mgl) > FIT_LEN
+        body = {"max_generate_length": mgl, "seed": 4, "response_format": "pcm"}
+        with httpx.Client(verify=TLS, base_url=server.url, timeout=300) as c:
+            with c.stream("POST", "/generate", json={"target_text": text, **body}) as r:
+                assert r.status_code == 200
+                whole = np.frombuffer(b"".join(r.iter_bytes()), "<i2")
+            alone = [pcm(c.post("/generate", json={"target_text": s.text, **body})) for s in segments]
+        assert len(alone[0]) == len(alone[1]) and len(alone[0]) % mgl == 0  # every patch of both (its own rate)
+        assert np.array_equal(whole, np.concatenate(alone))
+    finally:
+        server.stop()
 
 
 def test_a_request_reference_is_kept_and_the_first_segment_not_carried_where_both_exceed(fit_client, fit_server):
