@@ -155,6 +155,17 @@ _DECADE = re.compile(r"\b(1[1-9]|2[0-9])([0-9]0)s\b", re.ASCII)
 _YEAR_OH = re.compile(r"(?<![\d.,])(1[0-9]|2[1-9])0([1-9])(?![\d,]|\.\d)", re.ASCII)
 # 1,000-1,999 (a thousands comma) and 1000-1999 with decimals: the grammar drops their "one" ("thousand and one").
 _ONE_THOUSAND = re.compile(r"(?<![\d.,])(1,\d{3}(?:\.\d+)?|1\d{3}\.\d+)(?![\d,]|\.\d)", re.ASCII)
+# 1000-2999 alone, which the grammar reads as a year ("twelve thirty four"): kept for it where the context says year (a
+# preposition or month before it, a day and comma, the start of a sentence, an era or 's after it), else a quantity.
+_FOUR_DIGITS = re.compile(r"(?<![\w.,:/$€£¥+-])([12])(\d{3})(?![\w:/-]|[.,]\d)")
+_YEAR_WORDS = frozenset(_split_words(
+    "in since by from until till to of during before after around circa c year years summer winter spring autumn "
+    "fall early late mid january february march april may june july august september october november december "
+    "jan feb mar apr jun jul aug sep sept oct nov dec"))
+_WORD_BEFORE = re.compile(r"([A-Za-z]+)\.?\s+$")
+_DAY_COMMA = re.compile(r"\d{1,2}(?:st|nd|rd|th)?,\s*$")
+_SENTENCE_END_BEFORE = re.compile(r"[.!?:;\n][\s\"'(]*$")
+_ERA_AFTER = re.compile(r"\s*(?:BCE|CE|BC|AD|B\.C\.|A\.D\.)(?![A-Za-z])|'s\b")
 _DOTTED = re.compile(r"(?<![\d.])\d+(?:\.\d+){2,}(?![\d.])", re.ASCII)
 _GRAMMAR_ESCAPE = re.compile(r'\\(["\\])')
 _NUMBER_ABBREV = re.compile(r"\bNo\.\s*(?=\d)", re.ASCII)
@@ -204,6 +215,20 @@ def _one_thousand(m: re.Match[str]) -> str:
     return f"one thousand {rest}" + (f".{frac}" if frac else "")
 
 
+def _four_digits(m: re.Match[str]) -> str:
+    """A year as written (the grammar's pairs); a quantity as "one / two thousand" and the rest in digits, which the
+    grammar reads with what follows (a unit)."""
+    before = m.string[max(0, m.start() - 40):m.start()]  # a window: a long text's numbers are not quadratic
+    word = _WORD_BEFORE.search(before)
+    if ((word is not None and word.group(1).lower() in _YEAR_WORDS) or _DAY_COMMA.search(before)
+            or _SENTENCE_END_BEFORE.search(before) or (m.start() <= 40 and not before.strip(" \t\"'("))
+            or _ERA_AFTER.match(m.string, m.end())):
+        return m.group()
+    rest = int(m.group(2))
+    head = "one thousand" if m.group(1) == "1" else "two thousand"
+    return f"{head} {rest}" if rest else head
+
+
 def _decade(m: re.Match[str]) -> str:
     if m.group(1) == "20" and m.group(2) == "00":  # 2000s: two thousands, as 2000-2009 are "two thousand ..."
         return "two thousands"
@@ -225,6 +250,7 @@ def _english(grammar: Any, text: str) -> str:
     text = _DECADE.sub(_decade, text)
     text = _DOTTED.sub(_dotted, text)
     text = _ONE_THOUSAND.sub(_one_thousand, text)
+    text = _FOUR_DIGITS.sub(_four_digits, text)
     text = _NUMBER_ABBREV.sub("number ", text)
     years = {m.group(1, 2) for m in _YEAR_OH.finditer(text)}
     text = _grammar(grammar, text)

@@ -111,6 +111,16 @@ YEARS = [
     ("1,001 nights", "one thousand one nights"),
     ("It weighs 1905.5 kg.", "It weighs one thousand nine hundred and five point five kilograms."),
     ("1,050 km", "one thousand fifty kilometers"),
+    # 1000-2999 alone: a year where the context says so, else a quantity (the grammar read every one as a year)
+    ("about 1234 sheep", "about one thousand two hundred and thirty four sheep"),
+    ("We sold 2500 tickets.", "We sold two thousand five hundred tickets."),
+    ("It weighs 1500 kg.", "It weighs one thousand five hundred kilograms."),
+    ("between 1000 and 2000 people", "between one thousand and two thousand people"),
+    ("In 1999, we moved.", "In nineteen ninety nine, we moved."),
+    ("1999 was a good year.", "nineteen ninety nine was a good year."),
+    ("He said: 1984 is a book.", "He said: nineteen eighty four is a book."),
+    ("Born September 28, 1905 in Paris.", "Born the twenty eighth of september, nineteen oh five in Paris."),
+    ("around 1200 AD", "around twelve hundred A D"),
     ("2,500 people", "two thousand five hundred people"),
     ("1,234,567 people", "one million two hundred thirty four thousand five hundred and sixty seven people"),
 ]
