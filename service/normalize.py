@@ -152,12 +152,21 @@ _MONEY = re.compile(r"(?<![\w.])([$€£¥])\s?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d{
                     r"(?:\s?(thousand|million|billion|trillion)\b)?", re.ASCII)
 _DECADE = re.compile(r"\b(1[1-9]|2[0-9])([0-9]0)s\b", re.ASCII)
 # Years the grammar reads in pairs with "zero" for the 0 (1905: "nineteen zero five"); 2001-2009 it reads "two thousand"
-_YEAR_OH = re.compile(r"(?<![\d.,])(1[0-9]|2[1-9])0([1-9])(?![\d,]|\.\d)", re.ASCII)
+_YEAR_OH = re.compile(r"(?<![\d.,])(1[0-9]|2[1-9])0([1-9])(?!\d|[.,]\d)", re.ASCII)
 # 1,000-1,999 (a thousands comma) and 1000-1999 with decimals: the grammar drops their "one" ("thousand and one").
-_ONE_THOUSAND = re.compile(r"(?<![\d.,])(1,\d{3}(?:\.\d+)?|1\d{3}\.\d+)(?![\d,]|\.\d)", re.ASCII)
+# Not beside a letter or a hyphen (a name, a negative number, a range: the grammar's own readings).
+_ONE_THOUSAND = re.compile(r"(?<![\w.,-])(?<!- )(1,\d{3}(?:\.\d+)?|1\d{3}\.\d+)(?![\w-]|[.,]\d| -)", re.ASCII)
+# 1000 or 1000.x as the grammar reads them after `_one_thousand` and `_four_digits` left them as digits (so that it
+# still reads a unit after them): "ten hundred", or "thousand point" after a word that is no number.
+_TEN_HUNDRED = re.compile(r"\bten hundred\b")
+_BARE_THOUSAND_POINT = re.compile(r"\b([a-z]+ )?thousand point\b")
+_NUMBER_WORDS = frozenset(_split_words(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen "
+    "eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety hundred thousand million billion "
+    "trillion point negative minus and"))
 # 1000-2999 alone, which the grammar reads as a year ("twelve thirty four"): kept for it where the context says year (a
 # preposition or month before it, a day and comma, the start of a sentence, an era or 's after it), else a quantity.
-_FOUR_DIGITS = re.compile(r"(?<![\w.,:/$€£¥+-])([12])(\d{3})(?![\w:/-]|[.,]\d)")
+_FOUR_DIGITS = re.compile(r"(?<![\w.,:/$€£¥+-])(?<!- )([12])(\d{3})(?![\w:/-]|[.,]\d| -)")
 _YEAR_WORDS = frozenset(_split_words(
     "in since by from until till to of during before after around circa c year years summer winter spring autumn "
     "fall early late mid january february march april may june july august september october november december "
@@ -210,9 +219,14 @@ def _one_thousand(m: re.Match[str]) -> str:
     """"one thousand" and the rest as digits, which the grammar still reads with what follows (a unit, a currency)."""
     whole, _, frac = m.group(1).replace(",", "").partition(".")
     rest = int(whole[1:])
-    if rest == 0:  # the grammar would read a bare "0.5" as "zero point five"
-        return "one thousand" + (" point " + " ".join(_EN_DIGITS[d] for d in frac) if frac else "")
+    if rest == 0:  # digits for the grammar (a unit after them), its "ten hundred" / "thousand point" fixed after it
+        return whole + (f".{frac}" if frac else "")
     return f"one thousand {rest}" + (f".{frac}" if frac else "")
+
+
+def _one_thousand_point(m: re.Match[str]) -> str:
+    before = m.group(1) or ""
+    return m.group() if before.strip() in _NUMBER_WORDS else f"{before}one thousand point"
 
 
 def _four_digits(m: re.Match[str]) -> str:
@@ -225,8 +239,9 @@ def _four_digits(m: re.Match[str]) -> str:
             or _ERA_AFTER.match(m.string, m.end())):
         return m.group()
     rest = int(m.group(2))
-    head = "one thousand" if m.group(1) == "1" else "two thousand"
-    return f"{head} {rest}" if rest else head
+    if rest == 0:  # 1000, 2000: the grammar reads them as quantities (1000's "ten hundred" fixed after it)
+        return m.group()
+    return f"{'one' if m.group(1) == '1' else 'two'} thousand {rest}"
 
 
 def _decade(m: re.Match[str]) -> str:
@@ -253,7 +268,11 @@ def _english(grammar: Any, text: str) -> str:
     text = _FOUR_DIGITS.sub(_four_digits, text)
     text = _NUMBER_ABBREV.sub("number ", text)
     years = {m.group(1, 2) for m in _YEAR_OH.finditer(text)}
+    thousands = len(re.findall(r"(?<![\d.,])1000(?!\d|,\d)", text))  # the grammar's "ten hundred" of these
     text = _grammar(grammar, text)
+    if thousands:
+        text = _TEN_HUNDRED.sub("one thousand", text, count=thousands)
+        text = _BARE_THOUSAND_POINT.sub(_one_thousand_point, text, count=thousands)
     for century, digit in years:  # 1905: nineteen oh five, as people say it (the grammar says "zero")
         pair = (_words(century), _words(digit))
         text = re.sub(rf"\b{pair[0]} zero {pair[1]}\b", f"{pair[0]} oh {pair[1]}", text)

@@ -107,7 +107,6 @@ YEARS = [
     ("at 19:05", "at nineteen o five"),
     # 1,000-1,999 and such decimals with their "one" (the grammar drops it)
     ("It cost 1,905 dollars.", "It cost one thousand nine hundred and five dollars."),
-    ("He scored 1,000 points", "He scored one thousand points"),
     ("1,001 nights", "one thousand one nights"),
     ("It weighs 1905.5 kg.", "It weighs one thousand nine hundred and five point five kilograms."),
     ("1,050 km", "one thousand fifty kilometers"),
@@ -121,6 +120,17 @@ YEARS = [
     ("He said: 1984 is a book.", "He said: nineteen eighty four is a book."),
     ("Born September 28, 1905 in Paris.", "Born the twenty eighth of september, nineteen oh five in Paris."),
     ("around 1200 AD", "around twelve hundred A D"),
+    # 1000 itself, units after these numbers, ranges, a comma after them
+    ("He scored 1,000 points", "He scored one thousand points"),
+    ("1000 points", "one thousand points"),
+    ("1,000 km/h", "one thousand kilometers per hour"),
+    ("1000.5 km", "one thousand point five kilometers"),
+    ("1,000x", "one thousand times"),
+    ("1,200-1,500", "one thousand two hundred to one thousand five hundred"),
+    ("1,200 - 1,500", "one thousand two hundred to one thousand five hundred"),
+    ("In 1905, he left.", "In nineteen oh five, he left."),
+    ("We have 1,500, they have 1,600.", "We have one thousand five hundred, they have one thousand six hundred."),
+    ("two thousand point five", "two thousand point five"),
     ("2,500 people", "two thousand five hundred people"),
     ("1,234,567 people", "one million two hundred thirty four thousand five hundred and sixty seven people"),
 ]
