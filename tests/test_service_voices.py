@@ -183,6 +183,13 @@ def test_a_prompt_that_could_never_be_used_is_not_cached(checkpoint, tmp_path):
                 assert r.status_code == 422, r.text
                 detail = r.json()["detail"]
                 assert detail.startswith("wav_base64: the voice is ") and counted in detail, detail
+                assert ("/add_prompt and /add_reference take the clip in one role" in detail) == (route == "/add_hifi")
+            # the edge: a reference of 251 patches (+ its 2 markers) leaves one text token, the audio-start token and
+            # one patch within 256; of 252 it does not (the engine refuses every use)
+            fits, short = (c.post("/add_reference", json={"wav_base64": clip(9, sec)}) for sec in (40.16, 40.32))
+            assert fits.status_code == 200, fits.text
+            assert short.status_code == 422 and "(252 of audio as the reference" in short.text, short.text
+            c.delete(f"/references/{fits.json()['reference_id']}")
             assert c.post("/add_prompt", json={"wav_base64": clip(8, 20), "prompt_text": "A clip."}).status_code == 200
             assert [c.get(f"/{kind}").json()["voices"] for kind in ("hifi", "references")] == [[], []]
     finally:

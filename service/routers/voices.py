@@ -55,7 +55,7 @@ async def _check_fits(state: ServiceState, prompt_text: str, latents: bytes | No
     ref = len(ref_latents) // patch_bytes if ref_latents is not None else 0
     markers = REF_MARKER_TOKENS if ref_latents is not None else 0
     total = text + audio + ref + markers
-    if total + 1 >= info.max_model_len:  # + one token of a text to speak
+    if total + 3 > info.max_model_len:  # + one token of a text, the audio-start token and one patch to generate
         field = "prompt_text" if text >= audio + ref else "wav_base64"
         parts = []
         if latents is not None:
@@ -63,8 +63,10 @@ async def _check_fits(state: ServiceState, prompt_text: str, latents: bytes | No
             parts += [f"{text} of transcript", f"{audio} of audio{role}"]
         if ref_latents is not None:
             parts.append(f"{ref} of audio as the reference and its {markers} marker tokens")
+        alone = "; /add_prompt and /add_reference take the clip in one role" if latents is not None and ref_latents \
+            is not None else ""
         raise HTTPException(422, f"{field}: the voice is {total} tokens ({', '.join(parts)}), which leaves no room "
-                                 f"for a text within max_model_len={info.max_model_len}")
+                                 f"for a text within max_model_len={info.max_model_len}{alone}")
 
 
 async def _cached(state: ServiceState, vid: str) -> bool:
