@@ -380,7 +380,19 @@ def test_gate_up_calls_below_fp8_min_rows_take_the_gated_fp8_gemm_from_its_row_c
             with mock.patch.object(fp8_gemm, "fp8_matmul", return_value=torch.zeros(rows, 128)) as gemm:
                 assert fp8.gated_linear(x, gated).shape == (rows, 128)
             assert gemm.call_args.args[5] == tiles and gemm.call_args.kwargs["gated"] is True
-    for other in (dataclasses.replace(opts, fp8_gated_min_rows=0), opts.batch_invariant_kernels()):
+    few_rows, down = torch.randn(256, 128), torch.randn(128, 128)  # a gate/up with the gated companion for few rows
+    fp8.attach(few_rows)  # only (the LMs'), and a down projection
+    fp8.attach_gated(few_rows, few_rows_only=True)
+    fp8.attach(down)
+    assert fp8.gated_companion_of(few_rows) is None  # so from fp8_min_rows on: cuBLAS + the gated quantiser
+    with mock.patch.object(fp8, "current", return_value=opts), \
+            mock.patch.object(platform, "kernels", return_value=True):
+        assert fp8.gated_few_rows(torch.zeros(100, 128), few_rows) is fp8.few_rows_gated_companion_of(few_rows)
+        with mock.patch.object(fp8, "current", return_value=dataclasses.replace(opts, gated_gemm_min_rows=2048)):
+            assert fp8.mlp_companions(torch.zeros(1024, 128), few_rows, down)[2] is None
+            assert fp8.mlp_companions(torch.zeros(1024, 128), weight, down)[2] is gated  # any row count's
+    for other in (dataclasses.replace(opts, fp8_gated_min_rows=0), opts.batch_invariant_kernels(),
+                  dataclasses.replace(opts, gated_gemm_min_rows=0)):
         with mock.patch.object(fp8, "current", return_value=other), \
                 mock.patch.object(platform, "kernels", return_value=True):
             assert fp8.gated_few_rows(torch.zeros(100, 128), weight) is None
@@ -416,18 +428,19 @@ def test_an_fp8_mlp_below_fp8_min_rows_runs_the_gated_fp8_gemm_and_a_bf16_down_c
             assert relative_error(out, ref) <= (2.0**-5 if rows >= 64 else 2.0**-7), rows
 
 
-def test_requantize_rewrites_the_gated_companion_in_place():
+@pytest.mark.parametrize("few_rows_only", [False, True])
+def test_requantize_rewrites_the_gated_companion_in_place(few_rows_only):
     """A merge that rewrites a fused gate/up weight also rewrites its gated companion (the FP8 companion's rows and
-    scales as (gate_i, up_i) pairs), in the memory the captured graphs read."""
+    scales as (gate_i, up_i) pairs), in the memory the captured graphs read; the few-rows one too."""
     weight = torch.randn(64, 32)
     fp8.attach(weight)
-    fp8.attach_gated(weight)
-    gated = fp8.gated_companion_of(weight)
+    fp8.attach_gated(weight, few_rows_only)
+    gated = fp8.few_rows_gated_companion_of(weight)
     assert gated is not None
     weight.mul_(3.0).add_(1.0)
     fp8.requantize(weight)
     companion = fp8.companion_of(weight)
-    assert companion is not None and fp8.gated_companion_of(weight) is gated
+    assert companion is not None and fp8.few_rows_gated_companion_of(weight) is gated
     for half, rows in ((0, slice(None, 32)), (1, slice(32, None))):  # even rows: gate_i, odd rows: up_i
         assert torch.equal(gated.data[half::2].view(torch.uint8), companion.data[rows].view(torch.uint8))
         assert torch.equal(gated.scale.view(-1)[half::2], companion.scale.view(-1)[rows])

@@ -194,35 +194,38 @@ def fuse_projections(module: nn.Module) -> None:
 
 
 def attach_gated_companions(backbone: nn.Module, dit: nn.Module, dit_rows: int, fp8_weights: bool) -> int:
-    """Which MLPs get their gated GEMM's companion (`attach_gated_gemm`): with FP8 weights and `fp8_gated_min_rows`
-    every stack's (their decode rows run the gated FP8 GEMM from that many rows), else the DiT's where its rows at
-    max_num_seqs (`dit_rows`) reach the gated GEMM's (`fp8_min_rows` on FP8 weights, `gated_gemm_min_rows` in bf16);
-    none where `gated_gemm_min_rows` is 0. Returns how many weights have one."""
+    """Which MLPs get their gated GEMM's companion (`attach_gated_gemm`): the DiT's where its rows at max_num_seqs
+    (`dit_rows`) reach the gated GEMM's (`fp8_min_rows` on FP8 weights, `gated_gemm_min_rows` in bf16), for any row
+    count; with FP8 weights and `fp8_gated_min_rows` every other one's too (and the DiT's where it has none), for
+    calls below fp8_min_rows only (their decode rows). None where `gated_gemm_min_rows` is 0. Returns how many."""
     opts = current()
     if not opts.gated_gemm_min_rows:
         return 0
-    if fp8_weights and opts.fp8_gated_min_rows:
-        return attach_gated_gemm(backbone, fp8_only=True)
-    if dit_rows >= (opts.fp8_min_rows if fp8_weights else opts.gated_gemm_min_rows):
-        return attach_gated_gemm(dit)
-    return 0
+    count = attach_gated_gemm(dit) if dit_rows >= (
+        opts.fp8_min_rows if fp8_weights else opts.gated_gemm_min_rows) else 0
+    if fp8_weights and opts.fp8_gated_min_rows:  # the others' (and a DiT's without one) for few rows only
+        count += attach_gated_gemm(backbone, few_rows_only=True)
+    return count
 
 
-def attach_gated_gemm(module: nn.Module, fp8_only: bool = False) -> int:
+def attach_gated_gemm(module: nn.Module, few_rows_only: bool = False) -> int:
     """Give the fused gate/up weight of every MLP under `module` (after `fuse_projections`, and after
     `quantize_projections`) the interleaved companion its gated GEMM reads: on FP8 weights the gated FP8 GEMM's
-    (`fp8.attach_gated`, where `fp8_gemm.gated_supported`), else (unless `fp8_only`) the bf16 one
-    (`engine.ops.gated_gemm`, where its tiles divide the weight); idempotent. Returns how many weights have one."""
+    (`fp8.attach_gated`, where `fp8_gemm.gated_supported`), else (unless `few_rows_only`) the bf16 one
+    (`engine.ops.gated_gemm`, where its tiles divide the weight); `few_rows_only`: the FP8 one for calls below
+    fp8_min_rows, where the weight has no gated companion yet. Idempotent. Returns how many weights got or have one."""
     count = 0
     for m in module.modules():
         if not isinstance(m, MLP) or (w := m.gate_up_weight) is None:
             continue
         if fp8.companion_of(w) is not None:
             if fp8_gemm.gated_supported(w.device, w.shape[1], w.shape[0]):
-                if fp8.gated_companion_of(w) is None:
-                    fp8.attach_gated(w)
+                if few_rows_only and fp8.gated_companion_of(w) is not None:
+                    continue  # its companion for any row count serves few rows too
+                if fp8.few_rows_gated_companion_of(w) is None:
+                    fp8.attach_gated(w, few_rows_only)
                 count += 1
-        elif not fp8_only and gated_gemm.shape_ok(w):
+        elif not few_rows_only and gated_gemm.shape_ok(w):
             if gated_gemm.companion_of(w) is None:
                 gated_gemm.attach(w)
             count += 1

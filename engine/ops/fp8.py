@@ -15,8 +15,9 @@
   Where the fused weight has the gated companion (`attach_gated`: the DiT's, on Blackwell, and on Hopper with the fast
   accumulation), the gate/up GEMM is the Triton FP8 GEMM with the gate in its epilogue (`engine.ops.fp8_gemm`, its
   partial sums promoted as `fp8_fast_accum` says), and only the product is quantised.
-- Below `fp8_min_rows`, from `fp8_gated_min_rows` rows (the LMs' and LocEnc's decode rows), a gate/up weight with the
-  gated companion (then attached to every stack's) runs as the gated FP8 GEMM over narrow tiles (`gated_linear`), its
+- Below `fp8_min_rows`, from `fp8_gated_min_rows` rows (the LMs' and LocEnc's decode rows), a gate/up weight with a
+  gated companion (then every stack's; a few-rows one where the DiT's is not) runs as the gated FP8 GEMM over narrow
+  tiles up to 192 rows (`gated_linear`), its
   rows quantised by the norm before it; the product stays bf16 for the bf16 down GEMM (a row quantiser before the
   down GEMM costs what its FP8 GEMM saves at these rows).
 
@@ -56,6 +57,7 @@ E4M3_MAX = 448.0
 SCALE_FLOOR = 1e-12  # an all-zero row's amax: its scale stays finite and its values zero
 FP8_ATTR = "fp8"  # the companion's attribute on a weight tensor
 GATED_ATTR = "fp8_gated"  # the gated FP8 GEMM's companion on a fused gate/up weight (`attach_gated`)
+FEW_ROWS_GATED_ATTR = "fp8_gated_few_rows"  # the same, for calls below fp8_min_rows only (`gated_few_rows`)
 ROWS_ATTR = "fp8_rows"  # an activation's rows quantised by the kernel that made it (`attach_rows`)
 QUANTISER_CONSTANTS = {"FLOOR": SCALE_FLOOR, "FP8_MAX": E4M3_MAX, "INV_MAX": 1.0 / E4M3_MAX}  # the kernels' rule
 MAX_KERNEL_COLS = 16384  # the kernel holds a row in registers; longer rows take the torch ops
@@ -239,26 +241,34 @@ def interleaved(weight: Fp8Weight, into: Fp8Weight | None = None) -> Fp8Weight:
     return Fp8Weight(data, scale.view(1, -1)) if into is None else into
 
 
-def attach_gated(gate_up: torch.Tensor) -> None:
+def attach_gated(gate_up: torch.Tensor, few_rows_only: bool = False) -> None:
     """Give a fused gate/up weight with an FP8 companion the gated FP8 GEMM's: that companion `interleaved` (e4m3, a
-    quarter of the bf16 weight's bytes again)."""
+    quarter of the bf16 weight's bytes again); `few_rows_only`: for calls below fp8_min_rows alone (from
+    fp8_min_rows rows such a weight keeps cuBLAS + the gated quantiser)."""
     fp8 = companion_of(gate_up)
     assert fp8 is not None
-    setattr(gate_up, GATED_ATTR, interleaved(fp8))
+    setattr(gate_up, FEW_ROWS_GATED_ATTR if few_rows_only else GATED_ATTR, interleaved(fp8))
 
 
 def gated_companion_of(gate_up: torch.Tensor | None) -> Fp8Weight | None:
+    """The gated companion for calls of any row count (not one for few rows only)."""
     return getattr(gate_up, GATED_ATTR, None)
+
+
+def few_rows_gated_companion_of(gate_up: torch.Tensor | None) -> Fp8Weight | None:
+    """The gated companion calls below fp8_min_rows run on: the one for any row count, else the one for few rows."""
+    return getattr(gate_up, GATED_ATTR, None) or getattr(gate_up, FEW_ROWS_GATED_ATTR, None)
 
 
 def gated_few_rows(x: torch.Tensor, gate_up: torch.Tensor | None) -> Fp8Weight | None:
     """The gated companion a gate/up call on x of fewer than `fp8_min_rows` rows runs on (`gated_linear`): where the
-    weight has one, x has at least `fp8_gated_min_rows` rows (EngineOptions; 0: never) and the kernels run on its
-    device; else None (the bf16 kernels). Host-side shapes only."""
-    gated = gated_companion_of(gate_up)
+    weight has one, x has at least `fp8_gated_min_rows` rows (EngineOptions; 0: never; nor with the gated GEMMs off)
+    and the kernels run on its device; else None (the bf16 kernels). Host-side shapes only."""
+    gated = few_rows_gated_companion_of(gate_up)
     opts = current()
     rows = x.numel() // max(1, x.shape[-1])
-    if gated is None or not opts.fp8_gated_min_rows or not opts.fp8_gated_min_rows <= rows < opts.fp8_min_rows:
+    if (gated is None or not opts.fp8_gated_min_rows or not opts.gated_gemm_min_rows
+            or not opts.fp8_gated_min_rows <= rows < opts.fp8_min_rows):
         return None
     return gated if platform.kernels(x) else None
 
@@ -291,8 +301,9 @@ def requantize(weight: torch.Tensor) -> None:
     q, scale = quantize_rows(weight.detach())
     fp8.data.copy_(q)
     fp8.scale.copy_(scale.view(1, -1))
-    if (gated := gated_companion_of(weight)) is not None:
-        interleaved(fp8, into=gated)
+    for gated in (getattr(weight, GATED_ATTR, None), getattr(weight, FEW_ROWS_GATED_ATTR, None)):
+        if gated is not None:
+            interleaved(fp8, into=gated)
 
 
 def dequantize_in_place(weight: torch.Tensor) -> None:
