@@ -29,17 +29,19 @@ async def register_lora(req: RegisterLoRARequest, state: LoadedState) -> LoRAInf
     refusal = local_refusal(s.lora_dir, req.lora_uri)
     if refusal is not None:
         raise HTTPException(400, f"lora_uri: {refusal}")
-    try:
-        local = await asyncio.to_thread(fetch_adapter, req.lora_uri, s.cache_path, req.sha256, source_endpoints(s))
-    except AdapterSourceError as e:
-        raise HTTPException(400, e.for_fields({"uri": "lora_uri", "sha256": "sha256"})) from e
-    await sync_adapters(state)  # the store answers before anything changes
+    await sync_adapters(state)  # the store answers before anything changes (and before a download it would refuse)
     shared = state.shared_adapters
     if shared is not None and shared.holds_other(req.lora_name, req.lora_uri, req.sha256):
         raise registered_already(req.lora_name)  # taken by the sync (not the engine's 400 of a name it holds)
     try:
+        local = await asyncio.to_thread(fetch_adapter, req.lora_uri, s.cache_path, req.sha256, source_endpoints(s))
+    except AdapterSourceError as e:
+        raise HTTPException(400, e.for_fields({"uri": "lora_uri", "sha256": "sha256"})) from e
+    try:
         described = LoRAInfo.model_validate(await state.pool.register_lora(req.lora_name, str(local)))
     except PoolError as e:
+        if shared is not None and shared.holds_other(req.lora_name, req.lora_uri, req.sha256):
+            raise registered_already(req.lora_name) from e  # another request's sync took it meanwhile
         raise http_error(e) from e
     if shared is not None:
         try:
