@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, Status
+from engine.vocabulary import longest_part
 
 COALESCE_CAP = 4  # the window closes at most this many windows after the first request it holds
 
@@ -38,8 +39,7 @@ def prompt_parts(seq: Sequence) -> tuple[str, str]:
     reference audio: the one to shorten) and the prompt's tokens by part, in words."""
     text, voice = seq.prompt.target_tokens, seq.prompt.voice_tokens
     words = ", ".join(f"{n} of {VOICE_PARTS[f]}" for f, n in voice.items() if n)
-    longest = max(voice, key=voice.__getitem__, default="")
-    field = longest if longest and voice[longest] > text else "target_text"
+    field = longest_part(text, voice)
     rest = seq.num_prompt_tokens - text  # the voice's parts and the markers
     return field, f"{text} of text, {rest} of voice" + (f": {words}" if words else "")
 

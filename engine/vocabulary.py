@@ -7,6 +7,7 @@ Torch-free: the service's API processes import it without loading torch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,6 +33,13 @@ SAMPLING_LIMITS: dict[str, Bound] = {
 }
 INTEGER_FIELDS = frozenset({"max_generate_length", "min_len", "seed"})
 REF_MARKER_TOKENS = 2  # a reference clip's start and end tokens around its patches in the prompt (engine/prompt.py)
+
+
+def longest_part(target_tokens: int, voice_tokens: Mapping[str, int]) -> str:
+    """The request field of an over-long prompt's longest part, the one to shorten: a voice part (`prompt_text`,
+    `prompt_latents`, `ref_latents`: its tokens) longer than the target text, else `target_text`."""
+    longest = max(voice_tokens, key=voice_tokens.__getitem__, default="")
+    return longest if longest and voice_tokens[longest] > target_tokens else "target_text"
 
 
 def max_patches(target_tokens: int, max_generate_length: int) -> int:

@@ -35,7 +35,7 @@ from fastapi import HTTPException
 from engine import GenerationStream, OverloadedError, PoolError, SamplingParams, SynthesisRequest
 from engine.io.tokenizer import text_tokens_many
 from engine.serving.stream import text_ids, tokenizable
-from engine.vocabulary import REF_MARKER_TOKENS, SAMPLING_LIMITS, TextIds, max_patches
+from engine.vocabulary import REF_MARKER_TOKENS, SAMPLING_LIMITS, TextIds, longest_part, max_patches
 from service import synthesis
 from service.audio import make_encoder, sse_event
 from service.conditioning import Conditioning
@@ -535,8 +535,7 @@ async def check_segments_fit(state: ServiceState, segments: list[Segment], cond:
             target = len(ids[0])
             parts = {"prompt_text": need.text - target, "prompt_latents": latent_patches(state, cond.prompt_latents),
                      "ref_latents": latent_patches(state, cond.ref_latents)}
-            longest = max(parts, key=parts.__getitem__)
-            field = longest if parts[longest] > target else "target_text"
+            field = longest_part(target, parts)
             message = (f"{field}: {where} is a prompt of {need.prompt} tokens ({target} of text, "
                        f"{need.prompt - target} of voice), which leaves no room to generate within "
                        f"{_limit_words(state, limit)}")
