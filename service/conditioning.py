@@ -26,6 +26,10 @@ class Conditioning:
     # The engine's voice fields -> the request fields they came from, for the engine's messages (`in_route_terms`).
     terms: dict[str, str] = field(default_factory=dict)
 
+    def name_reference(self, request_field: str) -> None:
+        """The engine's every name of the reference (`ENGINE_REF_FIELDS`) is `request_field` in its messages."""
+        self.terms.update(dict.fromkeys(ENGINE_REF_FIELDS, request_field))
+
 
 INLINE_B64_CHARS = 64 * 1024  # larger payloads (audio clips: megabytes) are decoded in a thread
 
@@ -112,21 +116,22 @@ async def resolve(state: ServiceState, req: GenerateRequest) -> Conditioning:
         elif req.hifi_id is not None:
             v = await voice_of(state, req.hifi_id, "hifi", "hifi_id")
             cond.prompt_latents, cond.prompt_text, cond.ref_latents = v.prompt_latents, v.prompt_text, v.ref_latents
-            cond.terms.update(dict.fromkeys(("prompt_text", "prompt_latents", *ENGINE_REF_FIELDS), "hifi_id"))
+            cond.terms.update(prompt_text="hifi_id", prompt_latents="hifi_id")
+            cond.name_reference("hifi_id")
 
     async def reference() -> None:
         if req.ref_audio_wav_base64 is not None:
             data = await b64decode(req.ref_audio_wav_base64, "ref_audio_wav_base64")
             cond.ref_latents = await encode_clip(state, data, req.ref_audio_wav_format, "right",
                                                  "ref_audio_wav_base64")
-            cond.terms.update(dict.fromkeys(ENGINE_REF_FIELDS, "ref_audio_wav_base64"))
+            cond.name_reference("ref_audio_wav_base64")
         elif req.ref_audio_latents_base64 is not None:
             raw = await b64decode(req.ref_audio_latents_base64, "ref_audio_latents_base64")
             cond.ref_latents = check_latents(state, raw, "ref_audio_latents_base64")
-            cond.terms.update(dict.fromkeys(ENGINE_REF_FIELDS, "ref_audio_latents_base64"))
+            cond.name_reference("ref_audio_latents_base64")
         elif req.ref_audio_id is not None:
             cond.ref_latents = (await voice_of(state, req.ref_audio_id, "reference", "ref_audio_id")).ref_latents
-            cond.terms.update(dict.fromkeys(ENGINE_REF_FIELDS, "ref_audio_id"))
+            cond.name_reference("ref_audio_id")
 
     await asyncio.gather(prompt(), reference())  # both clips encode concurrently
     return cond

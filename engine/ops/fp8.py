@@ -17,9 +17,8 @@
   partial sums promoted as `fp8_fast_accum` says), and only the product is quantised.
 - Below `fp8_min_rows`, from `fp8_gated_min_rows` rows (the LMs' and LocEnc's decode rows), a gate/up weight with a
   gated companion (then every stack's; a few-rows one where the DiT's is not) runs as the gated FP8 GEMM over narrow
-  tiles up to 192 rows (`gated_linear`), its
-  rows quantised by the norm before it; the product stays bf16 for the bf16 down GEMM (a row quantiser before the
-  down GEMM costs what its FP8 GEMM saves at these rows).
+  tiles up to 192 rows (`gated_linear`), its rows quantised by the norm before it; the product stays bf16 for the
+  bf16 down GEMM (a row quantiser before the down GEMM costs what its FP8 GEMM saves at these rows).
 
 A weight's companion (`Fp8Weight`) is an attribute of the weight tensor itself (`FP8_ATTR`): `engine.ops.linear`
 is handed the same tensor objects every call, so finding it costs a getattr, allocates nothing and never waits for
