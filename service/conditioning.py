@@ -31,6 +31,14 @@ class Conditioning:
         self.terms.update(dict.fromkeys(ENGINE_REF_FIELDS, request_field))
 
 
+def latent_patches(state: ServiceState, latents: np.ndarray | bytes | None) -> int:
+    """Whole patches of a voice's latents (float32 bytes as stored, or frames), 0 for none."""
+    if latents is None:
+        return 0
+    frames = len(latents) // state.frame_bytes if isinstance(latents, bytes) else len(latents)
+    return frames // state.model.patch_size
+
+
 INLINE_B64_CHARS = 64 * 1024  # larger payloads (audio clips: megabytes) are decoded in a thread
 
 

@@ -38,7 +38,7 @@ from engine.serving.stream import text_ids, tokenizable
 from engine.vocabulary import REF_MARKER_TOKENS, SAMPLING_LIMITS, TextIds, longest_part, max_patches
 from service import synthesis
 from service.audio import make_encoder, sse_event
-from service.conditioning import Conditioning
+from service.conditioning import Conditioning, latent_patches
 from service.errors import http_error, in_route_terms
 from service.normalize import normalize
 from service.segmenter import Granularity, Segment, split_text
@@ -130,13 +130,6 @@ def position_limit(state: ServiceState) -> int:
     info = state.model
     cache = info.kv_blocks * info.block_size
     return min(info.max_model_len, cache) if cache > 0 else info.max_model_len
-
-
-def latent_patches(state: ServiceState, latents: np.ndarray | bytes | None) -> int:
-    if latents is None:
-        return 0
-    frames = len(latents) // state.frame_bytes if isinstance(latents, bytes) else len(latents)
-    return frames // state.model.patch_size
 
 
 def positions(state: ServiceState, request: SynthesisRequest, ids: TextIds) -> Positions:

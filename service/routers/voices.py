@@ -10,7 +10,7 @@ import base64
 from fastapi import APIRouter, HTTPException
 
 from engine.vocabulary import REF_MARKER_TOKENS
-from service.conditioning import b64decode, encode_clip, voice_of
+from service.conditioning import b64decode, encode_clip, latent_patches, voice_of
 from service.deps import LoadedState, State
 from service.schemas import (
     AddHifiRequest,
@@ -50,9 +50,7 @@ async def _check_fits(state: ServiceState, prompt_text: str, latents: bytes | No
     if tokenizer is None:  # the worker tokenizes (and refuses at the first use)
         return
     text = len(await asyncio.to_thread(tokenizer.encode, prompt_text)) if prompt_text else 0  # megabytes: off the loop
-    patch_bytes = state.frame_bytes * info.patch_size
-    audio = len(latents) // patch_bytes if latents is not None else 0  # whole patches
-    ref = len(ref_latents) // patch_bytes if ref_latents is not None else 0
+    audio, ref = latent_patches(state, latents), latent_patches(state, ref_latents)
     markers = REF_MARKER_TOKENS if ref_latents is not None else 0
     total = text + audio + ref + markers
     if total + 3 > info.max_model_len:  # + one token of a text, the audio-start token and one patch to generate
