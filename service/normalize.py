@@ -171,6 +171,15 @@ _YEAR_WORDS = frozenset(_split_words(
     "in since by from until till to of during before after around circa c year years summer winter spring autumn "
     "fall early late mid january february march april may june july august september october november december "
     "jan feb mar apr jun jul aug sep sept oct nov dec"))
+# ... unless a unit or a measured noun follows ("in 1500 meters"; not a counted one, "In 1905 people ...", nor a
+# currency, "in 2010 dollars"); after a label the grammar's pairs are how it is said ("Room 1905": nineteen oh five).
+_QUANTITY_AFTER = re.compile(
+    r"\s?(?:%|°|(?:mm|cm|m|km|mi|ft|yd|mg|g|kg|lbs?|oz|ml|mph|km/h|kph|kW|MW|W|V|Hz|kHz|MHz|GB|MB|KB|TB)(?![A-Za-z])"
+    r"|\s(?:square |cubic |nautical |metric |light |more |extra )?(?:meters?|metres?|kilomet(?:er|re)s?|miles?|feet|"
+    r"yards?|inch(?:es)?|pounds?|kilo(?:gram)?s?|grams?|tons?|tonnes?|lit(?:er|re)s?|gallons?|times|"
+    r"copies|units|pages|points|hours|minutes|seconds|days|weeks|months|years|calories|degrees|volts|watts)\b)")
+_LABEL_WORDS = frozenset(_split_words(
+    "room rm flight suite apartment apt bus route gate platform highway interstate channel extension ext"))
 _WORD_BEFORE = re.compile(r"([A-Za-z]+)\.?\s+$")
 _DAY_COMMA = re.compile(r"\d{1,2}(?:st|nd|rd|th)?,\s*$")
 _SENTENCE_END_BEFORE = re.compile(r"[.!?:;\n][\s\"'(]*$")
@@ -234,9 +243,12 @@ def _four_digits(m: re.Match[str]) -> str:
     grammar reads with what follows (a unit)."""
     before = m.string[max(0, m.start() - 40):m.start()]  # a window: a long text's numbers are not quadratic
     word = _WORD_BEFORE.search(before)
-    if ((word is not None and word.group(1).lower() in _YEAR_WORDS) or _DAY_COMMA.search(before)
-            or _SENTENCE_END_BEFORE.search(before) or (m.start() <= 40 and not before.strip(" \t\"'("))
-            or _ERA_AFTER.match(m.string, m.end())):
+    word = word.group(1).lower() if word is not None else ""
+    if _ERA_AFTER.match(m.string, m.end()) or word in _LABEL_WORDS:
+        return m.group()
+    if not _QUANTITY_AFTER.match(m.string, m.end()) and (
+            word in _YEAR_WORDS or _DAY_COMMA.search(before) or _SENTENCE_END_BEFORE.search(before)
+            or (m.start() <= 40 and not before.strip(" \t\"'("))):
         return m.group()
     rest = int(m.group(2))
     if rest == 0:  # 1000, 2000: the grammar reads them as quantities (1000's "ten hundred" fixed after it)

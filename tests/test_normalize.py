@@ -120,6 +120,15 @@ YEARS = [
     ("He said: 1984 is a book.", "He said: nineteen eighty four is a book."),
     ("Born September 28, 1905 in Paris.", "Born the twenty eighth of september, nineteen oh five in Paris."),
     ("around 1200 AD", "around twelve hundred A D"),
+    # a unit after it makes it a quantity in a year's context; a label before it keeps the pairs
+    ("in 1500 meters", "in one thousand five hundred meters"),
+    ("In 1500 km we stop.", "In one thousand five hundred kilometers we stop."),
+    ("in 1500 square meters", "in one thousand five hundred square meters"),
+    ("in 1500 years", "in one thousand five hundred years"),
+    ("In 1905 people left.", "In nineteen oh five people left."),
+    ("in 2010 dollars", "in twenty ten dollars"),
+    ("Room 1905 is upstairs.", "Room nineteen oh five is upstairs."),
+    ("We took flight 1234.", "We took flight twelve thirty four."),
     # 1000 itself, units after these numbers, ranges, a comma after them
     ("He scored 1,000 points", "He scored one thousand points"),
     ("1000 points", "one thousand points"),
