@@ -214,7 +214,7 @@ class SegmentJob:
         sp = self.speech
         try:
             if sp.normalize:
-                self.text = await asyncio.to_thread(normalize, self.segment.text)
+                self.text = await sp.spoken(self.segment)
             prompt = await self.prompt if self.prompt is not None else None
             for attempt in range(sp.options.badcase_tries if sp.options.retry_badcase else 1):
                 self.tries = attempt + 1
@@ -287,6 +287,25 @@ class LongFormSpeech:
     def count_audio(self, samples: int) -> None:
         if samples:
             self.state.metrics.audio_seconds.labels(self.route).inc(samples / self.sample_rate)
+
+    async def spoken(self, segment: Segment) -> str:
+        """A segment's text normalised, or as written where the spoken form leaves no room to generate with the
+        request's own voice (the written one was checked before any audio; a live session's is refused at its turn)."""
+        text = await asyncio.to_thread(normalize, segment.text)
+        tokenizer = self.state.pool.client.tokenizer
+        design = self.design if segment.index == 0 else ""
+        cond = self.cond
+        probe = SynthesisRequest(design + text, cond.prompt_text, cond.prompt_latents, None, cond.ref_latents,
+                                 self.params)
+        if text == segment.text or tokenizer is None or not tokenizable(probe):
+            return text
+        ids = await asyncio.to_thread(text_ids, tokenizer, probe)
+        limit = position_limit(self.state)
+        if ids is None or positions(self.state, probe, ids).prompt < limit:
+            return text
+        log.warning("%s segment %d: spoken as written (normalised, its prompt leaves no room within %d positions)",
+                    self.request_id, segment.index, limit)
+        return segment.text
 
     async def fitted(self, request: SynthesisRequest, segment: Segment, anchor: np.ndarray | None) -> SynthesisRequest:
         """A later segment's request made to fit the sequence the engine runs (refused there, it would cut the stream
@@ -569,8 +588,8 @@ async def generate(state: ServiceState, route: str, text: str, cond: Conditionin
     if len(segments) <= 1 and not retry_badcase and not timings:
         return await synthesis.start(state, route, design + text, cond, params, fmt, sse=sse, lora_name=lora_name,
                                      normalize=normalize, speed=speed, sample_rate=sample_rate)
-    if not normalize:  # a normalised segment is known only when its turn comes (`LongFormSpeech.fitted`)
-        await check_segments_fit(state, segments, cond, params, design)
+    # as written: a spoken form longer than that is fitted at its turn (`LongFormSpeech.spoken`, `fitted`)
+    await check_segments_fit(state, segments, cond, params, design)
     options = LongFormOptions.from_settings(state.settings, blocking if retry_badcase is None else retry_badcase)
     return await start(state, route, segments, cond, params, fmt, options, sse=sse, lora_name=lora_name,
                        design=design, normalize=normalize, speed=speed, sample_rate=sample_rate)

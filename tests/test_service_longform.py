@@ -362,11 +362,32 @@ def test_a_normalised_segment_longer_than_written_gets_a_lower_cap_not_a_cut_str
     text = "Hi.\n\n" + "Call 1234567 now. " * 10
     segments = split_text(text, 1000)
     t1 = tokens(fit_server, normalize(segments[1].text))
-    mgl = 400
+    mgl = 300
     assert len(segments) == 2 and t1 + 1 < FIT_LEN < t1 + 1 + cap(t1, mgl)
+    written = tokens(fit_server, segments[1].text)  # as written it fits: the check before any audio lets it in
+    assert written + 1 + cap(written, mgl) <= FIT_LEN
     r = fit_client.post("/generate_blocking", json={"target_text": text, "normalize": True, "timings": True,
                                                     "max_generate_length": mgl, "seed": 1, "response_format": "pcm"})
     timings = json.loads(r.headers["X-Segment-Timings"])
     assert [t["finish_reason"] for t in timings] == ["length", "length"]
     assert round(timings[1]["duration_s"] * SAMPLE_RATE) == (FIT_LEN - t1 - 1) * SAMPLES_PER_PATCH
     assert len(pcm(r)) == (cap(tokens(fit_server, "Hi."), mgl) + FIT_LEN - t1 - 1) * SAMPLES_PER_PATCH
+
+
+def test_a_normalised_segment_with_no_room_is_spoken_as_written_and_the_written_text_checked_first(fit_client,
+                                                                                                  fit_server):
+    """normalize: a segment whose spoken form alone leaves no room to generate is spoken as written (the stream is the
+    one without normalisation, byte for byte; it was cut at that segment); a written text that cannot fit is refused
+    before any audio, as without normalisation."""
+    text = "Hi.\n\n" + "Call 1234567 now. " * 13
+    segments = split_text(text, 1000)
+    written, spoken = tokens(fit_server, segments[1].text), tokens(fit_server, normalize(segments[1].text))
+    assert len(segments) == 2 and spoken + 1 >= FIT_LEN and written + 1 + cap(written, 300) <= FIT_LEN
+    body = {"target_text": text, "timings": True, "max_generate_length": 300, "seed": 5, "response_format": "pcm"}
+    r = fit_client.post("/generate_blocking", json={**body, "normalize": True})
+    assert r.status_code == 200, r.text
+    assert [t["finish_reason"] for t in json.loads(r.headers["X-Segment-Timings"])] == ["length", "length"]
+    assert np.array_equal(pcm(r), pcm(fit_client.post("/generate_blocking", json=body)))
+    r = fit_client.post("/generate", json={**body, "normalize": True, "max_generate_length": 400})
+    assert r.status_code == 422 and r.json()["detail"].startswith(
+        "max_generate_length: segment 2 of 2 (characters 5-"), r.text
