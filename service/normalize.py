@@ -74,7 +74,8 @@ def normalize(text: str) -> str:
             continue
         lead, trail = run[:len(run) - len(run.lstrip())], run[len(run.rstrip()):]
         spoken = _english(english, core) if lang == "en" else _chinese(chinese, core)
-        out.append(lead + _capitals(spoken) + trail)
+        # shouting is a sentence's: a run holds several
+        out.append(lead + "".join(map(_capitals, _SENTENCE_END.split(spoken))) + trail)
     return "".join(out)
 
 

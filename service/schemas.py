@@ -224,8 +224,9 @@ class GenerateRequest(SamplingFields, PlaybackFields, LongFormFields):
     ref_audio_id: str | None = Field(None, max_length=VOICE_ID_MAX_CHARS,
                                      description="A reference from /add_reference.")
     lora_name: str | None = Field(None, pattern=LORA_NAME, description="A runtime LoRA adapter registered with POST "
-                                                                       "/loras (404 if unknown; 503 while every "
-                                                                       "adapter slot is held).")
+                                                                       "/loras (404 if unknown; while every adapter "
+                                                                       "slot is held the request waits in the queue: "
+                                                                       "503 after NANOVLLM_QUEUE_TIMEOUT_S).")
     response_format: Literal["mp3", "pcm"] = Field("mp3", description="mp3, or pcm = raw s16le mono.")
     normalize: bool = normalize_field()
 

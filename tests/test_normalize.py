@@ -50,6 +50,9 @@ CASES = [
     ("The NASA and FBI and the USA.", "The nasa and F B I and the U S A."),
     ("HTML over HTTP", "H T M L over H T T P"),
     ("HELLO WORLD, I LOVE YOU AND THE FBI.", "hello world, I love you and the F B I."),
+    # shouting is a sentence's, not its neighbours' (they were spelled: "W E A R E G O")
+    ("WE ARE GO. This is a long and calm sentence after it.", "we are go. This is a long and calm sentence after it."),
+    ("This is a long and calm sentence first. WE ARE GO.", "This is a long and calm sentence first. we are go."),
     ("World War II", "World War two"),
     # Chinese
     ("我有3个苹果。", "我有三个苹果。"),
