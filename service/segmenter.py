@@ -8,6 +8,7 @@ Lengths are weighted by speaking time: a CJK character takes about as long to sa
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -24,6 +25,10 @@ CLOSERS = "\"'”’»)]}）」』》】"
 CJK_TERMINALS = "。！？"
 SENTENCE_TERMINALS = ".!?…" + CJK_TERMINALS  # a flushed buffer ending otherwise is an unfinished sentence
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\uff00-\uffef]")
+log = logging.getLogger(__name__)
+# White space past ASCII but the line breaks: sentencex (1.0.x) panics on some of it before a period ("I\u3000."), so
+# it reads a space there instead (one character for one: the offsets stay the text's).
+_WIDE_SPACE = re.compile(r"[^\S\n\r\t\f\v ]")
 _CLAUSE_END = re.compile(f"[{re.escape(CLAUSE_MARKS)}]+[{re.escape(CLOSERS)}]*")
 
 
@@ -59,7 +64,14 @@ class _Unit:
 def _sentences(text: str, base: int = 0) -> list[_Unit]:
     """sentencex's sentences, stripped of surrounding space; a paragraph break marks the sentence before it."""
     units: list[_Unit] = []
-    for b in sentencex.get_sentence_boundaries(language_of(text), text):
+    try:
+        bounds = sentencex.get_sentence_boundaries(language_of(text), _WIDE_SPACE.sub(" ", text))
+    except BaseException as e:  # a panic in the library (a BaseException): the text as one sentence, never a 500
+        if type(e).__name__ != "PanicException":
+            raise
+        log.warning("sentencex failed on a text of %d characters (%s): read as one sentence", len(text), e)
+        bounds = [{"start_index": 0, "end_index": len(text)}]
+    for b in bounds:
         if b.get("is_paragraph_break"):
             if units:
                 units[-1].pause = "paragraph"

@@ -124,3 +124,17 @@ def test_live_flush_mid_sentence_adds_no_pause():
 def test_clause_cuts_follow_closing_guillemets_and_cjk_brackets():
     text = "«Bonjour, mon ami,» dit-il lentement, «comment allez-vous?»"
     assert [s.text for s in split_text(text, 20, "clause")][:2] == ["«Bonjour, mon ami,»", "dit-il lentement,"]
+
+
+@pytest.mark.parametrize("text", ["Hello, A\u00a0. B", "Plan B\u00a0. Next.", "I\u3000.", "ok\u2009. fine", "x\u202f. Yes.",
+                                  "Para one.\n\nPara\u00a0two. End."])
+def test_wide_spaces_before_a_period_are_split_like_spaces(text):
+    """sentencex panicked on a letter, a no-break (or other wide) space and a period (a 500 on every route); the text
+    is now read with a plain space there, its offsets its own."""
+    segments = split_text(text, 250)
+    spaced = split_text(text.translate({c: " " for c in (0xA0, 0x3000, 0x2009, 0x202F)}), 250)
+    assert [(s.start, s.end, s.pause) for s in segments] == [(s.start, s.end, s.pause) for s in spaced]
+    assert segments and all(text[s.start:s.end] == s.text for s in segments)
+    live = LiveSegmenter(250)
+    fed = [seg for ch in text for seg in live.feed(ch)] + live.done()
+    assert [s.text for s in fed] and all(text[s.start:s.end] == s.text for s in fed)

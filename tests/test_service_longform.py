@@ -391,3 +391,13 @@ def test_a_normalised_segment_with_no_room_is_spoken_as_written_and_the_written_
     r = fit_client.post("/generate", json={**body, "normalize": True, "max_generate_length": 400})
     assert r.status_code == 422 and r.json()["detail"].startswith(
         "max_generate_length: segment 2 of 2 (characters 5-"), r.text
+
+
+@pytest.mark.parametrize("route", ["/generate_blocking", "/v1/audio/speech"])
+def test_a_wide_space_before_a_period_is_spoken_not_a_500(client, route):
+    """A one-letter word, a no-break space and a period panicked the sentence splitter (a BaseException: uvicorn's
+    plain 500)."""
+    field = {"input": "Hello, A\u00a0. B", "model": "tts-1"} if route.startswith("/v1") else {
+        "target_text": "Hello, A\u00a0. B"}
+    r = client.post(route, json={**field, "max_generate_length": 3, "response_format": "pcm"})
+    assert r.status_code == 200 and len(r.content) > 0, r.text

@@ -167,6 +167,16 @@ def test_a_session_with_nothing_to_speak_ends_normally(server, fmt):
         assert data[:2] == b"\xff\xfb" and len(data) <= 2 * 576
 
 
+def test_a_wide_space_before_a_period_is_spoken(server):
+    """A no-break space between a one-letter word and a period panicked the sentence splitter: the socket closed 1011
+    without an error message. Now both sentences are segments and the session ends normally."""
+    with open_session(server, response_format="pcm") as ws:
+        ws.send(json.dumps({"type": "input.text", "text": "Plan B\u00a0. Next one."}))
+        ws.send(json.dumps({"type": "input.done"}))
+        messages = until_session_done(ws)
+    assert messages[-1]["segments"] == 2 and any(isinstance(m, bytes) and m for m in messages)
+
+
 @pytest.mark.parametrize("leave", ["close", "drop"])
 def test_a_client_leaving_mid_stream_frees_every_kv_block(server, leave):
     before = server.pool_stats()
