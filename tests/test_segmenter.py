@@ -126,8 +126,8 @@ def test_clause_cuts_follow_closing_guillemets_and_cjk_brackets():
     assert [s.text for s in split_text(text, 20, "clause")][:2] == ["«Bonjour, mon ami,»", "dit-il lentement,"]
 
 
-@pytest.mark.parametrize("text", ["Hello, A\u00a0. B", "Plan B\u00a0. Next.", "I\u3000.", "ok\u2009. fine", "x\u202f. Yes.",
-                                  "Para one.\n\nPara\u00a0two. End."])
+@pytest.mark.parametrize("text", ["Hello, A\u00a0. B", "Plan B\u00a0. Next.", "I\u3000.", "ok\u2009. fine",
+                                  "x\u202f. Yes.", "Para one.\n\nPara\u00a0two. End."])
 def test_wide_spaces_before_a_period_are_split_like_spaces(text):
     """sentencex panicked on a letter, a no-break (or other wide) space and a period (a 500 on every route); the text
     is now read with a plain space there, its offsets its own."""
