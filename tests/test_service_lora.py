@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import re
 import threading
 from collections.abc import Callable
@@ -18,6 +19,8 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
 
 from engine.io.checkpoint import load_model
 from engine.io.lora import LoRAConfig, random_adapter, sha256_of
@@ -302,6 +305,24 @@ def test_runtime_adapters_over_http(adapter, file_server, checkpoint_factory, tm
             r = c.post("/v1/audio/speech", json={"model": "nobody", "input": "Hi."})
             assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
 
+            # a live session's adapter unregistered after its config: its next segment's error names `model`
+            ws_url = server.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+            with connect(ws_url, additional_headers=auth, open_timeout=60) as ws:
+                ws.send(json.dumps({"type": "session.config", "model": "voice.http", "max_generate_length": 3}))
+                ws.send(json.dumps({"type": "input.text", "text": "Hello there. "}))
+                ws.send(json.dumps({"type": "flush"}))
+                while not isinstance(msg := ws.recv(timeout=60), bytes):  # the first audio: the config was taken
+                    assert json.loads(msg)["type"] != "error", msg
+                assert c.delete("/loras/voice.http").status_code == 200
+                ws.send(json.dumps({"type": "input.text", "text": "And more. "}))
+                ws.send(json.dumps({"type": "input.done"}))
+                errors = []
+                with pytest.raises(ConnectionClosed):
+                    while True:
+                        msg = ws.recv(timeout=60)
+                        if isinstance(msg, str) and json.loads(msg)["type"] == "error":
+                            errors.append(json.loads(msg)["message"])
+                assert errors and errors[0].startswith("model: no adapter named 'voice.http'"), errors
             assert c.delete("/loras/voice").json() == {"deleted": "voice"}
             r = c.post("/generate", json={**BODY, "lora_name": "voice"})
             assert r.status_code == 404 and "lora_name: no adapter named 'voice'" in r.text
