@@ -54,7 +54,8 @@ OPENAI_CODES = {401: "invalid_api_key", 404: "not_found", 413: "request_too_larg
 ENGINE_REF_FIELDS = ("ref_latents", "ref_audio_latents", "ref_audio")
 # The engine's request fields a message may start with (`prompt_parts` names the longest part of an over-long
 # prompt), in the words of the routes whose fields differ: OpenAI's speech route and the live session take the text as
-# `input` / `input.text`, every voice as one `voice` and an adapter as `model`; a native request's voice fields are its own (`Conditioning`).
+# `input` / `input.text`, every voice as one `voice` and an adapter as `model`; a native request's voice fields are
+# its own (`Conditioning`).
 OPENAI_TERMS = {"target_text": "input", "prompt_text": "voice", "prompt_latents": "voice", "lora_name": "model",
                 **dict.fromkeys(ENGINE_REF_FIELDS, "voice")}
 LIVE_TERMS = {**OPENAI_TERMS, "target_text": "input.text"}  # (its config's voice errors say "voice: ..." too)
