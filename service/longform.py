@@ -206,9 +206,11 @@ class SegmentJob:
             prompt_latents, prompt_text = prompt
         request = SynthesisRequest(text, prompt_text, prompt_latents, None, cond.ref_latents, params, sp.lora_name,
                                    return_latents=sp.continues and self.segment.index == 0)
-        # the first segment is refused before any audio if it does not fit; a later one must never fail mid-stream
-        anchor = prompt[0] if prompt is not None else None
-        return request if self.segment.index == 0 else await sp.fitted(request, self.segment, anchor)
+        # the first segment was checked as written before any audio; a later one (or a normalised first one, longer
+        # than written) is fitted here: it must never fail mid-stream
+        if self.segment.index == 0 and not sp.normalize:
+            return request
+        return await sp.fitted(request, self.segment, prompt[0] if prompt is not None else None)
 
     async def _run(self) -> None:
         sp = self.speech
@@ -308,12 +310,12 @@ class LongFormSpeech:
         return segment.text
 
     async def fitted(self, request: SynthesisRequest, segment: Segment, anchor: np.ndarray | None) -> SynthesisRequest:
-        """A later segment's request made to fit the sequence the engine runs (refused there, it would cut the stream
-        half-way). `anchor`: the first segment's latents it carries as its continuation prompt, kept whole where
-        they fit with their transcript; else carried alone as the reference (VoxCPM2: as many of its first patches as
-        fit; a request's own reference is kept instead); else not carried. A text that cannot fit even alone (known
-        only at its turn: a normalised one, a live session's; written ones were checked before any audio) gets the
-        length cap that fits. Tokenized here, so the client sends these ids as they are."""
+        """A later (or a normalised) segment's request made to fit the sequence the engine runs (refused there, it
+        would cut the stream half-way). `anchor`: the first segment's latents it carries as its continuation prompt,
+        kept whole where they fit with their transcript; else carried alone as the reference (VoxCPM2: as many of its
+        first patches as fit; a request's own reference is kept instead); else not carried. A text that cannot fit
+        even alone (known only at its turn: a normalised one, a live session's; written ones were checked before any
+        audio) gets the length cap that fits. Tokenized here, so the client sends these ids as they are."""
         tokenizer = self.state.pool.client.tokenizer
         if tokenizer is None or not tokenizable(request):
             return request

@@ -401,3 +401,21 @@ def test_a_wide_space_before_a_period_is_spoken_not_a_500(client, route):
         "target_text": "Hello, A\u00a0. B"}
     r = client.post(route, json={**field, "max_generate_length": 3, "response_format": "pcm"})
     assert r.status_code == 200 and len(r.content) > 0, r.text
+
+
+def test_a_normalised_first_segment_longer_than_written_gets_a_lower_cap(fit_client, fit_server):
+    """normalize: the first segment fits as written (checked before any audio) but not as spoken with its cap: it is
+    generated with the cap that fits, as a later one is (it was a 400 naming max_generate_length, a field the client
+    may not have sent)."""
+    text = "Call 1234567 now. " * 10 + "\n\nHi."
+    segments = split_text(text, 1000)
+    written, spoken = tokens(fit_server, segments[0].text), tokens(fit_server, normalize(segments[0].text))
+    mgl = 300
+    assert len(segments) == 2 and written + 1 + cap(written, mgl) <= FIT_LEN < spoken + 1 + cap(spoken, mgl)
+    assert spoken + 1 < FIT_LEN
+    r = fit_client.post("/generate_blocking", json={"target_text": text, "normalize": True, "timings": True,
+                                                    "max_generate_length": mgl, "seed": 1, "response_format": "pcm"})
+    assert r.status_code == 200, r.text
+    timings = json.loads(r.headers["X-Segment-Timings"])
+    assert timings[0]["finish_reason"] == "length"
+    assert round(timings[0]["duration_s"] * SAMPLE_RATE) == (FIT_LEN - spoken - 1) * SAMPLES_PER_PATCH
