@@ -94,6 +94,20 @@ def test_collector_pauses_count_each_pass_until_closed():
     assert pauses.collections == counted
 
 
+def test_ctrl_c_in_next_then_leaving_the_with_block_aborts_the_request(pool):
+    """KeyboardInterrupt inside next() (where a reader spends its time: waiting for the next chunk) marked the stream
+    ended without an abort, so leaving the `with` block left the request running to its cap for nobody."""
+    import _thread
+
+    with pytest.raises(KeyboardInterrupt), pool.generate("A long one, read until the interrupt comes.",
+                                                         max_generate_length=200) as stream:
+        threading.Timer(0.3, _thread.interrupt_main).start()  # 200 patches: seconds on a CPU
+        for _ in stream:
+            pass
+    assert stream.finish_reason == "aborted"
+    _free_blocks_restored(pool)
+
+
 def test_model_info(pool):
     info = pool.get_model_info()
     assert info["sample_rate"] == 48000 and info["channels"] == 1

@@ -138,8 +138,9 @@ class SyncStream:
             if self._closed:  # close() from another thread
                 raise StopIteration from None
             raise
-        except BaseException:
-            self._closed = True  # the stream has ended with this error
+        except BaseException as e:
+            if fut.done() and not fut.cancelled() and fut.exception() is e:  # the stream has ended with this error;
+                self._closed = True  # else (Ctrl-C in the wait, even as a chunk came) close() still aborts it
             raise
         finally:
             with self._lock:

@@ -210,7 +210,8 @@ class Worker:
         try:  # add_request validates the params
             seq_id = self.engine.add_request(req.target_text, req.params, prompt_text, prompt_latents, ref_latents,
                                              lora_name=req.lora_name,
-                                             text_ids=req.text_ids if req.prompt_id is None else None)
+                                             text_ids=req.text_ids if req.prompt_id is None else None,
+                                             continuation=req.continuation)
         except PoolError:
             raise  # a kind of its own: an unknown adapter (404), every adapter slot held (503)
         except (ValueError, TypeError, PromptError) as e:
@@ -357,12 +358,12 @@ class Worker:
                 link.steps_since_sent = 0
 
     def expire_waiting(self) -> None:
-        """Fail the requests still waiting for a seat past the engine's queue timeout (their clients answer 503)."""
-        limit = self.engine.config.queue_timeout_s
-        if limit is None or not self.engine.scheduler.waiting:
+        """Fail the new requests still waiting for a seat past the queue timeout (their clients answer 503)."""
+        limit, waiting = self.engine.config.queue_timeout_s, self.engine.scheduler.waiting
+        if limit is None or not waiting:
             return
-        now = time.monotonic()
-        expired = [s for s in self.engine.scheduler.waiting if not s.num_generated and now - s.arrival > limit]
+        now = time.monotonic()  # a continuation waits on: it is admitted before any new request
+        expired = [s for s in waiting if not (s.num_generated or s.continuation) and now - s.arrival > limit]
         for seq in expired:
             owner = self.owner.pop(seq.seq_id, None)
             self.latents_wanted.discard(seq.seq_id)
