@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from service.audio import STREAMED, Encoder, make_encoder, output_rate
 from service.deps import key_matches, key_of, unavailable_reason
 from service.errors import LIVE_TERMS, http_error, in_route_terms
-from service.longform import LongFormOptions, LongFormSpeech, SegmentStarted, SegmentTiming
+from service.longform import LongFormOptions, LongFormSpeech, SegmentStarted, SegmentTiming, check_length
 from service.routers.openai import _voice, adapter_ids, model_ids
 from service.schemas import SpeechStreamConfig
 from service.segmenter import LiveSegmenter, Segment
@@ -101,7 +101,8 @@ class LiveSession:
         self.max_bytes, self.idle_s, self.max_chars = s.ws_max_message_bytes, s.ws_idle_timeout_s, s.max_text_chars
         self.segments: asyncio.Queue[Segment | None] = asyncio.Queue()
         self.segmenter = LiveSegmenter(s.segment_chars)
-        self.chars = 0  # text received so far
+        self.chars = 0  # text received so far (and the instructions)
+        self.counted = ""
         self.input_done = False
         self.speech: LongFormSpeech | None = None
         self.encoder: Encoder | None = None
@@ -153,6 +154,10 @@ class LiveSession:
         try:
             params = config.sampling(self.state.model.max_model_len)
             out_rate = config.output_rate(config.response_format)
+            # the instructions count toward the session's text, as they count toward a request's on the routes
+            instructions = (config.instructions or "").strip()
+            check_length(self.state, instructions, "instructions")
+            self.chars, self.counted = len(instructions), " (with the instructions)" if instructions else ""
         except HTTPException as e:  # its fields' rules that depend on the deployment: named as the schema's are
             raise SessionError(f"session.config: {e.detail}", close_code(e.status_code)) from None
         try:
@@ -198,8 +203,8 @@ class LiveSession:
                     raise SessionError("input.text: text must be a string", POLICY)
                 self.chars += len(text)
                 if self.chars > self.max_chars:
-                    raise SessionError(f"input.text: {self.chars} characters is more than this service speaks in one "
-                                       f"session (NANOVLLM_MAX_TEXT_CHARS = {self.max_chars})", POLICY)
+                    raise SessionError(f"input.text: {self.chars} characters{self.counted} is more than this service "
+                                       f"speaks in one session (NANOVLLM_MAX_TEXT_CHARS = {self.max_chars})", POLICY)
                 self.put(self.segmenter.feed(text))
             elif kind == "flush":
                 self.put(self.segmenter.flush())
