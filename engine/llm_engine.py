@@ -190,12 +190,13 @@ class LLMEngine:
     def add_request(self, target_text: str, params: SamplingParams | None = None, prompt_text: str = "",
                     prompt_latents: torch.Tensor | None = None, ref_latents: torch.Tensor | None = None,
                     injected_noise: list[torch.Tensor] | None = None, lora_name: str | None = None,
-                    text_ids: TextIds | None = None) -> int:
+                    text_ids: TextIds | None = None, continuation: bool = False) -> int:
         params = params or SamplingParams()
         params.validate()
         prompt = build_prompt(self.model.tokenizer, self.model.config, target_text, prompt_text,
                               prompt_latents, ref_latents, text_ids)
-        seq = Sequence(prompt=prompt, params=params, max_patches=max_patches(prompt, params.max_generate_length))
+        seq = Sequence(prompt=prompt, params=params, max_patches=max_patches(prompt, params.max_generate_length),
+                       continuation=continuation)
         # The request's own noise source, made here so that a bad seed fails this request, not a step.
         seq.noise = torch.Generator().manual_seed(noise_seed(params.seed))
         seq.injected_noise = injected_noise

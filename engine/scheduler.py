@@ -92,7 +92,14 @@ class Scheduler:
         self._stalled_at: int | None = None
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue a request: a continuation after the preempted streams and the continuations already waiting, ahead
+        of new requests; a new one at the end."""
+        if seq.continuation:
+            ahead = next((i for i, s in enumerate(self.waiting) if not (s.num_generated or s.continuation)),
+                         len(self.waiting))
+            self.waiting.insert(ahead, seq)
+        else:
+            self.waiting.append(seq)
         self.changed()
 
     def changed(self) -> None:
@@ -109,8 +116,8 @@ class Scheduler:
         arrival, at most COALESCE_CAP windows after the first, or at once when the queue would fill every seat."""
         if not self.coalesce_s or not self.waiting or self.running:
             return 0.0
-        if self.waiting[0].num_generated or len(self.waiting) >= self.max_num_seqs:
-            return 0.0  # a preempted stream resumes at once
+        if self.waiting[0].num_generated or self.waiting[0].continuation or len(self.waiting) >= self.max_num_seqs:
+            return 0.0  # a preempted stream resumes at once, a continuation starts at once
         now = time.monotonic() if now is None else now
         first, latest = self.waiting[0].arrival, self.waiting[-1].arrival
         closes = min(latest + self.coalesce_s, first + COALESCE_CAP * self.coalesce_s)

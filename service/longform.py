@@ -187,8 +187,13 @@ class SegmentJob:
     """One segment's engine request (generated again on a bad case): its float32 chunks into a queue as they come,
     or all at its end when bad cases are guarded; then None (or the exception that ended it)."""
 
-    def __init__(self, speech: LongFormSpeech, segment: Segment, prompt: asyncio.Future | None) -> None:
+    def __init__(self, speech: LongFormSpeech, segment: Segment, prompt: asyncio.Future | None,
+                 after: SegmentJob | None) -> None:
         self.speech, self.segment, self.prompt = speech, segment, prompt
+        # submitted once the segment before it is generating: a continuation queues ahead of new requests, so it
+        # must not overtake that one (a first segment still waiting would time out behind it)
+        self.after = after
+        self.started = asyncio.Event()  # its engine request made its first patch (or it ended)
         self.queue: asyncio.Queue[np.ndarray | BaseException | None] = asyncio.Queue()
         self.latents: asyncio.Future[tuple[np.ndarray, str]] = asyncio.get_running_loop().create_future()
         self.finish_reason = "aborted"
@@ -205,7 +210,8 @@ class SegmentJob:
         if prompt is not None:
             prompt_latents, prompt_text = prompt
         request = SynthesisRequest(text, prompt_text, prompt_latents, None, cond.ref_latents, params, sp.lora_name,
-                                   return_latents=sp.continues and self.segment.index == 0)
+                                   return_latents=sp.continues and self.segment.index == 0,
+                                   continuation=self.segment.index > 0 or attempt > 0)
         # the first segment was checked as written before any audio; a later one (or a normalised first one, longer
         # than written) is fitted here: it must never fail mid-stream
         if self.segment.index == 0 and not sp.normalize:
@@ -218,15 +224,17 @@ class SegmentJob:
             if sp.normalize:
                 self.text = await sp.spoken(self.segment)
             prompt = await self.prompt if self.prompt is not None else None
+            if self.after is not None:
+                await self.after.started.wait()
             for attempt in range(sp.options.badcase_tries if sp.options.retry_badcase else 1):
                 self.tries = attempt + 1
-                # only the first segment may be refused for a full queue: a later one continues an admitted stream
-                stream = sp.state.pool.submit(await self.request(attempt, prompt), None,
-                                              bounded=self.segment.index == 0)
+                # only the first segment's first try may be refused for a full queue or time out in it
+                stream = sp.state.pool.submit(await self.request(attempt, prompt), None)
                 self.request_id = self.request_id or stream.request_id
                 held: list[np.ndarray] = []
                 try:
                     async for chunk in stream:
+                        self.started.set()
                         (held.append if sp.options.retry_badcase else self.queue.put_nowait)(chunk)
                 finally:
                     stream.close()
@@ -243,6 +251,7 @@ class SegmentJob:
                     self.latents.set_result((np.concatenate(stream.latents), self.text))
                 break
         except BaseException as e:  # to the reader (a request error before any audio becomes a 4xx there)
+            self.started.set()
             self.finish_reason = "aborted" if isinstance(e, asyncio.CancelledError) else "error"
             if not self.latents.done():
                 self.latents.set_exception(e if isinstance(e, Exception) else PoolError("segment aborted"))
@@ -251,6 +260,7 @@ class SegmentJob:
             if isinstance(e, asyncio.CancelledError):
                 raise
             return
+        self.started.set()
         self.queue.put_nowait(None)
 
     def _capped(self, stream: GenerationStream) -> bool:
@@ -346,12 +356,12 @@ class LongFormSpeech:
         return dataclasses.replace(request, params=dataclasses.replace(request.params,
                                                                        max_generate_length=limit - need.prompt))
 
-    async def _next_job(self, first: SegmentJob | None) -> SegmentJob | None:
+    async def _next_job(self, first: SegmentJob | None, previous: SegmentJob | None) -> SegmentJob | None:
         segment = await anext(self.segments, None)
         if segment is None:
             return None
         prompt = first.latents if (first is not None and self.continues) else None
-        job = SegmentJob(self, segment, prompt)
+        job = SegmentJob(self, segment, prompt, previous)
         self._jobs.append(job)
         return job
 
@@ -370,11 +380,11 @@ class LongFormSpeech:
         reasons: list[str] = []
         ahead: asyncio.Task | None = None
         try:
-            job = await self._next_job(None)
+            job = await self._next_job(None, None)
             first = job
             pending_pause = 0
             while job is not None:
-                ahead = asyncio.ensure_future(self._next_job(first))  # submitted while this one decodes
+                ahead = asyncio.ensure_future(self._next_job(first, job))  # submitted while this one decodes
                 shaper = EdgeShaper(fade_n, trim_start=job.segment.index > 0)
                 start_s: float | None = None
                 produced = 0

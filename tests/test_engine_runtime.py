@@ -535,6 +535,29 @@ def test_coalescing_window_gathers_arrivals_at_an_idle_engine(checkpoint_factory
     assert c.status.name == "FINISHED" and engine.blocks.num_free == len(engine.blocks.blocks)
 
 
+def test_a_continuation_is_queued_before_new_requests_and_skips_the_window(checkpoint_factory):
+    """A long text's next segment (`continuation`) waits behind the preempted streams and the continuations before it,
+    ahead of new requests, and an idle engine admits it without the coalescing window."""
+    engine = LLMEngine(str(checkpoint_factory("tiny-voxcpm2", stop="never")),
+                       EngineConfig(max_num_seqs=1, max_model_len=256, coalesce_ms=1000))
+    sched = engine.scheduler
+
+    def add(text: str, continuation: bool = False) -> int:
+        return engine.add_request(text, SamplingParams(seed=1, max_generate_length=3), continuation=continuation)
+
+    new1, new2 = add("New one."), add("New two.")
+    cont1 = add("Next segment.", continuation=True)
+    cont2 = add("Another next segment.", continuation=True)
+    new3 = add("New three.")
+    assert [s.seq_id for s in sched.waiting] == [cont1, cont2, new1, new2, new3]
+    assert sched.window_left() == 0.0 and engine.has_work()  # a continuation at the head starts at once
+    engine.step()
+    assert [s.seq_id for s in sched.running] == [cont1]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.blocks.num_free == len(engine.blocks.blocks)
+
+
 def test_a_request_waiting_for_kv_blocks_does_not_stop_the_pipeline(model):
     """While a request waits for KV blocks that only a finishing stream frees, the engine does not re-try its
     admission every step: the scheduler says nothing can be admitted, so the pipelined engine keeps launching the

@@ -5,8 +5,11 @@ past the queue timeout gets 503 too; the admitted ones complete and nothing is l
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 
 import httpx
+import numpy as np
 
 from engine.serving.reports import WorkerStats
 from tests.service_harness import TLS, LiveServer, live_server
@@ -59,6 +62,25 @@ def test_excess_requests_are_503_at_once_and_the_admitted_complete(checkpoint_fa
         assert _overloads(server) == BURST - 4
         LiveServer.wait(lambda: (s := server.pool_stats()).running == s.waiting == 0
                         and s.free_blocks == s.total_blocks, "requests left in flight")
+
+
+def test_a_long_texts_next_segment_outwaits_the_queue_timeout(checkpoint_factory, tmp_path):
+    """With a prompt voice a long text's next segment is queued while the one before it decodes in the only seat: it
+    waits past the queue timeout (0.2 s; a segment takes seconds on a CPU) without failing (it was failed
+    "overloaded", cutting the text there)."""
+    with live_server(checkpoint_factory, tmp_path, serverpool_max_num_seqs=1, queue_timeout_s=0.2,
+                     queue_coalesce_ms=0, voice_store="memory") as server, \
+            httpx.Client(verify=TLS, base_url=server.url, timeout=120) as client:
+        info = server.state.model
+        prompt = np.random.default_rng(1).standard_normal((3 * info.patch_size, info.feat_dim)).astype(np.float32)
+        body = {"target_text": LONG + "\n\n" + LONG, "max_generate_length": 100, "seed": 1, "retry_badcase": False,
+                "response_format": "pcm", "timings": True, "prompt_text": "Hi.",
+                "prompt_latents_base64": base64.b64encode(prompt.tobytes()).decode()}
+        r = client.post("/generate_blocking", json=body)
+        assert r.status_code == 200, r.text
+        timings = json.loads(r.headers["X-Segment-Timings"])
+        assert [t["finish_reason"] for t in timings] == ["length"] * 2, timings
+        assert _overloads(server) == 0
 
 
 def test_a_request_waiting_past_the_queue_timeout_is_503(checkpoint_factory, tmp_path):

@@ -337,10 +337,9 @@ class EngineClient:
             await self._some_ready(self.links, 0.5)
 
     # --- calls --------------------------------------------------------------------------------------
-    def generate(self, request: p.SynthesisRequest, transform: Transform | None = None,
-                 bounded: bool = True) -> GenerationStream:
+    def generate(self, request: p.SynthesisRequest, transform: Transform | None = None) -> GenerationStream:
         """The request's stream (it is sent to a worker on the first `anext`)."""
-        return GenerationStream(self, request, transform, bounded)
+        return GenerationStream(self, request, transform)
 
     async def call(self, link: _WorkerLink, make: Callable[[str], p.Call[R]]) -> R:
         """Ask `link`'s worker the call `make(call_id)` builds; its typed answer, or the error it sent raised."""

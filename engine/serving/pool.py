@@ -219,12 +219,10 @@ class AsyncVoxCPMServerPool:
         return self.submit(p.SynthesisRequest(target_text, prompt_text or "", _plain(prompt_latents), prompt_id,
                                               _plain(ref_audio_latents), params, lora_name), transform)
 
-    def submit(self, request: p.SynthesisRequest, transform: Transform | None = None,
-               bounded: bool = True) -> GenerationStream:
-        """`generate` for a request built already. `bounded=False`: never refused for a full queue (the later parts of
-        a request already admitted, e.g. a long text's next segment: refusing it would cut a stream mid-way)."""
+    def submit(self, request: p.SynthesisRequest, transform: Transform | None = None) -> GenerationStream:
+        """`generate` for a request built already (`request.continuation`: the later part of one admitted)."""
         self._check()
-        return self.client.generate(request, transform, bounded)
+        return self.client.generate(request, transform)
 
     async def restart(self, timeout: float | None = None) -> None:
         """Replace dead workers (the prompts registered here are sent to them again) and wait until ready."""

@@ -37,6 +37,9 @@ class SynthesisRequest:
     lora_name: str | None = None  # a runtime LoRA adapter registered with RegisterLoRA
     text_ids: TextIds | None = None  # tokenized by the client (not with prompt_id: that transcript is the worker's)
     return_latents: bool = False  # each AudioEvent also carries its patch's latents (long-form continuation prompts)
+    # A later part of a request already admitted (a long text's next segment): never refused for a full queue nor failed
+    # by the queue timeout, and admitted before new requests; refusing or delaying it would cut a stream mid-way.
+    continuation: bool = False
 
 
 # --- client -> worker -------------------------------------------------------------------------------

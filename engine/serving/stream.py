@@ -75,9 +75,7 @@ class GenerationStream:
     `finish_reason` ("stop", "length", "aborted", "error") is set once it ends; closing it early (aclose, break,
     garbage collection) aborts the request, which frees its KV blocks and slot in the engine at once."""
 
-    def __init__(self, client: StreamClient, request: p.SynthesisRequest, transform: Transform | None,
-                 bounded: bool = True) -> None:
-        self.bounded = bounded  # refused (OverloadedError) when every worker's queue is full; False: a continuation
+    def __init__(self, client: StreamClient, request: p.SynthesisRequest, transform: Transform | None) -> None:
         self.client, self.request, self.transform = client, request, transform
         self.request_id = f"{client.name}-{next(client.ids)}"
         self.finish_reason: FinishReason | None = None
@@ -134,7 +132,8 @@ class GenerationStream:
             if tokenizer is not None and self.request.text_ids is None:
                 ids = await self.client.tokenizing.text_ids(tokenizer, self.request)
                 self.request = dataclasses.replace(self.request, text_ids=ids)
-            link = await self.client.pick(self.bounded)
+            # refused (OverloadedError) when every worker's queue is full, but a continuation
+            link = await self.client.pick(bounded=not self.request.continuation)
         except asyncio.CancelledError:  # its caller went away (a client's disconnect) before it was sent
             self._end("aborted")
             raise
