@@ -313,7 +313,9 @@ class LLMEngine:
             return False
         except LoRANotFoundError as e:
             raise Rejected(str(e), e.kind) from e
-        if not behind_waiter:  # the round's first request to ask for a slot: none waits for one now
+        # the round's first request to ask for a slot: none waits for one now (a continuation, queued ahead of the
+        # waiter, says nothing of it: clearing its clock would let a stream of continuations starve it)
+        if not behind_waiter and not seq.continuation:
             lora.note_served()
         return True
 

@@ -239,6 +239,32 @@ def test_a_request_waiting_for_a_slot_is_not_starved_by_the_resident_adapters_st
         h.refs for h in engine.runner.lora.resident.values())
 
 
+def test_a_continuation_admitted_ahead_of_the_waiter_keeps_its_clock(checkpoint_factory, tmp_path):
+    """A long text's next segment of the resident adapter is queued ahead of a request waiting for a slot and takes
+    the slot's adapter at once; the waiter's clock runs on (it restarted at each such admission, so a stream of them
+    kept the busy slot from ever draining for it)."""
+    model = load_model(checkpoint_factory("tiny-voxcpm2", stop="never"))
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=256, max_loras=1, max_lora_rank=8,
+                                           lora_slot_wait_s=60.0))
+    for i, name in enumerate(("a", "b")):
+        engine.register_lora(name, str(adapter_for(model, tmp_path / name, seed=70 + i, r=4, alpha=8)))
+    params = SamplingParams(max_generate_length=20, seed=0)
+    engine.add_request(TEXT, params, lora_name="a")
+    engine.step()
+    waiter = engine.add_request(TEXT, params, lora_name="b")
+    engine.step()
+    lora = engine.runner.lora
+    assert lora.waiter == waiter and lora.waiter_since is not None
+    since = lora.waiter_since
+    following = engine.add_request(TEXT, params, lora_name="a", continuation=True)
+    engine.step()
+    assert engine.sequences[following] in engine.scheduler.running  # ahead of the waiter, on the resident slot
+    assert lora.waiter == waiter and lora.waiter_since == since
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.blocks.num_free == len(engine.blocks.blocks)
+
+
 def test_a_burst_of_more_adapters_than_slots_runs_what_fits_at_once(checkpoint_factory, tmp_path):
     """16 requests over 4 adapters in turn, 2 slots: the first round starts all 8 of the two adapters it loads (the
     requests behind the first waiting one pass it: its wait is younger than lora_slot_wait_s), and the rest start
