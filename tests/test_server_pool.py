@@ -96,7 +96,8 @@ def test_collector_pauses_count_each_pass_until_closed():
 
 def test_ctrl_c_in_next_then_leaving_the_with_block_aborts_the_request(pool):
     """KeyboardInterrupt inside next() (where a reader spends its time: waiting for the next chunk) marked the stream
-    ended without an abort, so leaving the `with` block left the request running to its cap for nobody."""
+    ended without an abort, so leaving the `with` block left the request running to its cap for nobody. The
+    interrupt now aborts it, its pending step too (a next() after it would race that step for the chunks)."""
     import _thread
 
     with pytest.raises(KeyboardInterrupt), pool.generate("A long one, read until the interrupt comes.",
@@ -105,6 +106,8 @@ def test_ctrl_c_in_next_then_leaving_the_with_block_aborts_the_request(pool):
         for _ in stream:
             pass
     assert stream.finish_reason == "aborted"
+    with pytest.raises(StopIteration):  # ended: a next() after catching the interrupt neither hangs nor reads on
+        next(stream)
     _free_blocks_restored(pool)
 
 

@@ -139,8 +139,10 @@ class SyncStream:
                 raise StopIteration from None
             raise
         except BaseException as e:
-            if fut.done() and not fut.cancelled() and fut.exception() is e:  # the stream has ended with this error;
-                self._closed = True  # else (Ctrl-C in the wait, even as a chunk came) close() still aborts it
+            if fut.done() and not fut.cancelled() and fut.exception() is e:
+                self._closed = True  # the stream has ended with this error
+            else:  # interrupted in the wait (Ctrl-C): the request is aborted with its pending step, not orphaned
+                self.close()
             raise
         finally:
             with self._lock:
