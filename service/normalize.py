@@ -172,13 +172,13 @@ _YEAR_WORDS = frozenset(_split_words(
     "in since by from until till to of during before after around circa c year years summer winter spring autumn "
     "fall early late mid january february march april may june july august september october november december "
     "jan feb mar apr jun jul aug sep sept oct nov dec"))
-# ... unless a unit or a measured noun follows ("in 1500 meters"; not a counted one, "In 1905 people ...", nor a
-# currency, "in 2010 dollars"); after a label the grammar's pairs are how it is said ("Room 1905": nineteen oh five).
+# ... unless a unit of length, mass or volume follows ("in 1500 meters", "by 1500 km"): not a single letter ("In 1923
+# W. B. Yeats"), nor a counted or timed noun ("In 1905 people", "by 1900 hours", "in 1500 years" are said in pairs), nor
+# a currency ("in 2010 dollars"); after a label the grammar's pairs are how it is said ("Room 1905": nineteen oh five).
 _QUANTITY_AFTER = re.compile(
-    r"\s?(?:%|°|(?:mm|cm|m|km|mi|ft|yd|mg|g|kg|lbs?|oz|ml|mph|km/h|kph|kW|MW|W|V|Hz|kHz|MHz|GB|MB|KB|TB)(?![A-Za-z])"
-    r"|\s(?:square |cubic |nautical |metric |light |more |extra )?(?:meters?|metres?|kilomet(?:er|re)s?|miles?|feet|"
-    r"yards?|inch(?:es)?|pounds?|kilo(?:gram)?s?|grams?|tons?|tonnes?|lit(?:er|re)s?|gallons?|times|"
-    r"copies|units|pages|points|hours|minutes|seconds|days|weeks|months|years|calories|degrees|volts|watts)\b)")
+    r"\s?(?:%|°|(?:mm|cm|km|mi|ft|yd|mg|kg|lbs?|oz|ml|mph|km/h|kph)(?![A-Za-z-]))"
+    r"|\s(?:square |cubic |nautical |metric )?(?:meters?|metres?|kilomet(?:er|re)s?|miles?|feet|yards?|inch(?:es)?|"
+    r"pounds?|kilo(?:gram)?s?|grams?|tons?|tonnes?|lit(?:er|re)s?|gallons?)\b(?![.-]\w)")
 _LABEL_WORDS = frozenset(_split_words(
     "room rm flight suite apartment apt bus route gate platform highway interstate channel extension ext"))
 _WORD_BEFORE = re.compile(r"([A-Za-z]+)\.?\s+$")
