@@ -216,13 +216,17 @@ class SegmentJob:
         # than written) is fitted here: it must never fail mid-stream
         if self.segment.index == 0 and not sp.normalize:
             return request
-        return await sp.fitted(request, self.segment, prompt[0] if prompt is not None else None)
+        written = ((sp.design if self.segment.index == 0 else "") + self.segment.text) if sp.normalize else None
+        request = await sp.fitted(request, self.segment, prompt[0] if prompt is not None else None, written)
+        if written is not None and request.target_text == written:  # spoken as written: its transcript too
+            self.text = self.segment.text
+        return request
 
     async def _run(self) -> None:
         sp = self.speech
         try:
             if sp.normalize:
-                self.text = await sp.spoken(self.segment)
+                self.text = await asyncio.to_thread(normalize, self.segment.text)
             prompt = await self.prompt if self.prompt is not None else None
             if self.after is not None:
                 await self.after.started.wait()
@@ -300,39 +304,23 @@ class LongFormSpeech:
         if samples:
             self.state.metrics.audio_seconds.labels(self.route).inc(samples / self.sample_rate)
 
-    async def spoken(self, segment: Segment) -> str:
-        """A segment's text normalised, or as written where the spoken form leaves no room to generate with the
-        request's own voice (the written one was checked before any audio; a live session's is refused at its turn)."""
-        text = await asyncio.to_thread(normalize, segment.text)
-        tokenizer = self.state.pool.client.tokenizer
-        design = self.design if segment.index == 0 else ""
-        cond = self.cond
-        probe = SynthesisRequest(design + text, cond.prompt_text, cond.prompt_latents, None, cond.ref_latents,
-                                 self.params)
-        if text == segment.text or tokenizer is None or not tokenizable(probe):
-            return text
-        ids = await asyncio.to_thread(text_ids, tokenizer, probe)
-        limit = position_limit(self.state)
-        if ids is None or positions(self.state, probe, ids).prompt < limit:
-            return text
-        log.warning("%s segment %d: spoken as written (normalised, its prompt leaves no room within %d positions)",
-                    self.request_id, segment.index, limit)
-        return segment.text
-
-    async def fitted(self, request: SynthesisRequest, segment: Segment, anchor: np.ndarray | None) -> SynthesisRequest:
+    async def fitted(self, request: SynthesisRequest, segment: Segment, anchor: np.ndarray | None,
+                     written: str | None = None) -> SynthesisRequest:
         """A later (or a normalised) segment's request made to fit the sequence the engine runs (refused there, it
         would cut the stream half-way). `anchor`: the first segment's latents it carries as its continuation prompt,
         kept whole where they fit with their transcript; else carried alone as the reference (VoxCPM2: as many of its
         first patches as fit; a request's own reference is kept instead); else not carried. A text that cannot fit
         even alone (known only at its turn: a normalised one, a live session's; written ones were checked before any
-        audio) gets the length cap that fits. Tokenized here, so the client sends these ids as they are."""
+        audio) gets the length cap that fits; a normalised one whose prompt alone leaves no room is spoken as
+        `written` (its text as the request sent it, which was checked). Tokenized here, so the client sends these ids
+        as they are."""
         tokenizer = self.state.pool.client.tokenizer
         if tokenizer is None or not tokenizable(request):
             return request
         ids = await asyncio.to_thread(text_ids, tokenizer, request)
         if ids is None:  # a text the tokenizer refuses: the engine refuses it, naming the field
             return request
-        request = dataclasses.replace(request, text_ids=ids)
+        given, request = request, dataclasses.replace(request, text_ids=ids)
         limit = position_limit(self.state)
         if positions(self.state, request, ids).fits(limit):
             return request
@@ -349,6 +337,10 @@ class LongFormSpeech:
             log.info("%s segment %d: the first segment's audio not carried (it exceeds %d positions)",
                      self.request_id, segment.index, limit)
         need = positions(self.state, request, ids)
+        if need.prompt >= limit and written is not None and written != request.target_text:
+            log.warning("%s segment %d: spoken as written (normalised, its prompt leaves no room within %d positions)",
+                        self.request_id, segment.index, limit)
+            return await self.fitted(dataclasses.replace(given, target_text=written), segment, anchor)
         if need.fits(limit) or need.prompt >= limit:  # no room at all: the engine refuses it, naming the field
             return request
         log.warning("%s segment %d: its length cap lowered from %d to %d patches to fit %d positions",
@@ -600,7 +592,7 @@ async def generate(state: ServiceState, route: str, text: str, cond: Conditionin
     if len(segments) <= 1 and not retry_badcase and not timings:
         return await synthesis.start(state, route, design + text, cond, params, fmt, sse=sse, lora_name=lora_name,
                                      normalize=normalize, speed=speed, sample_rate=sample_rate)
-    # as written: a spoken form longer than that is fitted at its turn (`LongFormSpeech.spoken`, `fitted`)
+    # as written: a spoken form longer than that is fitted at its turn (`LongFormSpeech.fitted`)
     await check_segments_fit(state, segments, cond, params, design)
     options = LongFormOptions.from_settings(state.settings, blocking if retry_badcase is None else retry_badcase)
     return await start(state, route, segments, cond, params, fmt, options, sse=sse, lora_name=lora_name,

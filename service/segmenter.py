@@ -26,8 +26,8 @@ CJK_TERMINALS = "。！？"
 SENTENCE_TERMINALS = ".!?…" + CJK_TERMINALS  # a flushed buffer ending otherwise is an unfinished sentence
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\uff00-\uffef]")
 log = logging.getLogger(__name__)
-# White space past ASCII but the line breaks: sentencex (1.0.x) panics on some of it before a period ("I\u3000."), so
-# it reads a space there instead (one character for one: the offsets stay the text's).
+# White space but ASCII's space, tab and line breaks (no-break, ideographic, thin spaces, U+2028...): sentencex (1.0.x)
+# panics on some of it before a period ("I\u3000."), so it reads a space there (one character for one: same offsets).
 _WIDE_SPACE = re.compile(r"[^\S\n\r\t\f\v ]")
 _CLAUSE_END = re.compile(f"[{re.escape(CLAUSE_MARKS)}]+[{re.escape(CLOSERS)}]*")
 
