@@ -524,16 +524,21 @@ def _limit_words(state: ServiceState, limit: int) -> str:
 
 
 async def check_segments_fit(state: ServiceState, segments: list[Segment], cond: Conditioning,
-                             params: SamplingParams, design: str) -> None:
+                             params: SamplingParams, design: str, design_field: str = "") -> None:
     """Refuse before any audio a text with a segment that cannot be generated with the request's own voice: the engine
     would refuse it only when its turn comes, mid-stream. (What a later segment carries of the first is shortened
-    to fit as it goes: `LongFormSpeech.fitted`.) The message starts with the field to change, in engine terms."""
+    to fit as it goes: `LongFormSpeech.fitted`.) The message starts with the field to change, in engine terms.
+    `design_field`: the request field the voice description came in when not in the text (`instructions`), counted
+    as its own part of the first segment's prompt (the engine counts it in the text)."""
     tokenizer = state.pool.client.tokenizer
     if tokenizer is None:
         return
     continuation = cond.prompt_latents is not None
     texts = [((design if s.index == 0 else "") + s.text, cond.prompt_text, continuation) for s in segments]
-    tokens = await asyncio.to_thread(text_tokens_many, tokenizer, texts)
+    described = bool(design and design_field)
+    tokens = await asyncio.to_thread(text_tokens_many, tokenizer, texts + ([(design, "", False)] if described else []))
+    design_ids = tokens.pop() if described else ([], None)
+    design_tokens = 0 if isinstance(design_ids, Exception) else len(design_ids[0])
     voice = SynthesisRequest("", cond.prompt_text, cond.prompt_latents, None, cond.ref_latents, params)
     limit = position_limit(state)
     for segment, ids in zip(segments, tokens, strict=True):
@@ -542,18 +547,24 @@ async def check_segments_fit(state: ServiceState, segments: list[Segment], cond:
         need = positions(state, voice, TextIds(*ids))
         if need.fits(limit):
             continue
-        where = f"segment {segment.index + 1} of {len(segments)} (characters {segment.start}-{segment.end})"
+        where = (f"segment {segment.index + 1} of {len(segments)} (characters {segment.start}-{segment.end})"
+                 if len(segments) > 1 else "the text")
         if need.prompt < limit:
+            each = (f": each segment of a long text is one generation, here of at most {limit - need.prompt} patches"
+                    if len(segments) > 1 else "")
             message = (f"max_generate_length: {where} is a prompt of {need.prompt} tokens (text and voice) plus up "
-                       f"to {need.cap} patches, which exceeds {_limit_words(state, limit)}: each segment of a long "
-                       f"text is one generation, here of at most {limit - need.prompt} patches")
+                       f"to {need.cap} patches, which exceeds {_limit_words(state, limit)}{each}")
         else:
             target = len(ids[0])
+            described_tokens = min(design_tokens, target) if segment.index == 0 else 0
             parts = {"prompt_text": need.text - target, "prompt_latents": latent_patches(state, cond.prompt_latents),
                      "ref_latents": latent_patches(state, cond.ref_latents)}
-            field = longest_part(target, parts)
-            message = (f"{field}: {where} is a prompt of {need.prompt} tokens ({target} of text, "
-                       f"{need.prompt - target} of voice), which leaves no room to generate within "
+            if described_tokens:
+                parts[design_field] = described_tokens
+            field = longest_part(target - described_tokens, parts)
+            of_design = f", {described_tokens} of {design_field}" if described_tokens else ""
+            message = (f"{field}: {where} is a prompt of {need.prompt} tokens ({target - described_tokens} of text"
+                       f"{of_design}, {need.prompt - target} of voice), which leaves no room to generate within "
                        f"{_limit_words(state, limit)}")
         raise HTTPException(422, in_route_terms(message, cond.terms))
 
@@ -589,11 +600,14 @@ async def generate(state: ServiceState, route: str, text: str, cond: Conditionin
                                  f"header holds ({MAX_HEADER_TIMINGS}, ~{MAX_HEADER_TIMINGS * 110 // 1024} KiB); "
                                  "send shorter texts, or stream from /v1/audio/speech with stream_format 'sse' "
                                  "(a speech.segment event for each segment)")
+    design_field = "" if own_design else "instructions"  # a description sent apart is named apart
     if len(segments) <= 1 and not retry_badcase and not timings:
+        if design and design_field:  # the engine would name all of the prompt's text (the description in it) `input`
+            await check_segments_fit(state, segments, cond, params, design, design_field)
         return await synthesis.start(state, route, design + text, cond, params, fmt, sse=sse, lora_name=lora_name,
                                      normalize=normalize, speed=speed, sample_rate=sample_rate)
     # as written: a spoken form longer than that is fitted at its turn (`LongFormSpeech.fitted`)
-    await check_segments_fit(state, segments, cond, params, design)
+    await check_segments_fit(state, segments, cond, params, design, design_field)
     options = LongFormOptions.from_settings(state.settings, blocking if retry_badcase is None else retry_badcase)
     return await start(state, route, segments, cond, params, fmt, options, sse=sse, lora_name=lora_name,
                        design=design, normalize=normalize, speed=speed, sample_rate=sample_rate)

@@ -147,11 +147,13 @@ def test_zero_length_input_rejected(server):
 
 
 def test_errors_name_the_field_the_client_sent(server):
-    """The engine's "target_text" is `input` here; an over-long description names `instructions`; an unparseable
-    body names the body, not a JSON position. A native request whose voice's transcript is the long part names
-    `prompt_text`."""
+    """The engine's "target_text" is `input` here; a description too long in characters or in tokens names
+    `instructions`; an unparseable body names the body, not a JSON position. A native request whose voice's
+    transcript is the long part names `prompt_text`."""
     with httpx.Client(verify=TLS, base_url=server.url, timeout=60) as c:
         long_prompt = c.post("/v1/audio/speech", json={"model": "tts-1", "input": "Hi.", "instructions": "word " * 400})
+        long_text_prompt = c.post("/v1/audio/speech", json={"model": "tts-1", "input": "Hi there. " * 60,
+                                                            "instructions": "word " * 400})
         long_design = c.post("/v1/audio/speech", json={"model": "tts-1", "input": "Hi.",
                                                        "instructions": "x" * server.settings.max_text_chars})
         garbage = c.post("/v1/audio/speech", content=b"garbage", headers={"content-type": "application/json"})
@@ -162,10 +164,14 @@ def test_errors_name_the_field_the_client_sent(server):
     assert long_voice.status_code == 400 and re.search(
         r"^prompt_text: .* tokens \(\d of text, \d{3,} of voice: \d{3,} of transcript, \d+ of prompt audio\)",
         detail), detail
-    err = long_prompt.json()["error"]
-    assert long_prompt.status_code == 400 and err["param"] == "input", err
-    assert err["message"].startswith("input: the prompt (text and voice) is"), err
-    assert re.search(r"tokens \(\d{3,} of text, \d of voice\)", err["message"]), err  # instructions lead the text
+    err = long_prompt.json()["error"]  # the description is the longest part of the prompt, not the input
+    assert long_prompt.status_code == 422 and err["param"] == "instructions", err
+    assert re.search(r"^instructions: the text is a prompt of \d+ tokens \(\d of text, \d{3,} of instructions, "
+                     r"\d of voice\), which leaves no room", err["message"]), err
+    err = long_text_prompt.json()["error"]  # a long text: its first segment carries the description
+    assert long_text_prompt.status_code == 422 and err["param"] == "instructions", err
+    assert re.search(r"^instructions: segment 1 of \d+ \(characters 0-\d+\) is a prompt of \d+ tokens \(\d+ of text, "
+                     r"\d{3,} of instructions", err["message"]), err
     err = long_design.json()["error"]
     assert long_design.status_code == 422 and err["param"] == "instructions", err
     assert "characters (input and instructions) is more than" in err["message"], err
