@@ -524,12 +524,15 @@ def _limit_words(state: ServiceState, limit: int) -> str:
 
 
 async def check_segments_fit(state: ServiceState, segments: list[Segment], cond: Conditioning,
-                             params: SamplingParams, design: str, design_field: str = "") -> None:
-    """Refuse before any audio a text with a segment that cannot be generated with the request's own voice: the engine
-    would refuse it only when its turn comes, mid-stream. (What a later segment carries of the first is shortened
-    to fit as it goes: `LongFormSpeech.fitted`.) The message starts with the field to change, in engine terms.
-    `design_field`: the request field the voice description came in when not in the text (`instructions`), counted
-    as its own part of the first segment's prompt (the engine counts it in the text)."""
+                             params: SamplingParams, design: str, design_field: str = "",
+                             design_only: bool = False) -> None:
+    """Refuse before any audio (422) a text with a segment that cannot be generated with the request's own voice: the
+    engine would refuse it only when its turn comes, mid-stream. (What a later segment carries of the first is
+    shortened to fit as it goes: `LongFormSpeech.fitted`.) The message starts with the field to change, in engine
+    terms. `design_field`: the request field the voice description came in when not in the text (`instructions`),
+    counted as its own part of the first segment's prompt (the engine counts it in the text). `design_only`: one
+    text, refused here (400, as the engine refuses) only where that field is the one to change; the engine names
+    the rest."""
     tokenizer = state.pool.client.tokenizer
     if tokenizer is None:
         return
@@ -550,6 +553,8 @@ async def check_segments_fit(state: ServiceState, segments: list[Segment], cond:
         where = (f"segment {segment.index + 1} of {len(segments)} (characters {segment.start}-{segment.end})"
                  if len(segments) > 1 else "the text")
         if need.prompt < limit:
+            if design_only:
+                continue
             each = (f": each segment of a long text is one generation, here of at most {limit - need.prompt} patches"
                     if len(segments) > 1 else "")
             message = (f"max_generate_length: {where} is a prompt of {need.prompt} tokens (text and voice) plus up "
@@ -562,11 +567,13 @@ async def check_segments_fit(state: ServiceState, segments: list[Segment], cond:
             if described_tokens:
                 parts[design_field] = described_tokens
             field = longest_part(target - described_tokens, parts)
+            if design_only and field != design_field:
+                continue
             of_design = f", {described_tokens} of {design_field}" if described_tokens else ""
             message = (f"{field}: {where} is a prompt of {need.prompt} tokens ({target - described_tokens} of text"
                        f"{of_design}, {need.prompt - target} of voice), which leaves no room to generate within "
                        f"{_limit_words(state, limit)}")
-        raise HTTPException(422, in_route_terms(message, cond.terms))
+        raise HTTPException(400 if design_only else 422, in_route_terms(message, cond.terms))
 
 
 def check_length(state: ServiceState, text: str, field: str, counted: str = "") -> None:
@@ -603,7 +610,7 @@ async def generate(state: ServiceState, route: str, text: str, cond: Conditionin
     design_field = "" if own_design else "instructions"  # a description sent apart is named apart
     if len(segments) <= 1 and not retry_badcase and not timings:
         if design and design_field:  # the engine would name all of the prompt's text (the description in it) `input`
-            await check_segments_fit(state, segments, cond, params, design, design_field)
+            await check_segments_fit(state, segments, cond, params, design, design_field, design_only=True)
         return await synthesis.start(state, route, design + text, cond, params, fmt, sse=sse, lora_name=lora_name,
                                      normalize=normalize, speed=speed, sample_rate=sample_rate)
     # as written: a spoken form longer than that is fitted at its turn (`LongFormSpeech.fitted`)
