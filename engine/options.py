@@ -17,9 +17,16 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+_FLAG_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
 
 def _flag(value: str) -> bool:
-    return value.strip() != "0"
+    # The words pydantic-settings takes for the NANOVLLM_* switches; anything else is refused (a `false` read as on
+    # would turn the switch the other way).
+    word = value.strip().lower()
+    if word not in _FLAG_WORDS:
+        raise ValueError("use 1 or 0 (true/false, yes/no, on/off)")
+    return _FLAG_WORDS[word]
 
 
 def _choice(*allowed: str) -> Callable[[str], str]:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from engine.options import EngineOptions
-from service.settings import Settings, describe_error
+from service.settings import Settings, describe_error, unknown_variables
 
 SHORT_FLAGS = {"model_path": "--model", "serverpool_devices": "--devices"}  # besides --model-path, --serverpool-devices
 
@@ -71,6 +71,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(check(argv[1:]))
     settings = load_settings(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in unknown_variables():
+        logging.getLogger("service").warning("%s names no setting and is ignored (`voxcpm-serve --help` lists them)",
+                                             name)
     from service.supervisor import Supervisor  # after validation: a config error should not wait for imports
 
     sys.exit(asyncio.run(Supervisor(settings).run()))

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import operator
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -279,6 +280,14 @@ def engine_setting(field_name: str) -> tuple[Any, Any]:
 
 Settings = create_model("Settings", __base__=BaseServiceSettings, __doc__="Every NANOVLLM_* setting of the service.",
                         **{name: engine_setting(field) for name, field in ENGINE_SETTINGS.items()})
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The NANOVLLM_* variables that name no setting: pydantic-settings ignores them, so a misspelt one would leave its
+    setting at the default without a word (startup warns, as vLLM does for its own prefix)."""
+    names = {f"NANOVLLM_{name.upper()}" for name in Settings.model_fields}
+    return sorted(v for v in (os.environ if environ is None else environ) if v.startswith("NANOVLLM_")
+                  and v not in names)
 
 
 def describe_error(err: ValidationError, flags: set[str] | None = None) -> str:

@@ -327,7 +327,7 @@ def test_tune_coalesce_runs_each_window_against_its_own_service(checkpoint_facto
     and runs the open-loop benchmark against it over HTTP; each window's service really used its window."""
     ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
     monkeypatch.setenv("NANOVLLM_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("NANOVLLM_DEVICES", "cpu")
+    monkeypatch.setenv("NANOVLLM_SERVERPOOL_DEVICES", "cpu")
     monkeypatch.setenv("NANOVLLM_API_PROCESSES", "1")
     out = tmp_path / "tune.json"
     doc = tune_coalesce.tune(["--model", str(ckpt), "--windows", "0,7", "--rate", "3", "--duration", "1", "--patches",

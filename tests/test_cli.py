@@ -5,6 +5,7 @@ NANOVLLM_* variable, an unknown flag or a bad value exits 2 naming it, a path th
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from service.main import load_settings
-from service.settings import Settings
+from service.settings import Settings, unknown_variables
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,8 +65,12 @@ def test_flag_over_variable_over_default(monkeypatch):
 
 
 def test_a_path_that_is_no_checkpoint_exits_1(tmp_path):
-    r = cli("--model", str(tmp_path), "--port", "18999", "--cache-dir", str(tmp_path / "cache"))
+    """...after warning of a NANOVLLM_* variable that names no setting (pydantic-settings ignores it silently)."""
+    env = {**os.environ, "NANOVLLM_DEVICES": "0"}  # a misspelling of NANOVLLM_SERVERPOOL_DEVICES
+    r = cli("--model", str(tmp_path), "--port", "18999", "--cache-dir", str(tmp_path / "cache"), env=env)
     assert r.returncode == 1 and "no config.json" in r.stderr, r.stderr
+    assert "NANOVLLM_DEVICES names no setting and is ignored" in r.stderr, r.stderr
+    assert unknown_variables({"NANOVLLM_PORT": "1", "NANOVLLM_DEVICES": "0", "OTHER": "1"}) == ["NANOVLLM_DEVICES"]
 
 
 def test_check_loads_the_model_and_generates_one_patch(checkpoint_factory, tmp_path):

@@ -25,6 +25,8 @@ def test_variables_parse_into_typed_fields():
     assert o.skinny_rows == 64  # capped: larger tiles do not fit in shared memory
     assert o.pipeline_decode is True and o.log_level == "DEBUG"
     assert EngineOptions.from_env({}) == EngineOptions()  # unset: the defaults
+    words = EngineOptions.from_env({"VOXCPM_FUSE": "false", "VOXCPM_SPLIT_K": " Off ", "VOXCPM_FP8_FAST_ACCUM": "yes"})
+    assert (words.fuse, words.split_k, words.fp8_fast_accum) == (False, False, True)  # `false` was read as on
 
 
 @pytest.mark.parametrize("variable,value,rule", [
@@ -33,6 +35,7 @@ def test_variables_parse_into_typed_fields():
     ("VOXCPM_GEMV_MAX_ROWS", "-1", "0 (off) or a positive number"),
     ("VOXCPM_LAYER_LAUNCH", "128,4", "four positive integers"),
     ("VOXCPM_VAE_OVERLAP_MIN_BATCH", "many", "invalid literal"),
+    ("VOXCPM_BATCH_INVARIANT", "nein", "use 1 or 0 (true/false"),  # was read as on, as was any word but 0
 ])
 def test_a_bad_value_names_its_variable(variable, value, rule):
     with pytest.raises(ValueError, match=rf"^{variable}='{value}': .*{re.escape(rule)}"):

@@ -50,7 +50,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--patches", type=int, default=50, help="patches per request")
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--port", type=int, default=8765)
-    ap.add_argument("--devices", default=None, help="NANOVLLM_DEVICES for the service (default: its own)")
+    ap.add_argument("--devices", default=None, help="NANOVLLM_SERVERPOOL_DEVICES for the service (default: its own)")
     ap.add_argument("--ready-timeout", type=float, default=600)
     ap.add_argument("--out", help="write the JSON here")
     return ap.parse_args(argv)
@@ -73,7 +73,7 @@ def start_service(a: argparse.Namespace, window_ms: float, log_path: Path) -> su
            "NANOVLLM_SERVERPOOL_MAX_NUM_SEQS": str(a.max_num_seqs),
            "NANOVLLM_SEGMENT_CHARS": "1000"}  # the protocol's paragraph is one generation, as the pool sends it
     if a.devices:
-        env["NANOVLLM_DEVICES"] = a.devices
+        env["NANOVLLM_SERVERPOOL_DEVICES"] = a.devices
     with log_path.open("w") as log:
         # Its own process group, so that stopping it takes the engine's worker processes along.
         return subprocess.Popen([sys.executable, "-m", "service.main"], cwd=bl.REPO, env=env, stdout=log,
