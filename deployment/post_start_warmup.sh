@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Post-start warm-up for a voxcpm-serve instance: waits for /health, then runs a zero-shot and a HiFi
 # warm-up (add_hifi, generate with it, delete it) once /ready says the model is loaded. Exits non-zero if any step fails.
-# Usage: deployment/post_start_warmup.sh [BASE_URL]   (default http://127.0.0.1:8000; WAIT_S=600)
+# Usage: deployment/post_start_warmup.sh [BASE_URL]   (default $VOXCPM_URL, else http://127.0.0.1:8000; WAIT_S=600 seconds
+# for /health; PYTHON=python3 parses the answers)
 set -euo pipefail
 BASE="${1:-${VOXCPM_URL:-http://127.0.0.1:8000}}"
 WAIT_S="${WAIT_S:-600}"
