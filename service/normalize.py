@@ -96,13 +96,15 @@ _SENTENCE_END = re.compile(r"(?<=[。！？；!?;\n])|(?<=\.)(?=\s+[A-Z\u4e00-\u
 
 
 def _chunks(text: str) -> list[str]:
-    """`text` cut after sentence ends into pieces of about _CHUNK_CHARS; a longer sentence is cut after commas, and a
-    clause longer still between words."""
+    """`text` cut after sentence ends into pieces of about _CHUNK_CHARS; a longer sentence is cut after commas, a
+    clause longer still between words, and a word longer still (no space in it: "1.1.1...") every _CHUNK_CHARS."""
     if len(text) <= _CHUNK_CHARS:
         return [text]
     pieces = [p for sentence in _SENTENCE_END.split(text)
               for clause in (_CLAUSE_END.split(sentence) if len(sentence) > _CHUNK_CHARS else [sentence])
-              for p in (_WORD_END.split(clause) if len(clause) > _CHUNK_CHARS else [clause])]
+              for word in (_WORD_END.split(clause) if len(clause) > _CHUNK_CHARS else [clause])
+              for p in ([word[i:i + _CHUNK_CHARS] for i in range(0, len(word), _CHUNK_CHARS)]
+                        if len(word) > _CHUNK_CHARS else [word])]
     chunks = [""]
     for sentence in pieces:
         if chunks[-1] and len(chunks[-1]) + len(sentence) > _CHUNK_CHARS:
