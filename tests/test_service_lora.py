@@ -297,6 +297,8 @@ def test_runtime_adapters_over_http(adapter, file_server, checkpoint_factory, tm
                 ({"lora_name": "x", "lora_uri": url, "sha256": "0" * 64}, 400, f"sha256: .* has SHA-256 {digest}"),
                 ({"lora_name": "voice", "lora_uri": f"{file_server}/missing/lora_weights.safetensors"}, 400,
                  "lora_uri: .* answered 404"),
+                # a model's name: /v1 and live sessions would choose the model (it was registered, unreachable there)
+                ({"lora_name": "tts-1", "lora_uri": url}, 409, "lora_name: 'tts-1' names this service's model"),
             ]:
                 r = c.post("/loras", json=body)
                 assert r.status_code == status and re.search(message, r.text), (body, r.status_code, r.text)

@@ -1,6 +1,6 @@
 """Runtime LoRA adapters: POST /loras registers one on every worker (fetched first, like the start-up adapter), GET
-/loras lists them, DELETE /loras/{lora_name} unregisters one (requests using it finish with it). Requests choose one
-with `lora_name` (or the OpenAI route's `model`)."""
+/loras lists them, DELETE /loras/{lora_name} unregisters one (generations using it finish with it; a long text's next
+segment is refused). Requests choose one with `lora_name` (or the OpenAI route's `model`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from service.deps import LoadedState
 from service.engine_setup import source_endpoints
 from service.errors import http_error
 from service.lora_source import AdapterSourceError, fetch_adapter, local_refusal
+from service.routers.openai import model_ids
 from service.schemas import Deleted, LoRAInfo, LoRAList, RegisterLoRARequest
 from service.shared_adapters import sync_adapters
 from service.voice_store import VoiceStoreUnavailable
@@ -26,6 +27,9 @@ async def register_lora(req: RegisterLoRARequest, state: LoadedState) -> LoRAInf
     s = state.settings
     if not state.model.max_loras:
         raise HTTPException(400, "lora_name: this service runs no runtime LoRA adapters (NANOVLLM_MAX_LORAS=0)")
+    if req.lora_name in model_ids(state):  # /v1 and live sessions would choose the model, never the adapter
+        raise HTTPException(409, f"lora_name: {req.lora_name!r} names this service's model (GET /v1/models): "
+                                 "choose another name for the adapter")
     refusal = local_refusal(s.lora_dir, req.lora_uri)
     if refusal is not None:
         raise HTTPException(400, f"lora_uri: {refusal}")
