@@ -600,8 +600,9 @@ async def generate(state: ServiceState, route: str, text: str, cond: Conditionin
                      f"{field} and instructions")
     base = len(design) if own_design else 0
     segments = split_text(text, state.settings.segment_chars, granularity, base=base)
-    if not segments:  # the schemas refuse a blank text: here a voice description was all of it
-        raise HTTPException(422, f"{field}: nothing to speak after the voice description {design!r}")
+    if not segments:  # the schemas refuse a blank text: here a voice description was all of it, or no word is in it
+        raise HTTPException(422, f"{field}: nothing to speak after the voice description {design!r}" if design else
+                            f"{field}: nothing to speak (no letter or digit)")
     if timings and blocking and len(segments) > MAX_HEADER_TIMINGS:
         raise HTTPException(422, f"timings: the text is {len(segments)} segments, more than the X-Segment-Timings "
                                  f"header holds ({MAX_HEADER_TIMINGS}, ~{MAX_HEADER_TIMINGS * 110 // 1024} KiB); "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Literal
 
@@ -62,7 +63,8 @@ class _Unit:
 
 
 def _sentences(text: str, base: int = 0) -> list[_Unit]:
-    """sentencex's sentences, stripped of surrounding space; a paragraph break marks the sentence before it."""
+    """sentencex's sentences with words (`_has_words`), stripped of surrounding space; a paragraph break marks the
+    sentence before it."""
     units: list[_Unit] = []
     try:
         bounds = sentencex.get_sentence_boundaries(language_of(text), _WIDE_SPACE.sub(" ", text))
@@ -80,11 +82,18 @@ def _sentences(text: str, base: int = 0) -> list[_Unit]:
         piece = text[s:e]
         lead = len(piece) - len(piece.lstrip())
         trail = len(piece) - len(piece.rstrip())
-        if e - trail > s + lead:
+        if e - trail > s + lead and _has_words(piece):
             units.append(_Unit(base + s + lead, base + e - trail, "sentence"))
         if "\n\n" in piece[len(piece.rstrip()):] and units:
             units[-1].pause = "paragraph"
     return units
+
+
+def _has_words(text: str) -> bool:
+    """Whether a sentence has a letter or a digit to say: one without ("***" between paragraphs, "—", an emoji, a
+    zero-width space) is no generation of its own (the model would babble to its length cap); beside words in a
+    segment it is read with them."""
+    return any(unicodedata.category(c)[0] in "LN" for c in text)
 
 
 def _ends_clause(text: str, m: re.Match[str]) -> bool:

@@ -3,6 +3,8 @@ text as written at its offsets."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from service.segmenter import LiveSegmenter, split_text, weight
@@ -17,6 +19,13 @@ CASES = [  # (text, max_chars, expected segment texts)
     ("one two three four five six seven eight nine ten", 20, ["one two three four", "five six seven",
                                                                "eight nine ten"]),  # equal shares at spaces
     ("First paragraph.\n\nSecond one.", 200, ["First paragraph.", "Second one."]),
+    # a sentence without a letter or digit is no generation of its own (each was one: 5 s of babble); beside words
+    # in a segment it is read with them
+    ("Chapter one.\n\n***\n\nIt was dark.", 200, ["Chapter one.", "It was dark."]),
+    ("Wait.\n\n\u2014\n\n\u200b\n\n\U0001F600\n\nGo.", 200, ["Wait.", "Go."]),
+    ("Yes. ... No.", 200, ["Yes. ... No."]),
+    ("\u200b\u200b", 200, []),
+    ("1.\n\nA.", 200, ["1.", "A."]),  # a digit is said
 ]
 
 
@@ -26,7 +35,11 @@ def test_cases(text, max_chars, expected):
     assert [s.text for s in segments] == expected
     assert all(text[s.start:s.end] == s.text for s in segments)
     assert [s.index for s in segments] == list(range(len(segments)))
-    assert segments[-1].pause == "none"
+    assert not segments or segments[-1].pause == "none"
+    live = LiveSegmenter(max_chars)  # the live segmenter (which does not pack) speaks the same words
+    fed = [seg for ch in text for seg in live.feed(ch)] + live.done()
+    assert all(text[s.start:s.end] == s.text for s in fed)
+    assert re.findall(r"\w+", " ".join(s.text for s in fed)) == re.findall(r"\w+", " ".join(expected))
 
 
 def test_pauses_mark_sentences_and_paragraphs():

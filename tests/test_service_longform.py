@@ -203,10 +203,15 @@ def test_a_split_text_is_never_refused_mid_stream_for_a_full_queue(checkpoint_fa
 @pytest.mark.parametrize("route", ["/generate", "/generate_blocking", "/generate_blocking_wav"])
 def test_a_voice_description_with_nothing_after_it_is_refused(client, route, extra):
     """'(calm voice)' alone leaves nothing to speak, on the single and the segmented path alike (the latter flushed an
-    MP3 encoder that never encoded: a 500)."""
+    MP3 encoder that never encoded: a 500); nor does a text without a letter or a digit."""
     r = client.post(route, json={"target_text": "(calm voice)", "max_generate_length": N, **extra})
     assert r.status_code == 422, r.text
     assert r.json()["detail"] == "target_text: nothing to speak after the voice description '(calm voice)'"
+    # nor do zero-width spaces or symbols alone (each was spoken: babble to the length cap)
+    for text in ("\u200b\u200b", "* * *"):
+        r = client.post(route, json={"target_text": text, "max_generate_length": N, **extra})
+        assert r.status_code == 422, r.text
+        assert r.json()["detail"] == "target_text: nothing to speak (no letter or digit)", r.text
 
 
 def test_timings_past_what_a_header_holds_are_refused_naming_the_field(client):
