@@ -220,6 +220,9 @@ def test_a_client_leaving_mid_stream_frees_every_kv_block(server, leave):
      "input.text: 4500 characters is more than this service speaks in one session (NANOVLLM_MAX_TEXT_CHARS = 3000)"),
     ([{"type": "session.config", "instructions": "calm " * 300}] + [{"type": "input.text", "text": "word " * 200}] * 2,
      1008, "input.text: 3499 characters (with the instructions) is more than this service speaks in one session"),
+    # instructions that leave no room for a text are refused at once (they were taken, then blamed on input.text)
+    ([{"type": "session.config", "instructions": "word " * 390}], 1008,
+     "instructions: the text is a prompt of"),
     ([{"type": "session.config"}, {"type": "input.text", "text": "hi \ud800 there."}], 1008,
      "input.text: text holds an unpaired surrogate"),
     ([{"type": "session.config", "voice": "\udc00"}], 1008, "session.config: voice holds an unpaired surrogate"),
@@ -229,8 +232,8 @@ def test_a_client_leaving_mid_stream_frees_every_kv_block(server, leave):
      "idle: nothing received for 2 s"),
 ], ids=["not-json", "binary", "text-first", "unknown-field", "bad-speed", "rate-with-mp3", "unknown-voice",
         "too-long-for-the-model", "unknown-type", "text-not-string", "config-twice", "not-an-object",
-        "after-done", "message-cap", "text-cap", "text-cap-with-instructions", "lone-surrogate-text",
-        "lone-surrogate-voice", "lone-surrogate-type", "config-timeout", "idle-timeout"])
+        "after-done", "message-cap", "text-cap", "text-cap-with-instructions", "long-instructions",
+        "lone-surrogate-text", "lone-surrogate-voice", "lone-surrogate-type", "config-timeout", "idle-timeout"])
 def test_malformed_messages_and_limits(server, messages, code, expected):
     with connect(ws_url(server), open_timeout=GUARD_S) as ws:
         for m in messages:

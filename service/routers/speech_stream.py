@@ -23,7 +23,14 @@ from pydantic import ValidationError
 from service.audio import STREAMED, Encoder, make_encoder, output_rate
 from service.deps import key_matches, key_of, unavailable_reason
 from service.errors import LIVE_TERMS, http_error, in_route_terms
-from service.longform import LongFormOptions, LongFormSpeech, SegmentStarted, SegmentTiming, check_length
+from service.longform import (
+    LongFormOptions,
+    LongFormSpeech,
+    SegmentStarted,
+    SegmentTiming,
+    check_length,
+    check_segments_fit,
+)
 from service.routers.openai import _voice, adapter_ids, model_ids
 from service.schemas import SpeechStreamConfig
 from service.segmenter import LiveSegmenter, Segment
@@ -168,11 +175,14 @@ class LiveSession:
                 lora_name = config.model
                 await sync_adapters(self.state)
             cond = await _voice(self.state, config.voice)
+            design = f"({config.instructions.strip()})" if config.instructions and config.instructions.strip() else ""
+            if design:  # with the voice, the description (the first segment carries it) must leave a text room
+                await check_segments_fit(self.state, [Segment(0, "a", 0, 1, "none")], cond, params, design,
+                                         "instructions", design_only=True)
         except (WebSocketDisconnect, OSError):
             raise
         except Exception as e:
             raise session_error(e) from None
-        design = f"({config.instructions.strip()})" if config.instructions and config.instructions.strip() else ""
         self.segmenter = LiveSegmenter(s.segment_chars, config.split_granularity)
         self.fmt = config.response_format
         self.sample_rate = output_rate(self.state.sample_rate, self.fmt, out_rate)
