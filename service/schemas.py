@@ -136,6 +136,8 @@ DEFAULT_GENERATE_LENGTH = 2000  # the seed fork's default, capped by the deploym
 class SamplingFields(BaseModel):
     """The sampling parameters every generation route takes, bounded as the engine bounds them."""
 
+    model_config = ConfigDict(allow_inf_nan=False)  # NaN (JSON's `NaN`) was refused as "less than or equal to 10"
+
     max_generate_length: int | None = Field(
         None, ge=SAMPLING_LIMITS["max_generate_length"].low, le=SAMPLING_LIMITS["max_generate_length"].high,
         description=f"{SAMPLING_LIMITS['max_generate_length'].doc} At most the service's max_model_len (GET /info); "
@@ -168,6 +170,8 @@ OutputRate = Literal[OUTPUT_RATES]  # type: ignore[valid-type]
 
 class PlaybackFields(BaseModel):
     """How the generated audio is played back: its speed and, for raw and WAV output, its sample rate."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     speed: float = Field(1.0, ge=SPEED_MIN, le=SPEED_MAX,
                          description=f"Playback speed, {SPEED_MIN}-{SPEED_MAX}, at the same pitch (time-stretched "

@@ -175,6 +175,8 @@ INVALID = [
     ({"temperature": 10.5}, 422, "temperature"),  # the engine's bound (engine.serving.protocol.SAMPLING_LIMITS)
     ({"cfg_value": 20.5}, 422, "cfg_value"),
     ({"min_len": -1}, 422, "min_len"),
+    ({"temperature": float("nan")}, 422, "Input should be a finite number"),  # was "less than or equal to 10"
+    ({"speed": float("inf")}, 422, "finite number"),
     ({"max_generate_length": 1_000_000_000}, 422, "max_generate_length: 1000000000 is more than this service can "
                                                   "generate in one request (max_model_len = 4096)"),
     ({"target_text": "x" * 100_001}, 422, "target_text: 100001 characters is more than this service speaks"),
@@ -203,7 +205,9 @@ INVALID = [
 @pytest.mark.parametrize("route", ["/generate", "/generate_blocking_wav"])
 @pytest.mark.parametrize("body,status,message", INVALID, ids=[m for _, _, m in INVALID])
 def test_invalid_requests_are_4xx_naming_the_field(client, route, body, status, message):
-    r = client.post(route, json={"target_text": "Invalid.", **body})
+    # json.dumps writes NaN and Infinity as JavaScript does (clients send them; httpx's json= refuses them)
+    r = client.post(route, content=json.dumps({"target_text": "Invalid.", **body}),
+                    headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     assert r.headers["content-type"] == "application/json"
     assert message in str(r.json()["detail"]), r.json()
