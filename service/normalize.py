@@ -1,11 +1,11 @@
 """Text normalisation for `normalize: true` requests: written forms become the words a reader would say.
 
-Covered, in English and Chinese: cardinals, decimals, ordinals, fractions, currency ($ € £ ¥, with cents), dates
-(2025-09-28, 09/28/2025, September 28, 2025, 2025年9月28日), times (3:45 pm, 14:30), units (5 km, 3 kg, 100 km/h),
-percentages, temperatures, phone numbers (digit by digit), years and decades as said (1905 "nineteen oh five", 2000s
-"two thousands") and dotted versions (2.0.1). Words in capitals are spoken as words when they can be pronounced
-(HELLO, NASA) and spelled letter by letter when they cannot (FBI, HTML); a mostly-capitals sentence is read as
-shouting, i.e. as ordinary words.
+Covered, in English and Chinese: cardinals, decimals, ordinals, fractions, currency ($ € £ ¥ ₹ ₩ ¢, with cents;
+signed), dates (2025-09-28, 09/28/2025, September 28, 2025, 2025年9月28日), times (3:45 pm, 14:30), units (5 km, 3 kg,
+100 km/h), percentages, temperatures, phone numbers (digit by digit), years and decades as said (1905 "nineteen oh
+five", 2000s "two thousands") and dotted versions (2.0.1). Words in capitals are spoken as words when they can be
+pronounced (HELLO, NASA) and spelled letter by letter when they cannot (FBI, HTML); a mostly-capitals sentence is read
+as shouting, i.e. as ordinary words.
 
 Text is split into language runs: a run of Latin text with two or more words inside Chinese text (or any text
 without Chinese) goes through wetext's English grammar, everything else through its Chinese one. Our own rules fill
@@ -136,12 +136,18 @@ def _runs(text: str) -> list[tuple[str, str]]:
 
 
 def _grammar(grammar: Any, text: str) -> str:
-    """wetext's normalisation; text its grammar cannot parse is kept as it is rather than failing the request."""
+    """wetext's normalisation; text its grammar cannot parse is halved at a space and each half read alone, down to
+    the word it fails on, which is kept as it is (one odd word kept its whole run of up to 200 characters as
+    written), rather than failing the request."""
     try:
         out = grammar.normalize(text)
     except Exception:  # an assertion or a parse failure inside the grammar's token parser
-        log.warning("normalisation kept a run as written: the grammar failed on %r", text[:80], exc_info=True)
-        return text
+        spaces = [m.start() for m in re.finditer(r" ", text)]
+        if not spaces:
+            log.warning("normalisation kept a word as written: the grammar failed on %r", text[:80])
+            return text
+        cut = spaces[len(spaces) // 2]
+        return _grammar(grammar, text[:cut]) + " " + _grammar(grammar, text[cut + 1:])
     if not out or out == text:  # the grammar passed the run through (nothing to normalise): nothing escaped
         return text
     return _GRAMMAR_ESCAPE.sub(r"\1", out)  # its token parser escapes " and \\ in what it writes
@@ -150,9 +156,15 @@ def _grammar(grammar: Any, text: str) -> str:
 # --- English ----------------------------------------------------------------------------------------
 
 _CURRENCY = {"$": ("dollar", "dollars", "cent", "cents"), "€": ("euro", "euros", "cent", "cents"),
-             "£": ("pound", "pounds", "penny", "pence"), "¥": ("yen", "yen", None, None)}
-_MONEY = re.compile(r"(?<![\w.])([$€£¥])\s?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d{1,2}))?(?!\.?\d)"
+             "£": ("pound", "pounds", "penny", "pence"), "¥": ("yen", "yen", None, None),
+             "₹": ("rupee", "rupees", "paisa", "paise"), "₩": ("won", "won", None, None)}
+_MONEY = re.compile(r"(?<![\w.])([$€£¥₹₩])\s?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d{1,2}))?(?!\.?\d)"
                     r"(?:\s?(thousand|million|billion|trillion)\b)?", re.ASCII)
+_SIGNED_CURRENCY = re.compile(r"(?<![\w.])([$€£¥₹₩])(-)(?=\d)")  # then swapped: (sign)(symbol)
+_NEGATIVE_MONEY = re.compile(r"(?<![\w.])-(?=[$€£¥₹₩]\d)")
+_CENTS = re.compile(r"(?<![\d.,])(\d+)\s?¢")
+# a plus before a number that is no phone number (those are read digit by digit): +3.5%, +5 points
+_PLUS = re.compile(r"(?<![\w+])\+(?=\d+(?:\.\d+)?(?:%|\s|$|[.,;:!?)]))(?!\d{1,3}[\s-]+\(?\d)")
 _DECADE = re.compile(r"\b(1[1-9]|2[0-9])([0-9]0)s\b", re.ASCII)
 # Years the grammar reads in pairs with "zero" for the 0 (1905: "nineteen zero five"); 2001-2009 it reads "two thousand"
 _YEAR_OH = re.compile(r"(?<![\d.,])(1[0-9]|2[1-9])0([1-9])(?!\d|[.,]\d)", re.ASCII)
@@ -275,6 +287,11 @@ def _dotted(m: re.Match[str]) -> str:
 
 
 def _english(grammar: Any, text: str) -> str:
+    text = text.replace("\u2212", "-")  # the minus sign: the grammar reads only the hyphen-minus
+    text = _SIGNED_CURRENCY.sub(r"\2\1", text)  # $-3.50: -$3.50
+    text = _NEGATIVE_MONEY.sub("minus ", text)  # -$3.50 (the amount's own rule leaves the sign unread)
+    text = _CENTS.sub(lambda m: f"{m.group(1)} {'cent' if m.group(1) == '1' else 'cents'}", text)
+    text = _PLUS.sub("plus ", text)
     text = _INTL_PHONE.sub(_phone_en, text)
     text = _MONEY.sub(_money, text)
     text = _DECADE.sub(_decade, text)

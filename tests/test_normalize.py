@@ -70,6 +70,16 @@ CASES = [
     ("电话+86 138 1234 5678", "电话加八六幺三八幺二三四五六七八"),
     ("GPT-4很强", "G P T 四很强"),
     ("1年期LPR为3.0%", "一年期L P R为百分之三点零"),
+    # signs and currencies the grammar failed on (each kept its run as written, digits spelled: "+three.five%")
+    ("Up +3.5% today.", "Up plus three point five percent today."),
+    ("It fell \u22123.5%.", "It fell minus three point five percent."),
+    ("\u22125\u00b0C", "negative five degrees Celsius"),
+    ("$-3.50 or -$3.50", "minus three dollars and fifty cents or minus three dollars and fifty cents"),
+    ("50\u00a2 and 1\u00a2", "fifty cents and one cent"),
+    ("\u20a91000 and \u20b9500.50", "one thousand won and five hundred rupees and fifty paise"),
+    # a word the grammar still fails on is kept as written, not the rest of its run with it
+    ("I paid $3 on 2025-09-28, #5 of 25% more.", "I paid three dollars on the twenty eighth of september twenty "
+                                                "twenty five, #five of twenty five percent more."),
     # mixed: an English phrase inside Chinese is read in English, a lone number by the Chinese grammar
     ("他说：I have 3 apples and $5.", "他说：I have three apples and five dollars."),
     ("我喜欢 New York 的 3 个公园", "我喜欢 New York 的 三个公园"),
