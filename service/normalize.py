@@ -66,6 +66,8 @@ def normalize(text: str) -> str:
     if not text.strip():
         return text
     english, chinese, _ = _load()
+    # 10 000 (SI style) before white space is collapsed (the no-break spaces with the rest)
+    text = _SPACED_THOUSANDS.sub(lambda m: re.sub(r"\D", "", m.group()), text)
     out = []
     for run, lang in (r for chunk in _chunks(text) for r in _runs(chunk)):
         core = " ".join(run.split())  # as the engine reads it; wetext fails on runs of spaces
@@ -161,6 +163,8 @@ _CURRENCY = {"$": ("dollar", "dollars", "cent", "cents"), "€": ("euro", "euros
 _MONEY = re.compile(r"(?<![\w.])([$€£¥₹₩])\s?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d{1,2}))?(?!\.?\d)"
                     r"(?:\s?(thousand|million|billion|trillion)\b)?", re.ASCII)
 _SIGNED_CURRENCY = re.compile(r"(?<![\w.])([$€£¥₹₩])(-)(?=\d)")  # then swapped: (sign)(symbol)
+# digits grouped in threes by a no-break, narrow no-break or thin space (a plain space may part two numbers)
+_SPACED_THOUSANDS = re.compile(r"(?<![\d.,])\d{1,3}(?:[\u00a0\u202f\u2009]\d{3})+(?![\d]|[.,]\d{3})")
 _NEGATIVE_MONEY = re.compile(r"(?<![\w.])-(?=[$€£¥₹₩]\d)")
 _CENTS = re.compile(r"(?<![\d.,])(\d+)\s?¢")
 # a plus before a number that is no phone number (those are read digit by digit): +3.5%, +5 points

@@ -77,6 +77,8 @@ CASES = [
     ("$-3.50 or -$3.50", "minus three dollars and fifty cents or minus three dollars and fifty cents"),
     ("50\u00a2 and 1\u00a2", "fifty cents and one cent"),
     ("\u20a91000 and \u20b9500.50", "one thousand won and five hundred rupees and fifty paise"),
+    ("10\u00a0000 people and 1\u202f250\u202f000 more", "ten thousand people and one million two hundred fifty "
+                                                         "thousand more"),  # was "ten oh oh zero people"
     # a word the grammar still fails on is kept as written, not the rest of its run with it
     ("I paid $3 on 2025-09-28, #5 of 25% more.", "I paid three dollars on the twenty eighth of september twenty "
                                                 "twenty five, #five of twenty five percent more."),
