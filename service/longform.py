@@ -112,6 +112,13 @@ def split_design(text: str) -> tuple[str, str]:
     return (m.group(0), text[m.end():]) if m else ("", text)
 
 
+def design_of(instructions: str | None) -> str:
+    """The voice-design prefix '(instructions)' of a route with an `instructions` field ('' for none). Parentheses
+    inside read as brackets: one would close the description early ("(a) b)Hi" speaks "b)Hi")."""
+    text = (instructions or "").strip()
+    return f"({text.replace('(', '[').replace(')', ']')})" if text else ""
+
+
 @dataclass(frozen=True)
 class Positions:
     """What one generation takes of a sequence, counted as the engine counts it (engine/prompt.py and the scheduler's

@@ -85,7 +85,7 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 
 def test_cached_voice_and_instructions(client, server):
     """`voice` and `instructions` reach the engine: each voice sounds like /generate with the same voice and
-    unlike the default; instructions are voice design, '(instructions)input'."""
+    unlike the default; instructions are voice design, '(instructions)input', their own parentheses as brackets."""
     clip = base64.b64encode(wav_bytes(1.0)).decode()
     with httpx.Client(verify=TLS, base_url=server.url, timeout=60) as c:
         hifi = c.post("/add_hifi", json={"wav_base64": clip, "prompt_text": "A clip."}).json()
@@ -101,6 +101,7 @@ def test_cached_voice_and_instructions(client, server):
                  hifi["reference_id"]: {"ref_audio_id": hifi["reference_id"]}}
         expected = {voice: native(target_text="Cloned.", **form) for voice, form in forms.items()}
         designed = native(target_text="(A calm, low voice)Designed.")
+        bracketed = native(target_text="(A calm [low] voice)Designed.")
     assert {"default", hifi["hifi_id"], hifi["prompt_id"], hifi["reference_id"]} <= {v["id"] for v in voices}
     assert "tts-1" in [m["id"] for m in models["data"]]
 
@@ -118,6 +119,8 @@ def test_cached_voice_and_instructions(client, server):
     with_design = speech("default", "Designed.", instructions="A calm, low voice")
     assert _same(with_design, designed)
     assert not _same(with_design, speech("default", "Designed."))
+    # parentheses inside read as brackets ("(A calm (low) voice)" would end the description at "(low)")
+    assert _same(speech("default", "Designed.", instructions="A calm (low) voice"), bracketed)
     assert len(client.models.list().data) >= 1
 
 

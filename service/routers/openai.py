@@ -54,7 +54,7 @@ async def speech(req: SpeechRequest, request: Request, state: LoadedState) -> Re
     mark_audio(request)
     cond = await _voice(state, req.voice)
     longform.check_length(state, req.input, "input")
-    design = f"({req.instructions.strip()})" if req.instructions and req.instructions.strip() else ""
+    design = longform.design_of(req.instructions)
     fmt, route = req.response_format, "/v1/audio/speech"
     params = req.sampling(state.model.max_model_len)
 

@@ -30,6 +30,7 @@ from service.longform import (
     SegmentTiming,
     check_length,
     check_segments_fit,
+    design_of,
 )
 from service.routers.openai import _voice, adapter_ids, model_ids
 from service.schemas import SpeechStreamConfig
@@ -175,7 +176,7 @@ class LiveSession:
                 lora_name = config.model
                 await sync_adapters(self.state)
             cond = await _voice(self.state, config.voice)
-            design = f"({config.instructions.strip()})" if config.instructions and config.instructions.strip() else ""
+            design = design_of(config.instructions)
             if design:  # with the voice, the description (the first segment carries it) must leave a text room
                 await check_segments_fit(self.state, [Segment(0, "a", 0, 1, "none")], cond, params, design,
                                          "instructions", design_only=True)
