@@ -115,6 +115,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
                     with contextlib.suppress(asyncio.CancelledError):
                         await t
                 await pool.stop()
+                state.normalizer.close()
                 await store.aclose()
                 registrations.close()
                 log.info("engine pool %s", "stopped" if endpoint is None else "disconnected")

@@ -233,7 +233,7 @@ class SegmentJob:
         sp = self.speech
         try:
             if sp.normalize:
-                self.text = await asyncio.to_thread(normalize, self.segment.text)
+                self.text = await sp.state.normalizer(normalize, self.segment.text)
             prompt = await self.prompt if self.prompt is not None else None
             if self.after is not None:
                 await self.after.started.wait()

@@ -60,6 +60,11 @@ def _load() -> tuple[Any, Any, Any]:
     return _loaded
 
 
+def load() -> None:
+    """Read the grammars now (a process that will normalise: its first call need not wait for them)."""
+    _load()
+
+
 def normalize(text: str) -> str:
     """`text` with numbers, amounts, dates, times, units and capitals written as they are spoken. Leading and
     trailing white space of each language run is kept; the grammars collapse white space inside a run."""

@@ -10,6 +10,7 @@ from engine import AsyncVoxCPMServerPool
 from engine.serving.reports import WorkerInfo
 from engine.vocabulary import AdapterInfo
 from service.metrics import Metrics
+from service.normalize_process import NormalizeProcess
 from service.settings import Settings
 from service.voice_store import VoiceStore
 
@@ -33,6 +34,7 @@ class ServiceState:
     draining: bool = False  # shutting down: not ready, new generations refused, responses in flight finish
     api_keys: list[bytes] = field(default_factory=list)  # none: no key needed
     shared_adapters: SharedAdapters | None = None  # the runtime adapters' registrations in Redis (NANOVLLM_REDIS_URL)
+    normalizer: NormalizeProcess = field(default_factory=NormalizeProcess)  # `normalize: true`, off this process's GIL
 
     @property
     def loaded(self) -> bool:

@@ -70,8 +70,8 @@ async def start(state: ServiceState, route: str, text: str, cond: Conditioning, 
                 sse: bool = False, lora_name: str | None = None, normalize: bool = False, speed: float = 1.0,
                 sample_rate: int | None = None) -> Generation:
     s = state.settings
-    if normalize:  # off the event loop: the first call loads the grammars (about 1.5 s), long text takes a while
-        text = await asyncio.to_thread(normalize_target, text)
+    if normalize:  # in the normalisation process: the first call loads the grammars (about 1.5 s)
+        text = await state.normalizer(normalize_target, text)
     if lora_name is not None:
         await sync_adapters(state)  # an adapter registered on another replica: taken here first
     encoder = make_encoder(fmt, state.sample_rate, s.mp3_bitrate_kbps, s.mp3_quality, sse, speed, sample_rate)

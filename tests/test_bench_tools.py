@@ -290,6 +290,17 @@ def test_tokenize_times_one_request_a_burst_and_its_parts(checkpoint_factory, tm
     assert doc["tokens_per_request"] == len(ids)
     assert all(doc[k] > 0 for k in ("one_request_us", "burst_us", "burst_normalise_us", "burst_encode_us"))
 
+
+def test_normalize_stall_times_both_ways_for_each_kind(tmp_path):
+    """`bench.py normalize-stall`: the loop's gaps while segments are normalised on a thread and in the process."""
+    out = tmp_path / "normalize.json"
+    doc = bench.main(["normalize-stall", "--texts", "1", "--chars", "60", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
+    for kind in ("prose", "amounts"):
+        for way in ("thread", "process"):
+            row = doc[kind][way]
+            assert 0 < row["median_gap_ms"] <= row["p99_gap_ms"] <= row["max_gap_ms"] and row["wall_s"] > 0, row
+
 # ---------------------------------------------------------------- measurement helpers
 
 

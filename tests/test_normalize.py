@@ -242,3 +242,30 @@ def test_pieces_stay_short_whatever_the_text():
     for text in ("1." * 2000, "x" * 450, "Short. " * 100, "a, " * 300):
         pieces = _chunks(text)
         assert "".join(pieces) == text and max(map(len, pieces)) <= _CHUNK_CHARS, text[:20]
+
+
+def test_the_normalisation_process_gives_normalize_and_outlives_its_child():
+    """The service normalises in a child process (off its GIL): the same words as `normalize`, and a child that died
+    is replaced on the next call."""
+    import asyncio
+    import os
+    import signal
+
+    from service.normalize_process import NormalizeProcess
+
+    normalizer = NormalizeProcess()
+
+    async def calls() -> tuple[str, str, int, int]:
+        first = await normalizer(normalize_target, "(calm)I paid $3.50.")
+        child = next(iter(normalizer._pool._processes))  # the executor's one process
+        os.kill(child, signal.SIGKILL)
+        await asyncio.sleep(0.2)
+        again = await normalizer(normalize, "I have 3 apples.")
+        return first, again, child, next(iter(normalizer._pool._processes))
+
+    try:
+        first, again, child, replaced = asyncio.run(calls())
+    finally:
+        normalizer.close()
+    assert first == "(calm)I paid three dollars and fifty cents." and again == "I have three apples."
+    assert child != os.getpid() and replaced != child

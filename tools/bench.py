@@ -38,6 +38,7 @@ SUBCOMMANDS: subcommands.Table = {
     "tune-coalesce": ("tune_coalesce:main", "the queue-coalescing window: a service per window, open-loop over HTTP"),
     "encode": ("encode:main", "what encoding each response format costs the host"),
     "retime": ("retime:main", "what speed (time-stretch) and sample_rate (resampling) cost the host"),
+    "normalize-stall": ("normalize_stall:main", "the event loop's stalls while texts are normalised (thread, process)"),
     "tokenize": ("tokenize:main", "what the client's tokenization of a request and of a burst costs the host"),
     "intake": ("intake:main", "what a burst costs a worker's host before its first audio: reading, admitting it"),
     "kernels": ("kernels:main", "the decode step's kernels over their launch parameters (GPU)"),

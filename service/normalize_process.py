@@ -1,0 +1,46 @@
+"""Text normalisation in a child process of each API process, spawned on the first `normalize: true` request.
+
+Why: wetext's matcher holds the GIL while it works, so normalising on a thread (as before) stalled the process's event
+loop and encoder threads 15-20 ms per 200-character piece of prose and up to ~110 ms for text dense with amounts
+(docs/normalization.md): every stream of that process waited. In a child it costs this process a message each way.
+One child per API process: normalisations queue there, as they queued behind the GIL before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from service.normalize import load
+
+log = logging.getLogger(__name__)
+
+
+class NormalizeProcess:
+    """`await normalizer(normalize, text)`: `normalize` (or `normalize_target`) of `text` in the child."""
+
+    def __init__(self) -> None:
+        self._pool: ProcessPoolExecutor | None = None
+
+    def _executor(self) -> ProcessPoolExecutor:
+        if self._pool is None:  # spawned, not forked: this process runs threads; the child loads the grammars first
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=load)
+        return self._pool
+
+    async def __call__(self, fn: Callable[[str], str], text: str) -> str:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor(), fn, text)
+        except BrokenProcessPool:  # the child died (killed, out of memory): a new one, and one more try
+            log.warning("the normalisation process died: starting another")
+            self._pool = None
+            return await loop.run_in_executor(self._executor(), fn, text)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
