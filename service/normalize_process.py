@@ -41,6 +41,8 @@ class NormalizeProcess:
             return await loop.run_in_executor(self._executor(), fn, text)
 
     def close(self) -> None:
+        """Stop the child (after the call it is making, at most a segment's normalisation); waited for, so that the
+        executor's queues are released before the process exits (not, leaked semaphores warned of at exit)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
