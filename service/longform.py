@@ -606,6 +606,9 @@ async def generate(state: ServiceState, route: str, text: str, cond: Conditionin
         check_length(state, design[1:-1] + text, "instructions" if len(design) - 2 > len(text) else field,
                      f"{field} and instructions")
     base = len(design) if own_design else 0
+    lead, rest = split_design(text)  # /v1's input (or what follows a description) that is a description alone
+    if lead and not rest.strip():
+        raise HTTPException(422, f"{field}: nothing to speak after the voice description {lead.strip()!r}")
     segments = split_text(text, state.settings.segment_chars, granularity, base=base)
     if not segments:  # the schemas refuse a blank text: here a voice description was all of it, or no word is in it
         raise HTTPException(422, f"{field}: nothing to speak after the voice description {design!r}" if design else

@@ -180,6 +180,12 @@ def test_errors_name_the_field_the_client_sent(server):
     assert "characters (input and instructions) is more than" in err["message"], err
     err = garbage.json()["error"]
     assert garbage.status_code == 422 and err["param"] == "body" and err["message"].startswith("body: "), err
+    # an input that is a voice description alone leaves nothing to speak, as on /generate (it was spoken)
+    with httpx.Client(verify=TLS, base_url=server.url, timeout=60) as c:
+        r = c.post("/v1/audio/speech", json={"model": "tts-1", "input": "(a calm voice)"})
+    err = r.json()["error"]
+    assert r.status_code == 422 and err["param"] == "input", err
+    assert err["message"] == "input: nothing to speak after the voice description '(a calm voice)'", err
 
 
 def test_openai_shaped_errors(server):
