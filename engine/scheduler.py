@@ -95,8 +95,7 @@ class Scheduler:
         """Queue a request: a continuation after the preempted streams and the continuations already waiting, ahead
         of new requests; a new one at the end."""
         if seq.continuation:
-            ahead = next((i for i, s in enumerate(self.waiting) if not (s.num_generated or s.continuation)),
-                         len(self.waiting))
+            ahead = next((i for i, s in enumerate(self.waiting) if not s.ahead_of_new), len(self.waiting))
             self.waiting.insert(ahead, seq)
         else:
             self.waiting.append(seq)
@@ -116,7 +115,7 @@ class Scheduler:
         arrival, at most COALESCE_CAP windows after the first, or at once when the queue would fill every seat."""
         if not self.coalesce_s or not self.waiting or self.running:
             return 0.0
-        if self.waiting[0].num_generated or self.waiting[0].continuation or len(self.waiting) >= self.max_num_seqs:
+        if self.waiting[0].ahead_of_new or len(self.waiting) >= self.max_num_seqs:
             return 0.0  # a preempted stream resumes at once, a continuation starts at once
         now = time.monotonic() if now is None else now
         first, latest = self.waiting[0].arrival, self.waiting[-1].arrival

@@ -61,6 +61,12 @@ class Sequence:
     cache_salt: bytes = b""  # mixed into its prompt blocks' prefix-cache hashes (another adapter: other KV)
 
     @property
+    def ahead_of_new(self) -> bool:
+        """A preempted stream or a continuation: queued ahead of new requests, started without the coalescing window,
+        never failed by the queue timeout (delaying it would stall or cut a stream already playing)."""
+        return bool(self.num_generated) or self.continuation
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt)
 

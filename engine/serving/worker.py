@@ -362,8 +362,8 @@ class Worker:
         limit, waiting = self.engine.config.queue_timeout_s, self.engine.scheduler.waiting
         if limit is None or not waiting:
             return
-        now = time.monotonic()  # a continuation waits on: it is admitted before any new request
-        expired = [s for s in waiting if not (s.num_generated or s.continuation) and now - s.arrival > limit]
+        now = time.monotonic()
+        expired = [s for s in waiting if not s.ahead_of_new and now - s.arrival > limit]
         for seq in expired:
             owner = self.owner.pop(seq.seq_id, None)
             self.latents_wanted.discard(seq.seq_id)
