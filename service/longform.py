@@ -606,13 +606,12 @@ async def generate(state: ServiceState, route: str, text: str, cond: Conditionin
         check_length(state, design[1:-1] + text, "instructions" if len(design) - 2 > len(text) else field,
                      f"{field} and instructions")
     base = len(design) if own_design else 0
-    lead, rest = split_design(text)  # /v1's input (or what follows a description) that is a description alone
-    if lead and not rest.strip():
-        raise HTTPException(422, f"{field}: nothing to speak after the voice description {lead.strip()!r}")
-    segments = split_text(text, state.settings.segment_chars, granularity, base=base)
-    if not segments:  # the schemas refuse a blank text: here a voice description was all of it, or no word is in it
-        raise HTTPException(422, f"{field}: nothing to speak after the voice description {design!r}" if design else
-                            f"{field}: nothing to speak (no letter or digit)")
+    lead, rest = split_design(text)  # a description the text itself starts with (/v1's input)
+    segments = split_text(text, state.settings.segment_chars, granularity, base=base) if rest.strip() else []
+    if not segments:  # the schemas refuse a blank text: a voice description was all of it, or no word is in it
+        description = lead.strip() or design
+        raise HTTPException(422, f"{field}: nothing to speak after the voice description {description!r}"
+                            if description else f"{field}: nothing to speak (no letter or digit)")
     if timings and blocking and len(segments) > MAX_HEADER_TIMINGS:
         raise HTTPException(422, f"timings: the text is {len(segments)} segments, more than the X-Segment-Timings "
                                  f"header holds ({MAX_HEADER_TIMINGS}, ~{MAX_HEADER_TIMINGS * 110 // 1024} KiB); "
