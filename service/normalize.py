@@ -165,12 +165,13 @@ def _grammar(grammar: Any, text: str) -> str:
 _CURRENCY = {"$": ("dollar", "dollars", "cent", "cents"), "€": ("euro", "euros", "cent", "cents"),
              "£": ("pound", "pounds", "penny", "pence"), "¥": ("yen", "yen", None, None),
              "₹": ("rupee", "rupees", "paisa", "paise"), "₩": ("won", "won", None, None)}
-_MONEY = re.compile(r"(?<![\w.])([$€£¥₹₩])\s?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d{1,2}))?(?!\.?\d)"
+_SYMBOL = f"[{re.escape(''.join(_CURRENCY))}]"  # one currency symbol of the table
+_MONEY = re.compile(rf"(?<![\w.])({_SYMBOL})\s?(\d{{1,3}}(?:,\d{{3}})+|\d+)(?:\.(\d{{1,2}}))?(?!\.?\d)"
                     r"(?:\s?(thousand|million|billion|trillion)\b)?", re.ASCII)
-_SIGNED_CURRENCY = re.compile(r"(?<![\w.])([$€£¥₹₩])(-)(?=\d)")  # then swapped: (sign)(symbol)
+_SIGNED_CURRENCY = re.compile(rf"(?<![\w.])({_SYMBOL})(-)(?=\d)")  # then swapped: (sign)(symbol)
 # digits grouped in threes by a no-break, narrow no-break or thin space (a plain space may part two numbers)
 _SPACED_THOUSANDS = re.compile(r"(?<![\d.,])\d{1,3}(?:[\u00a0\u202f\u2009]\d{3})+(?![\d]|[.,]\d{3})")
-_NEGATIVE_MONEY = re.compile(r"(?<![\w.])-(?=[$€£¥₹₩]\d)")
+_NEGATIVE_MONEY = re.compile(rf"(?<![\w.])-(?={_SYMBOL}\d)")
 _CENTS = re.compile(r"(?<![\d.,])(\d+)\s?¢")
 # a plus before a number that is no phone number (those are read digit by digit): +3.5%, +5 points
 _PLUS = re.compile(r"(?<![\w+])\+(?=\d+(?:\.\d+)?(?:%|\s|$|[.,;:!?)]))(?!\d{1,3}[\s-]+\(?\d)")
