@@ -201,6 +201,7 @@ class SegmentJob:
         # must not overtake that one (a first segment still waiting would time out behind it)
         self.after = after
         self.started = asyncio.Event()  # its engine request made its first patch (or it ended)
+        self.failed = False  # it ended in an error: no segment after it is heard
         self.queue: asyncio.Queue[np.ndarray | BaseException | None] = asyncio.Queue()
         self.latents: asyncio.Future[tuple[np.ndarray, str]] = asyncio.get_running_loop().create_future()
         self.finish_reason = "aborted"
@@ -237,6 +238,8 @@ class SegmentJob:
             prompt = await self.prompt if self.prompt is not None else None
             if self.after is not None:
                 await self.after.started.wait()
+                if self.after.failed:  # never submitted: the stream ends with the segment before
+                    raise PoolError(f"segment {self.after.segment.index} failed")
             for attempt in range(sp.options.badcase_tries if sp.options.retry_badcase else 1):
                 self.tries = attempt + 1
                 # only the first segment's first try may be refused for a full queue or time out in it
@@ -262,6 +265,7 @@ class SegmentJob:
                     self.latents.set_result((np.concatenate(stream.latents), self.text))
                 break
         except BaseException as e:  # to the reader (a request error before any audio becomes a 4xx there)
+            self.failed = True
             self.started.set()
             self.finish_reason = "aborted" if isinstance(e, asyncio.CancelledError) else "error"
             if not self.latents.done():

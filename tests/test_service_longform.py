@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 
 import httpx
 import numpy as np
@@ -195,6 +196,43 @@ def test_a_split_text_is_never_refused_mid_stream_for_a_full_queue(checkpoint_fa
                                                    "response_format": "pcm", "timings": True})
             assert r.status_code == 200 and r.headers["X-Finish-Reason"] == "length", r.text
             assert len(json.loads(r.headers["X-Segment-Timings"])) == len(split_text(text, 200))
+    finally:
+        server.stop()
+
+
+def test_a_first_segment_refused_before_audio_submits_no_later_one(checkpoint_factory, tmp_path):
+    """One seat, taken, and no queue: a prompted long text's first segment is refused (503) and the segments after it
+    are never submitted (a continuation would wait for the seat ahead of new requests until the stream closed)."""
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    settings = service_settings(ckpt, tmp_path, serverpool_max_num_seqs=1, max_queued_requests=0, segment_chars=1000,
+                                voice_store="memory", queue_coalesce_ms=0)
+    server = LiveServer(settings).start()
+    submitted: list[str] = []
+    pool = server.state.pool
+    submit = pool.submit
+
+    def recorded(request: SynthesisRequest, *args):
+        submitted.append(request.target_text)
+        return submit(request, *args)
+
+    pool.submit = recorded
+    text = "One more sentence for a seat. " * 100
+    hold = "Held seat: a text long enough for a stream of a few hundred patches. " * 3
+    assert len(split_text(text, 1000)) >= 3
+    try:
+        with httpx.Client(verify=TLS, base_url=server.url, timeout=300) as c:
+            clip = base64.b64encode(wav_bytes(1.0, seed=2)).decode()
+            pid = c.post("/add_prompt", json={"wav_base64": clip, "prompt_text": "A prompt."}).json()["prompt_id"]
+            with c.stream("POST", "/generate", json={"target_text": hold, "max_generate_length": 240,
+                                                     "response_format": "pcm"}) as held:
+                chunks = held.iter_bytes()  # kept: a generator let go closes the response
+                next(chunks)
+                r = c.post("/generate", json={"target_text": text, "prompt_id": pid, "max_generate_length": N,
+                                              "response_format": "pcm"})
+                assert r.status_code == 503 and "retry-after" in r.headers, r.status_code
+                time.sleep(0.5)  # a later segment, were it submitted, would be by now
+        server.wait(lambda: (lambda s: s.running == 0 and s.waiting == 0)(server.pool_stats()), "requests left over")
+        assert submitted == [hold, split_text(text, 1000)[0].text]
     finally:
         server.stop()
 
