@@ -177,12 +177,23 @@ class LLMEngine:
         return self._lora_slots("lora_name").register(name, read_adapter(path))
 
     def unregister_lora(self, name: str) -> None:
-        """Forget adapter `name`; the requests using it finish with it."""
+        """Forget adapter `name`; the requests using it finish with it, the long texts leasing it speak with it."""
         if name == self.default_lora:
             raise RequestError(f"lora_name: {name!r} is the start-up adapter, which every request without a "
                                "lora_name uses; it cannot be unregistered")
         self._lora_slots("lora_name").unregister(name)
         self.scheduler.changed()  # a request waiting for its slot now fails at the next admission round
+
+    def lease_lora(self, client: int, lease: str | None, name: str | None) -> None:
+        """Client `client`'s lease `lease` (a long text's) on the adapter registered as `name` begins; with `name`
+        None it ends; with `lease` None every lease of the client ends (it went away). See `LoRASlots.lease`."""
+        if self.runner.lora is None:
+            return
+        if lease is None:
+            self.runner.lora.end_leases(client)
+        else:
+            self.runner.lora.lease((client, lease), name)
+        self.scheduler.changed()  # a segment waiting for its slot, its lease ended, now fails at the next round
 
     def list_loras(self) -> list[AdapterInfo]:
         return self.runner.lora.list() if self.runner.lora is not None else []
@@ -190,7 +201,8 @@ class LLMEngine:
     def add_request(self, target_text: str, params: SamplingParams | None = None, prompt_text: str = "",
                     prompt_latents: torch.Tensor | None = None, ref_latents: torch.Tensor | None = None,
                     injected_noise: list[torch.Tensor] | None = None, lora_name: str | None = None,
-                    text_ids: TextIds | None = None, continuation: bool = False) -> int:
+                    text_ids: TextIds | None = None, continuation: bool = False,
+                    lora_lease: tuple[int, str] | None = None) -> int:
         params = params or SamplingParams()
         params.validate()
         prompt = build_prompt(self.model.tokenizer, self.model.config, target_text, prompt_text,
@@ -202,8 +214,8 @@ class LLMEngine:
         seq.injected_noise = injected_noise
         lora_name = lora_name if lora_name is not None else self.default_lora
         if lora_name is not None:  # its slot is taken at admission (`_admit`)
-            self._lora_slots("lora_name").check(lora_name)
-            seq.lora_name = lora_name
+            self._lora_slots("lora_name").resolve(lora_name, lora_lease)
+            seq.lora_name, seq.lora_lease = lora_name, lora_lease
         self.sequences[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
@@ -304,15 +316,17 @@ class LLMEngine:
             return True
         lora = self.runner.lora
         assert lora is not None
-        if behind_waiter and lora.closed_to_new_holds(seq.lora_name):
+        try:
+            adapter = lora.resolve(seq.lora_name, seq.lora_lease)
+        except LoRANotFoundError as e:
+            raise Rejected(str(e), e.kind) from e
+        if behind_waiter and lora.closed_to_new_holds(adapter):
             return False
         try:
-            seq.lora_slot, seq.cache_salt = lora.acquire(seq.lora_name)
+            seq.lora_slot, seq.cache_salt = lora.acquire(adapter)
         except OverloadedError:
             lora.note_waiter(seq.seq_id, at_head=not behind_waiter)
             return False
-        except LoRANotFoundError as e:
-            raise Rejected(str(e), e.kind) from e
         # the round's first request to ask for a slot: none waits for one now (a continuation, queued ahead of the
         # waiter, says nothing of it: clearing its clock would let a stream of continuations starve it)
         if not behind_waiter and not seq.continuation:
@@ -324,7 +338,7 @@ class LLMEngine:
         self.runner.release_slot(seq)
         if seq.lora_slot >= 0 and self.runner.lora is not None:
             assert seq.lora_name is not None
-            self.runner.lora.release(seq.lora_name, seq.lora_slot)
+            self.runner.lora.release(seq.lora_slot)
         seq.lora_name, seq.lora_slot = None, -1
         self.sequences.pop(seq.seq_id, None)
 

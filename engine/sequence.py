@@ -57,6 +57,7 @@ class Sequence:
     generated: list[torch.Tensor] = field(default_factory=list)  # (P, D) patches, kept for recompute
     lora_name: str | None = None  # its runtime LoRA adapter, held (resident) from admission to its end
     lora_slot: int = -1  # that adapter's slot in the runner's stacked LoRA weights, -1 for none
+    lora_lease: tuple[int, str] | None = None  # (client, lease): the long text whose adapter it names (`LoRASlots`)
     continuation: bool = False  # the later part of an admitted stream: queued before new requests
     cache_salt: bytes = b""  # mixed into its prompt blocks' prefix-cache hashes (another adapter: other KV)
 

@@ -219,7 +219,8 @@ class SegmentJob:
             prompt_latents, prompt_text = prompt
         request = SynthesisRequest(text, prompt_text, prompt_latents, None, cond.ref_latents, params, sp.lora_name,
                                    return_latents=sp.continues and self.segment.index == 0,
-                                   continuation=self.segment.index > 0 or attempt > 0)
+                                   continuation=self.segment.index > 0 or attempt > 0,
+                                   lora_lease=sp.request_id if sp.lora_name is not None else None)
         # the first segment was checked as written before any audio; a later one (or a normalised first one, longer
         # than written) is fitted here: it must never fail mid-stream
         if self.segment.index == 0 and not sp.normalize:
@@ -310,6 +311,8 @@ class LongFormSpeech:
         self.request_id = f"long-{uuid.uuid4().hex[:12]}"
         self.finish_reason: str | None = None
         self._jobs: list[SegmentJob] = []
+        # the adapter leased for the segments: unregistered (or registered again) meanwhile, it speaks them all
+        self._leased = False
 
     def count_audio(self, samples: int) -> None:
         if samples:
@@ -383,6 +386,9 @@ class LongFormSpeech:
         reasons: list[str] = []
         ahead: asyncio.Task | None = None
         try:
+            if self.lora_name is not None:
+                self.state.pool.client.lease_lora(self.request_id, self.lora_name)
+                self._leased = True
             job = await self._next_job(None, None)
             first = job
             pending_pause = 0
@@ -436,6 +442,9 @@ class LongFormSpeech:
             with contextlib.suppress(BaseException):
                 await job.task
         self._jobs.clear()
+        if self._leased:
+            self._leased = False
+            self.state.pool.client.lease_lora(self.request_id, None)
 
 
 async def iterate(segments: list[Segment]) -> AsyncIterator[Segment]:

@@ -169,7 +169,7 @@ def test_runtime_lora_merges_requantise_the_companions(checkpoint_factory, tmp_p
     assert [id(w) for w in slots.quantized] == [id(attention.qkv_weight), id(attention.o_proj.weight)]  # adapted
     adapter = random_adapter(bb, tmp_path / "adapter", LoRAConfig(r=4, alpha=8), seed=1, std=0.2)
     slots.register("a", read_adapter(adapter))
-    slot, _ = slots.acquire("a")
+    slot, _ = slots.acquire(slots.resolve("a"))
     base = fp8.companion_of(attention.qkv_weight).data.clone()
     slots.merge(slot)
     merged = fp8.companion_of(attention.qkv_weight)

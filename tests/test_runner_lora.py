@@ -200,6 +200,42 @@ def test_slots_reused_least_recently_used_and_unregister_waits(checkpoint_factor
                  patches_of(fresh, [request])[0], 1e-5)
 
 
+def test_an_adapter_leased_for_a_long_text_speaks_it_to_its_end(checkpoint_factory, tmp_path):
+    """A long text's lease: unregistered meanwhile, and the name even registered again as another adapter, the
+    requests carrying the lease still get the leased adapter (the same audio as before), every other request the name's
+    new adapter (or a 404 while none); the old adapter's slot frees when its leases end (a client going away ends its
+    own)."""
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    model = load_model(ckpt)
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=256, max_loras=2, max_lora_rank=8))
+    engine.register_lora("a", str(adapter_for(model, tmp_path / "a", seed=20)))
+    params = SamplingParams(max_generate_length=2, seed=3)
+    leased = dict(target_text=TEXT, params=params, lora_name="a", continuation=True, lora_lease=(1, "long-1"))
+    plain = dict(target_text=TEXT, params=params, lora_name="a")
+    old = patches_of(engine, [plain])[0]
+    engine.lease_lora(1, "long-1", "a")
+    engine.lease_lora(2, "long-2", "a")
+    engine.lease_lora(2, "long-3", "nobody")  # no such adapter: nothing leased
+    engine.unregister_lora("a")
+    assert engine.list_loras() == []
+    with pytest.raises(RequestError, match="lora_name: no adapter named 'a'"):
+        engine.add_request(**plain)
+    with pytest.raises(RequestError, match="lora_name: no adapter named 'a'"):  # another client's lease: not its
+        engine.add_request(**{**leased, "lora_lease": (3, "long-1")})
+    check_parity("a leased adapter, unregistered, vs before", patches_of(engine, [leased])[0], old, 1e-5)
+    engine.register_lora("a", str(adapter_for(model, tmp_path / "a2", seed=21)))
+    new, again = patches_of(engine, [plain, leased])  # together: the two adapters of one name in two slots
+    check_parity("a leased adapter, its name registered again, vs before", again, old, 1e-5)
+    assert (new - old).abs().max() > 1e-3
+    slots = engine.runner.lora
+    assert len(slots.resident) == 2 and not slots.free_slots
+    engine.lease_lora(1, "long-1", None)
+    assert len(slots.resident) == 2  # client 2 still leases the old adapter
+    engine.lease_lora(2, None, None)  # client 2 went away
+    assert len(slots.resident) == 1 and len(slots.free_slots) == 1 and not slots.leases
+    check_parity("the lease ended: the name's adapter", patches_of(engine, [leased])[0], new, 1e-5)
+
+
 @pytest.mark.parametrize("slot_wait_s", [0.0, 1.0])
 def test_a_request_waiting_for_a_slot_is_not_starved_by_the_resident_adapters_stream(checkpoint_factory, tmp_path,
                                                                                     slot_wait_s):
@@ -394,11 +430,11 @@ def test_an_adapter_that_overflows_once_scaled_or_fails_to_load_takes_no_slot(ch
     free = list(slots.free_slots)
     monkeypatch.setattr(LoRASlots, "_load", lambda self, reg, slot: (_ for _ in ()).throw(RuntimeError("load")))
     with pytest.raises(RuntimeError, match="load"):
-        slots.acquire("ok")
+        slots.acquire(slots.resolve("ok"))
     assert sorted(slots.free_slots) == sorted(free) and not slots.resident  # the slot came back
     monkeypatch.undo()
-    slot, _ = slots.acquire("ok")
-    slots.release("ok", slot)
+    slot, _ = slots.acquire(slots.resolve("ok"))
+    slots.release(slot)
 
 
 def test_on_the_cpu_an_adapters_audio_does_not_depend_on_its_batch(checkpoint_factory, tmp_path):
@@ -419,12 +455,13 @@ def test_on_the_cpu_an_adapters_audio_does_not_depend_on_its_batch(checkpoint_fa
 
 def test_pool_adapters_survive_a_worker_restart(checkpoint_factory, tmp_path):
     """Through the server pool: an adapter registered on the workers serves requests that name it, a restarted worker
-    gets it again (the client replays its registrations), and unregistering it everywhere makes its name unknown."""
+    gets it again (the client replays its registrations and its leases), and unregistering it everywhere makes its name
+    unknown, but to the requests of a long text leasing it until that lease ends."""
     import asyncio
 
     import numpy as np
 
-    from engine import VoxCPM
+    from engine import SynthesisRequest, VoxCPM
     from engine.errors import LoRANotFoundError
 
     ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
@@ -440,8 +477,14 @@ def test_pool_adapters_survive_a_worker_restart(checkpoint_factory, tmp_path):
                 return np.concatenate([c async for c in pool.generate(TEXT, max_generate_length=3, seed=2,
                                                                       lora_name=lora_name)])
 
+            async def continued() -> np.ndarray:  # a long text's later segment
+                request = SynthesisRequest(TEXT, params=SamplingParams(max_generate_length=3, seed=2),
+                                           lora_name="voice", continuation=True, lora_lease="long-1")
+                return np.concatenate([c async for c in pool.submit(request)])
+
             before, plain = await audio("voice"), await audio(None)
             assert np.abs(before - plain).max() > 1e-3
+            pool.client.lease_lora("long-1", "voice")
             pool.kill_worker(0)
             async def noticed() -> None:
                 while pool.healthy:
@@ -454,6 +497,10 @@ def test_pool_adapters_survive_a_worker_restart(checkpoint_factory, tmp_path):
             await pool.unregister_lora("voice")
             with pytest.raises(LoRANotFoundError, match="lora_name: no adapter named 'voice'"):
                 await audio("voice")
+            np.testing.assert_allclose(await continued(), before, atol=1e-5)
+            pool.client.lease_lora("long-1", None)
+            with pytest.raises(LoRANotFoundError, match="lora_name: no adapter named 'voice'"):
+                await continued()
             with pytest.raises(LoRANotFoundError):
                 await pool.unregister_lora("voice")
         finally:

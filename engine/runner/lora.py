@@ -11,8 +11,10 @@ the backbone sets it around each module it calls (`VoxCPMBackbone.lora_rows`).
 
 Registered adapters stay in host memory; a slot is (re)written on the engine's stream, so a step already queued
 still reads what it was launched with. Unregistering a name lets the requests holding it finish; its slot is freed
-after the last. A step whose rows carry terms does not use the layer kernel that reads the weights only (the local
-modules' stack kernel; the per-layer path adds the terms).
+after the last. A long text leases its adapter for its segments (`lease`): unregistered meanwhile (the name even
+registered again, as another adapter), it still speaks that text's later segments to its end. A step whose rows carry
+terms does not use the layer kernel that reads the weights only (the local modules' stack kernel; the per-layer path
+adds the terms).
 
 A step whose rows all use one adapter (or none) needs no terms: `merge` rewrites the adapted weights as base + that
 adapter (from base copies kept on the device, so nothing drifts however often it switches), and the step runs the
@@ -71,6 +73,7 @@ class Registered:
 @dataclass
 class Resident:
     slot: int
+    name: str
     refs: int = 0  # requests holding it
     last_used: float = field(default_factory=time.monotonic)
 
@@ -117,16 +120,18 @@ class LoRASlots:
         for stack in (backbone.base_lm, backbone.residual_lm, backbone.feat_decoder.estimator.decoder):
             stack.lora_context = self.context  # the stack kernel then steps aside for the per-layer path
         self.registered: dict[str, Registered] = {}
-        self.resident: dict[str, Resident] = {}
+        # Long texts' leases: (client, lease) -> the adapter registered under the name when the lease began.
+        self.leases: dict[tuple[int, str], Registered] = {}
+        self.resident: dict[int, Resident] = {}  # by the adapter's generation (one name: several adapters over time)
         self.free_slots = list(range(max_loras - 1, -1, -1))
         # Slots of adapters unregistered while requests held them: freed after the last (the name is free at once).
         self.retiring: dict[int, Resident] = {}
         # The request at the queue's head waiting for a slot (its id; None: none waits), since when, and the adapter
-        # whose slot then takes no new holds until it drains (`closed_to_new_holds`).
+        # (generation) whose slot then takes no new holds until it drains (`closed_to_new_holds`).
         self.slot_wait_s = slot_wait_s
         self.waiter: int | None = None
         self.waiter_since: float | None = None
-        self.draining: str | None = None
+        self.draining: int | None = None
         self._generations = itertools.count(1)
         # `merge`: the base weights of the adapted layers, and the slot merged into the live ones (-1: none; None:
         # unknown, after that slot was loaded again).
@@ -217,14 +222,37 @@ class LoRASlots:
         if name not in self.registered:
             raise LoRANotFoundError(f"lora_name: no adapter named {name!r} (registered: {sorted(self.registered)})")
         del self.registered[name]
-        held = self.resident.pop(name, None)
-        if held is not None and held.refs == 0:
-            self.free_slots.append(held.slot)
-        elif held is not None:
-            self.retiring[held.slot] = held
+        self._retire_unreachable()
+
+    def lease(self, key: tuple[int, str], name: str | None) -> None:
+        """Lease `key` (a client's long text) binds the adapter registered as `name` now, for the requests that name
+        it with the lease (its segments): unregistered meanwhile, or the name registered again, they still get it.
+        `name` None: the lease ends (a name not registered: nothing to bind, its requests fail as unknown)."""
+        if name is None:
+            self.leases.pop(key, None)
+            self._retire_unreachable()
+        elif name in self.registered:
+            self.leases[key] = self.registered[name]
+
+    def end_leases(self, client: int) -> None:
+        """A client went away: its leases end."""
+        for key in [k for k in self.leases if k[0] == client]:
+            del self.leases[key]
+        self._retire_unreachable()
+
+    def _retire_unreachable(self) -> None:
+        """Adapters neither registered nor leased any more: their slots free now, or after their last request."""
+        live = {r.generation for r in self.registered.values()} | {r.generation for r in self.leases.values()}
+        for generation in [g for g in self.resident if g not in live]:
+            held = self.resident.pop(generation)
+            if held.refs == 0:
+                self.free_slots.append(held.slot)
+            else:
+                self.retiring[held.slot] = held
 
     def describe(self, name: str) -> AdapterInfo:
-        reg, held = self.registered[name], self.resident.get(name)
+        reg = self.registered[name]
+        held = self.resident.get(reg.generation)
         return AdapterInfo(name, reg.source, reg.rank, len(reg.pairs), held is not None, held.slot if held else None,
                            held.refs if held else 0)
 
@@ -232,10 +260,15 @@ class LoRASlots:
         return [self.describe(n) for n in sorted(self.registered)]
 
     # --- requests -----------------------------------------------------------------------------------------------
-    def check(self, name: str) -> None:
-        """That adapter `name` is registered (a request naming it is taken; its slot comes at admission)."""
+    def resolve(self, name: str, lease: tuple[int, str] | None = None) -> Registered:
+        """The adapter a request naming `name` gets: its lease's, else the one registered under the name (a request
+        naming an unknown one is refused; its slot comes at admission)."""
+        leased = self.leases.get(lease) if lease is not None else None
+        if leased is not None and leased.name == name:
+            return leased
         if name not in self.registered:
             raise LoRANotFoundError(f"lora_name: no adapter named {name!r} (registered: {sorted(self.registered)})")
+        return self.registered[name]
 
     def note_waiter(self, seq_id: int, at_head: bool) -> None:
         """Request `seq_id` found every slot held by running requests. At the queue's head (the round's first to ask
@@ -248,8 +281,8 @@ class LoRASlots:
         """The round's first request to ask for a slot has it: no request waits for one now."""
         self.waiter = self.waiter_since = self.draining = None
 
-    def closed_to_new_holds(self, name: str) -> bool:
-        """Whether a request of adapter `name` behind the waiting one must wait too: once that one has waited
+    def closed_to_new_holds(self, reg: Registered) -> bool:
+        """Whether a request of adapter `reg` behind the waiting one must wait too: once that one has waited
         `slot_wait_s`, the busy slot expected to drain first (the fewest holds; the least recently used of equals) takes
         no new holds, so that it frees for the waiting request however fast its adapter's requests arrive. Chooses
         (and logs) that slot the first time; none while a slot of an unregistered adapter is still to free itself."""
@@ -257,20 +290,18 @@ class LoRASlots:
             return False
         held = self.resident.get(self.draining) if self.draining is not None else None
         if held is None:  # none chosen yet, or the chosen one was unregistered
-            busy = [(h.refs, h.last_used, n) for n, h in self.resident.items() if h.refs > 0]
+            busy = [(h.refs, h.last_used, g) for g, h in self.resident.items() if h.refs > 0]
             if not busy:
                 return False
             self.draining = min(busy)[2]
             log.info("LoRA adapter %r takes no new requests until its slot drains (a request waits for a slot)",
-                     self.draining)
-        return name == self.draining
+                     self.resident[self.draining].name)
+        return reg.generation == self.draining
 
-    def acquire(self, name: str) -> tuple[int, bytes]:
-        """A request's hold on adapter `name`: its slot (loaded now if it is not resident) and the salt of its
-        prompts' prefix-cache hashes."""
-        self.check(name)
-        reg = self.registered[name]
-        held = self.resident.get(name)
+    def acquire(self, reg: Registered) -> tuple[int, bytes]:
+        """A request's hold on adapter `reg` (`resolve`): its slot (loaded now if it is not resident) and the salt of
+        its prompts' prefix-cache hashes."""
+        held = self.resident.get(reg.generation)
         if held is None:
             slot = self._free_slot()
             try:
@@ -278,16 +309,15 @@ class LoRASlots:
             except BaseException:
                 self.free_slots.append(slot)  # a failed load must not take the slot with it
                 raise
-            held = self.resident[name] = Resident(slot)
+            held = self.resident[reg.generation] = Resident(slot, reg.name)
         held.refs += 1
         held.last_used = time.monotonic()
-        return held.slot, f"lora:{name}:{reg.generation}".encode()
+        return held.slot, f"lora:{reg.name}:{reg.generation}".encode()
 
-    def release(self, name: str, slot: int) -> None:
-        """The end of a request's hold on adapter `name` in `slot` (the slot says which: a name unregistered and
-        registered again while the request ran is another adapter in another slot)."""
-        held = self.resident.get(name)
-        if held is not None and held.slot == slot:
+    def release(self, slot: int) -> None:
+        """The end of a request's hold on the adapter in `slot` (resident, or retiring: unregistered meanwhile)."""
+        held = next((h for h in self.resident.values() if h.slot == slot), None)
+        if held is not None:
             held.refs -= 1
             return
         retired = self.retiring.get(slot)
@@ -300,15 +330,15 @@ class LoRASlots:
     def _free_slot(self) -> int:
         """A slot for a new resident: a free one, else the least recently used one no request holds."""
         if not self.free_slots:
-            idle = [(h.last_used, n) for n, h in self.resident.items() if h.refs == 0]
+            idle = [(h.last_used, g) for g, h in self.resident.items() if h.refs == 0]
             if not idle:
                 raise OverloadedError(f"lora_name: all {self.max_loras} adapter slots hold adapters of running "
                                       "requests (max_loras)")
             self._evict(min(idle)[1])
         return self.free_slots.pop()
 
-    def _evict(self, name: str) -> None:
-        self.free_slots.append(self.resident.pop(name).slot)
+    def _evict(self, generation: int) -> None:
+        self.free_slots.append(self.resident.pop(generation).slot)
 
     @torch.no_grad()
     def _load(self, reg: Registered, slot: int) -> None:

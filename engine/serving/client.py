@@ -178,6 +178,7 @@ class EngineClient:
         # this client, or a mapping shared with other clients of the same workers and kept across restarts (the
         # service's `LoRARegistrations`).
         self.loras: MutableMapping[str, str] = loras if loras is not None else {}
+        self.lora_leases: dict[str, str] = {}  # this client's long texts' adapter leases: lease -> name (`lease_lora`)
         # The checkpoint's tokenizer, when the owner sets it (the pool does): requests are then tokenized here (in
         # the service, beside the other API processes) instead of one after another in the worker's loop, which a
         # burst's requests all wait for.
@@ -210,6 +211,8 @@ class EngineClient:
                 link.send(p.AddPrompt(prompt_id, latents, text))
             for name, path in self.loras.items():  # and the adapters (answered as replays: only errors are logged)
                 link.send(p.RegisterLoRA(f"{REPLAY}{name}", name, path))
+            for lease, name in self.lora_leases.items():  # and the leases, of adapters still registered
+                link.send(p.LeaseLoRA(lease, name))
             await closed.wait()
 
     def on_message(self, link: _WorkerLink, msg: Any) -> None:
@@ -396,6 +399,18 @@ class EngineClient:
                 missing += 1
         if not known and ready and missing == len(ready):
             raise LoRANotFoundError(f"lora_name: no adapter named {name!r}")
+
+    def lease_lora(self, lease: str, name: str | None) -> None:
+        """Lease `lease` (a long text's id) binds adapter `name` as registered now on every worker, for the requests
+        that carry the lease (`SynthesisRequest.lora_lease`): unregistered meanwhile, or the name registered again, they
+        still get it. `name` None ends the lease."""
+        if name is None:
+            self.lora_leases.pop(lease, None)
+        else:
+            self.lora_leases[lease] = name
+        for link in self.links:
+            if link.connected:
+                link.send(p.LeaseLoRA(lease, name))
 
     async def list_loras(self) -> list[AdapterInfo]:
         """The adapters a worker holds (every worker holds the same ones)."""

@@ -40,6 +40,7 @@ class SynthesisRequest:
     # A later part of a request already admitted (a long text's next segment): never refused for a full queue nor failed
     # by the queue timeout, and admitted before new requests; refusing or delaying it would cut a stream mid-way.
     continuation: bool = False
+    lora_lease: str | None = None  # a lease (`LeaseLoRA`) of this client: its adapter is lora_name's, leased then
 
 
 # --- client -> worker -------------------------------------------------------------------------------
@@ -106,7 +107,7 @@ class MessageBatch:
     """Several client messages sent as one: those one turn of the client's event loop sent (a burst's requests), so
     the worker reads them at once and admits them together, instead of stepping after reading the first few."""
 
-    messages: list[Generate | Abort | Call[object] | AddPrompt | RemovePrompt]
+    messages: list[Generate | Abort | Call[object] | AddPrompt | RemovePrompt | LeaseLoRA]
 
 
 def unbatched(msg: object) -> list[object] | tuple[object]:
@@ -124,6 +125,15 @@ class AddPrompt:
 @dataclass
 class RemovePrompt:
     prompt_id: str
+
+
+@dataclass
+class LeaseLoRA:
+    """Lease `lease` (a long text's) binds the adapter registered as `name` now for the requests naming it with the
+    lease, unregistered meanwhile or not (`LoRASlots.lease`); `name` None ends the lease."""
+
+    lease: str
+    name: str | None
 
 
 # --- worker -> client -------------------------------------------------------------------------------

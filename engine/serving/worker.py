@@ -176,15 +176,13 @@ class Worker:
             link.send(p.Ready(self.info))
 
     def drop(self, link: ClientLink) -> None:
-        """A client went away: its requests are aborted (KV blocks and slots freed now), its prompts released."""
+        """A client went away: its requests are aborted, its prompts released, its adapter leases ended."""
         self.links.pop(link.index, None)
-        for seq_id in link.requests.values():
-            self.owner.pop(seq_id, None)
-            self.latents_wanted.discard(seq_id)
-            self.engine.abort(seq_id)
-        link.requests.clear()
+        for seq_id in list(link.requests.values()):
+            self._abort(seq_id)
         for pid in [pid for pid, pr in self.prompts.items() if link.index in pr.owners]:
             self._release_prompt(pid, link)
+        self.engine.lease_lora(link.index, None, None)
         link.close()
 
     def _release_prompt(self, prompt_id: str, link: ClientLink) -> None:
@@ -195,6 +193,15 @@ class Worker:
                 del self.prompts[prompt_id]
 
     # --- requests ---------------------------------------------------------------------------------
+    def _abort(self, seq_id: int) -> tuple[ClientLink, str] | None:
+        """Abort a request (its KV blocks and slot freed now) and forget it; whose it was (client, request id)."""
+        owner = self.owner.pop(seq_id, None)
+        self.latents_wanted.discard(seq_id)
+        self.engine.abort(seq_id)
+        if owner is not None:
+            owner[0].requests.pop(owner[1], None)
+        return owner
+
     def _add(self, link: ClientLink, rid: str, req: p.SynthesisRequest) -> None:
         feat_dim = self.engine.model.config.feat_dim
         prompt_text = req.prompt_text or ""
@@ -211,7 +218,8 @@ class Worker:
             seq_id = self.engine.add_request(req.target_text, req.params, prompt_text, prompt_latents, ref_latents,
                                              lora_name=req.lora_name,
                                              text_ids=req.text_ids if req.prompt_id is None else None,
-                                             continuation=req.continuation)
+                                             continuation=req.continuation,
+                                             lora_lease=(link.index, req.lora_lease) if req.lora_lease else None)
         except PoolError:
             raise  # a kind of its own: an unknown adapter (404), every adapter slot held (503)
         except (ValueError, TypeError, PromptError) as e:
@@ -233,11 +241,8 @@ class Worker:
                 log.error("adding request failed:\n%s", traceback.format_exc())
                 self._fail_now(link, msg.request_id, p.ErrorInfo("engine", f"{type(e).__name__}: {e}"))
         elif isinstance(msg, p.Abort):
-            seq_id = link.requests.pop(msg.request_id, None)
-            if seq_id is not None:
-                self.owner.pop(seq_id, None)
-                self.latents_wanted.discard(seq_id)
-                self.engine.abort(seq_id)
+            if (seq_id := link.requests.get(msg.request_id)) is not None:
+                self._abort(seq_id)
         elif isinstance(msg, p.AddPrompt):
             try:
                 latents = as_tensor(msg.latents, self.engine.model.config.feat_dim, "latents")
@@ -248,6 +253,8 @@ class Worker:
             pr.owners.add(link.index)
         elif isinstance(msg, p.RemovePrompt):
             self._release_prompt(msg.prompt_id, link)
+        elif isinstance(msg, p.LeaseLoRA):
+            self.engine.lease_lora(link.index, msg.lease, msg.name)
         elif isinstance(msg, p.Call):
             try:
                 link.send(p.Reply(msg.call_id, getattr(self, msg.method)(msg)))
@@ -312,11 +319,8 @@ class Worker:
             log.error("engine step failed:\n%s", message)
             info = p.ErrorInfo("engine", f"engine step failed: {message.strip().splitlines()[-1]}")
             for seq_id, (link, rid) in list(self.owner.items()):
-                self.engine.abort(seq_id)
-                link.requests.pop(rid, None)
+                self._abort(seq_id)
                 link.pending.append(p.AudioEvent(rid, None, True, "error", info))
-            self.owner.clear()
-            self.latents_wanted.clear()
             self._flush(force=True)
             if not self._device_usable():
                 raise DeviceLostError(f"{self.engine.device} no longer runs work") from error
@@ -365,12 +369,8 @@ class Worker:
         now = time.monotonic()
         expired = [s for s in waiting if not s.ahead_of_new and now - s.arrival > limit]
         for seq in expired:
-            owner = self.owner.pop(seq.seq_id, None)
-            self.latents_wanted.discard(seq.seq_id)
-            self.engine.abort(seq.seq_id)
-            if owner is not None:
+            if (owner := self._abort(seq.seq_id)) is not None:
                 link, rid = owner
-                link.requests.pop(rid, None)
                 link.pending.append(p.AudioEvent(rid, None, True, "error", p.ErrorInfo(
                     "overloaded", f"waited {now - seq.arrival:.1f} s for a seat (queue timeout {limit:g} s)")))
         if expired:

@@ -1,6 +1,7 @@
 """Runtime LoRA adapters: POST /loras registers one on every worker (fetched first, like the start-up adapter), GET
-/loras lists them, DELETE /loras/{lora_name} unregisters one (generations using it finish with it; a long text's next
-segment is refused). Requests choose one with `lora_name` (or the OpenAI route's `model`)."""
+/loras lists them, DELETE /loras/{lora_name} unregisters one (generations using it finish with it; a long text or
+live session leases it and speaks to its end with it). Requests choose one with `lora_name` (or the OpenAI route's
+`model`)."""
 
 from __future__ import annotations
 

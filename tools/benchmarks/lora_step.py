@@ -123,8 +123,8 @@ def main(argv: list[str]) -> None:
     assert lora is not None
     for i, path in enumerate(random_adapters(a.model, a.loras, a.rank, Path(tempfile.mkdtemp()))):
         engine.register_lora(f"bench{i}", str(path))
-        slot, _ = lora.acquire(f"bench{i}")  # resident
-        lora.release(f"bench{i}", slot)
+        slot, _ = lora.acquire(lora.resolve(f"bench{i}"))  # resident
+        lora.release(slot)
     doc: dict[str, object] = {"model": a.model, "loras": a.loras, "rank": a.rank, "gpu": torch.cuda.get_device_name(),
                               "merge": merge_ms(engine, a.loras)}
     print(json.dumps({"merge": doc["merge"]}), flush=True)
