@@ -18,6 +18,7 @@ from typing import Literal
 import sentencex
 
 Pause = Literal["sentence", "paragraph", "none"]
+PAUSES: tuple[Pause, ...] = ("none", "sentence", "paragraph")  # weakest first
 Granularity = Literal["sentence", "clause"]
 DEFAULT_MAX_CHARS = 250  # ~18 s of English or ~80 Chinese characters: under the ~20 s where quality degrades
 CJK_WEIGHT = 3
@@ -150,13 +151,14 @@ def _cut_point(text: str, start: int, end: int, max_chars: int, total: int) -> i
     return max(ideal, start + 1)
 
 
-def _fit(text: str, unit: _Unit, max_chars: int) -> list[_Unit]:
-    """A unit -> pieces of at most max_chars weight, cut at clause marks, spaces, then anywhere."""
+def _fit(text: str, unit: _Unit, max_chars: int, growing: bool = False) -> list[_Unit]:
+    """A unit -> pieces of at most max_chars weight, cut at clause marks, spaces, then anywhere: near equal shares, or
+    of about max_chars each where the unit is still `growing` (a live sentence: its last piece waits for more)."""
     out: list[_Unit] = []
     s = unit.start
     rest = weight(text[s:unit.end])  # of text[s:unit.end], kept up to date (not recounted: linear time)
     while rest > max_chars:
-        cut = _cut_point(text, s, unit.end, max_chars, rest)
+        cut = _cut_point(text, s, unit.end, max_chars, max(rest, 2 * max_chars) if growing else rest)
         end = cut
         while end > s and text[end - 1].isspace():
             end -= 1
@@ -168,6 +170,18 @@ def _fit(text: str, unit: _Unit, max_chars: int) -> list[_Unit]:
         s = following
     if unit.end > s:
         out.append(_Unit(s, unit.end, unit.pause))
+    return out
+
+
+def _spoken(text: str, units: list[_Unit]) -> list[_Unit]:
+    """The units with words to say: a piece of a cut sentence that is all zero-width spaces or asterisks is no
+    generation either (`_has_words`); a unit left out hands its pause to the one before it."""
+    out: list[_Unit] = []
+    for u in units:
+        if _has_words(text[u.start:u.end]):
+            out.append(u)
+        elif out:
+            out[-1].pause = max(out[-1].pause, u.pause, key=PAUSES.index)
     return out
 
 
@@ -215,7 +229,7 @@ def split_text(text: str, max_chars: int = DEFAULT_MAX_CHARS, granularity: Granu
                 for f in fitted:
                     f.sentence = number
             units.extend(fitted)
-    units = _pack(text, units, max_chars)
+    units = _pack(text, _spoken(text, units), max_chars)
     if units:
         units[-1].pause = "none"
     return [Segment(i, text[u.start:u.end], base + u.start, base + u.end, u.pause) for i, u in enumerate(units)]
@@ -232,14 +246,16 @@ class LiveSegmenter:
         self.buffer = ""
         self.offset = 0  # where the buffer starts in the whole text
         self.count = 0  # segments emitted
+        self.words = False  # the buffer has a letter or digit (without, it makes no segment: not scanned again)
 
     def feed(self, delta: str) -> list[Segment]:
         self.buffer += delta
-        units = _sentences(self.buffer)
+        self.words = self.words or _has_words(delta)
+        if not self.buffer.strip():  # white space alone: nothing of it is spoken, so it need not be read again
+            self.offset += len(self.buffer)
+            self.buffer = ""
+        units = _sentences(self.buffer) if self.words else []  # none without words, however long ("$" before "5")
         if not units:
-            if not self.buffer.strip():  # white space alone: nothing of it is spoken, so it need not be read again
-                self.offset += len(self.buffer)
-                self.buffer = ""
             return []
         complete = units[:-1]
         last = units[-1]
@@ -256,34 +272,38 @@ class LiveSegmenter:
             pieces = _clauses(self.buffer, pending) if self.granularity == "clause" else [pending]
             for piece in pieces[:-1]:
                 out.extend(_fit(self.buffer, piece, self.max_chars))
-            fitted = _fit(self.buffer, pieces[-1], self.max_chars)
+            fitted = _fit(self.buffer, pieces[-1], self.max_chars, growing=True)
             out.extend(fitted[:-1])  # the last piece may still grow
-        return self._emit(out)
+        return self._emit(out, out[-1].end if out else 0)
 
     def flush(self) -> list[Segment]:
         """What is buffered, as one segment (or none if it is blank); cut if it exceeds max_chars."""
-        out: list[_Unit] = []
-        for u in _sentences(self.buffer):
-            out.extend(_fit(self.buffer, u, self.max_chars))
+        out = self._buffered()
         if out:  # the buffered sentences as one segment where they fit
             out = _pack(self.buffer, out, self.max_chars)
             if self.buffer.rstrip().rstrip(CLOSERS)[-1:] not in SENTENCE_TERMINALS:  # cut mid-sentence: no pause
                 out[-1].pause = "none"
-        return self._emit(out, consume_all=True)
+        return self._emit(out, len(self.buffer))
 
     def done(self) -> list[Segment]:
         """The end of the input: everything left."""
-        units = _pack(self.buffer, [p for u in _sentences(self.buffer) for p in _fit(self.buffer, u, self.max_chars)],
-                      self.max_chars)
+        units = _pack(self.buffer, self._buffered(), self.max_chars)
         if units:
             units[-1].pause = "none"
-        return self._emit(units, consume_all=True)
+        return self._emit(units, len(self.buffer))
 
-    def _emit(self, units: list[_Unit], consume_all: bool = False) -> list[Segment]:
+    def _buffered(self) -> list[_Unit]:
+        """The buffered sentences' pieces that have words to say."""
+        return _spoken(self.buffer, [p for u in _sentences(self.buffer) for p in _fit(self.buffer, u, self.max_chars)])
+
+    def _emit(self, units: list[_Unit], consumed: int) -> list[Segment]:
+        """`units` (those with words) as segments; the buffer read up to `consumed`."""
+        units = _spoken(self.buffer, units)
         segments = [Segment(self.count + i, self.buffer[u.start:u.end], self.offset + u.start, self.offset + u.end,
                             u.pause) for i, u in enumerate(units)]
         self.count += len(segments)
-        consumed = len(self.buffer) if consume_all else (units[-1].end if units else 0)
         self.buffer = self.buffer[consumed:]
         self.offset += consumed
+        if consumed:
+            self.words = _has_words(self.buffer)
         return segments

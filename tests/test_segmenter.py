@@ -151,3 +151,41 @@ def test_wide_spaces_before_a_period_are_split_like_spaces(text):
     live = LiveSegmenter(250)
     fed = [seg for ch in text for seg in live.feed(ch)] + live.done()
     assert [s.text for s in fed] and all(text[s.start:s.end] == s.text for s in fed)
+
+
+@pytest.mark.parametrize("text", ["Hi there. " + "\u200b" * 600 + " ok.", "Hi " + "*" * 600, "a" + "*" * 99_999],
+                         ids=["zero-width", "asterisks", "one-letter"])
+def test_pieces_of_a_cut_sentence_without_words_are_no_segments(text):
+    """A long run of characters with nothing to say inside a sentence, once cut, gave segments of it alone (each a
+    generation to the length cap: 966 s of audio from 614 characters); those pieces are left out, in either
+    granularity, and the text's last segment still ends it."""
+    for granularity in ("sentence", "clause"):
+        segments = split_text(text, 250, granularity)
+        assert segments and all(re.search(r"\w", s.text) for s in segments), segments
+        assert sum(weight(s.text) for s in segments) <= 2 * 250 and segments[-1].pause == "none"
+
+
+def test_live_text_without_words_is_not_read_again_and_makes_no_segment(monkeypatch):
+    """A session sending 20,000 word-less messages: the sentence splitter is not run on its growing buffer (each
+    message re-read it all: quadratic); the words after them make segments with words only."""
+    import service.segmenter as segmenter
+
+    scans: list[int] = []
+    sentences = segmenter._sentences
+    monkeypatch.setattr(segmenter, "_sentences", lambda text, base=0: scans.append(len(text)) or sentences(text, base))
+    live = LiveSegmenter(250)
+    for _ in range(20_000):
+        assert live.feed("-") == []
+    assert scans == []
+    segments = live.feed(" ok. ") + live.feed("Next.") + live.done()
+    assert segments and all(re.search(r"\w", s.text) for s in segments), segments
+    assert sum(scans) < 10 * 20_000  # a few reads of the buffer, not one per message
+
+
+def test_live_unpunctuated_text_makes_full_segments():
+    """Words streamed without a sentence end: each segment cut from the growing sentence is about max_chars long
+    (cut into halves as soon as it passed max_chars, it made twice the segments of the same text sent at once)."""
+    live = LiveSegmenter(250)
+    segments = [s for _ in range(300) for s in live.feed("word ")] + live.done()
+    assert all(200 <= weight(s.text) <= 250 for s in segments[:-1]), [len(s.text) for s in segments]
+    assert len(segments) <= len(split_text("word " * 300, 250)) + 1
