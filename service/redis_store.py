@@ -185,12 +185,17 @@ class RedisVoiceStore(VoiceStore):
         if row is None:
             self._forget(voice_id)
             return None
-        if known is not None:
-            self._local.move_to_end(voice_id)
+        if known is not None:  # there when the store answered (a delete or an eviction meanwhile dropped our copy)
+            if voice_id in self._local:
+                self._local.move_to_end(voice_id)
             return known
-        kind, text, prompt_lat, ref_lat, created, parts = row
-        voice = Voice(kind.decode(), voice_id, text.decode(), prompt_lat or None, ref_lat or None, float(created),
-                      json.loads(parts))
+        try:
+            kind, text, prompt_lat, ref_lat, created, parts = row
+            voice = Voice(kind.decode(), voice_id, text.decode(), prompt_lat or None, ref_lat or None, float(created),
+                          json.loads(parts))
+        except (TypeError, ValueError, AttributeError) as e:  # an entry not written by this service: none
+            log.error("voice %s in the store is malformed (%s): read as unknown", voice_id, e)
+            return None
         self._remember(voice)
         return voice
 
@@ -228,8 +233,14 @@ class RedisVoiceStore(VoiceStore):
 
     async def list(self, kind: str | None = None) -> list[VoiceSummary]:
         rows = await self.call("list", self._list(keys=[self.lru], args=[self.voice_prefix, kind or ""]))
-        return [VoiceSummary(k.decode(), i.decode(), t.decode(), int(pb), int(rb), int(n), float(c))
-                for i, k, t, pb, rb, n, c in rows]
+        out = []
+        for row in rows:
+            try:
+                i, k, t, pb, rb, n, c = row
+                out.append(VoiceSummary(k.decode(), i.decode(), t.decode(), int(pb), int(rb), int(n), float(c)))
+            except (TypeError, ValueError, AttributeError) as e:  # malformed (see `get`): not listed
+                log.error("a malformed voice in the store is not listed (%s): %r", e, row[:1])
+        return out
 
     async def usage(self) -> dict[str, int]:
         raw = await self.call("usage", self.redis.hgetall(self.usage_key))

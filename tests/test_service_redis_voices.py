@@ -186,6 +186,31 @@ def test_byte_and_count_bounds_across_store_handles(server):
     asyncio.run(run())
 
 
+def test_a_voice_deleted_while_it_is_read_is_read_or_unknown_and_a_malformed_one_unknown(server):
+    """A read of a voice this handle holds locally, racing its delete (the copy dropped while the store answers), gets
+    the voice or None, never a KeyError (a 500); an entry missing fields is unknown to reads and left out of lists."""
+
+    async def run() -> None:
+        store = RedisVoiceStore(server.url, "race-test", 100, 10**6, 0.5)
+        await store.redis.flushdb()
+        for i in range(50):
+            voice = Voice("prompt", f"p{i}", "A prompt.", bytes(256))
+            await store.put(voice)  # in the local copy too: the read asks the store only whether it is there
+            read = asyncio.ensure_future(store.get(voice.id))
+            await asyncio.sleep(0)  # the read is waiting for the store
+            gone, got = await asyncio.gather(store.delete(voice.id), read)
+            assert gone and got in (voice, None)
+        await store.put(Voice("prompt", "bad", "A prompt.", bytes(256)))
+        await store.put(Voice("prompt", "good", "A prompt.", bytes(256)))
+        await store.redis.hdel(store.voice_prefix + "bad", "created")
+        store._forget("bad")
+        assert await store.get("bad") is None
+        assert [v.id for v in await store.list()] == ["good"]
+        await store.aclose()
+
+    asyncio.run(run())
+
+
 def test_outage_answers_503_and_heals_without_restart(clients, server):
     a, b = clients
     hid = a.post("/add_hifi", json={"wav_base64": clip(4), "prompt_text": "Four."}).json()["hifi_id"]
