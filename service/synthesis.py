@@ -166,8 +166,9 @@ async def sse_body(gen: Generation, text: str) -> AsyncIterator[bytes]:
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await `work` unless the client disconnects first; then cancel it, which closes its engine request
-    (aborted, KV blocks freed). Starlette does not cancel a non-streaming endpoint when its client leaves,
-    so without this a blocking generation runs to max_generate_length for nobody. The body has been read
+    (aborted, KV blocks freed). Starlette does not cancel an endpoint when its client leaves, so without this a
+    blocking generation runs to max_generate_length for nobody, and a stream waiting for a seat keeps its place in
+    the queue until its first audio. The body has been read
     by then, so the next message `receive` gives is the disconnect."""
     task = asyncio.ensure_future(work)
 

@@ -10,6 +10,8 @@ import json
 
 import httpx
 import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.serving.reports import WorkerStats
 from tests.service_harness import TLS, LiveServer, live_server
@@ -24,6 +26,13 @@ def _overloads(server: LiveServer) -> float:
     text = httpx.get(server.url + "/metrics", verify=TLS).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("voxcpm_requests_overloaded_total{"))
+
+
+def _requests(server: LiveServer, route: str, status: str) -> float:
+    text = httpx.get(server.url + "/metrics", verify=TLS).text
+    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "voxcpm_http_requests"
+               for s in f.samples if s.name.endswith("_total") and s.labels.get("route") == route
+               and s.labels.get("status") == status)
 
 
 def test_excess_requests_are_503_at_once_and_the_admitted_complete(checkpoint_factory, tmp_path):
@@ -96,3 +105,24 @@ def test_a_request_waiting_past_the_queue_timeout_is_503(checkpoint_factory, tmp
             assert r.status_code == 503 and "queue timeout" in r.json()["detail"], r.text
             assert r.headers.get("retry-after")
         assert _overloads(server) == 1
+
+
+@pytest.mark.parametrize("route", ["/generate", "/v1/audio/speech"])
+def test_a_streamed_request_left_while_it_waits_for_a_seat_frees_its_place_in_the_queue(checkpoint_factory, tmp_path,
+                                                                                        route):
+    """A client that gives up on a streamed request still waiting for a seat: the request leaves the queue at once
+    (499), instead of holding its place until the queue timeout and then counting as refused for overload."""
+    with live_server(checkpoint_factory, tmp_path, serverpool_max_num_seqs=1, queue_timeout_s=600,
+                     queue_coalesce_ms=0, segment_chars=1000) as server, \
+            httpx.Client(verify=TLS, base_url=server.url, timeout=120) as client:
+        body = {"target_text": HOLD, "max_generate_length": HOLD_PATCHES, "response_format": "pcm", "seed": 1}
+        with client.stream("POST", "/generate", json=body) as held:  # holds the only seat
+            chunks = held.iter_raw()
+            next(chunks)
+            waiting = {"model": "tts-1", "input": LONG} if route.startswith("/v1") else {"target_text": LONG}
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(server.url + route, json={**waiting, "response_format": "pcm"}, verify=TLS, timeout=1.0)
+            server.wait(lambda: server.pool_stats().waiting == 0, "the left request still waits for a seat",
+                        limit_s=30)
+            assert server.pool_stats().running == 1  # the holder goes on
+        assert _requests(server, route, "499") == 1 and _overloads(server) == 0

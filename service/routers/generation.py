@@ -41,7 +41,8 @@ async def generate(req: GenerateRequest, request: Request, state: LoadedState) -
     """Stream audio as it is generated: MP3 frames (playable from the first bytes) or raw s16le PCM.
     Any error in the request is answered with a 4xx before the stream starts."""
     mark_audio(request)
-    gen = await _start(state, req, "/generate", req.response_format, blocking=False)
+    gen = await synthesis.unless_disconnected(request, _start(state, req, "/generate", req.response_format,
+                                                              blocking=False))
     return synthesis.stream_response(gen, req.response_format)
 
 

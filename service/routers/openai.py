@@ -65,12 +65,13 @@ async def speech(req: SpeechRequest, request: Request, state: LoadedState) -> Re
                                        lora_name=lora_name, normalize=req.normalize, speed=req.speed,
                                        sample_rate=req.output_rate(fmt))
 
-    if req.stream_format == "sse":
-        gen = await start(sse=True, blocking=False)
+    if req.stream_format == "sse":  # streams: until their first bytes the client may leave (a seat's wait)
+        gen = await synthesis.unless_disconnected(request, start(sse=True, blocking=False))
         return synthesis.AudioStreamResponse(gen, "text/event-stream", synthesis.audio_headers(state, fmt, gen),
                                              body=synthesis.sse_body(gen, req.input))
     if fmt in STREAMED:
-        return synthesis.stream_response(await start(sse=False, blocking=False), fmt)
+        return synthesis.stream_response(await synthesis.unless_disconnected(request, start(sse=False,
+                                                                                            blocking=False)), fmt)
 
     async def whole() -> Response:  # sent whole: abort if the client leaves
         gen = await start(sse=False, blocking=True)
