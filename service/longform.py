@@ -619,8 +619,10 @@ async def generate(state: ServiceState, route: str, text: str, cond: Conditionin
         check_length(state, design[1:-1] + text, "instructions" if len(design) - 2 > len(text) else field,
                      f"{field} and instructions")
     base = len(design) if own_design else 0
-    lead, rest = split_design(text)  # a description the text itself starts with (/v1's input)
-    segments = split_text(text, state.settings.segment_chars, granularity, base=base) if rest.strip() else []
+    # a description the text itself starts with (/v1's input) leads the first segment whole, never cut
+    lead, rest = split_design(text)
+    segments = split_text(rest, state.settings.segment_chars, granularity, base=base + len(lead)) \
+        if rest.strip() else []
     if not segments:  # the schemas refuse a blank text: a voice description was all of it, or no word is in it
         description = lead.strip() or design
         raise HTTPException(422, f"{field}: nothing to speak after the voice description {description!r}"
@@ -630,7 +632,8 @@ async def generate(state: ServiceState, route: str, text: str, cond: Conditionin
                                  f"header holds ({MAX_HEADER_TIMINGS}, ~{MAX_HEADER_TIMINGS * 110 // 1024} KiB); "
                                  "send shorter texts, or stream from /v1/audio/speech with stream_format 'sse' "
                                  "(a speech.segment event for each segment)")
-    design_field = "" if own_design else "instructions"  # a description sent apart is named apart
+    design_field = "" if own_design or not design else "instructions"  # a description sent apart is named apart
+    design, text = design + lead, rest
     if len(segments) <= 1 and not retry_badcase and not timings:
         if design and design_field:  # the engine would name all of the prompt's text (the description in it) `input`
             await check_segments_fit(state, segments, cond, params, design, design_field, design_only=True)

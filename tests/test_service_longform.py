@@ -237,6 +237,23 @@ def test_a_first_segment_refused_before_audio_submits_no_later_one(checkpoint_fa
         server.stop()
 
 
+def test_a_description_leading_v1_input_leads_the_first_segment_whole(client):
+    """/v1's input may start with its own voice description: it leads the first segment whole (cut at its comma, the
+    rest of it was spoken as text: "slow pace) Hello"), and the segments' offsets into input start after it; /generate
+    of the same text gives the same segments."""
+    lead = "(A calm, low, warm voice; slow pace) "
+    text = lead + " ".join(["word"] * 60)
+    body = {"max_generate_length": N, "seed": 2, "split_granularity": "clause", "timings": True}
+    spans = []
+    for route, field in (("/v1/audio/speech", "input"), ("/generate_blocking_wav", "target_text")):
+        extra = {"model": "tts-1", "response_format": "wav"} if route.startswith("/v1") else {}
+        r = client.post(route, json={**body, **extra, field: text})
+        assert r.status_code == 200, r.text
+        spans.append([(t["start"], t["end"]) for t in json.loads(r.headers["X-Segment-Timings"])])
+    assert len(spans[0]) >= 2 and spans[0][0][0] == len(lead) and spans[0][-1][1] == len(text)
+    assert spans[0] == spans[1]
+
+
 @pytest.mark.parametrize("extra", [{}, {"timings": True}, {"retry_badcase": True}])
 @pytest.mark.parametrize("route", ["/generate", "/generate_blocking", "/generate_blocking_wav"])
 def test_a_voice_description_with_nothing_after_it_is_refused(client, route, extra):
