@@ -227,13 +227,15 @@ def test_a_client_leaving_mid_stream_frees_every_kv_block(server, leave):
      "input.text: text holds an unpaired surrogate"),
     ([{"type": "session.config", "voice": "\udc00"}], 1008, "session.config: voice holds an unpaired surrogate"),
     ([{"type": "\udc00"}], 1008, "message: type holds an unpaired surrogate"),
+    (["[" * 2000], 1008, "message: not JSON (nested too deeply)"),  # a RecursionError: 1011 and a traceback
     ([], 1008, "session.config: nothing received for 1 s"),
     ([{"type": "session.config"}, {"type": "input.text", "text": "Then silence"}], 1008,
      "idle: nothing received for 2 s"),
 ], ids=["not-json", "binary", "text-first", "unknown-field", "bad-speed", "rate-with-mp3", "unknown-voice",
         "too-long-for-the-model", "unknown-type", "text-not-string", "config-twice", "not-an-object",
         "after-done", "message-cap", "text-cap", "text-cap-with-instructions", "long-instructions",
-        "lone-surrogate-text", "lone-surrogate-voice", "lone-surrogate-type", "config-timeout", "idle-timeout"])
+        "lone-surrogate-text", "lone-surrogate-voice", "lone-surrogate-type", "nested", "config-timeout",
+        "idle-timeout"])
 def test_malformed_messages_and_limits(server, messages, code, expected):
     with connect(ws_url(server), open_timeout=GUARD_S) as ws:
         for m in messages:

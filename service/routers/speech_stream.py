@@ -138,15 +138,19 @@ class LiveSession:
             body = json.loads(text)
         except json.JSONDecodeError as e:
             raise SessionError(f"message: not JSON ({e})", POLICY) from None
+        except RecursionError:  # the parser recurses per level of nesting
+            raise SessionError("message: not JSON (nested too deeply)", POLICY) from None
         if not isinstance(body, dict) or not isinstance(body.get("type"), str):
             raise SessionError("message: a JSON object with a string field 'type' is expected", POLICY)
         for key, value in body.items():  # JSON's escapes can spell a lone UTF-16 half, which no text encodes
+            where = "message: type" if key == "type" else f"{body['type']}: {key}"
             try:
                 json.dumps(value, ensure_ascii=False).encode()
             except UnicodeEncodeError:
-                where = "message: type" if key == "type" else f"{body['type']}: {key}"
                 raise SessionError(f"{where} holds an unpaired surrogate (a lone \\ud800-\\udfff escape)",
                                    POLICY) from None
+            except RecursionError:  # parsed at a deeper stack than this (a larger message limit)
+                raise SessionError(f"{where}: nested too deeply", POLICY) from None
         return body
 
     async def configure(self) -> None:
