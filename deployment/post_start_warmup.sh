@@ -2,42 +2,48 @@
 # Post-start warm-up for a voxcpm-serve instance: waits for /health, then runs a zero-shot and a HiFi
 # warm-up (add_hifi, generate with it, delete it) once /ready says the model is loaded. Exits non-zero if any step fails.
 # Usage: deployment/post_start_warmup.sh [BASE_URL]   (default $VOXCPM_URL, else http://127.0.0.1:8000; WAIT_S=600 seconds
-# for /health; PYTHON=python3 parses the answers)
+# for /health and /ready together; VOXCPM_API_KEY, else the first of NANOVLLM_API_KEYS, as the bearer key where the
+# service requires one; PYTHON=python3 parses the answers)
 set -euo pipefail
 BASE="${1:-${VOXCPM_URL:-http://127.0.0.1:8000}}"
 WAIT_S="${WAIT_S:-600}"
 PY="${PYTHON:-python3}"
+KEY="${VOXCPM_API_KEY:-${NANOVLLM_API_KEYS:-}}"
+KEY="$(echo "${KEY%%,*}" | tr -d '[:space:]')"
+AUTH=()
+[ -n "$KEY" ] && AUTH=(-H "authorization: Bearer $KEY")
 
 fail() { echo "warm-up FAILED: $*" >&2; exit 1; }
 
-echo "waiting for $BASE/health (up to ${WAIT_S}s)"
-for _ in $(seq "$WAIT_S"); do
-  curl -fsS "$BASE/health" >/dev/null 2>&1 && break
-  sleep 1
-done
-curl -fsS "$BASE/health" >/dev/null || fail "/health never answered"
-# the service answers /health while the model loads; requests get 503 until /ready
-for _ in $(seq "$WAIT_S"); do
-  curl -fsS "$BASE/ready" >/dev/null 2>&1 && break
-  sleep 1
-done
-curl -fsS "$BASE/ready" >/dev/null || fail "/ready never answered 200"
+# one deadline for both waits (a systemd unit's TimeoutStartSec must exceed it)
+deadline=$((SECONDS + WAIT_S))
+wait_for() {  # wait_for PATH: until it answers 2xx or the deadline passes
+  echo "waiting for $BASE$1 (until ${WAIT_S}s after the start)"
+  until curl -fsS "$BASE$1" >/dev/null 2>&1; do
+    [ "$SECONDS" -lt "$deadline" ] || fail "$1 never answered 200"
+    sleep 1
+  done
+}
+wait_for /health
+wait_for /ready  # the service answers /health while the model loads; requests get 503 until /ready
 
 post() {  # post PATH JSON -> body on stdout; fails on a non-2xx status
-  curl -fsS -X POST "$BASE$1" -H 'content-type: application/json' --data-binary @- <<<"$2"
+  curl -fsS -X POST "$BASE$1" ${AUTH[@]+"${AUTH[@]}"} -H 'content-type: application/json' --data-binary @- <<<"$2"
 }
 
 echo "zero-shot warm-up"
 post /generate_blocking '{"target_text": "Warm-up.", "max_generate_length": 4}' >/dev/null || fail "zero-shot"
 
 echo "HiFi warm-up"
+# a tone of its own each run: voice ids are content hashes, and replicas sharing a voice store warm up at once (one's
+# delete would take the voice from under the other)
 CLIP=$("$PY" - <<'PYEOF'
-import base64, io, math, struct, wave
-sr = 16000
+import base64, io, math, random, struct, wave
+sr, hz = 16000, random.uniform(150, 250)
 buf = io.BytesIO()
 with wave.open(buf, "wb") as w:
     w.setnchannels(1); w.setsampwidth(2); w.setframerate(sr)
-    w.writeframes(b"".join(struct.pack("<h", int(9000 * math.sin(2 * math.pi * 180 * i / sr))) for i in range(sr)))
+    w.writeframes(b"".join(struct.pack("<h", int(9000 * math.sin(2 * math.pi * hz * i / sr))) for i in range(sr)))
 print(base64.b64encode(buf.getvalue()).decode())
 PYEOF
 )
@@ -46,5 +52,5 @@ HIFI=$(post /add_hifi "{\"wav_base64\": \"$CLIP\", \"wav_format\": \"wav\", \"pr
 HIFI_ID=$("$PY" -c 'import json,sys; print(json.load(sys.stdin)["hifi_id"])' <<<"$HIFI")
 post /generate_blocking "{\"target_text\": \"Warm-up.\", \"hifi_id\": \"$HIFI_ID\", \"max_generate_length\": 4}" \
   >/dev/null || fail "generate with hifi_id"
-curl -fsS -X DELETE "$BASE/hifi/$HIFI_ID" >/dev/null || fail "delete hifi"
+curl -fsS -X DELETE ${AUTH[@]+"${AUTH[@]}"} "$BASE/hifi/$HIFI_ID" >/dev/null || fail "delete hifi"
 echo "warm-up OK"

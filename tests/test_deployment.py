@@ -183,6 +183,11 @@ def test_no_beta_apis_and_the_serving_rules(objects):
     assert pre_stop[0] == "sleep"
     assert pod["terminationGracePeriodSeconds"] > int(pre_stop[1]) + float(env["NANOVLLM_SHUTDOWN_GRACE_S"]) + \
         STOP_AFTER_DRAIN_S
+    # the systemd unit: the same drain before it kills (40 s cut it short), and the warm-up's wait within its start
+    unit = dict(line.split("=", 1) for line in (ROOT / "deployment" / "voxcpm-serve.service").read_text()
+                .splitlines() if "=" in line and not line.startswith("#"))
+    assert int(unit["TimeoutStopSec"]) > float(env["NANOVLLM_SHUTDOWN_GRACE_S"]) + STOP_AFTER_DRAIN_S
+    assert int(unit["TimeoutStartSec"]) > STARTUP_BUDGET_S and "post_start_warmup.sh" in unit["ExecStartPost"]
     assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] != 0
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     mounts = {m["name"]: m for m in container["volumeMounts"]}
@@ -350,3 +355,24 @@ def test_dockerfile_is_hadolint_clean():
     r = subprocess.run([str(hadolint), "--config", str(ROOT / ".hadolint.yaml"), str(ROOT / "Dockerfile")],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_post_start_warm_up_passes_against_a_service_that_requires_a_key(checkpoint_factory, tmp_path):
+    """deployment/post_start_warmup.sh (the systemd unit's ExecStartPost) against a live service with API keys: it
+    sends VOXCPM_API_KEY, else the first of NANOVLLM_API_KEYS (the unit's own environment), and passes; with neither
+    it fails naming the step (it sent no key at all: every call a 401, so the unit never started)."""
+    script = ROOT / "deployment" / "post_start_warmup.sh"
+    env = {k: v for k, v in os.environ.items() if k not in ("VOXCPM_API_KEY", "NANOVLLM_API_KEYS", "VOXCPM_URL")}
+
+    def warm_up(url: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(script), url], env={**env, "WAIT_S": "120", **extra}, capture_output=True,
+                              text=True, timeout=300)
+
+    with live_server(checkpoint_factory, tmp_path, api_keys="k1,k2", voice_store="memory") as server:
+        for extra in ({"NANOVLLM_API_KEYS": " k2 , k1"}, {"VOXCPM_API_KEY": "k1", "NANOVLLM_API_KEYS": "nope"}):
+            done = warm_up(server.url, **extra)
+            assert done.returncode == 0 and "warm-up OK" in done.stdout, (extra, done.stdout, done.stderr)
+        refused = warm_up(server.url)
+        assert refused.returncode == 1 and "warm-up FAILED: zero-shot" in refused.stderr, refused.stderr
+        hifi = httpx.get(server.url + "/hifi", headers={"authorization": "Bearer k1"}, verify=TLS).json()
+        assert hifi == {"voices": []}  # each run deleted its own voice
