@@ -41,7 +41,8 @@ LoadedState = Annotated[ServiceState, Depends(get_loaded_state)]
 
 
 def mark_audio(request: Request) -> None:
-    """Tell the metrics middleware this response carries audio (its first byte is the TTFB)."""
+    """Tell the metrics middleware this response streams audio (its first byte is the TTFB; a response sent whole has
+    none: its latency is the request's duration)."""
     request.state.audio_route = True
 
 

@@ -36,6 +36,13 @@ def test_metrics(server):
         assert c.post("/generate", json={"target_text": "Metrics.", "max_generate_length": 2}).status_code == 200
         assert c.delete("/prompts/some-id").status_code == 404
         text = c.get("/metrics").text
+        # sent whole: its first byte comes after all of its audio, which is no time to first audio (the alert on it
+        # fired on plain blocking traffic)
+        for route, body in (("/generate_blocking", {"target_text": "Whole."}),
+                            ("/v1/audio/speech", {"model": "tts-1", "input": "Whole.", "response_format": "wav"})):
+            assert c.post(route, json={**body, "max_generate_length": 2}).status_code == 200
+        assert not re.search(r'voxcpm_time_to_first_audio_byte_seconds_count\{route="/(generate_blocking|v1)',
+                             c.get("/metrics").text)
     assert 'voxcpm_http_requests_total{method="DELETE",route="/prompts/{prompt_id}",status="404"} 1.0' in text
     assert "some-id" not in text  # route templates, never raw paths
     assert 'voxcpm_time_to_first_audio_byte_seconds_count{route="/generate"} 1.0' in text

@@ -49,7 +49,6 @@ async def generate(req: GenerateRequest, request: Request, state: LoadedState) -
 @router.post("/generate_blocking", responses=AUDIO, response_class=Response)
 async def generate_blocking(req: GenerateRequest, request: Request, state: LoadedState) -> Response:
     """The whole utterance as one MP3 (or PCM) body; `X-Finish-Reason` says why it ended (stop or length)."""
-    mark_audio(request)
     return await synthesis.unless_disconnected(request, _whole(state, req, "/generate_blocking",
                                                                req.response_format))
 
@@ -57,5 +56,4 @@ async def generate_blocking(req: GenerateRequest, request: Request, state: Loade
 @router.post("/generate_blocking_wav", responses={200: {"content": {"audio/wav": {}}}}, response_class=Response)
 async def generate_blocking_wav(req: GenerateRequest, request: Request, state: LoadedState) -> Response:
     """The whole utterance as one 16-bit WAV file (response_format is ignored)."""
-    mark_audio(request)
     return await synthesis.unless_disconnected(request, _whole(state, req, "/generate_blocking_wav", "wav"))

@@ -51,7 +51,6 @@ async def speech(req: SpeechRequest, request: Request, state: LoadedState) -> Re
         if req.model not in await adapter_ids(state):
             raise HTTPException(404, f"model: unknown model {req.model!r}; GET /v1/models lists them")
         lora_name = req.model  # a runtime LoRA adapter of our model
-    mark_audio(request)
     cond = await _voice(state, req.voice)
     longform.check_length(state, req.input, "input")
     design = longform.design_of(req.instructions)
@@ -65,6 +64,8 @@ async def speech(req: SpeechRequest, request: Request, state: LoadedState) -> Re
                                        lora_name=lora_name, normalize=req.normalize, speed=req.speed,
                                        sample_rate=req.output_rate(fmt))
 
+    if req.stream_format == "sse" or fmt in STREAMED:
+        mark_audio(request)  # a stream: its first byte is its first audio
     if req.stream_format == "sse":  # streams: until their first bytes the client may leave (a seat's wait)
         gen = await synthesis.unless_disconnected(request, start(sse=True, blocking=False))
         return synthesis.AudioStreamResponse(gen, "text/event-stream", synthesis.audio_headers(state, fmt, gen),
