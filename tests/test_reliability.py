@@ -3,6 +3,7 @@
 - soak: 1,000 requests at concurrency 16 over every route, voice form and format, ~30% of them dropped by the
   client at a random point (tools/soak.py): nothing hangs, nothing fails, and afterwards every KV block and decode
   slot is free again and the processes' memory stays bounded;
+- a worker that stops answering turns the service not ready, and /metrics still answers;
 - SIGTERM during 16 live streams: each one finishes, new requests get 503, the service exits 0;
 - a worker that keeps dying while it starts ends the service with a non-zero exit code.
 
@@ -83,6 +84,24 @@ def test_soak_leaks_nothing(service: Service):
     r, _ = service.ask("POST", "/generate", json={"target_text": "After.", "max_generate_length": 2,
                                                   "response_format": "pcm"})
     assert r.status_code == 200 and len(r.content) == 2 * 2 * SAMPLES_PER_PATCH
+
+
+def test_a_stuck_worker_turns_the_service_not_ready_and_its_metrics_still_answer(service: Service):
+    """A worker that stops answering (SIGSTOP: a device call that never returns): /ready turns 503 naming it within
+    the stats timeout, so the pod leaves the rotation (it stayed 200 while every generation hung), and /metrics
+    answers, reporting not ready (it hung: scrapes timed out, so no alert could fire); once the worker resumes, ready
+    again."""
+    (worker,) = service.named("voxcpm-worker")
+    worker.suspend()
+    try:
+        r, _ = service.ask("GET", "/ready")
+        assert r.status_code == 503 and "answered nothing for 5 s" in r.json()["detail"], r.text
+        samples, _ = service.scrape()
+        assert metric(samples, "voxcpm_ready") == 0
+    finally:
+        worker.resume()
+    service.wait(lambda: all(service.ask("GET", "/ready")[0].status_code == 200 for _ in range(4)),
+                 "not ready again after the worker resumed")
 
 
 def test_sigterm_during_16_live_streams(service: Service):

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 RECONNECT_S = (0.05, 0.5)  # first and longest pause between connection attempts
+STATS_TIMEOUT_S = 5.0  # a worker that answers no GetStats within this is stuck: the pool is not ready until it answers
 REPLAY = "replay:"  # call ids of registrations sent again to a (re)connected worker, answered to nobody
 _END = object()
 
@@ -59,6 +60,7 @@ class _WorkerLink:
         self.conn: Connection | None = None
         self.connected = False  # the connection is up (not necessarily ready)
         self.ready = False  # Ready received on the current connection
+        self.answering = True  # answered its last stats call in time, or sent anything since (`EngineClient.stats`)
         self.down = False  # a connection broke and has not been re-established yet
         self.info: WorkerInfo | None = None  # from its Ready (kept after it goes down: its device names it)
         self.load = WorkerLoad()
@@ -106,7 +108,7 @@ class _WorkerLink:
 
     def attach(self, conn: Connection) -> asyncio.Event:
         """Start serving a fresh connection (event loop thread); the event is set when it ends."""
-        self.conn, self.connected, self.stopped_reason = conn, True, None
+        self.conn, self.connected, self.stopped_reason, self.answering = conn, True, None, True
         self.closed_event = asyncio.Event()
         self._outbox = queue.SimpleQueue()
         threading.Thread(target=self._write, args=(conn, self._outbox), name=f"voxcpm-sender-{self.index}",
@@ -216,6 +218,7 @@ class EngineClient:
             await closed.wait()
 
     def on_message(self, link: _WorkerLink, msg: Any) -> None:
+        link.answering = True
         if isinstance(msg, p.Ready):
             link.info, link.ready, link.down = msg.info, True, False
             self.encoders.sample_rate = msg.info.sample_rate
@@ -276,7 +279,7 @@ class EngineClient:
 
     @staticmethod
     def _on_step(link: _WorkerLink, load: WorkerLoad, plain: list[tuple[GenerationStream, StreamItem]]) -> None:
-        link.load = load
+        link.load, link.answering = load, True
         _deliver(plain)
 
     # --- state --------------------------------------------------------------------------------------
@@ -287,7 +290,14 @@ class EngineClient:
 
     @property
     def ready(self) -> bool:
-        return not self.closed and all(link.ready for link in self.links)
+        """Every worker has reported ready and none is stuck (`stuck`)."""
+        return not self.closed and all(link.ready and link.answering for link in self.links)
+
+    @property
+    def stuck(self) -> list[int]:
+        """The ready workers whose last stats call went unanswered for STATS_TIMEOUT_S (a hung device call, a
+        deadlock): connected, yet serving nothing."""
+        return [link.index for link in self.links if link.ready and not link.answering]
 
     @property
     def info(self) -> WorkerInfo | None:
@@ -359,11 +369,21 @@ class EngineClient:
         return await self.call(await self.pick(), lambda cid: p.EncodeLatents(cid, wav, wav_format, padding))
 
     async def stats(self) -> list[WorkerStats | None]:
-        """Per worker: running/waiting sequences, free KV blocks, preemptions... (None for one not ready)."""
-        out: list[WorkerStats | None] = []
-        for link in self.links:
-            out.append(await self.call(link, p.GetStats) if link.ready else None)
-        return out
+        """Per worker: running/waiting sequences, free KV blocks, preemptions... (None for one not ready, or one that
+        did not answer within STATS_TIMEOUT_S: it is `stuck` until it sends anything again)."""
+        async def one(link: _WorkerLink) -> WorkerStats | None:
+            if not link.ready:
+                return None
+            try:
+                return await asyncio.wait_for(self.call(link, p.GetStats), STATS_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                if link.answering:
+                    log.error("worker %d answered nothing for %g s (stuck?): not ready until it does", link.index,
+                              STATS_TIMEOUT_S)
+                link.answering = False
+                return None
+
+        return list(await asyncio.gather(*(one(link) for link in self.links)))
 
     async def register_lora(self, name: str, path: str) -> AdapterInfo:
         """Register an adapter on every worker (a worker still loading, or restarted later, gets it when it connects);

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from fastapi import APIRouter, Depends, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine import PoolError
+from engine.serving.client import STATS_TIMEOUT_S
 from engine.vocabulary import AdapterInfo
 from service.deps import State, require_api_key, require_metrics_key
 from service.state import ServiceState
@@ -25,7 +28,11 @@ async def health(state: State) -> JSONResponse:
 
 @router.get("/ready")
 async def ready(state: State) -> JSONResponse:
-    """Readiness: 200 once every worker has loaded and warmed up the model and this process is connected to it."""
+    """Readiness: 200 once every worker has loaded and warmed up the model and this process is connected to it, and
+    while each answers a stats call in time (a stuck worker serves nothing: its pod must leave the rotation)."""
+    if state.ready:
+        with contextlib.suppress(PoolError):  # a worker gone meanwhile: the reasons below say so
+            await state.pool.stats()
     if state.ready:
         return JSONResponse({"status": "ready"})
     if state.draining:
@@ -36,6 +43,8 @@ async def ready(state: State) -> JSONResponse:
         reason = "loading the model"
     elif not state.pool.healthy:
         reason = "a worker died; restarting it"
+    elif state.pool.client.stuck:
+        reason = f"worker(s) {state.pool.client.stuck} answered nothing for {STATS_TIMEOUT_S:g} s (stuck?)"
     else:
         reason = "waiting for a restarted worker to warm up"
     return JSONResponse({"status": "not ready", "detail": reason}, status_code=503, headers={"Retry-After": "5"})
