@@ -221,9 +221,9 @@ class SegmentJob:
                                    return_latents=sp.continues and self.segment.index == 0,
                                    continuation=self.segment.index > 0 or attempt > 0,
                                    lora_lease=sp.request_id if sp.lora_name is not None else None)
-        # the first segment was checked as written before any audio; a later one (or a normalised first one, longer
-        # than written) is fitted here: it must never fail mid-stream
-        if self.segment.index == 0 and not sp.normalize:
+        # an HTTP text's first segment was checked as written before any audio; a later one (a normalised first one,
+        # longer than written; a live session's first) is fitted here: it must never fail mid-stream
+        if self.segment.index == 0 and not sp.normalize and sp.first_checked:
             return request
         written = ((sp.design if self.segment.index == 0 else "") + self.segment.text) if sp.normalize else None
         request = await sp.fitted(request, self.segment, prompt[0] if prompt is not None else None, written)
@@ -298,10 +298,11 @@ class LongFormSpeech:
 
     def __init__(self, state: ServiceState, route: str, segments: AsyncIterable[Segment], cond: Conditioning,
                  params: SamplingParams, options: LongFormOptions, lora_name: str | None = None,
-                 design: str = "", normalize: bool = False, speed: float = 1.0) -> None:
+                 design: str = "", normalize: bool = False, speed: float = 1.0, first_checked: bool = True) -> None:
         self.state, self.route, self.cond, self.params = state, route, cond, params
         self.options, self.lora_name, self.design, self.normalize = options, lora_name, design, normalize
         self.speed = speed  # the stream is time-stretched by it after joining: its times are the generated / speed
+        self.first_checked = first_checked  # the first segment was checked to fit before any audio (not live text's)
         self.segments = aiter(segments)
         self.continues = cond.prompt_latents is None  # the first segment becomes the others' continuation prompt
         self.sample_rate = state.sample_rate

@@ -11,6 +11,8 @@ import time
 import httpx
 import numpy as np
 import pytest
+from websockets.exceptions import ConnectionClosedOK
+from websockets.sync.client import connect
 
 from engine import SamplingParams, SynthesisRequest
 from engine.io.tokenizer import text_tokens
@@ -479,3 +481,30 @@ def test_a_normalised_first_segment_longer_than_written_gets_a_lower_cap(fit_cli
     timings = json.loads(r.headers["X-Segment-Timings"])
     assert timings[0]["finish_reason"] == "length"
     assert round(timings[0]["duration_s"] * SAMPLE_RATE) == (FIT_LEN - spoken - 1) * SAMPLES_PER_PATCH
+
+
+def test_a_live_first_segment_too_long_for_its_cap_gets_a_lower_cap(fit_server):
+    """A live session's first segment fits the model only with a lower length cap: it is spoken with the cap that
+    fits, as every later segment is (nothing checks a live text before its audio: it ended the session with 1008,
+    while the same sentence as a second segment was spoken)."""
+    sentence = "One long sentence " + "keeps going with many plain words and " * 6 + "then it ends."
+    assert len(split_text(sentence, 1000)) == 1
+    written = tokens(fit_server, sentence.strip())
+    mgl = 400
+    assert written + 1 < FIT_LEN < written + 1 + cap(written, mgl)
+    url = fit_server.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+    with connect(url, open_timeout=60) as ws:
+        ws.send(json.dumps({"type": "session.config", "max_generate_length": mgl, "seed": 1, "response_format": "pcm"}))
+        ws.send(json.dumps({"type": "input.text", "text": sentence}))
+        ws.send(json.dumps({"type": "input.done"}))
+        audio, events = b"", []
+        with pytest.raises(ConnectionClosedOK):
+            while True:
+                msg = ws.recv(timeout=120)
+                if isinstance(msg, bytes):
+                    audio += msg
+                else:
+                    events.append(json.loads(msg))
+    assert [e["type"] for e in events if e["type"] == "error"] == [], events
+    assert events[-1]["type"] == "session.done"
+    assert len(audio) // 2 == (FIT_LEN - written - 1) * SAMPLES_PER_PATCH

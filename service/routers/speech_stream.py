@@ -195,7 +195,7 @@ class LiveSession:
                                     speed=config.speed, out_rate=out_rate)
         options = LongFormOptions.from_settings(s, config.retry_badcase)
         self.speech = LongFormSpeech(self.state, ROUTE, self.queued(), cond, params, options, lora_name, design,
-                                     config.normalize, config.speed)
+                                     config.normalize, config.speed, first_checked=False)
 
     async def queued(self) -> AsyncIterator[Segment]:
         while (segment := await self.segments.get()) is not None:
