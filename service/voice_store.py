@@ -74,6 +74,15 @@ def voice_id(kind: str, source: bytes, text: str = "") -> str:
 
 class VoiceStore(ABC):
     up = True  # the last call reached the store
+    max_entries: int  # its bounds: beyond them the least recently used voices are evicted
+    max_bytes: int
+
+    def check_holds(self, voices: list[Voice]) -> None:
+        """That `voices`, added together, fit the bounds at all (else adding the last evicts the first)."""
+        need = sum(v.nbytes for v in voices)
+        if need > self.max_bytes or len(voices) > self.max_entries:
+            raise VoiceTooLargeError(f"{len(voices)} voices of {need} bytes in all exceed the cache size "
+                                     f"({self.max_entries} entries, {self.max_bytes} bytes)")
 
     @abstractmethod
     async def get(self, voice_id: str) -> Voice | None:

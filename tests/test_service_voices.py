@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 
 import httpx
 import numpy as np
@@ -79,6 +80,36 @@ def test_crud_bounds_and_restart(checkpoint, cache_dir):
             assert c.get("/info").json()["voice_cache"]["hifi"] == 0
     finally:
         server.stop()
+
+
+def test_a_hifi_voice_the_cache_cannot_hold_with_its_parts_is_refused_before_anything_is_evicted(checkpoint, tmp_path):
+    """/add_hifi caches three voices (the HiFi one, its prompt and its reference): where the bounds cannot hold the
+    three, it is a 413 naming wav_base64 before any is added (the last one evicted the first two, and the ids of those
+    were answered as cached; a voice cached before went too)."""
+    # a 0.6 s clip: 4 KiB of latents as a prompt, 4 KiB as a reference, 8 KiB as the HiFi voice
+    settings = service_settings(checkpoint, tmp_path, voice_cache_max_bytes=10_000, warmup=False, voice_store="memory")
+    server = LiveServer(settings).start()
+    try:
+        with httpx.Client(verify=TLS, base_url=server.url, timeout=60) as c:
+            p1 = c.post("/add_prompt", json={"wav_base64": clip(1), "prompt_text": "One."}).json()["prompt_id"]
+            r = c.post("/add_hifi", json={"wav_base64": clip(3), "prompt_text": "Three."})
+            assert r.status_code == 413 and r.json()["detail"].startswith("wav_base64: the HiFi voice"), r.text
+            assert re.search(r"3 voices of 163\d\d bytes in all exceed the cache size \(\d+ entries, 10000 bytes\)",
+                             r.json()["detail"]), r.text
+            listed = [v["id"] for k in ("prompts", "references", "hifi") for v in c.get(f"/{k}").json()["voices"]]
+            assert listed == [p1]
+    finally:
+        server.stop()
+
+
+def test_the_store_says_whether_voices_fit_together():
+    store = SqliteVoiceStore.__new__(SqliteVoiceStore)
+    store.max_entries, store.max_bytes = 3, 250
+    store.check_holds([_voice(0), _voice(1)])
+    with pytest.raises(VoiceTooLargeError, match="2 voices of 300 bytes in all exceed the cache size"):
+        store.check_holds([_voice(0, 150), _voice(1, 150)])
+    with pytest.raises(VoiceTooLargeError, match="4 voices"):
+        store.check_holds([_voice(i, 10) for i in range(4)])
 
 
 def _voice(i: int, n: int = 100) -> Voice:

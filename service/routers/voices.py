@@ -26,7 +26,7 @@ from service.schemas import (
     VoiceList,
 )
 from service.state import ServiceState
-from service.voice_store import Voice, VoiceSummary, voice_id
+from service.voice_store import Voice, VoiceSummary, VoiceTooLargeError, voice_id
 
 router = APIRouter(tags=["voices"])
 
@@ -116,10 +116,16 @@ async def add_hifi(req: AddHifiRequest, state: LoadedState) -> AddHifiResponse:
         prompt_lat, ref_lat = await asyncio.gather(encode_clip(state, data, req.wav_format, "left", "wav_base64"),
                                                    encode_clip(state, data, req.wav_format, "right", "wav_base64"))
         await _check_fits(state, req.prompt_text, prompt_lat, ref_lat)  # as a HiFi voice: both roles at once
-        await state.store.put(Voice("prompt", pid, prompt_text=req.prompt_text, prompt_latents=prompt_lat))
-        await state.store.put(Voice("reference", rid, ref_latents=ref_lat))
-        await state.store.put(Voice("hifi", hid, prompt_text=req.prompt_text, prompt_latents=prompt_lat,
-                                    ref_latents=ref_lat, parts={"prompt_id": pid, "reference_id": rid}))
+        voices = [Voice("prompt", pid, prompt_text=req.prompt_text, prompt_latents=prompt_lat),
+                  Voice("reference", rid, ref_latents=ref_lat),
+                  Voice("hifi", hid, prompt_text=req.prompt_text, prompt_latents=prompt_lat, ref_latents=ref_lat,
+                        parts={"prompt_id": pid, "reference_id": rid})]
+        try:  # before any is added: the last would evict the first (an id answered that is gone)
+            state.store.check_holds(voices)
+        except VoiceTooLargeError as e:
+            raise HTTPException(413, f"wav_base64: the HiFi voice and its prompt and reference: {e}") from e
+        for voice in voices:
+            await state.store.put(voice)
     return AddHifiResponse(hifi_id=hid, prompt_id=pid, reference_id=rid, **_facts(state))
 
 
