@@ -148,7 +148,14 @@ def _cut_point(text: str, start: int, end: int, max_chars: int, total: int) -> i
             best_space = i
     if best_space is not None:
         return best_space
-    return max(ideal, start + 1)
+    # no mark, no space (CJK text): between two characters that are not both of one Latin word or number
+    joined = [i for i in range(max(low, start + 1), limit) if not (_in_word(text[i - 1]) and _in_word(text[i]))]
+    return min(joined, key=lambda i: abs(i - ideal)) if joined else max(ideal, start + 1)
+
+
+def _in_word(c: str) -> bool:
+    """A letter or digit of a word written with spaces (Latin, Cyrillic...; not CJK)."""
+    return c.isalnum() and not _CJK.match(c)
 
 
 def _fit(text: str, unit: _Unit, max_chars: int, growing: bool = False) -> list[_Unit]:

@@ -189,3 +189,13 @@ def test_live_unpunctuated_text_makes_full_segments():
     segments = [s for _ in range(300) for s in live.feed("word ")] + live.done()
     assert all(200 <= weight(s.text) <= 250 for s in segments[:-1]), [len(s.text) for s in segments]
     assert len(segments) <= len(split_text("word " * 300, 250)) + 1
+
+
+def test_a_hard_cut_in_cjk_text_falls_beside_a_latin_word_not_inside_it():
+    """CJK text with no mark or space: the cut falls between characters, but never inside an embedded Latin word or
+    number ("Py" | "Torch" was spoken as two words)."""
+    for n in range(60, 140, 7):
+        text = "字" * n + "PyTorch2024" + "字" * n
+        segments = split_text(text, 100)
+        assert "".join(s.text for s in segments) == text
+        assert any("PyTorch2024" in s.text for s in segments), [s.text[-12:] for s in segments]
