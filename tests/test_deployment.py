@@ -278,6 +278,47 @@ def test_alert_rules_and_prometheus_config_pass_promtool(objects, tmp_path):
         assert r.returncode == 0 and said in r.stdout, r.stdout + r.stderr
 
 
+ERROR_RATE_TESTS = """
+rule_files: [voxcpm-serve.rules.yml]
+evaluation_interval: 1m
+tests:
+  - interval: 1m  # a replica restarting a worker: /ready answers its probes 503 while generation is fine
+    input_series:
+      - {series: 'voxcpm_http_requests_total{namespace="tts",method="GET",route="/ready",status="503"}',
+         values: '0+120x30'}
+      - {series: 'voxcpm_http_requests_total{namespace="tts",method="POST",route="/generate",status="200"}',
+         values: '0+60x30'}
+    alert_rule_test: [{eval_time: 20m, alertname: VoxcpmHighErrorRate, exp_alerts: []}]
+  - interval: 1m  # a third of the generations fail
+    input_series:
+      - {series: 'voxcpm_http_requests_total{namespace="tts",method="POST",route="/generate",status="500"}',
+         values: '0+30x30'}
+      - {series: 'voxcpm_http_requests_total{namespace="tts",method="POST",route="/generate",status="200"}',
+         values: '0+60x30'}
+      - {series: 'voxcpm_http_requests_total{namespace="tts",method="GET",route="/health",status="200"}',
+         values: '0+600x30'}
+    alert_rule_test:
+      - eval_time: 20m
+        alertname: VoxcpmHighErrorRate
+        exp_alerts:
+          - exp_labels: {namespace: tts, severity: critical}
+            exp_annotations:
+              summary: "voxcpm-serve: 33.33% of requests answer 5xx"
+              description: "More than 5% of requests failed with a 5xx for 5 minutes (503s from a full queue count)."
+"""
+
+
+def test_the_error_rate_alert_counts_requests_not_probes(objects, tmp_path):
+    """promtool runs the rules on series: a replica whose /ready answers 503 (a worker restarting) while every
+    generation succeeds raises no error-rate alert (the probes were counted as failed requests), and a third of the
+    generations failing raises it whatever the probes say."""
+    (tmp_path / "voxcpm-serve.rules.yml").write_text(yaml.safe_dump(kind(objects, "PrometheusRule")["spec"]))
+    (tmp_path / "tests.yml").write_text(ERROR_RATE_TESTS)
+    r = subprocess.run([promtool(), "test", "rules", "tests.yml"], capture_output=True, text=True, timeout=60,
+                       cwd=tmp_path)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+
+
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
                 "offset", "le", "inf", "nan"}
 
