@@ -434,7 +434,8 @@ def test_a_loop_turns_requests_reach_the_worker_as_one_message_and_start_in_one_
     shows the batching; the worker half only that a batch is read whole (separate messages waiting on the pipe would
     be read in the same round too)."""
     from engine.serving import protocol as msgs
-    from engine.serving.client import EngineClient, _WorkerLink
+    from engine.serving.client import EngineClient
+    from engine.serving.worker_link import WorkerLink
 
     params = SamplingParams(max_generate_length=3, seed=1)
     burst = [msgs.Generate(f"r{i}", msgs.SynthesisRequest(f"Request number {i}.", params=params)) for i in range(3)]
@@ -443,7 +444,7 @@ def test_a_loop_turns_requests_reach_the_worker_as_one_message_and_start_in_one_
                           worker_end: multiprocessing.connection.Connection) -> list[object]:
         """The sends, and what the worker's end of the pipe reads, message by message, before the link closes."""
         client = EngineClient([], b"test")
-        link = _WorkerLink(client, 0, "the test's pipe")
+        link = WorkerLink(client, 0, "the test's pipe")
         link.attach(conn)
 
         async def read() -> object:

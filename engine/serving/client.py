@@ -6,10 +6,11 @@ least-loaded ready worker and turns the worker's per-step messages into one asyn
 runs on the client's transform threads (`engine.serving.transforms`; the service's are its deadline-ordered
 `service.encoder_pool.EncoderPool`), so encoding spreads over cores instead of serialising on the event loop.
 
-Threads per worker connection: a reader (unpickles messages; hands audio to the loop or the encoder pool) and a
-sender. A connection that breaks fails its requests at once (WorkerDiedError, or PoolStoppedError after the
-worker said Goodbye) and is re-established in the background: a restarted worker listens on the same address,
-and the client's registered prompts are sent to it again. Torch-free: API processes import it without torch.
+Threads per worker connection (`engine.serving.worker_link.WorkerLink`): a reader (unpickles messages; hands audio
+to the loop or the encoder pool) and a sender. A connection that breaks fails its requests at once (WorkerDiedError,
+or PoolStoppedError after the worker said Goodbye) and is re-established in the background: a restarted worker
+listens on the same address, and the client's registered prompts are sent to it again. Torch-free: API processes
+import it without torch.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ import contextlib
 import itertools
 import logging
 import os
-import queue
-import threading
 from collections.abc import Callable, Iterable, MutableMapping
 from multiprocessing.connection import Client, Connection
 from typing import Any, TypeVar
@@ -41,6 +40,7 @@ from engine.serving.reports import WorkerInfo, WorkerLoad, WorkerStats
 from engine.serving.routing import LoadTable
 from engine.serving.stream import GenerationStream, StreamItem, TextIdsBatcher, Transform
 from engine.serving.transforms import TransformThreads
+from engine.serving.worker_link import WorkerLink
 from engine.vocabulary import AdapterInfo
 
 log = logging.getLogger(__name__)
@@ -49,112 +49,6 @@ R = TypeVar("R")
 RECONNECT_S = (0.05, 0.5)  # first and longest pause between connection attempts
 STATS_TIMEOUT_S = 5.0  # a worker that answers no GetStats within this is stuck: the pool is not ready until it answers
 REPLAY = "replay:"  # call ids of registrations sent again to a (re)connected worker, answered to nobody
-_END = object()
-
-
-class _WorkerLink:
-    """This client's connection to one worker."""
-
-    def __init__(self, client: EngineClient, index: int, address: str) -> None:
-        self.client, self.index, self.address = client, index, address
-        self.conn: Connection | None = None
-        self.connected = False  # the connection is up (not necessarily ready)
-        self.ready = False  # Ready received on the current connection
-        self.answering = True  # answered its last stats call in time, or sent anything since (`EngineClient.stats`)
-        self.down = False  # a connection broke and has not been re-established yet
-        self.info: WorkerInfo | None = None  # from its Ready (kept after it goes down: its device names it)
-        self.load = WorkerLoad()
-        self.streams: dict[str, GenerationStream] = {}
-        self.calls: dict[str, asyncio.Future[Any]] = {}
-        self.ready_event = asyncio.Event()
-        self.stopped_reason: str | None = None  # the worker said Goodbye on this connection
-        self.closed_event = asyncio.Event()  # set when the current connection ends
-        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        # The messages this turn of the event loop sends, posted to the sender as one when the turn ends: a burst's
-        # requests (their streams resume in one turn after their tokenization) reach the worker in one read.
-        self._turn: list[Any] | None = None
-        self._turn_lock = threading.Lock()
-
-    def send(self, msg: Any) -> None:
-        """Queue `msg` for the worker (from any thread, a finalizer's included; in order with what this process sent
-        before it)."""
-        if not self.connected:
-            raise WorkerDiedError(f"worker {self.index} is not connected")
-        # Nothing is allocated under the lock: an allocation may run the garbage collector, whose finalizers (a
-        # stream's close) send too, in this thread.
-        on_loop, fresh = self._on_loop(), [msg]
-        with self._turn_lock:
-            if self._turn is not None:  # a turn is being gathered: join it, so nothing overtakes what it holds
-                self._turn.append(msg)
-                return
-            if not on_loop:
-                self._outbox.put(msg)
-                return
-            self._turn = fresh
-        self.client.loop.call_soon(self._post_turn)
-
-    def _on_loop(self) -> bool:
-        try:
-            return asyncio.get_running_loop() is self.client.loop
-        except RuntimeError:  # no loop runs in this thread
-            return False
-
-    def _post_turn(self) -> None:
-        """The turn's messages to the sender, as one item (under the lock: a send from another thread comes after)."""
-        with self._turn_lock:
-            if self._turn is not None:
-                self._outbox.put(self._turn)
-            self._turn = None
-
-    def attach(self, conn: Connection) -> asyncio.Event:
-        """Start serving a fresh connection (event loop thread); the event is set when it ends."""
-        self.conn, self.connected, self.stopped_reason, self.answering = conn, True, None, True
-        self.closed_event = asyncio.Event()
-        self._outbox = queue.SimpleQueue()
-        threading.Thread(target=self._write, args=(conn, self._outbox), name=f"voxcpm-sender-{self.index}",
-                         daemon=True).start()
-        threading.Thread(target=self._read, args=(conn,), name=f"voxcpm-reader-{self.index}", daemon=True).start()
-        return self.closed_event
-
-    def _write(self, conn: Connection, outbox: queue.SimpleQueue[Any]) -> None:
-        while (msg := outbox.get()) is not _END:
-            if isinstance(msg, list):  # a turn's messages
-                msg = msg[0] if len(msg) == 1 else p.MessageBatch(msg)
-            try:
-                conn.send(msg)
-            except (OSError, ValueError):
-                return  # the reader sees the connection close
-            if log.isEnabledFor(logging.DEBUG):  # a burst's timeline, with the worker's
-                for sent in p.unbatched(msg):
-                    if isinstance(sent, p.Generate):
-                        log.debug("generate %s sent", sent.request_id)
-
-    def _read(self, conn: Connection) -> None:
-        loop, client = self.client.loop, self.client
-        while True:
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError, TypeError):  # TypeError: closed by close_connection() while reading
-                break
-            try:
-                if isinstance(msg, p.StepEvents):
-                    client.dispatch(self, msg)
-                else:
-                    loop.call_soon_threadsafe(client.on_message, self, msg)
-            except RuntimeError:  # the loop is closed
-                break
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(client.on_closed, self, conn)
-
-    def close_connection(self) -> None:
-        self._post_turn()  # this turn's messages are queued before the end (what is not written before the close is
-        # lost, as any queued message is: the worker aborts the requests of a connection that went away)
-        self._outbox.put(_END)
-        if self.conn is not None:
-            with contextlib.suppress(OSError):
-                self.conn.close()
-
-
 def _deliver(items: Iterable[tuple[GenerationStream, StreamItem]]) -> None:
     for stream, item in items:
         stream.put(item)
@@ -169,7 +63,7 @@ class EngineClient:
                  transform_threads: type[TransformThreads] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.authkey = authkey
-        self.links = [_WorkerLink(self, i, a) for i, a in enumerate(addresses)]
+        self.links = [WorkerLink(self, i, a) for i, a in enumerate(addresses)]
         self.load = load or LoadTable(len(addresses))  # shared with the other API processes of a service
         self.queue_bound = queue_bound  # requests a worker may hold beyond its max_num_seqs (None: no bound)
         self.encoders = (transform_threads or TransformThreads)(max(1, encoder_threads), self.loop)
@@ -190,7 +84,7 @@ class EngineClient:
         self._tasks = [asyncio.ensure_future(self._keep_connected(link)) for link in self.links]
 
     # --- connections --------------------------------------------------------------------------------
-    async def _keep_connected(self, link: _WorkerLink) -> None:
+    async def _keep_connected(self, link: WorkerLink) -> None:
         pause = RECONNECT_S[0]
         while not self.closed:
             try:
@@ -217,7 +111,7 @@ class EngineClient:
                 link.send(p.LeaseLoRA(lease, name))
             await closed.wait()
 
-    def on_message(self, link: _WorkerLink, msg: Any) -> None:
+    def on_message(self, link: WorkerLink, msg: Any) -> None:
         link.answering = True
         if isinstance(msg, p.Ready):
             link.info, link.ready, link.down = msg.info, True, False
@@ -240,7 +134,7 @@ class EngineClient:
         else:
             log.error("unexpected message %r from worker %d", type(msg).__name__, link.index)
 
-    def on_closed(self, link: _WorkerLink, conn: Connection) -> None:
+    def on_closed(self, link: WorkerLink, conn: Connection) -> None:
         """A connection ended: fail what waits on it, and let _keep_connected make a new one."""
         if conn is not link.conn:
             return
@@ -264,7 +158,7 @@ class EngineClient:
         link.closed_event.set()
 
     # --- events (the reader thread) -----------------------------------------------------------------
-    def dispatch(self, link: _WorkerLink, msg: p.StepEvents) -> None:
+    def dispatch(self, link: WorkerLink, msg: p.StepEvents) -> None:
         """A step's events: plain streams' chunks go to the loop in one callback, transformed ones to the encoders."""
         plain: list[tuple[GenerationStream, StreamItem]] = []
         for ev in msg.events:
@@ -278,7 +172,7 @@ class EngineClient:
         self.loop.call_soon_threadsafe(self._on_step, link, msg.load, plain)
 
     @staticmethod
-    def _on_step(link: _WorkerLink, load: WorkerLoad, plain: list[tuple[GenerationStream, StreamItem]]) -> None:
+    def _on_step(link: WorkerLink, load: WorkerLoad, plain: list[tuple[GenerationStream, StreamItem]]) -> None:
         link.load, link.answering = load, True
         _deliver(plain)
 
@@ -295,8 +189,8 @@ class EngineClient:
 
     @property
     def stuck(self) -> list[int]:
-        """The ready workers whose last stats call went unanswered for STATS_TIMEOUT_S (a hung device call, a
-        deadlock): connected, yet serving nothing."""
+        """The ready workers whose last stats call went unanswered for STATS_TIMEOUT_S (a GPU call that never
+        returns, a deadlock): connected, yet serving nothing."""
         return [link.index for link in self.links if link.ready and not link.answering]
 
     @property
@@ -314,7 +208,7 @@ class EngineClient:
         await asyncio.wait_for(all_ready(), timeout)
 
     @staticmethod
-    async def _some_ready(links: list[_WorkerLink], timeout: float | None) -> None:
+    async def _some_ready(links: list[WorkerLink], timeout: float | None) -> None:
         """Until one of the links not ready turns ready (or the timeout passes)."""
         waits = [asyncio.ensure_future(link.ready_event.wait()) for link in links if not link.ready]
         if not waits:
@@ -329,7 +223,7 @@ class EngineClient:
         return [{"in_flight": len(link.streams), "alive": int(link.connected), **vars(link.load)}
                 for link in self.links]
 
-    async def pick(self, bounded: bool = True) -> _WorkerLink:
+    async def pick(self, bounded: bool = True) -> WorkerLink:
         """The ready worker with the fewest requests in flight (over every process routing to it); waits while the
         workers are still loading."""
         while True:
@@ -354,7 +248,7 @@ class EngineClient:
         """The request's stream (it is sent to a worker on the first `anext`)."""
         return GenerationStream(self, request, transform)
 
-    async def call(self, link: _WorkerLink, make: Callable[[str], p.Call[R]]) -> R:
+    async def call(self, link: WorkerLink, make: Callable[[str], p.Call[R]]) -> R:
         """Ask `link`'s worker the call `make(call_id)` builds; its typed answer, or the error it sent raised."""
         call_id = f"c{next(self.ids)}"
         fut: asyncio.Future[R] = self.loop.create_future()
@@ -371,7 +265,7 @@ class EngineClient:
     async def stats(self) -> list[WorkerStats | None]:
         """Per worker: running/waiting sequences, free KV blocks, preemptions... (None for one not ready, or one that
         did not answer within STATS_TIMEOUT_S: it is `stuck` until it sends anything again)."""
-        async def one(link: _WorkerLink) -> WorkerStats | None:
+        async def one(link: WorkerLink) -> WorkerStats | None:
             if not link.ready:
                 return None
             try:
@@ -388,7 +282,7 @@ class EngineClient:
     async def register_lora(self, name: str, path: str) -> AdapterInfo:
         """Register an adapter on every worker (a worker still loading, or restarted later, gets it when it connects);
         undone everywhere if one refuses it. Its description on the first worker."""
-        done: list[_WorkerLink] = []
+        done: list[WorkerLink] = []
         try:
             for link in self.links:
                 if link.ready:

@@ -97,14 +97,15 @@ async def client_path(fmt: str, streams: int, step_s: float, steps: int, threads
                       sr: int, quality: int) -> dict[str, Any]:
     """CPU of this process per audio second while a real EngineClient turns a worker's steps into encoded streams."""
     from engine.serving import protocol as p
-    from engine.serving.client import EngineClient, _WorkerLink
+    from engine.serving.client import EngineClient
     from engine.serving.routing import LoadTable
     from engine.serving.stream import GenerationStream
+    from engine.serving.worker_link import WorkerLink
     from engine.vocabulary import SamplingParams
     from service.encoder_pool import EncoderPool
 
     client = EngineClient([], b"bench", encoder_threads=threads, load=LoadTable(1), transform_threads=EncoderPool)
-    link = _WorkerLink(client, 0, "played by a process of this benchmark")
+    link = WorkerLink(client, 0, "played by a process of this benchmark")
     ours, theirs = mp.Pipe()
     request = p.SynthesisRequest("", "", None, None, None, SamplingParams(), None)
     runs = []
