@@ -129,15 +129,15 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
     app.include_router(ops.router)  # /health, /ready, /metrics open; /info keyed (per route)
     if settings.playground:
         app.include_router(playground.router)  # open: a static page whose API calls carry the user's key
-    if settings.cors_origins:
-        origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]
-        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
-                           expose_headers=["X-Audio-Sample-Rate", "X-Audio-Channels", "X-Audio-Encoding",
-                                           "X-Request-Id", "X-Finish-Reason"])
     app.add_exception_handler(RequestValidationError, errors.validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, errors.http_exception_handler)
     for exc in errors.HANDLED:
         app.add_exception_handler(exc, errors.pool_error_handler)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    if settings.cors_origins:  # around the body limit: a browser reads its 413 too
+        origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["X-Audio-Sample-Rate", "X-Audio-Channels", "X-Audio-Encoding",
+                                           "X-Request-Id", "X-Finish-Reason", "X-Segment-Timings", "Retry-After"])
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: a refused body is a counted 413
     return app

@@ -169,11 +169,23 @@ class BaseServiceSettings(BaseSettings):
             raise ValueError(f"must be one of {MP3_BITRATES}")
         return v
 
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, v: str | None) -> str | None:
+        if v and not any(k.strip() for k in v.split(",")):  # set to a value, yet no key: every route would be open
+            raise ValueError("holds no key (only commas and spaces); leave it unset (or empty) for no keys")
+        return v
+
     @field_validator("api_keys_file")
     @classmethod
     def _keys_file(cls, v: Path | None) -> Path | None:
-        if v is not None and not v.expanduser().is_file():
+        if v is None:
+            return v
+        if not v.expanduser().is_file():
             raise ValueError(f"{v} is not a readable file")
+        if not any(line.strip() and not line.strip().startswith("#")
+                   for line in v.expanduser().read_text().splitlines()):  # a secret mount that did not fill
+            raise ValueError(f"{v} holds no key (only blank lines and # comments): every route would be open")
         return v
 
     @field_validator("redis_url")

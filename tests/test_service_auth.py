@@ -16,7 +16,7 @@ def server(checkpoint_factory, tmp_path_factory):
     keys_file = tmp / "keys"
     keys_file.write_text("# rotated monthly\nk-from-file\n")
     with live_server(checkpoint_factory, tmp, api_keys="k1, k2", api_keys_file=keys_file, protect_metrics=True,
-                     cors_origins="https://app.example") as s:
+                     cors_origins="https://app.example", max_request_bytes=4096) as s:
         yield s
 
 
@@ -51,6 +51,34 @@ def test_cors_only_for_the_configured_origin(server):
     other = httpx.options(server.url + "/generate", headers={"Origin": "https://evil.example",
                                                              "Access-Control-Request-Method": "POST"})
     assert "access-control-allow-origin" not in other.headers
+    # a body over the limit: its 413 carries the CORS headers too (a browser saw a network error, not the 413)
+    big = httpx.post(server.url + "/generate", content=b"x" * 5000, verify=TLS,
+                     headers={"Origin": "https://app.example", "content-type": "application/json"})
+    assert big.status_code == 413 and big.headers.get("access-control-allow-origin") == "https://app.example"
+    exposed = ok.headers.get("access-control-expose-headers", "") or httpx.get(
+        server.url + "/health", headers={"Origin": "https://app.example"}).headers["access-control-expose-headers"]
+    assert {"X-Segment-Timings", "Retry-After"} <= {h.strip() for h in exposed.split(",")}
+
+
+@pytest.mark.parametrize("value, file_text, message", [
+    (" , ", None, "NANOVLLM_API_KEYS: Value error, holds no key (only commas and spaces)"),
+    (None, "# rotated monthly\n\n", "NANOVLLM_API_KEYS_FILE: Value error, "),
+])
+def test_key_settings_that_hold_no_key_are_refused(tmp_path, value, file_text, message):
+    """NANOVLLM_API_KEYS set to commas, or a keys file of comments (a secret mount that did not fill): refused at
+    start-up naming the setting (the service ran with every route open and said nothing)."""
+    from pydantic import ValidationError
+
+    from service.settings import Settings, describe_error
+    keys_file = None
+    if file_text is not None:
+        keys_file = tmp_path / "keys"
+        keys_file.write_text(file_text)
+    with pytest.raises(ValidationError) as refused:
+        Settings(api_keys=value, api_keys_file=keys_file)
+    said = describe_error(refused.value)
+    assert message in said and ("every route would be open" in said or "unset" in said), said
+    assert Settings(api_keys="").api_key_list() == []  # empty: no keys, as unset
 
 
 def test_keyed_websocket(server):
@@ -85,7 +113,8 @@ def test_keyed_websocket(server):
         assert code == 1008 and types == ["error:authorization: a valid API key is required (Authorization: Bearer "
                                           "<key>, or the subprotocol bearer.<key>)"], (kwargs, types)
     for kwargs in ({"additional_headers": {"Authorization": "Bearer k1"}}, {"additional_headers": {"X-API-Key": "k2"}},
-                   {"subprotocols": ["voxcpm", "bearer.k-from-file"]}):
+                   {"subprotocols": ["voxcpm", "bearer.k-from-file"]}, {"subprotocols": ["bearer.k1"]}):
         types, code, protocol = run(**kwargs)
         assert code == 1000 and types[-1] == "session.done:", (kwargs, types)
-        assert protocol == ("voxcpm" if "subprotocols" in kwargs else None)
+        # "voxcpm" where offered; never the key (the answer echoed a lone bearer.<key> in the handshake)
+        assert protocol == ("voxcpm" if "voxcpm" in kwargs.get("subprotocols", []) else None), (kwargs, protocol)

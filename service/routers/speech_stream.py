@@ -74,11 +74,12 @@ def session_error(e: Exception) -> SessionError:
 
 
 def chosen_subprotocol(offered: list[str]) -> str | None:
-    """The subprotocol to answer: ours where offered, else the first offered (a browser fails a handshake whose
-    answer names none of its offers, and a client offering only its key still connects)."""
-    if not offered:
-        return None
-    return SUBPROTOCOL if SUBPROTOCOL in offered else offered[0]
+    """The subprotocol to answer: ours where offered, else the first offered that is not a key (a browser fails a
+    handshake whose answer names none of its offers); never a `bearer.<key>`, which the answer would echo in clear (a
+    client offering only its key still connects, without a subprotocol)."""
+    if SUBPROTOCOL in offered:
+        return SUBPROTOCOL
+    return next((o for o in offered if not o.startswith(KEY_PROTOCOL)), None)
 
 
 def given_key(ws: WebSocket) -> str:
