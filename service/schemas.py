@@ -34,10 +34,22 @@ class EncodeLatentsResponse(AudioFacts):
     latents_dtype: Literal["float32"] = "float32"
 
 
+def encodable(v: str | None) -> str | None:
+    """Text as UTF-8 encodes it: JSON's escapes can spell a lone UTF-16 half, which no text holds (the tokenizer
+    refused it naming no field)."""
+    try:
+        if v is not None:
+            v.encode()
+    except UnicodeEncodeError:
+        raise ValueError("holds an unpaired surrogate (a lone \\ud800-\\udfff escape)") from None
+    return v
+
+
 def not_blank(v: str) -> str:
-    """Text the model speaks or follows: whitespace alone is no text."""
+    """Text the model speaks or follows: whitespace alone is no text (nor a lone surrogate: `encodable`)."""
     if not v.strip():
         raise ValueError("must contain non-space characters")
+    encodable(v)
     return v
 
 
@@ -71,7 +83,7 @@ class AddHifiResponse(AudioFacts):
 
 class VoiceInfo(BaseModel):
     id: str
-    kind: Literal["prompt", "reference", "hifi"]
+    kind: Literal["prompt", "reference", "hifi", "zero-shot"]  # zero-shot: /v1's "default" voice
     prompt_text: str = ""
     prompt_frames: int = Field(0, description="Latent frames of the continuation prompt.")
     ref_frames: int = Field(0, description="Latent frames of the reference.")
@@ -235,6 +247,7 @@ class GenerateRequest(SamplingFields, PlaybackFields, LongFormFields):
     normalize: bool = normalize_field()
 
     _target_text = field_validator("target_text")(not_blank)
+    _prompt_text = field_validator("prompt_text")(encodable)
 
     @model_validator(mode="after")
     def _forms(self) -> GenerateRequest:
@@ -259,13 +272,17 @@ class GenerateRequest(SamplingFields, PlaybackFields, LongFormFields):
 # --- OpenAI ---------------------------------------------------------------------------------------
 
 
+OPENAI_PCM_RATE = 24000
+
+
 class SpeechRequest(SamplingFields, PlaybackFields, LongFormFields):
     model: str = Field(..., description="Any id from /v1/models (or tts-1, tts-1-hd, gpt-4o-mini-tts).")
     input: str = Field(..., min_length=1, max_length=TEXT_CHARS_CEILING,
                        description="Text to speak, up to NANOVLLM_MAX_TEXT_CHARS characters (split into segments "
                                    "when long).")
     voice: str = Field("default", max_length=VOICE_ID_MAX_CHARS,
-                       description="'default' (zero-shot) or a cached hifi/prompt/reference id.")
+                       description="'default' (zero-shot) or a cached hifi/prompt/reference id (or OpenAI's form "
+                                   "{\"id\": id}).")
     instructions: str | None = Field(None, description="Voice design: spoken as '(instructions)input'.")
     response_format: Literal["mp3", "wav", "pcm", "flac", "opus"] = Field("mp3", description="Audio format.")
     stream_format: Literal["audio", "sse"] = Field("audio", description="Raw audio bytes, or server-sent events "
@@ -273,6 +290,18 @@ class SpeechRequest(SamplingFields, PlaybackFields, LongFormFields):
     normalize: bool = normalize_field()
 
     _input = field_validator("input")(not_blank)
+    _instructions = field_validator("instructions")(encodable)
+
+    @field_validator("voice", mode="before")
+    @classmethod
+    def _voice_id(cls, v: object) -> object:
+        """OpenAI's custom-voice form {"id": ...} names the voice by its id."""
+        return v["id"] if isinstance(v, dict) and set(v) == {"id"} else v
+
+    def output_rate(self, fmt: str) -> int | None:
+        """As PlaybackFields', but pcm is 24 kHz unless sample_rate says otherwise: OpenAI's pcm, which its clients
+        play at that rate."""
+        return super().output_rate(fmt) or (OPENAI_PCM_RATE if fmt == "pcm" else None)
 
     @model_validator(mode="after")
     def _supported(self) -> SpeechRequest:

@@ -117,11 +117,14 @@ def test_blocking_routes_are_the_pools_chunks_encoded(server, reference, route, 
     assert r.headers["x-finish-reason"] == "length"
 
 
+MODEL_RATE = {"pcm": {"sample_rate": SAMPLE_RATE}}  # /v1's pcm is OpenAI's 24 kHz unless the model's rate is asked
+
+
 @pytest.mark.parametrize("fmt", ["mp3", "pcm", "wav", "flac", "opus"])
 def test_openai_formats_are_the_pools_chunks_encoded(server, reference, fmt):
     r = httpx.post(server.url + "/v1/audio/speech", timeout=120,
                    json={"model": "tts-1", "input": TEXT, "response_format": fmt, "seed": SEED,
-                         "max_generate_length": PATCHES}, verify=TLS)
+                         "max_generate_length": PATCHES, **MODEL_RATE.get(fmt, {})}, verify=TLS)
     assert r.status_code == 200, r.text
     if fmt == "opus":  # an Ogg stream carries a random serial number: the same audio, not the same bytes
         ours, sr = sf.read(io.BytesIO(r.content))
@@ -138,7 +141,7 @@ def test_openai_formats_are_the_pools_chunks_encoded(server, reference, fmt):
 def test_sse_deltas_are_the_pools_chunks_encoded(server, reference, fmt):
     r = httpx.post(server.url + "/v1/audio/speech", timeout=120,
                    json={"model": "tts-1", "input": TEXT, "response_format": fmt, "stream_format": "sse",
-                         "seed": SEED, "max_generate_length": PATCHES}, verify=TLS)
+                         "seed": SEED, "max_generate_length": PATCHES, **MODEL_RATE.get(fmt, {})}, verify=TLS)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = [json.loads(line[len("data: "):]) for line in r.text.splitlines() if line.startswith("data: ")]
     assert [e["type"] for e in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1)

@@ -44,8 +44,8 @@ def test_every_format_round_trips(client, fmt):
     r = client.audio.speech.create(model="tts-1", voice="default", input="Hello.", response_format=fmt,
                                    extra_body=EXTRA)
     data = r.content
-    if fmt == "pcm":
-        assert len(data) == 2 * N * SAMPLES_PER_PATCH
+    if fmt == "pcm":  # OpenAI's pcm: 24 kHz, which its clients assume (the model's is 48)
+        assert r.response.headers["x-audio-sample-rate"] == "24000" and len(data) == N * SAMPLES_PER_PATCH
         return
     audio, sr = sf.read(io.BytesIO(data))
     assert sr == SAMPLE_RATE
@@ -71,7 +71,7 @@ def test_sse_stream(server):
     assert events[-1]["type"] == "speech.audio.done"
     pcm = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
     assert all(e["type"] == "speech.audio.delta" for e in events[:-1])
-    assert len(pcm) == 2 * N * SAMPLES_PER_PATCH
+    assert len(pcm) == N * SAMPLES_PER_PATCH  # 24 kHz
 
 
 def _pcm(r) -> np.ndarray:
@@ -107,7 +107,7 @@ def test_cached_voice_and_instructions(client, server):
 
     def speech(voice: str, text: str, **kwargs) -> np.ndarray:
         r = client.audio.speech.create(model="tts-1", voice=voice, input=text, response_format="pcm",
-                                       extra_body=EXTRA, **kwargs)
+                                       extra_body={**EXTRA, "sample_rate": SAMPLE_RATE}, **kwargs)
         assert len(r.content) == 2 * N * SAMPLES_PER_PATCH
         return _pcm(r)
 
@@ -254,3 +254,33 @@ def test_a_reference_on_a_model_without_one_names_the_field_given(checkpoint_fac
                 assert r.status_code == 400 and r.json()["detail"] == f"{field}: {refused}", r.text
     finally:
         server.stop()
+
+
+def test_what_openais_client_sends_is_served(client, server):
+    """OpenAI's forms: voice as {"id": ...} (a custom voice), models.retrieve of a served name (a dated snapshot
+    too) and 404 naming the model otherwise; /v1/audio/voices says the default voice is zero-shot; a lone surrogate
+    in instructions (or a native prompt_text) is a 422 naming it (it was a 400 naming nothing)."""
+    with httpx.Client(verify=TLS, base_url=server.url, timeout=60) as c:
+        clip = base64.b64encode(wav_bytes(1.0, seed=5)).decode()
+        pid = c.post("/add_prompt", json={"wav_base64": clip, "prompt_text": "A clip."}).json()["prompt_id"]
+        as_object = client.audio.speech.create(model="gpt-4o-mini-tts-2025-12-15", voice={"id": pid}, input="Hi.",
+                                               response_format="pcm", extra_body=EXTRA)
+        as_string = client.audio.speech.create(model="tts-1", voice=pid, input="Hi.", response_format="pcm",
+                                               extra_body=EXTRA)
+        assert _same(_pcm(as_object), _pcm(as_string))
+        assert client.models.retrieve("tts-1").id == "tts-1"
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.models.retrieve("whisper-1")
+        assert missing.value.body["param"] == "model" and "whisper-1" in missing.value.body["message"]
+        default = c.get("/v1/audio/voices").json()["voices"][0]
+        assert default["id"] == "default" and default["kind"] == "zero-shot"
+        def post(path: str, body: dict) -> httpx.Response:  # json.dumps writes the lone half as its \u escape
+            return c.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+        r = post("/v1/audio/speech", {"model": "tts-1", "input": "Hi.", "instructions": "calm \ud800"})
+        assert r.status_code == 422 and r.json()["error"]["param"] == "instructions", r.text
+        assert "unpaired surrogate" in r.json()["error"]["message"]
+        latents = base64.b64encode(np.zeros((4, 64), np.float32).tobytes()).decode()
+        r = post("/generate_blocking", {"target_text": "Hi.", "prompt_latents_base64": latents,
+                                        "prompt_text": "x\ud800"})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "prompt_text", r.text

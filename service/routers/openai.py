@@ -1,5 +1,7 @@
-"""OpenAI-compatible speech: POST /v1/audio/speech, GET /v1/audio/voices, GET /v1/models. The official
-`openai` client works unmodified (client.audio.speech.create / with_streaming_response)."""
+"""OpenAI-compatible speech: POST /v1/audio/speech, GET /v1/audio/voices, GET /v1/models (and /v1/models/{model}).
+The official `openai` client works unmodified (client.audio.speech.create / with_streaming_response, models.list /
+retrieve); `voice` is "default" (zero-shot) or a cached voice's id, as a string or OpenAI's {"id": ...} (OpenAI's
+built-in voice names are unknown here: 404); `pcm` is 24 kHz as OpenAI's unless sample_rate says otherwise."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from service.shared_adapters import sync_adapters
 from service.state import ServiceState
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # what OpenAI examples send: served by our model
+# what OpenAI examples and its client's model names send: served by our model
+OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-mini-tts-2025-12-15")
 
 
 async def adapter_ids(state: ServiceState) -> list[str]:
@@ -88,7 +91,7 @@ async def speech(req: SpeechRequest, request: Request, state: LoadedState) -> Re
 @router.get("/audio/voices", response_model=VoiceList)
 async def voices(state: State) -> VoiceList:
     """'default' (zero-shot) and every cached voice usable as `voice`."""
-    default = {"id": "default", "kind": "hifi", "nbytes": 0, "created": 0.0}
+    default = {"id": "default", "kind": "zero-shot", "nbytes": 0, "created": 0.0}
     cached = [voice_info(state, v) for v in await state.store.list()] if state.loaded else []
     return VoiceList(voices=[default, *cached])
 
@@ -96,3 +99,10 @@ async def voices(state: State) -> VoiceList:
 @router.get("/models", response_model=ModelList)
 async def models(state: State) -> ModelList:
     return ModelList(data=[ModelCard(id=m) for m in (*model_ids(state), *await adapter_ids(state))])
+
+
+@router.get("/models/{model}", response_model=ModelCard)
+async def model(model: str, state: State) -> ModelCard:
+    if model not in model_ids(state) and model not in await adapter_ids(state):
+        raise HTTPException(404, f"model: unknown model {model!r}; GET /v1/models lists them")
+    return ModelCard(id=model)
