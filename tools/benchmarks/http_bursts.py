@@ -62,11 +62,13 @@ def long_text(chars: int) -> str:
     return text[:text.rfind(".") + 1]
 
 
-def body_of(a: argparse.Namespace, hifi_id: str | None) -> tuple[str, dict[str, Any]]:
+def body_of(a: argparse.Namespace, hifi_id: str | None, sample_rate: int) -> tuple[str, dict[str, Any]]:
     text = long_text(a.text_chars) if a.text_chars else TEXT
     if a.route == "speech":
         body: dict[str, Any] = {"model": "tts-1", "input": text, "voice": hifi_id or "default",
                                 "response_format": a.format, "max_generate_length": a.patches}
+        if a.format == "pcm":  # the model's rate, as /generate sends (OpenAI's pcm default, 24 kHz, is resampled)
+            body["sample_rate"] = sample_rate
         return "/v1/audio/speech", body
     body = {"target_text": text, "max_generate_length": a.patches, "cfg_value": CFG_VALUE,
             "temperature": TEMPERATURE, "response_format": a.format}
@@ -101,7 +103,7 @@ async def client_bursts(a: argparse.Namespace, n: int, bursts: int, barrier: Any
                         sample_rate: int) -> list[list[dict[str, Any]]]:
     import httpx
 
-    path, body = body_of(a, hifi_id)
+    path, body = body_of(a, hifi_id, sample_rate)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
     out = []
     async with httpx.AsyncClient(base_url=a.url, timeout=httpx.Timeout(600.0), limits=limits) as client:
@@ -142,7 +144,7 @@ async def raw_bursts(a: argparse.Namespace, n: int, bursts: int, barrier: Any, h
 
     url = urllib.parse.urlsplit(a.url)
     host, port = url.hostname or "127.0.0.1", url.port or 80
-    path, body = body_of(a, hifi_id)
+    path, body = body_of(a, hifi_id, sample_rate)
     payload = json.dumps(body).encode()
     headers = [("Host", url.netloc), ("Content-Type", "application/json"), ("Content-Length", str(len(payload)))]
 
