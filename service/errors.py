@@ -79,9 +79,9 @@ def error_payload(path: str, status: int, detail: object) -> dict:
     or in OpenAI's shape under /v1/."""
     if not path.startswith(OPENAI_PREFIX):
         return {"detail": detail}
-    if isinstance(detail, list):  # validation errors: one message naming each field (an unparseable body: "body")
-        fields = ["body" if e.get("type") == "json_invalid" else ".".join(str(p) for p in e["loc"] if p != "body")
-                  for e in detail]
+    if isinstance(detail, list):  # validation errors: one message naming each field (the body as a whole: "body")
+        fields = ["body" if e.get("type") == "json_invalid" else
+                  ".".join(str(p) for p in e["loc"] if p != "body") or "body" for e in detail]
         message = "; ".join(f"{f}: {e['msg']}" if f else e["msg"] for f, e in zip(fields, detail, strict=True))
         param = (fields[0] or _param_of(detail[0]["msg"])) if detail else None
     else:
@@ -119,6 +119,20 @@ async def validation_error_handler(request: Request, exc: Exception) -> JSONResp
     """FastAPI's 422 shape, minus the echoed input (it can be megabytes of base64): each error names the
     field (loc) and the rule it broke (msg)."""
     assert isinstance(exc, RequestValidationError)
-    detail = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", "").removeprefix("Value error, "),
-               "type": e.get("type", "")} for e in exc.errors()]
+    detail = [{"loc": list(e.get("loc", ())), "msg": _rule(e), "type": e.get("type", "")} for e in exc.errors()]
     return JSONResponse(error_payload(request.url.path, 422, detail), status_code=422)
+
+
+def _rule(error: Mapping) -> str:
+    """The rule an error broke, in words; for the body as a whole, what to send instead (FastAPI's "Field required" of
+    an empty body, "Input should be a valid dictionary" of a form or text body, "JSON decode error" without why)."""
+    loc, kind = tuple(error.get("loc", ())), error.get("type", "")
+    if kind == "json_invalid":
+        reason = (error.get("ctx") or {}).get("error")
+        at = f" at character {loc[1]}" if len(loc) > 1 else ""
+        return f"not valid JSON{at}{f' ({reason})' if reason else ''}"
+    if loc == ("body",) and kind == "missing":
+        return "required: a JSON object, sent with Content-Type: application/json"
+    if loc == ("body",) and kind in ("model_attributes_type", "dict_type"):
+        return "must be a JSON object, sent with Content-Type: application/json"
+    return str(error.get("msg", "")).removeprefix("Value error, ")

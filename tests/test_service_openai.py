@@ -284,3 +284,28 @@ def test_what_openais_client_sends_is_served(client, server):
         r = post("/generate_blocking", {"target_text": "Hi.", "prompt_latents_base64": latents,
                                         "prompt_text": "x\ud800"})
         assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "prompt_text", r.text
+
+
+@pytest.mark.parametrize("route", ["/v1/audio/speech", "/generate"])
+def test_a_body_that_is_not_a_json_object_says_what_to_send(server, route):
+    """No body, a form or text body, broken JSON: each names the body and what to send (no body was "Field required"
+    naming nothing, a form body "Input should be a valid dictionary...", broken JSON "JSON decode error" without
+    where or why)."""
+    with httpx.Client(verify=TLS, base_url=server.url, timeout=60) as c:
+        empty = c.post(route)
+        form = c.post(route, data={"input": "Hi."})
+        broken = c.post(route, content=b'{"model": "tts-1", "input":}', headers={"content-type": "application/json"})
+
+    def said(r: httpx.Response) -> tuple[str | None, str]:
+        assert r.status_code == 422, r.text
+        if route.startswith("/v1"):
+            return r.json()["error"]["param"], r.json()["error"]["message"]
+        (err,) = r.json()["detail"]
+        return err["loc"][0], err["msg"]
+
+    assert said(empty) == ("body", ("body: " if route.startswith("/v1") else "")
+                           + "required: a JSON object, sent with Content-Type: application/json")
+    assert said(form)[0] == "body" and said(form)[1].endswith("must be a JSON object, sent with Content-Type: "
+                                                              "application/json")
+    param, message = said(broken)
+    assert param == "body" and "not valid JSON at character 27 (Expecting value)" in message, message
