@@ -276,7 +276,8 @@ def test_runtime_adapters_over_http(adapter, file_server, checkpoint_factory, tm
             assert np.abs(pcm["adapted"] - pcm["again"]).max() <= 4
             assert np.abs(pcm["adapted"] - pcm["plain"]).max() > 100
             speech = c.post("/v1/audio/speech", json={"model": "voice", "input": BODY["target_text"], "seed": 4,
-                                                      "max_generate_length": 3, "response_format": "pcm"})
+                                                      "max_generate_length": 3, "response_format": "pcm",
+                                                      "sample_rate": 48000})  # /generate's (the model's) rate
             assert speech.status_code == 200, speech.text
             assert np.abs(np.frombuffer(speech.content, np.int16).astype(int) - pcm["adapted"]).max() <= 4
             assert "voice" in [m["id"] for m in c.get("/v1/models").json()["data"]]
