@@ -32,7 +32,7 @@ from engine.serving.devices import device_names
 from engine.serving.pool import checked_model_path
 from engine.serving.routing import LoadTable
 from service import errors, lifecycle
-from service.deps import require_api_key
+from service.deps import KeyFirstMiddleware, require_api_key
 from service.encoder_pool import EncoderPool
 from service.engine_setup import (
     DRAIN_SIGNAL,
@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None = None) -> FastAPI:
     settings = settings or Settings()
     metrics = Metrics(multiprocess_mode=endpoint is not None and endpoint.multiprocess_metrics)
+    api_keys = [k.encode() for k in settings.api_key_list()]  # read once (the keys file too)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -95,7 +96,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
             state = ServiceState(settings=settings, pool=pool, store=store, metrics=metrics, model_path=model_path,
                                  model_id=Path(model_path).name, demo=demo, owns_workers=endpoint is None,
                                  reports_startup=endpoint is None or endpoint.row == 0,
-                                 api_keys=[k.encode() for k in settings.api_key_list()],
+                                 api_keys=api_keys,
                                  shared_adapters=SharedAdapters(store) if isinstance(store, RedisVoiceStore) else None)
             app.state.service = state
             if endpoint is not None and threading.current_thread() is threading.main_thread():
@@ -134,6 +135,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
     for exc in errors.HANDLED:
         app.add_exception_handler(exc, errors.pool_error_handler)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(KeyFirstMiddleware, keys=api_keys)  # a keyed route's 401 before its body is read
     if settings.cors_origins:  # around the body limit: a browser reads its 413 too
         origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],

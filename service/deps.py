@@ -1,14 +1,15 @@
-"""FastAPI dependencies for the shared state."""
+"""FastAPI dependencies for the shared state and the API key (with the middleware that checks the key first)."""
 
 from __future__ import annotations
 
 import hmac
+import json
 from collections.abc import Mapping
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request
 
-from service.errors import unavailable
+from service.errors import error_payload, unavailable
 from service.state import ServiceState
 
 
@@ -55,6 +56,9 @@ def key_matches(keys: list[bytes], given: str) -> bool:
     return matched
 
 
+MISSING_KEY = "authorization: a valid API key is required (Authorization: Bearer <key>)"
+
+
 def key_of(headers: Mapping[str, str]) -> str:
     """The key a request carries: `Authorization: Bearer <key>`, else `X-API-Key`."""
     auth = headers.get("authorization", "")
@@ -65,8 +69,31 @@ def require_api_key(request: Request) -> None:
     """With API keys configured: `Authorization: Bearer <key>` (or `X-API-Key`) must hold one of them."""
     keys = get_state(request).api_keys
     if keys and not key_matches(keys, key_of(request.headers)):
-        raise HTTPException(401, "authorization: a valid API key is required (Authorization: Bearer <key>)",
-                            headers={"WWW-Authenticate": "Bearer"})
+        raise HTTPException(401, MISSING_KEY, headers={"WWW-Authenticate": "Bearer"})
+
+
+class KeyFirstMiddleware:
+    """With API keys set, a request that sends a body (POST, PUT, PATCH: every such route is keyed) without a valid
+    key is a 401 before the body is read: FastAPI reads and validates a body before a route's dependencies run, so an
+    anonymous client could make the service parse megabytes and answer with the schema's errors. `require_api_key`
+    stays the rule of every keyed route; this applies it earlier where a body would come first."""
+
+    BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+    def __init__(self, app: Any, keys: list[bytes]) -> None:
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and self.keys and scope["method"] in self.BODY_METHODS:
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []}
+            if not key_matches(self.keys, key_of(headers)):
+                body = json.dumps(error_payload(scope.get("path", ""), 401, MISSING_KEY)).encode()
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
 
 
 def require_metrics_key(request: Request) -> None:

@@ -39,6 +39,18 @@ def test_keyed_routes(server, method, path, body):
         assert call(headers).status_code == 200, headers
 
 
+@pytest.mark.parametrize("path", ["/generate", "/v1/audio/speech", "/add_prompt"])
+def test_a_keyed_route_refuses_before_reading_the_body(server, path):
+    """No key: 401 whatever the body (broken JSON, a form, none), not the body's 422: the body is never parsed for an
+    anonymous client."""
+    for kwargs in ({"content": b'{"input":', "headers": {"content-type": "application/json"}},
+                   {"data": {"input": "Hi."}}, {}):
+        r = httpx.post(server.url + path, verify=TLS, timeout=60, **kwargs)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", (kwargs, r.text)
+        message = r.json()["error"]["message"] if path.startswith("/v1/") else r.json()["detail"]
+        assert message.startswith("authorization: a valid API key is required")
+
+
 def test_probes_stay_open(server):
     assert httpx.get(server.url + "/health", verify=TLS).status_code == 200
     assert httpx.get(server.url + "/ready", verify=TLS).status_code == 200
@@ -53,7 +65,8 @@ def test_cors_only_for_the_configured_origin(server):
     assert "access-control-allow-origin" not in other.headers
     # a body over the limit: its 413 carries the CORS headers too (a browser saw a network error, not the 413)
     big = httpx.post(server.url + "/generate", content=b"x" * 5000, verify=TLS,
-                     headers={"Origin": "https://app.example", "content-type": "application/json"})
+                     headers={"Origin": "https://app.example", "content-type": "application/json",
+                              "Authorization": "Bearer k1"})
     assert big.status_code == 413 and big.headers.get("access-control-allow-origin") == "https://app.example"
     exposed = ok.headers.get("access-control-expose-headers", "") or httpx.get(
         server.url + "/health", headers={"Origin": "https://app.example"}).headers["access-control-expose-headers"]
