@@ -60,20 +60,20 @@ def load_settings(argv: Sequence[str] | None = None) -> Settings:
     except ValueError as e:
         print(f"invalid configuration:\n  {e}", file=sys.stderr)
         sys.exit(2)
+    for name in unknown_variables():
+        logging.getLogger("service").warning("%s names no setting and is ignored (`voxcpm-serve --help` lists them)",
+                                             name)
     return settings
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if argv[:1] == ["check"]:
         from service.check import main as check
 
         sys.exit(check(argv[1:]))
     settings = load_settings(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for name in unknown_variables():
-        logging.getLogger("service").warning("%s names no setting and is ignored (`voxcpm-serve --help` lists them)",
-                                             name)
     from service.supervisor import Supervisor  # after validation: a config error should not wait for imports
 
     sys.exit(asyncio.run(Supervisor(settings).run()))

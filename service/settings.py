@@ -58,7 +58,8 @@ ANNOTATIONS = {"int": int, "float": float, "bool": bool, "str": str, "None": typ
 class BaseServiceSettings(BaseSettings):
     """The service's own settings; `Settings` adds the engine's (ENGINE_SETTINGS)."""
 
-    model_config = SettingsConfigDict(env_prefix="NANOVLLM_", extra="ignore")
+    # an empty variable is unset (NANOVLLM_LORA_DIR= read as the current directory, NANOVLLM_MODEL_PATH= as '.')
+    model_config = SettingsConfigDict(env_prefix="NANOVLLM_", extra="ignore", env_ignore_empty=True)
 
     model_path: str | None = Field(None, description="Checkpoint directory or hub repo id; unset = embedded tiny "
                                                      "demo checkpoint with RANDOM weights (CPU).")
@@ -297,9 +298,9 @@ Settings = create_model("Settings", __base__=BaseServiceSettings, __doc__="Every
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     """The NANOVLLM_* variables that name no setting: pydantic-settings ignores them, so a misspelt one would leave its
     setting at the default without a word (startup warns, as vLLM does for its own prefix)."""
-    names = {f"NANOVLLM_{name.upper()}" for name in Settings.model_fields}
-    return sorted(v for v in (os.environ if environ is None else environ) if v.startswith("NANOVLLM_")
-                  and v not in names)
+    names = {f"NANOVLLM_{name.upper()}" for name in Settings.model_fields}  # any case, as pydantic-settings reads
+    return sorted(v for v in (os.environ if environ is None else environ) if v.upper().startswith("NANOVLLM_")
+                  and v.upper() not in names)
 
 
 def describe_error(err: ValidationError, flags: set[str] | None = None) -> str:

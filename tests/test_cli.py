@@ -71,6 +71,19 @@ def test_a_path_that_is_no_checkpoint_exits_1(tmp_path):
     assert r.returncode == 1 and "no config.json" in r.stderr, r.stderr
     assert "NANOVLLM_DEVICES names no setting and is ignored" in r.stderr, r.stderr
     assert unknown_variables({"NANOVLLM_PORT": "1", "NANOVLLM_DEVICES": "0", "OTHER": "1"}) == ["NANOVLLM_DEVICES"]
+    # any case, as pydantic-settings reads them (a variable it honoured was called ignored)
+    assert unknown_variables({"NANOVLLM_Mp3_Quality": "1", "nanovllm_devices": "0"}) == ["nanovllm_devices"]
+
+
+def test_an_empty_variable_is_unset(monkeypatch):
+    """NANOVLLM_X= (a template's blank) is the default, not an empty value: the lora dir was the current directory,
+    the model path a checkpoint at '.'."""
+    for name in ("NANOVLLM_LORA_DIR", "NANOVLLM_MODEL_PATH", "NANOVLLM_API_KEYS", "NANOVLLM_CACHE_DIR"):
+        monkeypatch.setenv(name, "")
+    settings, default = load_settings([]), Settings()
+    monkeypatch.undo()
+    assert settings.lora_dir is None and settings.model_path is None and settings.api_key_list() == []
+    assert settings.cache_dir == Settings().cache_dir and default.lora_dir is None
 
 
 def test_check_loads_the_model_and_generates_one_patch(checkpoint_factory, tmp_path):
@@ -89,3 +102,10 @@ def test_check_says_why_it_failed_and_exits_1(tmp_path):
     report = json.loads(r.stdout.strip().splitlines()[-1])
     assert report["status"] == "failed" and "no config.json" in report["detail"], report
     assert cli("check", "--port", "x").returncode == 2  # a bad setting: as the service
+
+
+def test_check_warns_of_a_variable_that_names_no_setting(tmp_path):
+    """`check` warns as the service does (it left before the warning: a misspelt variable passed its check)."""
+    r = cli("check", "--model", str(tmp_path), "--cache-dir", str(tmp_path / "cache"),
+            env={**os.environ, "NANOVLLM_SERVERPOOL_ATTENTION_BACKEND": "flash"})
+    assert r.returncode == 1 and "NANOVLLM_SERVERPOOL_ATTENTION_BACKEND names no setting and is ignored" in r.stderr
