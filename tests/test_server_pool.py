@@ -193,6 +193,22 @@ def test_breaking_out_cancels_and_frees_blocks(pool):
     assert pool.stats()[0].steps - steps_at_break < 100
 
 
+def test_leaving_an_async_with_block_cancels_the_request(pool):
+    """The async pool's stream as `async with`: leaving the block (a `break` out of its loop) aborts the request, as
+    the sync stream's `with` does (a `break` alone left it running to its cap while the stream lived)."""
+    async def scenario() -> None:
+        async with pool.pool.generate("A long request that the caller abandons.", max_generate_length=200,
+                                      seed=6) as stream:
+            async for _ in stream:
+                break
+        assert stream.finish_reason == "aborted"
+
+    steps = pool.stats()[0].steps
+    asyncio.run_coroutine_threadsafe(scenario(), pool._loop).result(120)
+    _free_blocks_restored(pool)
+    assert pool.stats()[0].steps - steps < 100
+
+
 def test_bad_requests_fail_alone_and_the_worker_keeps_serving(pool):
     async def scenario() -> tuple[list[BaseException | None], int]:
         inner: AsyncVoxCPMServerPool = pool.pool

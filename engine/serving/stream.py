@@ -209,6 +209,13 @@ class GenerationStream:
     async def aclose(self) -> None:
         self.close()
 
+    async def __aenter__(self) -> GenerationStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        """Leaving the block ends the request (a `break` out of `async for` alone does not: the stream lives on)."""
+        self.close()
+
     def close(self) -> None:
         """Abort the request if it is still running (idempotent; safe from any thread)."""
         if self._ended:
