@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.serving.reports import WorkerStats
-from tests.service_harness import TLS, LiveServer, live_server
+from tests.service_harness import TLS, LiveServer, live_server, wav_bytes
 
 BURST = 40  # ten times what the workers hold (running + queued)
 LONG = "A long enough sentence for a stream of about a hundred patches. " * 2
@@ -126,3 +126,21 @@ def test_a_streamed_request_left_while_it_waits_for_a_seat_frees_its_place_in_th
                         limit_s=30)
             assert server.pool_stats().running == 1  # the holder goes on
         assert _requests(server, route, "499") == 1 and _overloads(server) == 0
+
+
+def test_a_full_queue_refuses_generations_only(checkpoint_factory, tmp_path):
+    """Every seat and queue place taken: a new generation is a 503, but encoding a clip and listing the adapters are
+    not generations and are answered (they were refused as overloaded too)."""
+    with live_server(checkpoint_factory, tmp_path, serverpool_max_num_seqs=1, max_queued_requests=0,
+                     queue_coalesce_ms=0, segment_chars=1000, max_loras=1, max_lora_rank=4) as server, \
+            httpx.Client(verify=TLS, base_url=server.url, timeout=120) as client:
+        body = {"target_text": HOLD, "max_generate_length": HOLD_PATCHES, "response_format": "pcm", "seed": 1}
+        with client.stream("POST", "/generate", json=body) as held:
+            chunks = held.iter_raw()
+            next(chunks)
+            assert client.post("/generate", json={"target_text": LONG}).status_code == 503
+            clip = base64.b64encode(wav_bytes(0.5, seed=1)).decode()
+            r = client.post("/encode_latents", json={"wav_base64": clip})
+            assert r.status_code == 200, r.text
+            r = client.get("/loras")
+            assert r.status_code == 200 and r.json() == {"loras": []}, r.text

@@ -260,7 +260,9 @@ class EngineClient:
             link.calls.pop(call_id, None)
 
     async def encode_latents(self, wav: bytes, wav_format: str | None, padding: str) -> np.ndarray:
-        return await self.call(await self.pick(), lambda cid: p.EncodeLatents(cid, wav, wav_format, padding))
+        # the queue bound is the generations': an encode or a listing is no seat's work (it was refused as overloaded)
+        return await self.call(await self.pick(bounded=False), lambda cid: p.EncodeLatents(cid, wav, wav_format,
+                                                                                           padding))
 
     async def stats(self) -> list[WorkerStats | None]:
         """Per worker: running/waiting sequences, free KV blocks, preemptions... (None for one not ready, or one that
@@ -328,7 +330,7 @@ class EngineClient:
 
     async def list_loras(self) -> list[AdapterInfo]:
         """The adapters a worker holds (every worker holds the same ones)."""
-        return await self.call(await self.pick(), p.ListLoRAs)
+        return await self.call(await self.pick(bounded=False), p.ListLoRAs)
 
     def add_prompt(self, prompt_id: str, latents: np.ndarray, text: str) -> None:
         self.prompts[prompt_id] = (latents, text)
