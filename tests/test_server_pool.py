@@ -368,9 +368,15 @@ def test_a_checkpoint_without_a_tokenizer_leaves_no_worker_running(checkpoint, t
 def test_bad_prompt_latents_fail_the_caller_not_the_worker(pool):
     """add_prompt(latents=...) with latents the worker cannot use is the caller's error: it must not kill
     the worker (nor be replayed to a restarted one)."""
-    for bad in (b"\x00" * 10, np.zeros((4, 7), np.float32), np.zeros((0, 64), np.float32)):
-        with pytest.raises(RequestError):
+    nan = np.zeros((4, 64), np.float32)
+    nan[1, 3] = np.nan
+    for bad, rule in ((b"\x00" * 10, "positive multiple"), (np.zeros((4, 7), np.float32), "shaped"),
+                      (np.zeros((0, 64), np.float32), "shaped"), (np.zeros((3, 64), np.float32), "multiple of patch"),
+                      (nan, "NaN")):  # the last two were registered, and every generation with them failed
+        with pytest.raises(RequestError, match=rule):
             pool.add_prompt(latents=bad, prompt_text="Bad latents.")
+    with pytest.raises(RequestError, match="prompt_text: must be a non-empty string"):
+        pool.add_prompt(latents=np.zeros((4, 64), np.float32), prompt_text=None)
     assert pool.pool.list_prompts() == []
     assert pool.healthy
     assert len(list(pool.generate("Still serving.", max_generate_length=2, seed=1))) == 2

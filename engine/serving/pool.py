@@ -155,8 +155,8 @@ class AsyncVoxCPMServerPool:
                          latents: bytes | np.ndarray | None = None) -> str:
         """Register a voice prompt (audio or latents + its transcript) on every worker; returns its id,
         derived from the content, so the same prompt registered twice has one id."""
-        if not prompt_text.strip():
-            raise RequestError("prompt_text: must not be empty")
+        if not isinstance(prompt_text, str) or not prompt_text.strip():
+            raise RequestError("prompt_text: must be a non-empty string (the transcript)")
         if (wav is None) == (latents is None):
             raise RequestError("wav: give exactly one of wav or latents")
         if wav is not None:
@@ -175,6 +175,12 @@ class AsyncVoxCPMServerPool:
                                        f"{4 * feat_dim} bytes, got {len(raw)}")
             else:
                 raise RequestError(f"latents: must be float32 bytes or a numpy array, got {type(latents).__name__}")
+            info = await self.model_info()
+            frames = len(raw) // (4 * feat_dim)
+            if frames % info.patch_size:  # as a generation would refuse them (they were registered, then unusable)
+                raise RequestError(f"latents: {frames} frames; must be a multiple of patch_size={info.patch_size}")
+            if not np.isfinite(np.frombuffer(raw, np.float32)).all():
+                raise RequestError("latents: contains NaN or infinity")
         prompt_id = hashlib.blake2b(raw + prompt_text.encode(), digest_size=12).hexdigest()
         feat_dim = (await self.model_info()).feat_dim
         self.client.add_prompt(prompt_id, np.frombuffer(raw, np.float32).reshape(-1, feat_dim), prompt_text)
