@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -66,6 +67,35 @@ def _split_keys(value: str) -> int:
     return keys
 
 
+def _one_of(*allowed: int) -> Callable[[str], int]:
+    def parse(value: str) -> int:
+        if int(value) not in allowed:
+            raise ValueError(f"use one of {', '.join(map(str, allowed))}")
+        return int(value)
+
+    return parse
+
+
+def _megabytes(value: str) -> float:
+    mb = float(value)
+    if not math.isfinite(mb) or mb < 0:
+        raise ValueError("use 0 (none) or a positive number of MB")
+    return mb
+
+
+def _log_level(value: str) -> str | None:
+    level = value.strip().upper() or None
+    if level is not None and level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ValueError("use DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    return level
+
+
+def _file(value: str) -> str:
+    if not os.path.isfile(os.path.expanduser(value)):
+        raise ValueError("no such file")
+    return value
+
+
 def _option(env: str, default: Any, parse: Callable[[str], Any], doc: str) -> Any:
     return field(default=default, metadata={"env": env, "parse": parse, "doc": doc})
 
@@ -115,13 +145,14 @@ class EngineOptions:
     layer_kernel: str = _option("VOXCPM_LAYER_KERNEL", "fused", _choice("fused", "phases", "off"),
                                 "The DiT / LocEnc stacks as one persistent kernel launch (fused), one launch per "
                                 "phase (phases), or the layers' separate kernels (off).")
-    layer_max_rows: int = _option("VOXCPM_LAYER_MAX_ROWS", 64, lambda v: min(64, int(v)), "Rows (sequences x "
+    layer_max_rows: int = _option("VOXCPM_LAYER_MAX_ROWS", 64, lambda v: min(64, _rows(v)), "Rows (sequences x "
                                   "tokens, at most 64) up to which the layer kernel runs.")
-    layer_block_n: int = _option("VOXCPM_LAYER_BLOCK_N", 32, int, "The layer kernel's output columns per unit.")
+    layer_block_n: int = _option("VOXCPM_LAYER_BLOCK_N", 32, _one_of(16, 32, 64), "The layer kernel's output columns "
+                                 "per unit.")
     layer_launch: tuple[int, int, int, int] = _option("VOXCPM_LAYER_LAUNCH", (128, 4, 4, 1), _launch,
                                                       "The layer kernel's K tile, pipeline stages, warps and "
                                                       "programs per SM at most.")
-    layer_prefetch_mb: float = _option("VOXCPM_LAYER_PREFETCH_MB", 4.0, float, "MB of each projection's first "
+    layer_prefetch_mb: float = _option("VOXCPM_LAYER_PREFETCH_MB", 4.0, _megabytes, "MB of each projection's first "
                                        "weights the layer kernel prefetches into L2 from the phase before it.")
     layer_cooperative: bool = _option("VOXCPM_LAYER_COOPERATIVE", True, _flag, "The fused layer kernel as a "
                                       "cooperative launch (co-residency of its grid guaranteed by the driver).")
@@ -129,7 +160,7 @@ class EngineOptions:
     vae_stream: bool = _option("VOXCPM_VAE_STREAM", True, _flag, "The VAE decode on a second stream beside the LMs.")
     vae_overlap: bool = _option("VOXCPM_VAE_OVERLAP", True, _flag, "The VAE as its own graph replayed behind the "
                                 "step (from vae_overlap_min_batch on), instead of joined inside the step graph.")
-    vae_overlap_min_batch: int = _option("VOXCPM_VAE_OVERLAP_MIN_BATCH", 32, int, "Batch buckets from which the "
+    vae_overlap_min_batch: int = _option("VOXCPM_VAE_OVERLAP_MIN_BATCH", 32, _min_rows, "Batch buckets from which the "
                                          "VAE graph runs behind the step.")
     vae_fp16_gemm: bool = _option("VOXCPM_VAE_FP16_GEMM", True, _flag, "The fp32 VAE decoder's upsampler GEMMs and "
                                   "1x1 convs of >= 256 channels on fp16 operands (fp32 accumulation and output) where "
@@ -158,9 +189,9 @@ class EngineOptions:
                                            "choose by the batch: `batch_invariant_kernels`).")
     precompile: bool = _option("VOXCPM_PRECOMPILE", True, _flag, "Compile the kernel manifest's variants missing "
                                "from the kernel cache ahead of time, in parallel, during start-up.")
-    kernel_manifest: str | None = _option("VOXCPM_KERNEL_MANIFEST", None, str, "A kernel manifest file used beside "
+    kernel_manifest: str | None = _option("VOXCPM_KERNEL_MANIFEST", None, _file, "A kernel manifest file used beside "
                                           "the shipped ones (another GPU architecture or model shape).")
-    log_level: str | None = _option("VOXCPM_LOG_LEVEL", None, lambda v: v.strip().upper() or None, "The workers' "
+    log_level: str | None = _option("VOXCPM_LOG_LEVEL", None, _log_level, "The workers' "
                                     "log level (DEBUG: each step's timeline), and the engine client's in the service's "
                                     "API processes (DEBUG: each request's hand-off); unset: the parent's.")
 

@@ -36,6 +36,15 @@ def test_variables_parse_into_typed_fields():
     ("VOXCPM_LAYER_LAUNCH", "128,4", "four positive integers"),
     ("VOXCPM_VAE_OVERLAP_MIN_BATCH", "many", "invalid literal"),
     ("VOXCPM_BATCH_INVARIANT", "nein", "use 1 or 0 (true/false"),  # was read as on, as was any word but 0
+    # each was taken: a silent INFO, a division by zero or a NaN at kernel launch, a negative bound, a warning only
+    ("VOXCPM_LOG_LEVEL", "bogus", "use DEBUG, INFO, WARNING, ERROR or CRITICAL"),
+    ("VOXCPM_LAYER_BLOCK_N", "0", "use one of 16, 32, 64"),
+    ("VOXCPM_LAYER_BLOCK_N", "17", "use one of 16, 32, 64"),
+    ("VOXCPM_LAYER_PREFETCH_MB", "nan", "a positive number of MB"),
+    ("VOXCPM_LAYER_PREFETCH_MB", "-1", "a positive number of MB"),
+    ("VOXCPM_LAYER_MAX_ROWS", "-5", "0 (off) or a positive number"),
+    ("VOXCPM_VAE_OVERLAP_MIN_BATCH", "-1", "a positive number"),
+    ("VOXCPM_KERNEL_MANIFEST", "/nonexistent/manifest.json", "no such file"),
 ])
 def test_a_bad_value_names_its_variable(variable, value, rule):
     with pytest.raises(ValueError, match=rf"^{variable}='{value}': .*{re.escape(rule)}"):
