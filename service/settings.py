@@ -15,6 +15,7 @@ from pydantic import Field, SecretStr, ValidationError, create_model, field_vali
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.engine_config import EngineConfig
+from engine.serving.devices import DEVICE_NAME
 
 # lameenc accepts only the MPEG-1/2 layer III bitrates
 MP3_BITRATES = (32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320)
@@ -201,8 +202,11 @@ class BaseServiceSettings(BaseSettings):
     @field_validator("serverpool_devices")
     @classmethod
     def _devices(cls, v: str | None) -> str | None:
-        if v is not None and not [d for d in v.split(",") if d.strip()]:
+        items = [d.strip() for d in (v or "").split(",") if d.strip()]
+        if v is not None and not items:
             raise ValueError("must list at least one device, e.g. '0,1' or 'cpu'")
+        if any(not (d.isdigit() or DEVICE_NAME.fullmatch(d)) for d in items):  # a worker was spawned, then failed
+            raise ValueError("use GPU indices or device names (cuda, cuda:N, cpu), comma-separated")
         return v
 
     @model_validator(mode="after")

@@ -126,7 +126,11 @@ class Supervisor:
                 return 1
             engine_setup.prepare_kernel_cache(s)  # before the precompile and the workers, which read it
             arguments = engine_setup.engine_arguments(s, demo, lora_path)
-            devices, warmup = device_names(arguments.pop("devices")), arguments.pop("warmup")
+            try:
+                devices, warmup = device_names(arguments.pop("devices")), arguments.pop("warmup")
+            except ValueError as e:  # GPUs asked for that this host does not have: a configuration error
+                log.error("NANOVLLM_SERVERPOOL_DEVICES: %s", e)
+                return 2
             split = reserve_cpus(len(devices), s.worker_cpus)
             log.info("spawning the workers %.1f s after start (%s)", time.monotonic() - self.t0,
                      f"cores {split[0]} reserved for them, {split[1]} for the rest" if split else "no cores reserved")

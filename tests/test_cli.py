@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from service.main import load_settings
 from service.settings import Settings, unknown_variables
@@ -52,6 +53,18 @@ def test_bad_variable_exits_2_naming_it():
     assert r.returncode == 2 and "NANOVLLM_PORT: Input should be greater than or equal to 1" in r.stderr, r.stderr
     r = cli(env={"VOXCPM_LAYER_KERNEL": "fast", "PATH": "/usr/bin:/bin"})  # an engine switch
     assert r.returncode == 2 and "VOXCPM_LAYER_KERNEL='fast': use one of fused, phases, off" in r.stderr, r.stderr
+    r = cli(env={"NANOVLLM_SERVERPOOL_DEVICES": "tpu", "PATH": "/usr/bin:/bin"})  # a worker was spawned, then died
+    assert r.returncode == 2 and "NANOVLLM_SERVERPOOL_DEVICES: Value error, use GPU indices or device names" \
+        in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU the host lacks")
+def test_gpus_the_host_lacks_exit_2_naming_the_variable(checkpoint_factory, tmp_path):
+    """--devices 0 on a host without CUDA: exit 2 naming the setting (a traceback and exit 1 before)."""
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    r = cli("--model", str(ckpt), "--devices", "0", "--port", "18998", "--cache-dir", str(tmp_path / "cache"))
+    assert r.returncode == 2 and "NANOVLLM_SERVERPOOL_DEVICES: devices [0] requested but CUDA is not available" \
+        in r.stderr, r.stderr[-2000:]
 
 
 def test_flag_over_variable_over_default(monkeypatch):

@@ -349,6 +349,11 @@ def test_bad_configuration_is_refused_before_starting(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             VoxCPM.from_pretrained("unused", devices=[0])
+    # a name (iterated, it was three workers c, p and u), and no device, before any worker starts
+    with pytest.raises(TypeError, match="devices: a list of GPU indices or device names, got 'cpu'"):
+        VoxCPM.from_pretrained("unused", devices="cpu")
+    with pytest.raises(ValueError, match=r"devices: \['tpu'\] are no devices"):
+        VoxCPM.from_pretrained("unused", devices=["tpu"])
     with pytest.raises(CheckpointError, match="config.json"):
         VoxCPM.from_pretrained(str(tmp_path))
 

@@ -3,9 +3,12 @@ GPUs this process may use, counted without importing torch where it can."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 from engine.options import cuda_visible_devices
+
+DEVICE_NAME = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def device_names(devices: list[int | str] | None) -> list[str]:
@@ -13,11 +16,20 @@ def device_names(devices: list[int | str] | None) -> list[str]:
     if devices is None:
         n = visible_gpu_count()
         return [f"cuda:{i}" for i in range(n)] if n else ["cpu"]
+    if isinstance(devices, str) or not isinstance(devices, list | tuple):  # "cpu" would be three workers c, p, u
+        raise TypeError(f"devices: a list of GPU indices or device names, got {devices!r}")
     if not devices:
         raise ValueError("devices must not be empty")
-    names = [f"cuda:{d}" if isinstance(d, int) else str(d) for d in devices]
-    if any(name.startswith("cuda") for name in names) and not visible_gpu_count():
+    names = [f"cuda:{d}" if isinstance(d, int) and not isinstance(d, bool) else str(d) for d in devices]
+    bad = [n for n in names if not DEVICE_NAME.fullmatch(n)]
+    if bad:
+        raise ValueError(f"devices: {bad!r} are no devices (GPU indices, 'cuda', 'cuda:N' or 'cpu')")
+    gpus = visible_gpu_count() if any(name.startswith("cuda") for name in names) else 0
+    if any(name.startswith("cuda") for name in names) and not gpus:
         raise ValueError(f"devices {devices!r} requested but CUDA is not available")
+    missing = [n for n in names if n.startswith("cuda:") and int(n[5:]) >= gpus]
+    if missing:
+        raise ValueError(f"devices: {missing!r} requested, but {gpus} GPU(s) are visible")
     return names
 
 
