@@ -281,6 +281,11 @@ def test_killed_worker_fails_callers_fast_and_restarts(checkpoint):
         with pytest.raises(WorkerDiedError):
             async for _ in pool.generate("No worker left."):
                 pass
+        # the calls that wait for the pool to be ready fail too (they waited for ever: nothing restarts it alone)
+        for call in (pool.model_info(), pool.wait_for_ready(),
+                     pool.add_prompt(latents=np.zeros((4, 64), np.float32), prompt_text="A prompt.")):
+            with pytest.raises(WorkerDiedError, match="worker 0 .* exited; pool.restart"):
+                await asyncio.wait_for(call, HANG_GUARD_S)
         await pool.restart(timeout=120)
         assert pool.healthy and pool.ready
         chunks = [c async for c in pool.generate("Back again.", max_generate_length=3, seed=2)]

@@ -95,12 +95,15 @@ class AsyncVoxCPMServerPool:
         return [{**s, "alive": int(s["alive"] and up)} for s, up in zip(self.client.snapshot(), alive, strict=True)]
 
     async def wait_for_ready(self, timeout: float | None = None) -> None:
-        """Until every worker has loaded the model (raises the first start-up failure)."""
+        """Until every worker has loaded the model (raises the first start-up failure; WorkerDiedError for a worker of
+        this pool that exited: nothing restarts it but `restart()`, so waiting would never end)."""
         async def ready() -> None:
             while not self.client.ready:
                 for w in self.processes:
                     if w.failed_to_start is not None:
                         raise w.failed_to_start
+                    if not w.alive:
+                        raise WorkerDiedError(f"worker {w.index} ({w.device}) exited; pool.restart() starts it again")
                 if self._stopped:
                     raise PoolStoppedError("the pool is stopped")
                 with contextlib.suppress(asyncio.TimeoutError):
