@@ -103,9 +103,15 @@ class EngineConfig:
     options: EngineOptions = field(default_factory=EngineOptions.from_env)
 
     def validate(self) -> None:
-        """Each field against its bounds, then the rules between fields (a ValueError naming the field)."""
+        """Each field's type (a TypeError naming it: 10.5 steps or "false" as a switch reached the workers), its
+        bounds, then the rules between fields (a ValueError naming the field)."""
         for f in fields(self):
             value, meta = getattr(self, f.name), f.metadata
+            kinds = [k for k in str(f.type).split(" | ") if k != "None"]
+            typed = value is not None and meta and kinds and all(k in FIELD_TYPES for k in kinds)
+            if typed and (not isinstance(value, tuple(t for k in kinds for t in FIELD_TYPES[k]))
+                          or (isinstance(value, bool) and "bool" not in kinds)):
+                raise TypeError(f"{f.name}: {' or '.join(kinds)} expected, got {value!r}")
             if value is None or not meta or isinstance(value, bool):
                 continue
             if meta["pattern"] is not None and isinstance(value, str) and not re.fullmatch(meta["pattern"], value):
@@ -129,4 +135,5 @@ class EngineConfig:
                              ">= 1")
 
 
+FIELD_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
 ENGINE_FIELDS = frozenset(f.name for f in fields(EngineConfig) if f.name != "options")

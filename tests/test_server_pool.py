@@ -359,6 +359,15 @@ def test_bad_configuration_is_refused_before_starting(tmp_path):
         VoxCPM.from_pretrained("unused", devices="cpu")
     with pytest.raises(ValueError, match=r"devices: \['tpu'\] are no devices"):
         VoxCPM.from_pretrained("unused", devices=["tpu"])
+    # a wrong type, named before any worker starts (each reached the workers, or spawned one that was left running)
+    for kwargs, error, message in (({"inference_timesteps": 10.5}, TypeError, "inference_timesteps: int expected"),
+                                   ({"max_num_seqs": "4"}, TypeError, "max_num_seqs: int expected"),
+                                   ({"enforce_eager": "false"}, TypeError, "enforce_eager: bool expected"),
+                                   ({"encoder_threads": "x"}, TypeError, "encoder_threads: int expected"),
+                                   ({"transform_threads": 42}, TypeError, "transform_threads: a TransformThreads"),
+                                   ({"queue_bound": -1}, ValueError, "queue_bound >= 0")):
+        with pytest.raises(error, match=message):
+            VoxCPM.from_pretrained("unused", **kwargs)
     with pytest.raises(CheckpointError, match="config.json"):
         VoxCPM.from_pretrained(str(tmp_path))
 
@@ -380,6 +389,11 @@ def test_bad_prompt_latents_fail_the_caller_not_the_worker(pool):
     the worker (nor be replayed to a restarted one)."""
     nan = np.zeros((4, 64), np.float32)
     nan[1, 3] = np.nan
+    for text, rule in ((None, "target_text: must be a string, got NoneType"), (b"x", "target_text: must be a string")):
+        with pytest.raises(RequestError, match=rule):  # an engine error naming nothing, from the worker
+            pool.generate(text)
+    with pytest.raises(RequestError, match="transform: must be callable"):
+        pool.generate("Hi.", transform="x")
     for bad, rule in ((b"\x00" * 10, "positive multiple"), (np.zeros((4, 7), np.float32), "shaped"),
                       (np.zeros((0, 64), np.float32), "shaped"), (np.zeros((3, 64), np.float32), "multiple of patch"),
                       (nan, "NaN")):  # the last two were registered, and every generation with them failed

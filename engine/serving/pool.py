@@ -48,13 +48,13 @@ class AsyncVoxCPMServerPool:
         self.devices = devices
         self._stopped = False
         self.workers: WorkerSet | None = WorkerSet(self.model_path, devices, config, warmup=warmup)
-        try:  # loaded while the workers start; a checkpoint without a usable tokenizer leaves nothing running
+        try:  # loaded while the workers start; a checkpoint without a usable tokenizer (any failure) leaves nothing
             tokenizer = tokenizer or TextTokenizer.from_dir(self.model_path)
+            self.client = EngineClient(self.workers.addresses, self.workers.authkey, encoder_threads,
+                                       queue_bound=queue_bound, loras=loras, transform_threads=transform_threads)
         except BaseException:
             self.workers.stop()
             raise
-        self.client = EngineClient(self.workers.addresses, self.workers.authkey, encoder_threads,
-                                   queue_bound=queue_bound, loras=loras, transform_threads=transform_threads)
         self.client.tokenizer = tokenizer
 
     @classmethod
@@ -200,6 +200,8 @@ class AsyncVoxCPMServerPool:
         """Register a LoRA adapter (official format: its directory or weights file, a path on this machine) on every
         worker, for requests that name it (`lora_name`); restarted workers get it again. Needs max_loras > 0."""
         self._check()
+        if not isinstance(name, str):
+            raise RequestError(f"lora_name: must be a string, got {type(name).__name__}")
         if not self.client.ready:
             await self.wait_for_ready()
         return await self.client.register_lora(name, str(path))
@@ -221,8 +223,9 @@ class AsyncVoxCPMServerPool:
                  min_len: int = 2, seed: int | None = None, transform: Transform | None = None,
                  lora_name: str | None = None) -> GenerationStream:
         """Stream float32 audio chunks (one per patch) at `get_model_info()["sample_rate"]` (or, with `transform`,
-        what it makes of each (chunk, is_last), run on an encoder thread). Leaving the loop early (break,
-        cancellation, aclose) aborts the request and frees its KV blocks; `finish_reason` says why it ended."""
+        what it makes of each (chunk, is_last), run on an encoder thread). Closing the stream (aclose, the end of its
+        `async with` block, cancellation) aborts the request and frees its KV blocks (a `break` alone does not);
+        `finish_reason` says why it ended."""
         params = SamplingParams(max_generate_length=max_generate_length, temperature=temperature,
                                   cfg_value=cfg_value, min_len=min_len, seed=seed)
         return self.submit(p.SynthesisRequest(target_text, prompt_text or "", _plain(prompt_latents), prompt_id,
@@ -231,6 +234,13 @@ class AsyncVoxCPMServerPool:
     def submit(self, request: p.SynthesisRequest, transform: Transform | None = None) -> GenerationStream:
         """`generate` for a request built already (`request.continuation`: the later part of one admitted)."""
         self._check()
+        for name, value, kind in (("target_text", request.target_text, str), ("prompt_text", request.prompt_text, str),
+                                  ("lora_name", request.lora_name, str | None), ("prompt_id", request.prompt_id,
+                                                                                 str | None)):
+            if not isinstance(value, kind):  # the worker failed it as an engine error, naming nothing
+                raise RequestError(f"{name}: must be a string, got {type(value).__name__}")
+        if transform is not None and not callable(transform):
+            raise RequestError(f"transform: must be callable (chunk, is_last) -> item, got {type(transform).__name__}")
         return self.client.generate(request, transform)
 
     async def restart(self, timeout: float | None = None) -> None:

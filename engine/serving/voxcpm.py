@@ -4,12 +4,16 @@ event loop, a `SyncVoxCPMServerPool` (the same pool driven from a private loop t
 from __future__ import annotations
 
 import asyncio
+from collections.abc import MutableMapping
+from types import NoneType
 from typing import Any
 
 from engine.engine_config import ENGINE_FIELDS, EngineConfig
+from engine.io.tokenizer import TextTokenizer
 from engine.serving.devices import device_names
 from engine.serving.pool import AsyncVoxCPMServerPool, checked_model_path
 from engine.serving.sync_pool import SyncVoxCPMServerPool
+from engine.serving.transforms import TransformThreads
 
 # The pool's own keywords of `VoxCPM.from_pretrained`, beside EngineConfig's fields.
 POOL_KEYWORDS = frozenset({"warmup", "encoder_threads", "queue_bound", "loras", "transform_threads", "tokenizer"})
@@ -30,12 +34,14 @@ class VoxCPM:
         kept, name -> path, each (re)started worker given them all; default a dict of this pool's),
         transform_threads (the class running the transforms; default first come first served), tokenizer (the
         checkpoint's `TextTokenizer`, already loaded; default loaded here: requests are tokenized in this process, not
-        in the workers). An unknown keyword is a TypeError, a bad value a ValueError naming it."""
+        in the workers). An unknown keyword or a value of the wrong type is a TypeError, a value out of bounds a
+        ValueError, each naming it; all are checked before any worker starts."""
         unknown = set(options) - ENGINE_FIELDS - POOL_KEYWORDS
         if unknown:
             raise TypeError(f"from_pretrained() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
         config = engine_config(**{k: v for k, v in options.items() if k in ENGINE_FIELDS})
         kwargs = {k: v for k, v in options.items() if k in POOL_KEYWORDS}
+        check_pool_keywords(kwargs)
         names = device_names(devices)
         model = checked_model_path(model)
         try:
@@ -43,6 +49,21 @@ class VoxCPM:
         except RuntimeError:
             return SyncVoxCPMServerPool(model, names, config, **kwargs)
         return AsyncVoxCPMServerPool(model, names, config, **kwargs)
+
+
+def check_pool_keywords(kwargs: dict[str, Any]) -> None:
+    """The pool's own keywords, typed and bounded (a worker was spawned, then left running, when one was not)."""
+    kinds: dict[str, tuple[type, ...]] = {"warmup": (bool,), "encoder_threads": (int,), "queue_bound": (int, NoneType),
+                                          "loras": (MutableMapping, NoneType), "tokenizer": (TextTokenizer, NoneType)}
+    for name, value in kwargs.items():
+        if name in kinds and (not isinstance(value, kinds[name]) or (isinstance(value, bool) and name != "warmup")):
+            raise TypeError(f"{name}: {' or '.join(k.__name__ for k in kinds[name])} expected, got {value!r}")
+    threads = kwargs.get("transform_threads")
+    if threads is not None and not (isinstance(threads, type) and issubclass(threads, TransformThreads)):
+        raise TypeError(f"transform_threads: a TransformThreads class expected, got {threads!r}")
+    if kwargs.get("encoder_threads", 1) < 1 or (kwargs.get("queue_bound") or 0) < 0:
+        raise ValueError(f"encoder_threads must be >= 1 and queue_bound >= 0, got {kwargs.get('encoder_threads')} "
+                         f"and {kwargs.get('queue_bound')}")
 
 
 def engine_config(**fields: Any) -> EngineConfig:
