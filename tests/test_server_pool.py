@@ -374,14 +374,16 @@ def test_bad_configuration_is_refused_before_starting(tmp_path):
 
 def test_a_checkpoint_without_a_tokenizer_leaves_no_worker_running(checkpoint, tmp_path):
     """The pool loads the tokenizer its client tokenizes with while its workers start: without one it fails, naming
-    the file, and stops them."""
+    the file, and stops them, and the sync pool its loop thread (it was left running)."""
     broken = tmp_path / "no-tokenizer"
     shutil.copytree(checkpoint, broken)
     (broken / "tokenizer.json").unlink()
     before = set(multiprocessing.active_children())
+    loops = {t for t in threading.enumerate() if t.name == "voxcpm-pool-loop"}
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         VoxCPM.from_pretrained(str(broken), devices=["cpu"], max_num_seqs=1, max_model_len=256)
     assert set(multiprocessing.active_children()) <= before
+    assert {t for t in threading.enumerate() if t.name == "voxcpm-pool-loop"} <= loops
 
 
 def test_bad_prompt_latents_fail_the_caller_not_the_worker(pool):
@@ -456,6 +458,34 @@ def test_sync_stop_wakes_a_consumer_in_another_thread(checkpoint):
     assert len(got) == 1 and isinstance(got[0], PoolStoppedError), got
     with pytest.raises(PoolStoppedError):
         next(iter(p.generate("After stop.")))
+
+
+def test_sync_pool_stops_from_many_threads_and_as_a_with_block(checkpoint):
+    """stop() from three threads at once: each returns once the pool is stopped, none fails (one got 'event loop is
+    closed', one returned before the workers stopped); the pool as a `with` block stops on leaving it."""
+    with VoxCPM.from_pretrained(str(checkpoint), max_num_seqs=2, max_model_len=256) as p:
+        p.wait_for_ready(timeout=120)
+        workers = [w.process for w in p.pool.processes]
+        outcomes: list[object] = []
+
+        def stop() -> None:
+            try:
+                p.stop()
+                outcomes.append(all(not w.is_alive() for w in workers))
+            except BaseException as e:  # noqa: BLE001
+                outcomes.append(e)
+
+        threads = [threading.Thread(target=stop) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert outcomes == [True, True, True], outcomes
+    with VoxCPM.from_pretrained(str(checkpoint), max_num_seqs=2, max_model_len=256) as p:
+        workers = [w.process for w in p.pool.processes]
+    assert all(not w.is_alive() for w in workers)
+    with pytest.raises(PoolStoppedError):
+        p.model_info()
 
 
 def _worker_on_a_pipe(engine: LLMEngine) -> tuple[Worker, ClientLink, multiprocessing.connection.Connection]:

@@ -74,6 +74,12 @@ class AsyncVoxCPMServerPool:
         pool.client.tokenizer = tokenizer or TextTokenizer.from_dir(model_path)
         return pool
 
+    async def __aenter__(self) -> AsyncVoxCPMServerPool:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
     @property
     def processes(self) -> list[WorkerProcess]:
         return self.workers.processes if self.workers is not None else []

@@ -32,11 +32,16 @@ class SyncVoxCPMServerPool:
         self._thread.start()
         self._lock = threading.Lock()
         self._closed = False  # the loop is stopping or gone: nothing more may be submitted to it
+        self._stopping = threading.Lock()  # one stop() at a time; the others return once it is done
 
         async def make() -> AsyncVoxCPMServerPool:
             return AsyncVoxCPMServerPool(model, devices, config, **kwargs)
 
-        self.pool = self._run(make())
+        try:
+            self.pool = self._run(make())
+        except BaseException:  # (the pool stopped its workers): the loop thread must not outlive the failure
+            self._close_loop()
+            raise
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         with self._lock:
@@ -75,10 +80,15 @@ class SyncVoxCPMServerPool:
         return SyncStream(self, self._run(make()))
 
     def stop(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-        self._run(self.pool.stop())
+        """Stop the workers and the loop thread (from any thread, any number of times: each returns once stopped)."""
+        with self._stopping:
+            with self._lock:
+                if self._closed:
+                    return
+            self._run(self.pool.stop())
+            self._close_loop()
+
+    def _close_loop(self) -> None:
         with self._lock:
             self._closed = True
         # Let the calls already submitted (other threads' next() on a generate, now failed with
@@ -87,6 +97,12 @@ class SyncVoxCPMServerPool:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         self._loop.close()
+
+    def __enter__(self) -> SyncVoxCPMServerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 async def _settle(timeout: float = 5.0) -> None:
