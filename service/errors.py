@@ -80,8 +80,11 @@ def error_payload(path: str, status: int, detail: object) -> dict:
     if not path.startswith(OPENAI_PREFIX):
         return {"detail": detail}
     if isinstance(detail, list):  # validation errors: one message naming each field (the body as a whole: "body")
+        # a rule between fields names its field in its message ("response_format: ..."); another of the whole body
+        # is the body's
         fields = ["body" if e.get("type") == "json_invalid" else
-                  ".".join(str(p) for p in e["loc"] if p != "body") or "body" for e in detail]
+                  ".".join(str(p) for p in e["loc"] if p != "body") or ("" if _param_of(e["msg"]) else "body")
+                  for e in detail]
         message = "; ".join(f"{f}: {e['msg']}" if f else e["msg"] for f, e in zip(fields, detail, strict=True))
         param = (fields[0] or _param_of(detail[0]["msg"])) if detail else None
     else:
@@ -132,7 +135,7 @@ def _rule(error: Mapping) -> str:
         at = f" at character {loc[1]}" if len(loc) > 1 else ""
         return f"not valid JSON{at}{f' ({reason})' if reason else ''}"
     if loc == ("body",) and kind == "missing":
-        return "required: a JSON object, sent with Content-Type: application/json"
+        return "a JSON object is required, sent with Content-Type: application/json"
     if loc == ("body",) and kind in ("model_attributes_type", "dict_type"):
         return "must be a JSON object, sent with Content-Type: application/json"
     return str(error.get("msg", "")).removeprefix("Value error, ")

@@ -304,7 +304,7 @@ def test_a_body_that_is_not_a_json_object_says_what_to_send(server, route):
         return err["loc"][0], err["msg"]
 
     assert said(empty) == ("body", ("body: " if route.startswith("/v1") else "")
-                           + "required: a JSON object, sent with Content-Type: application/json")
+                           + "a JSON object is required, sent with Content-Type: application/json")
     assert said(form)[0] == "body" and said(form)[1].endswith("must be a JSON object, sent with Content-Type: "
                                                               "application/json")
     param, message = said(broken)
