@@ -411,26 +411,28 @@ def test_bad_prompt_latents_fail_the_caller_not_the_worker(pool):
 
 def test_sync_iterator_closed_from_another_thread(pool):
     """A consumer thread blocked in next() and another thread closing the iterator: the consumer's loop
-    ends, the request is aborted and its blocks are freed."""
-    it = pool.generate("A stream closed by someone else.", max_generate_length=2000, seed=6)
-    first = threading.Event()
-    got: list[object] = []
+    ends with finish_reason "aborted" already set (it read None there: the loop ended before the reason was set),
+    the request is aborted and its blocks are freed."""
+    for trial in range(3):
+        it = pool.generate("A stream closed by someone else.", max_generate_length=2000, seed=6 + trial)
+        first = threading.Event()
+        got: list[object] = []
 
-    def consume() -> None:
-        try:
-            for _ in it:
-                first.set()
-            got.append("done")
-        except BaseException as e:  # noqa: BLE001
-            got.append(e)
+        def consume() -> None:
+            try:
+                for _ in it:  # noqa: B023 (this trial's iterator: the thread is joined below)
+                    first.set()  # noqa: B023
+                got.append(("done", it.finish_reason))  # noqa: B023
+            except BaseException as e:  # noqa: BLE001
+                got.append(e)  # noqa: B023
 
-    t = threading.Thread(target=consume)
-    t.start()
-    assert first.wait(60)
-    it.close()
-    t.join(60)
-    assert not t.is_alive() and got == ["done"], got
-    _free_blocks_restored(pool)
+        t = threading.Thread(target=consume)
+        t.start()
+        assert first.wait(60)
+        it.close()
+        t.join(60)
+        assert not t.is_alive() and got == [("done", "aborted")], got
+        _free_blocks_restored(pool)
 
 
 def test_sync_stop_wakes_a_consumer_in_another_thread(checkpoint):
@@ -458,6 +460,14 @@ def test_sync_stop_wakes_a_consumer_in_another_thread(checkpoint):
     assert len(got) == 1 and isinstance(got[0], PoolStoppedError), got
     with pytest.raises(PoolStoppedError):
         next(iter(p.generate("After stop.")))
+    # a stream between two next() calls when the pool stopped: the next one raises, and it says it was aborted
+    q = VoxCPM.from_pretrained(str(checkpoint), max_num_seqs=2, max_model_len=256)
+    idle = q.generate("A stream the pool stops between chunks.", max_generate_length=2000, seed=2)
+    next(idle)
+    q.stop()
+    with pytest.raises(PoolStoppedError):
+        next(idle)
+    assert idle.finish_reason == "aborted"
 
 
 def test_sync_pool_stops_from_many_threads_and_as_a_with_block(checkpoint):

@@ -144,6 +144,7 @@ class SyncStream:
                 fut = self._pending = self._pool._submit(self._step())
             except BaseException:
                 self._closed = True
+                self._stream.close()  # the pool stopped under it: "aborted", not a finish_reason of None for good
                 raise
         try:
             return fut.result()
@@ -169,12 +170,13 @@ class SyncStream:
         return await self._stream.__anext__()
 
     async def _aclose(self) -> None:
-        # A next() in flight is cancelled and waited for first; then the stream is closed (the request aborted).
+        # The stream is closed first (the request aborted, finish_reason "aborted"), then a next() in flight is
+        # cancelled and waited for: the other way round, that next() ended its loop before the reason was set.
+        self._stream.close()
         task = self._task
         if task is not None and not task.done():
             task.cancel()
             await asyncio.wait([task])
-        self._stream.close()
 
     def close(self) -> None:
         """Abort the request (no-op once it has ended)."""
