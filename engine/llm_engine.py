@@ -107,6 +107,7 @@ class LLMEngine:
             pipeline = self.device.type == "cuda"
         self.pipeline = pipeline
         self.in_flight: LaunchedDecode | None = None  # the launched decode step not yet read (pipelining)
+        self._rejected: list[StepEvent] = []  # the requests a step refused before it failed (`take_rejected`)
         self.startup_s = time.perf_counter() - t0
         # Where start-up goes (cold start is a performance target): load, KV sizing + allocation, capture.
         times = self.runner.capture_times.values()
@@ -276,7 +277,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         for seq in sched.preempted:
             self.runner.release_slot(seq, keep_state=True)
-        events = [self._fail(seq, reason, kind) for seq, reason, kind in sched.rejected]
+        rejected = [self._fail(seq, reason, kind) for seq, reason, kind in sched.rejected]
+        events = list(rejected)
         t0 = time.perf_counter()
         try:
             if sched.prefill:
@@ -294,11 +296,18 @@ class LLMEngine:
             # CUDA an error of the prefill may only surface at the decode's sync).
             for seq in sched.prefill:
                 self.blocks.forget_uncomputed(seq)
+            self._rejected = rejected  # their events, for the caller: `take_rejected`
             raise
         if sched.prefill and log.isEnabledFor(logging.DEBUG):  # prefill launch vs (prefill tail + decode)
             log.debug("step: prefill %d seqs %.1f ms (host), decode %d seqs %.1f ms", len(sched.prefill),
                       1000 * (t1 - t0), len(sched.decode), 1000 * (time.perf_counter() - t1))
         return events
+
+    def take_rejected(self) -> list[StepEvent]:
+        """After a step raised: the events of the requests it refused before failing (each its own reason), which
+        its caller never got (a failed step's running requests end with "error"; the waiting ones stay queued)."""
+        rejected, self._rejected = self._rejected, []
+        return rejected
 
     def _emit(self, event: StepEvent) -> StepEvent:
         if event.finished:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine import vocabulary
 from engine.config import VoxCPMConfig
+from engine.errors import RequestError
 from engine.io.tokenizer import TextTokenizer, text_tokens
 from engine.models.voxcpm import AUDIO_START_TOKEN, REF_AUDIO_END_TOKEN, REF_AUDIO_START_TOKEN
 from engine.vocabulary import TextIds
@@ -113,3 +115,20 @@ def build_prompt(tokenizer: TextTokenizer, cfg: VoxCPMConfig, target_text: str, 
 def max_patches(prompt: Prompt, max_generate_length: int) -> int:
     """The official cap (`vocabulary.max_patches`) for this prompt's target text."""
     return vocabulary.max_patches(prompt.target_tokens, max_generate_length)
+
+
+def latents_tensor(latents: np.ndarray | bytes | None, feat_dim: int, field_name: str) -> torch.Tensor | None:
+    """Latents as float32 bytes or a (frames, feat_dim) array -> float32 tensor (a RequestError naming the field
+    otherwise)."""
+    if latents is None:
+        return None
+    if isinstance(latents, bytes | bytearray | memoryview):
+        raw = bytes(latents)
+        if not raw or len(raw) % (4 * feat_dim):
+            raise RequestError(f"{field_name}: float32 bytes must be a positive multiple of 4 * feat_dim = "
+                               f"{4 * feat_dim} bytes, got {len(raw)}")
+        latents = np.frombuffer(raw, dtype=np.float32).reshape(-1, feat_dim)
+    if not isinstance(latents, np.ndarray) or latents.ndim != 2 or latents.shape[1] != feat_dim or not len(latents):
+        shape = getattr(latents, "shape", type(latents).__name__)
+        raise RequestError(f"{field_name}: must be float32 latents shaped (frames, {feat_dim}), got {shape}")
+    return torch.from_numpy(np.array(latents, dtype=np.float32))  # a copy: the message buffer is not ours

@@ -103,6 +103,29 @@ def test_request_that_never_fits_is_rejected_with_reason(model):
     assert engine.blocks.num_free == len(engine.blocks.blocks)
 
 
+def test_a_failed_step_keeps_its_refusals_and_its_queue(model, monkeypatch):
+    """A step whose prefill raises: the requests it refused before failing keep their own reasons (`take_rejected`:
+    they were lost, and the worker failed them as the step), the one it was starting ends with "error" and its blocks
+    are free, and one still queued (no seat) stays queued and is served by the next steps."""
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=32, block_size=4))
+    refused = engine.add_request("word " * 40, SamplingParams(max_generate_length=50))
+    started = engine.add_request("Hello there.", SamplingParams(max_generate_length=2, seed=1))
+    queued = engine.add_request("Then me.", SamplingParams(max_generate_length=2, seed=2))
+    prefill = engine.runner.prefill
+    monkeypatch.setattr(engine.runner, "prefill", lambda seqs: (_ for _ in ()).throw(RuntimeError("injected")))
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    (event,) = engine.take_rejected()
+    assert event.seq_id == refused and event.finish_reason == "error" and "max_model_len=32" in event.error
+    assert engine.take_rejected() == [] and started not in engine.sequences
+    assert [s.seq_id for s in engine.scheduler.waiting] == [queued]
+    monkeypatch.setattr(engine.runner, "prefill", prefill)
+    patches = []
+    while engine.has_unfinished():
+        patches += [e for e in engine.step() if e.seq_id == queued and e.patch is not None]
+    assert len(patches) == 2 and engine.blocks.num_free == len(engine.blocks.blocks)
+
+
 def test_an_over_long_prompt_names_its_longest_part(model):
     """The part to shorten (the target text, or the voice's transcript, prompt audio or reference audio) starts the
     message by its request field, and each part's tokens follow."""

@@ -617,8 +617,9 @@ def test_the_worker_counts_how_long_its_messages_wait_to_be_written(checkpoint):
 @pytest.mark.parametrize("device_lost", [False, True], ids=["step-error", "device-lost"])
 def test_failed_step_fails_running_requests_and_a_lost_device_ends_the_worker(checkpoint, monkeypatch,
                                                                               device_lost):
-    """A step that raises fails the running requests at once; the worker keeps serving unless its device no longer
-    runs work (a sticky CUDA error, e.g. a layer kernel's trap): then it ends, so the pool restarts it."""
+    """A step that raises fails the running requests at once (a request still queued stays queued: it was failed with
+    them); the worker keeps serving unless its device no longer runs work (a sticky CUDA error, e.g. a layer kernel's
+    trap): then it ends, so the pool restarts it."""
 
     from engine.serving import protocol as msgs
     from engine.serving.worker import DeviceLostError
@@ -634,6 +635,8 @@ def test_failed_step_fails_running_requests_and_a_lost_device_ends_the_worker(ch
         assert isinstance(first, msgs.StepEvents) and first.events[0].request_id == "r1"  # its first audio
         assert first.events[0].audio is not None and not first.events[0].finished
         assert engine.blocks.num_free < len(engine.blocks.blocks)
+        worker.handle(link, msgs.Generate("r2", request))  # queued behind the failing step: not failed with it
+        real_step = engine.step
         monkeypatch.setattr(engine, "step", lambda: (_ for _ in ()).throw(RuntimeError("CUDA error: test")))
         monkeypatch.setattr(worker, "_device_usable", lambda: not device_lost)
         if device_lost:
@@ -648,7 +651,16 @@ def test_failed_step_fails_running_requests_and_a_lost_device_ends_the_worker(ch
         assert ev.request_id == "r1" and ev.finished and ev.finish_reason == "error" and ev.error.kind == "engine"
         assert "CUDA error: test" in ev.error.message
         assert engine.blocks.num_free == len(engine.blocks.blocks)  # the failed request's blocks are back
-        assert not worker.owner and not link.requests and not engine.has_unfinished()
+        assert len(failed.events) == 1 and list(link.requests) == ["r2"]
+        if not device_lost:  # the worker goes on: the queued request is served
+            monkeypatch.setattr(engine, "step", real_step)
+            while engine.has_unfinished():
+                worker.step()
+            events = []
+            while client.poll(1):
+                events += [e for e in client.recv().events if e.request_id == "r2"]
+            assert events[-1].finished and events[-1].finish_reason != "error", events[-1]
+        assert not worker.owner or device_lost
     finally:
         worker.close()
 

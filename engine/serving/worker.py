@@ -33,7 +33,7 @@ from engine.errors import PoolError, PromptNotFoundError, RequestError
 from engine.io.audio import AudioError, decode_audio, encode_latents
 from engine.io.lora import weights_file
 from engine.llm_engine import LLMEngine, StepEvent
-from engine.prompt import PromptError
+from engine.prompt import PromptError, latents_tensor
 from engine.serving import protocol as p
 from engine.serving.collector import CollectorPauses
 from engine.serving.reports import SendWaits, WorkerInfo, WorkerStats, describe
@@ -47,23 +47,6 @@ LOAD_REFRESH_STEPS = 20  # with no events for a client, still refresh its load s
 
 class DeviceLostError(RuntimeError):
     """The worker's device cannot run work any more (a sticky CUDA error): the worker process ends."""
-
-
-def as_tensor(latents: np.ndarray | bytes | None, feat_dim: int, field_name: str) -> torch.Tensor | None:
-    """Latents as float32 bytes or a (frames, feat_dim) array -> float32 tensor (a RequestError naming the field
-    otherwise)."""
-    if latents is None:
-        return None
-    if isinstance(latents, bytes | bytearray | memoryview):
-        raw = bytes(latents)
-        if not raw or len(raw) % (4 * feat_dim):
-            raise RequestError(f"{field_name}: float32 bytes must be a positive multiple of 4 * feat_dim = "
-                               f"{4 * feat_dim} bytes, got {len(raw)}")
-        latents = np.frombuffer(raw, dtype=np.float32).reshape(-1, feat_dim)
-    if not isinstance(latents, np.ndarray) or latents.ndim != 2 or latents.shape[1] != feat_dim or not len(latents):
-        shape = getattr(latents, "shape", type(latents).__name__)
-        raise RequestError(f"{field_name}: must be float32 latents shaped (frames, {feat_dim}), got {shape}")
-    return torch.from_numpy(np.array(latents, dtype=np.float32))  # a copy: the message buffer is not ours
 
 
 class ClientLink:
@@ -137,11 +120,9 @@ class Acceptor:
         with contextlib.suppress(BlockingIOError, OSError):
             os.read(self.wake_fd, 4096)
         out = []
-        while True:
-            try:
-                out.append(self._new.get_nowait())
-            except queue.Empty:
-                return out
+        while not self._new.empty():  # the main loop is the one consumer: not empty means the get succeeds
+            out.append(self._new.get_nowait())
+        return out
 
 
 @dataclass
@@ -205,7 +186,7 @@ class Worker:
     def _add(self, link: ClientLink, rid: str, req: p.SynthesisRequest) -> None:
         feat_dim = self.engine.model.config.feat_dim
         prompt_text = req.prompt_text or ""
-        prompt_latents = as_tensor(req.prompt_latents, feat_dim, "prompt_latents")
+        prompt_latents = latents_tensor(req.prompt_latents, feat_dim, "prompt_latents")
         if req.prompt_id is not None:
             if prompt_latents is not None:
                 raise RequestError("prompt_id: give prompt_id or prompt_latents, not both")
@@ -213,7 +194,7 @@ class Worker:
             if pr is None:
                 raise PromptNotFoundError(f"prompt_id {req.prompt_id!r} is not registered")
             prompt_latents, prompt_text = pr.latents, pr.text
-        ref_latents = as_tensor(req.ref_latents, feat_dim, "ref_audio_latents")
+        ref_latents = latents_tensor(req.ref_latents, feat_dim, "ref_audio_latents")
         try:  # add_request validates the params
             seq_id = self.engine.add_request(req.target_text, req.params, prompt_text, prompt_latents, ref_latents,
                                              lora_name=req.lora_name,
@@ -245,7 +226,7 @@ class Worker:
                 self._abort(seq_id)
         elif isinstance(msg, p.AddPrompt):
             try:
-                latents = as_tensor(msg.latents, self.engine.model.config.feat_dim, "latents")
+                latents = latents_tensor(msg.latents, self.engine.model.config.feat_dim, "latents")
             except RequestError as e:  # the client checks first; never let a bad prompt end the worker
                 log.error("prompt %s not registered: %s", msg.prompt_id, e)
                 return
@@ -318,7 +299,10 @@ class Worker:
             message = traceback.format_exc()
             log.error("engine step failed:\n%s", message)
             info = p.ErrorInfo("engine", f"engine step failed: {message.strip().splitlines()[-1]}")
-            for seq_id, (link, rid) in list(self.owner.items()):
+            for ev in self.engine.take_rejected():  # refused in that step: their own reasons, not the step's
+                self._route(ev)
+            queued = {s.seq_id for s in self.engine.scheduler.waiting if not s.num_generated}  # a later step runs them
+            for seq_id, (link, rid) in [(i, owner) for i, owner in self.owner.items() if i not in queued]:
                 self._abort(seq_id)
                 link.pending.append(p.AudioEvent(rid, None, True, "error", info))
             self._flush(force=True)
