@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Mapping
 from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request
+from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
 
 from service.errors import error_payload, unavailable
 from service.state import ServiceState
@@ -84,15 +85,12 @@ class KeyFirstMiddleware:
         self.app, self.keys = app, keys
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and self.keys and scope["method"] in self.BODY_METHODS:
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []}
-            if not key_matches(self.keys, key_of(headers)):
-                body = json.dumps(error_payload(scope.get("path", ""), 401, MISSING_KEY)).encode()
-                await send({"type": "http.response.start", "status": 401,
-                            "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
-                                        (b"content-length", str(len(body)).encode())]})
-                await send({"type": "http.response.body", "body": body})
-                return
+        if (scope["type"] == "http" and self.keys and scope["method"] in self.BODY_METHODS
+                and not key_matches(self.keys, key_of(Headers(scope=scope)))):
+            refusal = JSONResponse(error_payload(scope.get("path", ""), 401, MISSING_KEY), status_code=401,
+                                   headers={"WWW-Authenticate": "Bearer"})
+            await refusal(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 

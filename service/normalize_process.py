@@ -37,7 +37,7 @@ class NormalizeProcess:
             return await loop.run_in_executor(self._executor(), fn, text)
         except BrokenProcessPool:  # the child died (killed, out of memory): a new one, and one more try
             log.warning("the normalisation process died: starting another")
-            self._pool = None
+            self.close()
             return await loop.run_in_executor(self._executor(), fn, text)
 
     def close(self) -> None:

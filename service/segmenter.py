@@ -281,7 +281,7 @@ class LiveSegmenter:
                 out.extend(_fit(self.buffer, piece, self.max_chars))
             fitted = _fit(self.buffer, pieces[-1], self.max_chars, growing=True)
             out.extend(fitted[:-1])  # the last piece may still grow
-        return self._emit(out, out[-1].end if out else 0)
+        return self._emit(_spoken(self.buffer, out), out[-1].end if out else 0)
 
     def flush(self) -> list[Segment]:
         """What is buffered, as one segment (or none if it is blank); cut if it exceeds max_chars."""
@@ -304,8 +304,7 @@ class LiveSegmenter:
         return _spoken(self.buffer, [p for u in _sentences(self.buffer) for p in _fit(self.buffer, u, self.max_chars)])
 
     def _emit(self, units: list[_Unit], consumed: int) -> list[Segment]:
-        """`units` (those with words) as segments; the buffer read up to `consumed`."""
-        units = _spoken(self.buffer, units)
+        """`units` (those with words: `_spoken`) as segments; the buffer read up to `consumed`."""
         segments = [Segment(self.count + i, self.buffer[u.start:u.end], self.offset + u.start, self.offset + u.end,
                             u.pause) for i, u in enumerate(units)]
         self.count += len(segments)

@@ -174,7 +174,7 @@ class BaseServiceSettings(BaseSettings):
     @field_validator("api_keys")
     @classmethod
     def _keys(cls, v: str | None) -> str | None:
-        if v and not any(k.strip() for k in v.split(",")):  # set to a value, yet no key: every route would be open
+        if v and not keys_in_list(v):  # set to a value, yet no key: every route would be open
             raise ValueError("holds no key (only commas and spaces); leave it unset (or empty) for no keys")
         return v
 
@@ -185,8 +185,7 @@ class BaseServiceSettings(BaseSettings):
             return v
         if not v.expanduser().is_file():
             raise ValueError(f"{v} is not a readable file")
-        if not any(line.strip() and not line.strip().startswith("#")
-                   for line in v.expanduser().read_text().splitlines()):  # a secret mount that did not fill
+        if not keys_in_file(v):  # a secret mount that did not fill
             raise ValueError(f"{v} holds no key (only blank lines and # comments): every route would be open")
         return v
 
@@ -255,11 +254,7 @@ class BaseServiceSettings(BaseSettings):
 
     def api_key_list(self) -> list[str]:
         """The keys from NANOVLLM_API_KEYS and NANOVLLM_API_KEYS_FILE (read once, at start-up)."""
-        keys = [k.strip() for k in (self.api_keys or "").split(",")]
-        if self.api_keys_file is not None:
-            lines = self.api_keys_file.expanduser().read_text().splitlines()
-            keys += [line.strip() for line in lines if not line.strip().startswith("#")]
-        return [k for k in keys if k]
+        return keys_in_list(self.api_keys or "") + (keys_in_file(self.api_keys_file) if self.api_keys_file else [])
 
     @property
     def queue_bound(self) -> int:
@@ -278,6 +273,17 @@ class BaseServiceSettings(BaseSettings):
         """The EngineConfig fields these settings set (an unset one: the config's default)."""
         values = {field: getattr(self, name) for name, field in ENGINE_SETTINGS.items()}
         return {field: value for field, value in values.items() if value is not None}
+
+
+def keys_in_list(value: str) -> list[str]:
+    """The keys of NANOVLLM_API_KEYS: comma-separated, blanks dropped."""
+    return [k.strip() for k in value.split(",") if k.strip()]
+
+
+def keys_in_file(path: Path) -> list[str]:
+    """The keys of NANOVLLM_API_KEYS_FILE: one per line, blank lines and # comments dropped."""
+    lines = (line.strip() for line in path.expanduser().read_text().splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
 
 
 def engine_setting(field_name: str) -> tuple[Any, Any]:

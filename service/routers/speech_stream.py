@@ -144,14 +144,13 @@ class LiveSession:
         if not isinstance(body, dict) or not isinstance(body.get("type"), str):
             raise SessionError("message: a JSON object with a string field 'type' is expected", POLICY)
         for key, value in body.items():  # JSON's escapes can spell a lone UTF-16 half, which no text encodes
-            where = "message: type" if key == "type" else f"{body['type']}: {key}"
             try:
                 json.dumps(value, ensure_ascii=False).encode()
-            except UnicodeEncodeError:
-                raise SessionError(f"{where} holds an unpaired surrogate (a lone \\ud800-\\udfff escape)",
-                                   POLICY) from None
-            except RecursionError:  # parsed at a deeper stack than this (a larger message limit)
-                raise SessionError(f"{where}: nested too deeply", POLICY) from None
+            except (UnicodeEncodeError, RecursionError) as e:  # recursion: parsed deeper than this stack reaches
+                where = "message: type" if key == "type" else f"{body['type']}: {key}"
+                rule = (": nested too deeply" if isinstance(e, RecursionError)
+                        else " holds an unpaired surrogate (a lone \\ud800-\\udfff escape)")
+                raise SessionError(where + rule, POLICY) from None
         return body
 
     async def configure(self) -> None:
