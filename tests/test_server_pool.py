@@ -111,6 +111,21 @@ def test_ctrl_c_in_next_then_leaving_the_with_block_aborts_the_request(pool):
     _free_blocks_restored(pool)
 
 
+def test_a_stuck_worker_is_not_ready_and_waiting_for_the_load_still_returns(pool):
+    """A worker marked stuck (its stats call unanswered): the pool is not ready, but waiting for the workers' load
+    (wait_for_ready, model_info) returns at once; with "stuck" inside the client's `ready` that wait spun on the event
+    loop without yielding, so nothing (not the worker's next message, not a timeout) could end it."""
+    link = pool.pool.client.links[0]
+    link.answering = False
+    try:
+        assert not pool.ready and pool.pool.client.stuck == [0]
+        pool._submit(pool.pool.wait_for_ready(timeout=5)).result(30)
+        assert pool._submit(pool.pool.model_info()).result(30).feat_dim == 64
+    finally:
+        link.answering = True
+    assert pool.ready
+
+
 def test_model_info(pool):
     info = pool.get_model_info()
     assert info["sample_rate"] == 48000 and info["channels"] == 1

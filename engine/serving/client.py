@@ -184,8 +184,8 @@ class EngineClient:
 
     @property
     def ready(self) -> bool:
-        """Every worker has reported ready and none is stuck (`stuck`)."""
-        return not self.closed and all(link.ready and link.answering for link in self.links)
+        """Every worker has reported ready (loaded; one may be `stuck` since, which the pool's `ready` says)."""
+        return not self.closed and all(link.ready for link in self.links)
 
     @property
     def stuck(self) -> list[int]:

@@ -92,7 +92,9 @@ class AsyncVoxCPMServerPool:
 
     @property
     def ready(self) -> bool:
-        return self.healthy and self.client.ready
+        """Healthy, every worker loaded, and none stuck (waiting on a stuck one would never end: `wait_for_ready`
+        waits for the load alone)."""
+        return self.healthy and self.client.ready and not self.client.stuck
 
     def snapshot(self) -> list[dict[str, int]]:
         """Per worker, without a round trip: in-flight requests (as routed here) and the load the worker last
