@@ -107,7 +107,7 @@ class LLMEngine:
             pipeline = self.device.type == "cuda"
         self.pipeline = pipeline
         self.in_flight: LaunchedDecode | None = None  # the launched decode step not yet read (pipelining)
-        self._rejected: list[StepEvent] = []  # the requests a step refused before it failed (`take_rejected`)
+        self._rejected: list[StepEvent] = []  # the requests a step refused before it failed (`after_failed_step`)
         self.startup_s = time.perf_counter() - t0
         # Where start-up goes (cold start is a performance target): load, KV sizing + allocation, capture.
         times = self.runner.capture_times.values()
@@ -185,16 +185,18 @@ class LLMEngine:
         self._lora_slots("lora_name").unregister(name)
         self.scheduler.changed()  # a request waiting for its slot now fails at the next admission round
 
-    def lease_lora(self, client: int, lease: str | None, name: str | None) -> None:
+    def lease_lora(self, client: int, lease: str, name: str | None) -> None:
         """Client `client`'s lease `lease` (a long text's) on the adapter registered as `name` begins; with `name`
-        None it ends; with `lease` None every lease of the client ends (it went away). See `LoRASlots.lease`."""
-        if self.runner.lora is None:
-            return
-        if lease is None:
-            self.runner.lora.end_leases(client)
-        else:
+        None it ends (`LoRASlots.lease`)."""
+        if self.runner.lora is not None:
             self.runner.lora.lease((client, lease), name)
-        self.scheduler.changed()  # a segment waiting for its slot, its lease ended, now fails at the next round
+            self.scheduler.changed()  # a segment waiting for its slot, its lease ended, now fails at the next round
+
+    def end_lora_leases(self, client: int) -> None:
+        """Client `client` went away: its leases end."""
+        if self.runner.lora is not None:
+            self.runner.lora.end_leases(client)
+            self.scheduler.changed()
 
     def list_loras(self) -> list[AdapterInfo]:
         return self.runner.lora.list() if self.runner.lora is not None else []
@@ -296,18 +298,19 @@ class LLMEngine:
             # CUDA an error of the prefill may only surface at the decode's sync).
             for seq in sched.prefill:
                 self.blocks.forget_uncomputed(seq)
-            self._rejected = rejected  # their events, for the caller: `take_rejected`
+            self._rejected = rejected  # their events, for the caller: `after_failed_step`
             raise
         if sched.prefill and log.isEnabledFor(logging.DEBUG):  # prefill launch vs (prefill tail + decode)
             log.debug("step: prefill %d seqs %.1f ms (host), decode %d seqs %.1f ms", len(sched.prefill),
                       1000 * (t1 - t0), len(sched.decode), 1000 * (time.perf_counter() - t1))
         return events
 
-    def take_rejected(self) -> list[StepEvent]:
-        """After a step raised: the events of the requests it refused before failing (each its own reason), which
-        its caller never got (a failed step's running requests end with "error"; the waiting ones stay queued)."""
+    def after_failed_step(self) -> tuple[list[StepEvent], set[int]]:
+        """After a step raised (its running requests ended with "error"): the events of the requests it refused before
+        failing (each its own reason: its caller never got them), and the requests still queued that never started,
+        which later steps serve; every other request the caller holds ended with the step."""
         rejected, self._rejected = self._rejected, []
-        return rejected
+        return rejected, {s.seq_id for s in self.scheduler.waiting if not s.num_generated}
 
     def _emit(self, event: StepEvent) -> StepEvent:
         if event.finished:
@@ -346,7 +349,6 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         self.runner.release_slot(seq)
         if seq.lora_slot >= 0 and self.runner.lora is not None:
-            assert seq.lora_name is not None
             self.runner.lora.release(seq.lora_slot)
         seq.lora_name, seq.lora_slot = None, -1
         self.sequences.pop(seq.seq_id, None)

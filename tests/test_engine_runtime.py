@@ -104,7 +104,7 @@ def test_request_that_never_fits_is_rejected_with_reason(model):
 
 
 def test_a_failed_step_keeps_its_refusals_and_its_queue(model, monkeypatch):
-    """A step whose prefill raises: the requests it refused before failing keep their own reasons (`take_rejected`:
+    """A step whose prefill raises: the requests it refused before failing keep their own reasons (`after_failed_step`:
     they were lost, and the worker failed them as the step), the one it was starting ends with "error" and its blocks
     are free, and one still queued (no seat) stays queued and is served by the next steps."""
     engine = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=32, block_size=4))
@@ -115,10 +115,10 @@ def test_a_failed_step_keeps_its_refusals_and_its_queue(model, monkeypatch):
     monkeypatch.setattr(engine.runner, "prefill", lambda seqs: (_ for _ in ()).throw(RuntimeError("injected")))
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()
-    (event,) = engine.take_rejected()
+    (event,), still_queued = engine.after_failed_step()
     assert event.seq_id == refused and event.finish_reason == "error" and "max_model_len=32" in event.error
-    assert engine.take_rejected() == [] and started not in engine.sequences
-    assert [s.seq_id for s in engine.scheduler.waiting] == [queued]
+    assert engine.after_failed_step() == ([], {queued}) and started not in engine.sequences
+    assert still_queued == {queued} and [s.seq_id for s in engine.scheduler.waiting] == [queued]
     monkeypatch.setattr(engine.runner, "prefill", prefill)
     patches = []
     while engine.has_unfinished():

@@ -163,7 +163,7 @@ class Worker:
             self._abort(seq_id)
         for pid in [pid for pid, pr in self.prompts.items() if link.index in pr.owners]:
             self._release_prompt(pid, link)
-        self.engine.lease_lora(link.index, None, None)
+        self.engine.end_lora_leases(link.index)
         link.close()
 
     def _release_prompt(self, prompt_id: str, link: ClientLink) -> None:
@@ -299,9 +299,9 @@ class Worker:
             message = traceback.format_exc()
             log.error("engine step failed:\n%s", message)
             info = p.ErrorInfo("engine", f"engine step failed: {message.strip().splitlines()[-1]}")
-            for ev in self.engine.take_rejected():  # refused in that step: their own reasons, not the step's
+            rejected, queued = self.engine.after_failed_step()
+            for ev in rejected:  # refused in that step: their own reasons, not the step's
                 self._route(ev)
-            queued = {s.seq_id for s in self.engine.scheduler.waiting if not s.num_generated}  # a later step runs them
             for seq_id, (link, rid) in [(i, owner) for i, owner in self.owner.items() if i not in queued]:
                 self._abort(seq_id)
                 link.pending.append(p.AudioEvent(rid, None, True, "error", info))
