@@ -108,10 +108,8 @@ class EngineConfig:
         for f in fields(self):
             value, meta = getattr(self, f.name), f.metadata
             kinds = [k for k in str(f.type).split(" | ") if k != "None"]
-            typed = value is not None and meta and kinds and all(k in FIELD_TYPES for k in kinds)
-            if typed and (not isinstance(value, tuple(t for k in kinds for t in FIELD_TYPES[k]))
-                          or (isinstance(value, bool) and "bool" not in kinds)):
-                raise TypeError(f"{f.name}: {' or '.join(kinds)} expected, got {value!r}")
+            if value is not None and meta and kinds and all(k in FIELD_TYPES for k in kinds):
+                check_type(f.name, value, tuple(t for k in kinds for t in FIELD_TYPES[k]))
             if value is None or not meta or isinstance(value, bool):
                 continue
             if meta["pattern"] is not None and isinstance(value, str) and not re.fullmatch(meta["pattern"], value):
@@ -135,5 +133,12 @@ class EngineConfig:
                              ">= 1")
 
 
-FIELD_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+FIELD_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (float, int), "bool": (bool,), "str": (str,)}
+
+
+def check_type(name: str, value: object, kinds: tuple[type, ...]) -> None:
+    """`value` is one of `kinds` (a bool counts as no int here, though Python says it is), else a TypeError naming
+    `name`."""
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise TypeError(f"{name}: {' or '.join(k.__name__ for k in kinds)} expected, got {value!r}")
 ENGINE_FIELDS = frozenset(f.name for f in fields(EngineConfig) if f.name != "options")

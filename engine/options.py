@@ -30,11 +30,11 @@ def _flag(value: str) -> bool:
     return _FLAG_WORDS[word]
 
 
-def _choice(*allowed: str) -> Callable[[str], str]:
-    def parse(value: str) -> str:
-        if value not in allowed:
-            raise ValueError(f"use one of {', '.join(allowed)}")
-        return value
+def _choice(*allowed: Any, cast: Callable[[str], Any] = str) -> Callable[[str], Any]:
+    def parse(value: str) -> Any:
+        if cast(value) not in allowed:
+            raise ValueError(f"use one of {', '.join(map(str, allowed))}")
+        return cast(value)
 
     return parse
 
@@ -65,15 +65,6 @@ def _split_keys(value: str) -> int:
     if keys and (keys < 16 or keys & (keys - 1)):
         raise ValueError("use 0 (never split) or a power of two >= 16")
     return keys
-
-
-def _one_of(*allowed: int) -> Callable[[str], int]:
-    def parse(value: str) -> int:
-        if int(value) not in allowed:
-            raise ValueError(f"use one of {', '.join(map(str, allowed))}")
-        return int(value)
-
-    return parse
 
 
 def _megabytes(value: str) -> float:
@@ -147,8 +138,8 @@ class EngineOptions:
                                 "phase (phases), or the layers' separate kernels (off).")
     layer_max_rows: int = _option("VOXCPM_LAYER_MAX_ROWS", 64, lambda v: min(64, _rows(v)), "Rows (sequences x "
                                   "tokens, at most 64) up to which the layer kernel runs.")
-    layer_block_n: int = _option("VOXCPM_LAYER_BLOCK_N", 32, _one_of(16, 32, 64), "The layer kernel's output columns "
-                                 "per unit.")
+    layer_block_n: int = _option("VOXCPM_LAYER_BLOCK_N", 32, _choice(16, 32, 64, cast=int), "The layer kernel's "
+                                 "output columns per unit.")
     layer_launch: tuple[int, int, int, int] = _option("VOXCPM_LAYER_LAUNCH", (128, 4, 4, 1), _launch,
                                                       "The layer kernel's K tile, pipeline stages, warps and "
                                                       "programs per SM at most.")

@@ -231,7 +231,7 @@ def test_an_adapter_leased_for_a_long_text_speaks_it_to_its_end(checkpoint_facto
     assert len(slots.resident) == 2 and not slots.free_slots
     engine.lease_lora(1, "long-1", None)
     assert len(slots.resident) == 2  # client 2 still leases the old adapter
-    engine.lease_lora(2, None, None)  # client 2 went away
+    engine.end_lora_leases(2)  # client 2 went away
     assert len(slots.resident) == 1 and len(slots.free_slots) == 1 and not slots.leases
     check_parity("the lease ended: the name's adapter", patches_of(engine, [leased])[0], new, 1e-5)
 

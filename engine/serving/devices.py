@@ -24,8 +24,9 @@ def device_names(devices: list[int | str] | None) -> list[str]:
     bad = [n for n in names if not DEVICE_NAME.fullmatch(n)]
     if bad:
         raise ValueError(f"devices: {bad!r} are no devices (GPU indices, 'cuda', 'cuda:N' or 'cpu')")
-    gpus = visible_gpu_count() if any(name.startswith("cuda") for name in names) else 0
-    if any(name.startswith("cuda") for name in names) and not gpus:
+    wants_gpu = any(name.startswith("cuda") for name in names)
+    gpus = visible_gpu_count() if wants_gpu else 0
+    if wants_gpu and not gpus:
         raise ValueError(f"devices {devices!r} requested but CUDA is not available")
     missing = [n for n in names if n.startswith("cuda:") and int(n[5:]) >= gpus]
     if missing:

@@ -170,11 +170,12 @@ class AsyncVoxCPMServerPool:
             raise RequestError("prompt_text: must be a non-empty string (the transcript)")
         if (wav is None) == (latents is None):
             raise RequestError("wav: give exactly one of wav or latents")
+        info = await self.model_info()
+        feat_dim = info.feat_dim
         if wav is not None:
             raw = await self.encode_latents(wav, wav_format)
         else:
             # Checked here: the prompt is replayed to every (restarted) worker, it must be usable there.
-            feat_dim = (await self.model_info()).feat_dim
             if isinstance(latents, np.ndarray):
                 if latents.ndim != 2 or latents.shape[1] != feat_dim or not latents.shape[0]:
                     raise RequestError(f"latents: must be shaped (frames, {feat_dim}), got {latents.shape}")
@@ -186,15 +187,13 @@ class AsyncVoxCPMServerPool:
                                        f"{4 * feat_dim} bytes, got {len(raw)}")
             else:
                 raise RequestError(f"latents: must be float32 bytes or a numpy array, got {type(latents).__name__}")
-            info = await self.model_info()
-            frames = len(raw) // (4 * feat_dim)
-            if frames % info.patch_size:  # as a generation would refuse them (they were registered, then unusable)
-                raise RequestError(f"latents: {frames} frames; must be a multiple of patch_size={info.patch_size}")
-            if not np.isfinite(np.frombuffer(raw, np.float32)).all():
-                raise RequestError("latents: contains NaN or infinity")
+        frames = np.frombuffer(raw, np.float32).reshape(-1, feat_dim)
+        if len(frames) % info.patch_size:  # as a generation would refuse them (they were registered, then unusable)
+            raise RequestError(f"latents: {len(frames)} frames; must be a multiple of patch_size={info.patch_size}")
+        if not np.isfinite(frames).all():
+            raise RequestError("latents: contains NaN or infinity")
         prompt_id = hashlib.blake2b(raw + prompt_text.encode(), digest_size=12).hexdigest()
-        feat_dim = (await self.model_info()).feat_dim
-        self.client.add_prompt(prompt_id, np.frombuffer(raw, np.float32).reshape(-1, feat_dim), prompt_text)
+        self.client.add_prompt(prompt_id, frames, prompt_text)
         return prompt_id
 
     async def remove_prompt(self, prompt_id: str) -> None:

@@ -8,7 +8,7 @@ from collections.abc import MutableMapping
 from types import NoneType
 from typing import Any
 
-from engine.engine_config import ENGINE_FIELDS, EngineConfig
+from engine.engine_config import ENGINE_FIELDS, EngineConfig, check_type
 from engine.io.tokenizer import TextTokenizer
 from engine.serving.devices import device_names
 from engine.serving.pool import AsyncVoxCPMServerPool, checked_model_path
@@ -56,8 +56,8 @@ def check_pool_keywords(kwargs: dict[str, Any]) -> None:
     kinds: dict[str, tuple[type, ...]] = {"warmup": (bool,), "encoder_threads": (int,), "queue_bound": (int, NoneType),
                                           "loras": (MutableMapping, NoneType), "tokenizer": (TextTokenizer, NoneType)}
     for name, value in kwargs.items():
-        if name in kinds and (not isinstance(value, kinds[name]) or (isinstance(value, bool) and name != "warmup")):
-            raise TypeError(f"{name}: {' or '.join(k.__name__ for k in kinds[name])} expected, got {value!r}")
+        if name in kinds:
+            check_type(name, value, kinds[name])
     threads = kwargs.get("transform_threads")
     if threads is not None and not (isinstance(threads, type) and issubclass(threads, TransformThreads)):
         raise TypeError(f"transform_threads: a TransformThreads class expected, got {threads!r}")
