@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Post-start warm-up for a voxcpm-serve instance: waits for /health, then runs a zero-shot and a HiFi
-# warm-up (add_hifi, generate with it, delete it) once /ready says the model is loaded. Exits non-zero if any step fails.
+# Post-start warm-up for a voxcpm-serve instance: once /ready says the model is loaded, runs a zero-shot and a HiFi
+# warm-up (add_hifi, generate with it, delete it). Exits non-zero if any step fails.
 # Usage: deployment/post_start_warmup.sh [BASE_URL]   (default $VOXCPM_URL, else http://127.0.0.1:8000; WAIT_S=600 seconds
-# for /health and /ready together; VOXCPM_API_KEY, else the first of NANOVLLM_API_KEYS, as the bearer key where the
+# for /ready; VOXCPM_API_KEY, else the first of NANOVLLM_API_KEYS, as the bearer key where the
 # service requires one; PYTHON=python3 parses the answers)
 set -euo pipefail
 BASE="${1:-${VOXCPM_URL:-http://127.0.0.1:8000}}"
@@ -15,17 +15,14 @@ AUTH=()
 
 fail() { echo "warm-up FAILED: $*" >&2; exit 1; }
 
-# one deadline for both waits (a systemd unit's TimeoutStartSec must exceed it)
+# /ready answers 200 once the model is loaded (requests get 503 until then); a systemd unit's TimeoutStartSec must
+# exceed WAIT_S
+echo "waiting for $BASE/ready (up to ${WAIT_S}s)"
 deadline=$((SECONDS + WAIT_S))
-wait_for() {  # wait_for PATH: until it answers 2xx or the deadline passes
-  echo "waiting for $BASE$1 (until ${WAIT_S}s after the start)"
-  until curl -fsS "$BASE$1" >/dev/null 2>&1; do
-    [ "$SECONDS" -lt "$deadline" ] || fail "$1 never answered 200"
-    sleep 1
-  done
-}
-wait_for /health
-wait_for /ready  # the service answers /health while the model loads; requests get 503 until /ready
+until curl -fsS "$BASE/ready" >/dev/null 2>&1; do
+  [ "$SECONDS" -lt "$deadline" ] || fail "/ready never answered 200"
+  sleep 1
+done
 
 post() {  # post PATH JSON -> body on stdout; fails on a non-2xx status
   curl -fsS -X POST "$BASE$1" ${AUTH[@]+"${AUTH[@]}"} -H 'content-type: application/json' --data-binary @- <<<"$2"
