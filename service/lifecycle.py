@@ -52,6 +52,8 @@ async def supervise(state: ServiceState) -> None:
     while True:
         state.metrics.ready.set(1 if state.ready else 0)
         await asyncio.sleep(SUPERVISE_EVERY_S)
+        if state.owns_workers and state.pool.workers is not None and state.settings.worker_stuck_timeout_s:
+            state.pool.workers.kill_stuck(state.settings.worker_stuck_timeout_s)
         if state.pool.healthy or not state.owns_workers or not state.settings.restart_dead_workers:
             continue
         log.error("a worker died: restarting it (not ready until it is warm again)")

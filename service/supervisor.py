@@ -198,6 +198,8 @@ class Supervisor:
                 await asyncio.wait_for(self.stopping.wait(), CHECK_EVERY_S)
             if self.stopping.is_set():
                 break
+            if self.settings.worker_stuck_timeout_s:
+                workers.kill_stuck(self.settings.worker_stuck_timeout_s)  # then found dead below, soon
             now = time.monotonic()
             for w in workers.processes:
                 if w.alive or w.index in restart_at:

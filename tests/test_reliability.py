@@ -87,7 +87,7 @@ def test_soak_leaks_nothing(service: Service):
 
 
 def test_a_stuck_worker_turns_the_service_not_ready_and_its_metrics_still_answer(service: Service):
-    """A worker that stops answering (SIGSTOP: a device call that never returns): /ready turns 503 naming it within
+    """A worker that stops answering (SIGSTOP: a GPU call that never returns): /ready turns 503 naming it within
     the stats timeout, so the pod leaves the rotation (it stayed 200 while every generation hung), and /metrics
     answers, reporting not ready (it hung: scrapes timed out, so no alert could fire); once the worker resumes, ready
     again."""

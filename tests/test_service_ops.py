@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import httpx
+import psutil
 import pytest
 from pydantic import ValidationError
 
@@ -18,7 +19,8 @@ from tests.service_harness import TLS, LiveServer, live_server
 
 @pytest.fixture(scope="module")
 def server(checkpoint_factory, tmp_path_factory):
-    with live_server(checkpoint_factory, tmp_path_factory.mktemp("svc-ops")) as s:
+    # a worker silent for 10 s is killed (120 by default): far beyond a tiny CPU worker's longest turn of its loop
+    with live_server(checkpoint_factory, tmp_path_factory.mktemp("svc-ops"), worker_stuck_timeout_s=10) as s:
         yield s
 
 
@@ -69,6 +71,18 @@ def test_ready_flips_when_a_worker_dies(server):
         r = c.post("/generate", json={"target_text": "x", "max_generate_length": 1})
         if r.status_code != 200:  # the restart may already be done
             assert r.status_code == 503 and "Retry-After" in r.headers
+    server.wait_ready()
+    with httpx.Client(verify=TLS, base_url=server.url, timeout=60) as c:
+        assert c.post("/generate", json={"target_text": "Back.", "max_generate_length": 1}).status_code == 200
+
+
+def test_a_stuck_worker_is_killed_and_restarted(server):
+    """The app owning its worker: a worker whose loop stops (SIGSTOP: a GPU call that never returns) is killed
+    after NANOVLLM_WORKER_STUCK_TIMEOUT_S and restarted (it was only reported not ready, for good)."""
+    worker = psutil.Process(server.state.pool.workers.processes[0].process.pid)
+    worker.suspend()
+    LiveServer.wait(lambda: server.state.pool.workers.processes[0].process.pid != worker.pid,
+                    "the stuck worker was never killed and restarted", 60)
     server.wait_ready()
     with httpx.Client(verify=TLS, base_url=server.url, timeout=60) as c:
         assert c.post("/generate", json={"target_text": "Back.", "max_generate_length": 1}).status_code == 200

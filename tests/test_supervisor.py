@@ -22,6 +22,7 @@ from tests.service_harness import SAMPLES_PER_PATCH, TLS, wav_bytes
 from tests.supervised import GUARD_S, REQUEST_TIMEOUT, Service, metric
 
 API_PROCESSES = 2
+STUCK_TIMEOUT_S = 10
 PCM_PATCH_BYTES = SAMPLES_PER_PATCH * 2  # s16le
 SHORT = {"target_text": "Hello.", "max_generate_length": 2, "seed": 1, "response_format": "pcm"}
 # 71 tokens: the engine caps it at 6 x 71 + 10 = 436 patches (prompt + patches fit max_model_len 512), about
@@ -33,8 +34,10 @@ LONG = {"target_text": LONG_TEXT, "response_format": "pcm"}  # max_generate_leng
 
 @pytest.fixture(scope="module")
 def service(checkpoint_factory, tmp_path_factory) -> Iterator[Service]:
+    # a worker silent for 10 s is killed (120 by default): far beyond a tiny CPU worker's longest turn of its loop
     svc = Service(checkpoint_factory("tiny-voxcpm2", stop="never"), tmp_path_factory.mktemp("supervisor"),
-                  API_PROCESSES, engine_env={"VOXCPM_LOG_LEVEL": "DEBUG"})  # the worker's timeline in the log
+                  API_PROCESSES, engine_env={"VOXCPM_LOG_LEVEL": "DEBUG"},  # the worker's timeline in the log
+                  worker_stuck_timeout_s=str(STUCK_TIMEOUT_S))
     try:
         svc.wait_all_ready()
         yield svc
@@ -213,6 +216,22 @@ def test_worker_killed_then_recovers(service: Service, hifi_id: str):
     # every API process refreshes its readiness gauge on its own (about once a second): the sum turns 1 again
     service.wait(lambda: (m := service.scrape()[0]) and metric(m, "voxcpm_workers_up") == 1
                  and metric(m, "voxcpm_ready") == 1, "voxcpm_ready never turned 1 again")
+
+
+def test_a_stuck_worker_is_killed_and_restarted(service: Service, hifi_id: str):
+    """A worker whose loop stops (SIGSTOP: a GPU call that never returns) answers no ping: after
+    NANOVLLM_WORKER_STUCK_TIMEOUT_S the supervisor kills it and starts another (it was only reported not ready,
+    for good), which serves the same audio."""
+    reference, _ = short_request(service, hifi_id)
+    [worker] = service.named("voxcpm-worker0")
+    worker.suspend()
+    service.wait(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE,
+                 "the stuck worker was never killed", limit_s=STUCK_TIMEOUT_S + GUARD_S)
+    assert f"worker 0 (cpu) answered no ping for {STUCK_TIMEOUT_S:.0f} s" in service.log()
+    service.wait_all_ready()
+    [again] = service.named("voxcpm-worker0")
+    assert again.pid != worker.pid
+    assert short_request(service, hifi_id)[0].content == reference.content
 
 
 def test_logs_hold_no_audio_latents_or_keys(service: Service, hifi_id: str):

@@ -53,6 +53,7 @@ class WorkerProcess:
         self.process.start()
         child.close()  # our copy: the pipe must close when the child exits
         self.started: concurrent.futures.Future[WorkerInfo] = concurrent.futures.Future()
+        self.answered_at: float | None = None  # when it last showed its loop turns: Started, then each Pong
         self.exited = threading.Event()
         self._on_exit = on_exit
         threading.Thread(target=self._watch, name=f"voxcpm-watch-{index}", daemon=True).start()
@@ -64,7 +65,10 @@ class WorkerProcess:
                 msg = self.control.recv()
             except (EOFError, OSError):
                 break
-            if isinstance(msg, p.Started):
+            if isinstance(msg, p.Pong):
+                self.answered_at = time.monotonic()
+            elif isinstance(msg, p.Started):
+                self.answered_at = time.monotonic()
                 self.started.set_result(msg.info)
             elif isinstance(msg, p.Fatal):
                 self.started.set_exception(PoolError(f"worker {self.index} ({self.device}) failed to start: "
@@ -89,6 +93,15 @@ class WorkerProcess:
     @property
     def failed_to_start(self) -> BaseException | None:
         return self.started.exception() if self.started.done() else None
+
+    def ping(self) -> float:
+        """Ask the started worker's loop for a Pong; the seconds since it last answered (0 before it started or once
+        it ended)."""
+        if self.answered_at is None or not self.alive:
+            return 0.0
+        with contextlib.suppress(OSError, ValueError):
+            self.control.send(p.Ping())
+        return time.monotonic() - self.answered_at
 
     def kill(self) -> None:
         """Terminate the process abruptly (tests and chaos drills)."""
@@ -191,6 +204,18 @@ class WorkerSet:
         for i in dead:
             self.restart(i)
         return dead
+
+    def kill_stuck(self, after_s: float) -> list[int]:
+        """Ping every started worker and kill those that answered nothing for `after_s` (a GPU call that never
+        returns: the loop that would read a Stop is stuck too); their owner restarts them as any that died. Their
+        indices."""
+        stuck = [w for w in self.processes if w.ping() > after_s]
+        for w in stuck:
+            log.error("worker %d (%s) answered no ping for %.0f s (a GPU call that never returns?): killing it",
+                      w.index, w.device, after_s)
+            w.answered_at = None  # asked nothing more: it is ending
+            w.kill()
+        return [w.index for w in stuck]
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the early precompile's children if they still compile (a stop during start-up), then every worker

@@ -207,6 +207,17 @@ class Stop:
 
 
 @dataclass
+class Ping:
+    """Does the worker's loop still turn? Answered with Pong (`WorkerProcess.silent_s`): a worker stuck in a device
+    call that never returns answers no message, and its owner kills it (`WorkerSet.kill_stuck`)."""
+
+
+@dataclass
+class Pong:
+    pass
+
+
+@dataclass
 class WorkerOptions:
     """Everything a worker process is started with."""
 

@@ -4,7 +4,7 @@ loads the engine and then runs a `Worker`, is `engine.serving.worker_startup`).
 Clients (a library pool, or each of the service's API processes) connect to the worker's Unix socket and
 exchange the typed messages of `engine.serving.protocol`; a request's events go back to the client that
 sent it, one `StepEvents` message per client per engine step. The process that spawned the worker keeps a
-control pipe to it (start-up outcome, Stop; the pipe closing means the owner is gone and the worker exits).
+control pipe to it (start-up outcome, Stop, Ping; the pipe closing means the owner is gone and the worker exits).
 
 The loop never blocks while sequences run; with nothing to do it sleeps in `wait`. Sending happens on one
 thread per client (pickling a step's audio and writing it overlaps the next step's GPU work); a client that
@@ -402,6 +402,8 @@ class Worker:
                         msg = p.Stop()  # the owner is gone
                     if isinstance(msg, p.Stop):
                         return
+                    if isinstance(msg, p.Ping):
+                        self.control.send(p.Pong())
                 elif ready == self.acceptor.wake_fd:
                     self._take_new_links()
                 else:
