@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Post-start warm-up for a voxcpm-serve instance: once /ready says the model is loaded, runs a zero-shot and a HiFi
 # warm-up (add_hifi, generate with it, delete it). Exits non-zero if any step fails.
-# Usage: deployment/post_start_warmup.sh [BASE_URL]   (default $VOXCPM_URL, else http://127.0.0.1:8000; WAIT_S=600 seconds
-# for /ready; VOXCPM_API_KEY, else the first of NANOVLLM_API_KEYS, as the bearer key where the
-# service requires one; PYTHON=python3 parses the answers)
+# Usage: deployment/post_start_warmup.sh [BASE_URL]   (default $VOXCPM_URL, else http://127.0.0.1:8000; WAIT_S=900 seconds
+# for /ready, the service's longest load; VOXCPM_API_KEY, else the first of NANOVLLM_API_KEYS, else the first key of
+# NANOVLLM_API_KEYS_FILE, as the bearer key where the service requires one; PYTHON=python3 parses the answers)
 set -euo pipefail
 BASE="${1:-${VOXCPM_URL:-http://127.0.0.1:8000}}"
-WAIT_S="${WAIT_S:-600}"
+WAIT_S="${WAIT_S:-900}"
 PY="${PYTHON:-python3}"
 KEY="${VOXCPM_API_KEY:-${NANOVLLM_API_KEYS:-}}"
 KEY="$(echo "${KEY%%,*}" | tr -d '[:space:]')"
+if [ -z "$KEY" ] && [ -n "${NANOVLLM_API_KEYS_FILE:-}" ]; then  # one key a line, blank lines and # comments skipped
+  KEY="$(sed -e 's/^[[:space:]]*//' -e 's/[[:space:]]*$//' "$NANOVLLM_API_KEYS_FILE" | grep -v -e '^#' -e '^$' | head -n 1)"
+fi
 AUTH=()
 [ -n "$KEY" ] && AUTH=(-H "authorization: Bearer $KEY")
 

@@ -12,7 +12,9 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import jsonschema
@@ -31,6 +33,7 @@ COMPOSE = ROOT / "deployment" / "compose.yaml"
 PROMETHEUS_CONFIG = ROOT / "deployment" / "compose" / "prometheus.yml"
 DASHBOARD = K8S / "voxcpm-serve-dashboard.json"
 STARTUP_BUDGET_S = 600  # a cold load: weights from the volume, kernels compiled on a cache miss
+KUBE_STATE_METRICS = {"kube_pod_container_status_restarts_total"}  # kube-prometheus-stack's: the restart alert
 STOP_AFTER_DRAIN_S = 20  # after the drain: uvicorn's graceful stop (10 s), then the workers' (10 s)
 
 # The custom resources' fields this repository uses, from their CRDs (KEDA keda.sh/v1alpha1 ScaledObject,
@@ -156,7 +159,7 @@ def test_every_object_validates_against_the_current_kubernetes():
     errors = {f"{o['kind']}/{o['metadata']['name']}": e for o in checked if (e := validation_error(o, version))}
     assert not errors, f"against Kubernetes {version}: {errors}"
     assert {"Deployment", "Service", "PodDisruptionBudget", "ScaledObject", "ServiceMonitor", "PrometheusRule",
-            "ConfigMap", "StatefulSet", "HorizontalPodAutoscaler"} <= {o["kind"] for o in checked}
+            "ConfigMap", "StatefulSet", "HorizontalPodAutoscaler", "NetworkPolicy"} <= {o["kind"] for o in checked}
     deployment = next(o for o in checked if o["kind"] == "Deployment")
     deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["periodSecond"] = 5  # a misspelt field
     assert "periodSecond" in (validation_error(deployment, version) or ""), "strict validation let a typo through"
@@ -171,8 +174,16 @@ def test_no_beta_apis_and_the_serving_rules(objects):
     deployment = kind(objects, "Deployment")
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # the ScaledObject owns the replica count: a count here would be set back by every apply
+    assert "replicas" not in deployment["spec"]
+    # a pod that shares its node's cores (not Guaranteed with whole cores) sees all of them: pinning its engine worker
+    # to the last two would pin every pod's to the same two
+    requests, limits = container["resources"]["requests"], container["resources"]["limits"]
+    guaranteed = limits.get("cpu") == requests.get("cpu") and str(requests.get("cpu", "")).isdigit() and \
+        limits.get("memory") == requests.get("memory")
+    assert guaranteed or (env.get("NANOVLLM_WORKER_CPUS") == "0" and env.get("NANOVLLM_API_PROCESSES"))
     startup, liveness, readiness = (container[p] for p in ("startupProbe", "livenessProbe", "readinessProbe"))
     assert startup["httpGet"]["path"] == "/ready", "/health answers while the model loads: the budget would be void"
     budget = startup.get("initialDelaySeconds", 0) + startup["periodSeconds"] * startup["failureThreshold"]
@@ -188,6 +199,7 @@ def test_no_beta_apis_and_the_serving_rules(objects):
                 .splitlines() if "=" in line and not line.startswith("#"))
     assert int(unit["TimeoutStopSec"]) > float(env["NANOVLLM_SHUTDOWN_GRACE_S"]) + STOP_AFTER_DRAIN_S
     assert int(unit["TimeoutStartSec"]) > STARTUP_BUDGET_S and "post_start_warmup.sh" in unit["ExecStartPost"]
+    assert unit["KillMode"] == "mixed", "SIGTERM to every process at once kills the engine under the streams"
     assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] != 0
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     mounts = {m["name"]: m for m in container["volumeMounts"]}
@@ -196,7 +208,22 @@ def test_no_beta_apis_and_the_serving_rules(objects):
     assert mounts[weights]["readOnly"] and volumes[weights]["persistentVolumeClaim"]["readOnly"]
     cache = next(n for n, m in mounts.items() if m["mountPath"] == env["NANOVLLM_CACHE_DIR"])
     assert "emptyDir" in volumes[cache] or "persistentVolumeClaim" in volumes[cache]
-    assert env["NANOVLLM_REDIS_URL"].startswith("redis://" + kind(objects, "StatefulSet")["spec"]["serviceName"])
+    redis_url = urlsplit(env["NANOVLLM_REDIS_URL"])
+    redis_set = kind(objects, "StatefulSet")
+    assert redis_url.hostname == redis_set["spec"]["serviceName"]
+    # the store needs the password the service sends (both from one Secret), and only the service's pods reach it
+    (redis,) = redis_set["spec"]["template"]["spec"]["containers"]
+    password = next(e["valueFrom"]["secretKeyRef"] for e in redis["env"] if e["name"] == "REDIS_PASSWORD")
+    assert "$(REDIS_PASSWORD)" in redis["args"][redis["args"].index("--requirepass") + 1]
+    assert redis_url.password == "$(REDIS_PASSWORD)"
+    assert next(e["valueFrom"]["secretKeyRef"] for e in container["env"] if e["name"] == "REDIS_PASSWORD") == password
+    policy = kind(objects, "NetworkPolicy")["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= redis_set["spec"]["template"]["metadata"]["labels"].items()
+    (allowed,) = policy["ingress"]
+    assert [f["podSelector"]["matchLabels"] for f in allowed["from"]] == [
+        deployment["spec"]["template"]["metadata"]["labels"]]
+    assert [port["port"] for port in allowed["ports"]] == [6379] == [
+        port["containerPort"] for port in redis["ports"]]
 
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     pdb = kind(objects, "PodDisruptionBudget")
@@ -210,6 +237,9 @@ def test_no_beta_apis_and_the_serving_rules(objects):
 
     scaled = kind(objects, "ScaledObject")
     assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    # the disruption budget lets a drain take one replica: two at least, so that one serves meanwhile
+    assert scaled["spec"]["minReplicaCount"] >= 2 and hpa["spec"]["minReplicas"] >= 2
+    assert pdb["spec"]["maxUnavailable"] == 1
     for trigger in scaled["spec"]["triggers"]:
         assert trigger["type"] == "prometheus", "scale on seat demand, not cpu or memory"
         assert {"voxcpm_running_sequences", "voxcpm_queue_depth"} <= metric_names(trigger["metadata"]["query"])
@@ -308,15 +338,61 @@ tests:
 """
 
 
+NOT_READY_TESTS = """
+rule_files: [voxcpm-serve.rules.yml]
+evaluation_interval: 1m
+tests:
+  - interval: 1m  # stuck loading: the startup probe restarts the container every 15 minutes (a stale gap each time)
+    input_series:
+      - {series: 'voxcpm_ready{namespace="tts",pod="p1"}', values: '0x13 stale 0x13 stale 0x13'}
+      - {series: 'kube_pod_container_status_restarts_total{namespace="tts",pod="p1",container="voxcpm-serve"}',
+         values: '0x14 1x14 2x14'}
+    alert_rule_test:
+      - eval_time: 12m
+        alertname: VoxcpmReplicaNotReady
+        exp_alerts:
+          - exp_labels: {namespace: tts, pod: p1, severity: warning}
+            exp_annotations:
+              summary: "voxcpm-serve replica p1 not ready for 10 minutes"
+              description: "/ready has said 503 for 10 minutes: see the pod's /ready detail and its log."
+      - eval_time: 40m
+        alertname: VoxcpmReplicaRestarting
+        exp_alerts:
+          - exp_labels: {namespace: tts, pod: p1, severity: critical}
+            exp_annotations:
+              summary: "voxcpm-serve replica p1 restarted 2 times in 30 minutes"
+              description: "The container keeps restarting: see its previous log (kubectl logs --previous)."
+  - interval: 1m  # a cold load of five minutes, then ready: neither
+    input_series:
+      - {series: 'voxcpm_ready{namespace="tts",pod="p2"}', values: '0x5 1x40'}
+      - {series: 'kube_pod_container_status_restarts_total{namespace="tts",pod="p2",container="voxcpm-serve"}',
+         values: '0x45'}
+    alert_rule_test:
+      - {eval_time: 30m, alertname: VoxcpmReplicaNotReady, exp_alerts: []}
+      - {eval_time: 30m, alertname: VoxcpmReplicaRestarting, exp_alerts: []}
+"""
+
+
+def promtool_test(objects: dict[str, dict], tmp_path: Path, tests: str) -> None:
+    (tmp_path / "voxcpm-serve.rules.yml").write_text(yaml.safe_dump(kind(objects, "PrometheusRule")["spec"]))
+    (tmp_path / "tests.yml").write_text(tests)
+    r = subprocess.run([promtool(), "test", "rules", "tests.yml"], capture_output=True, text=True, timeout=60,
+                       cwd=tmp_path)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_replica_that_never_gets_ready_is_alerted_despite_its_restarts(objects, tmp_path):
+    """promtool runs the rules on series: a replica stuck loading, restarted by its startup probe every 15 minutes,
+    raises the not-ready alert before its first restart (at 15 minutes it never fired: each restart's stale gap reset
+    it) and the restart alert; a five-minute cold load raises neither."""
+    promtool_test(objects, tmp_path, NOT_READY_TESTS)
+
+
 def test_the_error_rate_alert_counts_requests_not_probes(objects, tmp_path):
     """promtool runs the rules on series: a replica whose /ready answers 503 (a worker restarting) while every
     generation succeeds raises no error-rate alert (the probes were counted as failed requests), and a third of the
     generations failing raises it whatever the probes say."""
-    (tmp_path / "voxcpm-serve.rules.yml").write_text(yaml.safe_dump(kind(objects, "PrometheusRule")["spec"]))
-    (tmp_path / "tests.yml").write_text(ERROR_RATE_TESTS)
-    r = subprocess.run([promtool(), "test", "rules", "tests.yml"], capture_output=True, text=True, timeout=60,
-                       cwd=tmp_path)
-    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+    promtool_test(objects, tmp_path, ERROR_RATE_TESTS)
 
 
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
@@ -337,20 +413,36 @@ def metric_names(expr: str) -> set[str]:
     return names
 
 
+def panels(dashboard: dict) -> Iterator[dict]:
+    """Every panel, those inside collapsed rows too."""
+    for panel in dashboard["panels"]:
+        yield panel
+        yield from panels(panel) if "panels" in panel else ()
+
+
 def queries() -> dict[str, str]:
-    """Every query the deployment runs: the dashboard's panels, the alerts, the autoscalers'."""
+    """Every query the deployment runs: each target of the dashboard's panels, the alerts, the autoscalers'."""
     found = {}
-    for panel in json.loads(DASHBOARD.read_text())["panels"]:
-        for target in panel["targets"]:
-            found[f"dashboard {panel['title']!r}"] = target["expr"]
+    for panel in panels(json.loads(DASHBOARD.read_text())):
+        for i, target in enumerate(panel.get("targets", [])):
+            found[f"dashboard {panel['title']!r} {target.get('refId', i)}"] = target["expr"]
     for group in yaml.safe_load((K8S / "prometheusrule.yaml").read_text())["spec"]["groups"]:
         for rule in group["rules"]:
             found[f"alert {rule['alert']}"] = rule["expr"]
-    for trigger in yaml.safe_load((K8S / "scaledobject.yaml").read_text())["spec"]["triggers"]:
-        found["ScaledObject"] = trigger["metadata"]["query"]
-    for rule in yaml.safe_load((ALTERNATIVES / "prometheus-adapter-values.yaml").read_text())["rules"]["custom"]:
-        found["prometheus-adapter"] = rule["metricsQuery"] + " " + rule["seriesQuery"]
+    for i, trigger in enumerate(yaml.safe_load((K8S / "scaledobject.yaml").read_text())["spec"]["triggers"]):
+        found[f"ScaledObject trigger {i}"] = trigger["metadata"]["query"]
+    adapter = yaml.safe_load((ALTERNATIVES / "prometheus-adapter-values.yaml").read_text())
+    for i, rule in enumerate(adapter["rules"]["custom"]):
+        found[f"prometheus-adapter rule {i}"] = rule["metricsQuery"] + " " + rule["seriesQuery"]
     return found
+
+
+def test_every_query_is_read():
+    """Each of the dashboard's queries is checked, not the last of each panel only (a misspelt first one passed)."""
+    found = queries()
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert sum(key.startswith("dashboard ") for key in found) == sum(len(p.get("targets", [])) for p in panels(
+        dashboard)) > len(dashboard["panels"])
 
 
 def test_metric_names_parse():
@@ -387,7 +479,8 @@ def test_every_queried_metric_is_exposed_by_the_service(live_metric_names):
             used.setdefault(name, []).append(where)
     assert {"voxcpm_voice_store_up", "voxcpm_queue_depth", "voxcpm_time_to_first_audio_byte_seconds_bucket"} <= \
         set(used)
-    missing = {name: where for name, where in used.items() if name not in live_metric_names}
+    missing = {name: where for name, where in used.items()
+               if name not in live_metric_names and name not in KUBE_STATE_METRICS}
     assert not missing, f"queried but not in /metrics: {missing}"
 
 
@@ -400,17 +493,22 @@ def test_dockerfile_is_hadolint_clean():
 
 def test_the_post_start_warm_up_passes_against_a_service_that_requires_a_key(checkpoint_factory, tmp_path):
     """deployment/post_start_warmup.sh (the systemd unit's ExecStartPost) against a live service with API keys: it
-    sends VOXCPM_API_KEY, else the first of NANOVLLM_API_KEYS (the unit's own environment), and passes; with neither
-    it fails naming the step (it sent no key at all: every call a 401, so the unit never started)."""
+    sends VOXCPM_API_KEY, else the first of NANOVLLM_API_KEYS, else the first of NANOVLLM_API_KEYS_FILE (the unit's own
+    environment), and passes; with none it fails naming the step (it sent no key at all: every call a 401, so the unit
+    never started)."""
     script = ROOT / "deployment" / "post_start_warmup.sh"
-    env = {k: v for k, v in os.environ.items() if k not in ("VOXCPM_API_KEY", "NANOVLLM_API_KEYS", "VOXCPM_URL")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VOXCPM_API_KEY", "NANOVLLM_API_KEYS", "NANOVLLM_API_KEYS_FILE", "VOXCPM_URL")}
 
     def warm_up(url: str, **extra: str) -> subprocess.CompletedProcess:
         return subprocess.run(["bash", str(script), url], env={**env, "WAIT_S": "120", **extra}, capture_output=True,
                               text=True, timeout=300)
 
     with live_server(checkpoint_factory, tmp_path, api_keys="k1,k2", voice_store="memory") as server:
-        for extra in ({"NANOVLLM_API_KEYS": " k2 , k1"}, {"VOXCPM_API_KEY": "k1", "NANOVLLM_API_KEYS": "nope"}):
+        keys_file = tmp_path / "keys"
+        keys_file.write_text("# the service's keys\n\n  k2  \nk1\n")
+        for extra in ({"NANOVLLM_API_KEYS": " k2 , k1"}, {"VOXCPM_API_KEY": "k1", "NANOVLLM_API_KEYS": "nope"},
+                      {"NANOVLLM_API_KEYS_FILE": str(keys_file)}):
             done = warm_up(server.url, **extra)
             assert done.returncode == 0 and "warm-up OK" in done.stdout, (extra, done.stdout, done.stderr)
         refused = warm_up(server.url)
