@@ -19,7 +19,7 @@ from engine.config import parse_dtype
 from engine.engine_config import EngineConfig
 from engine.errors import LoRANotFoundError, OverloadedError, RequestError
 from engine.io.checkpoint import LoadedModel, load_model
-from engine.io.lora import merge_adapter, read_adapter
+from engine.io.lora import merge_adapter, read_adapter, weights_file
 from engine.models.audio_vae import decoder_snr_db
 from engine.ops.batch_invariant import BatchInvariantCalls
 from engine.prompt import build_prompt, max_patches
@@ -185,12 +185,18 @@ class LLMEngine:
         self._lora_slots("lora_name").unregister(name)
         self.scheduler.changed()  # a request waiting for its slot now fails at the next admission round
 
-    def lease_lora(self, client: int, lease: str, name: str | None) -> None:
+    def lease_lora(self, client: int, lease: str, name: str | None, path: str | None = None) -> None:
         """Client `client`'s lease `lease` (a long text's) on the adapter registered as `name` begins; with `name`
-        None it ends (`LoRASlots.lease`)."""
-        if self.runner.lora is not None:
-            self.runner.lora.lease((client, lease), name)
-            self.scheduler.changed()  # a segment waiting for its slot, its lease ended, now fails at the next round
+        None it ends (`LoRASlots.lease`). `path`: where the leased adapter was registered from; a worker restarted
+        since, not holding it under `name`, reads it from there for the lease alone."""
+        slots = self.runner.lora
+        if slots is None:
+            return
+        if name is not None and path is not None and not slots.holds(name, str(weights_file(path))):
+            slots.lease_unregistered((client, lease), name, read_adapter(path))
+        else:
+            slots.lease((client, lease), name)
+        self.scheduler.changed()  # a segment waiting for its slot, its lease ended, now fails at the next round
 
     def end_lora_leases(self, client: int) -> None:
         """Client `client` went away: its leases end."""

@@ -456,7 +456,7 @@ def test_on_the_cpu_an_adapters_audio_does_not_depend_on_its_batch(checkpoint_fa
 def test_pool_adapters_survive_a_worker_restart(checkpoint_factory, tmp_path):
     """Through the server pool: an adapter registered on the workers serves requests that name it, a restarted worker
     gets it again (the client replays its registrations and its leases), and unregistering it everywhere makes its name
-    unknown, but to the requests of a long text leasing it until that lease ends."""
+    unknown, but to the requests of a long text leasing it until that lease ends, on a worker restarted since too."""
     import asyncio
 
     import numpy as np
@@ -465,7 +465,8 @@ def test_pool_adapters_survive_a_worker_restart(checkpoint_factory, tmp_path):
     from engine.errors import LoRANotFoundError
 
     ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
-    adapter = adapter_for(load_model(ckpt), tmp_path / "voice", seed=5)
+    model = load_model(ckpt)
+    adapter, other = adapter_for(model, tmp_path / "voice", seed=5), adapter_for(model, tmp_path / "other", seed=6)
 
     async def scenario() -> None:
         pool = VoxCPM.from_pretrained(str(ckpt), max_num_seqs=2, max_model_len=256, max_loras=2, max_lora_rank=8)
@@ -498,6 +499,16 @@ def test_pool_adapters_survive_a_worker_restart(checkpoint_factory, tmp_path):
             with pytest.raises(LoRANotFoundError, match="lora_name: no adapter named 'voice'"):
                 await audio("voice")
             np.testing.assert_allclose(await continued(), before, atol=1e-5)
+            # its name registered again as another adapter, then the worker restarted: the new worker is given the
+            # lease's adapter from where it was registered (it bound the lease to the name's new adapter: the text's
+            # later segments spoke in another voice; with the name unregistered they failed)
+            assert (await pool.register_lora("voice", str(other))).name == "voice"
+            pool.kill_worker(0)
+            await asyncio.wait_for(noticed(), 10)
+            await pool.restart(timeout=120)
+            np.testing.assert_allclose(await continued(), before, atol=1e-5)
+            assert np.abs(await audio("voice") - before).max() > 1e-3  # the name's new adapter
+            await pool.unregister_lora("voice")
             pool.client.lease_lora("long-1", None)
             with pytest.raises(LoRANotFoundError, match="lora_name: no adapter named 'voice'"):
                 await continued()

@@ -199,6 +199,13 @@ class LoRASlots:
                             "letter or digit")
         if name in self.registered:
             raise LoRAError(f"lora_name: an adapter named {name!r} is registered already (unregister it first)")
+        self.registered[name] = self._prepared(name, adapter)
+        log.info("registered LoRA adapter %r (%s): r=%d, %d layers", name, adapter.source, adapter.config.r,
+                 len(adapter.pairs))
+        return self.describe(name)
+
+    def _prepared(self, name: str, adapter: LoRAAdapter) -> Registered:
+        """`adapter` checked against this engine and scaled, as a new generation of `name`."""
         targets(adapter, self.backbone, self.family)  # every module exists here, with the adapter's shapes
         for module in adapter.pairs:
             if module not in self.layers:
@@ -213,10 +220,7 @@ class LoRASlots:
         for module, (_, b) in pairs.items():  # finite weights may still overflow once scaled
             if not torch.isfinite(b).all():
                 raise LoRAError(f"{module}.lora_B: not finite once scaled by alpha / r = {scale:g} (lora_config)")
-        self.registered[name] = Registered(name, adapter.source, adapter.config.r, next(self._generations), pairs)
-        log.info("registered LoRA adapter %r (%s): r=%d, %d layers", name, adapter.source, adapter.config.r,
-                 len(pairs))
-        return self.describe(name)
+        return Registered(name, adapter.source, adapter.config.r, next(self._generations), pairs)
 
     def unregister(self, name: str) -> None:
         if name not in self.registered:
@@ -233,6 +237,15 @@ class LoRASlots:
             self._retire_unreachable()
         elif name in self.registered:
             self.leases[key] = self.registered[name]
+
+    def holds(self, name: str, source: str) -> bool:
+        """Whether `name` is registered from `source` (a weights file)."""
+        return name in self.registered and self.registered[name].source == source
+
+    def lease_unregistered(self, key: tuple[int, str], name: str, adapter: LoRAAdapter) -> None:
+        """Lease `key` binds `adapter` for the requests naming `name` with it, without registering it: a restarted
+        worker given a long text's lease on an adapter unregistered (or its name registered again) since it began."""
+        self.leases[key] = self._prepared(name, adapter)
 
     def end_leases(self, client: int) -> None:
         """A client went away: its leases end."""

@@ -74,7 +74,8 @@ class EngineClient:
         # this client, or a mapping shared with other clients of the same workers and kept across restarts (the
         # service's `LoRARegistrations`).
         self.loras: MutableMapping[str, str] = loras if loras is not None else {}
-        self.lora_leases: dict[str, str] = {}  # this client's long texts' adapter leases: lease -> name (`lease_lora`)
+        # this client's long texts' adapter leases: lease -> the adapter's name and path when it began (`lease_lora`)
+        self.lora_leases: dict[str, tuple[str, str | None]] = {}
         # The checkpoint's tokenizer, when the owner sets it (the pool does): requests are then tokenized here (in
         # the service, beside the other API processes) instead of one after another in the worker's loop, which a
         # burst's requests all wait for.
@@ -107,8 +108,8 @@ class EngineClient:
                 link.send(p.AddPrompt(prompt_id, latents, text))
             for name, path in self.loras.items():  # and the adapters (answered as replays: only errors are logged)
                 link.send(p.RegisterLoRA(f"{REPLAY}{name}", name, path))
-            for lease, name in self.lora_leases.items():  # and the leases, of adapters still registered
-                link.send(p.LeaseLoRA(lease, name))
+            for lease, (name, path) in self.lora_leases.items():  # and the leases (the adapter read again if need be)
+                link.send(p.LeaseLoRA(lease, name, path))
             await closed.wait()
 
     def on_message(self, link: WorkerLink, msg: Any) -> None:
@@ -320,13 +321,14 @@ class EngineClient:
         """Lease `lease` (a long text's id) binds adapter `name` as registered now on every worker, for the requests
         that carry the lease (`SynthesisRequest.lora_lease`): unregistered meanwhile, or the name registered again, they
         still get it. `name` None ends the lease."""
+        path = self.loras.get(name) if name is not None else None
         if name is None:
             self.lora_leases.pop(lease, None)
         else:
-            self.lora_leases[lease] = name
+            self.lora_leases[lease] = (name, path)
         for link in self.links:
             if link.connected:
-                link.send(p.LeaseLoRA(lease, name))
+                link.send(p.LeaseLoRA(lease, name, path))
 
     async def list_loras(self) -> list[AdapterInfo]:
         """The adapters a worker holds (every worker holds the same ones)."""

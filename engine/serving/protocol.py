@@ -130,10 +130,12 @@ class RemovePrompt:
 @dataclass
 class LeaseLoRA:
     """Lease `lease` (a long text's) binds the adapter registered as `name` now for the requests naming it with the
-    lease, unregistered meanwhile or not (`LoRASlots.lease`); `name` None ends the lease."""
+    lease, unregistered meanwhile or not (`LoRASlots.lease`); `name` None ends the lease. `path`: where that adapter
+    was registered from (a restarted worker not holding it reads it from there)."""
 
     lease: str
     name: str | None
+    path: str | None = None
 
 
 # --- worker -> client -------------------------------------------------------------------------------

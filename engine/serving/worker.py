@@ -235,7 +235,10 @@ class Worker:
         elif isinstance(msg, p.RemovePrompt):
             self._release_prompt(msg.prompt_id, link)
         elif isinstance(msg, p.LeaseLoRA):
-            self.engine.lease_lora(link.index, msg.lease, msg.name)
+            try:
+                self.engine.lease_lora(link.index, msg.lease, msg.name, msg.path)
+            except (OSError, ValueError) as e:  # the adapter's file gone or bad: its segments fail as unknown
+                log.error("lease %s on adapter %s not taken: %s", msg.lease, msg.name, e)
         elif isinstance(msg, p.Call):
             try:
                 link.send(p.Reply(msg.call_id, getattr(self, msg.method)(msg)))
