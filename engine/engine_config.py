@@ -74,10 +74,12 @@ class EngineConfig:
                                                  "that stops computes one patch more, dropped). Unset: on for CUDA, "
                                                  "off on the CPU where a step is synchronous anyway.")
     coalesce_ms: float = setting(0.0, "Window gathering generation requests that arrive together into one "
-                                      "scheduling round (one batched prefill): new requests wait up to this long "
-                                      "for others before they are admitted; 0: admit at once.", ge=0.0, le=1000.0)
+                                      "scheduling round (one batched prefill): new requests wait for others up to "
+                                      "this long after the latest arrival, at most four windows after the first; "
+                                      "0: admit at once.", ge=0.0, le=1000.0)
     queue_timeout_s: float | None = setting(None, "Longest a request waits for a seat, then it fails "
-                                                  "(OverloadedError); unset: no limit.", gt=0.0)
+                                                  "(OverloadedError; the service's 503). None, the library's default: "
+                                                  "no limit (the service's default is 30 s).", gt=0.0)
     lora_path: str | None = setting(None, "A LoRA adapter (official format: its directory or weights file) merged "
                                           "into the weights at load (a model passed to LLMEngine already loaded is "
                                           "changed in place).")

@@ -156,8 +156,9 @@ class BaseServiceSettings(BaseSettings):
                                                                    "GPU call that never returns) is killed and "
                                                                    "restarted as one that died; 0: never (after 5 s "
                                                                    "it is reported: /ready 503).")
-    api_keys: str | None = Field(None, description="Comma-separated API keys: every route but /health, /ready and "
-                                                   "/metrics then needs `Authorization: Bearer <key>` (401 without).")
+    api_keys: str | None = Field(None, description="Comma-separated API keys: every route but /health, /ready, "
+                                                   "/metrics, the playground page and the API's schema pages then "
+                                                   "needs `Authorization: Bearer <key>` or `X-API-Key` (401 without).")
     api_keys_file: Path | None = Field(None, description="A file of API keys, one per line (# comments), besides "
                                                          "NANOVLLM_API_KEYS.")
     protect_metrics: bool = Field(False, description="/metrics needs an API key too (when keys are set).")

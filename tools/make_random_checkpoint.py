@@ -3,9 +3,9 @@
     uv run python tools/make_random_checkpoint.py --preset tiny-voxcpm2 --out /tmp/tiny-v2
     uv run python tools/make_random_checkpoint.py --preset full-voxcpm2 --never-stop --out /data/full-v2
 
-Presets: tiny-voxcpm2, tiny-voxcpm1.5, tiny-voxcpm0.5b (a few MB, seconds on CPU) and full-voxcpm2
-(the released VoxCPM2 config: 2.3 B parameters, ~4.6 GB in bf16). The official `voxcpm` package
-loads the result with no missing or unexpected keys.
+Presets: tiny-voxcpm2, tiny-voxcpm1.5, tiny-voxcpm0.5b (a few MB, seconds on CPU), full-voxcpm2
+(the released VoxCPM2 config: 2.3 B parameters, ~4.6 GB in bf16) and full-voxcpm0.5b (VoxCPM-0.5B's). The official
+`voxcpm` package loads the result with no missing or unexpected keys.
 """
 
 from __future__ import annotations
