@@ -601,5 +601,6 @@ def test_a_whole_burst_in_process_reports_what_it_costs_beyond_its_steps(checkpo
                                                               - whole["last_step_ms"][-1])
     assert 0 < whole["ttfb_ms_p50"] <= whole["ttfb_ms_max"] <= 1000 * whole["wall_s"]
     audio_s = 4 * 6 * SAMPLES_PER_PATCH / SAMPLE_RATE
-    assert whole["audio_s_per_s"] == pytest.approx(audio_s / whole["wall_s"], abs=0.051)  # rounded to 0.1
+    # rounded to 0.1, from the wall before its rounding to 0.1 ms (which moves the quotient by up to ~0.005 here)
+    assert whole["audio_s_per_s"] == pytest.approx(audio_s / whole["wall_s"], abs=0.06)
     assert not engine.has_unfinished()
