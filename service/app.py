@@ -142,4 +142,6 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
                            expose_headers=["X-Audio-Sample-Rate", "X-Audio-Channels", "X-Audio-Encoding",
                                            "X-Request-Id", "X-Finish-Reason", "X-Segment-Timings", "Retry-After"])
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: a refused body is a counted 413
+    if endpoint is not None and endpoint.responses_table is not None:  # a shutdown's drain waits for them
+        app.add_middleware(lifecycle.OpenResponses, table=LoadTable(1, endpoint.responses_table, endpoint.row))
     return app

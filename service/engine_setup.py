@@ -37,6 +37,7 @@ class WorkerEndpoint:
     multiprocess_metrics: bool
     load_table: Path | None = None  # the in-flight table every API process routes by (engine.serving.routing)
     row: int = 0  # this API process's row in it
+    responses_table: Path | None = None  # the API processes' open responses and sessions, which a drain waits for
     encoder_threads: int = 4  # each API process's (Settings.encoder_thread_count, decided by the supervisor)
     engine_log_level: int = logging.INFO  # the engine client's, as the workers' (VOXCPM_LOG_LEVEL)
 

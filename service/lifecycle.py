@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
+from engine.serving.routing import LoadTable
 from service.state import ServiceState
 
 log = logging.getLogger(__name__)
@@ -65,3 +67,21 @@ async def supervise(state: ServiceState) -> None:
             log.exception("worker restart failed; retrying")
             continue
         log.info("worker restarted; ready")
+
+
+class OpenResponses:
+    """Counts this API process's open HTTP responses and WebSocket sessions in the supervisor's shared table, which
+    its drain waits for: the engine's load leaves a response once its audio is made, before it is all written."""
+
+    def __init__(self, app: Any, table: LoadTable) -> None:
+        self.app, self.table = app, table
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        self.table.add(0, 1)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.table.add(0, -1)

@@ -140,10 +140,12 @@ class Supervisor:
                 os.sched_setaffinity(0, split[1])  # what this process starts from now on runs on the other cores
             count = s.api_process_count(len(os.sched_getaffinity(0)))
             LoadTable.create(runtime / "load", count + 1, len(devices))  # + a row the supervisor reads through
+            LoadTable.create(runtime / "responses", count + 1, 1)
             endpoint = engine_setup.WorkerEndpoint(workers.addresses, workers.authkey, model_path, demo,
                                                    engine_setup.voice_db_path(s, model_path, runtime),
                                                    multiprocess_metrics=True,
                                                    load_table=runtime / "load",
+                                                   responses_table=runtime / "responses",
                                                    encoder_threads=s.encoder_thread_count(count, len(devices)),
                                                    engine_log_level=worker_log_level(workers.config.options))
             if not await self._after_precompile(workers):
@@ -154,7 +156,7 @@ class Supervisor:
                      s.port, time.monotonic() - self.t0)
             return await self._watch(workers, endpoint)
         finally:
-            await self._shutdown(workers, runtime / "load")
+            await self._shutdown(workers, runtime / "responses")
             port_guard.close()
             shutil.rmtree(runtime, ignore_errors=True)
 
@@ -230,18 +232,20 @@ class Supervisor:
                     multiprocess.mark_process_dead(proc.pid)
                     if endpoint.load_table is not None:
                         LoadTable.clear_row(endpoint.load_table, i, len(endpoint.addresses))
+                    if endpoint.responses_table is not None:
+                        LoadTable.clear_row(endpoint.responses_table, i, 1)
                     self.api[i] = self._spawn_api(endpoint, i)
         log.info("stopping: API processes first (in-flight responses finish), then the workers")
         return 0
 
-    async def _shutdown(self, workers: WorkerSet | None, load_table: Path | None = None) -> None:
-        """Drain the API processes (not ready, new requests 503) until nothing is in flight or the grace period
-        ends, then stop them (uvicorn closes the connections), then the workers."""
+    async def _shutdown(self, workers: WorkerSet | None, responses_table: Path | None = None) -> None:
+        """Drain the API processes (not ready, new requests 503) until no response or WebSocket session is open or
+        the grace period ends, then stop them (uvicorn closes the connections), then the workers."""
         live = [proc for proc in self.api if proc.is_alive()]
         for proc in live:
             os.kill(proc.pid, engine_setup.DRAIN_SIGNAL)
-        if live and load_table is not None and load_table.exists() and workers is not None:
-            table = LoadTable(len(workers.processes), load_table, row=len(self.api))  # a spare row: read-only here
+        if live and responses_table is not None and responses_table.exists():
+            table = LoadTable(1, responses_table, row=len(self.api))  # a spare row: read-only here
             deadline = time.monotonic() + self.settings.shutdown_grace_s
             while table.loads().sum() > 0 and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)

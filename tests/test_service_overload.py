@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import socket
 
 import httpx
 import numpy as np
@@ -144,3 +145,25 @@ def test_a_full_queue_refuses_generations_only(checkpoint_factory, tmp_path):
             assert r.status_code == 200, r.text
             r = client.get("/loras")
             assert r.status_code == 200 and r.json() == {"loras": []}, r.text
+
+
+def test_a_client_that_never_reads_holds_no_admission_place(checkpoint_factory, tmp_path):
+    """A client that sends a request and never reads its audio: once the engine has made it all, the request leaves
+    the admission count, so the next one is served (the count was released only when the response had been written:
+    eight such sockets held every place of an idle service, for as long as they stayed open)."""
+    with live_server(checkpoint_factory, tmp_path, serverpool_max_num_seqs=1, max_queued_requests=0,
+                     queue_coalesce_ms=0, segment_chars=1000) as server:
+        body = json.dumps({"target_text": HOLD, "max_generate_length": HOLD_PATCHES, "response_format": "pcm"})
+        with socket.socket() as stalled:
+            stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the audio backs up into the server
+            stalled.connect(("127.0.0.1", server.port))
+            stalled.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                            f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+            LiveServer.wait(lambda: server.pool_stats().running == 1, "the stalled request never started")
+            LiveServer.wait(lambda: (s := server.pool_stats()).running == s.waiting == 0,
+                            "the engine never finished the stalled request")
+            with httpx.Client(verify=TLS, base_url=server.url, timeout=120) as client:
+                r = client.post("/generate", json={"target_text": "Next.", "max_generate_length": 2,
+                                                   "response_format": "pcm"})
+            assert r.status_code == 200, r.text
+            assert len(stalled.recv(1 << 16)) > 0  # the stalled response is still there to be read

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import http.client
+import json
 import signal
+import socket
 import time
 from collections.abc import Iterator
 
@@ -270,16 +273,29 @@ def test_a_bursts_arrivals_and_admission_rounds_from_the_workers_debug_log(servi
     assert all(b["api"]["requests"] == b["requests"] and b["api"]["sender_max_ms"] >= 0 for b in bursts)
 
 
+class SmallWindowConnection(http.client.HTTPConnection):
+    """A client whose socket takes 4 KiB at a time: audio it has not read waits in the server."""
+
+    def connect(self) -> None:
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.sock.settimeout(GUARD_S)
+        self.sock.connect((self.host, self.port))
+
+
 def test_sigterm_stops_everything(service: Service):
-    """Last: it stops the module's service. An in-flight stream is let finish; then everything exits."""
+    """Last: it stops the module's service. An in-flight stream is let finish, read after the engine made it all
+    too; then everything exits."""
     children = service.children()
     assert len(service.named("voxcpm-")) == API_PROCESSES + 1
-    patches = 100  # about 2 s of streaming, most of it after the SIGTERM
-    with httpx.Client(verify=TLS, base_url=service.url, timeout=REQUEST_TIMEOUT) as client, \
-            client.stream("POST", "/generate", json={**LONG, "max_generate_length": patches}) as r:
-        assert r.status_code == 200, r.read()
-        chunks = r.iter_raw()
-        received = len(next(chunks))
+    patches = 400  # ~6 MB: more than the sockets' buffers hold, so the unread rest waits in the API process
+    connection = SmallWindowConnection("127.0.0.1", service.port)
+    try:
+        connection.request("POST", "/generate", json.dumps({**LONG, "max_generate_length": patches}),
+                            {"Content-Type": "application/json"})
+        r = connection.getresponse()
+        assert r.status == 200, r.read()
+        received = len(r.read(PCM_PATCH_BYTES))
         service.proc.send_signal(signal.SIGTERM)
         # draining: every API process turns not-ready and refuses new work at once, while this stream goes on
         service.wait(lambda: service.ask("GET", "/ready")[0].status_code == 503, "/ready stayed 200 after SIGTERM",
@@ -291,7 +307,15 @@ def test_sigterm_stops_everything(service: Service):
 
         r503 = service.wait(refused, "new requests were still served after SIGTERM", pause=0.0)
         assert "shutting down" in r503.json()["detail"] and r503.headers.get("retry-after")
-        received += sum(len(data) for data in chunks)
+        # the engine done with the stream, most of its response not yet read: the drain waits for the response (it
+        # stopped the API processes, whose listener then closed, once the engine was done)
+        service.wait(lambda: metric(service.scrape()[0], "voxcpm_running_sequences") == 0,
+                     "the engine never finished the stream")
+        time.sleep(1.0)
+        assert service.ask("GET", "/ready")[0].status_code == 503  # still draining, still listening
+        received += len(r.read())
+    finally:
+        connection.close()
     assert received == patches * PCM_PATCH_BYTES  # the API process let its in-flight response finish
     assert service.exit_code() == 0, service.log_tail()
     _, alive = psutil.wait_procs(children, timeout=GUARD_S)

@@ -88,6 +88,8 @@ class GenerationStream:
         self.transformed_samples = 0
         self._queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         self._link: StreamLink | None = None
+        self._link_counted = False  # it counts in its worker's load (from attach() until the worker is done with it)
+        self._release_lock = threading.Lock()
         self._ended = False  # the last item was taken, or the stream was closed
 
     def __aiter__(self) -> GenerationStream:
@@ -154,7 +156,7 @@ class GenerationStream:
     def attach(self, link: StreamLink) -> None:
         """Route to `link`'s worker: its events reach this stream, it counts in the load, and the transform's
         prepare() (if any) is queued ahead of the first chunk."""
-        self._link = link
+        self._link, self._link_counted = link, True
         self.client.load.add(link.index, 1)
         link.streams[self.request_id] = self
         if hasattr(self.transform, "prepare"):
@@ -166,14 +168,24 @@ class GenerationStream:
         self._ended = True
         if self.finish_reason is None:
             self.finish_reason = reason
-        if self._link is not None:
-            self._link.streams.pop(self.request_id, None)
-            self.client.load.add(self._link.index, -1)
+        self._release()
+
+    def _release(self) -> None:
+        """The worker is done with the request: it stops counting in the load (once)."""
+        with self._release_lock:  # close() may come from another thread (garbage collection)
+            link, self._link_counted = (self._link if self._link_counted else None), False
+        if link is not None:
+            link.streams.pop(self.request_id, None)
+            self.client.load.add(link.index, -1)
 
     def put(self, item: StreamItem) -> None:
-        """From the event loop: the next item (dropped once the stream is closed)."""
+        """From the event loop: the next item (dropped once the stream is closed). Its last leaves the load at once:
+        the load counts the workers' work, and a consumer that reads slowly, or not at all, holds none of it (eight
+        clients that never read held every admission place of an idle engine)."""
         if not self._ended:
             self._queue.put_nowait(item)
+            if item.finished:
+                self._release()
 
     def convert(self, ev: p.AudioEvent) -> StreamItem:
         """An event -> the queue item (on an encoder thread when there is a transform)."""
