@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import itertools
 import multiprocessing
 import multiprocessing.connection
 import shutil
@@ -897,3 +898,43 @@ def test_a_worker_stopped_during_its_start_up_exits_at_once(checkpoint, capfd, c
         workers.stop(timeout=60)  # a hang guard: the worker exits by itself
     assert worker.exitcode == 0 and "did not stop" not in caplog.text
     assert "stopped during start-up" in capfd.readouterr().err, f"took {time.monotonic() - t0:.1f} s"
+
+
+def test_clips_are_encoded_between_steps_one_at_a_time(pool):
+    """Encodes sent at once while a stream runs: the worker encodes one between two steps (the stream's chunks arrive
+    between their replies) and answers a stats call sent after them first (it encoded every clip it had read before
+    its next step: a burst of uploads stalled every stream, and the stats calls queued behind them marked it stuck)."""
+    from engine.serving import protocol as msgs
+
+    clips = [wav_bytes(2.0, seed=i) for i in range(4)]
+    arrivals: list[str] = []
+
+    async def scenario() -> None:
+        client = pool.pool.client
+        request = msgs.SynthesisRequest("A stream running while clips are encoded.",
+                                     params=SamplingParams(max_generate_length=200, seed=1))
+        async with client.generate(request) as stream:
+            await anext(stream)
+
+            async def encode(clip: bytes) -> None:
+                await client.encode_latents(clip, "wav", "left")
+                arrivals.append("encode")
+
+            async def stats() -> None:
+                await client.stats()
+                arrivals.append("stats")
+
+            async def chunks() -> None:
+                async for _ in stream:
+                    arrivals.append("chunk")
+
+            reading = asyncio.create_task(chunks())
+            await asyncio.sleep(0)
+            await asyncio.gather(*(encode(c) for c in clips), stats())
+            reading.cancel()
+
+    asyncio.run_coroutine_threadsafe(scenario(), pool._loop).result(120)
+    encodes = [i for i, a in enumerate(arrivals) if a == "encode"]
+    assert len(encodes) == 4 and arrivals.index("stats") < encodes[-1], arrivals
+    assert all("chunk" in arrivals[a + 1:b] for a, b in itertools.pairwise(encodes)), arrivals
+    _free_blocks_restored(pool)

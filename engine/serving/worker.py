@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener, wait
@@ -143,6 +144,7 @@ class Worker:
         self.owner: dict[int, tuple[ClientLink, str]] = {}  # engine seq id -> (client, request id)
         self.latents_wanted: set[int] = set()  # seq ids whose events carry their patches' latents
         self.prompts: dict[str, RegisteredPrompt] = {}
+        self.encodes: deque[tuple[ClientLink, p.EncodeLatents]] = deque()  # clips to encode, one between two steps
         self.steps = 0
         self.step_seconds = 0.0
         self.send_waits = SendWaits()
@@ -239,16 +241,21 @@ class Worker:
                 self.engine.lease_lora(link.index, msg.lease, msg.name, msg.path)
             except (OSError, ValueError) as e:  # the adapter's file gone or bad: its segments fail as unknown
                 log.error("lease %s on adapter %s not taken: %s", msg.lease, msg.name, e)
+        elif isinstance(msg, p.EncodeLatents):  # one between two steps: a burst of uploads stalled every stream
+            self.encodes.append((link, msg))
         elif isinstance(msg, p.Call):
-            try:
-                link.send(p.Reply(msg.call_id, getattr(self, msg.method)(msg)))
-            except PoolError as e:
-                link.send(p.Reply(msg.call_id, error=p.ErrorInfo(e.kind, str(e))))
-            except Exception as e:  # a bug or out of memory (a huge clip) fails this call, not the worker
-                log.error("%s failed:\n%s", type(msg).__name__, traceback.format_exc())
-                link.send(p.Reply(msg.call_id, error=p.ErrorInfo("engine", f"{type(e).__name__}: {e}")))
+            self._answer(link, msg)
         else:
             log.error("unknown message %r", type(msg).__name__)
+
+    def _answer(self, link: ClientLink, msg: p.Call) -> None:
+        try:
+            link.send(p.Reply(msg.call_id, getattr(self, msg.method)(msg)))
+        except PoolError as e:
+            link.send(p.Reply(msg.call_id, error=p.ErrorInfo(e.kind, str(e))))
+        except Exception as e:  # a bug or out of memory (a huge clip) fails this call, not the worker
+            log.error("%s failed:\n%s", type(msg).__name__, traceback.format_exc())
+            link.send(p.Reply(msg.call_id, error=p.ErrorInfo("engine", f"{type(e).__name__}: {e}")))
 
     # --- calls (p.Call.method names them; each answers its message with the value its Call type declares) ----------
     def encode_latents(self, msg: p.EncodeLatents) -> np.ndarray:
@@ -392,7 +399,7 @@ class Worker:
         """Serve until Stop arrives or the owner goes away."""
         self._take_new_links()
         while True:
-            timeout = 0 if self.engine.has_work() else self.engine.idle_wait()
+            timeout = 0 if self.engine.has_work() or self.encodes else self.engine.idle_wait()
             watched: list[Any] = [self.acceptor.wake_fd, *(link.conn for link in self.links.values())]
             if self.control is not None:
                 watched.append(self.control)
@@ -416,6 +423,8 @@ class Worker:
             self.expire_waiting()
             if self.engine.has_work():
                 self.step()
+            if self.encodes and not (encode := self.encodes.popleft())[0].gone:
+                self._answer(*encode)
 
     def close(self, goodbye: str | None = "the worker is stopping") -> None:
         """Flush what is queued and close every client connection; with `goodbye`, first tell the clients that the
