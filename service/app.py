@@ -96,7 +96,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
             state = ServiceState(settings=settings, pool=pool, store=store, metrics=metrics, model_path=model_path,
                                  model_id=Path(model_path).name, demo=demo, owns_workers=endpoint is None,
                                  reports_startup=endpoint is None or endpoint.row == 0,
-                                 api_keys=api_keys,
+                                 api_keys=api_keys, lora_registrations=registrations,
                                  shared_adapters=SharedAdapters(store) if isinstance(store, RedisVoiceStore) else None)
             app.state.service = state
             if endpoint is not None and threading.current_thread() is threading.main_thread():

@@ -11,10 +11,14 @@ every process reads the current set when it replays, so a worker gets exactly th
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import fcntl
+import os
 import sqlite3
 import threading
 import time
-from collections.abc import ItemsView, Iterator, MutableMapping
+from collections.abc import AsyncIterator, ItemsView, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,25 @@ class LoRARegistrations(MutableMapping[str, str]):
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("CREATE TABLE IF NOT EXISTS loras (name TEXT PRIMARY KEY, path TEXT NOT NULL, "
                          "registered REAL NOT NULL)")
+        self._changing = asyncio.Lock()  # this process's share of `changing`
+
+    @contextlib.asynccontextmanager
+    async def changing(self) -> AsyncIterator[None]:
+        """One registration or removal at a time over every API process: each changes the workers and this table in
+        turn, and a removal between a registration's two steps left the removed adapter here (a restarted worker
+        was given it again). A lock file beside the table, polled: a cancelled request leaves no thread behind."""
+        async with self._changing:
+            fd = os.open(self.path.with_suffix(".lock"), os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        await asyncio.sleep(0.01)
+                yield
+            finally:
+                os.close(fd)  # and its lock with it
 
     def __getitem__(self, name: str) -> str:
         with self._lock:

@@ -15,6 +15,7 @@ from service.settings import Settings
 from service.voice_store import VoiceStore
 
 if TYPE_CHECKING:
+    from service.lora_registry import LoRARegistrations
     from service.shared_adapters import SharedAdapters
 
 
@@ -34,6 +35,7 @@ class ServiceState:
     draining: bool = False  # shutting down: not ready, new generations refused, responses in flight finish
     api_keys: list[bytes] = field(default_factory=list)  # none: no key needed
     shared_adapters: SharedAdapters | None = None  # the runtime adapters' registrations in Redis (NANOVLLM_REDIS_URL)
+    lora_registrations: LoRARegistrations | None = None  # the adapters registered here (every API process's)
     normalizer: NormalizeProcess = field(default_factory=NormalizeProcess)  # `normalize: true`, off this process's GIL
 
     @property

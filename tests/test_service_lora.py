@@ -5,6 +5,7 @@ an adapter without merging stop start-up."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import json
@@ -448,3 +449,55 @@ def test_lora_registrations_are_shared_by_processes(tmp_path):
     first.close()
     second.close()
     assert dict(LoRARegistrations(tmp_path / "loras.db").items()) == {"voice": "/cache/lora/c"}
+
+
+def test_a_removal_during_a_registration_leaves_nothing_registered(adapter, checkpoint_factory, tmp_path):
+    """POST /loras and DELETE of its name at once, many times: whichever comes first, the workers and the
+    registrations agree at the end (a removal between a registration's two steps took the adapter from the workers
+    and left it in the registrations, where a restarted worker was given it again)."""
+    ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
+    settings = service_settings(ckpt, tmp_path / "cache", max_loras=2, max_lora_rank=8, lora_dir=adapter.parent)
+    server = LiveServer(settings).start()
+    try:
+        async def race(client: httpx.AsyncClient, name: str) -> tuple[int, int]:
+            posted, deleted = await asyncio.gather(
+                client.post("/loras", json={"lora_name": name, "lora_uri": f"file://{adapter}"}),
+                client.delete(f"/loras/{name}"))
+            return posted.status_code, deleted.status_code
+
+        async def rounds() -> list[tuple[int, int]]:
+            async with httpx.AsyncClient(verify=TLS, base_url=server.url, timeout=120) as client:
+                return [await race(client, f"race{i}") for i in range(20)]
+
+        statuses = asyncio.run(rounds())
+        assert all(posted == 200 and deleted in (200, 404) for posted, deleted in statuses), statuses
+        with httpx.Client(verify=TLS, base_url=server.url, timeout=120) as c:
+            held = {d["name"] for d in c.get("/loras").json()["loras"]}
+        assert held == set(server.state.pool.client.loras), statuses
+        assert held == {f"race{i}" for i, (_, deleted) in enumerate(statuses) if deleted == 404}
+    finally:
+        server.stop()
+
+
+def test_one_registration_change_at_a_time_over_processes(tmp_path):
+    """The registrations' lock is one for every process's view of the file: a second waits for the first."""
+    from service.lora_registry import LoRARegistrations
+
+    first, second = (LoRARegistrations(tmp_path / "loras.db") for _ in range(2))
+
+    async def scenario() -> list[str]:
+        order: list[str] = []
+
+        async def change(view: LoRARegistrations, name: str) -> None:
+            async with view.changing():
+                order.append(f"{name} in")
+                await asyncio.sleep(0.2)
+                order.append(f"{name} out")
+
+        await asyncio.gather(change(first, "a"), change(second, "b"))
+        return order
+
+    order = asyncio.run(scenario())
+    assert order in (["a in", "a out", "b in", "b out"], ["b in", "b out", "a in", "a out"]), order
+    first.close()
+    second.close()

@@ -76,6 +76,7 @@ class EngineClient:
         self.loras: MutableMapping[str, str] = loras if loras is not None else {}
         # this client's long texts' adapter leases: lease -> the adapter's name and path when it began (`lease_lora`)
         self.lora_leases: dict[str, tuple[str, str | None]] = {}
+        self.lora_changes = asyncio.Lock()  # one registration or removal at a time: each changes the workers in turn
         # The checkpoint's tokenizer, when the owner sets it (the pool does): requests are then tokenized here (in
         # the service, beside the other API processes) instead of one after another in the worker's loop, which a
         # burst's requests all wait for.
@@ -285,37 +286,39 @@ class EngineClient:
     async def register_lora(self, name: str, path: str) -> AdapterInfo:
         """Register an adapter on every worker (a worker still loading, or restarted later, gets it when it connects);
         undone everywhere if one refuses it. Its description on the first worker."""
-        done: list[WorkerLink] = []
-        try:
+        async with self.lora_changes:
+            done: list[WorkerLink] = []
+            try:
+                for link in self.links:
+                    if link.ready:
+                        done.append(link)
+                        described = await self.call(link, lambda cid: p.RegisterLoRA(cid, name, path))
+            except PoolError:
+                for link in done[:-1]:
+                    with contextlib.suppress(PoolError):
+                        await self.call(link, lambda cid: p.UnregisterLoRA(cid, name))
+                raise
+            if not done:
+                raise WorkerDiedError("no worker is ready to take the adapter; retry when the pool is ready")
+            self.loras[name] = path
             for link in self.links:
-                if link.ready:
-                    done.append(link)
-                    described = await self.call(link, lambda cid: p.RegisterLoRA(cid, name, path))
-        except PoolError:
-            for link in done[:-1]:
-                with contextlib.suppress(PoolError):
-                    await self.call(link, lambda cid: p.UnregisterLoRA(cid, name))
-            raise
-        if not done:
-            raise WorkerDiedError("no worker is ready to take the adapter; retry when the pool is ready")
-        self.loras[name] = path
-        for link in self.links:
-            if link.connected and not link.ready:
-                link.send(p.RegisterLoRA(f"{REPLAY}{name}", name, path))
-        return described
+                if link.connected and not link.ready:
+                    link.send(p.RegisterLoRA(f"{REPLAY}{name}", name, path))
+            return described
 
     async def unregister_lora(self, name: str) -> None:
         """Unregister an adapter on every worker (requests using it finish with it)."""
-        known = self.loras.pop(name, None) is not None
-        missing = 0
-        ready = [link for link in self.links if link.ready]
-        for link in ready:
-            try:
-                await self.call(link, lambda cid: p.UnregisterLoRA(cid, name))
-            except LoRANotFoundError:
-                missing += 1
-        if not known and ready and missing == len(ready):
-            raise LoRANotFoundError(f"lora_name: no adapter named {name!r}")
+        async with self.lora_changes:
+            known = self.loras.pop(name, None) is not None
+            missing = 0
+            ready = [link for link in self.links if link.ready]
+            for link in ready:
+                try:
+                    await self.call(link, lambda cid: p.UnregisterLoRA(cid, name))
+                except LoRANotFoundError:
+                    missing += 1
+            if not known and ready and missing == len(ready):
+                raise LoRANotFoundError(f"lora_name: no adapter named {name!r}")
 
     def lease_lora(self, lease: str, name: str | None) -> None:
         """Lease `lease` (a long text's id) binds adapter `name` as registered now on every worker, for the requests

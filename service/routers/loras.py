@@ -18,6 +18,7 @@ from service.lora_source import AdapterSourceError, fetch_adapter, local_refusal
 from service.routers.openai import model_ids
 from service.schemas import Deleted, LoRAInfo, LoRAList, RegisterLoRARequest
 from service.shared_adapters import sync_adapters
+from service.state import ServiceState
 from service.voice_store import VoiceStoreUnavailable
 
 router = APIRouter(tags=["loras"])
@@ -42,21 +43,28 @@ async def register_lora(req: RegisterLoRARequest, state: LoadedState) -> LoRAInf
         local = await asyncio.to_thread(fetch_adapter, req.lora_uri, s.cache_path, req.sha256, source_endpoints(s))
     except AdapterSourceError as e:
         raise HTTPException(400, e.for_fields({"uri": "lora_uri", "sha256": "sha256"})) from e
-    try:
-        described = LoRAInfo.model_validate(await state.pool.register_lora(req.lora_name, str(local)))
-    except PoolError as e:
-        if shared is not None and shared.holds_other(req.lora_name, req.lora_uri, req.sha256):
-            raise registered_already(req.lora_name) from e  # another request's sync took it meanwhile
-        raise http_error(e) from e
-    if shared is not None:
+    async with changing(state):
         try:
-            if not await shared.add(req.lora_name, req.lora_uri, req.sha256):
-                raise registered_already(req.lora_name)  # by another replica since the sync: the first stands
-        except (VoiceStoreUnavailable, HTTPException):  # not shared: registered on no replica, this one included
-            with contextlib.suppress(PoolError):
-                await state.pool.unregister_lora(req.lora_name)
-            raise
+            described = LoRAInfo.model_validate(await state.pool.register_lora(req.lora_name, str(local)))
+        except PoolError as e:
+            if shared is not None and shared.holds_other(req.lora_name, req.lora_uri, req.sha256):
+                raise registered_already(req.lora_name) from e  # another request's sync took it meanwhile
+            raise http_error(e) from e
+        if shared is not None:
+            try:
+                if not await shared.add(req.lora_name, req.lora_uri, req.sha256):
+                    raise registered_already(req.lora_name)  # by another replica since the sync: the first stands
+            except (VoiceStoreUnavailable, HTTPException):  # not shared: registered on no replica, this one included
+                with contextlib.suppress(PoolError):
+                    await state.pool.unregister_lora(req.lora_name)
+                raise
     return described
+
+
+def changing(state: ServiceState) -> contextlib.AbstractAsyncContextManager[None]:
+    """A registration or removal alone over every API process (the registrations' lock)."""
+    registrations = state.lora_registrations
+    return registrations.changing() if registrations is not None else contextlib.nullcontext()
 
 
 def registered_already(lora_name: str) -> HTTPException:
@@ -76,12 +84,13 @@ async def list_loras(state: LoadedState) -> LoRAList:
 
 @router.delete("/loras/{lora_name}", response_model=Deleted)
 async def unregister_lora(lora_name: str, state: LoadedState) -> Deleted:
-    shared = state.shared_adapters is not None and await state.shared_adapters.remove(lora_name)
-    try:
-        await state.pool.unregister_lora(lora_name)
-    except LoRANotFoundError as e:
-        if not shared:  # registered on another replica, not taken here yet: removed all the same
+    async with changing(state):
+        shared = state.shared_adapters is not None and await state.shared_adapters.remove(lora_name)
+        try:
+            await state.pool.unregister_lora(lora_name)
+        except LoRANotFoundError as e:
+            if not shared:  # registered on another replica, not taken here yet: removed all the same
+                raise http_error(e) from e
+        except PoolError as e:
             raise http_error(e) from e
-    except PoolError as e:
-        raise http_error(e) from e
     return Deleted(deleted=lora_name)
