@@ -102,6 +102,10 @@ def audio_headers(state: ServiceState, fmt: str, gen: Generation | None = None) 
     return headers
 
 
+class ClientStalled(Exception):
+    """The client took none of a stream's audio for NANOVLLM_SEND_TIMEOUT_S."""
+
+
 class AudioStreamResponse(StreamingResponse):
     """Streams a generation's bytes. Starlette stops iterating when the client disconnects but does not close the
     iterator; we do, at once, so the engine request is aborted now rather than whenever it is collected. A stream
@@ -133,8 +137,14 @@ class AudioStreamResponse(StreamingResponse):
         async def guarded_send(message: dict) -> None:
             if message["type"] == "http.response.start" and trailers:
                 message = {**message, "trailers": True}
-            elif message["type"] == "http.response.body" and not message.get("more_body") and self.failure:
-                return  # no terminating chunk: the server closes the connection, the client sees a cut-off stream
+            elif message["type"] == "http.response.body":
+                if not message.get("more_body") and self.failure:
+                    return  # no terminating chunk: the server closes the connection, the client sees a cut-off stream
+                try:  # a client that takes nothing would hold its socket and the audio made for it for good
+                    await asyncio.wait_for(send(message), self.gen.state.settings.send_timeout_s)
+                except TimeoutError:
+                    raise ClientStalled from None
+                return
             await send(message)
 
         try:
@@ -143,6 +153,9 @@ class AudioStreamResponse(StreamingResponse):
                 reason = (self.gen.finish_reason or "aborted").encode()
                 await send({"type": "http.response.trailers", "headers": [(FINISH_HEADER.lower().encode(), reason)],
                             "more_trailers": False})
+        except ClientStalled:  # left unterminated: the server closes the connection
+            log.warning("stream %s: its client took no audio for %g s: dropped", self.gen.stream.request_id,
+                        self.gen.state.settings.send_timeout_s)
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 

@@ -8,6 +8,7 @@ import asyncio
 import base64
 import json
 import socket
+import time
 
 import httpx
 import numpy as np
@@ -167,3 +168,24 @@ def test_a_client_that_never_reads_holds_no_admission_place(checkpoint_factory, 
                                                    "response_format": "pcm"})
             assert r.status_code == 200, r.text
             assert len(stalled.recv(1 << 16)) > 0  # the stalled response is still there to be read
+
+
+def test_a_client_that_reads_nothing_for_the_send_timeout_is_dropped(checkpoint_factory, tmp_path):
+    """A streamed response whose client takes none of its audio for NANOVLLM_SEND_TIMEOUT_S is dropped: the connection
+    closes before the whole audio (it held its socket and the audio made for it for as long as the client liked)."""
+    with live_server(checkpoint_factory, tmp_path, serverpool_max_num_seqs=1, queue_coalesce_ms=0,
+                     segment_chars=1000, send_timeout_s=2) as server:
+        body = json.dumps({"target_text": HOLD, "max_generate_length": HOLD_PATCHES, "response_format": "pcm"})
+        with socket.socket() as stalled:
+            stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            stalled.settimeout(60)  # a hang guard
+            stalled.connect(("127.0.0.1", server.port))
+            stalled.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                            f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+            LiveServer.wait(lambda: (s := server.pool_stats()).running == s.waiting == 0 and s.steps > 0,
+                            "the engine never finished the stalled request")
+            time.sleep(3)  # past the send timeout, taking nothing
+            received = 0
+            while data := stalled.recv(1 << 16):  # what the sockets held, then the end: the server closed it
+                received += len(data)
+        assert 0 < received < HOLD_PATCHES * 7680 * 2
