@@ -11,7 +11,7 @@ PY="${PYTHON:-python3}"
 KEY="${VOXCPM_API_KEY:-${NANOVLLM_API_KEYS:-}}"
 KEY="$(echo "${KEY%%,*}" | tr -d '[:space:]')"
 if [ -z "$KEY" ] && [ -n "${NANOVLLM_API_KEYS_FILE:-}" ]; then  # one key a line, blank lines and # comments skipped
-  KEY="$(sed -e 's/^[[:space:]]*//' -e 's/[[:space:]]*$//' "$NANOVLLM_API_KEYS_FILE" | grep -v -e '^#' -e '^$' | head -n 1)"
+  KEY="$(awk 'NF && $1 !~ /^#/ {print $1; exit}' "$NANOVLLM_API_KEYS_FILE")"  # no pipe to cut short: pipefail
 fi
 AUTH=()
 [ -n "$KEY" ] && AUTH=(-H "authorization: Bearer $KEY")

@@ -19,7 +19,7 @@ from engine.config import parse_dtype
 from engine.engine_config import EngineConfig
 from engine.errors import LoRANotFoundError, OverloadedError, RequestError
 from engine.io.checkpoint import LoadedModel, load_model
-from engine.io.lora import merge_adapter, read_adapter, weights_file
+from engine.io.lora import merge_adapter, read_adapter
 from engine.models.audio_vae import decoder_snr_db
 from engine.ops.batch_invariant import BatchInvariantCalls
 from engine.prompt import build_prompt, max_patches
@@ -192,7 +192,7 @@ class LLMEngine:
         slots = self.runner.lora
         if slots is None:
             return
-        if name is not None and path is not None and not slots.holds(name, str(weights_file(path))):
+        if name is not None and path is not None and not slots.holds(name, path):
             slots.lease_unregistered((client, lease), name, read_adapter(path))
         else:
             slots.lease((client, lease), name)

@@ -155,10 +155,9 @@ class BaseServiceSettings(BaseSettings):
                                                                    "closed, its request aborted).")
     ready_timeout_s: float = Field(900, gt=0, description="Longest model load before start-up fails.")
     restart_dead_workers: bool = Field(True, description="Restart a worker that died (not ready meanwhile).")
-    worker_stuck_timeout_s: float = Field(120.0, ge=0, description="A worker whose loop answers no ping this long (a "
-                                                                   "GPU call that never returns) is killed and "
-                                                                   "restarted as one that died; 0: never (after 5 s "
-                                                                   "it is reported: /ready 503).")
+    worker_stuck_timeout_s: float = Field(120.0, ge=0, le=3600, description=(
+        "A worker whose loop answers no ping this long (a GPU call that never returns) is killed and restarted as "
+        "one that died; 0: never (after 5 s it is reported: /ready 503)."))
     api_keys: str | None = Field(None, description="Comma-separated API keys: every route but /health, /ready, "
                                                    "/metrics, the playground page and the API's schema pages then "
                                                    "needs `Authorization: Bearer <key>` or `X-API-Key` (401 without).")

@@ -142,7 +142,7 @@ class AudioStreamResponse(StreamingResponse):
                     return  # no terminating chunk: the server closes the connection, the client sees a cut-off stream
                 try:  # a client that takes nothing would hold its socket and the audio made for it for good
                     await asyncio.wait_for(send(message), self.gen.state.settings.send_timeout_s)
-                except TimeoutError:
+                except asyncio.TimeoutError:
                     raise ClientStalled from None
                 return
             await send(message)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+import shutil
 import time
 
 import pytest
@@ -213,7 +214,8 @@ def test_an_adapter_leased_for_a_long_text_speaks_it_to_its_end(checkpoint_facto
     leased = dict(target_text=TEXT, params=params, lora_name="a", continuation=True, lora_lease=(1, "long-1"))
     plain = dict(target_text=TEXT, params=params, lora_name="a")
     old = patches_of(engine, [plain])[0]
-    engine.lease_lora(1, "long-1", "a")
+    shutil.rmtree(tmp_path / "a")  # the file gone (an operator's clean-up): the held adapter is leased all the same
+    engine.lease_lora(1, "long-1", "a", str(tmp_path / "a"))
     engine.lease_lora(2, "long-2", "a")
     engine.lease_lora(2, "long-3", "nobody")  # no such adapter: nothing leased
     engine.unregister_lora("a")

@@ -938,3 +938,28 @@ def test_clips_are_encoded_between_steps_one_at_a_time(pool):
     assert len(encodes) == 4 and arrivals.index("stats") < encodes[-1], arrivals
     assert all("chunk" in arrivals[a + 1:b] for a, b in itertools.pairwise(encodes)), arrivals
     _free_blocks_restored(pool)
+
+
+def test_a_stuck_worker_is_pinged_once_until_it_answers(pool):
+    """The watchdog's pings of a worker that reads nothing (stopped): one stays outstanding, however often the owner
+    asks (each was sent: after a few hundred the full pipe blocked the owner's loop, the supervisor's, for good);
+    once it reads again it answers and the silence ends. Silence counts from a ping's sending, never from an answer
+    long ago (a healthy worker not asked for a while is not silent)."""
+    import psutil
+
+    worker = pool.pool.workers.processes[0]
+    process = psutil.Process(worker.process.pid)
+    process.suspend()
+    try:
+        asking = threading.Thread(target=lambda: [worker.ping() for _ in range(2000)], daemon=True)
+        asking.start()
+        asking.join(HANG_GUARD_S)
+        assert not asking.is_alive(), "pinging a stopped worker blocked"
+    finally:
+        process.resume()
+    deadline = time.monotonic() + HANG_GUARD_S  # a hang guard: it answers at its next loop turn
+    while worker.pinged_at is not None:
+        assert time.monotonic() < deadline, "the worker never answered its ping"
+        time.sleep(0.05)
+    time.sleep(1.5)  # not asked meanwhile
+    assert worker.ping() < 1.0  # a new ping: its silence starts now (not at the worker's last answer)

@@ -29,12 +29,13 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from engine.errors import LoRANotFoundError, OverloadedError
-from engine.io.lora import LoRAAdapter, LoRAError, targets
+from engine.io.lora import WEIGHT_FILES, LoRAAdapter, LoRAError, targets
 from engine.ops import fp8
 from engine.ops.lora import LoRAContext, LoRAStack, add_lora
 from engine.vocabulary import LORA_NAME_PATTERN, AdapterInfo
@@ -238,9 +239,12 @@ class LoRASlots:
         elif name in self.registered:
             self.leases[key] = self.registered[name]
 
-    def holds(self, name: str, source: str) -> bool:
-        """Whether `name` is registered from `source` (a weights file)."""
-        return name in self.registered and self.registered[name].source == source
+    def holds(self, name: str, path: str) -> bool:
+        """Whether `name` is registered from `path` (its weights file, or the directory holding it), by the record
+        alone: a leased adapter's file may be gone from the disk since."""
+        registered, where = self.registered.get(name), Path(path).expanduser()
+        return registered is not None and (Path(registered.source) == where or (
+            Path(registered.source).parent == where and Path(registered.source).name in WEIGHT_FILES))
 
     def lease_unregistered(self, key: tuple[int, str], name: str, adapter: LoRAAdapter) -> None:
         """Lease `key` binds `adapter` for the requests naming `name` with it, without registering it: a restarted

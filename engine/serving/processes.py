@@ -53,7 +53,10 @@ class WorkerProcess:
         self.process.start()
         child.close()  # our copy: the pipe must close when the child exits
         self.started: concurrent.futures.Future[WorkerInfo] = concurrent.futures.Future()
-        self.answered_at: float | None = None  # when it last showed its loop turns: Started, then each Pong
+        # When the Ping its loop has not answered yet was sent (None: none is; one at a time, since a stuck worker's
+        # pipe would fill and then block its owner), and whether it is asked any more (from Started until it ends).
+        self.pinged_at: float | None = None
+        self.pingable = False
         self.exited = threading.Event()
         self._on_exit = on_exit
         threading.Thread(target=self._watch, name=f"voxcpm-watch-{index}", daemon=True).start()
@@ -66,9 +69,9 @@ class WorkerProcess:
             except (EOFError, OSError):
                 break
             if isinstance(msg, p.Pong):
-                self.answered_at = time.monotonic()
+                self.pinged_at = None
             elif isinstance(msg, p.Started):
-                self.answered_at = time.monotonic()
+                self.pingable = True
                 self.started.set_result(msg.info)
             elif isinstance(msg, p.Fatal):
                 self.started.set_exception(PoolError(f"worker {self.index} ({self.device}) failed to start: "
@@ -95,13 +98,15 @@ class WorkerProcess:
         return self.started.exception() if self.started.done() else None
 
     def ping(self) -> float:
-        """Ask the started worker's loop for a Pong; the seconds since it last answered (0 before it started or once
-        it ended)."""
-        if self.answered_at is None or not self.alive:
+        """Ask the started worker's loop for a Pong (unless one is asked for already); the seconds its oldest
+        unanswered Ping has waited (0 when none waits, before it started or once it ended)."""
+        if not self.pingable or not self.alive:
             return 0.0
-        with contextlib.suppress(OSError, ValueError):
-            self.control.send(p.Ping())
-        return time.monotonic() - self.answered_at
+        if self.pinged_at is None:
+            self.pinged_at = time.monotonic()
+            with contextlib.suppress(OSError, ValueError):
+                self.control.send(p.Ping())
+        return time.monotonic() - self.pinged_at
 
     def kill(self) -> None:
         """Terminate the process abruptly (tests and chaos drills)."""
@@ -213,7 +218,7 @@ class WorkerSet:
         for w in stuck:
             log.error("worker %d (%s) answered no ping for %.0f s (a GPU call that never returns?): killing it",
                       w.index, w.device, after_s)
-            w.answered_at = None  # asked nothing more: it is ending
+            w.pingable = False  # asked nothing more: it is ending
             w.kill()
         return [w.index for w in stuck]
 
