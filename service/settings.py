@@ -150,9 +150,9 @@ class BaseServiceSettings(BaseSettings):
     ws_max_message_bytes: int = Field(64 * 1024, ge=1024, le=16 * 2**20, description="Largest message a WebSocket "
                                                                                     "client may send (error, close "
                                                                                     "1009 beyond).")
-    send_timeout_s: float = Field(60.0, gt=0, le=3600, description="A streamed response whose client takes none of "
-                                                                   "its audio this long is dropped (its connection "
-                                                                   "closed, its request aborted).")
+    send_timeout_s: float = Field(60.0, gt=0, le=3600, description=(
+        "A streamed response or live session whose client takes nothing this long (one write waits that long) is "
+        "dropped: its connection closed, its generation aborted."))
     ready_timeout_s: float = Field(900, gt=0, description="Longest model load before start-up fails.")
     restart_dead_workers: bool = Field(True, description="Restart a worker that died (not ready meanwhile).")
     worker_stuck_timeout_s: float = Field(120.0, ge=0, le=3600, description=(

@@ -5,8 +5,10 @@ an error message and its close code."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -244,3 +246,44 @@ def test_malformed_messages_and_limits(server, messages, code, expected):
     assert expected in message and got == code, (message, got)
     LiveServer.wait(lambda: (s := server.pool_stats()).running == s.waiting == 0
                     and s.free_blocks == s.total_blocks, "a refused session left KV blocks behind")
+
+
+def masked_text_frame(text: str) -> bytes:
+    """A client's text frame (masked, as a client's must be; a zero mask leaves the payload as it is)."""
+    payload = text.encode()
+    assert len(payload) < 65536
+    size = bytes([0x80 | len(payload)]) if len(payload) < 126 else bytes([0x80 | 126]) + len(payload).to_bytes(2, "big")
+    return bytes([0x81]) + size + bytes(4) + payload
+
+
+def test_a_client_that_takes_nothing_for_the_send_timeout_is_ended(checkpoint_factory, tmp_path):
+    """A session whose client takes none of its audio for NANOVLLM_SEND_TIMEOUT_S ends as one whose client left (it
+    held the audio made for it, and a shutdown's drain, for as long as the client liked): read afterwards, the
+    connection holds what the sockets took and no session.done."""
+    with live_server(checkpoint_factory, tmp_path, voice_store="memory", send_timeout_s=2) as server, \
+            socket.socket() as raw:
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the audio backs up into the server
+        raw.settimeout(GUARD_S)
+        raw.connect(("127.0.0.1", server.port))
+        raw.sendall(b"GET /v1/audio/speech/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                    b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                    b"Sec-WebSocket-Version: 13\r\n\r\n")
+        handshake = b""
+        while b"\r\n\r\n" not in handshake:
+            handshake += raw.recv(1)
+        assert handshake.startswith(b"HTTP/1.1 101"), handshake
+        for message in ({"type": "session.config", "max_generate_length": 100, "seed": 1, "response_format": "pcm"},
+                        {"type": "input.text", "text": "A sentence to speak. " * 12}, {"type": "input.done"}):
+            raw.sendall(masked_text_frame(json.dumps(message)))
+        # taking nothing: the engine makes what the session lets it, then the session waits on its client, past the
+        # timeout
+        LiveServer.wait(lambda: (s := server.pool_stats()).steps > 0 and s.running == s.waiting == 0,
+                        "the engine never went idle")
+        time.sleep(3)
+        received = b""
+        with contextlib.suppress(TimeoutError):
+            raw.settimeout(5)  # the end: the server closes, or sends nothing more
+            while data := raw.recv(1 << 16):
+                received += data
+        assert received and b"session.done" not in received
+        LiveServer.wait(lambda: (s := server.pool_stats()).free_blocks == s.total_blocks, "KV blocks held after it")

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import numpy as np
 from fastapi import APIRouter, HTTPException, WebSocket, WebSocketDisconnect
@@ -46,6 +46,7 @@ KEY_PROTOCOL = "bearer."  # a subprotocol "bearer.<key>": the API key where a cl
 
 # Close codes (RFC 6455)
 NORMAL = 1000
+STALLED = 1001  # the client took nothing for NANOVLLM_SEND_TIMEOUT_S: as gone as one that left
 POLICY = 1008  # the client broke the protocol, a limit or the key rule, or sent a request the service refuses
 TOO_BIG = 1009  # a message over NANOVLLM_WS_MAX_MESSAGE_BYTES
 SERVER_ERROR = 1011  # the service failed (a worker's error)
@@ -238,7 +239,7 @@ class LiveSession:
         assert self.encoder is not None
         data = await asyncio.to_thread(self.encoder, samples, last)
         if data:
-            await self.ws.send_bytes(data)
+            await self.send(self.ws.send_bytes(data))
 
     async def end_segment(self) -> None:
         """A segment's audio is all in: pcm and mp3 flush the speed and rate stages (the stream goes on), the
@@ -250,11 +251,21 @@ class LiveSession:
         if end is not None:
             data = await asyncio.to_thread(end, np.zeros(0, np.float32))
             if data:
-                await self.ws.send_bytes(data)
+                await self.send(self.ws.send_bytes(data))
+
+    async def send(self, sending: Awaitable[None]) -> None:
+        """One message out within NANOVLLM_SEND_TIMEOUT_S: a client that takes nothing that long has left (it held
+        the audio made for it, and the drain, for good)."""
+        try:
+            await asyncio.wait_for(sending, self.state.settings.send_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("speech stream session: its client took nothing for %g s: ended",
+                        self.state.settings.send_timeout_s)
+            raise WebSocketDisconnect(STALLED) from None
 
     async def start_segment(self, index: int, text: str) -> None:
-        await self.ws.send_json({"type": "audio.start", "segment_index": index, "sentence_index": index,
-                                 "text": text, "format": self.fmt, "sample_rate": self.sample_rate})
+        await self.send(self.ws.send_json({"type": "audio.start", "segment_index": index, "sentence_index": index,
+                                           "text": text, "format": self.fmt, "sample_rate": self.sample_rate}))
 
     async def send_loop(self) -> None:
         """The speech's events -> audio.start, binary audio, audio.done per segment, then session.done. A segment's
@@ -283,11 +294,11 @@ class LiveSession:
                     await self.end_segment()
                     started = False
                     count, duration = count + 1, ev.start_s + ev.duration_s
-                    await self.ws.send_json({"type": "audio.done", "segment_index": ev.index,
-                                             "sentence_index": ev.index, "start_s": round(ev.start_s, 6),
-                                             "duration_s": round(ev.duration_s, 6),
-                                             "finish_reason": ev.finish_reason, "text_start": ev.start,
-                                             "text_end": ev.end})
+                    await self.send(self.ws.send_json({"type": "audio.done", "segment_index": ev.index,
+                                                       "sentence_index": ev.index, "start_s": round(ev.start_s, 6),
+                                                       "duration_s": round(ev.duration_s, 6),
+                                                       "finish_reason": ev.finish_reason, "text_start": ev.start,
+                                                       "text_end": ev.end}))
             if self.fmt in STREAMED:
                 await self.encode(np.zeros(0, np.float32), True)  # MP3's last frames
         except (WebSocketDisconnect, OSError):
