@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import MutableMapping
 from typing import TYPE_CHECKING
 
 from engine import LoRANotFoundError, PoolError
@@ -76,41 +77,54 @@ class SharedAdapters:
         async with self.lock:
             shared = await self.registered()
             self.failed = {n: f for n, f in self.failed.items() if n in shared}
-            local = state.pool.client.loras
-            for name in [n for n in local if n not in shared]:
+            if self.in_line(shared, state.pool.client.loras):
+                return
+            async with state.adapter_changes():  # alone over the API processes, as POST and DELETE /loras are
+                await self._reconcile(state, shared)
+
+    def in_line(self, shared: dict[str, dict], local: MutableMapping[str, str]) -> bool:
+        """Whether this process's workers hold what is shared (or wait to try an adapter again)."""
+        return all(n in shared for n in local) and all(self._settled(n, src, local) for n, src in shared.items())
+
+    def _settled(self, name: str, source: dict, local: MutableMapping[str, str]) -> bool:
+        """The shared registration `name` is held from `source`, or was refused here and waits to be tried again."""
+        failed = self.failed.get(name)
+        return (name in local and self.sources.get(name) == source) or (
+            failed is not None and failed[0] == source and time.monotonic() < failed[1])
+
+    async def _reconcile(self, state: ServiceState, shared: dict[str, dict]) -> None:
+        local = state.pool.client.loras
+        for name in [n for n in local if n not in shared]:
+            self.sources.pop(name, None)
+            with contextlib.suppress(LoRANotFoundError):
+                await state.pool.unregister_lora(name)
+            log.info("adapter %s unregistered (removed on another replica)", name)
+        for name, source in shared.items():
+            if self._settled(name, source, local):
+                continue
+            if name in local:  # registered again elsewhere (or replayed from before): the adapter held under
+                # the name is another one, never to be served again, whether the new one can be taken or not
                 self.sources.pop(name, None)
                 with contextlib.suppress(LoRANotFoundError):
                     await state.pool.unregister_lora(name)
-                log.info("adapter %s unregistered (removed on another replica)", name)
-            for name, source in shared.items():
-                if name in local and self.sources.get(name) == source:
-                    continue
-                failed = self.failed.get(name)
-                if failed is not None and failed[0] == source and time.monotonic() < failed[1]:
-                    continue
-                if name in local:  # registered again elsewhere (or replayed from before): the adapter held under
-                    # the name is another one, never to be served again, whether the new one can be taken or not
-                    self.sources.pop(name, None)
-                    with contextlib.suppress(LoRANotFoundError):
-                        await state.pool.unregister_lora(name)
-                s = state.settings
-                refusal = local_refusal(s.lora_dir, source["uri"])
-                if refusal is not None:  # this replica's policy on local files holds for others' registrations too
-                    log.error("adapter %s registered on another replica not taken here: %s", name, refusal)
-                    self.failed[name] = (source, time.monotonic() + RETRY_S)
-                    continue
-                try:
-                    path = await asyncio.to_thread(fetch_adapter, source["uri"], s.cache_path, source["sha256"],
-                                                   source_endpoints(s))
-                    await state.pool.register_lora(name, str(path))
-                except (AdapterSourceError, PoolError) as e:  # requests naming it get 404 from the workers
-                    log.error("adapter %s registered on another replica not taken here (tried again in %d s): %s",
-                              name, RETRY_S, e)
-                    self.failed[name] = (source, time.monotonic() + RETRY_S)
-                    continue
-                self.failed.pop(name, None)
-                self.sources[name] = source
-                log.info("adapter %s registered (from another replica)", name)
+            s = state.settings
+            refusal = local_refusal(s.lora_dir, source["uri"])
+            if refusal is not None:  # this replica's policy on local files holds for others' registrations too
+                log.error("adapter %s registered on another replica not taken here: %s", name, refusal)
+                self.failed[name] = (source, time.monotonic() + RETRY_S)
+                continue
+            try:
+                path = await asyncio.to_thread(fetch_adapter, source["uri"], s.cache_path, source["sha256"],
+                                               source_endpoints(s))
+                await state.pool.register_lora(name, str(path))
+            except (AdapterSourceError, PoolError) as e:  # requests naming it get 404 from the workers
+                log.error("adapter %s registered on another replica not taken here (tried again in %d s): %s",
+                          name, RETRY_S, e)
+                self.failed[name] = (source, time.monotonic() + RETRY_S)
+                continue
+            self.failed.pop(name, None)
+            self.sources[name] = source
+            log.info("adapter %s registered (from another replica)", name)
 
 
 async def sync_adapters(state: ServiceState) -> None:

@@ -3,6 +3,7 @@ and whether the service is ready (loaded, warm, every worker connected)."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -53,6 +54,11 @@ class ServiceState:
     def ready(self) -> bool:
         """Every worker is connected and has reported ready (its model loaded and warmed up)."""
         return self.loaded and self.pool.ready and not self.draining
+
+    def adapter_changes(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """A change of the runtime adapters alone over every API process (`LoRARegistrations.changing`)."""
+        registrations = self.lora_registrations
+        return registrations.changing() if registrations is not None else contextlib.nullcontext()
 
     async def runtime_adapters(self) -> list[AdapterInfo]:
         """The runtime LoRA adapters the workers hold (none before the model is loaded, or with none enabled);

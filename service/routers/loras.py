@@ -18,7 +18,6 @@ from service.lora_source import AdapterSourceError, fetch_adapter, local_refusal
 from service.routers.openai import model_ids
 from service.schemas import Deleted, LoRAInfo, LoRAList, RegisterLoRARequest
 from service.shared_adapters import sync_adapters
-from service.state import ServiceState
 from service.voice_store import VoiceStoreUnavailable
 
 router = APIRouter(tags=["loras"])
@@ -43,7 +42,7 @@ async def register_lora(req: RegisterLoRARequest, state: LoadedState) -> LoRAInf
         local = await asyncio.to_thread(fetch_adapter, req.lora_uri, s.cache_path, req.sha256, source_endpoints(s))
     except AdapterSourceError as e:
         raise HTTPException(400, e.for_fields({"uri": "lora_uri", "sha256": "sha256"})) from e
-    async with changing(state):
+    async with state.adapter_changes():
         try:
             described = LoRAInfo.model_validate(await state.pool.register_lora(req.lora_name, str(local)))
         except PoolError as e:
@@ -59,12 +58,6 @@ async def register_lora(req: RegisterLoRARequest, state: LoadedState) -> LoRAInf
                     await state.pool.unregister_lora(req.lora_name)
                 raise
     return described
-
-
-def changing(state: ServiceState) -> contextlib.AbstractAsyncContextManager[None]:
-    """A registration or removal alone over every API process (the registrations' lock)."""
-    registrations = state.lora_registrations
-    return registrations.changing() if registrations is not None else contextlib.nullcontext()
 
 
 def registered_already(lora_name: str) -> HTTPException:
@@ -84,7 +77,7 @@ async def list_loras(state: LoadedState) -> LoRAList:
 
 @router.delete("/loras/{lora_name}", response_model=Deleted)
 async def unregister_lora(lora_name: str, state: LoadedState) -> Deleted:
-    async with changing(state):
+    async with state.adapter_changes():
         shared = state.shared_adapters is not None and await state.shared_adapters.remove(lora_name)
         try:
             await state.pool.unregister_lora(lora_name)
