@@ -96,11 +96,19 @@ class Metrics:
             return generate_latest(registry)
         return generate_latest(self.registry)
 
-    def observe_pool(self, stats: list[WorkerStats | None]) -> None:
+    def observe_pool(self, stats: list[WorkerStats | None], last: list[dict[str, int]]) -> None:
+        """The workers' stats; `last`: what each last reported with its events and whether it is connected
+        (`AsyncVoxCPMServerPool.snapshot`), for a worker that did not answer."""
         waiting = running = up = 0
         for i, s in enumerate(stats):
             w = str(i)
             if s is None:
+                if last[i]["alive"]:  # stuck: what it last reported still waits on it (the demand is not 0)
+                    running += last[i]["running"]
+                    waiting += last[i]["waiting"]
+                else:  # dead, restarting: no seat or block of it is free (its values were kept)
+                    for gauge in (self.slots_free, self.kv_blocks_free, self.loras_resident, self.lora_requests):
+                        gauge.labels(w).set(0)
                 continue
             up += 1
             running += s.running

@@ -196,3 +196,28 @@ def test_the_encoder_pool_serves_the_listener_who_runs_out_first():
             assert [runner.queue.get_nowait()[2] for _ in range(3)] == expected
     finally:
         loop.close()
+
+
+def test_the_pool_gauges_count_a_stuck_workers_load_and_no_free_seat_of_a_dead_one():
+    """Three workers' stats at a scrape: one answered, one is stuck (connected, no answer), one is dead (restarting).
+    The demand counts what the stuck one last reported (it read 0: the autoscaler saw no demand from that pod), and
+    the dead one offers no free seat or block (its last values stayed: the seats summed to twice the truth)."""
+    from engine.serving.reports import WorkerStats
+    from service.metrics import Metrics
+
+    metrics = Metrics()
+    answered = WorkerStats(running=2, waiting=1, free_blocks=10, total_blocks=20, free_slots=2, total_slots=4)
+    idle = WorkerStats(free_blocks=20, total_blocks=20, free_slots=4, total_slots=4)
+    metrics.observe_pool([answered, idle, idle], [{"alive": 1}] * 3)  # all three answered once
+    last = [{"alive": 1, "running": 2, "waiting": 1}, {"alive": 1, "running": 4, "waiting": 3},
+            {"alive": 0, "running": 0, "waiting": 0}]
+    metrics.observe_pool([answered, None, None], last)
+
+    def value(name: str, worker: str | None = None) -> float:
+        labels = {"worker": worker} if worker is not None else {}
+        return metrics.registry.get_sample_value(name, labels)
+
+    assert value("voxcpm_running_sequences") == 2 + 4 and value("voxcpm_queue_depth") == 1 + 3
+    assert value("voxcpm_workers_up") == 1
+    assert value("voxcpm_sequence_slots_free", "2") == 0 and value("voxcpm_kv_blocks_free", "2") == 0
+    assert value("voxcpm_sequence_slots_free", "0") == 2

@@ -189,3 +189,35 @@ def test_a_client_that_reads_nothing_for_the_send_timeout_is_dropped(checkpoint_
             while data := stalled.recv(1 << 16):  # what the sockets held, then the end: the server closed it
                 received += len(data)
         assert 0 < received < HOLD_PATCHES * 7680 * 2
+
+
+def test_a_live_session_refused_for_a_full_queue_is_counted(checkpoint_factory, tmp_path):
+    """A WebSocket session refused because every seat and queue place is taken (close 1013) counts in
+    voxcpm_requests_overloaded_total as the HTTP routes' refusals do (it counted nothing: the saturation alert
+    never fired for live-text traffic)."""
+    import psutil
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    with live_server(checkpoint_factory, tmp_path, serverpool_max_num_seqs=1, max_queued_requests=0,
+                     queue_coalesce_ms=0, segment_chars=1000) as server, \
+            httpx.Client(verify=TLS, base_url=server.url, timeout=120) as client:
+        body = {"target_text": HOLD, "max_generate_length": HOLD_PATCHES, "response_format": "pcm", "seed": 1}
+        with client.stream("POST", "/generate", json=body) as held:
+            chunks = held.iter_raw()  # held: a generator collected would close the response
+            next(chunks)
+            worker = psutil.Process(server.state.pool.workers.processes[0].process.pid)
+            worker.suspend()  # the holder keeps its seat however fast the machine (admission is the client's)
+            try:
+                url = server.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+                with connect(url, open_timeout=60) as ws:
+                    ws.send(json.dumps({"type": "session.config", "response_format": "pcm"}))
+                    ws.send(json.dumps({"type": "input.text", "text": "Refused, for every seat is taken."}))
+                    ws.send(json.dumps({"type": "input.done"}))
+                    with pytest.raises(ConnectionClosed) as closed:
+                        while True:
+                            ws.recv(timeout=60)
+            finally:
+                worker.resume()
+        assert closed.value.rcvd.code == 1013
+        assert _overloads(server) == 1

@@ -102,7 +102,7 @@ async def metrics(state: State) -> Response:
     m = state.metrics
     if state.loaded:
         try:
-            m.observe_pool(await state.pool.stats())
+            m.observe_pool(await state.pool.stats(), state.pool.snapshot())
         except PoolError:  # a worker died during the scrape: the rest of the metrics still matter
             m.workers_up.set(0)
     usage = await _usage(state)

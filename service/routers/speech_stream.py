@@ -20,6 +20,7 @@ import numpy as np
 from fastapi import APIRouter, HTTPException, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
+from engine import OverloadedError
 from service.audio import STREAMED, Encoder, make_encoder, output_rate
 from service.deps import key_matches, key_of, unavailable_reason
 from service.errors import LIVE_TERMS, http_error, in_route_terms
@@ -304,6 +305,8 @@ class LiveSession:
         except (WebSocketDisconnect, OSError):
             raise  # the client left
         except Exception as e:
+            if isinstance(e, OverloadedError):  # counted as the HTTP routes' refusals are (the alert watches it)
+                self.state.metrics.overloaded.labels(ROUTE).inc()
             raise session_error(e) from e
         finally:
             await events.aclose()
