@@ -32,7 +32,8 @@ class Metrics:
         self.ttfb = Histogram("voxcpm_time_to_first_audio_byte_seconds",
                               "Arrival to the first audio byte sent (true TTFB)", ["route"], buckets=TTFB_BUCKETS,
                               registry=r)
-        self.audio_seconds = Counter("voxcpm_audio_generated_seconds", "Seconds of audio generated", ["route"],
+        self.audio_seconds = Counter("voxcpm_audio_generated_seconds", "Seconds of audio the model generated (before "
+                                     "a speed change), counted when each generation ends", ["route"],
                                      registry=r)
         self.finished = Counter("voxcpm_generations_finished", "Generations by route and how they ended (stop head, "
                                 "length cap, aborted, error)", ["route", "reason"], registry=r)

@@ -58,7 +58,7 @@ class Generation:
         if samples:
             self._counted += samples
             self.state.metrics.audio_seconds.labels(self.route).inc(samples / self.state.sample_rate)
-        if self.stream.finish_reason and not self._ended_counted:
+        if self.stream.finish_reason and self.stream.worker is not None and not self._ended_counted:  # not refused
             self._ended_counted = True
             self.state.metrics.finished.labels(self.route, self.stream.finish_reason).inc()
 
@@ -77,17 +77,18 @@ async def start(state: ServiceState, route: str, text: str, cond: Conditioning, 
     encoder = make_encoder(fmt, state.sample_rate, s.mp3_bitrate_kbps, s.mp3_quality, sse, speed, sample_rate)
     request = SynthesisRequest(text, cond.prompt_text, cond.prompt_latents, None, cond.ref_latents, params, lora_name)
     stream = state.pool.submit(request, encoder)
+    gen = Generation(state, route, stream, None, sample_rate)
     try:
-        first = await anext(stream, None)
+        gen.first = await anext(stream, None)
     except PoolError as e:
-        stream.close()
+        await gen.close()  # a whole-file format's first bytes are its last: what it made, and why it ended, count
         if isinstance(e, OverloadedError):
             state.metrics.overloaded.labels(route).inc()
         raise http_error(e, terms=cond.terms) from e
     except BaseException:  # cancelled while waiting: the engine request must not outlive us
-        stream.close()
+        await gen.close()
         raise
-    return Generation(state, route, stream, first, sample_rate)
+    return gen
 
 
 def audio_headers(state: ServiceState, fmt: str, gen: Generation | None = None) -> dict[str, str]:

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -221,3 +223,25 @@ def test_the_pool_gauges_count_a_stuck_workers_load_and_no_free_seat_of_a_dead_o
     assert value("voxcpm_workers_up") == 1
     assert value("voxcpm_sequence_slots_free", "2") == 0 and value("voxcpm_kv_blocks_free", "2") == 0
     assert value("voxcpm_sequence_slots_free", "0") == 2
+
+
+def test_a_whole_file_generation_cut_short_counts_its_audio_and_its_end(server):
+    """A WAV generation whose client leaves before its file is made: the audio it made and its end ("aborted") count,
+    as a streamed one's do (a whole-file format's first bytes are its last: neither counted)."""
+    def counted() -> tuple[float, float]:
+        text = httpx.get(server.url + "/metrics", verify=TLS).text
+        audio = re.search(r'^voxcpm_audio_generated_seconds_total\{route="/generate_blocking_wav"\} (\S+)$', text, re.M)
+        aborted = re.search(r'^voxcpm_generations_finished_total\{reason="aborted",route="/generate_blocking_wav"\} '
+                            r'(\S+)$', text, re.M)
+        return float(audio[1]) if audio else 0.0, float(aborted[1]) if aborted else 0.0
+
+    before = counted()
+    steps = server.pool_stats().steps
+    body = json.dumps({"target_text": "A long enough text for a whole file that takes a good while to make. " * 3,
+                       "max_generate_length": 300})
+    with socket.create_connection(("127.0.0.1", server.port)) as client:
+        client.sendall(f"POST /generate_blocking_wav HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        LiveServer.wait(lambda: server.pool_stats().steps > steps + 2, "the generation never started")
+    LiveServer.wait(lambda: counted()[1] == before[1] + 1, "the cut generation's end was not counted")
+    assert counted()[0] > before[0]
