@@ -31,6 +31,21 @@ SAMPLES_PER_PATCH = 7680  # tiny-voxcpm2: 4 latent frames x 1920 samples at 48 k
 SAMPLE_RATE = 48000
 
 
+def small_window_socket(port: int, timeout: float = 60) -> socket.socket:
+    """A client connection to 127.0.0.1:`port` that takes 4 KiB at a time: audio it has not read waits in the server."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(timeout)  # a hang guard
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def send_post(sock: socket.socket, path: str, body: str) -> None:
+    """An HTTP/1.1 POST of a JSON `body`, written on `sock` (its answer is the caller's to read, or not)."""
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+
+
 def free_port() -> int:
     """A free loopback port. Under pytest-xdist only one in this worker's share (port // 2 modulo the workers: the
     kernel hands out one parity first), so that no two workers take the same port between finding and binding it."""

@@ -16,7 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from service.settings import Settings, describe_error
-from tests.service_harness import TLS, LiveServer, live_server
+from tests.service_harness import TLS, LiveServer, live_server, send_post
 
 
 @pytest.fixture(scope="module")
@@ -240,8 +240,7 @@ def test_a_whole_file_generation_cut_short_counts_its_audio_and_its_end(server):
     body = json.dumps({"target_text": "A long enough text for a whole file that takes a good while to make. " * 3,
                        "max_generate_length": 300})
     with socket.create_connection(("127.0.0.1", server.port)) as client:
-        client.sendall(f"POST /generate_blocking_wav HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                       f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        send_post(client, "/generate_blocking_wav", body)
         LiveServer.wait(lambda: server.pool_stats().steps > steps + 2, "the generation never started")
     LiveServer.wait(lambda: counted()[1] == before[1] + 1, "the cut generation's end was not counted")
     assert counted()[0] > before[0]

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import socket
-import time
 
 import httpx
 import numpy as np
@@ -16,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.serving.reports import WorkerStats
-from tests.service_harness import TLS, LiveServer, live_server, wav_bytes
+from tests.service_harness import TLS, LiveServer, live_server, send_post, small_window_socket, wav_bytes
 
 BURST = 40  # ten times what the workers hold (running + queued)
 LONG = "A long enough sentence for a stream of about a hundred patches. " * 2
@@ -155,11 +153,8 @@ def test_a_client_that_never_reads_holds_no_admission_place(checkpoint_factory, 
     with live_server(checkpoint_factory, tmp_path, serverpool_max_num_seqs=1, max_queued_requests=0,
                      queue_coalesce_ms=0, segment_chars=1000) as server:
         body = json.dumps({"target_text": HOLD, "max_generate_length": HOLD_PATCHES, "response_format": "pcm"})
-        with socket.socket() as stalled:
-            stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the audio backs up into the server
-            stalled.connect(("127.0.0.1", server.port))
-            stalled.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                            f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        with small_window_socket(server.port) as stalled:
+            send_post(stalled, "/generate", body)
             LiveServer.wait(lambda: server.pool_stats().running == 1, "the stalled request never started")
             LiveServer.wait(lambda: (s := server.pool_stats()).running == s.waiting == 0,
                             "the engine never finished the stalled request")
@@ -170,21 +165,16 @@ def test_a_client_that_never_reads_holds_no_admission_place(checkpoint_factory, 
             assert len(stalled.recv(1 << 16)) > 0  # the stalled response is still there to be read
 
 
-def test_a_client_that_reads_nothing_for_the_send_timeout_is_dropped(checkpoint_factory, tmp_path):
+def test_a_client_that_reads_nothing_for_the_send_timeout_is_dropped(checkpoint_factory, tmp_path, caplog):
     """A streamed response whose client takes none of its audio for NANOVLLM_SEND_TIMEOUT_S is dropped: the connection
     closes before the whole audio (it held its socket and the audio made for it for as long as the client liked)."""
     with live_server(checkpoint_factory, tmp_path, serverpool_max_num_seqs=1, queue_coalesce_ms=0,
                      segment_chars=1000, send_timeout_s=2) as server:
         body = json.dumps({"target_text": HOLD, "max_generate_length": HOLD_PATCHES, "response_format": "pcm"})
-        with socket.socket() as stalled:
-            stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            stalled.settimeout(60)  # a hang guard
-            stalled.connect(("127.0.0.1", server.port))
-            stalled.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                            f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
-            LiveServer.wait(lambda: (s := server.pool_stats()).running == s.waiting == 0 and s.steps > 0,
-                            "the engine never finished the stalled request")
-            time.sleep(3)  # past the send timeout, taking nothing
+        with small_window_socket(server.port) as stalled:
+            send_post(stalled, "/generate", body)
+            # taking nothing: once the sockets hold all they can, a write waits on the client past the timeout
+            LiveServer.wait(lambda: "took no audio" in caplog.text, "the stream never gave up on its client")
             received = 0
             while data := stalled.recv(1 << 16):  # what the sockets held, then the end: the server closed it
                 received += len(data)

@@ -13,7 +13,6 @@ import contextlib
 import http.client
 import json
 import signal
-import socket
 import time
 from collections.abc import Iterator
 
@@ -21,7 +20,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.service_harness import SAMPLES_PER_PATCH, TLS, wav_bytes
+from tests.service_harness import SAMPLES_PER_PATCH, TLS, small_window_socket, wav_bytes
 from tests.supervised import GUARD_S, REQUEST_TIMEOUT, Service, metric
 
 API_PROCESSES = 2
@@ -277,10 +276,7 @@ class SmallWindowConnection(http.client.HTTPConnection):
     """A client whose socket takes 4 KiB at a time: audio it has not read waits in the server."""
 
     def connect(self) -> None:
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        self.sock.settimeout(GUARD_S)
-        self.sock.connect((self.host, self.port))
+        self.sock = small_window_socket(self.port, GUARD_S)
 
 
 def test_sigterm_stops_everything(service: Service):
