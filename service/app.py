@@ -134,7 +134,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
     app.add_exception_handler(StarletteHTTPException, errors.http_exception_handler)
     for exc in errors.HANDLED:
         app.add_exception_handler(exc, errors.pool_error_handler)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes, timeout_s=settings.body_timeout_s)
     app.add_middleware(KeyFirstMiddleware, keys=api_keys)  # a keyed route's 401 before its body is read
     if settings.cors_origins:  # around the body limit: a browser reads its 413 too
         origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]

@@ -117,6 +117,9 @@ class BaseServiceSettings(BaseSettings):
                                                       "both digests, when it differs.")
     lora_dir: Path | None = Field(None, description="POST /loras may name local adapters (a path or file://) only "
                                                     "inside this directory; unset: remote URIs only.")
+    body_timeout_s: float = Field(30.0, gt=0, le=3600, description=(
+        "A request body whose next bytes take longer than this to arrive is refused (408): a slow upload held its "
+        "connection for good."))
     max_request_bytes: int = Field(16 * 2**20, ge=1024, description="Largest request body accepted: 413 beyond it, "
                                                                     "found while reading, before all of it is in.")
     max_audio_seconds: float = Field(60.0, gt=0, le=3600, description="Longest uploaded clip (prompt or reference "

@@ -22,7 +22,9 @@ from tests.service_harness import TLS, LiveServer, live_server, send_post
 @pytest.fixture(scope="module")
 def server(checkpoint_factory, tmp_path_factory):
     # a worker silent for 10 s is killed (120 by default): far beyond a tiny CPU worker's longest turn of its loop
-    with live_server(checkpoint_factory, tmp_path_factory.mktemp("svc-ops"), worker_stuck_timeout_s=10) as s:
+    # a body's next bytes within 2 s: every test here sends its body at once
+    with live_server(checkpoint_factory, tmp_path_factory.mktemp("svc-ops"), worker_stuck_timeout_s=10,
+                     body_timeout_s=2) as s:
         yield s
 
 
@@ -244,3 +246,15 @@ def test_a_whole_file_generation_cut_short_counts_its_audio_and_its_end(server):
         LiveServer.wait(lambda: server.pool_stats().steps > steps + 2, "the generation never started")
     LiveServer.wait(lambda: counted()[1] == before[1] + 1, "the cut generation's end was not counted")
     assert counted()[0] > before[0]
+
+
+def test_a_body_that_stops_arriving_is_refused(server):
+    """A request whose body stops arriving midway gets 408 naming the setting once its next bytes are
+    NANOVLLM_BODY_TIMEOUT_S late (uvicorn has no such timeout: 300 slow uploads held their connections for good)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as client:
+        client.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: 100\r\n\r\n{\"target_text\": ")
+        answer = b""
+        while b"NANOVLLM_BODY_TIMEOUT_S" not in answer and (data := client.recv(1 << 16)):  # head and body may part
+            answer += data
+    assert answer.startswith(b"HTTP/1.1 408") and b"NANOVLLM_BODY_TIMEOUT_S" in answer, answer
