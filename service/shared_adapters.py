@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from collections.abc import MutableMapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine import LoRANotFoundError, PoolError
@@ -102,20 +103,34 @@ class SharedAdapters:
         for name, source in shared.items():
             if self._settled(name, source, local):
                 continue
+            s = state.settings
+            refusal = local_refusal(s.lora_dir, source["uri"])
+            path: Path | None = None
+            fetch_error: AdapterSourceError | None = None
+            if refusal is None:
+                try:
+                    path = await asyncio.to_thread(fetch_adapter, source["uri"], s.cache_path, source["sha256"],
+                                                   source_endpoints(s))
+                except AdapterSourceError as e:
+                    fetch_error = e
+            if path is not None and local.get(name) == str(path) and name not in self.sources:  # registered from it
+                # here already, by another API process of this replica: taken as it is (registering it again left
+                # its requests a moment of 404)
+                self.failed.pop(name, None)
+                self.sources[name] = source
+                continue
             if name in local:  # registered again elsewhere (or replayed from before): the adapter held under
                 # the name is another one, never to be served again, whether the new one can be taken or not
                 self.sources.pop(name, None)
                 with contextlib.suppress(LoRANotFoundError):
                     await state.pool.unregister_lora(name)
-            s = state.settings
-            refusal = local_refusal(s.lora_dir, source["uri"])
             if refusal is not None:  # this replica's policy on local files holds for others' registrations too
                 log.error("adapter %s registered on another replica not taken here: %s", name, refusal)
                 self.failed[name] = (source, time.monotonic() + RETRY_S)
                 continue
             try:
-                path = await asyncio.to_thread(fetch_adapter, source["uri"], s.cache_path, source["sha256"],
-                                               source_endpoints(s))
+                if fetch_error is not None:
+                    raise fetch_error
                 await state.pool.register_lora(name, str(path))
             except (AdapterSourceError, PoolError) as e:  # requests naming it get 404 from the workers
                 log.error("adapter %s registered on another replica not taken here (tried again in %d s): %s",

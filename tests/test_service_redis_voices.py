@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -275,6 +276,32 @@ def test_adapter_registered_on_one_replica_is_served_by_the_other(clients, adapt
     assert r.status_code == 404 and "lora_name" in r.text
     assert [d["name"] for d in a.get("/loras").json()["loras"]] == []
     assert a.delete("/loras/shared").status_code == 404
+
+
+def test_a_second_api_process_takes_its_replicas_registration_as_it_is(replicas, clients, adapter, caplog):
+    """Two API processes of one replica (one engine, one registrations table): an adapter registered through the first
+    is taken as it is by the second's sync (it unregistered and registered it again on the shared workers, where a
+    request naming it meanwhile got 404), and it serves it."""
+    from service.engine_setup import WorkerEndpoint
+
+    caplog.set_level(logging.INFO, logger="service.shared_adapters")
+    a, _ = clients
+    first = replicas[0].state
+    registrations = first.lora_registrations
+    assert registrations is not None and first.pool.workers is not None
+    endpoint = WorkerEndpoint(first.pool.workers.addresses, first.pool.workers.authkey, first.model_path, demo=False,
+                              voice_db=registrations.path.with_name("voices.db"), multiprocess_metrics=False)
+    second = LiveServer(replicas[0].settings, endpoint).start()
+    try:
+        r = a.post("/loras", json={"lora_name": "one", "lora_uri": f"file://{adapter}"})
+        assert r.status_code == 200, r.text
+        with httpx.Client(verify=TLS, base_url=second.url, timeout=60) as c:
+            assert [d["name"] for d in c.get("/loras").json()["loras"]] == ["one"]
+            assert pcm(c, lora_name="one") == pcm(a, lora_name="one")
+        assert "adapter one registered (from another replica)" not in caplog.text
+    finally:
+        second.stop()
+        a.delete("/loras/one")
 
 
 @pytest.fixture(scope="module")
