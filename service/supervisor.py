@@ -6,8 +6,9 @@ uvicorn, listening on the same port (SO_REUSEPORT: the kernel spreads connection
 every worker; it encodes the audio of its own streams on its encoder threads. They share the voice database
 and write their metrics where any of them can sum them up.
 
-The supervisor starts the workers and the API processes, restarts either when it dies, and on SIGTERM or
-SIGINT stops the API processes (uvicorn lets in-flight responses finish) and then the workers.
+The supervisor starts the workers and the API processes, restarts either when it dies (one that keeps dying
+soon after its start stops the service, which its orchestrator then sees), and on SIGTERM or SIGINT stops the API
+processes (uvicorn lets in-flight responses finish) and then the workers.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ CHECK_EVERY_S = 0.5
 RESTART_BACKOFF_S = (1.0, 30.0)  # first and longest pause before restarting a worker that died again
 MAX_DEATHS = 5  # a worker dying more often than this in ten minutes stops the service (the orchestrator sees it)
 MAX_START_FAILURES = 3  # restarts in a row that died before loading: the device or the host is broken, stop
+API_QUICK_EXIT_S = 30.0  # an API process that exits this soon after its start did not come up
+MAX_API_QUICK_EXITS = 3  # that many in a row: its start cannot work here (a setting, the port, the host), stop
 API_HOLD_MAX_S = 60.0  # longest the API processes wait for the kernel precompile (/health answers only after them)
 
 
@@ -195,6 +198,9 @@ class Supervisor:
         deaths: dict[int, list[float]] = {}  # per worker, when it died (the last ten minutes)
         start_failures: dict[int, int] = {}  # per worker, restarts in a row that died before they were ready
         restart_at: dict[int, float] = {}
+        api_started = [time.monotonic()] * len(self.api)  # per API process, when it started
+        quick_exits: dict[int, int] = {}  # per API process, exits in a row soon after its start
+        api_restart_at: dict[int, float] = {}
         while not self.stopping.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), CHECK_EVERY_S)
@@ -227,14 +233,26 @@ class Supervisor:
                     del restart_at[index]
                     workers.restart(index)
             for i, proc in enumerate(self.api):
-                if not proc.is_alive():
-                    log.error("API process %d exited (code %s): starting it again", i, proc.exitcode)
-                    multiprocess.mark_process_dead(proc.pid)
-                    if endpoint.load_table is not None:
-                        LoadTable.clear_row(endpoint.load_table, i, len(endpoint.addresses))
-                    if endpoint.responses_table is not None:
-                        LoadTable.clear_row(endpoint.responses_table, i, 1)
-                    self.api[i] = self._spawn_api(endpoint, i)
+                if proc.is_alive() or i in api_restart_at:
+                    continue
+                multiprocess.mark_process_dead(proc.pid)
+                if endpoint.load_table is not None:
+                    LoadTable.clear_row(endpoint.load_table, i, len(endpoint.addresses))
+                if endpoint.responses_table is not None:
+                    LoadTable.clear_row(endpoint.responses_table, i, 1)
+                quick = now - api_started[i] < API_QUICK_EXIT_S
+                quick_exits[i] = quick_exits.get(i, 0) + 1 if quick else 0
+                if quick_exits[i] >= MAX_API_QUICK_EXITS:
+                    log.error("API process %d exited %d times in a row within %.0f s of its start (code %s); stopping "
+                              "the service", i, quick_exits[i], API_QUICK_EXIT_S, proc.exitcode)
+                    return 1
+                pause = min(RESTART_BACKOFF_S[1], RESTART_BACKOFF_S[0] * 2 ** (quick_exits[i] - 1)) if quick else 0.0
+                api_restart_at[i] = now + pause
+                log.error("API process %d exited (code %s): starting it again in %.0f s", i, proc.exitcode, pause)
+            for i, when in list(api_restart_at.items()):
+                if now >= when:
+                    del api_restart_at[i]
+                    self.api[i], api_started[i] = self._spawn_api(endpoint, i), now
         log.info("stopping: API processes first (in-flight responses finish), then the workers")
         return 0
 

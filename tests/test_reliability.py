@@ -5,7 +5,8 @@
   slot is free again and the processes' memory stays bounded;
 - a worker that stops answering turns the service not ready, and /metrics still answers;
 - SIGTERM during 16 live streams: each one finishes, new requests get 503, the service exits 0;
-- a worker that keeps dying while it starts ends the service with a non-zero exit code.
+- a worker that keeps dying while it starts ends the service with a non-zero exit code, and so does an API process
+  that keeps dying at its start.
 
 Deadlines are hang guards, never timing assertions.
 """
@@ -162,5 +163,30 @@ def test_a_worker_dying_while_starting_ends_the_service(checkpoint_factory, tmp_
         assert svc.exit_code(GUARD_S) == 1, svc.log_tail()
         assert len(killed) == 4  # the ready worker, then three replacements while they started
         assert "died while starting 3 times in a row" in svc.log()
+    finally:
+        svc.stop()
+
+
+def test_an_api_process_dying_at_its_start_ends_the_service(checkpoint_factory, tmp_path):
+    """Kill the API process, then each replacement as soon as it runs: after a pause that grows between the
+    restarts, the third exit in a row soon after its start stops the service with exit code 1 (it restarted them
+    forever, twice a second: a start that cannot work spun the supervisor)."""
+    svc = Service(checkpoint_factory("tiny-voxcpm2", stop="never"), tmp_path, api_processes=1)
+    try:
+        svc.wait_all_ready()
+        killed: set[int] = set()
+        deadline = time.monotonic() + 4 * GUARD_S
+        while svc.proc.poll() is None and time.monotonic() < deadline:
+            for api in svc.named("voxcpm-api"):
+                if api.pid not in killed:
+                    with contextlib.suppress(psutil.Error):
+                        api.kill()
+                    killed.add(api.pid)
+            time.sleep(0.01)
+        assert svc.exit_code(GUARD_S) == 1, svc.log_tail()
+        assert len(killed) == 3  # the first and two replacements
+        log = svc.log()
+        assert "starting it again in 1 s" in log and "starting it again in 2 s" in log
+        assert "API process 0 exited 3 times in a row within 30 s of its start" in log
     finally:
         svc.stop()
