@@ -963,3 +963,18 @@ def test_a_stuck_worker_is_pinged_once_until_it_answers(pool):
         time.sleep(0.05)
     time.sleep(1.5)  # not asked meanwhile
     assert worker.ping() < 1.0  # a new ping: its silence starts now (not at the worker's last answer)
+
+
+def test_a_pong_that_comes_while_the_ping_is_sent_is_no_crash():
+    """The Pong may come (its watcher thread clears the outstanding ping) before `ping()` returns: the silence is then
+    ~0 (it read the cleared time: a TypeError that ended the supervisor under load)."""
+    from engine.serving.processes import WorkerProcess
+
+    worker = WorkerProcess.__new__(WorkerProcess)  # its process and threads are not what this is about
+
+    class AnsweredAtOnce:
+        def send(self, msg: object) -> None:
+            worker.pinged_at = None  # what the watcher thread does on the Pong
+
+    worker.control, worker.exited, worker.pingable, worker.pinged_at = AnsweredAtOnce(), threading.Event(), True, None
+    assert 0 <= worker.ping() < 1.0

@@ -102,11 +102,12 @@ class WorkerProcess:
         unanswered Ping has waited (0 when none waits, before it started or once it ended)."""
         if not self.pingable or not self.alive:
             return 0.0
-        if self.pinged_at is None:
-            self.pinged_at = time.monotonic()
+        sent = self.pinged_at  # read once: the watcher thread clears it when the Pong comes, maybe at once
+        if sent is None:
+            sent = self.pinged_at = time.monotonic()
             with contextlib.suppress(OSError, ValueError):
                 self.control.send(p.Ping())
-        return time.monotonic() - self.pinged_at
+        return time.monotonic() - sent
 
     def kill(self) -> None:
         """Terminate the process abruptly (tests and chaos drills)."""
