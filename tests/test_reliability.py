@@ -145,21 +145,28 @@ def test_sigterm_during_16_live_streams(service: Service):
     assert service.exit_code() == 0, service.log_tail()
 
 
+def kill_each_as_it_runs(svc: Service, prefix: str) -> set[int]:
+    """SIGKILL every process of the service named `prefix`, each replacement as soon as it appears, until the service
+    exits (a hang guard ends it after 4 x GUARD_S); the pids killed."""
+    killed: set[int] = set()
+    deadline = time.monotonic() + 4 * GUARD_S
+    while svc.proc.poll() is None and time.monotonic() < deadline:
+        for process in svc.named(prefix):
+            if process.pid not in killed:
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
+                killed.add(process.pid)
+        time.sleep(0.01)
+    return killed
+
+
 def test_a_worker_dying_while_starting_ends_the_service(checkpoint_factory, tmp_path):
     """Kill the worker, then each replacement before it is ready: the third failed start stops the service with
     exit code 1 (the orchestrator restarts or reschedules the pod) instead of restarting forever."""
     svc = Service(checkpoint_factory("tiny-voxcpm2", stop="never"), tmp_path, api_processes=1)
     try:
         svc.wait_all_ready()
-        killed: set[int] = set()
-        deadline = time.monotonic() + 4 * GUARD_S
-        while svc.proc.poll() is None and time.monotonic() < deadline:
-            for w in svc.named("voxcpm-worker"):
-                if w.pid not in killed:
-                    with contextlib.suppress(psutil.Error):
-                        w.kill()
-                    killed.add(w.pid)
-            time.sleep(0.01)
+        killed = kill_each_as_it_runs(svc, "voxcpm-worker")
         assert svc.exit_code(GUARD_S) == 1, svc.log_tail()
         assert len(killed) == 4  # the ready worker, then three replacements while they started
         assert "died while starting 3 times in a row" in svc.log()
@@ -174,15 +181,7 @@ def test_an_api_process_dying_at_its_start_ends_the_service(checkpoint_factory, 
     svc = Service(checkpoint_factory("tiny-voxcpm2", stop="never"), tmp_path, api_processes=1)
     try:
         svc.wait_all_ready()
-        killed: set[int] = set()
-        deadline = time.monotonic() + 4 * GUARD_S
-        while svc.proc.poll() is None and time.monotonic() < deadline:
-            for api in svc.named("voxcpm-api"):
-                if api.pid not in killed:
-                    with contextlib.suppress(psutil.Error):
-                        api.kill()
-                    killed.add(api.pid)
-            time.sleep(0.01)
+        killed = kill_each_as_it_runs(svc, "voxcpm-api")
         assert svc.exit_code(GUARD_S) == 1, svc.log_tail()
         assert len(killed) == 3  # the first and two replacements
         log = svc.log()
