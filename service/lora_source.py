@@ -7,8 +7,9 @@
 - `hf://owner/repo@revision?path=dir/or/file`: a file or step directory of a hub repository (NANOVLLM_HF_ENDPOINT for
   a mirror or a private hub; the revision defaults to main).
 
-Downloads land in the cache dir under a name derived from the URI, atomically (a partial download never passes for
-the file; a second start finds it there), with lora_config.json fetched from beside the weights when there is one.
+Downloads land in the cache dir under a name derived from the URI and the expected digest, atomically (a partial
+download never passes for the file; a second start finds it there), with lora_config.json fetched from beside the
+weights when there is one.
 The weights are checked against NANOVLLM_LORA_SHA256 when that is set: a cached copy that does not match is fetched
 again, and a download that does not match stops start-up, naming both digests."""
 
@@ -18,6 +19,7 @@ import hashlib
 import logging
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,8 +91,11 @@ def unsupported_scheme(scheme: str) -> str:
 
 
 def _atomic(target: Path, write: Callable[[Path], None]) -> None:
-    """`write(part)` into a temporary file beside `target`, renamed into place once complete."""
-    part = target.with_name(target.name + ".part")
+    """`write(part)` into a temporary file beside `target`, renamed into place once complete. The file is this
+    writer's own: API processes fetching one adapter at once each wrote into one shared ".part" file."""
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+    os.close(fd)
+    part = Path(name)
     try:
         write(part)
         os.replace(part, target)
@@ -199,7 +204,10 @@ def fetch_adapter(uri: str, cache_dir: Path, sha256: str | None = None, endpoint
             raise AdapterSourceError(f"{e}") from e
     else:
         names, fetch = _remote(uri, endpoints)
-        local = cache_dir / "lora" / hashlib.sha256(uri.encode()).hexdigest()[:16]
+        # One directory per URI and digest: a URI registered again with a new digest is fetched beside the old copy,
+        # which the leases and API processes holding the old registration go on reading.
+        key = uri if not sha256 else f"{uri}\nsha256={sha256.lower()}"
+        local = cache_dir / "lora" / hashlib.sha256(key.encode()).hexdigest()[:16]
         local.mkdir(parents=True, exist_ok=True)
         file = next((local / n for n in names if (local / n).exists()), None)
         if file is not None and sha256 and sha256_of(file) != sha256.lower():

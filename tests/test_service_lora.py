@@ -11,6 +11,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -138,6 +139,75 @@ def serve(handler: type[BaseHTTPRequestHandler]):
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def changing_weights_server(content: list[bytes]) -> tuple[ThreadingHTTPServer, str]:
+    """A real HTTP server whose weights file is content[0] (replaced by the test), sent in slow pieces so that fetches
+    at once overlap; no lora_config.json beside it."""
+
+    class Weights(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if not self.path.endswith(".safetensors"):
+                self.send_error(404)
+                return
+            body = content[0]
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            for i in range(0, len(body), len(body) // 4 + 1):
+                self.wfile.write(body[i:i + len(body) // 4 + 1])
+                self.wfile.flush()
+                time.sleep(0.05)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    return serve(Weights)
+
+
+def test_a_uri_fetched_again_with_a_new_digest_leaves_the_old_copy_as_it_was(adapter, tmp_path):
+    """The adapter behind one URL changes and is registered again with its new digest: the copy of the first
+    registration, which leases and other API processes still read, keeps its weights (it was overwritten in place)."""
+    first = (adapter / "lora_weights.safetensors").read_bytes()
+    content = [first]
+    server, url = changing_weights_server(content)
+    try:
+        uri = f"{url}/voices/lora_weights.safetensors"
+        old = fetch_adapter(uri, tmp_path, hashlib.sha256(first).hexdigest())
+        content[0] = first[:-8] + b"\x01" * 8
+        new = fetch_adapter(uri, tmp_path, hashlib.sha256(content[0]).hexdigest())
+        assert old != new
+        assert (old / "lora_weights.safetensors").read_bytes() == first
+        assert (new / "lora_weights.safetensors").read_bytes() == content[0]
+    finally:
+        server.shutdown()
+
+
+def test_fetches_of_one_adapter_at_once_each_get_the_whole_file(adapter, tmp_path):
+    """The API processes of a replica fetch a registration of another replica at once, into one cache: each wrote
+    into one shared part file (interleaved bytes, or a rename of a part another had renamed already)."""
+    body = (adapter / "lora_weights.safetensors").read_bytes()
+    digest = hashlib.sha256(body).hexdigest()
+    server, url = changing_weights_server([body])
+    results: list[object] = [None] * 6
+
+    def fetch(i: int) -> None:
+        try:
+            results[i] = fetch_adapter(f"{url}/voices/lora_weights.safetensors", tmp_path, digest)
+        except Exception as e:  # noqa: BLE001 - the test reports whatever a fetch raised
+            results[i] = e
+
+    try:
+        threads = [threading.Thread(target=fetch, args=(i,)) for i in range(len(results))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        server.shutdown()
+    assert all(isinstance(r, Path) for r in results), results
+    assert sha256_of(results[0] / "lora_weights.safetensors") == digest
+    assert not list(results[0].glob("*.part"))  # no writer's temporary file is left behind
 
 
 def test_adapter_from_an_s3_compatible_server(adapter, tmp_path, monkeypatch):
