@@ -41,9 +41,8 @@ async def bring_up(state: ServiceState) -> None:
 
 def drain(state: ServiceState) -> None:
     """Shutting down: /ready 503 at once, new generations 503; what is in flight goes on."""
-    if not state.draining:
-        in_flight = sum(s["in_flight"] for s in state.pool.client.snapshot())
-        log.info("draining: not ready, refusing new generations, finishing the %d in flight", in_flight)
+    if not state.draining:  # the supervisor logs how many responses and sessions are open over the API processes
+        log.info("draining: not ready, refusing new generations; open responses and sessions go on")
     state.draining = True
     state.metrics.ready.set(0)
 

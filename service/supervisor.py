@@ -265,6 +265,8 @@ class Supervisor:
         if live and responses_table is not None and responses_table.exists():
             table = LoadTable(1, responses_table, row=len(self.api))  # a spare row: read-only here
             deadline = time.monotonic() + self.settings.shutdown_grace_s
+            log.info("draining: %d open response(s) and session(s) over the API processes, up to %.0f s",
+                     int(table.loads().sum()), self.settings.shutdown_grace_s)
             while table.loads().sum() > 0 and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             left = int(table.loads().sum())

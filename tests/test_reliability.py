@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import signal
 import threading
 import time
@@ -143,6 +144,9 @@ def test_sigterm_during_16_live_streams(service: Service):
     assert not errors, errors
     assert received == [patches * SAMPLES_PER_PATCH * 2] * SLOTS  # all 16 finished whole
     assert service.exit_code() == 0, service.log_tail()
+    # what the drain waited for, as the log says it (a /ready check may have been open beside the streams)
+    assert re.search(rf"draining: ({SLOTS}|{SLOTS + 1}) open response\(s\) and session\(s\)", service.log()), \
+        service.log_tail()
 
 
 def kill_each_as_it_runs(svc: Service, prefix: str) -> set[int]:
