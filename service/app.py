@@ -51,6 +51,7 @@ from service.routers import generation, loras, openai, ops, playground, speech_s
 from service.settings import Settings
 from service.shared_adapters import SharedAdapters
 from service.state import ServiceState
+from service.synthesis import CUT_OFFS
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
     settings = settings or Settings()
     metrics = Metrics(multiprocess_mode=endpoint is not None and endpoint.multiprocess_metrics)
     api_keys = [k.encode() for k in settings.api_key_list()]  # read once (the keys file too)
+    logging.getLogger("uvicorn.error").addFilter(CUT_OFFS)  # a stream cut off on purpose is our warning, not its error
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

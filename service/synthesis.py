@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -107,6 +109,33 @@ class ClientStalled(Exception):
     """The client took none of a stream's audio for NANOVLLM_SEND_TIMEOUT_S."""
 
 
+class IntendedCutOffs(logging.Filter):
+    """uvicorn logs every response left unterminated as a nameless ERROR. The service leaves one so on purpose (a
+    stream the engine broke off, a client that stalled), each logged as a warning naming it: one such line within a
+    second of each is dropped, and any other still shows."""
+
+    MESSAGE = "ASGI callable returned without completing response"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expected: deque[float] = deque()  # until when each intended cut-off's line is due
+
+    def expect(self) -> None:
+        self.expected.append(time.monotonic() + 1.0)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        while self.expected and self.expected[0] < now:
+            self.expected.popleft()
+        if self.expected and record.getMessage().startswith(self.MESSAGE):
+            self.expected.popleft()
+            return False
+        return True
+
+
+CUT_OFFS = IntendedCutOffs()  # on the "uvicorn.error" logger (service.app)
+
+
 class AudioStreamResponse(StreamingResponse):
     """Streams a generation's bytes. Starlette stops iterating when the client disconnects but does not close the
     iterator; we do, at once, so the engine request is aborted now rather than whenever it is collected. A stream
@@ -154,9 +183,12 @@ class AudioStreamResponse(StreamingResponse):
                 reason = (self.gen.finish_reason or "aborted").encode()
                 await send({"type": "http.response.trailers", "headers": [(FINISH_HEADER.lower().encode(), reason)],
                             "more_trailers": False})
+            if self.failure:
+                CUT_OFFS.expect()
         except ClientStalled:  # left unterminated: the server closes the connection
             log.warning("stream %s: its client took no audio for %g s: dropped", self.gen.stream.request_id,
                         self.gen.state.settings.send_timeout_s)
+            CUT_OFFS.expect()
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
