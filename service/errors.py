@@ -94,6 +94,12 @@ def error_payload(path: str, status: int, detail: object) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": OPENAI_CODES.get(status)}}
 
 
+def route_status(path: str, status: int) -> int:
+    """Under /v1/ a request the service cannot take as sent is a 400 (FastAPI's 422), as OpenAI answers it: its
+    client raises BadRequestError, which migrated handlers catch."""
+    return 400 if status == 422 and path.startswith(OPENAI_PREFIX) else status
+
+
 FASTAPI_BODY_ERROR = "There was an error parsing the body"  # FastAPI's words for a body it cannot decode
 
 
@@ -104,8 +110,8 @@ async def http_exception_handler(request: Request, exc: Exception) -> JSONRespon
     detail = exc.detail
     if exc.status_code == 400 and detail == FASTAPI_BODY_ERROR:
         detail = "request body: not a JSON object in UTF-8 (send Content-Type: application/json)"
-    return JSONResponse(error_payload(request.url.path, exc.status_code, detail), status_code=exc.status_code,
-                        headers=exc.headers)
+    status = route_status(request.url.path, exc.status_code)
+    return JSONResponse(error_payload(request.url.path, status, detail), status_code=status, headers=exc.headers)
 
 
 async def pool_error_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -119,11 +125,12 @@ HANDLED = (engine_errors.PoolError, VoiceTooLargeError, VoiceStoreUnavailable)
 
 
 async def validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    """FastAPI's 422 shape, minus the echoed input (it can be megabytes of base64): each error names the
-    field (loc) and the rule it broke (msg)."""
+    """FastAPI's 422 (under /v1/ OpenAI's 400) shape, minus the echoed input (it can be megabytes of base64): each
+    error names the field (loc) and the rule it broke (msg)."""
     assert isinstance(exc, RequestValidationError)
     detail = [{"loc": list(e.get("loc", ())), "msg": _rule(e), "type": e.get("type", "")} for e in exc.errors()]
-    return JSONResponse(error_payload(request.url.path, 422, detail), status_code=422)
+    status = route_status(request.url.path, 422)
+    return JSONResponse(error_payload(request.url.path, status, detail), status_code=status)
 
 
 def _rule(error: Mapping) -> str:

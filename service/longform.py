@@ -112,6 +112,17 @@ def split_design(text: str) -> tuple[str, str]:
     return (m.group(0), text[m.end():]) if m else ("", text)
 
 
+def spoken_as_written(text: str) -> str:
+    """A text whose voice description comes apart (/v1's instructions, a live session's): its own leading '(...)'
+    reads as brackets, so that the model speaks it ("(555) 123-4567") rather than taking it for a description, the
+    form the model knows; the length stays, and with it every offset into the text."""
+    m = VOICE_DESIGN.match(text)
+    if not m:
+        return text
+    lead = m.group(0)
+    return lead.replace("(", "[", 1)[:-1] + "]" + text[m.end():]
+
+
 def design_of(instructions: str | None) -> str:
     """The voice-design prefix '(instructions)' of a route with an `instructions` field ('' for none). Parentheses
     inside read as brackets: one would close the description early ("(a) b)Hi" speaks "b)Hi")."""
@@ -207,7 +218,9 @@ class SegmentJob:
         self.finish_reason = "aborted"
         self.tries = 0
         self.request_id = ""
-        self.text = segment.text  # as spoken: normalised per segment when asked (timings stay on the written text)
+        # as written, for the model: a first segment's leading '(...)' is text, never a description of the voice
+        self.written = spoken_as_written(segment.text) if segment.index == 0 else segment.text
+        self.text = self.written  # as spoken: normalised per segment when asked (timings stay on the written text)
         self.task = asyncio.ensure_future(self._run())
 
     async def request(self, attempt: int, prompt: tuple[np.ndarray, str] | None) -> SynthesisRequest:
@@ -225,17 +238,18 @@ class SegmentJob:
         # longer than written; a live session's first) is fitted here: it must never fail mid-stream
         if self.segment.index == 0 and not sp.normalize and sp.first_checked:
             return request
-        written = ((sp.design if self.segment.index == 0 else "") + self.segment.text) if sp.normalize else None
+        written = ((sp.design if self.segment.index == 0 else "") + self.written) if sp.normalize else None
         request = await sp.fitted(request, self.segment, prompt[0] if prompt is not None else None, written)
         if written is not None and request.target_text == written:  # spoken as written: its transcript too
-            self.text = self.segment.text
+            self.text = self.written
         return request
 
     async def _run(self) -> None:
         sp = self.speech
         try:
             if sp.normalize:
-                self.text = await sp.state.normalizer(normalize, self.segment.text)
+                spoken = await sp.state.normalizer(normalize, self.segment.text)
+                self.text = spoken_as_written(spoken) if self.segment.index == 0 else spoken
             prompt = await self.prompt if self.prompt is not None else None
             if self.after is not None:
                 await self.after.started.wait()
@@ -460,15 +474,17 @@ class _StreamId:
 
 class LongGeneration:
     """A long-form request encoded for HTTP, shaped like `synthesis.Generation` (chunks, collect, close,
-    finish_reason) so the same responses send it. With `sse`, timings travel as `speech.segment` events."""
+    finish_reason) so the same responses send it. With `sse` and `timings`, timings travel as `speech.segment` events
+    (without `timings`, only OpenAI's own event types)."""
 
-    def __init__(self, speech: LongFormSpeech, fmt: str, sse: bool, sample_rate: int | None = None) -> None:
+    def __init__(self, speech: LongFormSpeech, fmt: str, sse: bool, sample_rate: int | None = None,
+                 timings: bool = False) -> None:
         self.speech, self.state, self.route = speech, speech.state, speech.route
         s = self.state.settings
         self.encoder = make_encoder(fmt, self.state.sample_rate, s.mp3_bitrate_kbps, s.mp3_quality, sse, speech.speed,
                                     sample_rate)
         self.sample_rate = sample_rate  # the output's rate where the request set one (synthesis.audio_headers)
-        self.sse = sse
+        self.segment_events = sse and timings
         self.stream = _StreamId(speech.request_id)
         self._events = speech.events()
         self.first: bytes | None = None
@@ -485,7 +501,7 @@ class LongGeneration:
                 data = await asyncio.to_thread(self.encoder, ev, False)
                 if data:
                     yield data
-            elif isinstance(ev, SegmentTiming) and self.sse:
+            elif isinstance(ev, SegmentTiming) and self.segment_events:
                 yield sse_event({"type": "speech.segment", **ev.public()})
         data = await asyncio.to_thread(self.encoder, np.zeros(0, np.float32), True)
         if data:
@@ -528,13 +544,13 @@ class LongGeneration:
 async def start(state: ServiceState, route: str, segments: list[Segment], cond: Conditioning,
                 params: SamplingParams, fmt: str, options: LongFormOptions, sse: bool = False,
                 lora_name: str | None = None, design: str = "", normalize: bool = False, speed: float = 1.0,
-                sample_rate: int | None = None) -> LongGeneration:
+                sample_rate: int | None = None, timings: bool = False) -> LongGeneration:
     """A long-form generation whose first encoded bytes have arrived."""
     if lora_name is not None:
         await sync_adapters(state)
     speech = LongFormSpeech(state, route, iterate(segments), cond, params, options, lora_name, design, normalize,
                             speed)
-    gen = LongGeneration(speech, fmt, sse, sample_rate)
+    gen = LongGeneration(speech, fmt, sse, sample_rate, timings)
     await gen.start()
     return gen
 
@@ -558,7 +574,8 @@ async def check_segments_fit(state: ServiceState, segments: list[Segment], cond:
     if tokenizer is None:
         return
     continuation = cond.prompt_latents is not None
-    texts = [((design if s.index == 0 else "") + s.text, cond.prompt_text, continuation) for s in segments]
+    texts = [((design + spoken_as_written(s.text)) if s.index == 0 else s.text, cond.prompt_text, continuation)
+             for s in segments]
     described = bool(design and design_field)
     tokens = await asyncio.to_thread(text_tokens_many, tokenizer, texts + ([(design, "", False)] if described else []))
     design_ids = tokens.pop() if described else ([], None)
@@ -620,8 +637,9 @@ async def generate(state: ServiceState, route: str, text: str, cond: Conditionin
         check_length(state, design[1:-1] + text, "instructions" if len(design) - 2 > len(text) else field,
                      f"{field} and instructions")
     base = len(design) if own_design else 0
-    # a description the text itself starts with (/v1's input) leads the first segment whole, never cut
-    lead, rest = split_design(text)
+    # a second description the text starts with (/generate's) leads the first segment whole, never cut; a text whose
+    # description comes apart is spoken as written (`spoken_as_written`)
+    lead, rest = split_design(text) if own_design else ("", text)
     segments = split_text(rest, state.settings.segment_chars, granularity, base=base + len(lead)) \
         if rest.strip() else []
     if not segments:  # the schemas refuse a blank text: a voice description was all of it, or no word is in it
@@ -638,13 +656,14 @@ async def generate(state: ServiceState, route: str, text: str, cond: Conditionin
     if len(segments) <= 1 and not retry_badcase and not timings:
         if design and design_field:  # the engine would name all of the prompt's text (the description in it) `input`
             await check_segments_fit(state, segments, cond, params, design, design_field, design_only=True)
-        return await synthesis.start(state, route, design + text, cond, params, fmt, sse=sse, lora_name=lora_name,
+        return await synthesis.start(state, route, design + spoken_as_written(text), cond, params, fmt, sse=sse,
+                                     lora_name=lora_name,
                                      normalize=normalize, speed=speed, sample_rate=sample_rate)
     # as written: a spoken form longer than that is fitted at its turn (`LongFormSpeech.fitted`)
     await check_segments_fit(state, segments, cond, params, design, design_field)
     options = LongFormOptions.from_settings(state.settings, blocking if retry_badcase is None else retry_badcase)
     return await start(state, route, segments, cond, params, fmt, options, sse=sse, lora_name=lora_name,
-                       design=design, normalize=normalize, speed=speed, sample_rate=sample_rate)
+                       design=design, normalize=normalize, speed=speed, sample_rate=sample_rate, timings=timings)
 
 
 def timing_header(gen: synthesis.Generation | LongGeneration) -> dict[str, str]:

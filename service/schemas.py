@@ -103,6 +103,7 @@ class Deleted(BaseModel):
 
 LORA_NAME = LORA_NAME_PATTERN
 VOICE_ID_MAX_CHARS = 128  # a cached voice's id is 24 hex digits; a longer one is no id (and is not echoed back)
+MODEL_ID_MAX_CHARS = 256  # a model id, an adapter's name (64) or a hub id: a longer one is none (and not echoed back)
 
 
 class RegisterLoRARequest(BaseModel):
@@ -276,7 +277,8 @@ OPENAI_PCM_RATE = 24000
 
 
 class SpeechRequest(SamplingFields, PlaybackFields, LongFormFields):
-    model: str = Field(..., description="Any id from /v1/models (or tts-1, tts-1-hd, gpt-4o-mini-tts).")
+    model: str = Field(..., max_length=MODEL_ID_MAX_CHARS,
+                       description="Any id from /v1/models (or tts-1, tts-1-hd, gpt-4o-mini-tts).")
     input: str = Field(..., min_length=1, max_length=TEXT_CHARS_CEILING,
                        description="Text to speak, up to NANOVLLM_MAX_TEXT_CHARS characters (split into segments "
                                    "when long).")
@@ -320,7 +322,8 @@ class SpeechStreamConfig(SamplingFields, PlaybackFields):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["session.config"]
-    model: str = Field("tts-1", description="Any id from /v1/models; a runtime LoRA adapter's name selects it.")
+    model: str = Field("tts-1", max_length=MODEL_ID_MAX_CHARS,
+                       description="Any id from /v1/models; a runtime LoRA adapter's name selects it.")
     voice: str = Field("default", max_length=VOICE_ID_MAX_CHARS,
                        description="'default' (zero-shot) or a cached hifi/prompt/reference id.")
     instructions: str | None = Field(None, description="Voice design: the first segment is spoken as "

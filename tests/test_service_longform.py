@@ -112,11 +112,17 @@ def test_prompted_segments_equal_alone(client):
     assert np.array_equal(whole, np.concatenate(alone))
 
 
-def test_sse_carries_segment_timings(client):
+def test_sse_carries_segment_timings_when_asked(client):
+    """`timings` adds speech.segment events to OpenAI's two; without it a long input's stream has only OpenAI's
+    event types (a client typed on them failed on the extra one)."""
     text = "A short first sentence here. " * 8 + "And a second one follows it. " * 8
     body = {"model": "tts-1", "input": text, "response_format": "pcm", "stream_format": "sse",
             "max_generate_length": N, "seed": 1}
-    r = client.post("/v1/audio/speech", json=body)
+    plain = client.post("/v1/audio/speech", json=body)
+    assert plain.status_code == 200
+    types = {json.loads(line[6:])["type"] for line in plain.text.splitlines() if line.startswith("data: ")}
+    assert types == {"speech.audio.delta", "speech.audio.done"}
+    r = client.post("/v1/audio/speech", json={**body, "timings": True})
     assert r.status_code == 200
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
     segs = [e for e in events if e["type"] == "speech.segment"]
@@ -239,21 +245,25 @@ def test_a_first_segment_refused_before_audio_submits_no_later_one(checkpoint_fa
         server.stop()
 
 
-def test_a_description_leading_v1_input_leads_the_first_segment_whole(client):
-    """/v1's input may start with its own voice description: it leads the first segment whole (cut at its comma, the
-    rest of it was spoken as text: "slow pace) Hello"), and the segments' offsets into input start after it; /generate
-    of the same text gives the same segments."""
-    lead = "(A calm, low, warm voice; slow pace) "
-    text = lead + " ".join(["word"] * 60)
-    body = {"max_generate_length": N, "seed": 2, "split_granularity": "clause", "timings": True}
-    spans = []
-    for route, field in (("/v1/audio/speech", "input"), ("/generate_blocking_wav", "target_text")):
-        extra = {"model": "tts-1", "response_format": "wav"} if route.startswith("/v1") else {}
-        r = client.post(route, json={**body, **extra, field: text})
+def test_v1_input_that_starts_with_a_parenthesis_is_spoken_as_written(client):
+    """/v1's voice description comes in `instructions`: an input's own leading '(...)' is text to speak (as OpenAI
+    speaks it), not the model's description form it was taken for ("(555) 123-4567" lost its "(555)"). It reaches
+    the model in brackets, on the one-segment path and the segmented one, with normalisation too: the audio of
+    /generate's "[555] ..." at the same seed; /generate's own '(...)' stays a description."""
+    lead = "(555) 123-4567 is my number"
+    for body in ({"max_generate_length": N, "seed": 2},
+                 {"max_generate_length": N, "seed": 2, "split_granularity": "clause", "timings": True},
+                 {"max_generate_length": N, "seed": 2, "normalize": True}):
+        text = lead + "." if "timings" not in body else lead + ", " + " ".join(["word"] * 60)
+        r = client.post("/v1/audio/speech", json={**body, "model": "tts-1", "response_format": "wav", "input": text})
         assert r.status_code == 200, r.text
-        spans.append([(t["start"], t["end"]) for t in json.loads(r.headers["X-Segment-Timings"])])
-    assert len(spans[0]) >= 2 and spans[0][0][0] == len(lead) and spans[0][-1][1] == len(text)
-    assert spans[0] == spans[1]
+        bracketed = client.post("/generate_blocking_wav", json={**body, "target_text": "[555]" + text[5:]})
+        described = client.post("/generate_blocking_wav", json={**body, "target_text": text})
+        assert r.content == bracketed.content, body
+        assert r.content != described.content, body
+        if "timings" in body:
+            spans = [(t["start"], t["end"]) for t in json.loads(r.headers["X-Segment-Timings"])]
+            assert len(spans) >= 2 and spans[0][0] == 0 and spans[-1][1] == len(text)  # spoken from its first byte
 
 
 @pytest.mark.parametrize("extra", [{}, {"timings": True}, {"retry_badcase": True}])
@@ -289,7 +299,7 @@ def test_the_text_limit_counts_input_and_instructions_as_sent(client, server):
     limit = server.settings.max_text_chars
     body = {"model": "tts-1", "input": "x" * (limit - 10), "instructions": "y" * 11}
     r = client.post("/v1/audio/speech", json=body)
-    assert r.status_code == 422 and f"{limit + 1} characters (input and instructions)" in r.json()["error"]["message"]
+    assert r.status_code == 400 and f"{limit + 1} characters (input and instructions)" in r.json()["error"]["message"]
 
 
 # --- every segment fits max_model_len -----------------------------------------------------------------------------
@@ -398,14 +408,14 @@ def test_a_request_reference_is_kept_and_the_first_segment_not_carried_where_bot
 @pytest.mark.parametrize(("route", "text_field", "extra"), [("/generate", "target_text", {}),
                                                             ("/v1/audio/speech", "input", {"model": "tts-1"})])
 def test_a_segment_that_cannot_fit_is_refused_before_any_audio(fit_client, fit_server, route, text_field, extra):
-    """A short first segment that fits and a long second one that cannot, whatever is carried: a 422 naming the field
+    """A short first segment that fits and a long second one that cannot, whatever is carried: a 4xx naming the field
     and the rule before anything is generated (it was a stream cut at the second segment)."""
     text = "Hi.\n\n" + PARAGRAPH
     segments = split_text(text, 1000)
     t1 = tokens(fit_server, segments[1].text)
     assert len(segments) == 2 and t1 + 1 + cap(t1, 300) > FIT_LEN
     r = fit_client.post(route, json={text_field: text, "max_generate_length": 300, "response_format": "pcm", **extra})
-    assert r.status_code == 422, r.text
+    assert r.status_code == (422 if route == "/generate" else 400), r.text  # /v1: OpenAI's status
     detail = r.json()["detail"] if route == "/generate" else r.json()["error"]["message"]
     assert detail == (f"max_generate_length: segment 2 of 2 (characters {segments[1].start}-{segments[1].end}) is a "
                       f"prompt of {t1 + 1} tokens (text and voice) plus up to 300 patches, which exceeds "

@@ -1,7 +1,9 @@
 """OpenAI-compatible speech: POST /v1/audio/speech, GET /v1/audio/voices, GET /v1/models (and /v1/models/{model}).
 The official `openai` client works unmodified (client.audio.speech.create / with_streaming_response, models.list /
 retrieve); `voice` is "default" (zero-shot) or a cached voice's id, as a string or OpenAI's {"id": ...} (OpenAI's
-built-in voice names are unknown here: 404); `pcm` is 24 kHz as OpenAI's unless sample_rate says otherwise."""
+built-in voice names are unknown here: 400); `input` is spoken as written (a voice description comes in
+`instructions`); `pcm` is 24 kHz as OpenAI's unless sample_rate says otherwise; requests it cannot take as sent are
+400s, as OpenAI's."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from service.state import ServiceState
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 # what OpenAI examples and its client's model names send: served by our model
-OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-mini-tts-2025-12-15")
+OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-mini-tts-2025-03-20",
+                      "gpt-4o-mini-tts-2025-12-15")
 
 
 async def adapter_ids(state: ServiceState) -> list[str]:
@@ -41,7 +44,8 @@ async def _voice(state: ServiceState, voice: str) -> Conditioning:
         return Conditioning()
     v = await state.store.get(voice)
     if v is None:
-        raise HTTPException(404, f"voice: unknown voice {voice!r}; use 'default' or an id from /v1/audio/voices")
+        # 400 as OpenAI answers a voice it does not have (404 on the native routes: an id unknown or evicted)
+        raise HTTPException(400, f"voice: unknown voice {voice!r}; use 'default' or an id from /v1/audio/voices")
     return Conditioning(prompt_latents=v.prompt_latents, prompt_text=v.prompt_text, ref_latents=v.ref_latents)
 
 
