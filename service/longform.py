@@ -150,13 +150,19 @@ def position_limit(state: ServiceState) -> int:
     return min(info.max_model_len, cache) if cache > 0 else info.max_model_len
 
 
+ESTIMATE_SLACK = 32  # tokens: a transcript and a text counted together differ from their counts apart by a few at most
+
+
 def positions(state: ServiceState, request: SynthesisRequest, ids: TextIds) -> Positions:
-    text = len(ids.text if ids.text is not None else ids.target)
+    return positions_of(state, request, len(ids.target), len(ids.text if ids.text is not None else ids.target))
+
+
+def positions_of(state: ServiceState, request: SynthesisRequest, target: int, text: int) -> Positions:
+    """`positions` from the counts: `target` tokens of the target text, `text` of the prompt's text."""
     ref = request.ref_latents
     prompt = ((latent_patches(state, ref) + REF_MARKER_TOKENS if ref is not None else 0) + text + 1
               + latent_patches(state, request.prompt_latents))
-    cap = max_patches(len(ids.target), request.params.max_generate_length)
-    return Positions(prompt, cap, text)
+    return Positions(prompt, max_patches(target, request.params.max_generate_length), text)
 
 
 class EdgeShaper:
@@ -574,17 +580,29 @@ async def check_segments_fit(state: ServiceState, segments: list[Segment], cond:
     if tokenizer is None:
         return
     continuation = cond.prompt_latents is not None
-    texts = [((design + spoken_as_written(s.text)) if s.index == 0 else s.text, cond.prompt_text, continuation)
-             for s in segments]
+    texts = [(design + spoken_as_written(s.text)) if s.index == 0 else s.text for s in segments]
     described = bool(design and design_field)
-    tokens = await asyncio.to_thread(text_tokens_many, tokenizer, texts + ([(design, "", False)] if described else []))
+    # Each text and the transcript counted apart, their sum the estimate: counting each segment with the transcript
+    # cost segments x transcript (3,333 paragraphs and a 20,000-character transcript took 10 GB). Where the estimate
+    # is near the limit, or over it (the message gives the counts), the segment is counted as the engine counts it.
+    alone = [*texts, *([design] if described else []), *([cond.prompt_text] if continuation else [])]
+    tokens = await asyncio.to_thread(text_tokens_many, tokenizer, [(t, "", False) for t in alone])
+    transcript = tokens.pop() if continuation else ([], None)
     design_ids = tokens.pop() if described else ([], None)
     design_tokens = 0 if isinstance(design_ids, Exception) else len(design_ids[0])
     voice = SynthesisRequest("", cond.prompt_text, cond.prompt_latents, None, cond.ref_latents, params)
     limit = position_limit(state)
-    for segment, ids in zip(segments, tokens, strict=True):
+    for segment, text, ids in zip(segments, texts, tokens, strict=True):
         if isinstance(ids, Exception):  # a text the tokenizer refuses: the engine refuses it, naming the field
             continue
+        if continuation and not isinstance(transcript, Exception):
+            estimate = positions_of(state, voice, len(ids[0]), len(transcript[0]) + len(ids[0]))
+            if estimate.fits(limit - ESTIMATE_SLACK):
+                continue
+        if continuation:
+            (ids,) = await asyncio.to_thread(text_tokens_many, tokenizer, [(text, cond.prompt_text, True)])
+            if isinstance(ids, Exception):
+                continue
         need = positions(state, voice, TextIds(*ids))
         if need.fits(limit):
             continue

@@ -405,6 +405,27 @@ def test_a_request_reference_is_kept_and_the_first_segment_not_carried_where_bot
     assert np.array_equal(whole, np.concatenate(alone))
 
 
+def test_many_segments_with_a_long_transcript_are_checked_at_the_cost_of_the_request(fit_client, fit_server,
+                                                                                     monkeypatch):
+    """Whether every segment fits is counted from each text and the transcript apart (and the transcript with the
+    one segment refused): counting each segment with the transcript cost segments x transcript, 3,333 short
+    paragraphs and a long transcript (37 KiB) 10 GB and a minute of the API process. The refusal is as before."""
+    tokenizer = fit_server.state.pool.client.tokenizer
+    encode_many = tokenizer.encode_many
+    tokenized: list[int] = []
+
+    def counted(texts: list[str]) -> list:
+        tokenized.append(sum(map(len, texts)))
+        return encode_many(texts)
+
+    monkeypatch.setattr(tokenizer, "encode_many", counted)
+    text, transcript = "Hi.\n\n" * 300, "word " * 600  # a voice longer than the model: segment 1 is refused
+    r = fit_client.post("/generate", json={"target_text": text, "prompt_text": transcript, "max_generate_length": 5,
+                                           "prompt_latents_base64": latents_b64(fit_server, 2, seed=3)})
+    assert r.status_code == 422 and r.json()["detail"].startswith("prompt_text: segment 1 of 300"), r.text
+    assert sum(tokenized) < 3 * (len(text) + len(transcript)), tokenized
+
+
 @pytest.mark.parametrize(("route", "text_field", "extra"), [("/generate", "target_text", {}),
                                                             ("/v1/audio/speech", "input", {"model": "tts-1"})])
 def test_a_segment_that_cannot_fit_is_refused_before_any_audio(fit_client, fit_server, route, text_field, extra):
