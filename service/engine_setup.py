@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from service.settings import Settings
 
 if TYPE_CHECKING:
-    from service.lora_source import Endpoints
+    from service.lora_source import Endpoints, FetchLimits
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,17 @@ def adapter_path(settings: Settings) -> str | None:
         return None
     from service.lora_source import fetch_adapter
 
-    return str(fetch_adapter(settings.lora_uri, settings.cache_path, settings.lora_sha256, source_endpoints(settings)))
+    return str(fetch_adapter(settings.lora_uri, settings.cache_path, settings.lora_sha256, source_endpoints(settings),
+                             fetch_limits(settings, callers=False)))
+
+
+def fetch_limits(settings: Settings, callers: bool = True) -> FetchLimits:
+    """What an adapter download may be: an API caller's only from NANOVLLM_LORA_URL_PREFIXES (the operator's own
+    start-up adapter from anywhere)."""
+    from service.lora_source import FetchLimits
+
+    prefixes = tuple(p.strip() for p in settings.lora_url_prefixes.split(",") if p.strip()) if callers else None
+    return FetchLimits(prefixes, settings.lora_max_bytes, settings.lora_fetch_timeout_s)
 
 
 def source_endpoints(settings: Settings) -> Endpoints:

@@ -11,27 +11,39 @@ Downloads land in the cache dir under a name derived from the URI and the expect
 download never passes for the file; a second start finds it there), with lora_config.json fetched from beside the
 weights when there is one.
 The weights are checked against NANOVLLM_LORA_SHA256 when that is set: a cached copy that does not match is fetched
-again, and a download that does not match stops start-up, naming both digests."""
+again, and a download that does not match stops start-up, naming both digests.
+
+An API caller's URI (POST /loras, a registration shared through Redis) is fetched within `FetchLimits`: an http(s)
+URL only under NANOVLLM_LORA_URL_PREFIXES (redirects too: the service must not be a way into the network it sits in),
+at most NANOVLLM_LORA_MAX_BYTES within NANOVLLM_LORA_FETCH_TIMEOUT_S, on threads of its own (`fetch_in_background`)."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qs, unquote, urlparse
+from urllib.parse import parse_qs, unquote, urljoin, urlparse
 
 import httpx
 
-from engine.io.lora import CONFIG_FILE, WEIGHT_FILES, sha256_of, weights_file
+from engine.io.lora import CONFIG_FILE, CONFIG_MAX_BYTES, WEIGHT_FILES, sha256_of, weights_file
 
 log = logging.getLogger(__name__)
 SCHEMES = ("file", "https", "http", "s3", "hf")
-DOWNLOAD_TIMEOUT = httpx.Timeout(30.0, read=300.0)
+DOWNLOAD_TIMEOUT = httpx.Timeout(30.0, read=60.0)
+MAX_REDIRECTS = 5
+# downloads wait on one another here, never on the threads the event loop lends its other blocking calls (the voice
+# store's, /info's): six slow adapter servers held all of those
+_FETCHES = ThreadPoolExecutor(2, thread_name_prefix="voxcpm-adapter-fetch")
 
 
 class AdapterSourceError(ValueError):
@@ -63,6 +75,34 @@ class Endpoints:
     s3_endpoint_url: str | None = None
     hf_endpoint: str | None = None
     hf_token: str | None = None
+
+
+@dataclass(frozen=True)
+class FetchLimits:
+    """What a download may be: from under one of `url_prefixes` when it is an http(s) URL (None: anywhere, the
+    operator's own start-up adapter), at most `max_bytes` a file, done within `timeout_s`."""
+
+    url_prefixes: tuple[str, ...] | None = None
+    max_bytes: int = 2**30
+    timeout_s: float = 600.0
+
+    def refusal(self, url: str) -> str | None:
+        """Why an http(s) URL may not be fetched (None: it may)."""
+        if self.url_prefixes is None or any(_under(url, prefix) for prefix in self.url_prefixes):
+            return None
+        if not self.url_prefixes:
+            return "http(s) adapters are not accepted here (NANOVLLM_LORA_URL_PREFIXES is unset); give s3:// or hf://"
+        return f"{url} is not under NANOVLLM_LORA_URL_PREFIXES"
+
+
+def _under(url: str, prefix: str) -> bool:
+    """`url` is `prefix` or below it: the same scheme and host (a look-alike host such as prefix.host.example is
+    another), its path the prefix's or under it."""
+    u, p = urlparse(url), urlparse(prefix)
+    if (u.scheme.lower(), u.netloc.lower()) != (p.scheme.lower(), p.netloc.lower()) or u.username or u.password:
+        return False
+    base = p.path if p.path.endswith("/") else p.path + "/"
+    return u.path == p.path or u.path.startswith(base)
 
 
 def uri_scheme(uri: str) -> str:
@@ -103,24 +143,52 @@ def _atomic(target: Path, write: Callable[[Path], None]) -> None:
         part.unlink(missing_ok=True)
 
 
-def _http_get(url: str, target: Path) -> None:
+def _http_get(url: str, target: Path, limits: FetchLimits, max_bytes: int) -> None:
+    """GET `url` into `target`: redirects followed only where `limits` allow, at most `max_bytes`, within the time."""
+    deadline = time.monotonic() + limits.timeout_s
+
     def write(part: Path) -> None:
+        here = url
         try:
-            with httpx.stream("GET", url, timeout=DOWNLOAD_TIMEOUT, follow_redirects=True) as r:
-                if r.status_code == 404:
-                    raise NotThere(f"{url} answered 404")
-                if r.status_code != 200:
-                    raise AdapterSourceError(f"{url} answered {r.status_code}")
-                with open(part, "wb") as f:
-                    for chunk in r.iter_bytes(1 << 20):
-                        f.write(chunk)
+            with httpx.Client(timeout=DOWNLOAD_TIMEOUT, follow_redirects=False) as client:
+                for _ in range(MAX_REDIRECTS + 1):
+                    with client.stream("GET", here) as r:
+                        if r.is_redirect and "location" in r.headers:
+                            here = urljoin(here, r.headers["location"])
+                            refusal = limits.refusal(here)
+                            if refusal is not None:
+                                raise AdapterSourceError(f"{url} redirects to {here!r}: {refusal}")
+                            continue
+                        if r.status_code == 404:
+                            raise NotThere(f"{url} answered 404")
+                        if r.status_code != 200:
+                            raise AdapterSourceError(f"{url} answered {r.status_code}")
+                        _copy_within(r, part, url, max_bytes, deadline, limits.timeout_s)
+                        return
+                raise AdapterSourceError(f"{url} redirects more than {MAX_REDIRECTS} times")
         except httpx.HTTPError as e:
             raise AdapterSourceError(f"could not download {url}: {e}") from e
 
     _atomic(target, write)
 
 
-def _s3_get(bucket: str, key: str, target: Path, endpoints: Endpoints) -> None:
+def _copy_within(r: httpx.Response, part: Path, url: str, max_bytes: int, deadline: float, timeout_s: float) -> None:
+    """The response's body into `part`, refused past `max_bytes` (declared or sent) or past the deadline."""
+    declared = int(r.headers.get("content-length") or 0)
+    if declared > max_bytes:
+        raise AdapterSourceError(f"{url} is {declared} bytes, more than NANOVLLM_LORA_MAX_BYTES ({max_bytes})")
+    written = 0
+    with open(part, "wb") as f:
+        for chunk in r.iter_bytes(1 << 20):
+            written += len(chunk)
+            if written > max_bytes:
+                raise AdapterSourceError(f"{url} is more than NANOVLLM_LORA_MAX_BYTES ({max_bytes} bytes)")
+            if time.monotonic() > deadline:
+                raise AdapterSourceError(f"{url} took more than NANOVLLM_LORA_FETCH_TIMEOUT_S ({timeout_s:g} s)")
+            f.write(chunk)
+
+
+def _s3_get(bucket: str, key: str, target: Path, endpoints: Endpoints, max_bytes: int) -> None:
     import boto3
     import botocore.exceptions
 
@@ -136,11 +204,18 @@ def _s3_get(bucket: str, key: str, target: Path, endpoints: Endpoints) -> None:
             raise AdapterSourceError(f"could not download s3://{bucket}/{key}: {e}") from e
         except botocore.exceptions.BotoCoreError as e:  # no credentials, endpoint unreachable, ...
             raise AdapterSourceError(f"could not download s3://{bucket}/{key}: {e}") from e
+        _refuse_larger(part, f"s3://{bucket}/{key}", max_bytes)
 
     _atomic(target, write)
 
 
-def _hf_get(repo: str, revision: str, filename: str, target: Path, endpoints: Endpoints) -> None:
+def _refuse_larger(file: Path, name: str, max_bytes: int) -> None:
+    if file.stat().st_size > max_bytes:
+        raise AdapterSourceError(f"{name} is {file.stat().st_size} bytes, more than NANOVLLM_LORA_MAX_BYTES "
+                                 f"({max_bytes})")
+
+
+def _hf_get(repo: str, revision: str, filename: str, target: Path, endpoints: Endpoints, max_bytes: int) -> None:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
 
@@ -151,16 +226,18 @@ def _hf_get(repo: str, revision: str, filename: str, target: Path, endpoints: En
                                   token=endpoints.hf_token, cache_dir=target.parent / "hub")
         except EntryNotFoundError as e:
             raise NotThere(f"hf://{repo}@{revision} has no {filename}") from e
-        except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
+        except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as e:
             raise AdapterSourceError(f"could not download {filename} of hf://{repo}@{revision}: "
                                      f"{type(e).__name__}: {e}") from e
+        _refuse_larger(Path(got), f"{filename} of hf://{repo}@{revision}", max_bytes)
         shutil.copyfile(got, part)
 
     _atomic(target, write)
 
 
-def _remote(uri: str, endpoints: Endpoints) -> tuple[list[str], Callable[[str, Path], None]]:
-    """For a remote URI: the weights file names to try (in order) and a fetch(name, target) of a file beside them."""
+def _remote(uri: str, endpoints: Endpoints, limits: FetchLimits) -> tuple[list[str], Callable[[str, Path, int], None]]:
+    """For a remote URI: the weights file names to try (in order) and a fetch(name, target, max_bytes) of a file
+    beside them."""
     parsed = urlparse(uri)
     scheme = parsed.scheme
     if scheme in ("http", "https", "s3"):
@@ -173,25 +250,36 @@ def _remote(uri: str, endpoints: Endpoints) -> tuple[list[str], Callable[[str, P
         if scheme == "s3":
             if not parsed.netloc or not path.strip("/"):
                 raise AdapterSourceError(f"{uri} is not s3://bucket/key")
-            return [name], lambda n, t: _s3_get(parsed.netloc, f"{base}/{n}".lstrip("/"), t, endpoints)
+            return [name], lambda n, t, most: _s3_get(parsed.netloc, f"{base}/{n}".lstrip("/"), t, endpoints, most)
+        refusal = limits.refusal(uri)
+        if refusal is not None:
+            raise AdapterSourceError(refusal)
         root = f"{parsed.scheme}://{parsed.netloc}{base}"
-        return [name], lambda n, t: _http_get(f"{root}/{n}", t)
+        return [name], lambda n, t, most: _http_get(f"{root}/{n}", t, limits, most)
     # hf://owner/repo@revision?path=dir-or-file
     repo, _, revision = (parsed.netloc + parsed.path).partition("@")
     revision = revision or "main"
     inner = parse_qs(parsed.query).get("path", [""])[0].strip("/")
-    if repo.count("/") != 1 or not all(repo.split("/")):
-        raise AdapterSourceError(f"{uri} is not hf://owner/repo[@revision][?path=...]")
+    if repo.count("/") != 1 or not all(repo.split("/")) or ".." in (*repo.split("/"), *inner.split("/")):
+        raise AdapterSourceError(f"{uri} is not hf://owner/repo[@revision][?path=...] (without '..')")
     if inner.endswith((".safetensors", ".ckpt", ".pth")):
         names, base = [Path(inner).name], inner.rsplit("/", 1)[0] if "/" in inner else ""
     else:
         names, base = list(WEIGHT_FILES), inner
-    return names, lambda n, t: _hf_get(repo, revision, f"{base}/{n}".lstrip("/"), t, endpoints)
+    return names, lambda n, t, most: _hf_get(repo, revision, f"{base}/{n}".lstrip("/"), t, endpoints, most)
 
 
-def fetch_adapter(uri: str, cache_dir: Path, sha256: str | None = None, endpoints: Endpoints | None = None) -> Path:
+async def fetch_in_background(uri: str, cache_dir: Path, sha256: str | None, endpoints: Endpoints,
+                              limits: FetchLimits) -> Path:
+    """`fetch_adapter` on the downloads' own threads."""
+    call = functools.partial(fetch_adapter, uri, cache_dir, sha256, endpoints, limits)
+    return await asyncio.get_running_loop().run_in_executor(_FETCHES, call)
+
+
+def fetch_adapter(uri: str, cache_dir: Path, sha256: str | None = None, endpoints: Endpoints | None = None,
+                  limits: FetchLimits | None = None) -> Path:
     """A local path to the adapter `uri` names (its directory or weights file), its weights' SHA-256 checked."""
-    endpoints = endpoints or Endpoints()
+    endpoints, limits = endpoints or Endpoints(), limits or FetchLimits()
     scheme = uri_scheme(uri)
     if scheme not in SCHEMES:
         raise AdapterSourceError(unsupported_scheme(scheme))
@@ -203,7 +291,7 @@ def fetch_adapter(uri: str, cache_dir: Path, sha256: str | None = None, endpoint
         except ValueError as e:
             raise AdapterSourceError(f"{e}") from e
     else:
-        names, fetch = _remote(uri, endpoints)
+        names, fetch = _remote(uri, endpoints, limits)
         # One directory per URI and digest: a URI registered again with a new digest is fetched beside the old copy,
         # which the leases and API processes holding the old registration go on reading.
         key = uri if not sha256 else f"{uri}\nsha256={sha256.lower()}"
@@ -214,10 +302,10 @@ def fetch_adapter(uri: str, cache_dir: Path, sha256: str | None = None, endpoint
             file.unlink()  # a stale or damaged copy: fetch it again
             file = None
         if file is None:
-            log.info("downloading the LoRA adapter %s", uri)
+            log.info("downloading the LoRA adapter %r", uri)  # as a literal: a caller's URI may hold line breaks
             for i, name in enumerate(names):
                 try:
-                    fetch(name, local / name)
+                    fetch(name, local / name, limits.max_bytes)
                 except NotThere:
                     if i + 1 < len(names):
                         continue  # the next weights format
@@ -226,7 +314,7 @@ def fetch_adapter(uri: str, cache_dir: Path, sha256: str | None = None, endpoint
                 break
             assert file is not None
             try:
-                fetch(CONFIG_FILE, local / CONFIG_FILE)
+                fetch(CONFIG_FILE, local / CONFIG_FILE, CONFIG_MAX_BYTES)
             except NotThere as e:  # the official loader's default config then applies
                 log.warning("no %s beside the adapter (%s)", CONFIG_FILE, e)
     if sha256:

@@ -117,6 +117,12 @@ class BaseServiceSettings(BaseSettings):
                                                       "both digests, when it differs.")
     lora_dir: Path | None = Field(None, description="POST /loras may name local adapters (a path or file://) only "
                                                     "inside this directory; unset: remote URIs only.")
+    lora_url_prefixes: str = Field("", description=(
+        "Comma-separated URL prefixes (https://host/path/) that POST /loras may fetch http(s):// adapters from, "
+        "redirects included; unset: none (s3:// and hf:// come from this service's endpoints). The service fetches "
+        "nothing else a caller names: no host inside its network."))
+    lora_max_bytes: int = Field(2**30, ge=2**20, description="Largest adapter weights file fetched (bytes).")
+    lora_fetch_timeout_s: float = Field(600.0, gt=0, le=86400, description="Longest download of one adapter file.")
     body_timeout_s: float = Field(30.0, gt=0, le=3600, description=(
         "A request body whose next bytes take longer than this to arrive is refused (408): a slow upload held its "
         "connection for good."))

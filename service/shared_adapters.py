@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine import LoRANotFoundError, PoolError
-from service.engine_setup import source_endpoints
-from service.lora_source import AdapterSourceError, fetch_adapter, local_refusal
+from service.engine_setup import fetch_limits, source_endpoints
+from service.lora_source import AdapterSourceError, fetch_in_background, local_refusal
 from service.redis_store import RedisVoiceStore
 
 if TYPE_CHECKING:
@@ -109,8 +109,8 @@ class SharedAdapters:
             fetch_error: AdapterSourceError | None = None
             if refusal is None:
                 try:
-                    path = await asyncio.to_thread(fetch_adapter, source["uri"], s.cache_path, source["sha256"],
-                                                   source_endpoints(s))
+                    path = await fetch_in_background(source["uri"], s.cache_path, source["sha256"],
+                                                     source_endpoints(s), fetch_limits(s))
                 except AdapterSourceError as e:
                     fetch_error = e
             if path is not None and local.get(name) == str(path) and name not in self.sources:  # registered from it

@@ -6,10 +6,12 @@ an adapter without merging stop start-up."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import json
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -210,6 +212,127 @@ def test_fetches_of_one_adapter_at_once_each_get_the_whole_file(adapter, tmp_pat
     assert not list(results[0].glob("*.part"))  # no writer's temporary file is left behind
 
 
+def test_a_callers_download_stays_within_its_limits(adapter, tmp_path):
+    """What an API caller names is fetched only from under NANOVLLM_LORA_URL_PREFIXES (a look-alike host or a redirect
+    out of them is refused: POST /loras fetched 127.0.0.1, a redirect to it, 169.254.169.254), at most
+    NANOVLLM_LORA_MAX_BYTES (declared or sent), and no '..' into a hub's paths (a 500)."""
+    from service.lora_source import FetchLimits
+
+    body = (adapter / "lora_weights.safetensors").read_bytes()
+    inside, inside_url = serve(type("Inside", (BaseHTTPRequestHandler,), {
+        "do_GET": lambda self: _answer(self, body), "log_message": lambda self, *a: None}))
+    target = f"{inside_url}/voices/lora_weights.safetensors"
+    outside, outside_url = serve(type("Outside", (BaseHTTPRequestHandler,), {
+        "do_GET": lambda self: _answer(self, b"", location=target if "in" in self.path else
+                                       f"{inside_url}/other/lora_weights.safetensors"),
+        "log_message": lambda self, *a: None}))
+    try:
+        allowed = FetchLimits((f"{inside_url}/voices/",), max_bytes=len(body))
+        assert sha256_of(fetch_adapter(target, tmp_path / "a", limits=allowed) / "lora_weights.safetensors") \
+            == hashlib.sha256(body).hexdigest()
+        for uri, message in [
+            (f"{inside_url}/other/lora_weights.safetensors", "is not under NANOVLLM_LORA_URL_PREFIXES"),
+            (f"{inside_url}/voices2/lora_weights.safetensors", "is not under"),  # a look-alike path
+            (f"{outside_url}/out/lora_weights.safetensors", "is not under NANOVLLM_LORA_URL_PREFIXES"),
+        ]:
+            with pytest.raises(AdapterSourceError, match=message):
+                fetch_adapter(uri, tmp_path / "b", limits=allowed)
+        # a redirect from an allowed place out of the allowed ones is refused; within them it is followed
+        both = FetchLimits((f"{inside_url}/voices/", f"{outside_url}/"), max_bytes=len(body))
+        with pytest.raises(AdapterSourceError, match="redirects to .*/other/lora_weights.safetensors.*is not under"):
+            fetch_adapter(f"{outside_url}/out/lora_weights.safetensors", tmp_path / "c", limits=both)
+        assert (fetch_adapter(f"{outside_url}/in/lora_weights.safetensors", tmp_path / "d", limits=both)
+                / "lora_weights.safetensors").read_bytes() == body
+        with pytest.raises(AdapterSourceError, match="NANOVLLM_LORA_URL_PREFIXES is unset"):
+            fetch_adapter(target, tmp_path / "e", limits=FetchLimits(()))
+        with pytest.raises(AdapterSourceError, match=f"is {len(body)} bytes, more than NANOVLLM_LORA_MAX_BYTES"):
+            fetch_adapter(target, tmp_path / "f", limits=FetchLimits(None, max_bytes=len(body) - 1))
+        assert not list((tmp_path / "f").rglob("*.part"))
+    finally:
+        inside.shutdown()
+        outside.shutdown()
+    with pytest.raises(AdapterSourceError, match="without '..'"):
+        fetch_adapter("hf://a/b?path=../../../../tmp/x", tmp_path / "g")
+    good = FetchLimits(("https://good.example/adapters/",))  # a look-alike host, a user part: other hosts
+    assert good.refusal("https://good.example/adapters/a/lora_weights.safetensors") is None
+    for url in ("https://good.example.evil.net/adapters/x.safetensors", "https://x@good.example/adapters/x.safetensors",
+                "http://good.example/adapters/x.safetensors"):
+        assert good.refusal(url) is not None, url
+
+
+def _answer(handler: BaseHTTPRequestHandler, body: bytes, location: str | None = None) -> None:
+    if location is not None:
+        handler.send_response(302)
+        handler.send_header("Location", location)
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+        return
+    if not handler.path.endswith(".safetensors"):
+        handler.send_error(404)
+        return
+    handler.send_response(200)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+def test_slow_adapter_downloads_hold_none_of_the_other_routes(checkpoint_factory, tmp_path):
+    """Adapter downloads run on threads of their own: as many slow sources as the event loop's default pool has
+    threads (six here) held every voice-store call (/v1/audio/voices, a cached voice) until they ended."""
+    import os
+
+    release = threading.Event()
+
+    class Trickle(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(1 << 20))
+            self.end_headers()
+            while not release.wait(0.5):  # a byte at a time, for as long as the test lasts
+                self.wfile.write(b"\0")
+                self.wfile.flush()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    trickle, url = serve(Trickle)
+    settings = service_settings(checkpoint_factory("tiny-voxcpm2", stop="never"), tmp_path / "cache", max_loras=1,
+                                max_lora_rank=8, lora_url_prefixes=f"{url}/")
+    server = LiveServer(settings).start()
+    slow = min(32, (os.cpu_count() or 1) + 4)  # the default pool's threads
+
+    def register(i: int) -> None:
+        with contextlib.suppress(httpx.TimeoutException):
+            httpx.post(f"{server.url}/loras", json={"lora_name": f"slow{i}",
+                                                    "lora_uri": f"{url}/{i}/lora_weights.safetensors"},
+                       verify=TLS, timeout=2)
+
+    try:
+        threads = [threading.Thread(target=register, args=(i,)) for i in range(slow)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        with httpx.Client(verify=TLS, base_url=server.url, timeout=15) as c:
+            assert c.get("/v1/audio/voices").status_code == 200  # the voice store answers meanwhile
+    finally:
+        release.set()
+        trickle.shutdown()
+        trickle.server_close()  # the registrations still queued for a download thread are refused at once
+        server.stop()
+
+
+def test_an_adapter_config_larger_than_any_config_is_not_read(adapter, tmp_path):
+    """lora_config.json is a few hundred bytes: a 3 GB one was read whole into the engine worker."""
+    from engine.io.lora import CONFIG_MAX_BYTES, read_adapter
+
+    copy = tmp_path / "big"
+    shutil.copytree(adapter, copy)
+    (copy / "lora_config.json").write_bytes(b" " * (CONFIG_MAX_BYTES + 1))
+    with pytest.raises(ValueError, match="lora_config.json is .* bytes: more than an adapter's config"):
+        read_adapter(copy)
+
+
 def test_adapter_from_an_s3_compatible_server(adapter, tmp_path, monkeypatch):
     """s3://bucket/key through boto3 against moto's S3 server on loopback (the endpoint from the settings), the
     config fetched from beside the weights; a key that is not there is refused naming it."""
@@ -323,7 +446,7 @@ def test_runtime_adapters_over_http(adapter, file_server, checkpoint_factory, tm
     OpenAI model field, DELETE; every refusal names its field; /loras needs the API key."""
     ckpt = checkpoint_factory("tiny-voxcpm2", stop="never")
     settings = service_settings(ckpt, tmp_path / "cache", max_loras=2, max_lora_rank=8, lora_dir=adapter.parent,
-                                api_keys="k1")
+                                api_keys="k1", lora_url_prefixes=f"{file_server}/{adapter.name}/")
     server = LiveServer(settings).start()
     auth = {"Authorization": "Bearer k1"}
     try:
@@ -367,8 +490,11 @@ def test_runtime_adapters_over_http(adapter, file_server, checkpoint_factory, tm
                 ({"lora_name": "x", "lora_uri": str(outside)}, 400, "lora_uri: .* is outside NANOVLLM_LORA_DIR"),
                 ({"lora_name": "../x", "lora_uri": url}, 422, "lora_name"),
                 ({"lora_name": "x", "lora_uri": url, "sha256": "0" * 64}, 400, f"sha256: .* has SHA-256 {digest}"),
-                ({"lora_name": "voice", "lora_uri": f"{file_server}/missing/lora_weights.safetensors"}, 400,
-                 "lora_uri: .* answered 404"),
+                ({"lora_name": "voice", "lora_uri": f"{file_server}/{adapter.name}/missing/lora_weights.safetensors"},
+                 400, "lora_uri: .* answered 404"),
+                # only from under NANOVLLM_LORA_URL_PREFIXES: the service is no way into the network it sits in
+                ({"lora_name": "x", "lora_uri": f"{file_server}/elsewhere/lora_weights.safetensors"}, 400,
+                 "lora_uri: .* is not under NANOVLLM_LORA_URL_PREFIXES"),
                 # a model's name: /v1 and live sessions would choose the model (it was registered, unreachable there)
                 ({"lora_name": "tts-1", "lora_uri": url}, 409, "lora_name: 'tts-1' names this service's model"),
             ]:

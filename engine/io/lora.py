@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 WEIGHT_FILES = ("lora_weights.safetensors", "lora_weights.ckpt")
 CONFIG_FILE = "lora_config.json"
+CONFIG_MAX_BYTES = 1 << 20  # an adapter's config is a few hundred bytes: a larger file is no config (and is not read)
 WRAPPER_PREFIXES = ("_orig_mod.", "base_model.model.", "model.", "module.")
 
 
@@ -133,6 +134,9 @@ def read_adapter(path: str | Path) -> LoRAAdapter:
     file = weights_file(path)
     config_path = file.parent / CONFIG_FILE
     if config_path.is_file():
+        if config_path.stat().st_size > CONFIG_MAX_BYTES:
+            raise LoRAError(f"{CONFIG_FILE} is {config_path.stat().st_size} bytes: more than an adapter's config "
+                            f"({CONFIG_MAX_BYTES})")
         try:
             raw = json.loads(config_path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:

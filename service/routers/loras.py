@@ -5,16 +5,15 @@ live session leases it and speaks to its end with it). Requests choose one with 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 
 from fastapi import APIRouter, HTTPException
 
 from engine import LoRANotFoundError, PoolError
 from service.deps import LoadedState
-from service.engine_setup import source_endpoints
+from service.engine_setup import fetch_limits, source_endpoints
 from service.errors import http_error
-from service.lora_source import AdapterSourceError, fetch_adapter, local_refusal
+from service.lora_source import AdapterSourceError, fetch_in_background, local_refusal
 from service.routers.openai import model_ids
 from service.schemas import Deleted, LoRAInfo, LoRAList, RegisterLoRARequest
 from service.shared_adapters import sync_adapters
@@ -39,7 +38,7 @@ async def register_lora(req: RegisterLoRARequest, state: LoadedState) -> LoRAInf
     if shared is not None and shared.holds_other(req.lora_name, req.lora_uri, req.sha256):
         raise registered_already(req.lora_name)  # taken by the sync (not the engine's 400 of a name it holds)
     try:
-        local = await asyncio.to_thread(fetch_adapter, req.lora_uri, s.cache_path, req.sha256, source_endpoints(s))
+        local = await fetch_in_background(req.lora_uri, s.cache_path, req.sha256, source_endpoints(s), fetch_limits(s))
     except AdapterSourceError as e:
         raise HTTPException(400, e.for_fields({"uri": "lora_uri", "sha256": "sha256"})) from e
     async with state.adapter_changes():
