@@ -242,6 +242,9 @@ def split_text(text: str, max_chars: int = DEFAULT_MAX_CHARS, granularity: Granu
     return [Segment(i, text[u.start:u.end], base + u.start, base + u.end, u.pause) for i, u in enumerate(units)]
 
 
+BUFFER_MAX_FACTOR = 4  # a live buffer longer than this many max_chars is flushed (LiveSegmenter.feed)
+
+
 class LiveSegmenter:
     """Text arriving in pieces (an LLM's tokens) -> segments as soon as each is complete: a Latin sentence once the
     next one has begun (so "3." of "3.14", "Dr." or "e.g." wait for the next word), a CJK one at its terminal, a
@@ -256,6 +259,16 @@ class LiveSegmenter:
         self.words = False  # the buffer has a letter or digit (without, it makes no segment: not scanned again)
 
     def feed(self, delta: str) -> list[Segment]:
+        if not delta:
+            return []  # nothing new: an empty message read the whole buffer again
+        out = self._feed(delta)
+        if len(self.buffer) > BUFFER_MAX_FACTOR * self.max_chars:
+            # only text without words piles up so (behind a sentence that waits for the next to begin; a sentence
+            # past max_chars is cut at once): what is left is spoken now, for each message read all of it again
+            out += self.flush()
+        return out
+
+    def _feed(self, delta: str) -> list[Segment]:
         self.buffer += delta
         self.words = self.words or _has_words(delta)
         if not self.buffer.strip():  # white space alone: nothing of it is spoken, so it need not be read again
@@ -301,6 +314,8 @@ class LiveSegmenter:
 
     def _buffered(self) -> list[_Unit]:
         """The buffered sentences' pieces that have words to say."""
+        if not self.words:
+            return []
         return _spoken(self.buffer, [p for u in _sentences(self.buffer) for p in _fit(self.buffer, u, self.max_chars)])
 
     def _emit(self, units: list[_Unit], consumed: int) -> list[Segment]:

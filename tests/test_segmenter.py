@@ -199,3 +199,19 @@ def test_a_hard_cut_in_cjk_text_falls_beside_a_latin_word_not_inside_it():
         segments = split_text(text, 100)
         assert "".join(s.text for s in segments) == text
         assert any("PyTorch2024" in s.text for s in segments), [s.text[-12:] for s in segments]
+
+
+def test_live_text_without_words_does_not_pile_up_to_be_read_at_every_message():
+    """Text without words behind a sentence that waits for the next to begin piled up (100,000 characters of "! "),
+    and every message, an empty one too, read all of it again (7.5 ms each, without end): past four max_chars what is
+    buffered is spoken; an empty message reads nothing."""
+    live = LiveSegmenter(250)
+    assert live.feed("a.") == []
+    spoken: list = []
+    for _ in range(200):
+        spoken += live.feed("! " * 25)
+        assert len(live.buffer) <= 4 * 250 + 50  # bounded: what one message reads
+    assert [s.text for s in spoken] == ["a.!"] and spoken[0].start == 0
+    buffered = live.buffer
+    assert live.feed("") == [] and live.buffer == buffered
+    assert [s.text for s in live.feed("Hello there. How")] == ["Hello there."]
