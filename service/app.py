@@ -19,6 +19,7 @@ import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from fastapi import Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -54,6 +55,13 @@ from service.state import ServiceState
 from service.synthesis import CUT_OFFS
 
 log = logging.getLogger(__name__)
+
+
+def server_options(settings: Settings) -> dict[str, Any]:
+    """uvicorn's settings for the app: a WebSocket frame over twice NANOVLLM_WS_MAX_MESSAGE_BYTES is refused as it
+    comes (1009), not read whole first (uvicorn's own limit, 16 MiB, let sessions hold that much each before the
+    session's refusal); one just over it still gets the session's refusal naming the setting."""
+    return {"ws_max_size": 2 * settings.ws_max_message_bytes, "timeout_graceful_shutdown": 10}
 
 
 def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None = None) -> FastAPI:

@@ -64,7 +64,7 @@ def api_process_main(settings: Settings, endpoint: engine_setup.WorkerEndpoint, 
     import uvicorn
 
     from engine.serving.protocol import name_process
-    from service.app import create_app
+    from service.app import create_app, server_options
 
     name_process(f"voxcpm-api{index}")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s api[{index}] %(levelname)s %(name)s: %(message)s")
@@ -72,7 +72,7 @@ def api_process_main(settings: Settings, endpoint: engine_setup.WorkerEndpoint, 
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="parent-watch", daemon=True).start()
     sock = listening_socket(settings.host, settings.port)
     # The supervisor drains first (DRAIN_SIGNAL, then waits for what is in flight): uvicorn's own wait is a backstop.
-    config = uvicorn.Config(create_app(settings, endpoint), log_level="info", timeout_graceful_shutdown=10)
+    config = uvicorn.Config(create_app(settings, endpoint), log_level="info", **server_options(settings))
     uvicorn.Server(config).run(sockets=[sock])
 
 

@@ -18,7 +18,7 @@ import httpx
 import uvicorn
 
 from engine.serving.reports import WorkerStats
-from service.app import create_app
+from service.app import create_app, server_options
 from service.engine_setup import WorkerEndpoint
 from service.settings import Settings
 from tools.soak import wav_bytes  # noqa: F401 (the tests' clip maker)
@@ -81,7 +81,8 @@ class LiveServer:
         self.app = create_app(settings, endpoint)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on",
+                                **server_options(settings))
         self.server = uvicorn.Server(config)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self._run, name="voxcpm-serve-test", daemon=True)

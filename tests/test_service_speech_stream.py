@@ -247,6 +247,19 @@ def test_malformed_messages_and_limits(server, messages, code, expected):
                     and s.free_blocks == s.total_blocks, "a refused session left KV blocks behind")
 
 
+def test_a_message_far_over_the_limit_is_refused_as_it_comes(server):
+    """A message over twice NANOVLLM_WS_MAX_MESSAGE_BYTES is refused by the WebSocket protocol as its frames come
+    (1009), not read whole before the session refuses it (uvicorn's own limit let 40 sessions each send 15 MiB)."""
+    with connect(ws_url(server), open_timeout=GUARD_S, max_size=None) as ws:
+        ws.send(json.dumps({"type": "session.config"}))
+        ws.send(json.dumps({"type": "input.text", "text": "x" * (10 * 2048)}))
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:  # the session's own refusal (an error message naming the setting) would come first
+                msg = ws.recv(timeout=GUARD_S)
+                assert not (isinstance(msg, str) and json.loads(msg)["type"] == "error"), msg
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009, closed.value
+
+
 def masked_text_frame(text: str) -> bytes:
     """A client's text frame (masked, as a client's must be; a zero mask leaves the payload as it is)."""
     payload = text.encode()
