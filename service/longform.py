@@ -329,6 +329,7 @@ class LongFormSpeech:
         self.samples_per_patch = state.model.samples_per_patch
         self.timings: list[SegmentTiming] = []
         self.samples = 0  # samples of the joined stream so far
+        self.generated_samples = 0  # what the engine made, every segment's tries (`count_audio`)
         self.request_id = f"long-{uuid.uuid4().hex[:12]}"
         self.finish_reason: str | None = None
         self._jobs: list[SegmentJob] = []
@@ -336,6 +337,8 @@ class LongFormSpeech:
         self._leased = False
 
     def count_audio(self, samples: int) -> None:
+        """A segment's try ended having made `samples` (kept or regenerated)."""
+        self.generated_samples += samples
         if samples:
             self.state.metrics.audio_seconds.labels(self.route).inc(samples / self.sample_rate)
 
@@ -500,6 +503,10 @@ class LongGeneration:
     @property
     def finish_reason(self) -> str | None:
         return self.speech.finish_reason
+
+    @property
+    def generated_patches(self) -> int:
+        return self.speech.generated_samples // self.speech.samples_per_patch
 
     async def _encoded(self) -> AsyncIterator[bytes]:
         async for ev in self._events:

@@ -11,7 +11,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import HTTPException, Request
 from starlette.responses import StreamingResponse
@@ -23,6 +23,9 @@ from service.errors import http_error
 from service.normalize import normalize_target
 from service.shared_adapters import sync_adapters
 from service.state import ServiceState
+
+if TYPE_CHECKING:
+    from service.longform import LongGeneration
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,6 +46,11 @@ class Generation:
     @property
     def finish_reason(self) -> str | None:
         return self.stream.finish_reason
+
+    @property
+    def generated_patches(self) -> int:
+        """The audio patches the engine made (OpenAI's output tokens)."""
+        return self.stream.samples // self.state.model.samples_per_patch
 
     async def chunks(self) -> AsyncIterator[bytes]:
         try:
@@ -198,15 +206,18 @@ def stream_response(gen: Generation, fmt: str, sse: bool = False) -> AudioStream
     return AudioStreamResponse(gen, media, audio_headers(gen.state, fmt, gen))
 
 
-async def sse_body(gen: Generation, text: str) -> AsyncIterator[bytes]:
-    """OpenAI's stream_format=sse: the delta events, then speech.audio.done (with why the stream ended)."""
+async def sse_body(gen: Generation | LongGeneration, text: str) -> AsyncIterator[bytes]:
+    """OpenAI's stream_format=sse: the delta events, then speech.audio.done (with why the stream ended, and its usage:
+    the input's text tokens, the audio patches made)."""
     try:
         async for data in gen.chunks():
             yield data
     finally:  # closed at a yield (client gone): abort the engine request now, not at garbage collection
         await gen.close()
-    n_in = len(text)
-    usage = {"input_tokens": n_in, "output_tokens": 0, "total_tokens": n_in}
+    tokenizer = gen.state.pool.client.tokenizer
+    n_in = len(await asyncio.to_thread(tokenizer.encode, text)) if tokenizer is not None else 0
+    n_out = gen.generated_patches
+    usage = {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out}
     yield sse_event({"type": "speech.audio.done", "usage": usage, "finish_reason": gen.finish_reason})
 
 

@@ -129,6 +129,7 @@ def test_sse_carries_segment_timings_when_asked(client):
     audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
     assert [e["text"] for e in segs] == [s.text for s in split_text(text, 200)]
     assert events[-1]["type"] == "speech.audio.done" and events[-1]["finish_reason"] == "length"
+    assert events[-1]["usage"]["output_tokens"] == N * len(segs)  # every segment's patches
     end = segs[-1]["start_s"] + segs[-1]["duration_s"]
     assert end * 24000 == pytest.approx(len(audio) // 2)  # /v1's pcm: OpenAI's 24 kHz
 

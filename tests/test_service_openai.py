@@ -72,6 +72,9 @@ def test_sse_stream(server):
     pcm = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
     assert all(e["type"] == "speech.audio.delta" for e in events[:-1])
     assert len(pcm) == N * SAMPLES_PER_PATCH  # 24 kHz
+    # usage counts the input's text tokens and the audio patches made (it was the input's characters and 0)
+    tokens = len(server.state.pool.client.tokenizer.encode("Events."))
+    assert events[-1]["usage"] == {"input_tokens": tokens, "output_tokens": N, "total_tokens": tokens + N}
 
 
 def _pcm(r) -> np.ndarray:
