@@ -68,6 +68,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
     settings = settings or Settings()
     metrics = Metrics(multiprocess_mode=endpoint is not None and endpoint.multiprocess_metrics)
     api_keys = [k.encode() for k in settings.api_key_list()]  # read once (the keys file too)
+    admin_keys = [k.encode() for k in settings.admin_key_list()]
     logging.getLogger("uvicorn.error").addFilter(CUT_OFFS)  # a stream cut off on purpose is our warning, not its error
 
     @asynccontextmanager
@@ -106,7 +107,7 @@ def create_app(settings: Settings | None = None, endpoint: WorkerEndpoint | None
             state = ServiceState(settings=settings, pool=pool, store=store, metrics=metrics, model_path=model_path,
                                  model_id=Path(model_path).name, demo=demo, owns_workers=endpoint is None,
                                  reports_startup=endpoint is None or endpoint.row == 0,
-                                 api_keys=api_keys, lora_registrations=registrations,
+                                 api_keys=api_keys, admin_keys=admin_keys, lora_registrations=registrations,
                                  shared_adapters=SharedAdapters(store) if isinstance(store, RedisVoiceStore) else None)
             app.state.service = state
             if endpoint is not None and threading.current_thread() is threading.main_thread():

@@ -73,6 +73,15 @@ def require_api_key(request: Request) -> None:
         raise HTTPException(401, MISSING_KEY, headers={"WWW-Authenticate": "Bearer"})
 
 
+def require_admin_key(request: Request) -> None:
+    """With admin keys configured (NANOVLLM_ADMIN_API_KEYS), the request's key must be one of them: 403 otherwise
+    (401 without a valid key, from `require_api_key` before)."""
+    keys = get_state(request).admin_keys
+    if keys and not key_matches(keys, key_of(request.headers)):
+        raise HTTPException(403, "authorization: registering or removing adapters needs an admin key "
+                                 "(NANOVLLM_ADMIN_API_KEYS)")
+
+
 class KeyFirstMiddleware:
     """With API keys set, a request that sends a body (POST, PUT, PATCH: every such route is keyed) without a valid
     key is a 401 before the body is read: FastAPI reads and validates a body before a route's dependencies run, so an

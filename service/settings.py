@@ -172,6 +172,10 @@ class BaseServiceSettings(BaseSettings):
                                                    "needs `Authorization: Bearer <key>` or `X-API-Key` (401 without).")
     api_keys_file: Path | None = Field(None, description="A file of API keys, one per line (# comments), besides "
                                                          "NANOVLLM_API_KEYS.")
+    admin_api_keys: str | None = Field(None, description=(
+        "Comma-separated API keys that alone may register and remove LoRA adapters (POST, DELETE /loras: 403 with "
+        "another key), which change what every client is served and fetch files; they are API keys too. Unset: any "
+        "API key may. (Every key shares the cached voices: keys are one trust domain.)"))
     protect_metrics: bool = Field(False, description="/metrics needs an API key too (when keys are set).")
     cors_origins: str | None = Field(None, description="Comma-separated origins browsers may call from (`*` for "
                                                        "any); unset = no CORS headers.")
@@ -187,7 +191,7 @@ class BaseServiceSettings(BaseSettings):
             raise ValueError(f"must be one of {MP3_BITRATES}")
         return v
 
-    @field_validator("api_keys")
+    @field_validator("api_keys", "admin_api_keys")
     @classmethod
     def _keys(cls, v: str | None) -> str | None:
         if v and not keys_in_list(v):  # set to a value, yet no key: every route would be open
@@ -269,8 +273,13 @@ class BaseServiceSettings(BaseSettings):
         return max(4, min(16, seats // (2 * max(1, api_processes))))
 
     def api_key_list(self) -> list[str]:
-        """The keys from NANOVLLM_API_KEYS and NANOVLLM_API_KEYS_FILE (read once, at start-up)."""
-        return keys_in_list(self.api_keys or "") + (keys_in_file(self.api_keys_file) if self.api_keys_file else [])
+        """The keys from NANOVLLM_API_KEYS, NANOVLLM_API_KEYS_FILE and NANOVLLM_ADMIN_API_KEYS (read once, at
+        start-up)."""
+        return (keys_in_list(self.api_keys or "") + (keys_in_file(self.api_keys_file) if self.api_keys_file else [])
+                + self.admin_key_list())
+
+    def admin_key_list(self) -> list[str]:
+        return keys_in_list(self.admin_api_keys or "")
 
     @property
     def queue_bound(self) -> int:

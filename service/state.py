@@ -35,6 +35,7 @@ class ServiceState:
     failure: str | None = None  # start-up failed for good: liveness reports it
     draining: bool = False  # shutting down: not ready, new generations refused, responses in flight finish
     api_keys: list[bytes] = field(default_factory=list)  # none: no key needed
+    admin_keys: list[bytes] = field(default_factory=list)  # none: any API key may change the adapters
     shared_adapters: SharedAdapters | None = None  # the runtime adapters' registrations in Redis (NANOVLLM_REDIS_URL)
     lora_registrations: LoRARegistrations | None = None  # the adapters registered here (every API process's)
     normalizer: NormalizeProcess = field(default_factory=NormalizeProcess)  # `normalize: true`, off this process's GIL

@@ -16,7 +16,7 @@ def server(checkpoint_factory, tmp_path_factory):
     keys_file = tmp / "keys"
     keys_file.write_text("# rotated monthly\nk-from-file\n")
     with live_server(checkpoint_factory, tmp, api_keys="k1, k2", api_keys_file=keys_file, protect_metrics=True,
-                     cors_origins="https://app.example", max_request_bytes=4096) as s:
+                     cors_origins="https://app.example", max_request_bytes=4096, admin_api_keys="admin1") as s:
         yield s
 
 
@@ -37,6 +37,21 @@ def test_keyed_routes(server, method, path, body):
         assert r.headers["www-authenticate"] == "Bearer" and "API key" in message
     for headers in ({"Authorization": "Bearer k1"}, {"authorization": "bearer k2"}, {"X-API-Key": "k-from-file"}):
         assert call(headers).status_code == 200, headers
+
+
+def test_only_an_admin_key_changes_the_adapters(server):
+    """With NANOVLLM_ADMIN_API_KEYS, registering and removing adapters (which change what every client is served, and
+    fetch files) needs one of them: 403 with another valid key (any key could); an admin key is an API key too."""
+    body = {"lora_name": "voice", "lora_uri": "https://adapters.example/voice/lora_weights.safetensors"}
+    for key, expected in (("k1", 403), ("k-from-file", 403), ("admin1", 400)):  # 400: this service runs no slots
+        headers = {"Authorization": f"Bearer {key}"}
+        posted = httpx.post(server.url + "/loras", json=body, headers=headers, timeout=60, verify=TLS)
+        deleted = httpx.delete(server.url + "/loras/voice", headers=headers, timeout=60, verify=TLS)
+        assert posted.status_code == expected, (key, posted.text)
+        assert (deleted.status_code == 403) == (expected == 403), (key, deleted.text)
+        if expected == 403:
+            assert "NANOVLLM_ADMIN_API_KEYS" in posted.json()["detail"], posted.text
+    assert httpx.get(server.url + "/loras", headers={"X-API-Key": "admin1"}, verify=TLS).status_code == 200
 
 
 @pytest.mark.parametrize("path", ["/generate", "/v1/audio/speech", "/add_prompt"])

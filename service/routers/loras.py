@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import contextlib
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, Depends, HTTPException
 
 from engine import LoRANotFoundError, PoolError
-from service.deps import LoadedState
+from service.deps import LoadedState, require_admin_key
 from service.engine_setup import fetch_limits, source_endpoints
 from service.errors import http_error
 from service.lora_source import AdapterSourceError, fetch_in_background, local_refusal
@@ -22,7 +22,7 @@ from service.voice_store import VoiceStoreUnavailable
 router = APIRouter(tags=["loras"])
 
 
-@router.post("/loras", response_model=LoRAInfo)
+@router.post("/loras", response_model=LoRAInfo, dependencies=[Depends(require_admin_key)])
 async def register_lora(req: RegisterLoRARequest, state: LoadedState) -> LoRAInfo:
     s = state.settings
     if not state.model.max_loras:
@@ -74,7 +74,7 @@ async def list_loras(state: LoadedState) -> LoRAList:
         raise http_error(e) from e
 
 
-@router.delete("/loras/{lora_name}", response_model=Deleted)
+@router.delete("/loras/{lora_name}", response_model=Deleted, dependencies=[Depends(require_admin_key)])
 async def unregister_lora(lora_name: str, state: LoadedState) -> Deleted:
     async with state.adapter_changes():
         shared = state.shared_adapters is not None and await state.shared_adapters.remove(lora_name)
