@@ -172,6 +172,9 @@ class BaseServiceSettings(BaseSettings):
                                                    "needs `Authorization: Bearer <key>` or `X-API-Key` (401 without).")
     api_keys_file: Path | None = Field(None, description="A file of API keys, one per line (# comments), besides "
                                                          "NANOVLLM_API_KEYS.")
+    voice_aliases: str = Field("", description=(
+        "Comma-separated name=voice pairs for /v1 and live sessions' `voice` (alloy=default,nova=<cached voice id>): "
+        "OpenAI's built-in names, or any, as this service's voices; unset: none (an unknown name is a 400)."))
     admin_api_keys: str | None = Field(None, description=(
         "Comma-separated API keys that alone may register and remove LoRA adapters (POST, DELETE /loras: 403 with "
         "another key), which change what every client is served and fetch files; they are API keys too. Unset: any "
@@ -189,6 +192,15 @@ class BaseServiceSettings(BaseSettings):
     def _bitrate(cls, v: int) -> int:
         if v not in MP3_BITRATES:
             raise ValueError(f"must be one of {MP3_BITRATES}")
+        return v
+
+    @field_validator("voice_aliases")
+    @classmethod
+    def _aliases(cls, v: str) -> str:
+        for pair in (p for p in v.split(",") if p.strip()):
+            name, eq, voice = pair.partition("=")
+            if not eq or not name.strip() or not voice.strip():
+                raise ValueError(f"{pair.strip()!r} is not name=voice (a cached voice's id, or default)")
         return v
 
     @field_validator("api_keys", "admin_api_keys")
@@ -277,6 +289,11 @@ class BaseServiceSettings(BaseSettings):
         start-up)."""
         return (keys_in_list(self.api_keys or "") + (keys_in_file(self.api_keys_file) if self.api_keys_file else [])
                 + self.admin_key_list())
+
+    def voice_alias_map(self) -> dict[str, str]:
+        """NANOVLLM_VOICE_ALIASES as {name: voice}."""
+        pairs = [p.partition("=") for p in self.voice_aliases.split(",") if p.strip()]
+        return {name.strip(): voice.strip() for name, _, voice in pairs}
 
     def admin_key_list(self) -> list[str]:
         return keys_in_list(self.admin_api_keys or "")

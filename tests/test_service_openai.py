@@ -30,7 +30,8 @@ EXTRA = {"max_generate_length": N, "seed": 1}
 
 @pytest.fixture(scope="module")
 def server(checkpoint_factory, tmp_path_factory):
-    with live_server(checkpoint_factory, tmp_path_factory.mktemp("svc-openai"), voice_store="memory") as s:
+    with live_server(checkpoint_factory, tmp_path_factory.mktemp("svc-openai"), voice_store="memory",
+                     voice_aliases="alloy=default") as s:
         yield s
 
 
@@ -210,6 +211,25 @@ def test_openai_shaped_errors(server):
     assert "NANOVLLM_MAX_REQUEST_BYTES" in big.json()["error"]["message"]
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
     assert native.status_code == 422 and native.json()["detail"][0]["loc"] == ["body", "target_text"]
+
+
+def test_voice_aliases_name_this_services_voices(client):
+    """NANOVLLM_VOICE_ALIASES: OpenAI's built-in names (or any) as this service's voices, so OpenAI's samples run
+    (alloy=default here); a name without one is still a 400 naming the field."""
+    def speech(voice: str) -> bytes:
+        return client.audio.speech.create(model="tts-1", voice=voice, input="Hi.", response_format="pcm",
+                                          extra_body=EXTRA).content
+
+    assert speech("alloy") == speech("default")
+    with pytest.raises(openai.BadRequestError, match="voice: unknown voice 'nova'"):
+        speech("nova")
+    from pydantic import ValidationError
+
+    from service.settings import Settings
+    assert Settings(voice_aliases=" alloy = default , nova=abc").voice_alias_map() == {"alloy": "default",
+                                                                                       "nova": "abc"}
+    with pytest.raises(ValidationError, match="'nova' is not name=voice"):
+        Settings(voice_aliases="alloy=default,nova")
 
 
 def test_voices_endpoint_lists_default_first(server):

@@ -1,9 +1,9 @@
 """OpenAI-compatible speech: POST /v1/audio/speech, GET /v1/audio/voices, GET /v1/models (and /v1/models/{model}).
 The official `openai` client works unmodified (client.audio.speech.create / with_streaming_response, models.list /
 retrieve); `voice` is "default" (zero-shot) or a cached voice's id, as a string or OpenAI's {"id": ...} (OpenAI's
-built-in voice names are unknown here: 400); `input` is spoken as written (a voice description comes in
-`instructions`); `pcm` is 24 kHz as OpenAI's unless sample_rate says otherwise; requests it cannot take as sent are
-400s, as OpenAI's."""
+built-in voice names are unknown here, 400, unless NANOVLLM_VOICE_ALIASES names them); `input` is spoken as written
+(a voice description comes in `instructions`); `pcm` is 24 kHz as OpenAI's unless sample_rate says otherwise;
+requests it cannot take as sent are 400s, as OpenAI's."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ def model_ids(state: ServiceState) -> list[str]:
 
 
 async def _voice(state: ServiceState, voice: str) -> Conditioning:
+    voice = state.settings.voice_alias_map().get(voice, voice)  # NANOVLLM_VOICE_ALIASES (OpenAI's names, ...)
     if voice == "default":
         return Conditioning()
     v = await state.store.get(voice)
