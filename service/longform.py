@@ -681,9 +681,11 @@ async def generate(state: ServiceState, route: str, text: str, cond: Conditionin
     if len(segments) <= 1 and not retry_badcase and not timings:
         if design and design_field:  # the engine would name all of the prompt's text (the description in it) `input`
             await check_segments_fit(state, segments, cond, params, design, design_field, design_only=True)
+        first, last = segments[0].start - base - len(lead), segments[0].end - base - len(lead)
+        if text[:first].strip() or text[last:].strip():  # what the segmenter left out (no words: "*" x 30,000) is
+            text = text[first:last]  # not spoken either: the whole was refused as too long where segments were not
         return await synthesis.start(state, route, design + spoken_as_written(text), cond, params, fmt, sse=sse,
-                                     lora_name=lora_name,
-                                     normalize=normalize, speed=speed, sample_rate=sample_rate)
+                                     lora_name=lora_name, normalize=normalize, speed=speed, sample_rate=sample_rate)
     # as written: a spoken form longer than that is fitted at its turn (`LongFormSpeech.fitted`)
     await check_segments_fit(state, segments, cond, params, design, design_field)
     options = LongFormOptions.from_settings(state.settings, blocking if retry_badcase is None else retry_badcase)

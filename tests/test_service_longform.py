@@ -267,6 +267,21 @@ def test_v1_input_that_starts_with_a_parenthesis_is_spoken_as_written(client):
             assert len(spans) >= 2 and spans[0][0] == 0 and spans[-1][1] == len(text)  # spoken from its first byte
 
 
+def test_one_segment_beside_text_without_words_is_spoken_as_that_segment(client, server):
+    """A text whose one spoken segment sits beside a long run without words ("*" x 30,000): the segmenter leaves that
+    run out, and so does the one-segment path (it sent the whole text: refused as too long for the model unless
+    `timings` took the segmented path); the audio is the segment's own."""
+    body = {"max_generate_length": N, "seed": 3, "response_format": "pcm"}
+    for text in ("Hello. " + "*" * 30000, "-" * 5000 + " Hello."):
+        (segment,) = split_text(text, server.settings.segment_chars)
+        alone = client.post("/generate_blocking", json={**body, "target_text": segment.text})
+        for extra in ({}, {"timings": True}):
+            r = client.post("/generate_blocking", json={**body, **extra, "target_text": text})
+            assert r.status_code == 200, (extra, r.text[:300])
+            if not extra:
+                assert r.content == alone.content
+
+
 @pytest.mark.parametrize("extra", [{}, {"timings": True}, {"retry_badcase": True}])
 @pytest.mark.parametrize("route", ["/generate", "/generate_blocking", "/generate_blocking_wav"])
 def test_a_voice_description_with_nothing_after_it_is_refused(client, route, extra):
