@@ -63,6 +63,9 @@ class _Unit:
     sentence: int = -1  # which sentence a piece of a cut one belongs to (-1: a whole sentence, or any clause)
 
 
+_BLANK_LINE = re.compile(r"\n[^\S\n]*\n")
+
+
 def _sentences(text: str, base: int = 0) -> list[_Unit]:
     """sentencex's sentences with words (`_has_words`), stripped of surrounding space; a paragraph break marks the
     sentence before it."""
@@ -87,6 +90,10 @@ def _sentences(text: str, base: int = 0) -> list[_Unit]:
             units.append(_Unit(base + s + lead, base + e - trail, "sentence"))
         if "\n\n" in piece[len(piece.rstrip()):] and units:
             units[-1].pause = "paragraph"
+    # a blank line holding spaces or tabs is one too ("\n \n", "\r\n\t\r\n")
+    for before, after in zip(units, units[1:], strict=False):
+        if _BLANK_LINE.search(text, before.end - base, after.start - base):
+            before.pause = "paragraph"
     return units
 
 

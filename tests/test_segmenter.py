@@ -215,3 +215,16 @@ def test_live_text_without_words_does_not_pile_up_to_be_read_at_every_message():
     buffered = live.buffer
     assert live.feed("") == [] and live.buffer == buffered
     assert [s.text for s in live.feed("Hello there. How")] == ["Hello there."]
+
+
+@pytest.mark.parametrize("blank", ["\n\n", "\n \n", "\r\n \r\n", "\n\t\n", "\n  \t \n\n"])
+def test_a_blank_line_with_spaces_is_a_paragraph_break(blank):
+    """A blank line that holds spaces or tabs (or a Windows line end) breaks the paragraph as an empty one does: the
+    two paragraphs were packed into one segment without a pause, and the live path paused for a sentence."""
+    first, second = "First paragraph, sentence one. Sentence two.", "Second paragraph here. And more."
+    segments = split_text(first + blank + second, 250)
+    assert [s.text for s in segments] == [first, second] and segments[0].pause == "paragraph"
+    live = LiveSegmenter(250)
+    spoken = live.feed(first + blank + second) + live.done()
+    (end_of_first,) = [s for s in spoken if s.text.endswith("Sentence two.")]  # live segments are sentences
+    assert end_of_first.pause == "paragraph", spoken
