@@ -37,6 +37,18 @@ _HAN = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 _CJK = r"\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef"
 _NON_CJK_STRETCH = re.compile(f"[^{_CJK}]+")
 _LATIN_WORD = re.compile(r"[A-Za-z]+")
+_LATIN_LETTER = re.compile(r"[A-Za-z\u00c0-\u024f]")
+_KANA = re.compile(r"[\u3040-\u30ff\u31f0-\u31ff\uff66-\uff9f]")
+
+
+def _other_language(run: str) -> bool:
+    """A run of another script than the grammars' (Japanese kana, Hangul, Cyrillic, Greek, Arabic, ...): left as
+    written ("У меня 3 яблока" read "У меня three яблока"). Latin-script languages cannot be told from English here."""
+    if _KANA.search(run):
+        return True
+    letters = [c for c in run if c.isalpha() and not _HAN.match(c)]
+    latin = sum(1 for c in letters if _LATIN_LETTER.match(c))
+    return len(letters) - latin > latin
 
 
 def _split_words(words: str) -> list[str]:
@@ -77,6 +89,9 @@ def normalize(text: str) -> str:
     for run, lang in (r for chunk in _chunks(text) for r in _runs(chunk)):
         core = " ".join(run.split())  # as the engine reads it; wetext fails on runs of spaces
         if not core:
+            out.append(run)
+            continue
+        if _other_language(core):
             out.append(run)
             continue
         lead, trail = run[:len(run) - len(run.lstrip())], run[len(run.rstrip()):]

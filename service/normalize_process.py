@@ -20,11 +20,17 @@ from service.normalize import load
 log = logging.getLogger(__name__)
 
 
-class NormalizeProcess:
-    """`await normalizer(normalize, text)`: `normalize` (or `normalize_target`) of `text` in the child."""
+TIMEOUT_S = 10.0  # a segment's normalisation takes well under a second (docs/normalization.md)
 
-    def __init__(self) -> None:
+
+class NormalizeProcess:
+    """`await normalizer(normalize, text)`: `normalize` (or `normalize_target`) of `text` in the child; a child that
+    does not answer within `timeout_s` (wedged) is killed and the text spoken as written, as where a grammar fails
+    (it held every normalising request of the process for good)."""
+
+    def __init__(self, timeout_s: float = TIMEOUT_S) -> None:
         self._pool: ProcessPoolExecutor | None = None
+        self.timeout_s = timeout_s
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:  # spawned, not forked: this process runs threads; the child loads the grammars first
@@ -32,13 +38,30 @@ class NormalizeProcess:
         return self._pool
 
     async def __call__(self, fn: Callable[[str], str], text: str) -> str:
-        loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._executor(), fn, text)
-        except BrokenProcessPool:  # the child died (killed, out of memory): a new one, and one more try
-            log.warning("the normalisation process died: starting another")
-            self.close()
-            return await loop.run_in_executor(self._executor(), fn, text)
+            try:
+                return await self._call(fn, text)
+            except BrokenProcessPool:  # the child died (killed, out of memory): a new one, and one more try
+                log.warning("the normalisation process died: starting another")
+                self.close()
+                return await self._call(fn, text)
+        except asyncio.TimeoutError:
+            log.warning("the normalisation process gave no answer in %g s: killed; %d characters spoken as written",
+                        self.timeout_s, len(text))
+            self._kill()
+            return text
+
+    async def _call(self, fn: Callable[[str], str], text: str) -> str:
+        call = asyncio.get_running_loop().run_in_executor(self._executor(), fn, text)
+        return await asyncio.wait_for(call, self.timeout_s)
+
+    def _kill(self) -> None:
+        """Kill the child (a wedged one would never take its next call) and forget it: the next call starts one."""
+        if self._pool is not None:
+            for proc in list((self._pool._processes or {}).values()):  # the executor has no public kill
+                proc.kill()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def close(self) -> None:
         """Stop the child (after the call it is making, at most a segment's normalisation); waited for, so that the

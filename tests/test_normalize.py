@@ -229,6 +229,9 @@ def test_normalize_true_speaks_the_words(client, route, field, extra):
     ("٣ apples", "٣ apples"),  # digits of other scripts are left as written
     ("x " * 400, "x " * 400),  # long text without punctuation is cut between words, never failed
     ("x" * 450, "x" * 450),  # a word longer than a piece is cut every 200 characters (the grammar's cost grows faster)
+    # other scripts are left as written (the English grammar read "У меня three яблока", "three개가")
+    ("У меня 3 яблока.", "У меня 3 яблока."), ("مرحبا 123 بالعالم", "مرحبا 123 بالعالم"),
+    ("저는 사과 3개가 있어요.", "저는 사과 3개가 있어요."), ("りんごが3つあります。", "りんごが3つあります。"),
 ])
 def test_odd_input_is_spoken_or_kept_never_failed(written, spoken):
     assert normalize(written) == spoken
@@ -269,3 +272,33 @@ def test_the_normalisation_process_gives_normalize_and_outlives_its_child():
         normalizer.close()
     assert first == "(calm)I paid three dollars and fifty cents." and again == "I have three apples."
     assert child != os.getpid() and replaced != child
+
+
+def test_a_wedged_normalisation_process_is_killed_and_the_text_spoken_as_written():
+    """A child that gives no answer (stopped here) held every normalising request of its API process for good: past
+    the deadline it is killed, the text is spoken as written (as where a grammar fails), and the next call has a
+    new child."""
+    import asyncio
+    import os
+    import signal
+
+    import psutil
+
+    from service.normalize_process import NormalizeProcess
+
+    normalizer = NormalizeProcess(timeout_s=2.0)
+
+    async def calls() -> tuple[str, str, int]:
+        await normalizer(normalize, "I have 3 apples.")  # the child is up
+        child = next(iter(normalizer._pool._processes))
+        os.kill(child, signal.SIGSTOP)
+        wedged = await normalizer(normalize, "I have 4 pears.")
+        again = await normalizer(normalize, "I have 5 plums.")
+        return wedged, again, child
+
+    try:
+        wedged, again, child = asyncio.run(calls())
+    finally:
+        normalizer.close()
+    assert wedged == "I have 4 pears." and again == "I have five plums."
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
