@@ -183,6 +183,13 @@ _CURRENCY = {"$": ("dollar", "dollars", "cent", "cents"), "€": ("euro", "euros
 _SYMBOL = f"[{re.escape(''.join(_CURRENCY))}]"  # one currency symbol of the table
 _MONEY = re.compile(rf"(?<![\w.])({_SYMBOL})\s?(\d{{1,3}}(?:,\d{{3}})+|\d+)(?:\.(\d{{1,2}}))?(?!\.?\d)"
                     r"(?:\s?(thousand|million|billion|trillion)\b)?", re.ASCII)
+# an amount's magnitude as a letter ($1.2B, $5M, $3K, $2.5bn): the word the amount's rule reads ("1.2B" was
+# "one dollar and twenty centsB")
+_MONEY_MAGNITUDE = re.compile(rf"((?<![\w.]){_SYMBOL}\s?\d+(?:\.\d+)?)\s?(K|k|M|MM|mn|B|bn|T|tn)\b")
+_MAGNITUDES = {"K": "thousand", "k": "thousand", "M": "million", "MM": "million", "mn": "million", "B": "billion",
+               "bn": "billion", "T": "trillion", "tn": "trillion"}
+# "m" after a number is the metre (SI; minutes are "min"): the grammar read "1.8 m" as "one point eight minutes"
+_METRES = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)\s?m(/s)?(?![\w/])", re.ASCII)
 _SIGNED_CURRENCY = re.compile(rf"(?<![\w.])({_SYMBOL})(-)(?=\d)")  # then swapped: (sign)(symbol)
 # digits grouped in threes by a no-break, narrow no-break or thin space (a plain space may part two numbers)
 _SPACED_THOUSANDS = re.compile(r"(?<![\d.,])\d{1,3}(?:[\u00a0\u202f\u2009]\d{3})+(?![\d]|[.,]\d{3})")
@@ -311,6 +318,11 @@ def _dotted(m: re.Match[str]) -> str:
     return lead + " dot ".join(_words(p) for p in m.group().split("."))
 
 
+def _metres(m: re.Match) -> str:
+    unit = "metre" if m.group(1) == "1" else "metres"
+    return f"{m.group(1)} {unit} per second" if m.group(2) else f"{m.group(1)} {unit}"
+
+
 def _english(grammar: Any, text: str) -> str:
     text = text.replace("\u2212", "-")  # the minus sign: the grammar reads only the hyphen-minus
     text = _SIGNED_CURRENCY.sub(r"\2\1", text)  # $-3.50: -$3.50
@@ -318,7 +330,9 @@ def _english(grammar: Any, text: str) -> str:
     text = _CENTS.sub(lambda m: f"{m.group(1)} {'cent' if m.group(1) == '1' else 'cents'}", text)
     text = _PLUS.sub("plus ", text)
     text = _INTL_PHONE.sub(_phone_en, text)
+    text = _MONEY_MAGNITUDE.sub(lambda m: f"{m.group(1)} {_MAGNITUDES[m.group(2)]}", text)
     text = _MONEY.sub(_money, text)
+    text = _METRES.sub(_metres, text)
     text = _DECADE.sub(_decade, text)
     text = _DOTTED.sub(_dotted, text)
     text = _ONE_THOUSAND.sub(_one_thousand, text)

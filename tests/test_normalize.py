@@ -85,6 +85,11 @@ CASES = [
     # mixed: an English phrase inside Chinese is read in English, a lone number by the Chinese grammar
     ("他说：I have 3 apples and $5.", "他说：I have three apples and five dollars."),
     ("我喜欢 New York 的 3 个公园", "我喜欢 New York 的 三个公园"),
+    # an amount's magnitude as a letter, and the metre ("one dollar and twenty centsB", "one point eight minutes")
+    ("Revenue of $1.2B.", "Revenue of one point two billion dollars."), ("$5M budget", "five million dollars budget"),
+    ("$2.5bn deal", "two point five billion dollars deal"), ("$3K bonus", "three thousand dollars bonus"),
+    ("He is 1.8 m tall.", "He is one point eight metres tall."), ("100m race", "one hundred metres race"),
+    ("30 m/s", "thirty metres per second"), ("1 m", "one metre"), ("5 min late", "five minutes late"),
 ]
 
 
