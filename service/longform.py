@@ -671,6 +671,10 @@ async def generate(state: ServiceState, route: str, text: str, cond: Conditionin
         description = lead.strip() or design
         raise HTTPException(422, f"{field}: nothing to speak after the voice description {description!r}"
                             if description else f"{field}: nothing to speak (no letter or digit)")
+    if timings and not blocking and not sse:
+        raise HTTPException(422, "timings: a streamed response has no place for them (its headers go before the "
+                                 "audio): ask a blocking route (the X-Segment-Timings header), or /v1/audio/speech "
+                                 "with stream_format 'sse' (a speech.segment event for each segment)")
     if timings and blocking and len(segments) > MAX_HEADER_TIMINGS:
         raise HTTPException(422, f"timings: the text is {len(segments)} segments, more than the X-Segment-Timings "
                                  f"header holds ({MAX_HEADER_TIMINGS}, ~{MAX_HEADER_TIMINGS * 110 // 1024} KiB); "

@@ -282,6 +282,17 @@ def test_one_segment_beside_text_without_words_is_spoken_as_that_segment(client,
                 assert r.content == alone.content
 
 
+@pytest.mark.parametrize(("route", "extra"), [("/generate", {"target_text": "Hi. There."}),
+                                              ("/v1/audio/speech", {"model": "tts-1", "input": "Hi. There."})])
+def test_timings_on_a_streamed_response_are_refused_naming_where_they_come(client, route, extra):
+    """A streamed response cannot carry timings (its headers go before the audio): 422 saying where they come (they
+    were dropped without a word, the text spoken as segments all the same)."""
+    r = client.post(route, json={**extra, "timings": True, "max_generate_length": N, "response_format": "pcm"})
+    assert r.status_code in (400, 422), r.text  # /v1: OpenAI's 400
+    message = r.json()["detail"] if route == "/generate" else r.json()["error"]["message"]
+    assert message.startswith("timings: a streamed response has no place for them") and "sse" in message, message
+
+
 @pytest.mark.parametrize("extra", [{}, {"timings": True}, {"retry_badcase": True}])
 @pytest.mark.parametrize("route", ["/generate", "/generate_blocking", "/generate_blocking_wav"])
 def test_a_voice_description_with_nothing_after_it_is_refused(client, route, extra):
@@ -497,7 +508,7 @@ def test_a_normalised_segment_with_no_room_is_spoken_as_written_and_the_written_
     assert r.status_code == 200, r.text
     assert [t["finish_reason"] for t in json.loads(r.headers["X-Segment-Timings"])] == ["length", "length"]
     assert np.array_equal(pcm(r), pcm(fit_client.post("/generate_blocking", json=body)))
-    r = fit_client.post("/generate", json={**body, "normalize": True, "max_generate_length": 400})
+    r = fit_client.post("/generate", json={**body, "timings": False, "normalize": True, "max_generate_length": 400})
     assert r.status_code == 422 and r.json()["detail"].startswith(
         "max_generate_length: segment 2 of 2 (characters 5-"), r.text
 
