@@ -24,6 +24,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -39,7 +40,6 @@ from engine.io.lora import CONFIG_FILE, CONFIG_MAX_BYTES, WEIGHT_FILES, sha256_o
 
 log = logging.getLogger(__name__)
 SCHEMES = ("file", "https", "http", "s3", "hf")
-DOWNLOAD_TIMEOUT = httpx.Timeout(30.0, read=60.0)
 MAX_REDIRECTS = 5
 # downloads wait on one another here, never on the threads the event loop lends its other blocking calls (the voice
 # store's, /info's): six slow adapter servers held all of those
@@ -88,7 +88,13 @@ class FetchLimits:
 
     def refusal(self, url: str) -> str | None:
         """Why an http(s) URL may not be fetched (None: it may)."""
-        if self.url_prefixes is None or any(_under(url, prefix) for prefix in self.url_prefixes):
+        if self.url_prefixes is None:
+            return None
+        path = urlparse(url).path
+        if any(seg in (".", "..") for seg in unquote(path).split("/")) or re.search(r"%2f|%5c|\\", path, re.I):
+            # what the check reads must be what is fetched: a client resolves "/adapters/../internal" first
+            return f"{url} holds a dot segment or an encoded slash"
+        if any(_under(url, prefix) for prefix in self.url_prefixes):
             return None
         if not self.url_prefixes:
             return "http(s) adapters are not accepted here (NANOVLLM_LORA_URL_PREFIXES is unset); give s3:// or hf://"
@@ -150,7 +156,8 @@ def _http_get(url: str, target: Path, limits: FetchLimits, max_bytes: int) -> No
     def write(part: Path) -> None:
         here = url
         try:
-            with httpx.Client(timeout=DOWNLOAD_TIMEOUT, follow_redirects=False) as client:
+            timeout = httpx.Timeout(30.0, read=min(60.0, limits.timeout_s))
+            with httpx.Client(timeout=timeout, follow_redirects=False) as client:
                 for _ in range(MAX_REDIRECTS + 1):
                     with client.stream("GET", here) as r:
                         if r.is_redirect and "location" in r.headers:
@@ -179,7 +186,7 @@ def _copy_within(r: httpx.Response, part: Path, url: str, max_bytes: int, deadli
         raise AdapterSourceError(f"{url} is {declared} bytes, more than NANOVLLM_LORA_MAX_BYTES ({max_bytes})")
     written = 0
     with open(part, "wb") as f:
-        for chunk in r.iter_bytes(1 << 20):
+        for chunk in r.iter_bytes():  # as each read arrives: the deadline is checked at least every read timeout
             written += len(chunk)
             if written > max_bytes:
                 raise AdapterSourceError(f"{url} is more than NANOVLLM_LORA_MAX_BYTES ({max_bytes} bytes)")
@@ -290,6 +297,7 @@ def fetch_adapter(uri: str, cache_dir: Path, sha256: str | None = None, endpoint
             file = weights_file(local)
         except ValueError as e:
             raise AdapterSourceError(f"{e}") from e
+        _check_digest(file, sha256)
     else:
         names, fetch = _remote(uri, endpoints, limits)
         # One directory per URI and digest: a URI registered again with a new digest is fetched beside the old copy,
@@ -303,22 +311,34 @@ def fetch_adapter(uri: str, cache_dir: Path, sha256: str | None = None, endpoint
             file = None
         if file is None:
             log.info("downloading the LoRA adapter %r", uri)  # as a literal: a caller's URI may hold line breaks
-            for i, name in enumerate(names):
-                try:
-                    fetch(name, local / name, limits.max_bytes)
-                except NotThere:
-                    if i + 1 < len(names):
-                        continue  # the next weights format
-                    raise
-                file = local / name
-                break
-            assert file is not None
             try:
-                fetch(CONFIG_FILE, local / CONFIG_FILE, CONFIG_MAX_BYTES)
-            except NotThere as e:  # the official loader's default config then applies
-                log.warning("no %s beside the adapter (%s)", CONFIG_FILE, e)
+                file = _download(names, fetch, local, limits)
+                _check_digest(file, sha256)
+            except AdapterSourceError:  # refused (a limit, the digest): nothing of it stays on disk
+                shutil.rmtree(local, ignore_errors=True)
+                raise
+    return local if local.is_dir() else file
+
+
+def _download(names: list[str], fetch: Callable[[str, Path, int], None], local: Path, limits: FetchLimits) -> Path:
+    """The weights (the first of `names` the source has) and the config beside them into `local`."""
+    for i, name in enumerate(names):
+        try:
+            fetch(name, local / name, limits.max_bytes)
+        except NotThere:
+            if i + 1 < len(names):
+                continue  # the next weights format
+            raise
+        break
+    try:
+        fetch(CONFIG_FILE, local / CONFIG_FILE, CONFIG_MAX_BYTES)
+    except NotThere as e:  # the official loader's default config then applies
+        log.warning("no %s beside the adapter (%s)", CONFIG_FILE, e)
+    return local / name
+
+
+def _check_digest(file: Path, sha256: str | None) -> None:
     if sha256:
         got = sha256_of(file)
         if got != sha256.lower():
             raise AdapterSourceError(f"{file} has SHA-256 {got}, expected {sha256.lower()}", "sha256")
-    return local if local.is_dir() else file

@@ -256,8 +256,52 @@ def test_a_callers_download_stays_within_its_limits(adapter, tmp_path):
     good = FetchLimits(("https://good.example/adapters/",))  # a look-alike host, a user part: other hosts
     assert good.refusal("https://good.example/adapters/a/lora_weights.safetensors") is None
     for url in ("https://good.example.evil.net/adapters/x.safetensors", "https://x@good.example/adapters/x.safetensors",
-                "http://good.example/adapters/x.safetensors"):
+                "http://good.example/adapters/x.safetensors",
+                # dot segments and encoded slashes: a client resolves them before it asks (they passed the check)
+                "https://good.example/adapters/../internal/x.safetensors",
+                "https://good.example/adapters/%2e%2e/internal/x.safetensors",
+                "https://good.example/adapters/..%2Fsecret/x.safetensors"):
         assert good.refusal(url) is not None, url
+
+
+def test_a_refused_download_leaves_nothing_and_a_trickle_meets_its_deadline(adapter, tmp_path):
+    """A download refused for its digest (or a limit) is removed: each wrong digest left its copy (the cache is one
+    directory per digest); a source that sends a byte at a time is cut at NANOVLLM_LORA_FETCH_TIMEOUT_S (the
+    deadline was checked once a MiB)."""
+    from service.lora_source import FetchLimits
+
+    body = (adapter / "lora_weights.safetensors").read_bytes()
+    server, url = serve(type("Whole", (BaseHTTPRequestHandler,), {
+        "do_GET": lambda self: _answer(self, body), "log_message": lambda self, *a: None}))
+    release = threading.Event()
+
+    class Trickle(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(1 << 20))
+            self.end_headers()
+            while not release.wait(0.2):
+                self.wfile.write(b"\0")
+                self.wfile.flush()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    trickle, trickle_url = serve(Trickle)
+    try:
+        for wrong in ("0" * 64, "1" * 64, "2" * 64):
+            with pytest.raises(AdapterSourceError, match="has SHA-256"):
+                fetch_adapter(f"{url}/v/lora_weights.safetensors", tmp_path, wrong)
+        assert not [p for p in (tmp_path / "lora").rglob("*") if p.is_file()]
+        started = time.monotonic()
+        with pytest.raises(AdapterSourceError, match="took more than NANOVLLM_LORA_FETCH_TIMEOUT_S"):
+            fetch_adapter(f"{trickle_url}/v/lora_weights.safetensors", tmp_path, limits=FetchLimits(timeout_s=1.0))
+        assert time.monotonic() - started < 5
+    finally:
+        release.set()
+        server.shutdown()
+        trickle.shutdown()
+        trickle.server_close()
 
 
 def _answer(handler: BaseHTTPRequestHandler, body: bytes, location: str | None = None) -> None:
