@@ -592,9 +592,10 @@ async def check_segments_fit(state: ServiceState, segments: list[Segment], cond:
     # Each text and the transcript counted apart, their sum the estimate: counting each segment with the transcript
     # cost segments x transcript (3,333 paragraphs and a 20,000-character transcript took 10 GB). Where the estimate
     # is near the limit, or over it (the message gives the counts), the segment is counted as the engine counts it.
-    alone = [*texts, *([design] if described else []), *([cond.prompt_text] if continuation else [])]
+    alone = [*texts, *([design] if described else [])]
     tokens = await asyncio.to_thread(text_tokens_many, tokenizer, [(t, "", False) for t in alone])
-    transcript = tokens.pop() if continuation else ([], None)
+    # the transcript as the engine reads it, not as a target text (white space collapsed: 100-300 tokens fewer)
+    transcript = (await asyncio.to_thread(tokenizer.encode_many, [cond.prompt_text]))[0] if continuation else []
     design_ids = tokens.pop() if described else ([], None)
     design_tokens = 0 if isinstance(design_ids, Exception) else len(design_ids[0])
     voice = SynthesisRequest("", cond.prompt_text, cond.prompt_latents, None, cond.ref_latents, params)
@@ -603,7 +604,7 @@ async def check_segments_fit(state: ServiceState, segments: list[Segment], cond:
         if isinstance(ids, Exception):  # a text the tokenizer refuses: the engine refuses it, naming the field
             continue
         if continuation and not isinstance(transcript, Exception):
-            estimate = positions_of(state, voice, len(ids[0]), len(transcript[0]) + len(ids[0]))
+            estimate = positions_of(state, voice, len(ids[0]), len(transcript) + len(ids[0]))
             if estimate.fits(limit - ESTIMATE_SLACK):
                 continue
         if continuation:

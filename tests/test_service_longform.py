@@ -453,6 +453,27 @@ def test_many_segments_with_a_long_transcript_are_checked_at_the_cost_of_the_req
     assert sum(tokenized) < 3 * (len(text) + len(transcript)), tokenized
 
 
+def test_a_transcript_of_many_lines_is_counted_as_the_engine_reads_it(fit_client, fit_server):
+    """The fit check counts the voice's transcript as the engine reads it, white space and all: counted as a target
+    text (white space collapsed) it came out 100-300 tokens short, and a segment that cannot fit went to the engine,
+    refused there instead of before any audio."""
+    tok = fit_server.state.pool.client.tokenizer
+    text, g, patches = "Hi.\n\nThere.", 5, 2
+    target = tokens(fit_server, "There.")
+    for lines in range(10, 400):  # raw over the limit, collapsed well under it
+        transcript = "Hi  there ,  you .\n" * lines
+        raw, collapsed = len(tok.encode(transcript)), len(tok.encode(" ".join(transcript.split())))
+        need = target + 1 + patches + cap(target, g)
+        if raw + need > FIT_LEN and collapsed + need < FIT_LEN - 40:
+            break
+    else:
+        pytest.skip("this tokenizer reads white space as the words around it")
+    r = fit_client.post("/generate_blocking", json={"target_text": text, "prompt_text": transcript, "timings": True,
+                                                    "prompt_latents_base64": latents_b64(fit_server, patches, seed=4),
+                                                    "max_generate_length": g, "response_format": "pcm"})
+    assert r.status_code == 422 and "segment 1 of 2" in r.json()["detail"], r.text
+
+
 @pytest.mark.parametrize(("route", "text_field", "extra"), [("/generate", "target_text", {}),
                                                             ("/v1/audio/speech", "input", {"model": "tts-1"})])
 def test_a_segment_that_cannot_fit_is_refused_before_any_audio(fit_client, fit_server, route, text_field, extra):
