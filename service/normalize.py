@@ -37,16 +37,15 @@ _HAN = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 _CJK = r"\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef"
 _NON_CJK_STRETCH = re.compile(f"[^{_CJK}]+")
 _LATIN_WORD = re.compile(r"[A-Za-z]+")
-_LATIN_LETTER = re.compile(r"[A-Za-z\u00c0-\u024f]")
-_KANA = re.compile(r"[\u3040-\u30ff\u31f0-\u31ff\uff66-\uff9f]")
+_LATIN_LETTER = re.compile(r"[A-Za-z\u00c0-\u024f\uff21-\uff3a\uff41-\uff5a]")  # full-width Latin too
+# kana, without the middle dot and the long-vowel mark that Chinese writes too (迈克尔・杰克逊)
+_KANA = re.compile(r"[\u3040-\u30fa\u30fd-\u30ff\u31f0-\u31ff\uff66-\uff9f]")
 
 
-def _other_language(run: str) -> bool:
-    """A run of another script than the grammars' (Japanese kana, Hangul, Cyrillic, Greek, Arabic, ...): left as
-    written ("У меня 3 яблока" read "У меня three яблока"). Latin-script languages cannot be told from English here."""
-    if _KANA.search(run):
-        return True
-    letters = [c for c in run if c.isalpha() and not _HAN.match(c)]
+def _other_script(run: str) -> bool:
+    """An English run of another script than the grammars' (Hangul, Cyrillic, Greek, Arabic, ...): left as written
+    ("У меня 3 яблока" read "У меня three яблока"). Latin-script languages cannot be told from English here."""
+    letters = [c for c in run if c.isalpha()]
     latin = sum(1 for c in letters if _LATIN_LETTER.match(c))
     return len(letters) - latin > latin
 
@@ -86,12 +85,14 @@ def normalize(text: str) -> str:
     # 10 000 (SI style) before white space is collapsed (the no-break spaces with the rest)
     text = _SPACED_THOUSANDS.sub(lambda m: re.sub(r"\D", "", m.group()), text)
     out = []
+    if _KANA.search(text):  # Japanese: neither grammar's (the Chinese one read its digits as Chinese)
+        return text
     for run, lang in (r for chunk in _chunks(text) for r in _runs(chunk)):
         core = " ".join(run.split())  # as the engine reads it; wetext fails on runs of spaces
         if not core:
             out.append(run)
             continue
-        if _other_language(core):
+        if lang == "en" and _other_script(core):
             out.append(run)
             continue
         lead, trail = run[:len(run) - len(run.lstrip())], run[len(run.rstrip()):]
@@ -185,11 +186,12 @@ _MONEY = re.compile(rf"(?<![\w.])({_SYMBOL})\s?(\d{{1,3}}(?:,\d{{3}})+|\d+)(?:\.
                     r"(?:\s?(thousand|million|billion|trillion)\b)?", re.ASCII)
 # an amount's magnitude as a letter ($1.2B, $5M, $3K, $2.5bn): the word the amount's rule reads ("1.2B" was
 # "one dollar and twenty centsB")
-_MONEY_MAGNITUDE = re.compile(rf"((?<![\w.]){_SYMBOL}\s?\d+(?:\.\d+)?)\s?(K|k|M|MM|mn|B|bn|T|tn)\b")
+_MONEY_MAGNITUDE = re.compile(rf"((?<![\w.]){_SYMBOL}\s?\d+(?:\.\d+)?)(?:(K|k|M|B|T)|\s?(MM|mn|bn|tn))"
+                              r"(?![\w&'’-])")
 _MAGNITUDES = {"K": "thousand", "k": "thousand", "M": "million", "MM": "million", "mn": "million", "B": "billion",
                "bn": "billion", "T": "trillion", "tn": "trillion"}
 # "m" after a number is the metre (SI; minutes are "min"): the grammar read "1.8 m" as "one point eight minutes"
-_METRES = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)\s?m(/s)?(?![\w/])", re.ASCII)
+_METRES = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)\s?m(/s)?(?![\w/²³^])")
 _SIGNED_CURRENCY = re.compile(rf"(?<![\w.])({_SYMBOL})(-)(?=\d)")  # then swapped: (sign)(symbol)
 # digits grouped in threes by a no-break, narrow no-break or thin space (a plain space may part two numbers)
 _SPACED_THOUSANDS = re.compile(r"(?<![\d.,])\d{1,3}(?:[\u00a0\u202f\u2009]\d{3})+(?![\d]|[.,]\d{3})")
@@ -330,7 +332,7 @@ def _english(grammar: Any, text: str) -> str:
     text = _CENTS.sub(lambda m: f"{m.group(1)} {'cent' if m.group(1) == '1' else 'cents'}", text)
     text = _PLUS.sub("plus ", text)
     text = _INTL_PHONE.sub(_phone_en, text)
-    text = _MONEY_MAGNITUDE.sub(lambda m: f"{m.group(1)} {_MAGNITUDES[m.group(2)]}", text)
+    text = _MONEY_MAGNITUDE.sub(lambda m: f"{m.group(1)} {_MAGNITUDES[m.group(2) or m.group(3)]}", text)
     text = _MONEY.sub(_money, text)
     text = _METRES.sub(_metres, text)
     text = _DECADE.sub(_decade, text)

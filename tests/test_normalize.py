@@ -90,6 +90,10 @@ CASES = [
     ("$2.5bn deal", "two point five billion dollars deal"), ("$3K bonus", "three thousand dollars bonus"),
     ("He is 1.8 m tall.", "He is one point eight metres tall."), ("100m race", "one hundred metres race"),
     ("30 m/s", "thirty metres per second"), ("1 m", "one metre"), ("5 min late", "five minutes late"),
+    # not a magnitude, not the metre; Chinese with a middle dot or full-width capitals (left unread a while)
+    ("A $10 T-shirt.", "A ten dollars T-shirt."), ("$5 K-cup", "five dollars K-cup"), ("50 m²", "fifty square meters"),
+    ("迈克尔・杰克逊在2009年去世，享年50岁。", "迈克尔・杰克逊在二零零九年去世，享年五十岁。"),
+    ("第3季度ＧＤＰ增长5%。", "第三季度ＧＤＰ增长百分之五。"),
 ]
 
 
