@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 
 TIMEOUT_S = 10.0  # a segment's normalisation takes well under a second (docs/normalization.md)
+START_S = 120.0  # more for a new child's first call: spawned, it loads the grammars (1.7 s warm, a cold disk more)
 
 
 class NormalizeProcess:
@@ -31,6 +32,10 @@ class NormalizeProcess:
     def __init__(self, timeout_s: float = TIMEOUT_S) -> None:
         self._pool: ProcessPoolExecutor | None = None
         self.timeout_s = timeout_s
+        # one call in the child at a time, the rest waiting here: the deadline is then the call's own work, not its
+        # wait behind others (queued in the executor, healthy calls timed out and killed a healthy child)
+        self._turn = asyncio.Lock()
+        self._fresh = True  # the next call is a new child's first
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:  # spawned, not forked: this process runs threads; the child loads the grammars first
@@ -38,22 +43,25 @@ class NormalizeProcess:
         return self._pool
 
     async def __call__(self, fn: Callable[[str], str], text: str) -> str:
-        try:
+        async with self._turn:
             try:
-                return await self._call(fn, text)
-            except BrokenProcessPool:  # the child died (killed, out of memory): a new one, and one more try
-                log.warning("the normalisation process died: starting another")
-                self.close()
-                return await self._call(fn, text)
-        except asyncio.TimeoutError:
-            log.warning("the normalisation process gave no answer in %g s: killed; %d characters spoken as written",
-                        self.timeout_s, len(text))
-            self._kill()
-            return text
+                try:
+                    return await self._call(fn, text)
+                except BrokenProcessPool:  # the child died (killed, out of memory): a new one, and one more try
+                    log.warning("the normalisation process died: starting another")
+                    self._kill()  # not `close`: its wait for the executor would stall this event loop
+                    return await self._call(fn, text)
+            except asyncio.TimeoutError:
+                log.warning("the normalisation process gave no answer in %g s: killed; %d characters spoken as "
+                            "written", self.timeout_s, len(text))
+                self._kill()
+                return text
 
     async def _call(self, fn: Callable[[str], str], text: str) -> str:
         call = asyncio.get_running_loop().run_in_executor(self._executor(), fn, text)
-        return await asyncio.wait_for(call, self.timeout_s)
+        out = await asyncio.wait_for(call, self.timeout_s + (START_S if self._fresh else 0.0))
+        self._fresh = False
+        return out
 
     def _kill(self) -> None:
         """Kill the child (a wedged one would never take its next call) and forget it: the next call starts one."""
@@ -62,6 +70,7 @@ class NormalizeProcess:
                 proc.kill()
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+            self._fresh = True
 
     def close(self) -> None:
         """Stop the child (after the call it is making, at most a segment's normalisation); waited for, so that the
@@ -69,3 +78,4 @@ class NormalizeProcess:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+            self._fresh = True

@@ -311,3 +311,31 @@ def test_a_wedged_normalisation_process_is_killed_and_the_text_spoken_as_written
         normalizer.close()
     assert wedged == "I have 4 pears." and again == "I have five plums."
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+def _slow_normalize(text: str) -> str:
+    """`normalize`, taking 0.8 s more (in the normalisation child)."""
+    import time
+
+    time.sleep(0.8)
+    return normalize(text)
+
+
+def test_calls_queued_behind_others_are_not_timed_out():
+    """The deadline is a call's own work: six healthy 0.8 s calls at once with a 2.5 s deadline are each normalised
+    (timed from their queueing, the later ones came back as written and the healthy child was killed)."""
+    import asyncio
+
+    from service.normalize_process import NormalizeProcess
+
+    normalizer = NormalizeProcess(timeout_s=2.5)
+
+    async def calls() -> list[str]:
+        await normalizer(_slow_normalize, "warm up 1")  # the child imports this module once
+        return await asyncio.gather(*(normalizer(_slow_normalize, f"I have {i} apples.") for i in range(2, 8)))
+
+    try:
+        spoken = asyncio.run(calls())
+    finally:
+        normalizer.close()
+    assert spoken == [f"I have {w} apples." for w in ("two", "three", "four", "five", "six", "seven")]
