@@ -8,9 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import HTTPException, Request
@@ -119,26 +118,22 @@ class ClientStalled(Exception):
 
 class IntendedCutOffs(logging.Filter):
     """uvicorn logs every response left unterminated as a nameless ERROR. The service leaves one so on purpose (a
-    stream the engine broke off, a client that stalled), each logged as a warning naming it: one such line within a
-    second of each is dropped, and any other still shows."""
+    stream the engine broke off, a client that stalled), each logged as a warning naming it: that response's own
+    line is dropped, and any other still shows. uvicorn logs it in the request's task as the app returns, so the
+    mark is a context variable of that task (a time window also hid another response's line when uvicorn, its
+    client gone, logged none)."""
 
     MESSAGE = "ASGI callable returned without completing response"
 
     def __init__(self) -> None:
         super().__init__()
-        self.expected: deque[float] = deque()  # until when each intended cut-off's line is due
+        self.marked: ContextVar[bool] = ContextVar("voxcpm_cut_off_on_purpose", default=False)
 
     def expect(self) -> None:
-        self.expected.append(time.monotonic() + 1.0)
+        self.marked.set(True)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        now = time.monotonic()
-        while self.expected and self.expected[0] < now:
-            self.expected.popleft()
-        if self.expected and record.getMessage().startswith(self.MESSAGE):
-            self.expected.popleft()
-            return False
-        return True
+        return not (self.marked.get() and record.getMessage().startswith(self.MESSAGE))
 
 
 CUT_OFFS = IntendedCutOffs()  # on the "uvicorn.error" logger (service.app)
