@@ -213,7 +213,8 @@ class LongFormFields(BaseModel):
                                                          "holds back each segment until it is done).")
     timings: bool = Field(False, description="Per-segment timings (index, offsets into the text, start_s, "
                                              "duration_s): the X-Segment-Timings header on whole responses; "
-                                             "stream_format=sse sends speech.segment events for every split text.")
+                                             "stream_format=sse sends speech.segment events; a streamed response "
+                                             "without SSE has no place for them (422).")
     split_granularity: Literal["sentence", "clause"] = Field(
         "sentence", description="Where a long text's segments may end: whole sentences (a longer one cut at "
                                 "clauses, then spaces), or any clause.")
