@@ -560,7 +560,7 @@ async def start(state: ServiceState, route: str, segments: list[Segment], cond: 
                 sample_rate: int | None = None, timings: bool = False) -> LongGeneration:
     """A long-form generation whose first encoded bytes have arrived."""
     if lora_name is not None:
-        await sync_adapters(state)
+        await sync_adapters(state, lora_name)
     speech = LongFormSpeech(state, route, iterate(segments), cond, params, options, lora_name, design, normalize,
                             speed)
     gen = LongGeneration(speech, fmt, sse, sample_rate, timings)

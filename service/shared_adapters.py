@@ -5,7 +5,8 @@ The rule: before a replica answers anything that involves adapters (POST/GET/DEL
 `lora_name`, the OpenAI routes' `model`, /v1/models), it reads the hash and brings its own workers in line: an
 adapter registered elsewhere is fetched (into this replica's cache dir, digest checked) and registered, one
 unregistered elsewhere is unregistered here. So a registration or a removal on any replica is served by every
-replica from its next such request. Each replica's own registrations (`LoRARegistrations`, local paths) still replay
+replica from its next such request (a download longer than FETCH_WAIT_S goes on in the background, waited for only by
+a request that names its adapter). Each replica's own registrations (`LoRARegistrations`, local paths) still replay
 the adapters to its restarted workers. Redis unreachable: those requests get 503 naming the store, like voices.
 """
 
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RETRY_S = 30  # an adapter registered elsewhere that this replica could not fetch or load: tried again after this
+# how long a sync waits for an adapter's download under its locks (a copy on disk, a path: at once); a longer one
+# goes on in the background, waited for, without the locks, only by a request that names that adapter
+FETCH_WAIT_S = 2.0
 
 
 class SharedAdapters:
@@ -41,6 +45,7 @@ class SharedAdapters:
         self.sources: dict[str, dict] = {}  # name -> the registration this process's workers hold
         # name -> (a registration this process could not take, when to try it again): not every request re-fetches
         self.failed: dict[str, tuple[dict, float]] = {}
+        self.downloads: dict[tuple[str, str | None], asyncio.Task[Path]] = {}  # (uri, sha256) -> its fetch
 
     async def registered(self) -> dict[str, dict]:
         raw = await self.store.call("adapters", self.store.redis.hgetall(self.key))
@@ -71,17 +76,24 @@ class SharedAdapters:
         self.sources.pop(name, None)
         return bool(await self.store.call("adapters", self.store.redis.hdel(self.key, name)))
 
-    async def sync(self, state: ServiceState) -> None:
-        """This replica's workers hold exactly the shared registrations (VoiceStoreUnavailable when unreachable)."""
+    async def sync(self, state: ServiceState, wanted: str | None = None) -> None:
+        """This replica's workers hold the shared registrations (VoiceStoreUnavailable when unreachable), but those
+        still downloading: the sync waits for the one its request names (`wanted`), without the locks, and for no
+        other (a slow source held every request involving adapters for as long as it took)."""
         if not state.loaded or not state.model.max_loras:
             return
-        async with self.lock:
-            shared = await self.registered()
-            self.failed = {n: f for n, f in self.failed.items() if n in shared}
-            if self.in_line(shared, state.pool.client.loras):
+        while True:
+            async with self.lock:
+                shared = await self.registered()
+                self.failed = {n: f for n, f in self.failed.items() if n in shared}
+                if self.in_line(shared, state.pool.client.loras):
+                    return
+                async with state.adapter_changes():  # alone over the API processes, as POST and DELETE /loras are
+                    downloading = await self._reconcile(state, shared)
+            pending = downloading.get(wanted) if wanted is not None else None
+            if pending is None:
                 return
-            async with state.adapter_changes():  # alone over the API processes, as POST and DELETE /loras are
-                await self._reconcile(state, shared)
+            await asyncio.wait({pending})  # then taken (or refused) by the next round
 
     def in_line(self, shared: dict[str, dict], local: MutableMapping[str, str]) -> bool:
         """Whether this process's workers hold what is shared (or wait to try an adapter again)."""
@@ -93,7 +105,9 @@ class SharedAdapters:
         return (name in local and self.sources.get(name) == source) or (
             failed is not None and failed[0] == source and time.monotonic() < failed[1])
 
-    async def _reconcile(self, state: ServiceState, shared: dict[str, dict]) -> None:
+    async def _reconcile(self, state: ServiceState, shared: dict[str, dict]) -> dict[str, asyncio.Task[Path]]:
+        """Bring the workers in line; the registrations whose downloads go on, by name."""
+        downloading: dict[str, asyncio.Task[Path]] = {}
         local = state.pool.client.loras
         for name in [n for n in local if n not in shared]:
             self.sources.pop(name, None)
@@ -108,9 +122,18 @@ class SharedAdapters:
             path: Path | None = None
             fetch_error: AdapterSourceError | None = None
             if refusal is None:
+                key = (source["uri"], source["sha256"])
+                if key not in self.downloads:
+                    self.downloads[key] = asyncio.ensure_future(fetch_in_background(
+                        source["uri"], s.cache_path, source["sha256"], source_endpoints(s), fetch_limits(s)))
+                download = self.downloads[key]
+                await asyncio.wait({download}, timeout=FETCH_WAIT_S)
+                if not download.done():  # the name's adapter as it was until the download lands
+                    downloading[name] = download
+                    continue
+                del self.downloads[key]
                 try:
-                    path = await fetch_in_background(source["uri"], s.cache_path, source["sha256"],
-                                                     source_endpoints(s), fetch_limits(s))
+                    path = download.result()
                 except AdapterSourceError as e:
                     fetch_error = e
             if path is not None and local.get(name) == str(path) and name not in self.sources:  # registered from it
@@ -140,9 +163,11 @@ class SharedAdapters:
             self.failed.pop(name, None)
             self.sources[name] = source
             log.info("adapter %s registered (from another replica)", name)
+        return downloading
 
 
-async def sync_adapters(state: ServiceState) -> None:
-    """Bring this replica's adapters in line with the shared registrations, where there are any."""
+async def sync_adapters(state: ServiceState, wanted: str | None = None) -> None:
+    """Bring this replica's adapters in line with the shared registrations, where there are any; `wanted`: the
+    adapter the request names (its download, if one goes on, is waited for)."""
     if state.shared_adapters is not None:
-        await state.shared_adapters.sync(state)
+        await state.shared_adapters.sync(state, wanted)

@@ -82,7 +82,7 @@ async def start(state: ServiceState, route: str, text: str, cond: Conditioning, 
     if normalize:  # in the normalisation process: the first call loads the grammars (about 1.5 s)
         text = await state.normalizer(normalize_target, text)
     if lora_name is not None:
-        await sync_adapters(state)  # an adapter registered on another replica: taken here first
+        await sync_adapters(state, lora_name)  # an adapter registered on another replica: taken here first
     encoder = make_encoder(fmt, state.sample_rate, s.mp3_bitrate_kbps, s.mp3_quality, sse, speed, sample_rate)
     request = SynthesisRequest(text, cond.prompt_text, cond.prompt_latents, None, cond.ref_latents, params, lora_name)
     stream = state.pool.submit(request, encoder)

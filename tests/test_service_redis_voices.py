@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -21,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from engine.io.checkpoint import load_model
-from engine.io.lora import LoRAConfig, random_adapter
+from engine.io.lora import LoRAConfig, random_adapter, sha256_of
 from service.redis_store import RedisVoiceStore
 from service.settings import Settings, describe_error
 from service.voice_store import Voice, VoiceStoreUnavailable
@@ -55,16 +57,58 @@ def adapter(checkpoint, tmp_path_factory) -> Path:
         enable_lm=True, enable_dit=True, enable_proj=True, r=4, alpha=8), seed=7)
 
 
-def start_replica(checkpoint, cache_dir, server: RedisServer, adapter: Path) -> LiveServer:
+class AdapterServer:
+    """A real HTTP server of the adapter's files; with `trickle` set it sends them a byte at a time until `release`."""
+
+    def __init__(self, adapter: Path) -> None:
+        self.trickle, self.release = threading.Event(), threading.Event()
+        outer = self
+
+        class Files(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                file = adapter / self.path.rsplit("/", 1)[-1]
+                if not file.is_file():
+                    self.send_error(404)
+                    return
+                body = file.read_bytes()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                sent = 0
+                while outer.trickle.is_set() and not outer.release.wait(0.2) and sent < len(body):
+                    self.wfile.write(body[sent:sent + 1])
+                    self.wfile.flush()
+                    sent += 1
+                self.wfile.write(body[sent:])
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Files)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+@pytest.fixture(scope="module")
+def adapter_server(adapter):
+    files = AdapterServer(adapter)
+    yield files
+    files.release.set()
+    files.server.shutdown()
+
+
+def start_replica(checkpoint, cache_dir, server: RedisServer, adapter: Path, adapter_url: str) -> LiveServer:
     settings = service_settings(checkpoint, cache_dir, redis_url=server.url, voice_cache_max_entries=MAX_ENTRIES,
-                                warmup=False, max_loras=2, max_lora_rank=8, lora_dir=adapter.parent)
+                                warmup=False, max_loras=2, max_lora_rank=8, lora_dir=adapter.parent,
+                                lora_url_prefixes=f"{adapter_url}/")
     return LiveServer(settings).start()
 
 
 @pytest.fixture(scope="module")
-def replicas(checkpoint, server, adapter, tmp_path_factory):
+def replicas(checkpoint, server, adapter, adapter_server, tmp_path_factory):
     """Two replicas: separate processes' worth of state (own engine, own cache dir), one Redis."""
-    pair = [start_replica(checkpoint, tmp_path_factory.mktemp(f"replica-{n}"), server, adapter) for n in "ab"]
+    pair = [start_replica(checkpoint, tmp_path_factory.mktemp(f"replica-{n}"), server, adapter, adapter_server.url)
+            for n in "ab"]
     yield pair
     for r in pair:
         r.stop()
@@ -278,6 +322,27 @@ def test_adapter_registered_on_one_replica_is_served_by_the_other(clients, adapt
     assert a.delete("/loras/shared").status_code == 404
 
 
+def test_a_slow_download_of_a_shared_adapter_holds_no_other_request(clients, adapter, adapter_server):
+    """A replica takes another's registration from its source: a slow download held the sync, and with it every
+    request of that replica involving adapters, for as long as it took. Now only a request naming that adapter waits
+    for it (and is served); the others answer meanwhile without it."""
+    a, b = clients
+    digest = sha256_of(adapter / "lora_weights.safetensors")
+    url = f"{adapter_server.url}/slow/lora_weights.safetensors"
+    r = a.post("/loras", json={"lora_name": "slow", "lora_uri": url, "sha256": digest})  # A's copy comes at once
+    assert r.status_code == 200, r.text
+    adapter_server.trickle.set()
+    try:
+        listed = b.get("/loras", timeout=10)  # B's copy trickles in meanwhile
+        assert listed.status_code == 200 and "slow" not in [d["name"] for d in listed.json()["loras"]]
+        assert b.post("/generate_blocking", json=GEN, timeout=10).status_code == 200
+    finally:
+        adapter_server.release.set()
+        adapter_server.trickle.clear()
+    assert pcm(b, lora_name="slow") == pcm(a, lora_name="slow")  # waited for its download, then served
+    adapter_server.release.clear()
+
+
 def test_a_second_api_process_takes_its_replicas_registration_as_it_is(replicas, clients, adapter, caplog):
     """Two API processes of one replica (one engine, one registrations table): an adapter registered through the first
     is taken as it is by the second's sync (it unregistered and registered it again on the shared workers, where a
@@ -387,7 +452,7 @@ def test_the_shared_registration_is_first_come(server):
 
 
 def test_voices_survive_restarting_every_replica_and_the_server(clients, replicas, server, checkpoint, adapter,
-                                                                tmp_path_factory):
+                                                                adapter_server, tmp_path_factory):
     a, b = clients
     hid = a.post("/add_hifi", json={"wav_base64": clip(5), "prompt_text": "Five."}).json()["hifi_id"]
     expected = pcm(b, hifi_id=hid)
@@ -396,7 +461,7 @@ def test_voices_survive_restarting_every_replica_and_the_server(clients, replica
         r.stop()
     server.stop()  # its append-only file keeps the voices
     server.start()
-    again = start_replica(checkpoint, tmp_path_factory.mktemp("replica-c"), server, adapter)
+    again = start_replica(checkpoint, tmp_path_factory.mktemp("replica-c"), server, adapter, adapter_server.url)
     try:
         with httpx.Client(verify=TLS, base_url=again.url, timeout=60) as c:
             assert {k: listed(c, k) for k in before} == before

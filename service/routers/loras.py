@@ -33,7 +33,8 @@ async def register_lora(req: RegisterLoRARequest, state: LoadedState) -> LoRAInf
     refusal = local_refusal(s.lora_dir, req.lora_uri)
     if refusal is not None:
         raise HTTPException(400, f"lora_uri: {refusal}")
-    await sync_adapters(state)  # the store answers before anything changes (and before a download it would refuse)
+    # the store answers before anything changes (and before a download it would refuse)
+    await sync_adapters(state, req.lora_name)
     shared = state.shared_adapters
     if shared is not None and shared.holds_other(req.lora_name, req.lora_uri, req.sha256):
         raise registered_already(req.lora_name)  # taken by the sync (not the engine's 400 of a name it holds)

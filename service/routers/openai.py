@@ -26,9 +26,10 @@ OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-mini-tts-2
                       "gpt-4o-mini-tts-2025-12-15")
 
 
-async def adapter_ids(state: ServiceState) -> list[str]:
-    """The runtime LoRA adapters, each a model id of its own."""
-    await sync_adapters(state)
+async def adapter_ids(state: ServiceState, wanted: str | None = None) -> list[str]:
+    """The runtime LoRA adapters, each a model id of its own (`wanted`: the one a request names, waited for while
+    it downloads)."""
+    await sync_adapters(state, wanted)
     try:
         return [a.name for a in await state.runtime_adapters()]
     except PoolError as e:
@@ -56,7 +57,7 @@ async def speech(req: SpeechRequest, request: Request, state: LoadedState) -> Re
     """mp3 and pcm stream as they are generated; wav, flac and opus are sent whole."""
     lora_name = None
     if req.model not in model_ids(state):
-        if req.model not in await adapter_ids(state):
+        if req.model not in await adapter_ids(state, req.model):
             raise HTTPException(404, f"model: unknown model {req.model!r}; GET /v1/models lists them")
         lora_name = req.model  # a runtime LoRA adapter of our model
     cond = await _voice(state, req.voice)
@@ -108,6 +109,6 @@ async def models(state: State) -> ModelList:
 
 @router.get("/models/{model}", response_model=ModelCard)
 async def model(model: str, state: State) -> ModelCard:
-    if model not in model_ids(state) and model not in await adapter_ids(state):
+    if model not in model_ids(state) and model not in await adapter_ids(state, model):
         raise HTTPException(404, f"model: unknown model {model!r}; GET /v1/models lists them")
     return ModelCard(id=model)

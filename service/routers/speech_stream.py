@@ -177,10 +177,10 @@ class LiveSession:
         try:
             lora_name = None
             if config.model not in model_ids(self.state):
-                if config.model not in await adapter_ids(self.state):
+                if config.model not in await adapter_ids(self.state, config.model):
                     raise HTTPException(404, f"model: unknown model {config.model!r}; GET /v1/models lists them")
                 lora_name = config.model
-                await sync_adapters(self.state)
+                await sync_adapters(self.state, lora_name)
             cond = await _voice(self.state, config.voice)
             design = design_of(config.instructions)
             if design:  # with the voice, the description (the first segment carries it) must leave a text room
