@@ -212,6 +212,24 @@ def test_fetches_of_one_adapter_at_once_each_get_the_whole_file(adapter, tmp_pat
     assert not list(results[0].glob("*.part"))  # no writer's temporary file is left behind
 
 
+def trickle_server(release: threading.Event, every_s: float = 0.2) -> tuple[ThreadingHTTPServer, str]:
+    """A real HTTP server that promises a MiB and sends a byte every `every_s` until `release` is set."""
+
+    class Trickle(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(1 << 20))
+            self.end_headers()
+            while not release.wait(every_s):
+                self.wfile.write(b"\0")
+                self.wfile.flush()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    return serve(Trickle)
+
+
 def test_a_callers_download_stays_within_its_limits(adapter, tmp_path):
     """What an API caller names is fetched only from under NANOVLLM_LORA_URL_PREFIXES (a look-alike host or a redirect
     out of them is refused: POST /loras fetched 127.0.0.1, a redirect to it, 169.254.169.254), at most
@@ -274,20 +292,7 @@ def test_a_refused_download_leaves_nothing_and_a_trickle_meets_its_deadline(adap
     server, url = serve(type("Whole", (BaseHTTPRequestHandler,), {
         "do_GET": lambda self: _answer(self, body), "log_message": lambda self, *a: None}))
     release = threading.Event()
-
-    class Trickle(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Length", str(1 << 20))
-            self.end_headers()
-            while not release.wait(0.2):
-                self.wfile.write(b"\0")
-                self.wfile.flush()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    trickle, trickle_url = serve(Trickle)
+    trickle, trickle_url = trickle_server(release)
     try:
         for wrong in ("0" * 64, "1" * 64, "2" * 64):
             with pytest.raises(AdapterSourceError, match="has SHA-256"):
@@ -326,20 +331,7 @@ def test_slow_adapter_downloads_hold_none_of_the_other_routes(checkpoint_factory
     import os
 
     release = threading.Event()
-
-    class Trickle(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Length", str(1 << 20))
-            self.end_headers()
-            while not release.wait(0.5):  # a byte at a time, for as long as the test lasts
-                self.wfile.write(b"\0")
-                self.wfile.flush()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    trickle, url = serve(Trickle)
+    trickle, url = trickle_server(release, every_s=0.5)
     settings = service_settings(checkpoint_factory("tiny-voxcpm2", stop="never"), tmp_path / "cache", max_loras=1,
                                 max_lora_rank=8, lora_url_prefixes=f"{url}/")
     server = LiveServer(settings).start()
