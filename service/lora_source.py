@@ -20,6 +20,7 @@ at most NANOVLLM_LORA_MAX_BYTES within NANOVLLM_LORA_FETCH_TIMEOUT_S, on threads
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import functools
 import hashlib
 import logging
@@ -44,6 +45,8 @@ MAX_REDIRECTS = 5
 # downloads wait on one another here, never on the threads the event loop lends its other blocking calls (the voice
 # store's, /info's): six slow adapter servers held all of those
 _FETCHES = ThreadPoolExecutor(2, thread_name_prefix="voxcpm-adapter-fetch")
+# other replicas' registrations, downloaded in the background: their slow sources never hold a caller's fetch
+_BACKGROUND_FETCHES = ThreadPoolExecutor(2, thread_name_prefix="voxcpm-adapter-sync")
 
 
 class AdapterSourceError(ValueError):
@@ -277,10 +280,10 @@ def _remote(uri: str, endpoints: Endpoints, limits: FetchLimits) -> tuple[list[s
 
 
 async def fetch_in_background(uri: str, cache_dir: Path, sha256: str | None, endpoints: Endpoints,
-                              limits: FetchLimits) -> Path:
-    """`fetch_adapter` on the downloads' own threads."""
+                              limits: FetchLimits, background: bool = False) -> Path:
+    """`fetch_adapter` on the downloads' own threads (`background`: those of other replicas' registrations)."""
     call = functools.partial(fetch_adapter, uri, cache_dir, sha256, endpoints, limits)
-    return await asyncio.get_running_loop().run_in_executor(_FETCHES, call)
+    return await asyncio.get_running_loop().run_in_executor(_BACKGROUND_FETCHES if background else _FETCHES, call)
 
 
 def fetch_adapter(uri: str, cache_dir: Path, sha256: str | None = None, endpoints: Endpoints | None = None,
@@ -304,19 +307,25 @@ def fetch_adapter(uri: str, cache_dir: Path, sha256: str | None = None, endpoint
         # which the leases and API processes holding the old registration go on reading.
         key = uri if not sha256 else f"{uri}\nsha256={sha256.lower()}"
         local = cache_dir / "lora" / hashlib.sha256(key.encode()).hexdigest()[:16]
-        local.mkdir(parents=True, exist_ok=True)
-        file = next((local / n for n in names if (local / n).exists()), None)
-        if file is not None and sha256 and sha256_of(file) != sha256.lower():
-            file.unlink()  # a stale or damaged copy: fetch it again
-            file = None
-        if file is None:
-            log.info("downloading the LoRA adapter %r", uri)  # as a literal: a caller's URI may hold line breaks
-            try:
-                file = _download(names, fetch, local, limits)
-                _check_digest(file, sha256)
-            except AdapterSourceError:  # refused (a limit, the digest): nothing of it stays on disk
-                shutil.rmtree(local, ignore_errors=True)
-                raise
+        local.parent.mkdir(parents=True, exist_ok=True)
+        # one download of a copy at a time over the processes sharing the cache (each API process of a replica
+        # syncing took its own): the others wait here, then find it
+        with open(local.with_name(local.name + ".lock"), "w") as claim:
+            fcntl.flock(claim, fcntl.LOCK_EX)
+            local.mkdir(exist_ok=True)
+            file = next((local / n for n in names if (local / n).exists()), None)
+            if file is not None and sha256 and sha256_of(file) != sha256.lower():
+                file.unlink()  # a stale or damaged copy: fetch it again
+                file = None
+            if file is None:
+                log.info("downloading the LoRA adapter %r", uri)  # as a literal: a caller's URI may hold line breaks
+                try:
+                    file = _download(names, fetch, local, limits)
+                    _check_digest(file, sha256)
+                except AdapterSourceError:  # refused (a limit, the digest): nothing of it stays on disk
+                    shutil.rmtree(local, ignore_errors=True)
+                    Path(claim.name).unlink(missing_ok=True)
+                    raise
     return local if local.is_dir() else file
 
 

@@ -52,16 +52,18 @@ class NormalizeProcess:
                     self._kill()  # not `close`: its wait for the executor would stall this event loop
                     return await self._call(fn, text)
             except asyncio.TimeoutError:
-                log.warning("the normalisation process gave no answer in %g s: killed; %d characters spoken as "
-                            "written", self.timeout_s, len(text))
+                log.warning("the normalisation process gave no answer in time (%g s a call, %g s to start): killed; "
+                            "%d characters spoken as written", self.timeout_s, START_S, len(text))
                 self._kill()
                 return text
 
     async def _call(self, fn: Callable[[str], str], text: str) -> str:
-        call = asyncio.get_running_loop().run_in_executor(self._executor(), fn, text)
-        out = await asyncio.wait_for(call, self.timeout_s + (START_S if self._fresh else 0.0))
-        self._fresh = False
-        return out
+        loop = asyncio.get_running_loop()
+        if self._fresh:  # a new child answers a call of its own first, within START_S (its spawn, the grammars' load):
+            # a real call given that time held every call behind it that long when its text wedged the child
+            await asyncio.wait_for(loop.run_in_executor(self._executor(), load), START_S)
+            self._fresh = False
+        return await asyncio.wait_for(loop.run_in_executor(self._executor(), fn, text), self.timeout_s)
 
     def _kill(self) -> None:
         """Kill the child (a wedged one would never take its next call) and forget it: the next call starts one."""

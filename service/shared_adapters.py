@@ -82,32 +82,40 @@ class SharedAdapters:
         other (a slow source held every request involving adapters for as long as it took)."""
         if not state.loaded or not state.model.max_loras:
             return
+        waited: asyncio.Task | None = None
         while True:
             async with self.lock:
                 shared = await self.registered()
                 self.failed = {n: f for n, f in self.failed.items() if n in shared}
-                if self.in_line(shared, state.pool.client.loras):
-                    return
-                async with state.adapter_changes():  # alone over the API processes, as POST and DELETE /loras are
-                    downloading = await self._reconcile(state, shared)
-            pending = downloading.get(wanted) if wanted is not None else None
-            if pending is None:
+                current = {(s["uri"], s["sha256"]) for s in shared.values()}
+                for key in [k for k in self.downloads if k not in current]:  # no longer registered: forgotten
+                    del self.downloads[key]
+                if not self.in_line(shared, state.pool.client.loras):
+                    async with state.adapter_changes():  # alone over the API processes, as POST and DELETE /loras
+                        await self._reconcile(state, shared)
+                source = shared.get(wanted) if wanted is not None else None
+                pending = self.downloads.get((source["uri"], source["sha256"])) if source is not None else None
+            if pending is None or (pending.done() and pending is waited):  # taken by this round, or not to be
                 return
-            await asyncio.wait({pending})  # then taken (or refused) by the next round
+            await asyncio.wait({pending})  # then taken (or refused) by the next round, which forgets it
+            waited = pending
 
     def in_line(self, shared: dict[str, dict], local: MutableMapping[str, str]) -> bool:
-        """Whether this process's workers hold what is shared (or wait to try an adapter again)."""
+        """Whether this process's workers hold what is shared (or wait to try an adapter again, or for its download:
+        each sync waited on a download under the locks again)."""
         return all(n in shared for n in local) and all(self._settled(n, src, local) for n, src in shared.items())
 
     def _settled(self, name: str, source: dict, local: MutableMapping[str, str]) -> bool:
-        """The shared registration `name` is held from `source`, or was refused here and waits to be tried again."""
+        """The shared registration `name` is held from `source`, or was refused here and waits to be tried again, or
+        its download goes on."""
         failed = self.failed.get(name)
+        download = self.downloads.get((source["uri"], source["sha256"]))
         return (name in local and self.sources.get(name) == source) or (
-            failed is not None and failed[0] == source and time.monotonic() < failed[1])
+            failed is not None and failed[0] == source and time.monotonic() < failed[1]) or (
+            download is not None and not download.done())
 
-    async def _reconcile(self, state: ServiceState, shared: dict[str, dict]) -> dict[str, asyncio.Task[Path]]:
-        """Bring the workers in line; the registrations whose downloads go on, by name."""
-        downloading: dict[str, asyncio.Task[Path]] = {}
+    async def _reconcile(self, state: ServiceState, shared: dict[str, dict]) -> None:
+        """Bring the workers in line, but for the registrations whose downloads go on."""
         local = state.pool.client.loras
         for name in [n for n in local if n not in shared]:
             self.sources.pop(name, None)
@@ -123,13 +131,14 @@ class SharedAdapters:
             fetch_error: AdapterSourceError | None = None
             if refusal is None:
                 key = (source["uri"], source["sha256"])
-                if key not in self.downloads:
-                    self.downloads[key] = asyncio.ensure_future(fetch_in_background(
-                        source["uri"], s.cache_path, source["sha256"], source_endpoints(s), fetch_limits(s)))
-                download = self.downloads[key]
-                await asyncio.wait({download}, timeout=FETCH_WAIT_S)
+                download = self.downloads.get(key)
+                if download is None:  # started here: waited for a moment (a copy on disk, a path: at once)
+                    download = self.downloads[key] = asyncio.ensure_future(fetch_in_background(
+                        source["uri"], s.cache_path, source["sha256"], source_endpoints(s), fetch_limits(s),
+                        background=True))
+                    download.add_done_callback(_retrieved)
+                    await asyncio.wait({download}, timeout=FETCH_WAIT_S)
                 if not download.done():  # the name's adapter as it was until the download lands
-                    downloading[name] = download
                     continue
                 del self.downloads[key]
                 try:
@@ -163,7 +172,12 @@ class SharedAdapters:
             self.failed.pop(name, None)
             self.sources[name] = source
             log.info("adapter %s registered (from another replica)", name)
-        return downloading
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    """A download's outcome is read where it is taken; one forgotten (its registration gone) is read here."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def sync_adapters(state: ServiceState, wanted: str | None = None) -> None:

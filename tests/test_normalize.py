@@ -339,3 +339,37 @@ def test_calls_queued_behind_others_are_not_timed_out():
     finally:
         normalizer.close()
     assert spoken == [f"I have {w} apples." for w in ("two", "three", "four", "five", "six", "seven")]
+
+
+def _wedging_normalize(text: str) -> str:
+    """`normalize`, but a text "wedge" never comes back (in the normalisation child)."""
+    import time
+
+    if text == "wedge":
+        time.sleep(600)
+    return normalize(text)
+
+
+def test_a_text_that_wedges_a_new_child_holds_it_only_a_calls_deadline():
+    """A new child's start-up has its own allowance (a call of its own): a wedging text sent again after a kill held
+    the new child, and every call behind it, for the start-up allowance too (130 s, not 10)."""
+    import asyncio
+    import time
+
+    from service.normalize_process import NormalizeProcess
+
+    normalizer = NormalizeProcess(timeout_s=1.0)
+
+    async def calls() -> tuple[str, float, str]:
+        await normalizer(_wedging_normalize, "warm 1")
+        assert await normalizer(_wedging_normalize, "wedge") == "wedge"  # killed after its second
+        started = time.monotonic()
+        again = await normalizer(_wedging_normalize, "wedge")  # a new child: its start, then the call's second
+        return again, time.monotonic() - started, await normalizer(_wedging_normalize, "I have 3 apples.")
+
+    try:
+        again, took, after = asyncio.run(calls())
+    finally:
+        normalizer.close()
+    assert again == "wedge" and took < 30, took
+    assert after == "I have three apples."

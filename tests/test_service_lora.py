@@ -143,12 +143,14 @@ def serve(handler: type[BaseHTTPRequestHandler]):
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
-def changing_weights_server(content: list[bytes]) -> tuple[ThreadingHTTPServer, str]:
+def changing_weights_server(content: list[bytes], gets: list[str] | None = None) -> tuple[ThreadingHTTPServer, str]:
     """A real HTTP server whose weights file is content[0] (replaced by the test), sent in slow pieces so that fetches
-    at once overlap; no lora_config.json beside it."""
+    at once overlap; no lora_config.json beside it. `gets`: the paths asked, in order."""
 
     class Weights(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            if gets is not None:
+                gets.append(self.path)
             if not self.path.endswith(".safetensors"):
                 self.send_error(404)
                 return
@@ -187,10 +189,12 @@ def test_a_uri_fetched_again_with_a_new_digest_leaves_the_old_copy_as_it_was(ada
 
 def test_fetches_of_one_adapter_at_once_each_get_the_whole_file(adapter, tmp_path):
     """The API processes of a replica fetch a registration of another replica at once, into one cache: each wrote
-    into one shared part file (interleaved bytes, or a rename of a part another had renamed already)."""
+    into one shared part file (interleaved bytes, or a rename of a part another had renamed already). One of them
+    downloads it, the others wait and find it (each took its own download from the source)."""
     body = (adapter / "lora_weights.safetensors").read_bytes()
     digest = hashlib.sha256(body).hexdigest()
-    server, url = changing_weights_server([body])
+    gets: list[str] = []
+    server, url = changing_weights_server([body], gets)
     results: list[object] = [None] * 6
 
     def fetch(i: int) -> None:
@@ -210,6 +214,7 @@ def test_fetches_of_one_adapter_at_once_each_get_the_whole_file(adapter, tmp_pat
     assert all(isinstance(r, Path) for r in results), results
     assert sha256_of(results[0] / "lora_weights.safetensors") == digest
     assert not list(results[0].glob("*.part"))  # no writer's temporary file is left behind
+    assert sum(p.endswith(".safetensors") for p in gets) == 1, gets
 
 
 def trickle_server(release: threading.Event, every_s: float = 0.2) -> tuple[ThreadingHTTPServer, str]:

@@ -327,6 +327,8 @@ def test_a_slow_download_of_a_shared_adapter_holds_no_other_request(clients, ada
     request of that replica involving adapters, for as long as it took. Now only a request naming that adapter waits
     for it (and is served); the others answer meanwhile without it."""
     a, b = clients
+    assert a.post("/loras", json={"lora_name": "held", "lora_uri": f"file://{adapter}"}).status_code == 200
+    assert pcm(b, lora_name="held")  # B holds it
     digest = sha256_of(adapter / "lora_weights.safetensors")
     url = f"{adapter_server.url}/slow/lora_weights.safetensors"
     r = a.post("/loras", json={"lora_name": "slow", "lora_uri": url, "sha256": digest})  # A's copy comes at once
@@ -335,7 +337,16 @@ def test_a_slow_download_of_a_shared_adapter_holds_no_other_request(clients, ada
     try:
         listed = b.get("/loras", timeout=10)  # B's copy trickles in meanwhile
         assert listed.status_code == 200 and "slow" not in [d["name"] for d in listed.json()["loras"]]
-        assert b.post("/generate_blocking", json=GEN, timeout=10).status_code == 200
+
+        def held(_: int) -> float:  # requests naming an adapter B holds: none waits on the download (each waited
+            started = time.monotonic()  # on it again under the locks, one after another)
+            r = b.post("/generate_blocking", json={**GEN, "lora_name": "held"}, timeout=30)
+            assert r.status_code == 200, r.text
+            return time.monotonic() - started
+
+        with ThreadPoolExecutor(4) as pool:
+            took = list(pool.map(held, range(4)))
+        assert max(took) < 6, took
     finally:
         adapter_server.release.set()
         adapter_server.trickle.clear()
