@@ -83,7 +83,8 @@ class AddHifiResponse(AudioFacts):
 
 class VoiceInfo(BaseModel):
     id: str
-    kind: Literal["prompt", "reference", "hifi", "zero-shot"]  # zero-shot: /v1's "default" voice
+    kind: Literal["prompt", "reference", "hifi", "zero-shot", "alias"]  # zero-shot: /v1's "default" voice
+    alias_of: str | None = Field(None, description="The voice an alias names (NANOVLLM_VOICE_ALIASES; /v1 only).")
     prompt_text: str = ""
     prompt_frames: int = Field(0, description="Latent frames of the continuation prompt.")
     ref_frames: int = Field(0, description="Latent frames of the reference.")

@@ -221,6 +221,8 @@ def test_voice_aliases_name_this_services_voices(client):
                                           extra_body=EXTRA).content
 
     assert speech("alloy") == speech("default")
+    listed = client.get("/audio/voices", cast_to=object)["voices"]  # listed for clients that enumerate voices
+    assert {"id": "alloy", "kind": "alias", "alias_of": "default"}.items() <= listed[1].items(), listed[:2]
     with pytest.raises(openai.BadRequestError, match="voice: unknown voice 'nova'"):
         speech("nova")
     from pydantic import ValidationError

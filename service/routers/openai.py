@@ -96,10 +96,12 @@ async def speech(req: SpeechRequest, request: Request, state: LoadedState) -> Re
 
 @router.get("/audio/voices", response_model=VoiceList)
 async def voices(state: State) -> VoiceList:
-    """'default' (zero-shot) and every cached voice usable as `voice`."""
+    """'default' (zero-shot), the names NANOVLLM_VOICE_ALIASES gives, and every cached voice usable as `voice`."""
     default = {"id": "default", "kind": "zero-shot", "nbytes": 0, "created": 0.0}
+    aliases = [{"id": name, "kind": "alias", "alias_of": voice, "nbytes": 0, "created": 0.0}
+               for name, voice in state.settings.voice_alias_map().items()]
     cached = [voice_info(state, v) for v in await state.store.list()] if state.loaded else []
-    return VoiceList(voices=[default, *cached])
+    return VoiceList(voices=[default, *aliases, *cached])
 
 
 @router.get("/models", response_model=ModelList)
