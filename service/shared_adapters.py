@@ -87,14 +87,14 @@ class SharedAdapters:
             async with self.lock:
                 shared = await self.registered()
                 self.failed = {n: f for n, f in self.failed.items() if n in shared}
-                current = {(s["uri"], s["sha256"]) for s in shared.values()}
+                current = {_download_key(s) for s in shared.values()}
                 for key in [k for k in self.downloads if k not in current]:  # no longer registered: forgotten
                     del self.downloads[key]
                 if not self.in_line(shared, state.pool.client.loras):
                     async with state.adapter_changes():  # alone over the API processes, as POST and DELETE /loras
                         await self._reconcile(state, shared)
                 source = shared.get(wanted) if wanted is not None else None
-                pending = self.downloads.get((source["uri"], source["sha256"])) if source is not None else None
+                pending = self.downloads.get(_download_key(source)) if source is not None else None
             if pending is None or (pending.done() and pending is waited):  # taken by this round, or not to be
                 return
             await asyncio.wait({pending})  # then taken (or refused) by the next round, which forgets it
@@ -109,7 +109,7 @@ class SharedAdapters:
         """The shared registration `name` is held from `source`, or was refused here and waits to be tried again, or
         its download goes on."""
         failed = self.failed.get(name)
-        download = self.downloads.get((source["uri"], source["sha256"]))
+        download = self.downloads.get(_download_key(source))
         return (name in local and self.sources.get(name) == source) or (
             failed is not None and failed[0] == source and time.monotonic() < failed[1]) or (
             download is not None and not download.done())
@@ -130,7 +130,7 @@ class SharedAdapters:
             path: Path | None = None
             fetch_error: AdapterSourceError | None = None
             if refusal is None:
-                key = (source["uri"], source["sha256"])
+                key = _download_key(source)
                 download = self.downloads.get(key)
                 if download is None:  # started here: waited for a moment (a copy on disk, a path: at once)
                     download = self.downloads[key] = asyncio.ensure_future(fetch_in_background(
@@ -172,6 +172,11 @@ class SharedAdapters:
             self.failed.pop(name, None)
             self.sources[name] = source
             log.info("adapter %s registered (from another replica)", name)
+
+
+def _download_key(source: dict) -> tuple[str, str | None]:
+    """A registration's download, by what it fetches (its URI and digest)."""
+    return source["uri"], source["sha256"]
 
 
 def _retrieved(task: asyncio.Task) -> None:
